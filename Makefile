@@ -1,0 +1,45 @@
+# One venv in .venv; every target installs what it needs first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-all bench bench-full bench-mpi proto clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(wildcard cext/*.pyx cext/*.pxd cext/*.h)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# The embedded default: digits -> LMDB -> train LeNet -> test accuracy
+demo: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/digits/run.sh
+
+test: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
+
+# Includes the slow end-to-end runs
+test-all: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m ''
+
+bench: install
+	$(PY) -m pip install -q torch==2.13.0
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_alexnet.py
+
+bench-full: install
+	$(PY) -m pip install -q torch==2.13.0
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_alexnet.py --full
+
+bench-mpi: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_mpi.py
+
+# Regenerate caffepy/proto/caffe_pb2.py after editing caffe.proto
+proto:
+	$(PY) -m pip install -q grpcio-tools
+	$(PY) -m grpc_tools.protoc -Icaffepy/proto --python_out=caffepy/proto caffepy/proto/caffe.proto
+
+clean:
+	rm -rf build *.egg-info caffepy/kernels/*.so cext/*.c

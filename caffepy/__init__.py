@@ -1,0 +1,35 @@
+"""caffepy: Caffe's command line and pycaffe API on a compiled CPU engine.
+
+    import caffepy as caffe
+    caffe.set_mode_cpu()
+    net = caffe.Net("deploy.prototxt", "weights.caffemodel", caffe.TEST)
+    out = net.forward(data=images)
+"""
+from . import proto  # noqa: F401  (caffe.proto.caffe_pb2, as in pycaffe)
+from .net import TEST, TRAIN, Net
+from .layer import LAYERS, Layer
+from . import io, rng  # noqa: F401
+
+__version__ = "0.1.0"
+
+
+def set_mode_cpu():
+    """caffepy always runs on the CPU."""
+
+
+def set_mode_gpu():
+    """Accepted for pycaffe scripts; caffepy runs on the CPU."""
+    from . import log
+    log.info("caffepy runs on the CPU; set_mode_gpu() has no effect")
+
+
+def set_device(device_id):
+    """Accepted for pycaffe scripts; there is one CPU device."""
+
+
+def set_random_seed(seed):
+    rng.seed(seed)
+
+
+def layer_type_list():
+    return sorted(LAYERS)

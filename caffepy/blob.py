@@ -1,0 +1,104 @@
+"""Blob: an N-d float32 array of data and a gradient (`diff`) of the same shape.
+
+Reshaping to a smaller or equal count reuses the buffers (as Caffe does), so a
+net that changes batch size does not reallocate. `diff` is allocated on first
+use: nets that only run forward never pay for it.
+"""
+import numpy as np
+
+from .errors import ShapeError
+
+MAX_AXES = 32
+
+
+class Blob:
+    def __init__(self, shape=(), name=""):
+        self.name = name
+        self._data_buf = np.zeros(0, np.float32)
+        self._diff_buf = None
+        self._shape = None
+        self.reshape(shape)
+
+    # -- shape -----------------------------------------------------------
+    def reshape(self, *shape):
+        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+            shape = shape[0]
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape) or len(shape) > MAX_AXES:
+            raise ShapeError(f"blob '{self.name}': invalid shape {shape}")
+        if shape == self._shape:
+            return
+        self._shape = shape
+        count = int(np.prod(shape, dtype=np.int64))
+        if count > self._data_buf.size:
+            self._data_buf = np.zeros(count, np.float32)
+            if self._diff_buf is not None:
+                self._diff_buf = np.zeros(count, np.float32)
+        self._data = self._data_buf[:count].reshape(shape)
+        self._diff = None if self._diff_buf is None else self._diff_buf[:count].reshape(shape)
+
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def count(self):
+        return self._data.size
+
+    @property
+    def num_axes(self):
+        return len(self._shape)
+
+    def shape_string(self):
+        return " ".join(str(s) for s in self._shape) + f" ({self.count})"
+
+    def _legacy(self, index):
+        # Caffe's num/channels/height/width: missing leading/trailing axes read as 1
+        if self.num_axes > 4:
+            raise ShapeError(f"blob '{self.name}': legacy accessor on a {self.num_axes}-axis blob")
+        return self._shape[index] if index < self.num_axes else 1
+
+    num = property(lambda self: self._legacy(0))
+    channels = property(lambda self: self._legacy(1))
+    height = property(lambda self: self._legacy(2))
+    width = property(lambda self: self._legacy(3))
+
+    # -- storage ---------------------------------------------------------
+    @property
+    def data(self):
+        return self._data
+
+    @property
+    def diff(self):
+        if self._diff is None:
+            if self._diff_buf is None or self._diff_buf.size < self._data_buf.size:
+                self._diff_buf = np.zeros(self._data_buf.size, np.float32)
+            self._diff = self._diff_buf[: self.count].reshape(self._shape)
+        return self._diff
+
+    @property
+    def has_diff(self):
+        return self._diff_buf is not None
+
+    def share_data(self, other):
+        """Make this blob a view of `other`'s data (Flatten, Reshape); shapes may differ."""
+        if other.count != self.count:
+            raise ShapeError(f"blob '{self.name}': cannot share data of {other.count} values into {self.count}")
+        self._data_buf = other._data_buf
+        self._data = other._data.reshape(self._shape)
+
+    def share_diff(self, other):
+        if other.count != self.count:
+            raise ShapeError(f"blob '{self.name}': cannot share diff of {other.count} values into {self.count}")
+        other.diff  # allocate on the owner so both see one buffer
+        self._diff_buf = other._diff_buf
+        self._diff = other._diff.reshape(self._shape)
+
+    def set_data(self, array):
+        """Copy `array` in, reshaping to its shape."""
+        array = np.asarray(array, dtype=np.float32)
+        self.reshape(array.shape)
+        self._data[...] = array
+
+    def __repr__(self):
+        return f"Blob({self.name!r}, shape={self._shape})"

@@ -1,0 +1,235 @@
+"""The `caffepy` command: Caffe's subcommands and flags, argument handling and exit codes only.
+
+Caffe's gflags spellings work too: `-solver x` and `-solver=x` are read as
+`--solver x`, and boolean flags accept `-gray=true` / `-gray=false`.
+Known errors (CaffepyError) print one line and exit 1 (usage errors 2);
+anything else is a bug and keeps its traceback.
+"""
+import re
+import sys
+
+import click
+
+from . import log
+from .errors import CaffepyError
+
+SIGNAL_EFFECTS = click.Choice(["stop", "snapshot", "none"])
+_FLAG = re.compile(r"^-{1,2}([A-Za-z][A-Za-z0-9_]*)(=(.*))?$")
+
+
+def gflags_to_click(args, bool_flags):
+    """Rewrite gflags spellings to click's: -name -> --name, -flag=false -> --no-flag."""
+    out = []
+    for arg in args:
+        m = _FLAG.match(arg)
+        if not m or arg in ("-h",):
+            out.append(arg)
+            continue
+        name, value = m.group(1), m.group(3)
+        if name in bool_flags and value is not None:
+            truth = value.lower()
+            if truth in ("true", "1", "yes", "t", "y"):
+                out.append(f"--{name}")
+            elif truth in ("false", "0", "no", "f", "n"):
+                out.append(f"--no-{name}")
+            else:
+                raise click.UsageError(f"--{name}: expected true or false, got '{value}'")
+        elif value is not None:
+            out.append(f"--{name}={value}")
+        else:
+            out.append(f"--{name}")
+    return out
+
+
+class CaffeGroup(click.Group):
+    def resolve_command(self, ctx, args):
+        cmd_name, cmd, rest = super().resolve_command(ctx, args)
+        bool_flags = {o.name for o in cmd.params if isinstance(o, click.Option) and o.is_flag}
+        return cmd_name, cmd, gflags_to_click(rest, bool_flags)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except CaffepyError as e:
+            click.echo(f"caffepy: error: {log.rank_prefix()}{e}", err=True)
+            ctx.exit(e.exit_code)
+
+
+@click.group(cls=CaffeGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="caffepy")
+def main():
+    """caffepy: the Caffe command line, on CPUs, with MPI.
+
+    \b
+    commands like caffe's:
+      train           train or fine-tune a model
+      test            score a model
+      time            benchmark model execution time
+      device_query    show CPU and MPI details
+    """
+
+
+def _stages(values):
+    return [s for v in values for s in v.split(",") if s]
+
+
+# -- caffe's four commands -----------------------------------------------------
+@main.command()
+@click.option("--solver", required=True, metavar="FILE", help="The solver definition protocol buffer text file.")
+@click.option("--weights", metavar="FILES", help="Comma-separated .caffemodel files to initialize from (fine-tune).")
+@click.option("--snapshot", metavar="FILE", help="A .solverstate to resume training from.")
+@click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
+@click.option("--stage", multiple=True, help="Net stage(s), comma-separated, for include/exclude rules.")
+@click.option("--sigint_effect", type=SIGNAL_EFFECTS, default="stop", show_default=True,
+              help="What to do on SIGINT (Ctrl-C).")
+@click.option("--sighup_effect", type=SIGNAL_EFFECTS, default="snapshot", show_default=True,
+              help="What to do on SIGHUP.")
+@click.option("--gpu", hidden=True, help="Accepted for Caffe compatibility; caffepy runs on the CPU.")
+def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, gpu):
+    """Train or fine-tune a model (mpirun -n N for several ranks)."""
+    if weights and snapshot:
+        raise click.UsageError("give --snapshot or --weights, not both: --snapshot resumes a run, "
+                               "--weights starts a new one from trained weights")
+    _gpu_notice(gpu)
+    from . import actions
+    actions.train(solver=solver, weights=weights, snapshot=snapshot, level=level, stages=_stages(stage),
+                  sigint_effect=sigint_effect, sighup_effect=sighup_effect)
+
+
+@main.command()
+@click.option("--model", required=True, metavar="FILE", help="The model definition protocol buffer text file.")
+@click.option("--weights", metavar="FILES", help="Trained .caffemodel file(s), comma-separated.")
+@click.option("--iterations", default=50, show_default=True, type=click.IntRange(min=1),
+              help="The number of iterations to run.")
+@click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
+@click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
+@click.option("--gpu", hidden=True)
+def test(model, weights, iterations, level, stage, gpu):
+    """Score a model: run the TEST phase and average its outputs."""
+    _gpu_notice(gpu)
+    from . import actions
+    actions.test(model=model, weights=weights, iterations=iterations, level=level, stages=_stages(stage))
+
+
+@main.command()
+@click.option("--model", required=True, metavar="FILE", help="The model definition protocol buffer text file.")
+@click.option("--weights", metavar="FILES", help="Optional .caffemodel file(s) to load first.")
+@click.option("--iterations", default=50, show_default=True, type=click.IntRange(min=1),
+              help="The number of timed iterations.")
+@click.option("--phase", type=click.Choice(["TRAIN", "TEST"], case_sensitive=False), default="TRAIN",
+              show_default=True, help="Network phase.")
+@click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
+@click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
+@click.option("--gpu", hidden=True)
+def time(model, weights, iterations, phase, level, stage, gpu):
+    """Benchmark model execution time, layer by layer."""
+    _gpu_notice(gpu)
+    from . import actions
+    actions.time(model=model, weights=weights, iterations=iterations, phase=phase.upper(), level=level,
+                 stages=_stages(stage))
+
+
+@main.command("device_query")
+@click.option("--gpu", hidden=True)
+def device_query(gpu):
+    """Describe this CPU (cores, vector ISA, threads) and the MPI library."""
+    from . import device
+    device.query()
+
+
+# -- tools around it ------------------------------------------------------------
+@main.command("convert_imageset")
+@click.argument("root_folder", metavar="ROOTFOLDER/")
+@click.argument("list_file", metavar="LISTFILE")
+@click.argument("db_name", metavar="DB_NAME")
+@click.option("--gray/--no-gray", default=False, help="Load images in grayscale.")
+@click.option("--shuffle/--no-shuffle", default=False, help="Randomly shuffle the order of images.")
+@click.option("--backend", type=click.Choice(["lmdb"]), default="lmdb", show_default=True,
+              help="The backend for storing the result.")
+@click.option("--resize_width", default=0, type=click.IntRange(min=0), help="Width images are resized to.")
+@click.option("--resize_height", default=0, type=click.IntRange(min=0), help="Height images are resized to.")
+@click.option("--check_size/--no-check_size", default=False, help="Check that all the datum have the same size.")
+@click.option("--encoded/--no-encoded", default=False, help="Store the encoded image in the datum.")
+@click.option("--encode_type", default="", help="Image format to encode to (png, jpg); default: the file's own.")
+def convert_imageset(root_folder, list_file, db_name, gray, shuffle, backend, resize_width,
+                     resize_height, check_size, encoded, encode_type):
+    """Convert a set of images (LISTFILE lines: `path label`) to an LMDB of Datum."""
+    from .data import tools
+    tools.convert_imageset(root_folder, list_file, db_name, gray=gray, shuffle=shuffle, backend=backend,
+                           resize_width=resize_width, resize_height=resize_height,
+                           check_size=check_size, encoded=encoded, encode_type=encode_type)
+
+
+@main.command("compute_image_mean")
+@click.argument("input_db")
+@click.argument("output_file", required=False)
+@click.option("--backend", type=click.Choice(["lmdb"]), default="lmdb", show_default=True)
+def compute_image_mean(input_db, output_file, backend):
+    """Compute the mean image of an LMDB of Datum (written as .binaryproto)."""
+    from .data import tools
+    tools.compute_image_mean(input_db, output_file)
+
+
+@main.command("upgrade_net_proto_text")
+@click.argument("input_file")
+@click.argument("output_file")
+def upgrade_net_proto_text(input_file, output_file):
+    """Upgrade a V0/V1 net prototxt to the current format."""
+    from . import prototxt
+    prototxt.upgrade_net_file(input_file, output_file, binary=False)
+
+
+@main.command("upgrade_net_proto_binary")
+@click.argument("input_file")
+@click.argument("output_file")
+def upgrade_net_proto_binary(input_file, output_file):
+    """Upgrade a V0/V1 binary .caffemodel to the current format."""
+    from . import prototxt
+    prototxt.upgrade_net_file(input_file, output_file, binary=True)
+
+
+@main.command("upgrade_solver_proto_text")
+@click.argument("input_file")
+@click.argument("output_file")
+def upgrade_solver_proto_text(input_file, output_file):
+    """Upgrade a solver prototxt (solver_type enum to type string)."""
+    from . import prototxt
+    prototxt.upgrade_solver_file(input_file, output_file)
+
+
+@main.command("parse_log")
+@click.argument("logfile")
+@click.argument("output_dir")
+@click.option("--delimiter", default=",", show_default=True, help="Column delimiter in the output tables.")
+def parse_log(logfile, output_dir, delimiter):
+    """Parse a training log into LOGFILE.train and LOGFILE.test tables (as Caffe's parse_log.py)."""
+    from . import logtools
+    logtools.parse_log_command(logfile, output_dir, delimiter)
+
+
+@main.command("plot_log")
+@click.argument("logfile")
+@click.argument("output_png")
+def plot_log(logfile, output_png):
+    """Plot loss, accuracy and learning rate against iterations (needs matplotlib)."""
+    from . import logtools
+    logtools.plot_log(logfile, output_png)
+
+
+@main.command("split_db")
+@click.argument("input_db")
+@click.argument("num_shards", type=click.IntRange(min=1))
+@click.argument("output_prefix", required=False)
+def split_db(input_db, num_shards, output_prefix):
+    """Split an LMDB into N shards for split-DB multi-node training."""
+    from .parallel import split_db as splitter
+    splitter.split_db(input_db, num_shards, output_prefix)
+
+
+def _gpu_notice(gpu):
+    if gpu is not None:
+        log.info("caffepy runs on the CPU; ignoring --gpu")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Compiled kernels, built from ../../cext/<family>.pyx (one module per layer family)."""

@@ -1,0 +1,414 @@
+"""Net: a DAG of layers over named blobs, built from a NetParameter as Caffe does.
+
+Construction follows Caffe's Net::Init: filter layers by NetState, insert Split
+layers where one top feeds several bottoms (their backward sums the gradients),
+wire in-place layers to the same Blob, decide which layers need backward, and
+share parameters by `param { name }`.
+
+The same class is the pycaffe-compatible Python API: `Net(prototxt, weights,
+caffe.TEST)`, `net.blobs`, `net.params`, `net.forward(**inputs)`, ...
+"""
+import collections
+import os
+
+import numpy as np
+
+from . import layers as _layers  # noqa: F401  (registers every layer type)
+from . import log
+from .blob import Blob
+from .errors import CaffepyError, LayerError, PrototxtError, ShapeError
+from .layer import create_layer
+from .proto import caffe_pb2
+
+TRAIN = caffe_pb2.TRAIN
+TEST = caffe_pb2.TEST
+
+
+def split_layer_name(layer_name, blob_name, top_index):
+    return f"{blob_name}_{layer_name}_{top_index}_split"
+
+
+def split_blob_name(layer_name, blob_name, top_index, split_index):
+    return f"{split_layer_name(layer_name, blob_name, top_index)}_{split_index}"
+
+
+def insert_splits(param):
+    """Return a copy of `param` with Split layers wherever a top feeds several bottoms.
+
+    A bottom always refers to the most recent layer that produced that name, so an
+    in-place chain (conv -> relu in place -> pool) needs no split.
+    """
+    last_producer = {}            # blob name -> (layer index, top index)
+    consumers = collections.defaultdict(list)   # (layer, top) -> [(layer, bottom index)]
+    loss_weighted = set()
+    for li, layer in enumerate(param.layer):
+        for bi, name in enumerate(layer.bottom):
+            if name not in last_producer:
+                raise LayerError(f"layer '{layer.name}' ({layer.type}): bottom: unknown blob '{name}'"
+                                 f" (bottom index {bi}); no earlier layer produces it")
+            consumers[last_producer[name]].append((li, bi))
+        for ti, name in enumerate(layer.top):
+            last_producer[name] = (li, ti)
+            if ti < len(layer.loss_weight) and layer.loss_weight[ti] != 0:
+                loss_weighted.add((li, ti))
+
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(param)
+    del out.layer[:]
+    renamed = {}   # (consumer layer, bottom index) -> new bottom name
+    splits_after = {}
+    for key, users in consumers.items():
+        n_out = len(users) + (1 if key in loss_weighted else 0)
+        if n_out > 1:
+            splits_after.setdefault(key[0], []).append((key[1], users))
+    for li, layer in enumerate(param.layer):
+        new = out.layer.add()
+        new.CopyFrom(layer)
+        for bi in range(len(new.bottom)):
+            if (li, bi) in renamed:
+                new.bottom[bi] = renamed[(li, bi)]
+        for ti, users in splits_after.get(li, []):
+            blob = layer.top[ti]
+            split = out.layer.add()
+            split.name = split_layer_name(layer.name, blob, ti)
+            split.type = "Split"
+            split.bottom.append(blob)
+            n = len(users)
+            for k in range(n):
+                split.top.append(split_blob_name(layer.name, blob, ti, k))
+            if (li, ti) in loss_weighted:
+                # the original top keeps its loss weight; the split's first top takes it
+                split.top.append(split_blob_name(layer.name, blob, ti, n))
+                split.loss_weight.extend([0.0] * n + [layer.loss_weight[ti]])
+                new.loss_weight[ti] = 0
+            for k, (ci, cb) in enumerate(users):
+                renamed[(ci, cb)] = split_blob_name(layer.name, blob, ti, k)
+    return out
+
+
+class Net:
+    """A network. `Net(path_or_NetParameter, [weights], phase, level=0, stages=())`."""
+
+    def __init__(self, network, *args, phase=None, weights=None, level=0, stages=None, source=None):
+        args = list(args)
+        if args and isinstance(args[0], (str, os.PathLike)):
+            weights = args.pop(0)
+        if args:
+            phase = args.pop(0)
+        if args:
+            raise TypeError("Net(network, [weights], phase)")
+        if phase is None:
+            raise TypeError("Net needs a phase (caffe.TRAIN or caffe.TEST)")
+        from . import prototxt
+
+        if isinstance(network, caffe_pb2.NetParameter):
+            param = network
+            self.source = source or param.name or "<net>"
+        else:
+            self.source = os.fspath(network)
+            param = prototxt.read_net(self.source)
+        self.phase = phase
+        state = prototxt.net_state(phase, level, stages or [])
+        for s in param.state.stage:
+            if s not in state.stage:
+                state.stage.append(s)
+        filtered = prototxt.filter_net(param, state, self.source)
+        self._init(filtered)
+        if weights:
+            for path in str(weights).split(","):
+                self.copy_from(path)
+
+    # -- construction ----------------------------------------------------
+    def _init(self, param):
+        self.name = param.name
+        self.param = param
+        param = insert_splits(param)
+        self.blobs = collections.OrderedDict()
+        self.layers = []
+        self._layer_names = []
+        self.bottom_vecs, self.top_vecs = [], []
+        self.bottom_names, self.top_names = collections.OrderedDict(), collections.OrderedDict()
+        self.blob_loss_weights = {}
+        self._top_loss_weights = []
+        self.inputs = []
+        self.bottom_need_backward = []
+        self.layer_need_backward = []
+        self._params = []             # (layer index, param index, Blob) in net order
+        blob_need_backward = {}
+        available = collections.OrderedDict()
+
+        for li, lp in enumerate(param.layer):
+            if lp.name in self._layer_names:
+                raise LayerError(f"{self.source}: layer '{lp.name}' ({lp.type}): name: duplicate layer name")
+            layer = create_layer(lp, self.phase, self.source)
+            bottoms, tops = [], []
+            need_backward = False
+            bottom_need = []
+            if len(lp.propagate_down) not in (0, len(lp.bottom)):
+                raise layer.error("propagate_down", f"needs one value per bottom ({len(lp.bottom)})",
+                                  len(lp.propagate_down))
+            for bi, name in enumerate(lp.bottom):
+                if name not in available:
+                    raise layer.error("bottom", f"unknown blob '{name}' (bottom index {bi})")
+                del available[name]
+                bottoms.append(self.blobs[name])
+                need = blob_need_backward[name]
+                if len(lp.propagate_down):
+                    need = need and bool(lp.propagate_down[bi])
+                bottom_need.append(need)
+                need_backward |= need
+            for ti, name in enumerate(lp.top):
+                if name in lp.bottom:
+                    blob = self.blobs[name]            # in place
+                elif name in self.blobs:
+                    raise layer.error("top", f"blob '{name}' is produced by more than one layer")
+                else:
+                    blob = Blob(name=name)
+                    self.blobs[name] = blob
+                if lp.type == "Input":
+                    self.inputs.append(name)
+                available[name] = True
+                tops.append(blob)
+            try:
+                layer.layer_setup(bottoms, tops)
+            except (ValueError, IndexError) as e:
+                raise layer.error("setup", str(e), cls=ShapeError) from None
+            weights = layer.loss_weights(len(tops))
+            for name, w in zip(lp.top, weights):
+                if w:
+                    self.blob_loss_weights[name] = self.blob_loss_weights.get(name, 0.0) + w
+            self._top_loss_weights.append(weights)
+            log.info(f"Setting up {lp.name}")
+            for blob in tops:
+                log.info(f"Top shape: {blob.shape_string()}")
+            # parameters: lr_mult 0 means no gradient for that blob
+            layer.param_propagate_down = []
+            for pi in range(len(layer.blobs)):
+                spec = lp.param[pi] if pi < len(lp.param) else None
+                lr_mult = spec.lr_mult if spec is not None and spec.HasField("lr_mult") else 1.0
+                wants = lr_mult != 0
+                layer.param_propagate_down.append(wants)
+                need_backward |= wants
+            if len(lp.param) > len(layer.blobs):
+                raise layer.error("param", f"has {len(layer.blobs)} parameter blobs but "
+                                  f"{len(lp.param)} param specs")
+            for name in lp.top:
+                blob_need_backward[name] = need_backward
+            self.layers.append(layer)
+            self._layer_names.append(lp.name)
+            self.bottom_vecs.append(bottoms)
+            self.top_vecs.append(tops)
+            self.bottom_names[lp.name] = list(lp.bottom)
+            self.top_names[lp.name] = list(lp.top)
+            self.bottom_need_backward.append(bottom_need)
+            self.layer_need_backward.append(need_backward)
+
+        self._prune_backward(param)
+        if param.force_backward:
+            for li, layer in enumerate(self.layers):
+                self.layer_need_backward[li] = True
+                self.bottom_need_backward[li] = [
+                    need or layer.allow_force_backward(bi)
+                    for bi, need in enumerate(self.bottom_need_backward[li])]
+                layer.param_propagate_down = [True] * len(layer.blobs)
+        self.outputs = list(available)
+        self._share_params(param)
+        self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
+
+    def _prune_backward(self, param):
+        """Caffe's rule: skip backward where nothing downstream reaches a loss."""
+        under_loss, skip = set(), set()
+        for li in reversed(range(len(self.layers))):
+            lp = param.layer[li]
+            contributes = False
+            skip_down = True
+            for ti, name in enumerate(lp.top):
+                if self._top_loss_weights[li][ti] or name in under_loss:
+                    contributes = True
+                if name not in skip:
+                    skip_down = False
+                if contributes and not skip_down:
+                    break
+            if self.layer_need_backward[li] and skip_down:
+                self.layer_need_backward[li] = False
+                self.bottom_need_backward[li] = [False] * len(lp.bottom)
+            if not contributes:
+                self.layer_need_backward[li] = False
+            for bi, name in enumerate(lp.bottom):
+                if contributes:
+                    under_loss.add(name)
+                else:
+                    self.bottom_need_backward[li][bi] = False
+                if not self.bottom_need_backward[li][bi]:
+                    skip.add(name)
+
+    def _share_params(self, param):
+        """Give layers that name the same param the owner's Blob object."""
+        owners = {}
+        self.learnable_params, self.params_lr, self.params_weight_decay = [], [], []
+        self.param_names, self.param_owner_index = [], []
+        self.param_display_names = []
+        learnable_index = {}
+        for li, (layer, lp) in enumerate(zip(self.layers, param.layer)):
+            for pi, blob in enumerate(layer.blobs):
+                spec = lp.param[pi] if pi < len(lp.param) else caffe_pb2.ParamSpec()
+                name = spec.name
+                display = name or f"{lp.name}[{pi}]"
+                if name and name in owners:
+                    oli, opi = owners[name]
+                    owner = self.layers[oli].blobs[opi]
+                    strict = spec.share_mode != caffe_pb2.ParamSpec.PERMISSIVE
+                    if (strict and owner.shape != blob.shape) or owner.count != blob.count:
+                        raise layer.error(f"param '{name}'", "shared parameter shape mismatch: owner "
+                                          f"'{self.layers[oli].name}' has {owner.shape}", blob.shape,
+                                          cls=ShapeError)
+                    layer.blobs[pi] = owner
+                    owner_spec_lr = self.params_lr[learnable_index[(oli, opi)]]
+                    lr = spec.lr_mult if spec.HasField("lr_mult") else 1.0
+                    if lr != owner_spec_lr:
+                        raise layer.error(f"param '{name}'", f"shared parameter lr_mult differs from "
+                                          f"the owner's ({owner_spec_lr})", lr)
+                    continue
+                if name:
+                    owners[name] = (li, pi)
+                learnable_index[(li, pi)] = len(self.learnable_params)
+                self.learnable_params.append(blob)
+                self.params_lr.append(spec.lr_mult if spec.HasField("lr_mult") else 1.0)
+                self.params_weight_decay.append(spec.decay_mult if spec.HasField("decay_mult") else 1.0)
+                self.param_display_names.append(display)
+        self.params = collections.OrderedDict(
+            (name, layer.blobs) for name, layer in zip(self._layer_names, self.layers) if layer.blobs)
+
+    # -- running ---------------------------------------------------------
+    def _index(self, name, default):
+        if name is None:
+            return default
+        if name not in self.layer_dict:
+            raise CaffepyError(f"{self.source}: no layer named '{name}'")
+        return self._layer_names.index(name)
+
+    def forward_from_to(self, start=0, end=None):
+        """Run layers start..end inclusive; return the weighted loss."""
+        end = len(self.layers) - 1 if end is None else end
+        loss = 0.0
+        for li in range(start, end + 1):
+            layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
+            layer.reshape(bottom, top)
+            layer.forward(bottom, top)
+            for w, blob in zip(self._top_loss_weights[li], top):
+                if w:
+                    loss += w * float(np.sum(blob.data, dtype=np.float64))
+        return loss
+
+    def backward_from_to(self, start=None, end=0, on_layer_done=None):
+        """Run backward from `start` down to `end`; `on_layer_done(layer_index)` is called
+        as soon as a layer's parameter gradients are final (to overlap communication)."""
+        start = len(self.layers) - 1 if start is None else start
+        for li in range(start, end - 1, -1):
+            if not self.layer_need_backward[li]:
+                continue
+            top = self.top_vecs[li]
+            for w, blob in zip(self._top_loss_weights[li], top):
+                if w:
+                    blob.diff[...] = w
+            self.layers[li].backward(top, self.bottom_need_backward[li], self.bottom_vecs[li])
+            if on_layer_done is not None and self.layers[li].blobs:
+                on_layer_done(li)
+
+    def forward_backward(self):
+        loss = self.forward_from_to()
+        self.backward_from_to()
+        return loss
+
+    def clear_param_diffs(self):
+        for blob in self.learnable_params:
+            blob.diff[...] = 0
+
+    def reshape(self):
+        for layer, bottom, top in zip(self.layers, self.bottom_vecs, self.top_vecs):
+            layer.reshape(bottom, top)
+
+    # -- pycaffe API -----------------------------------------------------
+    def forward(self, blobs=None, start=None, end=None, **kwargs):
+        """Set inputs from kwargs, run forward, return {output name: data}."""
+        for name, value in kwargs.items():
+            if name not in self.blobs:
+                raise CaffepyError(f"{self.source}: forward: no blob named '{name}'")
+            target = self.blobs[name]
+            value = np.asarray(value)
+            if value.shape != target.shape:
+                if value.ndim and target.num_axes and value.shape[0] != target.shape[0]:
+                    raise ShapeError(f"{self.source}: input '{name}' is not batch sized: expected "
+                                     f"{target.shape}, got {value.shape}")
+                raise ShapeError(f"{self.source}: input '{name}': expected shape {target.shape}, "
+                                 f"got {value.shape}")
+            target.data[...] = value
+        s = self._index(start, 0)
+        e = self._index(end, len(self.layers) - 1)
+        self.forward_from_to(s, e)
+        outs = set(self.outputs if end is None else self.top_names[self._layer_names[e]])
+        outs.update(blobs or [])
+        return {name: self.blobs[name].data for name in outs}
+
+    def backward(self, diffs=None, start=None, end=None, **kwargs):
+        """Set top diffs from kwargs, run backward, return {input name: diff}."""
+        for name, value in kwargs.items():
+            self.blobs[name].diff[...] = value
+        s = self._index(start, len(self.layers) - 1)
+        e = self._index(end, 0)
+        self.backward_from_to(s, e)
+        outs = set(self.inputs if end is None else self.bottom_names[self._layer_names[e]])
+        outs.update(diffs or [])
+        return {name: self.blobs[name].diff for name in outs}
+
+    def copy_from(self, path):
+        """Load weights from a .caffemodel by layer name (Caffe's CopyTrainedLayersFrom)."""
+        from . import prototxt
+        if str(path).endswith((".h5", ".hdf5")):
+            raise CaffepyError(f"{path}: HDF5 weights are not supported; use a binary .caffemodel")
+        source = prototxt.read_binary_net(path)
+        self.copy_from_param(source, path)
+
+    def copy_from_param(self, source, path="<weights>"):
+        from .blobproto import blobproto_to_array
+        for lp in source.layer:
+            if lp.name not in self.layer_dict:
+                log.info(f"Ignoring source layer {lp.name}")
+                continue
+            layer = self.layer_dict[lp.name]
+            if len(lp.blobs) != len(layer.blobs):
+                raise ShapeError(f"{path}: layer '{lp.name}' ({layer.type}): has {len(lp.blobs)} "
+                                 f"parameter blobs, the net expects {len(layer.blobs)}")
+            for i, (bp, blob) in enumerate(zip(lp.blobs, layer.blobs)):
+                array = blobproto_to_array(bp)
+                if array.shape != blob.shape:
+                    legacy = (not bp.HasField("shape")) and array.size == blob.count
+                    if not legacy:
+                        raise ShapeError(f"{path}: layer '{lp.name}' ({layer.type}): blobs[{i}]: shape "
+                                         f"mismatch: file has {array.shape}, net has {blob.shape}")
+                blob.data[...] = array.reshape(blob.shape)
+
+    def to_proto(self, write_diff=False):
+        from .blobproto import array_to_blobproto
+        out = caffe_pb2.NetParameter()
+        out.name = self.name
+        for layer in self.layers:
+            if layer.type == "Split":
+                continue
+            lp = out.layer.add()
+            lp.CopyFrom(layer.param)
+            del lp.blobs[:]
+            for blob in layer.blobs:
+                lp.blobs.append(array_to_blobproto(blob.data, blob.diff if write_diff else None))
+        return out
+
+    def save(self, path):
+        from . import prototxt
+        prototxt.write_binary(self.to_proto(), path)
+
+    @property
+    def top_loss_weights(self):
+        return self._top_loss_weights
+
+    def __repr__(self):
+        return f"<Net '{self.name}' with {len(self.layers)} layers>"

@@ -1,0 +1,34 @@
+"""Builds every cext/*.pyx into caffepy.kernels.<name> with OpenMP and -O3.
+
+Set CAFFEPY_MARCH to choose the target ISA (default: native, so the widest
+vector unit of the build machine is used; `x86-64-v2` gives a portable build).
+"""
+import glob
+import os
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+march = os.environ.get("CAFFEPY_MARCH", "native")
+compile_args = ["-O3", "-fopenmp", f"-march={march}", "-fno-math-errno"]
+extensions = [
+    Extension(
+        f"caffepy.kernels.{os.path.splitext(os.path.basename(path))[0]}",
+        [path],
+        include_dirs=[numpy.get_include(), "cext"],
+        extra_compile_args=compile_args,
+        extra_link_args=["-fopenmp"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+    for path in sorted(glob.glob("cext/*.pyx"))
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        language_level=3,
+        compiler_directives={"boundscheck": False, "wraparound": False,
+                             "cdivision": True, "initializedcheck": False},
+    )
+)
