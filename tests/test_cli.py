@@ -1,0 +1,72 @@
+"""The CLI surface: gflags spellings, help, usage errors and exit codes."""
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from caffepy.cli import gflags_to_click, main
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["-solver", "s.prototxt"], ["--solver", "s.prototxt"]),
+    (["-solver=s.prototxt"], ["--solver=s.prototxt"]),
+    (["--solver", "s.prototxt"], ["--solver", "s.prototxt"]),
+    (["--solver=s.prototxt"], ["--solver=s.prototxt"]),
+    (["-gray"], ["--gray"]),
+    (["-gray=true"], ["--gray"]),
+    (["-gray=false"], ["--no-gray"]),
+    (["-iterations", "-5"], ["--iterations", "-5"]),
+    (["in/", "list.txt"], ["in/", "list.txt"]),
+])
+def test_gflags_spellings(args, expected):
+    assert gflags_to_click(args, {"gray"}) == expected
+
+
+def test_bad_boolean_value_is_a_usage_error():
+    result = CliRunner().invoke(main, ["convert_imageset", "-gray=maybe", "a/", "b", "c"])
+    assert result.exit_code == 2
+    assert "expected true or false" in result.output
+
+
+def test_snapshot_and_weights_together_is_a_usage_error():
+    result = CliRunner().invoke(main, ["train", "-solver", "s.prototxt", "-snapshot", "a.solverstate",
+                                       "-weights", "w.caffemodel"])
+    assert result.exit_code == 2
+    assert "--snapshot or --weights, not both" in result.output
+
+
+def test_train_without_solver_is_a_usage_error():
+    result = CliRunner().invoke(main, ["train"])
+    assert result.exit_code == 2
+    assert "--solver" in result.output
+
+
+def test_unknown_sigint_effect_lists_choices():
+    result = CliRunner().invoke(main, ["train", "-solver", "s", "-sigint_effect", "explode"])
+    assert result.exit_code == 2
+    assert "stop" in result.output and "snapshot" in result.output
+
+
+def test_help_lists_caffe_commands():
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for command in ("train", "test", "time", "device_query", "convert_imageset", "compute_image_mean",
+                    "upgrade_net_proto_text", "parse_log"):
+        assert command in result.output
+
+
+def test_device_query_describes_cpu():
+    proc = subprocess.run([sys.executable, "-m", "caffepy.cli", "device_query"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "Vector ISA:" in proc.stderr and "Threads in use:" in proc.stderr and "MPI:" in proc.stderr
+
+
+def test_missing_model_file_is_one_line_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "caffepy.cli", "time", "-model", str(tmp_path / "nope.prototxt"),
+                           "-iterations", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    errors = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert len(errors) == 1 and "nope.prototxt" in errors[0]

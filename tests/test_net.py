@@ -1,0 +1,186 @@
+"""Net construction and execution semantics, as Caffe's Net::Init defines them."""
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import caffepy
+from caffepy.errors import CaffepyError, LayerError, ShapeError
+from caffepy.net import Net, insert_splits
+from caffepy.proto import caffe_pb2
+
+
+def net_param(text):
+    p = caffe_pb2.NetParameter()
+    text_format.Parse(text, p)
+    return p
+
+
+INPUT = 'layer { name: "input" type: "Input" top: "data" input_param { shape { dim: 4 dim: 5 } } }\n'
+IP = ('layer {{ name: "{name}" type: "InnerProduct" bottom: "{bottom}" top: "{top}" {extra}'
+      ' inner_product_param {{ num_output: {n} weight_filler {{ type: "gaussian" std: 0.5 }}'
+      ' bias_filler {{ type: "gaussian" std: 0.5 }} }} }}\n')
+
+
+def ip(name, bottom, top, n=3, extra=""):
+    return IP.format(name=name, bottom=bottom, top=top, n=n, extra=extra)
+
+
+def test_split_inserted_where_a_top_feeds_two_layers():
+    p = net_param(INPUT + ip("a", "data", "a") + ip("b", "data", "b"))
+    out = insert_splits(p)
+    names = [l.name for l in out.layer]
+    assert names == ["input", "data_input_0_split", "a", "b"]
+    split = out.layer[1]
+    assert split.type == "Split" and list(split.top) == ["data_input_0_split_0", "data_input_0_split_1"]
+    assert list(out.layer[2].bottom) == ["data_input_0_split_0"]
+    assert list(out.layer[3].bottom) == ["data_input_0_split_1"]
+
+
+def test_in_place_chain_needs_no_split():
+    p = net_param(INPUT + ip("a", "data", "a")
+                  + 'layer { name: "relu" type: "ReLU" bottom: "a" top: "a" }\n' + ip("b", "a", "b"))
+    assert [l.type for l in insert_splits(p).layer] == ["Input", "InnerProduct", "ReLU", "InnerProduct"]
+
+
+def test_unknown_bottom_names_layer_and_blob():
+    p = net_param(INPUT + ip("a", "nope", "a"))
+    with pytest.raises(LayerError, match=r"layer 'a' \(InnerProduct\).*unknown blob 'nope'"):
+        Net(p, caffepy.TEST)
+
+
+def test_unknown_type_lists_known_types():
+    p = net_param(INPUT + 'layer { name: "x" type: "Convolutoin" bottom: "data" top: "x" }')
+    with pytest.raises(LayerError, match=r"layer 'x' \(Convolutoin\).*unknown layer type.*Known types: .*InnerProduct"):
+        Net(p, caffepy.TEST)
+
+
+def test_top_produced_twice_is_an_error():
+    p = net_param(INPUT + ip("a", "data", "x") + ip("b", "data", "x"))
+    with pytest.raises(LayerError, match="produced by more than one layer"):
+        Net(p, caffepy.TEST)
+
+
+def _loss_net(extra_a="", extra_b="", force=False):
+    text = INPUT + ip("a", "data", "a", extra=extra_a) + ip("b", "data", "b", extra=extra_b)
+    text += 'layer { name: "target" type: "DummyData" top: "t" dummy_data_param { shape { dim: 4 dim: 3 }' \
+            ' data_filler { type: "gaussian" } } }\n'
+    text += 'layer { name: "sum" type: "Eltwise" bottom: "a" bottom: "b" top: "s" }\n'
+    text += 'layer { name: "loss" type: "EuclideanLoss" bottom: "s" bottom: "t" top: "loss" }\n'
+    if force:
+        text = "force_backward: true\n" + text
+    return net_param(text)
+
+
+def test_backward_through_split_sums_gradients_and_matches_numeric():
+    caffepy.set_random_seed(3)
+    net = Net(_loss_net(force=True), caffepy.TRAIN)
+    x = np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32)
+    net.blobs["data"].data[...] = x
+    net.forward_from_to(1)      # keep our data; DummyData fills the target once
+    net.clear_param_diffs()
+    net.backward_from_to()
+    analytic = net.blobs["data"].diff.copy()
+
+    def loss_at(values):
+        net.blobs["data"].data[...] = values
+        return net.forward_from_to(1)
+    eps = 1e-2
+    numeric = np.zeros_like(x, dtype=np.float64)
+    for i in np.ndindex(x.shape):
+        plus, minus = x.copy(), x.copy()
+        plus[i] += eps
+        minus[i] -= eps
+        numeric[i] = (loss_at(plus) - loss_at(minus)) / (2 * eps)
+    np.testing.assert_allclose(analytic, numeric, rtol=2e-3, atol=2e-3)
+
+
+def test_need_backward_follows_lr_mult_and_loss():
+    frozen = 'param { lr_mult: 0 } param { lr_mult: 0 }'
+    net = Net(_loss_net(extra_a=frozen, extra_b=frozen), caffepy.TRAIN)
+    need = dict(zip(net._layer_names, net.layer_need_backward))
+    assert not need["a"] and not need["b"] and not need["sum"]
+    net = Net(_loss_net(extra_b=frozen), caffepy.TRAIN)
+    need = dict(zip(net._layer_names, net.layer_need_backward))
+    assert need["a"] and not need["b"] and need["sum"] and need["loss"]
+
+
+def test_force_backward_reaches_inputs():
+    net = Net(_loss_net(), caffepy.TRAIN)
+    assert not net.bottom_need_backward[net._layer_names.index("data_input_0_split")][0]
+    net = Net(_loss_net(force=True), caffepy.TRAIN)
+    assert net.bottom_need_backward[net._layer_names.index("data_input_0_split")][0]
+
+
+def test_shared_params_are_one_blob_and_one_learnable_param():
+    shared = 'param { name: "w" } param { name: "bias" }'
+    net = Net(_loss_net(extra_a=shared, extra_b=shared), caffepy.TRAIN)
+    assert net.params["a"][0] is net.params["b"][0]
+    assert len(net.learnable_params) == 2
+
+
+def test_shared_param_shape_mismatch_names_the_param():
+    text = INPUT + ip("a", "data", "a", n=3, extra='param { name: "w" }') \
+        + ip("b", "data", "b", n=4, extra='param { name: "w" }')
+    with pytest.raises(ShapeError, match="param 'w'.*shape mismatch"):
+        Net(net_param(text), caffepy.TEST)
+
+
+def test_loss_weight_scales_the_loss():
+    base = _loss_net()
+    caffepy.set_random_seed(5)
+    net1 = Net(base, caffepy.TRAIN)
+    loss1 = net1.forward_from_to()
+    weighted = caffe_pb2.NetParameter()
+    weighted.CopyFrom(base)
+    weighted.layer[-1].loss_weight.append(2.5)
+    caffepy.set_random_seed(5)
+    net2 = Net(weighted, caffepy.TRAIN)
+    assert net2.forward_from_to() == pytest.approx(2.5 * loss1, rel=1e-5)
+
+
+def test_pycaffe_api_forward_outputs_and_save_load(tmp_path):
+    text = 'name: "tiny"\n' + INPUT + ip("a", "data", "a")
+    prototxt = tmp_path / "tiny.prototxt"
+    prototxt.write_text(text)
+    net = caffepy.Net(str(prototxt), caffepy.TEST)
+    assert net.inputs == ["data"] and net.outputs == ["a"]
+    assert list(net.params) == ["a"] and net.params["a"][0].data.shape == (3, 5)
+    x = np.ones((4, 5), np.float32)
+    out = net.forward(data=x)
+    w, b = net.params["a"][0].data, net.params["a"][1].data
+    np.testing.assert_allclose(out["a"], x @ w.T + b, rtol=1e-5)
+    weights = tmp_path / "tiny.caffemodel"
+    net.save(str(weights))
+    again = caffepy.Net(str(prototxt), str(weights), caffepy.TEST)
+    np.testing.assert_array_equal(again.params["a"][0].data, w)
+    keyword = caffepy.Net(str(prototxt), caffepy.TEST, weights=str(weights))
+    np.testing.assert_array_equal(keyword.params["a"][1].data, b)
+    with pytest.raises(ShapeError, match="not batch sized"):
+        net.forward(data=np.ones((2, 5), np.float32))
+
+
+def test_copy_from_shape_mismatch_names_layer_and_both_shapes(tmp_path):
+    small = tmp_path / "small.prototxt"
+    small.write_text(INPUT + ip("a", "data", "a", n=3))
+    big = tmp_path / "big.prototxt"
+    big.write_text(INPUT + ip("a", "data", "a", n=6))
+    weights = tmp_path / "small.caffemodel"
+    caffepy.Net(str(small), caffepy.TEST).save(str(weights))
+    with pytest.raises(ShapeError, match=r"layer 'a' \(InnerProduct\): blobs\[0\].*\(3, 5\).*\(6, 5\)"):
+        caffepy.Net(str(big), str(weights), caffepy.TEST)
+
+
+def test_phase_filtering_drops_layers():
+    text = INPUT + ip("a", "data", "a") + ip("b", "data", "b", extra="include { phase: TEST }")
+    train = Net(net_param(text), caffepy.TRAIN)
+    test = Net(net_param(text), caffepy.TEST)
+    assert "b" not in train.layer_dict and "b" in test.layer_dict
+
+
+def test_missing_phase_is_a_type_error():
+    with pytest.raises(TypeError):
+        Net(net_param(INPUT))
+
+
+def test_errors_are_caffepy_errors():
+    assert issubclass(ShapeError, CaffepyError)
