@@ -1,1 +1,508 @@
-"""(being written)"""
+"""Loss layers: SoftmaxWithLoss, SigmoidCrossEntropyLoss, EuclideanLoss, HingeLoss,
+ContrastiveLoss, InfogainLoss, MultinomialLogisticLoss; and Accuracy (not a loss).
+
+Every loss writes a scalar top (shape (), Caffe's 0-axis blob) that the Net weighs
+by `loss_weight` (1 by default for the first top). Backward scales by the top diff,
+which the Net sets to that weight. Labels are float blobs read as integers the way
+Caffe does (truncation toward zero); a label outside [0, classes) that is not the
+ignore_label is an error naming the layer and the value.
+"""
+import numpy as np
+
+from ..errors import ShapeError
+from ..layer import Layer, canonical_axis, count_from, register
+from ..proto import caffe_pb2
+
+LossParameter = caffe_pb2.LossParameter
+FLT_MIN = float(np.finfo(np.float32).tiny)
+LOG_FLT_MIN = float(np.log(np.float32(FLT_MIN)))
+LOG_THRESHOLD = 1e-20          # Caffe's kLOG_THRESHOLD
+
+
+class LossLayer(Layer):
+    """Caffe's LossLayer: two bottoms (prediction, label/target), a scalar top,
+    no gradient to the label (even under force_backward)."""
+    is_loss = True
+    exact_bottoms = 2
+    exact_tops = 1
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index != 1
+
+    def reshape(self, bottom, top):
+        a, b = bottom[0], bottom[1]
+        if not a.num_axes or not b.num_axes or a.shape[0] != b.shape[0]:
+            raise self.error("bottom", "the data and label should have the same first dimension",
+                             f"{a.shape} and {b.shape}", cls=ShapeError)
+        top[0].reshape(())
+
+    def top_diff(self, top):
+        return float(top[0].diff.reshape(-1)[0])
+
+
+# -- shared helpers -------------------------------------------------------
+def normalization_mode(layer, default=LossParameter.VALID):
+    """The `normalization` field, else the legacy `normalize` bool, else `default`."""
+    lp = layer.param.loss_param
+    if lp.HasField("normalization"):
+        return lp.normalization
+    if lp.HasField("normalize"):
+        return LossParameter.VALID if lp.normalize else LossParameter.BATCH_SIZE
+    return default
+
+
+def normalizer(layer, mode, outer, inner, valid_count):
+    """Caffe's get_normalizer, floored at 1 so an all-ignored batch gives 0, not NaN."""
+    if mode == LossParameter.FULL:
+        n = outer * inner
+    elif mode == LossParameter.VALID:
+        n = outer * inner if valid_count < 0 else valid_count
+    elif mode == LossParameter.BATCH_SIZE:
+        n = outer
+    elif mode == LossParameter.NONE:
+        n = 1
+    elif mode == LossParameter.PRE_FIXED:
+        n = layer.param.loss_param.pre_fixed_normalizer
+    else:
+        raise layer.error("loss_param.normalization", "unknown normalization mode", mode)
+    return max(1.0, float(n))
+
+
+def split_at_axis(layer, shape, axis, field="axis"):
+    """(outer, classes, inner) around the class axis."""
+    axis = canonical_axis(layer, axis, len(shape), field)
+    return count_from(shape, 0, axis), shape[axis], count_from(shape, axis + 1), axis
+
+
+def read_labels(layer, blob, num_classes, ignore_label=None, shape=None, field="bottom[1]"):
+    """Integer labels (truncated as Caffe's static_cast<int>) and the mask of those
+    not ignored; a kept label outside [0, num_classes) raises."""
+    values = blob.data if shape is None else blob.data.reshape(shape)
+    labels = values.astype(np.int64)
+    valid = np.ones(labels.shape, bool) if ignore_label is None else labels != ignore_label
+    bad = valid & ((labels < 0) | (labels >= num_classes))
+    if bad.any():
+        flat = int(np.flatnonzero(bad)[0])
+        value = values.reshape(-1)[flat]
+        value = int(value) if float(value).is_integer() else float(value)
+        raise layer.error(field, f"label at index {flat} is out of range [0, {num_classes})", value,
+                          hint="Check the dataset labels against the number of classes "
+                               "(num_output of the layer before)")
+    return labels, valid
+
+
+def gather_classes(array, labels):
+    """array[i, labels[i, j], j] for an (outer, classes, inner) array."""
+    return np.take_along_axis(array, labels[:, None, :], axis=1)[:, 0, :]
+
+
+def log_softmax(x):
+    """Stable log-softmax over axis 1 of an (outer, classes, inner) array; also
+    returns the probabilities (the backward needs them)."""
+    shifted = x - x.max(axis=1, keepdims=True)
+    e = np.exp(shifted)
+    s = e.sum(axis=1, keepdims=True)
+    prob = e / s
+    return shifted - np.log(s), prob
+
+
+# -- layers -----------------------------------------------------------------
+@register
+class SoftmaxWithLoss(LossLayer):
+    """Softmax over `softmax_param.axis` then the multinomial logistic loss:
+        loss = -sum_{valid (i,j)} log softmax(x)[i, label_ij, j] / normalizer
+    d loss / dx = (prob - onehot(label)) * top_diff / normalizer, 0 where ignored.
+    Reads softmax_param.axis, loss_param.ignore_label, loss_param.normalization
+    (VALID default; legacy `normalize`). Optional top[1]: the probabilities.
+    The log comes from log-softmax (no log of an underflowed probability), clamped
+    at log(FLT_MIN) as Caffe's log(max(prob, FLT_MIN)) is."""
+    exact_tops = None
+    min_tops, max_tops = 1, 2
+
+    def setup(self, bottom, top):
+        lp = self.param.loss_param
+        self.ignore_label = lp.ignore_label if lp.HasField("ignore_label") else None
+        self.mode = normalization_mode(self)
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        self.outer, self.classes, self.inner, self.axis = split_at_axis(
+            self, bottom[0].shape, self.param.softmax_param.axis, "softmax_param.axis")
+        if self.outer * self.inner != bottom[1].count:
+            raise self.error("bottom[1]", f"number of labels must match number of predictions "
+                             f"({self.outer * self.inner} for prediction shape {bottom[0].shape} and "
+                             f"softmax axis {self.axis})", bottom[1].count, cls=ShapeError)
+        if len(top) > 1:
+            top[1].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self.outer, self.classes, self.inner)
+        labels, valid = read_labels(self, bottom[1], self.classes, self.ignore_label,
+                                    (self.outer, self.inner))
+        logp, self.prob = log_softmax(x)
+        safe = np.where(valid, labels, 0)
+        picked = np.maximum(gather_classes(logp, safe), LOG_FLT_MIN)
+        self.labels, self.valid = safe, valid
+        self.count = int(valid.sum())
+        loss = -float(np.sum(picked[valid], dtype=np.float64))
+        top[0].data[...] = loss / normalizer(self, self.mode, self.outer, self.inner, self.count)
+        if len(top) > 1:
+            top[1].data[...] = self.prob.reshape(bottom[0].shape)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        diff = bottom[0].diff.reshape(self.outer, self.classes, self.inner)
+        np.copyto(diff, self.prob)
+        rows, cols = np.nonzero(self.valid)
+        diff[rows, self.labels[rows, cols], cols] -= 1.0
+        if self.count != self.valid.size:
+            diff *= self.valid[:, None, :]
+        diff *= self.top_diff(top) / normalizer(self, self.mode, self.outer, self.inner, self.count)
+
+
+@register
+class SigmoidCrossEntropyLoss(LossLayer):
+    """Cross-entropy of sigmoid(x) against targets t in [0, 1], elementwise:
+        loss = sum_{valid} max(x, 0) - x t + log(1 + exp(-|x|)) / normalizer
+    d loss / dx = (sigmoid(x) - t) * top_diff / normalizer, 0 where ignored.
+    Reads loss_param.ignore_label (a target equal to it, as an integer, is skipped),
+    loss_param.normalization (BATCH_SIZE by default here, as in Caffe; legacy
+    `normalize` true = VALID)."""
+
+    def setup(self, bottom, top):
+        lp = self.param.loss_param
+        self.ignore_label = lp.ignore_label if lp.HasField("ignore_label") else None
+        self.mode = normalization_mode(self, LossParameter.BATCH_SIZE)
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        if bottom[0].count != bottom[1].count:
+            raise self.error("bottom", "inputs must have the same count",
+                             f"{bottom[0].count} and {bottom[1].count}", cls=ShapeError)
+        self.outer, self.inner = bottom[0].shape[0], count_from(bottom[0].shape, 1)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(-1)
+        t = bottom[1].data.reshape(-1)
+        per = np.maximum(x, 0) - x * t + np.log1p(np.exp(-np.abs(x)))
+        if self.ignore_label is not None:
+            self.valid = t.astype(np.int64) != self.ignore_label
+            count = int(self.valid.sum())
+            loss = float(np.sum(per[self.valid], dtype=np.float64))
+        else:
+            self.valid = None
+            count = x.size
+            loss = float(np.sum(per, dtype=np.float64))
+        self.norm = normalizer(self, self.mode, self.outer, self.inner, count)
+        top[0].data[...] = loss / self.norm
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x = bottom[0].data
+        diff = bottom[0].diff
+        # sigmoid as 0.5 tanh(x/2) + 0.5: no overflow for any x
+        np.multiply(np.tanh(0.5 * x), 0.5, out=diff)
+        diff += 0.5
+        diff -= bottom[1].data.reshape(diff.shape)
+        if self.valid is not None:
+            diff *= self.valid.reshape(diff.shape)
+        diff *= self.top_diff(top) / self.norm
+
+
+@register
+class EuclideanLoss(LossLayer):
+    """loss = sum ||a - b||^2 / (2 N), N = bottom[0].shape[0].
+    Gradient to both bottoms: +-(a - b) * top_diff / N."""
+
+    def allow_force_backward(self, bottom_index):
+        return True
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        a, b = bottom
+        if count_from(a.shape, 1) != count_from(b.shape, 1):
+            raise self.error("bottom", "inputs must have the same dimension",
+                             f"{a.shape} and {b.shape}", cls=ShapeError)
+
+    def forward(self, bottom, top):
+        self.delta = bottom[0].data - bottom[1].data.reshape(bottom[0].shape)
+        flat = self.delta.reshape(-1)
+        flat = flat.astype(np.float64)
+        top[0].data[...] = float(np.dot(flat, flat)) / bottom[0].shape[0] / 2.0
+
+    def backward(self, top, propagate_down, bottom):
+        alpha = self.top_diff(top) / bottom[0].shape[0]
+        for i, sign in ((0, 1.0), (1, -1.0)):
+            if propagate_down[i]:
+                np.multiply(self.delta.reshape(bottom[i].shape), sign * alpha, out=bottom[i].diff)
+
+
+@register
+class HingeLoss(LossLayer):
+    """One-vs-all hinge loss over the count(1) scores of each item:
+        m[i, k] = max(0, 1 - s x[i, k]), s = +1 for k == label_i, -1 otherwise
+        L1: loss = sum m / N          L2: loss = sum m^2 / N
+    Reads hinge_loss_param.norm (L1 default)."""
+
+    def setup(self, bottom, top):
+        self.norm = self.param.hinge_loss_param.norm
+        if self.norm not in (caffe_pb2.HingeLossParameter.L1, caffe_pb2.HingeLossParameter.L2):
+            raise self.error("hinge_loss_param.norm", "unknown norm", self.norm)
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        self.num = bottom[0].shape[0]
+        self.dim = bottom[0].count // self.num if self.num else 0
+        if bottom[1].count != self.num:
+            raise self.error("bottom[1]", f"needs one label per item ({self.num})", bottom[1].count,
+                             cls=ShapeError)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self.num, self.dim)
+        labels, _ = read_labels(self, bottom[1], self.dim, shape=(self.num,))
+        signed = x.copy()
+        rows = np.arange(self.num)
+        signed[rows, labels] *= -1
+        self.margin = np.maximum(0.0, 1.0 + signed)
+        self.labels = labels
+        m = self.margin.reshape(-1).astype(np.float64)
+        loss = np.sum(np.abs(m)) if self.norm == caffe_pb2.HingeLossParameter.L1 else np.dot(m, m)
+        top[0].data[...] = float(loss) / self.num
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        diff = bottom[0].diff.reshape(self.num, self.dim)
+        if self.norm == caffe_pb2.HingeLossParameter.L1:
+            np.sign(self.margin, out=diff)
+            scale = self.top_diff(top) / self.num
+        else:
+            np.copyto(diff, self.margin)
+            scale = 2.0 * self.top_diff(top) / self.num
+        diff[np.arange(self.num), self.labels] *= -1
+        diff *= scale
+
+
+@register
+class ContrastiveLoss(LossLayer):
+    """Siamese loss over feature pairs a, b (N x C x 1 x 1) and similarity y (N):
+        d = ||a - b||,  loss = sum_i [y_i d^2 + (1 - y_i) max(margin - d, 0)^2] / (2N)
+    legacy_version: the dissimilar term is max(margin - d^2, 0) instead.
+    y is read as an integer (non-zero = similar). Gradient to a and b, not y; as in
+    Caffe, the non-legacy gradient divides by d + 1e-4 to stay finite at d = 0.
+    Reads contrastive_loss_param.margin, legacy_version."""
+    exact_bottoms = 3
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index != 2
+
+    def setup(self, bottom, top):
+        p = self.param.contrastive_loss_param
+        self.margin, self.legacy = float(p.margin), p.legacy_version
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        a, b, y = bottom
+        if a.num_axes < 2 or b.shape != a.shape or count_from(a.shape, 2) != 1:
+            raise self.error("bottom", "the feature pair needs equal N x C (x 1 x 1) shapes",
+                             f"{a.shape} and {b.shape}", cls=ShapeError)
+        if y.count != a.shape[0]:
+            raise self.error("bottom[2]", f"needs one similarity label per pair ({a.shape[0]})",
+                             y.shape, cls=ShapeError)
+
+    def forward(self, bottom, top):
+        a, b, y = bottom
+        n = a.shape[0]
+        self.delta = (a.data - b.data).reshape(n, -1)
+        d64 = self.delta.astype(np.float64)
+        self.dist_sq = np.einsum("ij,ij->i", d64, d64)
+        self.similar = y.data.reshape(-1).astype(np.int64) != 0
+        if self.legacy:
+            dissimilar = np.maximum(self.margin - self.dist_sq, 0.0)
+        else:
+            dissimilar = np.maximum(self.margin - np.sqrt(self.dist_sq), 0.0) ** 2
+        per = np.where(self.similar, self.dist_sq, dissimilar)
+        top[0].data[...] = float(per.sum()) / n / 2.0
+
+    def backward(self, top, propagate_down, bottom):
+        n = bottom[0].shape[0]
+        if self.legacy:
+            mdist = self.margin - self.dist_sq
+            beta = -np.ones_like(mdist)
+        else:
+            dist = np.sqrt(self.dist_sq)
+            mdist = self.margin - dist
+            beta = -mdist / (dist + 1e-4)
+        coeff = np.where(self.similar, 1.0, np.where(mdist > 0.0, beta, 0.0))
+        for i, sign in ((0, 1.0), (1, -1.0)):
+            if propagate_down[i]:
+                alpha = sign * self.top_diff(top) / n
+                out = bottom[i].diff.reshape(n, -1)
+                np.multiply(self.delta, (alpha * coeff)[:, None].astype(np.float32), out=out)
+
+
+@register
+class InfogainLoss(LossLayer):
+    """Softmax over `infogain_loss_param.axis`, then the infogain-weighted log loss
+        loss = -sum_{valid (i,j)} sum_l H[label_ij, l] log p[i, l, j] / normalizer
+    (H the identity gives SoftmaxWithLoss). d loss / dx = p rowsum(H)[label] - H[label].
+    H (classes x classes) is bottom[2] or the .binaryproto `infogain_loss_param.source`.
+    Reads loss_param.ignore_label, normalization (the legacy `normalize` is refused,
+    as in Caffe); optional top[1] = the probabilities. log p is clamped at
+    log(kLOG_THRESHOLD) as Caffe's log(max(p, 1e-20))."""
+    exact_bottoms = None
+    min_bottoms, max_bottoms = 2, 3
+    exact_tops = None
+    min_tops, max_tops = 1, 2
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index == 0
+
+    def setup(self, bottom, top):
+        lp = self.param.loss_param
+        self.ignore_label = lp.ignore_label if lp.HasField("ignore_label") else None
+        if lp.HasField("normalize"):
+            raise self.error("loss_param.normalize", "is deprecated for InfogainLoss", lp.normalize,
+                             hint="Use loss_param { normalization: VALID } (or FULL, BATCH_SIZE, NONE)")
+        self.mode = lp.normalization
+        self.infogain = None
+        if len(bottom) < 3:
+            source = self.param.infogain_loss_param.source
+            if not source:
+                raise self.error("infogain_loss_param.source", "the infogain matrix must be given "
+                                 "as a .binaryproto file or as a third bottom", "''")
+            from ..blobproto import read_blobproto
+            self.infogain = np.asarray(read_blobproto(source), np.float32)
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        self.outer, self.classes, self.inner, self.axis = split_at_axis(
+            self, bottom[0].shape, self.param.infogain_loss_param.axis, "infogain_loss_param.axis")
+        if self.outer * self.inner != bottom[1].count:
+            raise self.error("bottom[1]", f"number of labels must match number of predictions "
+                             f"({self.outer * self.inner} for prediction shape {bottom[0].shape} and "
+                             f"axis {self.axis})", bottom[1].count, cls=ShapeError)
+        h_count = bottom[2].count if len(bottom) > 2 else self.infogain.size
+        if h_count != self.classes * self.classes:
+            field = "bottom[2]" if len(bottom) > 2 else "infogain_loss_param.source"
+            raise self.error(field, f"the infogain matrix needs {self.classes}x{self.classes} values",
+                             h_count, cls=ShapeError)
+        if len(top) > 1:
+            top[1].reshape(bottom[0].shape)
+
+    def _matrix(self, bottom):
+        h = bottom[2].data if len(bottom) > 2 else self.infogain
+        return h.reshape(self.classes, self.classes)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self.outer, self.classes, self.inner)
+        labels, valid = read_labels(self, bottom[1], self.classes, self.ignore_label,
+                                    (self.outer, self.inner))
+        logp, self.prob = log_softmax(x)
+        logp = np.maximum(logp, np.float32(np.log(LOG_THRESHOLD)))
+        safe = np.where(valid, labels, 0)
+        h_rows = self._matrix(bottom)[safe]                    # (outer, inner, classes)
+        per = np.einsum("ijl,ilj->ij", h_rows.astype(np.float64), logp.astype(np.float64))
+        self.labels, self.valid = safe, valid
+        self.count = int(valid.sum())
+        top[0].data[...] = -float(per[valid].sum()) / normalizer(
+            self, self.mode, self.outer, self.inner, self.count)
+        if len(top) > 1:
+            top[1].data[...] = self.prob.reshape(bottom[0].shape)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        h = self._matrix(bottom)
+        rowsum = h.sum(axis=1, dtype=np.float64).astype(np.float32)
+        diff = bottom[0].diff.reshape(self.outer, self.classes, self.inner)
+        np.multiply(self.prob, rowsum[self.labels][:, None, :], out=diff)
+        diff -= h[self.labels].transpose(0, 2, 1)
+        diff *= self.valid[:, None, :]
+        diff *= self.top_diff(top) / normalizer(self, self.mode, self.outer, self.inner, self.count)
+
+
+@register
+class MultinomialLogisticLoss(LossLayer):
+    """Log loss of given probabilities p (N x classes, e.g. a Softmax top):
+        loss = -sum_i log(max(p[i, label_i], 1e-20)) / N
+    d loss / dp[i, label_i] = -top_diff / (N max(p, 1e-20)), 0 elsewhere."""
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        if count_from(bottom[1].shape, 1) != 1:
+            raise self.error("bottom[1]", "needs one label per item (N x 1 x 1 x 1)",
+                             bottom[1].shape, cls=ShapeError)
+        self.num = bottom[0].shape[0]
+        self.dim = bottom[0].count // self.num if self.num else 0
+
+    def forward(self, bottom, top):
+        p = bottom[0].data.reshape(self.num, self.dim)
+        self.labels, _ = read_labels(self, bottom[1], self.dim, shape=(self.num,))
+        picked = np.maximum(p[np.arange(self.num), self.labels].astype(np.float64), LOG_THRESHOLD)
+        top[0].data[...] = -float(np.log(picked).sum()) / self.num
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        p = bottom[0].data.reshape(self.num, self.dim)
+        diff = bottom[0].diff.reshape(self.num, self.dim)
+        diff[...] = 0
+        rows = np.arange(self.num)
+        picked = np.maximum(p[rows, self.labels], np.float32(LOG_THRESHOLD))
+        diff[rows, self.labels] = -(self.top_diff(top) / self.num) / picked
+
+
+@register
+class Accuracy(Layer):
+    """Fraction of (item, position) pairs whose label is among the top_k scores
+    along `accuracy_param.axis`; a score tied with the true class counts as better
+    (Caffe's rule). Ignored labels (accuracy_param.ignore_label) are not counted.
+    top[0]: accuracy (0 when nothing is counted); optional top[1]: per-class
+    accuracy (0 for classes absent from the batch). No gradient."""
+    exact_bottoms = 2
+    min_tops, max_tops = 1, 2
+    differentiable = False
+
+    def allow_force_backward(self, bottom_index):
+        return False
+
+    def setup(self, bottom, top):
+        p = self.param.accuracy_param
+        self.top_k = int(p.top_k)
+        self.ignore_label = p.ignore_label if p.HasField("ignore_label") else None
+
+    def reshape(self, bottom, top):
+        if bottom[1].count == 0 or self.top_k > bottom[0].count // bottom[1].count:
+            raise self.error("accuracy_param.top_k", "must be at most the number of classes "
+                             f"({bottom[0].count // max(bottom[1].count, 1)})", self.top_k)
+        self.outer, self.classes, self.inner, self.axis = split_at_axis(
+            self, bottom[0].shape, self.param.accuracy_param.axis, "accuracy_param.axis")
+        if self.outer * self.inner != bottom[1].count:
+            raise self.error("bottom[1]", f"number of labels must match number of predictions "
+                             f"({self.outer * self.inner} for prediction shape {bottom[0].shape} and "
+                             f"axis {self.axis})", bottom[1].count, cls=ShapeError)
+        top[0].reshape(())
+        if len(top) > 1:
+            top[1].reshape((self.classes,))
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self.outer, self.classes, self.inner)
+        labels, valid = read_labels(self, bottom[1], self.classes, self.ignore_label,
+                                    (self.outer, self.inner))
+        safe = np.where(valid, labels, 0)
+        true_score = gather_classes(x, safe)
+        # the true class itself is among the ">=" ones, hence the - 1
+        better = (x >= true_score[:, None, :]).sum(axis=1) - 1
+        correct = valid & (better < self.top_k)
+        count = int(valid.sum())
+        top[0].data[...] = 0.0 if count == 0 else int(correct.sum()) / count
+        if len(top) > 1:
+            seen = np.bincount(labels[valid], minlength=self.classes)
+            hits = np.bincount(labels[correct], minlength=self.classes)
+            top[1].data[...] = np.where(seen > 0, hits / np.maximum(seen, 1), 0.0)
+
+    def backward(self, top, propagate_down, bottom):
+        pass

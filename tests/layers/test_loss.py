@@ -1,0 +1,333 @@
+"""Loss layers and Accuracy against float64 loop references written from Caffe's formulas."""
+import numpy as np
+import pytest
+
+from caffepy.errors import LayerError, ShapeError
+from layer_cases import Case, case_tests, randn, setup_layer
+
+
+def labels(shape, classes, seed=1, ignore=None, ignore_every=3):
+    lab = np.random.default_rng(seed).integers(0, classes, size=shape).astype(np.float32)
+    if ignore is not None:
+        lab.reshape(-1)[::ignore_every] = ignore
+    return lab
+
+
+def _norm(mode, outer, inner, valid):
+    n = {"VALID": valid, "FULL": outer * inner, "BATCH_SIZE": outer, "NONE": 1}[mode]
+    return max(1.0, float(n))
+
+
+def _rows(x, axis):
+    """(outer * inner, classes) rows in the label order, plus outer and inner."""
+    axis = axis % x.ndim
+    outer, inner = int(np.prod(x.shape[:axis])), int(np.prod(x.shape[axis + 1:]))
+    return np.moveaxis(x, axis, -1).reshape(-1, x.shape[axis]), outer, inner
+
+
+def softmax_ref(x, axis=1):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def softmax_loss_ref(axis=1, ignore=None, mode="VALID"):
+    def ref(x, lab):
+        rows, outer, inner = _rows(x, axis)
+        total, count = 0.0, 0
+        for r, l in zip(rows, lab.reshape(-1).astype(int)):
+            if ignore is not None and l == ignore:
+                continue
+            total -= r[l] - (r.max() + np.log(np.sum(np.exp(r - r.max()))))
+            count += 1
+        return [np.array(total / _norm(mode, outer, inner, count))]
+    return ref
+
+
+def sigmoid_ce_ref(ignore=None, mode="BATCH_SIZE"):
+    def ref(x, t):
+        total, count = 0.0, 0
+        for xi, ti in zip(x.reshape(-1), t.reshape(-1)):
+            if ignore is not None and int(ti) == ignore:
+                continue
+            p = 1.0 / (1.0 + np.exp(-xi))
+            total -= ti * np.log(p) + (1 - ti) * np.log(1 - p)
+            count += 1
+        return [np.array(total / _norm(mode, x.shape[0], x[0].size, count))]
+    return ref
+
+
+def hinge_ref(power):
+    def ref(x, lab):
+        x = x.reshape(x.shape[0], -1)
+        total = 0.0
+        for i, l in enumerate(lab.reshape(-1).astype(int)):
+            for k in range(x.shape[1]):
+                s = 1.0 if k == l else -1.0
+                total += max(0.0, 1.0 - s * x[i, k]) ** power
+        return [np.array(total / x.shape[0])]
+    return ref
+
+
+def contrastive_ref(margin, legacy):
+    def ref(a, b, y):
+        total = 0.0
+        for ai, bi, yi in zip(a.reshape(len(a), -1), b.reshape(len(b), -1), y.reshape(-1)):
+            d2 = float(np.sum((ai - bi) ** 2))
+            if int(yi):
+                total += d2
+            elif legacy:
+                total += max(margin - d2, 0.0)
+            else:
+                total += max(margin - np.sqrt(d2), 0.0) ** 2
+        return [np.array(total / len(a) / 2)]
+    return ref
+
+
+def infogain_ref(H, axis=1, ignore=None, mode="VALID"):
+    def ref(x, lab, h=None):
+        m = (H if h is None else h).reshape(x.shape[axis], x.shape[axis])
+        rows, outer, inner = _rows(x, axis)
+        total, count = 0.0, 0
+        for r, l in zip(rows, lab.reshape(-1).astype(int)):
+            if ignore is not None and l == ignore:
+                continue
+            p = np.exp(r - r.max())
+            p /= p.sum()
+            total -= np.dot(m[l], np.log(p))
+            count += 1
+        return [np.array(total / _norm(mode, outer, inner, count)), softmax_ref(x, axis)][:2]
+    return ref
+
+
+def accuracy_ref(top_k=1, axis=1, ignore=None, per_class=False):
+    def ref(x, lab):
+        rows, _, _ = _rows(x, axis)
+        classes = rows.shape[1]
+        hits, count = 0, 0
+        seen, good = np.zeros(classes), np.zeros(classes)
+        for r, l in zip(rows, lab.reshape(-1).astype(int)):
+            if ignore is not None and l == ignore:
+                continue
+            rank = sum(1 for k in range(classes) if k != l and r[k] >= r[l])
+            ok = rank < top_k
+            hits += ok
+            count += 1
+            seen[l] += 1
+            good[l] += ok
+        out = [np.array(hits / count if count else 0.0)]
+        if per_class:
+            out.append(np.where(seen > 0, good / np.maximum(seen, 1), 0.0))
+        return out
+    return ref
+
+
+def away_from(x, points, gap=0.1):
+    """Move values within `gap` of a kink out of the gradient checker's reach."""
+    x = x.copy()
+    for p in points:
+        near = np.abs(x - p) < gap
+        x[near] = p + np.where(x[near] >= p, gap, -gap) * 1.5
+    return x
+
+
+X45 = randn(4, 5, seed=3, scale=2.0)
+X_SP = randn(2, 4, 3, 2, seed=4, scale=2.0)
+H5 = np.abs(randn(1, 1, 5, 5, seed=8)) + 0.1
+PROBS = softmax_ref(randn(6, 5, seed=9).astype(np.float64)).astype(np.float32)
+PAIR_A, PAIR_B = randn(6, 3, 1, 1, seed=10), randn(6, 3, 1, 1, seed=11)
+SIMILAR = np.array([1, 0, 1, 0, 0, 0], np.float32).reshape(6, 1, 1, 1)
+TIES = np.array([[1, 2, 2, 0], [3, 3, 3, 3], [0, 1, 2, 3], [5, 1, 5, 1]], np.float32)
+
+
+def _sp_cases():
+    out = []
+    lab_ign = labels((2, 1, 3, 2), 4, seed=2, ignore=255)
+    for mode in ("VALID", "FULL", "BATCH_SIZE", "NONE"):
+        params = f"loss_param {{ ignore_label: 255 normalization: {mode} }}"
+        out.append(Case("SoftmaxWithLoss", params, [X_SP, lab_ign], check_bottom=[0],
+                        expected=softmax_loss_ref(1, 255, mode), id=f"SoftmaxWithLoss:{mode}"))
+    return out
+
+
+CASES = [
+    Case("SoftmaxWithLoss", "", [X45, labels(4, 5)], check_bottom=[0], expected=softmax_loss_ref()),
+    *_sp_cases(),
+    Case("SoftmaxWithLoss", "loss_param { normalize: false }", [X_SP, labels((2, 3, 2), 4, seed=5)],
+         check_bottom=[0], expected=softmax_loss_ref(1, None, "BATCH_SIZE"), id="SoftmaxWithLoss:normalize-false"),
+    Case("SoftmaxWithLoss", "loss_param { normalize: true ignore_label: 1 }", [X_SP, labels((2, 3, 2), 4, seed=5)],
+         check_bottom=[0], expected=softmax_loss_ref(1, 1, "VALID"), id="SoftmaxWithLoss:normalize-true"),
+    Case("SoftmaxWithLoss", "softmax_param { axis: -1 }", [X_SP, labels((2, 4, 3), 2, seed=6)],
+         check_bottom=[0], expected=softmax_loss_ref(-1), id="SoftmaxWithLoss:axis-1"),
+    Case("SoftmaxWithLoss", "softmax_param { axis: 2 }", [X_SP, labels((2, 4, 2), 3, seed=7)],
+         check_bottom=[0], expected=softmax_loss_ref(2), id="SoftmaxWithLoss:axis2"),
+    Case("SoftmaxWithLoss", "", [X45, labels(4, 5)], n_top=2, grad=False,
+         expected=lambda x, l: softmax_loss_ref()(x, l) + [softmax_ref(x)], id="SoftmaxWithLoss:prob-top"),
+    # extreme logits: finite loss, probability underflow clamped as Caffe's log(max(p, FLT_MIN))
+    Case("SoftmaxWithLoss", "", [np.array([[0, 200, -200]], np.float32), np.array([2], np.float32)],
+         grad=False, expected=lambda x, l: [np.array(-np.log(np.finfo(np.float32).tiny))],
+         id="SoftmaxWithLoss:saturated", rtol=1e-5),
+
+    Case("SigmoidCrossEntropyLoss", "", [randn(3, 4, 2, seed=12, scale=2.0),
+                                         np.random.default_rng(13).random((3, 4, 2)).astype(np.float32)],
+         check_bottom=[0], expected=sigmoid_ce_ref()),
+    *[Case("SigmoidCrossEntropyLoss", f"loss_param {{ ignore_label: -1 normalization: {mode} }}",
+           [randn(3, 4, 2, seed=14, scale=2.0), labels((3, 4, 2), 2, seed=15, ignore=-1)],
+           check_bottom=[0], expected=sigmoid_ce_ref(-1, mode), id=f"SigmoidCrossEntropyLoss:{mode}")
+      for mode in ("VALID", "FULL", "BATCH_SIZE", "NONE")],
+    Case("SigmoidCrossEntropyLoss", "loss_param { normalize: true }",
+         [randn(3, 5, seed=16), labels((3, 5), 2, seed=17)], check_bottom=[0],
+         expected=sigmoid_ce_ref(None, "VALID"), id="SigmoidCrossEntropyLoss:normalize"),
+    Case("SigmoidCrossEntropyLoss", "", [np.array([[80.0, -80.0, 0.0]], np.float32),
+                                         np.array([[0.0, 1.0, 0.5]], np.float32)],
+         grad=False, expected=lambda x, t: [np.array(160.0 + np.log(2.0))], id="SigmoidCrossEntropyLoss:extreme"),
+
+    Case("EuclideanLoss", "", [randn(4, 3, 2, seed=18), randn(4, 3, 2, seed=19)],
+         expected=lambda a, b: [np.array(np.sum((a - b) ** 2) / 4 / 2)]),
+    Case("EuclideanLoss", "", [randn(4, 6, seed=18), randn(4, 2, 3, seed=19)],
+         expected=lambda a, b: [np.array(np.sum((a - b.reshape(4, 6)) ** 2) / 4 / 2)], id="EuclideanLoss:shapes"),
+
+    Case("HingeLoss", "", [away_from(randn(5, 4, seed=20, scale=1.5), [-1, 1]), labels(5, 4, seed=21)],
+         check_bottom=[0], expected=hinge_ref(1)),
+    Case("HingeLoss", "hinge_loss_param { norm: L2 }",
+         [away_from(randn(5, 2, 2, seed=22, scale=1.5), [-1, 1]), labels(5, 4, seed=23)],
+         check_bottom=[0], expected=hinge_ref(2)),
+
+    Case("ContrastiveLoss", "contrastive_loss_param { margin: 2.5 }", [PAIR_A, PAIR_B, SIMILAR],
+         check_bottom=[0, 1], expected=contrastive_ref(2.5, False)),
+    Case("ContrastiveLoss", "contrastive_loss_param { margin: 5 legacy_version: true }",
+         [PAIR_A, PAIR_B, SIMILAR], check_bottom=[0, 1], expected=contrastive_ref(5.0, True)),
+
+    Case("InfogainLoss", "", [X45, labels(4, 5, seed=24), H5], check_bottom=[0],
+         expected=lambda x, l, h: infogain_ref(H5)(x, l, h)[:1]),
+    Case("InfogainLoss", "infogain_loss_param { axis: 2 } loss_param { ignore_label: 0 normalization: FULL }",
+         [randn(2, 3, 5, seed=25), labels((2, 3), 5, seed=26), H5], check_bottom=[0], n_top=2,
+         expected=lambda x, l, h: infogain_ref(H5, 2, 0, "FULL")(x, l, h), id="InfogainLoss:axis2-prob-top",
+         grad=False),
+    Case("InfogainLoss", "infogain_loss_param { axis: 2 } loss_param { ignore_label: 0 normalization: BATCH_SIZE }",
+         [randn(2, 3, 5, seed=25), labels((2, 3), 5, seed=26), H5], check_bottom=[0],
+         expected=lambda x, l, h: infogain_ref(H5, 2, 0, "BATCH_SIZE")(x, l, h)[:1], id="InfogainLoss:axis2"),
+
+    # log is strongly curved near small p: a smaller step for the central difference
+    Case("MultinomialLogisticLoss", "", [PROBS, labels((6, 1, 1, 1), 5, seed=27)], check_bottom=[0], eps=1e-3,
+         expected=lambda p, l: [np.array(-np.mean(np.log(p[np.arange(6), l.reshape(-1).astype(int)])))]),
+
+    Case("Accuracy", "", [X45, labels(4, 5, seed=28)], grad=False, expected=accuracy_ref()),
+    Case("Accuracy", "accuracy_param { top_k: 2 }", [TIES, np.array([2, 0, 3, 1], np.float32)], grad=False,
+         expected=accuracy_ref(2), id="Accuracy:ties-top2"),
+    Case("Accuracy", "accuracy_param { top_k: 3 }", [randn(8, 6, seed=29), labels(8, 6, seed=30)],
+         n_top=2, grad=False, expected=accuracy_ref(3, per_class=True), id="Accuracy:top3-per-class"),
+    Case("Accuracy", "accuracy_param { ignore_label: 2 axis: -1 }", [X_SP, labels((2, 4, 3), 2, seed=31)],
+         n_top=2, grad=False, expected=accuracy_ref(1, -1, 2, True), id="Accuracy:axis-ignore"),
+    Case("Accuracy", "accuracy_param { ignore_label: 1 }", [X45, np.ones(4, np.float32)], n_top=2, grad=False,
+         expected=accuracy_ref(1, 1, 1, True), id="Accuracy:all-ignored"),
+]
+
+test_forward, test_gradient = case_tests(CASES)
+
+
+def test_scalar_top_and_default_loss_weights():
+    layer, bottom, top = setup_layer("SoftmaxWithLoss", "", [X45, labels(4, 5)], n_top=2)
+    assert top[0].shape == () and top[1].shape == (4, 5)
+    assert layer.loss_weights(2) == [1.0, 0.0]
+    assert not layer.allow_force_backward(1)
+    acc, _, atop = setup_layer("Accuracy", "", [X45, labels(4, 5)], n_top=2)
+    assert acc.loss_weights(2) == [0.0, 0.0] and atop[1].shape == (5,)
+
+
+def test_backward_scales_by_top_diff_and_ignores_labels():
+    x, lab = X_SP, labels((2, 1, 3, 2), 4, seed=2, ignore=255)
+    layer, bottom, top = setup_layer("SoftmaxWithLoss", "loss_param { ignore_label: 255 }", [x, lab])
+    layer.forward(bottom, top)
+    top[0].diff[...] = 3.0
+    bottom[0].diff[...] = 7.0   # must be overwritten, not accumulated
+    layer.backward(top, [True, False], bottom)
+    prob = softmax_ref(x.astype(np.float64))
+    onehot = np.zeros_like(prob)
+    flat = lab.reshape(2, 3, 2).astype(int)
+    valid = flat != 255
+    for n, h, w in zip(*np.nonzero(valid)):
+        onehot[n, flat[n, h, w], h, w] = 1
+    want = (prob - onehot) * valid[:, None] * 3.0 / valid.sum()
+    np.testing.assert_allclose(bottom[0].diff, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("type_,params,bottoms", [
+    ("SoftmaxWithLoss", "", [X45, np.array([0, 1, 7, 2], np.float32)]),
+    ("SoftmaxWithLoss", "loss_param { ignore_label: -1 }", [X45, np.array([0, -1, 7, 2], np.float32)]),
+    ("Accuracy", "", [X45, np.array([0, 1, 7, 2], np.float32)]),
+    ("HingeLoss", "", [X45, np.array([0, 1, 7, 2], np.float32)]),
+    ("MultinomialLogisticLoss", "", [X45, np.array([0, 1, 7, 2], np.float32)]),
+    ("InfogainLoss", "", [X45, np.array([0, 1, 7, 2], np.float32), H5]),
+])
+def test_label_out_of_range_is_a_one_line_error(type_, params, bottoms):
+    layer, bottom, top = setup_layer(type_, params, bottoms)
+    with pytest.raises(LayerError) as info:
+        layer.forward(bottom, top)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert f"layer 'layer' ({type_})" in msg and "got 7" in msg and "[0, 5)" in msg
+
+
+def test_negative_label_is_an_error_unless_ignored():
+    layer, bottom, top = setup_layer("SoftmaxWithLoss", "", [X45, np.array([0, -1, 3, 2], np.float32)])
+    with pytest.raises(LayerError, match="got -1"):
+        layer.forward(bottom, top)
+
+
+@pytest.mark.parametrize("type_,params,bottoms,match", [
+    ("SoftmaxWithLoss", "", [X45, labels(3, 5)], "same first dimension"),
+    ("SoftmaxWithLoss", "", [X_SP, labels((2, 3), 4)], "number of labels must match"),
+    ("EuclideanLoss", "", [randn(4, 6), randn(4, 5)], "same dimension"),
+    ("SigmoidCrossEntropyLoss", "", [randn(4, 6), randn(4, 5)], "same count"),
+    ("InfogainLoss", "", [X45, labels(4, 5), np.ones((4, 4), np.float32)], "infogain matrix"),
+    ("ContrastiveLoss", "", [randn(4, 3, 2, 1), randn(4, 3, 2, 1), np.ones(4, np.float32)], "feature pair"),
+])
+def test_shape_errors(type_, params, bottoms, match):
+    with pytest.raises(ShapeError, match=match):
+        setup_layer(type_, params, bottoms)
+
+
+def test_accuracy_top_k_above_classes_is_an_error():
+    with pytest.raises(LayerError, match=r"accuracy_param.top_k: must be at most the number of classes \(5\), got 6"):
+        setup_layer("Accuracy", "accuracy_param { top_k: 6 }", [X45, labels(4, 5)])
+
+
+def test_infogain_without_matrix_is_an_error():
+    with pytest.raises(LayerError, match="infogain_loss_param.source"):
+        setup_layer("InfogainLoss", "", [X45, labels(4, 5)])
+
+
+def test_infogain_normalize_is_refused():
+    with pytest.raises(LayerError, match="normalize"):
+        setup_layer("InfogainLoss", "loss_param { normalize: true }", [X45, labels(4, 5), H5])
+
+
+def test_infogain_matrix_from_binaryproto(tmp_path):
+    pytest.importorskip("caffepy.prototxt")
+    from caffepy.blobproto import write_blobproto
+    path = tmp_path / "H.binaryproto"
+    write_blobproto(H5, str(path))
+    lab = labels(4, 5, seed=24)
+    layer, bottom, top = setup_layer("InfogainLoss", f"infogain_loss_param {{ source: '{path}' }}", [X45, lab])
+    layer.forward(bottom, top)
+    want = infogain_ref(H5)(X45.astype(np.float64), lab)[0]
+    np.testing.assert_allclose(top[0].data, want, rtol=1e-5)
+    # identity H is SoftmaxWithLoss
+    write_blobproto(np.eye(5, dtype=np.float32).reshape(1, 1, 5, 5), str(path))
+    layer, bottom, top = setup_layer("InfogainLoss", f"infogain_loss_param {{ source: '{path}' }}", [X45, lab])
+    layer.forward(bottom, top)
+    np.testing.assert_allclose(top[0].data, softmax_loss_ref()(X45.astype(np.float64), lab)[0], rtol=1e-5)
+
+
+def test_sigmoid_ce_against_torch():
+    torch = pytest.importorskip("torch")
+    x, t = randn(4, 7, seed=40, scale=3.0), np.random.default_rng(41).random((4, 7)).astype(np.float32)
+    layer, bottom, top = setup_layer("SigmoidCrossEntropyLoss", "", [x, t])
+    layer.forward(bottom, top)
+    xt = torch.tensor(x, requires_grad=True)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(xt, torch.tensor(t), reduction="sum") / 4
+    loss.backward()
+    np.testing.assert_allclose(top[0].data, loss.item(), rtol=1e-5)
+    top[0].diff[...] = 1.0
+    layer.backward(top, [True, False], bottom)
+    np.testing.assert_allclose(bottom[0].diff, xt.grad.numpy(), rtol=1e-5, atol=1e-7)
