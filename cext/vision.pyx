@@ -1,0 +1,1047 @@
+# cython: language_level=3
+"""Kernels of Caffe's vision layers: im2col/col2im, (de)convolution, pooling, LRN.
+
+Every kernel takes float32 C-contiguous arrays (int32 for the max-pooling mask), writes into
+buffers the caller allocated, and runs without the GIL. Shapes are read from the arrays; the
+geometry (pad, stride, dilation, kernel) is passed as ints. The NumPy references of every
+kernel are in caffepy/kernels/reference.py.
+
+Conventions (Caffe's):
+- im2col row index = (c * kh + i) * kw + j, column index = oy * ow + ox; out-of-image taps are 0.
+- conv / deconv weight diffs and bias diffs ACCUMULATE (+=); top and bottom diffs are OVERWRITTEN.
+- pooling output sizes use Caffe's ceil rule (see pool_output_shape); AVE divides by the window
+  clipped to the padded extent, MAX ignores the padding and records the argmax as h * W + w.
+"""
+
+from cython.parallel cimport prange, threadid
+cimport openmp
+from libc.float cimport FLT_MAX
+from libc.math cimport powf, sqrtf
+from libc.stdint cimport int32_t
+from libc.string cimport memcpy, memset
+
+from blas cimport gemm
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes the layers need to allocate outputs (Caffe's formulas).
+
+def conv_output_shape(int H, int W, int kh, int kw, int pad_h, int pad_w,
+                      int stride_h, int stride_w, int dil_h=1, int dil_w=1):
+    """(out_h, out_w) of a convolution: (H + 2p - (d(k-1)+1)) // s + 1."""
+    return ((H + 2 * pad_h - (dil_h * (kh - 1) + 1)) // stride_h + 1,
+            (W + 2 * pad_w - (dil_w * (kw - 1) + 1)) // stride_w + 1)
+
+
+def deconv_output_shape(int H, int W, int kh, int kw, int pad_h, int pad_w,
+                        int stride_h, int stride_w, int dil_h=1, int dil_w=1):
+    """(out_h, out_w) of a deconvolution: s(H-1) + d(k-1)+1 - 2p (the inverse of conv)."""
+    return (stride_h * (H - 1) + dil_h * (kh - 1) + 1 - 2 * pad_h,
+            stride_w * (W - 1) + dil_w * (kw - 1) + 1 - 2 * pad_w)
+
+
+def pool_output_shape(int H, int W, int kh, int kw, int stride_h, int stride_w,
+                      int pad_h, int pad_w, bint ceil_mode=True):
+    """(out_h, out_w) of pooling with Caffe's rounding.
+
+    ceil((H + 2p - k) / s) + 1 (floor with ceil_mode=False, Caffe's round_mode FLOOR); with
+    padding, a last window that would start at or past H + p is dropped.
+    """
+    return (_pool_extent(H, kh, stride_h, pad_h, ceil_mode),
+            _pool_extent(W, kw, stride_w, pad_w, ceil_mode))
+
+
+cdef int _pool_extent(int size, int k, int s, int p, bint ceil_mode) except -1:
+    cdef int span = size + 2 * p - k
+    cdef int out
+    if k < 1 or s < 1 or p < 0 or span < 0:
+        raise ValueError(f"pooling kernel {k} (stride {s}, pad {p}) does not fit size {size}")
+    out = (span + s - 1) // s + 1 if ceil_mode else span // s + 1
+    if p > 0 and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Threading of the convolution image loop.
+#
+# Two ways to use the cores: call BLAS once per image and let it thread each GEMM (im2col is
+# then split over channels with OpenMP), or give every OpenMP thread its own images, its own
+# column buffer and a single-threaded BLAS. Running both pools at once oversubscribes the cores,
+# so the second way sets the BLAS thread count to 1 for the loop and restores it after.
+# benchmarks/bench_kernels.py measures both; the default is the faster one on AlexNet shapes.
+
+ctypedef void (*_set_threads_fn)(int) noexcept nogil
+ctypedef int (*_get_threads_fn)() noexcept nogil
+cdef _set_threads_fn _blas_set_threads = NULL
+cdef _get_threads_fn _blas_get_threads = NULL
+
+cdef enum:
+    _PER_IMAGE = 0
+    _BLAS_THREADS = 1
+
+cdef int _conv_threading = _PER_IMAGE
+
+
+cdef _bind_blas_thread_control():
+    # The BLAS behind scipy.linalg.cython_blas is a dependency of that extension module, so the
+    # dynamic loader finds its thread setters through the module's own handle.
+    global _blas_set_threads, _blas_get_threads
+    import ctypes
+    from scipy.linalg import cython_blas
+    try:
+        lib = ctypes.CDLL(cython_blas.__file__)
+    except OSError:
+        return
+    for prefix in ("scipy_openblas", "openblas"):
+        setter = getattr(lib, prefix + "_set_num_threads", None)
+        getter = getattr(lib, prefix + "_get_num_threads", None)
+        if setter is not None and getter is not None:
+            _blas_set_threads = <_set_threads_fn><size_t>ctypes.cast(setter, ctypes.c_void_p).value
+            _blas_get_threads = <_get_threads_fn><size_t>ctypes.cast(getter, ctypes.c_void_p).value
+            return
+
+
+_bind_blas_thread_control()
+
+
+def set_conv_threading(str mode):
+    """'images': OpenMP over the batch, one BLAS thread each; 'blas': images in turn, BLAS threads.
+
+    'images' needs a BLAS whose thread count can be set (OpenBLAS); without one, 'blas' is used.
+    """
+    global _conv_threading
+    if mode == "images":
+        _conv_threading = _PER_IMAGE
+    elif mode == "blas":
+        _conv_threading = _BLAS_THREADS
+    else:
+        raise ValueError(f"conv threading must be 'images' or 'blas', got {mode!r}")
+
+
+def get_conv_threading():
+    return "images" if _conv_threading == _PER_IMAGE and _blas_set_threads != NULL else "blas"
+
+
+cdef int _image_threads(int n_images, Py_ssize_t buffer_floats, Py_ssize_t per_thread) noexcept nogil:
+    """How many threads the image loop uses: 1 means images in turn with a threaded BLAS."""
+    cdef int t = openmp.omp_get_max_threads()
+    if _conv_threading != _PER_IMAGE or _blas_set_threads == NULL:
+        return 1
+    if per_thread > 0 and buffer_floats // per_thread < t:
+        t = <int>(buffer_floats // per_thread)
+    if t > n_images:
+        t = n_images
+    return t if t > 1 else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# im2col / col2im
+
+cdef struct Geom:
+    # image side (bottom of a conv, top of a deconv) and column side (top of a conv)
+    int C, H, W, O, oh, ow
+    int kh, kw, ph, pw, sh, sw, dh, dw, group
+    int Cg, Og, Kg, P        # channels per group, outputs per group, col rows per group, oh*ow
+    bint direct              # 1x1, stride 1, pad 0: the image is already the column matrix
+
+
+cdef inline void _valid_cols(int off, int s, int W, int ow, int* lo, int* hi) noexcept nogil:
+    """ox in [lo, hi) keeps 0 <= ox * s + off < W."""
+    cdef int a = 0, b
+    if off < 0:
+        a = (-off + s - 1) // s
+    if W - 1 - off < 0:
+        b = 0
+    else:
+        b = (W - 1 - off) // s + 1
+    if a > ow:
+        a = ow
+    if b > ow:
+        b = ow
+    if b < a:
+        b = a
+    lo[0] = a
+    hi[0] = b
+
+
+cdef void _im2col_channel(const float* im, int c, const Geom* g, float* col) noexcept nogil:
+    cdef const float* plane = im + <Py_ssize_t>c * g.H * g.W
+    cdef int i, j, oy, ox, iy, off, lo, hi
+    cdef float* dst
+    cdef const float* src
+    for i in range(g.kh):
+        for j in range(g.kw):
+            off = j * g.dw - g.pw
+            _valid_cols(off, g.sw, g.W, g.ow, &lo, &hi)
+            dst = col + (<Py_ssize_t>(c * g.kh + i) * g.kw + j) * g.P
+            for oy in range(g.oh):
+                iy = oy * g.sh - g.ph + i * g.dh
+                if iy < 0 or iy >= g.H:
+                    memset(dst, 0, g.ow * sizeof(float))
+                else:
+                    memset(dst, 0, lo * sizeof(float))
+                    src = plane + iy * g.W + off + lo * g.sw
+                    if g.sw == 1:
+                        memcpy(dst + lo, src, (hi - lo) * sizeof(float))
+                    else:
+                        for ox in range(hi - lo):
+                            dst[lo + ox] = src[ox * g.sw]
+                    memset(dst + hi, 0, (g.ow - hi) * sizeof(float))
+                dst += g.ow
+
+
+cdef void _col2im_channel(const float* col, int c, const Geom* g, float* im) noexcept nogil:
+    cdef float* plane = im + <Py_ssize_t>c * g.H * g.W
+    cdef int i, j, oy, ox, iy, off, lo, hi
+    cdef const float* src
+    cdef float* dst
+    memset(plane, 0, <Py_ssize_t>g.H * g.W * sizeof(float))
+    for i in range(g.kh):
+        for j in range(g.kw):
+            off = j * g.dw - g.pw
+            _valid_cols(off, g.sw, g.W, g.ow, &lo, &hi)
+            src = col + (<Py_ssize_t>(c * g.kh + i) * g.kw + j) * g.P
+            for oy in range(g.oh):
+                iy = oy * g.sh - g.ph + i * g.dh
+                if iy >= 0 and iy < g.H:
+                    dst = plane + iy * g.W + off + lo * g.sw
+                    if g.sw == 1:
+                        for ox in range(hi - lo):
+                            dst[ox] += src[lo + ox]
+                    else:
+                        for ox in range(hi - lo):
+                            dst[ox * g.sw] += src[lo + ox]
+                src += g.ow
+
+
+cdef void _im2col(const float* im, const Geom* g, float* col, int nt) noexcept nogil:
+    cdef int c
+    if nt <= 1:
+        for c in range(g.C):
+            _im2col_channel(im, c, g, col)
+    else:
+        for c in prange(g.C, num_threads=nt, schedule="static"):
+            _im2col_channel(im, c, g, col)
+
+
+cdef void _col2im(const float* col, const Geom* g, float* im, int nt) noexcept nogil:
+    # each channel owns its image plane and its rows of the column matrix: no races
+    cdef int c
+    if nt <= 1:
+        for c in range(g.C):
+            _col2im_channel(col, c, g, im)
+    else:
+        for c in prange(g.C, num_threads=nt, schedule="static"):
+            _col2im_channel(col, c, g, im)
+
+
+cdef Geom _geom(int C, int H, int W, int O, int kh, int kw, int ph, int pw, int sh, int sw,
+                int dh, int dw, int group) except *:
+    cdef Geom g
+    if kh < 1 or kw < 1 or sh < 1 or sw < 1 or dh < 1 or dw < 1 or ph < 0 or pw < 0:
+        raise ValueError(f"kernel, stride and dilation must be >= 1 and pad >= 0, got "
+                         f"kernel {kh}x{kw} stride {sh}x{sw} dilation {dh}x{dw} pad {ph}x{pw}")
+    if group < 1 or C % group or O % group:
+        raise ValueError(f"group {group} must divide {C} input and {O} output channels")
+    g.C, g.H, g.W, g.O = C, H, W, O
+    g.kh, g.kw, g.ph, g.pw, g.sh, g.sw, g.dh, g.dw, g.group = kh, kw, ph, pw, sh, sw, dh, dw, group
+    g.oh = (H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+    g.ow = (W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    if g.oh < 1 or g.ow < 1:
+        raise ValueError(f"kernel {kh}x{kw} (dilation {dh}x{dw}, pad {ph}x{pw}) does not fit "
+                         f"a {H}x{W} image")
+    g.Cg = C // group
+    g.Og = O // group
+    g.Kg = g.Cg * kh * kw
+    g.P = g.oh * g.ow
+    g.direct = kh == 1 and kw == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
+    return g
+
+
+def im2col(const float[:, :, ::1] data_im, int kh, int kw, int pad_h, int pad_w,
+           int stride_h, int stride_w, int dil_h, int dil_w, float[:, ::1] data_col):
+    """data_col[C*kh*kw, oh*ow] = columns of data_im[C, H, W] (overwritten)."""
+    cdef Geom g = _geom(data_im.shape[0], data_im.shape[1], data_im.shape[2], 1, kh, kw,
+                        pad_h, pad_w, stride_h, stride_w, dil_h, dil_w, 1)
+    _check(data_col.shape[0] == g.C * kh * kw and data_col.shape[1] == g.P, "data_col",
+           (data_col.shape[0], data_col.shape[1]), (g.C * kh * kw, g.P))
+    with nogil:
+        _im2col(&data_im[0, 0, 0], &g, &data_col[0, 0], openmp.omp_get_max_threads())
+
+
+def col2im(const float[:, ::1] data_col, int kh, int kw, int pad_h, int pad_w,
+           int stride_h, int stride_w, int dil_h, int dil_w, float[:, :, ::1] data_im):
+    """data_im[C, H, W] = sum of the columns back onto the image (zeroed first: overwritten)."""
+    cdef Geom g = _geom(data_im.shape[0], data_im.shape[1], data_im.shape[2], 1, kh, kw,
+                        pad_h, pad_w, stride_h, stride_w, dil_h, dil_w, 1)
+    _check(data_col.shape[0] == g.C * kh * kw and data_col.shape[1] == g.P, "data_col",
+           (data_col.shape[0], data_col.shape[1]), (g.C * kh * kw, g.P))
+    with nogil:
+        _col2im(&data_col[0, 0], &g, &data_im[0, 0, 0], openmp.omp_get_max_threads())
+
+
+def im2col_batch(const float[:, :, :, ::1] data_im, int kh, int kw, int pad_h, int pad_w,
+                 int stride_h, int stride_w, int dil_h, int dil_w, float[:, :, ::1] data_col):
+    """data_col[N, C*kh*kw, oh*ow] = im2col of every image of data_im[N, C, H, W]."""
+    cdef Geom g = _geom(data_im.shape[1], data_im.shape[2], data_im.shape[3], 1, kh, kw,
+                        pad_h, pad_w, stride_h, stride_w, dil_h, dil_w, 1)
+    cdef int N = data_im.shape[0]
+    _check(data_col.shape[0] == N and data_col.shape[1] == g.C * kh * kw
+           and data_col.shape[2] == g.P, "data_col",
+           (data_col.shape[0], data_col.shape[1], data_col.shape[2]), (N, g.C * kh * kw, g.P))
+    cdef Py_ssize_t item, n, im_size = <Py_ssize_t>g.C * g.H * g.W
+    cdef Py_ssize_t col_size = <Py_ssize_t>g.C * kh * kw * g.P
+    if N == 0:
+        return
+    with nogil:
+        for item in prange(<Py_ssize_t>N * g.C, schedule="static"):
+            n = item // g.C
+            _im2col_channel(&data_im[0, 0, 0, 0] + n * im_size, <int>(item % g.C), &g,
+                            &data_col[0, 0, 0] + n * col_size)
+
+
+cdef inline tuple _s4(Py_ssize_t* shape):
+    return (shape[0], shape[1], shape[2], shape[3])
+
+
+cdef _check(bint ok, str name, got, want):
+    if not ok:
+        raise ValueError(f"{name}: shape {tuple(got)} does not fit, expected {tuple(want)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution on one image. Weight is [O, C/g * kh * kw] row-major, group gr uses rows
+# [gr*Og, (gr+1)*Og), image channels [gr*Cg, (gr+1)*Cg) and col rows [gr*Kg, (gr+1)*Kg).
+
+cdef void _fwd_image(const Geom* g, const float* im, const float* w, float* out, float* col,
+                     int nt) noexcept nogil:
+    """out[O, P] = W (*) im: im2col then one GEMM per group."""
+    cdef const float* src = im
+    cdef int gr
+    if not g.direct:
+        _im2col(im, g, col, nt)
+        src = col
+    for gr in range(g.group):
+        gemm(False, False, g.Og, g.P, g.Kg, 1.0, w + <Py_ssize_t>gr * g.Og * g.Kg,
+             src + <Py_ssize_t>gr * g.Kg * g.P, 0.0, out + <Py_ssize_t>gr * g.Og * g.P)
+
+
+cdef void _bwd_data_image(const Geom* g, const float* out, const float* w, float* im,
+                          float* col, int nt) noexcept nogil:
+    """im[C, H, W] = col2im(W^T out) (overwritten)."""
+    cdef float* dst = im if g.direct else col
+    cdef int gr
+    for gr in range(g.group):
+        gemm(True, False, g.Kg, g.P, g.Og, 1.0, w + <Py_ssize_t>gr * g.Og * g.Kg,
+             out + <Py_ssize_t>gr * g.Og * g.P, 0.0, dst + <Py_ssize_t>gr * g.Kg * g.P)
+    if not g.direct:
+        _col2im(col, g, im, nt)
+
+
+cdef void _bwd_weight_image(const Geom* g, const float* im, const float* out, float* wdiff,
+                            float* col, int nt) noexcept nogil:
+    """wdiff[O, Kg] += out @ im2col(im)^T."""
+    cdef const float* src = im
+    cdef int gr
+    if not g.direct:
+        _im2col(im, g, col, nt)
+        src = col
+    for gr in range(g.group):
+        gemm(False, True, g.Og, g.Kg, g.P, 1.0, out + <Py_ssize_t>gr * g.Og * g.P,
+             src + <Py_ssize_t>gr * g.Kg * g.P, 1.0, wdiff + <Py_ssize_t>gr * g.Og * g.Kg)
+
+
+cdef void _add_bias(const Geom* g, int N, const float* bias, float* out) noexcept nogil:
+    cdef Py_ssize_t row, p
+    cdef float b
+    cdef float* dst
+    for row in prange(<Py_ssize_t>N * g.O, schedule="static"):
+        b = bias[row % g.O]
+        dst = out + row * g.P
+        for p in range(g.P):
+            dst[p] = dst[p] + b
+
+
+cdef void _bias_diff(const Geom* g, int N, const float* out_diff, float* bias_diff) noexcept nogil:
+    cdef Py_ssize_t o, n, p
+    cdef float acc
+    cdef const float* src
+    for o in prange(g.O, schedule="static"):
+        acc = 0.0
+        for n in range(N):
+            src = out_diff + (n * g.O + o) * g.P
+            for p in range(g.P):
+                acc = acc + src[p]
+        bias_diff[o] += acc
+
+
+# The batch drivers. `op` picks the per-image work; every image reads `a[n]` and writes `b[n]`.
+cdef enum:
+    _OP_FWD = 0          # b[n] (column side) = W (*) a[n] (image side)
+    _OP_BWD_DATA = 1     # b[n] (image side) = W^T (*) a[n] (column side)
+    _OP_BWD_WEIGHT = 2   # wdiff += a[n] (column side) x b[n] (image side)
+
+
+cdef void _run_images(const Geom* g, int N, int op, const float* a, const float* w, float* b,
+                      float* wdiff, float* ws, Py_ssize_t ws_floats) noexcept nogil:
+    cdef Py_ssize_t col_floats = 0 if g.direct else <Py_ssize_t>g.Kg * g.group * g.P
+    cdef Py_ssize_t w_floats = <Py_ssize_t>g.O * g.Kg
+    cdef Py_ssize_t im_floats = <Py_ssize_t>g.C * g.H * g.W
+    cdef Py_ssize_t out_floats = <Py_ssize_t>g.O * g.P
+    # a weight-diff pass needs, past thread 0, a private weight-diff sum per thread
+    cdef Py_ssize_t per_thread = col_floats + (w_floats if op == _OP_BWD_WEIGHT else 0)
+    cdef int T = _image_threads(N, ws_floats + (w_floats if op == _OP_BWD_WEIGHT else 0),
+                                per_thread)
+    cdef int n, t, tid, saved, mt = openmp.omp_get_max_threads()
+    cdef float* mine
+    cdef float* acc
+    cdef Py_ssize_t i
+    if T == 1:
+        for n in range(N):
+            if op == _OP_FWD:
+                _fwd_image(g, a + n * im_floats, w, b + n * out_floats, ws, mt)
+            elif op == _OP_BWD_DATA:
+                _bwd_data_image(g, a + n * out_floats, w, b + n * im_floats, ws, mt)
+            else:
+                _bwd_weight_image(g, b + n * im_floats, a + n * out_floats, wdiff, ws, mt)
+        return
+    saved = _blas_get_threads()
+    _blas_set_threads(1)
+    # ws = T column matrices, then (weight-diff pass) T - 1 private weight-diff sums: thread 0
+    # sums straight into wdiff
+    cdef float* partials = ws + T * col_floats - w_floats
+    if op == _OP_BWD_WEIGHT:
+        memset(partials + w_floats, 0, (T - 1) * w_floats * sizeof(float))
+    for n in prange(N, num_threads=T, schedule="dynamic"):
+        tid = threadid()
+        mine = ws + tid * col_floats
+        if op == _OP_FWD:
+            _fwd_image(g, a + n * im_floats, w, b + n * out_floats, mine, 1)
+        elif op == _OP_BWD_DATA:
+            _bwd_data_image(g, a + n * out_floats, w, b + n * im_floats, mine, 1)
+        else:
+            acc = wdiff if tid == 0 else partials + tid * w_floats
+            _bwd_weight_image(g, b + n * im_floats, a + n * out_floats, acc, mine, 1)
+    _blas_set_threads(saved)
+    if op == _OP_BWD_WEIGHT:
+        for i in prange(w_floats, num_threads=T, schedule="static"):
+            for t in range(1, T):
+                wdiff[i] += partials[t * w_floats + i]
+
+
+def conv_workspace_size(int C, int kh, int kw, int out_h, int out_w, int weight_count,
+                        bint backward=True):
+    """Floats of `col_buffer` that lets every OpenMP thread work on its own images.
+
+    A smaller buffer works too (down to one column matrix, C*kh*kw*out_h*out_w floats, or 0 for
+    a 1x1 stride-1 pad-0 convolution): fewer images then run at once. For a deconvolution, pass
+    the geometry of the convolution it inverts (C = its top channels, out = its bottom size).
+    """
+    cdef Py_ssize_t col = <Py_ssize_t>C * kh * kw * out_h * out_w
+    cdef int T = openmp.omp_get_max_threads()
+    if _conv_threading != _PER_IMAGE or _blas_set_threads == NULL:
+        T = 1
+    return T * col + ((T - 1) * <Py_ssize_t>weight_count if backward else 0)
+
+
+cdef Geom _conv_geom(tuple im_shape, tuple out_shape, tuple w_shape, int ph, int pw, int sh,
+                     int sw, int dh, int dw, int group, str im_name, str out_name) except *:
+    cdef Geom g
+    if im_shape[0] != out_shape[0]:
+        raise ValueError(f"{im_name} has {im_shape[0]} images but {out_name} has {out_shape[0]}")
+    g = _geom(im_shape[1], im_shape[2], im_shape[3], out_shape[1], w_shape[2], w_shape[3],
+              ph, pw, sh, sw, dh, dw, group)
+    _check(w_shape[0] == g.O and w_shape[1] == g.Cg, "weight", w_shape,
+           (g.O, g.Cg, w_shape[2], w_shape[3]))
+    _check(out_shape[2] == g.oh and out_shape[3] == g.ow, out_name, out_shape,
+           (out_shape[0], g.O, g.oh, g.ow))
+    return g
+
+
+cdef Py_ssize_t _ws_floats(const Geom* g, float[::1] col_buffer) except -1:
+    cdef Py_ssize_t need = 0 if g.direct else <Py_ssize_t>g.Kg * g.group * g.P
+    cdef Py_ssize_t have = 0 if col_buffer is None else col_buffer.shape[0]
+    if have < need:
+        raise ValueError(f"col_buffer has {have} floats, the column matrix needs {need}")
+    return have
+
+
+cdef inline float* _ptr(float[::1] buf) noexcept:
+    return NULL if buf is None or buf.shape[0] == 0 else &buf[0]
+
+
+def conv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] weight,
+                 const float[::1] bias, float[:, :, :, ::1] top, float[::1] col_buffer,
+                 int pad_h, int pad_w, int stride_h, int stride_w, int dil_h, int dil_w,
+                 int group):
+    """top[N, O, oh, ow] = conv(bottom[N, C, H, W], weight[O, C/group, kh, kw]) + bias[O].
+
+    top is overwritten; bias may be None. col_buffer: see conv_workspace_size.
+    """
+    cdef Geom g = _conv_geom(_s4(bottom.shape), _s4(top.shape),
+                             _s4(weight.shape), pad_h, pad_w, stride_h, stride_w,
+                             dil_h, dil_w, group, "bottom", "top")
+    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer)
+    cdef int N = bottom.shape[0]
+    cdef float* ws = _ptr(col_buffer)
+    if bias is not None:
+        _check(bias.shape[0] == g.O, "bias", (bias.shape[0],), (g.O,))
+    if N == 0:
+        return
+    with nogil:
+        _run_images(&g, N, _OP_FWD, &bottom[0, 0, 0, 0], &weight[0, 0, 0, 0],
+                    &top[0, 0, 0, 0], NULL, ws, ws_floats)
+    if bias is not None:
+        with nogil:
+            _add_bias(&g, N, &bias[0], &top[0, 0, 0, 0])
+
+
+def conv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1] bottom,
+                  const float[:, :, :, ::1] weight, float[:, :, :, ::1] weight_diff,
+                  float[::1] bias_diff, float[:, :, :, ::1] bottom_diff, float[::1] col_buffer,
+                  int pad_h, int pad_w, int stride_h, int stride_w, int dil_h, int dil_w,
+                  int group):
+    """Gradients of conv_forward.
+
+    weight_diff += dL/dweight (None skips it), bias_diff += dL/dbias (None skips it),
+    bottom_diff = dL/dbottom (overwritten; None skips it).
+    """
+    cdef Geom g = _conv_geom(_s4(bottom.shape), _s4(top_diff.shape),
+                             _s4(weight.shape), pad_h, pad_w, stride_h, stride_w,
+                             dil_h, dil_w, group, "bottom", "top_diff")
+    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer)
+    cdef int N = bottom.shape[0]
+    cdef float* ws = _ptr(col_buffer)
+    if weight_diff is not None:
+        _check(_s4(weight_diff.shape) == _s4(weight.shape), "weight_diff",
+               _s4(weight_diff.shape), _s4(weight.shape))
+    if bias_diff is not None:
+        _check(bias_diff.shape[0] == g.O, "bias_diff", (bias_diff.shape[0],), (g.O,))
+    if bottom_diff is not None:
+        _check(_s4(bottom_diff.shape) == _s4(bottom.shape), "bottom_diff",
+               _s4(bottom_diff.shape), _s4(bottom.shape))
+    if N == 0:
+        return
+    if bias_diff is not None:
+        with nogil:
+            _bias_diff(&g, N, &top_diff[0, 0, 0, 0], &bias_diff[0])
+    if weight_diff is not None:
+        with nogil:
+            _run_images(&g, N, _OP_BWD_WEIGHT, &top_diff[0, 0, 0, 0], &weight[0, 0, 0, 0],
+                        <float*>&bottom[0, 0, 0, 0], &weight_diff[0, 0, 0, 0], ws, ws_floats)
+    if bottom_diff is not None:
+        with nogil:
+            _run_images(&g, N, _OP_BWD_DATA, &top_diff[0, 0, 0, 0], &weight[0, 0, 0, 0],
+                        &bottom_diff[0, 0, 0, 0], NULL, ws, ws_floats)
+
+
+def deconv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] weight,
+                   const float[::1] bias, float[:, :, :, ::1] top, float[::1] col_buffer,
+                   int pad_h, int pad_w, int stride_h, int stride_w, int dil_h, int dil_w,
+                   int group):
+    """top[N, Co, Ho, Wo] = deconv(bottom[N, Ci, H, W], weight[Ci, Co/group, kh, kw]) + bias[Co].
+
+    Caffe's Deconvolution: the data-gradient of the convolution from top to bottom with the
+    same weight and geometry; Ho = deconv_output_shape(H, ...). top is overwritten.
+    """
+    cdef Geom g = _conv_geom(_s4(top.shape), _s4(bottom.shape),
+                             _s4(weight.shape), pad_h, pad_w, stride_h, stride_w,
+                             dil_h, dil_w, group, "top", "bottom")
+    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer)
+    cdef int N = bottom.shape[0]
+    cdef float* ws = _ptr(col_buffer)
+    cdef Geom gb
+    if bias is not None:
+        _check(bias.shape[0] == g.C, "bias", (bias.shape[0],), (g.C,))
+    if N == 0:
+        return
+    with nogil:
+        _run_images(&g, N, _OP_BWD_DATA, &bottom[0, 0, 0, 0], &weight[0, 0, 0, 0],
+                    &top[0, 0, 0, 0], NULL, ws, ws_floats)
+    if bias is not None:
+        gb = g
+        gb.O = g.C
+        gb.P = g.H * g.W
+        with nogil:
+            _add_bias(&gb, N, &bias[0], &top[0, 0, 0, 0])
+
+
+def deconv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1] bottom,
+                    const float[:, :, :, ::1] weight, float[:, :, :, ::1] weight_diff,
+                    float[::1] bias_diff, float[:, :, :, ::1] bottom_diff, float[::1] col_buffer,
+                    int pad_h, int pad_w, int stride_h, int stride_w, int dil_h, int dil_w,
+                    int group):
+    """Gradients of deconv_forward; the same accumulate/overwrite rules as conv_backward."""
+    cdef Geom g = _conv_geom(_s4(top_diff.shape), _s4(bottom.shape),
+                             _s4(weight.shape), pad_h, pad_w, stride_h, stride_w,
+                             dil_h, dil_w, group, "top_diff", "bottom")
+    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer)
+    cdef int N = bottom.shape[0]
+    cdef float* ws = _ptr(col_buffer)
+    cdef Geom gb
+    if weight_diff is not None:
+        _check(_s4(weight_diff.shape) == _s4(weight.shape), "weight_diff",
+               _s4(weight_diff.shape), _s4(weight.shape))
+    if bias_diff is not None:
+        _check(bias_diff.shape[0] == g.C, "bias_diff", (bias_diff.shape[0],), (g.C,))
+    if bottom_diff is not None:
+        _check(_s4(bottom_diff.shape) == _s4(bottom.shape), "bottom_diff",
+               _s4(bottom_diff.shape), _s4(bottom.shape))
+    if N == 0:
+        return
+    if bias_diff is not None:
+        gb = g
+        gb.O = g.C
+        gb.P = g.H * g.W
+        with nogil:
+            _bias_diff(&gb, N, &top_diff[0, 0, 0, 0], &bias_diff[0])
+    if weight_diff is not None:
+        with nogil:
+            _run_images(&g, N, _OP_BWD_WEIGHT, &bottom[0, 0, 0, 0], &weight[0, 0, 0, 0],
+                        <float*>&top_diff[0, 0, 0, 0], &weight_diff[0, 0, 0, 0], ws, ws_floats)
+    if bottom_diff is not None:
+        with nogil:
+            _run_images(&g, N, _OP_FWD, &top_diff[0, 0, 0, 0], &weight[0, 0, 0, 0],
+                        &bottom_diff[0, 0, 0, 0], NULL, ws, ws_floats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling: one (n, c) plane per task. Window of output (py, px): rows [py*sh - ph, +kh) and
+# columns [px*sw - pw, +kw), clipped to the image (MAX; AVE's divisor clips to the padded image).
+
+cdef _check_pool(tuple b, tuple t, int kh, int kw, int sh, int sw, int ph, int pw):
+    if kh < 1 or kw < 1 or sh < 1 or sw < 1 or ph < 0 or pw < 0:
+        raise ValueError(f"pooling kernel {kh}x{kw} and stride {sh}x{sw} must be >= 1, "
+                         f"pad {ph}x{pw} >= 0")
+    if ph >= kh or pw >= kw:
+        raise ValueError(f"pooling pad {ph}x{pw} must be smaller than the kernel {kh}x{kw}")
+    if b[0] != t[0] or b[1] != t[1] or t[2] < 1 or t[3] < 1:
+        raise ValueError(f"pooling top {t} does not fit bottom {b}")
+    # every window must overlap the image, else MAX has no argmax and AVE no divisor
+    if (t[2] - 1) * sh - ph >= b[2] or (t[3] - 1) * sw - pw >= b[3]:
+        raise ValueError(f"pooling top {t} has windows past bottom {b}; see pool_output_shape")
+
+
+def max_pool_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
+                     int32_t[:, :, :, ::1] mask, int kh, int kw, int sh, int sw, int ph, int pw):
+    """top = max over each window; mask = argmax as h * W + w (first max wins; both overwritten)."""
+    _check_pool(_s4(bottom.shape), _s4(top.shape), kh, kw, sh, sw, ph, pw)
+    _check(_s4(mask.shape) == _s4(top.shape), "mask", _s4(mask.shape), _s4(top.shape))
+    cdef int H = bottom.shape[2], W = bottom.shape[3], oh = top.shape[2], ow = top.shape[3]
+    cdef Py_ssize_t planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1], pl
+    if planes == 0:
+        return
+    with nogil:
+        for pl in prange(planes, schedule="static"):
+            _max_pool_plane(&bottom[0, 0, 0, 0] + pl * H * W, &top[0, 0, 0, 0] + pl * oh * ow,
+                            &mask[0, 0, 0, 0] + pl * oh * ow, H, W, oh, ow, kh, kw, sh, sw, ph, pw)
+
+
+cdef void _max_pool_plane(const float* x, float* y, int32_t* mask, int H, int W, int oh, int ow,
+                          int kh, int kw, int sh, int sw, int ph, int pw) noexcept nogil:
+    cdef int py, px, h, w, hs, he, ws, we, arg
+    cdef float m, v
+    for py in range(oh):
+        hs = py * sh - ph
+        he = min(hs + kh, H)
+        hs = max(hs, 0)
+        for px in range(ow):
+            ws = px * sw - pw
+            we = min(ws + kw, W)
+            ws = max(ws, 0)
+            m = -FLT_MAX
+            arg = -1
+            for h in range(hs, he):
+                for w in range(ws, we):
+                    v = x[h * W + w]
+                    if v > m:
+                        m = v
+                        arg = h * W + w
+            y[py * ow + px] = m
+            mask[py * ow + px] = arg
+
+
+def max_pool_backward(const float[:, :, :, ::1] top_diff, const int32_t[:, :, :, ::1] mask,
+                      float[:, :, :, ::1] bottom_diff):
+    """bottom_diff = top_diff routed to each window's argmax (zeroed first: overwritten)."""
+    _check(_s4(mask.shape) == _s4(top_diff.shape), "mask", _s4(mask.shape),
+           _s4(top_diff.shape))
+    if bottom_diff.shape[0] != top_diff.shape[0] or bottom_diff.shape[1] != top_diff.shape[1]:
+        raise ValueError(f"bottom_diff {_s4(bottom_diff.shape)} does not fit top_diff "
+                         f"{_s4(top_diff.shape)}")
+    cdef Py_ssize_t HW = <Py_ssize_t>bottom_diff.shape[2] * bottom_diff.shape[3]
+    cdef Py_ssize_t OHW = <Py_ssize_t>top_diff.shape[2] * top_diff.shape[3]
+    cdef Py_ssize_t planes = <Py_ssize_t>top_diff.shape[0] * top_diff.shape[1], pl, i
+    cdef float* dst
+    cdef const float* src
+    cdef const int32_t* arg
+    if planes == 0:
+        return
+    with nogil:
+        for pl in prange(planes, schedule="static"):
+            dst = &bottom_diff[0, 0, 0, 0] + pl * HW
+            src = &top_diff[0, 0, 0, 0] + pl * OHW
+            arg = &mask[0, 0, 0, 0] + pl * OHW
+            memset(dst, 0, HW * sizeof(float))
+            for i in range(OHW):
+                if arg[i] >= 0 and arg[i] < HW:
+                    dst[arg[i]] += src[i]
+
+
+def ave_pool_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
+                     int kh, int kw, int sh, int sw, int ph, int pw):
+    """top = window sum / window size clipped to the padded image (overwritten)."""
+    _check_pool(_s4(bottom.shape), _s4(top.shape), kh, kw, sh, sw, ph, pw)
+    cdef int H = bottom.shape[2], W = bottom.shape[3], oh = top.shape[2], ow = top.shape[3]
+    cdef Py_ssize_t planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1], pl
+    if planes == 0:
+        return
+    with nogil:
+        for pl in prange(planes, schedule="static"):
+            _ave_pool_plane(&bottom[0, 0, 0, 0] + pl * H * W, &top[0, 0, 0, 0] + pl * oh * ow,
+                            H, W, oh, ow, kh, kw, sh, sw, ph, pw)
+
+
+cdef void _ave_pool_plane(const float* x, float* y, int H, int W, int oh, int ow,
+                          int kh, int kw, int sh, int sw, int ph, int pw) noexcept nogil:
+    cdef int py, px, h, w, hs, he, ws, we, n
+    cdef float s
+    for py in range(oh):
+        hs = py * sh - ph
+        he = min(hs + kh, H + ph)
+        for px in range(ow):
+            ws = px * sw - pw
+            we = min(ws + kw, W + pw)
+            n = (he - hs) * (we - ws)
+            s = 0.0
+            for h in range(max(hs, 0), min(he, H)):
+                for w in range(max(ws, 0), min(we, W)):
+                    s = s + x[h * W + w]
+            y[py * ow + px] = s / n
+
+
+def ave_pool_backward(const float[:, :, :, ::1] top_diff, float[:, :, :, ::1] bottom_diff,
+                      int kh, int kw, int sh, int sw, int ph, int pw):
+    """bottom_diff = each top_diff spread evenly over its window (zeroed first: overwritten)."""
+    _check_pool(_s4(bottom_diff.shape), _s4(top_diff.shape), kh, kw, sh, sw, ph, pw)
+    cdef int H = bottom_diff.shape[2], W = bottom_diff.shape[3]
+    cdef int oh = top_diff.shape[2], ow = top_diff.shape[3]
+    cdef Py_ssize_t planes = <Py_ssize_t>top_diff.shape[0] * top_diff.shape[1], pl
+    if planes == 0:
+        return
+    with nogil:
+        for pl in prange(planes, schedule="static"):
+            _ave_unpool_plane(&top_diff[0, 0, 0, 0] + pl * oh * ow,
+                              &bottom_diff[0, 0, 0, 0] + pl * H * W,
+                              H, W, oh, ow, kh, kw, sh, sw, ph, pw)
+
+
+cdef void _ave_unpool_plane(const float* dy, float* dx, int H, int W, int oh, int ow,
+                            int kh, int kw, int sh, int sw, int ph, int pw) noexcept nogil:
+    cdef int py, px, h, w, hs, he, ws, we
+    cdef float g
+    memset(dx, 0, <Py_ssize_t>H * W * sizeof(float))
+    for py in range(oh):
+        hs = py * sh - ph
+        he = min(hs + kh, H + ph)
+        for px in range(ow):
+            ws = px * sw - pw
+            we = min(ws + kw, W + pw)
+            g = dy[py * ow + px] / ((he - hs) * (we - ws))
+            for h in range(max(hs, 0), min(he, H)):
+                for w in range(max(ws, 0), min(we, W)):
+                    dx[h * W + w] += g
+
+
+# ---------------------------------------------------------------------------------------------
+# LRN. y = x * scale^-beta; the power is the hot spot, so the common betas avoid powf.
+
+cdef enum:
+    _BLOCK = 256          # spatial positions per task: vectors over positions, L1-sized rows
+    _RING = 8192          # floats of the per-task ring of recent channels (backward)
+    _MAX_WITHIN_PRE = 255
+
+cdef enum:
+    _POW_075 = 0
+    _POW_050 = 1
+    _POW_100 = 2
+    _POW_ANY = 3
+
+
+cdef int _pow_kind(float beta) noexcept nogil:
+    if beta == 0.75:
+        return _POW_075
+    if beta == 0.5:
+        return _POW_050
+    if beta == 1.0:
+        return _POW_100
+    return _POW_ANY
+
+
+cdef inline void _neg_pow(const float* s, float* out, int n, float beta, int kind) noexcept nogil:
+    """out[i] = s[i] ** -beta; separate loops so each kind vectorizes."""
+    cdef int i
+    cdef float r, one = 1.0
+    if kind == _POW_075:
+        # s^-3/4 = 1 / (s^1/2 * s^1/4): two square roots instead of exp(log)
+        for i in range(n):
+            r = sqrtf(s[i])
+            out[i] = one / (r * sqrtf(r))
+    elif kind == _POW_050:
+        for i in range(n):
+            out[i] = one / sqrtf(s[i])
+    elif kind == _POW_100:
+        for i in range(n):
+            out[i] = one / s[i]
+    else:
+        for i in range(n):
+            out[i] = powf(s[i], -beta)
+
+
+cdef _check_lrn(int size, tuple shape, list others):
+    if size < 1 or size % 2 == 0:
+        raise ValueError(f"LRN local_size must be odd and positive, got {size}")
+    for name, other in others:
+        if other is not None and tuple(other.shape[:4]) != shape:
+            raise ValueError(f"{name}: shape {tuple(other.shape[:4])} does not fit bottom {shape}")
+
+
+def lrn_across_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
+                       float[:, :, :, ::1] scale, int size, float alpha, float beta, float k):
+    """ACROSS_CHANNELS: scale = k + alpha/size * sum of x^2 over `size` channels centred on c
+    (zero past the ends); top = bottom * scale^-beta. top and scale are overwritten."""
+    _check_lrn(size, _s4(bottom.shape), [("top", top), ("scale", scale)])
+    cdef int N = bottom.shape[0], C = bottom.shape[1]
+    cdef Py_ssize_t HW = <Py_ssize_t>bottom.shape[2] * bottom.shape[3]
+    cdef Py_ssize_t nblocks = (HW + _BLOCK - 1) // _BLOCK, item
+    if N == 0 or C == 0 or HW == 0:
+        return
+    with nogil:
+        for item in prange(N * nblocks, schedule="static"):
+            _lrn_across_fwd_block(&bottom[0, 0, 0, 0], &top[0, 0, 0, 0], &scale[0, 0, 0, 0],
+                                  item // nblocks, (item % nblocks) * _BLOCK, C, HW, size,
+                                  alpha, beta, k)
+
+
+cdef void _lrn_across_fwd_block(const float* bottom, float* top, float* scale, Py_ssize_t n,
+                                Py_ssize_t s0, int C, Py_ssize_t HW, int size, float alpha,
+                                float beta, float k) noexcept nogil:
+    # running sum of x^2 over channels [c - pre, c + pre] for L positions at once
+    cdef float acc[_BLOCK]
+    cdef float pw[_BLOCK]
+    cdef int L = <int>min(<Py_ssize_t>_BLOCK, HW - s0)
+    cdef int pre = (size - 1) // 2, c, i, kind = _pow_kind(beta)
+    cdef float a = alpha / size
+    cdef Py_ssize_t base = n * C * HW + s0
+    cdef const float* x
+    cdef const float* xt
+    cdef float* sc
+    cdef float* y
+    for i in range(L):
+        acc[i] = 0.0
+    for c in range(min(pre, C)):
+        x = bottom + base + c * HW
+        for i in range(L):
+            acc[i] = acc[i] + x[i] * x[i]
+    for c in range(C):
+        if c + pre < C:
+            x = bottom + base + (c + pre) * HW
+            for i in range(L):
+                acc[i] = acc[i] + x[i] * x[i]
+        if c - pre - 1 >= 0:
+            xt = bottom + base + (c - pre - 1) * HW
+            for i in range(L):
+                acc[i] = acc[i] - xt[i] * xt[i]
+        sc = scale + base + c * HW
+        for i in range(L):
+            sc[i] = k + a * acc[i]
+        _neg_pow(sc, pw, L, beta, kind)
+        x = bottom + base + c * HW
+        y = top + base + c * HW
+        for i in range(L):
+            y[i] = x[i] * pw[i]
+
+
+def lrn_across_backward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] scale,
+                        const float[:, :, :, ::1] top_diff, float[:, :, :, ::1] bottom_diff,
+                        int size, float alpha, float beta):
+    """bottom_diff = top_diff * scale^-beta
+                     - 2*alpha*beta/size * bottom * sum over the channel window of
+                       top_diff * top / scale                              (overwritten).
+
+    top / scale is formed as bottom * scale^(-beta-1), so top itself is not read.
+    """
+    _check_lrn(size, _s4(bottom.shape),
+               [("scale", scale), ("top_diff", top_diff), ("bottom_diff", bottom_diff)])
+    cdef int N = bottom.shape[0], C = bottom.shape[1]
+    cdef Py_ssize_t HW = <Py_ssize_t>bottom.shape[2] * bottom.shape[3]
+    # the ring holds size + 1 channels of L positions
+    cdef int L = min(_BLOCK, (_RING // (size + 1)) // 8 * 8)
+    if L < 8:
+        raise ValueError(f"LRN local_size {size} is larger than this kernel supports "
+                         f"({_RING // 8 - 1})")
+    cdef Py_ssize_t nblocks = (HW + L - 1) // L, item
+    if N == 0 or C == 0 or HW == 0:
+        return
+    with nogil:
+        for item in prange(N * nblocks, schedule="static"):
+            _lrn_across_bwd_block(&bottom[0, 0, 0, 0], &scale[0, 0, 0, 0], &top_diff[0, 0, 0, 0],
+                                  &bottom_diff[0, 0, 0, 0], item // nblocks,
+                                  (item % nblocks) * L, L, C, HW, size, alpha, beta)
+
+
+cdef void _lrn_across_bwd_block(const float* bottom, const float* scale, const float* top_diff,
+                                float* bottom_diff, Py_ssize_t n, Py_ssize_t s0, int Lmax, int C,
+                                Py_ssize_t HW, int size, float alpha, float beta) noexcept nogil:
+    # ring[ch % R] keeps, per recent channel, ratio = dy * x * scale^(-beta-1) and scale^-beta
+    cdef float ratio[_RING]
+    cdef float pw[_RING]
+    cdef float acc[_BLOCK]
+    cdef int R = size + 1
+    cdef int L = <int>min(<Py_ssize_t>Lmax, HW - s0)
+    cdef int pre = (size - 1) // 2, c, h, i, kind = _pow_kind(beta)
+    cdef float cache = 2.0 * alpha * beta / size
+    cdef Py_ssize_t base = n * C * HW + s0
+    cdef const float* x
+    cdef const float* sc
+    cdef const float* dy
+    cdef float* r
+    cdef float* p
+    cdef float* dx
+    for i in range(L):
+        acc[i] = 0.0
+    for h in range(min(pre, C) + C):
+        # h < pre: warm-up channels; then channel c = h - pre gets its head h added first
+        c = h - pre
+        if h < C:
+            x = bottom + base + h * HW
+            sc = scale + base + h * HW
+            dy = top_diff + base + h * HW
+            r = ratio + (h % R) * Lmax
+            p = pw + (h % R) * Lmax
+            _neg_pow(sc, p, L, beta, kind)
+            for i in range(L):
+                r[i] = dy[i] * x[i] * p[i] / sc[i]
+                acc[i] = acc[i] + r[i]
+        if c < 0:
+            continue
+        if c - pre - 1 >= 0:
+            r = ratio + ((c - pre - 1) % R) * Lmax
+            for i in range(L):
+                acc[i] = acc[i] - r[i]
+        x = bottom + base + c * HW
+        dy = top_diff + base + c * HW
+        p = pw + (c % R) * Lmax
+        dx = bottom_diff + base + c * HW
+        for i in range(L):
+            dx[i] = dy[i] * p[i] - cache * x[i] * acc[i]
+
+
+# WITHIN_CHANNEL (Caffe builds it from layers: AVE pooling of x^2 with pad (size-1)/2, then a
+# power layer with shift 1, scale alpha, power -beta): scale = 1 + alpha/size^2 * box sum of x^2
+# over size x size (zero outside the image; the AVE divisor is always size^2 for odd size).
+
+cdef void _box_sum_inplace(float* v, int n, Py_ssize_t stride, int pre, float* ring) noexcept nogil:
+    """v[i] = sum of v[i-pre .. i+pre] (zero outside), in place; ring holds pre + 1 floats."""
+    cdef int i, R = pre + 1
+    cdef float s = 0.0
+    for i in range(min(pre, n)):
+        s = s + v[i * stride]
+    for i in range(n):
+        if i + pre < n:
+            s = s + v[(i + pre) * stride]
+        ring[i % R] = v[i * stride]
+        v[i * stride] = s
+        if i - pre >= 0:
+            s = s - ring[(i - pre) % R]
+
+
+cdef inline void _box_sum_plane(float* plane, int H, int W, int pre, float* ring) noexcept nogil:
+    cdef int y, xx
+    for y in range(H):
+        _box_sum_inplace(plane + <Py_ssize_t>y * W, W, 1, pre, ring)
+    for xx in range(W):
+        _box_sum_inplace(plane + xx, H, W, pre, ring)
+
+
+def lrn_within_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
+                       float[:, :, :, ::1] scale, int size, float alpha, float beta):
+    """WITHIN_CHANNEL: scale = 1 + alpha/size^2 * sum of x^2 over the size x size window
+    centred on (h, w); top = bottom * scale^-beta. top and scale are overwritten."""
+    _check_lrn(size, _s4(bottom.shape), [("top", top), ("scale", scale)])
+    if (size - 1) // 2 > _MAX_WITHIN_PRE:
+        raise ValueError(f"LRN local_size {size} is larger than this kernel supports "
+                         f"({2 * _MAX_WITHIN_PRE + 1})")
+    cdef int H = bottom.shape[2], W = bottom.shape[3]
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, pl, planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1]
+    if planes == 0 or HW == 0:
+        return
+    with nogil:
+        for pl in prange(planes, schedule="static"):
+            _lrn_within_fwd_plane(&bottom[0, 0, 0, 0] + pl * HW, &top[0, 0, 0, 0] + pl * HW,
+                                  &scale[0, 0, 0, 0] + pl * HW, H, W, size, alpha, beta)
+
+
+cdef void _lrn_within_fwd_plane(const float* x, float* y, float* sc, int H, int W, int size,
+                                float alpha, float beta) noexcept nogil:
+    cdef float ring[_MAX_WITHIN_PRE + 1]
+    cdef Py_ssize_t i, HW = <Py_ssize_t>H * W
+    cdef float a = alpha / (size * size), one = 1.0
+    for i in range(HW):
+        sc[i] = x[i] * x[i]
+    _box_sum_plane(sc, H, W, (size - 1) // 2, ring)
+    for i in range(HW):
+        sc[i] = one + a * sc[i]
+    _neg_pow(sc, y, <int>HW, beta, _pow_kind(beta))
+    for i in range(HW):
+        y[i] = x[i] * y[i]
+
+
+def lrn_within_backward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] scale,
+                        const float[:, :, :, ::1] top_diff, float[:, :, :, ::1] bottom_diff,
+                        int size, float alpha, float beta):
+    """bottom_diff = top_diff * scale^-beta
+                     - 2*alpha*beta/size^2 * bottom * box sum of top_diff * top / scale
+                                                                        (overwritten)."""
+    _check_lrn(size, _s4(bottom.shape),
+               [("scale", scale), ("top_diff", top_diff), ("bottom_diff", bottom_diff)])
+    if (size - 1) // 2 > _MAX_WITHIN_PRE:
+        raise ValueError(f"LRN local_size {size} is larger than this kernel supports "
+                         f"({2 * _MAX_WITHIN_PRE + 1})")
+    cdef int H = bottom.shape[2], W = bottom.shape[3]
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, pl, planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1]
+    if planes == 0 or HW == 0:
+        return
+    with nogil:
+        for pl in prange(planes, schedule="static"):
+            _lrn_within_bwd_plane(&bottom[0, 0, 0, 0] + pl * HW, &scale[0, 0, 0, 0] + pl * HW,
+                                  &top_diff[0, 0, 0, 0] + pl * HW,
+                                  &bottom_diff[0, 0, 0, 0] + pl * HW, H, W, size, alpha, beta)
+
+
+cdef void _lrn_within_bwd_plane(const float* x, const float* sc, const float* dy, float* dx,
+                                int H, int W, int size, float alpha, float beta) noexcept nogil:
+    cdef float ring[_MAX_WITHIN_PRE + 1]
+    cdef float pw[_BLOCK]
+    cdef Py_ssize_t i, j, s0, HW = <Py_ssize_t>H * W
+    cdef int L, kind = _pow_kind(beta)
+    cdef float cache = 2.0 * alpha * beta / (size * size)
+    # dx holds dy * x * scale^(-beta-1), then its box sum, then the result
+    s0 = 0
+    while s0 < HW:
+        L = <int>min(<Py_ssize_t>_BLOCK, HW - s0)
+        _neg_pow(sc + s0, pw, L, beta, kind)
+        for j in range(L):
+            i = s0 + j
+            dx[i] = dy[i] * x[i] * pw[j] / sc[i]
+        s0 += L
+    _box_sum_plane(dx, H, W, (size - 1) // 2, ring)
+    s0 = 0
+    while s0 < HW:
+        L = <int>min(<Py_ssize_t>_BLOCK, HW - s0)
+        _neg_pow(sc + s0, pw, L, beta, kind)
+        for j in range(L):
+            i = s0 + j
+            dx[i] = dy[i] * pw[j] - cache * x[i] * dx[i]
+        s0 += L
