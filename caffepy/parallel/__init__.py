@@ -1,11 +1,29 @@
 """Multi-rank training over MPI. `world` says who this process is; it stays
-rank 0 of 1 unless the train command runs under an MPI launcher with N > 1."""
+rank 0 of 1 unless the train command runs under an MPI launcher with N > 1.
+
+    mpi.py          launcher detection, MPI start, the abort-everyone excepthook,
+                    attach(solver): consistency check, weight broadcast, strategy
+    allreduce.py    bucketed gradient allreduce overlapped with backward
+    strategies.py   data parallel, model-parallel InnerProduct, hybrid
+    split_db.py     one LMDB -> N shards `<prefix>_<r>` for split-DB training
+
+Data layers read `world.rank` / `world.size` at setup (shared DB: rank r reads
+records r, r+N, ...; split DB: the source names `{rank}`), so the train command
+calls `mpi.init_world()` before it builds any net.
+"""
 
 
 class World:
     rank = 0
     size = 1
     comm = None      # an mpi4py communicator when size > 1
+
+    @property
+    def distributed(self):
+        return self.size > 1
+
+    def __repr__(self):
+        return f"<World rank {self.rank} of {self.size}>"
 
 
 world = World()
