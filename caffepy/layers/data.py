@@ -1,4 +1,6 @@
-"""Data layers: Input, DummyData (and the database readers Data, ImageData, MemoryData)."""
+"""Data layers: Input, DummyData, and the readers Data (LMDB), ImageData (list file), MemoryData (arrays)."""
+import weakref
+
 import numpy as np
 
 from .. import fillers
@@ -74,3 +76,217 @@ class DummyData(Layer):
         for t, shape, filler, refill in zip(top, self.shapes, self.fillers, self.refill):
             if refill:
                 t.data[...] = fillers.fill(filler, shape)
+
+
+# -- database readers -------------------------------------------------------------
+def _transform_param(layer, legacy):
+    """transform_param, with the deprecated crop/mirror/mean/scale of data_param or
+    image_data_param filling fields transform_param leaves unset (Caffe's upgrade)."""
+    from ..proto import caffe_pb2
+    tp = caffe_pb2.TransformationParameter()
+    tp.CopyFrom(layer.param.transform_param)
+    for field in ("scale", "mean_file", "crop_size", "mirror"):
+        if legacy.HasField(field) and not tp.HasField(field):
+            setattr(tp, field, getattr(legacy, field))
+    return tp
+
+
+class _PrefetchingLayer(Layer):
+    """Shared by Data and ImageData: a record source, a RecordOrder over it, a
+    DataTransformer and a Prefetcher; tops are data and (optionally) label.
+
+    `wait_seconds` is the time forward() waited for the prefetch thread: the
+    training loop's data-wait.
+    """
+    exact_bottoms = 0
+    min_tops, max_tops = 1, 2
+    differentiable = False
+    _params_field = None
+
+    def open_source(self, path):
+        raise NotImplementedError
+
+    def setup(self, bottom, top):
+        from .. import log, rng
+        from ..data.prefetch import BatchFiller, Prefetcher, RecordOrder
+        from ..data.transformer import DataTransformer
+        from ..errors import DataError
+        from ..parallel import world
+
+        p = getattr(self.param, self._params_field)
+        self.batch_size = int(p.batch_size)
+        if self.batch_size < 1:
+            raise self.error(f"{self._params_field}.batch_size", "must be at least 1", self.batch_size)
+        if not p.source:
+            raise self.error(f"{self._params_field}.source", "is required")
+        path = p.source
+        if "{rank}" in path:        # split-DB: each rank reads its own whole shard
+            path, rank, ranks = path.replace("{rank}", str(world.rank)), 0, 1
+        else:                       # shared-DB: the ranks interleave record by record
+            rank, ranks = world.rank, world.size
+        try:
+            self.source_db = self.open_source(path)
+        except DataError as e:
+            raise self.error(f"{self._params_field}.source", str(e), cls=DataError) from None
+        if len(self.source_db) == 0:
+            raise self.error(f"{self._params_field}.source", "the database is empty", path, cls=DataError)
+        log.info(f"Opened {path} ({len(self.source_db)} records)")
+
+        # One draw from the shared stream seeds everything: ranks seeded alike agree on
+        # the shuffle and the skip; crops and mirrors differ per rank.
+        base = int(rng.generator().integers(1 << 62))
+        skip = 0
+        if p.rand_skip:
+            skip = int(np.random.default_rng([base, 1]).integers(p.rand_skip))
+            log.info(f"Skipping first {skip} data points")
+        order = RecordOrder(len(self.source_db), rank, ranks, bool(p.shuffle), base, skip)
+        tp = _transform_param(self, p)
+        self.transformer = DataTransformer(tp, self.phase, np.random.default_rng([base, 2, world.rank]),
+                                           layer=self)
+        key, raw = self.source_db.get(order.index(0))
+        image, _ = self.source_db.decode(key, raw)
+        try:
+            shape = self.transformer.check(image.shape)
+        except DataError as e:
+            where = self.source_db.where(key).rstrip(": ")
+            prefix = f"{self.source}: " if self.source else ""
+            raise DataError(f"{prefix}layer '{self.name}' ({self.type}): {e} (first record: {where})") from None
+        self.top_shape = (self.batch_size,) + shape
+        filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
+        self.prefetcher = Prefetcher(filler, self.prefetch_depth(), self.name)
+        self._finalizer = weakref.finalize(self, _shutdown, self.prefetcher, self.source_db)
+        log.info(f"output data size: {','.join(map(str, self.top_shape))}")
+        self.reshape(bottom, top)
+
+    def prefetch_depth(self):
+        return 4
+
+    @property
+    def wait_seconds(self):
+        return self.prefetcher.wait_seconds
+
+    def reshape(self, bottom, top):
+        top[0].reshape(self.top_shape)
+        if len(top) > 1:
+            top[1].reshape(self.batch_size)
+
+    def forward(self, bottom, top):
+        buf = self.prefetcher.next()
+        try:
+            top[0].data[...] = buf["data"]
+            if len(top) > 1:
+                top[1].data[...] = buf["label"]
+        finally:
+            self.prefetcher.release(buf)
+
+    def close(self):
+        """Stop the prefetch thread and close the source (also done at exit)."""
+        self._finalizer()
+
+
+def _shutdown(prefetcher, source):
+    prefetcher.close()
+    source.close()
+
+
+@register
+class Data(_PrefetchingLayer):
+    """Batches of Datum records from an LMDB (data_param), transformed by transform_param.
+
+    Tops: data (batch_size x C x H x W, after crop) and optionally label (batch_size).
+    data_param: source, batch_size, rand_skip, backend (LMDB), prefetch, shuffle (Intel),
+    force_encoded_color. Encoded records are decoded by OpenCV in BGR order.
+
+    Multi-rank (caffepy.parallel.world): a source containing `{rank}` names one shard
+    per rank (split-DB: `{rank}` is replaced by the rank, each rank reads its whole
+    shard). Otherwise all ranks read one database (shared-DB): rank r of N reads records
+    r, r+N, r+2N, ..., so N ranks with batch_size b see together what one rank with
+    batch_size N*b sees. With shuffle, each epoch's permutation comes from a seed drawn
+    from caffepy.rng, identical on ranks seeded identically.
+    """
+    _params_field = "data_param"
+
+    def open_source(self, path):
+        from ..data.sources import LMDBSource
+        from ..proto import caffe_pb2
+        p = self.param.data_param
+        if p.HasField("backend") and p.backend != caffe_pb2.DataParameter.LMDB:
+            raise self.error("data_param.backend", "only LMDB databases are supported", "LEVELDB",
+                             hint="convert the data with `caffepy convert_imageset --backend lmdb`")
+        tp = self.param.transform_param
+        return LMDBSource(path, force_color=tp.force_color or p.force_encoded_color, force_gray=tp.force_gray)
+
+    def prefetch_depth(self):
+        return self.param.data_param.prefetch
+
+
+@register
+class ImageData(_PrefetchingLayer):
+    """Batches of image files listed in image_data_param.source (`<path> <label>` lines).
+
+    image_data_param: source, root_folder (prefixed to each path), batch_size,
+    rand_skip, shuffle (a new order every epoch), new_height/new_width (resize with
+    INTER_LINEAR, both or neither), is_color. Transformed by transform_param.
+    """
+    _params_field = "image_data_param"
+
+    def open_source(self, path):
+        from ..data.sources import ImageListSource
+        p = self.param.image_data_param
+        if bool(p.new_height) != bool(p.new_width):
+            raise self.error("image_data_param.new_height", "set new_height and new_width together",
+                             f"{p.new_height}x{p.new_width}")
+        return ImageListSource(path, p.root_folder, p.new_height, p.new_width, p.is_color)
+
+
+@register
+class MemoryData(Layer):
+    """Batches from arrays handed over by `net.set_input_arrays(data, labels)` (or
+    `layer.reset(data, labels)`): data N x C x H x W, labels N, N a multiple of batch_size.
+    Walks the arrays batch by batch and starts over at the end.
+
+    memory_data_param: batch_size, channels, height, width. Tops: data, label (batch_size).
+    """
+    exact_bottoms = 0
+    exact_tops = 2
+    differentiable = False
+
+    def setup(self, bottom, top):
+        p = self.param.memory_data_param
+        self.batch_size, self.shape = int(p.batch_size), (int(p.channels), int(p.height), int(p.width))
+        if self.batch_size < 1 or min(self.shape) < 1:
+            raise self.error("memory_data_param", "batch_size, channels, height and width must be positive",
+                             f"{self.batch_size}, {self.shape}")
+        self.data = self.labels = None
+        self.pos = 0
+
+    def reset(self, data, labels):
+        data = np.ascontiguousarray(data, np.float32)
+        labels = np.ascontiguousarray(labels, np.float32).reshape(-1)
+        if data.ndim != 4 or data.shape[1:] != self.shape:
+            raise self.error("data", f"must be N x {' x '.join(map(str, self.shape))}", data.shape)
+        if labels.size != data.shape[0]:
+            raise self.error("labels", f"need one label per item ({data.shape[0]})", labels.size)
+        if data.shape[0] % self.batch_size:
+            raise self.error("data", f"the number of items must be a multiple of batch_size "
+                             f"({self.batch_size})", data.shape[0])
+        self.data, self.labels, self.pos = data, labels, 0
+
+    def set_batch_size(self, batch_size):
+        if self.data is not None and self.data.shape[0] % batch_size:
+            raise self.error("batch_size", f"must divide the number of items ({self.data.shape[0]})",
+                             batch_size)
+        self.batch_size, self.pos = int(batch_size), 0
+
+    def reshape(self, bottom, top):
+        top[0].reshape((self.batch_size,) + self.shape)
+        top[1].reshape(self.batch_size)
+
+    def forward(self, bottom, top):
+        if self.data is None:
+            raise self.error("data", "no arrays to read",
+                             hint="call net.set_input_arrays(data, labels) before forward")
+        b = self.batch_size
+        top[0].data[...] = self.data[self.pos:self.pos + b]
+        top[1].data[...] = self.labels[self.pos:self.pos + b]
+        self.pos = (self.pos + b) % self.data.shape[0]

@@ -1,0 +1,20 @@
+"""The data path: LMDB of Datum, the Datum codec, transform_param, background prefetch,
+and Caffe's image tools (convert_imageset, compute_image_mean).
+
+    datum.py        Datum <-> array, encoded JPEG/PNG decode (OpenCV, BGR)
+    db.py           LMDB Reader (read-only, lock=False) and Writer
+    sources.py      record sources for the prefetcher: LMDB, image list file
+    transformer.py  crop, mirror, mean, scale in Caffe's order
+    prefetch.py     RecordOrder (epochs, shuffle, ranks), BatchFiller, Prefetcher
+    tools.py        convert_imageset, compute_image_mean
+
+The layers themselves (Data, ImageData, MemoryData) live in caffepy/layers/data.py.
+Multi-rank reading: a data_param.source containing `{rank}` is one shard per rank
+(split-DB); otherwise the ranks interleave records of one database (shared-DB).
+"""
+
+
+def wait_seconds(net):
+    """Seconds the net's data layers waited for their prefetch threads, summed."""
+    return sum(getattr(layer, "wait_seconds", 0.0) for layer in net.layers
+               if hasattr(layer, "prefetcher"))

@@ -1,0 +1,176 @@
+"""Batches read ahead in background threads, so loading hides behind compute.
+
+    RecordOrder   which record the i-th read of this rank gets (epochs, shuffle, ranks)
+    BatchFiller   reads a batch of records and decodes + transforms them into a buffer,
+                  split over a few worker threads (OpenCV decode and NumPy ufuncs
+                  release the GIL, so the workers run in parallel with the training loop)
+    Prefetcher    one daemon thread filling `depth` recycled buffers ahead of the
+                  consumer; `next()` hands over a full one and adds the time it had to
+                  wait to `wait_seconds`; an error in the thread is raised by `next()`
+
+Every prefetcher is stopped at interpreter exit (a stop event, then a short join).
+"""
+import atexit
+import os
+import queue
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+_live = weakref.WeakSet()
+
+
+def default_threads():
+    """Decode threads per data layer: CAFFEPY_DATA_THREADS, else up to 2."""
+    value = os.environ.get("CAFFEPY_DATA_THREADS")
+    if value:
+        return max(1, int(value))
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+class RecordOrder:
+    """The record index of each read, for one rank of `ranks`.
+
+    Reads of all ranks together walk one global stream: rank r's i-th read is
+    global position t = skip + i * ranks + r, i.e. the ranks interleave record by
+    record. Position t is record t mod size of epoch t // size; with `shuffle`
+    each epoch walks its own permutation, drawn from (seed, epoch), so every rank
+    sharing `seed` agrees on it. The union of the ranks' k-th batches (local
+    batch b) is then exactly the k-th batch of size b * ranks of a single rank.
+    """
+
+    def __init__(self, size, rank=0, ranks=1, shuffle=False, seed=0, skip=0):
+        assert size > 0 and 0 <= rank < ranks
+        self.size, self.rank, self.ranks = size, rank, ranks
+        self.shuffle, self.seed, self.skip = shuffle, int(seed), int(skip)
+        self._epoch, self._perm = None, None
+
+    def permutation(self, epoch):
+        if self._epoch != epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+            self._epoch = epoch
+        return self._perm
+
+    def index(self, i):
+        """Record index of this rank's i-th read."""
+        epoch, pos = divmod(self.skip + i * self.ranks + self.rank, self.size)
+        return int(self.permutation(epoch)[pos]) if self.shuffle else pos
+
+
+class BatchFiller:
+    """Fills {'data': (b, C, H, W), 'label': (b,)} buffers from a record source.
+
+    `source` has get(index) -> (key, raw) (cheap, sequential: runs on the prefetch
+    thread) and decode(key, raw) -> (C x H x W array, label) (the heavy part: runs on
+    the worker threads). `transformer` is a DataTransformer.
+    """
+
+    def __init__(self, source, transformer, order, batch_size, shape, threads=None):
+        self.source, self.transformer, self.order = source, transformer, order
+        self.batch_size, self.shape = batch_size, tuple(shape)
+        self.reads = 0
+        self.threads = min(threads or default_threads(), batch_size)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="caffepy-decode") \
+            if self.threads > 1 else None
+
+    def allocate(self):
+        return {"data": np.zeros((self.batch_size,) + self.shape, np.float32),
+                "label": np.zeros(self.batch_size, np.float32)}
+
+    def fill(self, buf):
+        b = self.batch_size
+        items = []
+        for _ in range(b):
+            items.append(self.source.get(self.order.index(self.reads)))
+            self.reads += 1
+        draws = self.transformer.draw(b)
+
+        def work(lo, hi):
+            for j in range(lo, hi):
+                key, raw = items[j]
+                image, label = self.source.decode(key, raw)
+                self.transformer.transform(image, draws[j], buf["data"][j], self.source.where(key))
+                buf["label"][j] = label
+
+        if self._pool is None:
+            work(0, b)
+        else:
+            bounds = np.linspace(0, b, self.threads + 1).astype(int)
+            futures = [self._pool.submit(work, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+            for f in futures:
+                f.result()
+        return buf
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+class _Failure:
+    def __init__(self, error):
+        self.error = error
+
+
+class Prefetcher:
+    """Runs `filler.fill` on a daemon thread, `depth` batches ahead of `next()`."""
+
+    def __init__(self, filler, depth=4, name="data"):
+        self.filler = filler
+        self.depth = max(1, int(depth))
+        self.wait_seconds = 0.0
+        self.batches = 0
+        self._free, self._full = queue.Queue(), queue.Queue()
+        for _ in range(self.depth):
+            self._free.put(filler.allocate())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"caffepy-prefetch-{name}", daemon=True)
+        self._thread.start()
+        _live.add(self)
+
+    def _run(self):
+        try:
+            while not self._stop.is_set():
+                try:
+                    buf = self._free.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                self.filler.fill(buf)
+                self._full.put(buf)
+        except BaseException as e:   # handed to the consumer, which raises it
+            self._full.put(_Failure(e))
+
+    def next(self):
+        """The next full batch (give it back with `release`)."""
+        start = time.perf_counter()
+        while True:
+            try:
+                item = self._full.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._full.empty():
+                    raise RuntimeError("the prefetch thread stopped")   # after close()
+        self.wait_seconds += time.perf_counter() - start
+        if isinstance(item, _Failure):
+            self._full.put(item)      # every later call fails the same way
+            raise item.error
+        self.batches += 1
+        return item
+
+    def release(self, buf):
+        self._free.put(buf)
+
+    def close(self):
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+        self.filler.close()
+
+
+@atexit.register
+def _close_all():
+    for p in list(_live):
+        p.close()

@@ -1,0 +1,140 @@
+"""transform_param: crop, mirror, mean subtraction and scaling of one C x H x W image.
+
+Caffe's order, per output pixel (c, h, w) of a crop at (h_off, w_off):
+    top[c, h, w'] = (image[c, h_off + h, w_off + w] - mean[c, h_off + h, w_off + w]) * scale
+where w' = crop_w - 1 - w when the image is mirrored, else w; `mean` is the
+mean_file image (cropped at the same offsets as the image) or mean_value[c].
+Crops are random in TRAIN (h_off uniform in [0, H - crop]) and centred in TEST
+((H - crop) / 2); with `mirror` every image is flipped with probability 1/2 in
+both phases, as Caffe does.
+
+Proto fields: scale, mirror, crop_size, mean_file, mean_value, force_color,
+force_gray (the last two apply to encoded images).
+"""
+import numpy as np
+
+from ..errors import DataError
+from ..proto import caffe_pb2
+
+
+class DataTransformer:
+    """Applies one TransformationParameter. `layer` (optional) names the layer in errors.
+
+    Random draws come from `generator` (a NumPy Generator; the data layers seed
+    one from caffepy.rng so a run with a fixed random_seed is repeatable).
+    """
+
+    def __init__(self, param, phase, generator=None, layer=None):
+        self.param = param
+        self.phase = phase
+        self.layer = layer
+        self.gen = generator if generator is not None else np.random.default_rng()
+        self.scale = float(param.scale)
+        self.crop = int(param.crop_size)
+        self.mirror = bool(param.mirror)
+        self.mean = None            # C x H x W float32 (mean_file)
+        self.mean_values = None     # C values (mean_value)
+        if param.mean_file and len(param.mean_value):
+            raise self._error("mean_file", "give mean_file or mean_value, not both",
+                              f"mean_file '{param.mean_file}' and {len(param.mean_value)} mean_value(s)")
+        if param.mean_file:
+            from ..blobproto import read_blobproto
+            from ..errors import CaffepyError
+            try:
+                mean = read_blobproto(param.mean_file)
+            except CaffepyError as e:
+                raise self._error("transform_param.mean_file", f"cannot read the mean: {e}") from None
+            except OSError as e:
+                raise self._error("transform_param.mean_file", f"cannot read the mean: {e.strerror}",
+                                  param.mean_file) from None
+            if mean.ndim == 4 and mean.shape[0] == 1:
+                mean = mean[0]
+            if mean.ndim != 3:
+                raise self._error("transform_param.mean_file", "the mean must be 1 x C x H x W",
+                                  f"shape {mean.shape}")
+            self.mean = np.ascontiguousarray(mean, np.float32)
+        elif len(param.mean_value):
+            self.mean_values = np.asarray(param.mean_value, np.float32)
+
+    def _error(self, field, problem, value=None, hint=None):
+        if self.layer is not None:
+            return self.layer.error(field, problem, value, hint, cls=DataError)
+        msg = f"transform_param: {field}: {problem}"
+        return DataError(msg + (f", got {value}" if value is not None else "") + (f". {hint}" if hint else ""))
+
+    # -- shapes ----------------------------------------------------------
+    def check(self, shape, where=""):
+        """Check an input C x H x W shape against crop and mean; return the output shape."""
+        c, h, w = shape
+        if self.crop and (self.crop > h or self.crop > w):
+            raise DataError(f"{where}transform_param.crop_size: larger than the image ({h}x{w}), got "
+                            f"{self.crop}")
+        if self.mean is not None and self.mean.shape != (c, h, w):
+            raise DataError(f"{where}transform_param.mean_file: the mean is "
+                            f"{'x'.join(map(str, self.mean.shape))} but the image is {c}x{h}x{w}")
+        if self.mean_values is not None and len(self.mean_values) not in (1, c):
+            raise DataError(f"{where}transform_param.mean_value: give 1 value or one per channel ({c}), "
+                            f"got {len(self.mean_values)}")
+        return (c, self.crop, self.crop) if self.crop else (c, h, w)
+
+    # -- randomness ------------------------------------------------------
+    def draw(self, n):
+        """Random numbers for n images: columns (mirror coin, crop h, crop w).
+
+        Drawn apart from the transform so one thread draws in record order
+        while several threads transform: results do not depend on the threads.
+        """
+        if not (self.mirror or (self.crop and self.phase == caffe_pb2.TRAIN)):
+            return np.zeros((n, 3), np.int64)
+        return self.gen.integers(0, 1 << 62, size=(n, 3), dtype=np.int64)
+
+    def offsets(self, shape, draw):
+        """(h_off, w_off, mirrored) for an image of `shape` given its draw row."""
+        _, h, w = shape
+        do_mirror = self.mirror and bool(draw[0] & 1)
+        if not self.crop:
+            return 0, 0, do_mirror
+        if self.phase == caffe_pb2.TRAIN:
+            return int(draw[1] % (h - self.crop + 1)), int(draw[2] % (w - self.crop + 1)), do_mirror
+        return (h - self.crop) // 2, (w - self.crop) // 2, do_mirror
+
+    # -- the transform ---------------------------------------------------
+    def transform(self, image, draw, out, where=""):
+        """Write the transformed C x H x W `image` (uint8 or float) into `out` (float32).
+
+        Only NumPy ufuncs on whole arrays, so the work runs without the GIL.
+        """
+        shape = self.check(image.shape, where)
+        if out.shape != shape:
+            raise DataError(f"{where}image of shape {'x'.join(map(str, image.shape))} does not give the "
+                            f"{'x'.join(map(str, out.shape))} of the first record (records must share one "
+                            f"size unless a crop makes them equal)")
+        h_off, w_off, mirrored = self.offsets(image.shape, draw)
+        ch, cw = shape[1], shape[2]
+        src = image[:, h_off:h_off + ch, w_off:w_off + cw]
+        if self.mean is not None:
+            mean = self.mean[:, h_off:h_off + ch, w_off:w_off + cw]
+        elif self.mean_values is not None:
+            mean = self.mean_values[:, None, None] if len(self.mean_values) > 1 else self.mean_values[0]
+        else:
+            mean = None
+        if mirrored:
+            src = src[:, :, ::-1]
+            if self.mean is not None:
+                mean = mean[:, :, ::-1]
+        if mean is None:
+            if self.scale != 1:
+                np.multiply(src, np.float32(self.scale), out=out, casting="unsafe")
+            else:
+                np.copyto(out, src, casting="unsafe")
+        else:
+            np.subtract(src, mean, out=out, casting="unsafe")
+            if self.scale != 1:
+                np.multiply(out, np.float32(self.scale), out=out)
+        return out
+
+    def __call__(self, image, draw=None):
+        """Transform one image into a new array (drawing its random numbers if not given)."""
+        draw = self.draw(1)[0] if draw is None else draw
+        out = np.empty(self.check(image.shape), np.float32)
+        return self.transform(image, draw, out)
