@@ -1,0 +1,201 @@
+"""What `caffepy train`, `test` and `time` do (caffe.cpp's train(), test(), time()).
+
+The CLI (cli.py) parses the flags; these functions raise CaffepyError for user
+mistakes and log Caffe's messages, so Caffe's log tools read the output.
+"""
+import signal
+import time as _time
+
+import numpy as np
+
+from . import log
+from .errors import UsageError
+from .solvers.solver import fmt
+
+
+class SignalHandler:
+    """Caffe's SignalHandler: SIGINT / SIGHUP set a flag that the solver reads between
+    iterations as a requested action (stop, snapshot or none).
+
+    SIGINT's `snapshot` saves and then stops (Ctrl-C ends the run, nothing is lost);
+    SIGHUP's `snapshot` saves and carries on, as in Caffe.
+    """
+
+    def __init__(self, sigint_effect="stop", sighup_effect="snapshot"):
+        for name, effect in (("sigint_effect", sigint_effect), ("sighup_effect", sighup_effect)):
+            if effect not in ("stop", "snapshot", "none"):
+                raise UsageError(f"--{name}: must be stop, snapshot or none, got '{effect}'")
+        self.effects = {signal.SIGINT: "snapshot_stop" if sigint_effect == "snapshot" else sigint_effect,
+                        signal.SIGHUP: sighup_effect}
+        self.pending = []
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        self.pending.append(signum)
+
+    def action(self):
+        while self.pending:
+            effect = self.effects[self.pending.pop(0)]
+            if effect != "none":
+                return effect
+        return "none"
+
+    def __enter__(self):
+        for signum in self.effects:
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:      # not the main thread (embedded use): no handlers
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+        return False
+
+
+def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect="stop",
+          sighup_effect="snapshot"):
+    """Train or fine-tune: build the solver, load -weights or restore -snapshot, solve."""
+    from . import prototxt
+    from .solvers import Solver
+
+    if weights and snapshot:
+        raise UsageError("give --snapshot or --weights, not both: --snapshot resumes a run, "
+                         "--weights starts a new one from trained weights")
+    mpi = _mpi_if_launched()
+    if mpi is not None:
+        mpi.init_world()      # before building nets: data layers pick their records by rank
+    param = prototxt.read_solver(solver)
+    if snapshot:
+        del param.weights[:]
+    elif weights:
+        del param.weights[:]
+        param.weights.append(weights)
+    log.info("Use CPU.")
+    handler = SignalHandler(sigint_effect, sighup_effect)
+    the_solver = Solver(param, source=solver, level=level, stages=stages)
+    # ---- multi-rank call site: the MPI strategy joins the solver through its hooks ----
+    if mpi is not None:
+        mpi.attach(the_solver)
+    # -------------------------------------------------------------------------------------
+    the_solver.action_fn = handler.action
+    with handler:
+        if snapshot:
+            log.info(f"Resuming from {snapshot}")
+            the_solver.restore(snapshot)
+        log.info("Starting Optimization")
+        the_solver.solve()
+    if mpi is not None:
+        mpi.finish()
+    return the_solver
+
+
+def _mpi_if_launched():
+    try:
+        from .parallel import mpi
+    except ImportError:
+        return None
+    return mpi if mpi.launched() else None
+
+
+def test(model, weights=None, iterations=50, level=0, stages=()):
+    """Score a model: run the TEST phase `iterations` times, log each batch and the averages."""
+    from .net import TEST, Net
+
+    if not weights:
+        raise UsageError("test: --weights: needed to score a model, got none. "
+                         "Give --weights model.caffemodel")
+    net = Net(model, phase=TEST, weights=weights, level=level, stages=list(stages))
+    log.info(f"Running for {iterations} iterations.")
+    names, scores = [], None
+    total_loss = 0.0
+    for i in range(iterations):
+        total_loss += net.forward_from_to()
+        values = []
+        for name in net.outputs:
+            for value in net.blobs[name].data.reshape(-1):
+                if i == 0:
+                    names.append(name)
+                values.append(float(value))
+                log.info(f"Batch {i}, {name} = {fmt(float(value))}")
+        values = np.array(values, np.float64)
+        scores = values if scores is None else scores + values
+    log.info(f"Loss: {fmt(total_loss / iterations)}")
+    results = []
+    for name, total in zip(names, scores if scores is not None else []):
+        mean = total / iterations
+        weight = net.blob_loss_weights.get(name, 0.0)
+        extra = f" (* {fmt(weight)} = {fmt(weight * mean)} loss)" if weight else ""
+        log.info(f"{name} = {fmt(mean)}{extra}")
+        results.append((name, mean))
+    return results
+
+
+def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
+    """Benchmark: one warm-up pass, then average per-layer forward/backward times."""
+    from .net import TEST, TRAIN, Net
+
+    if str(phase).upper() not in ("TRAIN", "TEST"):
+        raise UsageError(f"time: --phase: must be TRAIN or TEST, got '{phase}'")
+    phase_value = TRAIN if str(phase).upper() == "TRAIN" else TEST
+    net = Net(model, phase=phase_value, weights=weights or None, level=level, stages=list(stages))
+    training = phase_value == TRAIN
+    log.info("Performing Forward")
+    initial_loss = net.forward_from_to()
+    log.info(f"Initial loss: {fmt(initial_loss)}")
+    if training:
+        log.info("Performing Backward")
+        net.backward_from_to()
+    layers = net.layers
+    n = len(layers)
+    forward_s = [0.0] * n
+    backward_s = [0.0] * n
+    forward_total = backward_total = 0.0
+    waits = [(layer, float(getattr(layer, "wait_seconds", 0.0))) for layer in layers
+             if hasattr(layer, "wait_seconds")]
+    log.info("*** Benchmark begins ***")
+    log.info(f"Testing for {iterations} iterations.")
+    clock = _time.perf_counter
+    total_start = clock()
+    for j in range(iterations):
+        iter_start = clock()
+        for i in range(n):
+            t = clock()
+            net.forward_from_to(i, i)
+            forward_s[i] += clock() - t
+        forward_total += clock() - iter_start
+        if training:
+            back_start = clock()
+            for i in reversed(range(n)):
+                t = clock()
+                net.backward_from_to(i, i)
+                backward_s[i] += clock() - t
+            backward_total += clock() - back_start
+        log.info(f"Iteration: {j + 1} forward-backward time: {fmt((clock() - iter_start) * 1e3)} ms.")
+    total = clock() - total_start
+    log.info("Average time per layer: ")
+    for i, layer in enumerate(layers):
+        log.info(f"{layer.name:>10}\tforward: {fmt(forward_s[i] * 1e3 / iterations)} ms.")
+        if training:
+            log.info(f"{layer.name:>10}\tbackward: {fmt(backward_s[i] * 1e3 / iterations)} ms.")
+    log.info(f"Average Forward pass: {fmt(forward_total * 1e3 / iterations)} ms.")
+    if training:
+        log.info(f"Average Backward pass: {fmt(backward_total * 1e3 / iterations)} ms.")
+        log.info(f"Average Forward-Backward: {fmt(total * 1e3 / iterations)} ms.")
+    log.info(f"Total Time: {fmt(total * 1e3)} ms.")
+    for layer, before in waits:
+        waited = float(getattr(layer, "wait_seconds", 0.0)) - before
+        share = waited / forward_total if forward_total > 0 else 0.0
+        log.info(f"Data wait ({layer.name}): {fmt(waited * 1e3 / iterations)} ms per iteration, "
+                 f"{share * 100:.1f}% of the forward pass")
+    log.info("*** Benchmark ends ***")
+    return {"forward_ms": forward_total * 1e3 / iterations,
+            "backward_ms": backward_total * 1e3 / iterations,
+            "total_ms": total * 1e3,
+            "layers": [(layer.name, forward_s[i] * 1e3 / iterations, backward_s[i] * 1e3 / iterations)
+                       for i, layer in enumerate(layers)]}
+
+
+__all__ = ["train", "test", "time", "SignalHandler"]

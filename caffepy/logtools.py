@@ -1,0 +1,176 @@
+"""Training-log tools: Caffe's parse_log (LOG.train / LOG.test tables) and a plot.
+
+A table row per iteration: NumIters, Seconds (since the "Solving" line),
+LearningRate (the last "lr = " seen, as Caffe's parser does), then one column
+per net output name.  Test rows take the iteration of the "Iteration N,
+Testing net" line above them.
+"""
+import collections
+import csv
+import datetime
+import math
+import os
+import re
+
+from . import log
+from .errors import CaffepyError
+
+_ITERATION = re.compile(r"Iteration (\d+)")
+_TRAIN_OUTPUT = re.compile(r"Train net output #(\d+): (\S+) = ([\.\deE+-]+|nan|inf|-inf)")
+_TEST_OUTPUT = re.compile(r"Test net output #(\d+): (\S+) = ([\.\deE+-]+|nan|inf|-inf)")
+_LEARNING_RATE = re.compile(r"lr = ([-+]?[0-9]*\.?[0-9]+([eE]?[-+]?[0-9]+)?)")
+_STAMP = re.compile(r"^[IWEF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?")
+
+
+def _stamp(line, year):
+    m = _STAMP.match(line)
+    if not m:
+        return None
+    month, day, hour, minute, second, frac = m.groups()
+    micro = int((frac or "0").ljust(6, "0")[:6])
+    try:
+        return datetime.datetime(year, int(month), int(day), int(hour), int(minute), int(second), micro)
+    except ValueError:
+        return None
+
+
+def _read_lines(logfile):
+    try:
+        with open(logfile, errors="replace") as f:
+            return f.read().splitlines()
+    except OSError as e:
+        raise CaffepyError(f"{logfile}: cannot read the log: {e.strerror}") from None
+
+
+def parse_log(logfile):
+    """Parse a caffe/caffepy training log into (train_rows, test_rows): lists of
+    OrderedDicts with NumIters, Seconds, LearningRate and one key per output."""
+    lines = _read_lines(logfile)
+    year = datetime.datetime.fromtimestamp(os.path.getmtime(logfile)).year
+    start = None
+    for line in lines:
+        if "Solving" in line:
+            start = _stamp(line, year)
+            if start is not None:
+                break
+    if start is None:
+        for line in lines:
+            start = _stamp(line, year)
+            if start is not None:
+                break
+    train_rows, test_rows = [], []
+    train_row = test_row = None
+    iteration = -1
+    rate = float("nan")
+    previous = start
+    for line in lines:
+        m = _ITERATION.search(line)
+        if m:
+            iteration = int(m.group(1))
+        if iteration == -1:
+            continue     # before the first iteration (net set-up lines)
+        stamp = _stamp(line, year)
+        if stamp is not None and previous is not None and stamp < previous - datetime.timedelta(days=180):
+            # the log crossed New Year
+            year += 1
+            stamp = _stamp(line, year)
+        if stamp is not None:
+            previous = stamp
+        seconds = (previous - start).total_seconds() if previous is not None and start is not None else 0.0
+        m = _LEARNING_RATE.search(line)
+        if m:
+            rate = float(m.group(1))
+        train_row = _net_output(_TRAIN_OUTPUT, line, train_row, train_rows, iteration, seconds, rate)
+        test_row = _net_output(_TEST_OUTPUT, line, test_row, test_rows, iteration, seconds, rate)
+    # a last row that never filled up (an interrupted run) is dropped, as Caffe's parser does
+    for rows in (train_rows, test_rows):
+        # the first train rows come before any "lr =" line: take the next row's rate
+        if len(rows) > 1 and math.isnan(rows[0]["LearningRate"]):
+            rows[0]["LearningRate"] = rows[1]["LearningRate"]
+    return train_rows, test_rows
+
+
+def _net_output(regex, line, row, rows, iteration, seconds, rate):
+    m = regex.search(line)
+    if m:
+        if row is None or row["NumIters"] != iteration:
+            if row is not None:
+                rows.append(row)
+            row = collections.OrderedDict([("NumIters", iteration), ("Seconds", seconds),
+                                           ("LearningRate", rate)])
+        row[m.group(2)] = float(m.group(3))
+    if row is not None and rows and len(row) == len(rows[0]):
+        rows.append(row)
+        row = None
+    return row
+
+
+def write_table(path, rows, delimiter=","):
+    if not rows:
+        log.info(f"Not writing {path}; no lines to write")
+        return False
+    fields = list(rows[0].keys())
+    for row in rows[1:]:
+        fields.extend(k for k in row if k not in fields)
+    try:
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, delimiter=delimiter, lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(rows)
+    except OSError as e:
+        raise CaffepyError(f"{path}: cannot write: {e.strerror}") from None
+    return True
+
+
+def parse_log_command(logfile, output_dir, delimiter=","):
+    """`caffepy parse_log LOG OUTDIR`: write OUTDIR/<LOG name>.train and .test."""
+    if len(delimiter) != 1:
+        raise CaffepyError(f"parse_log: --delimiter: must be one character, got '{delimiter}'")
+    train_rows, test_rows = parse_log(logfile)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as e:
+        raise CaffepyError(f"{output_dir}: cannot create the output directory: {e.strerror}") from None
+    base = os.path.join(output_dir, os.path.basename(logfile))
+    write_table(base + ".train", train_rows, delimiter)
+    write_table(base + ".test", test_rows, delimiter)
+    return base + ".train", base + ".test"
+
+
+def plot_log(logfile, png):
+    """Draw training loss, test outputs and the learning rate against iterations."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CaffepyError("plot_log: needs matplotlib, which is not installed. "
+                           "Install it with: pip install matplotlib (or pip install 'caffepy[plot]')") from None
+    train_rows, test_rows = parse_log(logfile)
+    if not train_rows and not test_rows:
+        raise CaffepyError(f"{logfile}: no 'Train net output' or 'Test net output' lines to plot; "
+                           f"is this a training log?")
+    fig, axes = plt.subplots(3, 1, figsize=(8, 10), sharex=True)
+    for ax, rows, title in ((axes[0], train_rows, "train"), (axes[1], test_rows, "test")):
+        names = [k for k in (rows[0] if rows else {}) if k not in ("NumIters", "Seconds", "LearningRate")]
+        for name in names:
+            xs = [r["NumIters"] for r in rows if name in r]
+            ax.plot(xs, [r[name] for r in rows if name in r], label=f"{title} {name}")
+        ax.set_ylabel(f"{title} outputs")
+        if names:
+            ax.legend(loc="best")
+        ax.grid(True, alpha=0.3)
+    rows = train_rows or test_rows
+    axes[2].plot([r["NumIters"] for r in rows], [r["LearningRate"] for r in rows])
+    axes[2].set_ylabel("learning rate")
+    axes[2].set_xlabel("iterations")
+    axes[2].grid(True, alpha=0.3)
+    fig.suptitle(os.path.basename(logfile))
+    fig.tight_layout()
+    try:
+        fig.savefig(png)
+    except OSError as e:
+        raise CaffepyError(f"{png}: cannot write: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+    return png

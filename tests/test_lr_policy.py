@@ -1,0 +1,93 @@
+"""Learning-rate policies against Caffe's formulas, computed by hand."""
+import math
+
+import pytest
+
+from caffepy.errors import SolverError
+from caffepy.proto import caffe_pb2
+from caffepy.solvers import lr_policy
+
+
+def solver(**fields):
+    p = caffe_pb2.SolverParameter(base_lr=0.1)
+    for k, v in fields.items():
+        if isinstance(v, list):
+            getattr(p, k).extend(v)
+        else:
+            setattr(p, k, v)
+    return p
+
+
+def rates(p, iters):
+    out, step = [], 0
+    for it in iters:
+        r, step, _ = lr_policy.learning_rate(p, it, step)
+        out.append(r)
+    return out
+
+
+def test_fixed():
+    assert rates(solver(lr_policy="fixed"), [0, 5, 1000]) == pytest.approx([0.1, 0.1, 0.1])
+
+
+def test_step_drops_by_gamma_every_stepsize():
+    p = solver(lr_policy="step", gamma=0.5, stepsize=3)
+    assert rates(p, [0, 2, 3, 5, 6, 9]) == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025, 0.0125])
+
+
+def test_exp():
+    p = solver(lr_policy="exp", gamma=0.9)
+    assert rates(p, [0, 1, 2]) == pytest.approx([0.1, 0.09, 0.081])
+
+
+def test_inv_lenet_numbers():
+    # lenet_solver.prototxt: base_lr 0.01, gamma 1e-4, power 0.75
+    p = solver(lr_policy="inv", gamma=0.0001, power=0.75)
+    p.base_lr = 0.01
+    assert rates(p, [0, 100, 10000]) == pytest.approx(
+        [0.01, 0.01 * 1.01 ** -0.75, 0.01 * 2.0 ** -0.75])
+    assert rates(p, [100])[0] == pytest.approx(0.00992565, rel=1e-6)
+
+
+def test_multistep_advances_at_each_stepvalue():
+    p = solver(lr_policy="multistep", gamma=0.1, stepvalue=[2, 4])
+    assert rates(p, range(6)) == pytest.approx([0.1, 0.1, 0.01, 0.01, 0.001, 0.001])
+
+
+def test_multistep_reports_the_advance_once():
+    p = solver(lr_policy="multistep", gamma=0.1, stepvalue=[1])
+    _, step, advanced = lr_policy.learning_rate(p, 1, 0)
+    assert (step, advanced) == (1, True)
+    _, step, advanced = lr_policy.learning_rate(p, 1, step)
+    assert (step, advanced) == (1, False)
+
+
+def test_poly_reaches_zero_at_max_iter():
+    p = solver(lr_policy="poly", power=2.0, max_iter=10)
+    assert rates(p, [0, 5, 10]) == pytest.approx([0.1, 0.025, 0.0])
+
+
+def test_sigmoid_is_half_at_stepsize():
+    p = solver(lr_policy="sigmoid", gamma=-0.5, stepsize=4)
+    assert rates(p, [4, 0]) == pytest.approx([0.05, 0.1 / (1 + math.exp(-2.0))])
+
+
+def test_warmup_ramps_linearly_to_base_lr_then_the_policy_takes_over():
+    p = solver(lr_policy="step", gamma=0.5, stepsize=2, warmup_iter=4, warmup_start_lr=0.02)
+    # Intel Caffe: (it * base_lr + (warmup_iter - it) * warmup_start_lr) / warmup_iter
+    assert rates(p, [0, 1, 2, 3]) == pytest.approx([0.02, 0.04, 0.06, 0.08])
+    assert rates(p, [4, 5]) == pytest.approx([0.1 * 0.25, 0.1 * 0.25])
+
+
+def test_unknown_policy_lists_the_known_ones():
+    with pytest.raises(SolverError, match=r"s.prototxt: lr_policy: unknown .*got 'cosine'.*multistep"):
+        lr_policy.check(solver(lr_policy="cosine"), "s.prototxt")
+
+
+def test_missing_policy_and_bad_stepsize_are_errors():
+    with pytest.raises(SolverError, match="lr_policy: missing"):
+        lr_policy.check(solver(), "s")
+    with pytest.raises(SolverError, match="stepsize: .*got 0"):
+        lr_policy.check(solver(lr_policy="step"), "s")
+    with pytest.raises(SolverError, match="max_iter"):
+        lr_policy.check(solver(lr_policy="poly"), "s")
