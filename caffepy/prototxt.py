@@ -224,7 +224,7 @@ def payload_bytes(msg):
              F.TYPE_DOUBLE: 8, F.TYPE_FIXED64: 8, F.TYPE_SFIXED64: 8}
     total = 0
     for field, value in msg.ListFields():
-        repeated = field.label == F.LABEL_REPEATED
+        repeated = field.is_repeated
         if field.type in (F.TYPE_MESSAGE, F.TYPE_GROUP):
             for sub in (value if repeated else (value,)):
                 total += payload_bytes(sub)
@@ -350,7 +350,12 @@ def _needs_data(net):
 
 
 def _needs_batch_norm(net):
-    return any(layer.type == "BatchNorm" and len(layer.param) == 3 for layer in net.layer)
+    # Caffe re-applies this upgrade to every 3-param BatchNorm; counting it
+    # only when a rate is not yet an explicit 0 keeps `changed` meaningful.
+    return any(layer.type == "BatchNorm" and len(layer.param) == 3
+               and any(not (p.HasField("lr_mult") and p.lr_mult == 0 and p.HasField("decay_mult")
+                            and p.decay_mult == 0) for p in layer.param)
+               for layer in net.layer)
 
 
 def upgrade_net(net_param, source="<net>"):
@@ -604,7 +609,7 @@ def _upgrade_v0_layer(conn, v1, source):
                 caffe_pb2.V0LayerParameter.PoolMethod.Name(value))
         if dest.message_type is not None:
             getattr(holder, name).CopyFrom(value)
-        elif dest.label == dest.LABEL_REPEATED:
+        elif dest.is_repeated:
             getattr(holder, name).append(value)
         else:
             setattr(holder, name, value)
@@ -816,7 +821,7 @@ def _copy(msg, skip=None):
     for field, value in msg.ListFields():
         if field.name == skip:
             continue
-        if field.label == field.LABEL_REPEATED:
+        if field.is_repeated:
             getattr(out, field.name).extend(value)
         elif field.message_type is not None:
             getattr(out, field.name).CopyFrom(value)
