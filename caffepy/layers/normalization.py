@@ -1,1 +1,231 @@
-"""(being written)"""
+"""Normalization layers: LRN, BatchNorm, MVN.
+
+BatchNorm normalizes only; the learned scale and shift of a "batch norm" are a
+Scale layer after it, as in Caffe.
+"""
+import numpy as np
+
+from ..errors import ShapeError
+from ..layer import Layer, count_from, register
+from ..proto import caffe_pb2
+
+try:
+    from ..kernels import vision as _vision
+except ImportError:     # not built: the NumPy references are correct, only slower
+    _vision = None
+
+LRNParameter = caffe_pb2.LRNParameter
+
+
+@register
+class LRN(Layer):
+    """Local response normalization, y = x * scale^-beta, on N x C x H x W.
+        ACROSS_CHANNELS: scale = k + alpha/size * sum of x^2 over `size` channels centred on c
+        WITHIN_CHANNEL:  scale = 1 + alpha/size^2 * sum of x^2 over the size x size window
+                         centred on (h, w) (Caffe's pooling composition: k is not used)
+    Values past the edges count as zero. Reads lrn_param.local_size (odd), alpha, beta,
+    k, norm_region. Not in place: the backward needs the input."""
+    exact_bottoms = exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.param.lrn_param
+        self.size, self.alpha, self.beta, self.k = int(p.local_size), float(p.alpha), float(p.beta), float(p.k)
+        self.region = p.norm_region
+        if self.size < 1 or self.size % 2 == 0:
+            raise self.error("lrn_param.local_size", "must be odd and positive", self.size)
+        if self.region not in (LRNParameter.ACROSS_CHANNELS, LRNParameter.WITHIN_CHANNEL):
+            raise self.error("lrn_param.norm_region", "unknown region", self.region)
+        if top[0] is bottom[0]:
+            raise self.error("top", "LRN cannot run in place (its backward needs the input)",
+                             f"'{bottom[0].name}'")
+
+    def reshape(self, bottom, top):
+        if bottom[0].num_axes != 4:
+            raise self.error("bottom[0]", "needs 4 axes (num, channels, height, width)",
+                             bottom[0].shape, cls=ShapeError)
+        top[0].reshape(bottom[0].shape)
+        if getattr(self, "scale", None) is None or self.scale.shape != bottom[0].shape:
+            self.scale = np.empty(bottom[0].shape, np.float32)
+
+    def forward(self, bottom, top):
+        x, y = bottom[0].data, top[0].data
+        across = self.region == LRNParameter.ACROSS_CHANNELS
+        if _vision is not None:
+            if across:
+                _vision.lrn_across_forward(x, y, self.scale, self.size, self.alpha, self.beta, self.k)
+            else:
+                _vision.lrn_within_forward(x, y, self.scale, self.size, self.alpha, self.beta)
+            return
+        from ..kernels import reference
+        if across:
+            out, scale = reference.lrn_across_forward(x, self.size, self.alpha, self.beta, self.k)
+        else:
+            out, scale = reference.lrn_within_forward(x, self.size, self.alpha, self.beta)
+        y[...] = out
+        self.scale[...] = scale
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x, dy, dx = bottom[0].data, top[0].diff, bottom[0].diff
+        across = self.region == LRNParameter.ACROSS_CHANNELS
+        if _vision is not None:
+            kernel = _vision.lrn_across_backward if across else _vision.lrn_within_backward
+            kernel(x, self.scale, dy, dx, self.size, self.alpha, self.beta)
+            return
+        from ..kernels import reference
+        ref = reference.lrn_across_backward if across else reference.lrn_within_backward
+        dx[...] = ref(x, top[0].data, self.scale, dy, self.size, self.alpha, self.beta)
+
+
+def _channel_view(layer, blob):
+    """(N, C, spatial) view of a blob as Caffe's BatchNorm sees it: axis 1 is the channel
+    axis, a 1-axis blob is one channel."""
+    shape = blob.shape
+    if not shape:
+        raise layer.error("bottom[0]", "needs at least one axis", shape, cls=ShapeError)
+    channels = 1 if len(shape) == 1 else shape[1]
+    return shape[0], channels, count_from(shape, 2)
+
+
+@register
+class BatchNorm(Layer):
+    """Per-channel batch normalization, y = (x - mean) / sqrt(var + eps).
+    TRAIN (use_global_stats false): mean and var (biased) of the batch over N and space;
+    the running statistics are updated as Caffe does:
+        blobs[2] = maf * blobs[2] + 1
+        blobs[0] = mean + maf * blobs[0]
+        blobs[1] = m/(m-1) * var + maf * blobs[1]     (m = values per channel)
+    use_global_stats (default in TEST): mean = blobs[0]/blobs[2], var = blobs[1]/blobs[2]
+    (0 when blobs[2] is 0). Backward:
+        batch stats:  dx = (dy - mean(dy) - y mean(dy y)) / sqrt(var + eps)
+        global stats: dx = dy / sqrt(var + eps)
+    The three blobs are statistics, not parameters: their lr_mult is forced to 0 (a
+    param spec asking otherwise is an error, as in Caffe). Reads batch_norm_param
+    use_global_stats, moving_average_fraction, eps. Runs in place."""
+    exact_bottoms = exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.param.batch_norm_param
+        self.use_global_stats = p.use_global_stats if p.HasField("use_global_stats") \
+            else self.phase == caffe_pb2.TEST
+        self.maf = float(p.moving_average_fraction)
+        self.eps = float(p.eps)
+        _, channels, _ = _channel_view(self, bottom[0])
+        zero = caffe_pb2.FillerParameter(type="constant", value=0.0)
+        self.init_param_blobs([((channels,), zero), ((channels,), zero), ((1,), zero)])
+        for i in range(3):
+            if len(self.param.param) == i:
+                self.param.param.add().lr_mult = 0.0
+            elif self.param.param[i].lr_mult != 0:
+                raise self.error(f"param[{i}].lr_mult", "batch normalization statistics cannot be "
+                                 "learned; leave out the param specs or give lr_mult: 0",
+                                 self.param.param[i].lr_mult)
+        self.param_propagate_down = [False, False, False]
+
+    def reshape(self, bottom, top):
+        num, channels, spatial = _channel_view(self, bottom[0])
+        if channels != self.blobs[0].count:
+            raise self.error("bottom[0]", f"has {channels} channels, the statistics blobs "
+                             f"{self.blobs[0].count}", bottom[0].shape, cls=ShapeError)
+        self.dims = (num, channels, spatial)
+        top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self.dims)
+        y = top[0].data.reshape(self.dims)
+        if self.use_global_stats:
+            factor = self.blobs[2].data[0]
+            factor = 0.0 if factor == 0 else 1.0 / float(factor)
+            mean = (self.blobs[0].data * np.float32(factor)).astype(np.float32)
+            var = (self.blobs[1].data * np.float32(factor)).astype(np.float32)
+        else:
+            mean, var = _channel_stats(x)
+            m = x.size // self.dims[1]
+            correction = m / (m - 1) if m > 1 else 1.0
+            self.blobs[2].data[...] = self.blobs[2].data * self.maf + 1.0
+            self.blobs[0].data[...] = mean + self.maf * self.blobs[0].data
+            self.blobs[1].data[...] = correction * var + self.maf * self.blobs[1].data
+        self.inv_std = (1.0 / np.sqrt(var.astype(np.float64) + self.eps)).astype(np.float32)
+        np.subtract(x, mean[None, :, None], out=y)
+        y *= self.inv_std[None, :, None]
+        # a later in-place layer (Scale) may overwrite top: keep y for the backward
+        self.x_norm = None if self.use_global_stats else y.copy()
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = top[0].diff.reshape(self.dims)
+        dx = bottom[0].diff.reshape(self.dims)
+        if self.use_global_stats:
+            np.multiply(dy, self.inv_std[None, :, None], out=dx)
+            return
+        y = self.x_norm
+        m = dy.size // self.dims[1]
+        mean_dy = dy.sum(axis=(0, 2), dtype=np.float64) / m
+        mean_dy_y = np.einsum("ncs,ncs->c", dy, y, dtype=np.float64) / m
+        a = mean_dy.astype(np.float32)[None, :, None]
+        b = mean_dy_y.astype(np.float32)[None, :, None]
+        # dx may alias dy (in place): every read of dy happens in this one expression
+        dx[...] = (dy - a - b * y) * self.inv_std[None, :, None]
+
+
+def _channel_stats(x):
+    """Per-channel mean and biased variance of an (N, C, S) array, accumulated in float64."""
+    m = x.shape[0] * x.shape[2]
+    mean = x.sum(axis=(0, 2), dtype=np.float64) / m
+    centred = x - mean.astype(np.float32)[None, :, None]
+    var = np.einsum("ncs,ncs->c", centred, centred, dtype=np.float64) / m
+    return mean.astype(np.float32), var.astype(np.float32)
+
+
+@register
+class MVN(Layer):
+    """Mean-variance normalization of each item's channels (or of each whole item with
+    across_channels): y = x - mean, and with normalize_variance y = (x - mean) / (std + eps),
+    std the biased standard deviation (eps added after the root, as in Caffe).
+    Backward: dx = (dy - mean(dy)) / (std + eps) - y mean(dy y) / std, or dy - mean(dy).
+    That is the exact gradient; Caffe divides the last term by std + eps too, which
+    differs only when eps is not small against std (default eps 1e-9).
+    Reads mvn_param.normalize_variance, across_channels, eps. Runs in place."""
+    exact_bottoms = exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.param.mvn_param
+        self.normalize_variance, self.across_channels = p.normalize_variance, p.across_channels
+        self.eps = float(p.eps)
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        if not shape:
+            raise self.error("bottom[0]", "needs at least one axis", shape, cls=ShapeError)
+        rows = shape[0] if self.across_channels or len(shape) < 2 else shape[0] * shape[1]
+        self.rows_dims = (rows, bottom[0].count // rows if rows else 0)
+        top[0].reshape(shape)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self.rows_dims)
+        y = top[0].data.reshape(self.rows_dims)
+        mean = x.mean(axis=1, dtype=np.float64).astype(np.float32)
+        np.subtract(x, mean[:, None], out=y)
+        if self.normalize_variance:
+            var = np.einsum("rd,rd->r", y, y, dtype=np.float64) / max(self.rows_dims[1], 1)
+            std = np.sqrt(var)
+            self.inv = (1.0 / (std + self.eps)).astype(np.float32)
+            # a constant row has y = 0: its y term vanishes instead of 0/0
+            self.inv_std = np.divide(1.0, std, out=np.zeros_like(std), where=std > 0).astype(np.float32)
+            y *= self.inv[:, None]
+            self.y = y.copy()
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = top[0].diff.reshape(self.rows_dims)
+        dx = bottom[0].diff.reshape(self.rows_dims)
+        mean_dy = dy.mean(axis=1, dtype=np.float64).astype(np.float32)[:, None]
+        if not self.normalize_variance:
+            np.subtract(dy, mean_dy, out=dx)
+            return
+        mean_dy_y = (np.einsum("rd,rd->r", dy, self.y, dtype=np.float64)
+                     / max(self.rows_dims[1], 1)).astype(np.float32)[:, None]
+        dx[...] = (dy - mean_dy) * self.inv[:, None] - self.y * (mean_dy_y * self.inv_std[:, None])
