@@ -361,6 +361,13 @@ class Net:
         outs.update(diffs or [])
         return {name: self.blobs[name].diff for name in outs}
 
+    def set_input_arrays(self, data, labels):
+        """pycaffe: hand arrays to the net's first layer, which must be MemoryData
+        (data N x C x H x W, labels N; N a multiple of its batch_size)."""
+        if not self.layers or self.layers[0].type != "MemoryData":
+            raise CaffepyError(f"{self.source}: set_input_arrays: the first layer must be MemoryData")
+        self.layers[0].reset(data, labels)
+
     def copy_from(self, path):
         """Load weights from a .caffemodel by layer name (Caffe's CopyTrainedLayersFrom)."""
         from . import prototxt
