@@ -238,16 +238,21 @@ def payload_bytes(msg):
 def serialize(msg, source="<message>", limit=PROTO_LIMIT):
     """`msg` as binary bytes; a CaffepyError, before serializing, when it
     would exceed `limit` bytes (protobuf's 2 GiB message limit)."""
-    size = payload_bytes(msg)
-    if size <= limit:
-        with contextlib.suppress(Exception):
-            size = msg.ByteSize()
-    if size > limit:
-        raise CaffepyError(
+    def refuse(size):
+        return CaffepyError(
             f"{source}: {msg.DESCRIPTOR.name} needs {size / 2**30:.2f} GiB, over protobuf's "
             f"{(limit + 1) / 2**30:.2f} GiB message limit; nothing was written (neither Caffe nor "
             f"caffepy could read such a file back). Reduce the model's parameters")
-    return msg.SerializeToString()
+
+    # ByteSize() would cost a whole serialization under upb; the blob payload
+    # is nearly all of the size and free to count.
+    size = payload_bytes(msg)
+    if size > limit:
+        raise refuse(size)
+    data = msg.SerializeToString()
+    if len(data) > limit:
+        raise refuse(len(data))
+    return data
 
 
 def write_binary(msg, path, limit=PROTO_LIMIT):

@@ -108,6 +108,10 @@ def test_two_gib_guard_refuses_before_writing(tmp_path):
                                            r"message limit; nothing was written"):
         P.write_binary(net, path, limit=4000)
     assert not os.listdir(tmp_path)
+    # Under the limit by payload, over it once tags and lengths are counted.
+    with pytest.raises(CaffepyError, match="nothing was written"):
+        P.write_binary(net, path, limit=P.payload_bytes(net))
+    assert not os.listdir(tmp_path)
     P.write_binary(net, path, limit=5000)
     assert P.read_binary_net(path) == net
 
