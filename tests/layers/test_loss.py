@@ -331,3 +331,35 @@ def test_sigmoid_ce_against_torch():
     top[0].diff[...] = 1.0
     layer.backward(top, [True, False], bottom)
     np.testing.assert_allclose(bottom[0].diff, xt.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+NET = """
+name: "tiny"
+force_backward: true
+layer { name: "x" type: "Input" top: "x" top: "label"
+        input_param { shape { dim: 4 dim: 5 } shape { dim: 4 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "x" top: "bn" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "bn" bottom: "label" top: "loss" top: "prob" }
+layer { name: "acc" type: "Accuracy" bottom: "bn" bottom: "label" top: "acc" }
+"""
+
+
+def test_in_a_net_loss_weights_and_statistics_blobs():
+    from google.protobuf import text_format
+    from caffepy.net import TRAIN, Net
+    from caffepy.proto import caffe_pb2
+    net = Net(text_format.Parse(NET, caffe_pb2.NetParameter()), TRAIN)
+    assert net.params_lr == [0.0, 0.0, 0.0]
+    names = list(net.layer_dict)
+    assert net.top_loss_weights[names.index("loss")] == [1.0, 0.0]
+    assert net.top_loss_weights[names.index("acc")] == [0.0]
+    lab = labels(4, 5, seed=50)
+    out = net.forward(x=X45, label=lab)
+    x = X45.astype(np.float64)
+    bn = (x - x.mean(axis=0)) / np.sqrt(x.var(axis=0) + 1e-5)
+    np.testing.assert_allclose(out["loss"], softmax_loss_ref()(bn, lab)[0], rtol=1e-4)
+    np.testing.assert_allclose(out["acc"], accuracy_ref()(bn, lab)[0])
+    np.testing.assert_allclose(out["prob"], softmax_ref(bn), rtol=1e-4, atol=1e-6)
+    net.backward()
+    assert np.all(net.blobs["label"].diff == 0.0)        # no gradient reaches the labels
+    assert np.abs(net.blobs["x"].diff).sum() > 0
