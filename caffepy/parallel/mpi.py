@@ -11,12 +11,17 @@ Failure: an uncaught exception on any rank prints one line
 `[rank N] <cause>` and calls MPI Abort, which ends every rank; a rank that
 exits early with an error (the CLI's one-line error path) aborts the job the
 same way from an atexit handler. A rank killed outright is handled by the
-launcher (MPICH's hydra kills the remaining ranks).
+launcher: MPICH's hydra sends SIGTERM to the remaining ranks, and a watcher
+thread here turns it into one line naming the rank that died (found among the
+ranks of this host) before exiting.
 """
 import atexit
 import hashlib
 import os
+import signal
+import socket
 import sys
+import threading
 import traceback
 
 from .. import log
@@ -71,7 +76,11 @@ def init_world():
     world.size = world.comm.Get_size()
     world.thread_level = MPI.Query_thread()
     log.set_rank(world.rank, world.size)
+    world.peers = world.comm.allgather((socket.gethostname(), os.getpid()))
+    # the launcher reports a killed process by pid: this line maps pids to ranks
+    log.info("MPI ranks: " + ", ".join(f"{r}=pid {pid}@{host}" for r, (host, pid) in enumerate(world.peers)))
     sys.excepthook = _excepthook
+    _watch_sigterm()
     # registered after mpi4py's own finalizer, so it runs first (atexit is LIFO)
     atexit.register(_abort_unless_finished)
     return world
@@ -111,6 +120,60 @@ def _abort_unless_finished():
         return
     # the CLI already printed the cause on this rank's stderr
     abort(f"exited before training finished; aborting all {world.size} ranks")
+
+
+def _watch_sigterm():
+    # The main thread may sit inside an MPI call for long, so a Python handler
+    # alone would not run. Python's C-level handler also writes the signal
+    # number to the wakeup fd from whichever thread the signal lands on; a
+    # watcher thread reads it there.
+    if threading.current_thread() is not threading.main_thread():
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _terminated())
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_watch_wakeup_fd, args=(read_fd,), name="caffepy-sigterm",
+                     daemon=True).start()
+
+
+def _watch_wakeup_fd(fd):
+    while True:
+        data = os.read(fd, 64)
+        if not data:
+            return
+        if signal.SIGTERM in data:
+            _terminated()
+
+
+def _dead_peers():
+    host = socket.gethostname()
+    dead = []
+    for rank, (peer_host, pid) in enumerate(getattr(world, "peers", [])):
+        if peer_host != host or rank == world.rank:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        if state in ("Z", "X", "gone"):
+            dead.append(f"rank {rank} (pid {pid})")
+    return dead
+
+
+_terminating = threading.Lock()
+
+
+def _terminated():
+    if not _terminating.acquire(blocking=False):
+        return
+    dead = _dead_peers()
+    cause = (f"{', '.join(dead)} ended (killed or crashed)" if dead
+             else "another rank failed or the job was cancelled")
+    sys.stderr.write(f"[rank {world.rank}] stopped by the MPI launcher (SIGTERM): {cause}\n")
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGTERM)
 
 
 def digest(message):

@@ -1,0 +1,164 @@
+"""The communicator pieces under real ranks (mpiexec from the venv): launcher
+detection, the gradient reducer in every progress mode, and failure handling."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+MPIEXEC = os.path.join(BIN, "mpiexec")
+
+pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in the venv")
+
+
+def mpirun(n, script, tmp_path, *args, timeout=120, env=None):
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    full_env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    full_env.update(env or {})
+    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(path), *args],
+                          capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def test_not_launched_without_launcher(monkeypatch):
+    from caffepy.parallel import mpi, world
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "PMIX_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert not mpi.launched()
+    assert mpi.init_world() is world and world.size == 1 and world.comm is None
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert mpi.launched()
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    assert not mpi.launched()
+
+
+def test_world_under_mpiexec(tmp_path):
+    out = mpirun(3, """
+        import sys
+        from caffepy.parallel import mpi, world
+        assert mpi.launched()
+        assert "mpi4py" not in sys.modules        # detection alone does not start MPI
+        mpi.init_world()
+        print(f"rank {world.rank} of {world.size}")
+        mpi.finish()
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.split("\n")[:-1]) == [f"rank {r} of 3" for r in range(3)]
+
+
+REDUCER = """
+    import sys
+    import numpy as np
+    from caffepy.blob import Blob
+    from caffepy.parallel import mpi, world
+    from caffepy.parallel.allreduce import GradientReducer
+    mpi.init_world()
+    sizes = [5, 300000, 7, 1, 2000000, 64, 64, 3]      # mixes packed and in-place buckets
+    ready = [7, 7, 5, 4, 3, 3, 1, 0]
+    blobs = [Blob((n,), name=str(i)) for i, n in enumerate(sizes)]
+    reducer = GradientReducer(world.comm, list(zip(blobs, ready)), bucket_bytes=4096,
+                              progress=sys.argv[1])
+    for it in range(3):
+        for i, b in enumerate(blobs):
+            b.diff[...] = np.arange(b.count) * (world.rank + 1) + i + it
+        for layer in range(7, -1, -1):
+            reducer.layer_done(layer)
+        reducer.finish()
+        mean = (world.size + 1) / 2
+        for i, b in enumerate(blobs):
+            expect = (np.arange(b.count) * mean + i + it).astype(np.float32)
+            np.testing.assert_allclose(b.diff, expect, rtol=1e-6)
+    reducer.close()
+    print("ok", world.rank, len(reducer.buckets))
+    mpi.finish()
+"""
+
+
+@pytest.mark.parametrize("progress", ["thread", "test", "wait", "blocking"])
+def test_reducer_averages(tmp_path, progress):
+    out = mpirun(2, REDUCER, tmp_path, progress)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("ok") == 2
+
+
+def test_reducer_four_ranks(tmp_path):
+    out = mpirun(4, REDUCER, tmp_path, "thread")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("ok") == 4
+
+
+FAILING = """
+    import sys, time
+    from caffepy.parallel import mpi, world
+    from caffepy.errors import SolverError
+    mpi.init_world()
+    if world.rank == 1:
+        time.sleep(0.5)
+        if sys.argv[1] == "bug":
+            {}["missing"]
+        elif sys.argv[1] == "error":
+            raise SolverError("solver.prototxt: base_lr: must be positive, got -1")
+        else:
+            print("caffepy: error: [rank 1] something", file=sys.stderr)
+            sys.exit(1)
+    world.comm.Barrier()           # rank 0 would wait here forever
+    mpi.finish()
+"""
+
+
+@pytest.mark.parametrize("how,cause", [
+    ("bug", "[rank 1] uncaught KeyError: 'missing'; aborting all 2 ranks"),
+    ("error", "[rank 1] uncaught solver.prototxt: base_lr: must be positive, got -1; aborting all 2 ranks"),
+    ("exit", "[rank 1] exited before training finished; aborting all 2 ranks"),
+])
+def test_failing_rank_ends_every_rank(tmp_path, how, cause):
+    start = time.monotonic()
+    out = mpirun(2, FAILING, tmp_path, how, timeout=60)
+    assert time.monotonic() - start < 30
+    assert out.returncode != 0
+    assert cause in out.stderr
+    if how == "bug":
+        assert "Traceback" in out.stderr          # a bug keeps its traceback
+    else:
+        assert "Traceback" not in out.stderr
+
+
+def test_killed_rank_ends_every_rank(tmp_path):
+    script = tmp_path / "spin.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        from caffepy.parallel import mpi, world
+        mpi.init_world()
+        with open(os.path.join(os.path.dirname(__file__), f"pid{world.rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        world.comm.Barrier()
+        while True:                 # stands for training: collectives every step
+            world.comm.Barrier()
+            time.sleep(0.01)
+    """))
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, str(script)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "pid1").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        assert time.monotonic() - start < 30
+        assert proc.returncode != 0
+        pid = (tmp_path / "pid1").read_text()
+        # hydra names the dead pid; rank 0's start-up line maps it to rank 1
+        assert f"PID {pid} RUNNING" in out + err, out + err
+        assert f"1=pid {pid}@" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
