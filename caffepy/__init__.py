@@ -9,6 +9,8 @@ from . import proto  # noqa: F401  (caffe.proto.caffe_pb2, as in pycaffe)
 from .net import TEST, TRAIN, Net
 from .layer import LAYERS, Layer
 from . import io, rng  # noqa: F401
+from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,  # noqa: F401
+                      RMSPropSolver, SGDSolver, get_solver)
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,409 @@
+"""Solvers against hand-computed updates, and the loop's bookkeeping (Caffe's solver tests).
+
+The scalar problem: x = 1, label = 0, one InnerProduct weight w (no bias) and a
+EuclideanLoss, so loss = w^2 / 2 and dloss/dw = w.  Every rule's first steps are
+then a few lines of arithmetic, written out below in float64.
+"""
+import math
+import os
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from caffepy import prototxt, rng
+from caffepy.blobproto import blobproto_to_array
+from caffepy.errors import PrototxtError, SolverError
+from caffepy.proto import caffe_pb2
+from caffepy.solvers import Solver, get_solver
+from caffepy.solvers.solver import RNG_STATE_FIELD, _find_extension
+
+SCALAR_NET = """
+net_param {{
+  name: "scalar"
+  layer {{ name: "data" type: "DummyData" top: "x" top: "y"
+    dummy_data_param {{ shape {{ dim: 1 dim: 1 }} shape {{ dim: 1 dim: 1 }}
+      data_filler {{ type: "constant" value: 1 }} data_filler {{ type: "constant" value: 0 }} }} }}
+  layer {{ name: "ip" type: "InnerProduct" bottom: "x" top: "ip" {param}
+    inner_product_param {{ num_output: 1 bias_term: {bias}
+      weight_filler {{ type: "constant" value: 1 }} bias_filler {{ type: "constant" value: {b0} }} }} }}
+  layer {{ name: "loss" type: "EuclideanLoss" bottom: "ip" bottom: "y" top: "loss" }}
+}}
+"""
+
+
+def make_solver(text, param="", bias="false", b0=0):
+    p = caffe_pb2.SolverParameter()
+    text_format.Parse(SCALAR_NET.format(param=param, bias=bias, b0=b0) + text, p)
+    p.snapshot_after_train = False
+    return Solver(p)
+
+
+def weight(solver, layer="ip", index=0):
+    return float(solver.net.layer_dict[layer].blobs[index].data.ravel()[0])
+
+
+def run(text, iters=3, **kw):
+    s = make_solver(text, **kw)
+    out = []
+    for _ in range(iters):
+        s.step(1)
+        out.append(weight(s))
+    return out
+
+
+BASE = 'lr_policy: "fixed" base_lr: 0.1 max_iter: 100 display: 0 '
+
+
+# -- update rules, by hand --------------------------------------------------------
+def test_sgd_with_momentum():
+    # h = 0.9 h + 0.1 w; w -= h:  w: 1 -> 0.9 -> 0.72 -> 0.486
+    assert run(BASE + "momentum: 0.9") == pytest.approx([0.9, 0.72, 0.486], rel=1e-6)
+
+
+def test_sgd_l2_weight_decay():
+    # g = w + 0.1 w
+    assert run(BASE + "momentum: 0.9 weight_decay: 0.1", 2) == pytest.approx([0.89, 0.6931], rel=1e-6)
+
+
+def test_sgd_l1_weight_decay():
+    # g = w + 0.1 sign(w)
+    assert run(BASE + 'momentum: 0.9 weight_decay: 0.1 regularization_type: "L1"', 2) == \
+        pytest.approx([0.89, 0.692], rel=1e-6)
+
+
+def test_lr_mult_and_decay_mult_scale_the_step():
+    # local rate 0.2, no decay (decay_mult 0): w -= 0.2 w
+    out = run(BASE + "weight_decay: 0.5", 2, param="param { lr_mult: 2 decay_mult: 0 }")
+    assert out == pytest.approx([0.8, 0.64], rel=1e-6)
+
+
+def test_lr_mult_zero_freezes_the_weight():
+    assert run(BASE + "momentum: 0.9 weight_decay: 0.1", 2, param="param { lr_mult: 0 }") == [1.0, 1.0]
+
+
+def test_nesterov():
+    # h' = 0.9 h + 0.1 g; step = 1.9 h' - 0.9 h
+    assert run(BASE + 'type: "Nesterov" momentum: 0.9', 2) == pytest.approx([0.81, 0.5751], rel=1e-6)
+
+
+def test_deprecated_solver_type_enum_selects_the_rule():
+    assert run(BASE + "solver_type: NESTEROV momentum: 0.9", 1) == pytest.approx([0.81], rel=1e-6)
+
+
+def by_hand(rule, iters, lr=0.1, momentum=0.0, delta=1e-8, rms_decay=0.99, momentum2=0.999):
+    w, h, h2 = 1.0, 0.0, 0.0
+    out = []
+    for it in range(iters):
+        g = w
+        if rule == "AdaGrad":
+            h += g * g
+            step = lr * g / (math.sqrt(h) + delta)
+        elif rule == "RMSProp":
+            h = rms_decay * h + (1 - rms_decay) * g * g
+            step = lr * g / (math.sqrt(h) + delta)
+        elif rule == "AdaDelta":
+            h = momentum * h + (1 - momentum) * g * g
+            u = g * math.sqrt((h2 + delta) / (h + delta))
+            h2 = momentum * h2 + (1 - momentum) * u * u
+            step = lr * u
+        elif rule == "Adam":
+            h = momentum * h + (1 - momentum) * g
+            h2 = momentum2 * h2 + (1 - momentum2) * g * g
+            t = it + 1
+            step = lr * math.sqrt(1 - momentum2 ** t) / (1 - momentum ** t) * h / (math.sqrt(h2) + delta)
+        w -= step
+        out.append(w)
+    return out
+
+
+def test_adagrad():
+    assert run(BASE + 'type: "AdaGrad"') == pytest.approx(by_hand("AdaGrad", 3), rel=1e-5)
+    assert run(BASE + 'type: "AdaGrad"', 1) == pytest.approx([0.9], rel=1e-6)
+
+
+def test_rmsprop():
+    want = by_hand("RMSProp", 3, rms_decay=0.9)
+    assert run(BASE + 'type: "RMSProp" rms_decay: 0.9') == pytest.approx(want, rel=1e-5)
+    assert want[0] == pytest.approx(1 - 0.1 / math.sqrt(0.1))
+
+
+def test_adadelta():
+    text = 'lr_policy: "fixed" base_lr: 1.0 display: 0 type: "AdaDelta" momentum: 0.95 delta: 1e-6'
+    want = by_hand("AdaDelta", 3, lr=1.0, momentum=0.95, delta=1e-6)
+    assert run(text) == pytest.approx(want, rel=1e-5)
+    assert want[0] == pytest.approx(1 - math.sqrt(1e-6 / 0.050001))
+
+
+def test_adam_bias_correction():
+    want = by_hand("Adam", 3, momentum=0.9)
+    got = run(BASE + 'type: "Adam" momentum: 0.9 momentum2: 0.999')
+    assert got == pytest.approx(want, rel=1e-5)
+    # with Caffe's correction the first step is lr * sign(g)
+    assert got[0] == pytest.approx(0.9, rel=1e-6)
+
+
+def test_adam_and_adadelta_keep_two_histories_per_parameter():
+    s = make_solver(BASE + 'type: "Adam"', bias="true")
+    assert len(s.rule.history) == 4
+
+
+def test_adagrad_refuses_momentum():
+    with pytest.raises(SolverError, match=r"momentum: cannot be used with AdaGrad, got 0.9"):
+        make_solver(BASE + 'type: "AdaGrad" momentum: 0.9')
+
+
+def test_unknown_solver_type_lists_known_types():
+    with pytest.raises(SolverError, match=r"type: unknown solver type, got 'Adamax'.*Known types: SGD"):
+        make_solver(BASE + 'type: "Adamax"')
+
+
+# -- gradient handling ------------------------------------------------------------
+def test_iter_size_accumulates_then_normalizes():
+    one = run(BASE + "momentum: 0.9 weight_decay: 0.1", 3)
+    two = run(BASE + "momentum: 0.9 weight_decay: 0.1 iter_size: 2", 3)
+    assert two == pytest.approx(one, rel=1e-6)
+
+
+def test_iter_size_reports_the_mean_loss():
+    s = make_solver(BASE + "iter_size: 3")
+    s.step(1)
+    assert s.smoothed_loss == pytest.approx(0.5)
+
+
+def test_clip_gradients_on_the_global_norm():
+    # w = b = 1: out = 2, g_w = g_b = 2, |g| = 2 sqrt 2 > 1: both scaled to 1/sqrt 2
+    s = make_solver(BASE + "clip_gradients: 1", bias="true", b0=1)
+    s.step(1)
+    assert weight(s, index=0) == pytest.approx(1 - 0.1 / math.sqrt(2), rel=1e-6)
+    assert weight(s, index=1) == pytest.approx(1 - 0.1 / math.sqrt(2), rel=1e-6)
+
+
+def test_clip_gradients_leaves_small_gradients_alone():
+    assert run(BASE + "clip_gradients: 10", 1) == pytest.approx([0.9], rel=1e-6)
+
+
+def test_lars_with_warmup_and_momentum_correction():
+    text = ('lr_policy: "fixed" base_lr: 0.1 display: 0 momentum: 0.9 weight_decay: 0.1 '
+            'local_lr_auto: true local_gw_ratio: 0.5 warmup_iter: 2 warmup_start_lr: 0.02')
+    w, h, out = 1.0, 0.0, []
+    for it in range(3):
+        rate = (it * 0.1 + (2 - it) * 0.02) / 2 if it < 2 else 0.1
+        momentum = 0.9
+        if it < 2:
+            prev = (max(it - 1, 0) * 0.1 + (2 - max(it - 1, 0)) * 0.02) / 2
+            momentum *= rate / prev
+        g = w + 0.1 * w                                      # regularized gradient
+        local = 0.5 * abs(w) / (abs(g) + 0.1 * abs(w))       # LARS replaces lr_mult
+        h = momentum * h + rate * local * g
+        w -= h
+        out.append(w)
+    assert out[0] == pytest.approx(1 - 0.02 * (0.5 / 1.2) * 1.1)
+    assert run(text) == pytest.approx(out, rel=1e-5)
+
+
+def test_lars_uses_rate_one_for_a_zero_weight():
+    # bias starts at 0: w_norm = 0, so its local rate is 1 (not lr_mult 5)
+    text = BASE + "local_lr_auto: true local_gw_ratio: 0.5"
+    s = make_solver(text, bias="true", b0=0, param="param { lr_mult: 1 } param { lr_mult: 5 }")
+    s.step(1)
+    assert weight(s, index=1) == pytest.approx(-0.1, rel=1e-6)     # g_b = 1, step = 0.1 * 1 * 1
+
+
+def test_hooks_see_every_stage():
+    calls = []
+
+    class Hook:
+        def on_start(self, solver):
+            calls.append(("start", solver.iter))
+
+        def on_layer_done(self, solver, layer):
+            calls.append(("layer", solver.net.layers[layer].name))
+
+        def before_update(self, solver):
+            calls.append(("update", weight(solver)))
+
+        def reduce_loss(self, solver, loss):
+            return loss * 2
+
+        def sumsq(self, solver, index, array):
+            calls.append(("sumsq", index))
+            return float(np.dot(array.ravel(), array.ravel()))
+
+    s = make_solver(BASE + "clip_gradients: 100")
+    s.hooks.append(Hook())
+    s.step(1)
+    assert calls == [("start", 0), ("layer", "ip"), ("update", 1.0), ("sumsq", 0)]
+    assert s.smoothed_loss == pytest.approx(1.0)
+
+
+# -- loop bookkeeping ---------------------------------------------------------------
+def test_smoothed_loss_averages_the_last_average_loss_iterations():
+    s = make_solver('lr_policy: "fixed" base_lr: 0.1 display: 0 average_loss: 2')
+    s.step(3)
+    # losses w^2/2 for w = 1, 0.9, 0.81: the last two averaged
+    assert s.smoothed_loss == pytest.approx((0.81 + 0.6561) / 4, rel=1e-5)
+
+
+def test_test_nets_share_the_train_weights_and_average_outputs():
+    s = make_solver(BASE + "test_iter: 3 test_interval: 1 test_initialization: false")
+    s.step(1)
+    s.test_all()
+    assert s.test_scores == [[("loss", pytest.approx(0.9 ** 2 / 2, rel=1e-6))]]
+
+
+def test_random_seed_makes_runs_identical():
+    text = BASE + "random_seed: 5"
+    gauss = ("net_param { name: 'g' layer { name: 'data' type: 'DummyData' top: 'x' top: 'y' "
+             "dummy_data_param { shape { dim: 3 dim: 2 } shape { dim: 3 dim: 1 } "
+             "data_filler { type: 'gaussian' std: 1 } } } "
+             "layer { name: 'ip' type: 'InnerProduct' bottom: 'x' top: 'ip' inner_product_param { "
+             "num_output: 1 weight_filler { type: 'gaussian' std: 1 } } } "
+             "layer { name: 'loss' type: 'EuclideanLoss' bottom: 'ip' bottom: 'y' top: 'loss' } }")
+
+    def train():
+        p = caffe_pb2.SolverParameter()
+        text_format.Parse(gauss + text, p)
+        p.snapshot_after_train = False
+        s = Solver(p)
+        s.step(4)
+        return s.net.layer_dict["ip"].blobs[0].data.copy()
+
+    a, b = train(), train()
+    assert np.array_equal(a, b)
+    rng.seed(-1)
+
+
+def test_hdf5_snapshots_are_refused():
+    with pytest.raises(SolverError, match="snapshot_format: HDF5 snapshots are not supported"):
+        make_solver(BASE + "snapshot_format: HDF5")
+
+
+def test_solver_without_a_net_is_an_error():
+    p = caffe_pb2.SolverParameter(base_lr=0.1, lr_policy="fixed")
+    with pytest.raises(PrototxtError, match="specifies no net"):
+        Solver(p)
+
+
+# -- snapshots ----------------------------------------------------------------------
+SOLVER_FILE = """
+net: "net.prototxt"
+base_lr: 0.05 momentum: 0.9 weight_decay: 0.01
+lr_policy: "multistep" gamma: 0.5 stepvalue: 3 stepvalue: 7
+type: "{type}" display: 0 max_iter: {max_iter}
+snapshot: 5 snapshot_prefix: "out/run" random_seed: 3
+"""
+
+NET_FILE = """
+name: "noisy"
+layer { name: "data" type: "DummyData" top: "x" top: "y"
+  dummy_data_param { shape { dim: 4 dim: 3 } shape { dim: 4 dim: 2 }
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "uniform" min: -1 max: 1 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "x" top: "ip"
+  inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.3 } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "ip" bottom: "y" top: "loss" }
+"""
+
+
+def write_files(tmp_path, type_="SGD", max_iter=10):
+    (tmp_path / "net.prototxt").write_text(NET_FILE)
+    (tmp_path / "solver.prototxt").write_text(SOLVER_FILE.format(type=type_, max_iter=max_iter))
+    (tmp_path / "out").mkdir(exist_ok=True)
+
+
+def model_arrays(path):
+    net = prototxt.read_binary_net(path)
+    return [blobproto_to_array(b) for layer in net.layer for b in layer.blobs]
+
+
+@pytest.mark.parametrize("type_", ["SGD", "Adam"])
+def test_snapshot_restore_continue_is_bit_identical(tmp_path, monkeypatch, type_):
+    monkeypatch.chdir(tmp_path)
+    write_files(tmp_path, type_)
+    full = get_solver("solver.prototxt")
+    full.solve()
+    want = model_arrays("out/run_iter_10.caffemodel")
+    os.rename("out/run_iter_10.caffemodel", "out/full.caffemodel")
+
+    resumed = get_solver("solver.prototxt")
+    resumed.solve("out/run_iter_5.solverstate")
+    assert resumed.iter == 10 and resumed.current_step == 2
+    got = model_arrays("out/run_iter_10.caffemodel")
+    assert all(np.array_equal(a, b) for a, b in zip(want, got))
+    rng.seed(-1)
+
+
+def test_solverstate_is_caffes_shape(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_files(tmp_path, "Adam", max_iter=5)
+    get_solver("solver.prototxt").solve()
+    state = prototxt.read_binary(caffe_pb2.SolverState(), "out/run_iter_5.solverstate")
+    assert state.iter == 5 and state.learned_net == "out/run_iter_5.caffemodel"
+    assert state.current_step == 1 and len(state.history) == 4
+    assert _find_extension(state.SerializeToString(), RNG_STATE_FIELD) is not None
+    assert sorted(os.listdir("out")) == ["run_iter_5.caffemodel", "run_iter_5.solverstate"]
+
+
+def test_restore_finds_the_caffemodel_next_to_the_solverstate(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_files(tmp_path, max_iter=5)
+    get_solver("solver.prototxt").solve()
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    for name in ("run_iter_5.caffemodel", "run_iter_5.solverstate"):
+        os.rename(tmp_path / "out" / name, moved / name)
+    s = get_solver("solver.prototxt")
+    s.restore(str(moved / "run_iter_5.solverstate"))
+    assert s.iter == 5
+    want = model_arrays(moved / "run_iter_5.caffemodel")
+    assert np.array_equal(s.net.layer_dict["ip"].blobs[0].data, want[0])
+
+
+def test_restore_with_another_solver_type_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_files(tmp_path, "SGD", max_iter=5)
+    get_solver("solver.prototxt").solve()
+    write_files(tmp_path, "Adam", max_iter=5)
+    with pytest.raises(SolverError, match=r"history: incorrect number of history blobs .*expected 4\), got 2"):
+        get_solver("solver.prototxt").restore("out/run_iter_5.solverstate")
+
+
+def test_default_snapshot_prefix_is_the_solver_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_files(tmp_path, max_iter=2)
+    text = (tmp_path / "solver.prototxt").read_text().replace('snapshot_prefix: "out/run"', "")
+    (tmp_path / "solver.prototxt").write_text(text)
+    s = get_solver("solver.prototxt")
+    assert s.param.snapshot_prefix == "solver"
+    s.solve()
+    assert os.path.exists("solver_iter_2.caffemodel")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_non_finite_loss_stops_with_the_layer_and_keeps_the_last_snapshot(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # w <- w - 3 w = -2 w: the loss w^2 / 2 overflows float32 at iteration 65
+    p = caffe_pb2.SolverParameter()
+    text_format.Parse(SCALAR_NET.format(param="", bias="false", b0=0)
+                      + 'lr_policy: "fixed" base_lr: 3 display: 0 max_iter: 100 snapshot: 10 '
+                        'snapshot_prefix: "nan"', p)
+    s = Solver(p)
+    with pytest.raises(SolverError) as err:
+        s.solve()
+    msg = str(err.value)
+    assert "layer 'loss' (EuclideanLoss): top 'loss': went non-finite at iteration 65, got loss = inf" in msg
+    assert "nan_iter_60.solverstate, was kept" in msg
+    assert sorted(os.listdir(tmp_path))[-2:] == ["nan_iter_60.caffemodel", "nan_iter_60.solverstate"]
+    assert np.isfinite(model_arrays("nan_iter_60.caffemodel")[0]).all()
+
+
+def test_pycaffe_typed_solver_classes(tmp_path, monkeypatch):
+    import caffepy
+    monkeypatch.chdir(tmp_path)
+    write_files(tmp_path, max_iter=2)
+    s = caffepy.NesterovSolver("solver.prototxt")
+    assert s.type == "Nesterov" and len(s.test_nets) == 0
+    s.step(2)
+    assert s.iter == 2
+    paths = s.snapshot()
+    assert paths == ("out/run_iter_2.caffemodel", "out/run_iter_2.solverstate")
