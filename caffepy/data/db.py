@@ -6,6 +6,7 @@ processes (MPI ranks on one machine) read it at once, which is only safe while
 nobody writes to it.
 """
 import os
+import threading
 
 import lmdb
 import numpy as np
@@ -14,6 +15,39 @@ from ..errors import DataError
 
 # Writers start with this map size and double it whenever the map is full.
 _INITIAL_MAP_SIZE = 1 << 30
+
+
+# py-lmdb refuses to open one environment twice in a process, yet a TRAIN and a
+# TEST net (or two layers) may read the same database: readers share one
+# environment per real path, closed with its last reader.
+_envs = {}
+_envs_lock = threading.Lock()
+
+
+def _acquire_env(path):
+    real = os.path.realpath(path)
+    with _envs_lock:
+        entry = _envs.get(real)
+        if entry is None:
+            try:
+                env = lmdb.open(path, readonly=True, lock=False, readahead=False, max_readers=512,
+                                subdir=True)
+            except lmdb.Error as e:
+                raise DataError(f"{path}: cannot open the database: {e}") from None
+            entry = _envs[real] = [env, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release_env(env):
+    with _envs_lock:
+        for real, entry in list(_envs.items()):
+            if entry[0] is env:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _envs[real]
+                    env.close()
+                return
 
 
 def _check_exists(path):
@@ -34,11 +68,7 @@ class Reader:
     def __init__(self, path):
         self.path = os.fspath(path)
         _check_exists(self.path)
-        try:
-            self.env = lmdb.open(self.path, readonly=True, lock=False, readahead=False,
-                                 max_readers=512, subdir=True)
-        except lmdb.Error as e:
-            raise DataError(f"{self.path}: cannot open the database: {e}") from None
+        self.env = _acquire_env(self.path)
         self.size = self.env.stat()["entries"]
         self._txn = self.env.begin(buffers=False)
         self._cursor = self._txn.cursor()
@@ -87,7 +117,7 @@ class Reader:
         if self.env is not None:
             self._cursor.close()
             self._txn.abort()
-            self.env.close()
+            _release_env(self.env)
             self.env = None
 
 

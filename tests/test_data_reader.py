@@ -1,0 +1,198 @@
+"""The Data layer's reader and prefetcher: every record once per epoch, shuffle,
+shared-DB interleave and split-DB shards across ranks, errors from the prefetch thread."""
+import contextlib
+import threading
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from caffepy import rng
+from caffepy.data.db import Reader
+from caffepy.data.prefetch import RecordOrder
+from caffepy.errors import DataError
+from caffepy.net import Net
+from caffepy.parallel import world
+from caffepy.proto import caffe_pb2
+from data_helpers import data_net_text, make_db, put_raw
+
+TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST
+
+
+def build(text, phase=TRAIN, seed=5):
+    rng.seed(seed)
+    p = caffe_pb2.NetParameter()
+    text_format.Parse(text, p)
+    return Net(p, phase=phase, source="net.prototxt")
+
+
+def labels_read(net, batches):
+    out = []
+    for _ in range(batches):
+        net.forward()
+        out.extend(int(v) for v in net.blobs["label"].data)
+    return out
+
+
+@contextlib.contextmanager
+def as_rank(rank, size):
+    saved = world.rank, world.size
+    world.rank, world.size = rank, size
+    try:
+        yield
+    finally:
+        world.rank, world.size = saved
+
+
+def test_record_order_every_record_once_per_epoch():
+    for shuffle in (False, True):
+        order = RecordOrder(10, shuffle=shuffle, seed=3)
+        reads = [order.index(i) for i in range(30)]
+        for e in range(3):
+            assert sorted(reads[10 * e:10 * e + 10]) == list(range(10))
+        assert (reads[:10] != reads[10:20]) == shuffle    # a new permutation each epoch
+
+
+def test_record_order_ranks_partition_the_single_rank_stream():
+    for shuffle in (False, True):
+        single = RecordOrder(7, shuffle=shuffle, seed=9, skip=2)
+        ranks = [RecordOrder(7, r, 3, shuffle=shuffle, seed=9, skip=2) for r in range(3)]
+        b = 2                           # local batch; the single rank reads 3 * b per batch
+        for k in range(6):
+            union = sorted(o.index(i) for o in ranks for i in range(k * b, k * b + b))
+            want = sorted(single.index(i) for i in range(3 * b * k, 3 * b * (k + 1)))
+            assert union == want
+
+
+def test_data_layer_reads_every_record_once_per_epoch_with_wraparound(tmp_path):
+    db = make_db(tmp_path / "db", 10)
+    net = build(data_net_text(db, 4))
+    labels = labels_read(net, 5)                  # 20 reads = 2 epochs of 10, batches straddle
+    assert labels == list(range(10)) * 2
+    data = net.blobs["data"].data
+    assert data.shape == (4, 1, 2, 3)
+    np.testing.assert_array_equal(data[:, 0, 0, 0], labels[-4:])   # pixels follow the label
+    assert net.layers[0].wait_seconds >= 0
+
+
+def test_data_layer_shuffle_is_a_permutation_per_epoch_and_seeded(tmp_path):
+    db = make_db(tmp_path / "db", 10)
+    text = data_net_text(db, 3, "shuffle: true")
+    labels = labels_read(build(text, seed=11), 10)        # 30 reads = 3 epochs
+    for e in range(3):
+        assert sorted(labels[10 * e:10 * e + 10]) == list(range(10))
+    assert labels[:10] != list(range(10))
+    assert labels_read(build(text, seed=11), 10) == labels          # same seed, same order
+    assert labels_read(build(text, seed=12), 10) != labels
+
+
+def test_rand_skip_starts_later_and_wraps(tmp_path):
+    db = make_db(tmp_path / "db", 10)
+    labels = labels_read(build(data_net_text(db, 5, "rand_skip: 10"), seed=1), 2)
+    start = labels[0]
+    assert labels == [(start + i) % 10 for i in range(10)]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_shared_db_ranks_together_read_the_single_rank_batches(tmp_path, shuffle):
+    db = make_db(tmp_path / "db", 11)               # not a multiple of any batch
+    extra = "shuffle: true" if shuffle else ""
+    n, b, k = 3, 2, 8
+    single = labels_read(build(data_net_text(db, n * b, extra), seed=4), k)
+    per_rank = []
+    for r in range(n):
+        with as_rank(r, n):
+            per_rank.append(labels_read(build(data_net_text(db, b, extra), seed=4), k))
+    assert (world.rank, world.size) == (0, 1)
+    for j in range(k):
+        union = sorted(lab for r in range(n) for lab in per_rank[r][j * b:(j + 1) * b])
+        assert union == sorted(single[j * n * b:(j + 1) * n * b])
+    # one epoch's worth of reads across the ranks covers every record exactly once
+    # (rank r's i-th read is global position i * n + r)
+    epoch0 = [per_rank[r][i] for r in range(n) for i in range(k * b) if i * n + r < 11]
+    assert sorted(epoch0) == list(range(11))
+    if not shuffle:
+        assert per_rank[1][:4] == [1, 4, 7, 10]      # rank r reads r, r+N, r+2N, ...
+
+
+def test_split_db_rank_placeholder_reads_own_shard(tmp_path):
+    make_db(tmp_path / "shard_0", 4)
+    make_db(tmp_path / "shard_1", 6, shape=(1, 1, 1))
+    text = data_net_text(str(tmp_path / "shard_{rank}"), 3)
+    with as_rank(1, 2):
+        net = build(text)
+        assert labels_read(net, 2) == list(range(6))      # the whole shard, no interleave
+        assert net.blobs["data"].data.shape == (3, 1, 1, 1)
+
+
+def test_label_top_is_optional_and_encoded_records_decode(tmp_path):
+    vals = [np.full((3, 4, 4), 10 * i, np.uint8) for i in range(5)]
+    db = make_db(tmp_path / "db", 5, encoded=True, values=vals)
+    net = build(data_net_text(db, 5, tops=("data",), transform="scale: 0.5"))
+    net.forward()
+    assert net.blobs["data"].data.shape == (5, 3, 4, 4)
+    np.testing.assert_allclose(net.blobs["data"].data[:, 1, 2, 3], [0, 5, 10, 15, 20])
+
+
+def test_corrupt_record_surfaces_from_the_prefetch_thread(tmp_path):
+    db = make_db(tmp_path / "db", 6)
+    put_raw(db, "00000003", b"\x0a\xff\xff\xff")
+    net = build(data_net_text(db, 2))
+    net.forward()
+    with pytest.raises(DataError, match=r"db: key '00000003': corrupt or truncated Datum"):
+        net.forward()
+    with pytest.raises(DataError):            # and keeps failing the same way
+        net.forward()
+
+
+def test_record_with_another_shape_is_an_error(tmp_path):
+    db = make_db(tmp_path / "db", 4)
+    from caffepy.data.datum import array_to_datum
+    put_raw(db, "00000002", array_to_datum(np.zeros((1, 3, 3), np.uint8), 2).SerializeToString())
+    net = build(data_net_text(db, 4))
+    with pytest.raises(DataError, match=r"key '00000002': image of shape 1x3x3 does not give the 1x2x3"):
+        net.forward()
+
+
+def test_missing_and_empty_database(tmp_path):
+    with pytest.raises(DataError, match=r"^net.prototxt: layer 'data' \(Data\): data_param.source: "
+                                        r".*nope: no such database"):
+        build(data_net_text(str(tmp_path / "nope"), 2))
+    import lmdb
+    lmdb.open(str(tmp_path / "empty")).close()
+    with pytest.raises(DataError, match="data_param.source: the database is empty"):
+        build(data_net_text(str(tmp_path / "empty"), 2))
+
+
+def test_crop_larger_than_image_names_layer_and_record(tmp_path):
+    db = make_db(tmp_path / "db", 3)
+    with pytest.raises(DataError, match=r"layer 'data' \(Data\): transform_param.crop_size: larger than "
+                                        r"the image \(2x3\), got 5 \(first record: .*db: key '00000000'\)"):
+        build(data_net_text(db, 2, transform="crop_size: 5"))
+
+
+def test_leveldb_backend_is_refused(tmp_path):
+    db = make_db(tmp_path / "db", 3)
+    with pytest.raises(Exception, match="only LMDB databases are supported"):
+        build(data_net_text(db, 2).replace("backend: LMDB", "backend: LEVELDB"))
+
+
+def test_prefetch_threads_stop_on_close(tmp_path):
+    db = make_db(tmp_path / "db", 8)
+    net = build(data_net_text(db, 2))
+    net.forward()
+    thread = net.layers[0].prefetcher._thread
+    assert thread.daemon and thread.is_alive()
+    net.layers[0].close()
+    assert not thread.is_alive()
+    assert not [t for t in threading.enumerate() if t is thread]
+
+
+def test_reader_random_access_matches_cursor_order(tmp_path):
+    db = make_db(tmp_path / "db", 200)
+    r = Reader(db)
+    assert len(r) == 200
+    for i in [0, 1, 199, 5, 100, 101, 0, 150]:
+        key, value = r.get(i)
+        assert key == f"{i:08d}".encode()
+    r.close()
