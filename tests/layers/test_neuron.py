@@ -1,0 +1,266 @@
+import numpy as np
+import pytest
+
+from caffepy import rng
+from caffepy.blob import Blob
+from caffepy.errors import LayerError
+from caffepy.kernels import neuron as kernels
+from layer_cases import TEST, TRAIN, Case, case_tests, make_layer, randn
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def set_slopes(layer):
+    layer.blobs[0].data[...] = np.linspace(-0.3, 0.6, layer.blobs[0].count).reshape(layer.blobs[0].shape)
+
+
+def prelu_ref(x, layer):
+    a = layer.blobs[0].data.astype(np.float64)
+    a = a.reshape(1, -1, *([1] * (x.ndim - 2))) if a.ndim else a
+    return [np.where(x > 0, x, a * x)]
+
+
+X = randn(2, 3, 4, 5)
+POS = np.abs(randn(2, 3, 4, 5, seed=1)) + 0.5          # inside the domain of Log / fractional Power
+SPREAD = randn(2, 3, 4, 5, seed=2, scale=3.0)          # reaches both sides of Clip's bounds
+
+CASES = [
+    Case("ReLU", "", [X], expected=lambda x: [np.maximum(x, 0)], kink=0.0, kink_range=0.02),
+    Case("ReLU", "relu_param { negative_slope: 0.1 }", [X],
+         expected=lambda x: [np.where(x > 0, x, 0.1 * x)], kink=0.0, kink_range=0.02),
+    Case("PReLU", "", [X], init=set_slopes, expected=prelu_ref, kink=0.0, kink_range=0.02),
+    Case("PReLU", "prelu_param { channel_shared: true }", [X], init=set_slopes, expected=prelu_ref,
+         kink=0.0, kink_range=0.02),
+    Case("PReLU", "", [X], id="PReLU:default filler 0.25",
+         expected=lambda x: [np.where(x > 0, x, 0.25 * x)], kink=0.0, kink_range=0.02),
+    Case("ELU", "", [X], expected=lambda x: [np.where(x > 0, x, np.exp(x) - 1)], kink=0.0, kink_range=0.02),
+    Case("ELU", "elu_param { alpha: 0.5 }", [X],
+         expected=lambda x: [np.where(x > 0, x, 0.5 * (np.exp(x) - 1))], kink=0.0, kink_range=0.02),
+    Case("Sigmoid", "", [SPREAD], expected=lambda x: [sigmoid(x)]),
+    Case("TanH", "", [X], expected=lambda x: [np.tanh(x)]),
+    Case("AbsVal", "", [X], expected=lambda x: [np.abs(x)], kink=0.0, kink_range=0.02),
+    Case("Power", "", [X], expected=lambda x: [x]),
+    Case("Power", "power_param { power: 2 scale: 0.5 shift: -1 }", [X],
+         expected=lambda x: [(0.5 * x - 1) ** 2]),
+    Case("Power", "power_param { power: 0.5 scale: 2 shift: 0.1 }", [POS],
+         expected=lambda x: [(2 * x + 0.1) ** 0.5]),
+    Case("Power", "power_param { power: 3 scale: 0 shift: 2 }", [X], expected=lambda x: [np.full_like(x, 8.0)]),
+    Case("Exp", "", [X], expected=lambda x: [np.exp(x)]),
+    Case("Exp", "exp_param { base: 2 scale: 0.5 shift: 1 }", [X], expected=lambda x: [2 ** (1 + 0.5 * x)]),
+    Case("Log", "", [POS], expected=lambda x: [np.log(x)]),
+    Case("Log", "log_param { base: 10 scale: 2 shift: 0.5 }", [POS],
+         expected=lambda x: [np.log10(0.5 + 2 * x)]),
+    Case("BNLL", "", [SPREAD], expected=lambda x: [np.log1p(np.exp(x))]),
+    Case("BNLL", "", [np.array([-200, -30, 0, 30, 200], np.float32)], id="BNLL:extremes", grad=False,
+         expected=lambda x: [np.logaddexp(0, x)]),
+    Case("Threshold", "threshold_param { threshold: 0.3 }", [X], grad=False,
+         expected=lambda x: [(x > 0.3).astype(np.float64)]),
+    Case("Dropout", "", [X], phase=TEST, expected=lambda x: [x]),
+    Case("Dropout", "dropout_param { dropout_ratio: 0.3 }", [X], phase=TRAIN,
+         expected=lambda x, layer: [x * layer._mask[: x.size].reshape(x.shape)]),
+    Case("Clip", "clip_param { min: -1 max: 2 }", [SPREAD], expected=lambda x: [np.clip(x, -1, 2)],
+         kink=None),
+    Case("Swish", "", [X], expected=lambda x: [x * sigmoid(x)]),
+    Case("Swish", "swish_param { beta: 2.5 }", [X], expected=lambda x: [x * sigmoid(2.5 * x)]),
+]
+
+test_forward, test_gradient = case_tests(CASES)
+
+
+def test_clip_gradient_away_from_both_bounds():
+    # the declarative case checks only points far from one bound; check both explicitly
+    from gradient_checker import check_gradient
+    x = np.array([-3, -1.5, -0.5, 0.5, 1.5, 2.5, 4], np.float32)
+    layer, bottom, top = _build("Clip", "clip_param { min: -1 max: 2 }", x)
+    check_gradient(layer, bottom, top)
+    top[0].diff[...] = 1
+    layer.backward(top, [True], bottom)
+    np.testing.assert_array_equal(bottom[0].diff, [0, 0, 1, 1, 1, 0, 0])
+
+
+def _build(type_, params, x, phase=TRAIN, in_place=False):
+    rng.seed(5)
+    layer = make_layer(type_, params, phase)
+    b = Blob(name="b0")
+    b.set_data(x)
+    t = b if in_place else Blob(name="t0")
+    layer.layer_setup([b], [t])
+    return layer, [b], [t]
+
+
+IN_PLACE = [
+    ("ReLU", ""), ("ReLU", "relu_param { negative_slope: 0.2 }"),
+    ("ReLU", "relu_param { negative_slope: -0.5 }"), ("PReLU", ""), ("ELU", ""),
+    ("ELU", "elu_param { alpha: -0.5 }"), ("Sigmoid", ""), ("TanH", ""), ("AbsVal", ""),
+    ("Power", "power_param { power: 2 scale: 0.5 shift: 1 }"), ("Exp", "exp_param { base: 3 }"),
+    ("Log", "log_param { shift: 5 }"), ("BNLL", ""), ("Dropout", ""), ("Clip", "clip_param { min: -0.5 max: 0.5 }"),
+    ("Swish", "swish_param { beta: 1.5 }"),
+]
+
+
+@pytest.mark.parametrize("type_,params", IN_PLACE, ids=[f"{t}:{p}" for t, p in IN_PLACE])
+@pytest.mark.parametrize("phase", [TRAIN, TEST], ids=["TRAIN", "TEST"])
+def test_in_place_matches_out_of_place(type_, params, phase):
+    x = randn(2, 3, 4, 5, seed=3)
+    dy = randn(2, 3, 4, 5, seed=4)
+    results = []
+    for in_place in (False, True):
+        layer, bottom, top = _build(type_, params, x, phase, in_place)
+        if layer.blobs:
+            set_slopes(layer)
+            layer.blobs[0].diff[...] = 0
+        rng.seed(9)
+        layer.forward(bottom, top)
+        y = top[0].data.copy()
+        top[0].diff[...] = dy
+        layer.backward(top, [True], bottom)
+        results.append((y, bottom[0].diff.copy(), [p.diff.copy() for p in layer.blobs]))
+    (y0, dx0, p0), (y1, dx1, p1) = results
+    np.testing.assert_array_equal(y1, y0)
+    np.testing.assert_allclose(dx1, dx0, rtol=1e-6, atol=1e-7)
+    for a, b in zip(p1, p0):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_threshold_in_place_forward_and_no_backward():
+    x = randn(3, 4, seed=6)
+    layer, bottom, top = _build("Threshold", "threshold_param { threshold: 0.1 }", x, in_place=True)
+    layer.forward(bottom, top)
+    np.testing.assert_array_equal(top[0].data, (x > 0.1).astype(np.float32))
+    layer.backward(top, [False], bottom)
+    with pytest.raises(LayerError, match=r"layer 'layer' \(Threshold\): propagate_down: .*no gradient"):
+        layer.backward(top, [True], bottom)
+    assert not layer.allow_force_backward(0)
+
+
+def test_dropout_train_mask_statistics_and_repeatability():
+    x = np.ones((100, 1000), np.float32)
+    layer, bottom, top = _build("Dropout", "dropout_param { dropout_ratio: 0.3 }", x)
+    rng.seed(42)
+    layer.forward(bottom, top)
+    y = top[0].data.copy()
+    kept = y != 0
+    assert abs(kept.mean() - 0.7) < 0.01
+    np.testing.assert_allclose(y[kept], 1 / 0.7, rtol=1e-6)
+    rng.seed(42)
+    layer.forward(bottom, top)
+    np.testing.assert_array_equal(top[0].data, y)
+    layer.forward(bottom, top)
+    assert not np.array_equal(top[0].data, y), "a new mask every forward"
+    top[0].diff[...] = 2
+    layer.backward(top, [True], bottom)
+    np.testing.assert_allclose(bottom[0].diff, 2 * top[0].data)
+
+
+def test_dropout_test_phase_is_identity_in_place():
+    x = randn(4, 5, seed=7)
+    layer, bottom, top = _build("Dropout", "dropout_param { dropout_ratio: 0.9 }", x, TEST, True)
+    layer.forward(bottom, top)
+    np.testing.assert_array_equal(top[0].data, x)
+    top[0].diff[...] = 3
+    layer.backward(top, [True], bottom)
+    np.testing.assert_array_equal(bottom[0].diff, np.full_like(x, 3))
+
+
+def test_prelu_param_diff_accumulates():
+    x = randn(2, 3, 4, seed=8)
+    layer, bottom, top = _build("PReLU", "", x)
+    layer.forward(bottom, top)
+    top[0].diff[...] = 1
+    layer.blobs[0].diff[...] = 0
+    layer.backward(top, [True], bottom)
+    once = layer.blobs[0].diff.copy()
+    np.testing.assert_allclose(once, np.minimum(x, 0).sum(axis=(0, 2)), rtol=1e-5)
+    layer.backward(top, [True], bottom)
+    np.testing.assert_allclose(layer.blobs[0].diff, 2 * once, rtol=1e-6)
+    assert layer.blobs[0].shape == (3,)
+
+
+def test_prelu_shared_blob_is_a_scalar():
+    layer, _, _ = _build("PReLU", "prelu_param { channel_shared: true }", randn(2, 3, 4))
+    assert layer.blobs[0].shape == () and float(layer.blobs[0].data) == pytest.approx(0.25)
+
+
+def test_sigmoid_and_bnll_do_not_overflow():
+    x = np.array([-1000, -80, 0, 80, 1000], np.float32)
+    for type_ in ("Sigmoid", "BNLL"):
+        layer, bottom, top = _build(type_, "", x)
+        with np.errstate(over="raise", invalid="raise", divide="raise"):
+            layer.forward(bottom, top)
+            top[0].diff[...] = 1
+            layer.backward(top, [True], bottom)
+        assert np.all(np.isfinite(top[0].data)) and np.all(np.isfinite(bottom[0].diff))
+    np.testing.assert_allclose(bottom[0].diff, [0, 0, 0.5, 1, 1], atol=1e-6)
+
+
+@pytest.mark.parametrize("type_,params,field", [
+    ("Dropout", "dropout_param { dropout_ratio: 1.0 }", "dropout_param.dropout_ratio"),
+    ("Exp", "exp_param { base: -2 }", "exp_param.base"),
+    ("Log", "log_param { base: 0 }", "log_param.base"),
+    ("Clip", "clip_param { min: 2 max: 1 }", "clip_param"),
+])
+def test_bad_parameters_give_one_line_errors(type_, params, field):
+    with pytest.raises(LayerError) as info:
+        _build(type_, params, randn(2, 3))
+    msg = str(info.value)
+    assert msg.startswith(f"layer 'layer' ({type_}): {field}: ") and "\n" not in msg
+
+
+def test_prelu_needs_channels():
+    with pytest.raises(LayerError, match=r"\(PReLU\): bottom: needs at least 2 axes"):
+        _build("PReLU", "", randn(5))
+
+
+# -- kernels against their NumPy references (threaded sizes, odd tails, in place) -------------
+N = 3 * 65536 + 7
+
+
+def _ref_relu_b(x, dy, slope):
+    return dy * np.where(x > 0, 1, slope)
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.1])
+def test_relu_kernels(slope):
+    x, dy = randn(N, seed=1), randn(N, seed=2)
+    y = np.empty_like(x)
+    kernels.relu_forward(x, y, slope)
+    np.testing.assert_array_equal(y, np.where(x > 0, x, x * np.float32(slope)))
+    dx = np.empty_like(x)
+    kernels.relu_backward(x, dy, dx, slope)
+    np.testing.assert_allclose(dx, _ref_relu_b(x, dy, np.float32(slope)), rtol=1e-6)
+    kernels.relu_forward(x, x, slope)                     # in place
+    np.testing.assert_array_equal(x, y)
+
+
+def test_elu_sigmoid_tanh_swish_dropout_kernels():
+    x, dy = randn(N, seed=1), randn(N, seed=2)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    y = np.empty_like(x)
+    kernels.elu_forward(x, y, 0.7)
+    np.testing.assert_allclose(y, np.where(x64 > 0, x64, 0.7 * np.expm1(x64)), rtol=1e-5, atol=1e-7)
+    dx = np.empty_like(x)
+    kernels.elu_backward(x, y, dy, dx, 0.7)
+    np.testing.assert_allclose(dx, dy64 * np.where(x64 > 0, 1, y + 0.7), rtol=1e-5, atol=1e-7)
+    s = sigmoid(x64).astype(np.float32)
+    kernels.sigmoid_backward(s, dy, dx)
+    np.testing.assert_allclose(dx, dy64 * s * (1 - s.astype(np.float64)), rtol=1e-5, atol=1e-7)
+    t = np.tanh(x)
+    kernels.tanh_backward(t, dy, dx)
+    np.testing.assert_allclose(dx, dy64 * (1 - t.astype(np.float64) ** 2), rtol=1e-5, atol=1e-7)
+    sw = (x64 * s).astype(np.float32)
+    kernels.swish_backward(sw, s, dy, dx, 1.0)
+    np.testing.assert_allclose(dx, dy64 * (sw + s * (1 - sw.astype(np.float64))), rtol=1e-5, atol=1e-6)
+    u = np.random.default_rng(0).random(N, dtype=np.float32)
+    mask = u.copy()
+    kernels.dropout_forward(x, mask, y, 0.25, 4 / 3)
+    want = np.where(u >= 0.25, np.float32(4 / 3), 0).astype(np.float32)
+    np.testing.assert_array_equal(mask, want)
+    np.testing.assert_array_equal(y, x * want)
+
+
+def test_kernels_accept_empty_arrays():
+    e = np.zeros(0, np.float32)
+    kernels.relu_forward(e, e, 0.0)
+    kernels.dropout_forward(e, e, e, 0.5, 2.0)
