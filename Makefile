@@ -37,8 +37,8 @@ bench-mpi: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_mpi.py
 
 # Regenerate caffepy/proto/caffe_pb2.py after editing caffe.proto
-proto:
-	$(PY) -m pip install -q grpcio-tools
+proto: install
+	$(PY) -m pip install -q grpcio-tools==1.85.1
 	$(PY) -m grpc_tools.protoc -Icaffepy/proto --python_out=caffepy/proto caffepy/proto/caffe.proto
 
 clean:

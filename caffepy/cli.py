@@ -176,7 +176,8 @@ def compute_image_mean(input_db, output_file, backend):
 def upgrade_net_proto_text(input_file, output_file):
     """Upgrade a V0/V1 net prototxt to the current format."""
     from . import prototxt
-    prototxt.upgrade_net_file(input_file, output_file, binary=False)
+    if not prototxt.upgrade_net_file(input_file, output_file, binary=False):
+        raise click.exceptions.Exit(1)   # partially upgraded, as Caffe's tool reports
 
 
 @main.command("upgrade_net_proto_binary")
@@ -185,7 +186,8 @@ def upgrade_net_proto_text(input_file, output_file):
 def upgrade_net_proto_binary(input_file, output_file):
     """Upgrade a V0/V1 binary .caffemodel to the current format."""
     from . import prototxt
-    prototxt.upgrade_net_file(input_file, output_file, binary=True)
+    if not prototxt.upgrade_net_file(input_file, output_file, binary=True):
+        raise click.exceptions.Exit(1)   # partially upgraded, as Caffe's tool reports
 
 
 @main.command("upgrade_solver_proto_text")
