@@ -124,6 +124,9 @@ class DataParallel:
     def on_start(self, solver):
         self.broadcast_weights(solver)
         self.setup_split(solver)
+        self._local_action = solver.action_fn
+        self._agreed = "none"
+        solver.action_fn = self._action
         net = solver.net
         ready = _ready_layers(net)
         params = [(blob, ready[i]) for i, blob in enumerate(net.learnable_params)
@@ -149,6 +152,34 @@ class DataParallel:
         self.reducer.finish()
         self._passes = 0
         self._last_layer = None
+        self._agree_on_action()
+
+    # Signals (SIGINT / SIGHUP forwarded by the launcher) reach the ranks at
+    # different moments; every rank must snapshot or stop after the same
+    # iteration, so the ranks agree on the strongest request once per iteration.
+    _ACTIONS = ("none", "snapshot", "stop", "snapshot_stop")
+
+    def _agree_on_action(self):
+        local = "none"
+        if self._local_action is not None:
+            requests = []
+            while True:
+                request = self._local_action()
+                if request == "none":
+                    break
+                requests.append(request)
+            if requests:
+                local = max(requests, key=self._ACTIONS.index)
+        code = np.array([self._ACTIONS.index(local)], np.int32)
+        from mpi4py import MPI
+        self.comm.Allreduce(MPI.IN_PLACE, code, op=MPI.MAX)
+        self._agreed = self._ACTIONS[int(code[0])]
+
+    def _action(self):
+        # read by the solver right after the update (and by rank 0's test loop,
+        # which gets "none": the request waits for the next agreement)
+        agreed, self._agreed = self._agreed, "none"
+        return agreed
 
     def reduce_loss(self, solver, loss):
         buf = np.array([loss], np.float64)
