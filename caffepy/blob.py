@@ -4,11 +4,23 @@ Reshaping to a smaller or equal count reuses the buffers (as Caffe does), so a
 net that changes batch size does not reallocate. `diff` is allocated on first
 use: nets that only run forward never pay for it.
 """
+import typing
+
 import numpy as np
 
 from .errors import ShapeError
 
 MAX_AXES = 32
+
+
+class Blocked(typing.NamedTuple):
+    """The SIMD-blocked layout between IntelPack and IntelUnpack.
+
+    A blocked blob has shape (N, ceil(channels / width), H, W, width): channel c lives in
+    block c // width, lane c % width; lanes past `channels` hold zeros.
+    """
+    width: int
+    channels: int
 
 
 class Blob:
@@ -17,6 +29,7 @@ class Blob:
         self._data_buf = np.zeros(0, np.float32)
         self._diff_buf = None
         self._shape = None
+        self.layout = None        # None: plain (NCHW); Blocked(width, channels) between Pack/Unpack
         self.reshape(shape)
 
     # -- shape -----------------------------------------------------------

@@ -18,6 +18,7 @@ from . import log
 from .blob import Blob
 from .errors import CaffepyError, LayerError, PrototxtError, ShapeError
 from .layer import create_layer
+from .layers import intel as _intel
 from .proto import caffe_pb2
 
 TRAIN = caffe_pb2.TRAIN
@@ -157,6 +158,9 @@ class Net:
                     need = need and bool(lp.propagate_down[bi])
                 bottom_need.append(need)
                 need_backward |= need
+            if any(b.layout is not None for b in bottoms):
+                # between IntelPack and IntelUnpack: the blocked implementation, or a LayerError
+                layer = _intel.blocked_version(layer, bottoms)
             for ti, name in enumerate(lp.top):
                 if name in lp.bottom:
                     blob = self.blobs[name]            # in place
@@ -173,6 +177,7 @@ class Net:
                 layer.layer_setup(bottoms, tops)
             except (ValueError, IndexError) as e:
                 raise layer.error("setup", str(e), cls=ShapeError) from None
+            _intel.propagate_layout(layer, bottoms, tops)
             weights = layer.loss_weights(len(tops))
             for name, w in zip(lp.top, weights):
                 if w:

@@ -1,1 +1,692 @@
-"""(being written)"""
+"""The Intel path: IntelPack / IntelUnpack and the layers that run between them on the
+SIMD-blocked layout.
+
+    data (N, C, H, W) -> IntelPack -> (N, ceil(C/V), H, W, V) ... -> IntelUnpack -> (N, C, H, W)
+
+Channel c of a blocked blob lives in block c // V, lane c % V, where V is the vector width of
+this CPU (8 floats for AVX2, 16 for AVX-512; CAFFEPY_BLOCK_WIDTH overrides it); lanes past the
+real channel count are zero. The blob records it as `blob.layout = Blocked(V, C)`.
+
+When the Net builds a layer whose bottom is blocked, `blocked_version` picks its implementation:
+the blocked class registered for its type in BLOCKED below (the kernels of
+caffepy.kernels.intel: vectorized over the V lanes of a pixel, OpenMP over images and blocks),
+or the layer itself when it is elementwise and keeps zeros zero (`accepts_blocked`: ReLU,
+Dropout, Split, Eltwise). Any other type fed a blocked blob is a LayerError naming the layer.
+Blocked layers compute the same numbers as their NCHW versions (up to float rounding).
+"""
+import os
+
+import numpy as np
+
+from ..blob import Blob, Blocked
+from ..errors import CaffepyError, LayerError, ShapeError
+from ..layer import LAYERS, Layer, register
+from ..proto import caffe_pb2
+
+try:
+    from ..kernels import intel as _k
+except ImportError:     # reported when a blocked layer is built, not at import
+    _k = None
+
+
+def _kernels(layer):
+    if _k is None:
+        raise layer.error("type", "needs the compiled kernels (caffepy.kernels.intel), which are "
+                          "not built", hint="Run `make install` or `python setup.py build_ext --inplace`",
+                          cls=CaffepyError)
+    return _k
+
+
+def block_width():
+    """V: CAFFEPY_BLOCK_WIDTH if set, else the float32 lanes of this CPU's widest vector unit."""
+    env = os.environ.get("CAFFEPY_BLOCK_WIDTH")
+    if env:
+        if not env.isdigit() or int(env) not in (4, 8, 16, 32):
+            raise CaffepyError(f"CAFFEPY_BLOCK_WIDTH: must be 4, 8, 16 or 32, got '{env}'")
+        return int(env)
+    from ..device import vector_isa
+    return vector_isa()[1]
+
+
+def blocks(channels, width):
+    return (channels + width - 1) // width
+
+
+# ---------------------------------------------------------------------------------------------
+# Pack / Unpack
+
+@register
+class IntelPack(Layer):
+    """NCHW -> SIMD-blocked (N, ceil(C/V), H, W, V), padding lanes zero. Backward unpacks the
+    diff. No parameters; the width V is the CPU's (see block_width)."""
+    exact_bottoms = exact_tops = 1
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        self.width = block_width()
+        if top[0] is bottom[0]:
+            raise self.error("top", "IntelPack cannot run in place", f"'{bottom[0].name}'")
+
+    def reshape(self, bottom, top):
+        b = bottom[0]
+        if b.layout is not None:
+            raise self.error("bottom", f"blob '{b.name}' is already blocked", b.layout)
+        if b.num_axes != 4:
+            raise self.error("bottom[0]", "needs 4 axes (num, channels, height, width)", b.shape,
+                             cls=ShapeError)
+        n, c, h, w = b.shape
+        top[0].reshape(n, blocks(c, self.width), h, w, self.width)
+        top[0].layout = Blocked(self.width, c)
+
+    def forward(self, bottom, top):
+        _k.pack(bottom[0].data, top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            _k.unpack(top[0].diff, bottom[0].diff)
+
+
+@register
+class IntelUnpack(Layer):
+    """SIMD-blocked -> NCHW (the real channels only). Backward packs the diff (padding lanes
+    zero). A 5-axis bottom without a layout record (a blob set from Python) is read as blocked
+    with every lane a channel."""
+    exact_bottoms = exact_tops = 1
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        if top[0] is bottom[0]:
+            raise self.error("top", "IntelUnpack cannot run in place", f"'{bottom[0].name}'")
+
+    def _layout(self, b):
+        if b.num_axes != 5:
+            raise self.error("bottom", f"blob '{b.name}' is not in the blocked layout (IntelUnpack "
+                             "must come after an IntelPack)", b.shape, cls=ShapeError)
+        return b.layout or Blocked(b.shape[4], b.shape[1] * b.shape[4])
+
+    def reshape(self, bottom, top):
+        b = bottom[0]
+        layout = self._layout(b)
+        n, _, h, w, _ = b.shape
+        top[0].reshape(n, layout.channels, h, w)
+        top[0].layout = None
+
+    def forward(self, bottom, top):
+        _k.unpack(bottom[0].data, top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            _k.pack(top[0].diff, bottom[0].diff)
+
+
+# ---------------------------------------------------------------------------------------------
+# Net construction hooks
+
+def blocked_version(layer, bottoms):
+    """The layer to build for `layer`'s prototxt entry, given that some bottom is blocked."""
+    layouts = [b.layout for b in bottoms]
+    if layer.type == "IntelPack":
+        return layer          # its reshape names the problem
+    if layer.type == "IntelUnpack":
+        return layer
+    named = ", ".join(f"'{b.name}'" for b in bottoms)
+    if None in layouts:
+        raise layer.error("bottom", "mixes blocked and plain (NCHW) blobs", named,
+                          hint="Put an IntelPack or IntelUnpack so all bottoms share one layout")
+    cls = BLOCKED.get(layer.type)
+    if cls is not None and hasattr(cls, "select"):
+        cls = cls.select(layer.param)
+    if (cls is None and layer.accepts_blocked) or getattr(cls, "elementwise", False):
+        if len(set(layouts)) > 1:
+            raise layer.error("bottom", "blocked bottoms differ in channels or width",
+                              ", ".join(f"'{b.name}' {b.layout}" for b in bottoms))
+        if cls is None:
+            return layer
+    if cls is None:
+        known = ", ".join(sorted(set(BLOCKED) | {n for n, c in LAYERS.items() if c.accepts_blocked}))
+        raise layer.error("bottom", f"blob {named} is in the SIMD-blocked layout (between IntelPack "
+                          f"and IntelUnpack) and {layer.type} has no blocked implementation",
+                          layouts[0], hint=f"Put an IntelUnpack before this layer; blocked types: {known}")
+    return cls(layer.param, layer.phase, layer.source)
+
+
+def propagate_layout(layer, bottoms, tops):
+    """After setup: tops of a layout-agnostic layer are as blocked as its first bottom."""
+    if bottoms and bottoms[0].layout is not None and layer.accepts_blocked:
+        for t in tops:
+            t.layout = bottoms[0].layout
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter reading shared by the blocked layers (Caffe's 2-D rules)
+
+def _spatial(layer, p, name, default=None):
+    """(h, w) from `name` (repeated or single) or `name_h` / `name_w`."""
+    field = f"{layer.type.lower()}_param.{name}"
+    h_name, w_name = f"{name}_h", f"{name}_w"
+    has_hw = hasattr(p, h_name) and (p.HasField(h_name) or p.HasField(w_name))
+    raw = getattr(p, name)
+    if isinstance(raw, (int, float)):
+        values = [int(raw)] if p.HasField(name) else []
+    else:
+        values = [int(v) for v in raw]
+    if has_hw:
+        if values:
+            raise layer.error(field, f"give either {name} or {h_name} / {w_name}", values)
+        if not (p.HasField(h_name) and p.HasField(w_name)):
+            raise layer.error(field, f"{h_name} and {w_name} go together", None)
+        return int(getattr(p, h_name)), int(getattr(p, w_name))
+    if not values:
+        if default is None:
+            raise layer.error(field, "is required", None)
+        return default
+    if len(values) == 1:
+        return values[0], values[0]
+    if len(values) == 2:
+        return values[0], values[1]
+    raise layer.error(field, "the blocked layout has 2 spatial axes; give 1 or 2 values", values)
+
+
+def _workspace(name, shape, dtype=np.float32):
+    """Scratch shared by all blocked layers (they run one at a time): grows, never shrinks."""
+    count = int(np.prod(shape))
+    buf = _WORKSPACE.get(name)
+    if buf is None or buf.size < count:
+        buf = _WORKSPACE[name] = np.empty(max(count, 1), dtype)
+    return buf[:count].reshape(shape)
+
+
+_WORKSPACE = {}
+
+
+def _blocked_bottom(layer, b, index=0):
+    if b.layout is None or b.num_axes != 5:
+        raise layer.error(f"bottom[{index}]", f"blob '{b.name}' should be blocked", b.shape,
+                          cls=ShapeError)
+    return b.layout
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution
+
+class BlockedConvolution(Layer):
+    """Convolution on blocked blobs: y[o] = sum over the group's channels and taps of W * x + b.
+
+    Blobs and fields exactly as Caffe's Convolution (weights [O, C/group, kh, kw], bias [O];
+    convolution_param: num_output, kernel_size / kernel_h,w, stride, pad, dilation, group,
+    bias_term, weight_filler, bias_filler). Per image: blocked im2col + one sgemm per group
+    (see cext/intel.pyx)."""
+    type = "Convolution"
+    min_bottoms = 1
+    min_tops = 1
+    equal_bottom_top = True
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        p = self.param.convolution_param
+        if p.axis != 1:
+            raise self.error("convolution_param.axis", "the blocked layout convolves axis 1", p.axis)
+        if p.relu:
+            raise self.error("convolution_param.relu", "fused ReLU is not supported on the blocked "
+                             "layout", True, hint="Use a ReLU layer after the convolution")
+        layout = _blocked_bottom(self, bottom[0])
+        for i, b in enumerate(bottom[1:], 1):
+            if _blocked_bottom(self, b, i) != layout or b.shape[1:] != bottom[0].shape[1:]:
+                raise self.error(f"bottom[{i}]", "all bottoms need one shape", b.shape, cls=ShapeError)
+        self.kh, self.kw = _spatial(self, p, "kernel_size")
+        self.sh, self.sw = _spatial(self, p, "stride", (1, 1))
+        self.ph, self.pw = _spatial(self, p, "pad", (0, 0))
+        dil = [int(d) for d in p.dilation] or [1]
+        if len(dil) > 2:
+            raise self.error("convolution_param.dilation", "give 1 or 2 values", dil)
+        self.dh, self.dw = (dil[0], dil[-1])
+        if min(self.kh, self.kw, self.sh, self.sw, self.dh, self.dw) < 1:
+            raise self.error("convolution_param", "kernel, stride and dilation must be positive",
+                             (self.kh, self.kw, self.sh, self.sw, self.dh, self.dw))
+        self.num_output = int(p.num_output)
+        if self.num_output < 1:
+            raise self.error("convolution_param.num_output", "must be positive", self.num_output)
+        self.group = int(p.group)
+        self.width, self.channels = layout.width, layout.channels
+        if self.group < 1 or self.channels % self.group or self.num_output % self.group:
+            raise self.error("convolution_param.group", f"must divide the {self.channels} input "
+                             f"and {self.num_output} output channels", self.group)
+        self.bias_term = bool(p.bias_term)
+        cg = self.channels // self.group
+        specs = [((self.num_output, cg, self.kh, self.kw), p.weight_filler)]
+        if self.bias_term:
+            specs.append(((self.num_output,), p.bias_filler))
+        self.init_param_blobs(specs)
+        self.vec = _k.conv_uses_vec_order(self.channels, self.group, self.width)
+        kg = cg * self.kh * self.kw
+        self._wt = np.empty((self.group, kg, self.num_output // self.group), np.float32)
+        self._no_bias = np.zeros(0, np.float32)
+
+    def reshape(self, bottom, top):
+        layout = _blocked_bottom(self, bottom[0])
+        if layout != Blocked(self.width, self.channels):
+            raise self.error("bottom[0]", f"channels changed after setup (was {self.channels})",
+                             layout.channels, cls=ShapeError)
+        n, _, h, w, v = bottom[0].shape
+        self.oh = (h + 2 * self.ph - (self.dh * (self.kh - 1) + 1)) // self.sh + 1
+        self.ow = (w + 2 * self.pw - (self.dw * (self.kw - 1) + 1)) // self.sw + 1
+        if self.oh < 1 or self.ow < 1:
+            raise self.error("convolution_param.kernel_size", f"does not fit the {h}x{w} input "
+                             f"(pad {self.ph}x{self.pw})", (self.kh, self.kw), cls=ShapeError)
+        for b, t in zip(bottom, top):
+            if b.shape != bottom[0].shape:
+                raise self.error("bottom", "all bottoms need one shape", b.shape, cls=ShapeError)
+            t.reshape(n, blocks(self.num_output, v), self.oh, self.ow, v)
+            t.layout = Blocked(v, self.num_output)
+
+    def _args(self):
+        return (self.channels, self.num_output, self.kh, self.kw, self.ph, self.pw, self.sh,
+                self.sw, self.dh, self.dw, self.group)
+
+    def _scratch(self):
+        threads = _k.max_threads()
+        p, k = self.oh * self.ow, self.channels * self.kh * self.kw
+        return (_workspace("col", (threads, p, k)), _workspace("ybuf", (threads, p, self.num_output)))
+
+    def _pack_weights(self):
+        g, o, cg, kh, kw = self.group, self.num_output, self.channels // self.group, self.kh, self.kw
+        w = self.blobs[0].data
+        if self.vec:
+            v = self.width
+            src = w.reshape(g, o // g, cg // v, v, kh, kw).transpose(0, 2, 4, 5, 3, 1)
+        else:
+            src = w.reshape(g, o // g, cg * kh * kw).transpose(0, 2, 1)
+        np.copyto(self._wt.reshape(src.shape), src)
+
+    def _add_weight_diff(self, dwt):
+        g, o, cg, kh, kw = self.group, self.num_output, self.channels // self.group, self.kh, self.kw
+        if self.vec:
+            v = self.width
+            grad = dwt.reshape(g, cg // v, kh, kw, v, o // g).transpose(0, 5, 1, 4, 2, 3)
+        else:
+            grad = dwt.transpose(0, 2, 1)
+        self.blobs[0].diff.reshape(grad.shape)[...] += grad
+
+    def forward(self, bottom, top):
+        self._pack_weights()
+        bias = self.blobs[1].data if self.bias_term else self._no_bias
+        col, ybuf = self._scratch()
+        for b, t in zip(bottom, top):
+            _k.conv_forward(b.data, self._wt, bias, t.data, col, ybuf, *self._args())
+
+    def backward(self, top, propagate_down, bottom):
+        pd = self.param_propagate_down
+        need_w = bool(pd and pd[0])
+        need_b = self.bias_term and len(pd) > 1 and bool(pd[1])
+        if not (need_w or need_b or any(propagate_down)):
+            return
+        self._pack_weights()
+        col, ybuf = self._scratch()
+        threads = col.shape[0]
+        dwt = _workspace("dwt", (threads,) + self._wt.shape) if need_w else np.zeros((1, 1, 1, 1), np.float32)
+        db = _workspace("db", (threads, self.num_output)) if need_b else np.zeros((1, 1), np.float32)
+        empty = np.zeros((1, 1, 1, 1, 1), np.float32)
+        for i, (b, t) in enumerate(zip(bottom, top)):
+            need_x = bool(propagate_down[i])
+            if not (need_x or need_w or need_b):
+                continue
+            _k.conv_backward(b.data, self._wt, t.diff, b.diff if need_x else empty, dwt, db, col,
+                             ybuf, *self._args(), need_x, need_w, need_b)
+            if need_w:
+                self._add_weight_diff(dwt[0])
+            if need_b:
+                self.blobs[1].diff[...] += db[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling
+
+def pool_extent(size, k, s, p, ceil_mode=True):
+    """Caffe's pooled size: ceil (or floor) of (size + 2p - k) / s, + 1; with padding, a last
+    window starting at or past size + p is dropped."""
+    span = size + 2 * p - k
+    out = (-(-span // s) if ceil_mode else span // s) + 1
+    if p > 0 and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+class BlockedPooling(Layer):
+    """MAX or AVE pooling on blocked blobs, windows and output sizes as Caffe's Pooling
+    (pooling_param: pool, kernel_size / kernel_h,w, stride, pad, global_pooling, round_mode).
+    MAX keeps the argmax (h * W + w) per lane for the backward."""
+    type = "Pooling"
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        p = self.param.pooling_param
+        P = caffe_pb2.PoolingParameter
+        if p.pool not in (P.MAX, P.AVE):
+            raise self.error("pooling_param.pool", "only MAX and AVE run on the blocked layout",
+                             P.PoolMethod.Name(p.pool), hint="Put an IntelUnpack before this layer")
+        if not p.avg_include_pad:
+            raise self.error("pooling_param.avg_include_pad", "only true (Caffe's rule) is "
+                             "supported", False)
+        if p.axis != 1:
+            raise self.error("pooling_param.axis", "the blocked layout pools axes 2, 3", p.axis)
+        self.method = p.pool
+        self.global_pooling = bool(p.global_pooling)
+        self.ceil_mode = p.round_mode == P.CEIL
+        if self.global_pooling:
+            if p.HasField("kernel_size") or p.HasField("kernel_h") or p.HasField("kernel_w"):
+                raise self.error("pooling_param.kernel_size", "is not allowed with global_pooling",
+                                 None)
+            self.kh = self.kw = None
+        else:
+            self.kh, self.kw = _spatial(self, p, "kernel_size")
+        self.ph, self.pw = _spatial(self, p, "pad", (0, 0))
+        self.sh, self.sw = _spatial(self, p, "stride", (1, 1))
+        if self.global_pooling and (self.ph or self.pw or self.sh != 1 or self.sw != 1):
+            raise self.error("pooling_param", "global pooling takes pad 0 and stride 1",
+                             (self.ph, self.pw, self.sh, self.sw))
+        if not self.global_pooling:
+            if min(self.kh, self.kw, self.sh, self.sw) < 1:
+                raise self.error("pooling_param", "kernel and stride must be positive",
+                                 (self.kh, self.kw, self.sh, self.sw))
+            if self.ph >= self.kh or self.pw >= self.kw:
+                raise self.error("pooling_param.pad", "must be smaller than the kernel",
+                                 (self.ph, self.pw))
+
+    def reshape(self, bottom, top):
+        layout = _blocked_bottom(self, bottom[0])
+        n, cb, h, w, v = bottom[0].shape
+        if self.global_pooling:
+            self.kh, self.kw = h, w
+        self.oh = pool_extent(h, self.kh, self.sh, self.ph, self.ceil_mode)
+        self.ow = pool_extent(w, self.kw, self.sw, self.pw, self.ceil_mode)
+        if self.oh < 1 or self.ow < 1:
+            raise self.error("pooling_param.kernel_size", f"does not fit the {h}x{w} input",
+                             (self.kh, self.kw), cls=ShapeError)
+        top[0].reshape(n, cb, self.oh, self.ow, v)
+        top[0].layout = layout
+        if self.method == caffe_pb2.PoolingParameter.MAX:
+            if getattr(self, "mask", None) is None or self.mask.shape != top[0].shape:
+                self.mask = np.empty(top[0].shape, np.int32)
+
+    def _geom(self):
+        return self.kh, self.kw, self.sh, self.sw, self.ph, self.pw
+
+    def forward(self, bottom, top):
+        if self.method == caffe_pb2.PoolingParameter.MAX:
+            _k.pool_max_forward(bottom[0].data, top[0].data, self.mask, *self._geom())
+        else:
+            _k.pool_ave_forward(bottom[0].data, top[0].data, *self._geom())
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        if self.method == caffe_pb2.PoolingParameter.MAX:
+            _k.pool_max_backward(top[0].diff, self.mask, bottom[0].diff)
+        else:
+            _k.pool_ave_backward(top[0].diff, bottom[0].diff, *self._geom())
+
+
+# ---------------------------------------------------------------------------------------------
+# LRN across channels
+
+class BlockedLRN(Layer):
+    """ACROSS_CHANNELS LRN on blocked blobs: y = x * (k + alpha/size * sum of x^2 over the
+    `size` channels centred on c)^-beta, the window crossing blocks (lrn_param: local_size,
+    alpha, beta, k). The backward recomputes the scale rather than keeping it.
+    WITHIN_CHANNEL runs the NCHW layer through unpack / pack (see _ViaPlain)."""
+    type = "LRN"
+    exact_bottoms = exact_tops = 1
+
+    @staticmethod
+    def select(param):
+        if param.lrn_param.norm_region == caffe_pb2.LRNParameter.ACROSS_CHANNELS:
+            return BlockedLRN
+        return _via_plain("LRN")
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        p = self.param.lrn_param
+        self.size, self.alpha, self.beta, self.k = int(p.local_size), float(p.alpha), float(p.beta), float(p.k)
+        max_c, max_size = _k.lrn_max_channels()
+        if self.size < 1 or self.size % 2 == 0 or self.size > max_size:
+            raise self.error("lrn_param.local_size", f"must be odd, positive and at most {max_size}",
+                             self.size)
+        if top[0] is bottom[0]:
+            raise self.error("top", "LRN cannot run in place (its backward needs the input)",
+                             f"'{bottom[0].name}'")
+        layout = _blocked_bottom(self, bottom[0])
+        if blocks(layout.channels, layout.width) * layout.width > max_c:
+            raise self.error("bottom[0]", f"the blocked LRN takes at most {max_c} channels",
+                             layout.channels)
+
+    def reshape(self, bottom, top):
+        top[0].reshape(bottom[0].shape)
+        top[0].layout = _blocked_bottom(self, bottom[0])
+
+    def forward(self, bottom, top):
+        _k.lrn_forward(bottom[0].data, top[0].data, self.size, self.alpha, self.beta, self.k)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            _k.lrn_backward(bottom[0].data, top[0].diff, bottom[0].diff, self.size, self.alpha,
+                            self.beta, self.k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Concat
+
+class BlockedConcat(Layer):
+    """Concat of blocked blobs (concat_param.axis / concat_dim). Along channels, bottoms whose
+    channel counts fill their blocks are copied block by block; otherwise lane by lane."""
+    type = "Concat"
+    min_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.param.concat_param
+        axis = p.axis if p.HasField("axis") or not p.HasField("concat_dim") else p.concat_dim
+        if not -5 <= axis < 4:
+            raise self.error("concat_param.axis", "out of range for a 4-axis blob", axis)
+        self.axis = axis % 4
+        for i, b in enumerate(bottom):
+            _blocked_bottom(self, b, i)
+
+    def reshape(self, bottom, top):
+        first = bottom[0]
+        width = first.layout.width
+        shape = list(first.shape)
+        channels = 0
+        for i, b in enumerate(bottom):
+            lay = _blocked_bottom(self, b, i)
+            if lay.width != width:
+                raise self.error(f"bottom[{i}]", f"block width differs from bottom[0]'s ({width})",
+                                 lay.width, cls=ShapeError)
+            for ax in range(4):
+                if ax != self.axis and ax != 1 and b.shape[ax] != first.shape[ax]:
+                    raise self.error(f"bottom[{i}]", f"shape differs from bottom[0]'s outside axis "
+                                     f"{self.axis}", b.shape, cls=ShapeError)
+            if self.axis != 1 and lay.channels != first.layout.channels:
+                raise self.error(f"bottom[{i}]", f"channels differ from bottom[0]'s "
+                                 f"({first.layout.channels})", lay.channels, cls=ShapeError)
+            channels += lay.channels
+        if self.axis == 1:
+            shape[1] = blocks(channels, width)
+            layout = Blocked(width, channels)
+        else:
+            shape[self.axis] = sum(b.shape[self.axis] for b in bottom)
+            layout = first.layout
+        top[0].reshape(shape)
+        top[0].layout = layout
+        # along channels, block copies work while every bottom but the last fills its blocks
+        self.by_block = self.axis != 1 or all(b.layout.channels % width == 0 for b in bottom[:-1])
+
+    def _pieces(self, bottom):
+        """(bottom, index expression into the top) for block copies."""
+        off = 0
+        for b in bottom:
+            n = b.shape[self.axis] if self.axis != 1 else b.shape[1]
+            sl = [slice(None)] * 5
+            sl[self.axis] = slice(off, off + n)
+            yield b, tuple(sl)
+            off += n
+
+    def _lanes(self, bottom):
+        """(bottom, its channel, top channel) for lane copies."""
+        off = 0
+        for b in bottom:
+            for c in range(b.layout.channels):
+                yield b, c, off + c
+            off += b.layout.channels
+
+    def forward(self, bottom, top):
+        y = top[0].data
+        if self.by_block:
+            for b, sl in self._pieces(bottom):
+                y[sl] = b.data
+            return
+        v = top[0].layout.width
+        y[...] = 0
+        for b, c, tc in self._lanes(bottom):
+            y[:, tc // v, :, :, tc % v] = b.data[:, c // v, :, :, c % v]
+
+    def backward(self, top, propagate_down, bottom):
+        dy = top[0].diff
+        if self.by_block:
+            for (b, sl), pd in zip(self._pieces(bottom), propagate_down):
+                if pd:
+                    b.diff[...] = dy[sl]
+            return
+        v = top[0].layout.width
+        for b, pd in zip(bottom, propagate_down):
+            if pd:
+                b.diff[...] = 0
+        for b, c, tc in self._lanes(bottom):
+            if propagate_down[bottom.index(b)]:
+                b.diff[:, c // v, :, :, c % v] = dy[:, tc // v, :, :, tc % v]
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise layers that keep zero padding zero, and layers run through NCHW
+
+def _passthrough(type_name):
+    """The plain layer itself: it is elementwise and maps 0 to 0 (padding lanes stay zero)."""
+    class _Select:
+        @staticmethod
+        def select(param):
+            cls = LAYERS.get(type_name)
+            return _MarkBlocked.wrap(cls) if cls is not None else None
+    return _Select
+
+
+class _MarkBlocked:
+    _cache = {}
+
+    @classmethod
+    def wrap(cls, plain):
+        # a subclass whose tops take the bottom's layout (plain `accepts_blocked` layers are
+        # handled by propagate_layout; these are the known-safe ones that do not say so)
+        if plain not in cls._cache:
+            def reshape(self, bottom, top, _base=plain.reshape):
+                _base(self, bottom, top)
+                for t in top:
+                    t.layout = bottom[0].layout
+            cls._cache[plain] = type(plain.__name__, (plain,), {"reshape": reshape,
+                                                                 "type": plain.type,
+                                                                 "elementwise": True,
+                                                                 "__module__": __name__})
+        return cls._cache[plain]
+
+
+class _ViaPlain(Layer):
+    """A per-channel NCHW layer (BatchNorm, Scale, WITHIN_CHANNEL LRN) run on blocked blobs by
+    unpacking the bottoms and packing the tops around it. Correct, not fast: the copies cost
+    about as much as these layers themselves."""
+    plain = None
+
+    def __init__(self, param, phase=0, source=None):
+        super().__init__(param, phase, source)
+        self.inner = self.plain(param, phase, source)
+        self.blobs = self.inner.blobs
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        for i, b in enumerate(bottom):
+            _blocked_bottom(self, b, i)
+        self.width = bottom[0].layout.width
+        self._bottom = [Blob(name=b.name) for b in bottom]
+        self._top = []
+        for t in top:
+            same = [i for i, b in enumerate(bottom) if b is t]
+            self._top.append(self._bottom[same[0]] if same else Blob(name=t.name))
+        self._shape_inner(bottom)
+        self.inner.layer_setup(self._bottom, self._top)
+
+    def _shape_inner(self, bottom):
+        for b, ib in zip(bottom, self._bottom):
+            n, _, h, w, _ = b.shape
+            ib.reshape(n, b.layout.channels, h, w)
+
+    def reshape(self, bottom, top):
+        self._shape_inner(bottom)
+        self.inner.reshape(self._bottom, self._top)
+        for t, it in zip(top, self._top):
+            if it.num_axes != 4:
+                raise self.error("top", "the blocked layout needs 4-axis tops", it.shape,
+                                 cls=ShapeError)
+            n, c, h, w = it.shape
+            if not any(t is b for b in bottom):
+                t.reshape(n, blocks(c, self.width), h, w, self.width)
+            t.layout = Blocked(self.width, c)
+
+    def forward(self, bottom, top):
+        for b, ib in zip(bottom, self._bottom):
+            _k.unpack(b.data, ib.data)
+        self.inner.forward(self._bottom, self._top)
+        for t, it in zip(top, self._top):
+            _k.pack(it.data, t.data)
+
+    def backward(self, top, propagate_down, bottom):
+        self.inner.param_propagate_down = self.param_propagate_down
+        for t, it in zip(top, self._top):
+            _k.unpack(t.diff, it.diff)
+        self.inner.backward(self._top, propagate_down, self._bottom)
+        for b, ib, pd in zip(bottom, self._bottom, propagate_down):
+            if pd:
+                _k.pack(ib.diff, b.diff)
+
+
+def _via_plain(type_name):
+    plain = LAYERS.get(type_name)
+    if plain is None:
+        return None
+    return type(f"Blocked{type_name}", (_ViaPlain,), {"plain": plain, "type": type_name,
+                                                       "exact_bottoms": plain.exact_bottoms,
+                                                       "min_bottoms": plain.min_bottoms,
+                                                       "max_bottoms": plain.max_bottoms,
+                                                       "exact_tops": plain.exact_tops,
+                                                       "min_tops": plain.min_tops,
+                                                       "max_tops": plain.max_tops})
+
+
+def _via_plain_select(type_name):
+    class _Select:
+        @staticmethod
+        def select(param):
+            return _via_plain(type_name)
+    return _Select
+
+
+# type string -> blocked implementation (or an object whose select(param) returns one)
+BLOCKED = {
+    "Convolution": BlockedConvolution,
+    "Pooling": BlockedPooling,
+    "LRN": BlockedLRN,
+    "Concat": BlockedConcat,
+    "ReLU": _passthrough("ReLU"),
+    "Dropout": _passthrough("Dropout"),
+    "Eltwise": _passthrough("Eltwise"),
+    "BatchNorm": _via_plain_select("BatchNorm"),
+    "Scale": _via_plain_select("Scale"),
+}

@@ -1,0 +1,718 @@
+# cython: language_level=3
+"""Kernels of the SIMD-blocked layout that IntelPack / IntelUnpack bracket.
+
+A blocked tensor is float32 [N, Cb, H, W, V], C-contiguous: channel c sits in block c // V,
+lane c % V, where V is the vector width (8 floats for AVX2, 16 for AVX-512); lanes past the real
+channel count C are zero, and every kernel here keeps them zero (inputs are assumed to have zero
+padding lanes, outputs get them). The innermost loops run over the V lanes of one pixel, which are
+contiguous, so they vectorize; the outer loops are OpenMP-parallel over images, blocks or pixels.
+
+Conventions (Caffe's): top and bottom diffs are OVERWRITTEN, weight and bias diffs ACCUMULATE.
+Every kernel writes into buffers the caller allocated (scratch included) and runs without the GIL.
+The NumPy references are in caffepy/layers/intel.py (`ref_*`), used by tests/layers/test_intel.py.
+"""
+
+from cython.parallel cimport prange, threadid
+cimport openmp
+from libc.float cimport FLT_MAX
+from libc.math cimport powf, sqrtf
+from libc.stdint cimport int32_t
+from libc.string cimport memcpy, memset
+
+from blas cimport gemm_ld
+
+
+cdef tuple _sh(Py_ssize_t* shape, int n):
+    return tuple([shape[i] for i in range(n)])
+
+
+cdef _need(bint ok, str what):
+    if not ok:
+        raise ValueError(what)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pack / unpack
+
+def pack(const float[:, :, :, ::1] x, float[:, :, :, :, ::1] y):
+    """y[n, c // V, h, w, c % V] = x[n, c, h, w]; lanes past C are zeroed."""
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int Cb = y.shape[1], V = y.shape[4]
+    _need(V > 0 and _sh(y.shape, 5) == (N, (C + V - 1) // V, H, W, V),
+          f"pack: blocked shape {_sh(y.shape, 5)} does not fit {(N, C, H, W)} with width {V}")
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, item
+    if N * Cb == 0 or HW == 0:
+        return
+    with nogil:
+        for item in prange(<Py_ssize_t>N * Cb, schedule="static"):
+            _pack_plane(&x[0, 0, 0, 0] + (item // Cb) * C * HW, &y[0, 0, 0, 0, 0] + item * HW * V,
+                        <int>(item % Cb), C, HW, V)
+
+
+cdef void _pack_plane(const float* im, float* dst, int cb, int C, Py_ssize_t HW, int V) noexcept nogil:
+    cdef int v, c
+    cdef Py_ssize_t p
+    cdef const float* src
+    for v in range(V):
+        c = cb * V + v
+        if c < C:
+            src = im + c * HW
+            for p in range(HW):
+                dst[p * V + v] = src[p]
+        else:
+            for p in range(HW):
+                dst[p * V + v] = 0.0
+
+
+def unpack(const float[:, :, :, :, ::1] y, float[:, :, :, ::1] x):
+    """x[n, c, h, w] = y[n, c // V, h, w, c % V] for the C channels of x (overwritten)."""
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int Cb = y.shape[1], V = y.shape[4]
+    _need(V > 0 and _sh(y.shape, 5) == (N, (C + V - 1) // V, H, W, V),
+          f"unpack: blocked shape {_sh(y.shape, 5)} does not fit {(N, C, H, W)} with width {V}")
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, item, p
+    cdef int c
+    cdef const float* src
+    cdef float* dst
+    if N * C == 0 or HW == 0:
+        return
+    with nogil:
+        for item in prange(<Py_ssize_t>N * C, schedule="static"):
+            c = <int>(item % C)
+            src = &y[0, 0, 0, 0, 0] + ((item // C) * Cb + c // V) * HW * V + c % V
+            dst = &x[0, 0, 0, 0] + item * HW
+            for p in range(HW):
+                dst[p] = src[p * V]
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution: blocked im2col + one sgemm per group, per image.
+#
+# For image n, col[P, Ktot] holds one row per output pixel; Y[P, O] = col_g @ Wt_g per group,
+# then Y is written into the blocked top with the bias. Column order within a group:
+#   vec   (channels per group a multiple of V): ((cb * kh + i) * kw + j) * V + v, so a row is
+#         built from runs of kw * V contiguous floats of the blocked image;
+#   plain (otherwise, e.g. conv1's 3 channels): Caffe's (c * kh + i) * kw + j, so padding lanes
+#         cost no FLOPs.
+# The weight is given as Wt[group, Kg, Og] in the same order (the layer builds it from Caffe's
+# [O, C/g, kh, kw]). Threads take whole images, each with its own col / Y / weight-diff buffers
+# and a single-threaded BLAS; with one image or one thread, the BLAS threads each GEMM instead.
+
+ctypedef void (*_set_threads_fn)(int) noexcept nogil
+ctypedef int (*_get_threads_fn)() noexcept nogil
+cdef _set_threads_fn _blas_set_threads = NULL
+cdef _get_threads_fn _blas_get_threads = NULL
+
+
+cdef _bind_blas_threads():
+    # the OpenBLAS behind scipy.linalg.cython_blas is loaded with that module, so its thread
+    # setters resolve through the module's own handle
+    global _blas_set_threads, _blas_get_threads
+    import ctypes
+    from scipy.linalg import cython_blas
+    try:
+        lib = ctypes.CDLL(cython_blas.__file__)
+    except OSError:
+        return
+    for prefix in ("scipy_openblas", "openblas"):
+        setter = getattr(lib, prefix + "_set_num_threads", None)
+        getter = getattr(lib, prefix + "_get_num_threads", None)
+        if setter is not None and getter is not None:
+            _blas_set_threads = <_set_threads_fn><size_t>ctypes.cast(setter, ctypes.c_void_p).value
+            _blas_get_threads = <_get_threads_fn><size_t>ctypes.cast(getter, ctypes.c_void_p).value
+            return
+
+
+_bind_blas_threads()
+
+
+def max_threads():
+    """Threads the kernels use (OMP_NUM_THREADS, else all cores): size of per-thread scratch."""
+    return openmp.omp_get_max_threads()
+
+
+cdef struct BGeom:
+    int C, Cb, H, W, O, Ob, oh, ow, V
+    int kh, kw, ph, pw, sh, sw, dh, dw, group
+    int Cg, Og, Kg, Ktot, P
+    bint vec
+
+
+cdef BGeom _bgeom(int C, int Cb, int H, int W, int V, int O, int kh, int kw, int ph, int pw,
+                  int sh, int sw, int dh, int dw, int group) except *:
+    cdef BGeom g
+    _need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and dh >= 1 and dw >= 1 and ph >= 0
+          and pw >= 0, f"kernel {kh}x{kw}, stride {sh}x{sw}, dilation {dh}x{dw} must be >= 1 "
+          f"and pad {ph}x{pw} >= 0")
+    _need(group >= 1 and C % group == 0 and O % group == 0,
+          f"group {group} must divide {C} input and {O} output channels")
+    _need(V >= 1 and Cb == (C + V - 1) // V, f"{Cb} blocks of {V} do not hold {C} channels")
+    g.C, g.Cb, g.H, g.W, g.V, g.O = C, Cb, H, W, V, O
+    g.Ob = (O + V - 1) // V
+    g.kh, g.kw, g.ph, g.pw, g.sh, g.sw, g.dh, g.dw, g.group = kh, kw, ph, pw, sh, sw, dh, dw, group
+    g.oh = (H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+    g.ow = (W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    _need(g.oh >= 1 and g.ow >= 1, f"kernel {kh}x{kw} does not fit a {H}x{W} image")
+    g.Cg = C // group
+    g.Og = O // group
+    g.Kg = g.Cg * kh * kw
+    g.Ktot = C * kh * kw
+    g.P = g.oh * g.ow
+    g.vec = g.Cg % V == 0
+    return g
+
+
+def conv_uses_vec_order(int C, int group, int V):
+    """True when the column / weight order is the vector one (channels per group % V == 0)."""
+    return (C // group) % V == 0
+
+
+cdef inline void _jrange(int ix0, int kw, int W, int* lo, int* hi) noexcept nogil:
+    """Taps j in [lo, hi) keep 0 <= ix0 + j < W (dilation 1)."""
+    cdef int a = -ix0 if ix0 < 0 else 0
+    cdef int b = W - ix0
+    if b > kw:
+        b = kw
+    if a > kw:
+        a = kw
+    if b < a:
+        b = a
+    lo[0] = a
+    hi[0] = b
+
+
+cdef void _im2col_b(const float* x, const BGeom* g, float* col) noexcept nogil:
+    cdef int oy, ox, i, j, cb, c, v, iy, ix, ix0, lo, hi, V = g.V
+    cdef Py_ssize_t plane = <Py_ssize_t>g.H * g.W * V
+    cdef float* row
+    cdef float* dst
+    cdef const float* src
+    for oy in range(g.oh):
+        for ox in range(g.ow):
+            row = col + (<Py_ssize_t>oy * g.ow + ox) * g.Ktot
+            ix0 = ox * g.sw - g.pw
+            if g.vec:
+                for cb in range(g.Cb):
+                    for i in range(g.kh):
+                        iy = oy * g.sh - g.ph + i * g.dh
+                        dst = row + <Py_ssize_t>(cb * g.kh + i) * g.kw * V
+                        if iy < 0 or iy >= g.H:
+                            memset(dst, 0, g.kw * V * sizeof(float))
+                            continue
+                        src = x + cb * plane + <Py_ssize_t>iy * g.W * V
+                        if g.dw == 1:
+                            _jrange(ix0, g.kw, g.W, &lo, &hi)
+                            memset(dst, 0, lo * V * sizeof(float))
+                            memcpy(dst + lo * V, src + (ix0 + lo) * V, (hi - lo) * V * sizeof(float))
+                            memset(dst + hi * V, 0, (g.kw - hi) * V * sizeof(float))
+                        else:
+                            for j in range(g.kw):
+                                ix = ix0 + j * g.dw
+                                if ix < 0 or ix >= g.W:
+                                    memset(dst + j * V, 0, V * sizeof(float))
+                                else:
+                                    memcpy(dst + j * V, src + ix * V, V * sizeof(float))
+            else:
+                for c in range(g.C):
+                    src = x + (c // V) * plane + c % V
+                    for i in range(g.kh):
+                        iy = oy * g.sh - g.ph + i * g.dh
+                        dst = row + (c * g.kh + i) * g.kw
+                        for j in range(g.kw):
+                            ix = ix0 + j * g.dw
+                            if iy < 0 or iy >= g.H or ix < 0 or ix >= g.W:
+                                dst[j] = 0.0
+                            else:
+                                dst[j] = src[(<Py_ssize_t>iy * g.W + ix) * V]
+
+
+cdef void _col2im_b(const float* col, const BGeom* g, float* x) noexcept nogil:
+    """x (zeroed by the caller) += the columns scattered back onto the blocked image."""
+    cdef int oy, ox, i, j, cb, c, t, iy, ix, ix0, lo, hi, V = g.V
+    cdef Py_ssize_t plane = <Py_ssize_t>g.H * g.W * V
+    cdef const float* row
+    cdef const float* src
+    cdef float* dst
+    for oy in range(g.oh):
+        for ox in range(g.ow):
+            row = col + (<Py_ssize_t>oy * g.ow + ox) * g.Ktot
+            ix0 = ox * g.sw - g.pw
+            if g.vec:
+                for cb in range(g.Cb):
+                    for i in range(g.kh):
+                        iy = oy * g.sh - g.ph + i * g.dh
+                        if iy < 0 or iy >= g.H:
+                            continue
+                        src = row + <Py_ssize_t>(cb * g.kh + i) * g.kw * V
+                        dst = x + cb * plane + <Py_ssize_t>iy * g.W * V
+                        if g.dw == 1:
+                            _jrange(ix0, g.kw, g.W, &lo, &hi)
+                            dst = dst + (ix0 + lo) * V
+                            src = src + lo * V
+                            for t in range((hi - lo) * V):
+                                dst[t] += src[t]
+                        else:
+                            for j in range(g.kw):
+                                ix = ix0 + j * g.dw
+                                if ix >= 0 and ix < g.W:
+                                    for t in range(V):
+                                        dst[ix * V + t] += src[j * V + t]
+            else:
+                for c in range(g.C):
+                    for i in range(g.kh):
+                        iy = oy * g.sh - g.ph + i * g.dh
+                        if iy < 0 or iy >= g.H:
+                            continue
+                        src = row + (c * g.kh + i) * g.kw
+                        dst = x + (c // V) * plane + <Py_ssize_t>iy * g.W * V + c % V
+                        for j in range(g.kw):
+                            ix = ix0 + j * g.dw
+                            if ix >= 0 and ix < g.W:
+                                dst[ix * V] += src[j]
+
+
+cdef int _image_threads(int T, int N) noexcept nogil:
+    if T > N:
+        T = N
+    if T > 1 and _blas_set_threads == NULL:
+        T = 1
+    return T if T > 1 else 1
+
+
+cdef void _conv_fwd_image(const BGeom* g, const float* x, const float* wt, const float* bias,
+                          float* y, float* col, float* ybuf) noexcept nogil:
+    cdef int gr, ob, v, nv, V = g.V
+    cdef Py_ssize_t p
+    cdef float* dst
+    cdef const float* src
+    _im2col_b(x, g, col)
+    for gr in range(g.group):
+        gemm_ld(False, False, g.P, g.Og, g.Kg, 1.0, col + gr * g.Kg, g.Ktot,
+                wt + <Py_ssize_t>gr * g.Kg * g.Og, g.Og, 0.0, ybuf + gr * g.Og, g.O)
+    for ob in range(g.Ob):
+        nv = g.O - ob * V
+        if nv > V:
+            nv = V
+        dst = y + ob * <Py_ssize_t>g.P * V
+        for p in range(g.P):
+            src = ybuf + p * g.O + ob * V
+            if bias != NULL:
+                for v in range(nv):
+                    dst[p * V + v] = src[v] + bias[ob * V + v]
+            else:
+                for v in range(nv):
+                    dst[p * V + v] = src[v]
+            for v in range(nv, V):
+                dst[p * V + v] = 0.0
+
+
+def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] wt, const float[::1] bias,
+                 float[:, :, :, :, ::1] y, float[:, :, ::1] col, float[:, :, ::1] ybuf,
+                 int C, int O, int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw,
+                 int group):
+    """y (blocked, O channels) = conv(x (blocked, C channels), Wt) + bias (empty: no bias).
+
+    Scratch: col[T, P, Ktot], ybuf[T, P, O] for T threads (T = 1 lets BLAS thread each GEMM).
+    """
+    cdef BGeom g = _bgeom(C, x.shape[1], x.shape[2], x.shape[3], x.shape[4], O, kh, kw, ph, pw,
+                          sh, sw, dh, dw, group)
+    cdef int N = x.shape[0], T = col.shape[0], nt, n, tid, saved = 0
+    _need(_sh(wt.shape, 3) == (group, g.Kg, g.Og), f"wt shape {_sh(wt.shape, 3)} != "
+          f"{(group, g.Kg, g.Og)}")
+    _need(_sh(y.shape, 5) == (N, g.Ob, g.oh, g.ow, g.V), f"y shape {_sh(y.shape, 5)} != "
+          f"{(N, g.Ob, g.oh, g.ow, g.V)}")
+    _need(T >= 1 and col.shape[1] == g.P and col.shape[2] == g.Ktot and ybuf.shape[0] >= T
+          and ybuf.shape[1] == g.P and ybuf.shape[2] == O, "conv_forward: scratch shapes")
+    _need(bias.shape[0] in (0, O), f"bias has {bias.shape[0]} values for {O} outputs")
+    cdef const float* b = &bias[0] if bias.shape[0] else NULL
+    cdef Py_ssize_t xs = <Py_ssize_t>g.Cb * g.H * g.W * g.V, ys = <Py_ssize_t>g.Ob * g.P * g.V
+    cdef Py_ssize_t cs = <Py_ssize_t>g.P * g.Ktot, bs = <Py_ssize_t>g.P * O
+    if N == 0:
+        return
+    nt = _image_threads(T, N)
+    with nogil:
+        if nt == 1:
+            for n in range(N):
+                _conv_fwd_image(&g, &x[0, 0, 0, 0, 0] + n * xs, &wt[0, 0, 0], b,
+                                &y[0, 0, 0, 0, 0] + n * ys, &col[0, 0, 0], &ybuf[0, 0, 0])
+        else:
+            saved = _blas_get_threads()
+            _blas_set_threads(1)
+            for n in prange(N, num_threads=nt, schedule="static"):
+                tid = threadid()
+                _conv_fwd_image(&g, &x[0, 0, 0, 0, 0] + n * xs, &wt[0, 0, 0], b,
+                                &y[0, 0, 0, 0, 0] + n * ys, &col[0, 0, 0] + tid * cs,
+                                &ybuf[0, 0, 0] + tid * bs)
+            _blas_set_threads(saved)
+
+
+cdef void _conv_bwd_image(const BGeom* g, const float* x, const float* wt, const float* dy,
+                          float* dx, float* dwt, float* db, float* col, float* ybuf) noexcept nogil:
+    cdef int gr, ob, v, nv, o, V = g.V
+    cdef Py_ssize_t p
+    cdef const float* src
+    # dY[P, O] from the blocked top diff
+    for ob in range(g.Ob):
+        nv = g.O - ob * V
+        if nv > V:
+            nv = V
+        src = dy + ob * <Py_ssize_t>g.P * V
+        for p in range(g.P):
+            for v in range(nv):
+                ybuf[p * g.O + ob * V + v] = src[p * V + v]
+    if db != NULL:
+        for p in range(g.P):
+            for o in range(g.O):
+                db[o] += ybuf[p * g.O + o]
+    if dwt != NULL:
+        _im2col_b(x, g, col)
+        for gr in range(g.group):
+            gemm_ld(True, False, g.Kg, g.Og, g.P, 1.0, col + gr * g.Kg, g.Ktot,
+                    ybuf + gr * g.Og, g.O, 1.0, dwt + <Py_ssize_t>gr * g.Kg * g.Og, g.Og)
+    if dx != NULL:
+        for gr in range(g.group):
+            gemm_ld(False, True, g.P, g.Kg, g.Og, 1.0, ybuf + gr * g.Og, g.O,
+                    wt + <Py_ssize_t>gr * g.Kg * g.Og, g.Og, 0.0, col + gr * g.Kg, g.Ktot)
+        memset(dx, 0, <Py_ssize_t>g.Cb * g.H * g.W * V * sizeof(float))
+        _col2im_b(col, g, dx)
+
+
+def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] wt,
+                  const float[:, :, :, :, ::1] dy, float[:, :, :, :, ::1] dx,
+                  float[:, :, :, ::1] dwt, float[:, ::1] db, float[:, :, ::1] col,
+                  float[:, :, ::1] ybuf, int C, int O, int kh, int kw, int ph, int pw, int sh,
+                  int sw, int dh, int dw, int group, bint need_x, bint need_w, bint need_b):
+    """Gradients of conv_forward.
+
+    dx (blocked, overwritten) if need_x; dwt[0] = sum over images of the Wt gradient and
+    db[0] = the bias gradient if need_w / need_b (dwt[T, group, Kg, Og] and db[T, O] are
+    per-thread scratch: the caller adds row 0 into its diffs). col / ybuf as for conv_forward.
+    """
+    cdef BGeom g = _bgeom(C, x.shape[1], x.shape[2], x.shape[3], x.shape[4], O, kh, kw, ph, pw,
+                          sh, sw, dh, dw, group)
+    cdef int N = x.shape[0], T = col.shape[0], nt, n, tid, t, saved = 0
+    _need(_sh(wt.shape, 3) == (group, g.Kg, g.Og), "conv_backward: wt shape")
+    _need(_sh(dy.shape, 5) == (N, g.Ob, g.oh, g.ow, g.V), "conv_backward: dy shape")
+    _need(not need_x or _sh(dx.shape, 5) == _sh(x.shape, 5), "conv_backward: dx shape")
+    _need(not need_w or (dwt.shape[0] >= T and _sh(dwt.shape + 1, 3) == (group, g.Kg, g.Og)),
+          "conv_backward: dwt shape")
+    _need(not need_b or (db.shape[0] >= T and db.shape[1] == O), "conv_backward: db shape")
+    _need(T >= 1 and col.shape[1] == g.P and col.shape[2] == g.Ktot and ybuf.shape[0] >= T
+          and ybuf.shape[1] == g.P and ybuf.shape[2] == O, "conv_backward: scratch shapes")
+    cdef Py_ssize_t xs = <Py_ssize_t>g.Cb * g.H * g.W * g.V, ys = <Py_ssize_t>g.Ob * g.P * g.V
+    cdef Py_ssize_t cs = <Py_ssize_t>g.P * g.Ktot, bs = <Py_ssize_t>g.P * O
+    cdef Py_ssize_t ws = <Py_ssize_t>group * g.Kg * g.Og, i
+    cdef float* dxp = &dx[0, 0, 0, 0, 0] if need_x else NULL
+    cdef float* dwp = &dwt[0, 0, 0, 0] if need_w else NULL
+    cdef float* dbp = &db[0, 0] if need_b else NULL
+    if N == 0:
+        return
+    nt = _image_threads(T, N)
+    with nogil:
+        for t in range(nt):
+            if need_w:
+                memset(dwp + t * ws, 0, ws * sizeof(float))
+            if need_b:
+                memset(dbp + t * O, 0, O * sizeof(float))
+        if nt == 1:
+            for n in range(N):
+                _conv_bwd_image(&g, &x[0, 0, 0, 0, 0] + n * xs, &wt[0, 0, 0],
+                                &dy[0, 0, 0, 0, 0] + n * ys, dxp + n * xs if need_x else NULL,
+                                dwp, dbp, &col[0, 0, 0], &ybuf[0, 0, 0])
+        else:
+            saved = _blas_get_threads()
+            _blas_set_threads(1)
+            for n in prange(N, num_threads=nt, schedule="static"):
+                tid = threadid()
+                _conv_bwd_image(&g, &x[0, 0, 0, 0, 0] + n * xs, &wt[0, 0, 0],
+                                &dy[0, 0, 0, 0, 0] + n * ys, dxp + n * xs if need_x else NULL,
+                                dwp + tid * ws if need_w else NULL,
+                                dbp + tid * O if need_b else NULL,
+                                &col[0, 0, 0] + tid * cs, &ybuf[0, 0, 0] + tid * bs)
+            _blas_set_threads(saved)
+            for t in range(1, nt):
+                if need_w:
+                    for i in prange(ws, schedule="static"):
+                        dwp[i] += dwp[t * ws + i]
+                if need_b:
+                    for i in range(O):
+                        dbp[i] += dbp[t * O + i]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling on blocked planes [H, W, V]: windows as Caffe's (see caffepy/kernels/vision.pyx).
+
+cdef _check_pool(x, y, int kh, int kw, int sh, int sw, int ph, int pw):
+    _need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and ph >= 0 and pw >= 0,
+          f"pooling kernel {kh}x{kw} / stride {sh}x{sw} must be >= 1, pad {ph}x{pw} >= 0")
+    _need(x.shape[4] <= 64, f"pooling: block width {x.shape[4]} above 64")
+    _need(x.shape[0] == y.shape[0] and x.shape[1] == y.shape[1] and x.shape[4] == y.shape[4],
+          f"pooling: blocked shapes {tuple(x.shape[:5])} and {tuple(y.shape[:5])} do not fit")
+
+
+def pool_max_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y,
+                     int32_t[:, :, :, :, ::1] mask, int kh, int kw, int sh, int sw, int ph, int pw):
+    """y = max over each window (padding ignored); mask = h * W + w of the first maximum."""
+    _check_pool(x, y, kh, kw, sh, sw, ph, pw)
+    _need(_sh(mask.shape, 5) == _sh(y.shape, 5), "pool_max_forward: mask shape")
+    cdef int H = x.shape[2], W = x.shape[3], oh = y.shape[2], ow = y.shape[3], V = x.shape[4]
+    cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], pl
+    if planes == 0 or oh * ow == 0:
+        return
+    with nogil:
+        for pl in prange(planes, schedule="static"):
+            _max_plane(&x[0, 0, 0, 0, 0] + pl * H * W * V, &y[0, 0, 0, 0, 0] + pl * oh * ow * V,
+                       &mask[0, 0, 0, 0, 0] + pl * oh * ow * V, H, W, oh, ow, V,
+                       kh, kw, sh, sw, ph, pw)
+
+
+cdef void _max_plane(const float* x, float* y, int32_t* mask, int H, int W, int oh, int ow, int V,
+                     int kh, int kw, int sh, int sw, int ph, int pw) noexcept nogil:
+    cdef float m[64]
+    cdef int32_t idx[64]
+    cdef int py, px, h, w, hs, he, ws, we, v
+    cdef const float* src
+    cdef float val
+    for py in range(oh):
+        hs = py * sh - ph
+        he = min(hs + kh, H)
+        hs = max(hs, 0)
+        for px in range(ow):
+            ws = px * sw - pw
+            we = min(ws + kw, W)
+            ws = max(ws, 0)
+            for v in range(V):
+                m[v] = -FLT_MAX
+                idx[v] = -1
+            for h in range(hs, he):
+                for w in range(ws, we):
+                    src = x + (h * W + w) * V
+                    for v in range(V):
+                        val = src[v]
+                        if val > m[v]:
+                            m[v] = val
+                            idx[v] = h * W + w
+            for v in range(V):
+                y[(py * ow + px) * V + v] = m[v]
+                mask[(py * ow + px) * V + v] = idx[v]
+
+
+def pool_max_backward(const float[:, :, :, :, ::1] dy, const int32_t[:, :, :, :, ::1] mask,
+                      float[:, :, :, :, ::1] dx):
+    """dx = top diffs routed to their argmax (zeroed first: overwritten)."""
+    _need(_sh(mask.shape, 5) == _sh(dy.shape, 5), "pool_max_backward: mask shape")
+    cdef int H = dx.shape[2], W = dx.shape[3], oh = dy.shape[2], ow = dy.shape[3], V = dx.shape[4]
+    cdef Py_ssize_t planes = <Py_ssize_t>dx.shape[0] * dx.shape[1], pl, p
+    cdef int v
+    cdef float* d
+    cdef const float* g
+    cdef const int32_t* mk
+    if planes == 0:
+        return
+    with nogil:
+        for pl in prange(planes, schedule="static"):
+            d = &dx[0, 0, 0, 0, 0] + pl * H * W * V
+            g = &dy[0, 0, 0, 0, 0] + pl * oh * ow * V
+            mk = &mask[0, 0, 0, 0, 0] + pl * oh * ow * V
+            memset(d, 0, <Py_ssize_t>H * W * V * sizeof(float))
+            for p in range(<Py_ssize_t>oh * ow):
+                for v in range(V):
+                    if mk[p * V + v] >= 0:
+                        d[mk[p * V + v] * V + v] += g[p * V + v]
+
+
+def pool_ave_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y,
+                     int kh, int kw, int sh, int sw, int ph, int pw):
+    """y = window sum / window size clipped to the padded extent (Caffe's AVE)."""
+    _check_pool(x, y, kh, kw, sh, sw, ph, pw)
+    cdef int H = x.shape[2], W = x.shape[3], oh = y.shape[2], ow = y.shape[3], V = x.shape[4]
+    cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], pl
+    if planes == 0 or oh * ow == 0:
+        return
+    with nogil:
+        for pl in prange(planes, schedule="static"):
+            _ave_plane(<float*>&x[0, 0, 0, 0, 0] + pl * H * W * V, &y[0, 0, 0, 0, 0] + pl * oh * ow * V,
+                       H, W, oh, ow, V, kh, kw, sh, sw, ph, pw, False)
+
+
+def pool_ave_backward(const float[:, :, :, :, ::1] dy, float[:, :, :, :, ::1] dx,
+                      int kh, int kw, int sh, int sw, int ph, int pw):
+    """dx = each top diff spread evenly over its window (zeroed first: overwritten)."""
+    _check_pool(dx, dy, kh, kw, sh, sw, ph, pw)
+    cdef int H = dx.shape[2], W = dx.shape[3], oh = dy.shape[2], ow = dy.shape[3], V = dx.shape[4]
+    cdef Py_ssize_t planes = <Py_ssize_t>dx.shape[0] * dx.shape[1], pl
+    if planes == 0:
+        return
+    with nogil:
+        for pl in prange(planes, schedule="static"):
+            memset(&dx[0, 0, 0, 0, 0] + pl * H * W * V, 0, <Py_ssize_t>H * W * V * sizeof(float))
+            _ave_plane(&dx[0, 0, 0, 0, 0] + pl * H * W * V, <float*>&dy[0, 0, 0, 0, 0] + pl * oh * ow * V,
+                       H, W, oh, ow, V, kh, kw, sh, sw, ph, pw, True)
+
+
+cdef void _ave_plane(float* x, float* y, int H, int W, int oh, int ow, int V, int kh, int kw,
+                     int sh, int sw, int ph, int pw, bint backward) noexcept nogil:
+    # forward: y = mean of x over the window; backward: x += y / window size
+    cdef float acc[64]
+    cdef int py, px, h, w, hs, he, ws, we, v
+    cdef float inv
+    cdef float* cell
+    cdef float* out
+    for py in range(oh):
+        hs = py * sh - ph
+        he = min(hs + kh, H + ph)
+        for px in range(ow):
+            ws = px * sw - pw
+            we = min(ws + kw, W + pw)
+            inv = 1.0 / ((he - hs) * (we - ws))
+            out = y + (py * ow + px) * V
+            if backward:
+                for v in range(V):
+                    acc[v] = out[v] * inv
+                for h in range(max(hs, 0), min(he, H)):
+                    for w in range(max(ws, 0), min(we, W)):
+                        cell = x + (h * W + w) * V
+                        for v in range(V):
+                            cell[v] += acc[v]
+            else:
+                for v in range(V):
+                    acc[v] = 0.0
+                for h in range(max(hs, 0), min(he, H)):
+                    for w in range(max(ws, 0), min(we, W)):
+                        cell = x + (h * W + w) * V
+                        for v in range(V):
+                            acc[v] += cell[v]
+                for v in range(V):
+                    out[v] = acc[v] * inv
+
+
+# ---------------------------------------------------------------------------------------------
+# LRN across channels. scale = k + alpha/size * sum of x^2 over the `size` channels centred on c
+# (zero past the ends), y = x * scale^-beta. Per pixel, the channels of all blocks are gathered
+# into one contiguous row (with `pre` zeros at both ends), so the window that crosses blocks is a
+# plain sliding sum over a row; the lanes past C are zero, exactly Caffe's zero padding.
+# Backward recomputes scale instead of storing it (one blob less to keep between passes).
+
+DEF _MAXC = 4096          # channels (padded to blocks) an LRN kernel takes
+DEF _MAXPAD = 128         # (local_size - 1) / 2 at most
+DEF _CHUNK = 32           # pixels per task
+
+
+def lrn_max_channels():
+    return _MAXC, 2 * _MAXPAD + 1
+
+
+cdef inline void _neg_pow(const float* s, float* out, int n, float beta) noexcept nogil:
+    """out = s ** -beta, with the common betas on square roots (no exp/log)."""
+    cdef int i
+    cdef float r
+    if beta == 0.75:
+        for i in range(n):
+            r = sqrtf(s[i])
+            out[i] = 1.0 / (r * sqrtf(r))
+    elif beta == 0.5:
+        for i in range(n):
+            out[i] = 1.0 / sqrtf(s[i])
+    elif beta == 1.0:
+        for i in range(n):
+            out[i] = 1.0 / s[i]
+    else:
+        for i in range(n):
+            out[i] = powf(s[i], -beta)
+
+
+cdef inline void _window_sum(const float* padded, float* acc, int n, int size) noexcept nogil:
+    """acc[c] = padded[c] + ... + padded[c + size - 1]."""
+    cdef int c, d
+    for c in range(n):
+        acc[c] = padded[c]
+    for d in range(1, size):
+        for c in range(n):
+            acc[c] += padded[c + d]
+
+
+cdef _check_lrn(x, others, int size):
+    _need(size >= 1 and size % 2 == 1, f"LRN local_size must be odd and positive, got {size}")
+    _need((size - 1) // 2 <= _MAXPAD, f"LRN local_size {size} is larger than this kernel "
+          f"supports ({2 * _MAXPAD + 1})")
+    _need(x.shape[1] * x.shape[4] <= _MAXC, f"LRN over {x.shape[1] * x.shape[4]} channels: this "
+          f"kernel supports {_MAXC}")
+    for name, o in others:
+        _need(tuple(o.shape[:5]) == tuple(x.shape[:5]),
+              f"{name}: shape {tuple(o.shape[:5])} does not fit {tuple(x.shape[:5])}")
+
+
+def lrn_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y, int size, float alpha,
+                float beta, float k):
+    """y = x * (k + alpha/size * window sum of x^2 across channels)^-beta (overwritten)."""
+    _check_lrn(x, [("top", y)], size)
+    cdef int N = x.shape[0], Cb = x.shape[1], V = x.shape[4]
+    cdef Py_ssize_t HW = <Py_ssize_t>x.shape[2] * x.shape[3]
+    cdef Py_ssize_t chunks = (HW + _CHUNK - 1) // _CHUNK, item
+    if N * Cb == 0 or HW == 0:
+        return
+    with nogil:
+        for item in prange(N * chunks, schedule="static"):
+            _lrn_chunk(&x[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V, NULL,
+                       &y[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
+                       (item % chunks) * _CHUNK, Cb, V, HW, size, alpha, beta, k)
+
+
+def lrn_backward(const float[:, :, :, :, ::1] x, const float[:, :, :, :, ::1] dy,
+                 float[:, :, :, :, ::1] dx, int size, float alpha, float beta, float k):
+    """dx = dy * scale^-beta - 2*alpha*beta/size * x * window sum of dy * y / scale (overwritten)."""
+    _check_lrn(x, [("top_diff", dy), ("bottom_diff", dx)], size)
+    cdef int N = x.shape[0], Cb = x.shape[1], V = x.shape[4]
+    cdef Py_ssize_t HW = <Py_ssize_t>x.shape[2] * x.shape[3]
+    cdef Py_ssize_t chunks = (HW + _CHUNK - 1) // _CHUNK, item
+    if N * Cb == 0 or HW == 0:
+        return
+    with nogil:
+        for item in prange(N * chunks, schedule="static"):
+            _lrn_chunk(&x[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
+                       &dy[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
+                       &dx[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
+                       (item % chunks) * _CHUNK, Cb, V, HW, size, alpha, beta, k)
+
+
+cdef void _lrn_chunk(const float* x, const float* dy, float* out, Py_ssize_t p0, int Cb, int V,
+                     Py_ssize_t HW, int size, float alpha, float beta, float k) noexcept nogil:
+    # forward when dy is NULL (out = y), backward otherwise (out = dx)
+    cdef float row[_MAXC + 2 * _MAXPAD]
+    cdef float acc[_MAXC]
+    cdef float sc[_MAXC]
+    cdef float pw[_MAXC]
+    cdef int pre = (size - 1) // 2, Cp = Cb * V, c, cb, v
+    cdef float a = alpha / size, cache = 2.0 * alpha * beta / size, t
+    cdef Py_ssize_t p, p1 = min(p0 + _CHUNK, HW), plane = HW * V, off
+    for c in range(pre):
+        row[c] = 0.0
+        row[pre + Cp + c] = 0.0
+    for p in range(p0, p1):
+        for cb in range(Cb):
+            off = cb * plane + p * V
+            for v in range(V):
+                t = x[off + v]
+                row[pre + cb * V + v] = t * t
+        _window_sum(row, acc, Cp, size)
+        for c in range(Cp):
+            sc[c] = k + a * acc[c]
+        _neg_pow(sc, pw, Cp, beta)
+        if dy == NULL:
+            for cb in range(Cb):
+                off = cb * plane + p * V
+                for v in range(V):
+                    out[off + v] = x[off + v] * pw[cb * V + v]
+            continue
+        # backward: row <- dy * x * scale^(-beta-1) = dy * y / scale, then its window sum
+        for cb in range(Cb):
+            off = cb * plane + p * V
+            for v in range(V):
+                c = cb * V + v
+                row[pre + c] = dy[off + v] * x[off + v] * pw[c] / sc[c]
+        _window_sum(row, acc, Cp, size)
+        for cb in range(Cb):
+            off = cb * plane + p * V
+            for v in range(V):
+                c = cb * V + v
+                out[off + v] = dy[off + v] * pw[c] - cache * x[off + v] * acc[c]

@@ -1,0 +1,241 @@
+"""The Intel path: IntelPack / IntelUnpack and the blocked layers, against NumPy references of
+the NCHW computation (caffepy/kernels/reference.py), for block widths 8 and 16 on any CPU."""
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from caffepy.blob import Blob, Blocked
+from caffepy.errors import LayerError
+from caffepy.kernels import reference as ref
+from caffepy.layers import intel
+from caffepy.proto import caffe_pb2
+from layer_cases import Case, case_tests, randn
+
+WIDTHS = [8, 16]
+
+
+def ref_pack(x, width):
+    """[N, C, H, W] -> [N, ceil(C/V), H, W, V], zero lanes past C."""
+    n, c, h, w = x.shape
+    cb = -(-c // width)
+    padded = np.zeros((n, cb * width, h, w), x.dtype)
+    padded[:, :c] = x
+    return np.ascontiguousarray(padded.reshape(n, cb, width, h, w).transpose(0, 1, 3, 4, 2))
+
+
+def ref_unpack(y, channels):
+    n, cb, h, w, v = y.shape
+    return y.transpose(0, 1, 4, 2, 3).reshape(n, cb * v, h, w)[:, :channels]
+
+
+def blocked_blob(x, width, name="b"):
+    b = Blob(name=name)
+    b.set_data(ref_pack(np.asarray(x, np.float32), width))
+    b.layout = Blocked(width, x.shape[1])
+    return b
+
+
+def blocked_layer(type_, params, bottoms, width, n_top=1, phase=caffe_pb2.TRAIN):
+    """Build the blocked implementation the Net would pick; bottoms are NCHW arrays."""
+    lp = caffe_pb2.LayerParameter()
+    text_format.Parse(params, lp)
+    lp.name, lp.type = "layer", type_
+    lp.bottom.extend(f"b{i}" for i in range(len(bottoms)))
+    lp.top.extend(f"t{i}" for i in range(n_top))
+    bottom = [blocked_blob(x, width, f"b{i}") for i, x in enumerate(bottoms)]
+    cls = intel.BLOCKED[type_]
+    if hasattr(cls, "select"):
+        cls = cls.select(lp)
+    layer = cls(lp, phase)
+    top = [Blob(name=f"t{i}") for i in range(n_top)]
+    layer.layer_setup(bottom, top)
+    layer.param_propagate_down = [True] * len(layer.blobs)
+    return layer, bottom, top
+
+
+def run_backward(layer, bottom, top, top_diff_nchw):
+    for t, d in zip(top, top_diff_nchw):
+        t.diff[...] = ref_pack(d.astype(np.float32), t.layout.width)
+    for b in layer.blobs:
+        b.diff[...] = 0
+    layer.backward(top, [True] * len(bottom), bottom)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pack / Unpack
+
+@pytest.mark.parametrize("width", WIDTHS + [4])
+@pytest.mark.parametrize("channels", [1, 3, 8, 13, 17, 32])
+def test_pack_unpack_round_trip(channels, width):
+    x = randn(2, channels, 5, 7, seed=channels)
+    y = np.full((2, -(-channels // width), 5, 7, width), np.nan, np.float32)
+    intel._k.pack(x, y)
+    np.testing.assert_array_equal(y, ref_pack(x, width))
+    back = np.full_like(x, np.nan)
+    intel._k.unpack(y, back)
+    np.testing.assert_array_equal(back, x)
+
+
+def test_pack_layer_uses_block_width(monkeypatch):
+    monkeypatch.setenv("CAFFEPY_BLOCK_WIDTH", "16")
+    case = Case("IntelPack", "", [randn(2, 3, 4, 5)])
+    layer, bottom, top = case.build()
+    assert top[0].shape == (2, 1, 4, 5, 16) and top[0].layout == Blocked(16, 3)
+
+
+def test_block_width_rejects_bad_values(monkeypatch):
+    monkeypatch.setenv("CAFFEPY_BLOCK_WIDTH", "12")
+    with pytest.raises(Exception, match="CAFFEPY_BLOCK_WIDTH: must be 4, 8, 16 or 32, got '12'"):
+        intel.block_width()
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution: (C, O, group, kernel, stride, pad, dilation, H, W)
+
+CONVS = [
+    (3, 10, 1, 3, 1, 1, 1, 7, 6),       # conv1-like: 3 channels, plain column order
+    (16, 16, 2, 3, 1, 1, 1, 6, 6),      # groups of 8 channels: vector order at width 8
+    (6, 8, 2, 5, 2, 2, 1, 9, 8),        # groups of 3: plain order, stride and pad
+    (3, 5, 1, 11, 4, 0, 1, 23, 19),     # conv1's kernel and stride
+    (32, 24, 2, 3, 1, 1, 2, 7, 7),      # dilation, vector order at 8 and 16
+    (8, 7, 1, 2, 3, 1, 1, 8, 9),        # stride past the kernel, output channels not a block
+]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("spec", CONVS, ids=[f"C{c[0]}O{c[1]}g{c[2]}k{c[3]}s{c[4]}p{c[5]}d{c[6]}" for c in CONVS])
+def test_blocked_convolution_matches_reference(spec, width):
+    C, O, group, k, s, p, d, H, W = spec
+    params = (f"convolution_param {{ num_output: {O} kernel_size: {k} stride: {s} pad: {p} "
+              f"dilation: {d} group: {group} weight_filler {{ type: 'gaussian' std: 0.3 }} "
+              f"bias_filler {{ type: 'gaussian' std: 0.3 }} }}")
+    x = randn(3, C, H, W, seed=1)
+    layer, bottom, top = blocked_layer("Convolution", params, [x], width)
+    w, b = layer.blobs[0].data.copy(), layer.blobs[1].data.copy()
+    layer.forward(bottom, top)
+    want = ref.conv_forward(x, w, b, (p, p), (s, s), (d, d), group)
+    assert top[0].layout == Blocked(width, O)
+    np.testing.assert_allclose(ref_unpack(top[0].data, O), want, rtol=1e-4, atol=1e-4)
+    assert not ref_unpack(top[0].data, top[0].shape[1] * width)[:, O:].any()
+
+    dy = randn(*want.shape, seed=2)
+    run_backward(layer, bottom, top, [dy])
+    dw, db, dx = ref.conv_backward(dy, x, w, (p, p), (s, s), (d, d), group)
+    np.testing.assert_allclose(layer.blobs[0].diff, dw, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(layer.blobs[1].diff, db, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(ref_unpack(bottom[0].diff, C), dx, rtol=1e-4, atol=1e-4)
+    assert not ref_unpack(bottom[0].diff, bottom[0].shape[1] * width)[:, C:].any()
+
+
+def test_blocked_convolution_param_diffs_accumulate():
+    params = "convolution_param { num_output: 8 kernel_size: 3 weight_filler { type: 'gaussian' std: 1 } }"
+    x = randn(2, 8, 5, 5)
+    layer, bottom, top = blocked_layer("Convolution", params, [x], 8)
+    layer.forward(bottom, top)
+    run_backward(layer, bottom, top, [randn(2, 8, 3, 3, seed=3)])
+    once = layer.blobs[0].diff.copy()
+    layer.backward(top, [False], bottom)
+    np.testing.assert_allclose(layer.blobs[0].diff, 2 * once, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling: (method, kernel, stride, pad, H, W) with windows over the edge (ceil rounding)
+
+POOLS = [("MAX", 3, 2, 0, 13, 13), ("MAX", 3, 2, 1, 8, 9), ("MAX", 2, 2, 0, 7, 5),
+         ("AVE", 3, 2, 1, 8, 9), ("AVE", 3, 3, 0, 10, 11), ("AVE", 2, 1, 1, 4, 4)]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("spec", POOLS, ids=[f"{m}k{k}s{s}p{p}_{h}x{w}" for m, k, s, p, h, w in POOLS])
+def test_blocked_pooling_matches_reference(spec, width):
+    method, k, s, p, H, W = spec
+    x = randn(2, 11, H, W, seed=4)
+    params = f"pooling_param {{ pool: {method} kernel_size: {k} stride: {s} pad: {p} }}"
+    layer, bottom, top = blocked_layer("Pooling", params, [x], width)
+    layer.forward(bottom, top)
+    oh, ow = ref.pool_out_size(H, k, p, s), ref.pool_out_size(W, k, p, s)
+    if method == "MAX":
+        want, mask = ref.max_pool_forward(x, k, k, s, s, p, p, oh, ow)
+    else:
+        want = ref.ave_pool_forward(x, k, k, s, s, p, p, oh, ow)
+    np.testing.assert_allclose(ref_unpack(top[0].data, 11), want, rtol=1e-5, atol=1e-6)
+    dy = randn(*want.shape, seed=5)
+    run_backward(layer, bottom, top, [dy])
+    if method == "MAX":
+        dx = ref.max_pool_backward(dy, mask, H, W)
+    else:
+        dx = ref.ave_pool_backward(dy, H, W, k, k, s, s, p, p)
+    np.testing.assert_allclose(ref_unpack(bottom[0].diff, 11), dx, rtol=1e-5, atol=1e-6)
+
+
+def test_blocked_global_pooling():
+    x = randn(2, 9, 5, 6)
+    layer, bottom, top = blocked_layer("Pooling", "pooling_param { pool: AVE global_pooling: true }", [x], 8)
+    layer.forward(bottom, top)
+    np.testing.assert_allclose(ref_unpack(top[0].data, 9)[:, :, 0, 0], x.mean(axis=(2, 3)), rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# LRN across channels: the window crosses blocks
+
+LRNS = [(13, 5, 0.75, 1.0), (20, 5, 0.75, 2.0), (17, 3, 0.6, 1.5), (9, 7, 0.5, 1.0), (24, 5, 1.0, 1.0)]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("spec", LRNS, ids=[f"C{c}n{n}b{b}k{k}" for c, n, b, k in LRNS])
+def test_blocked_lrn_matches_reference(spec, width):
+    C, size, beta, k = spec
+    x = randn(2, C, 4, 5, seed=6, scale=3.0)
+    params = f"lrn_param {{ local_size: {size} alpha: 0.3 beta: {beta} k: {k} }}"
+    layer, bottom, top = blocked_layer("LRN", params, [x], width)
+    layer.forward(bottom, top)
+    want, scale = ref.lrn_across_forward(x, size, 0.3, beta, k)
+    np.testing.assert_allclose(ref_unpack(top[0].data, C), want, rtol=1e-5, atol=1e-6)
+    dy = randn(*x.shape, seed=7)
+    run_backward(layer, bottom, top, [dy])
+    dx = ref.lrn_across_backward(x, want, scale, dy, size, 0.3, beta)
+    np.testing.assert_allclose(ref_unpack(bottom[0].diff, C), dx, rtol=1e-4, atol=1e-5)
+    assert not ref_unpack(bottom[0].diff, bottom[0].shape[1] * width)[:, C:].any()
+
+
+# ---------------------------------------------------------------------------------------------
+# Concat along channels: by blocks when the channels fill them, lane by lane otherwise
+
+@pytest.mark.parametrize("channels", [(8, 16, 5), (3, 13, 8)])
+def test_blocked_concat(channels):
+    xs = [randn(2, c, 3, 4, seed=c) for c in channels]
+    layer, bottom, top = blocked_layer("Concat", "", xs, 8)
+    layer.forward(bottom, top)
+    assert layer.by_block == all(c % 8 == 0 for c in channels[:-1])
+    total = sum(channels)
+    np.testing.assert_array_equal(ref_unpack(top[0].data, total), np.concatenate(xs, axis=1))
+    dy = randn(2, total, 3, 4, seed=9)
+    run_backward(layer, bottom, top, [dy])
+    offs = np.cumsum((0,) + channels)
+    for b, c, lo in zip(bottom, channels, offs):
+        np.testing.assert_array_equal(ref_unpack(b.diff, c), dy[:, lo:lo + c])
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient cases (the shared checker) for the two registered types
+
+def _pack_expected(x):
+    return [ref_pack(x, intel.block_width())]
+
+
+CASES = [
+    Case("IntelPack", "", [randn(2, 3, 4, 5)], expected=_pack_expected, atol=0, rtol=0),
+    Case("IntelPack", "", [randn(1, 11, 3, 2, seed=1)], expected=_pack_expected, atol=0, rtol=0,
+         id="IntelPack:11ch"),
+    Case("IntelUnpack", "", [randn(2, 2, 3, 3, 8)],
+         expected=lambda y: [y.transpose(0, 1, 4, 2, 3).reshape(2, 16, 3, 3)], atol=0, rtol=0),
+]
+
+test_forward, test_gradient = case_tests(CASES)
+
+
+def test_unpack_refuses_a_plain_blob():
+    case = Case("IntelUnpack", "", [randn(2, 3, 4, 5)])
+    with pytest.raises(LayerError, match=r"layer 'layer' \(IntelUnpack\): bottom: blob 'b0' is not "
+                                         r"in the blocked layout"):
+        case.build()
