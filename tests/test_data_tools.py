@@ -1,0 +1,159 @@
+"""convert_imageset and compute_image_mean, read back with plain lmdb + caffe_pb2 (as any
+Caffe-schema reader would), and through the CLI."""
+import os
+
+import cv2
+import lmdb
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from caffepy import log
+from caffepy.cli import main
+from caffepy.data import tools
+from caffepy.errors import DataError
+from caffepy.proto import caffe_pb2
+
+
+@pytest.fixture
+def images(tmp_path):
+    """Five 6x7 colour PNGs and a JPEG of another size; a list naming a missing file too."""
+    root = tmp_path / "img"
+    (root / "sub").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for i in range(5):
+        name = f"sub/a{i}.png"
+        arrays[name] = rng.integers(0, 256, (6, 7, 3), dtype=np.uint8)
+        cv2.imwrite(str(root / name), arrays[name])
+    lines = [f"{name} {i % 3}" for i, name in enumerate(arrays)]
+    lines.insert(2, "sub/missing.png 1")
+    (tmp_path / "list.txt").write_text("\n".join(lines) + "\n")
+    return tmp_path, arrays
+
+
+def read_plain(path):
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    with env.begin() as txn:
+        out = []
+        for key, value in txn.cursor():
+            d = caffe_pb2.Datum()
+            d.ParseFromString(value)
+            out.append((key.decode(), d))
+    env.close()
+    return out
+
+
+def test_convert_raw_keys_labels_and_pixels(images):
+    tmp, arrays = images
+    n = tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "list.txt"), str(tmp / "db"))
+    assert n == 5
+    records = read_plain(tmp / "db")
+    # Caffe's key: the line number over every line (the missing file keeps its number), then the path
+    assert [k for k, _ in records] == ["00000000_sub/a0.png", "00000001_sub/a1.png",
+                                       "00000003_sub/a2.png", "00000004_sub/a3.png",
+                                       "00000005_sub/a4.png"]
+    key, d = records[2]
+    assert (d.channels, d.height, d.width, d.label, d.encoded) == (3, 6, 7, 2, False)
+    want = arrays["sub/a2.png"].transpose(2, 0, 1)            # BGR, C x H x W
+    assert d.data == want.tobytes()
+
+
+def test_convert_gray_resized(images):
+    tmp, arrays = images
+    tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "list.txt"), str(tmp / "db"), gray=True,
+                           resize_width=4, resize_height=3)
+    _, d = read_plain(tmp / "db")[0]
+    assert (d.channels, d.height, d.width) == (1, 3, 4)
+    gray = cv2.imread(str(tmp / "img" / "sub/a0.png"), cv2.IMREAD_GRAYSCALE)
+    want = cv2.resize(gray, (4, 3), interpolation=cv2.INTER_LINEAR)
+    assert d.data == want.tobytes()
+
+
+def test_convert_encoded_keeps_file_bytes_or_reencodes(images):
+    tmp, arrays = images
+    tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "list.txt"), str(tmp / "db"), encoded=True)
+    _, d = read_plain(tmp / "db")[0]
+    assert d.encoded and d.label == 0
+    assert d.data == (tmp / "img" / "sub/a0.png").read_bytes()
+    tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "list.txt"), str(tmp / "db2"), encoded=True,
+                           encode_type="jpg")
+    _, d = read_plain(tmp / "db2")[0]
+    assert d.encoded and d.data[:2] == b"\xff\xd8"             # a JPEG now
+
+
+def test_convert_shuffle_keeps_every_image(images):
+    tmp, arrays = images
+    tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "list.txt"), str(tmp / "db"), shuffle=True)
+    keys = [k for k, _ in read_plain(tmp / "db")]
+    # line numbers count the shuffled list, so the names come in a new order
+    assert sorted(k.split("_", 1)[1] for k in keys) == sorted(arrays)
+    assert len({k.split("_", 1)[0] for k in keys}) == 5
+
+
+def test_convert_errors(images):
+    tmp, _ = images
+    tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "list.txt"), str(tmp / "db"))
+    with pytest.raises(DataError, match="db: database already exists"):
+        tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "list.txt"), str(tmp / "db"))
+    with pytest.raises(DataError, match="nolist.txt: cannot read the list file"):
+        tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "nolist.txt"), str(tmp / "db3"))
+    (tmp / "bad.txt").write_text("sub/a0.png zero\n")
+    with pytest.raises(DataError, match=r"bad.txt:1: expected '<image path> <integer label>'"):
+        tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "bad.txt"), str(tmp / "db4"))
+    cv2.imwrite(str(tmp / "img" / "big.png"), np.zeros((9, 9, 3), np.uint8))
+    (tmp / "mixed.txt").write_text("sub/a0.png 0\nbig.png 1\n")
+    with pytest.raises(DataError, match=r"key '00000001_big.png': image size 3x9x9 differs from the "
+                                        r"first image's 3x6x7"):
+        tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "mixed.txt"), str(tmp / "db5"),
+                               check_size=True)
+
+
+def test_compute_image_mean(images, capsys):
+    tmp, arrays = images
+    tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "list.txt"), str(tmp / "db"))
+    log.set_quiet(False)
+    mean = tools.compute_image_mean(str(tmp / "db"), str(tmp / "mean.binaryproto"))
+    err = capsys.readouterr().err
+    want = np.mean([a.transpose(2, 0, 1).astype(np.float64) for a in arrays.values()], axis=0)
+    np.testing.assert_allclose(mean, want, rtol=1e-6)
+    bp = caffe_pb2.BlobProto()
+    bp.ParseFromString((tmp / "mean.binaryproto").read_bytes())
+    assert (bp.num, bp.channels, bp.height, bp.width) == (1, 3, 6, 7)      # Caffe's legacy fields
+    np.testing.assert_allclose(np.array(bp.data).reshape(3, 6, 7), want, rtol=1e-6)
+    assert "Number of channels: 3" in err
+    assert f"mean_value channel [0]: {want[0].mean():g}" in err
+
+
+def test_compute_image_mean_of_encoded_db_matches_raw(images):
+    tmp, _ = images
+    tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "list.txt"), str(tmp / "raw"))
+    tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "list.txt"), str(tmp / "enc"), encoded=True)
+    np.testing.assert_allclose(tools.compute_image_mean(str(tmp / "raw")),
+                               tools.compute_image_mean(str(tmp / "enc")), rtol=1e-6)
+
+
+def test_compute_image_mean_errors(tmp_path):
+    with pytest.raises(DataError, match="nope: no such database"):
+        tools.compute_image_mean(str(tmp_path / "nope"))
+    from data_helpers import make_db, put_raw
+    db = make_db(tmp_path / "db", 3)
+    put_raw(db, "00000001", b"\x0a\xff")
+    with pytest.raises(DataError, match="key '00000001': corrupt or truncated Datum"):
+        tools.compute_image_mean(db)
+
+
+def test_cli_convert_and_mean(images):
+    tmp, _ = images
+    runner = CliRunner()
+    res = runner.invoke(main, ["convert_imageset", "-resize_height=4", "-resize_width=5", "-gray",
+                               str(tmp / "img") + "/", str(tmp / "list.txt"), str(tmp / "db")])
+    assert res.exit_code == 0, res.output
+    assert read_plain(tmp / "db")[0][1].height == 4
+    res = runner.invoke(main, ["compute_image_mean", str(tmp / "db"), str(tmp / "m.binaryproto")])
+    assert res.exit_code == 0, res.output
+    assert os.path.getsize(tmp / "m.binaryproto") > 0
+    res = runner.invoke(main, ["compute_image_mean", str(tmp / "missing_db")])
+    assert res.exit_code == 1
+    assert res.output.strip().splitlines()[-1].startswith("caffepy: error: ")
+    assert "missing_db: no such database" in res.output
