@@ -2,11 +2,15 @@
 1 rank with batch B (data parallel and hybrid, SGD with momentum, LARS with
 warm-up), signals, resume, and the data each rank reads."""
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
-import numpy as np
 import pytest
 
-from mpi_helpers import MPIEXEC, make_lmdb, max_rel_diff, train, weights, write_job
+from mpi_helpers import MPIEXEC, REPO, make_lmdb, max_rel_diff, train, weights, write_job
 
 pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in the venv")
 
@@ -52,3 +56,83 @@ def test_lars_warmup_matches_one_rank(tmp_path, db):
     extra = "local_lr_auto: true\nlocal_gw_ratio: 0.01\nwarmup_iter: 4\nwarmup_start_lr: 0.01\n"
     w1, wn, _, _ = run_pair(tmp_path, db, 2, extra)
     assert max_rel_diff(w1, wn) < 1e-5
+
+
+def test_resume_from_snapshot_continues(tmp_path, db):
+    """A 2-rank run resumed from a snapshot ends where a 1-rank run resumed from it does."""
+    first = write_job(tmp_path, "first", db, BATCH, 3)
+    assert train(first).returncode == 0
+    state = first / "snap_iter_3.solverstate"
+    single = write_job(tmp_path, "single", db, BATCH, ITERS)
+    multi = write_job(tmp_path, "multi", db, BATCH // 2, ITERS)
+    out1 = train(single, args=["--snapshot", str(state)])
+    outn = train(multi, 2, args=["--snapshot", str(state)])
+    assert out1.returncode == 0, out1.stderr[-2000:]
+    assert outn.returncode == 0, outn.stderr[-2000:]
+    assert "Iteration 3 (" in outn.stderr and "Iteration 0 (" not in outn.stderr
+    w1 = weights(single / f"snap_iter_{ITERS}.caffemodel")
+    wn = weights(multi / f"snap_iter_{ITERS}.caffemodel")
+    assert max_rel_diff(w1, wn) < 1e-5
+    assert max_rel_diff(w1, weights(first / "snap_iter_3.caffemodel")) > 1e-3
+
+
+def test_ranks_with_different_nets_are_refused(tmp_path, db):
+    a = write_job(tmp_path, "a", db, 4)
+    b = write_job(tmp_path, "b", db, 5)
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    cmd = [MPIEXEC]
+    for job in (a, a, b):
+        cmd += ["-n", "1", sys.executable, "-m", "caffepy.cli", "train", "--solver",
+                str(job / "solver.prototxt"), ":"]
+    out = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "[rank 0] the solver definition (SolverParameter) differs between ranks: ranks [2] " \
+           "do not match rank 0" in text, text[-3000:]
+
+
+def _start_long_run(tmp_path, db, name, extra_args=()):
+    job = write_job(tmp_path, name, db, BATCH // 2, 100000, "snapshot: 0\n")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "caffepy.cli", "train",
+           "--solver", str(job / "solver.prototxt"), *extra_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=job, start_new_session=True)
+    lines = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(line)
+        if "Iteration 20 (" in line:
+            return job, proc, lines
+    proc.kill()
+    raise AssertionError("training did not start: " + "".join(lines[-30:]))
+
+
+def test_sigint_snapshots_on_rank_0_and_stops_every_rank(tmp_path, db):
+    job, proc, lines = _start_long_run(tmp_path, db, "sigint", ["--sigint_effect", "snapshot"])
+    try:
+        os.kill(proc.pid, signal.SIGINT)            # to the launcher, which forwards it
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    snaps = sorted(job.glob("snap_iter_*.caffemodel"))
+    assert len(snaps) == 1 and (job / snaps[0].name.replace("caffemodel", "solverstate")).exists()
+    assert "Optimization stopped early." in err
+
+
+def test_killed_rank_ends_training(tmp_path, db):
+    job, proc, lines = _start_long_run(tmp_path, db, "kill")
+    try:
+        pids = re.search(r"MPI ranks: 0=pid (\d+)@\S+, 1=pid (\d+)@", "".join(lines))
+        os.kill(int(pids.group(2)), signal.SIGKILL)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        assert time.monotonic() - start < 30
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert f"PID {pids.group(2)} RUNNING" in out + err
