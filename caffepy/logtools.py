@@ -82,7 +82,11 @@ def parse_log(logfile):
             rate = float(m.group(1))
         train_row = _net_output(_TRAIN_OUTPUT, line, train_row, train_rows, iteration, seconds, rate)
         test_row = _net_output(_TEST_OUTPUT, line, test_row, test_rows, iteration, seconds, rate)
-    # a last row that never filled up (an interrupted run) is dropped, as Caffe's parser does
+    # a complete last row is kept (Caffe's parser loses it when it is the only one);
+    # one that never filled up (an interrupted run) is dropped
+    for row, rows in ((train_row, train_rows), (test_row, test_rows)):
+        if row is not None and (not rows or len(row) == len(rows[0])):
+            rows.append(row)
     for rows in (train_rows, test_rows):
         # the first train rows come before any "lr =" line: take the next row's rate
         if len(rows) > 1 and math.isnan(rows[0]["LearningRate"]):

@@ -1,0 +1,257 @@
+"""`caffepy train / test / time` end to end: Caffe's log lines, snapshots, resume,
+fine-tune, signals, and the exit codes and one-line errors of bad cases."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from caffepy import log, logtools, prototxt
+from caffepy.blobproto import blobproto_to_array
+from caffepy.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REFERENCE_MODELS = os.path.join(os.path.dirname(REPO), "shared", "reference-models")
+
+NET = """
+name: "tiny"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 8 dim: 4 } shape { dim: 8 }
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" } } }
+layer { name: "accuracy" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy" include { phase: TEST } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+SOLVER = """
+net: "net.prototxt"
+test_iter: 2 test_interval: 3
+base_lr: 0.1 momentum: 0.9 weight_decay: 0.0005
+lr_policy: "inv" gamma: 0.0001 power: 0.75
+display: 2 max_iter: {max_iter}
+snapshot: 3 snapshot_prefix: "snap"
+random_seed: 11
+solver_mode: GPU
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(NET)
+    (tmp_path / "solver.prototxt").write_text(SOLVER.format(max_iter=6))
+    return tmp_path
+
+
+@pytest.fixture
+def loud():
+    log.set_quiet(False)
+    yield
+    log.set_quiet(True)
+
+
+def caffepy(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def arrays(path):
+    net = prototxt.read_binary_net(path)
+    return [blobproto_to_array(b) for layer in net.layer for b in layer.blobs]
+
+
+def test_train_logs_caffes_lines_and_snapshots(tiny, loud):
+    result = caffepy("train", "-solver", "solver.prototxt")
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    for line in ("solver_mode: GPU requested; caffepy runs on the CPU", "Solving tiny",
+                 "Learning Rate Policy: inv", "Iteration 0, Testing net (#0)",
+                 "    Test net output #0: accuracy = ", "    Test net output #1: loss = ",
+                 "Iteration 2 (", "iter/s, ", "s/2 iters), loss = ",
+                 "    Train net output #0: loss = ", " (* 1 = ", "Iteration 2, lr = 0.0999",
+                 "Snapshotting to binary proto file snap_iter_3.caffemodel",
+                 "Snapshotting solver state to binary proto file snap_iter_3.solverstate",
+                 "Iteration 6, loss = ", "Iteration 6, Testing net (#0)", "Optimization Done."):
+        assert line in err, line
+    assert sorted(p for p in os.listdir(tiny) if p.startswith("snap")) == [
+        "snap_iter_3.caffemodel", "snap_iter_3.solverstate", "snap_iter_6.caffemodel", "snap_iter_6.solverstate"]
+    (tiny / "train.log").write_text(err)
+    train_rows, test_rows = logtools.parse_log(str(tiny / "train.log"))
+    assert [r["NumIters"] for r in train_rows] == [0, 2, 4]
+    assert [r["NumIters"] for r in test_rows] == [0, 3, 6]
+    assert list(test_rows[0]) == ["NumIters", "Seconds", "LearningRate", "accuracy", "loss"]
+    # as in Caffe's parse_log, a row carries the last "lr =" printed before it
+    assert train_rows[2]["LearningRate"] == pytest.approx(0.1 * (1 + 0.0001 * 2) ** -0.75, rel=1e-5)
+
+
+def test_resume_gives_the_uninterrupted_weights(tiny):
+    assert caffepy("train", "-solver", "solver.prototxt").exit_code == 0
+    want = arrays("snap_iter_6.caffemodel")
+    os.remove("snap_iter_6.caffemodel")
+    result = caffepy("train", "-solver", "solver.prototxt", "-snapshot", "snap_iter_3.solverstate")
+    assert result.exit_code == 0, result.output
+    got = arrays("snap_iter_6.caffemodel")
+    assert all(np.array_equal(a, b) for a, b in zip(want, got))
+
+
+def test_finetune_starts_from_the_given_weights(tiny):
+    assert caffepy("train", "-solver", "solver.prototxt").exit_code == 0
+    (tiny / "zero.prototxt").write_text(SOLVER.format(max_iter=0).replace('"snap"', '"ft"')
+                                        .replace("snapshot: 3", "snapshot: 0"))
+    result = caffepy("train", "-solver", "zero.prototxt", "-weights", "snap_iter_6.caffemodel")
+    assert result.exit_code == 0, result.output
+    want, got = arrays("snap_iter_6.caffemodel"), arrays("ft_iter_0.caffemodel")
+    assert all(np.array_equal(a, b) for a, b in zip(want, got))
+
+
+def test_test_command_prints_batches_and_means(tiny, loud):
+    assert caffepy("train", "-solver", "solver.prototxt").exit_code == 0
+    result = caffepy("test", "-model", "net.prototxt", "-weights", "snap_iter_6.caffemodel", "-iterations", "3")
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    for line in ("Running for 3 iterations.", "Batch 0, accuracy = ", "Batch 2, loss = ", "Loss: ",
+                 "] accuracy = ", "] loss = "):
+        assert line in err, line
+    assert "Batch 3," not in err
+    means = [line for line in err.splitlines() if "] loss = " in line]
+    assert means and "(* 1 = " in means[-1]
+
+
+def test_time_command_reports_caffes_figures(tiny, loud):
+    result = caffepy("time", "-model", "net.prototxt", "-iterations", "3")
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    for line in ("Initial loss: ", "Iteration: 3 forward-backward time: ", "        ip\tforward: ",
+                 "        ip\tbackward: ", "Average Forward pass: ", "Average Backward pass: ",
+                 "Average Forward-Backward: ", "Total Time: ", "*** Benchmark ends ***"):
+        assert line in err, line
+    result = caffepy("time", "-model", "net.prototxt", "-iterations", "2", "-phase", "TEST")
+    assert result.exit_code == 0 and "backward:" not in result.stderr
+    assert "  accuracy\tforward: " in result.stderr
+
+
+def test_missing_solver_file(tiny):
+    result = caffepy("train", "-solver", "nope.prototxt")
+    assert result.exit_code == 1
+    assert "caffepy: error: nope.prototxt: cannot open" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_solver_without_a_net(tiny):
+    (tiny / "bad.prototxt").write_text('base_lr: 0.1 lr_policy: "fixed"')
+    result = caffepy("train", "-solver", "bad.prototxt")
+    assert result.exit_code == 1
+    assert "bad.prototxt: solver specifies no net" in result.stderr
+
+
+def test_snapshot_and_weights_together_is_a_usage_error(tiny):
+    result = caffepy("train", "-solver", "solver.prototxt", "-snapshot", "a.solverstate", "-weights", "b.caffemodel")
+    assert result.exit_code == 2
+    assert "not both" in result.output
+
+
+def test_unknown_layer_type(tiny):
+    (tiny / "net.prototxt").write_text(NET.replace('type: "InnerProduct"', 'type: "InnerProdcut"'))
+    result = caffepy("train", "-solver", "solver.prototxt")
+    assert result.exit_code == 1
+    assert "layer 'ip' (InnerProdcut): type: unknown layer type 'InnerProdcut'" in result.stderr
+    assert "Known types: " in result.stderr and "Traceback" not in result.output
+
+
+def test_test_without_weights_is_a_usage_error(tiny):
+    result = caffepy("test", "-model", "net.prototxt")
+    assert result.exit_code == 2 and "--weights: needed to score a model" in result.stderr
+
+
+def test_resume_from_a_missing_solverstate(tiny):
+    result = caffepy("train", "-solver", "solver.prototxt", "-snapshot", "gone.solverstate")
+    assert result.exit_code == 1 and "gone.solverstate: cannot open" in result.stderr
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_nan_loss_is_one_line_naming_iteration_and_layer(tiny):
+    (tiny / "net.prototxt").write_text(NET.replace('type: "gaussian" std: 1', 'type: "constant" value: nan'))
+    result = caffepy("train", "-solver", "solver.prototxt")
+    assert result.exit_code == 1
+    lines = [l for l in result.stderr.splitlines() if l.startswith("caffepy: error:")]
+    assert lines == ["caffepy: error: net.prototxt: layer 'data' (DummyData): top 'data': went non-finite at "
+                     "iteration 0, got loss = nan. Training stopped; no snapshot was written. Lower base_lr "
+                     "or set clip_gradients"]
+    assert "Traceback" not in result.output
+
+
+def _spawn(args, cwd):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-m", "caffepy.cli", *args], cwd=cwd, env=env,
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def test_sigint_with_snapshot_saves_and_exits_cleanly(tiny):
+    (tiny / "solver.prototxt").write_text(
+        SOLVER.format(max_iter=10_000_000).replace("snapshot: 3", "snapshot: 0").replace("display: 2", "display: 1")
+        .replace("test_interval: 3", "test_interval: 1000000"))
+    proc = _spawn(["train", "-solver", "solver.prototxt", "-sigint_effect", "snapshot"], tiny)
+    seen = []
+    deadline = time.time() + 60
+    for line in proc.stderr:
+        seen.append(line)
+        if "Train net output" in line and len(seen) > 5:
+            proc.send_signal(signal.SIGINT)
+            break
+        assert time.time() < deadline, "".join(seen)
+    out, err = proc.communicate(timeout=60)
+    log_text = "".join(seen) + err
+    assert proc.returncode == 0, log_text
+    assert "Snapshotting solver state to binary proto file snap_iter_" in log_text
+    assert "Optimization stopped early." in log_text
+    states = [p for p in os.listdir(tiny) if p.endswith(".solverstate")]
+    assert len(states) == 1
+    state = prototxt.read_solver_state(tiny / states[0])
+    assert state.iter > 0 and os.path.exists(tiny / state.learned_net)
+
+
+# -- Caffe's reference solvers, Data layers swapped for DummyData ----------------
+def _dummy_data(net, batch):
+    """Replace each Data layer by DummyData of the same tops (images gaussian, labels 1)."""
+    from caffepy.proto import caffe_pb2
+    shapes = {"mnist": (1, 28, 28), "cifar": (3, 32, 32)}
+    for layer in net.layer:
+        if layer.type != "Data":
+            continue
+        c, h, w = shapes["mnist" if "mnist" in layer.data_param.source else "cifar"]
+        layer.type = "DummyData"
+        layer.ClearField("data_param")
+        layer.ClearField("transform_param")
+        p = layer.dummy_data_param
+        p.shape.add().dim.extend([batch, c, h, w])
+        p.shape.add().dim.extend([batch])
+        p.data_filler.add().CopyFrom(caffe_pb2.FillerParameter(type="gaussian", std=1))
+        p.data_filler.add().CopyFrom(caffe_pb2.FillerParameter(type="constant", value=1))
+    return net
+
+
+@pytest.mark.parametrize("name", ["mnist__lenet", "cifar10__cifar10_quick"])
+def test_reference_solver_runs_and_its_log_parses(tmp_path, monkeypatch, loud, name):
+    monkeypatch.chdir(tmp_path)
+    solver = prototxt.read_solver(os.path.join(REFERENCE_MODELS, "bvlc", f"{name}_solver.prototxt"))
+    net = prototxt.read_net(os.path.join(REFERENCE_MODELS, "bvlc", f"{name}_train_test.prototxt"))
+    prototxt.write_text(_dummy_data(net, 8), "net.prototxt")
+    solver.net = "net.prototxt"
+    solver.max_iter, solver.display, solver.test_interval = 4, 1, 2
+    del solver.test_iter[:]
+    solver.test_iter.append(1)
+    solver.snapshot_prefix = "ref"
+    prototxt.write_text(solver, "solver.prototxt")
+    result = caffepy("train", "-solver", "solver.prototxt")
+    assert result.exit_code == 0, result.output
+    (tmp_path / "ref.log").write_text(result.stderr)
+    assert caffepy("parse_log", "ref.log", "tables").exit_code == 0
+    train = (tmp_path / "tables" / "ref.log.train").read_text().splitlines()
+    test = (tmp_path / "tables" / "ref.log.test").read_text().splitlines()
+    assert train[0] == "NumIters,Seconds,LearningRate,loss" and len(train) == 5
+    assert test[0] == "NumIters,Seconds,LearningRate,accuracy,loss" and len(test) == 4
+    assert os.path.exists("ref_iter_4.caffemodel")
