@@ -1,6 +1,41 @@
 """Common layers: InnerProduct, Concat, Slice, Split, Eltwise, Flatten, Reshape, Scale,
 Bias, Softmax, ArgMax, Tile, Embed, Silence, Reduction."""
-from ..layer import Layer, register
+import numpy as np
+from scipy.linalg.blas import sgemm
+
+from ..errors import ShapeError
+from ..layer import Layer, canonical_axis, count_from, register
+from ..proto import caffe_pb2
+
+
+def param_wanted(layer, i):
+    """Whether parameter blob i wants a gradient (the Net sets it from lr_mult; unset means yes)."""
+    return i >= len(layer.param_propagate_down) or bool(layer.param_propagate_down[i])
+
+
+def _shape(s):
+    return "x".join(str(d) for d in s) if s else "scalar"
+
+
+def _constant(value):
+    return caffe_pb2.FillerParameter(type="constant", value=value)
+
+
+def _fortran(a):
+    """(array, trans) with op(array) == a and the array Fortran-ordered, so BLAS copies nothing."""
+    return (a, 0) if a.flags.f_contiguous else (a.T, 1)
+
+
+def _gemm_accumulate(a, b, c):
+    """c += a @ b for float32 matrix views, in place through BLAS (beta = 1).
+
+    Fortran BLAS sees the transposes: c^T += b^T a^T; c must be C-contiguous.
+    """
+    if a.shape[1] == 0 or c.size == 0:
+        return
+    (fa, ta), (fb, tb) = _fortran(b.T), _fortran(a.T)
+    out = sgemm(1.0, fa, fb, beta=1.0, c=c.T, trans_a=ta, trans_b=tb, overwrite_c=True)
+    assert np.shares_memory(out, c), "sgemm copied its output"
 
 
 @register
@@ -26,3 +61,704 @@ class Split(Layer):
         diff[...] = top[0].diff
         for t in top[1:]:
             diff += t.diff
+
+
+@register
+class InnerProduct(Layer):
+    """y = x W^T + b over x flattened from `axis` on (W^T stored as-is when `transpose`).
+
+    inner_product_param { num_output bias_term weight_filler bias_filler axis transpose }.
+    blobs: weights [num_output, K] ([K, num_output] when transpose), bias [num_output].
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.param.inner_product_param
+        if p.num_output <= 0:
+            raise self.error("inner_product_param.num_output", "must be positive", p.num_output)
+        self.num_output, self.bias_term, self.transpose = p.num_output, p.bias_term, p.transpose
+        axis = canonical_axis(self, p.axis, bottom[0].num_axes, "inner_product_param.axis")
+        self.K = count_from(bottom[0].shape, axis)
+        wshape = (self.K, self.num_output) if self.transpose else (self.num_output, self.K)
+        specs = [(wshape, p.weight_filler)]
+        if self.bias_term:
+            specs.append(((self.num_output,), p.bias_filler))
+        self.init_param_blobs(specs)
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        axis = canonical_axis(self, self.param.inner_product_param.axis, len(shape),
+                              "inner_product_param.axis")
+        if count_from(shape, axis) != self.K:
+            raise self.error("bottom", f"input size from axis {axis} must be {self.K} (the weights' K)",
+                             f"shape {_shape(shape)}", cls=ShapeError)
+        self.M = count_from(shape, 0, axis)
+        top[0].reshape(shape[:axis] + (self.num_output,))
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self.M, self.K)
+        y = top[0].data.reshape(self.M, self.num_output)
+        w = self.blobs[0].data
+        np.matmul(x, w if self.transpose else w.T, out=y)
+        if self.bias_term:
+            y += self.blobs[1].data
+
+    def backward(self, top, propagate_down, bottom):
+        dy = top[0].diff.reshape(self.M, self.num_output)
+        x = bottom[0].data.reshape(self.M, self.K)
+        if param_wanted(self, 0):
+            if self.transpose:
+                _gemm_accumulate(x.T, dy, self.blobs[0].diff)     # dW[K, N] += x^T dy
+            else:
+                _gemm_accumulate(dy.T, x, self.blobs[0].diff)     # dW[N, K] += dy^T x
+        if self.bias_term and param_wanted(self, 1):
+            self.blobs[1].diff[...] += dy.sum(axis=0)
+        if propagate_down[0]:
+            w = self.blobs[0].data
+            np.matmul(dy, w.T if self.transpose else w, out=bottom[0].diff.reshape(self.M, self.K))
+
+
+def _legacy_axis(layer, p, legacy, field):
+    """`axis`, or the deprecated non-negative `<legacy>` field (never both)."""
+    if p.HasField(legacy):
+        if p.HasField("axis"):
+            raise layer.error(field, f"set either axis or {legacy}, not both",
+                              f"axis {p.axis}, {legacy} {getattr(p, legacy)}")
+        return getattr(p, legacy)
+    return p.axis
+
+
+@register
+class Concat(Layer):
+    """Join the bottoms along `axis`; all other dimensions must agree.
+
+    concat_param { axis (or legacy concat_dim) }
+    """
+    min_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        self._axis = _legacy_axis(self, self.param.concat_param, "concat_dim", "concat_param")
+
+    def reshape(self, bottom, top):
+        first = bottom[0].shape
+        self.axis = canonical_axis(self, self._axis, len(first), "concat_param.axis")
+        total = 0
+        for i, b in enumerate(bottom):
+            s = b.shape
+            if len(s) != len(first) or s[:self.axis] + s[self.axis + 1:] != \
+                    first[:self.axis] + first[self.axis + 1:]:
+                raise self.error(f"bottom[{i}]", f"shape must match bottom[0] ({_shape(first)}) except on "
+                                 f"axis {self.axis}", _shape(s), cls=ShapeError)
+            total += s[self.axis]
+        top[0].reshape(first[:self.axis] + (total,) + first[self.axis + 1:])
+
+    def forward(self, bottom, top):
+        np.concatenate([b.data for b in bottom], axis=self.axis, out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        lo = 0
+        index = [slice(None)] * top[0].num_axes
+        for b, down in zip(bottom, propagate_down):
+            hi = lo + b.shape[self.axis]
+            if down:
+                index[self.axis] = slice(lo, hi)
+                b.diff[...] = top[0].diff[tuple(index)]
+            lo = hi
+
+
+@register
+class Slice(Layer):
+    """Cut the bottom along `axis` at `slice_point`s (or into equal parts when none).
+
+    slice_param { axis (or legacy slice_dim), slice_point }
+    """
+    exact_bottoms = 1
+    min_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.param.slice_param
+        self._axis = _legacy_axis(self, p, "slice_dim", "slice_param")
+        self.points = [int(v) for v in p.slice_point]
+        if self.points and len(self.points) != len(top) - 1:
+            raise self.error("slice_param.slice_point", f"needs one point fewer than tops ({len(top)})",
+                             self.points)
+        if any(b <= a for a, b in zip([0] + self.points, self.points)):
+            raise self.error("slice_param.slice_point", "must be positive and strictly increasing",
+                             self.points)
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        self.axis = canonical_axis(self, self._axis, len(shape), "slice_param.axis")
+        dim = shape[self.axis]
+        if self.points:
+            if self.points[-1] >= dim:
+                raise self.error("slice_param.slice_point", f"must lie inside axis {self.axis} of size "
+                                 f"{dim}", self.points, cls=ShapeError)
+            bounds = [0] + self.points + [dim]
+        else:
+            if dim % len(top):
+                raise self.error("bottom", f"axis {self.axis} of size {dim} does not split evenly into "
+                                 f"{len(top)} tops", _shape(shape), "Give slice_point", ShapeError)
+            step = dim // len(top)
+            bounds = list(range(0, dim + 1, step))
+        self.bounds = list(zip(bounds[:-1], bounds[1:]))
+        for t, (lo, hi) in zip(top, self.bounds):
+            t.reshape(shape[:self.axis] + (hi - lo,) + shape[self.axis + 1:])
+
+    def _index(self, lo, hi, ndim):
+        index = [slice(None)] * ndim
+        index[self.axis] = slice(lo, hi)
+        return tuple(index)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data
+        for t, (lo, hi) in zip(top, self.bounds):
+            t.data[...] = x[self._index(lo, hi, x.ndim)]
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dx = bottom[0].diff
+        for t, (lo, hi) in zip(top, self.bounds):
+            dx[self._index(lo, hi, dx.ndim)] = t.diff
+
+
+@register
+class Eltwise(Layer):
+    """Elementwise over same-shaped bottoms: PROD, SUM (with per-bottom coeff) or MAX.
+
+    eltwise_param { operation coeff stable_prod_grad }. MAX ties go where Caffe sends them
+    (bottom[1] over bottom[0], then the earliest).
+    """
+    min_bottoms = 2
+    exact_tops = 1
+    accepts_blocked = True
+    PROD, SUM, MAX = caffe_pb2.EltwiseParameter.PROD, caffe_pb2.EltwiseParameter.SUM, \
+        caffe_pb2.EltwiseParameter.MAX
+
+    def setup(self, bottom, top):
+        p = self.param.eltwise_param
+        self.op = p.operation
+        self.coeff = [float(c) for c in p.coeff]
+        if self.coeff and self.op != self.SUM:
+            raise self.error("eltwise_param.coeff", "only SUM takes coefficients", self.coeff)
+        if self.coeff and len(self.coeff) != len(bottom):
+            raise self.error("eltwise_param.coeff", f"needs one value per bottom ({len(bottom)})",
+                             self.coeff)
+        self.coeff = self.coeff or [1.0] * len(bottom)
+        self.stable = p.stable_prod_grad
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        for i, b in enumerate(bottom[1:], 1):
+            if b.shape != shape:
+                raise self.error(f"bottom[{i}]", f"shape must match bottom[0] ({_shape(shape)})",
+                                 _shape(b.shape), cls=ShapeError)
+        top[0].reshape(shape)
+        if self.op == self.MAX:
+            self.mask = np.zeros(shape, np.int32)
+
+    def forward(self, bottom, top):
+        y = top[0].data
+        xs = [b.data for b in bottom]
+        if self.op == self.SUM:
+            np.multiply(xs[0], np.float32(self.coeff[0]), out=y)
+            for x, c in zip(xs[1:], self.coeff[1:]):
+                if c == 1:
+                    y += x
+                else:
+                    y += np.float32(c) * x
+        elif self.op == self.PROD:
+            np.multiply(xs[0], xs[1], out=y)
+            for x in xs[2:]:
+                y *= x
+        else:
+            first = xs[0] > xs[1]
+            np.copyto(self.mask, np.where(first, 0, 1))
+            np.maximum(xs[0], xs[1], out=y)
+            for i, x in enumerate(xs[2:], 2):
+                greater = x > y
+                np.putmask(self.mask, greater, i)
+                np.maximum(y, x, out=y)
+
+    def backward(self, top, propagate_down, bottom):
+        dy = top[0].diff
+        for i, (b, down) in enumerate(zip(bottom, propagate_down)):
+            if not down:
+                continue
+            dx = b.diff
+            if self.op == self.SUM:
+                np.multiply(dy, np.float32(self.coeff[i]), out=dx)
+            elif self.op == self.PROD:
+                if self.stable:
+                    others = [o.data for j, o in enumerate(bottom) if j != i]
+                    np.multiply(dy, others[0], out=dx)
+                    for o in others[1:]:
+                        dx *= o
+                else:
+                    np.divide(top[0].data, b.data, out=dx)
+                    dx *= dy
+            else:
+                np.multiply(dy, self.mask == i, out=dx)
+
+
+@register
+class Flatten(Layer):
+    """Merge axes axis..end_axis into one; the top is a view of the bottom (no copy).
+
+    flatten_param { axis end_axis }
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def reshape(self, bottom, top):
+        p = self.param.flatten_param
+        shape = bottom[0].shape
+        start = canonical_axis(self, p.axis, len(shape), "flatten_param.axis")
+        end = canonical_axis(self, p.end_axis, len(shape), "flatten_param.end_axis")
+        if end < start:
+            raise self.error("flatten_param.end_axis", f"must not come before axis ({start})", end)
+        top[0].reshape(shape[:start] + (count_from(shape, start, end + 1),) + shape[end + 1:])
+
+    def forward(self, bottom, top):
+        top[0].share_data(bottom[0])
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            bottom[0].share_diff(top[0])
+
+
+@register
+class Reshape(Layer):
+    """Give the bottom a new shape (a view, no copy): 0 copies the bottom's dimension, one -1
+    is inferred; only axes [axis, axis + num_axes) are replaced.
+
+    reshape_param { shape { dim } axis num_axes }
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.param.reshape_param
+        self.dims = [int(d) for d in p.shape.dim]
+        if self.dims.count(-1) > 1:
+            raise self.error("reshape_param.shape", "at most one dimension may be -1", self.dims)
+        if any(d < -1 for d in self.dims):
+            raise self.error("reshape_param.shape", "dimensions must be >= -1", self.dims)
+        if p.num_axes < -1:
+            raise self.error("reshape_param.num_axes", "must be >= 0, or -1 for all remaining axes",
+                             p.num_axes)
+
+    def reshape(self, bottom, top):
+        p = self.param.reshape_param
+        shape = bottom[0].shape
+        start = p.axis if p.axis >= 0 else len(shape) + p.axis + 1
+        if not 0 <= start <= len(shape):
+            raise self.error("reshape_param.axis", f"out of range for a {len(shape)}-axis bottom", p.axis,
+                             cls=ShapeError)
+        end = len(shape) if p.num_axes == -1 else start + p.num_axes
+        if end > len(shape):
+            raise self.error("reshape_param.num_axes", f"reaches past the {len(shape)} axes of the bottom "
+                             f"from axis {start}", p.num_axes, cls=ShapeError)
+        new = []
+        for i, d in enumerate(self.dims):
+            if d == 0:
+                if start + i >= len(shape):
+                    raise self.error("reshape_param.shape", f"dim {i} is 0 (copy) but the bottom has no "
+                                     f"axis {start + i}", self.dims, cls=ShapeError)
+                d = shape[start + i]
+            new.append(d)
+        out = list(shape[:start]) + new + list(shape[end:])
+        if -1 in out:
+            known = int(np.prod([d for d in out if d != -1], dtype=np.int64))
+            if known == 0 or bottom[0].count % known:
+                raise self.error("reshape_param.shape", f"cannot infer -1: {bottom[0].count} values do not "
+                                 f"divide by {known}", self.dims, cls=ShapeError)
+            out[out.index(-1)] = bottom[0].count // known
+        if int(np.prod(out, dtype=np.int64)) != bottom[0].count:
+            raise self.error("reshape_param.shape", f"gives {_shape(out)}, which does not hold the "
+                             f"{bottom[0].count} values of bottom {_shape(shape)}", self.dims, cls=ShapeError)
+        top[0].reshape(out)
+
+    def forward(self, bottom, top):
+        top[0].share_data(bottom[0])
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            bottom[0].share_diff(top[0])
+
+
+class _Broadcast(Layer):
+    """Shared shape logic of Scale and Bias: a blob that lines up with bottom[0] from `axis`
+    (a learned parameter, or bottom[1]) and repeats over the outer and inner dimensions."""
+    min_bottoms = 1
+    max_bottoms = 2
+    exact_tops = 1
+    field = None
+
+    def learned_shape(self, bottom, p):
+        shape = bottom[0].shape
+        axis = canonical_axis(self, p.axis, len(shape), f"{self.field}.axis")
+        if p.num_axes < -1:
+            raise self.error(f"{self.field}.num_axes", "must be >= 0, or -1 for all remaining axes",
+                             p.num_axes)
+        if p.num_axes >= 0 and axis + p.num_axes > len(shape):
+            raise self.error(f"{self.field}.num_axes", f"reaches past bottom[0] ({_shape(shape)}) from "
+                             f"axis {axis}", p.num_axes, cls=ShapeError)
+        return shape[axis:] if p.num_axes == -1 else shape[axis:axis + p.num_axes]
+
+    def line_up(self, bottom, other, what):
+        """(outer, dim, inner) of bottom[0] around `other`, checking the shapes agree."""
+        shape = bottom[0].shape
+        p = getattr(self.param, self.field)
+        # a scalar lines up anywhere; Caffe puts it at axis 0
+        axis = 0 if other.num_axes == 0 else canonical_axis(self, p.axis, len(shape), f"{self.field}.axis")
+        if shape[axis:axis + other.num_axes] != other.shape:
+            raise self.error(what, f"shape {_shape(other.shape)} does not match bottom[0] "
+                             f"{_shape(shape)} from axis {axis}", _shape(other.shape), cls=ShapeError)
+        return (count_from(shape, 0, axis), other.count, count_from(shape, axis + other.num_axes))
+
+    def view3(self, a):
+        return a.reshape(self.dims)
+
+
+@register
+class Scale(_Broadcast):
+    """y = x * s (+ b), s lined up with x from `axis` and repeated over the other axes.
+
+    scale_param { axis num_axes filler (default 1) bias_term bias_filler (default 0) }.
+    One bottom: s is learned (blobs[0]); two bottoms: s is bottom[1]. bias_term adds a learned
+    bias of s's shape as the last blob.
+    """
+    field = "scale_param"
+
+    def setup(self, bottom, top):
+        p = self.param.scale_param
+        specs = []
+        if len(bottom) == 1:
+            shape = self.learned_shape(bottom, p)
+            specs.append((shape, p.filler if p.HasField("filler") else _constant(1.0)))
+        if p.bias_term:
+            shape = bottom[1].shape if len(bottom) == 2 else specs[0][0]
+            specs.append((shape, p.bias_filler))
+        self.init_param_blobs(specs)
+        self.bias_term = p.bias_term
+        self._saved = None
+
+    def _scale(self, bottom):
+        return self.blobs[0] if len(bottom) == 1 else bottom[1]
+
+    def reshape(self, bottom, top):
+        self.dims = self.line_up(bottom, self._scale(bottom), "scale" if len(bottom) == 1 else "bottom[1]")
+        if self.bias_term and self.blobs[-1].count != self.dims[1]:
+            raise self.error("blobs", "the bias must have the scale's shape", self.blobs[-1].shape,
+                             cls=ShapeError)
+        top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        x = self.view3(bottom[0].data)
+        if top[0] is bottom[0]:
+            self._saved = x.copy()
+        y = self.view3(top[0].data)
+        np.multiply(x, self._scale(bottom).data.reshape(1, -1, 1), out=y)
+        if self.bias_term:
+            y += self.blobs[-1].data.reshape(1, -1, 1)
+
+    def backward(self, top, propagate_down, bottom):
+        dy = self.view3(top[0].diff)
+        scale = self._scale(bottom)
+        if self.bias_term and param_wanted(self, len(self.blobs) - 1):
+            self.blobs[-1].diff.reshape(-1)[...] += dy.sum(axis=(0, 2))
+        learned = len(bottom) == 1
+        if (learned and param_wanted(self, 0)) or (not learned and propagate_down[1]):
+            x = self._saved if top[0] is bottom[0] else self.view3(bottom[0].data)
+            grad = np.einsum("odi,odi->d", dy, x)
+            if learned:
+                scale.diff.reshape(-1)[...] += grad
+            else:
+                scale.diff.reshape(-1)[...] = grad
+        if propagate_down[0]:
+            np.multiply(dy, scale.data.reshape(1, -1, 1), out=self.view3(bottom[0].diff))
+
+
+@register
+class Bias(_Broadcast):
+    """y = x + b, b lined up with x from `axis` and repeated over the other axes.
+
+    bias_param { axis num_axes filler (default 0) }. One bottom: b is learned (blobs[0]);
+    two bottoms: b is bottom[1].
+    """
+    field = "bias_param"
+
+    def setup(self, bottom, top):
+        if len(bottom) == 1:
+            p = self.param.bias_param
+            self.init_param_blobs([(self.learned_shape(bottom, p), p.filler)])
+
+    def _bias(self, bottom):
+        return self.blobs[0] if len(bottom) == 1 else bottom[1]
+
+    def reshape(self, bottom, top):
+        self.dims = self.line_up(bottom, self._bias(bottom), "bias" if len(bottom) == 1 else "bottom[1]")
+        top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        np.add(self.view3(bottom[0].data), self._bias(bottom).data.reshape(1, -1, 1),
+               out=self.view3(top[0].data))
+
+    def backward(self, top, propagate_down, bottom):
+        dy = self.view3(top[0].diff)
+        bias = self._bias(bottom)
+        learned = len(bottom) == 1
+        if (learned and param_wanted(self, 0)) or (not learned and propagate_down[1]):
+            grad = dy.sum(axis=(0, 2))
+            if learned:
+                bias.diff.reshape(-1)[...] += grad
+            else:
+                bias.diff.reshape(-1)[...] = grad
+        if propagate_down[0] and bottom[0] is not top[0]:
+            np.copyto(bottom[0].diff, top[0].diff)
+
+
+@register
+class Softmax(Layer):
+    """y = exp(x - max) / sum exp(x - max) along `axis` (the max keeps exp from overflowing).
+
+    softmax_param { axis }. Backward: dx = y * (dy - sum(dy * y)).
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        axis = canonical_axis(self, self.param.softmax_param.axis, len(shape), "softmax_param.axis")
+        self.dims = (count_from(shape, 0, axis), shape[axis], count_from(shape, axis + 1))
+        top[0].reshape(shape)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self.dims)
+        y = top[0].data.reshape(self.dims)
+        peak = x.max(axis=1, keepdims=True)
+        np.subtract(x, peak, out=y)
+        np.exp(y, out=y)
+        y /= y.sum(axis=1, keepdims=True)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        y = top[0].data.reshape(self.dims)
+        dy = top[0].diff.reshape(self.dims)
+        dot = np.einsum("oci,oci->oi", dy, y)[:, None, :]
+        dx = bottom[0].diff.reshape(self.dims)
+        np.subtract(dy, dot, out=dx)
+        dx *= y
+
+
+@register
+class ArgMax(Layer):
+    """The top_k largest values' indices (and values with out_max_val) per item, or along `axis`.
+
+    argmax_param { out_max_val top_k axis }. Without axis each item (axis 0) is searched over
+    all its values and the top is (N, 1 or 2, top_k); with axis the top keeps the bottom's
+    shape with top_k on that axis and holds values if out_max_val else indices. Ties rank the
+    later index first, as Caffe's sort does. No gradient.
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+    differentiable = False
+
+    def setup(self, bottom, top):
+        p = self.param.argmax_param
+        if p.top_k < 1:
+            raise self.error("argmax_param.top_k", "must be at least 1", p.top_k)
+
+    def reshape(self, bottom, top):
+        p = self.param.argmax_param
+        shape = bottom[0].shape
+        if p.HasField("axis"):
+            axis = canonical_axis(self, p.axis, len(shape), "argmax_param.axis")
+            self.dims = (count_from(shape, 0, axis), shape[axis], count_from(shape, axis + 1))
+            out = shape[:axis] + (p.top_k,) + shape[axis + 1:]
+        else:
+            self.dims = (shape[0] if shape else 1, count_from(shape, 1), 1)
+            out = [1] * max(3, len(shape))
+            out[0], out[1], out[2] = self.dims[0], 2 if p.out_max_val else 1, p.top_k
+        if p.top_k > self.dims[1]:
+            raise self.error("argmax_param.top_k", f"exceeds the {self.dims[1]} values searched", p.top_k,
+                             cls=ShapeError)
+        top[0].reshape(out)
+
+    def forward(self, bottom, top):
+        p = self.param.argmax_param
+        k = p.top_k
+        x = bottom[0].data.reshape(self.dims)
+        dim = self.dims[1]
+        # sort the reversed axis stably, largest first: equal values then rank the later index first
+        if k == 1:
+            order = dim - 1 - np.argmax(x[:, ::-1, :], axis=1)[:, None, :]
+        else:
+            order = dim - 1 - np.argsort(-x[:, ::-1, :], axis=1, kind="stable")[:, :k, :]
+        values = np.take_along_axis(x, order, axis=1)
+        if p.HasField("axis"):
+            top[0].data.reshape(self.dims[0], k, self.dims[2])[...] = values if p.out_max_val else order
+        else:
+            y = top[0].data.reshape(self.dims[0], -1, k)
+            y[:, 0, :] = order[:, :, 0]
+            if p.out_max_val:
+                y[:, 1, :] = values[:, :, 0]
+
+
+@register
+class Tile(Layer):
+    """Repeat the bottom `tiles` times along `axis` (the whole block from axis on is repeated).
+
+    tile_param { axis tiles }. Backward sums the copies.
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        if self.param.tile_param.tiles < 1:
+            raise self.error("tile_param.tiles", "must be at least 1", self.param.tile_param.tiles)
+
+    def reshape(self, bottom, top):
+        p = self.param.tile_param
+        shape = bottom[0].shape
+        axis = canonical_axis(self, p.axis, len(shape), "tile_param.axis")
+        self.dims = (count_from(shape, 0, axis), p.tiles, count_from(shape, axis))
+        top[0].reshape(shape[:axis] + (shape[axis] * p.tiles,) + shape[axis + 1:])
+
+    def forward(self, bottom, top):
+        outer, _, inner = self.dims
+        top[0].data.reshape(self.dims)[...] = bottom[0].data.reshape(outer, 1, inner)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            outer, _, inner = self.dims
+            top[0].diff.reshape(self.dims).sum(axis=1, out=bottom[0].diff.reshape(outer, inner))
+
+
+@register
+class Embed(Layer):
+    """A lookup table: y[..., :] = W[index] (+ b) for every integer index in the bottom.
+
+    embed_param { num_output input_dim bias_term weight_filler bias_filler }.
+    blobs: W [input_dim, num_output], b [num_output]. No gradient to the indices.
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.param.embed_param
+        if p.num_output <= 0:
+            raise self.error("embed_param.num_output", "must be positive", p.num_output)
+        if p.input_dim <= 0:
+            raise self.error("embed_param.input_dim", "must be positive", p.input_dim)
+        self.num_output, self.input_dim, self.bias_term = p.num_output, p.input_dim, p.bias_term
+        specs = [((self.input_dim, self.num_output), p.weight_filler)]
+        if self.bias_term:
+            specs.append(((self.num_output,), p.bias_filler))
+        self.init_param_blobs(specs)
+
+    def allow_force_backward(self, bottom_index):
+        return False
+
+    def reshape(self, bottom, top):
+        top[0].reshape(bottom[0].shape + (self.num_output,))
+
+    def _indices(self, bottom):
+        x = bottom[0].data.reshape(-1)
+        index = x.astype(np.int64)
+        if index.size and (index.min() < 0 or index.max() >= self.input_dim or np.any(index != x)):
+            bad = x[(index < 0) | (index >= self.input_dim) | (index != x)][0]
+            raise self.error("bottom", f"indices must be integers in [0, {self.input_dim})", float(bad),
+                             cls=ShapeError)
+        return index
+
+    def forward(self, bottom, top):
+        self.index = self._indices(bottom)
+        y = top[0].data.reshape(-1, self.num_output)
+        np.take(self.blobs[0].data, self.index, axis=0, out=y)
+        if self.bias_term:
+            y += self.blobs[1].data
+
+    def backward(self, top, propagate_down, bottom):
+        dy = top[0].diff.reshape(-1, self.num_output)
+        if param_wanted(self, 0):
+            np.add.at(self.blobs[0].diff, self.index, dy)
+        if self.bias_term and param_wanted(self, 1):
+            self.blobs[1].diff[...] += dy.sum(axis=0)
+
+
+@register
+class Silence(Layer):
+    """Consume bottoms so they are not net outputs; backward gives them zero gradient."""
+    min_bottoms = 1
+    exact_tops = 0
+    accepts_blocked = True
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward(self, bottom, top):
+        pass
+
+    def backward(self, top, propagate_down, bottom):
+        for b, down in zip(bottom, propagate_down):
+            if down:
+                b.diff[...] = 0
+
+
+@register
+class Reduction(Layer):
+    """Reduce every axis from `axis` on to one number: SUM, ASUM (sum |x|), SUMSQ (sum x^2) or
+    MEAN, times `coeff`.  reduction_param { operation axis coeff }. The top has the bottom's
+    first `axis` dimensions (a scalar for axis 0).
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+    Op = caffe_pb2.ReductionParameter
+
+    def setup(self, bottom, top):
+        self.op = self.param.reduction_param.operation
+        self.coeff = float(self.param.reduction_param.coeff)
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        axis = canonical_axis(self, self.param.reduction_param.axis, len(shape), "reduction_param.axis") \
+            if shape else 0
+        self.dims = (count_from(shape, 0, axis), count_from(shape, axis))
+        top[0].reshape(shape[:axis])
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self.dims)
+        y = top[0].data.reshape(-1)
+        if self.op == self.Op.ASUM:
+            np.abs(x).sum(axis=1, out=y)
+        elif self.op == self.Op.SUMSQ:
+            np.einsum("ij,ij->i", x, x, out=y)
+        else:
+            x.sum(axis=1, out=y)
+        factor = self.coeff / self.dims[1] if self.op == self.Op.MEAN and self.dims[1] else self.coeff
+        if factor != 1:
+            y *= np.float32(factor)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = top[0].diff.reshape(-1, 1)
+        dx = bottom[0].diff.reshape(self.dims)
+        x = bottom[0].data.reshape(self.dims)
+        if self.op == self.Op.ASUM:
+            np.sign(x, out=dx)
+            dx *= dy
+        elif self.op == self.Op.SUMSQ:
+            np.multiply(x, dy, out=dx)
+            dx *= np.float32(2)
+        else:
+            dx[...] = dy
+        factor = self.coeff / self.dims[1] if self.op == self.Op.MEAN and self.dims[1] else self.coeff
+        if factor != 1:
+            dx *= np.float32(factor)

@@ -13,11 +13,7 @@ from scipy import special
 from .. import rng
 from ..kernels import neuron as kernels
 from ..layer import Layer, register
-
-
-def param_wanted(layer, i):
-    """Whether parameter blob i wants a gradient (the Net sets it from lr_mult; unset means yes)."""
-    return i >= len(layer.param_propagate_down) or bool(layer.param_propagate_down[i])
+from .common import param_wanted
 
 
 class Neuron(Layer):
