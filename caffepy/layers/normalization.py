@@ -13,6 +13,10 @@ try:
     from ..kernels import vision as _vision
 except ImportError:     # not built: the NumPy references are correct, only slower
     _vision = None
+try:
+    from ..kernels import normalization as _kernels
+except ImportError:
+    _kernels = None
 
 LRNParameter = caffe_pb2.LRNParameter
 
@@ -135,22 +139,21 @@ class BatchNorm(Layer):
         x = bottom[0].data.reshape(self.dims)
         y = top[0].data.reshape(self.dims)
         if self.use_global_stats:
-            factor = self.blobs[2].data[0]
-            factor = 0.0 if factor == 0 else 1.0 / float(factor)
-            mean = (self.blobs[0].data * np.float32(factor)).astype(np.float32)
-            var = (self.blobs[1].data * np.float32(factor)).astype(np.float32)
+            factor = float(self.blobs[2].data[0])
+            factor = 0.0 if factor == 0 else 1.0 / factor
+            mean = self.blobs[0].data * np.float32(factor)
+            var = self.blobs[1].data.astype(np.float64) * np.float32(factor)
         else:
-            mean, var = _channel_stats(x)
+            mean, var = channel_mean_var(x)
             m = x.size // self.dims[1]
             correction = m / (m - 1) if m > 1 else 1.0
             self.blobs[2].data[...] = self.blobs[2].data * self.maf + 1.0
             self.blobs[0].data[...] = mean + self.maf * self.blobs[0].data
             self.blobs[1].data[...] = correction * var + self.maf * self.blobs[1].data
-        self.inv_std = (1.0 / np.sqrt(var.astype(np.float64) + self.eps)).astype(np.float32)
-        np.subtract(x, mean[None, :, None], out=y)
-        y *= self.inv_std[None, :, None]
+        self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
+        channel_affine(x, mean.astype(np.float32), self.inv_std, y)
         # a later in-place layer (Scale) may overwrite top: keep y for the backward
-        self.x_norm = None if self.use_global_stats else y.copy()
+        self.x_norm = None if self.use_global_stats else _keep(self, "_x_norm_buf", y)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -158,25 +161,70 @@ class BatchNorm(Layer):
         dy = top[0].diff.reshape(self.dims)
         dx = bottom[0].diff.reshape(self.dims)
         if self.use_global_stats:
-            np.multiply(dy, self.inv_std[None, :, None], out=dx)
+            channel_affine(dy, np.zeros_like(self.inv_std), self.inv_std, dx)
             return
-        y = self.x_norm
         m = dy.size // self.dims[1]
-        mean_dy = dy.sum(axis=(0, 2), dtype=np.float64) / m
-        mean_dy_y = np.einsum("ncs,ncs->c", dy, y, dtype=np.float64) / m
-        a = mean_dy.astype(np.float32)[None, :, None]
-        b = mean_dy_y.astype(np.float32)[None, :, None]
-        # dx may alias dy (in place): every read of dy happens in this one expression
-        dx[...] = (dy - a - b * y) * self.inv_std[None, :, None]
+        sum_dy, sum_dy_y = channel_sums(dy, self.x_norm)
+        inv = self.inv_std.astype(np.float64)
+        # dx = inv dy - inv mean(dy y) y - inv mean(dy); dx may alias dy (in place)
+        channel_combine(dy, self.x_norm, self.inv_std, -inv * sum_dy_y / m, -inv * sum_dy / m, dx)
 
 
-def _channel_stats(x):
-    """Per-channel mean and biased variance of an (N, C, S) array, accumulated in float64."""
+def _keep(layer, attr, array):
+    """A copy of `array` in a buffer the layer keeps between iterations (a fresh
+    100 MB array per forward costs more in page faults than the copy itself)."""
+    buf = getattr(layer, attr, None)
+    if buf is None or buf.size < array.size:
+        buf = np.empty(array.size, np.float32)
+        setattr(layer, attr, buf)
+    out = buf[:array.size].reshape(array.shape)
+    np.copyto(out, array)
+    return out
+
+
+# -- per-channel primitives over (N, C, S) views: kernels, or NumPy when not built --------
+def channel_mean_var(x):
+    """float64 mean and biased variance of x[:, c, :] (two passes)."""
+    C = x.shape[1]
+    mean, var = np.zeros(C), np.zeros(C)
+    if _kernels is not None:
+        _kernels.channel_mean_var(x, mean, var)
+        return mean, var
     m = x.shape[0] * x.shape[2]
-    mean = x.sum(axis=(0, 2), dtype=np.float64) / m
-    centred = x - mean.astype(np.float32)[None, :, None]
-    var = np.einsum("ncs,ncs->c", centred, centred, dtype=np.float64) / m
-    return mean.astype(np.float32), var.astype(np.float32)
+    if m:
+        mean = x.sum(axis=(0, 2), dtype=np.float64) / m
+        centred = x - mean.astype(np.float32)[None, :, None]
+        var = np.einsum("ncs,ncs->c", centred, centred, dtype=np.float64) / m
+    return mean, var
+
+
+def channel_sums(a, b):
+    """float64 sums of a[:, c, :] and of a[:, c, :] * b[:, c, :]."""
+    C = a.shape[1]
+    if _kernels is not None:
+        sa, sab = np.empty(C), np.empty(C)
+        _kernels.channel_sums(a, b, sa, sab)
+        return sa, sab
+    return a.sum(axis=(0, 2), dtype=np.float64), np.einsum("ncs,ncs->c", a, b, dtype=np.float64)
+
+
+def channel_affine(x, sub, mul, out):
+    """out[:, c, :] = (x[:, c, :] - sub[c]) * mul[c]; out may be x."""
+    sub, mul = np.asarray(sub, np.float32), np.asarray(mul, np.float32)
+    if _kernels is not None:
+        _kernels.channel_affine(x, sub, mul, out)
+        return
+    np.subtract(x, sub[None, :, None], out=out)
+    out *= mul[None, :, None]
+
+
+def channel_combine(a, b, alpha, beta, gamma, out):
+    """out[:, c, :] = alpha[c] a + beta[c] b + gamma[c]; out may be a or b."""
+    alpha, beta, gamma = (np.asarray(v, np.float32) for v in (alpha, beta, gamma))
+    if _kernels is not None:
+        _kernels.channel_combine(a, b, alpha, beta, gamma, out)
+        return
+    out[...] = alpha[None, :, None] * a + beta[None, :, None] * b + gamma[None, :, None]
 
 
 @register
@@ -200,32 +248,34 @@ class MVN(Layer):
         if not shape:
             raise self.error("bottom[0]", "needs at least one axis", shape, cls=ShapeError)
         rows = shape[0] if self.across_channels or len(shape) < 2 else shape[0] * shape[1]
-        self.rows_dims = (rows, bottom[0].count // rows if rows else 0)
+        # one row per "channel" of the shared per-channel primitives
+        self.dims = (1, rows, bottom[0].count // rows if rows else 0)
         top[0].reshape(shape)
 
     def forward(self, bottom, top):
-        x = bottom[0].data.reshape(self.rows_dims)
-        y = top[0].data.reshape(self.rows_dims)
-        mean = x.mean(axis=1, dtype=np.float64).astype(np.float32)
-        np.subtract(x, mean[:, None], out=y)
-        if self.normalize_variance:
-            var = np.einsum("rd,rd->r", y, y, dtype=np.float64) / max(self.rows_dims[1], 1)
-            std = np.sqrt(var)
-            self.inv = (1.0 / (std + self.eps)).astype(np.float32)
-            # a constant row has y = 0: its y term vanishes instead of 0/0
-            self.inv_std = np.divide(1.0, std, out=np.zeros_like(std), where=std > 0).astype(np.float32)
-            y *= self.inv[:, None]
-            self.y = y.copy()
+        x = bottom[0].data.reshape(self.dims)
+        y = top[0].data.reshape(self.dims)
+        mean, var = channel_mean_var(x)
+        if not self.normalize_variance:
+            channel_affine(x, mean, np.ones_like(mean), y)
+            return
+        std = np.sqrt(var)
+        self.inv = (1.0 / (std + self.eps)).astype(np.float32)
+        # a constant row has y = 0: its y term in the backward vanishes instead of 0/0
+        self.inv_std = np.divide(1.0, std, out=np.zeros_like(std), where=std > 0)
+        channel_affine(x, mean, self.inv, y)
+        self.y = _keep(self, "_y_buf", y)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        dy = top[0].diff.reshape(self.rows_dims)
-        dx = bottom[0].diff.reshape(self.rows_dims)
-        mean_dy = dy.mean(axis=1, dtype=np.float64).astype(np.float32)[:, None]
+        dy = top[0].diff.reshape(self.dims)
+        dx = bottom[0].diff.reshape(self.dims)
+        d = max(self.dims[2], 1)
         if not self.normalize_variance:
-            np.subtract(dy, mean_dy, out=dx)
+            sum_dy, _ = channel_sums(dy, dy)
+            channel_affine(dy, sum_dy / d, np.ones_like(sum_dy), dx)
             return
-        mean_dy_y = (np.einsum("rd,rd->r", dy, self.y, dtype=np.float64)
-                     / max(self.rows_dims[1], 1)).astype(np.float32)[:, None]
-        dx[...] = (dy - mean_dy) * self.inv[:, None] - self.y * (mean_dy_y * self.inv_std[:, None])
+        sum_dy, sum_dy_y = channel_sums(dy, self.y)
+        inv = self.inv.astype(np.float64)
+        channel_combine(dy, self.y, self.inv, -self.inv_std * sum_dy_y / d, -inv * sum_dy / d, dx)

@@ -250,3 +250,30 @@ def test_lrn_without_compiled_kernels(monkeypatch, region):
     layer.backward(top, [True], bottom)
     np.testing.assert_allclose(top[0].data, want_y, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(bottom[0].diff, want_dx, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("type_,params,phase", [
+    ("BatchNorm", "", TRAIN), ("BatchNorm", "", TEST),
+    ("MVN", "", TRAIN), ("MVN", "mvn_param { normalize_variance: false across_channels: true }", TRAIN),
+])
+def test_kernels_match_numpy_path(monkeypatch, type_, params, phase):
+    from caffepy.layers import normalization
+    if normalization._kernels is None:
+        pytest.skip("caffepy.kernels.normalization is not built")
+    x = randn(3, 4, 5, 7, seed=38, scale=2.0) + 3.0
+    dy = randn(*x.shape, seed=39)
+    results = []
+    for kernels in (normalization._kernels, None):
+        monkeypatch.setattr(normalization, "_kernels", kernels)
+        layer, bottom, top = setup_layer(type_, params, [x], phase=phase)
+        if type_ == "BatchNorm" and phase == TEST:
+            _set_stats(STATS_MEAN[:1].repeat(4), np.full(4, 3.0, np.float32), 1.5)(layer)
+        layer.forward(bottom, top)
+        top[0].diff[...] = dy
+        layer.backward(top, [True], bottom)
+        results.append((top[0].data.copy(), bottom[0].diff.copy(), [b.data.copy() for b in layer.blobs]))
+    (y1, dx1, b1), (y2, dx2, b2) = results
+    np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx1, dx2, rtol=1e-4, atol=1e-5)
+    for p, q in zip(b1, b2):
+        np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-6)
