@@ -1,1 +1,100 @@
-"""(being written)"""
+"""Python layers: `type: "Python"` runs a user class, as pycaffe does.
+
+    layer { type: "Python" bottom: "data" top: "out"
+            python_param { module: "my_layers" layer: "Double" param_str: "{'k': 2}" } }
+
+`module` is imported from sys.path or the current directory; `layer` names a class in it
+that subclasses caffepy.Layer (pycaffe's caffe.Layer) and defines setup / reshape / forward /
+backward(top, propagate_down, bottom). Before setup it gets `self.param_str` and `self.phase`,
+and `self.blobs.add_blob(*shape)` creates a learnable blob, as in pycaffe.
+python_param { module layer param_str share_in_parallel (ignored: one process per rank) }.
+"""
+import importlib
+import os
+import sys
+
+from ..blob import Blob
+from ..errors import layer_error
+from ..layer import Layer, register
+
+
+class BlobVec(list):
+    """A Python layer's parameter blobs: a list with pycaffe's `add_blob(*shape)`."""
+
+    def __init__(self, name, blobs=()):
+        super().__init__(blobs)
+        self._name = name
+
+    def add_blob(self, *shape):
+        self.append(Blob(shape, name=f"{self._name}.{len(self)}"))
+
+
+class _Where:
+    """What layer_error needs to name a layer that has no instance yet."""
+
+    def __init__(self, param, source):
+        self.param, self.source = param, source
+
+
+def _import(name):
+    """Import `name` from sys.path, then from the current directory."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(name)
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def _user_class(param, source):
+    p = param.python_param
+    where = _Where(param, source)
+    if not p.module:
+        raise layer_error(where, "python_param.module", "is required (the Python module to import)")
+    if not p.layer:
+        raise layer_error(where, "python_param.layer", "is required (the class in the module)")
+    try:
+        module = _import(p.module)
+    except ModuleNotFoundError as e:
+        if e.name and (p.module == e.name or p.module.startswith(e.name + ".")):
+            raise layer_error(where, "python_param.module", "cannot import module", f"'{p.module}'",
+                              f"Put {p.module.split('.')[0]}.py in the current directory ({os.getcwd()}) "
+                              f"or on PYTHONPATH") from None
+        raise layer_error(where, "python_param.module", f"importing '{p.module}' failed",
+                          f"ModuleNotFoundError: {e}") from e
+    except Exception as e:   # the user's module is user input: report its error on one line
+        text = " ".join(str(e).split())
+        raise layer_error(where, "python_param.module", f"importing '{p.module}' failed",
+                          f"{type(e).__name__}: {text}") from e
+    cls = getattr(module, p.layer, None)
+    if cls is None:
+        known = sorted(k for k, v in vars(module).items()
+                       if isinstance(v, type) and issubclass(v, Layer) and v is not Layer)
+        raise layer_error(where, "python_param.layer", f"module '{p.module}' has no class", f"'{p.layer}'",
+                          f"Layer classes there: {', '.join(known) or 'none'}")
+    if not (isinstance(cls, type) and issubclass(cls, Layer)):
+        raise layer_error(where, "python_param.layer", "must name a subclass of caffepy.Layer (caffe.Layer)",
+                          f"'{p.layer}' in '{p.module}'")
+    for method in ("reshape", "forward"):
+        if getattr(cls, method) is getattr(Layer, method):
+            raise layer_error(where, "python_param.layer", f"class must define {method}(bottom, top)",
+                              f"'{p.layer}' in '{p.module}'")
+    return cls
+
+
+@register
+class Python(Layer):
+    """Stands in the registry for every user class: constructing it returns the user's layer."""
+
+    def __new__(cls, param, phase=0, source=None):
+        user_cls = _user_class(param, source)
+        layer = user_cls(param, phase, source)
+        layer.param_str = param.python_param.param_str
+        layer.phase = phase
+        layer.blobs = BlobVec(param.name, layer.blobs)
+        if layer.type is None:
+            layer.type = "Python"     # for messages that name the type of a layer object
+        return layer
