@@ -14,7 +14,7 @@ from mpi_helpers import MPIEXEC, REPO, make_lmdb, max_rel_diff, train, weights, 
 
 pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in the venv")
 
-BATCH = 8
+BATCH = 12
 ITERS = 6
 
 
@@ -56,6 +56,40 @@ def test_lars_warmup_matches_one_rank(tmp_path, db):
     extra = "local_lr_auto: true\nlocal_gw_ratio: 0.01\nwarmup_iter: 4\nwarmup_start_lr: 0.01\n"
     w1, wn, _, _ = run_pair(tmp_path, db, 2, extra)
     assert max_rel_diff(w1, wn) < 1e-5
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_hybrid_matches_one_rank(tmp_path, db, ranks):
+    """fc1 (8 outputs) and fc2 (4) split over the ranks, unevenly for 3."""
+    w1, wn, out1, outn = run_pair(tmp_path, db, ranks, fc="InnerProduct", hybrid=True)
+    assert "hybrid (data + model parallel) over" in outn.stderr
+    assert "Layer fc1: model parallel" in outn.stderr
+    assert max_rel_diff(w1, wn) < 1e-5
+
+
+def test_hybrid_lars_warmup_matches_one_rank(tmp_path, db):
+    extra = "local_lr_auto: true\nlocal_gw_ratio: 0.01\nwarmup_iter: 4\nwarmup_start_lr: 0.01\n"
+    w1, wn, _, _ = run_pair(tmp_path, db, 2, extra, fc="InnerProduct", hybrid=True)
+    assert max_rel_diff(w1, wn) < 1e-5
+
+
+def test_hybrid_snapshot_holds_full_weights_and_history(tmp_path, db):
+    """A 2-rank hybrid snapshot resumes on 1 rank exactly like a 1-rank snapshot does."""
+    kw = dict(fc="InnerProduct", hybrid=True)
+    single = write_job(tmp_path, "single", db, BATCH, 3, **kw)
+    multi = write_job(tmp_path, "multi", db, BATCH // 2, 3, **kw)
+    assert train(single).returncode == 0
+    out = train(multi, 2)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert max_rel_diff(weights(single / "snap_iter_3.caffemodel"),
+                        weights(multi / "snap_iter_3.caffemodel")) < 1e-5
+    results = []
+    for job in (single, multi):
+        cont = write_job(tmp_path, f"cont_{job.name}", db, BATCH, ITERS, **kw)
+        res = train(cont, args=["--snapshot", str(job / "snap_iter_3.solverstate")])
+        assert res.returncode == 0, res.stderr[-2000:]
+        results.append(weights(cont / f"snap_iter_{ITERS}.caffemodel"))
+    assert max_rel_diff(*results) < 1e-5
 
 
 def test_resume_from_snapshot_continues(tmp_path, db):

@@ -19,7 +19,8 @@ when its prototxt says so, with Intel Caffe's fields:
     layer { type: "InnerProduct" ... multinode { model_parts: 0 } }   # 0 = all ranks
 or for a range of layers at the net level:
     multinode { model_parallel { layer_from: "fc6" layer_to: "fc8" model_parts: 0 } }
-Only splitting over all ranks is supported (model_parts 0 or N, num_nodes 0 or N).
+Only splitting over all ranks is supported (model_parts 0 or N, num_nodes 0 or N);
+when N does not divide num_output the first num_output % N ranks hold one more.
 """
 import numpy as np
 
@@ -80,9 +81,9 @@ def model_parallel_layers(net, size):
         if ip.transpose:
             raise layer_error(layer, "inner_product_param.transpose", "model-parallel InnerProduct "
                               "needs untransposed weights", True, cls=ParallelError)
-        if ip.num_output % size:
-            raise layer_error(layer, "inner_product_param.num_output", f"must be divisible by the "
-                              f"{size} ranks to split it across them", ip.num_output,
+        if ip.num_output < size:
+            raise layer_error(layer, "inner_product_param.num_output", f"must be at least the "
+                              f"number of ranks ({size}) to split it across them", ip.num_output,
                               cls=ParallelError)
         chosen.append(li)
     return chosen
@@ -229,6 +230,8 @@ class Hybrid(DataParallel):
         super().__init__(solver, world)
         self.layer_indices = layer_indices
         self.wrappers = []
+        self.split_rows = {}         # learnable-param index -> its wrapper
+        self._after_update = False
 
     def setup_split(self, solver):
         if self.wrappers:
@@ -242,8 +245,13 @@ class Hybrid(DataParallel):
             for blob in layer.blobs:
                 if id(blob) in index:
                     self.split.add(index[id(blob)])
+                    self.split_rows[index[id(blob)]] = wrapper
             log.info(f"Layer {layer.name}: model parallel, {wrapper.m} of {wrapper.M} outputs "
-                     f"per rank")
+                     f"on this rank")
+        self._slice_solver_state(solver)
+        self._unshare_test_weights(solver)
+        self._wrap_snapshot(solver)
+        self._refresh_test_weights(solver)
 
     def before_update(self, solver):
         super().before_update(solver)
@@ -251,10 +259,115 @@ class Hybrid(DataParallel):
         for wrapper in self.wrappers:
             for blob in wrapper.layer.blobs:
                 blob.diff[...] *= scale
+        self._after_update = True
+
+    def _action(self):
+        agreed = super()._action()
+        if self._after_update:            # every rank is here, right after the update
+            self._after_update = False
+            self._refresh_test_weights(self._solver)
+        return agreed
+
+    # -- solver state of split params -------------------------------------
+    def _history_lists(self, solver):
+        """The update rule's per-parameter array lists (history, scratch), aligned by index."""
+        n = len(solver.net.learnable_params)
+        for name, value in vars(solver.rule).items():
+            if (isinstance(value, list) and value and len(value) % n == 0
+                    and all(isinstance(a, np.ndarray) for a in value)):
+                yield name, value, n
+
+    def _slice_solver_state(self, solver):
+        self._solver = solver
+        for _, arrays, n in self._history_lists(solver):
+            for j, array in enumerate(arrays):
+                wrapper = self.split_rows.get(j % n)
+                if wrapper is not None and array.shape[0] == wrapper.M:
+                    arrays[j] = np.ascontiguousarray(array[wrapper.rows])
+
+    # -- full weights where a whole model is needed (snapshots, tests on rank 0)
+    def _gather(self, wrapper, array):
+        """Rank 0 gets the full (M, ...) array from every rank's row slice; others None."""
+        from mpi4py import MPI
+        rest = int(np.prod(array.shape[1:], dtype=np.int64))
+        counts = [m * rest for m in wrapper.counts]
+        displs = [o * rest for o in wrapper.offsets]
+        full = (np.empty((wrapper.M,) + array.shape[1:], np.float32)
+                if self.world.rank == 0 else None)
+        self.comm.Gatherv(np.ascontiguousarray(array, np.float32),
+                          [full, counts, displs, MPI.FLOAT] if full is not None else None, root=0)
+        return full
+
+    def _wrap_snapshot(self, solver):
+        from ..blob import Blob
+        original = solver.snapshot
+
+        def snapshot():
+            # every rank reaches a snapshot at the same iteration (periodic, or the
+            # agreed signal action); only rank 0 writes
+            saved_blobs = []
+            for wrapper in self.wrappers:
+                layer = wrapper.layer
+                full = [self._gather(wrapper, blob.data) for blob in layer.blobs]
+                saved_blobs.append((layer, layer.blobs))
+                if self.world.rank == 0:
+                    layer.blobs = [Blob(name=b.name) for b in layer.blobs]
+                    for blob, array in zip(layer.blobs, full):
+                        blob.set_data(array)
+            saved_lists = []
+            for _, arrays, n in self._history_lists(solver):
+                saved_lists.append((arrays, list(arrays)))
+                for j, array in enumerate(arrays):
+                    wrapper = self.split_rows.get(j % n)
+                    if wrapper is not None:
+                        full = self._gather(wrapper, array)
+                        if full is not None:
+                            arrays[j] = full
+            try:
+                return original()
+            finally:
+                for layer, blobs in saved_blobs:
+                    layer.blobs = blobs
+                for arrays, kept in saved_lists:
+                    arrays[:] = kept
+
+        solver.snapshot = snapshot
+
+    def _unshare_test_weights(self, solver):
+        """Test nets (run on rank 0 alone) keep full copies of the split layers' weights."""
+        from ..blob import Blob
+        self._test_copies = []
+        names = {w.layer.name: w for w in self.wrappers}
+        for net in getattr(solver, "test_nets", []) or []:
+            for layer in net.layers:
+                wrapper = names.get(layer.name)
+                if wrapper is None or not layer.blobs:
+                    continue
+                fresh = []
+                for blob in layer.blobs:
+                    copy = Blob(name=blob.name)
+                    copy.set_data(np.zeros((wrapper.M,) + tuple(blob.shape[1:]), np.float32))
+                    fresh.append(copy)
+                layer.blobs = fresh
+                self._test_copies.append((wrapper, layer))
+
+    def _refresh_test_weights(self, solver):
+        p = solver.param
+        if not self._test_copies or not p.test_interval or solver.iter % p.test_interval:
+            return
+        if solver.iter == 0 and not p.test_initialization:
+            return
+        for wrapper, layer in self._test_copies:
+            for source, target in zip(wrapper.layer.blobs, layer.blobs):
+                full = self._gather(wrapper, source.data)
+                if full is not None:
+                    target.data[...] = full
 
 
 class ModelParallelInnerProduct:
-    """Takes over one InnerProduct layer: its weights become this rank's slice."""
+    """Takes over one InnerProduct layer: its weights become this rank's row slice
+    (rank r holds outputs offsets[r] .. offsets[r] + counts[r]; the first M % N
+    ranks hold one more)."""
 
     def __init__(self, layer, comm):
         self.layer = layer
@@ -262,16 +375,15 @@ class ModelParallelInnerProduct:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         ip = layer.param.inner_product_param
         self.M = ip.num_output
-        self.m = self.M // self.size
-        rows = slice(self.rank * self.m, (self.rank + 1) * self.m)
-        self.rows = rows
-        weight = layer.blobs[0]
-        weight.set_data(weight.data[rows].copy())
-        if ip.bias_term:
-            bias = layer.blobs[1]
-            bias.set_data(bias.data[rows].copy())
+        base, extra = divmod(self.M, self.size)
+        self.counts = [base + (1 if r < extra else 0) for r in range(self.size)]
+        self.offsets = [sum(self.counts[:r]) for r in range(self.size)]
+        self.m = self.counts[self.rank]
+        self.rows = slice(self.offsets[self.rank], self.offsets[self.rank] + self.m)
+        for blob in layer.blobs:
+            blob.set_data(blob.data[self.rows].copy())
         self.bias = ip.bias_term
-        self.axis = None
+        self.outer = None
         layer.reshape = self.reshape
         layer.forward = self.forward
         layer.backward = self.backward
@@ -279,41 +391,59 @@ class ModelParallelInnerProduct:
     def reshape(self, bottom, top):
         shape = bottom[0].shape
         axis = self.layer.param.inner_product_param.axis % len(shape)
-        self.axis = axis
-        self.outer = int(np.prod(shape[:axis], dtype=np.int64))
-        self.K = int(np.prod(shape[axis:], dtype=np.int64))
-        if self.K != self.layer.blobs[0].shape[1]:
-            raise self.layer.error("bottom", f"input size must stay {self.layer.blobs[0].shape[1]}",
-                                   self.K)
+        outer = int(np.prod(shape[:axis], dtype=np.int64))
+        K = int(np.prod(shape[axis:], dtype=np.int64))
+        if K != self.layer.blobs[0].shape[1]:
+            raise self.layer.error("bottom", f"input size from axis {axis} must be "
+                                   f"{self.layer.blobs[0].shape[1]} (the weights' K)", K)
         top[0].reshape(tuple(shape[:axis]) + (self.M,))
-        n = self.size * self.outer
-        self.x_all = np.empty((n, self.K), np.float32)
+        if outer == self.outer and K == getattr(self, "K", None):
+            return
+        self.outer, self.K = outer, K
+        n = self.size * outer
+        self.x_all = np.empty((n, K), np.float32)
         self.y_part = np.empty((n, self.m), np.float32)
-        self.y_recv = np.empty((self.size, self.outer, self.m), np.float32)
+        self.dy_all = np.empty((n, self.m), np.float32)
+        self.exchange = np.empty(outer * self.M, np.float32)      # (outer, m_s) blocks by rank
+        self.dx = np.empty((outer, K), np.float32)
+        self.block_counts = [outer * m for m in self.counts]
+        self.block_displs = [outer * o for o in self.offsets]
+
+    def _blocks(self):
+        return [self.exchange[d:d + c].reshape(self.outer, c // self.outer if self.outer else 0)
+                for d, c in zip(self.block_displs, self.block_counts)]
 
     def forward(self, bottom, top):
+        from mpi4py import MPI
         x = np.ascontiguousarray(bottom[0].data.reshape(self.outer, self.K))
         self.comm.Allgather(x, self.x_all)
         np.matmul(self.x_all, self.layer.blobs[0].data.T, out=self.y_part)
         if self.bias:
             self.y_part += self.layer.blobs[1].data
-        # block s of y_part (rank s's rows) goes to rank s
-        self.comm.Alltoall(self.y_part, self.y_recv)
-        top[0].data.reshape(self.outer, self.M)[...] = \
-            self.y_recv.transpose(1, 0, 2).reshape(self.outer, self.M)
+        # rows of rank s (block s of y_part) go to rank s; from rank s come my rows of its outputs
+        sends = [self.outer * self.m] * self.size
+        sdispl = [s * self.outer * self.m for s in range(self.size)]
+        self.comm.Alltoallv([self.y_part, (sends, sdispl), MPI.FLOAT],
+                            [self.exchange, (self.block_counts, self.block_displs), MPI.FLOAT])
+        y = top[0].data.reshape(self.outer, self.M)
+        for block, offset, count in zip(self._blocks(), self.offsets, self.counts):
+            y[:, offset:offset + count] = block
 
     def backward(self, top, propagate_down, bottom):
-        dy = top[0].diff.reshape(self.outer, self.size, self.m).transpose(1, 0, 2)
-        send = np.ascontiguousarray(dy)
-        dy_all = np.empty((self.size * self.outer, self.m), np.float32)
-        self.comm.Alltoall(send, dy_all)
+        from mpi4py import MPI
+        dy = top[0].diff.reshape(self.outer, self.M)
+        for block, offset, count in zip(self._blocks(), self.offsets, self.counts):
+            block[...] = dy[:, offset:offset + count]
+        recvs = [self.outer * self.m] * self.size
+        rdispl = [s * self.outer * self.m for s in range(self.size)]
+        self.comm.Alltoallv([self.exchange, (self.block_counts, self.block_displs), MPI.FLOAT],
+                            [self.dy_all, (recvs, rdispl), MPI.FLOAT])
         ppd = self.layer.param_propagate_down
         if ppd and ppd[0]:
-            self.layer.blobs[0].diff[...] += dy_all.T @ self.x_all
+            self.layer.blobs[0].diff[...] += self.dy_all.T @ self.x_all
         if self.bias and len(ppd) > 1 and ppd[1]:
-            self.layer.blobs[1].diff[...] += dy_all.sum(axis=0, dtype=np.float64).astype(np.float32)
+            self.layer.blobs[1].diff[...] += self.dy_all.sum(axis=0)
         if propagate_down[0]:
-            dx_all = dy_all @ self.layer.blobs[0].data
-            dx = np.empty((self.outer, self.K), np.float32)
-            self.comm.Reduce_scatter_block(dx_all, dx)
-            bottom[0].diff.reshape(self.outer, self.K)[...] = dx
+            dx_all = self.dy_all @ self.layer.blobs[0].data
+            self.comm.Reduce_scatter_block(dx_all, self.dx)
+            bottom[0].diff.reshape(self.outer, self.K)[...] = self.dx
