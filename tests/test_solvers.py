@@ -407,3 +407,22 @@ def test_pycaffe_typed_solver_classes(tmp_path, monkeypatch):
     assert s.iter == 2
     paths = s.snapshot()
     assert paths == ("out/run_iter_2.caffemodel", "out/run_iter_2.solverstate")
+
+
+@pytest.mark.parametrize("extra", ["weight_decay: 0.01", 'weight_decay: 0.01 regularization_type: "L1"',
+                                   "iter_size: 2 weight_decay: 0.01", 'type: "Adam" weight_decay: 0.01 iter_size: 2'])
+def test_compiled_updates_match_numpy(tmp_path, monkeypatch, extra):
+    pytest.importorskip("caffepy.kernels.solver")
+    monkeypatch.chdir(tmp_path)
+    write_files(tmp_path, max_iter=4)
+    text = (tmp_path / "solver.prototxt").read_text().replace('type: "SGD"', "").replace("weight_decay: 0.01", "") + extra
+    (tmp_path / "solver.prototxt").write_text(text)
+    results = []
+    for use in (False, True):
+        monkeypatch.setattr(Solver, "use_kernels", use)
+        s = get_solver("solver.prototxt")
+        s.step(4)
+        results.append([b.data.copy() for b in s.net.learnable_params])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    rng.seed(-1)

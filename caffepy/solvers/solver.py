@@ -51,6 +51,15 @@ def _rank():
     return world.rank
 
 
+def _kernels():
+    """The compiled fused updates (cext/solver.pyx), or None when not built."""
+    try:
+        from ..kernels import solver
+    except ImportError:
+        return None
+    return solver
+
+
 class Solver:
     """A solver over a SolverParameter (or a solver prototxt path).
 
@@ -60,6 +69,8 @@ class Solver:
     """
 
     forced_type = None
+    # False: NumPy only (the reference the compiled kernels are tested against)
+    use_kernels = True
 
     def __init__(self, param, source=None, level=None, stages=()):
         from .. import prototxt
@@ -352,20 +363,25 @@ class Solver:
         decay = p.weight_decay
         l1 = p.regularization_type == "L1"
         norm = 1.0 / p.iter_size
+        fused = _kernels() if self.use_kernels else None
         for i, blob in enumerate(net.learnable_params):
             lr_mult = net.params_lr[i]
             if lr_mult == 0:
                 # no step to take (Intel Caffe skips these; Caffe's step would be 0)
                 continue
             g = blob.diff
-            if p.iter_size > 1:
-                g *= norm
             local_decay = decay * net.params_weight_decay[i]
-            if local_decay:
-                if l1:
-                    g += local_decay * np.sign(blob.data)
-                else:
-                    g += local_decay * blob.data
+            if fused is not None and is_sgd and not p.local_lr_auto:
+                fused.sgd_step(blob.data.reshape(-1), g.reshape(-1), self.rule.history[i].reshape(-1),
+                               norm, local_decay, l1, rate * lr_mult, momentum)
+                continue
+            if fused is not None and (local_decay or p.iter_size > 1):
+                fused.regularize(blob.data.reshape(-1), g.reshape(-1), norm, local_decay, l1)
+            else:
+                if p.iter_size > 1:
+                    g *= norm
+                if local_decay:
+                    g += local_decay * (np.sign(blob.data) if l1 else blob.data)
             local = lr_mult
             if is_sgd and p.local_lr_auto:
                 local = self._lars_rate(i, blob, lr_mult)
