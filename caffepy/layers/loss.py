@@ -106,6 +106,17 @@ def log_softmax(x):
     return shifted - np.log(s), prob
 
 
+def softmax_into(x, prob):
+    """prob = softmax of x over axis 1, written into `prob` without temporaries of x's
+    size; returns (max, sum of exp(x - max)) per (outer, inner) for the log terms."""
+    peak = x.max(axis=1, keepdims=True)
+    np.subtract(x, peak, out=prob)
+    np.exp(prob, out=prob)
+    total = prob.sum(axis=1, keepdims=True)
+    prob *= 1.0 / total
+    return peak[:, 0, :], total[:, 0, :]
+
+
 # -- layers -----------------------------------------------------------------
 @register
 class SoftmaxWithLoss(LossLayer):
@@ -139,12 +150,16 @@ class SoftmaxWithLoss(LossLayer):
         x = bottom[0].data.reshape(self.outer, self.classes, self.inner)
         labels, valid = read_labels(self, bottom[1], self.classes, self.ignore_label,
                                     (self.outer, self.inner))
-        logp, self.prob = log_softmax(x)
+        if getattr(self, "prob", None) is None or self.prob.shape != x.shape:
+            self.prob = np.empty(x.shape, np.float32)
+        peak, total = softmax_into(x, self.prob)
         safe = np.where(valid, labels, 0)
-        picked = np.maximum(gather_classes(logp, safe), LOG_FLT_MIN)
+        # log p[label] = x[label] - max - log(sum): no log of an underflowed probability
+        picked = gather_classes(x, safe).astype(np.float64) - peak - np.log(total.astype(np.float64))
+        picked = np.maximum(picked, LOG_FLT_MIN)
         self.labels, self.valid = safe, valid
         self.count = int(valid.sum())
-        loss = -float(np.sum(picked[valid], dtype=np.float64))
+        loss = -float(np.sum(picked[valid]))
         top[0].data[...] = loss / normalizer(self, self.mode, self.outer, self.inner, self.count)
         if len(top) > 1:
             top[1].data[...] = self.prob.reshape(bottom[0].shape)
@@ -152,13 +167,15 @@ class SoftmaxWithLoss(LossLayer):
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
+        scale = self.top_diff(top) / normalizer(self, self.mode, self.outer, self.inner, self.count)
         diff = bottom[0].diff.reshape(self.outer, self.classes, self.inner)
-        np.copyto(diff, self.prob)
+        if self.count == self.valid.size:
+            np.multiply(self.prob, np.float32(scale), out=diff)
+        else:
+            weight = np.where(self.valid, np.float32(scale), np.float32(0))
+            np.multiply(self.prob, weight[:, None, :], out=diff)
         rows, cols = np.nonzero(self.valid)
-        diff[rows, self.labels[rows, cols], cols] -= 1.0
-        if self.count != self.valid.size:
-            diff *= self.valid[:, None, :]
-        diff *= self.top_diff(top) / normalizer(self, self.mode, self.outer, self.inner, self.count)
+        diff[rows, self.labels[rows, cols], cols] -= np.float32(scale)
 
 
 @register
