@@ -130,16 +130,25 @@ class DataParallel:
         solver.action_fn = self._action
         net = solver.net
         ready = _ready_layers(net)
-        params = [(blob, ready[i]) for i, blob in enumerate(net.learnable_params)
-                  if i not in self.split and net.params_lr[i] != 0]
         if self.reducer is None:
-            self.reducer = GradientReducer(self.grad_comm, params)
+            self.set_progress(None, solver)
         batch = _global_batch(net)
         if batch is not None:
             log.info(f"{self.name} over {self.world.size} ranks: local batch {batch}, "
                      f"global batch {self.world.size * batch}")
         log.info(f"Allreduce: {self.reducer.nbytes / 1e6:.1f} MB of gradients in "
                  f"{len(self.reducer.buckets)} buckets, progress: {self.reducer.progress}")
+
+    def set_progress(self, progress, solver):
+        """(Re)build the gradient reducer with a progress mode (allreduce.PROGRESS_MODES;
+        None = the default). Benchmarks switch modes between runs with it."""
+        net = solver.net
+        ready = _ready_layers(net)
+        params = [(blob, ready[i]) for i, blob in enumerate(net.learnable_params)
+                  if i not in self.split and net.params_lr[i] != 0]
+        if self.reducer is not None:
+            self.reducer.close()
+        self.reducer = GradientReducer(self.grad_comm, params, progress=progress)
 
     def on_layer_done(self, solver, layer_index):
         # with iter_size > 1 only the last backward pass of the iteration is reduced

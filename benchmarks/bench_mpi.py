@@ -1,0 +1,241 @@
+"""Multi-rank AlexNet benchmark (`make bench-mpi`).
+
+On this machine, at one fixed global batch of AlexNet (DummyData, the TRAIN
+net of models/mpi_intel_alexnet/train_val_shared_db.prototxt):
+  1. 1 rank x 2 threads (OMP_NUM_THREADS=2), batch G;
+  2. 2 ranks x 1 thread (mpiexec -n 2, OMP_NUM_THREADS=1), local batch G/2, once per
+     gradient-allreduce progress mode: `none` (no communication: compute only),
+     `blocking` (no overlap), `thread`, `test`, `wait` (overlapped, allreduce.py);
+  3. the allreduce bandwidth of AlexNet's gradients (all its ~61M parameters) and
+     the latency of an 8-byte allreduce, 2 ranks.
+From the measured figures: the fraction of the allreduce hidden behind backward
+    hidden = 1 - (t_mode - t_none) / (t_blocking - t_none)
+and, with a ring allreduce cost model over a network of stated bandwidth
+    t_comm(N) = 2 (N-1)/N * bytes / bandwidth + 2 (N-1) * latency
+    t_iter(N) = t_compute + max((1 - hidden) * t_comm(N), t_comm(N) - t_backward)
+the projected time per iteration and scaling efficiency t_compute / t_iter(N)
+for 1 to 64 nodes, each node running this machine's 1 x 2-thread iteration at
+local batch G (weak scaling, Intel Caffe's convention: batch_size is per node).
+
+    python benchmarks/bench_mpi.py [--batch 16] [--iters 3] [--warmup 1]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+NET = os.path.join(REPO, "models", "mpi_intel_alexnet", "train_val_shared_db.prototxt")
+MODES = ("none", "blocking", "thread", "test", "wait")
+NETWORKS_GBPS = (10, 100)
+LATENCY_S = 5e-6           # per ring step, a typical TCP/RoCE small-message figure
+NODES = (1, 2, 4, 8, 16, 32, 64)
+
+
+# -- worker side (one process per rank) ------------------------------------------
+def build_solver(batch):
+    sys.path.insert(0, REPO)
+    from google.protobuf import text_format
+
+    from caffepy import prototxt
+    from caffepy.net import TRAIN
+    from caffepy.proto import caffe_pb2
+    from caffepy.solvers import Solver
+
+    net = prototxt.filter_net(prototxt.read_net(NET), prototxt.net_state(TRAIN, 0, []))
+    data = net.layer[0]
+    assert data.type == "Data"
+    data.Clear()
+    text_format.Parse(f"""name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param {{ shape {{ dim: {batch} dim: 3 dim: 227 dim: 227 }} shape {{ dim: {batch} }}
+          data_filler {{ type: "gaussian" std: 1 }} data_filler {{ type: "constant" value: 0 }} }}""", data)
+    sp = caffe_pb2.SolverParameter(base_lr=1e-4, momentum=0.9, weight_decay=5e-4, lr_policy="fixed",
+                                   max_iter=10 ** 9, display=0, snapshot=0, random_seed=1,
+                                   snapshot_after_train=False, solver_mode=caffe_pb2.SolverParameter.CPU)
+    sp.net_param.CopyFrom(net)
+    return Solver(sp, source="bench_mpi")
+
+
+def timed_steps(solver, n, reducer=None):
+    times, waits = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        solver.step(1)
+        times.append(time.perf_counter() - t)
+        if reducer is not None:
+            waits.append(reducer.wait_seconds)
+    return times, waits
+
+
+def worker(args):
+    sys.path.insert(0, REPO)
+    from caffepy import log
+    log.set_quiet(True)
+    from caffepy.parallel import mpi, world
+    mpi.init_world()
+    solver = build_solver(args.batch)
+    result = {"ranks": world.size, "threads": int(os.environ.get("OMP_NUM_THREADS", "0")),
+              "batch": args.batch, "params": sum(b.count for b in solver.net.learnable_params)}
+    if world.size == 1:
+        timed_steps(solver, args.warmup)
+        times, _ = timed_steps(solver, args.iters)
+        net = solver.net
+        fwd, bwd = [], []
+        for _ in range(max(1, args.iters - 1)):
+            t = time.perf_counter()
+            net.forward_from_to()
+            t1 = time.perf_counter()
+            net.backward_from_to()
+            fwd.append(t1 - t)
+            bwd.append(time.perf_counter() - t1)
+        result.update(iter=statistics.median(times), forward=statistics.median(fwd),
+                      backward=statistics.median(bwd))
+    else:
+        strategy = mpi.attach(solver)
+        timed_steps(solver, 1)                 # on_start: broadcast, buckets
+        result["modes"] = {}
+        for mode in args.modes.split(","):
+            strategy.set_progress(mode, solver)
+            timed_steps(solver, args.warmup, strategy.reducer)
+            times, waits = timed_steps(solver, args.iters, strategy.reducer)
+            # every rank's view: the iteration ends when the slowest rank's does
+            worst = world.comm.allreduce(statistics.median(times), op=_max())
+            result["modes"][mode] = {"iter": worst, "wait": statistics.median(waits)}
+        result["buckets"] = len(strategy.reducer.buckets)
+        result["bytes"] = strategy.reducer.nbytes
+        strategy.close()
+    if world.rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    mpi.finish()
+
+
+def _max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def bandwidth(args):
+    sys.path.insert(0, REPO)
+    from caffepy.parallel import mpi, world
+    from mpi4py import MPI
+    mpi.init_world()
+    comm = world.comm
+    buf = np.ones(args.count, np.float32)
+    comm.Allreduce(MPI.IN_PLACE, buf)
+    times = []
+    for _ in range(5):
+        comm.Barrier()
+        t = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, buf)
+        times.append(time.perf_counter() - t)
+    small = np.ones(2, np.float32)
+    comm.Barrier()
+    t = time.perf_counter()
+    for _ in range(1000):
+        comm.Allreduce(MPI.IN_PLACE, small)
+    latency = (time.perf_counter() - t) / 1000
+    if world.rank == 0:
+        print("RESULT " + json.dumps({"seconds": statistics.median(times), "bytes": 4 * args.count,
+                                      "latency": latency}), flush=True)
+    mpi.finish()
+
+
+# -- driver ----------------------------------------------------------------------
+def run(cmd, threads):
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    sys.stderr.write(out.stdout[-3000:] + out.stderr[-5000:])
+    raise SystemExit(f"bench_mpi: a run failed: {' '.join(cmd)}")
+
+
+def project(t_compute, t_backward, hidden, nbytes, gbps, nodes):
+    bw = gbps * 1e9 / 8
+    if nodes == 1:
+        return t_compute
+    t_comm = 2 * (nodes - 1) / nodes * nbytes / bw + 2 * (nodes - 1) * LATENCY_S
+    exposed = max((1 - hidden) * t_comm, t_comm - t_backward)
+    return t_compute + exposed
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=16, help="global batch (even)")
+    ap.add_argument("--iters", type=int, default=3, help="timed iterations per configuration")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--bandwidth", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.bandwidth:
+        return bandwidth(args)
+
+    py = sys.executable
+    mpiexec = os.path.join(os.path.dirname(py), "mpiexec")
+    me = os.path.abspath(__file__)
+    common = ["--iters", str(args.iters), "--warmup", str(args.warmup)]
+    print(f"AlexNet, DummyData, global batch {args.batch}; load average before: "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+    one = run([py, me, "--worker", "--batch", str(args.batch)] + common, 2)
+    print(f"1 rank x 2 threads, batch {args.batch}: {one['iter']:.3f} s/iter "
+          f"({args.batch / one['iter']:.2f} img/s); forward {one['forward']:.3f} s, "
+          f"backward {one['backward']:.3f} s", flush=True)
+    two = run([mpiexec, "-n", "2", py, me, "--worker", "--batch", str(args.batch // 2),
+               "--modes", args.modes] + common, 1)
+    modes = two["modes"]
+    print(f"2 ranks x 1 thread, local batch {args.batch // 2}, {two['bytes'] / 1e6:.1f} MB of gradients "
+          f"in {two['buckets']} buckets:")
+    for mode, r in modes.items():
+        print(f"  {mode:9s} {r['iter']:.3f} s/iter ({args.batch / r['iter']:.2f} img/s), "
+              f"waiting for the allreduce before the update {r['wait'] * 1e3:.1f} ms")
+    bw = run([mpiexec, "-n", "2", py, me, "--bandwidth", "--count", str(two["bytes"] // 4)], 1)
+    rate = bw["bytes"] / bw["seconds"]
+    print(f"Allreduce of {bw['bytes'] / 1e6:.1f} MB on 2 ranks: {bw['seconds'] * 1e3:.1f} ms = "
+          f"{rate / 1e9:.2f} GB/s algorithm bandwidth ({rate / 1e9:.2f} GB/s bus bandwidth at N=2); "
+          f"8-byte allreduce latency {bw['latency'] * 1e6:.1f} us")
+
+    hidden = {}
+    if "none" in modes and "blocking" in modes:
+        t_none, t_block = modes["none"]["iter"], modes["blocking"]["iter"]
+        comm_cost = t_block - t_none
+        print(f"Communication cost without overlap (blocking - none): {comm_cost * 1e3:.1f} ms/iter")
+        for mode in ("thread", "test", "wait"):
+            if mode in modes and comm_cost > 0:
+                hidden[mode] = min(1.0, max(0.0, 1 - (modes[mode]["iter"] - t_none) / comm_cost))
+                wait_hidden = 1 - modes[mode]["wait"] / max(modes["blocking"]["wait"], 1e-9)
+                print(f"  hidden by {mode:6s}: {hidden[mode] * 100:5.1f}% of the iteration-time cost "
+                      f"({wait_hidden * 100:5.1f}% of the wait before the update)")
+    overlapped = {m: r for m, r in modes.items() if m in ("thread", "test", "wait")}
+    if overlapped:
+        best = min(overlapped, key=lambda m: overlapped[m]["iter"])
+        ratio = one["iter"] / overlapped[best]["iter"]
+        print(f"2 x 1-thread ranks ({best}) vs 1 x 2-thread rank throughput: {ratio * 100:.1f}% "
+              f"(target >= 90%)")
+        h = hidden.get(best, 0.0)
+        print(f"\nProjection (ring allreduce, {LATENCY_S * 1e6:.0f} us/step latency, hidden fraction "
+              f"{h * 100:.0f}% capped by backward {one['backward']:.2f} s; each node = this machine, "
+              f"local batch {args.batch}, {one['iter']:.2f} s/iter compute):")
+        print("  nodes " + "".join(f"{f'{g} Gb/s s/iter':>17s}{'eff':>7s}" for g in NETWORKS_GBPS))
+        for n in NODES:
+            row = f"  {n:5d} "
+            for g in NETWORKS_GBPS:
+                t = project(one["iter"], one["backward"], h, two["bytes"], g, n)
+                row += f"{t:17.3f}{one['iter'] / t * 100:6.1f}%"
+            print(row)
+        print("  (measured on this machine: comm on shared memory at "
+              f"{rate / 1e9:.2f} GB/s, i.e. {rate * 8 / 1e9:.0f} Gb/s)")
+
+
+if __name__ == "__main__":
+    main()
