@@ -3,8 +3,8 @@
 
 A blocked tensor is float32 [N, Cb, H, W, V], C-contiguous: channel c sits in block c // V,
 lane c % V, where V is the vector width (8 floats for AVX2, 16 for AVX-512); lanes past the real
-channel count C are zero, and every kernel here keeps them zero (inputs are assumed to have zero
-padding lanes, outputs get them). The innermost loops run over the V lanes of one pixel, which are
+channel count C are padding: every kernel here writes zeros there and never reads them as data
+(so an elementwise layer that maps 0 to something else, Sigmoid say, cannot leak into real lanes). The innermost loops run over the V lanes of one pixel, which are
 contiguous, so they vectorize; the outer loops are OpenMP-parallel over images, blocks or pixels.
 
 Conventions (Caffe's): top and bottom diffs are OVERWRITTEN, weight and bias diffs ACCUMULATE.
@@ -590,7 +590,7 @@ cdef void _ave_plane(float* x, float* y, int H, int W, int oh, int ow, int V, in
 # LRN across channels. scale = k + alpha/size * sum of x^2 over the `size` channels centred on c
 # (zero past the ends), y = x * scale^-beta. Per pixel, the channels of all blocks are gathered
 # into one contiguous row (with `pre` zeros at both ends), so the window that crosses blocks is a
-# plain sliding sum over a row; the lanes past C are zero, exactly Caffe's zero padding.
+# plain sliding sum over a row; the lanes past C read as zero, exactly Caffe's zero padding.
 # Backward recomputes scale instead of storing it (one blob less to keep between passes).
 
 DEF _MAXC = 4096          # channels (padded to blocks) an LRN kernel takes
@@ -631,7 +631,9 @@ cdef inline void _window_sum(const float* padded, float* acc, int n, int size) n
             acc[c] += padded[c + d]
 
 
-cdef _check_lrn(x, others, int size):
+cdef _check_lrn(x, others, int size, int C):
+    _need(0 <= C <= x.shape[1] * x.shape[4] and C > (x.shape[1] - 1) * x.shape[4],
+          f"LRN: {C} channels do not fill {x.shape[1]} blocks of {x.shape[4]}")
     _need(size >= 1 and size % 2 == 1, f"LRN local_size must be odd and positive, got {size}")
     _need((size - 1) // 2 <= _MAXPAD, f"LRN local_size {size} is larger than this kernel "
           f"supports ({2 * _MAXPAD + 1})")
@@ -642,10 +644,10 @@ cdef _check_lrn(x, others, int size):
               f"{name}: shape {tuple(o.shape[:5])} does not fit {tuple(x.shape[:5])}")
 
 
-def lrn_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y, int size, float alpha,
-                float beta, float k):
+def lrn_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y, int C, int size,
+                float alpha, float beta, float k):
     """y = x * (k + alpha/size * window sum of x^2 across channels)^-beta (overwritten)."""
-    _check_lrn(x, [("top", y)], size)
+    _check_lrn(x, [("top", y)], size, C)
     cdef int N = x.shape[0], Cb = x.shape[1], V = x.shape[4]
     cdef Py_ssize_t HW = <Py_ssize_t>x.shape[2] * x.shape[3]
     cdef Py_ssize_t chunks = (HW + _CHUNK - 1) // _CHUNK, item
@@ -655,13 +657,13 @@ def lrn_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y, int si
         for item in prange(N * chunks, schedule="static"):
             _lrn_chunk(&x[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V, NULL,
                        &y[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
-                       (item % chunks) * _CHUNK, Cb, V, HW, size, alpha, beta, k)
+                       (item % chunks) * _CHUNK, C, Cb, V, HW, size, alpha, beta, k)
 
 
 def lrn_backward(const float[:, :, :, :, ::1] x, const float[:, :, :, :, ::1] dy,
-                 float[:, :, :, :, ::1] dx, int size, float alpha, float beta, float k):
+                 float[:, :, :, :, ::1] dx, int C, int size, float alpha, float beta, float k):
     """dx = dy * scale^-beta - 2*alpha*beta/size * x * window sum of dy * y / scale (overwritten)."""
-    _check_lrn(x, [("top_diff", dy), ("bottom_diff", dx)], size)
+    _check_lrn(x, [("top_diff", dy), ("bottom_diff", dx)], size, C)
     cdef int N = x.shape[0], Cb = x.shape[1], V = x.shape[4]
     cdef Py_ssize_t HW = <Py_ssize_t>x.shape[2] * x.shape[3]
     cdef Py_ssize_t chunks = (HW + _CHUNK - 1) // _CHUNK, item
@@ -672,10 +674,10 @@ def lrn_backward(const float[:, :, :, :, ::1] x, const float[:, :, :, :, ::1] dy
             _lrn_chunk(&x[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
                        &dy[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
                        &dx[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
-                       (item % chunks) * _CHUNK, Cb, V, HW, size, alpha, beta, k)
+                       (item % chunks) * _CHUNK, C, Cb, V, HW, size, alpha, beta, k)
 
 
-cdef void _lrn_chunk(const float* x, const float* dy, float* out, Py_ssize_t p0, int Cb, int V,
+cdef void _lrn_chunk(const float* x, const float* dy, float* out, Py_ssize_t p0, int C, int Cb, int V,
                      Py_ssize_t HW, int size, float alpha, float beta, float k) noexcept nogil:
     # forward when dy is NULL (out = y), backward otherwise (out = dx)
     cdef float row[_MAXC + 2 * _MAXPAD]
@@ -694,6 +696,8 @@ cdef void _lrn_chunk(const float* x, const float* dy, float* out, Py_ssize_t p0,
             for v in range(V):
                 t = x[off + v]
                 row[pre + cb * V + v] = t * t
+        for c in range(C, Cp):
+            row[pre + c] = 0.0
         _window_sum(row, acc, Cp, size)
         for c in range(Cp):
             sc[c] = k + a * acc[c]
@@ -703,6 +707,8 @@ cdef void _lrn_chunk(const float* x, const float* dy, float* out, Py_ssize_t p0,
                 off = cb * plane + p * V
                 for v in range(V):
                     out[off + v] = x[off + v] * pw[cb * V + v]
+            for c in range(C, Cp):
+                out[(c // V) * plane + p * V + c % V] = 0.0
             continue
         # backward: row <- dy * x * scale^(-beta-1) = dy * y / scale, then its window sum
         for cb in range(Cb):
@@ -710,9 +716,13 @@ cdef void _lrn_chunk(const float* x, const float* dy, float* out, Py_ssize_t p0,
             for v in range(V):
                 c = cb * V + v
                 row[pre + c] = dy[off + v] * x[off + v] * pw[c] / sc[c]
+        for c in range(C, Cp):
+            row[pre + c] = 0.0
         _window_sum(row, acc, Cp, size)
         for cb in range(Cb):
             off = cb * plane + p * V
             for v in range(V):
                 c = cb * V + v
                 out[off + v] = dy[off + v] * pw[c] - cache * x[off + v] * acc[c]
+        for c in range(C, Cp):
+            out[(c // V) * plane + p * V + c % V] = 0.0

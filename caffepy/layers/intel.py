@@ -4,14 +4,16 @@ SIMD-blocked layout.
     data (N, C, H, W) -> IntelPack -> (N, ceil(C/V), H, W, V) ... -> IntelUnpack -> (N, C, H, W)
 
 Channel c of a blocked blob lives in block c // V, lane c % V, where V is the vector width of
-this CPU (8 floats for AVX2, 16 for AVX-512; CAFFEPY_BLOCK_WIDTH overrides it); lanes past the
-real channel count are zero. The blob records it as `blob.layout = Blocked(V, C)`.
+this CPU (8 floats for AVX2, 16 for AVX-512; CAFFEPY_BLOCK_WIDTH overrides it). Lanes past the
+real channel count are padding: IntelPack and every blocked kernel write zeros there, and no
+blocked kernel reads them as data, so an elementwise layer that maps 0 elsewhere (Sigmoid) cannot
+leak into real channels. The blob records the layout as `blob.layout = Blocked(V, C)`.
 
 When the Net builds a layer whose bottom is blocked, `blocked_version` picks its implementation:
 the blocked class registered for its type in BLOCKED below (the kernels of
 caffepy.kernels.intel: vectorized over the V lanes of a pixel, OpenMP over images and blocks),
-or the layer itself when it is elementwise and keeps zeros zero (`accepts_blocked`: ReLU,
-Dropout, Split, Eltwise). Any other type fed a blocked blob is a LayerError naming the layer.
+or the layer itself when it is elementwise (`accepts_blocked`: the neuron layers, Split; and
+Eltwise). Any other type fed a blocked blob is a LayerError naming the layer.
 Blocked layers compute the same numbers as their NCHW versions (up to float rounding).
 """
 import os
@@ -466,12 +468,13 @@ class BlockedLRN(Layer):
         top[0].layout = _blocked_bottom(self, bottom[0])
 
     def forward(self, bottom, top):
-        _k.lrn_forward(bottom[0].data, top[0].data, self.size, self.alpha, self.beta, self.k)
+        _k.lrn_forward(bottom[0].data, top[0].data, bottom[0].layout.channels, self.size,
+                       self.alpha, self.beta, self.k)
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[0]:
-            _k.lrn_backward(bottom[0].data, top[0].diff, bottom[0].diff, self.size, self.alpha,
-                            self.beta, self.k)
+            _k.lrn_backward(bottom[0].data, top[0].diff, bottom[0].diff, bottom[0].layout.channels,
+                            self.size, self.alpha, self.beta, self.k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -568,10 +571,10 @@ class BlockedConcat(Layer):
 
 
 # ---------------------------------------------------------------------------------------------
-# Elementwise layers that keep zero padding zero, and layers run through NCHW
+# Elementwise layers that do not say so themselves, and layers run through NCHW
 
 def _passthrough(type_name):
-    """The plain layer itself: it is elementwise and maps 0 to 0 (padding lanes stay zero)."""
+    """The plain layer itself (elementwise, so lanes stay lanes), its tops marked blocked."""
     class _Select:
         @staticmethod
         def select(param):
@@ -684,8 +687,6 @@ BLOCKED = {
     "Pooling": BlockedPooling,
     "LRN": BlockedLRN,
     "Concat": BlockedConcat,
-    "ReLU": _passthrough("ReLU"),
-    "Dropout": _passthrough("Dropout"),
     "Eltwise": _passthrough("Eltwise"),
     "BatchNorm": _via_plain_select("BatchNorm"),
     "Scale": _via_plain_select("Scale"),

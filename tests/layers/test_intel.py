@@ -198,6 +198,17 @@ def test_blocked_lrn_matches_reference(spec, width):
     assert not ref_unpack(bottom[0].diff, bottom[0].shape[1] * width)[:, C:].any()
 
 
+def test_blocked_lrn_ignores_padding_lanes():
+    # a Sigmoid before it would leave 0.5 in the padding lanes: they must not enter the window
+    x = randn(2, 13, 3, 3, seed=8)
+    layer, bottom, top = blocked_layer("LRN", "lrn_param { local_size: 5 alpha: 0.5 }", [x], 8)
+    bottom[0].data[:, 1, :, :, 5:] = 0.5
+    layer.forward(bottom, top)
+    want, _ = ref.lrn_across_forward(x, 5, 0.5, 0.75, 1.0)
+    np.testing.assert_allclose(ref_unpack(top[0].data, 13), want, rtol=1e-5, atol=1e-6)
+    assert not top[0].data[:, 1, :, :, 5:].any()
+
+
 # ---------------------------------------------------------------------------------------------
 # Concat along channels: by blocks when the channels fill them, lane by lane otherwise
 
