@@ -8,9 +8,15 @@ Reductions keep 16 float partial sums per row (so the loop vectorizes without
 tests/layers/test_normalization.py.
 """
 from cython.parallel cimport prange
+cimport openmp
 
 cdef enum:
     _LANES = 16
+    _SERIAL_BELOW = 65536     # values: smaller jobs are not worth waking the thread team
+
+
+cdef inline int _threads(Py_ssize_t work) noexcept nogil:
+    return 1 if work < _SERIAL_BELOW else openmp.omp_get_max_threads()
 
 
 cdef inline tuple _s3(Py_ssize_t* shape):
@@ -81,6 +87,7 @@ cdef inline void _row_dots(const float* a, const float* b, Py_ssize_t n, double*
 def channel_mean_var(const float[:, :, ::1] x, double[::1] mean, double[::1] var):
     """mean[c], var[c] (biased) of x[:, c, :], two passes (the second over x - mean)."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], S = x.shape[2], n, c
+    cdef int nt = _threads(x.shape[0] * x.shape[1] * x.shape[2])
     cdef double m = <double>N * S, s
     if mean.shape[0] != C or var.shape[0] != C:
         raise ValueError(f"mean/var need {C} values, got {mean.shape[0]}/{var.shape[0]}")
@@ -89,7 +96,7 @@ def channel_mean_var(const float[:, :, ::1] x, double[::1] mean, double[::1] var
         var[:] = 0.0
         return
     with nogil:
-        for c in prange(C, schedule="static"):
+        for c in prange(C, schedule="static", num_threads=nt):
             s = 0.0
             for n in range(N):
                 s = s + _row_sum(&x[n, c, 0], S, 0.0)
@@ -104,12 +111,13 @@ def channel_sums(const float[:, :, ::1] a, const float[:, :, ::1] b, double[::1]
                  double[::1] sum_ab):
     """sum_a[c] = sum of a[:, c, :]; sum_ab[c] = sum of a[:, c, :] * b[:, c, :]."""
     cdef Py_ssize_t N = a.shape[0], C = a.shape[1], S = a.shape[2], n, c
+    cdef int nt = _threads(a.shape[0] * a.shape[1] * a.shape[2])
     if _s3(b.shape) != _s3(a.shape):
         raise ValueError(f"shapes differ: {_s3(a.shape)} and {_s3(b.shape)}")
     if sum_a.shape[0] != C or sum_ab.shape[0] != C:
         raise ValueError(f"sums need {C} values")
     with nogil:
-        for c in prange(C, schedule="static"):
+        for c in prange(C, schedule="static", num_threads=nt):
             sum_a[c] = 0.0
             sum_ab[c] = 0.0
             for n in range(N):
@@ -121,6 +129,7 @@ def channel_affine(const float[:, :, ::1] x, const float[::1] sub, const float[:
     """out[:, c, :] = (x[:, c, :] - sub[c]) * mul[c]; out may be x. Subtracting first keeps
     the precision of x - mean when the mean is large against the spread."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], S = x.shape[2], r, i
+    cdef int nt = _threads(x.shape[0] * x.shape[1] * x.shape[2])
     cdef float a, b
     cdef const float* src
     cdef float* dst
@@ -131,7 +140,7 @@ def channel_affine(const float[:, :, ::1] x, const float[::1] sub, const float[:
     if N * C * S == 0:
         return
     with nogil:
-        for r in prange(N * C, schedule="static"):
+        for r in prange(N * C, schedule="static", num_threads=nt):
             b = sub[r % C]
             a = mul[r % C]
             src = &x[0, 0, 0] + r * S
@@ -144,6 +153,7 @@ def channel_combine(const float[:, :, ::1] a, const float[:, :, ::1] b, const fl
                     const float[::1] beta, const float[::1] gamma, float[:, :, ::1] out):
     """out[:, c, :] = alpha[c] a + beta[c] b + gamma[c]; out may be a or b."""
     cdef Py_ssize_t N = a.shape[0], C = a.shape[1], S = a.shape[2], r, i
+    cdef int nt = _threads(a.shape[0] * a.shape[1] * a.shape[2])
     cdef float p, q, g
     cdef const float* sa
     cdef const float* sb
@@ -155,7 +165,7 @@ def channel_combine(const float[:, :, ::1] a, const float[:, :, ::1] b, const fl
     if N * C * S == 0:
         return
     with nogil:
-        for r in prange(N * C, schedule="static"):
+        for r in prange(N * C, schedule="static", num_threads=nt):
             p = alpha[r % C]
             q = beta[r % C]
             g = gamma[r % C]

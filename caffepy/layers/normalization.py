@@ -39,6 +39,8 @@ class LRN(Layer):
             raise self.error("lrn_param.local_size", "must be odd and positive", self.size)
         if self.region not in (LRNParameter.ACROSS_CHANNELS, LRNParameter.WITHIN_CHANNEL):
             raise self.error("lrn_param.norm_region", "unknown region", self.region)
+        # the compiled kernels keep windows on the stack: 511 covers any real net
+        self.compiled = _vision is not None and self.size <= 511
         if top[0] is bottom[0]:
             raise self.error("top", "LRN cannot run in place (its backward needs the input)",
                              f"'{bottom[0].name}'")
@@ -54,7 +56,7 @@ class LRN(Layer):
     def forward(self, bottom, top):
         x, y = bottom[0].data, top[0].data
         across = self.region == LRNParameter.ACROSS_CHANNELS
-        if _vision is not None:
+        if self.compiled:
             if across:
                 _vision.lrn_across_forward(x, y, self.scale, self.size, self.alpha, self.beta, self.k)
             else:
@@ -73,7 +75,7 @@ class LRN(Layer):
             return
         x, dy, dx = bottom[0].data, top[0].diff, bottom[0].diff
         across = self.region == LRNParameter.ACROSS_CHANNELS
-        if _vision is not None:
+        if self.compiled:
             kernel = _vision.lrn_across_backward if across else _vision.lrn_within_backward
             kernel(x, self.scale, dy, dx, self.size, self.alpha, self.beta)
             return

@@ -236,8 +236,7 @@ def test_mvn_in_place():
 
 
 @pytest.mark.parametrize("region", ["ACROSS_CHANNELS", "WITHIN_CHANNEL"])
-def test_lrn_without_compiled_kernels(monkeypatch, region):
-    from caffepy.layers import normalization
+def test_lrn_without_compiled_kernels(region):
     x = randn(2, 5, 4, 3, seed=36)
     params = f"lrn_param {{ local_size: 3 alpha: 0.8 norm_region: {region} }}"
     layer, bottom, top = setup_layer("LRN", params, [x])
@@ -245,11 +244,20 @@ def test_lrn_without_compiled_kernels(monkeypatch, region):
     top[0].diff[...] = randn(*x.shape, seed=37)
     layer.backward(top, [True], bottom)
     want_y, want_dx = top[0].data.copy(), bottom[0].diff.copy()
-    monkeypatch.setattr(normalization, "_vision", None)
+    layer.compiled = False
     layer.forward(bottom, top)
     layer.backward(top, [True], bottom)
     np.testing.assert_allclose(top[0].data, want_y, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(bottom[0].diff, want_dx, rtol=1e-4, atol=1e-6)
+
+
+def test_lrn_huge_window_uses_the_reference():
+    x = randn(1, 3, 2, 2, seed=40)
+    layer, bottom, top = setup_layer("LRN", "lrn_param { local_size: 513 norm_region: WITHIN_CHANNEL }", [x])
+    assert not layer.compiled
+    layer.forward(bottom, top)
+    np.testing.assert_allclose(top[0].data, lrn_ref(513, 1.0, 0.75, 1.0, "WITHIN_CHANNEL")(x.astype(np.float64))[0],
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("type_,params,phase", [
