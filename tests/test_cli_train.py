@@ -255,3 +255,36 @@ def test_reference_solver_runs_and_its_log_parses(tmp_path, monkeypatch, loud, n
     assert train[0] == "NumIters,Seconds,LearningRate,loss" and len(train) == 5
     assert test[0] == "NumIters,Seconds,LearningRate,accuracy,loss" and len(test) == 4
     assert os.path.exists("ref_iter_4.caffemodel")
+
+
+def test_signal_effects():
+    from caffepy.actions import SignalHandler
+    with SignalHandler("snapshot", "snapshot") as handler:
+        assert handler.action() == "none"
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert handler.action() == "snapshot"          # SIGHUP: save and carry on, as Caffe
+        os.kill(os.getpid(), signal.SIGINT)
+        assert handler.action() == "snapshot_stop"     # Ctrl-C: save, then stop
+        assert handler.action() == "none"
+    with SignalHandler("none", "stop") as handler:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert handler.action() == "stop"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_test_compute_loss_line(tiny, loud):
+    (tiny / "solver.prototxt").write_text(SOLVER.format(max_iter=1) + "test_compute_loss: true\n")
+    result = caffepy("train", "-solver", "solver.prototxt")
+    assert result.exit_code == 0 and "] Test loss: " in result.stderr
+
+
+def test_time_reports_the_data_wait_of_a_data_layer(tmp_path, monkeypatch, loud):
+    from data_helpers import data_net_text, make_db
+    monkeypatch.chdir(tmp_path)
+    make_db(tmp_path / "db", 16, shape=(1, 2, 2))
+    text = data_net_text(str(tmp_path / "db"), 4) + NET.split("\n", 5)[5].replace("num_output: 3", "num_output: 16")
+    (tmp_path / "net.prototxt").write_text('name: "d"\n' + text)
+    result = caffepy("time", "-model", "net.prototxt", "-iterations", "2")
+    assert result.exit_code == 0, result.output
+    assert "Data wait (data): " in result.stderr and "% of the forward pass" in result.stderr

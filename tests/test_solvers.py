@@ -426,3 +426,35 @@ def test_compiled_updates_match_numpy(tmp_path, monkeypatch, extra):
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     rng.seed(-1)
+
+
+# -- net forms and states -------------------------------------------------------------
+STATED_NET = NET_FILE + """
+layer { name: "only_a" type: "Power" bottom: "loss" top: "a_out" include { stage: "a" } }
+layer { name: "only_b" type: "Power" bottom: "loss" top: "b_out" include { stage: "b" } }
+layer { name: "deep" type: "Power" bottom: "loss" top: "deep_out" include { phase: TRAIN min_level: 2 } }
+"""
+
+
+def test_train_net_test_nets_and_their_states(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(STATED_NET)
+    p = caffe_pb2.SolverParameter()
+    text_format.Parse('train_net: "net.prototxt" test_net: "net.prototxt" test_net: "net.prototxt" '
+                      'test_iter: 1 test_iter: 2 test_interval: 10 test_compute_loss: true '
+                      'test_state { stage: "a" } test_state { stage: "b" } '
+                      'lr_policy: "fixed" base_lr: 0.01 display: 0 max_iter: 1', p)
+    s = Solver(p, level=2, stages=["a"])
+    assert set(s.net.outputs) == {"a_out", "deep_out"}
+    assert [set(n.outputs) for n in s.test_nets] == [{"a_out"}, {"b_out"}]
+    s.test_all()
+    assert [name for name, _ in s.test_scores[1]] == ["b_out"]
+    assert Solver(p).net.outputs == ["loss"]      # level 0 and no stage: no extra layer
+
+
+def test_test_iter_must_match_the_test_nets():
+    p = caffe_pb2.SolverParameter()
+    text_format.Parse(SCALAR_NET.format(param="", bias="false", b0=0)
+                      + 'test_net_param { name: "t" } lr_policy: "fixed" base_lr: 0.1', p)
+    with pytest.raises(PrototxtError, match="test_iter: one is needed per test net"):
+        Solver(p)
