@@ -29,6 +29,13 @@ class LossLayer(Layer):
     def allow_force_backward(self, bottom_index):
         return bottom_index != 1
 
+    def layer_setup(self, bottom, top):
+        smoothing = self.param.loss_param.label_smoothing
+        if smoothing:
+            raise self.error("loss_param.label_smoothing", "is not supported (an Intel Caffe "
+                             "extension)", smoothing, hint="Remove it to train with hard labels")
+        super().layer_setup(bottom, top)
+
     def reshape(self, bottom, top):
         a, b = bottom[0], bottom[1]
         if not a.num_axes or not b.num_axes or a.shape[0] != b.shape[0]:

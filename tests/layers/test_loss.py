@@ -292,6 +292,20 @@ def test_accuracy_top_k_above_classes_is_an_error():
         setup_layer("Accuracy", "accuracy_param { top_k: 6 }", [X45, labels(4, 5)])
 
 
+def test_label_smoothing_is_refused():
+    with pytest.raises(LayerError, match=r"loss_param.label_smoothing: is not supported.*got 0.1"):
+        setup_layer("SoftmaxWithLoss", "loss_param { label_smoothing: 0.1 }", [X45, labels(4, 5)])
+
+
+def test_pre_fixed_normalization():
+    lab = labels((2, 3, 2), 4, seed=5)
+    layer, bottom, top = setup_layer(
+        "SoftmaxWithLoss", "loss_param { normalization: PRE_FIXED pre_fixed_normalizer: 8 }", [X_SP, lab])
+    layer.forward(bottom, top)
+    want = softmax_loss_ref(1, None, "NONE")(X_SP.astype(np.float64), lab)[0] / 8
+    np.testing.assert_allclose(top[0].data, want, rtol=1e-5)
+
+
 def test_infogain_without_matrix_is_an_error():
     with pytest.raises(LayerError, match="infogain_loss_param.source"):
         setup_layer("InfogainLoss", "", [X45, labels(4, 5)])
