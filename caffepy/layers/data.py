@@ -112,6 +112,7 @@ class _PrefetchingLayer(Layer):
         from ..data.transformer import DataTransformer
         from ..errors import DataError
         from ..parallel import world
+        from ..proto import caffe_pb2
 
         p = getattr(self.param, self._params_field)
         self.batch_size = int(p.batch_size)
@@ -122,6 +123,8 @@ class _PrefetchingLayer(Layer):
         path = p.source
         if "{rank}" in path:        # split-DB: each rank reads its own whole shard
             path, rank, ranks = path.replace("{rank}", str(world.rank)), 0, 1
+        elif self.phase == caffe_pb2.TEST:   # only rank 0 tests (solver.py): the whole DB
+            rank, ranks = 0, 1
         else:                       # shared-DB: the ranks interleave record by record
             rank, ranks = world.rank, world.size
         try:
@@ -132,9 +135,12 @@ class _PrefetchingLayer(Layer):
             raise self.error(f"{self._params_field}.source", "the database is empty", path, cls=DataError)
         log.info(f"Opened {path} ({len(self.source_db)} records)")
 
-        # One draw from the shared stream seeds everything: ranks seeded alike agree on
-        # the shuffle and the skip; crops and mirrors differ per rank.
+        # One draw seeds everything. The solver seeds each rank differently
+        # (random_seed + rank), so interleaving ranks take rank 0's draw: they must
+        # agree on the shuffle and the skip. Crops and mirrors differ per rank.
         base = int(rng.generator().integers(1 << 62))
+        if ranks > 1 and world.comm is not None:
+            base = world.comm.bcast(base, root=0)
         skip = 0
         if p.rand_skip:
             skip = int(np.random.default_rng([base, 1]).integers(p.rand_skip))
@@ -199,10 +205,12 @@ class Data(_PrefetchingLayer):
 
     Multi-rank (caffepy.parallel.world): a source containing `{rank}` names one shard
     per rank (split-DB: `{rank}` is replaced by the rank, each rank reads its whole
-    shard). Otherwise all ranks read one database (shared-DB): rank r of N reads records
-    r, r+N, r+2N, ..., so N ranks with batch_size b see together what one rank with
-    batch_size N*b sees. With shuffle, each epoch's permutation comes from a seed drawn
-    from caffepy.rng, identical on ranks seeded identically.
+    shard; `caffepy split_db DB N` writes DB_0 ... DB_<N-1>, read as `DB_{rank}`).
+    Otherwise all ranks read one database (shared-DB): in TRAIN, rank r of N reads
+    records r, r+N, r+2N, ..., so N ranks with batch_size b see together what one rank
+    with batch_size N*b sees. With shuffle, each epoch's permutation comes from a seed
+    drawn from rank 0's caffepy.rng and broadcast, so all ranks walk the same one.
+    In TEST (only rank 0 tests) every rank reads every record, as Caffe does.
     """
     _params_field = "data_param"
 
