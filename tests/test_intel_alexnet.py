@@ -100,6 +100,66 @@ def test_blocked_net_matches_plain_net(width, monkeypatch):
     assert kinds["pool1"] == "BlockedPooling" and kinds["cat"] == "BlockedConcat"
 
 
+BN_NET = """
+force_backward: true
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 3 dim: 5 dim: 6 dim: 6 } } }
+{pack}
+layer { name: "conv" type: "Convolution" bottom: "{data}" top: "conv"
+  convolution_param { num_output: 11 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
+layer { name: "scale" type: "Scale" bottom: "conv" top: "conv"
+  scale_param { bias_term: true filler { type: "gaussian" std: 1 } bias_filler { type: "gaussian" std: 1 } } }
+layer { name: "sig" type: "Sigmoid" bottom: "conv" top: "conv" }
+layer { name: "norm" type: "LRN" bottom: "conv" top: "norm" lrn_param { local_size: 5 alpha: 0.5 } }
+{unpack}
+layer { name: "loss" type: "EuclideanLoss" bottom: "{out}" bottom: "target" top: "loss" }
+layer { name: "target" type: "Input" top: "target" input_param { shape { dim: 3 dim: 11 dim: 4 dim: 4 } } }
+"""
+
+
+@pytest.mark.parametrize("phase", [TRAIN, TEST])
+def test_batchnorm_scale_and_sigmoid_on_blocked_blobs(phase):
+    # BatchNorm and Scale run through NCHW; Sigmoid leaves 0.5 in the padding lanes, which the
+    # LRN after it must not read
+    def build(blocked):
+        text = BN_NET.replace("{pack}", 'layer { name: "pack" type: "IntelPack" bottom: "data" top: "packed" }'
+                              if blocked else "").replace("{data}", "packed" if blocked else "data")
+        text = text.replace("{unpack}", 'layer { name: "unpack" type: "IntelUnpack" bottom: "norm" top: "out" }'
+                            if blocked else "").replace("{out}", "out" if blocked else "norm")
+        # the target Input must come first: move it up
+        lines = text.strip().splitlines()
+        target = [ln for ln in lines if 'name: "target"' in ln]
+        lines = [ln for ln in lines if 'name: "target"' not in ln]
+        param = caffe_pb2.NetParameter()
+        text_format.Parse("\n".join(lines[:1] + target + lines[1:]), param)
+        rng.seed(3)
+        return Net(param, phase)
+    plain, blocked = build(False), build(True)
+    gen = np.random.default_rng(1)
+    x = gen.standard_normal((3, 5, 6, 6)).astype(np.float32)
+    target = gen.standard_normal((3, 11, 4, 4)).astype(np.float32)
+    for name, blobs in blocked.params.items():
+        for b, p in zip(blobs, plain.params[name]):
+            b.data[...] = p.data
+    for net in (plain, blocked):
+        if phase == TEST:
+            net.params["bn"][0].data[...] = np.arange(11)
+            net.params["bn"][1].data[...] = np.arange(1, 12)
+            net.params["bn"][2].data[...] = 2
+        net.blobs["data"].data[...] = x
+        net.blobs["target"].data[...] = target
+        net.clear_param_diffs()
+        net.forward_backward()
+    np.testing.assert_allclose(blocked.blobs["out"].data, plain.blobs["norm"].data, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(blocked.blobs["data"].diff, plain.blobs["data"].diff, rtol=1e-3, atol=1e-5)
+    for name in ("conv", "scale"):
+        for p, b in zip(plain.params[name], blocked.params[name]):
+            np.testing.assert_allclose(b.diff, p.diff, rtol=1e-3, atol=1e-5, err_msg=name)
+    if phase == TRAIN:   # running statistics updated alike
+        for p, b in zip(plain.params["bn"], blocked.params["bn"]):
+            np.testing.assert_allclose(b.data, p.data, rtol=1e-5, atol=1e-6)
+
+
 def _net(text):
     param = caffe_pb2.NetParameter()
     text_format.Parse(text, param)
@@ -176,6 +236,7 @@ def test_caffepy_time_on_intel_alexnet_deploy():
     assert "Average Forward pass" in r.stderr and "pack\tforward" in r.stderr.replace("  ", "")
 
 
+@pytest.mark.slow
 def test_caffepy_time_on_intel_alexnet_train_val(tmp_path):
     # the TRAIN net with its Data layer swapped for small DummyData (no ImageNet LMDB in tests)
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))

@@ -12,8 +12,8 @@ leak into real channels. The blob records the layout as `blob.layout = Blocked(V
 When the Net builds a layer whose bottom is blocked, `blocked_version` picks its implementation:
 the blocked class registered for its type in BLOCKED below (the kernels of
 caffepy.kernels.intel: vectorized over the V lanes of a pixel, OpenMP over images and blocks),
-or the layer itself when it is elementwise (`accepts_blocked`: the neuron layers, Split; and
-Eltwise). Any other type fed a blocked blob is a LayerError naming the layer.
+or the layer itself when it is elementwise (`accepts_blocked`: the neuron layers, Split,
+Eltwise, Silence). Any other type fed a blocked blob is a LayerError naming the layer.
 Blocked layers compute the same numbers as their NCHW versions (up to float rounding).
 """
 import os
@@ -138,12 +138,11 @@ def blocked_version(layer, bottoms):
     cls = BLOCKED.get(layer.type)
     if cls is not None and hasattr(cls, "select"):
         cls = cls.select(layer.param)
-    if (cls is None and layer.accepts_blocked) or getattr(cls, "elementwise", False):
+    if cls is None and layer.accepts_blocked:
         if len(set(layouts)) > 1:
             raise layer.error("bottom", "blocked bottoms differ in channels or width",
                               ", ".join(f"'{b.name}' {b.layout}" for b in bottoms))
-        if cls is None:
-            return layer
+        return layer
     if cls is None:
         known = ", ".join(sorted(set(BLOCKED) | {n for n, c in LAYERS.items() if c.accepts_blocked}))
         raise layer.error("bottom", f"blob {named} is in the SIMD-blocked layout (between IntelPack "
@@ -571,36 +570,7 @@ class BlockedConcat(Layer):
 
 
 # ---------------------------------------------------------------------------------------------
-# Elementwise layers that do not say so themselves, and layers run through NCHW
-
-def _passthrough(type_name):
-    """The plain layer itself (elementwise, so lanes stay lanes), its tops marked blocked."""
-    class _Select:
-        @staticmethod
-        def select(param):
-            cls = LAYERS.get(type_name)
-            return _MarkBlocked.wrap(cls) if cls is not None else None
-    return _Select
-
-
-class _MarkBlocked:
-    _cache = {}
-
-    @classmethod
-    def wrap(cls, plain):
-        # a subclass whose tops take the bottom's layout (plain `accepts_blocked` layers are
-        # handled by propagate_layout; these are the known-safe ones that do not say so)
-        if plain not in cls._cache:
-            def reshape(self, bottom, top, _base=plain.reshape):
-                _base(self, bottom, top)
-                for t in top:
-                    t.layout = bottom[0].layout
-            cls._cache[plain] = type(plain.__name__, (plain,), {"reshape": reshape,
-                                                                 "type": plain.type,
-                                                                 "elementwise": True,
-                                                                 "__module__": __name__})
-        return cls._cache[plain]
-
+# Per-channel layers run through NCHW
 
 class _ViaPlain(Layer):
     """A per-channel NCHW layer (BatchNorm, Scale, WITHIN_CHANNEL LRN) run on blocked blobs by
@@ -687,7 +657,6 @@ BLOCKED = {
     "Pooling": BlockedPooling,
     "LRN": BlockedLRN,
     "Concat": BlockedConcat,
-    "Eltwise": _passthrough("Eltwise"),
     "BatchNorm": _via_plain_select("BatchNorm"),
     "Scale": _via_plain_select("Scale"),
 }
