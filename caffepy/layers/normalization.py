@@ -117,6 +117,13 @@ class BatchNorm(Layer):
             else self.phase == caffe_pb2.TEST
         self.maf = float(p.moving_average_fraction)
         self.eps = float(p.eps)
+        # Intel MKL-DNN engine extensions that change the result: refused, not ignored
+        if p.relu:
+            raise self.error("batch_norm_param.relu", "is not supported (Intel MKL-DNN fusion)",
+                             "true", hint="Put a ReLU layer after the BatchNorm")
+        if p.stats_batch_size:
+            raise self.error("batch_norm_param.stats_batch_size", "is not supported (Intel "
+                             "MKL-DNN per-sub-batch statistics)", p.stats_batch_size)
         _, channels, _ = _channel_view(self, bottom[0])
         zero = caffe_pb2.FillerParameter(type="constant", value=0.0)
         self.init_param_blobs([((channels,), zero), ((channels,), zero), ((1,), zero)])

@@ -162,6 +162,12 @@ def test_batch_norm_in_place_matches_out_of_place():
     np.testing.assert_allclose(blob.diff, want_dx, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("params,field", [("relu: true", "relu"), ("stats_batch_size: 2", "stats_batch_size")])
+def test_batch_norm_refuses_intel_extensions(params, field):
+    with pytest.raises(LayerError, match=f"batch_norm_param.{field}: is not supported"):
+        setup_layer("BatchNorm", f"batch_norm_param {{ {params} }}", [BN_X])
+
+
 def test_batch_norm_default_stats_by_phase():
     assert setup_layer("BatchNorm", "", [BN_X], phase=TEST)[0].use_global_stats
     assert not setup_layer("BatchNorm", "", [BN_X], phase=TRAIN)[0].use_global_stats
