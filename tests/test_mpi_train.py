@@ -92,6 +92,23 @@ def test_hybrid_snapshot_holds_full_weights_and_history(tmp_path, db):
     assert max_rel_diff(*results) < 1e-5
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_rank_0_tests_like_one_rank(tmp_path, db, hybrid):
+    """Rank 0 tests over the whole test DB with the full weights (gathered in hybrid)."""
+    kw = dict(fc="InnerProduct", hybrid=hybrid)
+    single = write_job(tmp_path, "single", db, BATCH, ITERS, "test_iter: 2\ntest_interval: 3\n", **kw)
+    multi = write_job(tmp_path, "multi", db, BATCH // 2, ITERS, "test_iter: 4\ntest_interval: 3\n", **kw)
+    out1, outn = train(single), train(multi, 2)
+    assert out1.returncode == 0, out1.stderr[-2000:]
+    assert outn.returncode == 0, outn.stderr[-2000:]
+    pattern = r"Test net output #0: loss = (\S+)"
+    t1 = [float(v) for v in re.findall(pattern, out1.stderr)]
+    tn = [float(v) for v in re.findall(pattern, outn.stderr)]
+    assert len(t1) == 3 and len(tn) == 3          # iterations 0, 3 and 6
+    assert t1 == pytest.approx(tn, rel=1e-4)
+    assert len(set(t1)) == 3
+
+
 def test_resume_from_snapshot_continues(tmp_path, db):
     """A 2-rank run resumed from a snapshot ends where a 1-rank run resumed from it does."""
     first = write_job(tmp_path, "first", db, BATCH, 3)
