@@ -52,6 +52,17 @@ def weights_at_start(tmp_path, db):
     return weights(job / "snap_iter_0.caffemodel")
 
 
+def test_iter_size_matches_one_rank(tmp_path, db):
+    """With iter_size 2 only the second backward pass of an iteration is reduced."""
+    single = write_job(tmp_path, "single", db, BATCH // 2, ITERS, "iter_size: 2\n")
+    multi = write_job(tmp_path, "multi", db, BATCH // 4, ITERS, "iter_size: 2\n")
+    assert train(single).returncode == 0
+    out = train(multi, 2)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert max_rel_diff(weights(single / f"snap_iter_{ITERS}.caffemodel"),
+                        weights(multi / f"snap_iter_{ITERS}.caffemodel")) < 1e-5
+
+
 def test_lars_warmup_matches_one_rank(tmp_path, db):
     extra = "local_lr_auto: true\nlocal_gw_ratio: 0.01\nwarmup_iter: 4\nwarmup_start_lr: 0.01\n"
     w1, wn, _, _ = run_pair(tmp_path, db, 2, extra)
