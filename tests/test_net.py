@@ -63,7 +63,7 @@ def test_top_produced_twice_is_an_error():
 def _loss_net(extra_a="", extra_b="", force=False):
     text = INPUT + ip("a", "data", "a", extra=extra_a) + ip("b", "data", "b", extra=extra_b)
     text += 'layer { name: "target" type: "DummyData" top: "t" dummy_data_param { shape { dim: 4 dim: 3 }' \
-            ' data_filler { type: "gaussian" } } }\n'
+            ' data_filler { type: "constant" value: 0.3 } } }\n'
     text += 'layer { name: "sum" type: "Eltwise" bottom: "a" bottom: "b" top: "s" }\n'
     text += 'layer { name: "loss" type: "EuclideanLoss" bottom: "s" bottom: "t" top: "loss" }\n'
     if force:
