@@ -314,9 +314,24 @@ cdef _check(bint ok, str name, got, want):
 # Convolution on one image. Weight is [O, C/g * kh * kw] row-major, group gr uses rows
 # [gr*Og, (gr+1)*Og), image channels [gr*Cg, (gr+1)*Cg) and col rows [gr*Kg, (gr+1)*Kg).
 
-cdef void _fwd_image(const Geom* g, const float* im, const float* w, float* out, float* col,
-                     int nt) noexcept nogil:
-    """out[O, P] = W (*) im: im2col then one GEMM per group."""
+cdef void _add_bias_image(float* out, const float* bias, int rows, Py_ssize_t plane,
+                          int nt) noexcept nogil:
+    cdef int r
+    cdef Py_ssize_t p
+    cdef float b
+    cdef float* dst
+    if bias == NULL:
+        return
+    for r in prange(rows, num_threads=nt, schedule="static"):
+        b = bias[r]
+        dst = out + r * plane
+        for p in range(plane):
+            dst[p] = dst[p] + b
+
+
+cdef void _fwd_image(const Geom* g, const float* im, const float* w, const float* bias,
+                     float* out, float* col, int nt) noexcept nogil:
+    """out[O, P] = W (*) im + bias: im2col then one GEMM per group."""
     cdef const float* src = im
     cdef int gr
     if not g.direct:
@@ -325,11 +340,12 @@ cdef void _fwd_image(const Geom* g, const float* im, const float* w, float* out,
     for gr in range(g.group):
         gemm(False, False, g.Og, g.P, g.Kg, 1.0, w + <Py_ssize_t>gr * g.Og * g.Kg,
              src + <Py_ssize_t>gr * g.Kg * g.P, 0.0, out + <Py_ssize_t>gr * g.Og * g.P)
+    _add_bias_image(out, bias, g.O, g.P, nt)
 
 
-cdef void _bwd_data_image(const Geom* g, const float* out, const float* w, float* im,
-                          float* col, int nt) noexcept nogil:
-    """im[C, H, W] = col2im(W^T out) (overwritten)."""
+cdef void _bwd_data_image(const Geom* g, const float* out, const float* w, const float* bias,
+                          float* im, float* col, int nt) noexcept nogil:
+    """im[C, H, W] = col2im(W^T out) + bias (overwritten; the bias is a deconv's)."""
     cdef float* dst = im if g.direct else col
     cdef int gr
     for gr in range(g.group):
@@ -337,6 +353,7 @@ cdef void _bwd_data_image(const Geom* g, const float* out, const float* w, float
              out + <Py_ssize_t>gr * g.Og * g.P, 0.0, dst + <Py_ssize_t>gr * g.Kg * g.P)
     if not g.direct:
         _col2im(col, g, im, nt)
+    _add_bias_image(im, bias, g.C, <Py_ssize_t>g.H * g.W, nt)
 
 
 cdef void _bwd_weight_image(const Geom* g, const float* im, const float* out, float* wdiff,
@@ -350,17 +367,6 @@ cdef void _bwd_weight_image(const Geom* g, const float* im, const float* out, fl
     for gr in range(g.group):
         gemm(False, True, g.Og, g.Kg, g.P, 1.0, out + <Py_ssize_t>gr * g.Og * g.P,
              src + <Py_ssize_t>gr * g.Kg * g.P, 1.0, wdiff + <Py_ssize_t>gr * g.Og * g.Kg)
-
-
-cdef void _add_bias(const Geom* g, int N, const float* bias, float* out) noexcept nogil:
-    cdef Py_ssize_t row, p
-    cdef float b
-    cdef float* dst
-    for row in prange(<Py_ssize_t>N * g.O, schedule="static"):
-        b = bias[row % g.O]
-        dst = out + row * g.P
-        for p in range(g.P):
-            dst[p] = dst[p] + b
 
 
 cdef void _bias_diff(const Geom* g, int N, const float* out_diff, float* bias_diff) noexcept nogil:
@@ -383,8 +389,9 @@ cdef enum:
     _OP_BWD_WEIGHT = 2   # wdiff += a[n] (column side) x b[n] (image side)
 
 
-cdef void _run_images(const Geom* g, int N, int op, const float* a, const float* w, float* b,
-                      float* wdiff, float* ws, Py_ssize_t ws_floats) noexcept nogil:
+cdef void _run_images(const Geom* g, int N, int op, const float* a, const float* w,
+                      const float* bias, float* b, float* wdiff, float* ws,
+                      Py_ssize_t ws_floats) noexcept nogil:
     cdef Py_ssize_t col_floats = 0 if g.direct else <Py_ssize_t>g.Kg * g.group * g.P
     cdef Py_ssize_t w_floats = <Py_ssize_t>g.O * g.Kg
     cdef Py_ssize_t im_floats = <Py_ssize_t>g.C * g.H * g.W
@@ -400,9 +407,9 @@ cdef void _run_images(const Geom* g, int N, int op, const float* a, const float*
     if T == 1:
         for n in range(N):
             if op == _OP_FWD:
-                _fwd_image(g, a + n * im_floats, w, b + n * out_floats, ws, mt)
+                _fwd_image(g, a + n * im_floats, w, bias, b + n * out_floats, ws, mt)
             elif op == _OP_BWD_DATA:
-                _bwd_data_image(g, a + n * out_floats, w, b + n * im_floats, ws, mt)
+                _bwd_data_image(g, a + n * out_floats, w, bias, b + n * im_floats, ws, mt)
             else:
                 _bwd_weight_image(g, b + n * im_floats, a + n * out_floats, wdiff, ws, mt)
         return
@@ -417,9 +424,9 @@ cdef void _run_images(const Geom* g, int N, int op, const float* a, const float*
         tid = threadid()
         mine = ws + tid * col_floats
         if op == _OP_FWD:
-            _fwd_image(g, a + n * im_floats, w, b + n * out_floats, mine, 1)
+            _fwd_image(g, a + n * im_floats, w, bias, b + n * out_floats, mine, 1)
         elif op == _OP_BWD_DATA:
-            _bwd_data_image(g, a + n * out_floats, w, b + n * im_floats, mine, 1)
+            _bwd_data_image(g, a + n * out_floats, w, bias, b + n * im_floats, mine, 1)
         else:
             acc = wdiff if tid == 0 else partials + tid * w_floats
             _bwd_weight_image(g, b + n * im_floats, a + n * out_floats, acc, mine, 1)
@@ -471,6 +478,12 @@ cdef inline float* _ptr(float[::1] buf) noexcept:
     return NULL if buf is None or buf.shape[0] == 0 else &buf[0]
 
 
+cdef inline const float* _cptr(const float[::1] buf) noexcept:
+    if buf is None or buf.shape[0] == 0:
+        return NULL
+    return &buf[0]
+
+
 def conv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] weight,
                  const float[::1] bias, float[:, :, :, ::1] top, float[::1] col_buffer,
                  int pad_h, int pad_w, int stride_h, int stride_w, int dil_h, int dil_w,
@@ -489,12 +502,10 @@ def conv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] wei
         _check(bias.shape[0] == g.O, "bias", (bias.shape[0],), (g.O,))
     if N == 0:
         return
+    cdef const float* b = _cptr(bias)
     with nogil:
-        _run_images(&g, N, _OP_FWD, &bottom[0, 0, 0, 0], &weight[0, 0, 0, 0],
+        _run_images(&g, N, _OP_FWD, &bottom[0, 0, 0, 0], &weight[0, 0, 0, 0], b,
                     &top[0, 0, 0, 0], NULL, ws, ws_floats)
-    if bias is not None:
-        with nogil:
-            _add_bias(&g, N, &bias[0], &top[0, 0, 0, 0])
 
 
 def conv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1] bottom,
@@ -529,11 +540,12 @@ def conv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1] 
     if weight_diff is not None:
         with nogil:
             _run_images(&g, N, _OP_BWD_WEIGHT, &top_diff[0, 0, 0, 0], &weight[0, 0, 0, 0],
-                        <float*>&bottom[0, 0, 0, 0], &weight_diff[0, 0, 0, 0], ws, ws_floats)
+                        NULL, <float*>&bottom[0, 0, 0, 0], &weight_diff[0, 0, 0, 0], ws,
+                        ws_floats)
     if bottom_diff is not None:
         with nogil:
             _run_images(&g, N, _OP_BWD_DATA, &top_diff[0, 0, 0, 0], &weight[0, 0, 0, 0],
-                        &bottom_diff[0, 0, 0, 0], NULL, ws, ws_floats)
+                        NULL, &bottom_diff[0, 0, 0, 0], NULL, ws, ws_floats)
 
 
 def deconv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] weight,
@@ -551,20 +563,14 @@ def deconv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] w
     cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer)
     cdef int N = bottom.shape[0]
     cdef float* ws = _ptr(col_buffer)
-    cdef Geom gb
     if bias is not None:
         _check(bias.shape[0] == g.C, "bias", (bias.shape[0],), (g.C,))
     if N == 0:
         return
+    cdef const float* b = _cptr(bias)
     with nogil:
-        _run_images(&g, N, _OP_BWD_DATA, &bottom[0, 0, 0, 0], &weight[0, 0, 0, 0],
+        _run_images(&g, N, _OP_BWD_DATA, &bottom[0, 0, 0, 0], &weight[0, 0, 0, 0], b,
                     &top[0, 0, 0, 0], NULL, ws, ws_floats)
-    if bias is not None:
-        gb = g
-        gb.O = g.C
-        gb.P = g.H * g.W
-        with nogil:
-            _add_bias(&gb, N, &bias[0], &top[0, 0, 0, 0])
 
 
 def deconv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1] bottom,
@@ -599,11 +605,12 @@ def deconv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1
     if weight_diff is not None:
         with nogil:
             _run_images(&g, N, _OP_BWD_WEIGHT, &bottom[0, 0, 0, 0], &weight[0, 0, 0, 0],
-                        <float*>&top_diff[0, 0, 0, 0], &weight_diff[0, 0, 0, 0], ws, ws_floats)
+                        NULL, <float*>&top_diff[0, 0, 0, 0], &weight_diff[0, 0, 0, 0], ws,
+                        ws_floats)
     if bottom_diff is not None:
         with nogil:
             _run_images(&g, N, _OP_FWD, &top_diff[0, 0, 0, 0], &weight[0, 0, 0, 0],
-                        &bottom_diff[0, 0, 0, 0], NULL, ws, ws_floats)
+                        NULL, &bottom_diff[0, 0, 0, 0], NULL, ws, ws_floats)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -640,26 +647,35 @@ def max_pool_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
 
 cdef void _max_pool_plane(const float* x, float* y, int32_t* mask, int H, int W, int oh, int ow,
                           int kh, int kw, int sh, int sw, int ph, int pw) noexcept nogil:
-    cdef int py, px, h, w, hs, he, ws, we, arg
-    cdef float m, v
+    # Outputs of a row are updated together, tap by tap (window rows, then columns), so each
+    # output still sees its window in row-major order and '>' keeps the first maximum; the
+    # inner loop over outputs is branch-free and vectorizes.
+    cdef int py, px, h, j, hs, he, lo, hi, off
+    cdef int32_t idx
+    cdef float v, cur
+    cdef float* yr
+    cdef int32_t* mr
+    cdef const float* xr
     for py in range(oh):
+        yr = y + py * ow
+        mr = mask + py * ow
+        for px in range(ow):
+            yr[px] = -FLT_MAX
+            mr[px] = -1
         hs = py * sh - ph
         he = min(hs + kh, H)
         hs = max(hs, 0)
-        for px in range(ow):
-            ws = px * sw - pw
-            we = min(ws + kw, W)
-            ws = max(ws, 0)
-            m = -FLT_MAX
-            arg = -1
-            for h in range(hs, he):
-                for w in range(ws, we):
-                    v = x[h * W + w]
-                    if v > m:
-                        m = v
-                        arg = h * W + w
-            y[py * ow + px] = m
-            mask[py * ow + px] = arg
+        for h in range(hs, he):
+            xr = x + h * W
+            for j in range(kw):
+                off = j - pw
+                _valid_cols(off, sw, W, ow, &lo, &hi)
+                for px in range(lo, hi):
+                    idx = h * W + px * sw + off
+                    v = xr[px * sw + off]
+                    cur = yr[px]
+                    yr[px] = v if v > cur else cur
+                    mr[px] = idx if v > cur else mr[px]
 
 
 def max_pool_backward(const float[:, :, :, ::1] top_diff, const int32_t[:, :, :, ::1] mask,
@@ -705,20 +721,26 @@ def ave_pool_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
 
 cdef void _ave_pool_plane(const float* x, float* y, int H, int W, int oh, int ow,
                           int kh, int kw, int sh, int sw, int ph, int pw) noexcept nogil:
-    cdef int py, px, h, w, hs, he, ws, we, n
-    cdef float s
+    cdef int py, px, h, j, hs, he, lo, hi, off, ws, we
+    cdef float* yr
+    cdef const float* xr
     for py in range(oh):
+        yr = y + py * ow
+        for px in range(ow):
+            yr[px] = 0.0
         hs = py * sh - ph
         he = min(hs + kh, H + ph)
+        for h in range(max(hs, 0), min(he, H)):
+            xr = x + h * W
+            for j in range(kw):
+                off = j - pw
+                _valid_cols(off, sw, W, ow, &lo, &hi)
+                for px in range(lo, hi):
+                    yr[px] += xr[px * sw + off]
         for px in range(ow):
             ws = px * sw - pw
             we = min(ws + kw, W + pw)
-            n = (he - hs) * (we - ws)
-            s = 0.0
-            for h in range(max(hs, 0), min(he, H)):
-                for w in range(max(ws, 0), min(we, W)):
-                    s = s + x[h * W + w]
-            y[py * ow + px] = s / n
+            yr[px] = yr[px] / ((he - hs) * (we - ws))
 
 
 def ave_pool_backward(const float[:, :, :, ::1] top_diff, float[:, :, :, ::1] bottom_diff,
@@ -739,19 +761,24 @@ def ave_pool_backward(const float[:, :, :, ::1] top_diff, float[:, :, :, ::1] bo
 
 cdef void _ave_unpool_plane(const float* dy, float* dx, int H, int W, int oh, int ow,
                             int kh, int kw, int sh, int sw, int ph, int pw) noexcept nogil:
-    cdef int py, px, h, w, hs, he, ws, we
-    cdef float g
+    # the divisor is recomputed per tap instead of kept in a scratch row: no allocation
+    cdef int py, px, h, j, hs, he, lo, hi, off, ws, we
+    cdef const float* gr
+    cdef float* xr
     memset(dx, 0, <Py_ssize_t>H * W * sizeof(float))
     for py in range(oh):
+        gr = dy + py * ow
         hs = py * sh - ph
         he = min(hs + kh, H + ph)
-        for px in range(ow):
-            ws = px * sw - pw
-            we = min(ws + kw, W + pw)
-            g = dy[py * ow + px] / ((he - hs) * (we - ws))
-            for h in range(max(hs, 0), min(he, H)):
-                for w in range(max(ws, 0), min(we, W)):
-                    dx[h * W + w] += g
+        for h in range(max(hs, 0), min(he, H)):
+            xr = dx + h * W
+            for j in range(kw):
+                off = j - pw
+                _valid_cols(off, sw, W, ow, &lo, &hi)
+                for px in range(lo, hi):
+                    ws = px * sw - pw
+                    we = min(ws + kw, W + pw)
+                    xr[px * sw + off] += gr[px] / ((he - hs) * (we - ws))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,181 @@
+"""Milliseconds of the vision kernels on AlexNet's shapes (batch 64), with the threading choice.
+
+    .venv/bin/python benchmarks/bench_kernels.py [--batch 64] [--reps 3] [--layers conv1,norm1]
+
+Prints one table:
+  - conv1..conv5 forward and backward (weight + bias + bottom diffs) under both ways of
+    threading the image loop ('images': OpenMP over images, one BLAS thread each; 'blas':
+    images in turn, BLAS threads each GEMM), with the GFLOP/s of the default way next to the
+    sgemm peak of the same run (NumPy float32 matmul 4096^3);
+  - pool1/pool2/pool5 (MAX 3x3 stride 2) and norm1/norm2 (LRN 5, 1e-4, 0.75) forward/backward,
+    LRN against torch's local_response_norm when torch is installed (benchmarks only).
+Times are the best of --reps runs after one warm-up; the load average is printed because the
+figures mean little on a busy machine.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from caffepy.kernels import vision  # noqa: E402
+
+# name: (C, H, W, O, kernel, pad, stride, group), bottom shape per image; bvlc_alexnet
+CONVS = {
+    "conv1": (3, 227, 227, 96, 11, 0, 4, 1),
+    "conv2": (96, 27, 27, 256, 5, 2, 1, 2),
+    "conv3": (256, 13, 13, 384, 3, 1, 1, 1),
+    "conv4": (384, 13, 13, 384, 3, 1, 1, 2),
+    "conv5": (384, 13, 13, 256, 3, 1, 1, 2),
+}
+# name: (C, H, W)
+POOLS = {"pool1": (96, 55, 55), "pool2": (256, 27, 27), "pool5": (256, 13, 13)}
+NORMS = {"norm1": (96, 55, 55), "norm2": (256, 27, 27)}
+LRN = dict(size=5, alpha=1e-4, beta=0.75, k=1.0)
+
+
+def best_ms(fn, reps, setup=None):
+    """Best wall time of fn() over reps runs (after a warm-up); setup() runs untimed before each."""
+    times = []
+    for i in range(reps + 1):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        if i:
+            times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def sgemm_peak(reps):
+    a = np.random.default_rng(0).random((4096, 4096), dtype=np.float32)
+    b = a.copy()
+    ms = best_ms(lambda: a @ b, reps)
+    return 2 * 4096 ** 3 / ms / 1e6
+
+
+def rand(rng, *shape):
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+def bench_conv(name, N, reps, rng):
+    C, H, W, O, k, pad, stride, group = CONVS[name]
+    oh, ow = vision.conv_output_shape(H, W, k, k, pad, pad, stride, stride)
+    bottom, weight, bias = rand(rng, N, C, H, W), rand(rng, O, C // group, k, k), rand(rng, O)
+    top, top_diff = np.empty((N, O, oh, ow), np.float32), rand(rng, N, O, oh, ow)
+    weight_diff, bias_diff = np.zeros_like(weight), np.zeros_like(bias)
+    bottom_diff = np.empty_like(bottom)
+    geometry = (pad, pad, stride, stride, 1, 1, group)
+    flops = 2.0 * N * O * oh * ow * (C // group) * k * k
+    row = {"flops": flops}
+    default = vision.get_conv_threading()
+    for mode in ("images", "blas"):
+        vision.set_conv_threading(mode)
+        col = np.empty(vision.conv_workspace_size(C, k, k, oh, ow, weight.size), np.float32)
+        row[mode] = (
+            best_ms(lambda: vision.conv_forward(bottom, weight, bias, top, col, *geometry), reps),
+            best_ms(lambda: vision.conv_backward(top_diff, bottom, weight, weight_diff, bias_diff,
+                                                 bottom_diff, col, *geometry), reps))
+    vision.set_conv_threading(default)
+    return row
+
+
+def bench_pool(name, N, reps, rng):
+    C, H, W = POOLS[name]
+    oh, ow = vision.pool_output_shape(H, W, 3, 3, 2, 2, 0, 0)
+    bottom, top_diff = rand(rng, N, C, H, W), rand(rng, N, C, oh, ow)
+    top, mask = np.empty((N, C, oh, ow), np.float32), np.empty((N, C, oh, ow), np.int32)
+    bottom_diff = np.empty_like(bottom)
+    fwd = best_ms(lambda: vision.max_pool_forward(bottom, top, mask, 3, 3, 2, 2, 0, 0), reps)
+    bwd = best_ms(lambda: vision.max_pool_backward(top_diff, mask, bottom_diff), reps)
+    return fwd, bwd
+
+
+def bench_lrn(name, N, reps, rng):
+    C, H, W = NORMS[name]
+    bottom, top_diff = rand(rng, N, C, H, W), rand(rng, N, C, H, W)
+    top, scale, bottom_diff = (np.empty_like(bottom) for _ in range(3))
+    p = LRN
+    fwd = best_ms(lambda: vision.lrn_across_forward(bottom, top, scale, p["size"], p["alpha"],
+                                                    p["beta"], p["k"]), reps)
+    bwd = best_ms(lambda: vision.lrn_across_backward(bottom, scale, top_diff, bottom_diff,
+                                                     p["size"], p["alpha"], p["beta"]), reps)
+    return fwd, bwd, bench_lrn_torch(bottom, top_diff, reps)
+
+
+def bench_lrn_torch(bottom, top_diff, reps):
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count())))
+    p = LRN
+    x = torch.from_numpy(bottom)
+    dy = torch.from_numpy(top_diff)
+
+    def forward():
+        return torch.nn.functional.local_response_norm(x, p["size"], p["alpha"], p["beta"],
+                                                       p["k"])
+    with torch.no_grad():
+        fwd = best_ms(forward, reps)
+    state = {}
+
+    def setup():
+        x.requires_grad_(True)
+        x.grad = None
+        state["y"] = forward()
+    bwd = best_ms(lambda: state["y"].backward(dy), reps, setup)
+    x.requires_grad_(False)
+    return fwd, bwd
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--layers", default="", help="comma-separated subset, e.g. conv2,norm1")
+    args = parser.parse_args()
+    wanted = set(filter(None, args.layers.split(",")))
+    rng = np.random.default_rng(0)
+    N, reps = args.batch, args.reps
+
+    print(f"batch {N}, {os.cpu_count()} cpus, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}, "
+          f"load average {os.getloadavg()[0]:.2f}, best of {reps}")
+    peak = sgemm_peak(reps)
+    default = vision.get_conv_threading()
+    print(f"sgemm peak (numpy float32 matmul 4096^3): {peak:.1f} GFLOP/s; "
+          f"conv threading default: '{default}'\n")
+    print(f"{'layer':7} {'fwd ms':>9} {'bwd ms':>9}   {'notes'}")
+    for name in CONVS:
+        if wanted and name not in wanted:
+            continue
+        row = bench_conv(name, N, reps, rng)
+        fwd, bwd = row[default]
+        other = "blas" if default == "images" else "images"
+        gf_f = row["flops"] / fwd / 1e6
+        gf_b = 2 * row["flops"] / bwd / 1e6
+        print(f"{name:7} {fwd:9.1f} {bwd:9.1f}   {gf_f:5.1f} / {gf_b:5.1f} GFLOP/s fwd/bwd "
+              f"({100 * gf_f / peak:.0f}% / {100 * gf_b / peak:.0f}% of peak); "
+              f"'{other}' threading: {row[other][0]:.1f} / {row[other][1]:.1f} ms", flush=True)
+    for name in POOLS:
+        if wanted and name not in wanted:
+            continue
+        fwd, bwd = bench_pool(name, N, reps, rng)
+        print(f"{name:7} {fwd:9.1f} {bwd:9.1f}   MAX 3x3 stride 2 on {N}x{'x'.join(map(str, POOLS[name]))}",
+              flush=True)
+    for name in NORMS:
+        if wanted and name not in wanted:
+            continue
+        fwd, bwd, torch_ms = bench_lrn(name, N, reps, rng)
+        vs = ("torch not installed" if torch_ms is None else
+              f"torch local_response_norm {torch_ms[0]:.1f} / {torch_ms[1]:.1f} ms "
+              f"({torch_ms[0] / fwd:.1f}x / {torch_ms[1] / bwd:.1f}x slower)")
+        print(f"{name:7} {fwd:9.1f} {bwd:9.1f}   LRN 5 on {N}x{'x'.join(map(str, NORMS[name]))}; {vs}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
