@@ -167,3 +167,52 @@ def dropout_forward(const float[::1] x, float[::1] mask, float[::1] y, float rat
     for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
         lo = c * CHUNK
         _dropout_f(&x[lo], &mask[lo], &y[lo], min(CHUNK, n - lo), ratio, scale)
+
+
+# -- PReLU: a slope per channel over (num, channels, inner) views ---------------------------------
+cdef inline void _prelu_f(const float* x, float* y, Py_ssize_t n, float a) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        y[i] = x[i] if x[i] > 0 else x[i] * a
+
+
+cdef inline double _prelu_b(const float* x, const float* g, float* d, Py_ssize_t n, float a,
+                            bint want_dx) noexcept nogil:
+    """dx over one plane (when wanted); returns the plane's sum of x * dy over x <= 0."""
+    cdef Py_ssize_t i
+    cdef float acc = 0
+    for i in range(n):
+        acc = acc + (x[i] * g[i] if x[i] <= 0 else 0)
+    if want_dx:
+        for i in range(n):
+            d[i] = g[i] if x[i] > 0 else g[i] * a
+    return acc
+
+
+def prelu_forward(const float[:, :, ::1] x, float[:, :, ::1] y, const float[::1] slope):
+    """y[n, c, :] = x if x > 0 else slope[c] * x."""
+    cdef Py_ssize_t N = x.shape[0], C = x.shape[1], inner = x.shape[2], c, n
+    if N == 0 or C == 0 or inner == 0:
+        return
+    for c in prange(C, nogil=True, schedule="static", num_threads=_threads(N * C * inner)):
+        for n in range(N):
+            _prelu_f(&x[n, c, 0], &y[n, c, 0], inner, slope[c])
+
+
+def prelu_backward(const float[:, :, ::1] x, const float[:, :, ::1] dy, float[:, :, ::1] dx,
+                   const float[::1] slope, double[::1] slope_diff):
+    """dx = dy if x > 0 else slope[c] * dy (skipped when dx is None); slope_diff[c] (float64)
+    gets the sum of x * dy over x <= 0 added (skipped when None). dx may be dy."""
+    cdef Py_ssize_t N = x.shape[0], C = x.shape[1], inner = x.shape[2], c, n
+    cdef bint want_dx = dx is not None, want_slope = slope_diff is not None
+    cdef double acc
+    cdef float* d
+    if N == 0 or C == 0 or inner == 0:
+        return
+    for c in prange(C, nogil=True, schedule="static", num_threads=_threads(N * C * inner)):
+        acc = 0
+        for n in range(N):
+            d = &dx[n, c, 0] if want_dx else NULL
+            acc = acc + _prelu_b(&x[n, c, 0], &dy[n, c, 0], d, inner, slope[c], want_dx)
+        if want_slope:
+            slope_diff[c] += acc

@@ -264,8 +264,13 @@ class Eltwise(Layer):
         y = top[0].data
         xs = [b.data for b in bottom]
         if self.op == self.SUM:
-            np.multiply(xs[0], np.float32(self.coeff[0]), out=y)
-            for x, c in zip(xs[1:], self.coeff[1:]):
+            if self.coeff[0] == 1 and self.coeff[1] == 1:
+                np.add(xs[0], xs[1], out=y)
+                rest = 2
+            else:
+                np.multiply(xs[0], np.float32(self.coeff[0]), out=y)
+                rest = 1
+            for x, c in zip(xs[rest:], self.coeff[rest:]):
                 if c == 1:
                     y += x
                 else:
@@ -290,7 +295,10 @@ class Eltwise(Layer):
                 continue
             dx = b.diff
             if self.op == self.SUM:
-                np.multiply(dy, np.float32(self.coeff[i]), out=dx)
+                if self.coeff[i] == 1:
+                    np.copyto(dx, dy)
+                else:
+                    np.multiply(dy, np.float32(self.coeff[i]), out=dx)
             elif self.op == self.PROD:
                 if self.stable:
                     others = [o.data for j, o in enumerate(bottom) if j != i]

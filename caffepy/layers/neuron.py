@@ -98,9 +98,9 @@ class PReLU(Layer):
                              bottom[0].shape[1])
         top[0].reshape(bottom[0].shape)
 
-    def _slope(self, x):
-        # slope broadcast over (num, channels, rest)
-        return self.blobs[0].data.reshape(1, -1, 1)
+    def _slopes(self, channels):
+        a = self.blobs[0].data.reshape(-1)
+        return np.full(channels, a[0], np.float32) if self.shared else a
 
     def _view(self, a):
         return a.reshape(a.shape[0], a.shape[1], -1)
@@ -109,23 +109,16 @@ class PReLU(Layer):
         x = self._view(bottom[0].data)
         if top[0] is bottom[0]:
             self._saved = x.copy()
-        y = self._view(top[0].data)
-        neg = np.minimum(x, 0)
-        np.maximum(x, 0, out=y)
-        neg *= self._slope(x)
-        y += neg
+        kernels.prelu_forward(x, self._view(top[0].data), self._slopes(x.shape[1]))
 
     def backward(self, top, propagate_down, bottom):
         x = self._saved if top[0] is bottom[0] else self._view(bottom[0].data)
-        dy = self._view(top[0].diff)
-        if param_wanted(self, 0):
-            neg = np.minimum(x, 0) * dy
-            sums = neg.sum(axis=(0, 2), dtype=np.float64)
+        want_slope = param_wanted(self, 0)
+        sums = np.zeros(x.shape[1], np.float64) if want_slope else None
+        dx = self._view(bottom[0].diff) if propagate_down[0] else None
+        kernels.prelu_backward(x, self._view(top[0].diff), dx, self._slopes(x.shape[1]), sums)
+        if want_slope:
             self.blobs[0].diff.reshape(-1)[...] += sums.sum() if self.shared else sums
-        if propagate_down[0]:
-            dx = self._view(bottom[0].diff)
-            factor = np.where(x > 0, np.float32(1), self._slope(x))
-            np.multiply(dy, factor, out=dx)
 
 
 @register

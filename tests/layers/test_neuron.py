@@ -264,3 +264,18 @@ def test_kernels_accept_empty_arrays():
     e = np.zeros(0, np.float32)
     kernels.relu_forward(e, e, 0.0)
     kernels.dropout_forward(e, e, e, 0.5, 2.0)
+
+
+def test_prelu_kernels():
+    x, dy = randn(3, 5, 20011, seed=1), randn(3, 5, 20011, seed=2)
+    a = np.array([0.25, -0.5, 0, 1, 2], np.float32)
+    y = np.empty_like(x)
+    kernels.prelu_forward(x, y, a)
+    np.testing.assert_array_equal(y, np.where(x > 0, x, x * a[None, :, None]))
+    dx = np.empty_like(x)
+    sums = np.ones(5)
+    kernels.prelu_backward(x, dy, dx, a, sums)
+    np.testing.assert_allclose(dx, np.where(x > 0, dy, dy * a[None, :, None]), rtol=1e-6)
+    want = 1 + (np.minimum(x, 0).astype(np.float64) * dy).sum(axis=(0, 2))
+    np.testing.assert_allclose(sums, want, rtol=1e-4)
+    kernels.prelu_backward(x, dy, None, a, None)      # nothing wanted: a no-op
