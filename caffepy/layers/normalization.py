@@ -152,17 +152,18 @@ class BatchNorm(Layer):
             factor = 0.0 if factor == 0 else 1.0 / factor
             mean = self.blobs[0].data * np.float32(factor)
             var = self.blobs[1].data.astype(np.float64) * np.float32(factor)
-        else:
-            mean, var = channel_mean_var(x)
-            m = x.size // self.dims[1]
-            correction = m / (m - 1) if m > 1 else 1.0
-            self.blobs[2].data[...] = self.blobs[2].data * self.maf + 1.0
-            self.blobs[0].data[...] = mean + self.maf * self.blobs[0].data
-            self.blobs[1].data[...] = correction * var + self.maf * self.blobs[1].data
-        self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
-        channel_affine(x, mean.astype(np.float32), self.inv_std, y)
+            self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
+            channel_affine(x, mean, self.inv_std, y)
+            self.x_norm = None
+            return
         # a later in-place layer (Scale) may overwrite top: keep y for the backward
-        self.x_norm = None if self.use_global_stats else _keep(self, "_x_norm_buf", y)
+        self.x_norm = _buffer(self, "_x_norm_buf", self.dims)
+        mean, var, self.inv_std = normalize_forward(x, y, self.x_norm, MODE_BATCH_NORM, self.eps)
+        m = x.size // self.dims[1]
+        correction = m / (m - 1) if m > 1 else 1.0
+        self.blobs[2].data[...] = self.blobs[2].data * self.maf + 1.0
+        self.blobs[0].data[...] = mean + self.maf * self.blobs[0].data
+        self.blobs[1].data[...] = correction * var + self.maf * self.blobs[1].data
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -171,50 +172,65 @@ class BatchNorm(Layer):
         dx = bottom[0].diff.reshape(self.dims)
         if self.use_global_stats:
             channel_affine(dy, np.zeros_like(self.inv_std), self.inv_std, dx)
-            return
-        m = dy.size // self.dims[1]
-        sum_dy, sum_dy_y = channel_sums(dy, self.x_norm)
-        inv = self.inv_std.astype(np.float64)
-        # dx = inv dy - inv mean(dy y) y - inv mean(dy); dx may alias dy (in place)
-        channel_combine(dy, self.x_norm, self.inv_std, -inv * sum_dy_y / m, -inv * sum_dy / m, dx)
+        else:
+            normalize_backward(dy, self.x_norm, self.inv_std, self.inv_std, dx)
 
 
-def _keep(layer, attr, array):
-    """A copy of `array` in a buffer the layer keeps between iterations (a fresh
-    100 MB array per forward costs more in page faults than the copy itself)."""
+def _buffer(layer, attr, shape):
+    """A float32 array of `shape` from a buffer the layer keeps between iterations (a fresh
+    100 MB array per forward costs more in page faults than filling it)."""
+    size = int(np.prod(shape))
     buf = getattr(layer, attr, None)
-    if buf is None or buf.size < array.size:
-        buf = np.empty(array.size, np.float32)
+    if buf is None or buf.size < size:
+        buf = np.empty(size, np.float32)
         setattr(layer, attr, buf)
-    out = buf[:array.size].reshape(array.shape)
-    np.copyto(out, array)
-    return out
+    return buf[:size].reshape(shape)
 
 
-# -- per-channel primitives over (N, C, S) views: kernels, or NumPy when not built --------
-def channel_mean_var(x):
-    """float64 mean and biased variance of x[:, c, :] (two passes)."""
+# -- per-channel passes over (N, C, S) views: kernels, or NumPy when not built --------------
+MODE_BATCH_NORM, MODE_MVN, MODE_MEAN_ONLY = 0, 1, 2
+
+
+def normalize_forward(x, y, keep, mode, eps):
+    """mean[c], biased var[c] of x[:, c, :] (float64), inv[c] (float32):
+    1/sqrt(var + eps) (BatchNorm), 1/(sqrt(var) + eps) (MVN) or 1 (mean only);
+    y = (x - mean) * inv, and keep = y when `keep` is given. y may be x."""
     C = x.shape[1]
-    mean, var = np.zeros(C), np.zeros(C)
     if _kernels is not None:
-        _kernels.channel_mean_var(x, mean, var)
-        return mean, var
+        mean, var, inv = np.empty(C), np.empty(C), np.empty(C, np.float32)
+        _kernels.normalize_forward(x, y, keep, mean, var, inv, mode, eps)
+        return mean, var, inv
     m = x.shape[0] * x.shape[2]
+    mean, var = np.zeros(C), np.zeros(C)
     if m:
         mean = x.sum(axis=(0, 2), dtype=np.float64) / m
         centred = x - mean.astype(np.float32)[None, :, None]
         var = np.einsum("ncs,ncs->c", centred, centred, dtype=np.float64) / m
-    return mean, var
+    if mode == MODE_BATCH_NORM:
+        inv = 1.0 / np.sqrt(var + eps)
+    elif mode == MODE_MVN:
+        inv = 1.0 / (np.sqrt(var) + eps)
+    else:
+        inv = np.ones(C)
+    inv = inv.astype(np.float32)
+    channel_affine(x, mean, inv, y)
+    if keep is not None:
+        np.copyto(keep, y)
+    return mean, var, inv
 
 
-def channel_sums(a, b):
-    """float64 sums of a[:, c, :] and of a[:, c, :] * b[:, c, :]."""
-    C = a.shape[1]
+def normalize_backward(dy, y, inv, inv_y, dx):
+    """dx = inv (dy - mean(dy)) - inv_y mean(dy y) y per channel; dx may be dy."""
     if _kernels is not None:
-        sa, sab = np.empty(C), np.empty(C)
-        _kernels.channel_sums(a, b, sa, sab)
-        return sa, sab
-    return a.sum(axis=(0, 2), dtype=np.float64), np.einsum("ncs,ncs->c", a, b, dtype=np.float64)
+        _kernels.normalize_backward(dy, y, inv, np.asarray(inv_y, np.float32), dx)
+        return
+    m = max(dy.shape[0] * dy.shape[2], 1)
+    sum_dy = dy.sum(axis=(0, 2), dtype=np.float64)
+    sum_dy_y = np.einsum("ncs,ncs->c", dy, y, dtype=np.float64)
+    p = inv.astype(np.float32)[None, :, None]
+    q = (-np.asarray(inv_y, np.float64) * sum_dy_y / m).astype(np.float32)[None, :, None]
+    r = (-inv * sum_dy / m).astype(np.float32)[None, :, None]
+    dx[...] = p * dy + q * y + r
 
 
 def channel_affine(x, sub, mul, out):
@@ -225,15 +241,6 @@ def channel_affine(x, sub, mul, out):
         return
     np.subtract(x, sub[None, :, None], out=out)
     out *= mul[None, :, None]
-
-
-def channel_combine(a, b, alpha, beta, gamma, out):
-    """out[:, c, :] = alpha[c] a + beta[c] b + gamma[c]; out may be a or b."""
-    alpha, beta, gamma = (np.asarray(v, np.float32) for v in (alpha, beta, gamma))
-    if _kernels is not None:
-        _kernels.channel_combine(a, b, alpha, beta, gamma, out)
-        return
-    out[...] = alpha[None, :, None] * a + beta[None, :, None] * b + gamma[None, :, None]
 
 
 @register
@@ -264,27 +271,22 @@ class MVN(Layer):
     def forward(self, bottom, top):
         x = bottom[0].data.reshape(self.dims)
         y = top[0].data.reshape(self.dims)
-        mean, var = channel_mean_var(x)
         if not self.normalize_variance:
-            channel_affine(x, mean, np.ones_like(mean), y)
+            normalize_forward(x, y, None, MODE_MEAN_ONLY, 0.0)
             return
+        self.y = _buffer(self, "_y_buf", self.dims)
+        _, var, self.inv = normalize_forward(x, y, self.y, MODE_MVN, self.eps)
         std = np.sqrt(var)
-        self.inv = (1.0 / (std + self.eps)).astype(np.float32)
         # a constant row has y = 0: its y term in the backward vanishes instead of 0/0
         self.inv_std = np.divide(1.0, std, out=np.zeros_like(std), where=std > 0)
-        channel_affine(x, mean, self.inv, y)
-        self.y = _keep(self, "_y_buf", y)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
         dy = top[0].diff.reshape(self.dims)
         dx = bottom[0].diff.reshape(self.dims)
-        d = max(self.dims[2], 1)
-        if not self.normalize_variance:
-            sum_dy, _ = channel_sums(dy, dy)
-            channel_affine(dy, sum_dy / d, np.ones_like(sum_dy), dx)
-            return
-        sum_dy, sum_dy_y = channel_sums(dy, self.y)
-        inv = self.inv.astype(np.float64)
-        channel_combine(dy, self.y, self.inv, -self.inv_std * sum_dy_y / d, -inv * sum_dy / d, dx)
+        if self.normalize_variance:
+            normalize_backward(dy, self.y, self.inv, self.inv_std, dx)
+        else:
+            ones = np.ones(self.dims[1], np.float32)
+            normalize_backward(dy, dy, ones, np.zeros_like(ones), dx)
