@@ -63,8 +63,9 @@ def _user_class(param, source):
             raise layer_error(where, "python_param.module", "cannot import module", f"'{p.module}'",
                               f"Put {p.module.split('.')[0]}.py in the current directory ({os.getcwd()}) "
                               f"or on PYTHONPATH") from None
+        hint = "caffepy is pycaffe's API: write `import caffepy as caffe`" if e.name == "caffe" else None
         raise layer_error(where, "python_param.module", f"importing '{p.module}' failed",
-                          f"ModuleNotFoundError: {e}") from e
+                          f"ModuleNotFoundError: {e}", hint) from e
     except Exception as e:   # the user's module is user input: report its error on one line
         text = " ".join(str(e).split())
         raise layer_error(where, "python_param.module", f"importing '{p.module}' failed",

@@ -279,3 +279,42 @@ def test_prelu_kernels():
     want = 1 + (np.minimum(x, 0).astype(np.float64) * dy).sum(axis=(0, 2))
     np.testing.assert_allclose(sums, want, rtol=1e-4)
     kernels.prelu_backward(x, dy, None, a, None)      # nothing wanted: a no-op
+
+
+def test_in_place_chain_in_a_net_matches_numeric_gradient():
+    import caffepy
+    from caffepy import prototxt
+    fill = "weight_filler { type: 'gaussian' std: 0.5 } bias_filler { type: 'gaussian' std: 0.5 }"
+    text = f"""
+    force_backward: true
+    layer {{ name: "in" type: "Input" top: "x" input_param {{ shape {{ dim: 4 dim: 6 }} }} }}
+    layer {{ name: "a" type: "InnerProduct" bottom: "x" top: "a" inner_product_param {{ num_output: 5 {fill} }} }}
+    layer {{ name: "relu" type: "ReLU" bottom: "a" top: "a" relu_param {{ negative_slope: 0.1 }} }}
+    layer {{ name: "drop" type: "Dropout" bottom: "a" top: "a" }}
+    layer {{ name: "b" type: "InnerProduct" bottom: "a" top: "b" inner_product_param {{ num_output: 3 {fill} }} }}
+    layer {{ name: "sig" type: "Sigmoid" bottom: "b" top: "b" }}
+    layer {{ name: "loss" type: "Reduction" bottom: "b" top: "loss" loss_weight: 1
+             reduction_param {{ operation: SUMSQ }} }}
+    """
+    rng.seed(1)
+    net = caffepy.Net(prototxt.parse_net_text(text), caffepy.TRAIN)
+    x = randn(4, 6, seed=11)
+
+    def loss_at(values):
+        net.blobs["x"].data[...] = values
+        rng.seed(77)        # the same dropout mask every time
+        return net.forward_from_to()
+
+    loss_at(x)
+    net.clear_param_diffs()
+    net.backward_from_to()
+    analytic = net.blobs["x"].diff.astype(np.float64).copy()
+    eps = 1e-2
+    numeric = np.zeros_like(analytic)
+    for i in np.ndindex(x.shape):
+        plus, minus = x.copy(), x.copy()
+        plus[i] += eps
+        minus[i] -= eps
+        numeric[i] = (loss_at(plus) - loss_at(minus)) / (2 * eps)
+    assert np.abs(analytic).max() > 1e-3
+    np.testing.assert_allclose(analytic, numeric, rtol=2e-3, atol=2e-3)

@@ -156,3 +156,11 @@ def test_an_error_inside_the_users_module_is_reported(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(LayerError, match=r"importing 'broken_layers_for_test' failed, got ValueError: bad config$"):
         make_layer("Python", 'python_param { module: "broken_layers_for_test" layer: "A" }')
+
+
+def test_a_pycaffe_import_gets_a_hint(tmp_path, monkeypatch):
+    (tmp_path / "pycaffe_layers_for_test.py").write_text("import caffe\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LayerError, match=r"No module named 'caffe'\. caffepy is pycaffe's API: write "
+                                         r"`import caffepy as caffe`$"):
+        make_layer("Python", 'python_param { module: "pycaffe_layers_for_test" layer: "A" }')
