@@ -1,7 +1,6 @@
 """The communicator pieces under real ranks (mpiexec from the venv): launcher
 detection, the gradient reducer in every progress mode, and failure handling."""
 import os
-import shutil
 import signal
 import subprocess
 import sys

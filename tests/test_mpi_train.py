@@ -63,9 +63,10 @@ def test_iter_size_matches_one_rank(tmp_path, db):
                         weights(multi / f"snap_iter_{ITERS}.caffemodel")) < 1e-5
 
 
-def test_lars_warmup_matches_one_rank(tmp_path, db):
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_lars_warmup_matches_one_rank(tmp_path, db, ranks):
     extra = "local_lr_auto: true\nlocal_gw_ratio: 0.01\nwarmup_iter: 4\nwarmup_start_lr: 0.01\n"
-    w1, wn, _, _ = run_pair(tmp_path, db, 2, extra)
+    w1, wn, _, _ = run_pair(tmp_path, db, ranks, extra)
     assert max_rel_diff(w1, wn) < 1e-5
 
 

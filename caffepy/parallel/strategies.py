@@ -129,7 +129,6 @@ class DataParallel:
         self._agreed = "none"
         solver.action_fn = self._action
         net = solver.net
-        ready = _ready_layers(net)
         if self.reducer is None:
             self.set_progress(None, solver)
         batch = _global_batch(net)
@@ -197,7 +196,8 @@ class DataParallel:
         return float(buf[0]) / self.world.size
 
     def sumsq(self, solver, param_index, array):
-        local = float(np.dot(array.reshape(-1).astype(np.float64), array.reshape(-1)))
+        flat = array.reshape(-1)
+        local = float(np.dot(flat, flat))         # as the solver's own sumsq
         if param_index not in self.split:
             return local
         buf = np.array([local], np.float64)
@@ -215,7 +215,7 @@ class DataParallel:
                     if id(blob) in seen:
                         continue
                     seen.add(id(blob))
-                    self.comm.Bcast(np.ascontiguousarray(blob.data), root=0)
+                    self.comm.Bcast(blob.data, root=0)       # contiguous: a view of its buffer
 
     def setup_split(self, solver):
         pass
