@@ -11,7 +11,8 @@ tests/layers/test_neuron.py.
 
 from cython.parallel cimport prange
 cimport openmp
-from libc.math cimport expm1f
+from libc.math cimport floorf
+from libc.stdint cimport int32_t
 
 
 # Below this many elements one thread is faster than waking the team.
@@ -30,6 +31,75 @@ cdef inline int _threads(Py_ssize_t n) noexcept nogil:
 cdef float ONE = 1
 
 
+# -- exp without a libm call, so loops over it vectorize --------------------------------------------
+# Cody-Waite reduction x = k ln2 + r (ln2 split in a part exact in float and a correction), a
+# degree-6 polynomial for e^r on |r| <= ln2/2 (Cephes' expf coefficients), and 2^k built in the
+# exponent bits. Within 2 ulp of expf over the clamped range [-87.3, 88.3], which keeps 2^k a
+# normal float: below it the result is ~1e-38 instead of a denormal or 0, above it ~2e38
+# instead of inf.
+cdef union _Bits:
+    float f
+    int32_t i
+
+cdef float EXP_LO = -87.3
+cdef float EXP_HI = 88.3
+cdef float LOG2E = 1.44269504088896341
+cdef float LN2_HI = 0.693359375
+cdef float LN2_LO = -2.12194440e-4
+cdef float HALF = 0.5
+cdef float P0 = 1.9875691500e-4
+cdef float P1 = 1.3981999507e-3
+cdef float P2 = 8.3334519073e-3
+cdef float P3 = 4.1665795894e-2
+cdef float P4 = 1.6666665459e-1
+cdef float P5 = 5.0000001201e-1
+
+
+cdef inline float _exp(float x) noexcept nogil:
+    cdef float k, r, p
+    cdef _Bits two_k
+    x = EXP_LO if x < EXP_LO else x
+    x = EXP_HI if x > EXP_HI else x
+    k = floorf(x * LOG2E + HALF)
+    r = x - k * LN2_HI - k * LN2_LO
+    p = ((((P0 * r + P1) * r + P2) * r + P3) * r + P4) * r + P5
+    p = p * r * r + r + ONE
+    two_k.i = (<int32_t>k + 127) << 23
+    return p * two_k.f
+
+
+# tanh: the odd polynomial of Cephes' tanhf below |x| = 0.625, where 1 - 2 / (e^2|x| + 1) would
+# cancel, and that form above it.
+cdef float TANH_SMALL = 0.625
+cdef float TWO = 2
+cdef float T0 = -5.70498872745e-3
+cdef float T1 = 2.06390887954e-2
+cdef float T2 = -5.37397155531e-2
+cdef float T3 = 1.33314422036e-1
+cdef float T4 = -3.33332819422e-1
+
+
+cdef inline float _tanh(float x) noexcept nogil:
+    cdef float ax = x if x >= 0 else -x
+    cdef float z = x * x
+    cdef float small = x + x * z * ((((T0 * z + T1) * z + T2) * z + T3) * z + T4)
+    cdef float big = ONE - TWO / (_exp(TWO * ax) + ONE)
+    big = big if x >= 0 else -big
+    return small if ax < TANH_SMALL else big
+
+
+cdef inline void _tanh_f(const float* x, float* y, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        y[i] = _tanh(x[i])
+
+
+cdef inline void _exp_f(const float* x, float* y, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        y[i] = _exp(x[i])
+
+
 cdef inline void _relu_f(const float* x, float* y, Py_ssize_t n, float slope) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(n):
@@ -46,7 +116,7 @@ cdef inline void _relu_b(const float* x, const float* g, float* d, Py_ssize_t n,
 cdef inline void _elu_f(const float* x, float* y, Py_ssize_t n, float alpha) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(n):
-        y[i] = x[i] if x[i] > 0 else alpha * expm1f(x[i])
+        y[i] = x[i] if x[i] > 0 else alpha * (_exp(x[i]) - ONE)
 
 
 cdef inline void _elu_b(const float* x, const float* y, const float* g, float* d, Py_ssize_t n,
@@ -54,6 +124,19 @@ cdef inline void _elu_b(const float* x, const float* y, const float* g, float* d
     cdef Py_ssize_t i
     for i in range(n):
         d[i] = g[i] if x[i] > 0 else g[i] * (y[i] + alpha)
+
+
+cdef inline void _sigmoid_f(const float* x, float* y, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        y[i] = ONE / (ONE + _exp(-x[i]))
+
+
+cdef inline void _swish_f(const float* x, float* s, float* y, Py_ssize_t n, float beta) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        s[i] = ONE / (ONE + _exp(-beta * x[i]))
+        y[i] = x[i] * s[i]
 
 
 cdef inline void _sigmoid_b(const float* y, const float* g, float* d, Py_ssize_t n) noexcept nogil:
@@ -105,7 +188,7 @@ def relu_backward(const float[::1] x, const float[::1] dy, float[::1] dx, float 
 
 
 def elu_forward(const float[::1] x, float[::1] y, float alpha):
-    """y = x if x > 0 else alpha * (exp(x) - 1); expm1 keeps small negative x exact."""
+    """y = x if x > 0 else alpha * (exp(x) - 1)."""
     cdef Py_ssize_t n = x.shape[0], c, lo
     if n == 0:
         return
@@ -125,6 +208,36 @@ def elu_backward(const float[::1] x, const float[::1] y, const float[::1] dy, fl
         _elu_b(&x[lo], &y[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo), alpha)
 
 
+def exp_forward(const float[::1] x, float[::1] y):
+    """y = exp(x) (see _exp for the range)."""
+    cdef Py_ssize_t n = x.shape[0], c, lo
+    if n == 0:
+        return
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+        lo = c * CHUNK
+        _exp_f(&x[lo], &y[lo], min(CHUNK, n - lo))
+
+
+def sigmoid_forward(const float[::1] x, float[::1] y):
+    """y = 1 / (1 + exp(-x))."""
+    cdef Py_ssize_t n = x.shape[0], c, lo
+    if n == 0:
+        return
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+        lo = c * CHUNK
+        _sigmoid_f(&x[lo], &y[lo], min(CHUNK, n - lo))
+
+
+def swish_forward(const float[::1] x, float[::1] s, float[::1] y, float beta):
+    """s = sigmoid(beta * x) (kept for backward), y = x * s; y may be x."""
+    cdef Py_ssize_t n = x.shape[0], c, lo
+    if n == 0:
+        return
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+        lo = c * CHUNK
+        _swish_f(&x[lo], &s[lo], &y[lo], min(CHUNK, n - lo), beta)
+
+
 def sigmoid_backward(const float[::1] y, const float[::1] dy, float[::1] dx):
     """dx = dy * y * (1 - y)."""
     cdef Py_ssize_t n = y.shape[0], c, lo
@@ -133,6 +246,16 @@ def sigmoid_backward(const float[::1] y, const float[::1] dy, float[::1] dx):
     for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
         lo = c * CHUNK
         _sigmoid_b(&y[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo))
+
+
+def tanh_forward(const float[::1] x, float[::1] y):
+    """y = tanh(x)."""
+    cdef Py_ssize_t n = x.shape[0], c, lo
+    if n == 0:
+        return
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+        lo = c * CHUNK
+        _tanh_f(&x[lo], &y[lo], min(CHUNK, n - lo))
 
 
 def tanh_backward(const float[::1] y, const float[::1] dy, float[::1] dx):

@@ -8,7 +8,6 @@ sign of y is the sign of x); layers whose backward needs x itself (`keeps_input`
 before an in-place forward overwrites it.
 """
 import numpy as np
-from scipy import special
 
 from .. import rng
 from ..kernels import neuron as kernels
@@ -138,10 +137,11 @@ class ELU(Neuron):
 
 @register
 class Sigmoid(Neuron):
-    """y = 1 / (1 + exp(-x)), evaluated without overflow for large |x|; dy/dx = y (1 - y)."""
+    """y = 1 / (1 + exp(-x)); dy/dx = y (1 - y). The kernel's exp is clamped to finite values,
+    so no |x| overflows."""
 
     def compute(self, x, y):
-        special.expit(x, out=y)
+        kernels.sigmoid_forward(x, y)
 
     def gradient(self, x, y, dy, dx):
         kernels.sigmoid_backward(y, dy, dx)
@@ -152,7 +152,7 @@ class TanH(Neuron):
     """y = tanh(x); dy/dx = 1 - y^2."""
 
     def compute(self, x, y):
-        np.tanh(x, out=y)
+        kernels.tanh_forward(x, y)
 
     def gradient(self, x, y, dy, dx):
         kernels.tanh_backward(y, dy, dx)
@@ -210,7 +210,10 @@ class Power(Neuron):
 
 @register
 class Exp(Neuron):
-    """y = base ^ (shift + scale * x), base -1 meaning e.  exp_param { base, scale, shift }"""
+    """y = base ^ (shift + scale * x), base -1 meaning e.  exp_param { base, scale, shift }
+
+    The kernel's exp saturates at ~2e38 where expf would give inf.
+    """
 
     def setup(self, bottom, top):
         p = self.param.exp_param
@@ -223,7 +226,7 @@ class Exp(Neuron):
 
     def compute(self, x, y):
         np.multiply(x, np.float32(self.inner_scale), out=y)
-        np.exp(y, out=y)
+        kernels.exp_forward(y, y)
         if self.outer_scale != 1:
             y *= np.float32(self.outer_scale)
 
@@ -365,10 +368,7 @@ class Swish(Neuron):
     def compute(self, x, y):
         if self._sig.size < x.size:
             self._sig = np.empty(x.size, np.float32)
-        s = self._sig[: x.size]
-        np.multiply(x, np.float32(self.beta), out=s)
-        special.expit(s, out=s)
-        np.multiply(x, s, out=y)
+        kernels.swish_forward(x, self._sig[: x.size], y, self.beta)
 
     def gradient(self, x, y, dy, dx):
         kernels.swish_backward(y, self._sig[: y.size], dy, dx, self.beta)

@@ -318,3 +318,34 @@ def test_in_place_chain_in_a_net_matches_numeric_gradient():
         numeric[i] = (loss_at(plus) - loss_at(minus)) / (2 * eps)
     assert np.abs(analytic).max() > 1e-3
     np.testing.assert_allclose(analytic, numeric, rtol=2e-3, atol=2e-3)
+
+
+def test_exp_family_kernels_within_two_ulp():
+    x = np.concatenate([np.linspace(-87, 88, 200001), np.logspace(-30, 0, 2001), -np.logspace(-30, 0, 2001),
+                        [0.0]]).astype(np.float32)
+    x64 = x.astype(np.float64)
+    y = np.empty_like(x)
+
+    def ulps(got, want):
+        return np.max(np.abs(got - want) / np.maximum(np.abs(want), 1e-37)) / 2.0 ** -23
+
+    kernels.exp_forward(x, y)
+    assert ulps(y, np.exp(x64)) < 2
+    kernels.sigmoid_forward(x, y)
+    assert ulps(y, 1 / (1 + np.exp(-x64))) < 2
+    kernels.tanh_forward(x, y)
+    assert ulps(y, np.tanh(x64)) < 2
+    s = np.empty_like(x)
+    kernels.swish_forward(x, s, y, 0.5)
+    assert ulps(s, 1 / (1 + np.exp(-0.5 * x64))) < 2
+    np.testing.assert_array_equal(y, x * s)
+    ends = np.array([-np.inf, -1000, 1000, np.inf, np.nan], np.float32)
+    out = np.empty_like(ends)
+    kernels.sigmoid_forward(ends, out)
+    np.testing.assert_allclose(out[:4], [0, 0, 1, 1], atol=1e-37)
+    assert np.isnan(out[4])
+    kernels.tanh_forward(ends, out)
+    np.testing.assert_array_equal(out[:4], [-1, -1, 1, 1])
+    assert np.isnan(out[4])
+    kernels.exp_forward(ends, out)
+    assert out[0] < 1e-37 and out[3] > 1e38 and np.isfinite(out[3]) and np.isnan(out[4])
