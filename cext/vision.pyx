@@ -123,10 +123,21 @@ def get_conv_threading():
     return "images" if _conv_threading == _PER_IMAGE and _blas_set_threads != NULL else "blas"
 
 
-cdef int _image_threads(int n_images, Py_ssize_t buffer_floats, Py_ssize_t per_thread) noexcept nogil:
+cdef enum:
+    # Below this many element operations a parallel region costs more than it saves (and on a
+    # busy machine its barrier waits for descheduled threads): run on the calling thread.
+    _MIN_PARALLEL_WORK = 1 << 16
+
+
+cdef inline int _threads_for(Py_ssize_t work) noexcept nogil:
+    return 1 if work < _MIN_PARALLEL_WORK else openmp.omp_get_max_threads()
+
+
+cdef int _image_threads(int n_images, Py_ssize_t buffer_floats, Py_ssize_t per_thread,
+                        Py_ssize_t work) noexcept nogil:
     """How many threads the image loop uses: 1 means images in turn with a threaded BLAS."""
     cdef int t = openmp.omp_get_max_threads()
-    if _conv_threading != _PER_IMAGE or _blas_set_threads == NULL:
+    if _conv_threading != _PER_IMAGE or _blas_set_threads == NULL or _threads_for(work) == 1:
         return 1
     if per_thread > 0 and buffer_floats // per_thread < t:
         t = <int>(buffer_floats // per_thread)
@@ -217,7 +228,7 @@ cdef void _col2im_channel(const float* col, int c, const Geom* g, float* im) noe
 
 cdef void _im2col(const float* im, const Geom* g, float* col, int nt) noexcept nogil:
     cdef int c
-    if nt <= 1:
+    if nt <= 1 or _threads_for(<Py_ssize_t>g.C * g.kh * g.kw * g.P) == 1:
         for c in range(g.C):
             _im2col_channel(im, c, g, col)
     else:
@@ -228,7 +239,7 @@ cdef void _im2col(const float* im, const Geom* g, float* col, int nt) noexcept n
 cdef void _col2im(const float* col, const Geom* g, float* im, int nt) noexcept nogil:
     # each channel owns its image plane and its rows of the column matrix: no races
     cdef int c
-    if nt <= 1:
+    if nt <= 1 or _threads_for(<Py_ssize_t>g.C * g.kh * g.kw * g.P) == 1:
         for c in range(g.C):
             _col2im_channel(col, c, g, im)
     else:
@@ -295,7 +306,8 @@ def im2col_batch(const float[:, :, :, ::1] data_im, int kh, int kw, int pad_h, i
     if N == 0:
         return
     with nogil:
-        for item in prange(<Py_ssize_t>N * g.C, schedule="static"):
+        for item in prange(<Py_ssize_t>N * g.C, schedule="static",
+                           num_threads=_threads_for(N * col_size)):
             n = item // g.C
             _im2col_channel(&data_im[0, 0, 0, 0] + n * im_size, <int>(item % g.C), &g,
                             &data_col[0, 0, 0] + n * col_size)
@@ -322,6 +334,8 @@ cdef void _add_bias_image(float* out, const float* bias, int rows, Py_ssize_t pl
     cdef float* dst
     if bias == NULL:
         return
+    if _threads_for(rows * plane) == 1:
+        nt = 1
     for r in prange(rows, num_threads=nt, schedule="static"):
         b = bias[r]
         dst = out + r * plane
@@ -373,7 +387,8 @@ cdef void _bias_diff(const Geom* g, int N, const float* out_diff, float* bias_di
     cdef Py_ssize_t o, n, p
     cdef float acc
     cdef const float* src
-    for o in prange(g.O, schedule="static"):
+    for o in prange(g.O, schedule="static",
+                    num_threads=_threads_for(<Py_ssize_t>N * g.O * g.P)):
         acc = 0.0
         for n in range(N):
             src = out_diff + (n * g.O + o) * g.P
@@ -389,52 +404,52 @@ cdef enum:
     _OP_BWD_WEIGHT = 2   # wdiff += a[n] (column side) x b[n] (image side)
 
 
+cdef inline void _one_image(const Geom* g, int op, int n, const float* a, const float* w,
+                            const float* bias, float* b, float* wdiff, float* col,
+                            int nt) noexcept nogil:
+    cdef Py_ssize_t im_floats = <Py_ssize_t>g.C * g.H * g.W
+    cdef Py_ssize_t out_floats = <Py_ssize_t>g.O * g.P
+    if op == _OP_FWD:
+        _fwd_image(g, a + n * im_floats, w, bias, b + n * out_floats, col, nt)
+    elif op == _OP_BWD_DATA:
+        _bwd_data_image(g, a + n * out_floats, w, bias, b + n * im_floats, col, nt)
+    else:
+        _bwd_weight_image(g, b + n * im_floats, a + n * out_floats, wdiff, col, nt)
+
+
 cdef void _run_images(const Geom* g, int N, int op, const float* a, const float* w,
                       const float* bias, float* b, float* wdiff, float* ws,
                       Py_ssize_t ws_floats) noexcept nogil:
     cdef Py_ssize_t col_floats = 0 if g.direct else <Py_ssize_t>g.Kg * g.group * g.P
     cdef Py_ssize_t w_floats = <Py_ssize_t>g.O * g.Kg
-    cdef Py_ssize_t im_floats = <Py_ssize_t>g.C * g.H * g.W
-    cdef Py_ssize_t out_floats = <Py_ssize_t>g.O * g.P
     # a weight-diff pass needs, past thread 0, a private weight-diff sum per thread
     cdef Py_ssize_t per_thread = col_floats + (w_floats if op == _OP_BWD_WEIGHT else 0)
     cdef int T = _image_threads(N, ws_floats + (w_floats if op == _OP_BWD_WEIGHT else 0),
-                                per_thread)
-    cdef int n, t, tid, saved, mt = openmp.omp_get_max_threads()
-    cdef float* mine
-    cdef float* acc
-    cdef Py_ssize_t i
-    if T == 1:
-        for n in range(N):
-            if op == _OP_FWD:
-                _fwd_image(g, a + n * im_floats, w, bias, b + n * out_floats, ws, mt)
-            elif op == _OP_BWD_DATA:
-                _bwd_data_image(g, a + n * out_floats, w, bias, b + n * im_floats, ws, mt)
-            else:
-                _bwd_weight_image(g, b + n * im_floats, a + n * out_floats, wdiff, ws, mt)
-        return
-    saved = _blas_get_threads()
-    _blas_set_threads(1)
-    # ws = T column matrices, then (weight-diff pass) T - 1 private weight-diff sums: thread 0
-    # sums straight into wdiff
+                                per_thread, <Py_ssize_t>N * g.O * g.P * g.Kg)
+    # whole rounds of T images run in parallel; the rest, one at a time on all threads
+    cdef int n_par = N - N % T if T > 1 else 0
+    cdef int n, t, tid, saved
     cdef float* partials = ws + T * col_floats - w_floats
-    if op == _OP_BWD_WEIGHT:
-        memset(partials + w_floats, 0, (T - 1) * w_floats * sizeof(float))
-    for n in prange(N, num_threads=T, schedule="dynamic"):
-        tid = threadid()
-        mine = ws + tid * col_floats
-        if op == _OP_FWD:
-            _fwd_image(g, a + n * im_floats, w, bias, b + n * out_floats, mine, 1)
-        elif op == _OP_BWD_DATA:
-            _bwd_data_image(g, a + n * out_floats, w, bias, b + n * im_floats, mine, 1)
-        else:
-            acc = wdiff if tid == 0 else partials + tid * w_floats
-            _bwd_weight_image(g, b + n * im_floats, a + n * out_floats, acc, mine, 1)
-    _blas_set_threads(saved)
-    if op == _OP_BWD_WEIGHT:
-        for i in prange(w_floats, num_threads=T, schedule="static"):
-            for t in range(1, T):
-                wdiff[i] += partials[t * w_floats + i]
+    cdef Py_ssize_t i
+    if n_par > 0:
+        # ws = T column matrices, then (weight-diff pass) T - 1 private weight-diff sums;
+        # thread 0 sums straight into wdiff
+        saved = _blas_get_threads()
+        _blas_set_threads(1)
+        if op == _OP_BWD_WEIGHT:
+            memset(partials + w_floats, 0, (T - 1) * w_floats * sizeof(float))
+        for n in prange(n_par, num_threads=T, schedule="static", chunksize=1):
+            tid = threadid()
+            _one_image(g, op, n, a, w, bias, b,
+                       wdiff if tid == 0 else partials + tid * w_floats,
+                       ws + tid * col_floats, 1)
+        _blas_set_threads(saved)
+        if op == _OP_BWD_WEIGHT:
+            for i in prange(w_floats, num_threads=_threads_for(w_floats * T), schedule="static"):
+                for t in range(1, T):
+                    wdiff[i] += partials[t * w_floats + i]
+    for n in range(n_par, N):
+        _one_image(g, op, n, a, w, bias, b, wdiff, ws, openmp.omp_get_max_threads())
 
 
 def conv_workspace_size(int C, int kh, int kw, int out_h, int out_w, int weight_count,
@@ -640,7 +655,8 @@ def max_pool_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
     if planes == 0:
         return
     with nogil:
-        for pl in prange(planes, schedule="static"):
+        for pl in prange(planes, schedule="static",
+                          num_threads=_threads_for(planes * oh * ow * kh * kw)):
             _max_pool_plane(&bottom[0, 0, 0, 0] + pl * H * W, &top[0, 0, 0, 0] + pl * oh * ow,
                             &mask[0, 0, 0, 0] + pl * oh * ow, H, W, oh, ow, kh, kw, sh, sw, ph, pw)
 
@@ -695,7 +711,8 @@ def max_pool_backward(const float[:, :, :, ::1] top_diff, const int32_t[:, :, :,
     if planes == 0:
         return
     with nogil:
-        for pl in prange(planes, schedule="static"):
+        for pl in prange(planes, schedule="static",
+                          num_threads=_threads_for(planes * (HW + OHW))):
             dst = &bottom_diff[0, 0, 0, 0] + pl * HW
             src = &top_diff[0, 0, 0, 0] + pl * OHW
             arg = &mask[0, 0, 0, 0] + pl * OHW
@@ -714,7 +731,8 @@ def ave_pool_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
     if planes == 0:
         return
     with nogil:
-        for pl in prange(planes, schedule="static"):
+        for pl in prange(planes, schedule="static",
+                          num_threads=_threads_for(planes * oh * ow * kh * kw)):
             _ave_pool_plane(&bottom[0, 0, 0, 0] + pl * H * W, &top[0, 0, 0, 0] + pl * oh * ow,
                             H, W, oh, ow, kh, kw, sh, sw, ph, pw)
 
@@ -753,7 +771,8 @@ def ave_pool_backward(const float[:, :, :, ::1] top_diff, float[:, :, :, ::1] bo
     if planes == 0:
         return
     with nogil:
-        for pl in prange(planes, schedule="static"):
+        for pl in prange(planes, schedule="static",
+                          num_threads=_threads_for(planes * oh * ow * kh * kw)):
             _ave_unpool_plane(&top_diff[0, 0, 0, 0] + pl * oh * ow,
                               &bottom_diff[0, 0, 0, 0] + pl * H * W,
                               H, W, oh, ow, kh, kw, sh, sw, ph, pw)
@@ -845,7 +864,8 @@ def lrn_across_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top
     if N == 0 or C == 0 or HW == 0:
         return
     with nogil:
-        for item in prange(N * nblocks, schedule="static"):
+        for item in prange(N * nblocks, schedule="static",
+                          num_threads=_threads_for(N * C * HW * 4)):
             _lrn_across_fwd_block(&bottom[0, 0, 0, 0], &top[0, 0, 0, 0], &scale[0, 0, 0, 0],
                                   item // nblocks, (item % nblocks) * _BLOCK, C, HW, size,
                                   alpha, beta, k)
@@ -912,7 +932,8 @@ def lrn_across_backward(const float[:, :, :, ::1] bottom, const float[:, :, :, :
     if N == 0 or C == 0 or HW == 0:
         return
     with nogil:
-        for item in prange(N * nblocks, schedule="static"):
+        for item in prange(N * nblocks, schedule="static",
+                          num_threads=_threads_for(N * C * HW * 4)):
             _lrn_across_bwd_block(&bottom[0, 0, 0, 0], &scale[0, 0, 0, 0], &top_diff[0, 0, 0, 0],
                                   &bottom_diff[0, 0, 0, 0], item // nblocks,
                                   (item % nblocks) * L, L, C, HW, size, alpha, beta)
@@ -1005,7 +1026,8 @@ def lrn_within_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top
     if planes == 0 or HW == 0:
         return
     with nogil:
-        for pl in prange(planes, schedule="static"):
+        for pl in prange(planes, schedule="static",
+                          num_threads=_threads_for(planes * HW * 8)):
             _lrn_within_fwd_plane(&bottom[0, 0, 0, 0] + pl * HW, &top[0, 0, 0, 0] + pl * HW,
                                   &scale[0, 0, 0, 0] + pl * HW, H, W, size, alpha, beta)
 
@@ -1041,7 +1063,8 @@ def lrn_within_backward(const float[:, :, :, ::1] bottom, const float[:, :, :, :
     if planes == 0 or HW == 0:
         return
     with nogil:
-        for pl in prange(planes, schedule="static"):
+        for pl in prange(planes, schedule="static",
+                          num_threads=_threads_for(planes * HW * 8)):
             _lrn_within_bwd_plane(&bottom[0, 0, 0, 0] + pl * HW, &scale[0, 0, 0, 0] + pl * HW,
                                   &top_diff[0, 0, 0, 0] + pl * HW,
                                   &bottom_diff[0, 0, 0, 0] + pl * HW, H, W, size, alpha, beta)

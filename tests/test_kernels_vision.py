@@ -42,6 +42,7 @@ IM2COL_CASES = [
     (4, 5, 5, 1, 1, (0, 0), (1, 1), (1, 1)),     # 1x1
     (1, 3, 3, 5, 5, (2, 2), (1, 1), (1, 1)),     # kernel as large as the padded image
     (3, 13, 1, 3, 1, (1, 0), (2, 1), (1, 1)),    # a single column
+    (16, 24, 24, 3, 3, (1, 1), (1, 1), (1, 1)),  # large enough to split channels over threads
 ]
 
 
@@ -86,6 +87,10 @@ CONV_CASES = [
     (2, 3, 7, 7, 5, 1, 1, (1, 0), (2, 1), (1, 1), 1),     # 1x1 with pad/stride: im2col
     (1, 2, 6, 6, 2, 2, 2, (0, 0), (3, 3), (1, 1), 1),     # stride > kernel
     (5, 4, 5, 5, 4, 3, 3, (1, 1), (1, 1), (1, 1), 4),     # depthwise-like, more images
+    # large enough for the threaded paths: images over threads (3 = a round of 2 + 1 left),
+    # channels of im2col/col2im over threads
+    (3, 8, 12, 12, 8, 3, 3, (1, 1), (1, 1), (1, 1), 2),
+    (2, 16, 24, 24, 8, 3, 3, (1, 1), (1, 1), (1, 1), 1),
 ]
 
 
@@ -222,6 +227,7 @@ POOL_CASES = [
     (3, 2, 5, 7, 5, 7, 1, 1, 0, 0),     # global pooling
     (1, 2, 9, 8, 4, 3, 3, 2, 2, 1),     # odd everything
     (1, 1, 1, 1, 1, 1, 1, 1, 0, 0),
+    (2, 16, 32, 32, 3, 3, 2, 2, 1, 1),  # large enough to split planes over threads
 ]
 
 
@@ -292,6 +298,7 @@ LRN_ACROSS_CASES = [
     (1, 6, 7, 3, 3, 0.4, 0.5, 1.0),
     (1, 5, 2, 3, 3, 0.4, 1.0, 1.0),
     (1, 4, 2, 2, 1, 0.4, 0.75, 1.0),     # size 1: no neighbours
+    (2, 9, 30, 31, 5, 0.5, 0.75, 1.0),   # large enough to split blocks over threads
 ]
 
 
@@ -317,6 +324,7 @@ LRN_WITHIN_CASES = [
     (1, 2, 9, 11, 5, 1.5, 0.75),
     (1, 2, 2, 3, 5, 1.0, 0.6),           # window larger than the image
     (2, 1, 5, 4, 3, 0.5, 1.3),
+    (2, 5, 32, 31, 3, 0.5, 0.75),        # large enough to split planes over threads
 ]
 
 
