@@ -17,7 +17,8 @@ def _shape(s):
     return "x".join(str(d) for d in s) if s else "scalar"
 
 
-def _constant(value):
+def constant_filler(value):
+    """A FillerParameter for the constant `value` (Caffe's defaults where a filler is unset)."""
     return caffe_pb2.FillerParameter(type="constant", value=value)
 
 
@@ -447,7 +448,7 @@ class Scale(_Broadcast):
         specs = []
         if len(bottom) == 1:
             shape = self.learned_shape(bottom, p)
-            specs.append((shape, p.filler if p.HasField("filler") else _constant(1.0)))
+            specs.append((shape, p.filler if p.HasField("filler") else constant_filler(1.0)))
         if p.bias_term:
             shape = bottom[1].shape if len(bottom) == 2 else specs[0][0]
             specs.append((shape, p.bias_filler))

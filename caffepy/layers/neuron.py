@@ -12,7 +12,8 @@ import numpy as np
 from .. import rng
 from ..kernels import neuron as kernels
 from ..layer import Layer, register
-from .common import param_wanted
+from ..proto import caffe_pb2
+from .common import constant_filler, param_wanted
 
 
 class Neuron(Layer):
@@ -83,9 +84,7 @@ class PReLU(Layer):
             raise self.error("bottom", "needs at least 2 axes (channels on axis 1)", bottom[0].shape)
         self.shared = bool(p.channel_shared)
         channels = bottom[0].shape[1]
-        filler = p.filler
-        if not p.HasField("filler"):
-            filler = type(p.filler)(type="constant", value=0.25)
+        filler = p.filler if p.HasField("filler") else constant_filler(0.25)
         self.init_param_blobs([((), filler) if self.shared else ((channels,), filler)])
         self._saved = None
 
@@ -126,7 +125,7 @@ class ELU(Neuron):
 
     def setup(self, bottom, top):
         self.alpha = float(self.param.elu_param.alpha)
-        self.keeps_input = self.alpha <= 0
+        self.keeps_input = self.alpha < 0
 
     def compute(self, x, y):
         kernels.elu_forward(x, y, self.alpha)
@@ -314,12 +313,12 @@ class Dropout(Neuron):
         if not 0 <= self.ratio < 1:
             raise self.error("dropout_param.dropout_ratio", "must be in [0, 1)", self.ratio)
         self.scale = 1.0 / (1.0 - self.ratio)
-        self.train = self.phase == 0
+        self.train = self.phase == caffe_pb2.TRAIN
         self._mask = np.zeros(0, np.float32)
 
     def compute(self, x, y):
         if not self.train:
-            if y is not x and not np.shares_memory(x, y):
+            if not np.may_share_memory(x, y):
                 np.copyto(y, x)
             return
         if self._mask.size < x.size:
@@ -331,7 +330,7 @@ class Dropout(Neuron):
     def gradient(self, x, y, dy, dx):
         if self.train:
             np.multiply(dy, self._mask[: dy.size], out=dx)
-        elif not np.shares_memory(dx, dy):
+        elif not np.may_share_memory(dx, dy):
             np.copyto(dx, dy)
 
 

@@ -93,7 +93,7 @@ def _build(type_, params, x, phase=TRAIN, in_place=False):
 IN_PLACE = [
     ("ReLU", ""), ("ReLU", "relu_param { negative_slope: 0.2 }"),
     ("ReLU", "relu_param { negative_slope: -0.5 }"), ("PReLU", ""), ("ELU", ""),
-    ("ELU", "elu_param { alpha: -0.5 }"), ("Sigmoid", ""), ("TanH", ""), ("AbsVal", ""),
+    ("ELU", "elu_param { alpha: -0.5 }"), ("ELU", "elu_param { alpha: 0 }"), ("Sigmoid", ""), ("TanH", ""), ("AbsVal", ""),
     ("Power", "power_param { power: 2 scale: 0.5 shift: 1 }"), ("Exp", "exp_param { base: 3 }"),
     ("Log", "log_param { shift: 5 }"), ("BNLL", ""), ("Dropout", ""), ("Clip", "clip_param { min: -0.5 max: 0.5 }"),
     ("Swish", "swish_param { beta: 1.5 }"),
