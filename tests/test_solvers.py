@@ -458,3 +458,13 @@ def test_test_iter_must_match_the_test_nets():
                       + 'test_net_param { name: "t" } lr_policy: "fixed" base_lr: 0.1', p)
     with pytest.raises(PrototxtError, match="test_iter: one is needed per test net"):
         Solver(p)
+
+
+def test_snapshot_directory_is_checked_before_training(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_files(tmp_path)
+    text = (tmp_path / "solver.prototxt").read_text().replace('"out/run"', '"missing/run"')
+    (tmp_path / "solver.prototxt").write_text(text)
+    with pytest.raises(SolverError, match=r"snapshot_prefix: the directory 'missing' does not exist, "
+                                          r"got 'missing/run'"):
+        get_solver("solver.prototxt")

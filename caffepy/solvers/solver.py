@@ -99,6 +99,7 @@ class Solver:
         self.is_root = _rank() == 0
         self._check()
         self._default_snapshot_prefix()
+        self._check_snapshot_writable()
         log.info(f"Initializing solver from parameters: {self.source}")
         if param.solver_mode == caffe_pb2.SolverParameter.GPU:
             log.info("solver_mode: GPU requested; caffepy runs on the CPU")
@@ -146,6 +147,19 @@ class Solver:
         elif os.path.isdir(p.snapshot_prefix):
             p.snapshot_prefix = os.path.join(p.snapshot_prefix, os.path.basename(stem))
             log.info(f"snapshot_prefix is a directory and is replaced to {p.snapshot_prefix}")
+
+    def _check_snapshot_writable(self):
+        """Caffe's CheckSnapshotWritePermissions: find out now, not after hours of training."""
+        p = self.param
+        if not self.is_root or not (p.snapshot or p.snapshot_after_train):
+            return
+        directory = os.path.dirname(p.snapshot_prefix) or "."
+        if not os.path.isdir(directory):
+            raise SolverError(f"{self.source}: snapshot_prefix: the directory '{directory}' does not exist, "
+                              f"got '{p.snapshot_prefix}'. Create it or change snapshot_prefix")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise SolverError(f"{self.source}: snapshot_prefix: cannot write to '{directory}', got "
+                              f"'{p.snapshot_prefix}'. Make sure the directory is writable")
 
     def _init_nets(self, level, stages):
         from .. import prototxt
