@@ -101,6 +101,10 @@ FAILING = """
         time.sleep(0.5)
         if sys.argv[1] == "bug":
             {}["missing"]
+        elif sys.argv[1] == "thread":
+            import threading
+            threading.Thread(target=lambda: 1 / 0).start()
+            time.sleep(60)
         elif sys.argv[1] == "error":
             raise SolverError("solver.prototxt: base_lr: must be positive, got -1")
         else:
@@ -113,6 +117,7 @@ FAILING = """
 
 @pytest.mark.parametrize("how,cause", [
     ("bug", "[rank 1] uncaught KeyError: 'missing'; aborting all 2 ranks"),
+    ("thread", "[rank 1] uncaught ZeroDivisionError: division by zero; aborting all 2 ranks"),
     ("error", "[rank 1] uncaught solver.prototxt: base_lr: must be positive, got -1; aborting all 2 ranks"),
     ("exit", "[rank 1] exited before training finished; aborting all 2 ranks"),
 ])
@@ -122,7 +127,7 @@ def test_failing_rank_ends_every_rank(tmp_path, how, cause):
     assert time.monotonic() - start < 30
     assert out.returncode != 0
     assert cause in out.stderr
-    if how == "bug":
+    if how in ("bug", "thread"):
         assert "Traceback" in out.stderr          # a bug keeps its traceback
     else:
         assert "Traceback" not in out.stderr

@@ -7,7 +7,7 @@ because data layers pick their records by rank). `attach(solver)` checks that
 every rank runs the same net and solver, and installs the training strategy
 (data parallel, or hybrid when the net marks model-parallel layers).
 
-Failure: an uncaught exception on any rank prints one line
+Failure: an uncaught exception on any rank (in any thread) prints one line
 `[rank N] <cause>` and calls MPI Abort, which ends every rank; a rank that
 exits early with an error (the CLI's one-line error path) aborts the job the
 same way from an atexit handler. A rank killed outright is handled by the
@@ -80,6 +80,7 @@ def init_world():
     # the launcher reports a killed process by pid: this line maps pids to ranks
     log.info("MPI ranks: " + ", ".join(f"{r}=pid {pid}@{host}" for r, (host, pid) in enumerate(world.peers)))
     sys.excepthook = _excepthook
+    threading.excepthook = _thread_excepthook
     _watch_sigterm()
     # registered after mpi4py's own finalizer, so it runs first (atexit is LIFO)
     atexit.register(_abort_unless_finished)
@@ -113,6 +114,14 @@ def _excepthook(exc_type, exc, tb):
         traceback.print_exception(exc_type, exc, tb)   # a bug: keep its traceback
     code = getattr(exc, "exit_code", 1)
     abort(f"uncaught {_describe(exc_type, exc)}; aborting all {world.size} ranks", code)
+
+
+def _thread_excepthook(args):
+    # an uncaught error in any thread (prefetch, allreduce) would leave this rank
+    # waiting for it forever, and every other rank waiting for this one
+    if args.exc_type is SystemExit:
+        return
+    _excepthook(args.exc_type, args.exc_value, args.exc_traceback)
 
 
 def _abort_unless_finished():
