@@ -32,7 +32,7 @@ from ..blobproto import array_to_blobproto, blobproto_to_array
 from ..errors import ShapeError, SolverError
 from ..proto import caffe_pb2
 from . import lr_policy
-from .updates import make_rule, solver_type
+from .updates import make_rule, rule_class
 
 # Field number of caffepy's extension inside SolverState: the random generator
 # state as JSON.  Unknown to Caffe, whose reader skips it.
@@ -130,6 +130,7 @@ class Solver:
             field = "display" if p.display < 0 else "snapshot" if p.snapshot < 0 else "test_interval"
             raise SolverError(f"{src}: {field}: must be >= 0, got {getattr(p, field)}")
         lr_policy.check(p, src)
+        rule_class(p, src)      # an unknown type or bad setting fails before the nets are built
         for i, n in enumerate(p.test_iter):
             if n < 0:
                 raise SolverError(f"{src}: test_iter[{i}]: must be >= 0, got {n}")
@@ -204,6 +205,10 @@ class Solver:
                                      f"share the train net's weights of shape {theirs.shape}, got {mine.shape}")
                 mine.share_data(theirs)
 
+    def share_weights(self, net):
+        """pycaffe's Solver.share_weights: `net` sees the train net's weights (by layer name)."""
+        self._share_trained_layers(net)
+
     # -- hooks ----------------------------------------------------------------
     def _hooks(self, name):
         return [getattr(h, name) for h in self.hooks if hasattr(h, name)]
@@ -273,14 +278,18 @@ class Solver:
                     break
             display = p.display and self.iter % p.display == 0
             loss = 0.0
+            error = None
             for _ in range(p.iter_size):
                 pass_loss = self.net.forward_from_to()
-                if not math.isfinite(pass_loss):
-                    raise self._nonfinite_error(pass_loss)
+                if error is None and not math.isfinite(pass_loss):
+                    error = self._nonfinite_error(pass_loss)     # names the layer while its top is there
+                # backward and the loss reduction still run: other ranks wait for them
                 self.net.backward_from_to(on_layer_done=on_layer_done)
                 loss += pass_loss
             loss /= p.iter_size
             loss = self._reduce_loss(loss)
+            if error is not None:
+                raise error
             if not math.isfinite(loss):
                 raise self._nonfinite_error(loss)
             self._update_smoothed_loss(loss, start_iter)
@@ -621,4 +630,4 @@ def get_solver(path):
 
 
 __all__ = ["Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver",
-           "AdamSolver", "get_solver", "solver_type"]
+           "AdamSolver", "get_solver"]

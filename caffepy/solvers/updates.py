@@ -185,11 +185,16 @@ def solver_type(param):
     return ENUM_NAMES[param.solver_type]
 
 
-def make_rule(param, shapes, source="<solver>"):
+def rule_class(param, source="<solver>"):
+    """The update rule the solver names, after checking its settings."""
     name = solver_type(param)
     cls = RULES.get(name)
     if cls is None:
         raise SolverError(f"{source}: type: unknown solver type, got '{name}'. "
                           f"Known types: {', '.join(RULES)}")
     cls.check(param, source)
-    return cls(param, shapes)
+    return cls
+
+
+def make_rule(param, shapes, source="<solver>"):
+    return rule_class(param, source)(param, shapes)
