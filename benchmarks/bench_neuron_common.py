@@ -75,7 +75,7 @@ def build(type_, params, phase, shapes, in_place):
     return layer, bottom, top
 
 
-def torch_row(type_, params, shapes):
+def torch_row(type_, params, shapes, layer):
     """(forward ms, backward ms) of the matching torch op, or None."""
     try:
         import torch
@@ -90,13 +90,18 @@ def torch_row(type_, params, shapes):
         "Swish": torch.nn.functional.silu, "Softmax": lambda x: torch.softmax(x, 1),
         "Dropout": lambda x: torch.nn.functional.dropout(x, 0.5, True),
     }
+    wrt = xs[:1]
+    if type_ == "InnerProduct":
+        w, b = (torch.from_numpy(p.data.copy()).requires_grad_() for p in layer.blobs)
+        ops[type_] = lambda x: torch.nn.functional.linear(x, w, b)
+        wrt = [xs[0], w, b]          # as the layer: input and parameter gradients
     if type_ not in ops:
         return None
     fn = ops[type_]
     out = fn(xs[0])
     grad = torch.ones_like(out)
     fwd = best_ms(lambda: fn(xs[0]), 3)
-    bwd = best_ms(lambda: torch.autograd.grad(fn(xs[0]), xs[0], grad), 3) - fwd
+    bwd = best_ms(lambda: torch.autograd.grad(fn(xs[0]), wrt, grad), 3) - fwd
     return fwd, bwd
 
 
@@ -119,7 +124,7 @@ def main():
         down = [True] * len(bottom)
         fwd = best_ms(lambda: layer.forward(bottom, top), args.reps)
         bwd = best_ms(lambda: layer.backward(top, down, bottom), args.reps)
-        ref = torch_row(type_, params, shapes)
+        ref = torch_row(type_, params, shapes, layer)
         ref_text = f"{ref[0]:11.1f}{ref[1]:11.1f}" if ref else f"{'-':>11s}{'-':>11s}"
         label = f"{type_} {params[:28]}{' (in place)' if in_place else ''} " \
                 f"{'+'.join('x'.join(map(str, s)) for s in shapes[:2])}"

@@ -187,7 +187,9 @@ class Power(Neuron):
         if self.shift:
             y += np.float32(self.shift)
         if self.power != 1:
-            np.power(y, np.float32(self.power), out=y)
+            # negative bases with fractional powers give NaN, as in Caffe, without a warning
+            with np.errstate(invalid="ignore", divide="ignore"):
+                np.power(y, np.float32(self.power), out=y)
 
     def gradient(self, x, y, dy, dx):
         diff_scale = self.power * self.scale
@@ -202,7 +204,8 @@ class Power(Neuron):
             if self.shift:
                 base += np.float32(self.shift)
             if self.power != 2:
-                np.power(base, np.float32(self.power - 1), out=base)
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    np.power(base, np.float32(self.power - 1), out=base)
             base *= np.float32(diff_scale)
             np.multiply(dy, base, out=dx)
 
@@ -254,13 +257,16 @@ class Log(Neuron):
         return out
 
     def compute(self, x, y):
-        np.log(self._inner(x, y), out=y)
+        # log of 0 is -inf and of a negative NaN, as in Caffe, without a warning
+        with np.errstate(invalid="ignore", divide="ignore"):
+            np.log(self._inner(x, y), out=y)
         if self.base_scale != 1:
             y *= np.float32(self.base_scale)
 
     def gradient(self, x, y, dy, dx):
         inner = self._inner(x, np.empty_like(x))
-        np.divide(dy, inner, out=dx)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            np.divide(dy, inner, out=dx)
         dx *= np.float32(self.scale * self.base_scale)
 
 

@@ -46,7 +46,8 @@ CASES = [
          expected=lambda x: [(0.5 * x - 1) ** 2]),
     Case("Power", "power_param { power: 0.5 scale: 2 shift: 0.1 }", [POS],
          expected=lambda x: [(2 * x + 0.1) ** 0.5]),
-    Case("Power", "power_param { power: 3 scale: 0 shift: 2 }", [X], expected=lambda x: [np.full_like(x, 8.0)]),
+    Case("Power", "power_param { power: 3 scale: 0 shift: 2 }", [X],
+         expected=lambda x: [np.full_like(x, 8.0)]),
     Case("Exp", "", [X], expected=lambda x: [np.exp(x)]),
     Case("Exp", "exp_param { base: 2 scale: 0.5 shift: 1 }", [X], expected=lambda x: [2 ** (1 + 0.5 * x)]),
     Case("Log", "", [POS], expected=lambda x: [np.log(x)]),
@@ -93,10 +94,10 @@ def _build(type_, params, x, phase=TRAIN, in_place=False):
 IN_PLACE = [
     ("ReLU", ""), ("ReLU", "relu_param { negative_slope: 0.2 }"),
     ("ReLU", "relu_param { negative_slope: -0.5 }"), ("PReLU", ""), ("ELU", ""),
-    ("ELU", "elu_param { alpha: -0.5 }"), ("ELU", "elu_param { alpha: 0 }"), ("Sigmoid", ""), ("TanH", ""), ("AbsVal", ""),
-    ("Power", "power_param { power: 2 scale: 0.5 shift: 1 }"), ("Exp", "exp_param { base: 3 }"),
-    ("Log", "log_param { shift: 5 }"), ("BNLL", ""), ("Dropout", ""), ("Clip", "clip_param { min: -0.5 max: 0.5 }"),
-    ("Swish", "swish_param { beta: 1.5 }"),
+    ("ELU", "elu_param { alpha: -0.5 }"), ("ELU", "elu_param { alpha: 0 }"), ("Sigmoid", ""),
+    ("TanH", ""), ("AbsVal", ""), ("Power", "power_param { power: 2 scale: 0.5 shift: 1 }"),
+    ("Exp", "exp_param { base: 3 }"), ("Log", "log_param { shift: 5 }"), ("BNLL", ""), ("Dropout", ""),
+    ("Clip", "clip_param { min: -0.5 max: 0.5 }"), ("Swish", "swish_param { beta: 1.5 }"),
 ]
 
 
@@ -288,10 +289,12 @@ def test_in_place_chain_in_a_net_matches_numeric_gradient():
     text = f"""
     force_backward: true
     layer {{ name: "in" type: "Input" top: "x" input_param {{ shape {{ dim: 4 dim: 6 }} }} }}
-    layer {{ name: "a" type: "InnerProduct" bottom: "x" top: "a" inner_product_param {{ num_output: 5 {fill} }} }}
+    layer {{ name: "a" type: "InnerProduct" bottom: "x" top: "a"
+             inner_product_param {{ num_output: 5 {fill} }} }}
     layer {{ name: "relu" type: "ReLU" bottom: "a" top: "a" relu_param {{ negative_slope: 0.1 }} }}
     layer {{ name: "drop" type: "Dropout" bottom: "a" top: "a" }}
-    layer {{ name: "b" type: "InnerProduct" bottom: "a" top: "b" inner_product_param {{ num_output: 3 {fill} }} }}
+    layer {{ name: "b" type: "InnerProduct" bottom: "a" top: "b"
+             inner_product_param {{ num_output: 3 {fill} }} }}
     layer {{ name: "sig" type: "Sigmoid" bottom: "b" top: "b" }}
     layer {{ name: "loss" type: "Reduction" bottom: "b" top: "loss" loss_weight: 1
              reduction_param {{ operation: SUMSQ }} }}
