@@ -174,7 +174,12 @@ def test_resume_from_a_missing_solverstate(tiny):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_nan_loss_is_one_line_naming_iteration_and_layer(tiny):
-    (tiny / "net.prototxt").write_text(NET.replace('type: "gaussian" std: 1', 'type: "constant" value: nan'))
+    # EuclideanLoss: NaN scores give a NaN loss (a softmax loss may clamp them to a finite one)
+    net = NET.replace('type: "gaussian" std: 1', 'type: "constant" value: nan').replace(
+        "shape { dim: 8 }", "shape { dim: 8 dim: 3 }").replace(
+        'type: "SoftmaxWithLoss"', 'type: "EuclideanLoss"').replace(
+        'layer { name: "accuracy"', '# layer { name: "accuracy"')
+    (tiny / "net.prototxt").write_text(net)
     result = caffepy("train", "-solver", "solver.prototxt")
     assert result.exit_code == 1
     lines = [l for l in result.stderr.splitlines() if l.startswith("caffepy: error:")]
