@@ -8,8 +8,9 @@ than that is reduced in place in its own diff. `finish()` (before the update)
 waits for every bucket and divides by the number of ranks.
 
 How communication progresses while backward computes (`progress`):
-    thread   a dedicated thread runs blocking Allreduce on the queued buckets
-             (MPI_THREAD_MULTIPLE; MPI releases the GIL, so does the compute)
+    thread   a dedicated thread runs blocking Allreduce on the queued buckets,
+             then averages and unpacks them (MPI_THREAD_MULTIPLE; MPI and the
+             compute kernels release the GIL)
     test     non-blocking Iallreduce, poked with Testall after every layer
              (MPICH advances non-blocking collectives only inside MPI calls)
     wait     non-blocking Iallreduce, left alone until finish()
@@ -91,6 +92,7 @@ class GradientReducer:
         self._MPI = MPI
         self.comm = comm
         self.size = comm.Get_size()
+        self._scale = np.float32(1.0 / self.size)
         self.progress = progress or default_progress()
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"unknown progress mode {self.progress!r}")
@@ -160,6 +162,9 @@ class GradientReducer:
             try:
                 t = time.perf_counter()
                 self.comm.Allreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM)
+                # averaging and unpacking here too: the diffs of a sent bucket are
+                # final, nothing else touches them before the update
+                bucket.unpack(self._scale)
                 self.comm_seconds += time.perf_counter() - t
             except BaseException as e:       # surfaced by finish() on the main thread
                 self._error = e
@@ -186,11 +191,11 @@ class GradientReducer:
             self._next += 1
         for bucket in self.buckets:
             if self.progress == "thread":
-                bucket.done.wait()
+                bucket.done.wait()          # reduced, averaged and unpacked by the thread
             else:
                 bucket.request.Wait()
                 bucket.request = None
-            bucket.unpack(scale)
+                bucket.unpack(scale)
         self._next = 0
         self.wait_seconds = time.perf_counter() - t0
         if self._error is not None:
