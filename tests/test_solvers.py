@@ -468,3 +468,22 @@ def test_snapshot_directory_is_checked_before_training(tmp_path, monkeypatch):
     with pytest.raises(SolverError, match=r"snapshot_prefix: the directory 'missing' does not exist, "
                                           r"got 'missing/run'"):
         get_solver("solver.prototxt")
+
+
+def test_non_finite_weights_stop_training_at_a_display_iteration():
+    # ip2's top is an output without loss weight: its NaN weights never reach the loss
+    p = caffe_pb2.SolverParameter()
+    net = SCALAR_NET.format(param="", bias="false", b0=0).replace(
+        '  layer {{ name: "loss"'.replace("{{", "{"),
+        '  layer { name: "ip2" type: "InnerProduct" bottom: "x" top: "ip2" '
+        'inner_product_param { num_output: 1 bias_term: false } }\n  layer { name: "loss"')
+    text_format.Parse(net + 'lr_policy: "fixed" base_lr: 0.1 display: 2 max_iter: 10', p)
+    p.snapshot_after_train = False
+    s = Solver(p)
+    assert [layer.name for layer in s.net.layers][-2:] == ["ip2", "loss"]
+    s.step(1)
+    s.net.layer_dict["ip2"].blobs[0].data[...] = np.nan
+    with pytest.raises(SolverError, match=r"layer 'ip2' \(InnerProduct\): blobs\[0\]: weights went non-finite "
+                                          r"by iteration 2, got a sum of nan"):
+        s.step(3)
+    assert s.iter == 2

@@ -294,6 +294,7 @@ class Solver:
                 raise self._nonfinite_error(loss)
             self._update_smoothed_loss(loss, start_iter)
             if display:
+                self._check_weights_finite()
                 lapse = time.perf_counter() - timer
                 per_s = (self.iter - iterations_last) / (lapse or 1.0)
                 log.info(f"Iteration {self.iter} ({fmt(per_s)} iter/s, {fmt(lapse)}s/{p.display} iters), "
@@ -338,6 +339,22 @@ class Solver:
                 log.info(f"    Train net output #{index}: {name} = {fmt(float(value))}{extra}")
                 index += 1
 
+    def _check_weights_finite(self):
+        """At display iterations: a loss layer may clamp non-finite scores to a finite loss,
+        so look at the weights themselves (one pass over them)."""
+        for layer in self.net.layers:
+            for k, blob in enumerate(layer.blobs):
+                total = float(np.add.reduce(blob.data.reshape(-1), dtype=np.float64))
+                if not math.isfinite(total):
+                    raise SolverError(f"{self.net.source}: layer '{layer.name}' ({layer.type}): blobs[{k}]: "
+                                      f"weights went non-finite by iteration {self.iter}, got a sum of "
+                                      f"{fmt(total)}. Training stopped; {self._kept()}. Lower base_lr or "
+                                      f"set clip_gradients")
+
+    def _kept(self):
+        return (f"the last snapshot, {self.last_snapshot[1]}, was kept" if self.last_snapshot
+                else "no snapshot was written")
+
     def _nonfinite_error(self, loss):
         """A SolverError naming the iteration and the first layer whose top went non-finite."""
         net = self.net
@@ -349,9 +366,7 @@ class Solver:
                     break
             if culprit:
                 break
-        kept = (f"the last snapshot, {self.last_snapshot[1]}, was kept" if self.last_snapshot
-                else "no snapshot was written")
-        hint = f"Training stopped; {kept}. Lower base_lr or set clip_gradients"
+        hint = f"Training stopped; {self._kept()}. Lower base_lr or set clip_gradients"
         if culprit:
             layer, blob = culprit
             return SolverError(f"{net.source}: layer '{layer.name}' ({layer.type}): top '{blob.name}': "
