@@ -4,6 +4,7 @@ import numpy as np
 from scipy.linalg.blas import sgemm
 
 from ..errors import ShapeError
+from ..kernels import common as kernels
 from ..layer import Layer, canonical_axis, count_from, register
 from ..proto import caffe_pb2
 
@@ -468,28 +469,32 @@ class Scale(_Broadcast):
 
     def forward(self, bottom, top):
         x = self.view3(bottom[0].data)
+        saved = None
         if top[0] is bottom[0]:
-            self._saved = x.copy()
-        y = self.view3(top[0].data)
-        np.multiply(x, self._scale(bottom).data.reshape(1, -1, 1), out=y)
-        if self.bias_term:
-            y += self.blobs[-1].data.reshape(1, -1, 1)
+            if self._saved is None or self._saved.size < x.size:
+                self._saved = np.empty(x.size, np.float32)
+            saved = self._saved[: x.size].reshape(self.dims)
+        bias = self.blobs[-1].data.reshape(-1) if self.bias_term else None
+        kernels.scale_forward(x, self._scale(bottom).data.reshape(-1), bias, self.view3(top[0].data), saved)
 
     def backward(self, top, propagate_down, bottom):
-        dy = self.view3(top[0].diff)
         scale = self._scale(bottom)
-        if self.bias_term and param_wanted(self, len(self.blobs) - 1):
-            self.blobs[-1].diff.reshape(-1)[...] += dy.sum(axis=(0, 2))
         learned = len(bottom) == 1
-        if (learned and param_wanted(self, 0)) or (not learned and propagate_down[1]):
-            x = self._saved if top[0] is bottom[0] else self.view3(bottom[0].data)
-            grad = np.einsum("odi,odi->d", dy, x)
+        want_scale = (learned and param_wanted(self, 0)) or (not learned and propagate_down[1])
+        want_bias = self.bias_term and param_wanted(self, len(self.blobs) - 1)
+        sums = np.zeros(self.dims[1], np.float64) if want_scale else None
+        bias_sums = np.zeros(self.dims[1], np.float64) if want_bias else None
+        x = self._saved[: bottom[0].count].reshape(self.dims) if top[0] is bottom[0] \
+            else self.view3(bottom[0].data)
+        dx = self.view3(bottom[0].diff) if propagate_down[0] else None
+        kernels.scale_backward(x, self.view3(top[0].diff), scale.data.reshape(-1), dx, sums, bias_sums)
+        if want_bias:
+            self.blobs[-1].diff.reshape(-1)[...] += bias_sums
+        if want_scale:
             if learned:
-                scale.diff.reshape(-1)[...] += grad
+                scale.diff.reshape(-1)[...] += sums
             else:
-                scale.diff.reshape(-1)[...] = grad
-        if propagate_down[0]:
-            np.multiply(dy, scale.data.reshape(1, -1, 1), out=self.view3(bottom[0].diff))
+                scale.diff.reshape(-1)[...] = sums
 
 
 @register

@@ -354,3 +354,23 @@ def test_inner_product_matches_torch():
         lin.bias.copy_(torch.from_numpy(layer.blobs[1].data))
         want = lin(torch.from_numpy(bottom[0].data.reshape(3, 8))).numpy()
     np.testing.assert_allclose(top[0].data, want, rtol=1e-5, atol=1e-6)
+
+
+def test_scale_kernels_against_numpy():
+    from caffepy.kernels import common as kernels
+    x, dy = randn(3, 7, 5003, seed=1), randn(3, 7, 5003, seed=2)
+    s, b = randn(7, seed=3), randn(7, seed=4)
+    y, saved = np.empty_like(x), np.empty_like(x)
+    kernels.scale_forward(x, s, b, y, saved)
+    np.testing.assert_allclose(y, x * s[:, None] + b[:, None], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(saved, x)
+    kernels.scale_forward(x, s, None, y, None)
+    np.testing.assert_allclose(y, x * s[:, None], rtol=1e-6)
+    dx, ds, db = np.empty_like(x), np.ones(7), np.ones(7)
+    kernels.scale_backward(x, dy, s, dx, ds, db)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    np.testing.assert_allclose(ds, 1 + (dy64 * x64).sum(axis=(0, 2)), rtol=1e-4)
+    np.testing.assert_allclose(db, 1 + dy64.sum(axis=(0, 2)), rtol=1e-4)
+    np.testing.assert_allclose(dx, dy * s[:, None], rtol=1e-6)
+    kernels.scale_backward(x, dy, s, dy, None, None)      # dx over dy, in place
+    np.testing.assert_array_equal(dy, dx)
