@@ -259,7 +259,7 @@ class Eltwise(Layer):
                 raise self.error(f"bottom[{i}]", f"shape must match bottom[0] ({_shape(shape)})",
                                  _shape(b.shape), cls=ShapeError)
         top[0].reshape(shape)
-        if self.op == self.MAX:
+        if self.op == self.MAX and getattr(self, "mask", np.zeros(0)).shape != shape:
             self.mask = np.zeros(shape, np.int32)
 
     def forward(self, bottom, top):
@@ -282,8 +282,7 @@ class Eltwise(Layer):
             for x in xs[2:]:
                 y *= x
         else:
-            first = xs[0] > xs[1]
-            np.copyto(self.mask, np.where(first, 0, 1))
+            np.copyto(self.mask, ~(xs[0] > xs[1]))      # bottom[1] wins a tie with bottom[0]
             np.maximum(xs[0], xs[1], out=y)
             for i, x in enumerate(xs[2:], 2):
                 greater = x > y
