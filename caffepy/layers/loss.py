@@ -13,6 +13,11 @@ from ..errors import ShapeError
 from ..layer import Layer, canonical_axis, count_from, register
 from ..proto import caffe_pb2
 
+try:
+    from ..kernels import loss as _kernels
+except ImportError:     # not built: the NumPy path is correct, only slower
+    _kernels = None
+
 LossParameter = caffe_pb2.LossParameter
 FLT_MIN = float(np.finfo(np.float32).tiny)
 LOG_FLT_MIN = float(np.log(np.float32(FLT_MIN)))
@@ -159,14 +164,18 @@ class SoftmaxWithLoss(LossLayer):
                                     (self.outer, self.inner))
         if getattr(self, "prob", None) is None or self.prob.shape != x.shape:
             self.prob = np.empty(x.shape, np.float32)
-        peak, total = softmax_into(x, self.prob)
-        safe = np.where(valid, labels, 0)
-        # log p[label] = x[label] - max - log(sum): no log of an underflowed probability
-        picked = gather_classes(x, safe).astype(np.float64) - peak - np.log(total.astype(np.float64))
-        picked = np.maximum(picked, LOG_FLT_MIN)
-        self.labels, self.valid = safe, valid
+        self.valid = valid
         self.count = int(valid.sum())
-        loss = -float(np.sum(picked[valid]))
+        if _kernels is not None:
+            self.labels = np.where(valid, labels, -1).astype(np.int32)
+            loss = _kernels.softmax_loss_forward(x, self.labels, self.prob)
+        else:
+            peak, total = softmax_into(x, self.prob)
+            self.labels = np.where(valid, labels, 0)
+            # log p[label] = x[label] - max - log(sum): no log of an underflowed probability
+            picked = gather_classes(x, self.labels).astype(np.float64) - peak - np.log(
+                total.astype(np.float64))
+            loss = -float(np.sum(np.maximum(picked, LOG_FLT_MIN)[valid]))
         top[0].data[...] = loss / normalizer(self, self.mode, self.outer, self.inner, self.count)
         if len(top) > 1:
             top[1].data[...] = self.prob.reshape(bottom[0].shape)
@@ -176,6 +185,9 @@ class SoftmaxWithLoss(LossLayer):
             return
         scale = self.top_diff(top) / normalizer(self, self.mode, self.outer, self.inner, self.count)
         diff = bottom[0].diff.reshape(self.outer, self.classes, self.inner)
+        if _kernels is not None:
+            _kernels.softmax_loss_backward(self.prob, self.labels, scale, diff)
+            return
         if self.count == self.valid.size:
             np.multiply(self.prob, np.float32(scale), out=diff)
         else:

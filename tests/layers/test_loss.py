@@ -377,3 +377,43 @@ def test_in_a_net_loss_weights_and_statistics_blobs():
     net.backward()
     assert np.all(net.blobs["label"].diff == 0.0)        # no gradient reaches the labels
     assert np.abs(net.blobs["x"].diff).sum() > 0
+
+
+@pytest.mark.parametrize("shape,params", [
+    ((7, 13), ""),
+    ((2, 5, 20, 17), "loss_param { ignore_label: 255 normalization: FULL }"),   # inner 340: two blocks
+    ((3, 4, 6), "softmax_param { axis: 2 } loss_param { ignore_label: 1 }"),
+])
+def test_softmax_loss_kernel_matches_numpy_path(monkeypatch, shape, params):
+    from caffepy.layers import loss as loss_module
+    if loss_module._kernels is None:
+        pytest.skip("caffepy.kernels.loss is not built")
+    axis = 2 if "axis: 2" in params else 1
+    lab_shape = shape[:axis] + shape[axis + 1:]
+    x = randn(*shape, seed=60, scale=4.0)
+    x.reshape(-1)[::11] = -150.0           # underflowing probabilities
+    lab = labels(lab_shape, shape[axis], seed=61, ignore=255 if "255" in params else None)
+    results = []
+    for kernels in (loss_module._kernels, None):
+        monkeypatch.setattr(loss_module, "_kernels", kernels)
+        layer, bottom, top = setup_layer("SoftmaxWithLoss", params, [x, lab], n_top=2)
+        layer.forward(bottom, top)
+        top[0].diff[...] = 2.5
+        layer.backward(top, [True, False], bottom)
+        results.append((top[0].data.copy(), top[1].data.copy(), bottom[0].diff.copy()))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_kernel_exp_is_within_two_ulp():
+    from caffepy.layers import loss as loss_module
+    if loss_module._kernels is None:
+        pytest.skip("caffepy.kernels.loss is not built")
+    x = np.linspace(-87.3, 88.0, 200001).astype(np.float32)
+    out = np.empty_like(x)
+    loss_module._kernels.exp_array(x, out)
+    want = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(out - want) / want) < 2 * 2.0 ** -24
+    tiny = np.empty(3, np.float32)
+    loss_module._kernels.exp_array(np.array([-100.0, -1e30, -np.inf], np.float32), tiny)
+    np.testing.assert_allclose(tiny, np.finfo(np.float32).tiny, rtol=1e-5)   # held, not 0 or NaN
