@@ -13,6 +13,11 @@ if [[ "${1:-}" == "--mpi" ]]; then
   RANKS="${2:?usage: run.sh [--mpi N]}"
 fi
 
+# This net's layers are too small to gain from a second OpenMP thread, and on a busy
+# machine (or with one rank per core under MPI) extra threads wait on each other at
+# every parallel region. Set OMP_NUM_THREADS yourself to override.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
 cd "$(dirname "$0")/../.."
 DIGITS=examples/digits
 WORK=$DIGITS/work
@@ -21,10 +26,10 @@ START=$SECONDS
 rm -rf "$WORK"
 mkdir -p "$WORK"
 
-# 8x8 grayscale PNGs, upscaled (INTER_LINEAR) to LeNet's 28x28
-caffepy convert_imageset --gray --resize_height 28 --resize_width 28 \
+# 8x8 grayscale PNGs, upscaled (INTER_LINEAR) to the net's 16x16
+caffepy convert_imageset --gray --resize_height 16 --resize_width 16 \
   $DIGITS/images/ $DIGITS/train.txt $WORK/digits_train_lmdb
-caffepy convert_imageset --gray --resize_height 28 --resize_width 28 \
+caffepy convert_imageset --gray --resize_height 16 --resize_width 16 \
   $DIGITS/images/ $DIGITS/test.txt $WORK/digits_test_lmdb
 caffepy compute_image_mean $WORK/digits_train_lmdb $WORK/digits_mean.binaryproto
 
