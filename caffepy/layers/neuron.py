@@ -86,7 +86,8 @@ class PReLU(Layer):
         channels = bottom[0].shape[1]
         filler = p.filler if p.HasField("filler") else constant_filler(0.25)
         self.init_param_blobs([((), filler) if self.shared else ((channels,), filler)])
-        self._saved = None
+        self._buffer = np.zeros(0, np.float32)
+        self._saved = None        # x of an in-place forward (a view of _buffer)
 
     def reshape(self, bottom, top):
         if bottom[0].num_axes < 2:
@@ -106,7 +107,10 @@ class PReLU(Layer):
     def forward(self, bottom, top):
         x = self._view(bottom[0].data)
         if top[0] is bottom[0]:
-            self._saved = x.copy()
+            if self._buffer.size < x.size:
+                self._buffer = np.empty(x.size, np.float32)
+            self._saved = self._buffer[: x.size].reshape(x.shape)
+            np.copyto(self._saved, x)
         kernels.prelu_forward(x, self._view(top[0].data), self._slopes(x.shape[1]))
 
     def backward(self, top, propagate_down, bottom):
