@@ -313,6 +313,12 @@ class Eltwise(Layer):
                 np.multiply(dy, self.mask == i, out=dx)
 
 
+def _no_in_place(layer, bottom, top):
+    if top[0] is bottom[0]:
+        raise layer.error("top", "cannot be computed in place (the top is a view with another shape)",
+                          f"'{layer.param.top[0]}'", "Give the top its own name")
+
+
 @register
 class Flatten(Layer):
     """Merge axes axis..end_axis into one; the top is a view of the bottom (no copy).
@@ -321,6 +327,9 @@ class Flatten(Layer):
     """
     exact_bottoms = 1
     exact_tops = 1
+
+    def setup(self, bottom, top):
+        _no_in_place(self, bottom, top)
 
     def reshape(self, bottom, top):
         p = self.param.flatten_param
@@ -350,6 +359,7 @@ class Reshape(Layer):
     exact_tops = 1
 
     def setup(self, bottom, top):
+        _no_in_place(self, bottom, top)
         p = self.param.reshape_param
         self.dims = [int(d) for d in p.shape.dim]
         if self.dims.count(-1) > 1:

@@ -374,3 +374,11 @@ def test_scale_kernels_against_numpy():
     np.testing.assert_allclose(dx, dy * s[:, None], rtol=1e-6)
     kernels.scale_backward(x, dy, s, dy, None, None)      # dx over dy, in place
     np.testing.assert_array_equal(dy, dx)
+
+
+@pytest.mark.parametrize("type_,params", [("Flatten", ""), ("Reshape", "reshape_param { shape { dim: -1 } }")])
+def test_views_refuse_in_place(type_, params):
+    layer = make_layer(type_, params)
+    b = _blob(X4)
+    with pytest.raises(LayerError, match=rf"\({type_}\): top: cannot be computed in place.*got 't0'"):
+        layer.layer_setup([b], [b])
