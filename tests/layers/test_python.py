@@ -141,8 +141,10 @@ def test_python_layer_in_a_net_trains_its_blob():
     (f'python_param {{ module: "{USER}" layer: "Missing" }}',
      rf"python_param.layer: module '{USER}' has no class, got 'Missing'\. Layer classes there: "
      r"LearnedScale, NoForward, PhaseEcho, TimesTwo"),
-    (f'python_param {{ module: "{USER}" layer: "NotALayer" }}', r"python_param.layer: must name a subclass of caffepy.Layer"),
-    (f'python_param {{ module: "{USER}" layer: "NoForward" }}', r"python_param.layer: class must define forward\(bottom, top\)"),
+    (f'python_param {{ module: "{USER}" layer: "NotALayer" }}',
+     r"python_param.layer: must name a subclass of caffepy.Layer"),
+    (f'python_param {{ module: "{USER}" layer: "NoForward" }}',
+     r"python_param.layer: class must define forward\(bottom, top\)"),
     ('python_param { layer: "A" }', r"python_param.module: is required"),
 ])
 def test_load_errors_are_one_line_and_name_the_layer(params, pattern):
