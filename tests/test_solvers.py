@@ -409,13 +409,20 @@ def test_pycaffe_typed_solver_classes(tmp_path, monkeypatch):
     assert paths == ("out/run_iter_2.caffemodel", "out/run_iter_2.solverstate")
 
 
-@pytest.mark.parametrize("extra", ["weight_decay: 0.01", 'weight_decay: 0.01 regularization_type: "L1"',
-                                   "iter_size: 2 weight_decay: 0.01", 'type: "Adam" weight_decay: 0.01 iter_size: 2'])
+@pytest.mark.parametrize("extra", [
+    "weight_decay: 0.01", 'weight_decay: 0.01 regularization_type: "L1"', "iter_size: 2 weight_decay: 0.01",
+    "weight_decay: 0.01 local_lr_auto: true local_gw_ratio: 0.1 warmup_iter: 2 warmup_start_lr: 0.01",
+    'type: "Nesterov" weight_decay: 0.01', 'type: "AdaGrad" momentum: 0 weight_decay: 0.01',
+    'type: "RMSProp" momentum: 0 rms_decay: 0.9', 'type: "AdaDelta" iter_size: 2 delta: 1e-6',
+    'type: "Adam" weight_decay: 0.01 iter_size: 2'])
 def test_compiled_updates_match_numpy(tmp_path, monkeypatch, extra):
     pytest.importorskip("caffepy.kernels.solver")
     monkeypatch.chdir(tmp_path)
     write_files(tmp_path, max_iter=4)
-    text = (tmp_path / "solver.prototxt").read_text().replace('type: "SGD"', "").replace("weight_decay: 0.01", "") + extra
+    text = (tmp_path / "solver.prototxt").read_text().replace('type: "SGD"', "").replace("weight_decay: 0.01", "")
+    if "momentum: 0 " in extra:
+        text = text.replace("momentum: 0.9", "")
+    text += extra
     (tmp_path / "solver.prototxt").write_text(text)
     results = []
     for use in (False, True):

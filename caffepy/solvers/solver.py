@@ -409,17 +409,20 @@ class Solver:
                 continue
             g = blob.diff
             local_decay = decay * net.params_weight_decay[i]
-            if fused is not None and is_sgd and not p.local_lr_auto:
-                fused.sgd_step(blob.data.reshape(-1), g.reshape(-1), self.rule.history[i].reshape(-1),
-                               norm, local_decay, l1, rate * lr_mult, momentum)
+            if fused is not None:
+                w1, g1 = blob.data.reshape(-1), g.reshape(-1)
+                if is_sgd and p.local_lr_auto:
+                    fused.regularize(w1, g1, norm, local_decay, l1)
+                    local = self._lars_rate(i, blob, lr_mult)
+                    self.rule.fused(fused, i, w1, g1, 1.0, 0.0, False, rate * local, self.iter, momentum)
+                else:
+                    self.rule.fused(fused, i, w1, g1, norm, local_decay, l1, rate * lr_mult, self.iter,
+                                    momentum)
                 continue
-            if fused is not None and (local_decay or p.iter_size > 1):
-                fused.regularize(blob.data.reshape(-1), g.reshape(-1), norm, local_decay, l1)
-            else:
-                if p.iter_size > 1:
-                    g *= norm
-                if local_decay:
-                    g += local_decay * (np.sign(blob.data) if l1 else blob.data)
+            if p.iter_size > 1:
+                g *= norm
+            if local_decay:
+                g += local_decay * (np.sign(blob.data) if l1 else blob.data)
             local = lr_mult
             if is_sgd and p.local_lr_auto:
                 local = self._lars_rate(i, blob, lr_mult)

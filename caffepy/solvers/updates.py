@@ -52,6 +52,12 @@ class UpdateRule:
         """Turn gradient `g` of parameter `i` into its step, in place."""
         raise NotImplementedError
 
+    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
+        """The compiled one-pass version (caffepy.kernels.solver): normalize by `norm`,
+        add weight decay, compute the step and subtract it from `w` (flat arrays)."""
+        h = self.history[i].reshape(-1)
+        k.step(self.type, w, g, h, h, norm, decay, l1, lr, momentum, 0.0, self.param.delta)
+
 
 @rule
 class SGD(UpdateRule):
@@ -123,6 +129,10 @@ class RMSProp(UpdateRule):
         np.divide(g, t, out=g)
         g *= lr
 
+    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
+        h = self.history[i].reshape(-1)
+        k.step(self.type, w, g, h, h, norm, decay, l1, lr, self.param.rms_decay, 0.0, self.param.delta)
+
 
 @rule
 class AdaDelta(UpdateRule):
@@ -153,18 +163,33 @@ class AdaDelta(UpdateRule):
         h2 += t
         g *= lr
 
+    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
+        n = len(self._temp)
+        k.step(self.type, w, g, self.history[i].reshape(-1), self.history[n + i].reshape(-1), norm,
+               decay, l1, lr, momentum, 0.0, self.param.delta)
+
 
 @rule
 class Adam(UpdateRule):
     type = "Adam"
     histories = 2
 
+    def correction(self, it):
+        """Caffe's bias correction sqrt(1 - beta2^t) / (1 - beta1^t), t = iter + 1."""
+        t = it + 1
+        return np.sqrt(1.0 - self.param.momentum2 ** t) / (1.0 - self.param.momentum ** t)
+
+    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
+        n = len(self._temp)
+        k.step(self.type, w, g, self.history[i].reshape(-1), self.history[n + i].reshape(-1), norm,
+               decay, l1, lr * self.correction(it), self.param.momentum, self.param.momentum2,
+               self.param.delta)
+
     def compute(self, i, g, lr, it, momentum):
         n = len(self._temp)
         m, v, t = self.history[i], self.history[n + i], self._temp[i]
         beta1, beta2 = self.param.momentum, self.param.momentum2
-        step = it + 1
-        correction = np.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+        correction = self.correction(it)
         m *= beta1
         np.multiply(g, 1.0 - beta1, out=t)
         m += t
