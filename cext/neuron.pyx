@@ -115,8 +115,10 @@ cdef inline void _relu_b(const float* x, const float* g, float* d, Py_ssize_t n,
 
 cdef inline void _elu_f(const float* x, float* y, Py_ssize_t n, float alpha) noexcept nogil:
     cdef Py_ssize_t i
+    cdef float neg
     for i in range(n):
-        y[i] = x[i] if x[i] > 0 else alpha * (_exp(x[i]) - ONE)
+        neg = alpha * (_exp(x[i]) - ONE)
+        y[i] = x[i] if x[i] > 0 else neg
 
 
 cdef inline void _elu_b(const float* x, const float* y, const float* g, float* d, Py_ssize_t n,
