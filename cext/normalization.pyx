@@ -13,7 +13,6 @@ cimport openmp
 from libc.math cimport sqrt
 
 cdef enum:
-    _LANES = 16
     _SERIAL_BELOW = 65536     # values: smaller jobs are not worth waking the thread team
 
 
@@ -25,65 +24,63 @@ cdef inline tuple _s3(Py_ssize_t* shape):
     return (shape[0], shape[1], shape[2])
 
 
-cdef inline double _row_sum(const float* x, Py_ssize_t n, float shift) noexcept nogil:
-    cdef float acc[_LANES]
-    cdef Py_ssize_t i, l, blk, n16 = n - n % _LANES
-    cdef double total = 0.0
-    for l in range(_LANES):
-        acc[l] = 0.0
-    for blk in range(n16 // _LANES):
-        i = blk * _LANES
-        for l in range(_LANES):
-            acc[l] = acc[l] + (x[i + l] - shift)
-    for i in range(n16, n):
-        total += x[i] - shift
-    for l in range(_LANES):
-        total += acc[l]
-    return total
-
-
-cdef inline double _row_sumsq(const float* x, Py_ssize_t n, float shift) noexcept nogil:
-    cdef float acc[_LANES]
-    cdef float d
-    cdef Py_ssize_t i, l, blk, n16 = n - n % _LANES
-    cdef double total = 0.0
-    for l in range(_LANES):
-        acc[l] = 0.0
-    for blk in range(n16 // _LANES):
-        i = blk * _LANES
-        for l in range(_LANES):
-            d = x[i + l] - shift
-            acc[l] = acc[l] + d * d
-    for i in range(n16, n):
-        d = x[i] - shift
-        total += d * d
-    for l in range(_LANES):
-        total += acc[l]
-    return total
-
-
-cdef inline void _row_dots(const float* a, const float* b, Py_ssize_t n, double* sa,
-                           double* sab) noexcept nogil:
-    cdef float acc[_LANES]
-    cdef float acc2[_LANES]
-    cdef Py_ssize_t i, l, blk, n16 = n - n % _LANES
-    cdef double t1 = 0.0, t2 = 0.0
-    for l in range(_LANES):
-        acc[l] = 0.0
-        acc2[l] = 0.0
-    for blk in range(n16 // _LANES):
-        i = blk * _LANES
-        for l in range(_LANES):
-            acc[l] = acc[l] + a[i + l]
-            acc2[l] = acc2[l] + a[i + l] * b[i + l]
-    for i in range(n16, n):
-        t1 += a[i]
-        t2 += a[i] * b[i]
-    for l in range(_LANES):
-        t1 += acc[l]
-        t2 += acc2[l]
-    sa[0] += t1
-    sab[0] += t2
+cdef extern from *:
+    """
+    /* Row reductions with 16 float partial sums, the pattern GCC vectorizes without
+       -ffast-math (each lane is its own accumulator, so no reassociation is needed);
+       the lanes and the tail are added in double. */
+    static double caffepy_row_sum(const float* x, long n, float shift) {
+        float acc[16] = {0};
+        long i = 0, l;
+        double total = 0.0;
+        for (; i + 16 <= n; i += 16)
+            for (l = 0; l < 16; l++) acc[l] += x[i + l] - shift;
+        for (; i < n; i++) total += x[i] - shift;
+        for (l = 0; l < 16; l++) total += acc[l];
+        return total;
+    }
+    static double caffepy_row_sumsq(const float* x, long n, float shift) {
+        float acc[16] = {0};
+        long i = 0, l;
+        double total = 0.0;
+        for (; i + 16 <= n; i += 16)
+            for (l = 0; l < 16; l++) {
+                float d = x[i + l] - shift;
+                acc[l] += d * d;
+            }
+        for (; i < n; i++) {
+            float d = x[i] - shift;
+            total += d * d;
+        }
+        for (l = 0; l < 16; l++) total += acc[l];
+        return total;
+    }
+    /* *sa += sum a, *sab += sum a * b */
+    static void caffepy_row_dots(const float* a, const float* b, long n, double* sa, double* sab) {
+        float acc[16] = {0}, acc2[16] = {0};
+        long i = 0, l;
+        double t1 = 0.0, t2 = 0.0;
+        for (; i + 16 <= n; i += 16)
+            for (l = 0; l < 16; l++) {
+                acc[l] += a[i + l];
+                acc2[l] += a[i + l] * b[i + l];
+            }
+        for (; i < n; i++) {
+            t1 += a[i];
+            t2 += a[i] * b[i];
+        }
+        for (l = 0; l < 16; l++) {
+            t1 += acc[l];
+            t2 += acc2[l];
+        }
+        *sa += t1;
+        *sab += t2;
+    }
+    """
+    double _row_sum "caffepy_row_sum"(const float* x, long n, float shift) noexcept nogil
+    double _row_sumsq "caffepy_row_sumsq"(const float* x, long n, float shift) noexcept nogil
+    void _row_dots "caffepy_row_dots"(const float* a, const float* b, long n, double* sa,
+                                      double* sab) noexcept nogil
 
 
 def channel_affine(const float[:, :, ::1] x, const float[::1] sub, const float[::1] mul,
