@@ -141,6 +141,23 @@ cdef inline void _swish_f(const float* x, float* s, float* y, Py_ssize_t n, floa
         y[i] = x[i] * s[i]
 
 
+cdef inline void _absval_b(const float* x, const float* g, float* d, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float zero = 0
+    cdef float neg
+    for i in range(n):
+        neg = -g[i] if x[i] < 0 else zero
+        d[i] = g[i] if x[i] > 0 else neg
+
+
+cdef inline void _clip_b(const float* x, const float* g, float* d, Py_ssize_t n, float lo,
+                         float hi) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float zero = 0
+    for i in range(n):
+        d[i] = g[i] if (x[i] >= lo) & (x[i] <= hi) else zero
+
+
 cdef inline void _sigmoid_b(const float* y, const float* g, float* d, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(n):
@@ -238,6 +255,26 @@ def swish_forward(const float[::1] x, float[::1] s, float[::1] y, float beta):
     for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
         lo = c * CHUNK
         _swish_f(&x[lo], &s[lo], &y[lo], min(CHUNK, n - lo), beta)
+
+
+def absval_backward(const float[::1] x, const float[::1] dy, float[::1] dx):
+    """dx = sign(x) * dy (0 at x = 0, as Caffe's sign)."""
+    cdef Py_ssize_t n = x.shape[0], c, lo
+    if n == 0:
+        return
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+        lo = c * CHUNK
+        _absval_b(&x[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo))
+
+
+def clip_backward(const float[::1] x, const float[::1] dy, float[::1] dx, float lo_, float hi_):
+    """dx = dy where lo <= x <= hi, else 0."""
+    cdef Py_ssize_t n = x.shape[0], c, lo
+    if n == 0:
+        return
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+        lo = c * CHUNK
+        _clip_b(&x[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo), lo_, hi_)
 
 
 def sigmoid_backward(const float[::1] y, const float[::1] dy, float[::1] dx):

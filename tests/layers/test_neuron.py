@@ -261,6 +261,18 @@ def test_elu_sigmoid_tanh_swish_dropout_kernels():
     np.testing.assert_array_equal(y, x * want)
 
 
+def test_absval_and_clip_backward_kernels():
+    x, dy = randn(N, seed=1), randn(N, seed=2)
+    x[:5] = [0, -0.0, 1, -1, 0.5]
+    dx = np.empty_like(x)
+    kernels.absval_backward(x, dy, dx)
+    np.testing.assert_array_equal(dx, dy * np.sign(x))
+    kernels.clip_backward(x, dy, dx, -0.5, 0.5)
+    np.testing.assert_array_equal(dx, np.where((x >= -0.5) & (x <= 0.5), dy, 0))
+    kernels.clip_backward(x, dy, dy, -0.5, 0.5)       # in place
+    np.testing.assert_array_equal(dy, dx)
+
+
 def test_kernels_accept_empty_arrays():
     e = np.zeros(0, np.float32)
     kernels.relu_forward(e, e, 0.0)
