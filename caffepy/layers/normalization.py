@@ -33,7 +33,8 @@ class LRN(Layer):
 
     def setup(self, bottom, top):
         p = self.param.lrn_param
-        self.size, self.alpha, self.beta, self.k = int(p.local_size), float(p.alpha), float(p.beta), float(p.k)
+        self.size, self.alpha = int(p.local_size), float(p.alpha)
+        self.beta, self.k = float(p.beta), float(p.k)
         self.region = p.norm_region
         if self.size < 1 or self.size % 2 == 0:
             raise self.error("lrn_param.local_size", "must be odd and positive", self.size)

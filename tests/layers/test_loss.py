@@ -153,8 +153,10 @@ CASES = [
     Case("SoftmaxWithLoss", "", [X45, labels(4, 5)], check_bottom=[0], expected=softmax_loss_ref()),
     *_sp_cases(),
     Case("SoftmaxWithLoss", "loss_param { normalize: false }", [X_SP, labels((2, 3, 2), 4, seed=5)],
-         check_bottom=[0], expected=softmax_loss_ref(1, None, "BATCH_SIZE"), id="SoftmaxWithLoss:normalize-false"),
-    Case("SoftmaxWithLoss", "loss_param { normalize: true ignore_label: 1 }", [X_SP, labels((2, 3, 2), 4, seed=5)],
+         check_bottom=[0], expected=softmax_loss_ref(1, None, "BATCH_SIZE"),
+         id="SoftmaxWithLoss:normalize-false"),
+    Case("SoftmaxWithLoss", "loss_param { normalize: true ignore_label: 1 }",
+         [X_SP, labels((2, 3, 2), 4, seed=5)],
          check_bottom=[0], expected=softmax_loss_ref(1, 1, "VALID"), id="SoftmaxWithLoss:normalize-true"),
     Case("SoftmaxWithLoss", "softmax_param { axis: -1 }", [X_SP, labels((2, 4, 3), 2, seed=6)],
          check_bottom=[0], expected=softmax_loss_ref(-1), id="SoftmaxWithLoss:axis-1"),
@@ -179,12 +181,14 @@ CASES = [
          expected=sigmoid_ce_ref(None, "VALID"), id="SigmoidCrossEntropyLoss:normalize"),
     Case("SigmoidCrossEntropyLoss", "", [np.array([[80.0, -80.0, 0.0]], np.float32),
                                          np.array([[0.0, 1.0, 0.5]], np.float32)],
-         grad=False, expected=lambda x, t: [np.array(160.0 + np.log(2.0))], id="SigmoidCrossEntropyLoss:extreme"),
+         grad=False, expected=lambda x, t: [np.array(160.0 + np.log(2.0))],
+         id="SigmoidCrossEntropyLoss:extreme"),
 
     Case("EuclideanLoss", "", [randn(4, 3, 2, seed=18), randn(4, 3, 2, seed=19)],
          expected=lambda a, b: [np.array(np.sum((a - b) ** 2) / 4 / 2)]),
     Case("EuclideanLoss", "", [randn(4, 6, seed=18), randn(4, 2, 3, seed=19)],
-         expected=lambda a, b: [np.array(np.sum((a - b.reshape(4, 6)) ** 2) / 4 / 2)], id="EuclideanLoss:shapes"),
+         expected=lambda a, b: [np.array(np.sum((a - b.reshape(4, 6)) ** 2) / 4 / 2)],
+         id="EuclideanLoss:shapes"),
 
     Case("HingeLoss", "", [away_from(randn(5, 4, seed=20, scale=1.5), [-1, 1]), labels(5, 4, seed=21)],
          check_bottom=[0], expected=hinge_ref(1)),
@@ -203,7 +207,8 @@ CASES = [
          [randn(2, 3, 5, seed=25), labels((2, 3), 5, seed=26), H5], check_bottom=[0], n_top=2,
          expected=lambda x, l, h: infogain_ref(H5, 2, 0, "FULL")(x, l, h), id="InfogainLoss:axis2-prob-top",
          grad=False),
-    Case("InfogainLoss", "infogain_loss_param { axis: 2 } loss_param { ignore_label: 0 normalization: BATCH_SIZE }",
+    Case("InfogainLoss",
+         "infogain_loss_param { axis: 2 } loss_param { ignore_label: 0 normalization: BATCH_SIZE }",
          [randn(2, 3, 5, seed=25), labels((2, 3), 5, seed=26), H5], check_bottom=[0],
          expected=lambda x, l, h: infogain_ref(H5, 2, 0, "BATCH_SIZE")(x, l, h)[:1], id="InfogainLoss:axis2"),
 
@@ -288,7 +293,8 @@ def test_shape_errors(type_, params, bottoms, match):
 
 
 def test_accuracy_top_k_above_classes_is_an_error():
-    with pytest.raises(LayerError, match=r"accuracy_param.top_k: must be at most the number of classes \(5\), got 6"):
+    with pytest.raises(LayerError,
+                       match=r"accuracy_param.top_k: must be at most the number of classes \(5\), got 6"):
         setup_layer("Accuracy", "accuracy_param { top_k: 6 }", [X45, labels(4, 5)])
 
 
@@ -322,13 +328,15 @@ def test_infogain_matrix_from_binaryproto(tmp_path):
     path = tmp_path / "H.binaryproto"
     write_blobproto(H5, str(path))
     lab = labels(4, 5, seed=24)
-    layer, bottom, top = setup_layer("InfogainLoss", f"infogain_loss_param {{ source: '{path}' }}", [X45, lab])
+    params = f"infogain_loss_param {{ source: '{path}' }}"
+    layer, bottom, top = setup_layer("InfogainLoss", params, [X45, lab])
     layer.forward(bottom, top)
     want = infogain_ref(H5)(X45.astype(np.float64), lab)[0]
     np.testing.assert_allclose(top[0].data, want, rtol=1e-5)
     # identity H is SoftmaxWithLoss
     write_blobproto(np.eye(5, dtype=np.float32).reshape(1, 1, 5, 5), str(path))
-    layer, bottom, top = setup_layer("InfogainLoss", f"infogain_loss_param {{ source: '{path}' }}", [X45, lab])
+    params = f"infogain_loss_param {{ source: '{path}' }}"
+    layer, bottom, top = setup_layer("InfogainLoss", params, [X45, lab])
     layer.forward(bottom, top)
     np.testing.assert_allclose(top[0].data, softmax_loss_ref()(X45.astype(np.float64), lab)[0], rtol=1e-5)
 

@@ -3,7 +3,6 @@ import numpy as np
 import pytest
 
 from caffepy.errors import LayerError, ShapeError
-from caffepy.proto import caffe_pb2
 from layer_cases import TEST, TRAIN, Case, case_tests, make_layer, randn, setup_layer
 
 
@@ -55,9 +54,11 @@ def _lrn_cases():
             out.append(Case("LRN", params, [randn(*shape, seed=size + shape[1])],
                             expected=lrn_ref(size, 0.8, 0.75, 2.0, region),
                             id=f"LRN:{region}-size{size}-C{shape[1]}-H{shape[2]}"))
-    out.append(Case("LRN", "lrn_param { local_size: 3 alpha: 2 beta: 0.6 k: 1.5 }", [randn(2, 4, 3, 3, seed=3)],
+    out.append(Case("LRN", "lrn_param { local_size: 3 alpha: 2 beta: 0.6 k: 1.5 }",
+                    [randn(2, 4, 3, 3, seed=3)],
                     expected=lrn_ref(3, 2.0, 0.6, 1.5, "ACROSS_CHANNELS"), id="LRN:beta0.6"))
-    out.append(Case("LRN", "", [randn(2, 6, 2, 2, seed=4)], expected=lrn_ref(5, 1.0, 0.75, 1.0, "ACROSS_CHANNELS"),
+    out.append(Case("LRN", "", [randn(2, 6, 2, 2, seed=4)],
+                    expected=lrn_ref(5, 1.0, 0.75, 1.0, "ACROSS_CHANNELS"),
                     id="LRN:defaults"))
     return out
 
@@ -83,7 +84,8 @@ CASES = [
          init=_set_stats(STATS_MEAN, STATS_VAR, 2.0), id="BatchNorm:global",
          expected=lambda x: [(x - (STATS_MEAN / 2).reshape(1, 3, 1, 1))
                              / np.sqrt((STATS_VAR / 2).reshape(1, 3, 1, 1) + 1e-5)]),
-    Case("BatchNorm", "", [BN_X], phase=TEST, init=_set_stats(STATS_MEAN, STATS_VAR, 0.0), id="BatchNorm:test-zero-factor",
+    Case("BatchNorm", "", [BN_X], phase=TEST, init=_set_stats(STATS_MEAN, STATS_VAR, 0.0),
+         id="BatchNorm:test-zero-factor",
          expected=lambda x: [x / np.sqrt(1e-5)], grad=False),
     Case("MVN", "", [randn(2, 3, 4, 5, seed=30, scale=3.0) + 1.0], expected=mvn_ref()),
     Case("MVN", "mvn_param { across_channels: true }", [randn(2, 3, 4, 2, seed=31)],
@@ -162,7 +164,8 @@ def test_batch_norm_in_place_matches_out_of_place():
     np.testing.assert_allclose(blob.diff, want_dx, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("params,field", [("relu: true", "relu"), ("stats_batch_size: 2", "stats_batch_size")])
+@pytest.mark.parametrize("params,field", [("relu: true", "relu"),
+                                          ("stats_batch_size: 2", "stats_batch_size")])
 def test_batch_norm_refuses_intel_extensions(params, field):
     with pytest.raises(LayerError, match=f"batch_norm_param.{field}: is not supported"):
         setup_layer("BatchNorm", f"batch_norm_param {{ {params} }}", [BN_X])
@@ -262,8 +265,8 @@ def test_lrn_huge_window_uses_the_reference():
     layer, bottom, top = setup_layer("LRN", "lrn_param { local_size: 513 norm_region: WITHIN_CHANNEL }", [x])
     assert not layer.compiled
     layer.forward(bottom, top)
-    np.testing.assert_allclose(top[0].data, lrn_ref(513, 1.0, 0.75, 1.0, "WITHIN_CHANNEL")(x.astype(np.float64))[0],
-                               rtol=1e-5)
+    want = lrn_ref(513, 1.0, 0.75, 1.0, "WITHIN_CHANNEL")(x.astype(np.float64))[0]
+    np.testing.assert_allclose(top[0].data, want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("type_,params,phase", [
