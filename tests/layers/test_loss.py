@@ -391,6 +391,8 @@ def test_in_a_net_loss_weights_and_statistics_blobs():
     ((7, 13), ""),
     ((2, 5, 20, 17), "loss_param { ignore_label: 255 normalization: FULL }"),   # inner 340: two blocks
     ((3, 4, 6), "softmax_param { axis: 2 } loss_param { ignore_label: 1 }"),
+    ((1, 4, 300000), "loss_param { ignore_label: 255 }"),      # above the threading threshold
+    ((1100, 1000), ""),
 ])
 def test_softmax_loss_kernel_matches_numpy_path(monkeypatch, shape, params):
     from caffepy.layers import loss as loss_module

@@ -269,15 +269,16 @@ def test_lrn_huge_window_uses_the_reference():
     np.testing.assert_allclose(top[0].data, want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(3, 4, 5, 7), (4, 4, 96, 96)])   # below / above threading
 @pytest.mark.parametrize("type_,params,phase", [
     ("BatchNorm", "", TRAIN), ("BatchNorm", "", TEST),
     ("MVN", "", TRAIN), ("MVN", "mvn_param { normalize_variance: false across_channels: true }", TRAIN),
 ])
-def test_kernels_match_numpy_path(monkeypatch, type_, params, phase):
+def test_kernels_match_numpy_path(monkeypatch, type_, params, phase, shape):
     from caffepy.layers import normalization
     if normalization._kernels is None:
         pytest.skip("caffepy.kernels.normalization is not built")
-    x = randn(3, 4, 5, 7, seed=38, scale=2.0) + 3.0
+    x = randn(*shape, seed=38, scale=2.0) + 3.0
     dy = randn(*x.shape, seed=39)
     results = []
     for kernels in (normalization._kernels, None):
