@@ -5,8 +5,10 @@ six to twelve; a 61M-parameter update is memory bound.  Each rule's formula is
 the one in caffepy/solvers/updates.py (the NumPy reference; tests/test_solvers.py
 checks both agree).  Afterwards diff holds the step, as in Caffe.
 
-Arrays under PARALLEL_MIN elements run on one thread: an OpenMP region costs more
-than it saves on them, and far more when ranks oversubscribe the cores.
+Every rule is its own loop over plain scalars, so GCC vectorizes it (sqrt and
+division included).  Arrays under PARALLEL_MIN elements run on one thread: an
+OpenMP region costs more than it saves on them, and far more when ranks
+oversubscribe the cores.
 """
 from cython.parallel cimport prange
 from libc.math cimport sqrtf
@@ -14,20 +16,21 @@ from libc.math cimport sqrtf
 DEF PARALLEL_MIN = 1 << 20
 
 
-cdef inline float _sign(float x) noexcept nogil:
-    return (x > 0) - (x < 0)
-
-
 cdef inline float _reg(float w, float g, float norm, float decay, bint l1) noexcept nogil:
     """The normalized, regularized gradient."""
-    return norm * g + decay * (_sign(w) if l1 else w)
+    if l1:
+        return norm * g + decay * <float>((w > 0) - (w < 0))
+    return norm * g + decay * w
 
 
 def regularize(float[::1] w, float[::1] g, float norm, float decay, bint l1):
     """g = norm * g + decay * (sign(w) if l1 else w)."""
     cdef Py_ssize_t i, n = g.shape[0]
+    cdef int threads = 1 if n < PARALLEL_MIN else 0
+    if n == 0:
+        return
     with nogil:
-        if n < PARALLEL_MIN:
+        if threads == 1:
             for i in range(n):
                 g[i] = _reg(w[i], g[i], norm, decay, l1)
         else:
@@ -35,92 +38,112 @@ def regularize(float[::1] w, float[::1] g, float norm, float decay, bint l1):
                 g[i] = _reg(w[i], g[i], norm, decay, l1)
 
 
-cdef struct Args:
-    float norm, decay, lr, momentum, beta2, delta
-    bint l1
+cdef void _sgd(float* w, float* g, float* h, Py_ssize_t lo, Py_ssize_t hi_, float norm, float decay,
+               bint l1, float lr, float mom) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float gi, hi
+    for i in range(lo, hi_):
+        gi = _reg(w[i], g[i], norm, decay, l1)
+        hi = mom * h[i] + lr * gi
+        h[i] = hi
+        g[i] = hi
+        w[i] = w[i] - hi
 
 
-cdef inline void _sgd(float* w, float* g, float* h, Py_ssize_t i, Args* a) noexcept nogil:
-    cdef float gi = _reg(w[i], g[i], a.norm, a.decay, a.l1)
-    cdef float hi = a.momentum * h[i] + a.lr * gi
-    h[i] = hi
-    g[i] = hi
-    w[i] = w[i] - hi
+cdef void _nesterov(float* w, float* g, float* h, Py_ssize_t lo, Py_ssize_t hi_, float norm, float decay,
+                    bint l1, float lr, float mom) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float gi, prev, hi, s
+    for i in range(lo, hi_):
+        gi = _reg(w[i], g[i], norm, decay, l1)
+        prev = h[i]
+        hi = mom * prev + lr * gi
+        s = (1 + mom) * hi - mom * prev
+        h[i] = hi
+        g[i] = s
+        w[i] = w[i] - s
 
 
-cdef inline void _nesterov(float* w, float* g, float* h, Py_ssize_t i, Args* a) noexcept nogil:
-    cdef float gi = _reg(w[i], g[i], a.norm, a.decay, a.l1)
-    cdef float prev = h[i]
-    cdef float hi = a.momentum * prev + a.lr * gi
-    cdef float step = (1 + a.momentum) * hi - a.momentum * prev
-    h[i] = hi
-    g[i] = step
-    w[i] = w[i] - step
+cdef void _adagrad(float* w, float* g, float* h, Py_ssize_t lo, Py_ssize_t hi_, float norm, float decay,
+                   bint l1, float lr, float delta) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float gi, hi, s
+    for i in range(lo, hi_):
+        gi = _reg(w[i], g[i], norm, decay, l1)
+        hi = h[i] + gi * gi
+        s = gi / (sqrtf(hi) + delta) * lr
+        h[i] = hi
+        g[i] = s
+        w[i] = w[i] - s
 
 
-cdef inline void _adagrad(float* w, float* g, float* h, Py_ssize_t i, Args* a) noexcept nogil:
-    cdef float gi = _reg(w[i], g[i], a.norm, a.decay, a.l1)
-    cdef float hi = h[i] + gi * gi
-    cdef float step = gi / (sqrtf(hi) + a.delta) * a.lr
-    h[i] = hi
-    g[i] = step
-    w[i] = w[i] - step
+cdef void _rmsprop(float* w, float* g, float* h, Py_ssize_t lo, Py_ssize_t hi_, float norm, float decay,
+                   bint l1, float lr, float rms, float delta) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float gi, hi, s
+    for i in range(lo, hi_):
+        gi = _reg(w[i], g[i], norm, decay, l1)
+        hi = rms * h[i] + (1 - rms) * (gi * gi)
+        s = gi / (sqrtf(hi) + delta) * lr
+        h[i] = hi
+        g[i] = s
+        w[i] = w[i] - s
 
 
-cdef inline void _rmsprop(float* w, float* g, float* h, Py_ssize_t i, Args* a) noexcept nogil:
-    # a.momentum carries rms_decay
-    cdef float gi = _reg(w[i], g[i], a.norm, a.decay, a.l1)
-    cdef float hi = a.momentum * h[i] + (1 - a.momentum) * (gi * gi)
-    cdef float step = gi / (sqrtf(hi) + a.delta) * a.lr
-    h[i] = hi
-    g[i] = step
-    w[i] = w[i] - step
+cdef void _adadelta(float* w, float* g, float* h, float* h2, Py_ssize_t lo, Py_ssize_t hi_, float norm,
+                    float decay, bint l1, float lr, float mom, float delta) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float gi, hi, u, s
+    for i in range(lo, hi_):
+        gi = _reg(w[i], g[i], norm, decay, l1)
+        hi = mom * h[i] + (1 - mom) * (gi * gi)
+        u = gi * sqrtf((h2[i] + delta) / (hi + delta))
+        s = u * lr
+        h[i] = hi
+        h2[i] = mom * h2[i] + (1 - mom) * (u * u)
+        g[i] = s
+        w[i] = w[i] - s
 
 
-cdef inline void _adadelta(float* w, float* g, float* h, float* h2, Py_ssize_t i, Args* a) noexcept nogil:
-    cdef float gi = _reg(w[i], g[i], a.norm, a.decay, a.l1)
-    cdef float hi = a.momentum * h[i] + (1 - a.momentum) * (gi * gi)
-    cdef float u = gi * sqrtf((h2[i] + a.delta) / (hi + a.delta))
-    cdef float step = u * a.lr
-    h[i] = hi
-    h2[i] = a.momentum * h2[i] + (1 - a.momentum) * (u * u)
-    g[i] = step
-    w[i] = w[i] - step
+cdef void _adam(float* w, float* g, float* m, float* v, Py_ssize_t lo, Py_ssize_t hi_, float norm,
+                float decay, bint l1, float lr, float beta1, float beta2, float delta) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float gi, mi, vi, s
+    for i in range(lo, hi_):
+        gi = _reg(w[i], g[i], norm, decay, l1)
+        mi = beta1 * m[i] + (1 - beta1) * gi
+        vi = beta2 * v[i] + (1 - beta2) * (gi * gi)
+        s = mi / (sqrtf(vi) + delta) * lr
+        m[i] = mi
+        v[i] = vi
+        g[i] = s
+        w[i] = w[i] - s
 
 
-cdef inline void _adam(float* w, float* g, float* m, float* v, Py_ssize_t i, Args* a) noexcept nogil:
-    # a.momentum = beta1, a.lr = local rate * bias correction
-    cdef float gi = _reg(w[i], g[i], a.norm, a.decay, a.l1)
-    cdef float mi = a.momentum * m[i] + (1 - a.momentum) * gi
-    cdef float vi = a.beta2 * v[i] + (1 - a.beta2) * (gi * gi)
-    cdef float step = mi / (sqrtf(vi) + a.delta) * a.lr
-    m[i] = mi
-    v[i] = vi
-    g[i] = step
-    w[i] = w[i] - step
-
-
-cdef enum Rule:
+cdef enum:
     SGD, NESTEROV, ADAGRAD, RMSPROP, ADADELTA, ADAM
 
 _RULES = {"SGD": SGD, "Nesterov": NESTEROV, "AdaGrad": ADAGRAD, "RMSProp": RMSPROP,
           "AdaDelta": ADADELTA, "Adam": ADAM}
 
+DEF CHUNK = 1 << 16
 
-cdef inline void _one(Rule rule, float* w, float* g, float* h, float* h2, Py_ssize_t i,
-                      Args* a) noexcept nogil:
+
+cdef void _range(int rule, float* w, float* g, float* h, float* h2, Py_ssize_t lo, Py_ssize_t hi_,
+                 float norm, float decay, bint l1, float lr, float mom, float beta2,
+                 float delta) noexcept nogil:
     if rule == SGD:
-        _sgd(w, g, h, i, a)
+        _sgd(w, g, h, lo, hi_, norm, decay, l1, lr, mom)
     elif rule == NESTEROV:
-        _nesterov(w, g, h, i, a)
+        _nesterov(w, g, h, lo, hi_, norm, decay, l1, lr, mom)
     elif rule == ADAGRAD:
-        _adagrad(w, g, h, i, a)
+        _adagrad(w, g, h, lo, hi_, norm, decay, l1, lr, delta)
     elif rule == RMSPROP:
-        _rmsprop(w, g, h, i, a)
+        _rmsprop(w, g, h, lo, hi_, norm, decay, l1, lr, mom, delta)
     elif rule == ADADELTA:
-        _adadelta(w, g, h, h2, i, a)
+        _adadelta(w, g, h, h2, lo, hi_, norm, decay, l1, lr, mom, delta)
     else:
-        _adam(w, g, h, h2, i, a)
+        _adam(w, g, h, h2, lo, hi_, norm, decay, l1, lr, mom, beta2, delta)
 
 
 def step(str rule_name, float[::1] w, float[::1] g, float[::1] h, float[::1] h2, float norm,
@@ -128,18 +151,22 @@ def step(str rule_name, float[::1] w, float[::1] g, float[::1] h, float[::1] h2,
     """One fused update of one parameter with the named rule.  `h2` is the second history
     (AdaDelta, Adam; pass `h` otherwise); RMSProp takes rms_decay as `momentum`, Adam
     takes beta1 as `momentum` and lr already multiplied by its bias correction."""
-    cdef Rule rule = _RULES[rule_name]
-    cdef Py_ssize_t i, n = g.shape[0]
-    cdef Args a
+    cdef int rule = _RULES[rule_name]
+    cdef Py_ssize_t c, n = g.shape[0], chunks
     if n == 0:
         return
     if not (w.shape[0] == n and h.shape[0] == n and h2.shape[0] == n):
         raise ValueError("step: arrays of different sizes")
-    a.norm, a.decay, a.l1, a.lr, a.momentum, a.beta2, a.delta = norm, decay, l1, lr, momentum, beta2, delta
+    cdef float* pw = &w[0]
+    cdef float* pg = &g[0]
+    cdef float* ph = &h[0]
+    cdef float* ph2 = &h2[0]
     with nogil:
         if n < PARALLEL_MIN:
-            for i in range(n):
-                _one(rule, &w[0], &g[0], &h[0], &h2[0], i, &a)
+            _range(rule, pw, pg, ph, ph2, 0, n, norm, decay, l1, lr, momentum, beta2, delta)
         else:
-            for i in prange(n, schedule="static"):
-                _one(rule, &w[0], &g[0], &h[0], &h2[0], i, &a)
+            # chunks, each a plain vectorizable loop
+            chunks = (n + CHUNK - 1) // CHUNK
+            for c in prange(chunks, schedule="static"):
+                _range(rule, pw, pg, ph, ph2, c * CHUNK, min((c + 1) * CHUNK, n), norm, decay, l1, lr,
+                       momentum, beta2, delta)
