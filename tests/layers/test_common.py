@@ -382,3 +382,18 @@ def test_views_refuse_in_place(type_, params):
     b = _blob(X4)
     with pytest.raises(LayerError, match=rf"\({type_}\): top: cannot be computed in place.*got 't0'"):
         layer.layer_setup([b], [b])
+
+
+@pytest.mark.parametrize("axis", [1, -1])
+def test_softmax_matches_torch(axis):
+    torch = pytest.importorskip("torch")
+    x, dy = randn(3, 5, 4, seed=5, scale=4.0), randn(3, 5, 4, seed=6)
+    layer, bottom, top = setup_layer("Softmax", f"softmax_param {{ axis: {axis} }}", [x])
+    layer.forward(bottom, top)
+    top[0].diff[...] = dy
+    layer.backward(top, [True], bottom)
+    tx = torch.from_numpy(x.astype(np.float64)).requires_grad_()
+    ty = torch.softmax(tx, axis)
+    ty.backward(torch.from_numpy(dy.astype(np.float64)))
+    np.testing.assert_allclose(top[0].data, ty.detach().numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(bottom[0].diff, tx.grad.numpy(), rtol=1e-4, atol=1e-6)

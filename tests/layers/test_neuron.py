@@ -364,3 +364,32 @@ def test_exp_family_kernels_within_two_ulp():
     assert np.isnan(out[4])
     kernels.exp_forward(ends, out)
     assert out[0] < 1e-37 and out[3] > 1e38 and np.isfinite(out[3]) and np.isnan(out[4])
+
+
+TORCH_OPS = [
+    ("ReLU", "", lambda F, x: F.relu(x)),
+    ("ReLU", "relu_param { negative_slope: 0.1 }", lambda F, x: F.leaky_relu(x, 0.1)),
+    ("ELU", "elu_param { alpha: 0.7 }", lambda F, x: F.elu(x, 0.7)),
+    ("Sigmoid", "", lambda F, x: F.sigmoid(x)),
+    ("TanH", "", lambda F, x: F.tanh(x)),
+    ("Swish", "", lambda F, x: F.silu(x)),
+    ("BNLL", "", lambda F, x: F.softplus(x)),
+    ("AbsVal", "", lambda F, x: x.abs()),
+    ("Clip", "clip_param { min: -0.5 max: 1 }", lambda F, x: x.clamp(-0.5, 1)),
+]
+
+
+@pytest.mark.parametrize("type_,params,op", TORCH_OPS, ids=[f"{t}:{p}" for t, p, _ in TORCH_OPS])
+def test_forward_and_backward_match_torch(type_, params, op):
+    torch = pytest.importorskip("torch")
+    x = randn(4, 8, 6, 6, seed=12, scale=2.0)
+    dy = randn(4, 8, 6, 6, seed=13)
+    layer, bottom, top = _build(type_, params, x)
+    layer.forward(bottom, top)
+    top[0].diff[...] = dy
+    layer.backward(top, [True], bottom)
+    tx = torch.from_numpy(x.astype(np.float64)).requires_grad_()
+    ty = op(torch.nn.functional, tx)
+    ty.backward(torch.from_numpy(dy.astype(np.float64)))
+    np.testing.assert_allclose(top[0].data, ty.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bottom[0].diff, tx.grad.numpy(), rtol=1e-5, atol=1e-6)
