@@ -593,9 +593,9 @@ cdef void _ave_plane(float* x, float* y, int H, int W, int oh, int ow, int V, in
 # plain sliding sum over a row; the lanes past C read as zero, exactly Caffe's zero padding.
 # Backward recomputes scale instead of storing it (one blob less to keep between passes).
 
-DEF _MAXC = 4096          # channels (padded to blocks) an LRN kernel takes
+DEF _MAXC = 2048          # channels (padded to blocks) an LRN kernel takes
 DEF _MAXPAD = 128         # (local_size - 1) / 2 at most
-DEF _CHUNK = 32           # pixels per task
+DEF _CHUNK = 8            # pixels per task (two tiles of _CHUNK x _MAXC floats on the stack)
 
 
 def lrn_max_channels():
@@ -624,11 +624,13 @@ cdef inline void _neg_pow(const float* s, float* out, int n, float beta) noexcep
 cdef inline void _window_sum(const float* padded, float* acc, int n, int size) noexcept nogil:
     """acc[c] = padded[c] + ... + padded[c + size - 1]."""
     cdef int c, d
+    cdef const float* q
     for c in range(n):
         acc[c] = padded[c]
     for d in range(1, size):
+        q = padded + d          # a pointer, so the loop below is a plain contiguous one
         for c in range(n):
-            acc[c] += padded[c + d]
+            acc[c] += q[c]
 
 
 cdef _check_lrn(x, others, int size, int C):
@@ -679,50 +681,82 @@ def lrn_backward(const float[:, :, :, :, ::1] x, const float[:, :, :, :, ::1] dy
 
 cdef void _lrn_chunk(const float* x, const float* dy, float* out, Py_ssize_t p0, int C, int Cb, int V,
                      Py_ssize_t HW, int size, float alpha, float beta, float k) noexcept nogil:
-    # forward when dy is NULL (out = y), backward otherwise (out = dx)
+    # forward when dy is NULL (out = y), backward otherwise (out = dx). The tile's pixels are
+    # gathered block by block (contiguous runs of L * V floats) into rows of Cp channels, each
+    # row is normalized in place, and the rows are scattered back the same way.
+    cdef float xs[_CHUNK * _MAXC]
+    cdef float gs[_CHUNK * _MAXC]
     cdef float row[_MAXC + 2 * _MAXPAD]
     cdef float acc[_MAXC]
     cdef float sc[_MAXC]
     cdef float pw[_MAXC]
-    cdef int pre = (size - 1) // 2, Cp = Cb * V, c, cb, v
-    cdef float a = alpha / size, cache = 2.0 * alpha * beta / size, t
-    cdef Py_ssize_t p, p1 = min(p0 + _CHUNK, HW), plane = HW * V, off
+    cdef int pre = (size - 1) // 2, Cp = Cb * V, c, cb, t, v
+    cdef int L = <int>min(<Py_ssize_t>_CHUNK, HW - p0)
+    cdef float a = alpha / size, cache = 2.0 * alpha * beta / size
+    cdef Py_ssize_t plane = HW * V
+    cdef float* r
+    cdef float* g
+    cdef float* mid = row + pre
     for c in range(pre):
         row[c] = 0.0
         row[pre + Cp + c] = 0.0
-    for p in range(p0, p1):
-        for cb in range(Cb):
-            off = cb * plane + p * V
-            for v in range(V):
-                t = x[off + v]
-                row[pre + cb * V + v] = t * t
+    _gather(x, xs, p0, L, Cb, V, plane)
+    if dy != NULL:
+        _gather(dy, gs, p0, L, Cb, V, plane)
+    for t in range(L):
+        r = xs + t * Cp
+        for c in range(C):
+            mid[c] = r[c] * r[c]
         for c in range(C, Cp):
-            row[pre + c] = 0.0
+            mid[c] = 0.0
         _window_sum(row, acc, Cp, size)
         for c in range(Cp):
             sc[c] = k + a * acc[c]
         _neg_pow(sc, pw, Cp, beta)
         if dy == NULL:
-            for cb in range(Cb):
-                off = cb * plane + p * V
-                for v in range(V):
-                    out[off + v] = x[off + v] * pw[cb * V + v]
-            for c in range(C, Cp):
-                out[(c // V) * plane + p * V + c % V] = 0.0
-            continue
-        # backward: row <- dy * x * scale^(-beta-1) = dy * y / scale, then its window sum
-        for cb in range(Cb):
-            off = cb * plane + p * V
-            for v in range(V):
-                c = cb * V + v
-                row[pre + c] = dy[off + v] * x[off + v] * pw[c] / sc[c]
+            for c in range(C):
+                r[c] = r[c] * pw[c]
+        else:
+            # row <- dy * x * scale^(-beta-1) = dy * y / scale, then its window sum
+            g = gs + t * Cp
+            for c in range(C):
+                mid[c] = g[c] * r[c] * pw[c] / sc[c]
+            _window_sum(row, acc, Cp, size)
+            for c in range(C):
+                r[c] = g[c] * pw[c] - cache * r[c] * acc[c]
         for c in range(C, Cp):
-            row[pre + c] = 0.0
-        _window_sum(row, acc, Cp, size)
-        for cb in range(Cb):
-            off = cb * plane + p * V
+            r[c] = 0.0
+    _scatter(xs, out, p0, L, Cb, V, plane)
+
+
+cdef inline void _gather(const float* src, float* rows, Py_ssize_t p0, int L, int Cb, int V,
+                         Py_ssize_t plane) noexcept nogil:
+    """rows[t, cb * V + v] = src[cb, p0 + t, v]."""
+    cdef int cb, t, v
+    cdef Py_ssize_t Cp = <Py_ssize_t>Cb * V
+    cdef const float* s
+    cdef float* d
+    for cb in range(Cb):
+        s = src + cb * plane + p0 * V
+        d = rows + cb * V
+        for t in range(L):
             for v in range(V):
-                c = cb * V + v
-                out[off + v] = dy[off + v] * pw[c] - cache * x[off + v] * acc[c]
-        for c in range(C, Cp):
-            out[(c // V) * plane + p * V + c % V] = 0.0
+                d[v] = s[v]
+            s += V
+            d += Cp
+
+
+cdef inline void _scatter(const float* rows, float* dst, Py_ssize_t p0, int L, int Cb, int V,
+                          Py_ssize_t plane) noexcept nogil:
+    cdef int cb, t, v
+    cdef Py_ssize_t Cp = <Py_ssize_t>Cb * V
+    cdef const float* s
+    cdef float* d
+    for cb in range(Cb):
+        d = dst + cb * plane + p0 * V
+        s = rows + cb * V
+        for t in range(L):
+            for v in range(V):
+                d[v] = s[v]
+            s += Cp
+            d += V
