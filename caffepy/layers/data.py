@@ -3,8 +3,14 @@ import weakref
 
 import numpy as np
 
-from .. import fillers
+from .. import fillers, log, rng
+from ..data.prefetch import BatchFiller, Prefetcher, RecordOrder
+from ..data.sources import ImageListSource, LMDBSource
+from ..data.transformer import DataTransformer
+from ..errors import DataError
 from ..layer import Layer, register
+from ..parallel import world
+from ..proto import caffe_pb2
 
 
 def _shapes(layer, shapes, count, field):
@@ -59,7 +65,6 @@ class DummyData(Layer):
         if len(fills) not in (0, 1, n):
             raise self.error("dummy_data_param.data_filler", f"give 0, 1 or {n} fillers", len(fills))
         if not fills:
-            from ..proto import caffe_pb2
             fills = [caffe_pb2.FillerParameter(type="constant", value=0)]
         self.fillers = [fills[0 if len(fills) == 1 else i] for i in range(n)]
         self.shapes = shapes
@@ -82,7 +87,6 @@ class DummyData(Layer):
 def _transform_param(layer, legacy):
     """transform_param, with the deprecated crop/mirror/mean/scale of data_param or
     image_data_param filling fields transform_param leaves unset (Caffe's upgrade)."""
-    from ..proto import caffe_pb2
     tp = caffe_pb2.TransformationParameter()
     tp.CopyFrom(layer.param.transform_param)
     for field in ("scale", "mean_file", "crop_size", "mirror"):
@@ -107,13 +111,6 @@ class _PrefetchingLayer(Layer):
         raise NotImplementedError
 
     def setup(self, bottom, top):
-        from .. import log, rng
-        from ..data.prefetch import BatchFiller, Prefetcher, RecordOrder
-        from ..data.transformer import DataTransformer
-        from ..errors import DataError
-        from ..parallel import world
-        from ..proto import caffe_pb2
-
         p = getattr(self.param, self._params_field)
         self.batch_size = int(p.batch_size)
         if self.batch_size < 1:
@@ -215,8 +212,6 @@ class Data(_PrefetchingLayer):
     _params_field = "data_param"
 
     def open_source(self, path):
-        from ..data.sources import LMDBSource
-        from ..proto import caffe_pb2
         p = self.param.data_param
         if p.HasField("backend") and p.backend != caffe_pb2.DataParameter.LMDB:
             raise self.error("data_param.backend", "only LMDB databases are supported", "LEVELDB",
@@ -239,7 +234,6 @@ class ImageData(_PrefetchingLayer):
     _params_field = "image_data_param"
 
     def open_source(self, path):
-        from ..data.sources import ImageListSource
         p = self.param.image_data_param
         if bool(p.new_height) != bool(p.new_width):
             raise self.error("image_data_param.new_height", "set new_height and new_width together",
