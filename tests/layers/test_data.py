@@ -1,5 +1,7 @@
 """Forward cases for the data layers (no gradients: differentiable = False)."""
+import atexit
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -8,6 +10,7 @@ from data_helpers import make_db
 from layer_cases import TEST, Case, case_tests
 
 _DIR = tempfile.mkdtemp(prefix="caffepy_data_cases_")
+atexit.register(shutil.rmtree, _DIR, True)
 _VALUES = [np.arange(12, dtype=np.uint8).reshape(1, 3, 4) + 20 * i for i in range(3)]
 _DB = make_db(os.path.join(_DIR, "db"), 3, values=_VALUES)
 
