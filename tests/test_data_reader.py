@@ -196,3 +196,34 @@ def test_reader_random_access_matches_cursor_order(tmp_path):
         key, value = r.get(i)
         assert key == f"{i:08d}".encode()
     r.close()
+
+
+def test_random_crops_and_mirrors_do_not_depend_on_the_decode_threads(tmp_path, monkeypatch):
+    vals = [np.random.default_rng(i).integers(0, 256, (3, 9, 9), dtype=np.uint8) for i in range(12)]
+    db = make_db(tmp_path / "db", 12, shape=(3, 9, 9), encoded=True, values=vals)
+    text = data_net_text(db, 6, "shuffle: true", transform="crop_size: 5 mirror: true mean_value: 100")
+    batches = {}
+    for threads in ("1", "3"):
+        monkeypatch.setenv("CAFFEPY_DATA_THREADS", threads)
+        net = build(text, seed=21)
+        assert net.layers[0].prefetcher.filler.threads == int(threads)
+        out = []
+        for _ in range(4):
+            net.forward()
+            out.append(net.blobs["data"].data.copy())
+        batches[threads] = np.stack(out)
+    np.testing.assert_array_equal(batches["1"], batches["3"])
+
+
+def test_writer_grows_the_map_and_reader_refuses_non_databases(tmp_path, monkeypatch):
+    from caffepy.data import db as dbmod
+    monkeypatch.setattr(dbmod, "_INITIAL_MAP_SIZE", 1 << 20)
+    with dbmod.Writer(tmp_path / "big", commit_every=7) as w:
+        for i in range(40):
+            w.put(f"{i:04d}", bytes([i]) * 100_000)         # 4 MB through a 1 MB map
+    r = Reader(tmp_path / "big")
+    assert len(r) == 40 and r.get(39)[1] == bytes([39]) * 100_000
+    r.close()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DataError, match="file: not an LMDB database"):
+        Reader(tmp_path / "file")
