@@ -164,7 +164,6 @@ class Solver:
 
     def _init_nets(self, level, stages):
         from .. import prototxt
-        from ..net import Net
         p, src = self.param, self.source
         train = prototxt.solver_train_net_param(p, src, level=level, stages=stages)
         log.info(f"Creating training net from {train.origin}" if "file" in train.origin
