@@ -795,7 +795,7 @@ cdef void _ave_unpool_plane(const float* dy, float* dx, int H, int W, int oh, in
 # LRN. y = x * scale^-beta; the power is the hot spot, so the common betas avoid powf.
 
 cdef enum:
-    _BLOCK = 256          # spatial positions per task: vectors over positions, L1-sized rows
+    _BLOCK = 1024         # spatial positions per task: vectors over positions, L1-sized rows
     _RING = 8192          # floats of the per-task ring of recent channels (backward)
     _MAX_WITHIN_PRE = 255
 
@@ -814,6 +814,20 @@ cdef int _pow_kind(float beta) noexcept nogil:
     if beta == 1.0:
         return _POW_100
     return _POW_ANY
+
+
+cdef inline float _npow(float s, float beta, int kind) noexcept nogil:
+    """s ** -beta; callers' loops get unswitched on kind, so each kind vectorizes."""
+    cdef float r
+    if kind == _POW_075:
+        # s^-3/4 = 1 / (s^1/2 * s^1/4): two square roots instead of exp(log)
+        r = sqrtf(s)
+        return <float>1.0 / (r * sqrtf(r))
+    if kind == _POW_050:
+        return <float>1.0 / sqrtf(s)
+    if kind == _POW_100:
+        return <float>1.0 / s
+    return powf(s, -beta)
 
 
 cdef inline void _neg_pow(const float* s, float* out, int n, float beta, int kind) noexcept nogil:
@@ -865,40 +879,38 @@ def lrn_across_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top
 cdef void _lrn_across_fwd_block(const float* bottom, float* top, float* scale, Py_ssize_t n,
                                 Py_ssize_t s0, int C, Py_ssize_t HW, int size, float alpha,
                                 float beta, float k) noexcept nogil:
-    # running sum of x^2 over channels [c - pre, c + pre] for L positions at once
+    # running sum of x^2 over channels [c - pre, c + pre] for L positions at once; one fused
+    # pass per channel (a zero row stands in for channels past the ends)
     cdef float acc[_BLOCK]
-    cdef float pw[_BLOCK]
+    cdef float zero[_BLOCK]
     cdef int L = <int>min(<Py_ssize_t>_BLOCK, HW - s0)
     cdef int pre = (size - 1) // 2, c, i, kind = _pow_kind(beta)
-    cdef float a = alpha / size
+    cdef float a = alpha / size, v
     cdef Py_ssize_t base = n * C * HW + s0
+    cdef const float* zp = zero
     cdef const float* x
+    cdef const float* xh
     cdef const float* xt
     cdef float* sc
     cdef float* y
     for i in range(L):
         acc[i] = 0.0
+        zero[i] = 0.0
     for c in range(min(pre, C)):
         x = bottom + base + c * HW
         for i in range(L):
             acc[i] = acc[i] + x[i] * x[i]
     for c in range(C):
-        if c + pre < C:
-            x = bottom + base + (c + pre) * HW
-            for i in range(L):
-                acc[i] = acc[i] + x[i] * x[i]
-        if c - pre - 1 >= 0:
-            xt = bottom + base + (c - pre - 1) * HW
-            for i in range(L):
-                acc[i] = acc[i] - xt[i] * xt[i]
-        sc = scale + base + c * HW
-        for i in range(L):
-            sc[i] = k + a * acc[i]
-        _neg_pow(sc, pw, L, beta, kind)
+        xh = bottom + base + (c + pre) * HW if c + pre < C else zp
+        xt = bottom + base + (c - pre - 1) * HW if c - pre - 1 >= 0 else zp
         x = bottom + base + c * HW
+        sc = scale + base + c * HW
         y = top + base + c * HW
         for i in range(L):
-            y[i] = x[i] * pw[i]
+            acc[i] = acc[i] + xh[i] * xh[i] - xt[i] * xt[i]
+            v = k + a * acc[i]
+            sc[i] = v
+            y[i] = x[i] * _npow(v, beta, kind)
 
 
 def lrn_across_backward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] scale,
@@ -933,48 +945,69 @@ def lrn_across_backward(const float[:, :, :, ::1] bottom, const float[:, :, :, :
 cdef void _lrn_across_bwd_block(const float* bottom, const float* scale, const float* top_diff,
                                 float* bottom_diff, Py_ssize_t n, Py_ssize_t s0, int Lmax, int C,
                                 Py_ssize_t HW, int size, float alpha, float beta) noexcept nogil:
-    # ring[ch % R] keeps, per recent channel, ratio = dy * x * scale^(-beta-1) and scale^-beta
+    # Ring slot ch % R (R = size + 1) keeps, for channel ch, ratio = dy * x * scale^(-beta-1)
+    # (= dy * top / scale) and scale^-beta, from when ch entered the window as its head until
+    # it leaves as the tail. Rows of zeros (and ones for the scale) stand in past the last
+    # channel, so each channel is one fused pass.
     cdef float ratio[_RING]
     cdef float pw[_RING]
     cdef float acc[_BLOCK]
+    cdef float zero[_BLOCK]
+    cdef float one[_BLOCK]
     cdef int R = size + 1
     cdef int L = <int>min(<Py_ssize_t>Lmax, HW - s0)
     cdef int pre = (size - 1) // 2, c, h, i, kind = _pow_kind(beta)
-    cdef float cache = 2.0 * alpha * beta / size
+    cdef float cache = 2.0 * alpha * beta / size, p, r
     cdef Py_ssize_t base = n * C * HW + s0
+    cdef const float* zp = zero
+    cdef const float* op = one
     cdef const float* x
-    cdef const float* sc
     cdef const float* dy
-    cdef float* r
-    cdef float* p
+    cdef const float* xh
+    cdef const float* sh
+    cdef const float* dyh
+    cdef const float* rt
+    cdef const float* pc
+    cdef float* rh
+    cdef float* ph
     cdef float* dx
     for i in range(L):
         acc[i] = 0.0
-    for h in range(min(pre, C) + C):
-        # h < pre: warm-up channels; then channel c = h - pre gets its head h added first
-        c = h - pre
-        if h < C:
-            x = bottom + base + h * HW
-            sc = scale + base + h * HW
-            dy = top_diff + base + h * HW
-            r = ratio + (h % R) * Lmax
-            p = pw + (h % R) * Lmax
-            _neg_pow(sc, p, L, beta, kind)
-            for i in range(L):
-                r[i] = dy[i] * x[i] * p[i] / sc[i]
-                acc[i] = acc[i] + r[i]
-        if c < 0:
-            continue
-        if c - pre - 1 >= 0:
-            r = ratio + ((c - pre - 1) % R) * Lmax
-            for i in range(L):
-                acc[i] = acc[i] - r[i]
+        zero[i] = 0.0
+        one[i] = 1.0
+    for h in range(min(pre, C)):
+        x = bottom + base + h * HW
+        sh = scale + base + h * HW
+        dy = top_diff + base + h * HW
+        rh = ratio + (h % R) * Lmax
+        ph = pw + (h % R) * Lmax
+        for i in range(L):
+            p = _npow(sh[i], beta, kind)
+            ph[i] = p
+            rh[i] = dy[i] * x[i] * p / sh[i]
+            acc[i] = acc[i] + rh[i]
+    for c in range(C):
+        h = c + pre
+        xh = bottom + base + h * HW if h < C else zp
+        sh = scale + base + h * HW if h < C else op
+        dyh = top_diff + base + h * HW if h < C else zp
+        rh = ratio + (h % R) * Lmax
+        ph = pw + (h % R) * Lmax
+        rt = <const float*>&ratio[((c - pre - 1) % R) * Lmax] if c - pre - 1 >= 0 else zp
+        pc = pw + (c % R) * Lmax
         x = bottom + base + c * HW
         dy = top_diff + base + c * HW
-        p = pw + (c % R) * Lmax
         dx = bottom_diff + base + c * HW
+        # two loops, not one: with every ring row in one loop GCC cannot rule out overlaps
+        # and leaves it scalar (3x slower measured)
         for i in range(L):
-            dx[i] = dy[i] * p[i] - cache * x[i] * acc[i]
+            p = _npow(sh[i], beta, kind)
+            ph[i] = p
+            r = dyh[i] * xh[i] * p / sh[i]
+            rh[i] = r
+            acc[i] = acc[i] + r - rt[i]
+        for i in range(L):
+            dx[i] = dy[i] * pc[i] - cache * x[i] * acc[i]
 
 
 # WITHIN_CHANNEL (Caffe builds it from layers: AVE pooling of x^2 with pad (size-1)/2, then a
