@@ -56,10 +56,26 @@ def test_multistep_advances_at_each_stepvalue():
 
 def test_multistep_reports_the_advance_once():
     p = solver(lr_policy="multistep", gamma=0.1, stepvalue=[1])
-    _, step, advanced = lr_policy.learning_rate(p, 1, 0)
-    assert (step, advanced) == (1, True)
-    _, step, advanced = lr_policy.learning_rate(p, 1, step)
-    assert (step, advanced) == (1, False)
+    _, step, status = lr_policy.learning_rate(p, 1, 0)
+    assert (step, status) == (1, ["MultiStep Status: Iteration 1, step = 1"])
+    _, step, status = lr_policy.learning_rate(p, 1, step)
+    assert (step, status) == (1, [])
+
+
+def test_plateau_steps_when_the_loss_stops_improving():
+    # Intel Caffe: a new minimum (or a step) is an event; plateau_winsize[k] iterations
+    # without one move to step k + 1
+    p = solver(lr_policy="plateau", gamma=0.5, plateau_winsize=[2, 3])
+    state = lr_policy.Plateau()
+    losses = [1.0, 0.9, 0.95, 0.92, 0.91, 0.93, 0.94, 0.96, 0.2, 0.3]
+    out, step = [], 0
+    for it, loss in enumerate(losses):
+        state.smoothed_loss = loss
+        rate, step, _ = lr_policy.learning_rate(p, it, step, state)
+        out.append(rate)
+    # minimum 0.9 at 1; step 1 at 3 (= 1 + 2); step 2 at 6 (= 3 + 3); 0.2 is a new minimum, no more steps
+    assert out == pytest.approx([0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025, 0.025, 0.025])
+    assert (state.minimum_loss, state.iter_last_event) == (pytest.approx(0.2), 8)
 
 
 def test_poly_reaches_zero_at_max_iter():

@@ -8,6 +8,9 @@
                iteration at most, as in Caffe) once iter reaches stepvalue[current_step]
     poly       base_lr * (1 - iter / max_iter) ^ power
     sigmoid    base_lr / (1 + exp(-gamma * (iter - stepsize)))
+    plateau    (Intel) base_lr * gamma ^ current_step; current_step advances when the
+               smoothed loss has not reached a new minimum for plateau_winsize[current_step]
+               iterations since the last event (a new minimum or a step)
 
 Intel Caffe's linear warm-up takes precedence while iter < warmup_iter:
     (iter * base_lr + (warmup_iter - iter) * warmup_start_lr) / warmup_iter
@@ -15,13 +18,24 @@ i.e. it ramps towards base_lr (not the policy's rate), and the policy's own stat
 (multistep's current_step) does not move during warm-up — both as Intel Caffe does.
 
 Fields read: lr_policy, base_lr, gamma, power, stepsize, stepvalue, max_iter,
-warmup_iter, warmup_start_lr.
+plateau_winsize, warmup_iter, warmup_start_lr.
 """
 import math
 
+import numpy as np
+
 from ..errors import SolverError
 
-POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid")
+POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid", "plateau")
+
+
+class Plateau:
+    """The plateau policy's state, saved in the .solverstate (minimum_loss, iter_last_event)."""
+
+    def __init__(self):
+        self.minimum_loss = float(np.finfo(np.float32).max)
+        self.iter_last_event = 0
+        self.smoothed_loss = float("inf")
 
 
 def check(param, source="<solver>"):
@@ -55,13 +69,13 @@ def in_warmup(param, it):
     return param.warmup_iter > 0 and it < param.warmup_iter
 
 
-def learning_rate(param, it, current_step):
-    """The rate for iteration `it`: returns (rate, current_step, multistep_advanced)."""
+def learning_rate(param, it, current_step, plateau=None):
+    """The rate for iteration `it`: returns (rate, current_step, status lines to log)."""
     if in_warmup(param, it):
-        return warmup_rate(param, it), current_step, False
+        return warmup_rate(param, it), current_step, []
     policy = param.lr_policy
     base = param.base_lr
-    advanced = False
+    status = []
     if policy == "fixed":
         rate = base
     elif policy == "step":
@@ -74,12 +88,25 @@ def learning_rate(param, it, current_step):
     elif policy == "multistep":
         if current_step < len(param.stepvalue) and it >= param.stepvalue[current_step]:
             current_step += 1
-            advanced = True
+            status.append(f"MultiStep Status: Iteration {it}, step = {current_step}")
         rate = base * math.pow(param.gamma, current_step)
     elif policy == "poly":
         rate = base * math.pow(1.0 - it / param.max_iter, param.power)
+    elif policy == "plateau":
+        state = plateau if plateau is not None else Plateau()
+        if state.smoothed_loss < state.minimum_loss:
+            state.minimum_loss = state.smoothed_loss
+            state.iter_last_event = it
+        if current_step < len(param.plateau_winsize):
+            if it >= state.iter_last_event + param.plateau_winsize[current_step]:
+                current_step += 1
+                state.iter_last_event = it
+                status.append(f"Plateau Status: Iteration {it}, step = {current_step}")
+        if param.display and it % param.display == 0 and state.iter_last_event > it - param.display:
+            status.append(f"Plateau Status: Iteration {it}, current minimum_loss = {state.minimum_loss:.6g}")
+        rate = base * math.pow(param.gamma, current_step)
     elif policy == "sigmoid":
         rate = base * (1.0 / (1.0 + math.exp(-param.gamma * (it - param.stepsize))))
     else:
         raise SolverError(f"lr_policy: unknown learning rate policy, got '{policy}'")
-    return rate, current_step, advanced
+    return rate, current_step, status

@@ -88,6 +88,7 @@ class Solver:
         self.hooks = []
         self.iter = 0
         self.current_step = 0
+        self.plateau = lr_policy.Plateau()
         self.action_fn = None
         self.requested_early_exit = False
         self.smoothed_loss = 0.0
@@ -374,9 +375,11 @@ class Solver:
 
     # -- the update -----------------------------------------------------------
     def learning_rate(self):
-        rate, self.current_step, advanced = lr_policy.learning_rate(self.param, self.iter, self.current_step)
-        if advanced:
-            log.info(f"MultiStep Status: Iteration {self.iter}, step = {self.current_step}")
+        self.plateau.smoothed_loss = self.smoothed_loss
+        rate, self.current_step, status = lr_policy.learning_rate(self.param, self.iter, self.current_step,
+                                                                  self.plateau)
+        for line in status:
+            log.info(line)
         return rate
 
     def apply_update(self):
@@ -519,7 +522,9 @@ class Solver:
         model = self.snapshot_filename(".caffemodel")
         log.info(f"Snapshotting to binary proto file {model}")
         prototxt.write_binary(self.net.to_proto(write_diff=self.param.snapshot_diff), model)
-        state = caffe_pb2.SolverState(iter=self.iter, learned_net=model, current_step=self.current_step)
+        state = caffe_pb2.SolverState(iter=self.iter, learned_net=model, current_step=self.current_step,
+                                      minimum_loss=self.plateau.minimum_loss,
+                                      iter_last_event=self.plateau.iter_last_event)
         for h in self.rule.history:
             state.history.append(array_to_blobproto(h))
         state.MergeFromString(_extension_bytes(RNG_STATE_FIELD, json.dumps(rng.get_state()).encode()))
@@ -543,6 +548,8 @@ class Solver:
         if state.HasField("learned_net") and state.learned_net:
             self.net.copy_from(self._resolve_learned_net(state.learned_net, state_file))
         self.current_step = state.current_step
+        self.plateau.minimum_loss = state.minimum_loss
+        self.plateau.iter_last_event = state.iter_last_event
         history = self.rule.history
         if len(state.history) != len(history):
             raise SolverError(f"{state_file}: history: incorrect number of history blobs for a "
