@@ -461,9 +461,15 @@ def pool_max_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y,
         return
     with nogil:
         for pl in prange(planes, schedule="static"):
-            _max_plane(&x[0, 0, 0, 0, 0] + pl * H * W * V, &y[0, 0, 0, 0, 0] + pl * oh * ow * V,
-                       &mask[0, 0, 0, 0, 0] + pl * oh * ow * V, H, W, oh, ow, V,
-                       kh, kw, sh, sw, ph, pw)
+            # a literal width lets the compiler clone the plane loop with fixed-size lanes
+            if V == 8:
+                _max_plane(&x[0, 0, 0, 0, 0] + pl * H * W * V, &y[0, 0, 0, 0, 0] + pl * oh * ow * V,
+                           &mask[0, 0, 0, 0, 0] + pl * oh * ow * V, H, W, oh, ow, 8,
+                           kh, kw, sh, sw, ph, pw)
+            else:
+                _max_plane(&x[0, 0, 0, 0, 0] + pl * H * W * V, &y[0, 0, 0, 0, 0] + pl * oh * ow * V,
+                           &mask[0, 0, 0, 0, 0] + pl * oh * ow * V, H, W, oh, ow, V,
+                           kh, kw, sh, sw, ph, pw)
 
 
 cdef void _max_plane(const float* x, float* y, int32_t* mask, int H, int W, int oh, int ow, int V,
@@ -471,8 +477,10 @@ cdef void _max_plane(const float* x, float* y, int32_t* mask, int H, int W, int 
     cdef float m[64]
     cdef int32_t idx[64]
     cdef int py, px, h, w, hs, he, ws, we, v
+    cdef int32_t at
     cdef const float* src
-    cdef float val
+    cdef float* out = y
+    cdef int32_t* mk = mask
     for py in range(oh):
         hs = py * sh - ph
         he = min(hs + kh, H)
@@ -487,14 +495,16 @@ cdef void _max_plane(const float* x, float* y, int32_t* mask, int H, int W, int 
             for h in range(hs, he):
                 for w in range(ws, we):
                     src = x + (h * W + w) * V
+                    at = h * W + w
+                    # strict '>' keeps the first maximum (Caffe's rule); selects vectorize
                     for v in range(V):
-                        val = src[v]
-                        if val > m[v]:
-                            m[v] = val
-                            idx[v] = h * W + w
+                        idx[v] = at if src[v] > m[v] else idx[v]
+                        m[v] = src[v] if src[v] > m[v] else m[v]
             for v in range(V):
-                y[(py * ow + px) * V + v] = m[v]
-                mask[(py * ow + px) * V + v] = idx[v]
+                out[v] = m[v]
+                mk[v] = idx[v]
+            out += V
+            mk += V
 
 
 def pool_max_backward(const float[:, :, :, :, ::1] dy, const int32_t[:, :, :, :, ::1] mask,
