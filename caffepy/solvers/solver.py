@@ -104,6 +104,8 @@ class Solver:
         log.info(f"Initializing solver from parameters: {self.source}")
         if param.solver_mode == caffe_pb2.SolverParameter.GPU:
             log.info("solver_mode: GPU requested; caffepy runs on the CPU")
+        if param.debug_info:
+            log.warning(f"{self.source}: debug_info: per-layer debug output is not implemented; ignored")
         if param.random_seed >= 0:
             rng.seed(param.random_seed + _rank())
         self._init_nets(level, stages)
