@@ -23,14 +23,24 @@ def db(tmp_path_factory):
     return make_lmdb(tmp_path_factory.mktemp("db") / "train_lmdb")
 
 
+_SINGLE = {}      # the 1-rank reference runs, shared by the tests that compare with them
+
+
+def single_run(tmp_path, db, extra="", **net_kw):
+    key = (extra, tuple(sorted(net_kw.items())))
+    if key not in _SINGLE:
+        job = write_job(tmp_path, "single", db, BATCH, ITERS, extra, **net_kw)
+        out = train(job)
+        assert out.returncode == 0, out.stderr[-3000:]
+        _SINGLE[key] = (weights(job / f"snap_iter_{ITERS}.caffemodel"), out)
+    return _SINGLE[key]
+
+
 def run_pair(tmp_path, db, ranks, extra="", **net_kw):
-    single = write_job(tmp_path, "single", db, BATCH, ITERS, extra, **net_kw)
+    w1, out1 = single_run(tmp_path, db, extra, **net_kw)
     multi = write_job(tmp_path, f"ranks{ranks}", db, BATCH // ranks, ITERS, extra, **net_kw)
-    out1 = train(single)
-    assert out1.returncode == 0, out1.stderr[-3000:]
     outn = train(multi, ranks)
     assert outn.returncode == 0, outn.stderr[-3000:]
-    w1 = weights(single / f"snap_iter_{ITERS}.caffemodel")
     wn = weights(multi / f"snap_iter_{ITERS}.caffemodel")
     return w1, wn, out1, outn
 
@@ -40,9 +50,10 @@ def test_data_parallel_matches_one_rank(tmp_path, db, ranks):
     w1, wn, _, outn = run_pair(tmp_path, db, ranks)
     assert max_rel_diff(w1, wn) < 1e-5
     assert f"local batch {BATCH // ranks}, global batch {BATCH}" in outn.stderr
-    # the weights really moved: the comparison is not between two initial states
-    init = weights_at_start(tmp_path, db)
-    assert max_rel_diff(w1, init) > 1e-3
+    if ranks == 2:
+        # the weights really moved: the comparison is not between two initial states
+        init = weights_at_start(tmp_path, db)
+        assert max_rel_diff(w1, init) > 1e-3
 
 
 def weights_at_start(tmp_path, db):
