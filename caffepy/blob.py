@@ -63,7 +63,7 @@ class Blob:
         return len(self._shape)
 
     def shape_string(self):
-        return " ".join(str(s) for s in self._shape) + f" ({self.count})"
+        return " ".join([str(s) for s in self._shape] + [f"({self.count})"])
 
     def _legacy(self, index):
         # Caffe's num/channels/height/width: missing leading/trailing axes read as 1

@@ -6,7 +6,6 @@ Under MPI only rank 0 writes INFO lines unless `everyone=True`; warnings and
 errors from any rank carry `[rank N]`.
 """
 import datetime
-import inspect
 import os
 import sys
 
@@ -31,10 +30,10 @@ def rank_prefix():
 
 
 def _emit(level, msg, depth):
-    frame = inspect.stack()[depth]
+    frame = sys._getframe(depth)   # inspect.stack() costs milliseconds per line
     now = datetime.datetime.now()
     stamp = now.strftime(f"{level}%m%d %H:%M:%S.%f")
-    where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
     sys.stderr.write(f"{stamp} {os.getpid():5d} {where}] {msg}\n")
     sys.stderr.flush()
 
