@@ -138,7 +138,8 @@ class SoftmaxWithLoss(LossLayer):
     Reads softmax_param.axis, loss_param.ignore_label, loss_param.normalization
     (VALID default; legacy `normalize`). Optional top[1]: the probabilities.
     The log comes from log-softmax (no log of an underflowed probability), clamped
-    at log(FLT_MIN) as Caffe's log(max(prob, FLT_MIN)) is."""
+    at log(FLT_MIN) as Caffe's log(max(prob, FLT_MIN)) is. Computed by
+    caffepy.kernels.loss (cext/loss.pyx) when built, else by NumPy."""
     exact_tops = None
     min_tops, max_tops = 1, 2
 
