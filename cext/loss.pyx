@@ -107,7 +107,8 @@ cdef double _MAX_TERM = 87.33654475055310898657
 
 cdef inline double _term(float xl, float m, float s) noexcept nogil:
     cdef double t = <double>m + log(<double>s) - xl
-    return t if t < _MAX_TERM else _MAX_TERM
+    # written so a NaN score stays NaN (Caffe's loss goes NaN too; the solver then stops)
+    return _MAX_TERM if t > _MAX_TERM else t
 
 
 cdef enum:

@@ -427,3 +427,13 @@ def test_kernel_exp_is_within_two_ulp():
     tiny = np.empty(3, np.float32)
     loss_module._kernels.exp_array(np.array([-100.0, -1e30, -np.inf], np.float32), tiny)
     np.testing.assert_allclose(tiny, np.finfo(np.float32).tiny, rtol=1e-5)   # held, not 0 or NaN
+
+
+def test_softmax_loss_of_nan_scores_is_nan():
+    # Caffe's loss goes NaN with its scores; a clamped finite loss would hide divergence
+    from layer_cases import setup_layer
+    x = np.zeros((4, 5), np.float32)
+    x[1, 2] = np.nan
+    layer, bottom, top = setup_layer("SoftmaxWithLoss", "", [x, np.array([0, 1, 2, 3], np.float32)])
+    layer.forward(bottom, top)
+    assert np.isnan(top[0].data)
