@@ -11,6 +11,9 @@ from .layer import LAYERS, Layer
 from . import io, rng  # noqa: F401
 from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,  # noqa: F401
                       RMSPropSolver, SGDSolver, get_solver)
+# pycaffe's `from caffe import layers as L, params as P`: `layers` here is the NetSpec
+# layer factory (it forwards lower-case names to the caffepy.layers subpackage)
+from .net_spec import NetSpec, layers, params, to_proto  # noqa: F401,E402
 
 __version__ = "0.1.0"
 
