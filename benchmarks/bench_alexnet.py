@@ -13,8 +13,10 @@ In one run, with the same thread count for all (--threads, default: all cores):
      this machine's sgemm peak (numpy float32 matmul, measured here);
   5. peak RSS of batch-64 training for each (every measurement runs in its own subprocess).
 The data layer is swapped for DummyData (constant data, as Intel Caffe's benchmark nets), so the
-timings are the net alone. Timing follows `caffe time`: one warm-up pass, then per-layer
-forward and backward over --iters iterations.
+timings are the net alone. Timing follows `caffe time` (per-layer forward, then per-layer
+backward) after one warm-up pass. Every contender lives in its own process (own peak RSS, own
+OpenMP runtime), and the driver runs their iterations in turn (A B C D A B C D ...), so a
+change in machine load hits all of them alike; the figures are medians over --iters.
 """
 import argparse
 import json
@@ -87,36 +89,37 @@ def training_flops(net):
     return total
 
 
-def worker_caffepy(batch, iters, blocked):
-    sys.path.insert(0, REPO)
-    from caffepy import log
-    from caffepy.net import TRAIN, Net
+class CaffepyContender:
+    def __init__(self, batch, blocked):
+        sys.path.insert(0, REPO)
+        from caffepy import log
+        from caffepy.net import TRAIN, Net
 
-    log.set_quiet(True)
-    base_rss = _rss_mb()
-    net = Net(caffepy_net_param(batch, blocked), TRAIN)
-    n = len(net.layers)
-    net.forward_from_to()
-    net.backward_from_to()
-    fwd = [0.0] * n
-    bwd = [0.0] * n
-    clock = time.perf_counter
-    start = clock()
-    for _ in range(iters):
+        log.set_quiet(True)
+        self.base_rss = _rss_mb()
+        self.net = Net(caffepy_net_param(batch, blocked), TRAIN)
+        self.net.forward_from_to()
+        self.net.backward_from_to()
+
+    def step(self):
+        """One forward-backward as `caffe time` runs it: {forward_ms, backward_ms, layers}."""
+        net, clock = self.net, time.perf_counter
+        n = len(net.layers)
+        fwd, bwd = [0.0] * n, [0.0] * n
         for i in range(n):
             t = clock()
             net.forward_from_to(i, i)
-            fwd[i] += clock() - t
+            fwd[i] = clock() - t
         for i in reversed(range(n)):
             t = clock()
             net.backward_from_to(i, i)
-            bwd[i] += clock() - t
-    total = clock() - start
-    return {"forward_ms": sum(fwd) * 1e3 / iters, "backward_ms": sum(bwd) * 1e3 / iters,
-            "fb_ms": total * 1e3 / iters, "flops": training_flops(net),
-            "layers": [(layer.name, layer.type, fwd[i] * 1e3 / iters, bwd[i] * 1e3 / iters)
-                       for i, layer in enumerate(net.layers)],
-            "rss_mb": _rss_mb(), "base_rss_mb": base_rss}
+            bwd[i] = clock() - t
+        return {"forward_ms": sum(fwd) * 1e3, "backward_ms": sum(bwd) * 1e3,
+                "layers": [(layer.name, layer.type, fwd[i] * 1e3, bwd[i] * 1e3)
+                           for i, layer in enumerate(net.layers)]}
+
+    def summary(self):
+        return {"flops": training_flops(self.net)}
 
 
 def torch_alexnet():
@@ -140,35 +143,31 @@ def torch_alexnet():
         nn.Linear(4096, 1000))
 
 
-def worker_torch(batch, iters, threads, channels_last):
-    import torch
+class TorchContender:
+    def __init__(self, batch, threads, channels_last):
+        import torch
 
-    torch.set_num_threads(threads)
-    base_rss = _rss_mb()
-    model = torch_alexnet().train()
-    x = torch.full((batch, 3, 227, 227), 0.01)
-    y = torch.zeros(batch, dtype=torch.long)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-        x = x.contiguous(memory_format=torch.channels_last)
-    loss_fn = torch.nn.CrossEntropyLoss()
+        torch.set_num_threads(threads)
+        self.base_rss = _rss_mb()
+        self.model = torch_alexnet().train()
+        self.x = torch.full((batch, 3, 227, 227), 0.01)
+        self.y = torch.zeros(batch, dtype=torch.long)
+        if channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+            self.x = self.x.contiguous(memory_format=torch.channels_last)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.model.zero_grad(set_to_none=False)
+        self.step()
 
-    def step():
+    def step(self):
         t0 = time.perf_counter()
-        loss = loss_fn(model(x), y)
+        loss = self.loss_fn(self.model(self.x), self.y)
         t1 = time.perf_counter()
         loss.backward()
-        return t1 - t0, time.perf_counter() - t1
+        return {"forward_ms": (t1 - t0) * 1e3, "backward_ms": (time.perf_counter() - t1) * 1e3}
 
-    model.zero_grad(set_to_none=False)
-    step()
-    f = b = 0.0
-    for _ in range(iters):
-        tf, tb = step()
-        f += tf
-        b += tb
-    return {"forward_ms": f * 1e3 / iters, "backward_ms": b * 1e3 / iters,
-            "fb_ms": (f + b) * 1e3 / iters, "rss_mb": _rss_mb(), "base_rss_mb": base_rss}
+    def summary(self):
+        return {}
 
 
 def worker_sgemm(threads):
@@ -186,31 +185,102 @@ def worker_sgemm(threads):
 
 
 def run_worker(args):
+    """Build, warm up, say READY; then one timed iteration per `step` line on stdin."""
     if args.worker == "sgemm":
-        out = worker_sgemm(args.threads)
-    elif args.worker in ("intel", "plain"):
-        out = worker_caffepy(args.batch, args.iters, args.worker == "intel")
+        print("RESULT " + json.dumps(worker_sgemm(args.threads)), flush=True)
+        return
+    if args.worker in ("intel", "plain"):
+        contender = CaffepyContender(args.batch, args.worker == "intel")
     elif args.worker in ("torch", "torch_cl"):
-        out = worker_torch(args.batch, args.iters, args.threads, args.worker == "torch_cl")
+        contender = TorchContender(args.batch, args.threads, args.worker == "torch_cl")
     else:
         raise SystemExit(f"unknown worker {args.worker}")
-    print("RESULT " + json.dumps(out))
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        print("RESULT " + json.dumps(contender.step()), flush=True)
+    out = dict(contender.summary(), rss_mb=_rss_mb(), base_rss_mb=contender.base_rss)
+    print("RESULT " + json.dumps(out), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # driver
 
-def spawn(kind, batch, iters, threads):
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-               MKL_NUM_THREADS=str(threads))
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--batch", str(batch),
-           "--iters", str(iters), "--threads", str(threads)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
+def _env(threads):
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+                MKL_NUM_THREADS=str(threads))
+
+
+def _cmd(kind, batch, threads):
+    return [sys.executable, os.path.abspath(__file__), "--worker", kind, "--batch", str(batch),
+            "--threads", str(threads)]
+
+
+def _read_result(proc, kind):
+    for line in proc.stdout:
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
+        if line.startswith("READY"):
+            return "READY"
+    err = proc.stderr.read() if proc.stderr else ""
+    sys.stderr.write(f"{kind} worker ended early:\n{err[-3000:]}\n")
     return None
+
+
+def sgemm_peak(threads):
+    proc = subprocess.run(_cmd("sgemm", 0, threads), env=_env(threads), capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])["gflops"]
+    raise SystemExit(proc.stderr[-3000:])
+
+
+def run_interleaved(kinds, batch, iters, threads):
+    """Start each contender (one at a time), then step them in turn; medians per contender."""
+    procs = {}
+    for kind in kinds:
+        p = subprocess.Popen(_cmd(kind, batch, threads), env=_env(threads), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        if _read_result(p, kind) == "READY":
+            procs[kind] = p
+        else:
+            p.kill()
+    steps = {kind: [] for kind in procs}
+    for _ in range(iters):
+        for kind, p in list(procs.items()):
+            p.stdin.write("step\n")
+            p.stdin.flush()
+            r = _read_result(p, kind)
+            if r is None:
+                del procs[kind]
+                continue
+            steps[kind].append(r)
+    results = {}
+    for kind, p in procs.items():
+        p.stdin.write("quit\n")
+        p.stdin.flush()
+        final = _read_result(p, kind)
+        p.wait()
+        runs = steps[kind]
+        if final is None or not runs:
+            continue
+        fb = sorted(r["forward_ms"] + r["backward_ms"] for r in runs)
+        out = dict(final, forward_ms=_median([r["forward_ms"] for r in runs]),
+                   backward_ms=_median([r["backward_ms"] for r in runs]), fb_ms=_median(fb),
+                   fb_min_ms=fb[0])
+        if "layers" in runs[0]:
+            out["layers"] = [(name, type_, _median([r["layers"][i][2] for r in runs]),
+                              _median([r["layers"][i][3] for r in runs]))
+                             for i, (name, type_, _, _) in enumerate(runs[0]["layers"])]
+        results[kind] = out
+    return results
+
+
+def _median(values):
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
 
 
 def have_torch():
@@ -221,66 +291,91 @@ def have_torch():
         return False
 
 
-def report(batch, iters, threads, peak):
-    print(f"\n=== AlexNet training, batch {batch}, {threads} thread(s), {iters} timed iterations ===")
-    intel = spawn("intel", batch, iters, threads)
-    plain = spawn("plain", batch, iters, threads)
-    results = [("caffepy intel_alexnet (blocked)", intel), ("caffepy AlexNet (NCHW)", plain)]
-    torch_best = None
-    if have_torch():
-        for kind, label in (("torch", "PyTorch (NCHW)"), ("torch_cl", "PyTorch (channels_last)")):
-            r = spawn(kind, batch, iters, threads)
-            results.append((label, r))
-            if r and (torch_best is None or r["fb_ms"] < torch_best[1]["fb_ms"]):
-                torch_best = (label, r)
-    else:
-        print("PyTorch not installed (pip install torch==2.13.0): its rows are skipped")
+LABELS = [("intel", "caffepy intel_alexnet (blocked)"), ("plain", "caffepy AlexNet (NCHW)"),
+          ("torch", "PyTorch (NCHW)"), ("torch_cl", "PyTorch (channels_last)")]
 
+
+def report(batch, iters, threads):
+    print(f"\n=== AlexNet training, batch {batch}, {threads} thread(s), median of {iters} "
+          f"interleaved iterations ===")
+    kinds = ["intel", "plain"] + (["torch", "torch_cl"] if have_torch() else [])
+    if not have_torch():
+        print("PyTorch not installed (pip install torch==2.13.0): its rows are skipped")
+    got = run_interleaved(kinds, batch, iters, threads)
+    intel, plain = got.get("intel"), got.get("plain")
+    torch_best = None
+    for kind, label in LABELS[2:]:
+        r = got.get(kind)
+        if r and (torch_best is None or r["fb_ms"] < torch_best[1]["fb_ms"]):
+            torch_best = (label, r)
     flops = (intel or plain or {}).get("flops")
-    print(f"{'':34s} {'forward ms':>11s} {'backward ms':>12s} {'fwd+bwd ms':>11s} {'img/s':>8s} "
-          f"{'GFLOP/s':>8s} {'% peak':>7s} {'peak RSS MB':>12s}")
-    for label, r in results:
+    print(f"{'':34s} {'forward ms':>11s} {'backward ms':>12s} {'fwd+bwd ms':>11s} {'(best)':>8s} "
+          f"{'img/s':>7s} {'GFLOP/s':>8s} {'peak RSS MB':>12s}")
+    for kind, label in LABELS:
+        if kind not in kinds:
+            continue
+        r = got.get(kind)
         if r is None:
             print(f"{label:34s} failed (see the messages above)")
             continue
         gf = flops / (r["fb_ms"] / 1e3) / 1e9 if flops else float("nan")
         print(f"{label:34s} {r['forward_ms']:11.1f} {r['backward_ms']:12.1f} {r['fb_ms']:11.1f} "
-              f"{batch / (r['fb_ms'] / 1e3):8.1f} {gf:8.1f} {100 * gf / peak:6.1f}% "
+              f"{r['fb_min_ms']:8.1f} {batch / (r['fb_ms'] / 1e3):7.1f} {gf:8.1f} "
               f"{r['rss_mb']:8.0f} ({r['rss_mb'] - r['base_rss_mb']:.0f} above imports)")
     if intel:
-        print(f"\ntraining FLOPs per iteration: {flops / 1e9:.1f} GFLOP; sgemm peak {peak:.1f} GFLOP/s")
-        if torch_best:
-            print(f"caffepy intel / {torch_best[0]}: {torch_best[1]['fb_ms'] / intel['fb_ms']:.2f}x "
-                  f"throughput (goal >= 1.5x); memory {intel['rss_mb'] / torch_best[1]['rss_mb']:.2f}x "
-                  f"of PyTorch's peak RSS (goal <= 1.0x)")
-        if plain:
-            print(f"caffepy intel / caffepy NCHW: {plain['fb_ms'] / intel['fb_ms']:.2f}x throughput")
-        print(f"caffepy intel: {100 * flops / (intel['fb_ms'] / 1e3) / 1e9 / peak:.1f}% of the sgemm "
-              f"peak over the whole iteration (goal >= 50%)")
-        print("\nper layer (caffepy intel_alexnet), ms per iteration:")
-        print(f"  {'layer':14s} {'type':14s} {'forward':>9s} {'backward':>9s}")
+        plain_layers = {name: (f, b) for name, _, f, b in (plain or {}).get("layers", [])}
+        print("\nper layer, ms per iteration (medians): caffepy intel_alexnet | plain NCHW caffepy")
+        print(f"  {'layer':10s} {'type':16s} {'forward':>9s} {'backward':>9s} | {'forward':>9s} {'backward':>9s}")
         for name, type_, f, b in intel["layers"]:
-            print(f"  {name:14s} {type_:14s} {f:9.2f} {b:9.2f}")
+            pf, pb = plain_layers.get(name, (float("nan"), float("nan")))
+            print(f"  {name:10s} {type_:16s} {f:9.1f} {b:9.1f} | {pf:9.1f} {pb:9.1f}")
     return intel, plain, torch_best
+
+
+def summarize(batch, intel, plain, torch_best, peak):
+    print(f"\n--- batch {batch} ---")
+    if not intel:
+        print("caffepy intel_alexnet failed")
+        return
+    flops = intel["flops"]
+    gf = flops / (intel["fb_ms"] / 1e3) / 1e9
+    print(f"training FLOPs per iteration: {flops / 1e9:.1f} GFLOP")
+    if torch_best:
+        print(f"caffepy intel / {torch_best[0]}: {torch_best[1]['fb_ms'] / intel['fb_ms']:.2f}x "
+              f"throughput (goal >= 1.5x); peak RSS {intel['rss_mb']:.0f} MB vs "
+              f"{torch_best[1]['rss_mb']:.0f} MB = {intel['rss_mb'] / torch_best[1]['rss_mb']:.2f}x "
+              f"(goal <= 1.0x)")
+    if plain:
+        print(f"caffepy intel / caffepy NCHW: {plain['fb_ms'] / intel['fb_ms']:.2f}x throughput")
+    print(f"caffepy intel: {gf:.1f} GFLOP/s = {100 * gf / peak:.1f}% of the sgemm peak over the whole "
+          f"iteration (goal >= 50%)")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--full", action="store_true", help="also run batch 256")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=5, help="timed iterations per measurement")
+    ap.add_argument("--iters", type=int, default=5, help="timed iterations per contender")
     ap.add_argument("--threads", type=int,
                     default=int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return run_worker(args)
-    peak = spawn("sgemm", 0, 0, args.threads)["gflops"]
+    # the peak is the best sgemm seen before and after the runs: a busy machine lowers it
+    peak = sgemm_peak(args.threads)
     load = os.getloadavg()[0]
-    print(f"sgemm peak (numpy float32 4096^3, {args.threads} thread(s)): {peak:.1f} GFLOP/s; "
-          f"load average at start {load:.1f} on {os.cpu_count()} CPU(s)")
+    print(f"sgemm (numpy float32 4096^3, {args.threads} thread(s)) at start: {peak:.1f} GFLOP/s; "
+          f"load average {load:.1f} on {os.cpu_count()} CPU(s)")
+    runs = []
     for batch in [args.batch] + ([256] if args.full and args.batch != 256 else []):
-        report(batch, args.iters, args.threads, peak)
+        runs.append((batch, report(batch, args.iters, args.threads)))
+    end = sgemm_peak(args.threads)
+    peak = max(peak, end)
+    print(f"\nsgemm at the end: {end:.1f} GFLOP/s; peak used below: {peak:.1f} GFLOP/s; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    for batch, (intel, plain, torch_best) in runs:
+        summarize(batch, intel, plain, torch_best, peak)
 
 
 if __name__ == "__main__":
