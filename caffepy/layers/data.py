@@ -127,7 +127,10 @@ class _PrefetchingLayer(Layer):
         try:
             self.source_db = self.open_source(path)
         except DataError as e:
-            raise self.error(f"{self._params_field}.source", str(e), cls=DataError) from None
+            problem = str(e)
+            if problem.startswith(f"{path}: "):     # house shape: the path goes last, as the value
+                problem = problem[len(path) + 2:]
+            raise self.error(f"{self._params_field}.source", problem, path, cls=DataError) from None
         if len(self.source_db) == 0:
             raise self.error(f"{self._params_field}.source", "the database is empty", path, cls=DataError)
         log.info(f"Opened {path} ({len(self.source_db)} records)")
