@@ -182,7 +182,7 @@ cdef inline void _jrange(int ix0, int kw, int W, int* lo, int* hi) noexcept nogi
 
 
 cdef void _im2col_b(const float* x, const BGeom* g, float* col) noexcept nogil:
-    cdef int oy, ox, i, j, cb, c, v, iy, ix, ix0, lo, hi, V = g.V
+    cdef int oy, ox, i, j, cb, c, v, iy, ix, ix0, lo = 0, hi = 0, V = g.V
     cdef Py_ssize_t plane = <Py_ssize_t>g.H * g.W * V
     cdef float* row
     cdef float* dst
@@ -213,17 +213,28 @@ cdef void _im2col_b(const float* x, const BGeom* g, float* col) noexcept nogil:
                                 else:
                                     memcpy(dst + j * V, src + ix * V, V * sizeof(float))
             else:
+                if g.dw == 1:
+                    _jrange(ix0, g.kw, g.W, &lo, &hi)
                 for c in range(g.C):
-                    src = x + (c // V) * plane + c % V
                     for i in range(g.kh):
                         iy = oy * g.sh - g.ph + i * g.dh
                         dst = row + (c * g.kh + i) * g.kw
-                        for j in range(g.kw):
-                            ix = ix0 + j * g.dw
-                            if iy < 0 or iy >= g.H or ix < 0 or ix >= g.W:
+                        if iy < 0 or iy >= g.H:
+                            memset(dst, 0, g.kw * sizeof(float))
+                            continue
+                        src = x + (c // V) * plane + (<Py_ssize_t>iy * g.W + ix0) * V + c % V
+                        if g.dw == 1:
+                            # taps inside the row copy without a test each (a strided gather)
+                            for j in range(lo):
                                 dst[j] = 0.0
-                            else:
-                                dst[j] = src[(<Py_ssize_t>iy * g.W + ix) * V]
+                            for j in range(lo, hi):
+                                dst[j] = src[j * V]
+                            for j in range(hi, g.kw):
+                                dst[j] = 0.0
+                        else:
+                            for j in range(g.kw):
+                                ix = ix0 + j * g.dw
+                                dst[j] = src[j * g.dw * V] if ix >= 0 and ix < g.W else 0.0
 
 
 cdef void _col2im_b(const float* col, const BGeom* g, float* x) noexcept nogil:
