@@ -3,14 +3,17 @@
     .venv/bin/python benchmarks/bench_kernels.py [--batch 64] [--reps 3] [--layers conv1,norm1]
 
 Prints one table:
-  - conv1..conv5 forward and backward (weight + bias + bottom diffs) under both ways of
-    threading the image loop ('images': OpenMP over images, one BLAS thread each; 'blas':
-    images in turn, BLAS threads each GEMM), with the GFLOP/s of the default way next to the
-    sgemm peak of the same run (NumPy float32 matmul 4096^3);
+  - conv1..conv5 forward and backward (weight + bias diffs, and the bottom diff except for
+    conv1, whose bottom is the data, as in training) under both ways of threading the image
+    loop ('images': OpenMP over images, one BLAS thread each; 'blas': images in turn, BLAS
+    threads each GEMM; the two alternate run by run so both see the same machine), with the
+    GFLOP/s of the default way next to the sgemm peak of the same run (NumPy float32 matmul
+    4096^3);
   - pool1/pool2/pool5 (MAX 3x3 stride 2) and norm1/norm2 (LRN 5, 1e-4, 0.75) forward/backward,
     LRN against torch's local_response_norm when torch is installed (benchmarks only).
-Times are the best of --reps runs after one warm-up; the load average is printed because the
-figures mean little on a busy machine.
+Times are the best of --reps runs after one warm-up. The load average and the CPU time of the
+process (all threads, spinning included) are printed too: on a busy machine the wall time
+overstates the kernels' cost, and CPU time / threads is the better guide.
 """
 import argparse
 import os
@@ -37,17 +40,30 @@ NORMS = {"norm1": (96, 55, 55), "norm2": (256, 27, 27)}
 LRN = dict(size=5, alpha=1e-4, beta=0.75, k=1.0)
 
 
+class Timer:
+    """Best wall and CPU milliseconds of the runs it has seen."""
+
+    def __init__(self):
+        self.wall = self.cpu = float("inf")
+
+    def run(self, fn):
+        cpu, wall = time.process_time(), time.perf_counter()
+        fn()
+        self.wall = min(self.wall, 1e3 * (time.perf_counter() - wall))
+        self.cpu = min(self.cpu, 1e3 * (time.process_time() - cpu))
+
+
 def best_ms(fn, reps, setup=None):
-    """Best wall time of fn() over reps runs (after a warm-up); setup() runs untimed before each."""
-    times = []
+    """Best wall ms of fn() over reps runs (after a warm-up); setup() runs untimed before each."""
+    timer = Timer()
     for i in range(reps + 1):
         if setup is not None:
             setup()
-        start = time.perf_counter()
-        fn()
         if i:
-            times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+            timer.run(fn)
+        else:
+            fn()
+    return timer.wall
 
 
 def sgemm_peak(reps):
@@ -67,20 +83,22 @@ def bench_conv(name, N, reps, rng):
     bottom, weight, bias = rand(rng, N, C, H, W), rand(rng, O, C // group, k, k), rand(rng, O)
     top, top_diff = np.empty((N, O, oh, ow), np.float32), rand(rng, N, O, oh, ow)
     weight_diff, bias_diff = np.zeros_like(weight), np.zeros_like(bias)
-    bottom_diff = np.empty_like(bottom)
+    bottom_diff = None if name == "conv1" else np.empty_like(bottom)
     geometry = (pad, pad, stride, stride, 1, 1, group)
     flops = 2.0 * N * O * oh * ow * (C // group) * k * k
-    row = {"flops": flops}
     default = vision.get_conv_threading()
-    for mode in ("images", "blas"):
-        vision.set_conv_threading(mode)
-        col = np.empty(vision.conv_workspace_size(C, k, k, oh, ow, weight.size), np.float32)
-        row[mode] = (
-            best_ms(lambda: vision.conv_forward(bottom, weight, bias, top, col, *geometry), reps),
-            best_ms(lambda: vision.conv_backward(top_diff, bottom, weight, weight_diff, bias_diff,
-                                                 bottom_diff, col, *geometry), reps))
+    col = np.empty(vision.conv_workspace_size(C, k, k, oh, ow, weight.size), np.float32)
+    timers = {mode: (Timer(), Timer()) for mode in ("images", "blas")}
+    for i in range(reps + 1):
+        for mode, (fwd, bwd) in timers.items():
+            vision.set_conv_threading(mode)
+            run_fwd = fwd.run if i else (lambda fn: fn())
+            run_bwd = bwd.run if i else (lambda fn: fn())
+            run_fwd(lambda: vision.conv_forward(bottom, weight, bias, top, col, *geometry))
+            run_bwd(lambda: vision.conv_backward(top_diff, bottom, weight, weight_diff,
+                                                 bias_diff, bottom_diff, col, *geometry))
     vision.set_conv_threading(default)
-    return row
+    return {"flops": flops, "bwd_flops": flops * (1 if bottom_diff is None else 2), **timers}
 
 
 def bench_pool(name, N, reps, rng):
@@ -155,11 +173,12 @@ def main():
         row = bench_conv(name, N, reps, rng)
         fwd, bwd = row[default]
         other = "blas" if default == "images" else "images"
-        gf_f = row["flops"] / fwd / 1e6
-        gf_b = 2 * row["flops"] / bwd / 1e6
-        print(f"{name:7} {fwd:9.1f} {bwd:9.1f}   {gf_f:5.1f} / {gf_b:5.1f} GFLOP/s fwd/bwd "
-              f"({100 * gf_f / peak:.0f}% / {100 * gf_b / peak:.0f}% of peak); "
-              f"'{other}' threading: {row[other][0]:.1f} / {row[other][1]:.1f} ms", flush=True)
+        gf_f = row["flops"] / fwd.wall / 1e6
+        gf_b = row["bwd_flops"] / bwd.wall / 1e6
+        print(f"{name:7} {fwd.wall:9.1f} {bwd.wall:9.1f}   {gf_f:5.1f} / {gf_b:5.1f} GFLOP/s "
+              f"fwd/bwd ({100 * gf_f / peak:.0f}% / {100 * gf_b / peak:.0f}% of peak); "
+              f"cpu {fwd.cpu:.0f} / {bwd.cpu:.0f} ms; '{other}' threading: "
+              f"{row[other][0].wall:.1f} / {row[other][1].wall:.1f} ms", flush=True)
     for name in POOLS:
         if wanted and name not in wanted:
             continue
