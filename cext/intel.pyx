@@ -50,18 +50,16 @@ def pack(const float[:, :, :, ::1] x, float[:, :, :, :, ::1] y):
 
 
 cdef void _pack_plane(const float* im, float* dst, int cb, int C, Py_ssize_t HW, int V) noexcept nogil:
-    cdef int v, c
+    # pixel-major so the blocked plane is written once, front to back
+    cdef int v, nv = min(V, C - cb * V)
     cdef Py_ssize_t p
-    cdef const float* src
-    for v in range(V):
-        c = cb * V + v
-        if c < C:
-            src = im + c * HW
-            for p in range(HW):
-                dst[p * V + v] = src[p]
-        else:
-            for p in range(HW):
-                dst[p * V + v] = 0.0
+    cdef const float* src = im + cb * V * HW
+    for p in range(HW):
+        for v in range(nv):
+            dst[v] = src[v * HW + p]
+        for v in range(nv, V):
+            dst[v] = 0.0
+        dst += V
 
 
 def unpack(const float[:, :, :, :, ::1] y, float[:, :, :, ::1] x):
