@@ -16,6 +16,7 @@ or the layer itself when it is elementwise (`accepts_blocked`: the neuron layers
 Eltwise, Silence). Any other type fed a blocked blob is a LayerError naming the layer.
 Blocked layers compute the same numbers as their NCHW versions (up to float rounding).
 """
+import functools
 import os
 
 import numpy as np
@@ -630,6 +631,7 @@ class _ViaPlain(Layer):
                 _k.pack(ib.diff, b.diff)
 
 
+@functools.lru_cache(maxsize=None)
 def _via_plain(type_name):
     plain = LAYERS.get(type_name)
     if plain is None:
