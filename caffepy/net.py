@@ -90,7 +90,12 @@ def insert_splits(param):
 class Net:
     """A network. `Net(path_or_NetParameter, [weights], phase, level=0, stages=())`."""
 
-    def __init__(self, network, *args, phase=None, weights=None, level=0, stages=None, source=None):
+    def __init__(self, network=None, *args, phase=None, weights=None, level=0, stages=None, source=None,
+                 network_file=None):
+        if network is None:
+            network = network_file    # pycaffe's keyword: Net(network_file=..., phase=...)
+        if network is None:
+            raise TypeError("Net needs a network (a prototxt path or a NetParameter)")
         args = list(args)
         if args and isinstance(args[0], (str, os.PathLike)):
             weights = args.pop(0)
