@@ -63,15 +63,15 @@ def assert_all_finite(net):
 
 # -- BVLC train nets: Input instead of Data, a real loss, forward and backward -------------------
 TRAIN_NETS = [
-    ("mnist__lenet_train_test.prototxt", (2, 1, 28, 28), 431080),
-    ("cifar10__cifar10_quick_train_test.prototxt", (2, 3, 32, 32), 145578),
-    ("cifar10__cifar10_full_train_test.prototxt", (2, 3, 32, 32), 89578),
-    ("bvlc_alexnet__train_val.prototxt", (1, 3, 227, 227), 60965224),
-    ("bvlc_reference_caffenet__train_val.prototxt", (1, 3, 227, 227), 60965224),
+    pytest.param("mnist__lenet_train_test.prototxt", (2, 1, 28, 28), 431080, id="lenet"),
+    pytest.param("cifar10__cifar10_quick_train_test.prototxt", (2, 3, 32, 32), 145578, id="cifar10_quick"),
+    pytest.param("cifar10__cifar10_full_train_test.prototxt", (2, 3, 32, 32), 89578, id="cifar10_full"),
+    pytest.param("bvlc_alexnet__train_val.prototxt", (1, 3, 227, 227), 60965224, id="alexnet"),
+    pytest.param("bvlc_reference_caffenet__train_val.prototxt", (1, 3, 227, 227), 60965224, id="caffenet"),
 ]
 
 
-@pytest.mark.parametrize("name, shape, n_params", TRAIN_NETS, ids=[t[0].split("__")[1] for t in TRAIN_NETS])
+@pytest.mark.parametrize("name, shape, n_params", TRAIN_NETS)
 def test_bvlc_train_net_forward_backward(name, shape, n_params):
     rng.seed(7)
     net = Net(swap_data_layers(bvlc(name), shape), TRAIN)
@@ -146,6 +146,7 @@ ZOO_NETS = [  # file, parameters (Caffe's count: BatchNorm statistics included),
     ("googlenet_deploy.prototxt", 7.0e6, 0.01),
     ("mobilenet_v1_deploy.prototxt", 4.2e6, 0.02),
     ("resnext50_32x4d_deploy.prototxt", 25.0e6, 0.01),
+    # VGG-16 forward + backward: 12 s on an idle machine, over 20 s under load
     pytest.param("vgg16_deploy.prototxt", 138.36e6, 0.001, marks=pytest.mark.slow),
 ]
 
@@ -158,13 +159,12 @@ def test_zoo_net_forward_backward(filename, n_params, tol):
     run_zoo(net, 1)
 
 
-def test_vgg16_size_and_forward():
-    """VGG-16 without the (slow) backward: 138.36M parameters, [N, 1000] probabilities."""
-    net = zoo_net("vgg16_deploy.prototxt", batch=1)
+def test_vgg16_builds_at_its_published_size():
+    """VGG-16 without running it (forward and backward are marked slow): 138.36M parameters."""
+    net = zoo_net("vgg16_deploy.prototxt", batch=2)
     assert param_count(net) == pytest.approx(138.36e6, rel=1e-3)
-    assert net.blobs["pool5"].shape == (1, 512, 7, 7)
-    prob = net.forward(data=np.random.default_rng(1).standard_normal((1, 3, 224, 224)))["prob"]
-    assert prob.shape == (1, 1000) and np.isfinite(prob).all()
+    assert net.blobs["pool5"].shape == (2, 512, 7, 7)
+    assert net.blobs["prob"].shape == (2, 1000)
 
 
 def test_googlenet_train_with_auxiliary_heads():
