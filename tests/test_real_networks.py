@@ -141,20 +141,23 @@ def run_zoo(net, batch):
             assert np.abs(layer.blobs[0].diff).sum() > 0, f"no gradient for {name}"
 
 
-ZOO_NETS = [  # file, parameters (Caffe's count: BatchNorm statistics included), tolerance
-    ("resnet50_deploy.prototxt", 25.5e6, 0.01),
-    ("googlenet_deploy.prototxt", 7.0e6, 0.01),
-    ("mobilenet_v1_deploy.prototxt", 4.2e6, 0.02),
-    ("resnext50_32x4d_deploy.prototxt", 25.0e6, 0.01),
+ZOO_NETS = [  # file, published size (Caffe's count: BatchNorm statistics included) and tolerance,
+    #            exact count of the learned weights (without BatchNorm statistics)
+    ("resnet50_deploy.prototxt", 25.5e6, 0.01, 25557032),
+    ("googlenet_deploy.prototxt", 7.0e6, 0.01, 6998552),
+    ("mobilenet_v1_deploy.prototxt", 4.2e6, 0.02, 4231976),
+    ("resnext50_32x4d_deploy.prototxt", 25.0e6, 0.01, 25028904),
     # VGG-16 forward + backward: 12 s on an idle machine, over 20 s under load
-    pytest.param("vgg16_deploy.prototxt", 138.36e6, 0.001, marks=pytest.mark.slow),
+    pytest.param("vgg16_deploy.prototxt", 138.36e6, 0.001, 138357544, marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("filename, n_params, tol", ZOO_NETS)
-def test_zoo_net_forward_backward(filename, n_params, tol):
+@pytest.mark.parametrize("filename, n_params, tol, n_weights", ZOO_NETS)
+def test_zoo_net_forward_backward(filename, n_params, tol, n_weights):
     net = zoo_net(filename, batch=1)
     assert param_count(net) == pytest.approx(n_params, rel=tol)
+    stats = sum(b.count for layer in net.layers if layer.type == "BatchNorm" for b in layer.blobs)
+    assert param_count(net) - stats == n_weights
     assert net.blobs["data"].shape == (1, 3, 224, 224)
     run_zoo(net, 1)
 
@@ -162,7 +165,7 @@ def test_zoo_net_forward_backward(filename, n_params, tol):
 def test_vgg16_builds_at_its_published_size():
     """VGG-16 without running it (forward and backward are marked slow): 138.36M parameters."""
     net = zoo_net("vgg16_deploy.prototxt", batch=2)
-    assert param_count(net) == pytest.approx(138.36e6, rel=1e-3)
+    assert param_count(net) == 138357544
     assert net.blobs["pool5"].shape == (2, 512, 7, 7)
     assert net.blobs["prob"].shape == (2, 1000)
 
