@@ -51,6 +51,11 @@ def _param_fields():
 PARAM_FIELDS = _param_fields()
 
 
+def param_name_dict():
+    """pycaffe's {layer type: parameter name}, e.g. {"Convolution": "convolution", ...}."""
+    return {t: f[: -len("_param")] for t, f in PARAM_FIELDS.items()}
+
+
 class _Where:
     """What layer_error needs to name a layer being built."""
 
@@ -102,6 +107,12 @@ def assign(msg, name, value, where, path=None):
             setattr(msg, name, _scalar(field, value, where, path))
     except (TypeError, ValueError) as e:
         raise layer_error(where, path, f"cannot take this value ({e})", repr(value)) from None
+
+
+def assign_proto(proto, name, value):
+    """pycaffe's assign_proto: set field `name` of `proto` from a dict, list or scalar."""
+    assign(proto, name, value, _Where(proto if isinstance(proto, caffe_pb2.LayerParameter)
+                                      else caffe_pb2.LayerParameter(name="?", type="?")))
 
 
 def _fill(msg, value, where, path):

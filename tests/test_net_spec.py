@@ -6,6 +6,7 @@ from google.protobuf import text_format
 
 import caffepy as caffe
 from caffepy import NetSpec, layers as L, params as P, to_proto
+from caffepy.net_spec import assign_proto, param_name_dict
 from caffepy.errors import LayerError
 from caffepy.proto import caffe_pb2
 
@@ -192,3 +193,14 @@ def test_net_spec_output_builds_and_runs():
     assert net.blobs["pool"].data.shape == (4, 3, 5, 5)
     assert np.isfinite(loss) and loss > 0
     assert np.abs(net.params["conv"][0].diff).sum() > 0
+
+
+def test_pycaffe_helpers_param_name_dict_and_assign_proto():
+    names = param_name_dict()
+    assert names["Convolution"] == "convolution" and names["InnerProduct"] == "inner_product"
+    assert names["LRN"] == "lrn" and names["BatchNorm"] == "batch_norm" and names["Data"] == "data"
+    layer = caffe_pb2.LayerParameter()
+    assign_proto(layer, "convolution_param", dict(kernel_size=[3, 5], weight_filler=dict(type="msra")))
+    assign_proto(layer, "top", "out")
+    assert list(layer.convolution_param.kernel_size) == [3, 5] and list(layer.top) == ["out"]
+    assert layer.convolution_param.weight_filler.type == "msra"
