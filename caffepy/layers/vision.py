@@ -9,6 +9,7 @@ from ..errors import ShapeError
 from ..kernels import vision as kv
 from ..layer import Layer, canonical_axis, register
 from ..proto import caffe_pb2
+from .common import param_wanted
 
 _NO_BUFFER = np.zeros(0, np.float32)
 
@@ -90,6 +91,12 @@ class _ConvBase(Layer):
     def _bias(self):
         return self.blobs[1].data if self.bias_term else None
 
+    def param_diffs(self):
+        """(weight diff, bias diff) to accumulate into; None where lr_mult 0 wants none."""
+        wdiff = self.blobs[0].diff if param_wanted(self, 0) else None
+        bdiff = self.blobs[1].diff if self.bias_term and param_wanted(self, 1) else None
+        return wdiff, bdiff
+
 
 @register
 class Convolution(_ConvBase):
@@ -118,13 +125,9 @@ class Convolution(_ConvBase):
                             *self.geometry())
 
     def backward(self, top, propagate_down, bottom):
-        want_w = self.param_propagate_down[0] if self.param_propagate_down else True
-        want_b = self.bias_term and (self.param_propagate_down[1] if len(self.param_propagate_down) > 1
-                                     else True)
+        wdiff, bdiff = self.param_diffs()
         for t, down, b in zip(top, propagate_down, bottom):
-            kv.conv_backward(t.diff, b.data, self.blobs[0].data,
-                             self.blobs[0].diff if want_w else None,
-                             self.blobs[1].diff if want_b else None,
+            kv.conv_backward(t.diff, b.data, self.blobs[0].data, wdiff, bdiff,
                              b.diff if down else None, self._ensure_backward_buffer(b), *self.geometry())
 
     def _ensure_backward_buffer(self, b):
@@ -163,13 +166,9 @@ class Deconvolution(_ConvBase):
                               *self.geometry())
 
     def backward(self, top, propagate_down, bottom):
-        want_w = self.param_propagate_down[0] if self.param_propagate_down else True
-        want_b = self.bias_term and (self.param_propagate_down[1] if len(self.param_propagate_down) > 1
-                                     else True)
+        wdiff, bdiff = self.param_diffs()
         for t, down, b in zip(top, propagate_down, bottom):
-            kv.deconv_backward(t.diff, b.data, self.blobs[0].data,
-                               self.blobs[0].diff if want_w else None,
-                               self.blobs[1].diff if want_b else None,
+            kv.deconv_backward(t.diff, b.data, self.blobs[0].data, wdiff, bdiff,
                                b.diff if down else None, self.col_buffer, *self.geometry())
 
 
