@@ -178,8 +178,9 @@ def test_googlenet_train_with_auxiliary_heads():
     rng.seed(5)
     net = Net(param, TRAIN)
     losses = [n for n, w in net.blob_loss_weights.items()]
-    assert sorted(losses) == ["loss1/loss", "loss2/loss", "loss3/loss3"]
-    assert net.blob_loss_weights["loss1/loss"] == pytest.approx(0.3)
+    assert sorted(losses) == ["loss1/loss1", "loss2/loss1", "loss3/loss3"]
+    assert net.blob_loss_weights["loss1/loss1"] == pytest.approx(0.3)
+    assert "loss1/loss" in net.layer_dict and "loss1/top-1" not in net.layer_dict
     assert net.blobs["loss1/ave_pool"].shape == (2, 512, 4, 4)
     assert net.blobs["loss2/ave_pool"].shape == (2, 528, 4, 4)
     assert sum(1 for layer in net.layers if layer.type == "LRN") == 2
@@ -225,3 +226,12 @@ def test_zoo_files_are_what_the_generator_writes(tmp_path):
     for filename in generate.NETS:
         with open(os.path.join(ZOO, filename)) as f, open(tmp_path / filename) as g:
             assert f.read() == g.read(), f"models/zoo/{filename} is stale: run models/zoo/generate.py"
+
+
+def test_googlenet_train_test_phase_has_the_accuracies():
+    param = prototxt.read_net(os.path.join(ZOO, "googlenet_train.prototxt"))
+    for lp in param.layer[:2]:
+        lp.input_param.shape[0].dim[0] = 1
+    net = Net(param, TEST)
+    assert {"loss1/top-1", "loss1/top-5", "loss2/top-5", "loss3/top-1"} <= set(net.layer_dict)
+    assert net.layer_dict["loss3/top-5"].param.accuracy_param.top_k == 5

@@ -7,11 +7,12 @@ The published Caffe files are not shipped here; each net is rebuilt from its pub
 with the layer names of the released Caffe models (BVLC GoogLeNet, the MSRA ResNet-50 release,
 VGG's VGG_ILSVRC_16_layers, shicai's MobileNet-Caffe; ResNeXt-50 takes the ResNet-50 names).
 Deploy files start with an Input layer of 10 x 3 x 224 x 224, as the released deploy files do,
-and end in Softmax "prob". Unlike the released deploy files they carry weight fillers (xavier,
-or msra for the BatchNorm nets), so a net built without a .caffemodel computes something.
+and end in Softmax "prob". All carry weight fillers (xavier, or msra for the BatchNorm nets; the
+released ResNet deploy files have none), so a net built without a .caffemodel computes something.
 Deviations: MobileNet's classifier "fc7" is an InnerProduct (the release has a 1x1 convolution,
-same weights) so that its output is [N, 1000]; googlenet_train.prototxt is the train_val net with
-its Data layers swapped for Input layers "data" and "label".
+same weights) so that its output is [N, 1000]; googlenet_train.prototxt is the train_val net
+(auxiliary heads loss1 / loss2 with loss weight 0.3, top-1 / top-5 accuracies in TEST) with its
+Data layers swapped for Input layers "data" and "label" (batch 32).
 """
 import os
 import sys
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from google.protobuf import text_format  # noqa: E402
 
 from caffepy import NetSpec, layers as L, params as P  # noqa: E402
+from caffepy.proto import caffe_pb2  # noqa: E402
 
 XAVIER = dict(type="xavier")
 MSRA = dict(type="msra")
@@ -126,7 +128,15 @@ def aux_head(n, k, bottom, label):
     n[f"{p}/relu_fc"] = relu(n[f"{p}/fc"])
     n[f"{p}/drop_fc"] = L.Dropout(n[f"{p}/relu_fc"], dropout_ratio=0.7, in_place=True)
     n[f"{p}/classifier"] = fc(n[f"{p}/drop_fc"], 1000)
-    n[f"{p}/loss"] = L.SoftmaxWithLoss(n[f"{p}/classifier"], label, loss_weight=0.3)
+    n[f"{p}/loss1"] = L.SoftmaxWithLoss(n[f"{p}/classifier"], label, loss_weight=0.3, name=f"{p}/loss")
+    accuracy(n, p, label)
+
+
+def accuracy(n, p, label):
+    """<p>/top-1 and <p>/top-5, in the TEST phase only (as the train_val file)."""
+    test = dict(phase=caffe_pb2.TEST)
+    n[f"{p}/top-1"] = L.Accuracy(n[f"{p}/classifier"], label, include=test)
+    n[f"{p}/top-5"] = L.Accuracy(n[f"{p}/classifier"], label, top_k=5, include=test)
 
 
 def googlenet(train=False):
@@ -153,6 +163,7 @@ def googlenet(train=False):
     n["loss3/classifier"] = fc(n["pool5/drop_7x7_s1"], 1000)
     if train:
         n["loss3/loss3"] = L.SoftmaxWithLoss(n["loss3/classifier"], n.label, loss_weight=1)
+        accuracy(n, "loss3", n.label)
         return n.to_proto(), "GoogleNet"
     n.prob = L.Softmax(n["loss3/classifier"])
     return n.to_proto(), "GoogleNet"
