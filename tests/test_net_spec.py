@@ -204,3 +204,13 @@ def test_pycaffe_helpers_param_name_dict_and_assign_proto():
     assign_proto(layer, "top", "out")
     assert list(layer.convolution_param.kernel_size) == [3, 5] and list(layer.top) == ["out"]
     assert layer.convolution_param.weight_filler.type == "msra"
+
+
+def test_name_keyword_renames_the_layer_but_not_its_top():
+    n = NetSpec()
+    n.data = L.Input(shape=dict(dim=[1, 3]))
+    n["loss1/loss1"] = L.Softmax(n.data, name="loss1/loss", engine=P.Softmax.CAFFE)
+    layer = n.to_proto().layer[1]
+    assert (layer.name, list(layer.top)) == ("loss1/loss", ["loss1/loss1"])
+    # `engine` exists in both messages: the type's own parameter message takes it, as in pycaffe
+    assert layer.softmax_param.engine == caffe_pb2.SoftmaxParameter.CAFFE and not layer.HasField("engine")
