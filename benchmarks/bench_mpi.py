@@ -5,7 +5,8 @@ net of models/mpi_intel_alexnet/train_val_shared_db.prototxt):
   1. 1 rank x 2 threads (OMP_NUM_THREADS=2), batch G;
   2. 2 ranks x 1 thread (mpiexec -n 2, OMP_NUM_THREADS=1), local batch G/2, once per
      gradient-allreduce progress mode: `none` (no communication: compute only),
-     `blocking` (no overlap), `thread`, `test`, `wait` (overlapped, allreduce.py);
+     `blocking` (no overlap), `thread`, `test`, `wait` (overlapped, allreduce.py),
+     and the hybrid layout (train_val.prototxt, fc6..fc8 model parallel);
   3. the allreduce bandwidth of AlexNet's gradients (all its ~61M parameters) and
      the latency of an 8-byte allreduce, 2 ranks.
 From the measured figures: the fraction of the allreduce hidden behind backward
@@ -34,6 +35,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 NET = os.path.join(REPO, "models", "mpi_intel_alexnet", "train_val_shared_db.prototxt")
+HYBRID_NET = os.path.join(REPO, "models", "mpi_intel_alexnet", "train_val.prototxt")
 MODES = ("none", "blocking", "thread", "test", "wait")
 NETWORKS_GBPS = (10, 100)
 LATENCY_S = 5e-6           # per ring step, a typical TCP/RoCE small-message figure
@@ -41,7 +43,7 @@ NODES = (1, 2, 4, 8, 16, 32, 64)
 
 
 # -- worker side (one process per rank) ------------------------------------------
-def build_solver(batch):
+def build_solver(batch, path=NET):
     sys.path.insert(0, REPO)
     from google.protobuf import text_format
 
@@ -50,7 +52,7 @@ def build_solver(batch):
     from caffepy.proto import caffe_pb2
     from caffepy.solvers import Solver
 
-    net = prototxt.filter_net(prototxt.read_net(NET), prototxt.net_state(TRAIN, 0, []))
+    net = prototxt.filter_net(prototxt.read_net(path), prototxt.net_state(TRAIN, 0, []))
     data = net.layer[0]
     assert data.type == "Data"
     data.Clear()
@@ -81,7 +83,7 @@ def worker(args):
     log.set_quiet(True)
     from caffepy.parallel import mpi, world
     mpi.init_world()
-    solver = build_solver(args.batch)
+    solver = build_solver(args.batch, HYBRID_NET if args.hybrid else NET)
     result = {"ranks": world.size, "threads": int(os.environ.get("OMP_NUM_THREADS", "0")),
               "batch": args.batch, "params": sum(b.count for b in solver.net.learnable_params)}
     # The machine may be shared: configurations are interleaved over rounds and the
@@ -181,6 +183,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hybrid", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bandwidth", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -208,6 +211,12 @@ def main():
     for mode, r in modes.items():
         print(f"  {mode:9s} {r['iter']:.3f} s/iter ({args.batch / r['iter']:.2f} img/s), "
               f"waiting for the allreduce before the update {r['wait'] * 1e3:.1f} ms")
+    hyb = run([mpiexec, "-n", "2", py, me, "--worker", "--hybrid", "--batch", str(args.batch // 2),
+               "--modes", "thread"] + common, 1)
+    print(f"2 ranks x 1 thread, hybrid (train_val.prototxt: fc6..fc8 model parallel), local batch "
+          f"{args.batch // 2}: {hyb['modes']['thread']['iter']:.3f} s/iter "
+          f"({args.batch / hyb['modes']['thread']['iter']:.2f} img/s), {hyb['bytes'] / 1e6:.1f} MB "
+          f"allreduced, waiting {hyb['modes']['thread']['wait'] * 1e3:.1f} ms", flush=True)
     bw = run([mpiexec, "-n", "2", py, me, "--bandwidth", "--count", str(two["bytes"] // 4)], 1)
     rate = bw["bytes"] / bw["seconds"]
     print(f"Allreduce of {bw['bytes'] / 1e6:.1f} MB on 2 ranks: {bw['seconds'] * 1e3:.1f} ms = "
