@@ -22,11 +22,11 @@ READER = """
     from caffepy.net import Net, TRAIN
     from caffepy.proto import caffe_pb2
     from google.protobuf import text_format
-    source, batch, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    source, batch, epochs, shuffle = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     param = text_format.Parse(f'''
         name: "reader"
         layer {{ name: "data" type: "Data" top: "data" top: "label"
-                 data_param {{ source: "{source}" batch_size: {batch} backend: LMDB }} }}''',
+                 data_param {{ source: "{source}" batch_size: {batch} backend: LMDB shuffle: {shuffle} }} }}''',
         caffe_pb2.NetParameter())
     net = Net(param, phase=TRAIN)
     steps = epochs * {records} // (batch * world.size)
@@ -41,24 +41,25 @@ READER = """
 """
 
 
-def read_under_mpi(tmp_path, ranks, source, batch, epochs=2):
+def read_under_mpi(tmp_path, ranks, source, batch, epochs=2, shuffle=False):
     script = tmp_path / "reader.py"
     script.write_text(textwrap.dedent(READER.replace("{records}", str(RECORDS))))
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     out = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, str(script), source, str(batch),
-                          str(epochs)], capture_output=True, text=True, timeout=120, env=env)
+                          str(epochs), "true" if shuffle else "false"],
+                         capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return eval(out.stdout.strip().splitlines()[-1])
 
 
-def check_epochs(per_rank, ranks, batch, epochs=2):
+def check_epochs(per_rank, ranks, batch, epochs=2, shuffled=False):
     steps = len(per_rank[0])
     per_epoch = RECORDS // (batch * ranks)
     for e in range(epochs):
         records = [i for r in range(ranks) for k in range(e * per_epoch, (e + 1) * per_epoch)
                    for i in per_rank[r][k]]
         assert sorted(records) == list(range(RECORDS)), f"epoch {e}"
-    for k in range(steps):
+    for k in range(0 if shuffled else steps):
         union = sorted(i for r in range(ranks) for i in per_rank[r][k])
         start = (k % per_epoch) * batch * ranks
         assert union == list(range(start, start + batch * ranks))
@@ -81,3 +82,12 @@ def test_split_db_reads_each_record_once_per_epoch(tmp_path, ranks):
     check_epochs(per_rank, ranks, 4)
     shared = read_under_mpi(tmp_path, ranks, db, 4)
     assert per_rank == shared       # split-DB reads what shared-DB would
+
+
+def test_shared_db_with_shuffle_reads_each_record_once_per_epoch(tmp_path):
+    """Ranks agree on each epoch's permutation (no solver seed: the layer's seed is shared)."""
+    db = make_lmdb(tmp_path / "train_lmdb")
+    per_rank = read_under_mpi(tmp_path, 2, db, 4, shuffle=True)
+    check_epochs(per_rank, 2, 4, shuffled=True)
+    first = [i for r in range(2) for k in range(RECORDS // 8) for i in per_rank[r][k]]
+    assert first != sorted(first)
