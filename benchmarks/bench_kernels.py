@@ -160,31 +160,35 @@ def main():
     rng = np.random.default_rng(0)
     N, reps = args.batch, args.reps
 
-    print(f"batch {N}, {os.cpu_count()} cpus, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}, "
+    print(f"batch {N}, {os.cpu_count()} cpus, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}, "
           f"load average {os.getloadavg()[0]:.2f}, best of {reps}")
+    # the peak is sampled before every conv layer and after the last layer, and the best kept,
+    # so a burst of load from elsewhere during one sample does not inflate the percentages
     peak = sgemm_peak(reps)
     default = vision.get_conv_threading()
-    print(f"sgemm peak (numpy float32 matmul 4096^3): {peak:.1f} GFLOP/s; "
-          f"conv threading default: '{default}'\n")
+    print(f"conv threading default: '{default}'\n")
     print(f"{'layer':7} {'fwd ms':>9} {'bwd ms':>9}   {'notes'}")
+    conv_rows = []
     for name in CONVS:
         if wanted and name not in wanted:
             continue
+        peak = max(peak, sgemm_peak(1))
         row = bench_conv(name, N, reps, rng)
         fwd, bwd = row[default]
         other = "blas" if default == "images" else "images"
         gf_f = row["flops"] / fwd.wall / 1e6
         gf_b = row["bwd_flops"] / bwd.wall / 1e6
+        conv_rows.append((name, gf_f, gf_b))
         print(f"{name:7} {fwd.wall:9.1f} {bwd.wall:9.1f}   {gf_f:5.1f} / {gf_b:5.1f} GFLOP/s "
-              f"fwd/bwd ({100 * gf_f / peak:.0f}% / {100 * gf_b / peak:.0f}% of peak); "
-              f"cpu {fwd.cpu:.0f} / {bwd.cpu:.0f} ms; '{other}' threading: "
+              f"fwd/bwd; cpu {fwd.cpu:.0f} / {bwd.cpu:.0f} ms; '{other}' threading: "
               f"{row[other][0].wall:.1f} / {row[other][1].wall:.1f} ms", flush=True)
     for name in POOLS:
         if wanted and name not in wanted:
             continue
         fwd, bwd = bench_pool(name, N, reps, rng)
-        print(f"{name:7} {fwd:9.1f} {bwd:9.1f}   MAX 3x3 stride 2 on {N}x{'x'.join(map(str, POOLS[name]))}",
-              flush=True)
+        print(f"{name:7} {fwd:9.1f} {bwd:9.1f}   MAX 3x3 stride 2 on "
+              f"{N}x{'x'.join(map(str, POOLS[name]))}", flush=True)
     for name in NORMS:
         if wanted and name not in wanted:
             continue
@@ -192,8 +196,14 @@ def main():
         vs = ("torch not installed" if torch_ms is None else
               f"torch local_response_norm {torch_ms[0]:.1f} / {torch_ms[1]:.1f} ms "
               f"({torch_ms[0] / fwd:.1f}x / {torch_ms[1] / bwd:.1f}x slower)")
-        print(f"{name:7} {fwd:9.1f} {bwd:9.1f}   LRN 5 on {N}x{'x'.join(map(str, NORMS[name]))}; {vs}",
-              flush=True)
+        print(f"{name:7} {fwd:9.1f} {bwd:9.1f}   LRN 5 on {N}x{'x'.join(map(str, NORMS[name]))}; "
+              f"{vs}", flush=True)
+    peak = max(peak, sgemm_peak(reps))
+    print(f"\nsgemm peak (numpy float32 matmul 4096^3, best sample): {peak:.1f} GFLOP/s; "
+          f"load average now {os.getloadavg()[0]:.2f}")
+    for name, gf_f, gf_b in conv_rows:
+        print(f"  {name}: {100 * gf_f / peak:3.0f}% of peak forward, {100 * gf_b / peak:3.0f}% "
+              f"backward")
 
 
 if __name__ == "__main__":

@@ -68,8 +68,12 @@ cdef int _pool_extent(int size, int k, int s, int p, bint ceil_mode) except -1:
 # Two ways to use the cores: call BLAS once per image and let it thread each GEMM (im2col is
 # then split over channels with OpenMP), or give every OpenMP thread its own images, its own
 # column buffer and a single-threaded BLAS. Running both pools at once oversubscribes the cores,
-# so the second way sets the BLAS thread count to 1 for the loop and restores it after.
-# benchmarks/bench_kernels.py measures both; the default is the faster one on AlexNet shapes.
+# so the second way sets the BLAS thread count to 1 for the loop and restores it after (the
+# count is process-wide: two Python threads running convolutions at once may oversubscribe,
+# never miscompute). benchmarks/bench_kernels.py measures both: per-image threads win on every
+# AlexNet layer (3-10x at batch 64 on 2 cores), since the BLAS way pays a fork/join per image
+# and its spinning BLAS workers compete with the OpenMP ones. A batch smaller than the thread
+# count, or a tiny problem, falls back to the BLAS way.
 
 ctypedef void (*_set_threads_fn)(int) noexcept nogil
 ctypedef int (*_get_threads_fn)() noexcept nogil
@@ -1046,7 +1050,8 @@ def lrn_within_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top
         raise ValueError(f"LRN local_size {size} is larger than this kernel supports "
                          f"({2 * _MAX_WITHIN_PRE + 1})")
     cdef int H = bottom.shape[2], W = bottom.shape[3]
-    cdef Py_ssize_t HW = <Py_ssize_t>H * W, pl, planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1]
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, pl
+    cdef Py_ssize_t planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1]
     if planes == 0 or HW == 0:
         return
     with nogil:
@@ -1083,7 +1088,8 @@ def lrn_within_backward(const float[:, :, :, ::1] bottom, const float[:, :, :, :
         raise ValueError(f"LRN local_size {size} is larger than this kernel supports "
                          f"({2 * _MAX_WITHIN_PRE + 1})")
     cdef int H = bottom.shape[2], W = bottom.shape[3]
-    cdef Py_ssize_t HW = <Py_ssize_t>H * W, pl, planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1]
+    cdef Py_ssize_t HW = <Py_ssize_t>H * W, pl
+    cdef Py_ssize_t planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1]
     if planes == 0 or HW == 0:
         return
     with nogil:
