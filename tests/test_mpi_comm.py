@@ -133,7 +133,7 @@ def test_failing_rank_ends_every_rank(tmp_path, how, cause):
         assert "Traceback" not in out.stderr
 
 
-def test_killed_rank_ends_every_rank(tmp_path):
+def _spinning_job(tmp_path):
     script = tmp_path / "spin.py"
     script.write_text(textwrap.dedent("""
         import os, time
@@ -149,11 +149,16 @@ def test_killed_rank_ends_every_rank(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, str(script)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "pid1").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)
+    return proc
+
+
+def test_killed_rank_ends_every_rank(tmp_path):
+    proc = _spinning_job(tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "pid1").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.3)
         os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
         start = time.monotonic()
         out, err = proc.communicate(timeout=30)
@@ -166,3 +171,16 @@ def test_killed_rank_ends_every_rank(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_names_the_cause(tmp_path):
+    proc = _spinning_job(tmp_path)
+    try:
+        os.kill(int((tmp_path / "pid0").read_text()), signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "[rank 0] stopped by the MPI launcher (SIGTERM): another rank failed or the job " \
+           "was cancelled" in err, err
