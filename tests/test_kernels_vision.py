@@ -187,6 +187,12 @@ def test_deconv(case, threading):
     close(bottom_diff, want_x)
 
 
+def test_conv_threading_is_one_of_two_modes():
+    with pytest.raises(ValueError, match="images"):
+        vision.set_conv_threading("both")
+    assert vision.get_conv_threading() in ("images", "blas")
+
+
 def test_conv_rejects_buffers_that_do_not_fit():
     bottom, weight = rand(1, 4, 6, 6), rand(2, 4, 3, 3)
     top = nans(1, 2, 4, 4)
