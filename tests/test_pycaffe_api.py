@@ -153,6 +153,12 @@ def test_forward_backward_and_blob_views(files):
         numeric = (reference_forward(net, xp)[n, n] - reference_forward(net, xm)[n, n]) / (2 * h)
         assert grads["data"][idx] == pytest.approx(numeric, rel=2e-2, abs=1e-4)
     assert grads["data"] is net.blobs["data"].diff
+    # the same gradient when the diff is written into the output blob's .diff view
+    expected = grads["data"].copy()
+    net.blobs["data"].diff[...] = 0
+    net.blobs["prob"].diff[...] = np.eye(2, 5, dtype=np.float32)
+    np.testing.assert_array_equal(net.backward()["data"], expected)
+    assert np.abs(net.params["conv1"][0].diff).sum() > 0
 
 
 def test_reshape_after_changing_the_input_blob(files):
