@@ -5,6 +5,10 @@
     net = caffe.Net("deploy.prototxt", "weights.caffemodel", caffe.TEST)
     out = net.forward(data=images)
 """
+from .parallel import mpi as _mpi
+
+_mpi.share_cores()   # before any kernel loads OpenMP, which reads OMP_NUM_THREADS once
+
 from . import proto  # noqa: F401  (caffe.proto.caffe_pb2, as in pycaffe)
 from .net import TEST, TRAIN, Net
 from .layer import LAYERS, Layer

@@ -70,3 +70,20 @@ def test_missing_model_file_is_one_line_error(tmp_path):
     assert "Traceback" not in proc.stderr
     errors = [l for l in proc.stderr.splitlines() if "error" in l]
     assert len(errors) == 1 and "nope.prototxt" in errors[0]
+
+
+def test_mpi_ranks_share_the_cores_by_default(tmp_path):
+    # two ranks on this host each get cores // 2 OpenMP threads unless OMP_NUM_THREADS is set
+    import os
+    import shutil
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec not installed")
+    script = tmp_path / "threads.py"
+    script.write_text("import os, caffepy\nprint(os.environ['OMP_NUM_THREADS'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    expected = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert proc.stdout.split() == [expected, expected]

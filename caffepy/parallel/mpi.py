@@ -57,6 +57,27 @@ def launched():
     return size > 1 or size == -1
 
 
+# Ranks sharing this host, as each launcher exports it (MPICH hydra, Open MPI, Slurm).
+_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def share_cores():
+    """Give each rank on this host its share of the cores (unless OMP_NUM_THREADS is set).
+
+    Must run before the first compiled kernel loads OpenMP: N ranks each starting a
+    team as wide as the machine oversubscribe the cores, and spinning OpenMP threads
+    then run many times slower.
+    """
+    if not launched() or os.environ.get("OMP_NUM_THREADS"):
+        return
+    for var in _LOCAL_SIZE_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            cores = len(os.sched_getaffinity(0))
+            os.environ["OMP_NUM_THREADS"] = str(max(1, cores // int(value)))
+            return
+
+
 def init_world():
     """Start MPI when launched with several ranks and fill `world`; idempotent.
 
