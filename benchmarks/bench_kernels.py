@@ -1,6 +1,7 @@
 """Milliseconds of the vision kernels on AlexNet's shapes (batch 64), with the threading choice.
 
     .venv/bin/python benchmarks/bench_kernels.py [--batch 64] [--reps 3] [--layers conv1,norm1]
+                                                 [--threading both|images|blas]
 
 Prints one table:
   - conv1..conv5 forward and backward (weight + bias diffs, and the bottom diff except for
@@ -77,7 +78,7 @@ def rand(rng, *shape):
     return rng.standard_normal(shape, dtype=np.float32)
 
 
-def bench_conv(name, N, reps, rng):
+def bench_conv(name, N, reps, rng, modes):
     C, H, W, O, k, pad, stride, group = CONVS[name]
     oh, ow = vision.conv_output_shape(H, W, k, k, pad, pad, stride, stride)
     bottom, weight, bias = rand(rng, N, C, H, W), rand(rng, O, C // group, k, k), rand(rng, O)
@@ -88,7 +89,7 @@ def bench_conv(name, N, reps, rng):
     flops = 2.0 * N * O * oh * ow * (C // group) * k * k
     default = vision.get_conv_threading()
     col = np.empty(vision.conv_workspace_size(C, k, k, oh, ow, weight.size), np.float32)
-    timers = {mode: (Timer(), Timer()) for mode in ("images", "blas")}
+    timers = {mode: (Timer(), Timer()) for mode in modes}
     for i in range(reps + 1):
         for mode, (fwd, bwd) in timers.items():
             vision.set_conv_threading(mode)
@@ -155,6 +156,8 @@ def main():
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--layers", default="", help="comma-separated subset, e.g. conv2,norm1")
+    parser.add_argument("--threading", choices=("both", "images", "blas"), default="both",
+                        help="conv threadings to time; the first column uses the chosen one")
     args = parser.parse_args()
     wanted = set(filter(None, args.layers.split(",")))
     rng = np.random.default_rng(0)
@@ -167,22 +170,26 @@ def main():
     # so a burst of load from elsewhere during one sample does not inflate the percentages
     peak = sgemm_peak(reps)
     default = vision.get_conv_threading()
-    print(f"conv threading default: '{default}'\n")
+    modes = ("images", "blas") if args.threading == "both" else (args.threading,)
+    if default not in modes:
+        default = modes[0]
+    print(f"conv threading in the first columns: '{default}'\n")
     print(f"{'layer':7} {'fwd ms':>9} {'bwd ms':>9}   {'notes'}")
     conv_rows = []
     for name in CONVS:
         if wanted and name not in wanted:
             continue
         peak = max(peak, sgemm_peak(1))
-        row = bench_conv(name, N, reps, rng)
+        row = bench_conv(name, N, reps, rng, modes)
         fwd, bwd = row[default]
         other = "blas" if default == "images" else "images"
+        versus = (f"; '{other}' threading: {row[other][0].wall:.1f} / {row[other][1].wall:.1f} ms"
+                  if other in row else "")
         gf_f = row["flops"] / fwd.wall / 1e6
         gf_b = row["bwd_flops"] / bwd.wall / 1e6
         conv_rows.append((name, gf_f, gf_b))
         print(f"{name:7} {fwd.wall:9.1f} {bwd.wall:9.1f}   {gf_f:5.1f} / {gf_b:5.1f} GFLOP/s "
-              f"fwd/bwd; cpu {fwd.cpu:.0f} / {bwd.cpu:.0f} ms; '{other}' threading: "
-              f"{row[other][0].wall:.1f} / {row[other][1].wall:.1f} ms", flush=True)
+              f"fwd/bwd; cpu {fwd.cpu:.0f} / {bwd.cpu:.0f} ms{versus}", flush=True)
     for name in POOLS:
         if wanted and name not in wanted:
             continue
