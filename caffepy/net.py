@@ -222,6 +222,9 @@ class Net:
                     for bi, need in enumerate(self.bottom_need_backward[li])]
                 layer.param_propagate_down = [True] * len(layer.blobs)
         self.outputs = list(available)
+        # pycaffe lists every blob, with 0 for those outside the loss
+        self.blob_loss_weights = collections.OrderedDict(
+            (name, self.blob_loss_weights.get(name, 0.0)) for name in self.blobs)
         self._share_params(param)
         self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
 

@@ -177,7 +177,7 @@ def test_googlenet_train_with_auxiliary_heads():
         lp.input_param.shape[0].dim[0] = 2
     rng.seed(5)
     net = Net(param, TRAIN)
-    losses = [n for n, w in net.blob_loss_weights.items()]
+    losses = [n for n, w in net.blob_loss_weights.items() if w]
     assert sorted(losses) == ["loss1/loss1", "loss2/loss1", "loss3/loss3"]
     assert net.blob_loss_weights["loss1/loss1"] == pytest.approx(0.3)
     assert "loss1/loss" in net.layer_dict and "loss1/top-1" not in net.layer_dict
