@@ -239,6 +239,7 @@ def _dummy_data(net, batch):
     return net
 
 
+@pytest.mark.skipif(not os.path.isdir(REFERENCE_MODELS), reason="../shared/reference-models not present")
 @pytest.mark.parametrize("name", ["mnist__lenet", "cifar10__cifar10_quick"])
 def test_reference_solver_runs_and_its_log_parses(tmp_path, monkeypatch, loud, name):
     monkeypatch.chdir(tmp_path)
