@@ -20,19 +20,24 @@ $(STAMP): pyproject.toml setup.py $(wildcard cext/*.pyx cext/*.pxd cext/*.h)
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/digits/run.sh
 
-test: install
+# torch (a local CPU build) is only a test-time reference; without it those checks skip
+TORCH := $(VENV)/.torch
+
+$(TORCH): $(STAMP)
+	$(PY) -m pip install -q torch==2.13.0 || echo "torch unavailable: torch-reference tests will skip"
+	touch $(TORCH)
+
+test: install $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
 
 # Includes the slow end-to-end runs
-test-all: install
+test-all: install $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m ''
 
-bench: install
-	$(PY) -m pip install -q torch==2.13.0
+bench: install $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_alexnet.py
 
-bench-full: install
-	$(PY) -m pip install -q torch==2.13.0
+bench-full: install $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_alexnet.py --full
 
 bench-mpi: install
