@@ -11,7 +11,6 @@ mean little on a busy machine.
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -20,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from google.protobuf import text_format  # noqa: E402
 
 from caffepy.blob import Blob  # noqa: E402
+from timing import best_ms  # noqa: E402
 from caffepy.layer import create_layer  # noqa: E402
 from caffepy.proto import caffe_pb2  # noqa: E402
 
@@ -45,16 +45,6 @@ ROWS = [
     ("Concat", "", caffe_pb2.TRAIN, [(32, 64, 28, 28), (32, 128, 28, 28), (32, 32, 28, 28),
                                      (32, 32, 28, 28)], False),
 ]
-
-
-def best_ms(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
 
 
 def build(type_, params, phase, shapes, in_place):

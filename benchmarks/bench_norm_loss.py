@@ -11,7 +11,6 @@ one warm-up; the load average is printed because the figures mean little on a bu
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -20,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from google.protobuf import text_format  # noqa: E402
 
 from caffepy.blob import Blob  # noqa: E402
+from timing import best_ms  # noqa: E402
 from caffepy.layer import create_layer  # noqa: E402
 from caffepy.proto import caffe_pb2  # noqa: E402
 
@@ -35,16 +35,6 @@ ROWS = [
      [(1, 21, 500, 500), (1, 1, 500, 500)], 21),
     ("Accuracy", "accuracy_param { top_k: 5 }", caffe_pb2.TEST, [(256, 1000), (256,)], 1000),
 ]
-
-
-def best_ms(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
 
 
 def build(type_, params, phase, shapes, classes):
