@@ -215,6 +215,7 @@ def test_python_layer_backward_and_learnable_blobs(files):
 def test_get_solver_and_step_lower_the_loss(files):
     _, _, solver_path = files
     solver = caffe.get_solver(solver_path)
+    assert isinstance(solver, caffe.SGDSolver)       # the type the file names, as pycaffe
     net = solver.net
     assert "loss" in net.outputs
     first = float(net.forward()["loss"])

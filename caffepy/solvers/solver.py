@@ -650,9 +650,15 @@ AdaDeltaSolver = _typed("AdaDelta")
 AdamSolver = _typed("Adam")
 
 
+_TYPED = {cls.forced_type: cls for cls in (SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver,
+                                           AdaDeltaSolver, AdamSolver)}
+
+
 def get_solver(path):
-    """pycaffe's caffe.get_solver: the solver type named in the file."""
-    return Solver(path)
+    """pycaffe's caffe.get_solver: an instance of the class for the type named in the file
+    (an SGDSolver for `type: "SGD"`, ...)."""
+    from .. import prototxt
+    return _TYPED.get(prototxt.read_solver(path).type, Solver)(path)
 
 
 __all__ = ["Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver",
