@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard cext/*.pyx cext/*.pxd cext/*.h)
+$(STAMP): pyproject.toml setup.py $(wildcard cext/*.pyx cext/*.pxd cext/*.pxi cext/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# build requirements into the venv itself: rebuilds after a .pyx edit then take seconds

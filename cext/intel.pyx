@@ -96,32 +96,7 @@ def unpack(const float[:, :, :, :, ::1] y, float[:, :, :, ::1] x):
 # [O, C/g, kh, kw]). Threads take whole images, each with its own col / Y / weight-diff buffers
 # and a single-threaded BLAS; with one image or one thread, the BLAS threads each GEMM instead.
 
-ctypedef void (*_set_threads_fn)(int) noexcept nogil
-ctypedef int (*_get_threads_fn)() noexcept nogil
-cdef _set_threads_fn _blas_set_threads = NULL
-cdef _get_threads_fn _blas_get_threads = NULL
-
-
-cdef _bind_blas_threads():
-    # the OpenBLAS behind scipy.linalg.cython_blas is loaded with that module, so its thread
-    # setters resolve through the module's own handle
-    global _blas_set_threads, _blas_get_threads
-    import ctypes
-    from scipy.linalg import cython_blas
-    try:
-        lib = ctypes.CDLL(cython_blas.__file__)
-    except OSError:
-        return
-    for prefix in ("scipy_openblas", "openblas"):
-        setter = getattr(lib, prefix + "_set_num_threads", None)
-        getter = getattr(lib, prefix + "_get_num_threads", None)
-        if setter is not None and getter is not None:
-            _blas_set_threads = <_set_threads_fn><size_t>ctypes.cast(setter, ctypes.c_void_p).value
-            _blas_get_threads = <_get_threads_fn><size_t>ctypes.cast(getter, ctypes.c_void_p).value
-            return
-
-
-_bind_blas_threads()
+include "blas_threads.pxi"
 
 
 def max_threads():
