@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 
 from .. import log
@@ -119,6 +120,9 @@ def abort(message, code=1):
     sys.stderr.flush()
     if world.comm is not None:
         from mpi4py import MPI
+        # Abort tears the launcher's output forwarding down at once: give it a moment to
+        # pass this line on, or the job can end without saying why
+        time.sleep(0.5)
         MPI.COMM_WORLD.Abort(code)
     os._exit(code)
 
