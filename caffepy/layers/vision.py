@@ -88,6 +88,9 @@ class _ConvBase(Layer):
         if self.col_buffer.size < need:
             self.col_buffer = np.zeros(need, np.float32)
 
+    def top_channels(self):
+        return self.num_output
+
     def _bias(self):
         return self.blobs[1].data if self.bias_term else None
 
@@ -108,9 +111,6 @@ class Convolution(_ConvBase):
 
     def weight_shape(self, kh, kw):
         return (self.num_output, self.channels // self.group, kh, kw)
-
-    def top_channels(self):
-        return self.num_output
 
     def output_size(self, h, w):
         return kv.conv_output_shape(h, w, *self.kernel, *self.pad, *self.stride, *self.dilation)
@@ -149,9 +149,6 @@ class Deconvolution(_ConvBase):
 
     def weight_shape(self, kh, kw):
         return (self.channels, self.num_output // self.group, kh, kw)
-
-    def top_channels(self):
-        return self.num_output
 
     def output_size(self, h, w):
         return kv.deconv_output_shape(h, w, *self.kernel, *self.pad, *self.stride, *self.dilation)
