@@ -11,7 +11,10 @@ Prints one table:
     GFLOP/s of the default way next to the sgemm peak of the same run (NumPy float32 matmul
     4096^3);
   - pool1/pool2/pool5 (MAX 3x3 stride 2) and norm1/norm2 (LRN 5, 1e-4, 0.75) forward/backward,
-    LRN against torch's local_response_norm when torch is installed (benchmarks only).
+    LRN against torch's local_response_norm when torch is installed (benchmarks only);
+  - for the same pooling and LRN shapes, a 'blocked' row: the kernels of caffepy.kernels.intel
+    on the blocked layout [N, C/V, H, W, V] (V = --width), run alternately with the NCHW
+    kernel above it, with the ratio blocked / NCHW of forward + backward (<= 1: not slower).
 Times are the best of --reps runs after one warm-up. The load average and the CPU time of the
 process (all threads, spinning included) are printed too: on a busy machine the wall time
 overstates the kernels' cost, and CPU time / threads is the better guide.
@@ -25,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from caffepy.kernels import vision  # noqa: E402
+from caffepy.kernels import intel, vision  # noqa: E402
 
 # name: (C, H, W, O, kernel, pad, stride, group), bottom shape per image; bvlc_alexnet
 CONVS = {
@@ -102,15 +105,39 @@ def bench_conv(name, N, reps, rng, modes):
     return {"flops": flops, "bwd_flops": flops * (1 if bottom_diff is None else 2), **timers}
 
 
-def bench_pool(name, N, reps, rng):
+def alternate(fns, reps):
+    """Best wall ms of each fn, the fns run in turn (one warm-up round) so all see one machine."""
+    timers = [Timer() for _ in fns]
+    for i in range(reps + 1):
+        for fn, timer in zip(fns, timers):
+            if i:
+                timer.run(fn)
+            else:
+                fn()
+    return [t.wall for t in timers]
+
+
+def blocked_shape(N, C, H, W, width):
+    return (N, -(-C // width), H, W, width)
+
+
+def bench_pool(name, N, reps, rng, width):
+    """(NCHW fwd, bwd), (blocked fwd, bwd) of MAX 3x3 stride 2, timed alternately."""
     C, H, W = POOLS[name]
     oh, ow = vision.pool_output_shape(H, W, 3, 3, 2, 2, 0, 0)
     bottom, top_diff = rand(rng, N, C, H, W), rand(rng, N, C, oh, ow)
     top, mask = np.empty((N, C, oh, ow), np.float32), np.empty((N, C, oh, ow), np.int32)
     bottom_diff = np.empty_like(bottom)
-    fwd = best_ms(lambda: vision.max_pool_forward(bottom, top, mask, 3, 3, 2, 2, 0, 0), reps)
-    bwd = best_ms(lambda: vision.max_pool_backward(top_diff, mask, bottom_diff), reps)
-    return fwd, bwd
+    xb = rand(rng, *blocked_shape(N, C, H, W, width))
+    dyb = rand(rng, *blocked_shape(N, C, oh, ow, width))
+    yb, dxb = np.empty_like(dyb), np.empty_like(xb)
+    maskb = np.empty(dyb.shape, np.int32)
+    times = alternate([
+        lambda: vision.max_pool_forward(bottom, top, mask, 3, 3, 2, 2, 0, 0),
+        lambda: vision.max_pool_backward(top_diff, mask, bottom_diff),
+        lambda: intel.pool_max_forward(xb, yb, maskb, 3, 3, 2, 2, 0, 0),
+        lambda: intel.pool_max_backward(dyb, maskb, dxb)], reps)
+    return times[:2], times[2:]
 
 
 def bench_lrn(name, N, reps, rng):
@@ -123,6 +150,41 @@ def bench_lrn(name, N, reps, rng):
     bwd = best_ms(lambda: vision.lrn_across_backward(bottom, scale, top_diff, bottom_diff,
                                                      p["size"], p["alpha"], p["beta"]), reps)
     return fwd, bwd, bench_lrn_torch(bottom, top_diff, reps)
+
+
+def bench_lrn_blocked(name, N, reps, rng, width):
+    """(NCHW fwd, bwd), (blocked fwd, bwd) of the LRN, timed alternately."""
+    C, H, W = NORMS[name]
+    p = LRN
+    bottom, top_diff = rand(rng, N, C, H, W), rand(rng, N, C, H, W)
+    top, scale, bottom_diff = (np.empty_like(bottom) for _ in range(3))
+    xb = np.zeros(blocked_shape(N, C, H, W, width), np.float32)
+    intel.pack(bottom, xb)
+    dyb = np.zeros_like(xb)
+    intel.pack(top_diff, dyb)
+    yb, dxb = np.empty_like(xb), np.empty_like(xb)
+    blocked = lrn_blocked_calls(xb, yb, dyb, dxb, C)
+    times = alternate([
+        lambda: vision.lrn_across_forward(bottom, top, scale, p["size"], p["alpha"], p["beta"],
+                                          p["k"]),
+        lambda: vision.lrn_across_backward(bottom, scale, top_diff, bottom_diff, p["size"],
+                                           p["alpha"], p["beta"]),
+        *blocked], reps)
+    return times[:2], times[2:]
+
+
+def lrn_blocked_calls(x, y, dy, dx, C):
+    """Forward and backward calls of the blocked LRN kernels, as BlockedLRN makes them."""
+    p = LRN
+    args = (C, p["size"], p["alpha"], p["beta"], p["k"])
+    return (lambda: intel.lrn_forward(x, y, *args),
+            lambda: intel.lrn_backward(x, dy, dx, *args))
+
+
+def blocked_row(plain, blocked, width):
+    ratio = sum(blocked) / sum(plain)
+    return (f"{'blocked':7} {blocked[0]:9.1f} {blocked[1]:9.1f}   same on [N, C/{width}, H, W, "
+            f"{width}]: fwd+bwd {ratio:.2f}x the NCHW time")
 
 
 def bench_lrn_torch(bottom, top_diff, reps):
@@ -158,6 +220,8 @@ def main():
     parser.add_argument("--layers", default="", help="comma-separated subset, e.g. conv2,norm1")
     parser.add_argument("--threading", choices=("both", "images", "blas"), default="both",
                         help="conv threadings to time; the first column uses the chosen one")
+    parser.add_argument("--width", type=int, default=8,
+                        help="block width V of the blocked pooling / LRN rows")
     args = parser.parse_args()
     wanted = set(filter(None, args.layers.split(",")))
     rng = np.random.default_rng(0)
@@ -193,9 +257,10 @@ def main():
     for name in POOLS:
         if wanted and name not in wanted:
             continue
-        fwd, bwd = bench_pool(name, N, reps, rng)
+        (fwd, bwd), blocked = bench_pool(name, N, reps, rng, args.width)
         print(f"{name:7} {fwd:9.1f} {bwd:9.1f}   MAX 3x3 stride 2 on "
               f"{N}x{'x'.join(map(str, POOLS[name]))}", flush=True)
+        print(blocked_row((fwd, bwd), blocked, args.width), flush=True)
     for name in NORMS:
         if wanted and name not in wanted:
             continue
@@ -205,6 +270,10 @@ def main():
               f"({torch_ms[0] / fwd:.1f}x / {torch_ms[1] / bwd:.1f}x slower)")
         print(f"{name:7} {fwd:9.1f} {bwd:9.1f}   LRN 5 on {N}x{'x'.join(map(str, NORMS[name]))}; "
               f"{vs}", flush=True)
+        plain, blocked = bench_lrn_blocked(name, N, reps, rng, args.width)
+        print(f"{'':7} {plain[0]:9.1f} {plain[1]:9.1f}   NCHW again, alternated with the row "
+              f"below", flush=True)
+        print(blocked_row(plain, blocked, args.width), flush=True)
     peak = max(peak, sgemm_peak(reps))
     print(f"\nsgemm peak (numpy float32 matmul 4096^3, best sample): {peak:.1f} GFLOP/s; "
           f"load average now {os.getloadavg()[0]:.2f}")
