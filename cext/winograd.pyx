@@ -1,0 +1,553 @@
+# cython: language_level=3
+"""Winograd convolution F(m x m, r x r) on the SIMD-blocked layout [N, Cb, H, W, V].
+
+For stride-1, undilated r x r kernels, each m x m tile of output is computed from an
+a x a tile of input (a = m + r - 1) with a*a products per channel pair instead of m*m*r*r:
+
+    Y = AT [ sum_c (G g G^T) . (BT d BT^T) ] AT^T           (. = elementwise)
+
+so the sum over channels becomes a*a independent GEMMs, one per tile position p:
+M_p[tiles, O] = V_p[tiles, C] @ U_p[C, O]. For AlexNet's 13x13 3x3 layers, F(4x4, 3x3) does
+2.6x fewer multiplies than im2col + GEMM (padding to whole tiles included).
+
+Backward, with dM = AT^T dY AT per output tile:
+    dV_p = dM_p @ U_p^T,   dx = sum over tiles of BT^T dV BT      (input gradient)
+    dU_p = V_p^T @ dM_p,   dW = G^T dU G                           (weight gradient)
+
+The matrices come from `matrices(m, r)` (Toom-Cook on the points 0, +-1, +-2, ..., infinity);
+the weight transforms G g G^T and G^T dU G are small and run in NumPy (caffepy/layers/intel.py).
+Images are processed in chunks, one chunk per OpenMP thread with a single-threaded BLAS, so each
+thread's tile buffers stay near its caches. Channel lanes past C or O are padding: written as
+zeros, never read as data (as every kernel of caffepy.kernels.intel).
+"""
+
+from cython.parallel cimport prange, threadid
+cimport openmp
+from libc.string cimport memcpy, memset
+
+import numpy as np
+
+from blas cimport gemm_ld
+
+include "blas_threads.pxi"
+
+DEF MAX_A = 8        # largest tile side a = m + r - 1
+DEF MAX_V = 32       # widest channel block
+
+
+def matrices(int m, int r):
+    """(AT [m, a], G [a, r], BT [a, a]) float32 for F(m, r), a = m + r - 1 <= 8.
+
+    AT and G are the Vandermonde rows of the interpolation points (G scaled by 1 / prod(p - q));
+    BT is then the unique matrix making AT[(G g) . (BT d)] the correlation of d with g, solved
+    for exactly (least squares with a zero residual, checked).
+    """
+    cdef int a = m + r - 1
+    if m < 1 or r < 1 or a > MAX_A:
+        raise ValueError(f"Winograd F({m}, {r}): tile side {a} must be 1..{MAX_A}")
+    candidates = [0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5]
+    points = candidates[:a - 1]
+    at = np.zeros((m, a))
+    g = np.zeros((a, r))
+    for j, p in enumerate(points):
+        scale = np.prod([p - q for q in points if q != p])
+        at[:, j] = [p ** i for i in range(m)]
+        g[j] = [p ** k / scale for k in range(r)]
+    at[m - 1, a - 1] = 1.0
+    g[a - 1, r - 1] = 1.0
+    # sum_j AT[i, j] G[j, k] BT[j, l] == [l == i + k] for all i, k, l: linear in BT
+    system = np.zeros((m * r * a, a * a))
+    rhs = np.zeros(m * r * a)
+    row = 0
+    for i in range(m):
+        for k in range(r):
+            for l in range(a):
+                for j in range(a):
+                    system[row, j * a + l] = at[i, j] * g[j, k]
+                rhs[row] = 1.0 if l == i + k else 0.0
+                row += 1
+    bt = np.linalg.lstsq(system, rhs, rcond=None)[0]
+    if np.abs(system @ bt - rhs).max() > 1e-9:
+        raise ValueError(f"Winograd F({m}, {r}): no input transform for these points")
+    bt = np.round(bt.reshape(a, a), 9)
+    return at.astype(np.float32), g.astype(np.float32), bt.astype(np.float32)
+
+
+cdef struct WGeom:
+    int N, C, Cb, H, W, O, Ob, oh, ow, V
+    int m, r, a, ph, pw, group, Cg, Og
+    int th, tw                    # tiles per image along y, x
+    int chunk                     # images per chunk
+    Py_ssize_t tiles              # tiles per chunk (rows of every GEMM)
+    Py_ssize_t cpad, opad         # channel columns of the V and M buffers (Cb * V, Ob * V)
+    float at[MAX_A * MAX_A]       # AT [m, a] and its transpose am [a, m]
+    float am[MAX_A * MAX_A]
+    float bt[MAX_A * MAX_A]       # BT [a, a] and its transpose bm
+    float bm[MAX_A * MAX_A]
+
+
+cdef tuple _sh(Py_ssize_t* shape, int n):
+    return tuple([shape[i] for i in range(n)])
+
+
+cdef _need(bint ok, str what):
+    if not ok:
+        raise ValueError(what)
+
+
+cdef WGeom _geom(x, y, int C, int O, int m, int r, int ph, int pw, int group, vbuf, mbuf,
+                 const float[:, ::1] at, const float[:, ::1] bt) except *:
+    cdef WGeom g
+    cdef int i, j
+    g.N, g.Cb, g.H, g.W, g.V = x.shape[0], x.shape[1], x.shape[2], x.shape[3], x.shape[4]
+    g.C, g.O, g.m, g.r, g.a, g.ph, g.pw, g.group = C, O, m, r, m + r - 1, ph, pw, group
+    _need(g.V <= MAX_V and g.a <= MAX_A and m >= 1 and r >= 1, f"Winograd F({m}, {r}) with "
+          f"block width {g.V}: tile side must be <= {MAX_A}, width <= {MAX_V}")
+    _need(group >= 1 and C % group == 0 and O % group == 0 and g.Cb * g.V >= C,
+          f"group {group} / channels {C}, {O} / blocks {g.Cb}x{g.V} do not fit")
+    g.Ob = (O + g.V - 1) // g.V
+    g.oh = g.H + 2 * ph - r + 1
+    g.ow = g.W + 2 * pw - r + 1
+    _need(g.oh >= 1 and g.ow >= 1, f"kernel {r}x{r} does not fit a {g.H}x{g.W} image")
+    _need(tuple(y.shape[:5]) == (g.N, g.Ob, g.oh, g.ow, g.V),
+          f"output blob shape {tuple(y.shape[:5])} != {(g.N, g.Ob, g.oh, g.ow, g.V)}")
+    g.Cg, g.Og = C // group, O // group
+    g.th, g.tw = (g.oh + m - 1) // m, (g.ow + m - 1) // m
+    g.cpad, g.opad = <Py_ssize_t>g.Cb * g.V, <Py_ssize_t>g.Ob * g.V
+    g.tiles = vbuf.shape[2]
+    _need(g.tiles % (g.th * g.tw) == 0 and g.tiles > 0,
+          f"scratch holds {g.tiles} tiles, not whole images of {g.th * g.tw}")
+    g.chunk = g.tiles // (g.th * g.tw)
+    _need(_sh(at.shape, 2) == (m, g.a) and _sh(bt.shape, 2) == (g.a, g.a), "Winograd: matrices")
+    for i in range(g.a):
+        for j in range(g.a):
+            g.bt[i * g.a + j], g.bm[j * g.a + i] = bt[i, j], bt[i, j]
+            if i < m:
+                g.at[i * g.a + j], g.am[j * m + i] = at[i, j], at[i, j]
+    _need(vbuf.shape[1] == g.a * g.a and vbuf.shape[3] == g.cpad and mbuf.shape[1] == g.a * g.a
+          and mbuf.shape[2] == g.tiles and mbuf.shape[3] == g.opad and mbuf.shape[0] >= vbuf.shape[0],
+          "Winograd scratch shapes")
+    return g
+
+
+def scratch_shapes(int threads, int N, int C, int O, int H, int W, int V, int m, int r,
+                   int ph, int pw, int target_rows=512):
+    """Shapes of (vbuf, mbuf) for `threads` threads: chunks of whole images, about
+    `target_rows` tiles each (the GEMMs' row count), at least one chunk per thread when
+    there are enough images."""
+    cdef int oh = H + 2 * ph - r + 1, ow = W + 2 * pw - r + 1
+    # Python ints below: ceil division with positive operands only
+    per_image = max(1, ((oh + m - 1) // m) * ((ow + m - 1) // m))
+    chunk = max(1, min(N, (target_rows + per_image - 1) // per_image))
+    if threads > 1:
+        chunk = max(1, min(chunk, (N + threads - 1) // threads))
+    cb, ob = (C + V - 1) // V, (O + V - 1) // V
+    a2 = (m + r - 1) ** 2
+    tiles = chunk * per_image
+    return (threads, a2, tiles, cb * V), (threads, a2, tiles, ob * V)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile transforms. A tile is [rows, cols, V] floats (the V lanes of one channel block, contiguous,
+# so every inner loop vectorizes); each transform is a left then a right small-matrix product,
+# computed in per-thread work memory and stored once.
+
+cdef inline void _left(const float* L, int R, int K, const float* src, int J, float* dst,
+                       int V) noexcept nogil:
+    """dst[r, j] = sum_k L[r, k] src[k, j] (L is R x K)."""
+    cdef int r, k, j, n = J * V
+    cdef float c
+    for r in range(R):
+        for j in range(n):
+            dst[r * n + j] = 0.0
+        for k in range(K):
+            c = L[r * K + k]
+            if c != 0.0:
+                for j in range(n):
+                    dst[r * n + j] += c * src[k * n + j]
+
+
+cdef inline void _right(const float* src, int R, int K, const float* M, int J, float* dst,
+                        int V) noexcept nogil:
+    """dst[r, j] = sum_k src[r, k] M[j, k] (M is J x K): src @ M^T."""
+    cdef int r, k, j, v
+    cdef float c
+    cdef float* o
+    for r in range(R):
+        for j in range(J):
+            o = dst + (r * J + j) * V
+            for v in range(V):
+                o[v] = 0.0
+            for k in range(K):
+                c = M[j * K + k]
+                if c != 0.0:
+                    for v in range(V):
+                        o[v] += c * src[(r * K + k) * V + v]
+
+
+cdef inline void _input_tile(const float* x, const WGeom* g, int iy0, int ix0, float* w,
+                             float* out, Py_ssize_t pstride, int V) noexcept nogil:
+    """out[p * pstride] = (BT d BT^T)[p] for the a x a input tile d at (iy0, ix0)."""
+    cdef int a = g.a, i, j, iy, ix, p
+    cdef float* d = w
+    cdef float* tmp = w + a * a * V
+    cdef float* res = tmp + a * a * V
+    cdef bint inside = iy0 >= 0 and ix0 >= 0 and iy0 + a <= g.H and ix0 + a <= g.W
+    for i in range(a):
+        iy = iy0 + i
+        if inside:
+            memcpy(d + i * a * V, x + (<Py_ssize_t>iy * g.W + ix0) * V, a * V * sizeof(float))
+            continue
+        for j in range(a):
+            ix = ix0 + j
+            if 0 <= iy < g.H and 0 <= ix < g.W:
+                memcpy(d + (i * a + j) * V, x + (<Py_ssize_t>iy * g.W + ix) * V, V * sizeof(float))
+            else:
+                memset(d + (i * a + j) * V, 0, V * sizeof(float))
+    _left(g.bt, a, a, d, a, tmp, V)
+    _right(tmp, a, a, g.bt, a, res, V)
+    for p in range(a * a):
+        memcpy(out + p * pstride, res + p * V, V * sizeof(float))
+
+
+cdef inline void _output_tile(const float* mb, Py_ssize_t pstride, const WGeom* g, int oy0,
+                              int ox0, const float* bias, int nv, float* y, float* w,
+                              int V) noexcept nogil:
+    """The m x m output tile at (oy0, ox0) = AT M AT^T + bias (inside the image; lanes >= nv 0)."""
+    cdef int a = g.a, m = g.m, i, j, v, oy, ox
+    cdef float* mt = w
+    cdef float* tmp = w + a * a * V
+    cdef float* res = tmp + a * a * V
+    cdef float* o
+    for i in range(a * a):
+        memcpy(mt + i * V, mb + i * pstride, V * sizeof(float))
+    _left(g.at, m, a, mt, a, tmp, V)
+    _right(tmp, m, a, g.at, m, res, V)
+    for i in range(m):
+        oy = oy0 + i
+        if oy >= g.oh:
+            break
+        for j in range(m):
+            ox = ox0 + j
+            if ox >= g.ow:
+                break
+            o = y + (<Py_ssize_t>oy * g.ow + ox) * V
+            for v in range(V):
+                o[v] = res[(i * m + j) * V + v] + bias[v]
+            for v in range(nv, V):
+                o[v] = 0.0
+
+
+cdef inline void _dy_tile(const float* dy, const WGeom* g, int oy0, int ox0, float* w,
+                          float* out, Py_ssize_t pstride, int V) noexcept nogil:
+    """out[p * pstride] = (AT^T dY AT)[p] for the m x m output-gradient tile at (oy0, ox0)."""
+    cdef int a = g.a, m = g.m, i, j, oy, ox, p
+    cdef float* dyt = w
+    cdef float* tmp = w + a * a * V
+    cdef float* res = tmp + a * a * V
+    for i in range(m):
+        oy = oy0 + i
+        for j in range(m):
+            ox = ox0 + j
+            if oy < g.oh and ox < g.ow:
+                memcpy(dyt + (i * m + j) * V, dy + (<Py_ssize_t>oy * g.ow + ox) * V, V * sizeof(float))
+            else:
+                memset(dyt + (i * m + j) * V, 0, V * sizeof(float))
+    _left(g.am, a, m, dyt, m, tmp, V)
+    _right(tmp, a, m, g.am, a, res, V)
+    for p in range(a * a):
+        memcpy(out + p * pstride, res + p * V, V * sizeof(float))
+
+
+cdef inline void _dx_tile(const float* dv, Py_ssize_t pstride, const WGeom* g, int iy0, int ix0,
+                          int nv, float* dx, float* w, int V) noexcept nogil:
+    """dx[a x a tile at (iy0, ix0), inside the image] += BT^T dV BT (lanes >= nv read as 0)."""
+    cdef int a = g.a, i, j, v, iy, ix
+    cdef float* dvt = w
+    cdef float* tmp = w + a * a * V
+    cdef float* res = tmp + a * a * V
+    cdef float* o
+    for i in range(a * a):
+        memcpy(dvt + i * V, dv + i * pstride, V * sizeof(float))
+        for v in range(nv, V):
+            dvt[i * V + v] = 0.0
+    _left(g.bm, a, a, dvt, a, tmp, V)
+    _right(tmp, a, a, g.bm, a, res, V)
+    for i in range(a):
+        iy = iy0 + i
+        if iy < 0 or iy >= g.H:
+            continue
+        for j in range(a):
+            ix = ix0 + j
+            if 0 <= ix < g.W:
+                o = dx + (<Py_ssize_t>iy * g.W + ix) * V
+                for v in range(V):
+                    o[v] += res[(i * a + j) * V + v]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-chunk steps (one thread, single-threaded BLAS). A chunk is images n0 .. n0 + count - 1,
+# tile t of the chunk = (image - n0) * th * tw + ty * tw + tx. Loops run tile by tile with the
+# channel blocks innermost, so the V-float pieces a tile writes into each buffer row are adjacent.
+
+cdef void _inputs(const WGeom* g, const float* x, int n0, int count, float* vb,
+                  float* w) noexcept nogil:
+    cdef int n, cb, ty, tx, iy0, ix0, V = g.V
+    cdef Py_ssize_t t, pstride = g.tiles * g.cpad, plane = <Py_ssize_t>g.H * g.W * V
+    cdef const float* img
+    for n in range(count):
+        img = x + <Py_ssize_t>(n0 + n) * g.Cb * plane
+        for ty in range(g.th):
+            for tx in range(g.tw):
+                t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
+                iy0, ix0 = ty * g.m - g.ph, tx * g.m - g.pw
+                for cb in range(g.Cb):
+                    if V == 8:
+                        _input_tile(img + cb * plane, g, iy0, ix0, w, vb + t * g.cpad + cb * 8,
+                                    pstride, 8)
+                    else:
+                        _input_tile(img + cb * plane, g, iy0, ix0, w, vb + t * g.cpad + cb * V,
+                                    pstride, V)
+
+
+cdef void _fwd_chunk(const WGeom* g, const float* x, const float* u, const float* bias,
+                     float* y, int n0, int count, float* vb, float* mb, float* w) noexcept nogil:
+    cdef int p, gr, n, ob, ty, tx, nv, V = g.V, a2 = g.a * g.a
+    cdef Py_ssize_t t, rows = <Py_ssize_t>count * g.th * g.tw
+    cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+    cdef Py_ssize_t plane = <Py_ssize_t>g.oh * g.ow * V
+    cdef float* img
+    _inputs(g, x, n0, count, vb, w)
+    for p in range(a2):
+        for gr in range(g.group):
+            gemm_ld(False, False, <int>rows, g.Og, g.Cg, 1.0, vb + p * vstride + gr * g.Cg,
+                    <int>g.cpad, u + (<Py_ssize_t>p * g.group + gr) * g.Cg * g.Og, g.Og,
+                    0.0, mb + p * mstride + gr * g.Og, <int>g.opad)
+    for n in range(count):
+        img = y + <Py_ssize_t>(n0 + n) * g.Ob * plane
+        for ty in range(g.th):
+            for tx in range(g.tw):
+                t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
+                for ob in range(g.Ob):
+                    nv = g.O - ob * V
+                    if nv > V:
+                        nv = V
+                    if V == 8:
+                        _output_tile(mb + t * g.opad + ob * 8, mstride, g, ty * g.m, tx * g.m,
+                                     bias + ob * 8, nv, img + ob * plane, w, 8)
+                    else:
+                        _output_tile(mb + t * g.opad + ob * V, mstride, g, ty * g.m, tx * g.m,
+                                     bias + ob * V, nv, img + ob * plane, w, V)
+
+
+cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float* dy, float* dx,
+                     float* du, int n0, int count, float* vb, float* mb, float* w) noexcept nogil:
+    cdef int p, gr, n, ob, cb, ty, tx, nv, V = g.V, a2 = g.a * g.a
+    cdef Py_ssize_t t, rows = <Py_ssize_t>count * g.th * g.tw
+    cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+    cdef Py_ssize_t xplane = <Py_ssize_t>g.H * g.W * V, yplane = <Py_ssize_t>g.oh * g.ow * V
+    cdef const float* dimg
+    cdef float* ximg
+    for n in range(count):          # dM = AT^T dY AT, tile by tile
+        dimg = dy + <Py_ssize_t>(n0 + n) * g.Ob * yplane
+        for ty in range(g.th):
+            for tx in range(g.tw):
+                t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
+                for ob in range(g.Ob):
+                    if V == 8:
+                        _dy_tile(dimg + ob * yplane, g, ty * g.m, tx * g.m, w,
+                                 mb + t * g.opad + ob * 8, mstride, 8)
+                    else:
+                        _dy_tile(dimg + ob * yplane, g, ty * g.m, tx * g.m, w,
+                                 mb + t * g.opad + ob * V, mstride, V)
+    if du != NULL:                  # dU_p += V_p^T dM_p
+        _inputs(g, x, n0, count, vb, w)
+        for p in range(a2):
+            for gr in range(g.group):
+                gemm_ld(True, False, g.Cg, g.Og, <int>rows, 1.0, vb + p * vstride + gr * g.Cg,
+                        <int>g.cpad, mb + p * mstride + gr * g.Og, <int>g.opad, 1.0,
+                        du + (<Py_ssize_t>p * g.group + gr) * g.Cg * g.Og, g.Og)
+    if dx != NULL:                  # dV_p = dM_p U_p^T, then dx = sum of BT^T dV BT
+        for p in range(a2):
+            for gr in range(g.group):
+                gemm_ld(False, True, <int>rows, g.Cg, g.Og, 1.0, mb + p * mstride + gr * g.Og,
+                        <int>g.opad, u + (<Py_ssize_t>p * g.group + gr) * g.Cg * g.Og, g.Og,
+                        0.0, vb + p * vstride + gr * g.Cg, <int>g.cpad)
+        memset(dx + <Py_ssize_t>n0 * g.Cb * xplane, 0, count * g.Cb * xplane * sizeof(float))
+        for n in range(count):
+            ximg = dx + <Py_ssize_t>(n0 + n) * g.Cb * xplane
+            for ty in range(g.th):
+                for tx in range(g.tw):
+                    t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
+                    for cb in range(g.Cb):
+                        nv = g.C - cb * V
+                        if nv > V:
+                            nv = V
+                        if V == 8:
+                            _dx_tile(vb + t * g.cpad + cb * 8, vstride, g, ty * g.m - g.ph,
+                                     tx * g.m - g.pw, nv, ximg + cb * xplane, w, 8)
+                        else:
+                            _dx_tile(vb + t * g.cpad + cb * V, vstride, g, ty * g.m - g.ph,
+                                     tx * g.m - g.pw, nv, ximg + cb * xplane, w, V)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight transforms: U = G W G^T into the GEMM layout, dW += G^T dU G back out of it.
+
+def weight_transform(const float[:, :, :, ::1] w, const float[:, ::1] gm, float[:, :, :, ::1] u):
+    """u[i * a + j, g, c, o] = (G W[g * Og + o, c] G^T)[i, j]; w is [O, Cg, r, r]."""
+    cdef int O = w.shape[0], Cg = w.shape[1], r = w.shape[2], a = gm.shape[0]
+    cdef int group = u.shape[1], Og, gc, gr, c, o, i, j, k, l
+    _need(w.shape[3] == r and gm.shape[1] == r and a <= MAX_A and group >= 1 and O % group == 0
+          and _sh(u.shape, 4) == (a * a, group, Cg, O // group), "weight_transform: shapes")
+    Og = O // group
+    cdef float[:, ::1] scratch = np.empty((openmp.omp_get_max_threads(), MAX_A * MAX_A), np.float32)
+    cdef float* t
+    cdef float acc
+    with nogil:
+        for gc in prange(group * Cg, schedule="static"):
+            t = &scratch[threadid(), 0]      # per thread: a C array here would be shared
+            gr = gc // Cg
+            c = gc % Cg
+            for o in range(Og):
+                for i in range(a):          # t[i, l] = sum_k G[i, k] W[k, l]
+                    for l in range(r):
+                        acc = 0.0
+                        for k in range(r):
+                            acc = acc + gm[i, k] * w[gr * Og + o, c, k, l]
+                        t[i * r + l] = acc
+                for i in range(a):
+                    for j in range(a):
+                        acc = 0.0
+                        for l in range(r):
+                            acc = acc + t[i * r + l] * gm[j, l]
+                        u[i * a + j, gr, c, o] = acc
+
+
+def weight_grad_add(const float[:, :, :, ::1] du, const float[:, ::1] gm, float[:, :, :, ::1] dw):
+    """dw[g * Og + o, c] += G^T dU[:, g, c, o] G, with du laid out as weight_transform's u."""
+    cdef int O = dw.shape[0], Cg = dw.shape[1], r = dw.shape[2], a = gm.shape[0]
+    cdef int group = du.shape[1], Og, gc, gr, c, o, i, j, k, l
+    _need(dw.shape[3] == r and gm.shape[1] == r and a <= MAX_A and group >= 1 and O % group == 0
+          and _sh(du.shape, 4) == (a * a, group, Cg, O // group), "weight_grad_add: shapes")
+    Og = O // group
+    cdef float[:, ::1] scratch = np.empty((openmp.omp_get_max_threads(), MAX_A * MAX_A), np.float32)
+    cdef float* t
+    cdef float acc
+    with nogil:
+        for gc in prange(group * Cg, schedule="static"):
+            t = &scratch[threadid(), 0]      # per thread: a C array here would be shared
+            gr = gc // Cg
+            c = gc % Cg
+            for o in range(Og):
+                for k in range(r):          # t[k, j] = sum_i G[i, k] dU[i, j]
+                    for j in range(a):
+                        acc = 0.0
+                        for i in range(a):
+                            acc = acc + gm[i, k] * du[i * a + j, gr, c, o]
+                        t[k * a + j] = acc
+                for k in range(r):
+                    for l in range(r):
+                        acc = 0.0
+                        for j in range(a):
+                            acc = acc + t[k * a + j] * gm[j, l]
+                        dw[gr * Og + o, c, k, l] += acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+cdef int _threads_for(int chunks, int T) noexcept nogil:
+    if T > chunks:
+        T = chunks
+    if T > 1 and _blas_set_threads == NULL:
+        T = 1
+    return T if T > 1 else 1
+
+
+def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, :, ::1] u,
+                 const float[::1] bias, float[:, :, :, :, ::1] y,
+                 float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
+                 const float[:, ::1] at, const float[:, ::1] bt,
+                 int C, int O, int m, int r, int ph, int pw, int group):
+    """y (blocked, O channels) = conv(x, W) + bias with U = G W G^T given as u[a*a, group, Cg, Og].
+
+    bias: O values padded to a whole number of blocks (zeros for no bias).
+    Scratch vbuf, mbuf as `scratch_shapes` gives them (one slice per thread).
+    """
+    cdef WGeom g = _geom(x, y, C, O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
+    _need(_sh(u.shape, 4) == (g.a * g.a, group, g.Cg, g.Og), "Winograd: transformed weight shape")
+    _need(bias.shape[0] == g.opad, f"Winograd: bias must hold {g.opad} values (padded)")
+    cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid
+    cdef int saved = 0
+    cdef float[:, ::1] work = np.empty((T, 3 * MAX_A * MAX_A * MAX_V + 16), np.float32)
+    if g.N == 0:
+        return
+    nt = _threads_for(chunks, T)
+    with nogil:
+        if nt == 1:
+            for c in range(chunks):
+                n0 = c * g.chunk
+                cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
+                _fwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0, 0], &bias[0], &y[0, 0, 0, 0, 0],
+                           n0, cnt, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0],
+                           &work[0, 0])
+        else:
+            saved = _blas_get_threads()
+            _blas_set_threads(1)
+            for c in prange(chunks, num_threads=nt, schedule="dynamic"):
+                tid = threadid()
+                n0 = c * g.chunk
+                cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
+                _fwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0, 0], &bias[0], &y[0, 0, 0, 0, 0],
+                           n0, cnt, &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0],
+                           &work[tid, 0])
+            _blas_set_threads(saved)
+
+
+def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, :, ::1] u,
+                  const float[:, :, :, :, ::1] dy, float[:, :, :, :, ::1] dx,
+                  float[:, :, :, :, ::1] du, float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
+                  const float[:, ::1] at, const float[:, ::1] bt,
+                  int C, int O, int m, int r, int ph, int pw, int group, bint need_x, bint need_w):
+    """Gradients of conv_forward: dx (blocked, overwritten) if need_x; du[0] = the gradient
+    with respect to U summed over the batch if need_w (du[T, a*a, group, Cg, Og] is per-thread
+    scratch; the caller turns row 0 into dW = G^T dU G and adds it to its diff)."""
+    cdef WGeom g = _geom(x, dy, C, O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
+    _need(_sh(u.shape, 4) == (g.a * g.a, group, g.Cg, g.Og), "Winograd: transformed weight shape")
+    _need(not need_x or _sh(dx.shape, 5) == _sh(x.shape, 5), "Winograd: dx shape")
+    cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid, t
+    _need(not need_w or (du.shape[0] >= T and _sh(du.shape + 1, 4) == (g.a * g.a, group, g.Cg, g.Og)),
+          "Winograd: du shape")
+    cdef int saved = 0
+    cdef Py_ssize_t us = <Py_ssize_t>g.a * g.a * group * g.Cg * g.Og, i
+    cdef float* dup = &du[0, 0, 0, 0, 0] if need_w else NULL
+    cdef float* dxp = &dx[0, 0, 0, 0, 0] if need_x else NULL
+    cdef float[:, ::1] work = np.empty((T, 3 * MAX_A * MAX_A * MAX_V + 16), np.float32)
+    if g.N == 0 or not (need_x or need_w):
+        return
+    nt = _threads_for(chunks, T)
+    with nogil:
+        if need_w:
+            memset(dup, 0, nt * us * sizeof(float))
+        if nt == 1:
+            for c in range(chunks):
+                n0 = c * g.chunk
+                cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
+                _bwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0, 0], &dy[0, 0, 0, 0, 0], dxp, dup,
+                           n0, cnt, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0],
+                           &work[0, 0])
+        else:
+            saved = _blas_get_threads()
+            _blas_set_threads(1)
+            for c in prange(chunks, num_threads=nt, schedule="dynamic"):
+                tid = threadid()
+                n0 = c * g.chunk
+                cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
+                _bwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0, 0], &dy[0, 0, 0, 0, 0], dxp,
+                           dup + tid * us if need_w else NULL, n0, cnt, &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0], &work[tid, 0])
+            _blas_set_threads(saved)
+            if need_w:
+                for t in range(1, nt):
+                    for i in prange(us, schedule="static"):
+                        dup[i] += dup[t * us + i]
