@@ -19,6 +19,7 @@ extensions = [
         include_dirs=[numpy.get_include(), "cext"],
         extra_compile_args=compile_args,
         extra_link_args=["-fopenmp"],
+        depends=glob.glob("cext/*.h"),          # C headers the kernels include
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
     for path in sorted(glob.glob("cext/*.pyx"))

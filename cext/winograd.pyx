@@ -148,141 +148,18 @@ def scratch_shapes(int threads, int N, int C, int O, int H, int W, int V, int m,
 
 
 # ---------------------------------------------------------------------------------------------
-# Tile transforms. A tile is [rows, cols, V] floats (the V lanes of one channel block, contiguous,
-# so every inner loop vectorizes); each transform is a left then a right small-matrix product,
-# computed in per-thread work memory and stored once.
+# Tile transforms: in C (cext/winograd_tiles.h) for `restrict`, which lets GCC vectorize them.
 
-cdef inline void _left(const float* L, int R, int K, const float* src, int J, float* dst,
-                       int V) noexcept nogil:
-    """dst[r, j] = sum_k L[r, k] src[k, j] (L is R x K)."""
-    cdef int r, k, j, n = J * V
-    cdef float c
-    for r in range(R):
-        for j in range(n):
-            dst[r * n + j] = 0.0
-        for k in range(K):
-            c = L[r * K + k]
-            if c != 0.0:
-                for j in range(n):
-                    dst[r * n + j] += c * src[k * n + j]
-
-
-cdef inline void _right(const float* src, int R, int K, const float* M, int J, float* dst,
-                        int V) noexcept nogil:
-    """dst[r, j] = sum_k src[r, k] M[j, k] (M is J x K): src @ M^T."""
-    cdef int r, k, j, v
-    cdef float c
-    cdef float* o
-    for r in range(R):
-        for j in range(J):
-            o = dst + (r * J + j) * V
-            for v in range(V):
-                o[v] = 0.0
-            for k in range(K):
-                c = M[j * K + k]
-                if c != 0.0:
-                    for v in range(V):
-                        o[v] += c * src[(r * K + k) * V + v]
-
-
-cdef inline void _input_tile(const float* x, const WGeom* g, int iy0, int ix0, float* w,
-                             float* out, Py_ssize_t pstride, int V) noexcept nogil:
-    """out[p * pstride] = (BT d BT^T)[p] for the a x a input tile d at (iy0, ix0)."""
-    cdef int a = g.a, i, j, iy, ix, p
-    cdef float* d = w
-    cdef float* tmp = w + a * a * V
-    cdef float* res = tmp + a * a * V
-    cdef bint inside = iy0 >= 0 and ix0 >= 0 and iy0 + a <= g.H and ix0 + a <= g.W
-    for i in range(a):
-        iy = iy0 + i
-        if inside:
-            memcpy(d + i * a * V, x + (<Py_ssize_t>iy * g.W + ix0) * V, a * V * sizeof(float))
-            continue
-        for j in range(a):
-            ix = ix0 + j
-            if 0 <= iy < g.H and 0 <= ix < g.W:
-                memcpy(d + (i * a + j) * V, x + (<Py_ssize_t>iy * g.W + ix) * V, V * sizeof(float))
-            else:
-                memset(d + (i * a + j) * V, 0, V * sizeof(float))
-    _left(g.bt, a, a, d, a, tmp, V)
-    _right(tmp, a, a, g.bt, a, res, V)
-    for p in range(a * a):
-        memcpy(out + p * pstride, res + p * V, V * sizeof(float))
-
-
-cdef inline void _output_tile(const float* mb, Py_ssize_t pstride, const WGeom* g, int oy0,
-                              int ox0, const float* bias, int nv, float* y, float* w,
-                              int V) noexcept nogil:
-    """The m x m output tile at (oy0, ox0) = AT M AT^T + bias (inside the image; lanes >= nv 0)."""
-    cdef int a = g.a, m = g.m, i, j, v, oy, ox
-    cdef float* mt = w
-    cdef float* tmp = w + a * a * V
-    cdef float* res = tmp + a * a * V
-    cdef float* o
-    for i in range(a * a):
-        memcpy(mt + i * V, mb + i * pstride, V * sizeof(float))
-    _left(g.at, m, a, mt, a, tmp, V)
-    _right(tmp, m, a, g.at, m, res, V)
-    for i in range(m):
-        oy = oy0 + i
-        if oy >= g.oh:
-            break
-        for j in range(m):
-            ox = ox0 + j
-            if ox >= g.ow:
-                break
-            o = y + (<Py_ssize_t>oy * g.ow + ox) * V
-            for v in range(V):
-                o[v] = res[(i * m + j) * V + v] + bias[v]
-            for v in range(nv, V):
-                o[v] = 0.0
-
-
-cdef inline void _dy_tile(const float* dy, const WGeom* g, int oy0, int ox0, float* w,
-                          float* out, Py_ssize_t pstride, int V) noexcept nogil:
-    """out[p * pstride] = (AT^T dY AT)[p] for the m x m output-gradient tile at (oy0, ox0)."""
-    cdef int a = g.a, m = g.m, i, j, oy, ox, p
-    cdef float* dyt = w
-    cdef float* tmp = w + a * a * V
-    cdef float* res = tmp + a * a * V
-    for i in range(m):
-        oy = oy0 + i
-        for j in range(m):
-            ox = ox0 + j
-            if oy < g.oh and ox < g.ow:
-                memcpy(dyt + (i * m + j) * V, dy + (<Py_ssize_t>oy * g.ow + ox) * V, V * sizeof(float))
-            else:
-                memset(dyt + (i * m + j) * V, 0, V * sizeof(float))
-    _left(g.am, a, m, dyt, m, tmp, V)
-    _right(tmp, a, m, g.am, a, res, V)
-    for p in range(a * a):
-        memcpy(out + p * pstride, res + p * V, V * sizeof(float))
-
-
-cdef inline void _dx_tile(const float* dv, Py_ssize_t pstride, const WGeom* g, int iy0, int ix0,
-                          int nv, float* dx, float* w, int V) noexcept nogil:
-    """dx[a x a tile at (iy0, ix0), inside the image] += BT^T dV BT (lanes >= nv read as 0)."""
-    cdef int a = g.a, i, j, v, iy, ix
-    cdef float* dvt = w
-    cdef float* tmp = w + a * a * V
-    cdef float* res = tmp + a * a * V
-    cdef float* o
-    for i in range(a * a):
-        memcpy(dvt + i * V, dv + i * pstride, V * sizeof(float))
-        for v in range(nv, V):
-            dvt[i * V + v] = 0.0
-    _left(g.bm, a, a, dvt, a, tmp, V)
-    _right(tmp, a, a, g.bm, a, res, V)
-    for i in range(a):
-        iy = iy0 + i
-        if iy < 0 or iy >= g.H:
-            continue
-        for j in range(a):
-            ix = ix0 + j
-            if 0 <= ix < g.W:
-                o = dx + (<Py_ssize_t>iy * g.W + ix) * V
-                for v in range(V):
-                    o[v] += res[(i * a + j) * V + v]
+cdef extern from "winograd_tiles.h" nogil:
+    void wg_input(const float* x, int H, int W, int iy0, int ix0, int a, const float* bt,
+                  float* w, float* out, long pstride, int V)
+    void wg_output(const float* mb, long pstride, int m, int a, const float* at,
+                   const float* bias, int nv, float* y, int oh, int ow, int oy0, int ox0,
+                   float* w, int V)
+    void wg_dy(const float* dy, int oh, int ow, int oy0, int ox0, int m, int a,
+               const float* am, float* w, float* out, long pstride, int V)
+    void wg_dx(const float* dv, long pstride, int a, const float* bm, int nv, float* dx,
+               int H, int W, int iy0, int ix0, float* w, int V)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,12 +179,8 @@ cdef void _inputs(const WGeom* g, const float* x, int n0, int count, float* vb,
                 t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
                 iy0, ix0 = ty * g.m - g.ph, tx * g.m - g.pw
                 for cb in range(g.Cb):
-                    if V == 8:
-                        _input_tile(img + cb * plane, g, iy0, ix0, w, vb + t * g.cpad + cb * 8,
-                                    pstride, 8)
-                    else:
-                        _input_tile(img + cb * plane, g, iy0, ix0, w, vb + t * g.cpad + cb * V,
-                                    pstride, V)
+                    wg_input(img + cb * plane, g.H, g.W, iy0, ix0, g.a, g.bt, w,
+                             vb + t * g.cpad + cb * V, pstride, V)
 
 
 cdef void _fwd_chunk(const WGeom* g, const float* x, const float* u, const float* bias,
@@ -332,12 +205,8 @@ cdef void _fwd_chunk(const WGeom* g, const float* x, const float* u, const float
                     nv = g.O - ob * V
                     if nv > V:
                         nv = V
-                    if V == 8:
-                        _output_tile(mb + t * g.opad + ob * 8, mstride, g, ty * g.m, tx * g.m,
-                                     bias + ob * 8, nv, img + ob * plane, w, 8)
-                    else:
-                        _output_tile(mb + t * g.opad + ob * V, mstride, g, ty * g.m, tx * g.m,
-                                     bias + ob * V, nv, img + ob * plane, w, V)
+                    wg_output(mb + t * g.opad + ob * V, mstride, g.m, g.a, g.at, bias + ob * V,
+                              nv, img + ob * plane, g.oh, g.ow, ty * g.m, tx * g.m, w, V)
 
 
 cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float* dy, float* dx,
@@ -354,12 +223,8 @@ cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float
             for tx in range(g.tw):
                 t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
                 for ob in range(g.Ob):
-                    if V == 8:
-                        _dy_tile(dimg + ob * yplane, g, ty * g.m, tx * g.m, w,
-                                 mb + t * g.opad + ob * 8, mstride, 8)
-                    else:
-                        _dy_tile(dimg + ob * yplane, g, ty * g.m, tx * g.m, w,
-                                 mb + t * g.opad + ob * V, mstride, V)
+                    wg_dy(dimg + ob * yplane, g.oh, g.ow, ty * g.m, tx * g.m, g.m, g.a, g.am, w,
+                          mb + t * g.opad + ob * V, mstride, V)
     if du != NULL:                  # dU_p += V_p^T dM_p
         _inputs(g, x, n0, count, vb, w)
         for p in range(a2):
@@ -383,12 +248,8 @@ cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float
                         nv = g.C - cb * V
                         if nv > V:
                             nv = V
-                        if V == 8:
-                            _dx_tile(vb + t * g.cpad + cb * 8, vstride, g, ty * g.m - g.ph,
-                                     tx * g.m - g.pw, nv, ximg + cb * xplane, w, 8)
-                        else:
-                            _dx_tile(vb + t * g.cpad + cb * V, vstride, g, ty * g.m - g.ph,
-                                     tx * g.m - g.pw, nv, ximg + cb * xplane, w, V)
+                        wg_dx(vb + t * g.cpad + cb * V, vstride, g.a, g.bm, nv, ximg + cb * xplane,
+                              g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, w, V)
 
 
 # ---------------------------------------------------------------------------------------------

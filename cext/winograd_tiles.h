@@ -1,0 +1,182 @@
+/* Winograd tile transforms for cext/winograd.pyx, in C for `restrict` (Cython cannot say that
+ * the work buffers do not alias, and without it GCC keeps every sum in memory, scalar).
+ *
+ * A tile is [rows][cols][V] floats: the V lanes of one channel block, contiguous. Each transform
+ * is a left then a right small-matrix product in the thread's work memory (3 * a * a * V floats),
+ * stored once. The wg_* entry points dispatch on V so the lane loops have a constant trip count.
+ */
+#include <string.h>
+
+#define WG_INLINE static inline __attribute__((always_inline))
+
+/* dst[r][j] = sum_k L[r][k] src[k][j]  (L: R x K; rows of n floats) */
+WG_INLINE void wg_left(const float *restrict L, int R, int K, const float *restrict src, int n,
+                       float *restrict dst)
+{
+    for (int r = 0; r < R; r++) {
+        float *restrict d = dst + r * n;
+        for (int j = 0; j < n; j++)
+            d[j] = 0.f;
+        for (int k = 0; k < K; k++) {
+            float c = L[r * K + k];
+            if (c != 0.f) {
+                const float *restrict s = src + k * n;
+                for (int j = 0; j < n; j++)
+                    d[j] += c * s[j];
+            }
+        }
+    }
+}
+
+/* dst[r][j] = sum_k src[r][k] M[j][k]  (M: J x K; elements of V floats) */
+WG_INLINE void wg_right(const float *restrict src, int R, int K, const float *restrict M, int J,
+                        float *restrict dst, int V)
+{
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) {
+            float *restrict d = dst + (r * J + j) * V;
+            for (int v = 0; v < V; v++)
+                d[v] = 0.f;
+            for (int k = 0; k < K; k++) {
+                float c = M[j * K + k];
+                if (c != 0.f) {
+                    const float *restrict s = src + (r * K + k) * V;
+                    for (int v = 0; v < V; v++)
+                        d[v] += c * s[v];
+                }
+            }
+        }
+}
+
+/* out[p * pstride] = (BT d BT^T)[p] for the a x a tile of plane x [H][W][V] at (iy0, ix0),
+ * zero outside the plane. */
+WG_INLINE void wg_input_v(const float *restrict x, int H, int W, int iy0, int ix0, int a,
+                          const float *restrict bt, float *restrict w, float *restrict out,
+                          long pstride, int V)
+{
+    float *restrict d = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
+    int inside = iy0 >= 0 && ix0 >= 0 && iy0 + a <= H && ix0 + a <= W;
+    for (int i = 0; i < a; i++) {
+        int iy = iy0 + i;
+        if (inside) {
+            memcpy(d + i * a * V, x + ((long)iy * W + ix0) * V, sizeof(float) * a * V);
+            continue;
+        }
+        for (int j = 0; j < a; j++) {
+            int ix = ix0 + j;
+            float *restrict e = d + (i * a + j) * V;
+            if (iy >= 0 && iy < H && ix >= 0 && ix < W)
+                memcpy(e, x + ((long)iy * W + ix) * V, sizeof(float) * V);
+            else
+                memset(e, 0, sizeof(float) * V);
+        }
+    }
+    wg_left(bt, a, a, d, a * V, tmp);
+    wg_right(tmp, a, a, bt, a, res, V);
+    for (int p = 0; p < a * a; p++)
+        memcpy(out + p * pstride, res + p * V, sizeof(float) * V);
+}
+
+/* The m x m output tile of plane y [oh][ow][V] at (oy0, ox0) = AT M AT^T + bias, the part inside
+ * the plane; lanes >= nv are written as 0. M[p] is at mb + p * pstride. */
+WG_INLINE void wg_output_v(const float *restrict mb, long pstride, int m, int a,
+                           const float *restrict at, const float *restrict bias, int nv,
+                           float *restrict y, int oh, int ow, int oy0, int ox0,
+                           float *restrict w, int V)
+{
+    float *restrict mt = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
+    for (int p = 0; p < a * a; p++)
+        memcpy(mt + p * V, mb + p * pstride, sizeof(float) * V);
+    wg_left(at, m, a, mt, a * V, tmp);
+    wg_right(tmp, m, a, at, m, res, V);
+    for (int i = 0; i < m && oy0 + i < oh; i++)
+        for (int j = 0; j < m && ox0 + j < ow; j++) {
+            float *restrict o = y + ((long)(oy0 + i) * ow + ox0 + j) * V;
+            const float *restrict s = res + (i * m + j) * V;
+            for (int v = 0; v < V; v++)
+                o[v] = v < nv ? s[v] + bias[v] : 0.f;
+        }
+}
+
+/* out[p * pstride] = (A dY A^T)[p], A = AT^T given as am [a][m], for the m x m tile of the
+ * gradient plane dy [oh][ow][V] at (oy0, ox0), zero past the plane. */
+WG_INLINE void wg_dy_v(const float *restrict dy, int oh, int ow, int oy0, int ox0, int m, int a,
+                       const float *restrict am, float *restrict w, float *restrict out,
+                       long pstride, int V)
+{
+    float *restrict t = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < m; j++) {
+            float *restrict e = t + (i * m + j) * V;
+            if (oy0 + i < oh && ox0 + j < ow)
+                memcpy(e, dy + ((long)(oy0 + i) * ow + ox0 + j) * V, sizeof(float) * V);
+            else
+                memset(e, 0, sizeof(float) * V);
+        }
+    wg_left(am, a, m, t, m * V, tmp);
+    wg_right(tmp, a, m, am, a, res, V);
+    for (int p = 0; p < a * a; p++)
+        memcpy(out + p * pstride, res + p * V, sizeof(float) * V);
+}
+
+/* Plane dx [H][W][V] at the a x a tile (iy0, ix0), inside the plane, += B dV B^T, with
+ * B = BT^T given as bm; dV[p] at dv + p * pstride, lanes >= nv read as 0. */
+WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const float *restrict bm,
+                       int nv, float *restrict dx, int H, int W, int iy0, int ix0,
+                       float *restrict w, int V)
+{
+    float *restrict t = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
+    for (int p = 0; p < a * a; p++)
+        for (int v = 0; v < V; v++)
+            t[p * V + v] = v < nv ? dv[p * pstride + v] : 0.f;
+    wg_left(bm, a, a, t, a * V, tmp);
+    wg_right(tmp, a, a, bm, a, res, V);
+    for (int i = 0; i < a; i++) {
+        int iy = iy0 + i;
+        if (iy < 0 || iy >= H)
+            continue;
+        for (int j = 0; j < a; j++) {
+            int ix = ix0 + j;
+            if (ix < 0 || ix >= W)
+                continue;
+            float *restrict o = dx + ((long)iy * W + ix) * V;
+            const float *restrict s = res + (i * a + j) * V;
+            for (int v = 0; v < V; v++)
+                o[v] += s[v];
+        }
+    }
+}
+
+/* Entry points: the block widths IntelPack supports get constant lane counts. */
+#define WG_DISPATCH(call)                                                                 \
+    switch (V) {                                                                          \
+    case 4: { const int V_ = 4; call; break; }                                            \
+    case 8: { const int V_ = 8; call; break; }                                            \
+    case 16: { const int V_ = 16; call; break; }                                          \
+    default: { const int V_ = V; call; break; }                                           \
+    }
+
+static void wg_input(const float *x, int H, int W, int iy0, int ix0, int a, const float *bt,
+                     float *w, float *out, long pstride, int V)
+{
+    WG_DISPATCH(wg_input_v(x, H, W, iy0, ix0, a, bt, w, out, pstride, V_))
+}
+
+static void wg_output(const float *mb, long pstride, int m, int a, const float *at,
+                      const float *bias, int nv, float *y, int oh, int ow, int oy0, int ox0,
+                      float *w, int V)
+{
+    WG_DISPATCH(wg_output_v(mb, pstride, m, a, at, bias, nv, y, oh, ow, oy0, ox0, w, V_))
+}
+
+static void wg_dy(const float *dy, int oh, int ow, int oy0, int ox0, int m, int a,
+                  const float *am, float *w, float *out, long pstride, int V)
+{
+    WG_DISPATCH(wg_dy_v(dy, oh, ow, oy0, ox0, m, a, am, w, out, pstride, V_))
+}
+
+static void wg_dx(const float *dv, long pstride, int a, const float *bm, int nv, float *dx,
+                  int H, int W, int iy0, int ix0, float *w, int V)
+{
+    WG_DISPATCH(wg_dx_v(dv, pstride, a, bm, nv, dx, H, W, iy0, ix0, w, V_))
+}
