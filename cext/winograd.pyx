@@ -193,8 +193,8 @@ cdef void _fwd_chunk(const WGeom* g, const float* x, const float* u, const float
     _inputs(g, x, n0, count, vb, w)
     for p in range(a2):
         for gr in range(g.group):
-            gemm_ld(False, False, <int>rows, g.Og, g.Cg, 1.0, vb + p * vstride + gr * g.Cg,
-                    <int>g.cpad, u + (<Py_ssize_t>p * g.group + gr) * g.Cg * g.Og, g.Og,
+            gemm_ld(False, True, <int>rows, g.Og, g.Cg, 1.0, vb + p * vstride + gr * g.Cg,
+                    <int>g.cpad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
                     0.0, mb + p * mstride + gr * g.Og, <int>g.opad)
     for n in range(count):
         img = y + <Py_ssize_t>(n0 + n) * g.Ob * plane
@@ -229,14 +229,14 @@ cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float
         _inputs(g, x, n0, count, vb, w)
         for p in range(a2):
             for gr in range(g.group):
-                gemm_ld(True, False, g.Cg, g.Og, <int>rows, 1.0, vb + p * vstride + gr * g.Cg,
-                        <int>g.cpad, mb + p * mstride + gr * g.Og, <int>g.opad, 1.0,
-                        du + (<Py_ssize_t>p * g.group + gr) * g.Cg * g.Og, g.Og)
+                gemm_ld(True, False, g.Og, g.Cg, <int>rows, 1.0, mb + p * mstride + gr * g.Og,
+                        <int>g.opad, vb + p * vstride + gr * g.Cg, <int>g.cpad, 1.0,
+                        du + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg)
     if dx != NULL:                  # dV_p = dM_p U_p^T, then dx = sum of BT^T dV BT
         for p in range(a2):
             for gr in range(g.group):
-                gemm_ld(False, True, <int>rows, g.Cg, g.Og, 1.0, mb + p * mstride + gr * g.Og,
-                        <int>g.opad, u + (<Py_ssize_t>p * g.group + gr) * g.Cg * g.Og, g.Og,
+                gemm_ld(False, False, <int>rows, g.Cg, g.Og, 1.0, mb + p * mstride + gr * g.Og,
+                        <int>g.opad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
                         0.0, vb + p * vstride + gr * g.Cg, <int>g.cpad)
         memset(dx + <Py_ssize_t>n0 * g.Cb * xplane, 0, count * g.Cb * xplane * sizeof(float))
         for n in range(count):
@@ -253,66 +253,39 @@ cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float
 
 
 # ---------------------------------------------------------------------------------------------
-# Weight transforms: U = G W G^T into the GEMM layout, dW += G^T dU G back out of it.
+# Weight transforms: U = G W G^T into the GEMM layout u[a*a, O, Cg], dW += G^T dU G back out.
 
-def weight_transform(const float[:, :, :, ::1] w, const float[:, ::1] gm, float[:, :, :, ::1] u):
-    """u[i * a + j, g, c, o] = (G W[g * Og + o, c] G^T)[i, j]; w is [O, Cg, r, r]."""
+cdef extern from "winograd_tiles.h" nogil:
+    void wg_weights(const float* w, float* u, const float* gm, int O, int Cg, int r, int a,
+                    int o0, int o1)
+    void wg_weight_grad(const float* du, float* dw, const float* gm, int O, int Cg, int r, int a,
+                        int o0, int o1)
+
+
+cdef _check_weights(w, u, gm, str name):
     cdef int O = w.shape[0], Cg = w.shape[1], r = w.shape[2], a = gm.shape[0]
-    cdef int group = u.shape[1], Og, gc, gr, c, o, i, j, k, l
-    _need(w.shape[3] == r and gm.shape[1] == r and a <= MAX_A and group >= 1 and O % group == 0
-          and _sh(u.shape, 4) == (a * a, group, Cg, O // group), "weight_transform: shapes")
-    Og = O // group
-    cdef float[:, ::1] scratch = np.empty((openmp.omp_get_max_threads(), MAX_A * MAX_A), np.float32)
-    cdef float* t
-    cdef float acc
-    with nogil:
-        for gc in prange(group * Cg, schedule="static"):
-            t = &scratch[threadid(), 0]      # per thread: a C array here would be shared
-            gr = gc // Cg
-            c = gc % Cg
-            for o in range(Og):
-                for i in range(a):          # t[i, l] = sum_k G[i, k] W[k, l]
-                    for l in range(r):
-                        acc = 0.0
-                        for k in range(r):
-                            acc = acc + gm[i, k] * w[gr * Og + o, c, k, l]
-                        t[i * r + l] = acc
-                for i in range(a):
-                    for j in range(a):
-                        acc = 0.0
-                        for l in range(r):
-                            acc = acc + t[i * r + l] * gm[j, l]
-                        u[i * a + j, gr, c, o] = acc
+    _need(w.shape[3] == r and gm.shape[1] == r and 1 <= a <= MAX_A
+          and tuple(u.shape[:3]) == (a * a, O, Cg), f"{name}: shapes")
 
 
-def weight_grad_add(const float[:, :, :, ::1] du, const float[:, ::1] gm, float[:, :, :, ::1] dw):
-    """dw[g * Og + o, c] += G^T dU[:, g, c, o] G, with du laid out as weight_transform's u."""
-    cdef int O = dw.shape[0], Cg = dw.shape[1], r = dw.shape[2], a = gm.shape[0]
-    cdef int group = du.shape[1], Og, gc, gr, c, o, i, j, k, l
-    _need(dw.shape[3] == r and gm.shape[1] == r and a <= MAX_A and group >= 1 and O % group == 0
-          and _sh(du.shape, 4) == (a * a, group, Cg, O // group), "weight_grad_add: shapes")
-    Og = O // group
-    cdef float[:, ::1] scratch = np.empty((openmp.omp_get_max_threads(), MAX_A * MAX_A), np.float32)
-    cdef float* t
-    cdef float acc
+def weight_transform(const float[:, :, :, ::1] w, const float[:, ::1] gm, float[:, :, ::1] u):
+    """u[i * a + j, o, c] = (G W[o, c] G^T)[i, j]; w is [O, Cg, r, r], gm is G [a, r]."""
+    _check_weights(w, u, gm, "weight_transform")
+    cdef int O = w.shape[0], o
     with nogil:
-        for gc in prange(group * Cg, schedule="static"):
-            t = &scratch[threadid(), 0]      # per thread: a C array here would be shared
-            gr = gc // Cg
-            c = gc % Cg
-            for o in range(Og):
-                for k in range(r):          # t[k, j] = sum_i G[i, k] dU[i, j]
-                    for j in range(a):
-                        acc = 0.0
-                        for i in range(a):
-                            acc = acc + gm[i, k] * du[i * a + j, gr, c, o]
-                        t[k * a + j] = acc
-                for k in range(r):
-                    for l in range(r):
-                        acc = 0.0
-                        for j in range(a):
-                            acc = acc + t[k * a + j] * gm[j, l]
-                        dw[gr * Og + o, c, k, l] += acc
+        for o in prange(O, schedule="static"):
+            wg_weights(&w[0, 0, 0, 0], &u[0, 0, 0], &gm[0, 0], O, w.shape[1], w.shape[2],
+                       gm.shape[0], o, o + 1)
+
+
+def weight_grad_add(const float[:, :, ::1] du, const float[:, ::1] gm, float[:, :, :, ::1] dw):
+    """dw[o, c] += G^T dU[:, o, c] G, with du laid out as weight_transform's u."""
+    _check_weights(dw, du, gm, "weight_grad_add")
+    cdef int O = dw.shape[0], o
+    with nogil:
+        for o in prange(O, schedule="static"):
+            wg_weight_grad(&du[0, 0, 0], &dw[0, 0, 0, 0], &gm[0, 0], O, dw.shape[1], dw.shape[2],
+                           gm.shape[0], o, o + 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,18 +299,18 @@ cdef int _threads_for(int chunks, int T) noexcept nogil:
     return T if T > 1 else 1
 
 
-def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, :, ::1] u,
+def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
                  const float[::1] bias, float[:, :, :, :, ::1] y,
                  float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
                  const float[:, ::1] at, const float[:, ::1] bt,
                  int C, int O, int m, int r, int ph, int pw, int group):
-    """y (blocked, O channels) = conv(x, W) + bias with U = G W G^T given as u[a*a, group, Cg, Og].
+    """y (blocked, O channels) = conv(x, W) + bias with U = G W G^T given as u[a*a, O, Cg].
 
     bias: O values padded to a whole number of blocks (zeros for no bias).
     Scratch vbuf, mbuf as `scratch_shapes` gives them (one slice per thread).
     """
     cdef WGeom g = _geom(x, y, C, O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
-    _need(_sh(u.shape, 4) == (g.a * g.a, group, g.Cg, g.Og), "Winograd: transformed weight shape")
+    _need(_sh(u.shape, 3) == (g.a * g.a, O, g.Cg), "Winograd: transformed weight shape")
     _need(bias.shape[0] == g.opad, f"Winograd: bias must hold {g.opad} values (padded)")
     cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid
     cdef int saved = 0
@@ -350,7 +323,7 @@ def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, :, ::1] u,
             for c in range(chunks):
                 n0 = c * g.chunk
                 cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-                _fwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0, 0], &bias[0], &y[0, 0, 0, 0, 0],
+                _fwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0], &bias[0], &y[0, 0, 0, 0, 0],
                            n0, cnt, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0],
                            &work[0, 0])
         else:
@@ -360,29 +333,29 @@ def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, :, ::1] u,
                 tid = threadid()
                 n0 = c * g.chunk
                 cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-                _fwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0, 0], &bias[0], &y[0, 0, 0, 0, 0],
+                _fwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0], &bias[0], &y[0, 0, 0, 0, 0],
                            n0, cnt, &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0],
                            &work[tid, 0])
             _blas_set_threads(saved)
 
 
-def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, :, ::1] u,
+def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
                   const float[:, :, :, :, ::1] dy, float[:, :, :, :, ::1] dx,
-                  float[:, :, :, :, ::1] du, float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
+                  float[:, :, :, ::1] du, float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
                   const float[:, ::1] at, const float[:, ::1] bt,
                   int C, int O, int m, int r, int ph, int pw, int group, bint need_x, bint need_w):
     """Gradients of conv_forward: dx (blocked, overwritten) if need_x; du[0] = the gradient
-    with respect to U summed over the batch if need_w (du[T, a*a, group, Cg, Og] is per-thread
+    with respect to U summed over the batch if need_w (du[T, a*a, O, Cg] is per-thread
     scratch; the caller turns row 0 into dW = G^T dU G and adds it to its diff)."""
     cdef WGeom g = _geom(x, dy, C, O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
-    _need(_sh(u.shape, 4) == (g.a * g.a, group, g.Cg, g.Og), "Winograd: transformed weight shape")
+    _need(_sh(u.shape, 3) == (g.a * g.a, O, g.Cg), "Winograd: transformed weight shape")
     _need(not need_x or _sh(dx.shape, 5) == _sh(x.shape, 5), "Winograd: dx shape")
     cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid, t
-    _need(not need_w or (du.shape[0] >= T and _sh(du.shape + 1, 4) == (g.a * g.a, group, g.Cg, g.Og)),
+    _need(not need_w or (du.shape[0] >= T and _sh(du.shape + 1, 3) == (g.a * g.a, O, g.Cg)),
           "Winograd: du shape")
     cdef int saved = 0
-    cdef Py_ssize_t us = <Py_ssize_t>g.a * g.a * group * g.Cg * g.Og, i
-    cdef float* dup = &du[0, 0, 0, 0, 0] if need_w else NULL
+    cdef Py_ssize_t us = <Py_ssize_t>g.a * g.a * O * g.Cg, i
+    cdef float* dup = &du[0, 0, 0, 0] if need_w else NULL
     cdef float* dxp = &dx[0, 0, 0, 0, 0] if need_x else NULL
     cdef float[:, ::1] work = np.empty((T, 3 * MAX_A * MAX_A * MAX_V + 16), np.float32)
     if g.N == 0 or not (need_x or need_w):
@@ -395,7 +368,7 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, :, ::1] u,
             for c in range(chunks):
                 n0 = c * g.chunk
                 cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-                _bwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0, 0], &dy[0, 0, 0, 0, 0], dxp, dup,
+                _bwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0], &dy[0, 0, 0, 0, 0], dxp, dup,
                            n0, cnt, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0],
                            &work[0, 0])
         else:
@@ -405,7 +378,7 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, :, ::1] u,
                 tid = threadid()
                 n0 = c * g.chunk
                 cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-                _bwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0, 0], &dy[0, 0, 0, 0, 0], dxp,
+                _bwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0], &dy[0, 0, 0, 0, 0], dxp,
                            dup + tid * us if need_w else NULL, n0, cnt, &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0], &work[tid, 0])
             _blas_set_threads(saved)
             if need_w:

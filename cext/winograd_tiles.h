@@ -180,3 +180,58 @@ static void wg_dx(const float *dv, long pstride, int a, const float *bm, int nv,
 {
     WG_DISPATCH(wg_dx_v(dv, pstride, a, bm, nv, dx, H, W, iy0, ix0, w, V_))
 }
+
+/* Weight transforms between Caffe's W [O][Cg][r][r] and the GEMM layout U [a*a][O][Cg]
+ * (output channel o of group g is row g * Og + o): for each (o, c), U = G W G^T, and back,
+ * dW += G^T dU G. Rows o0 .. o1 - 1 only, so OpenMP threads can split the output channels. */
+static void wg_weights(const float *restrict w, float *restrict u, const float *restrict gm,
+                       int O, int Cg, int r, int a, int o0, int o1)
+{
+    long ps = (long)O * Cg;
+    float t[8 * 8];
+    for (int o = o0; o < o1; o++)
+        for (int c = 0; c < Cg; c++) {
+            const float *restrict x = w + ((long)o * Cg + c) * r * r;
+            for (int i = 0; i < a; i++)         /* t[i][l] = sum_k G[i][k] W[k][l] */
+                for (int l = 0; l < r; l++) {
+                    float s = 0.f;
+                    for (int k = 0; k < r; k++)
+                        s += gm[i * r + k] * x[k * r + l];
+                    t[i * r + l] = s;
+                }
+            float *restrict out = u + (long)o * Cg + c;
+            for (int i = 0; i < a; i++)
+                for (int j = 0; j < a; j++) {
+                    float s = 0.f;
+                    for (int l = 0; l < r; l++)
+                        s += t[i * r + l] * gm[j * r + l];
+                    out[(i * a + j) * ps] = s;
+                }
+        }
+}
+
+static void wg_weight_grad(const float *restrict du, float *restrict dw, const float *restrict gm,
+                           int O, int Cg, int r, int a, int o0, int o1)
+{
+    long ps = (long)O * Cg;
+    float t[8 * 8];
+    for (int o = o0; o < o1; o++)
+        for (int c = 0; c < Cg; c++) {
+            const float *restrict x = du + (long)o * Cg + c;
+            for (int k = 0; k < r; k++)         /* t[k][j] = sum_i G[i][k] dU[i][j] */
+                for (int j = 0; j < a; j++) {
+                    float s = 0.f;
+                    for (int i = 0; i < a; i++)
+                        s += gm[i * r + k] * x[(i * a + j) * ps];
+                    t[k * a + j] = s;
+                }
+            float *restrict out = dw + ((long)o * Cg + c) * r * r;
+            for (int k = 0; k < r; k++)
+                for (int l = 0; l < r; l++) {
+                    float s = 0.f;
+                    for (int j = 0; j < a; j++)
+                        s += t[k * a + j] * gm[j * r + l];
+                    out[k * r + l] += s;
+                }
+        }
+}

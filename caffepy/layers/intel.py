@@ -340,10 +340,9 @@ class BlockedConvolution(Layer):
     # -- Winograd -----------------------------------------------------------------------------
     def _wino_setup(self, n, h, w):
         """(matrices, U of the current weights, vbuf, mbuf) for F(tile, kernel)."""
-        m, r, g = self.tile, self.kh, self.group
+        m, r = self.tile, self.kh
         at, gm, bt = winograd_matrices(m, r)
-        a, cg, og = m + r - 1, self.channels // g, self.num_output // g
-        u = _workspace("wino_u", (a * a, g, cg, og))
+        u = _workspace("wino_u", ((m + r - 1) ** 2, self.num_output, self.channels // self.group))
         _winograd.weight_transform(self.blobs[0].data, gm, u)
         vshape, mshape = _winograd.scratch_shapes(_k.max_threads(), n, self.channels, self.num_output,
                                                   h, w, self.width, m, r, self.ph, self.pw)
@@ -363,7 +362,7 @@ class BlockedConvolution(Layer):
     def _wino_backward(self, top, propagate_down, bottom, need_w, need_b):
         n, _, h, w, v = bottom[0].shape
         at, bt, gm, u, vbuf, mbuf = self._wino_setup(n, h, w)
-        du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else np.zeros((1,) * 5, np.float32)
+        du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else np.zeros((1,) * 4, np.float32)
         empty = np.zeros((1,) * 5, np.float32)
         m, r, g = self.tile, self.kh, self.group
         for i, (b, t) in enumerate(zip(bottom, top)):
