@@ -107,6 +107,17 @@ class Blob:
         self._diff_buf = other._diff_buf
         self._diff = other._diff.reshape(self._shape)
 
+    def place_diff(self, buffer):
+        """Keep the diff in `buffer` from now on (a float32 array of `count` values, e.g. the
+        shared memory the MPI gradient reducer reads in place); the current diff is copied in."""
+        flat = buffer.reshape(-1)
+        if flat.dtype != np.float32 or flat.size != self.count:
+            raise ShapeError(f"blob '{self.name}': cannot place a diff of {self.count} float32 "
+                             f"values in {flat.size} {flat.dtype} values")
+        flat[...] = 0 if self._diff is None else self._diff.reshape(-1)
+        self._diff_buf = flat
+        self._diff = flat.reshape(self._shape)
+
     def set_data(self, array):
         """Copy `array` in, reshaping to its shape."""
         array = np.asarray(array, dtype=np.float32)

@@ -60,11 +60,12 @@ REDUCER = """
     from caffepy.parallel import mpi, world
     from caffepy.parallel.allreduce import GradientReducer
     mpi.init_world()
+    progress, algorithm, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3])
     sizes = [5, 300000, 7, 1, 2000000, 64, 64, 3]      # mixes packed and in-place buckets
     ready = [7, 7, 5, 4, 3, 3, 1, 0]
     blobs = [Blob((n,), name=str(i)) for i, n in enumerate(sizes)]
     reducer = GradientReducer(world.comm, list(zip(blobs, ready)), bucket_bytes=4096,
-                              progress=sys.argv[1])
+                              progress=progress, algorithm=algorithm, chunk_bytes=chunk)
     for it in range(3):
         for i, b in enumerate(blobs):
             b.diff[...] = np.arange(b.count) * (world.rank + 1) + i + it
@@ -75,23 +76,89 @@ REDUCER = """
         for i, b in enumerate(blobs):
             expect = (np.arange(b.count) * mean + i + it).astype(np.float32)
             np.testing.assert_allclose(b.diff, expect, rtol=1e-6)
+    described = reducer.describe()
     reducer.close()
-    print("ok", world.rank, len(reducer.buckets))
+    # closing gives the blobs private diffs again, values kept
+    np.testing.assert_allclose(blobs[1].diff, (np.arange(300000) * mean + 1 + 2).astype(np.float32),
+                               rtol=1e-6)
+    print("ok", world.rank, len(reducer.buckets), described)
     mpi.finish()
 """
 
 
+@pytest.mark.parametrize("algorithm", ["shm", "mpi"])
 @pytest.mark.parametrize("progress", ["thread", "test", "wait", "blocking"])
-def test_reducer_averages(tmp_path, progress):
-    out = mpirun(2, REDUCER, tmp_path, progress)
+def test_reducer_averages(tmp_path, progress, algorithm):
+    # a 64 KB MPI slice: the 8 MB parameter goes in many pieces
+    out = mpirun(2, REDUCER, tmp_path, progress, algorithm, str(64 << 10))
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("ok") == 2
+    shm = algorithm == "shm" and progress in ("thread", "blocking")
+    assert out.stdout.count("shm (2 ranks per host, 1 host)" if shm else " mpi") == 2
 
 
 def test_reducer_four_ranks(tmp_path):
-    out = mpirun(4, REDUCER, tmp_path, "thread")
+    out = mpirun(4, REDUCER, tmp_path, "thread", "shm", str(4 << 20))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("ok") == 4
+    assert out.stdout.count("shm (4 ranks per host, 1 host)") == 4
+
+
+@pytest.mark.parametrize("ranks,per_host,expect", [
+    (4, 2, "shm (2 ranks per host, 2 hosts)"),   # local sums, then an allreduce across hosts
+    (6, 2, "shm (2 ranks per host, 3 hosts)"),
+    (3, 2, " mpi"),                              # hosts with different rank counts
+    (2, 1, " mpi"),                              # one rank per host: nothing to share
+])
+def test_reducer_over_emulated_hosts(tmp_path, ranks, per_host, expect):
+    for progress in ("blocking", "thread"):
+        out = mpirun(ranks, REDUCER, tmp_path, progress, "shm", str(64 << 10),
+                     env={"CAFFEPY_MPI_RANKS_PER_NODE": str(per_host)})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.count(expect) == ranks, out.stdout
+
+
+def test_shm_fence_sleeps_while_waiting(tmp_path):
+    """A rank far ahead of the others waits for them without spinning on a core."""
+    out = mpirun(2, """
+        import time
+        from caffepy.blob import Blob
+        from caffepy.parallel import mpi, world
+        from caffepy.parallel.allreduce import GradientReducer
+        mpi.init_world()
+        reducer = GradientReducer(world.comm, [(Blob((1000,)), 0)], progress="blocking",
+                                  algorithm="shm")
+        assert reducer.window is not None
+        if world.rank == 1:
+            time.sleep(2.0)
+        cpu, wall = time.process_time(), time.perf_counter()
+        reducer.finish()
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        if world.rank == 0:
+            print(f"waited {wall:.2f} s using {cpu:.2f} s of CPU")
+            assert wall > 1.5 and cpu < 0.5 * wall
+        reducer.close()
+        mpi.finish()
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "waited" in out.stdout
+
+
+def test_blob_place_diff_keeps_values():
+    import numpy as np
+
+    from caffepy.blob import Blob
+    from caffepy.errors import ShapeError
+    blob = Blob((2, 3))
+    blob.diff[...] = np.arange(6).reshape(2, 3)
+    home = np.full(6, -1, np.float32)
+    blob.place_diff(home)
+    np.testing.assert_array_equal(home, np.arange(6))
+    blob.diff[1, 2] = 42                      # writes land in the placed buffer
+    assert home[5] == 42
+    blob.reshape(3, 2)                        # same count: still there
+    assert np.shares_memory(blob.diff, home)
+    with pytest.raises(ShapeError, match="cannot place a diff of 6 float32 values in 5"):
+        blob.place_diff(np.zeros(5, np.float32))
 
 
 FAILING = """

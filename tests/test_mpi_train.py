@@ -50,10 +50,25 @@ def test_data_parallel_matches_one_rank(tmp_path, db, ranks):
     w1, wn, _, outn = run_pair(tmp_path, db, ranks)
     assert max_rel_diff(w1, wn) < 1e-5
     assert f"local batch {BATCH // ranks}, global batch {BATCH}" in outn.stderr
+    assert f"progress: thread, algorithm: shm ({ranks} ranks per host, 1 host)" in outn.stderr
     if ranks == 2:
         # the weights really moved: the comparison is not between two initial states
         init = weights_at_start(tmp_path, db)
         assert max_rel_diff(w1, init) > 1e-3
+
+
+@pytest.mark.parametrize("ranks,env,described", [
+    (2, {"CAFFEPY_MPI_ALLREDUCE": "mpi"}, "progress: thread, algorithm: mpi"),
+    (2, {"CAFFEPY_MPI_PROGRESS": "blocking"}, "progress: blocking, algorithm: shm (2 ranks"),
+    (4, {"CAFFEPY_MPI_RANKS_PER_NODE": "2"}, "algorithm: shm (2 ranks per host, 2 hosts)"),
+])
+def test_allreduce_algorithms_match_one_rank(tmp_path, db, ranks, env, described):
+    w1, _ = single_run(tmp_path, db)
+    multi = write_job(tmp_path, "multi", db, BATCH // ranks, ITERS)
+    out = train(multi, ranks, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert described in out.stderr
+    assert max_rel_diff(w1, weights(multi / f"snap_iter_{ITERS}.caffemodel")) < 1e-5
 
 
 def weights_at_start(tmp_path, db):

@@ -1,23 +1,39 @@
 """Gradient averaging across ranks, overlapped with backward.
 
 Parameters are grouped into buckets in backward order (the order their
-gradients become final). A bucket is sent as soon as the backward pass has
-passed the lowest layer that uses one of its parameters: small parameters are
-packed into one contiguous buffer of about `bucket_bytes`, a parameter larger
-than that is reduced in place in its own diff. `finish()` (before the update)
-waits for every bucket and divides by the number of ranks.
+gradients become final). A bucket is reduced as soon as the backward pass has
+passed the lowest layer that uses one of its parameters. `finish()` (before
+the update) waits for every bucket and leaves the average in the diffs.
+
+How a bucket is reduced (`algorithm`, CAFFEPY_MPI_ALLREDUCE, default `shm`):
+    shm  ranks on one host keep their parameter diffs in one MPI-3 shared-memory
+         window, laid out bucket by bucket, so backward writes gradients where
+         every local rank can read them. Local rank r of L sums slice r of the
+         bucket over the L windows (scaled by 1/N) into its own window, ranks
+         with the same local rank on other hosts allreduce that slice over MPI,
+         and each rank copies the other slices from their owners. No packing,
+         no kernel-mediated copies: on 2 ranks about a third of the CPU time of
+         MPICH's Allreduce of the same bytes (benchmarks/bench_mpi.py --options).
+         Ranks wait for each other on flags in the window, sleeping when the
+         wait is long, instead of spinning on a core backward needs.
+         Used with the `thread` and `blocking` progress modes, when every host
+         runs the same number (> 1) of ranks; otherwise, and for one rank per
+         host, the diffs stay private and the `mpi` algorithm runs.
+    mpi  MPI Allreduce on the diff in place (one parameter per bucket when it is
+         larger than `bucket_bytes`), or on a packed buffer of small ones, in
+         slices of `chunk_bytes` (MPICH reduces a 4 MB slice with about 60% of
+         the CPU time a 150 MB message takes: the copies stay in cache).
 
 How communication progresses while backward computes (`progress`):
-    thread   a dedicated thread runs blocking Allreduce on the queued buckets,
-             then averages and unpacks them (MPI_THREAD_MULTIPLE; MPI and the
-             compute kernels release the GIL)
+    thread   a dedicated thread reduces the queued buckets (MPI_THREAD_MULTIPLE;
+             MPI, NumPy and the compute kernels release the GIL)
     test     non-blocking Iallreduce, poked with Testall after every layer
              (MPICH advances non-blocking collectives only inside MPI calls)
     wait     non-blocking Iallreduce, left alone until finish()
-    blocking no overlap: one Allreduce per bucket in finish() (the reference)
+    blocking no overlap: every bucket reduced in finish() (the reference)
     none     no communication at all (benchmarks only: the compute-only time)
 The default comes from CAFFEPY_MPI_PROGRESS, else `thread` (see
-benchmarks/bench_mpi.py for the measurements behind that choice).
+benchmarks/bench_mpi.py for the measurements behind these choices).
 Buffer-based (uppercase) MPI calls on float32 arrays only: nothing is pickled.
 """
 import os
@@ -28,16 +44,29 @@ import time
 import numpy as np
 
 PROGRESS_MODES = ("thread", "test", "wait", "blocking", "none")
+ALGORITHMS = ("shm", "mpi")
 DEFAULT_BUCKET_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
+_SHM_PROGRESS = ("thread", "blocking")
+_ALIGN = 16                  # floats: slices and buckets start on 64-byte cache lines
+_HEADER = 64                 # bytes before each rank's gradients: its fence counter
+_SUM_CHUNK = 1 << 16         # floats summed at a time (256 KB: scaled while in L2)
+
+
+def _choice(var, default, allowed):
+    value = os.environ.get(var, default)
+    if value not in allowed:
+        from ..errors import ParallelError
+        raise ParallelError(f"{var}: unknown value, got '{value}'. Use one of {', '.join(allowed)}")
+    return value
 
 
 def default_progress():
-    mode = os.environ.get("CAFFEPY_MPI_PROGRESS", "thread")
-    if mode not in PROGRESS_MODES:
-        from ..errors import ParallelError
-        raise ParallelError(f"CAFFEPY_MPI_PROGRESS: unknown mode, got '{mode}'. "
-                            f"Use one of {', '.join(PROGRESS_MODES)}")
-    return mode
+    return _choice("CAFFEPY_MPI_PROGRESS", "thread", PROGRESS_MODES)
+
+
+def default_algorithm():
+    return _choice("CAFFEPY_MPI_ALLREDUCE", "shm", ALGORITHMS)
 
 
 class _Bucket:
@@ -48,7 +77,8 @@ class _Bucket:
         self.ready_layer = None
         self.count = 0
         self.buffer = None        # packed float32 buffer (None: single blob, in place)
-        self.request = None
+        self.requests = []
+        self.offset = 0           # first float of the bucket in a rank's shared window
         self.done = threading.Event()
 
     def add(self, blob, ready_layer):
@@ -69,9 +99,8 @@ class _Bucket:
         return self.buffer
 
     def unpack(self, scale):
+        """Scaled diffs from the packed buffer (a single blob was scaled in place already)."""
         if len(self.blobs) == 1:
-            diff = self.blobs[0].diff
-            diff *= scale
             return
         offset = 0
         for blob in self.blobs:
@@ -80,14 +109,158 @@ class _Bucket:
             offset += n
 
 
+class NodeWindow:
+    """The diffs of every rank on this host in one MPI-3 shared-memory window.
+
+    Each rank's segment: a 64-byte header (its fence counter), then the diffs
+    of all buckets in bucket order, each bucket starting on a cache line. The
+    blobs' diffs are placed there (Blob.place_diff), so backward writes its
+    gradients straight into memory the other local ranks read.
+    """
+
+    def __init__(self, comm, buckets, node, cross, scale):
+        from mpi4py import MPI
+        self._MPI = MPI
+        self.node, self.cross = node, cross
+        self.local_size, self.local_rank = node.Get_size(), node.Get_rank()
+        self.scale = scale
+        offset = 0
+        for bucket in buckets:
+            bucket.offset = offset
+            offset += -(-bucket.count // _ALIGN) * _ALIGN
+        self.total = offset
+        self.win = MPI.Win.Allocate_shared(_HEADER + 4 * self.total, 1, comm=node)
+        self.win.Lock_all(MPI.MODE_NOCHECK)          # Win.Sync needs a passive epoch
+        self.flags, self.views = [], []
+        for rank in range(self.local_size):
+            mem, _ = self.win.Shared_query(rank)
+            self.flags.append(np.frombuffer(mem, np.int64, 1, 0))
+            self.views.append(np.frombuffer(mem, np.float32, self.total, _HEADER))
+        self.own = self.views[self.local_rank]
+        self.flags[self.local_rank][0] = 0
+        self._generation = 0
+        self.wait_seconds = 0.0          # time spent waiting for the other local ranks
+        self.node.Barrier()              # every counter zeroed before anyone fences
+        for bucket in buckets:
+            self.place(bucket)
+
+    @classmethod
+    def create(cls, comm, buckets, scale):
+        """A NodeWindow when several ranks share a host and every host has as many;
+        None otherwise (decided collectively: every rank gets the same answer)."""
+        from mpi4py import MPI
+        per_node = int(os.environ.get("CAFFEPY_MPI_RANKS_PER_NODE", "0") or 0)
+        if per_node > 0:            # tests: emulate hosts of `per_node` ranks on one machine
+            node = comm.Split(comm.Get_rank() // per_node, comm.Get_rank())
+        else:
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED, comm.Get_rank())
+        local = node.Get_size()
+        lo, hi = comm.allreduce(local, op=MPI.MIN), comm.allreduce(local, op=MPI.MAX)
+        if hi == 1 or lo != hi:
+            node.Free()
+            return None
+        cross = comm.Split(node.Get_rank(), comm.Get_rank())
+        if cross.Get_size() == 1:
+            cross.Free()
+            cross = None
+        return cls(comm, buckets, node, cross, scale)
+
+    def place(self, bucket):
+        offset = bucket.offset
+        for blob in bucket.blobs:
+            blob.place_diff(self.own[offset:offset + blob.count])
+            offset += blob.count
+
+    def check_placed(self, bucket):
+        # a blob whose diff was reallocated (reshaped up and down) is put back in place
+        address = self.own.ctypes.data + 4 * bucket.offset
+        for blob in bucket.blobs:
+            if blob.diff.ctypes.data != address:
+                if sum(b.count for b in bucket.blobs) != bucket.count:
+                    from ..errors import ParallelError
+                    raise ParallelError(f"parameter blob '{blob.name}' changed size during "
+                                        f"training, got {blob.shape}")
+                self.place(bucket)
+                return
+            address += 4 * blob.count
+
+    def _slice(self, bucket, rank):
+        n = bucket.count
+        lo = n * rank // self.local_size // _ALIGN * _ALIGN
+        hi = n if rank == self.local_size - 1 else n * (rank + 1) // self.local_size // _ALIGN * _ALIGN
+        return bucket.offset + lo, bucket.offset + hi
+
+    def fence(self):
+        """Wait until every local rank has reached its matching fence; their window writes
+        before it are then visible here."""
+        self._generation += 1
+        generation = self._generation
+        self.win.Sync()
+        self.flags[self.local_rank][0] = generation
+        self.win.Sync()
+        t0 = time.perf_counter()
+        delay = 20e-6
+        # spin for a short wait, then sleep: a rank still in backward may be far behind,
+        # and spinning would take the core from its compute (or from our own main thread)
+        while any(flag[0] < generation for flag in self.flags):
+            if time.perf_counter() - t0 > 100e-6:
+                time.sleep(delay)
+                delay = min(2 * delay, 1e-3)
+        self.win.Sync()
+        self.wait_seconds += time.perf_counter() - t0
+
+    def reduce(self, bucket):
+        """Average the bucket over every rank; leaves the result in this rank's diffs."""
+        self.check_placed(bucket)
+        self.fence()                                  # every local rank's gradients written
+        lo, hi = self._slice(bucket, self.local_rank)
+        others = [v for r, v in enumerate(self.views) if r != self.local_rank]
+        scale = self.scale if self.cross is None else None
+        for start in range(lo, hi, _SUM_CHUNK):
+            end = min(start + _SUM_CHUNK, hi)
+            out = self.own[start:end]
+            for view in others:
+                np.add(out, view[start:end], out=out)
+            if scale is not None:
+                out *= scale                          # still in cache
+        if self.cross is not None and hi > lo:
+            _chunked_allreduce(self.cross, self.own[lo:hi], self.scale, self._MPI)
+        self.fence()                                  # every slice summed
+        for rank, view in enumerate(self.views):
+            if rank != self.local_rank:
+                a, b = self._slice(bucket, rank)
+                np.copyto(self.own[a:b], view[a:b])
+
+    def close(self, buckets):
+        """Give the blobs private diffs again (with their values) and free the window."""
+        for bucket in buckets:
+            for blob in bucket.blobs:
+                blob.place_diff(np.empty(blob.count, np.float32))
+        self.win.Unlock_all()
+        self.win.Free()
+        self.node.Free()
+        if self.cross is not None:
+            self.cross.Free()
+
+
+def _chunked_allreduce(comm, buf, scale, MPI, chunk=DEFAULT_CHUNK_BYTES // 4):
+    for start in range(0, buf.size, chunk):
+        part = buf[start:start + chunk]
+        comm.Allreduce(MPI.IN_PLACE, part, op=MPI.SUM)
+        if scale is not None:
+            part *= scale                             # still in cache
+
+
 class GradientReducer:
     """Average the diffs of `params` over `comm`.
 
     params: [(blob, ready_layer)] — ready_layer is the lowest layer index whose
     backward writes that blob's diff (its gradient is final once that layer ran).
+    Collective: every rank builds its reducer (and closes it) at the same point.
     """
 
-    def __init__(self, comm, params, bucket_bytes=DEFAULT_BUCKET_BYTES, progress=None):
+    def __init__(self, comm, params, bucket_bytes=DEFAULT_BUCKET_BYTES, progress=None,
+                 algorithm=None, chunk_bytes=DEFAULT_CHUNK_BYTES):
         from mpi4py import MPI
         self._MPI = MPI
         self.comm = comm
@@ -96,12 +269,21 @@ class GradientReducer:
         self.progress = progress or default_progress()
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"unknown progress mode {self.progress!r}")
+        requested = algorithm or default_algorithm()
+        if requested not in ALGORITHMS:
+            raise ValueError(f"unknown allreduce algorithm {requested!r}")
+        self._chunk = max(_ALIGN, chunk_bytes // 4)
         self.buckets = self._make_buckets(params, bucket_bytes)
         self.nbytes = 4 * sum(b.count for b in self.buckets)
+        self.window = None
+        if requested == "shm" and self.progress in _SHM_PROGRESS:
+            self.window = NodeWindow.create(comm, self.buckets, self._scale)
+        self.algorithm = "shm" if self.window is not None else "mpi"
         self._next = 0                  # first bucket not yet issued
         self._queue = None
         self._thread = None
         self._error = None
+        self._fenced = threading.Event()
         # timing of the last iteration, for benchmarks and the log
         self.wait_seconds = 0.0
         self.comm_seconds = 0.0
@@ -109,6 +291,13 @@ class GradientReducer:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._run, name="caffepy-allreduce", daemon=True)
             self._thread.start()
+
+    def describe(self):
+        if self.window is None:
+            return "mpi"
+        w = self.window
+        hosts = 1 if w.cross is None else w.cross.Get_size()
+        return f"shm ({w.local_size} ranks per host, {hosts} host{'s' if hosts > 1 else ''})"
 
     @staticmethod
     def _make_buckets(params, bucket_bytes):
@@ -132,6 +321,16 @@ class GradientReducer:
             buckets.append(current)
         return buckets
 
+    # -- one bucket, blocking ------------------------------------------------
+    def _reduce(self, bucket):
+        if self.window is not None:
+            self.window.reduce(bucket)
+            return
+        single = len(bucket.blobs) == 1
+        _chunked_allreduce(self.comm, bucket.pack(), self._scale if single else None, self._MPI,
+                           self._chunk)
+        bucket.unpack(self._scale)
+
     # -- called from backward ---------------------------------------------
     def layer_done(self, layer_index):
         """Start every bucket whose gradients are final once `layer_index` ran."""
@@ -141,61 +340,74 @@ class GradientReducer:
             self._issue(self.buckets[self._next])
             self._next += 1
         if self.progress == "test":
-            pending = [b.request for b in self.buckets[:self._next] if b.request is not None]
+            pending = [r for b in self.buckets[:self._next] for r in b.requests]
             if pending:
                 self._MPI.Request.Testall(pending)
 
     def _issue(self, bucket):
-        buf = bucket.pack()
         if self.progress == "thread":
             bucket.done.clear()
-            self._queue.put((bucket, buf))
-        else:
-            bucket.request = self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM)
+            self._queue.put(bucket)
+            return
+        # one request per bucket: with a hundred 64 KB slices in flight the wait-mode
+        # test hung now and then (MPICH 5.0.2)
+        bucket.requests = [self.comm.Iallreduce(self._MPI.IN_PLACE, bucket.pack(), op=self._MPI.SUM)]
 
     def _run(self):
         while True:
-            item = self._queue.get()
-            if item is None:
+            bucket = self._queue.get()
+            if bucket is None:
                 return
-            bucket, buf = item
             try:
                 t = time.perf_counter()
-                self.comm.Allreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM)
-                # averaging and unpacking here too: the diffs of a sent bucket are
-                # final, nothing else touches them before the update
-                bucket.unpack(self._scale)
+                if self._error is not None:
+                    pass        # after a failure the ranks' fences no longer pair up: skip
+                elif bucket == "fence":
+                    self.window.fence()
+                else:
+                    # averaging and unpacking here too: the diffs of a sent bucket are
+                    # final, nothing else touches them before the update
+                    self._reduce(bucket)
                 self.comm_seconds += time.perf_counter() - t
             except BaseException as e:       # surfaced by finish() on the main thread
                 self._error = e
-            bucket.done.set()
+            if bucket == "fence":
+                self._fenced.set()
+            else:
+                bucket.done.set()
 
     # -- called before the update -------------------------------------------
     def finish(self):
         """Issue what is left, wait for everything, leave the averaged gradients in the diffs."""
         t0 = time.perf_counter()
-        scale = np.float32(1.0 / self.size)
         if self.progress == "none":
             self._next = 0
             self.wait_seconds = time.perf_counter() - t0
             return
         if self.progress == "blocking":
             for bucket in self.buckets:
-                buf = bucket.pack()
-                self.comm.Allreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM)
-                bucket.unpack(scale)
+                self._reduce(bucket)
+            if self.window is not None:
+                self.window.fence()
             self.wait_seconds = self.comm_seconds = time.perf_counter() - t0
             return
         while self._next < len(self.buckets):
             self._issue(self.buckets[self._next])
             self._next += 1
+        if self.progress == "thread" and self.window is not None:
+            # no rank may change its diffs (update, clearing) while another still reads them
+            self._fenced.clear()
+            self._queue.put("fence")
+            self._fenced.wait()
         for bucket in self.buckets:
             if self.progress == "thread":
                 bucket.done.wait()          # reduced, averaged and unpacked by the thread
             else:
-                bucket.request.Wait()
-                bucket.request = None
-                bucket.unpack(scale)
+                self._MPI.Request.Waitall(bucket.requests)
+                bucket.requests = []
+                if len(bucket.blobs) == 1:
+                    bucket.blobs[0].diff[...] *= self._scale
+                bucket.unpack(self._scale)
         self._next = 0
         self.wait_seconds = time.perf_counter() - t0
         if self._error is not None:
@@ -210,3 +422,6 @@ class GradientReducer:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        if self.window is not None:
+            self.window.close(self.buckets)
+            self.window = None

@@ -136,7 +136,8 @@ class DataParallel:
             log.info(f"{self.name} over {self.world.size} ranks: local batch {batch}, "
                      f"global batch {self.world.size * batch}")
         log.info(f"Allreduce: {self.reducer.nbytes / 1e6:.1f} MB of gradients in "
-                 f"{len(self.reducer.buckets)} buckets, progress: {self.reducer.progress}")
+                 f"{len(self.reducer.buckets)} buckets, progress: {self.reducer.progress}, "
+                 f"algorithm: {self.reducer.describe()}")
 
     def set_progress(self, progress, solver):
         """(Re)build the gradient reducer with a progress mode (allreduce.PROGRESS_MODES;
