@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 NET = os.path.join(REPO, "models", "mpi_intel_alexnet", "train_val_shared_db.prototxt")
 HYBRID_NET = os.path.join(REPO, "models", "mpi_intel_alexnet", "train_val.prototxt")
-MODES = ("none", "blocking", "thread", "test", "wait")
+MODES = ("none", "blocking", "thread", "test", "wait", "blocking:mpi", "thread:mpi")
 NETWORKS_GBPS = (10, 100)
 LATENCY_S = 5e-6           # per ring step, a typical TCP/RoCE small-message figure
 NODES = (1, 2, 4, 8, 16, 32, 64)
@@ -67,14 +67,16 @@ def build_solver(batch, path=NET):
 
 
 def timed_steps(solver, n, reducer=None):
-    times, waits = [], []
+    """Wall time, wait before the update and CPU time (all threads of this process) per step."""
+    times, waits, cpus = [], [], []
     for _ in range(n):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         solver.step(1)
         times.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)
         if reducer is not None:
             waits.append(reducer.wait_seconds)
-    return times, waits
+    return times, waits, cpus
 
 
 def worker(args):
@@ -105,19 +107,37 @@ def worker(args):
         strategy = mpi.attach(solver)
         timed_steps(solver, args.warmup)          # on_start: broadcast, buckets
         modes = args.modes.split(",")
-        found = {m: {"iter": [], "wait": []} for m in modes}
+        found = {m: {"iter": [], "wait": [], "cpu": []} for m in modes}
         for _ in range(args.rounds):
             for mode in modes:
-                strategy.set_progress(mode, solver)
-                times, waits = timed_steps(solver, args.iters, strategy.reducer)
-                for t, w in zip(times, waits):
-                    # an iteration ends when the slowest rank's does
+                progress, _, algorithm = mode.partition(":")
+                strategy.set_progress(progress, solver, algorithm or None)
+                found[mode]["algorithm"] = strategy.reducer.describe()
+                times, waits, cpus = timed_steps(solver, args.iters, strategy.reducer)
+                for t, w, c in zip(times, waits, cpus):
+                    # an iteration ends when the slowest rank's does; CPU: the busier rank
                     found[mode]["iter"].append(world.comm.allreduce(t, op=_max()))
+                    found[mode]["cpu"].append(world.comm.allreduce(c, op=_max()))
                     found[mode]["wait"].append(w)
-        result["modes"] = {m: {"iter": min(r["iter"]), "wait": min(r["wait"]), "all": r["iter"]}
+        result["modes"] = {m: {"iter": min(r["iter"]), "wait": min(r["wait"]), "cpu": min(r["cpu"]),
+                               "all": r["iter"], "algorithm": r["algorithm"]}
                            for m, r in found.items()}
         result["buckets"] = len(strategy.reducer.buckets)
         result["bytes"] = strategy.reducer.nbytes
+        # the reduction alone (no backward around it), on AlexNet's buckets
+        result["isolated"] = {}
+        for algorithm in ("shm", "mpi"):
+            strategy.set_progress("blocking", solver, algorithm)
+            strategy.reducer.finish()
+            walls, cpus = [], []
+            for _ in range(5):
+                world.comm.Barrier()
+                t, c = time.perf_counter(), time.process_time()
+                strategy.reducer.finish()
+                walls.append(world.comm.allreduce(time.perf_counter() - t, op=_max()))
+                cpus.append(world.comm.allreduce(time.process_time() - c, op=_max()))
+            result["isolated"][algorithm] = {"wall": min(walls), "cpu": min(cpus),
+                                             "algorithm": strategy.reducer.describe()}
         strategy.close()
     if world.rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
@@ -155,9 +175,9 @@ def bandwidth(args):
     mpi.finish()
 
 
-# -- driver ----------------------------------------------------------------------
-def run(cmd, threads):
+def run(cmd, threads, extra_env=None):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
+    env.update(extra_env or {})
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -175,6 +195,114 @@ def project(t_compute, t_backward, hidden, nbytes, gbps, nodes):
     return t_compute + exposed
 
 
+# -- the allreduce options table (--options) ---------------------------------------
+# AlexNet's learnable parameters in backward order of their layers (conv1 .. fc8)
+ALEXNET_SIZES = [34848, 96, 307200, 256, 884736, 384, 663552, 384, 442368, 256,
+                 37748736, 4096, 16777216, 4096, 4096000, 1000]
+OPTIONS = [   # (label, variant, MPICH control variables)
+    ("Allreduce in place (MPICH defaults)", "inplace", {}),
+    ("Allreduce out of place", "outofplace", {}),
+    ("Reduce_scatter_block + Allgather", "rs_ag", {}),
+    ("Iallreduce + Wait", "iallreduce", {}),
+    ("Allreduce in 1 MB slices", "slices1", {}),
+    ("Allreduce in 4 MB slices", "slices4", {}),
+    ("Allreduce in 16 MB slices", "slices16", {}),
+    ("ALLREDUCE_INTRA_ALGORITHM=recursive_doubling", "inplace",
+     {"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "recursive_doubling"}),
+    ("ALLREDUCE_INTRA_ALGORITHM=reduce_scatter_allgather", "inplace",
+     {"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "reduce_scatter_allgather"}),
+    ("ALLREDUCE_INTRA_ALGORITHM=k_reduce_scatter_allgather", "inplace",
+     {"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "k_reduce_scatter_allgather"}),
+    ("ALLREDUCE_INTRA_ALGORITHM=ring", "inplace", {"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "ring"}),
+    ("ALLREDUCE_INTRA_ALGORITHM=tree", "inplace", {"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "tree"}),
+    ("ALLREDUCE_INTRA_ALGORITHM=smp", "inplace", {"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "smp"}),
+    ("DEVICE_COLLECTIVES=none", "inplace", {"MPIR_CVAR_DEVICE_COLLECTIVES": "none"}),
+    ("ALLREDUCE_POSIX_INTRA_ALGORITHM=release_gather", "inplace",
+     {"MPIR_CVAR_ALLREDUCE_POSIX_INTRA_ALGORITHM": "release_gather"}),
+    ("CH4_CMA_ENABLE=0 (no single-copy CMA)", "inplace", {"MPIR_CVAR_CH4_CMA_ENABLE": "0"}),
+    ("CH4_IPC_CMA_P2P_THRESHOLD=1 MB", "inplace", {"MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD": "1048576"}),
+    ("GradientReducer, AlexNet buckets, algorithm mpi", "reducer:mpi", {}),
+    ("GradientReducer, AlexNet buckets, algorithm shm", "reducer:shm", {}),
+]
+
+
+def option_worker(args):
+    """One option of the table: wall and CPU seconds of one reduction of AlexNet's gradients."""
+    sys.path.insert(0, REPO)
+    from caffepy.parallel import mpi, world
+    from mpi4py import MPI
+    mpi.init_world()
+    comm, variant = world.comm, args.option
+    n = sum(ALEXNET_SIZES)
+    buf = np.random.default_rng(world.rank).random(n, dtype=np.float32)
+    out = np.empty_like(buf)
+    if variant.startswith("reducer:"):
+        from caffepy.blob import Blob
+        from caffepy.parallel.allreduce import GradientReducer
+        blobs = [Blob((k,)) for k in ALEXNET_SIZES]
+        for b in blobs:
+            b.diff[...] = 1
+        reducer = GradientReducer(comm, [(b, i // 2) for i, b in enumerate(blobs)],
+                                  progress="blocking", algorithm=variant[8:])
+
+    def once():
+        if variant == "inplace":
+            comm.Allreduce(MPI.IN_PLACE, buf)
+        elif variant == "outofplace":
+            comm.Allreduce(buf, out)
+        elif variant == "rs_ag":
+            m = n // world.size * world.size
+            comm.Reduce_scatter_block(MPI.IN_PLACE, buf[:m])
+            comm.Allgather(MPI.IN_PLACE, buf[:m])
+        elif variant == "iallreduce":
+            comm.Iallreduce(MPI.IN_PLACE, buf).Wait()
+        elif variant.startswith("slices"):
+            step = (int(variant[6:]) << 20) // 4
+            for s in range(0, n, step):
+                comm.Allreduce(MPI.IN_PLACE, buf[s:s + step])
+        else:
+            reducer.finish()
+
+    once()
+    walls, cpus = [], []
+    for _ in range(args.iters):
+        comm.Barrier()
+        t, c = time.perf_counter(), time.process_time()
+        once()
+        walls.append(comm.allreduce(time.perf_counter() - t, op=_max()))
+        cpus.append(comm.allreduce(time.process_time() - c, op=_max()))
+    if world.rank == 0:
+        print("RESULT " + json.dumps({"wall": min(walls), "cpu": min(cpus), "bytes": 4 * n}), flush=True)
+    mpi.finish()
+
+
+def options_table(args):
+    py = sys.executable
+    mpiexec = os.path.join(os.path.dirname(py), "mpiexec")
+    me = os.path.abspath(__file__)
+    print(f"One reduction of AlexNet's {4 * sum(ALEXNET_SIZES) / 1e6:.1f} MB of gradients on 2 ranks "
+          f"(1 thread each); fastest of {args.rounds} x {args.iters}, options interleaved; "
+          f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+    found = {label: [] for label, _, _ in OPTIONS}
+    for _ in range(args.rounds):
+        for label, variant, cvars in OPTIONS:
+            try:
+                r = run([mpiexec, "-n", "2", py, me, "--option", variant, "--iters", str(args.iters)],
+                        1, cvars)
+            except SystemExit:
+                continue                  # an option this MPICH build refuses: left out
+            found[label].append(r)
+    print(f"  {'option':55s} {'wall ms':>8s} {'CPU ms/rank':>12s}")
+    for label, _, _ in OPTIONS:
+        if not found[label]:
+            print(f"  {label:55s} {'failed':>8s}")
+            continue
+        wall = min(r["wall"] for r in found[label])
+        cpu = min(r["cpu"] for r in found[label])
+        print(f"  {label:55s} {wall * 1e3:8.1f} {cpu * 1e3:12.1f}")
+
+
+# -- driver ----------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=16, help="global batch (even)")
@@ -186,7 +314,16 @@ def main():
     ap.add_argument("--hybrid", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bandwidth", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--options", action="store_true",
+                    help="only the table of allreduce options (MPI calls, MPICH variables, algorithms)")
+    ap.add_argument("--option", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.option:
+        return option_worker(args)
+    if args.options:
+        if "--iters" not in sys.argv:
+            args.iters = 5
+        return options_table(args)
     if args.worker:
         return worker(args)
     if args.bandwidth:
@@ -209,8 +346,9 @@ def main():
     print(f"2 ranks x 1 thread, local batch {args.batch // 2}, {two['bytes'] / 1e6:.1f} MB of gradients "
           f"in {two['buckets']} buckets:")
     for mode, r in modes.items():
-        print(f"  {mode:9s} {r['iter']:.3f} s/iter ({args.batch / r['iter']:.2f} img/s), "
-              f"waiting for the allreduce before the update {r['wait'] * 1e3:.1f} ms")
+        print(f"  {mode:13s} {r['iter']:.3f} s/iter ({args.batch / r['iter']:.2f} img/s), CPU "
+              f"{r['cpu']:.3f} s/iter per rank, waiting before the update {r['wait'] * 1e3:6.1f} ms"
+              f"  [{r['algorithm']}]")
     hyb = run([mpiexec, "-n", "2", py, me, "--worker", "--hybrid", "--batch", str(args.batch // 2),
                "--modes", "thread"] + common, 1)
     print(f"2 ranks x 1 thread, hybrid (train_val.prototxt: fc6..fc8 model parallel), local batch "
@@ -223,31 +361,46 @@ def main():
           f"{rate / 1e9:.2f} GB/s algorithm bandwidth ({rate / 1e9:.2f} GB/s bus bandwidth at N=2); "
           f"8-byte allreduce latency {bw['latency'] * 1e6:.1f} us")
 
-    # Two measures of how much of the allreduce the overlap hides:
-    #   by iteration time: 1 - (t_mode - t_none) / (t_blocking - t_none), the real cost, but
-    #     only readable when that cost stands above the run-to-run noise;
-    #   by waiting time: 1 - wait_mode / wait_blocking, the part of the allreduce the main
-    #     thread no longer waits for before the update (ignores CPU the overlap steals).
+    for algorithm, r in two["isolated"].items():
+        print(f"The reduction alone (finish() of a blocking reducer, AlexNet's buckets), {algorithm}: "
+              f"{r['wall'] * 1e3:.1f} ms, CPU {r['cpu'] * 1e3:.1f} ms per rank  [{r['algorithm']}]")
+
+    # How much of the communication the overlap hides, by iteration time:
+    #   hidden = 1 - (t_mode - t_none) / (t_blocking - t_none), the real cost, readable only
+    #     when that cost stands above the run-to-run noise;
+    # by waiting time: 1 - wait_mode / wait_blocking, the part of the reduction the main thread
+    #   no longer waits for before the update (ignores the CPU the overlap takes from compute);
+    # and the CPU work per iteration each configuration adds to the compute-only run (per rank).
     hidden, basis = {}, {}
-    if "none" in modes and "blocking" in modes:
-        t_none, t_block = modes["none"]["iter"], modes["blocking"]["iter"]
-        comm_cost = t_block - t_none
+    if "none" in modes:
+        t_none, c_none = modes["none"]["iter"], modes["none"]["cpu"]
         spread = max(max(r["all"]) - min(r["all"]) for r in modes.values())
-        readable = comm_cost > 0.5 * spread and comm_cost > 0
-        print(f"Communication cost without overlap (blocking - none): {comm_cost * 1e3:.1f} ms/iter; "
-              f"iteration-time spread within a configuration up to {spread * 1e3:.0f} ms"
-              + ("" if readable else " (the cost is below the noise: hidden fraction by waiting time)"))
-        for mode in ("thread", "test", "wait"):
-            if mode not in modes:
+        print(f"Communication cost per iteration against `none` (iteration-time spread within a "
+              f"configuration up to {spread * 1e3:.0f} ms):")
+        for suffix in ("", ":mpi"):
+            block = modes.get("blocking" + suffix)
+            if block is None:
                 continue
-            by_wait = 1 - modes[mode]["wait"] / max(modes["blocking"]["wait"], 1e-9)
-            by_iter = 1 - (modes[mode]["iter"] - t_none) / comm_cost if readable else None
-            hidden[mode] = by_iter if readable else by_wait
-            basis[mode] = "iteration time" if readable else "waiting time"
-            shown = f"{by_iter * 100:5.1f}%" if readable else "  n/a "
-            print(f"  hidden by {mode:6s}: {shown} of the iteration-time cost, "
-                  f"{by_wait * 100:5.1f}% of the wait before the update")
-    overlapped = {m: r for m, r in modes.items() if m in ("thread", "test", "wait")}
+            comm_cost = block["iter"] - t_none
+            readable = comm_cost > 0.5 * spread and comm_cost > 0
+            name = block["algorithm"].split(" ")[0]
+            print(f"  {name}: blocking {comm_cost * 1e3:6.1f} ms/iter, CPU work "
+                  f"{(block['cpu'] - c_none) * 1e3:6.1f} ms/iter per rank"
+                  + ("" if readable else "  (below the noise: hidden fraction by waiting time)"))
+            for mode in ("thread", "test", "wait"):
+                r = modes.get(mode + suffix)
+                if r is None:
+                    continue
+                by_wait = 1 - r["wait"] / max(block["wait"], 1e-9)
+                by_iter = 1 - (r["iter"] - t_none) / comm_cost if readable else None
+                if not suffix:
+                    hidden[mode] = by_iter if readable else by_wait
+                    basis[mode] = "iteration time" if readable else "waiting time"
+                shown = f"{by_iter * 100:6.1f}%" if readable else "   n/a "
+                print(f"    {mode:6s} {(r['iter'] - t_none) * 1e3:6.1f} ms/iter, CPU work "
+                      f"{(r['cpu'] - c_none) * 1e3:6.1f} ms/iter per rank; hidden {shown} by "
+                      f"iteration time, {by_wait * 100:5.1f}% of the wait before the update")
+    overlapped = {m: r for m, r in modes.items() if m.split(":")[0] in ("thread", "test", "wait")}
     if overlapped:
         best = min(overlapped, key=lambda m: overlapped[m]["iter"])
         ratio = one["iter"] / overlapped[best]["iter"]

@@ -12,7 +12,7 @@ How a bucket is reduced (`algorithm`, CAFFEPY_MPI_ALLREDUCE, default `shm`):
          bucket over the L windows (scaled by 1/N) into its own window, ranks
          with the same local rank on other hosts allreduce that slice over MPI,
          and each rank copies the other slices from their owners. No packing,
-         no kernel-mediated copies: on 2 ranks about a third of the CPU time of
+         no kernel-mediated copies: on 2 ranks about 40% of the CPU time of
          MPICH's Allreduce of the same bytes (benchmarks/bench_mpi.py --options).
          Ranks wait for each other on flags in the window, sleeping when the
          wait is long, instead of spinning on a core backward needs.
@@ -21,8 +21,8 @@ How a bucket is reduced (`algorithm`, CAFFEPY_MPI_ALLREDUCE, default `shm`):
          host, the diffs stay private and the `mpi` algorithm runs.
     mpi  MPI Allreduce on the diff in place (one parameter per bucket when it is
          larger than `bucket_bytes`), or on a packed buffer of small ones, in
-         slices of `chunk_bytes` (MPICH reduces a 4 MB slice with about 60% of
-         the CPU time a 150 MB message takes: the copies stay in cache).
+         slices of `chunk_bytes` (MPICH reduces 244 MB in 4 MB slices with about
+         70% of the CPU time it takes as one message: the copies stay in cache).
 
 How communication progresses while backward computes (`progress`):
     thread   a dedicated thread reduces the queued buckets (MPI_THREAD_MULTIPLE;
@@ -205,7 +205,7 @@ class NodeWindow:
         while any(flag[0] < generation for flag in self.flags):
             if time.perf_counter() - t0 > 100e-6:
                 time.sleep(delay)
-                delay = min(2 * delay, 1e-3)
+                delay = min(2 * delay, 250e-6)
         self.win.Sync()
         self.wait_seconds += time.perf_counter() - t0
 

@@ -139,16 +139,17 @@ class DataParallel:
                  f"{len(self.reducer.buckets)} buckets, progress: {self.reducer.progress}, "
                  f"algorithm: {self.reducer.describe()}")
 
-    def set_progress(self, progress, solver):
-        """(Re)build the gradient reducer with a progress mode (allreduce.PROGRESS_MODES;
-        None = the default). Benchmarks switch modes between runs with it."""
+    def set_progress(self, progress, solver, algorithm=None):
+        """(Re)build the gradient reducer with a progress mode (allreduce.PROGRESS_MODES) and
+        an algorithm (allreduce.ALGORITHMS); None = the defaults. Benchmarks switch between
+        them with it; every rank must call it at the same point."""
         net = solver.net
         ready = _ready_layers(net)
         params = [(blob, ready[i]) for i, blob in enumerate(net.learnable_params)
                   if i not in self.split and net.params_lr[i] != 0]
         if self.reducer is not None:
             self.reducer.close()
-        self.reducer = GradientReducer(self.grad_comm, params, progress=progress)
+        self.reducer = GradientReducer(self.grad_comm, params, progress=progress, algorithm=algorithm)
 
     def on_layer_done(self, solver, layer_index):
         # with iter_size > 1 only the last backward pass of the iteration is reduced
