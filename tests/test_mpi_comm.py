@@ -81,7 +81,7 @@ REDUCER = """
     # closing gives the blobs private diffs again, values kept
     np.testing.assert_allclose(blobs[1].diff, (np.arange(300000) * mean + 1 + 2).astype(np.float32),
                                rtol=1e-6)
-    print("ok", world.rank, len(reducer.buckets), described)
+    print(f"ok {world.rank} {len(reducer.buckets)} {described}")  # one write per line
     mpi.finish()
 """
 
@@ -115,6 +115,30 @@ def test_reducer_over_emulated_hosts(tmp_path, ranks, per_host, expect):
                      env={"CAFFEPY_MPI_RANKS_PER_NODE": str(per_host)})
         assert out.returncode == 0, out.stderr
         assert out.stdout.count(expect) == ranks, out.stdout
+
+
+def test_shm_falls_back_when_dev_shm_is_small(tmp_path):
+    """One host short of /dev/shm space: every rank agrees on MPI Allreduce instead."""
+    out = mpirun(2, """
+        import numpy as np
+        from caffepy.blob import Blob
+        from caffepy.parallel import allreduce, mpi, world
+        mpi.init_world()
+        if world.rank == 1:
+            allreduce._shm_free_bytes = lambda: 0
+        blob = Blob((1000,))
+        reducer = allreduce.GradientReducer(world.comm, [(blob, 0)], progress="blocking",
+                                            algorithm="shm")
+        blob.diff[...] = world.rank
+        reducer.finish()
+        assert np.all(blob.diff == 0.5)
+        print(f"ok {reducer.describe()}")
+        reducer.close()
+        mpi.finish()
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert len(re.findall(r"ok mpi", out.stdout)) == 2
+    assert "[rank 1] /dev/shm has 0 MB free, the shared-memory allreduce needs" in out.stderr
 
 
 def test_shm_fence_sleeps_while_waiting(tmp_path):

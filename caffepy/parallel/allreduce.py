@@ -159,6 +159,15 @@ class NodeWindow:
         if hi == 1 or lo != hi:
             node.Free()
             return None
+        need = local * (_HEADER + 4 * sum(-(-b.count // _ALIGN) * _ALIGN for b in buckets))
+        free = _shm_free_bytes()
+        if comm.allreduce(int(free >= need), op=MPI.MIN) == 0:
+            if free < need:
+                from .. import log
+                log.warning(f"/dev/shm has {free / 1e6:.0f} MB free, the shared-memory allreduce "
+                            f"needs {need / 1e6:.0f} MB on this host: using MPI Allreduce instead")
+            node.Free()
+            return None
         cross = comm.Split(node.Get_rank(), comm.Get_rank())
         if cross.Get_size() == 1:
             cross.Free()
@@ -241,6 +250,15 @@ class NodeWindow:
         self.node.Free()
         if self.cross is not None:
             self.cross.Free()
+
+
+def _shm_free_bytes():
+    """Free bytes where MPICH maps shared windows (a container's /dev/shm is often 64 MB)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 1 << 62               # no /dev/shm: MPICH maps elsewhere, nothing to check
+    return st.f_bavail * st.f_frsize
 
 
 def _chunked_allreduce(comm, buf, scale, MPI, chunk=DEFAULT_CHUNK_BYTES // 4):
