@@ -151,14 +151,14 @@ def scratch_shapes(int threads, int N, int C, int O, int H, int W, int V, int m,
 # Tile transforms: in C (cext/winograd_tiles.h) for `restrict`, which lets GCC vectorize them.
 
 cdef extern from "winograd_tiles.h" nogil:
-    void wg_input(const float* x, int H, int W, int iy0, int ix0, int a, const float* bt,
+    void wg_input(const float* x, int H, int W, int iy0, int ix0, int m, int a, const float* bt,
                   float* w, float* out, long pstride, int V)
     void wg_output(const float* mb, long pstride, int m, int a, const float* at,
                    const float* bias, int nv, float* y, int oh, int ow, int oy0, int ox0,
                    float* w, int V)
     void wg_dy(const float* dy, int oh, int ow, int oy0, int ox0, int m, int a,
                const float* am, float* w, float* out, long pstride, int V)
-    void wg_dx(const float* dv, long pstride, int a, const float* bm, int nv, float* dx,
+    void wg_dx(const float* dv, long pstride, int m, int a, const float* bm, int nv, float* dx,
                int H, int W, int iy0, int ix0, float* w, int V)
 
 
@@ -179,7 +179,7 @@ cdef void _inputs(const WGeom* g, const float* x, int n0, int count, float* vb,
                 t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
                 iy0, ix0 = ty * g.m - g.ph, tx * g.m - g.pw
                 for cb in range(g.Cb):
-                    wg_input(img + cb * plane, g.H, g.W, iy0, ix0, g.a, g.bt, w,
+                    wg_input(img + cb * plane, g.H, g.W, iy0, ix0, g.m, g.a, g.bt, w,
                              vb + t * g.cpad + cb * V, pstride, V)
 
 
@@ -248,7 +248,7 @@ cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float
                         nv = g.C - cb * V
                         if nv > V:
                             nv = V
-                        wg_dx(vb + t * g.cpad + cb * V, vstride, g.a, g.bm, nv, ximg + cb * xplane,
+                        wg_dx(vb + t * g.cpad + cb * V, vstride, g.m, g.a, g.bm, nv, ximg + cb * xplane,
                               g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, w, V)
 
 

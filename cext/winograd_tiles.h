@@ -147,38 +147,44 @@ WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const floa
     }
 }
 
-/* Entry points: the block widths IntelPack supports get constant lane counts. */
-#define WG_DISPATCH(call)                                                                 \
+/* Entry points: constant lane counts for the usual block widths and constant tile sizes for the
+ * usual F(m, r) (a = m + r - 1), so the compiler unrolls the small products completely. */
+#define WG_LANES(call)                                                                    \
     switch (V) {                                                                          \
-    case 4: { const int V_ = 4; call; break; }                                            \
     case 8: { const int V_ = 8; call; break; }                                            \
     case 16: { const int V_ = 16; call; break; }                                          \
     default: { const int V_ = V; call; break; }                                           \
     }
+#define WG_DISPATCH(call)                                                                 \
+    if (m == 4 && a == 6) { const int m_ = 4, a_ = 6; WG_LANES(call) }                   \
+    else if (m == 2 && a == 6) { const int m_ = 2, a_ = 6; WG_LANES(call) }              \
+    else if (m == 2 && a == 4) { const int m_ = 2, a_ = 4; WG_LANES(call) }              \
+    else if (m == 3 && a == 5) { const int m_ = 3, a_ = 5; WG_LANES(call) }              \
+    else { const int m_ = m, a_ = a; WG_LANES(call) }
 
-static void wg_input(const float *x, int H, int W, int iy0, int ix0, int a, const float *bt,
-                     float *w, float *out, long pstride, int V)
+static void wg_input(const float *x, int H, int W, int iy0, int ix0, int m, int a,
+                     const float *bt, float *w, float *out, long pstride, int V)
 {
-    WG_DISPATCH(wg_input_v(x, H, W, iy0, ix0, a, bt, w, out, pstride, V_))
+    WG_DISPATCH((void)m_; wg_input_v(x, H, W, iy0, ix0, a_, bt, w, out, pstride, V_))
 }
 
 static void wg_output(const float *mb, long pstride, int m, int a, const float *at,
                       const float *bias, int nv, float *y, int oh, int ow, int oy0, int ox0,
                       float *w, int V)
 {
-    WG_DISPATCH(wg_output_v(mb, pstride, m, a, at, bias, nv, y, oh, ow, oy0, ox0, w, V_))
+    WG_DISPATCH(wg_output_v(mb, pstride, m_, a_, at, bias, nv, y, oh, ow, oy0, ox0, w, V_))
 }
 
 static void wg_dy(const float *dy, int oh, int ow, int oy0, int ox0, int m, int a,
                   const float *am, float *w, float *out, long pstride, int V)
 {
-    WG_DISPATCH(wg_dy_v(dy, oh, ow, oy0, ox0, m, a, am, w, out, pstride, V_))
+    WG_DISPATCH(wg_dy_v(dy, oh, ow, oy0, ox0, m_, a_, am, w, out, pstride, V_))
 }
 
-static void wg_dx(const float *dv, long pstride, int a, const float *bm, int nv, float *dx,
-                  int H, int W, int iy0, int ix0, float *w, int V)
+static void wg_dx(const float *dv, long pstride, int m, int a, const float *bm, int nv,
+                  float *dx, int H, int W, int iy0, int ix0, float *w, int V)
 {
-    WG_DISPATCH(wg_dx_v(dv, pstride, a, bm, nv, dx, H, W, iy0, ix0, w, V_))
+    WG_DISPATCH((void)m_; wg_dx_v(dv, pstride, a_, bm, nv, dx, H, W, iy0, ix0, w, V_))
 }
 
 /* Weight transforms between Caffe's W [O][Cg][r][r] and the GEMM layout U [a*a][O][Cg]

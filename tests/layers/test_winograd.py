@@ -1,0 +1,155 @@
+"""Winograd convolution on the blocked layout (cext/winograd.pyx): the transform matrices, and
+the blocked Convolution layer on its Winograd path against the NCHW reference, forward and
+backward, with a numerical gradient check."""
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from caffepy.blob import Blob, Blocked
+from caffepy.kernels import reference as ref
+from caffepy.kernels import winograd
+from caffepy.layers import intel
+from caffepy.proto import caffe_pb2
+from gradient_checker import check_gradient
+from layer_cases import randn
+
+FLAVOURS = [(2, 3), (3, 3), (4, 3), (2, 5)]
+
+
+@pytest.mark.parametrize("m,r", FLAVOURS)
+def test_matrices_compute_a_tile_correlation(m, r):
+    at, g, bt = (t.astype(np.float64) for t in winograd.matrices(m, r))
+    a = m + r - 1
+    assert at.shape == (m, a) and g.shape == (a, r) and bt.shape == (a, a)
+    rng = np.random.default_rng(m * 10 + r)
+    d, w = rng.standard_normal((a, a)), rng.standard_normal((r, r))
+    y = at @ ((g @ w @ g.T) * (bt @ d @ bt.T)) @ at.T
+    want = np.array([[(d[i:i + r, j:j + r] * w).sum() for j in range(m)] for i in range(m)])
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)   # the matrices are float32
+
+
+def test_matrices_refuse_a_tile_too_large():
+    with pytest.raises(ValueError, match="tile side"):
+        winograd.matrices(6, 5)
+
+
+@pytest.mark.parametrize("r,oh,ow,m", [(3, 13, 13, 4), (3, 3, 3, 3), (3, 2, 2, 2), (5, 27, 27, 2)])
+def test_tile_choice_minimises_multiplies(r, oh, ow, m):
+    assert intel.winograd_tile(r, oh, ow) == m
+
+
+def _layer(C, O, k, pad, group, width, engine="DEFAULT", bias=True):
+    lp = caffe_pb2.LayerParameter()
+    text_format.Parse(f"""name: "conv" type: "Convolution" bottom: "b" top: "t"
+        convolution_param {{ num_output: {O} kernel_size: {k} pad: {pad} group: {group}
+        engine: {engine} bias_term: {str(bias).lower()}
+        weight_filler {{ type: "gaussian" std: 0.2 }} bias_filler {{ type: "gaussian" std: 0.2 }} }}""", lp)
+    layer = intel.BLOCKED["Convolution"](lp, caffe_pb2.TRAIN)
+    return layer
+
+
+def _blocked(x, width):
+    n, c, h, w = x.shape
+    b = Blob(name="b")
+    b.reshape(n, -(-c // width), h, w, width)
+    intel._k.pack(np.ascontiguousarray(x, np.float32), b.data)
+    b.layout = Blocked(width, c)
+    return b
+
+
+def _unpack(data, channels):
+    n, cb, h, w, v = data.shape
+    out = np.empty((n, channels, h, w), np.float32)
+    intel._k.unpack(np.ascontiguousarray(data), out)
+    return out
+
+
+def _padding_lanes(data, channels):
+    n, cb, h, w, v = data.shape
+    return data.transpose(0, 1, 4, 2, 3).reshape(n, cb * v, h, w)[:, channels:]
+
+
+# (N, C, O, kernel, pad, group, H, W): odd channel counts, groups, edges, small and large images
+SHAPES = [
+    (3, 16, 16, 3, 1, 1, 13, 13),       # AlexNet conv3-like: F(4x4, 3x3)
+    (5, 20, 36, 3, 1, 1, 9, 11),        # channels past a block, images not a whole tile count
+    (4, 32, 48, 3, 1, 2, 13, 13),       # groups, AlexNet conv4/5-like
+    (2, 16, 24, 3, 0, 1, 8, 7),         # no padding
+    (2, 16, 17, 3, 2, 1, 5, 6),         # padding wider than the tile overlap
+    (3, 16, 16, 3, 1, 1, 3, 3),         # one tile: F(3x3, 3x3)
+    (2, 32, 32, 5, 2, 2, 14, 13),       # AlexNet conv2-like: F(2x2, 5x5)
+]
+
+
+@pytest.mark.parametrize("width", [8, 16])
+@pytest.mark.parametrize("spec", SHAPES, ids=[f"N{s[0]}C{s[1]}O{s[2]}k{s[3]}p{s[4]}g{s[5]}_{s[6]}x{s[7]}"
+                                             for s in SHAPES])
+def test_winograd_convolution_matches_reference(spec, width):
+    N, C, O, k, pad, group, H, W = spec
+    layer = _layer(C, O, k, pad, group, width)
+    x = randn(N, C, H, W, seed=3)
+    bottom, top = [_blocked(x, width)], [Blob(name="t")]
+    layer.layer_setup(bottom, top)
+    layer.param_propagate_down = [True, True]
+    assert layer.winograd, "this shape should take the Winograd path"
+    w, b = layer.blobs[0].data.copy(), layer.blobs[1].data.copy()
+    layer.forward(bottom, top)
+    want = ref.conv_forward(x, w, b, (pad, pad), (1, 1), (1, 1), group)
+    got = _unpack(top[0].data, O)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert not _padding_lanes(top[0].data, O).any()
+
+    dy = randn(*want.shape, seed=4)
+    top[0].diff[...] = _blocked(dy, width).data
+    for blob in layer.blobs:
+        blob.diff[...] = 0
+    bottom[0].diff[...] = np.nan          # overwritten, never read
+    layer.backward(top, [True], bottom)
+    dw, db, dx = ref.conv_backward(dy, x, w, (pad, pad), (1, 1), (1, 1), group)
+    np.testing.assert_allclose(layer.blobs[0].diff, dw, rtol=1e-4, atol=1e-4 * np.abs(dw).max())
+    np.testing.assert_allclose(layer.blobs[1].diff, db, rtol=1e-4, atol=1e-4 * np.abs(db).max())
+    np.testing.assert_allclose(_unpack(bottom[0].diff, C), dx, rtol=1e-4, atol=1e-4 * np.abs(dx).max())
+    assert not _padding_lanes(bottom[0].diff, C).any()
+
+
+def test_engine_caffe_keeps_the_im2col_path():
+    layer = _layer(16, 16, 3, 1, 1, 8, engine="CAFFE")
+    layer.layer_setup([_blocked(randn(1, 16, 5, 5), 8)], [Blob(name="t")])
+    assert not layer.winograd
+
+
+@pytest.mark.parametrize("k,stride,dilation,channels", [(3, 2, 1, 16), (3, 1, 2, 16), (1, 1, 1, 16),
+                                                         (3, 1, 1, 8)])
+def test_winograd_only_where_it_applies(k, stride, dilation, channels):
+    lp = caffe_pb2.LayerParameter()
+    text_format.Parse(f"""name: "conv" type: "Convolution" convolution_param {{ num_output: 16
+        kernel_size: {k} stride: {stride} dilation: {dilation} pad: 1 }}""", lp)
+    layer = intel.BLOCKED["Convolution"](lp, caffe_pb2.TRAIN)
+    layer.layer_setup([_blocked(randn(1, channels, 9, 9), 8)], [Blob(name="t")])
+    assert not layer.winograd
+
+
+def test_winograd_weight_diffs_accumulate():
+    layer = _layer(16, 16, 3, 1, 1, 8)
+    bottom, top = [_blocked(randn(2, 16, 6, 6), 8)], [Blob(name="t")]
+    layer.layer_setup(bottom, top)
+    layer.param_propagate_down = [True, True]
+    layer.forward(bottom, top)
+    top[0].diff[...] = _blocked(randn(2, 16, 6, 6, seed=5), 8).data
+    for blob in layer.blobs:
+        blob.diff[...] = 0
+    layer.backward(top, [True], bottom)
+    once = [blob.diff.copy() for blob in layer.blobs]
+    layer.backward(top, [False], bottom)
+    for blob, first in zip(layer.blobs, once):
+        np.testing.assert_allclose(blob.diff, 2 * first, rtol=1e-5, atol=1e-6)
+
+
+def test_winograd_gradient_is_numerically_right():
+    layer = _layer(32, 32, 3, 1, 2, 8)
+    bottom, top = [_blocked(randn(1, 32, 4, 5, seed=6), 8)], [Blob(name="t")]
+    layer.layer_setup(bottom, top)
+    layer.param_propagate_down = [True, True]
+    assert layer.winograd
+    # the layer is linear, so a wide step is exact and keeps float32 rounding out of the quotient
+    check_gradient(layer, bottom, top, eps=0.5, max_checks=60)
