@@ -583,49 +583,244 @@ cdef void _ave_plane(float* x, float* y, int H, int W, int oh, int ow, int V, in
 
 # ---------------------------------------------------------------------------------------------
 # LRN across channels. scale = k + alpha/size * sum of x^2 over the `size` channels centred on c
-# (zero past the ends), y = x * scale^-beta. Per pixel, the channels of all blocks are gathered
-# into one contiguous row (with `pre` zeros at both ends), so the window that crosses blocks is a
-# plain sliding sum over a row; the lanes past C read as zero, exactly Caffe's zero padding.
-# Backward recomputes scale instead of storing it (one blob less to keep between passes).
+# (zero past the ends and past C), y = x * scale^-beta.
+#
+# A task takes a tile of L pixels of one image and walks its blocks in order; a block's pixels
+# are a contiguous run of L * V floats, streamed in and out by the loop that computes on them.
+# The window of a lane reaches into the blocks on both sides.
+#   fast path (FMA build, V = 8 or 16, local_size <= 9, beta 0.75: AlexNet's and GoogLeNet's
+#     LRN): per pixel, the quarters (4 lanes) of the block with the last quarter of the block
+#     before and the first of the block after; each window sum is a few in-register shifts
+#     across neighbouring quarters (alignr), and the power and the output follow in the same
+#     iteration, so the memory traffic overlaps the square roots and the division that bound
+#     the kernel. 128-bit vectors: a 256-bit shift across halves costs a lane permute, and this
+#     EPYC runs 256-bit ops as two halves anyway (measured slower).
+#   generic path (any width, size, beta): per block, each pixel's window row of pre + V + pre
+#     floats is filled (the `pre` neighbouring channels one float each), the window sums of the
+#     tile are formed, then the power in one contiguous loop.
+# The backward recomputes the scale from x (cheaper than storing and re-reading a scale blob:
+# no extra blob and less memory traffic) in two passes: the first writes dy * scale^-beta into
+# dx and keeps dy * x * scale^(-beta-1) per block, the second subtracts cache * x * the channel
+# window of what was kept, which needs the blocks on both sides, so it runs one block behind
+# (fast path: three kept blocks; generic path: the whole tile).
+
+cdef extern from *:
+    """
+    #if defined(__FMA__) && defined(__SSSE3__)
+    #include <immintrin.h>
+    #define CAFFEPY_LRN4 1
+
+    /* lanes [0, n) of a quarter set (n may be <= 0 or >= 4) */
+    static inline __m128 caffepy_lrn4_lanes(int n) {
+        return _mm_castsi128_ps(_mm_cmpgt_epi32(_mm_set1_epi32(n), _mm_setr_epi32(0, 1, 2, 3)));
+    }
+
+    #define CAFFEPY_ALIGNR4(hi, lo, bytes) _mm_castsi128_ps(_mm_alignr_epi8( \
+        _mm_castps_si128(hi), _mm_castps_si128(lo), bytes))
+
+    /* window sum over channels v - pre .. v + pre of quarter c, b / a being the quarters of the
+       four channels before / after it (pre <= 4) */
+    static inline __attribute__((always_inline)) __m128 caffepy_lrn4_window(
+            __m128 b, __m128 c, __m128 a, const int pre) {
+        __m128 w = c;
+        if (pre >= 1)
+            w = _mm_add_ps(w, _mm_add_ps(CAFFEPY_ALIGNR4(a, c, 4), CAFFEPY_ALIGNR4(c, b, 12)));
+        if (pre >= 2)
+            w = _mm_add_ps(w, _mm_add_ps(CAFFEPY_ALIGNR4(a, c, 8), CAFFEPY_ALIGNR4(c, b, 8)));
+        if (pre >= 3)
+            w = _mm_add_ps(w, _mm_add_ps(CAFFEPY_ALIGNR4(a, c, 12), CAFFEPY_ALIGNR4(c, b, 4)));
+        if (pre >= 4)
+            w = _mm_add_ps(w, _mm_add_ps(a, b));
+        return w;
+    }
+
+    /* p = s^-3/4 = 1 / (s^1/2 * s^1/4), no exp / log, and *q = p / s, with one division */
+    static inline __attribute__((always_inline)) __m128 caffepy_lrn4_pow(__m128 s, __m128* q) {
+        const __m128 r = _mm_sqrt_ps(s);
+        *q = _mm_div_ps(_mm_set1_ps(1.0f), _mm_mul_ps(_mm_mul_ps(s, r), _mm_sqrt_ps(r)));
+        return _mm_mul_ps(*q, s);
+    }
+
+    /* The quarters around pixel t of a block run, as m + 2 quarters: the last of the block
+       before (zero when cp is NULL), the m of this block, the first of the block after (zero
+       when cn is NULL), squared if sq; lanes past the real channels are zeroed (unless full:
+       all of them are real). */
+    static inline __attribute__((always_inline)) void caffepy_lrn4_load(
+            __m128* q, const float* cp, const float* cc, const float* cn, long t, const int m,
+            int nv, int nn, int sq, const int full) {
+        const long V = 4 * m;
+        int j;
+        q[0] = cp ? _mm_loadu_ps(cp + V * t + V - 4) : _mm_setzero_ps();
+        for (j = 0; j < m; j++) {
+            q[j + 1] = _mm_loadu_ps(cc + V * t + 4 * j);
+            if (!full)
+                q[j + 1] = _mm_and_ps(q[j + 1], caffepy_lrn4_lanes(nv - 4 * j));
+        }
+        q[m + 1] = cn ? _mm_loadu_ps(cn + V * t) : _mm_setzero_ps();
+        if (!full)
+            q[m + 1] = _mm_and_ps(q[m + 1], caffepy_lrn4_lanes(nn));
+        if (sq)
+            for (j = 0; j < m + 2; j++)
+                q[j] = _mm_mul_ps(q[j], q[j]);
+    }
+
+    /* x, zeroed past the real lanes unless full */
+    #define CAFFEPY_LRN4_MASK(x, j) (full ? (x) : _mm_and_ps((x), caffepy_lrn4_lanes(nv - 4 * (j))))
+
+    /* Forward of one block run of L pixels (V = 4 m lanes): xc this block, xp / xn the blocks
+       before / after (NULL: none), nv / nn the real lanes of this block / the next. */
+    static inline __attribute__((always_inline)) void caffepy_lrn4_fwd_mp(
+            const float* xp, const float* xc, const float* xn, float* y, long L, int nv, int nn,
+            float k, float a, const int m, const int pre, const int full) {
+        const __m128 vk = _mm_set1_ps(k), va = _mm_set1_ps(a);
+        __m128 q[18], s, r, x, out;
+        long t;
+        int j;
+        for (t = 0; t < L; t++) {
+            caffepy_lrn4_load(q, xp, xc, xn, t, m, nv, nn, 1, full);
+            for (j = 0; j < m; j++) {
+                s = _mm_fmadd_ps(va, caffepy_lrn4_window(q[j], q[j + 1], q[j + 2], pre), vk);
+                x = _mm_loadu_ps(xc + 4 * (m * t + j));
+                r = _mm_sqrt_ps(s);     /* x / (s^1/2 * s^1/4) */
+                out = _mm_div_ps(x, _mm_mul_ps(r, _mm_sqrt_ps(r)));
+                _mm_storeu_ps(y + 4 * (m * t + j), CAFFEPY_LRN4_MASK(out, j));
+            }
+        }
+    }
+
+    /* Backward pass 1 over one block run: dx = dy * s^-beta, keep = dy * x * s^(-beta-1) */
+    static inline __attribute__((always_inline)) void caffepy_lrn4_bwd1_mp(
+            const float* xp, const float* xc, const float* xn, const float* dy, float* dx,
+            float* keep, long L, int nv, int nn, float k, float a, const int m,
+            const int pre, const int full) {
+        const __m128 vk = _mm_set1_ps(k), va = _mm_set1_ps(a);
+        __m128 q[18], s, p, inv, g;
+        long t, o;
+        int j;
+        for (t = 0; t < L; t++) {
+            caffepy_lrn4_load(q, xp, xc, xn, t, m, nv, nn, 1, full);
+            for (j = 0; j < m; j++) {
+                o = 4 * (m * t + j);
+                s = _mm_fmadd_ps(va, caffepy_lrn4_window(q[j], q[j + 1], q[j + 2], pre), vk);
+                p = caffepy_lrn4_pow(s, &inv);
+                g = _mm_loadu_ps(dy + o);
+                _mm_storeu_ps(dx + o, _mm_mul_ps(g, p));
+                /* lanes past C kept at 0: pass 2's windows read them */
+                _mm_storeu_ps(keep + o, CAFFEPY_LRN4_MASK(
+                    _mm_mul_ps(_mm_mul_ps(g, _mm_loadu_ps(xc + o)), inv), j));
+            }
+        }
+    }
+
+    /* Backward pass 2 over one block run: dx -= cache * x * window of keep (kp / kn: NULL
+       past the ends); lanes past C of dx get 0 */
+    static inline __attribute__((always_inline)) void caffepy_lrn4_bwd2_mp(
+            const float* kp, const float* kc, const float* kn, const float* xc, float* dx, long L,
+            int nv, int nn, float cache, const int m, const int pre, const int full) {
+        const __m128 vc = _mm_set1_ps(cache);
+        __m128 q[18], d;
+        long t, o;
+        int j;
+        for (t = 0; t < L; t++) {
+            caffepy_lrn4_load(q, kp, kc, kn, t, m, nv, nn, 0, full);
+            for (j = 0; j < m; j++) {
+                o = 4 * (m * t + j);
+                d = _mm_fnmadd_ps(_mm_mul_ps(vc, _mm_loadu_ps(xc + o)),
+                                  caffepy_lrn4_window(q[j], q[j + 1], q[j + 2], pre),
+                                  _mm_loadu_ps(dx + o));
+                _mm_storeu_ps(dx + o, CAFFEPY_LRN4_MASK(d, j));
+            }
+        }
+    }
+
+    /* one copy of each for V = 8 and 16, local_size 1, 3, 5, 7, 9 and full or partial blocks,
+       so the quarter and shift loops unroll and full blocks skip the lane masks */
+    #define CAFFEPY_LRN4_PRE(call, M, F) switch (pre) { case 0: call(M, 0, F); break; \
+        case 1: call(M, 1, F); break; case 2: call(M, 2, F); break; \
+        case 3: call(M, 3, F); break; default: call(M, 4, F); }
+    #define CAFFEPY_LRN4_DISPATCH(call) { \
+        const int full_ = nv >= V && (nn >= 4 || nn <= 0); \
+        if (V == 8) { if (full_) CAFFEPY_LRN4_PRE(call, 2, 1) else CAFFEPY_LRN4_PRE(call, 2, 0) } \
+        else { if (full_) CAFFEPY_LRN4_PRE(call, 4, 1) else CAFFEPY_LRN4_PRE(call, 4, 0) } }
+
+    static void caffepy_lrn4_fwd(const float* xp, const float* xc, const float* xn, float* y,
+                                 long L, int nv, int nn, int V, int pre, float k, float a) {
+        #define CAFFEPY_CALL(M, P, F) caffepy_lrn4_fwd_mp(xp, xc, xn, y, L, nv, nn, k, a, M, P, F)
+        CAFFEPY_LRN4_DISPATCH(CAFFEPY_CALL)
+        #undef CAFFEPY_CALL
+    }
+    static void caffepy_lrn4_bwd1(const float* xp, const float* xc, const float* xn,
+                                  const float* dy, float* dx, float* keep, long L, int nv, int nn,
+                                  int V, int pre, float k, float a) {
+        #define CAFFEPY_CALL(M, P, F) caffepy_lrn4_bwd1_mp(xp, xc, xn, dy, dx, keep, L, nv, nn, \
+                                                           k, a, M, P, F)
+        CAFFEPY_LRN4_DISPATCH(CAFFEPY_CALL)
+        #undef CAFFEPY_CALL
+    }
+    static void caffepy_lrn4_bwd2(const float* kp, const float* kc, const float* kn,
+                                  const float* xc, float* dx, long L, int nv, int nn, int V,
+                                  int pre, float cache) {
+        #define CAFFEPY_CALL(M, P, F) caffepy_lrn4_bwd2_mp(kp, kc, kn, xc, dx, L, nv, nn, cache, M, P, F)
+        CAFFEPY_LRN4_DISPATCH(CAFFEPY_CALL)
+        #undef CAFFEPY_CALL
+    }
+    #else
+    #define CAFFEPY_LRN4 0
+    static void caffepy_lrn4_fwd(const float* xp, const float* xc, const float* xn, float* y,
+                                 long L, int nv, int nn, int V, int pre, float k, float a) {}
+    static void caffepy_lrn4_bwd1(const float* xp, const float* xc, const float* xn,
+                                  const float* dy, float* dx, float* keep, long L, int nv, int nn,
+                                  int V, int pre, float k, float a) {}
+    static void caffepy_lrn4_bwd2(const float* kp, const float* kc, const float* kn,
+                                  const float* xc, float* dx, long L, int nv, int nn, int V,
+                                  int pre, float cache) {}
+    #endif
+    """
+    bint _LRN4 "CAFFEPY_LRN4"
+    void _lrn4_fwd "caffepy_lrn4_fwd"(const float* xp, const float* xc, const float* xn, float* y,
+                                      long L, int nv, int nn, int V, int pre, float k,
+                                      float a) noexcept nogil
+    void _lrn4_bwd1 "caffepy_lrn4_bwd1"(const float* xp, const float* xc, const float* xn,
+                                        const float* dy, float* dx, float* keep, long L, int nv,
+                                        int nn, int V, int pre, float k,
+                                        float a) noexcept nogil
+    void _lrn4_bwd2 "caffepy_lrn4_bwd2"(const float* kp, const float* kc, const float* kn,
+                                        const float* xc, float* dx, long L, int nv, int nn, int V,
+                                        int pre, float cache) noexcept nogil
+
 
 DEF _MAXC = 2048          # channels (padded to blocks) an LRN kernel takes
 DEF _MAXPAD = 128         # (local_size - 1) / 2 at most
-DEF _CHUNK = 8            # pixels per task (two tiles of _CHUNK x _MAXC floats on the stack)
+DEF _ROWS = 4096          # generic path: floats of the window rows of a tile (L * W)
+DEF _KEEP = 24576         # backward: floats kept per tile (generic: L * Cb * V, fast: 3 * L * V)
+DEF _PIXELS = 1024        # fast path: pixels per tile
+
+cdef enum:
+    _POW_075 = 0
+    _POW_050 = 1
+    _POW_100 = 2
+    _POW_ANY = 3
 
 
 def lrn_max_channels():
     return _MAXC, 2 * _MAXPAD + 1
 
 
-cdef inline void _neg_pow(const float* s, float* out, int n, float beta) noexcept nogil:
-    """out = s ** -beta, with the common betas on square roots (no exp/log)."""
-    cdef int i
-    cdef float r
+cdef int _pow_kind(float beta) noexcept nogil:
     if beta == 0.75:
-        for i in range(n):
-            r = sqrtf(s[i])
-            out[i] = 1.0 / (r * sqrtf(r))
-    elif beta == 0.5:
-        for i in range(n):
-            out[i] = 1.0 / sqrtf(s[i])
-    elif beta == 1.0:
-        for i in range(n):
-            out[i] = 1.0 / s[i]
-    else:
-        for i in range(n):
-            out[i] = powf(s[i], -beta)
+        return _POW_075
+    if beta == 0.5:
+        return _POW_050
+    if beta == 1.0:
+        return _POW_100
+    return _POW_ANY
 
 
-cdef inline void _window_sum(const float* padded, float* acc, int n, int size) noexcept nogil:
-    """acc[c] = padded[c] + ... + padded[c + size - 1]."""
-    cdef int c, d
-    cdef const float* q
-    for c in range(n):
-        acc[c] = padded[c]
-    for d in range(1, size):
-        q = padded + d          # a pointer, so the loop below is a plain contiguous one
-        for c in range(n):
-            acc[c] += q[c]
+cdef struct LrnGeom:
+    int C, Cb, V, pre, W, kind
+    bint fast
+    Py_ssize_t HW
+    float k, a, beta, cache
 
 
 cdef _check_lrn(x, others, int size, int C):
@@ -641,117 +836,251 @@ cdef _check_lrn(x, others, int size, int C):
               f"{name}: shape {tuple(o.shape[:5])} does not fit {tuple(x.shape[:5])}")
 
 
+cdef LrnGeom _lrn_geom(x, int C, int size, float alpha, float beta, float k):
+    cdef LrnGeom g
+    g.C, g.Cb, g.V = C, x.shape[1], x.shape[4]
+    g.HW = <Py_ssize_t>x.shape[2] * x.shape[3]
+    g.pre = (size - 1) // 2
+    g.W = g.V + 2 * g.pre
+    g.kind = _pow_kind(beta)
+    g.k, g.a, g.beta = k, alpha / size, beta
+    g.cache = 2.0 * alpha * beta / size
+    g.fast = _LRN4 and (g.V == 8 or g.V == 16) and g.pre <= 4 and g.kind == _POW_075
+    return g
+
+
 def lrn_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y, int C, int size,
                 float alpha, float beta, float k):
     """y = x * (k + alpha/size * window sum of x^2 across channels)^-beta (overwritten)."""
     _check_lrn(x, [("top", y)], size, C)
-    cdef int N = x.shape[0], Cb = x.shape[1], V = x.shape[4]
-    cdef Py_ssize_t HW = <Py_ssize_t>x.shape[2] * x.shape[3]
-    cdef Py_ssize_t chunks = (HW + _CHUNK - 1) // _CHUNK, item
-    if N * Cb == 0 or HW == 0:
+    cdef LrnGeom g = _lrn_geom(x, C, size, alpha, beta, k)
+    cdef int N = x.shape[0], L = _PIXELS if g.fast else _ROWS // g.W
+    cdef Py_ssize_t tiles = (g.HW + L - 1) // L, item, image = g.Cb * g.HW * g.V
+    if N * g.Cb == 0 or g.HW == 0:
         return
     with nogil:
-        for item in prange(N * chunks, schedule="static"):
-            _lrn_chunk(&x[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V, NULL,
-                       &y[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
-                       (item % chunks) * _CHUNK, C, Cb, V, HW, size, alpha, beta, k)
+        for item in prange(N * tiles, schedule="static"):
+            _lrn_fwd_tile(&x[0, 0, 0, 0, 0] + (item // tiles) * image,
+                          &y[0, 0, 0, 0, 0] + (item // tiles) * image, (item % tiles) * L, L, &g)
 
 
 def lrn_backward(const float[:, :, :, :, ::1] x, const float[:, :, :, :, ::1] dy,
                  float[:, :, :, :, ::1] dx, int C, int size, float alpha, float beta, float k):
     """dx = dy * scale^-beta - 2*alpha*beta/size * x * window sum of dy * y / scale (overwritten)."""
     _check_lrn(x, [("top_diff", dy), ("bottom_diff", dx)], size, C)
-    cdef int N = x.shape[0], Cb = x.shape[1], V = x.shape[4]
-    cdef Py_ssize_t HW = <Py_ssize_t>x.shape[2] * x.shape[3]
-    cdef Py_ssize_t chunks = (HW + _CHUNK - 1) // _CHUNK, item
-    if N * Cb == 0 or HW == 0:
+    cdef LrnGeom g = _lrn_geom(x, C, size, alpha, beta, k)
+    cdef int N = x.shape[0]
+    cdef int L = min(_PIXELS, _KEEP // (3 * g.V)) if g.fast else min(_ROWS // g.W, _KEEP // (g.Cb * g.V))
+    cdef Py_ssize_t tiles = (g.HW + L - 1) // L, item, image = g.Cb * g.HW * g.V
+    if N * g.Cb == 0 or g.HW == 0:
         return
     with nogil:
-        for item in prange(N * chunks, schedule="static"):
-            _lrn_chunk(&x[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
-                       &dy[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
-                       &dx[0, 0, 0, 0, 0] + (item // chunks) * Cb * HW * V,
-                       (item % chunks) * _CHUNK, C, Cb, V, HW, size, alpha, beta, k)
+        for item in prange(N * tiles, schedule="static"):
+            _lrn_bwd_tile(&x[0, 0, 0, 0, 0] + (item // tiles) * image,
+                          &dy[0, 0, 0, 0, 0] + (item // tiles) * image,
+                          &dx[0, 0, 0, 0, 0] + (item // tiles) * image, (item % tiles) * L, L, &g)
 
 
-cdef void _lrn_chunk(const float* x, const float* dy, float* out, Py_ssize_t p0, int C, int Cb, int V,
-                     Py_ssize_t HW, int size, float alpha, float beta, float k) noexcept nogil:
-    # forward when dy is NULL (out = y), backward otherwise (out = dx). The tile's pixels are
-    # gathered block by block (contiguous runs of L * V floats) into rows of Cp channels, each
-    # row is normalized in place, and the rows are scattered back the same way.
-    cdef float xs[_CHUNK * _MAXC]
-    cdef float gs[_CHUNK * _MAXC]
-    cdef float row[_MAXC + 2 * _MAXPAD]
-    cdef float acc[_MAXC]
-    cdef float sc[_MAXC]
-    cdef float pw[_MAXC]
-    cdef int pre = (size - 1) // 2, Cp = Cb * V, c, cb, t, v
-    cdef int L = <int>min(<Py_ssize_t>_CHUNK, HW - p0)
-    cdef float a = alpha / size, cache = 2.0 * alpha * beta / size
-    cdef Py_ssize_t plane = HW * V
-    cdef float* r
-    cdef float* g
-    cdef float* mid = row + pre
-    for c in range(pre):
-        row[c] = 0.0
-        row[pre + Cp + c] = 0.0
-    _gather(x, xs, p0, L, Cb, V, plane)
-    if dy != NULL:
-        _gather(dy, gs, p0, L, Cb, V, plane)
-    for t in range(L):
-        r = xs + t * Cp
-        for c in range(C):
-            mid[c] = r[c] * r[c]
-        for c in range(C, Cp):
-            mid[c] = 0.0
-        _window_sum(row, acc, Cp, size)
-        for c in range(Cp):
-            sc[c] = k + a * acc[c]
-        _neg_pow(sc, pw, Cp, beta)
-        if dy == NULL:
-            for c in range(C):
-                r[c] = r[c] * pw[c]
+cdef void _lrn_fwd_tile(const float* x, float* y, Py_ssize_t p0, int L, const LrnGeom* g) noexcept nogil:
+    cdef int cb, V = g.V
+    cdef Py_ssize_t run = g.HW * V
+    cdef const float* xc
+    L = <int>min(<Py_ssize_t>L, g.HW - p0)
+    if not g.fast:
+        _lrn_fwd_generic(x, y, p0, L, g)
+        return
+    for cb in range(g.Cb):
+        xc = x + cb * run + p0 * V
+        _lrn4_fwd(xc - run if cb > 0 else NULL, xc, xc + run if cb + 1 < g.Cb else NULL,
+                  y + cb * run + p0 * V, L, min(V, g.C - cb * V), min(V, g.C - cb * V - V), V,
+                  g.pre, g.k, g.a)
+
+
+cdef void _lrn_bwd_tile(const float* x, const float* dy, float* dx, Py_ssize_t p0, int L,
+                        const LrnGeom* g) noexcept nogil:
+    # pass 2 of block j needs what pass 1 kept for blocks j - 1, j, j + 1: it runs one block
+    # behind pass 1, and three kept blocks are enough
+    cdef float keep[_KEEP]
+    cdef int cb, j, V = g.V
+    cdef Py_ssize_t run = g.HW * V, off, kr
+    cdef const float* xc
+    L = <int>min(<Py_ssize_t>L, g.HW - p0)
+    if not g.fast:
+        _lrn_bwd_generic(x, dy, dx, p0, L, g, keep)
+        return
+    kr = <Py_ssize_t>L * V
+    for cb in range(g.Cb + 1):
+        if cb < g.Cb:
+            off = cb * run + p0 * V
+            xc = x + off
+            _lrn4_bwd1(xc - run if cb > 0 else NULL, xc, xc + run if cb + 1 < g.Cb else NULL,
+                       dy + off, dx + off, keep + (cb % 3) * kr, L, min(V, g.C - cb * V),
+                       min(V, g.C - cb * V - V), V, g.pre, g.k, g.a)
+        if cb > 0:
+            j = cb - 1
+            off = j * run + p0 * V
+            _lrn4_bwd2(keep + ((j + 2) % 3) * kr if j > 0 else NULL, keep + (j % 3) * kr,
+                       keep + ((j + 1) % 3) * kr if j + 1 < g.Cb else NULL, x + off, dx + off,
+                       L, min(V, g.C - j * V), min(V, g.C - j * V - V), V, g.pre, g.cache)
+
+
+cdef void _lrn_fwd_generic(const float* x, float* y, Py_ssize_t p0, int L,
+                           const LrnGeom* g) noexcept nogil:
+    cdef float rows[_ROWS]
+    cdef float acc[_ROWS]
+    cdef int cb
+    cdef Py_ssize_t j, n
+    cdef float s, r, k = g.k, a = g.a, beta = g.beta
+    cdef const float* xc
+    cdef float* yc
+    n = <Py_ssize_t>L * g.V
+    for cb in range(g.Cb):
+        xc = x + (cb * g.HW + p0) * g.V
+        yc = y + (cb * g.HW + p0) * g.V
+        _block_window(x + p0 * g.V, g.HW * g.V, cb, L, g, True, rows, acc)
+        # one loop per power so each vectorizes (s^-3/4 = 1 / (s^1/2 * s^1/4): no exp / log)
+        if g.kind == _POW_075:
+            for j in range(n):
+                s = k + a * acc[j]
+                r = sqrtf(s)
+                yc[j] = xc[j] / (r * sqrtf(r))
+        elif g.kind == _POW_050:
+            for j in range(n):
+                yc[j] = xc[j] / sqrtf(k + a * acc[j])
+        elif g.kind == _POW_100:
+            for j in range(n):
+                yc[j] = xc[j] / (k + a * acc[j])
         else:
-            # row <- dy * x * scale^(-beta-1) = dy * y / scale, then its window sum
-            g = gs + t * Cp
-            for c in range(C):
-                mid[c] = g[c] * r[c] * pw[c] / sc[c]
-            _window_sum(row, acc, Cp, size)
-            for c in range(C):
-                r[c] = g[c] * pw[c] - cache * r[c] * acc[c]
-        for c in range(C, Cp):
-            r[c] = 0.0
-    _scatter(xs, out, p0, L, Cb, V, plane)
+            for j in range(n):
+                yc[j] = xc[j] * powf(k + a * acc[j], -beta)
+        _zero_lanes(yc, cb, L, g)
 
 
-cdef inline void _gather(const float* src, float* rows, Py_ssize_t p0, int L, int Cb, int V,
-                         Py_ssize_t plane) noexcept nogil:
-    """rows[t, cb * V + v] = src[cb, p0 + t, v]."""
-    cdef int cb, t, v
-    cdef Py_ssize_t Cp = <Py_ssize_t>Cb * V
+cdef void _lrn_bwd_generic(const float* x, const float* dy, float* dx, Py_ssize_t p0, int L,
+                           const LrnGeom* g, float* keep) noexcept nogil:
+    # with p = scale^-beta and q = scale^(-beta-1):  dx = dy * p - cache * x * window of dy*x*q
+    cdef float rows[_ROWS]
+    cdef float acc[_ROWS]
+    cdef int cb
+    cdef Py_ssize_t j, n, off
+    cdef float s, r, p, q, one = 1.0, k = g.k, a = g.a, beta = g.beta, c = g.cache
+    cdef const float* xc
+    cdef const float* gc
+    cdef float* dc
+    cdef float* kc
+    n = <Py_ssize_t>L * g.V
+    for cb in range(g.Cb):
+        off = (cb * g.HW + p0) * g.V
+        xc = x + off
+        gc = dy + off
+        dc = dx + off
+        kc = keep + cb * n
+        _block_window(x + p0 * g.V, g.HW * g.V, cb, L, g, True, rows, acc)
+        if g.kind == _POW_075:
+            for j in range(n):
+                s = k + a * acc[j]
+                r = sqrtf(s)
+                q = one / (s * r * sqrtf(r))
+                dc[j] = gc[j] * q * s
+                kc[j] = gc[j] * xc[j] * q
+        elif g.kind == _POW_050:
+            for j in range(n):
+                s = k + a * acc[j]
+                q = one / (s * sqrtf(s))
+                dc[j] = gc[j] * q * s
+                kc[j] = gc[j] * xc[j] * q
+        elif g.kind == _POW_100:
+            for j in range(n):
+                s = k + a * acc[j]
+                q = one / (s * s)
+                dc[j] = gc[j] * q * s
+                kc[j] = gc[j] * xc[j] * q
+        else:
+            for j in range(n):
+                s = k + a * acc[j]
+                p = powf(s, -beta)
+                dc[j] = gc[j] * p
+                kc[j] = gc[j] * xc[j] * p / s
+    for cb in range(g.Cb):
+        off = (cb * g.HW + p0) * g.V
+        xc = x + off
+        dc = dx + off
+        _block_window(keep, n, cb, L, g, False, rows, acc)
+        for j in range(n):
+            dc[j] -= c * xc[j] * acc[j]
+        _zero_lanes(dc, cb, L, g)
+
+
+cdef inline void _zero_lanes(float* run, int cb, int L, const LrnGeom* g) noexcept nogil:
+    """Zero the lanes past C of block cb's run of L pixels."""
+    cdef int t, lo = g.C - cb * g.V
+    if lo >= g.V:
+        return
+    for t in range(L):
+        memset(run + t * g.V + lo, 0, (g.V - lo) * sizeof(float))
+
+
+cdef inline void _block_window(const float* src, Py_ssize_t bstride, int cb, int L,
+                               const LrnGeom* g, bint square, float* rows,
+                               float* acc) noexcept nogil:
+    # literal widths, so that the loops over the lanes of a pixel are fixed-size vector ops
+    if g.V == 8:
+        _block_window_v(src, bstride, cb, L, g, square, rows, acc, 8)
+    elif g.V == 16:
+        _block_window_v(src, bstride, cb, L, g, square, rows, acc, 16)
+    else:
+        _block_window_v(src, bstride, cb, L, g, square, rows, acc, g.V)
+
+
+cdef inline void _block_window_v(const float* src, Py_ssize_t bstride, int cb, int L,
+                                 const LrnGeom* g, bint square, float* rows, float* acc,
+                                 int V) noexcept nogil:
+    """acc[t, v] = sum of f(channel cb * V + v + d) over |d| <= pre, for the L pixels t of a
+    tile, where f is the square (or the identity) of src[c // V * bstride + t * V + c % V] for
+    the real channels c and 0 elsewhere (past either end, and the lanes past C)."""
+    cdef int W = g.W, pre = g.pre, C = g.C, e, c, t, v, nv
     cdef const float* s
-    cdef float* d
-    for cb in range(Cb):
-        s = src + cb * plane + p0 * V
-        d = rows + cb * V
-        for t in range(L):
+    cdef float* row
+    cdef float u
+    # this block's lanes
+    nv = min(V, C - cb * V)
+    s = src + cb * bstride
+    for t in range(L):
+        row = rows + t * W + pre
+        if square:
             for v in range(V):
-                d[v] = s[v]
-            s += V
-            d += Cp
-
-
-cdef inline void _scatter(const float* rows, float* dst, Py_ssize_t p0, int L, int Cb, int V,
-                          Py_ssize_t plane) noexcept nogil:
-    cdef int cb, t, v
-    cdef Py_ssize_t Cp = <Py_ssize_t>Cb * V
-    cdef const float* s
-    cdef float* d
-    for cb in range(Cb):
-        d = dst + cb * plane + p0 * V
-        s = rows + cb * V
-        for t in range(L):
+                row[v] = s[v] * s[v]
+        else:
             for v in range(V):
-                d[v] = s[v]
-            s += Cp
-            d += V
+                row[v] = s[v]
+        s += V
+    if nv < V:
+        for t in range(L):
+            for v in range(nv, V):
+                rows[t * W + pre + v] = 0.0
+    # the `pre` channels on each side, from the neighbouring blocks (strided: one lane each)
+    for e in range(2 * pre):
+        c = cb * V - pre + e if e < pre else cb * V + V + e - pre
+        row = rows + (e if e < pre else V + e)
+        if c < 0 or c >= C:
+            for t in range(L):
+                row[t * W] = 0.0
+        else:
+            s = src + (c // V) * bstride + c % V
+            for t in range(L):
+                u = s[t * V]
+                row[t * W] = u * u if square else u
+    # window sums: `size` shifted loads of each row
+    if pre == 2:            # local_size 5 (AlexNet, GoogLeNet)
+        for t in range(L):
+            row = rows + t * W
+            for v in range(V):
+                acc[t * V + v] = row[v] + row[v + 1] + row[v + 2] + row[v + 3] + row[v + 4]
+    else:
+        for t in range(L):
+            row = rows + t * W
+            for v in range(V):
+                u = 0.0
+                for e in range(2 * pre + 1):
+                    u = u + row[v + e]
+                acc[t * V + v] = u

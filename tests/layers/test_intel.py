@@ -178,7 +178,11 @@ def test_blocked_global_pooling():
 # ---------------------------------------------------------------------------------------------
 # LRN across channels: the window crosses blocks
 
-LRNS = [(13, 5, 0.75, 1.0), (20, 5, 0.75, 2.0), (17, 3, 0.6, 1.5), (9, 7, 0.5, 1.0), (24, 5, 1.0, 1.0)]
+# beta 0.75 with local_size <= 9 and widths 8 / 16 take the vectorized path of the kernels (full
+# and partial blocks, windows reaching 0-4 lanes into the neighbours), the others the generic one
+LRNS = [(13, 5, 0.75, 1.0), (20, 5, 0.75, 2.0), (17, 3, 0.6, 1.5), (9, 7, 0.5, 1.0), (24, 5, 1.0, 1.0),
+        (40, 9, 0.75, 1.0), (11, 1, 0.75, 1.0), (32, 3, 0.75, 0.5), (19, 7, 0.75, 1.0),
+        (21, 11, 0.75, 1.0)]
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -196,6 +200,46 @@ def test_blocked_lrn_matches_reference(spec, width):
     dx = ref.lrn_across_backward(x, want, scale, dy, size, 0.3, beta)
     np.testing.assert_allclose(ref_unpack(bottom[0].diff, C), dx, rtol=1e-4, atol=1e-5)
     assert not ref_unpack(bottom[0].diff, bottom[0].shape[1] * width)[:, C:].any()
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("beta", [0.75, 0.6])
+def test_blocked_lrn_many_tiles(width, beta):
+    # more pixels than one task takes (1188 > 1024), AlexNet's parameters
+    C, size, alpha = 35, 5, 1e-2
+    x = randn(2, C, 36, 33, seed=11, scale=4.0)
+    params = f"lrn_param {{ local_size: {size} alpha: {alpha} beta: {beta} }}"
+    layer, bottom, top = blocked_layer("LRN", params, [x], width)
+    layer.forward(bottom, top)
+    want, scale = ref.lrn_across_forward(x, size, alpha, beta, 1.0)
+    np.testing.assert_allclose(ref_unpack(top[0].data, C), want, rtol=1e-5, atol=1e-6)
+    dy = randn(*x.shape, seed=12)
+    run_backward(layer, bottom, top, [dy])
+    dx = ref.lrn_across_backward(x, want, scale, dy, size, alpha, beta)
+    np.testing.assert_allclose(ref_unpack(bottom[0].diff, C), dx, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("beta", [0.75, 0.6])
+def test_blocked_lrn_backward_ignores_padding_lanes(width, beta):
+    # whatever sits in the padding lanes of x and of the top diff (even inf) stays out of the
+    # real lanes, and the bottom diff's padding lanes come out 0
+    C = 13
+    x = randn(2, C, 3, 4, seed=13)
+    params = f"lrn_param {{ local_size: 5 alpha: 0.5 beta: {beta} }}"
+    layer, bottom, top = blocked_layer("LRN", params, [x], width)
+    bottom[0].data[:, -1, :, :, C % width:] = np.inf
+    layer.forward(bottom, top)
+    want, scale = ref.lrn_across_forward(x, 5, 0.5, beta, 1.0)
+    np.testing.assert_allclose(ref_unpack(top[0].data, C), want, rtol=1e-5, atol=1e-6)
+    assert not top[0].data[:, -1, :, :, C % width:].any()
+    dy = randn(*x.shape, seed=14)
+    top[0].diff[...] = ref_pack(dy, width)
+    top[0].diff[:, -1, :, :, C % width:] = 0.5
+    layer.backward(top, [True], bottom)
+    dx = ref.lrn_across_backward(x, want, scale, dy, 5, 0.5, beta)
+    np.testing.assert_allclose(ref_unpack(bottom[0].diff, C), dx, rtol=1e-4, atol=1e-5)
+    assert not bottom[0].diff[:, -1, :, :, C % width:].any()
 
 
 def test_blocked_lrn_ignores_padding_lanes():
