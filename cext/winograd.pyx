@@ -291,6 +291,17 @@ def weight_grad_add(const float[:, :, ::1] du, const float[:, ::1] gm, float[:, 
 # ---------------------------------------------------------------------------------------------
 # Entry points
 
+_WORK = np.empty((0, 0), np.float32)
+
+
+def _work_buffer(int threads):
+    """Per-thread tile memory, kept between calls (no allocation in steady state)."""
+    global _WORK
+    if _WORK.shape[0] < threads:
+        _WORK = np.empty((threads, 3 * MAX_A * MAX_A * MAX_V), np.float32)
+    return _WORK
+
+
 cdef int _threads_for(int chunks, int T) noexcept nogil:
     if T > chunks:
         T = chunks
@@ -314,7 +325,7 @@ def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
     _need(bias.shape[0] == g.opad, f"Winograd: bias must hold {g.opad} values (padded)")
     cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid
     cdef int saved = 0
-    cdef float[:, ::1] work = np.empty((T, 3 * MAX_A * MAX_A * MAX_V + 16), np.float32)
+    cdef float[:, ::1] work = _work_buffer(T)
     if g.N == 0:
         return
     nt = _threads_for(chunks, T)
@@ -357,7 +368,7 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
     cdef Py_ssize_t us = <Py_ssize_t>g.a * g.a * O * g.Cg, i
     cdef float* dup = &du[0, 0, 0, 0] if need_w else NULL
     cdef float* dxp = &dx[0, 0, 0, 0, 0] if need_x else NULL
-    cdef float[:, ::1] work = np.empty((T, 3 * MAX_A * MAX_A * MAX_V + 16), np.float32)
+    cdef float[:, ::1] work = _work_buffer(T)
     if g.N == 0 or not (need_x or need_w):
         return
     nt = _threads_for(chunks, T)

@@ -213,6 +213,9 @@ def winograd_tile(r, oh, ow):
     return min(WINOGRAD_TILES[r], key=lambda m: ((m + r - 1) ** 2 * -(-oh // m) * -(-ow // m), m))
 
 
+_NO_DU, _NO_DX = np.zeros((1,) * 4, np.float32), np.zeros((1,) * 5, np.float32)
+
+
 @functools.lru_cache(maxsize=None)
 def winograd_matrices(m, r):
     return _winograd.matrices(m, r)
@@ -362,17 +365,17 @@ class BlockedConvolution(Layer):
     def _wino_backward(self, top, propagate_down, bottom, need_w, need_b):
         n, _, h, w, v = bottom[0].shape
         at, bt, gm, u, vbuf, mbuf = self._wino_setup(n, h, w)
-        du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else np.zeros((1,) * 4, np.float32)
-        empty = np.zeros((1,) * 5, np.float32)
+        du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else _NO_DU
         m, r, g = self.tile, self.kh, self.group
         for i, (b, t) in enumerate(zip(bottom, top)):
             need_x = bool(propagate_down[i])
             if need_b:
-                self.blobs[1].diff[...] += t.diff.sum(axis=(0, 2, 3), dtype=np.float64).reshape(-1)[
-                    :self.num_output]
+                db = _workspace("wino_db", (t.shape[1], v))
+                np.add.reduce(t.diff, axis=(0, 2, 3), out=db)
+                self.blobs[1].diff += db.reshape(-1)[:self.num_output]
             if not (need_x or need_w):
                 continue
-            _winograd.conv_backward(b.data, u, t.diff, b.diff if need_x else empty, du, vbuf, mbuf,
+            _winograd.conv_backward(b.data, u, t.diff, b.diff if need_x else _NO_DX, du, vbuf, mbuf,
                                     at, bt, self.channels, self.num_output, m, r, self.ph, self.pw,
                                     g, need_x, need_w)
             if need_w:
