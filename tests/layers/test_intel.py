@@ -168,6 +168,20 @@ def test_blocked_pooling_matches_reference(spec, width):
     np.testing.assert_allclose(ref_unpack(bottom[0].diff, 11), dx, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("width", WIDTHS + [4])
+def test_blocked_max_pooling_ties_keep_first_maximum(width):
+    # few distinct values, so most windows tie: the mask is the first maximum in row-major
+    # order (Caffe's strict '>'), lane by lane, as in the NCHW kernel
+    x = np.random.default_rng(15).integers(-2, 3, (2, 11, 9, 8)).astype(np.float32)
+    layer, bottom, top = blocked_layer("Pooling", "pooling_param { pool: MAX kernel_size: 3 stride: 2 }",
+                                       [x], width)
+    layer.forward(bottom, top)
+    oh, ow = ref.pool_out_size(9, 3, 0, 2), ref.pool_out_size(8, 3, 0, 2)
+    want, mask = ref.max_pool_forward(x, 3, 3, 2, 2, 0, 0, oh, ow)
+    np.testing.assert_array_equal(ref_unpack(top[0].data, 11), want)
+    np.testing.assert_array_equal(ref_unpack(layer.mask, 11), mask)
+
+
 def test_blocked_global_pooling():
     x = randn(2, 9, 5, 6)
     layer, bottom, top = blocked_layer("Pooling", "pooling_param { pool: AVE global_pooling: true }", [x], 8)
