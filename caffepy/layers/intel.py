@@ -372,7 +372,7 @@ class BlockedConvolution(Layer):
             if need_b:
                 db = _workspace("wino_db", (t.shape[1], v))
                 np.add.reduce(t.diff, axis=(0, 2, 3), out=db)
-                self.blobs[1].diff += db.reshape(-1)[:self.num_output]
+                self.blobs[1].diff[...] += db.reshape(-1)[:self.num_output]
             if not (need_x or need_w):
                 continue
             _winograd.conv_backward(b.data, u, t.diff, b.diff if need_x else _NO_DX, du, vbuf, mbuf,
