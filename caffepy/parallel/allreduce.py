@@ -124,11 +124,7 @@ class NodeWindow:
         self.node, self.cross = node, cross
         self.local_size, self.local_rank = node.Get_size(), node.Get_rank()
         self.scale = scale
-        offset = 0
-        for bucket in buckets:
-            bucket.offset = offset
-            offset += -(-bucket.count // _ALIGN) * _ALIGN
-        self.total = offset
+        self.total = self.layout(buckets)
         self.win = MPI.Win.Allocate_shared(_HEADER + 4 * self.total, 1, comm=node)
         self.win.Lock_all(MPI.MODE_NOCHECK)          # Win.Sync needs a passive epoch
         self.flags, self.views = [], []
@@ -139,7 +135,6 @@ class NodeWindow:
         self.own = self.views[self.local_rank]
         self.flags[self.local_rank][0] = 0
         self._generation = 0
-        self.wait_seconds = 0.0          # time spent waiting for the other local ranks
         self.node.Barrier()              # every counter zeroed before anyone fences
         for bucket in buckets:
             self.place(bucket)
@@ -159,7 +154,7 @@ class NodeWindow:
         if hi == 1 or lo != hi:
             node.Free()
             return None
-        need = local * (_HEADER + 4 * sum(-(-b.count // _ALIGN) * _ALIGN for b in buckets))
+        need = local * (_HEADER + 4 * cls.layout(buckets))
         free = _shm_free_bytes()
         if comm.allreduce(int(free >= need), op=MPI.MIN) == 0:
             if free < need:
@@ -173,6 +168,15 @@ class NodeWindow:
             cross.Free()
             cross = None
         return cls(comm, buckets, node, cross, scale)
+
+    @staticmethod
+    def layout(buckets):
+        """Set each bucket's offset in a rank's segment; returns the floats a segment holds."""
+        offset = 0
+        for bucket in buckets:
+            bucket.offset = offset
+            offset += -(-bucket.count // _ALIGN) * _ALIGN
+        return offset
 
     def place(self, bucket):
         offset = bucket.offset
@@ -216,7 +220,6 @@ class NodeWindow:
                 time.sleep(delay)
                 delay = min(2 * delay, 250e-6)
         self.win.Sync()
-        self.wait_seconds += time.perf_counter() - t0
 
     def reduce(self, bucket):
         """Average the bucket over every rank; leaves the result in this rank's diffs."""
