@@ -157,6 +157,7 @@ WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const floa
     }
 #define WG_DISPATCH(call)                                                                 \
     if (m == 4 && a == 6) { const int m_ = 4, a_ = 6; WG_LANES(call) }                   \
+    else if (m == 3 && a == 7) { const int m_ = 3, a_ = 7; WG_LANES(call) }              \
     else if (m == 2 && a == 6) { const int m_ = 2, a_ = 6; WG_LANES(call) }              \
     else if (m == 2 && a == 4) { const int m_ = 2, a_ = 4; WG_LANES(call) }              \
     else if (m == 3 && a == 5) { const int m_ = 3, a_ = 5; WG_LANES(call) }              \

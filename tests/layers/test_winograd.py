@@ -13,7 +13,7 @@ from caffepy.proto import caffe_pb2
 from gradient_checker import check_gradient
 from layer_cases import randn
 
-FLAVOURS = [(2, 3), (3, 3), (4, 3), (2, 5)]
+FLAVOURS = [(2, 3), (3, 3), (4, 3), (2, 5), (3, 5)]
 
 
 @pytest.mark.parametrize("m,r", FLAVOURS)
@@ -33,7 +33,7 @@ def test_matrices_refuse_a_tile_too_large():
         winograd.matrices(6, 5)
 
 
-@pytest.mark.parametrize("r,oh,ow,m", [(3, 13, 13, 4), (3, 3, 3, 3), (3, 2, 2, 2), (5, 27, 27, 2)])
+@pytest.mark.parametrize("r,oh,ow,m", [(3, 13, 13, 4), (3, 3, 3, 3), (3, 2, 2, 2), (5, 27, 27, 3), (5, 2, 2, 2)])
 def test_tile_choice_minimises_multiplies(r, oh, ow, m):
     assert intel.winograd_tile(r, oh, ow) == m
 
@@ -77,7 +77,8 @@ SHAPES = [
     (2, 16, 24, 3, 0, 1, 8, 7),         # no padding
     (2, 16, 17, 3, 2, 1, 5, 6),         # padding wider than the tile overlap
     (3, 16, 16, 3, 1, 1, 3, 3),         # one tile: F(3x3, 3x3)
-    (2, 32, 32, 5, 2, 2, 14, 13),       # AlexNet conv2-like: F(2x2, 5x5)
+    (2, 32, 32, 5, 2, 2, 14, 13),       # AlexNet conv2-like: F(3x3, 5x5)
+    (2, 16, 16, 5, 2, 1, 2, 2),         # one output tile: F(2x2, 5x5)
 ]
 
 
