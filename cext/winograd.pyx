@@ -7,15 +7,16 @@ a x a tile of input (a = m + r - 1) with a*a products per channel pair instead o
     Y = AT [ sum_c (G g G^T) . (BT d BT^T) ] AT^T           (. = elementwise)
 
 so the sum over channels becomes a*a independent GEMMs, one per tile position p:
-M_p[tiles, O] = V_p[tiles, C] @ U_p[C, O]. For AlexNet's 13x13 3x3 layers, F(4x4, 3x3) does
-2.6x fewer multiplies than im2col + GEMM (padding to whole tiles included).
+M_p[tiles, O] = V_p[tiles, C] @ U_p[O, C]^T. For AlexNet's 13x13 3x3 layers, F(4x4, 3x3) does
+2.6x fewer multiplies than im2col + GEMM, and F(3x3, 5x5) 4.6x on its 27x27 5x5 layer (padding
+to whole tiles included).
 
 Backward, with dM = AT^T dY AT per output tile:
-    dV_p = dM_p @ U_p^T,   dx = sum over tiles of BT^T dV BT      (input gradient)
-    dU_p = V_p^T @ dM_p,   dW = G^T dU G                           (weight gradient)
+    dV_p = dM_p @ U_p,     dx = sum over tiles of BT^T dV BT      (input gradient)
+    dU_p = dM_p^T @ V_p,   dW = G^T dU G                           (weight gradient)
 
-The matrices come from `matrices(m, r)` (Toom-Cook on the points 0, +-1, +-2, ..., infinity);
-the weight transforms G g G^T and G^T dU G are small and run in NumPy (caffepy/layers/intel.py).
+The matrices come from `matrices(m, r)` (Toom-Cook on the points 0, +-1, +-2, 1/2, ..., infinity).
+The tile and weight transforms are C in winograd_tiles.h; the GEMMs go to scipy's BLAS.
 Images are processed in chunks, one chunk per OpenMP thread with a single-threaded BLAS, so each
 thread's tile buffers stay near its caches. Channel lanes past C or O are padding: written as
 zeros, never read as data (as every kernel of caffepy.kernels.intel).
