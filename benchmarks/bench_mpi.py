@@ -4,12 +4,16 @@ On this machine, at one fixed global batch of AlexNet (DummyData, the TRAIN
 net of models/mpi_intel_alexnet/train_val_shared_db.prototxt):
   1. 1 rank x 2 threads (OMP_NUM_THREADS=2), batch G;
   2. 2 ranks x 1 thread (mpiexec -n 2, OMP_NUM_THREADS=1), local batch G/2, once per
-     gradient-allreduce progress mode: `none` (no communication: compute only),
-     `blocking` (no overlap), `thread`, `test`, `wait` (overlapped, allreduce.py),
-     and the hybrid layout (train_val.prototxt, fc6..fc8 model parallel);
-  3. the allreduce bandwidth of AlexNet's gradients (all its ~61M parameters) and
+     gradient-reduction progress mode: `none` (no communication: compute only),
+     `blocking` (no overlap), `thread`, `test`, `wait` (overlapped, allreduce.py), with
+     the default algorithm and, as `mode:mpi`, with MPI Allreduce; wall time and CPU
+     time (the process's, all threads) per iteration; then the reduction alone, and
+     the hybrid layout (train_val.prototxt, fc6..fc8 model parallel);
+  3. the MPI allreduce bandwidth of AlexNet's gradients (all its ~61M parameters) and
      the latency of an 8-byte allreduce, 2 ranks.
-From the measured figures: the fraction of the allreduce hidden behind backward
+From the measured figures: the communication cost per iteration, t_blocking - t_none
+(ms) and cpu_mode - cpu_none (CPU work per rank), and the fraction of it hidden behind
+backward
     hidden = 1 - (t_mode - t_none) / (t_blocking - t_none)
 and, with a ring allreduce cost model over a network of stated bandwidth
     t_comm(N) = 2 (N-1)/N * bytes / bandwidth + 2 (N-1) * latency
@@ -19,6 +23,11 @@ for 1 to 64 nodes, each node running this machine's 1 x 2-thread iteration at
 local batch G (weak scaling, Intel Caffe's convention: batch_size is per node).
 
     python benchmarks/bench_mpi.py [--batch 16] [--iters 2] [--rounds 2] [--warmup 1]
+    python benchmarks/bench_mpi.py --options [--iters 5] [--rounds 2]
+
+`--options` times only one reduction of AlexNet's gradients on 2 ranks, once per
+option: MPI calls (in/out of place, reduce-scatter + allgather, Iallreduce, slices),
+MPICH control variables, and caffepy's reducer with each algorithm.
 
 Figures are the fastest iteration of each configuration (configurations are
 interleaved over rounds), so that other jobs on a shared machine disturb them least.
