@@ -277,3 +277,15 @@ def test_sigterm_names_the_cause(tmp_path):
     assert proc.returncode != 0
     assert "[rank 0] stopped by the MPI launcher (SIGTERM): another rank failed or the job " \
            "was cancelled" in err, err
+
+
+def test_unknown_algorithm_or_progress_is_refused(monkeypatch):
+    from caffepy.errors import ParallelError
+    from caffepy.parallel import allreduce
+    monkeypatch.setenv("CAFFEPY_MPI_ALLREDUCE", "nccl")
+    with pytest.raises(ParallelError, match="CAFFEPY_MPI_ALLREDUCE: unknown value, got 'nccl'. "
+                                            "Use one of shm, mpi"):
+        allreduce.default_algorithm()
+    monkeypatch.setenv("CAFFEPY_MPI_PROGRESS", "spin")
+    with pytest.raises(ParallelError, match="CAFFEPY_MPI_PROGRESS: unknown value, got 'spin'"):
+        allreduce.default_progress()
