@@ -159,7 +159,7 @@ def test_shm_fence_sleeps_while_waiting(tmp_path):
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         if world.rank == 0:
             print(f"waited {wall:.2f} s using {cpu:.2f} s of CPU")
-            assert wall > 1.5 and cpu < 0.5 * wall
+            assert wall > 1.5 and cpu < 0.25 * wall      # spinning would be about 1.0
         reducer.close()
         mpi.finish()
     """, tmp_path)

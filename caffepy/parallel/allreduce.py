@@ -21,8 +21,8 @@ How a bucket is reduced (`algorithm`, CAFFEPY_MPI_ALLREDUCE, default `shm`):
          host, the diffs stay private and the `mpi` algorithm runs.
     mpi  MPI Allreduce on the diff in place (one parameter per bucket when it is
          larger than `bucket_bytes`), or on a packed buffer of small ones, in
-         slices of `chunk_bytes` (MPICH reduces 244 MB in 4 MB slices with about
-         70% of the CPU time it takes as one message: the copies stay in cache).
+         slices of `chunk_bytes` (MPICH reduces 244 MB in 1 MB slices with about
+         half the CPU time it takes as one message: the copies stay in cache).
 
 How communication progresses while backward computes (`progress`):
     thread   a dedicated thread reduces the queued buckets (MPI_THREAD_MULTIPLE;
@@ -46,7 +46,7 @@ import numpy as np
 PROGRESS_MODES = ("thread", "test", "wait", "blocking", "none")
 ALGORITHMS = ("shm", "mpi")
 DEFAULT_BUCKET_BYTES = 4 << 20
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
 _SHM_PROGRESS = ("thread", "blocking")
 _ALIGN = 16                  # floats: slices and buckets start on 64-byte cache lines
 _HEADER = 64                 # bytes before each rank's gradients: its fence counter
