@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import log
 from ..errors import ParallelError, layer_error
+from ..layers.common import gemm_into
 from .allreduce import GradientReducer
 
 
@@ -428,7 +429,7 @@ class ModelParallelInnerProduct:
         from mpi4py import MPI
         x = np.ascontiguousarray(bottom[0].data.reshape(self.outer, self.K))
         self.comm.Allgather(x, self.x_all)
-        np.matmul(self.x_all, self.layer.blobs[0].data.T, out=self.y_part)
+        gemm_into(self.x_all, self.layer.blobs[0].data.T, self.y_part)
         if self.bias:
             self.y_part += self.layer.blobs[1].data
         # rows of rank s (block s of y_part) go to rank s; from rank s come my rows of its outputs
@@ -451,10 +452,11 @@ class ModelParallelInnerProduct:
                             [self.dy_all, (recvs, rdispl), MPI.FLOAT])
         ppd = self.layer.param_propagate_down
         if ppd and ppd[0]:
-            self.layer.blobs[0].diff[...] += self.dy_all.T @ self.x_all
+            gemm_into(self.dy_all.T, self.x_all, self.layer.blobs[0].diff, 1.0)
         if self.bias and len(ppd) > 1 and ppd[1]:
             self.layer.blobs[1].diff[...] += self.dy_all.sum(axis=0)
         if propagate_down[0]:
-            dx_all = self.dy_all @ self.layer.blobs[0].data
+            dx_all = np.empty((self.dy_all.shape[0], self.K), np.float32)
+            gemm_into(self.dy_all, self.layer.blobs[0].data, dx_all)
             self.comm.Reduce_scatter_block(dx_all, self.dx)
             bottom[0].diff.reshape(self.outer, self.K)[...] = self.dx
