@@ -222,6 +222,59 @@ def test_intel_alexnet_models_match_bvlc_alexnet():
     assert solver.test_iter == [200] and val_batch == [256]
 
 
+def _alexnet_train(blocked, batch=2):
+    """models/intel_alexnet's TRAIN net on random DummyData; without Pack / Unpack if not blocked."""
+    from caffepy import prototxt
+    param = prototxt.filter_net(prototxt.read_net(os.path.join(MODELS, "train_val.prototxt")),
+                                prototxt.net_state(TRAIN, 0, []))
+    data = param.layer[0]
+    assert data.type == "Data"
+    data.Clear()
+    text_format.Parse(f"""name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param {{ shape {{ dim: {batch} dim: 3 dim: 227 dim: 227 }} shape {{ dim: {batch} }}
+        data_filler {{ type: "gaussian" std: 50 }} data_filler {{ type: "constant" value: 7 }} }}""", data)
+    if not blocked:
+        renamed = {}
+        for lp in list(param.layer):
+            if lp.type in ("IntelPack", "IntelUnpack"):
+                renamed[lp.top[0]] = lp.bottom[0]
+                param.layer.remove(lp)
+        for lp in param.layer:
+            lp.bottom[:] = [renamed.get(b, b) for b in lp.bottom]
+    rng.seed(11)
+    return Net(param, TRAIN)
+
+
+def test_intel_alexnet_equals_plain_alexnet():
+    # the whole model: blocked kernels (Winograd conv2-conv5, blocked LRN and pooling) against
+    # Caffe's NCHW algorithms, forward and every gradient
+    plain, blocked = _alexnet_train(False), _alexnet_train(True)
+    winograd = [layer.name for layer in blocked.layers if getattr(layer, "winograd", False)]
+    assert winograd == ["conv2", "conv3", "conv4", "conv5"]
+    for name in plain.params:
+        for p, b in zip(plain.params[name], blocked.params[name]):
+            b.data[...] = p.data
+    for net in (plain, blocked):
+        rng.seed(3)                         # the same data and dropout masks in both nets
+        net.clear_param_diffs()
+        net.forward_backward()
+    np.testing.assert_array_equal(blocked.blobs["data"].data, plain.blobs["data"].data)
+    for mine, theirs in (("pool5_nchw", "pool5"), ("fc8", "fc8")):
+        want = plain.blobs[theirs].data
+        np.testing.assert_allclose(blocked.blobs[mine].data, want, rtol=1e-3,
+                                   atol=1e-3 * np.abs(want).max(), err_msg=mine)
+    assert float(blocked.blobs["loss"].data) == pytest.approx(float(plain.blobs["loss"].data), rel=1e-4)
+    # Gradients: Winograd's float32 rounding (~1e-6 here) moves a few max-pooling argmaxes and
+    # ReLU signs at near-ties, which reroutes single gradient entries; the fc layers (before any
+    # such switch) stay within 1e-5, the convolutions within 1e-2 in norm (measured ~3e-3 at most).
+    for name in plain.params:
+        for i, (p, b) in enumerate(zip(plain.params[name], blocked.params[name])):
+            norm = np.linalg.norm(p.diff)
+            assert norm > 0, f"{name}[{i}] got no gradient"
+            err = np.linalg.norm(b.diff - p.diff) / norm
+            assert err < (1e-5 if name.startswith("fc") else 1e-2), f"{name}[{i}]: {err:.2e}"
+
+
 def _caffepy(*args, cwd=REPO):
     env = dict(os.environ, OMP_NUM_THREADS="2")
     return subprocess.run([sys.executable, "-m", "caffepy.cli", *args], cwd=cwd, env=env,
