@@ -190,29 +190,40 @@ static void wg_dx(const float *dv, long pstride, int m, int a, const float *bm, 
 
 /* Weight transforms between Caffe's W [O][Cg][r][r] and the GEMM layout U [a*a][O][Cg]
  * (output channel o of group g is row g * Og + o): for each (o, c), U = G W G^T, and back,
- * dW += G^T dU G. Rows o0 .. o1 - 1 only, so OpenMP threads can split the output channels. */
+ * dW += G^T dU G. Rows o0 .. o1 - 1 only, so OpenMP threads can split the output channels.
+ * WG_CB input channels at a time, one per lane, so the small products vectorize and U's rows
+ * are read and written WG_CB floats at a time. */
+#define WG_CB 8
+
 static void wg_weights(const float *restrict w, float *restrict u, const float *restrict gm,
                        int O, int Cg, int r, int a, int o0, int o1)
 {
     long ps = (long)O * Cg;
-    float t[8 * 8];
+    float x[8 * 8][WG_CB], t[8 * 8][WG_CB], s[WG_CB];
     for (int o = o0; o < o1; o++)
-        for (int c = 0; c < Cg; c++) {
-            const float *restrict x = w + ((long)o * Cg + c) * r * r;
+        for (int c0 = 0; c0 < Cg; c0 += WG_CB) {
+            int nc = Cg - c0 < WG_CB ? Cg - c0 : WG_CB;
+            for (int q = 0; q < r * r; q++)
+                for (int v = 0; v < WG_CB; v++)
+                    x[q][v] = v < nc ? w[((long)o * Cg + c0 + v) * r * r + q] : 0.f;
             for (int i = 0; i < a; i++)         /* t[i][l] = sum_k G[i][k] W[k][l] */
                 for (int l = 0; l < r; l++) {
-                    float s = 0.f;
+                    for (int v = 0; v < WG_CB; v++)
+                        t[i * r + l][v] = 0.f;
                     for (int k = 0; k < r; k++)
-                        s += gm[i * r + k] * x[k * r + l];
-                    t[i * r + l] = s;
+                        for (int v = 0; v < WG_CB; v++)
+                            t[i * r + l][v] += gm[i * r + k] * x[k * r + l][v];
                 }
-            float *restrict out = u + (long)o * Cg + c;
             for (int i = 0; i < a; i++)
                 for (int j = 0; j < a; j++) {
-                    float s = 0.f;
+                    for (int v = 0; v < WG_CB; v++)
+                        s[v] = 0.f;
                     for (int l = 0; l < r; l++)
-                        s += t[i * r + l] * gm[j * r + l];
-                    out[(i * a + j) * ps] = s;
+                        for (int v = 0; v < WG_CB; v++)
+                            s[v] += t[i * r + l][v] * gm[j * r + l];
+                    float *restrict out = u + (i * a + j) * ps + (long)o * Cg + c0;
+                    for (int v = 0; v < nc; v++)
+                        out[v] = s[v];
                 }
         }
 }
@@ -221,24 +232,32 @@ static void wg_weight_grad(const float *restrict du, float *restrict dw, const f
                            int O, int Cg, int r, int a, int o0, int o1)
 {
     long ps = (long)O * Cg;
-    float t[8 * 8];
+    float x[8 * 8][WG_CB], t[8 * 8][WG_CB], s[WG_CB];
     for (int o = o0; o < o1; o++)
-        for (int c = 0; c < Cg; c++) {
-            const float *restrict x = du + (long)o * Cg + c;
+        for (int c0 = 0; c0 < Cg; c0 += WG_CB) {
+            int nc = Cg - c0 < WG_CB ? Cg - c0 : WG_CB;
+            for (int p = 0; p < a * a; p++) {
+                const float *restrict in = du + p * ps + (long)o * Cg + c0;
+                for (int v = 0; v < WG_CB; v++)
+                    x[p][v] = v < nc ? in[v] : 0.f;
+            }
             for (int k = 0; k < r; k++)         /* t[k][j] = sum_i G[i][k] dU[i][j] */
                 for (int j = 0; j < a; j++) {
-                    float s = 0.f;
+                    for (int v = 0; v < WG_CB; v++)
+                        t[k * a + j][v] = 0.f;
                     for (int i = 0; i < a; i++)
-                        s += gm[i * r + k] * x[(i * a + j) * ps];
-                    t[k * a + j] = s;
+                        for (int v = 0; v < WG_CB; v++)
+                            t[k * a + j][v] += gm[i * r + k] * x[i * a + j][v];
                 }
-            float *restrict out = dw + ((long)o * Cg + c) * r * r;
             for (int k = 0; k < r; k++)
                 for (int l = 0; l < r; l++) {
-                    float s = 0.f;
+                    for (int v = 0; v < WG_CB; v++)
+                        s[v] = 0.f;
                     for (int j = 0; j < a; j++)
-                        s += t[k * a + j] * gm[j * r + l];
-                    out[k * r + l] += s;
+                        for (int v = 0; v < WG_CB; v++)
+                            s[v] += t[k * a + j][v] * gm[j * r + l];
+                    for (int v = 0; v < nc; v++)
+                        dw[((long)o * Cg + c0 + v) * r * r + k * r + l] += s[v];
                 }
         }
 }
