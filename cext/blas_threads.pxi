@@ -28,3 +28,14 @@ cdef _bind_blas_threads():
 
 
 _bind_blas_threads()
+
+
+cdef inline int _task_threads(int T, int tasks) noexcept nogil:
+    """OpenMP threads for a loop over `tasks` that each call a single-threaded BLAS: at most T
+    and at most one per task; 1 when this BLAS's thread count cannot be set (its own threads
+    would then multiply with ours)."""
+    if T > tasks:
+        T = tasks
+    if T > 1 and _blas_set_threads == NULL:
+        T = 1
+    return T if T > 1 else 1

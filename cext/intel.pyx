@@ -255,14 +255,6 @@ cdef void _col2im_b(const float* col, const BGeom* g, float* x) noexcept nogil:
                                 dst[ix * V] += src[j]
 
 
-cdef int _image_threads(int T, int N) noexcept nogil:
-    if T > N:
-        T = N
-    if T > 1 and _blas_set_threads == NULL:
-        T = 1
-    return T if T > 1 else 1
-
-
 cdef void _conv_fwd_image(const BGeom* g, const float* x, const float* wt, const float* bias,
                           float* y, float* col, float* ybuf) noexcept nogil:
     cdef int gr, ob, v, nv, V = g.V
@@ -314,7 +306,7 @@ def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] wt, cons
     cdef Py_ssize_t cs = <Py_ssize_t>g.P * g.Ktot, bs = <Py_ssize_t>g.P * O
     if N == 0:
         return
-    nt = _image_threads(T, N)
+    nt = _task_threads(T, N)
     with nogil:
         if nt == 1:
             for n in range(N):
@@ -392,7 +384,7 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] wt,
     cdef float* dbp = &db[0, 0] if need_b else NULL
     if N == 0:
         return
-    nt = _image_threads(T, N)
+    nt = _task_threads(T, N)
     with nogil:
         for t in range(nt):
             if need_w:

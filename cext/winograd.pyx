@@ -303,14 +303,6 @@ def _work_buffer(int threads):
     return _WORK
 
 
-cdef int _threads_for(int chunks, int T) noexcept nogil:
-    if T > chunks:
-        T = chunks
-    if T > 1 and _blas_set_threads == NULL:
-        T = 1
-    return T if T > 1 else 1
-
-
 def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
                  const float[::1] bias, float[:, :, :, :, ::1] y,
                  float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
@@ -329,7 +321,7 @@ def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
     cdef float[:, ::1] work = _work_buffer(T)
     if g.N == 0:
         return
-    nt = _threads_for(chunks, T)
+    nt = _task_threads(T, chunks)
     with nogil:
         if nt == 1:
             for c in range(chunks):
@@ -372,7 +364,7 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
     cdef float[:, ::1] work = _work_buffer(T)
     if g.N == 0 or not (need_x or need_w):
         return
-    nt = _threads_for(chunks, T)
+    nt = _task_threads(T, chunks)
     with nogil:
         if need_w:
             memset(dup, 0, nt * us * sizeof(float))
