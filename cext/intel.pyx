@@ -856,25 +856,11 @@ DEF _ROWS = 4096          # generic path: floats of the window rows of a tile (L
 DEF _KEEP = 24576         # backward: floats kept per tile (generic: L * Cb * V, fast: 3 * L * V)
 DEF _PIXELS = 1024        # fast path: pixels per tile
 
-cdef enum:
-    _POW_075 = 0
-    _POW_050 = 1
-    _POW_100 = 2
-    _POW_ANY = 3
+include "lrn_pow.pxi"
 
 
 def lrn_max_channels():
     return _MAXC, 2 * _MAXPAD + 1
-
-
-cdef int _pow_kind(float beta) noexcept nogil:
-    if beta == 0.75:
-        return _POW_075
-    if beta == 0.5:
-        return _POW_050
-    if beta == 1.0:
-        return _POW_100
-    return _POW_ANY
 
 
 cdef struct LrnGeom:

@@ -778,21 +778,7 @@ cdef enum:
     _RING = 8192          # floats of the per-task ring of recent channels (backward)
     _MAX_WITHIN_PRE = 255
 
-cdef enum:
-    _POW_075 = 0
-    _POW_050 = 1
-    _POW_100 = 2
-    _POW_ANY = 3
-
-
-cdef int _pow_kind(float beta) noexcept nogil:
-    if beta == 0.75:
-        return _POW_075
-    if beta == 0.5:
-        return _POW_050
-    if beta == 1.0:
-        return _POW_100
-    return _POW_ANY
+include "lrn_pow.pxi"
 
 
 cdef inline float _npow(float s, float beta, int kind) noexcept nogil:
