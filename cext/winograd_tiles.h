@@ -2,7 +2,7 @@
  * the work buffers do not alias, and without it GCC keeps every sum in memory, scalar).
  *
  * A tile is [rows][cols][V] floats: the V lanes of one channel block, contiguous. Each transform
- * is a left then a right small-matrix product in the thread's work memory (3 * a * a * V floats),
+ * is one sandwich M X M^T of small matrices in the thread's work memory (3 * a * a * V floats),
  * stored once. The wg_* entry points dispatch on V so the lane loops have a constant trip count.
  */
 #include <string.h>
@@ -48,6 +48,14 @@ WG_INLINE void wg_right(const float *restrict src, int R, int K, const float *re
         }
 }
 
+/* dst [R][R][V] = M src M^T for src [K][K][V] and M [R][K]; tmp holds R * K * V floats */
+WG_INLINE void wg_sandwich(const float *restrict M, int R, int K, const float *restrict src,
+                           float *restrict tmp, float *restrict dst, int V)
+{
+    wg_left(M, R, K, src, K * V, tmp);
+    wg_right(tmp, R, K, M, R, dst, V);
+}
+
 /* out[p * pstride] = (BT d BT^T)[p] for the a x a tile of plane x [H][W][V] at (iy0, ix0),
  * zero outside the plane. */
 WG_INLINE void wg_input_v(const float *restrict x, int H, int W, int iy0, int ix0, int a,
@@ -71,8 +79,7 @@ WG_INLINE void wg_input_v(const float *restrict x, int H, int W, int iy0, int ix
                 memset(e, 0, sizeof(float) * V);
         }
     }
-    wg_left(bt, a, a, d, a * V, tmp);
-    wg_right(tmp, a, a, bt, a, res, V);
+    wg_sandwich(bt, a, a, d, tmp, res, V);
     for (int p = 0; p < a * a; p++)
         memcpy(out + p * pstride, res + p * V, sizeof(float) * V);
 }
@@ -87,8 +94,7 @@ WG_INLINE void wg_output_v(const float *restrict mb, long pstride, int m, int a,
     float *restrict mt = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
     for (int p = 0; p < a * a; p++)
         memcpy(mt + p * V, mb + p * pstride, sizeof(float) * V);
-    wg_left(at, m, a, mt, a * V, tmp);
-    wg_right(tmp, m, a, at, m, res, V);
+    wg_sandwich(at, m, a, mt, tmp, res, V);
     for (int i = 0; i < m && oy0 + i < oh; i++)
         for (int j = 0; j < m && ox0 + j < ow; j++) {
             float *restrict o = y + ((long)(oy0 + i) * ow + ox0 + j) * V;
@@ -113,8 +119,7 @@ WG_INLINE void wg_dy_v(const float *restrict dy, int oh, int ow, int oy0, int ox
             else
                 memset(e, 0, sizeof(float) * V);
         }
-    wg_left(am, a, m, t, m * V, tmp);
-    wg_right(tmp, a, m, am, a, res, V);
+    wg_sandwich(am, a, m, t, tmp, res, V);
     for (int p = 0; p < a * a; p++)
         memcpy(out + p * pstride, res + p * V, sizeof(float) * V);
 }
@@ -129,8 +134,7 @@ WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const floa
     for (int p = 0; p < a * a; p++)
         for (int v = 0; v < V; v++)
             t[p * V + v] = v < nv ? dv[p * pstride + v] : 0.f;
-    wg_left(bm, a, a, t, a * V, tmp);
-    wg_right(tmp, a, a, bm, a, res, V);
+    wg_sandwich(bm, a, a, t, tmp, res, V);
     for (int i = 0; i < a; i++) {
         int iy = iy0 + i;
         if (iy < 0 || iy >= H)
@@ -199,32 +203,16 @@ static void wg_weights(const float *restrict w, float *restrict u, const float *
                        int O, int Cg, int r, int a, int o0, int o1)
 {
     long ps = (long)O * Cg;
-    float x[8 * 8][WG_CB], t[8 * 8][WG_CB], s[WG_CB];
+    float x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB];
     for (int o = o0; o < o1; o++)
         for (int c0 = 0; c0 < Cg; c0 += WG_CB) {
             int nc = Cg - c0 < WG_CB ? Cg - c0 : WG_CB;
             for (int q = 0; q < r * r; q++)
                 for (int v = 0; v < WG_CB; v++)
-                    x[q][v] = v < nc ? w[((long)o * Cg + c0 + v) * r * r + q] : 0.f;
-            for (int i = 0; i < a; i++)         /* t[i][l] = sum_k G[i][k] W[k][l] */
-                for (int l = 0; l < r; l++) {
-                    for (int v = 0; v < WG_CB; v++)
-                        t[i * r + l][v] = 0.f;
-                    for (int k = 0; k < r; k++)
-                        for (int v = 0; v < WG_CB; v++)
-                            t[i * r + l][v] += gm[i * r + k] * x[k * r + l][v];
-                }
-            for (int i = 0; i < a; i++)
-                for (int j = 0; j < a; j++) {
-                    for (int v = 0; v < WG_CB; v++)
-                        s[v] = 0.f;
-                    for (int l = 0; l < r; l++)
-                        for (int v = 0; v < WG_CB; v++)
-                            s[v] += t[i * r + l][v] * gm[j * r + l];
-                    float *restrict out = u + (i * a + j) * ps + (long)o * Cg + c0;
-                    for (int v = 0; v < nc; v++)
-                        out[v] = s[v];
-                }
+                    x[q * WG_CB + v] = v < nc ? w[((long)o * Cg + c0 + v) * r * r + q] : 0.f;
+            wg_sandwich(gm, a, r, x, tmp, res, WG_CB);          /* G W G^T */
+            for (int p = 0; p < a * a; p++)
+                memcpy(u + p * ps + (long)o * Cg + c0, res + p * WG_CB, sizeof(float) * nc);
         }
 }
 
@@ -232,32 +220,19 @@ static void wg_weight_grad(const float *restrict du, float *restrict dw, const f
                            int O, int Cg, int r, int a, int o0, int o1)
 {
     long ps = (long)O * Cg;
-    float x[8 * 8][WG_CB], t[8 * 8][WG_CB], s[WG_CB];
+    float gt[8 * 8], x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB];
+    for (int i = 0; i < a; i++)
+        for (int k = 0; k < r; k++)
+            gt[k * a + i] = gm[i * r + k];
     for (int o = o0; o < o1; o++)
         for (int c0 = 0; c0 < Cg; c0 += WG_CB) {
             int nc = Cg - c0 < WG_CB ? Cg - c0 : WG_CB;
-            for (int p = 0; p < a * a; p++) {
-                const float *restrict in = du + p * ps + (long)o * Cg + c0;
+            for (int p = 0; p < a * a; p++)
                 for (int v = 0; v < WG_CB; v++)
-                    x[p][v] = v < nc ? in[v] : 0.f;
-            }
-            for (int k = 0; k < r; k++)         /* t[k][j] = sum_i G[i][k] dU[i][j] */
-                for (int j = 0; j < a; j++) {
-                    for (int v = 0; v < WG_CB; v++)
-                        t[k * a + j][v] = 0.f;
-                    for (int i = 0; i < a; i++)
-                        for (int v = 0; v < WG_CB; v++)
-                            t[k * a + j][v] += gm[i * r + k] * x[i * a + j][v];
-                }
-            for (int k = 0; k < r; k++)
-                for (int l = 0; l < r; l++) {
-                    for (int v = 0; v < WG_CB; v++)
-                        s[v] = 0.f;
-                    for (int j = 0; j < a; j++)
-                        for (int v = 0; v < WG_CB; v++)
-                            s[v] += t[k * a + j][v] * gm[j * r + l];
-                    for (int v = 0; v < nc; v++)
-                        dw[((long)o * Cg + c0 + v) * r * r + k * r + l] += s[v];
-                }
+                    x[p * WG_CB + v] = v < nc ? du[p * ps + (long)o * Cg + c0 + v] : 0.f;
+            wg_sandwich(gt, r, a, x, tmp, res, WG_CB);          /* G^T dU G */
+            for (int q = 0; q < r * r; q++)
+                for (int v = 0; v < nc; v++)
+                    dw[((long)o * Cg + c0 + v) * r * r + q] += res[q * WG_CB + v];
         }
 }
