@@ -11,16 +11,11 @@ Data layers read `world.rank` / `world.size` at setup (shared DB: rank r reads
 records r, r+N, ...; split DB: the source names `{rank}`), so the train command
 calls `mpi.init_world()` before it builds any net.
 """
+from ..context import RunContext
 
 
-class World:
-    rank = 0
-    size = 1
-    comm = None      # an mpi4py communicator when size > 1
-
-    @property
-    def distributed(self):
-        return self.size > 1
+class World(RunContext):
+    """This process's RunContext: rank 0 of 1 until mpi.init_world() fills it."""
 
     def __repr__(self):
         return f"<World rank {self.rank} of {self.size}>"
