@@ -18,6 +18,9 @@ from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
 # pycaffe's `from caffe import layers as L, params as P`: `layers` here is the NetSpec
 # layer factory (it forwards lower-case names to the caffepy.layers subpackage)
 from .net_spec import NetSpec, layers, params, to_proto  # noqa: F401,E402
+from .classifier import Classifier  # noqa: E402
+from .detector import Detector  # noqa: E402
+from . import coord_map, draw  # noqa: F401,E402  (pycaffe's caffe.coord_map, caffe.draw)
 
 __version__ = "0.1.0"
 
@@ -38,6 +41,11 @@ def set_device(device_id):
 
 def set_random_seed(seed):
     rng.seed(seed)
+
+
+def has_nccl():
+    """False: caffepy is a CPU build (multi-rank training goes through MPI)."""
+    return False
 
 
 def layer_type_list():

@@ -30,6 +30,10 @@ class ShapeError(LayerError):
     """Blob shapes that do not fit together."""
 
 
+class ArgumentTypeError(LayerError, TypeError):
+    """A NetSpec argument of the wrong type (a TypeError too, as pycaffe raises)."""
+
+
 class DataError(CaffepyError):
     """A database, image or record that cannot be used."""
 

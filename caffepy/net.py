@@ -374,6 +374,102 @@ class Net:
         outs.update(diffs or [])
         return {name: self.blobs[name].diff for name in outs}
 
+    def forward_all(self, blobs=None, **kwargs):
+        """pycaffe's forward_all: run `kwargs` (input name: N x ... array, any N) through the
+        net in batches of the net's batch size; return {output or `blobs` name: N x ... array}.
+        The last partial batch is padded with zeros and the padding trimmed from the outputs."""
+        names = list(dict.fromkeys(self.outputs + list(blobs or [])))
+        if not kwargs:
+            outs = self.forward(blobs=blobs)
+            return {name: outs[name].copy() for name in names}
+        num = self._batch_count(kwargs)
+        parts = {name: [] for name in names}
+        for batch in self._batch(kwargs):
+            outs = self.forward(blobs=blobs, **batch)
+            for name in names:
+                parts[name].append(outs[name].copy())
+        return {name: np.concatenate(parts[name])[:num] for name in names}
+
+    def forward_backward_all(self, blobs=None, diffs=None, **kwargs):
+        """pycaffe's forward_backward_all: `kwargs` holds inputs (for forward) and output diffs
+        (for backward), N items each, run in batches as forward_all. Returns ({output or `blobs`
+        name: array}, {input or `diffs` name: diff array}), padding trimmed."""
+        import itertools
+        out_names = list(dict.fromkeys(self.outputs + list(blobs or [])))
+        diff_names = list(dict.fromkeys(self.inputs + list(diffs or [])))
+        for name in kwargs:
+            if name not in self.inputs and name not in self.outputs:
+                raise CaffepyError(f"{self.source}: forward_backward_all: '{name}' is neither a net "
+                                   f"input ({', '.join(self.inputs) or 'none'}) nor an output "
+                                   f"({', '.join(self.outputs)})")
+        num = self._batch_count(kwargs) if kwargs else None
+        forward_batches = self._batch({k: v for k, v in kwargs.items() if k in self.inputs})
+        backward_batches = self._batch({k: v for k, v in kwargs.items() if k in self.outputs})
+        all_outs = {name: [] for name in out_names}
+        all_diffs = {name: [] for name in diff_names}
+        for fb, bb in itertools.zip_longest(forward_batches, backward_batches, fillvalue={}):
+            outs = self.forward(blobs=blobs, **fb)
+            grads = self.backward(diffs=diffs, **bb)
+            for name in out_names:
+                all_outs[name].append(outs[name].copy())
+            for name in diff_names:
+                all_diffs[name].append(grads[name].copy())
+        return ({name: np.concatenate(v)[:num] for name, v in all_outs.items()},
+                {name: np.concatenate(v)[:num] for name, v in all_diffs.items()})
+
+    def _batch_count(self, arrays):
+        """The common number of items of the arrays handed to forward_all."""
+        counts = {name: len(value) for name, value in arrays.items()}
+        if len(set(counts.values())) > 1:
+            raise ShapeError(f"{self.source}: the arrays hold different numbers of items: "
+                             + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        return next(iter(counts.values()))
+
+    def _batch(self, arrays):
+        """Yield {name: batch} slices of `arrays` in the net's batch size (the first blob's first
+        axis, as pycaffe), the last one padded with zeros to a full batch."""
+        if not arrays:
+            return
+        num = self._batch_count(arrays)
+        batch_size = next(iter(self.blobs.values())).shape[0]
+        arrays = {name: np.asarray(value) for name, value in arrays.items()}
+        for start in range(0, num - num % batch_size, batch_size):
+            yield {name: value[start:start + batch_size] for name, value in arrays.items()}
+        remainder = num % batch_size
+        if remainder:
+            yield {name: np.concatenate([value[num - remainder:],
+                                         np.zeros((batch_size - remainder,) + value.shape[1:], value.dtype)])
+                   for name, value in arrays.items()}
+
+    def share_with(self, other):
+        """Caffe's ShareTrainedLayersWith: every layer of `other` that this net also has (by
+        name) lends its parameter data to it; the two nets then see one set of weights."""
+        for name, source in other.layer_dict.items():
+            layer = self.layer_dict.get(name)
+            if layer is None:
+                log.info(f"Ignoring source layer {name}")
+                continue
+            if len(layer.blobs) != len(source.blobs):
+                raise ShapeError(f"{self.source}: layer '{name}' ({layer.type}): blobs: has "
+                                 f"{len(layer.blobs)} parameter blobs, the source net's layer has "
+                                 f"{len(source.blobs)}")
+            for i, (mine, theirs) in enumerate(zip(layer.blobs, source.blobs)):
+                if mine.shape != theirs.shape:
+                    raise ShapeError(f"{self.source}: layer '{name}' ({layer.type}): blobs[{i}]: cannot "
+                                     f"share weights of shape {theirs.shape_string()}, this net's "
+                                     f"are {mine.shape_string()}")
+                mine.share_data(theirs)
+
+    def save_hdf5(self, path, write_diff=False):
+        """Write the weights as Caffe's HDF5 (`data/<layer>/<i>`); needs h5py."""
+        from . import net_hdf5
+        net_hdf5.save(self, path, write_diff)
+
+    def load_hdf5(self, path):
+        """Load weights from Caffe's HDF5 layout by layer name; needs h5py."""
+        from . import net_hdf5
+        net_hdf5.load(self, path)
+
     def set_input_arrays(self, data, labels):
         """pycaffe: hand arrays to the net's first layer, which must be MemoryData
         (data N x C x H x W, labels N; N a multiple of its batch_size)."""
