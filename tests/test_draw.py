@@ -1,5 +1,6 @@
 """caffe.draw and `caffepy draw_net`: the DOT text (labels, colours, rank direction, phases)
 checked without Graphviz; drawing to PNG/SVG/PDF where Graphviz's `dot` is installed."""
+import builtins
 import shutil
 
 import pytest
@@ -117,6 +118,20 @@ def test_get_pydot_graph_parses_the_dot_text():
     layer_nodes = [n for n in graph.get_nodes() if n.get_name().startswith('"layer')]
     assert len(layer_nodes) == 7
     assert len(graph.get_edges()) == 16
+
+
+def test_get_pydot_graph_without_pydot_says_what_to_install(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_pydot(name, *args, **kwargs):
+        if name == "pydot":
+            raise ImportError("No module named 'pydot'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pydot)
+    with pytest.raises(CaffepyError, match=r"get_pydot_graph needs pydot, which is not installed. Install it "
+                                           r"with: pip install pydot \(or pip install 'caffepy\[draw\]'\)"):
+        draw.get_pydot_graph(net(), "LR")
 
 
 def test_raw_output_needs_no_graphviz(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ def test_the_script_is_pycaffe_but_for_its_imports():
     with open(SCRIPT) as f:
         code = [line for line in f if not line.lstrip().startswith("#")]
     body = "".join(code).split('"""', 2)[2]         # past the module docstring
-    imports = [line for line in body.splitlines() if "caffepy" in line]
+    imports = [line.split("#")[0].strip() for line in body.splitlines() if "caffepy" in line.split("#")[0]]
     assert imports == ["import caffepy as caffe", "from caffepy import layers as L, params as P",
                        "from caffepy.proto import caffe_pb2"]
 

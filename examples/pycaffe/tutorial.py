@@ -18,12 +18,17 @@ import argparse
 import os
 import shutil
 
-import numpy as np
-from google.protobuf import text_format
+# This net's layers are too small to gain from a second OpenMP thread, and on a busy machine
+# extra threads wait on each other at every parallel region (as the digits demo notes); the
+# variable is read once, when the kernels load. Set OMP_NUM_THREADS yourself to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import caffepy as caffe
-from caffepy import layers as L, params as P
-from caffepy.proto import caffe_pb2
+import numpy as np  # noqa: E402
+from google.protobuf import text_format  # noqa: E402
+
+import caffepy as caffe  # noqa: E402
+from caffepy import layers as L, params as P  # noqa: E402
+from caffepy.proto import caffe_pb2  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DIGITS = os.path.join(HERE, "..", "digits")
