@@ -8,16 +8,20 @@ A layer has the pycaffe Python-layer shape:
                                             param diffs (accumulate, as Caffe)
 Blob counts are declared as class data and checked once by `layer_setup`.
 
-Which implementation runs (Caffe's layer_factory.cpp): a type may have several, its variants,
-each registered with `@register(variant=...)` after the plain one (`@register`):
+Which implementation runs is the factory's decision, as in Caffe's layer_factory.cpp. A type
+may have several implementations, its variants, each registered with `@register(variant=...)`
+after the plain one (`@register`):
     plain            the NCHW implementation, in caffepy/layers/<family>.py
     blocked          on the SIMD-blocked layout between IntelPack and IntelUnpack (layers/intel.py)
     blocked_via_nchw the plain layer run between an unpack and a pack (layers/intel.py)
     model_parallel   InnerProduct split across ranks (caffepy/parallel/model_parallel.py)
-`create_layer` picks one from the layer's parameters, its bottoms and the run context:
-the bottoms' layout first (an implementation declares the layout it takes in `Layer.layout`;
-blocked bottoms need a blocked variant, or a layout-agnostic plain layer), then the first
-variant whose `wanted(request)` says yes, else the plain one. The Net only asks.
+`create_layer` picks one from what a Request holds (the layer's parameters, its bottoms, the
+run context, the net's parameters): first the bottoms' layout (each implementation declares
+the one it takes in `Layer.layout`; blocked bottoms need a blocked variant or a
+layout-agnostic plain layer), then the first other variant whose `wanted(request)` says yes,
+else the plain one. A new implementation (an autotuned one, say) is a class with a `wanted`
+and a `@register(variant=...)`. The Net only asks; the layer keeps the run context it was
+built for in `layer.context`.
 """
 import typing
 

@@ -84,3 +84,23 @@ def test_model_parallel_rules_are_checked_when_the_factory_chooses():
     bad = layer_param("InnerProduct", "inner_product_param { num_output: 1 } multinode { model_parts: 0 }")
     with pytest.raises(ParallelError, match=r"num_output: must be at least the number of ranks \(2\)"):
         create_layer(bad, 0, context=RunContext(rank=0, size=2))
+
+
+def test_the_net_only_asks_the_factory():
+    """net.py imports no layer family (the layers package only registers them), and no code
+    swaps a layer's methods at run time."""
+    import ast
+    import pathlib
+    import caffepy
+    root = pathlib.Path(caffepy.__file__).parent
+    tree = ast.parse((root / "net.py").read_text())
+    imported = {(node.module or "") + "." + alias.name for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert not [name for name in imported if name.startswith("layers.")], imported
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    assert not (isinstance(target, ast.Attribute)
+                                and target.attr in ("forward", "backward", "reshape")), \
+                        f"{path.name}:{node.lineno} assigns a layer's {target.attr}"
