@@ -5,9 +5,8 @@
     net = caffe.Net("deploy.prototxt", "weights.caffemodel", caffe.TEST)
     out = net.forward(data=images)
 """
-from .parallel import mpi as _mpi
-
-_mpi.share_cores()   # before any kernel loads OpenMP, which reads OMP_NUM_THREADS once
+# first: shares the cores among MPI ranks before any kernel loads OpenMP (see caffepy.parallel)
+from . import parallel  # noqa: F401
 
 from . import proto  # noqa: F401  (caffe.proto.caffe_pb2, as in pycaffe)
 from .net import TEST, TRAIN, Net
