@@ -154,6 +154,7 @@ class Case:
             pytest.skip("no forward reference for this case")
         layer, bottom, top = self.build()
         rng.seed(1701)
+        layer.reshape(bottom, top)     # as the Net does before every forward
         layer.forward(bottom, top)
         want = self.expected(*[b.astype(np.float64) for b in self.bottoms], layer=layer) \
             if _takes_layer(self.expected) else self.expected(*[b.astype(np.float64) for b in self.bottoms])

@@ -1,4 +1,5 @@
-"""Data layers: Input, DummyData, and the readers Data (LMDB), ImageData (list file), MemoryData (arrays)."""
+"""Data layers: Input, DummyData, and the readers Data (LMDB), ImageData (list file), MemoryData
+(arrays), WindowData (R-CNN window files)."""
 import weakref
 
 import numpy as np
@@ -6,6 +7,7 @@ import numpy as np
 from .. import fillers, log, rng
 from ..data.prefetch import BatchFiller, Prefetcher, RecordOrder
 from ..data.sources import ImageListSource, LMDBSource
+from ..data import windows
 from ..data.transformer import DataTransformer
 from ..errors import DataError
 from ..layer import Layer, register
@@ -232,7 +234,8 @@ class ImageData(_PrefetchingLayer):
 
     image_data_param: source, root_folder (prefixed to each path), batch_size,
     rand_skip, shuffle (a new order every epoch), new_height/new_width (resize with
-    INTER_LINEAR, both or neither), is_color. Transformed by transform_param.
+    INTER_LINEAR, both or neither), is_color. Transformed by transform_param (Intel's
+    bgr2rgb, which as in Intel Caffe only ImageData honours, gives colour images in RGB order).
     """
     _params_field = "image_data_param"
 
@@ -241,7 +244,8 @@ class ImageData(_PrefetchingLayer):
         if bool(p.new_height) != bool(p.new_width):
             raise self.error("image_data_param.new_height", "set new_height and new_width together",
                              f"{p.new_height}x{p.new_width}")
-        return ImageListSource(path, p.root_folder, p.new_height, p.new_width, p.is_color)
+        return ImageListSource(path, p.root_folder, p.new_height, p.new_width, p.is_color,
+                               self.param.transform_param.bgr2rgb)
 
 
 @register
@@ -295,3 +299,99 @@ class MemoryData(Layer):
         top[0].data[...] = self.data[self.pos:self.pos + b]
         top[1].data[...] = self.labels[self.pos:self.pos + b]
         self.pos = (self.pos + b) % self.data.shape[0]
+
+
+@register
+class WindowData(Layer):
+    """Batches of windows sampled from an R-CNN window file (caffepy/data/windows.py gives
+    the format, the sampling and the warping): tops data (batch_size x C x crop x crop) and
+    label (batch_size; 0 for background windows).
+
+    window_data_param: source, root_folder, batch_size, fg_threshold, bg_threshold,
+    fg_fraction, context_pad, crop_mode ("warp" or "square"), cache_images, scale.
+    transform_param: crop_size (required), mirror, mean_file or mean_value (the deprecated
+    crop_size, mirror, mean_file and scale of window_data_param are read too). Windows are
+    drawn in a prefetch thread from caffepy.rng's seed.
+    """
+    exact_bottoms = 0
+    exact_tops = 2
+    differentiable = False
+
+    def setup(self, bottom, top):
+        p = self.param.window_data_param
+        tp = _transform_param(self, p)
+        if p.batch_size < 1:
+            raise self.error("window_data_param.batch_size", "must be at least 1", p.batch_size)
+        if not p.source:
+            raise self.error("window_data_param.source", "is required")
+        if tp.crop_size < 1:
+            raise self.error("transform_param.crop_size", "WindowData needs a crop size (the warped "
+                             "window's side)", tp.crop_size)
+        if p.crop_mode not in ("warp", "square"):
+            raise self.error("window_data_param.crop_mode", "must be 'warp' or 'square'", f"'{p.crop_mode}'")
+        if 2 * p.context_pad >= tp.crop_size:
+            raise self.error("window_data_param.context_pad", f"must be less than half the crop size "
+                             f"({tp.crop_size})", p.context_pad)
+        try:
+            images, fg, bg, channels = windows.read_window_file(p.source, p.root_folder, p.fg_threshold,
+                                                                p.bg_threshold)
+        except DataError as e:
+            problem = str(e)
+            if problem.startswith(f"{p.source}: "):
+                problem = problem[len(p.source) + 2:]
+            raise self.error("window_data_param.source", problem, p.source, cls=DataError) from None
+        if channels != 3:
+            raise self.error("window_data_param.source", "images are read in colour: the window file "
+                             "must give 3 channels", f"{channels} (first image)", cls=DataError)
+        num_fg = int(np.float32(p.batch_size) * np.float32(p.fg_fraction))
+        for kind, found, wanted in (("foreground", fg, num_fg), ("background", bg, p.batch_size - num_fg)):
+            if wanted and not found:
+                raise self.error("window_data_param.source", f"no {kind} windows (fg_threshold "
+                                 f"{p.fg_threshold:g}, bg_threshold {p.bg_threshold:g})", p.source,
+                                 cls=DataError)
+        log.info(f"Window data layer: {len(images)} images, foreground overlap >= {p.fg_threshold:g}, "
+                 f"background < {p.bg_threshold:g}, foreground fraction {p.fg_fraction:g}")
+        for label, count in windows.label_histogram(fg, bg).items():
+            log.info(f"class {label} has {count} samples")
+        transformer = DataTransformer(tp, self.phase, layer=self)     # reads and checks the mean
+        mean = transformer.mean if transformer.mean is not None else transformer.mean_values
+        if transformer.mean is not None and min(transformer.mean.shape[1:]) < tp.crop_size:
+            raise self.error("transform_param.mean_file", f"the mean must be at least crop_size "
+                             f"({tp.crop_size}) a side", transformer.mean.shape, cls=DataError)
+        if transformer.mean_values is not None and len(transformer.mean_values) not in (1, channels):
+            raise self.error("transform_param.mean_value", f"give 1 value or one per channel ({channels})",
+                             len(transformer.mean_values), cls=DataError)
+        scale = tp.scale if tp.HasField("scale") else p.scale
+        generator = np.random.default_rng([int(rng.generator().integers(1 << 62)), world.rank])
+        self.filler = windows.WindowFiller(
+            images, fg, bg, int(p.batch_size), channels, int(tp.crop_size), fg_fraction=p.fg_fraction,
+            context_pad=int(p.context_pad), square=p.crop_mode == "square", mirror=tp.mirror, scale=scale,
+            mean=mean, generator=generator, cache_images=p.cache_images, where=f"{p.source}: ")
+        self.top_shape = (int(p.batch_size), channels, int(tp.crop_size), int(tp.crop_size))
+        self.prefetcher = Prefetcher(self.filler, 2, self.name)
+        self._finalizer = weakref.finalize(self, _shutdown_prefetcher, self.prefetcher)
+        log.info(f"output data size: {','.join(map(str, self.top_shape))}")
+
+    @property
+    def wait_seconds(self):
+        return self.prefetcher.wait_seconds
+
+    def reshape(self, bottom, top):
+        top[0].reshape(self.top_shape)
+        top[1].reshape(self.top_shape[0])
+
+    def forward(self, bottom, top):
+        buf = self.prefetcher.next()
+        try:
+            top[0].data[...] = buf["data"]
+            top[1].data[...] = buf["label"]
+        finally:
+            self.prefetcher.release(buf)
+
+    def close(self):
+        """Stop the prefetch thread (also done at exit)."""
+        self._finalizer()
+
+
+def _shutdown_prefetcher(prefetcher):
+    prefetcher.close()

@@ -11,6 +11,8 @@
     plateau    (Intel) base_lr * gamma ^ current_step; current_step advances when the
                smoothed loss has not reached a new minimum for plateau_winsize[current_step]
                iterations since the last event (a new minimum or a step)
+    multifixed (Intel) stagelr[i] for the first stage i with iter <= stageiter[i]; the last
+               stage's rate after stageiter runs out (base_lr is not used)
 
 Intel Caffe's linear warm-up takes precedence while iter < warmup_iter:
     (iter * base_lr + (warmup_iter - iter) * warmup_start_lr) / warmup_iter
@@ -18,7 +20,7 @@ i.e. it ramps towards base_lr (not the policy's rate), and the policy's own stat
 (multistep's current_step) does not move during warm-up — both as Intel Caffe does.
 
 Fields read: lr_policy, base_lr, gamma, power, stepsize, stepvalue, max_iter,
-plateau_winsize, warmup_iter, warmup_start_lr.
+plateau_winsize, stagelr, stageiter, warmup_iter, warmup_start_lr.
 """
 import math
 
@@ -26,7 +28,7 @@ import numpy as np
 
 from ..errors import SolverError
 
-POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid", "plateau")
+POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid", "plateau", "multifixed")
 
 
 class Plateau:
@@ -54,6 +56,10 @@ def check(param, source="<solver>"):
         values = list(param.stepvalue)
         if any(b <= a for a, b in zip(values, values[1:])):
             raise SolverError(f"{source}: stepvalue: must increase, got {values}")
+    if policy == "multifixed":
+        if not len(param.stagelr) or len(param.stagelr) != len(param.stageiter):
+            raise SolverError(f"{source}: stagelr: the multifixed policy needs one stagelr per stageiter, "
+                              f"got {len(param.stagelr)} stagelr and {len(param.stageiter)} stageiter")
     if param.warmup_iter < 0:
         raise SolverError(f"{source}: warmup_iter: must be >= 0, got {param.warmup_iter}")
 
@@ -105,6 +111,9 @@ def learning_rate(param, it, current_step, plateau=None):
         if param.display and it % param.display == 0 and state.iter_last_event > it - param.display:
             status.append(f"Plateau Status: Iteration {it}, current minimum_loss = {state.minimum_loss:.6g}")
         rate = base * math.pow(param.gamma, current_step)
+    elif policy == "multifixed":
+        stage = next((i for i, end in enumerate(param.stageiter) if it <= end), len(param.stageiter) - 1)
+        rate = param.stagelr[stage]
     elif policy == "sigmoid":
         rate = base * (1.0 / (1.0 + math.exp(-param.gamma * (it - param.stepsize))))
     else:

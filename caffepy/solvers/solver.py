@@ -254,7 +254,7 @@ class Solver:
             loss = self._reduce_loss(self.net.forward_from_to())
             self._update_smoothed_loss(loss, start_iter)
             log.info(f"Iteration {self.iter}, loss = {fmt(self.smoothed_loss)}")
-        if p.test_interval and self.iter % p.test_interval == 0:
+        if p.test_interval and (self.iter - p.test_offset) % p.test_interval == 0:
             self.test_all()
         log.info("Optimization Done.")
 
@@ -272,7 +272,8 @@ class Solver:
         on_layer_done = (lambda li: [fn(self, li) for fn in layer_done]) if layer_done else None
         while self.iter < stop_iter:
             self.net.clear_param_diffs()
-            if (p.test_interval and self.iter % p.test_interval == 0
+            # Intel's test_offset shifts the test iterations (test_interval counts from it)
+            if (p.test_interval and (self.iter - p.test_offset) % p.test_interval == 0
                     and (self.iter > 0 or p.test_initialization)):
                 if self.is_root:
                     self.test_all()
