@@ -35,8 +35,9 @@ def split_blob_name(layer_name, blob_name, top_index, split_index):
     return f"{split_layer_name(layer_name, blob_name, top_index)}_{split_index}"
 
 
-def insert_splits(param):
-    """Return a copy of `param` with Split layers wherever a top feeds several bottoms.
+def insert_splits(param, source=None):
+    """Return a copy of `param` with Split layers wherever a top feeds several bottoms
+    (`source`, the net's file, names it in errors).
 
     A bottom always refers to the most recent layer that produced that name, so an
     in-place chain (conv -> relu in place -> pool) needs no split.
@@ -48,7 +49,7 @@ def insert_splits(param):
         for bi, name in enumerate(layer.bottom):
             if name not in last_producer:
                 raise layer_error(layer, "bottom", f"unknown blob '{name}' (bottom index {bi}); "
-                                  "no earlier layer produces it")
+                                  "no earlier layer produces it", source=source)
             consumers[last_producer[name]].append((li, bi))
         for ti, name in enumerate(layer.top):
             last_producer[name] = (li, ti)
@@ -132,7 +133,7 @@ class Net:
     def _init(self, param):
         self.name = param.name
         self.param = param
-        param = insert_splits(param)
+        param = insert_splits(param, self.source)
         self.blobs = collections.OrderedDict()
         self.layers = []
         self._layer_names = []

@@ -53,6 +53,58 @@ def test_reference_solver_round_trips(path, tmp_path):
     assert P.read_solver(tmp_path / "solver.prototxt") == solver
 
 
+# Every prototxt under the reference directories (bvlc, intel) and under the directories of
+# CAFFEPY_REFERENCE_MODELS (os.pathsep-separated; e.g. checkouts of BVLC and Intel Caffe, whose
+# models/ and examples/ hold 54 and 302 prototxts) must read, and every net must build in
+# TRAIN and TEST or be refused in one line naming its file and the layer (a missing LMDB, an
+# Intel layer or field caffepy does not run).
+CORPUS_DIRS = [os.path.join(REFERENCE, "bvlc"), os.path.join(REFERENCE, "intel")] + \
+    [d for d in os.environ.get("CAFFEPY_REFERENCE_MODELS", "").split(os.pathsep) if d]
+CORPUS = sorted({os.path.abspath(f) for d in CORPUS_DIRS
+                 for f in glob.glob(os.path.join(d, "**", "*.prototxt"), recursive=True)})
+
+
+def corpus_kind(path):
+    name = os.path.basename(path)
+    return "solver" if "solver" in name else "labelmap" if "labelmap" in name else "net"
+
+
+def corpus_id(path):
+    for d in CORPUS_DIRS:
+        if path.startswith(os.path.abspath(d) + os.sep):
+            return os.path.relpath(path, os.path.dirname(os.path.abspath(d)))
+    return path
+
+
+@pytest.mark.skipif(not CORPUS, reason="no reference models")
+@pytest.mark.parametrize("path", CORPUS, ids=corpus_id)
+def test_reference_prototxt_reads(path):
+    kind = corpus_kind(path)
+    if kind == "solver":
+        assert P.read_solver(path).ListFields()
+    elif kind == "labelmap":
+        assert P.read_text(caffe_pb2.LabelMap(), path).item
+    else:
+        assert P.read_net(path).layer
+
+
+@pytest.mark.skipif(not CORPUS, reason="no reference models")
+@pytest.mark.parametrize("phase", [caffe_pb2.TRAIN, caffe_pb2.TEST], ids=["TRAIN", "TEST"])
+@pytest.mark.parametrize("path", [p for p in CORPUS if corpus_kind(p) == "net"], ids=corpus_id)
+def test_reference_net_builds_or_is_refused_in_one_line(path, phase, monkeypatch):
+    import numpy as np
+    from caffepy import fillers
+    from caffepy.net import Net
+    # the weights' values do not matter here: zeros are faster to make than random numbers
+    monkeypatch.setattr(fillers, "fill", lambda param, shape: np.zeros(shape, np.float32))
+    try:
+        Net(path, phase=phase)
+    except CaffepyError as e:
+        message = str(e)
+        assert "\n" not in message and message.startswith(path), message
+        assert "layer '" in message, message
+
+
 @needs_reference
 def test_reference_intel_fields():
     solver = P.read_solver(os.path.join(REFERENCE, "intel", "multinode__alexnet_bn_64nodes__solver.prototxt"))
@@ -390,3 +442,26 @@ def test_solver_state_round_trip(tmp_path):
     state.history.add().data.extend([0.5, 1.5])
     P.write_solver_state(state, tmp_path / "x.solverstate")
     assert P.read_solver_state(tmp_path / "x.solverstate") == state
+
+
+def test_intel_fields_of_the_38_reference_files_that_did_not_parse(tmp_path):
+    """One of each field that kept Intel Caffe's reference prototxts from parsing."""
+    net = P.parse_net_text('''
+        layer { name: "data" type: "Data" top: "data" transform_param { pad: 3 bgr2rgb: true }
+                data_param { source: "x" batch_size: 1 side: 13 } }
+        layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+                quantization_param { bw_layer_in: 8 is_negative_input: true force_u8_input: true }
+                convolution_param { num_output: 1 kernel_size: 1 fusion_type: SUM_FUSION coeff: 1 } }
+        layer { name: "reorg" type: "Reorg" bottom: "conv" top: "reorg" reorg_param { stride: 2 } }
+        layer { name: "cat" type: "Concat" bottom: "reorg" top: "cat" concat_param { per_fla_fuse: true } }
+        layer { name: "loss" type: "RegionLoss" bottom: "cat" top: "loss" region_loss_param { biases: 1 } }
+        layer { name: "eval" type: "EvalDetection" bottom: "cat" top: "eval"
+                eval_detection_param { score_type: PROB } }
+        layer { name: "pool" type: "Pooling" bottom: "cat" top: "pool" pooling_param { kernel_size_3d: 2 } }
+        layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip" inner_product_param { relu: true } }
+        layer { name: "up" type: "Reshape" bottom: "ip" top: "up" reshape_param { pixelshuffler: 2 } }
+        compile_net_state { negative_conv_names: "conv" negative_conv_indexes: 1 }''', "intel.prototxt")
+    assert net.layer[1].quantization_param.is_negative_input and net.layer[2].reorg_param.stride == 2
+    solver = P.parse_solver_text('net: "n" lr_policy: "multifixed" stagelr: 0.1 stageiter: 10 test_offset: 5',
+                                 "solver.prototxt")
+    assert solver.test_offset == 5 and list(solver.stageiter) == [10]

@@ -494,3 +494,12 @@ def test_non_finite_weights_stop_training_at_a_display_iteration():
                                           r"by iteration 2, got a sum of nan"):
         s.step(3)
     assert s.iter == 2
+
+
+@pytest.mark.parametrize("offset,tested", [(0, [0, 3, 6]), (1, [1, 4]), (5, [2, 5])])
+def test_intel_test_offset_shifts_the_test_iterations(offset, tested):
+    s = make_solver(BASE + f"test_iter: 1 test_interval: 3 test_offset: {offset}")
+    seen = []
+    s.test_all = lambda: seen.append(s.iter)
+    s.step(7)
+    assert seen == tested

@@ -54,7 +54,7 @@ class DataTransformer:
         self.mean = None            # C x H x W float32 (mean_file)
         self.mean_values = None     # C values (mean_value)
         if param.mean_file and len(param.mean_value):
-            raise self._error("mean_file", "give mean_file or mean_value, not both",
+            raise self._error("transform_param.mean_file", "give mean_file or mean_value, not both",
                               f"mean_file '{param.mean_file}' and {len(param.mean_value)} mean_value(s)")
         if param.mean_file:
             from ..blobproto import read_blobproto
@@ -78,7 +78,8 @@ class DataTransformer:
     def _error(self, field, problem, value=None, hint=None):
         if self.layer is not None:
             return self.layer.error(field, problem, value, hint, cls=DataError)
-        msg = f"transform_param: {field}: {problem}"
+        field = field if field.startswith("transform_param") else f"transform_param.{field}"
+        msg = f"{field}: {problem}"
         return DataError(msg + (f", got {value}" if value is not None else "") + (f". {hint}" if hint else ""))
 
     # -- shapes ----------------------------------------------------------
