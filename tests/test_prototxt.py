@@ -1,11 +1,10 @@
-"""prototxt: text and binary I/O, parse errors, atomic writes (nets and solvers as Caffe reads them: upgrade.py)."""
+"""prototxt: text and binary I/O, parse errors, atomic writes; reference nets and solvers read back."""
 import glob
 import os
 import stat
 
 import pytest
 
-from caffepy import log
 from caffepy import prototxt as P
 from caffepy import upgrade as U
 from caffepy.errors import CaffepyError, PrototxtError
@@ -16,13 +15,6 @@ REFERENCE = os.path.join(REPO, "..", "shared", "reference-models")
 NETS = sorted(p for p in glob.glob(os.path.join(REFERENCE, "*", "*.prototxt")) if "solver" not in p)
 SOLVERS = sorted(p for p in glob.glob(os.path.join(REFERENCE, "*", "*.prototxt")) if "solver" in p)
 needs_reference = pytest.mark.skipif(not NETS, reason="no reference models next to the repository")
-
-
-@pytest.fixture(autouse=True)
-def quiet():
-    log.set_quiet(True)
-    yield
-    log.set_quiet(False)
 
 
 def write(tmp_path, name, text):

@@ -1,24 +1,10 @@
-"""solvers/nets: which nets a solver trains and tests, and their NetStates (InitTrainNet / InitTestNets)."""
+"""solvers/nets: the nets a solver trains and tests and their NetStates (InitTrainNet / InitTestNets)."""
 import pytest
 
-from caffepy import log
 from caffepy.errors import PrototxtError
 from caffepy.proto import caffe_pb2
 from caffepy.solvers.nets import solver_test_net_params, solver_train_net_param
 from caffepy.upgrade import parse_solver_text, read_solver
-
-
-@pytest.fixture(autouse=True)
-def quiet():
-    log.set_quiet(True)
-    yield
-    log.set_quiet(False)
-
-
-def write(tmp_path, name, text):
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
 
 
 NET = """
@@ -30,10 +16,11 @@ layer { name: "data" type: "Input" top: "data" }
 
 def test_solver_net_file_resolved_from_cwd(tmp_path, monkeypatch):
     (tmp_path / "models").mkdir()
-    write(tmp_path / "models", "net.prototxt", NET)
-    solver_path = write(tmp_path / "models", "solver.prototxt",
-                        'net: "models/net.prototxt" test_iter: 5 test_iter: 7 test_interval: 10\n'
-                        'train_state { level: 2 } test_state { stage: "x" } test_state { level: 4 }')
+    (tmp_path / "models" / "net.prototxt").write_text(NET)
+    solver_path = str(tmp_path / "models" / "solver.prototxt")
+    with open(solver_path, "w") as f:
+        f.write('net: "models/net.prototxt" test_iter: 5 test_iter: 7 test_interval: 10\n'
+                'train_state { level: 2 } test_state { stage: "x" } test_state { level: 4 }')
     monkeypatch.chdir(tmp_path)
     solver = read_solver(solver_path)
     train = solver_train_net_param(solver, solver_path, level=1, stages=["cli"])

@@ -16,7 +16,8 @@ from caffepy.blobproto import blobproto_to_array
 from caffepy.errors import PrototxtError, SolverError
 from caffepy.proto import caffe_pb2
 from caffepy.solvers import Solver, get_solver
-from caffepy.solvers.snapshot import RNG_STATE_FIELD, find_extension, read_solver_state, write_solver_state
+from caffepy.solvers.snapshot import (RNG_STATE_FIELD, find_extension, read_solver_state,
+                                      write_solver_state)
 
 SCALAR_NET = """
 net_param {{

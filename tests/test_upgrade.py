@@ -1,10 +1,9 @@
-"""upgrade: V0 / V1 nets, data-layer transforms, net inputs, BatchNorm specs, the solver_type enum, the upgrade tools."""
+"""upgrade: V0 / V1 nets, data transforms, net inputs, BatchNorm specs, solver_type, the upgrade tools."""
 import glob
 import os
 
 import pytest
 
-from caffepy import log
 from caffepy import prototxt as P
 from caffepy import upgrade as U
 from caffepy.errors import PrototxtError
@@ -15,19 +14,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFERENCE = os.path.join(REPO, "..", "shared", "reference-models")
 needs_reference = pytest.mark.skipif(not glob.glob(os.path.join(REFERENCE, "*", "*.prototxt")),
                                      reason="no reference models next to the repository")
-
-
-@pytest.fixture(autouse=True)
-def quiet():
-    log.set_quiet(True)
-    yield
-    log.set_quiet(False)
-
-
-def write(tmp_path, name, text):
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
 
 
 @needs_reference
@@ -151,7 +137,8 @@ def test_solver_type_upgrade():
 
 
 def test_upgrade_files(tmp_path):
-    src = write(tmp_path, "v1.prototxt", V1_NET)
+    src = tmp_path / "v1.prototxt"
+    src.write_text(V1_NET)
     assert U.upgrade_net_file(src, tmp_path / "new.prototxt") is True
     upgraded = P.read_text(caffe_pb2.NetParameter(), tmp_path / "new.prototxt")
     assert len(upgraded.layer) == 4 and not len(upgraded.layers)
@@ -161,7 +148,8 @@ def test_upgrade_files(tmp_path):
     U.upgrade_net_file(tmp_path / "v1.caffemodel", tmp_path / "new.caffemodel", binary=True)
     assert P.read_binary(caffe_pb2.NetParameter(), tmp_path / "new.caffemodel") == upgraded
 
-    src = write(tmp_path, "s.prototxt", 'net: "n" solver_type: ADAGRAD')
+    src = tmp_path / "s.prototxt"
+    src.write_text('net: "n" solver_type: ADAGRAD')
     U.upgrade_solver_file(src, tmp_path / "s2.prototxt")
     assert P.read_text(caffe_pb2.SolverParameter(), tmp_path / "s2.prototxt").type == "AdaGrad"
 
