@@ -417,6 +417,22 @@ def test_pycaffe_typed_solver_classes(tmp_path, monkeypatch):
     assert paths == ("out/run_iter_2.caffemodel", "out/run_iter_2.solverstate")
 
 
+def test_every_solver_type_has_its_pycaffe_class(tmp_path, monkeypatch):
+    import caffepy
+    from caffepy.solvers.updates import RULES
+    monkeypatch.chdir(tmp_path)
+    for name in RULES:
+        cls = getattr(caffepy, f"{name}Solver")
+        assert cls.forced_type == name and cls.__name__ == f"{name}Solver"
+        write_files(tmp_path, name, max_iter=1)
+        text = (tmp_path / "solver.prototxt").read_text()
+        if name in ("AdaGrad", "RMSProp"):
+            text = text.replace("momentum: 0.9", "")
+        (tmp_path / "solver.prototxt").write_text(text)
+        assert type(get_solver("solver.prototxt")) is cls
+    rng.seed(-1)
+
+
 @pytest.mark.parametrize("extra", [
     "weight_decay: 0.01", 'weight_decay: 0.01 regularization_type: "L1"', "iter_size: 2 weight_decay: 0.01",
     "weight_decay: 0.01 local_lr_auto: true local_gw_ratio: 0.1 warmup_iter: 2 warmup_start_lr: 0.01",
