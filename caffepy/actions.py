@@ -10,7 +10,7 @@ import numpy as np
 
 from . import log
 from .errors import UsageError
-from .solvers.solver import fmt
+from .log import fmt
 
 
 class SignalHandler:
@@ -58,7 +58,7 @@ class SignalHandler:
 def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect="stop",
           sighup_effect="snapshot"):
     """Train or fine-tune: build the solver, load -weights or restore -snapshot, solve."""
-    from . import prototxt
+    from . import upgrade
     from .solvers import Solver
 
     if weights and snapshot:
@@ -67,7 +67,7 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
     mpi = _mpi_if_launched()
     if mpi is not None:
         mpi.init_world()      # before building nets: data layers pick their records by rank
-    param = prototxt.read_solver(solver)
+    param = upgrade.read_solver(solver)
     if snapshot:
         del param.weights[:]
     elif weights:

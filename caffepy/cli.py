@@ -6,7 +6,6 @@ Known errors (CaffepyError) print one line and exit 1 (usage errors 2);
 anything else is a bug and keeps its traceback.
 """
 import re
-import sys
 
 import click
 
@@ -175,9 +174,7 @@ def compute_image_mean(input_db, output_file, backend):
 @click.argument("output_file")
 def upgrade_net_proto_text(input_file, output_file):
     """Upgrade a V0/V1 net prototxt to the current format."""
-    from . import prototxt
-    if not prototxt.upgrade_net_file(input_file, output_file, binary=False):
-        raise click.exceptions.Exit(1)   # partially upgraded, as Caffe's tool reports
+    _upgrade_net(input_file, output_file, binary=False)
 
 
 @main.command("upgrade_net_proto_binary")
@@ -185,8 +182,12 @@ def upgrade_net_proto_text(input_file, output_file):
 @click.argument("output_file")
 def upgrade_net_proto_binary(input_file, output_file):
     """Upgrade a V0/V1 binary .caffemodel to the current format."""
-    from . import prototxt
-    if not prototxt.upgrade_net_file(input_file, output_file, binary=True):
+    _upgrade_net(input_file, output_file, binary=True)
+
+
+def _upgrade_net(input_file, output_file, binary):
+    from . import upgrade
+    if not upgrade.upgrade_net_file(input_file, output_file, binary=binary):
         raise click.exceptions.Exit(1)   # partially upgraded, as Caffe's tool reports
 
 
@@ -195,8 +196,8 @@ def upgrade_net_proto_binary(input_file, output_file):
 @click.argument("output_file")
 def upgrade_solver_proto_text(input_file, output_file):
     """Upgrade a solver prototxt (solver_type enum to type string)."""
-    from . import prototxt
-    prototxt.upgrade_solver_file(input_file, output_file)
+    from . import upgrade
+    upgrade.upgrade_solver_file(input_file, output_file)
 
 
 @main.command("parse_log")
@@ -230,9 +231,9 @@ def plot_log(logfile, output_png):
 def draw_net(input_net_proto_file, output_image_file, rankdir, phase, display_lrm):
     """Draw a net as a graph; the format comes from OUTPUT_FILE's extension (.png, .svg, .pdf
     through Graphviz's dot; .raw for the DOT text)."""
-    from . import draw, prototxt
+    from . import draw, upgrade
     from .proto import caffe_pb2
-    net = prototxt.read_net(input_net_proto_file)
+    net = upgrade.read_net(input_net_proto_file)
     phases = {"TRAIN": caffe_pb2.TRAIN, "TEST": caffe_pb2.TEST, "ALL": None}
     click.echo(f"Drawing net to {output_image_file}")
     draw.draw_net_to_file(net, output_image_file, rankdir, phases[phase.upper()], display_lrm)

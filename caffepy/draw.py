@@ -133,8 +133,8 @@ def _net_param(caffe_net):
     if isinstance(caffe_net, caffe_pb2.NetParameter):
         return caffe_net
     if isinstance(caffe_net, (str, os.PathLike)):
-        from . import prototxt
-        return prototxt.read_net(os.fspath(caffe_net))
+        from . import upgrade
+        return upgrade.read_net(os.fspath(caffe_net))
     raise TypeError(f"draw: needs a caffe_pb2.NetParameter or a prototxt path, got {type(caffe_net)}")
 
 

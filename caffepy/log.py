@@ -14,6 +14,11 @@ _size = 1
 _quiet = False
 
 
+def fmt(x):
+    """A number as C++'s ostream prints it by default (6 significant digits)."""
+    return f"{x:.6g}"
+
+
 def set_rank(rank, size):
     global _rank, _size
     _rank, _size = rank, size

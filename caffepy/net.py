@@ -1,7 +1,8 @@
 """Net: a DAG of layers over named blobs, built from a NetParameter as Caffe does.
 
-Construction follows Caffe's Net::Init: filter layers by NetState, insert Split
-layers where one top feeds several bottoms (their backward sums the gradients),
+Construction follows Caffe's Net::Init: filter layers by NetState (net_state,
+filter_net: FilterNet and StateMeetsRule of net.cpp), insert Split layers where
+one top feeds several bottoms (their backward sums the gradients),
 wire in-place layers to the same Blob, decide which layers need backward, and
 share parameters by `param { name }`. Which implementation of each layer runs is the
 factory's choice (caffepy.layer.create_layer), from the layer's parameters, its bottoms
@@ -16,10 +17,10 @@ import os
 import numpy as np
 
 from . import layers as _layers  # noqa: F401  (registers every layer type)
-from . import log
+from . import log, prototxt, upgrade
 from .blob import Blob
 from .context import SINGLE
-from .errors import CaffepyError, ShapeError, layer_error
+from .errors import CaffepyError, PrototxtError, ShapeError, layer_error
 from .layer import Request, choose, create_layer
 from .proto import caffe_pb2
 
@@ -27,6 +28,61 @@ TRAIN = caffe_pb2.TRAIN
 TEST = caffe_pb2.TEST
 
 
+# -- NetState filtering (Caffe's Net::FilterNet / Net::StateMeetsRule) ---------
+def net_state(phase, level=0, stages=()):
+    """A NetState; `phase` is caffe_pb2.TRAIN / TEST or their names."""
+    if isinstance(phase, str):
+        try:
+            phase = caffe_pb2.Phase.Value(phase.upper())
+        except ValueError:
+            raise CaffepyError(f"phase: must be TRAIN or TEST, got {phase}") from None
+    state = caffe_pb2.NetState(phase=phase, level=int(level))
+    state.stage.extend(stages)
+    return state
+
+
+def state_meets_rule(state, rule):
+    """StateMeetsRule: every condition the rule sets must hold."""
+    if rule.HasField("phase") and rule.phase != state.phase:
+        return False
+    if rule.HasField("min_level") and state.level < rule.min_level:
+        return False
+    if rule.HasField("max_level") and state.level > rule.max_level:
+        return False
+    stages = set(state.stage)
+    if any(s not in stages for s in rule.stage):
+        return False
+    if any(s in stages for s in rule.not_stage):
+        return False
+    return True
+
+
+def layer_included(layer, state, source=None):
+    """Whether the layer takes part in a net of this state (FilterNet's rule)."""
+    if len(layer.include) and len(layer.exclude):
+        where = f"{source}: " if source else ""
+        raise PrototxtError(f"{where}layer '{layer.name}' ({layer.type}): include, exclude: both given; "
+                            f"specify either include rules or exclude rules, not both")
+    if len(layer.include):
+        return any(state_meets_rule(state, rule) for rule in layer.include)
+    return not any(state_meets_rule(state, rule) for rule in layer.exclude)
+
+
+def filter_net(net_param, state=None, source=None):
+    """A copy of `net_param` holding only the layers the NetState keeps
+    (FilterNet).  `state` defaults to the net's own `state`; the copy's
+    `state` is set to the one used."""
+    if state is None:
+        state = net_param.state
+    out = prototxt.copy_message(net_param, skip="layer")
+    out.state.CopyFrom(state)
+    for layer in net_param.layer:
+        if layer_included(layer, state, source):
+            out.layer.add().CopyFrom(layer)
+    return out
+
+
+# -- Split layers (Caffe's insert_splits.cpp) -----------------------------------
 def split_layer_name(layer_name, blob_name, top_index):
     return f"{blob_name}_{layer_name}_{top_index}_split"
 
@@ -109,21 +165,19 @@ class Net:
             raise TypeError("Net(network, [weights], phase)")
         if phase is None:
             raise TypeError("Net needs a phase (caffe.TRAIN or caffe.TEST)")
-        from . import prototxt
-
         if isinstance(network, caffe_pb2.NetParameter):
             param = network
             self.source = source or param.name or "<net>"
         else:
             self.source = os.fspath(network)
-            param = prototxt.read_net(self.source)
+            param = upgrade.read_net(self.source)
         self.phase = phase
         self.context = context
-        state = prototxt.net_state(phase, level, stages or [])
+        state = net_state(phase, level, stages or [])
         for s in param.state.stage:
             if s not in state.stage:
                 state.stage.append(s)
-        filtered = prototxt.filter_net(param, state, self.source)
+        filtered = filter_net(param, state, self.source)
         self._init(filtered)
         if weights:
             for path in str(weights).split(","):
@@ -506,10 +560,9 @@ class Net:
 
     def copy_from(self, path):
         """Load weights from a .caffemodel by layer name (Caffe's CopyTrainedLayersFrom)."""
-        from . import prototxt
         if str(path).endswith((".h5", ".hdf5")):
             raise CaffepyError(f"{path}: HDF5 weights are not supported; use a binary .caffemodel")
-        source = prototxt.read_binary_net(path)
+        source = upgrade.read_binary_net(path)
         self.copy_from_param(source, path)
 
     def copy_from_param(self, source, path="<weights>"):
@@ -547,7 +600,6 @@ class Net:
         return out
 
     def save(self, path):
-        from . import prototxt
         prototxt.write_binary(self.to_proto(), path)
 
     @property

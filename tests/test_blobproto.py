@@ -10,6 +10,8 @@ from caffepy.blobproto import (array_to_blobproto, blob_shape, blobproto_to_arra
 from caffepy.errors import CaffepyError, PrototxtError
 from caffepy.proto import caffe_pb2
 from caffepy import prototxt as P
+from caffepy.solvers.snapshot import write_solver_state
+from caffepy.upgrade import read_binary_net
 
 
 def test_round_trip_with_shape_and_diff():
@@ -132,12 +134,12 @@ def test_two_gib_guard_refuses_before_writing(tmp_path):
         P.write_binary(net, path, limit=P.payload_bytes(net))
     assert not os.listdir(tmp_path)
     P.write_binary(net, path, limit=5000)
-    assert P.read_binary_net(path) == net
+    assert read_binary_net(path) == net
 
 
 def test_solver_state_guard(tmp_path):
     state = caffe_pb2.SolverState(iter=1)
     state.history.append(array_to_blobproto(np.ones(100, np.float32)))
     with pytest.raises(CaffepyError, match="SolverState needs"):
-        P.write_solver_state(state, tmp_path / "s.solverstate", limit=100)
+        write_solver_state(state, tmp_path / "s.solverstate", limit=100)
     assert not os.listdir(tmp_path)

@@ -4,9 +4,10 @@ import pytest
 from google.protobuf import text_format
 
 import caffepy
-from caffepy.errors import CaffepyError, LayerError, ShapeError
-from caffepy.net import Net, insert_splits
+from caffepy.errors import CaffepyError, LayerError, PrototxtError, ShapeError
+from caffepy.net import Net, filter_net, insert_splits, net_state
 from caffepy.proto import caffe_pb2
+from caffepy.upgrade import parse_net_text
 
 
 def net_param(text):
@@ -211,3 +212,54 @@ def test_use_context_rebuilds_the_layers_the_factory_now_chooses_differently():
     assert [list(layer.blobs) for layer in net.layers] == blobs
     assert net.params["a"] is net.layers[1].blobs and net.learnable_params == learnable
     assert net.layers[1].m == 2 and net.layers[1].blobs[0].shape == (4, 5)     # full until split
+
+
+# -- NetState filtering ------------------------------------------------------
+
+FILTER_NET = """
+layer { name: "always" }
+layer { name: "train" include { phase: TRAIN } }
+layer { name: "test" include { phase: TEST } }
+layer { name: "not_test" exclude { phase: TEST } }
+layer { name: "level2" include { min_level: 2 } }
+layer { name: "level_le1" include { max_level: 1 } }
+layer { name: "stage_ab" include { stage: "a" stage: "b" } }
+layer { name: "stage_a_or_b" include { stage: "a" } include { stage: "b" } }
+layer { name: "not_a" include { not_stage: "a" } }
+layer { name: "train_lvl3" include { phase: TRAIN min_level: 3 } }
+"""
+
+
+def kept(state):
+    net = parse_net_text(FILTER_NET, "f.prototxt")
+    return [l.name for l in filter_net(net, state).layer]
+
+
+def test_filter_by_phase_and_level():
+    assert kept(net_state(caffe_pb2.TRAIN)) == ["always", "train", "not_test", "level_le1", "not_a"]
+    assert kept(net_state("test", level=2)) == ["always", "test", "level2", "not_a"]
+    assert kept(net_state("TRAIN", level=3)) == ["always", "train", "not_test", "level2", "not_a", "train_lvl3"]
+
+
+def test_filter_by_stage():
+    assert kept(net_state("TEST", 1, ["a"])) == ["always", "test", "level_le1", "stage_a_or_b"]
+    assert kept(net_state("TEST", 1, ["a", "b"])) == ["always", "test", "level_le1", "stage_ab", "stage_a_or_b"]
+    assert kept(net_state("TEST", 1, ["b"])) == ["always", "test", "level_le1", "stage_a_or_b", "not_a"]
+
+
+def test_filter_uses_the_nets_own_state_by_default():
+    net = parse_net_text(FILTER_NET + "state { phase: TRAIN level: 5 }", "f")
+    out = filter_net(net)
+    assert "train_lvl3" in [l.name for l in out.layer]
+    assert out.state.level == 5
+
+
+def test_include_and_exclude_together_is_an_error():
+    net = parse_net_text('layer { name: "d" type: "Data" include { phase: TRAIN } exclude { phase: TEST } }', "x")
+    with pytest.raises(PrototxtError, match=r"^net\.prototxt: layer 'd' \(Data\): include, exclude: both given"):
+        filter_net(net, net_state("TRAIN"), "net.prototxt")
+
+
+def test_bad_phase_name():
+    with pytest.raises(CaffepyError, match="phase: must be TRAIN or TEST, got val"):
+        net_state("val")

@@ -135,14 +135,14 @@ def test_module_found_in_the_current_directory(tmp_path, monkeypatch):
 
 
 def test_python_layer_in_a_net_trains_its_blob():
-    from caffepy import prototxt
+    from caffepy import upgrade
     text = f"""
     force_backward: true
     layer {{ name: "in" type: "Input" top: "x" input_param {{ shape {{ dim: 2 dim: 3 }} }} }}
     layer {{ name: "py" type: "Python" bottom: "x" top: "y" {py("LearnedScale", '{"offset": 1}')} }}
     layer {{ name: "loss" type: "Reduction" bottom: "y" top: "loss" loss_weight: 1 }}
     """
-    net = caffepy.Net(prototxt.parse_net_text(text), caffepy.TRAIN)
+    net = caffepy.Net(upgrade.parse_net_text(text), caffepy.TRAIN)
     x = randn(2, 3)
     net.blobs["x"].data[...] = x
     loss = net.forward_backward()
@@ -152,8 +152,8 @@ def test_python_layer_in_a_net_trains_its_blob():
 
 
 def one_layer_net(layer, param_str=""):
-    from caffepy import prototxt
-    return prototxt.parse_net_text(f"""
+    from caffepy import upgrade
+    return upgrade.parse_net_text(f"""
     layer {{ name: "in" type: "Input" top: "x" input_param {{ shape {{ dim: 2 dim: 3 }} }} }}
     layer {{ name: "py" type: "Python" bottom: "x" top: "y" {py(layer, param_str)} }}
     """)
