@@ -30,6 +30,20 @@ class ShapeError(LayerError):
     """Blob shapes that do not fit together."""
 
 
+class SizeError(ShapeError):
+    """A size that is negative, overflows, or needs more memory than there is.
+
+    Raised by a Blob (`blob` and `shape` set, no layer in the message yet: the
+    Net adds the layer and the field) or directly in the house shape.
+    """
+
+    def __init__(self, message, problem=None, blob=None, shape=None):
+        super().__init__(message)
+        self.problem = problem or message
+        self.blob = blob
+        self.shape = shape
+
+
 class DataError(CaffepyError):
     """A database, image or record that cannot be used."""
 
@@ -42,14 +56,36 @@ class ParallelError(CaffepyError):
     """A problem in multi-rank training (names the rank)."""
 
 
+# An error line quotes at most this many characters of a value (a repeated
+# field of 100,000 entries would otherwise make a 600 KB line).
+QUOTE_LIMIT = 200
+
+
+def quote(value, limit=QUOTE_LIMIT):
+    """`value` as text for an error line, cut to `limit` characters."""
+    text = str(value).replace("\n", " ")
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def one_line(message, limit=10 * QUOTE_LIMIT):
+    """A message as one line of at most about `limit` characters (head and tail kept)."""
+    text = " ".join(str(message).split("\n"))
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 3 // 4, limit // 4
+    return f"{text[:head]} ... [{len(text) - head - tail} characters cut] ... {text[-tail:]}"
+
+
 def layer_error(layer, field, problem, value=None, hint=None, cls=LayerError):
     """Build the house-shaped message for a layer (a Layer or a LayerParameter)."""
     param = getattr(layer, "param", layer)
-    where = f"layer '{param.name}' ({param.type})"
+    where = f"layer '{quote(param.name)}' ({quote(param.type)})"
     source = getattr(layer, "source", None)
     msg = f"{source + ': ' if source else ''}{where}: {field}: {problem}"
     if value is not None:
-        msg += f", got {value}"
+        msg += f", got {quote(value)}"
     if hint:
         msg += f". {hint}"
     return cls(msg)

@@ -8,11 +8,13 @@ A layer has the pycaffe Python-layer shape:
                                             param diffs (accumulate, as Caffe)
 Blob counts are declared as class data and checked once by `layer_setup`.
 """
+import difflib
+
 import numpy as np
 
 from . import fillers
 from .blob import Blob
-from .errors import LayerError, ShapeError, layer_error
+from .errors import LayerError, ShapeError, layer_error, quote
 
 LAYERS = {}
 
@@ -31,8 +33,11 @@ def create_layer(param, phase, source=None):
     cls = LAYERS.get(param.type)
     if cls is None:
         known = ", ".join(sorted(LAYERS))
-        raise layer_error(_Named(param, source), "type", f"unknown layer type '{param.type}'",
-                          hint=f"Known types: {known}")
+        lower = {t.lower(): t for t in LAYERS}
+        close = difflib.get_close_matches(param.type.lower(), lower, n=1)
+        guess = f"did you mean '{lower[close[0]]}'? " if close else ""
+        raise layer_error(_Named(param, source), "type", f"unknown layer type '{quote(param.type)}'",
+                          hint=f"{guess}Known types: {known}")
     return cls(param, phase, source)
 
 
@@ -62,9 +67,10 @@ class Layer:
         self.blobs = []
         if len(param.blobs):
             from .blobproto import blobproto_to_array
-            for bp in param.blobs:
+            for i, bp in enumerate(param.blobs):
                 b = Blob(name=f"{self.name}.{len(self.blobs)}")
-                b.set_data(blobproto_to_array(bp))
+                b.set_data(blobproto_to_array(bp, source=source,
+                                              where=f"layer '{param.name}' ({param.type}): blobs[{i}]"))
                 self.blobs.append(b)
         # which param blobs want a gradient (lr_mult != 0); set by the Net
         self.param_propagate_down = []

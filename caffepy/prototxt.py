@@ -204,6 +204,8 @@ def read_binary(msg, path):
     """Parse the binary proto file at `path` into `msg`, without any upgrade."""
     source = os.fspath(path)
     data = _read_bytes(path)
+    if not data:
+        raise PrototxtError(f"{source}: the file is empty (0 bytes); expected a binary {msg.DESCRIPTOR.name}")
     try:
         msg.ParseFromString(data)
     except _pb_message.DecodeError as e:
@@ -266,6 +268,9 @@ def write_binary(msg, path, limit=PROTO_LIMIT):
 def read_net(path):
     """A net prototxt, upgraded to the current format (ReadNetParamsFromTextFileOrDie)."""
     net = read_text(caffe_pb2.NetParameter(), path)
+    if not (len(net.layer) or len(net.layers) or len(net.input)):
+        raise PrototxtError(f"{os.fspath(path)}: defines no layers"
+                            f"{' (the file is empty)' if os.path.getsize(path) == 0 else ''}")
     _upgrade_net(net, os.fspath(path))
     return net
 

@@ -9,6 +9,7 @@ import os
 import cv2
 import cv2.utils.logging
 
+from .. import memory
 from ..errors import DataError
 from .datum import datum_to_array, parse_datum
 from .db import Reader
@@ -76,7 +77,15 @@ def read_image(path, height=0, width=0, is_color=True, where=""):
     if img is None:
         return None
     if height > 0 and width > 0 and img.shape[:2] != (height, width):
-        img = cv2.resize(img, (width, height), interpolation=cv2.INTER_LINEAR)
+        channels = img.shape[2] if img.ndim == 3 else 1
+        why = memory.problem(height * width * channels, f"resizing '{path}' to {height} x {width}")
+        if why:
+            raise DataError(why)
+        try:
+            img = cv2.resize(img, (width, height), interpolation=cv2.INTER_LINEAR)
+        except cv2.error as e:
+            raise DataError(f"{path}: cannot resize the image to {height} x {width}: "
+                            f"{str(e).strip().splitlines()[-1]}") from None
     if img.ndim == 2:
         img = img[:, :, None]
     return img

@@ -18,8 +18,8 @@ import click
 import cv2
 import numpy as np
 
-from .. import log, rng
-from ..errors import DataError
+from .. import log, memory, rng
+from ..errors import DataError, UsageError
 from .datum import datum_to_array, encoded_datum, image_to_datum, parse_datum
 from .db import Reader, Writer
 from .sources import read_image, read_list_file
@@ -56,6 +56,13 @@ def convert_imageset(root_folder, list_file, db_name, gray=False, shuffle=False,
     if backend != "lmdb":
         raise DataError(f"{db_name}: backend '{backend}' is not supported; use lmdb")
     is_color = not gray
+    if os.path.exists(db_name):
+        raise DataError(f"{db_name}: database already exists; remove it or choose another name")
+    if resize_height and resize_width:
+        why = memory.problem(resize_height * resize_width * (3 if is_color else 1),
+                             f"one {resize_height} x {resize_width} image")
+        if why:
+            raise UsageError(f"--resize_height, --resize_width: {why}, got {resize_height} x {resize_width}")
     entries = read_list_file(list_file)
     if shuffle:
         log.info("Shuffling data")

@@ -3,11 +3,11 @@ import weakref
 
 import numpy as np
 
-from .. import fillers, log, rng
+from .. import fillers, log, memory, rng
 from ..data.prefetch import BatchFiller, Prefetcher, RecordOrder
 from ..data.sources import ImageListSource, LMDBSource
 from ..data.transformer import DataTransformer
-from ..errors import DataError
+from ..errors import DataError, SizeError
 from ..layer import Layer, register
 from ..parallel import world
 from ..proto import caffe_pb2
@@ -158,6 +158,12 @@ class _PrefetchingLayer(Layer):
             prefix = f"{self.source}: " if self.source else ""
             raise DataError(f"{prefix}layer '{self.name}' ({self.type}): {e} (first record: {where})") from None
         self.top_shape = (self.batch_size,) + shape
+        # the top and the prefetch buffers are allocated here at once: refuse what cannot fit
+        buffers = max(1, int(self.prefetch_depth())) + 1
+        why = memory.problem(buffers * memory.count(self.top_shape) * 4,
+                             f"{buffers} batches of {memory.dims_text(self.top_shape)} floats")
+        if why:
+            raise self.error(f"{self._params_field}.batch_size", why, self.batch_size, cls=SizeError)
         filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
         self.prefetcher = Prefetcher(filler, self.prefetch_depth(), self.name)
         self._finalizer = weakref.finalize(self, _shutdown, self.prefetcher, self.source_db)
