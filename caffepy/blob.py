@@ -40,7 +40,8 @@ class Blob:
             shape = shape[0]
         shape = tuple(int(s) for s in shape)
         if len(shape) > MAX_AXES:
-            raise ShapeError(f"blob '{self.name}': invalid shape {shape}")
+            self._refuse(shape, f"blob '{self.name}' has {len(shape)} axes, more than the {MAX_AXES} "
+                         f"a blob can have")
         if shape == self._shape:
             return
         count = memory.count(shape)

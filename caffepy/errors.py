@@ -62,8 +62,13 @@ QUOTE_LIMIT = 200
 
 
 def quote(value, limit=QUOTE_LIMIT):
-    """`value` as text for an error line, cut to `limit` characters."""
-    text = str(value).replace("\n", " ")
+    """`value` as text for an error line: bytes decoded, what is not printable escaped
+    (a damaged record's key is any bytes), cut to `limit` characters."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        value = bytes(value).decode("utf-8", "backslashreplace")
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters)"
@@ -71,7 +76,7 @@ def quote(value, limit=QUOTE_LIMIT):
 
 def one_line(message, limit=10 * QUOTE_LIMIT):
     """A message as one line of at most about `limit` characters (head and tail kept)."""
-    text = " ".join(str(message).split("\n"))
+    text = " ".join(str(message).splitlines())
     if len(text) <= limit:
         return text
     head, tail = limit * 3 // 4, limit // 4

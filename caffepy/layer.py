@@ -14,7 +14,7 @@ import numpy as np
 
 from . import fillers
 from .blob import Blob
-from .errors import LayerError, ShapeError, layer_error, quote
+from .errors import CaffepyError, LayerError, ShapeError, layer_error, quote
 
 LAYERS = {}
 
@@ -111,7 +111,10 @@ class Layer:
             return
         for i, (shape, filler) in enumerate(specs):
             b = Blob(shape, name=f"{self.name}.{i}")
-            b.data[...] = fillers.fill(filler, shape)
+            try:
+                b.data[...] = fillers.fill(filler, shape)
+            except CaffepyError as e:
+                raise self.error(f"blobs[{i}] filler", str(e)) from None
             self.blobs.append(b)
 
     def check_blob_counts(self, bottom, top):

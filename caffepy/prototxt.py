@@ -166,7 +166,8 @@ def parse_text(msg, text, source="<string>"):
             text = text.decode("utf-8")
         except UnicodeDecodeError as e:
             line = text[: e.start].count(b"\n") + 1
-            raise PrototxtError(f"{source}:{line}: not UTF-8 text (byte 0x{text[e.start]:02x})") from None
+            hint = "; it looks like a binary file, not a text prototxt" if b"\0" in text[:4096] else ""
+            raise PrototxtError(f"{source}:{line}: not UTF-8 text (byte 0x{text[e.start]:02x}){hint}") from None
     try:
         text_format.Parse(text, msg)
     except text_format.ParseError as e:
@@ -209,9 +210,9 @@ def read_binary(msg, path):
     try:
         msg.ParseFromString(data)
     except _pb_message.DecodeError as e:
-        hint = ""
-        if data[:200].lstrip()[:1].isalpha() or data[:1] == b"#":
-            hint = "; it looks like a text prototxt"
+        head = data[:200].decode("utf-8", "replace")
+        text = all(ch.isprintable() or ch in "\n\r\t" for ch in head) and "\ufffd" not in head
+        hint = "; it looks like a text prototxt" if text else ""
         raise PrototxtError(f"{source}: not a binary {msg.DESCRIPTOR.name} ({e}){hint}") from None
     _check_required(msg, source)
     return msg
@@ -691,6 +692,8 @@ _SOLVER_TYPE_NAMES = {"SGD": "SGD", "NESTEROV": "Nesterov", "ADAGRAD": "AdaGrad"
 
 def read_solver(path):
     """A solver prototxt, upgraded (ReadSolverParamsFromTextFileOrDie)."""
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise PrototxtError(f"{os.fspath(path)}: the file is empty; a solver needs at least a net and base_lr")
     solver = read_text(caffe_pb2.SolverParameter(), path)
     return upgrade_solver(solver, os.fspath(path))[0]
 

@@ -10,7 +10,7 @@ import cv2
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ..errors import DataError
+from ..errors import DataError, quote
 from ..proto import caffe_pb2
 
 
@@ -21,7 +21,7 @@ def _where(source, key):
 
 
 def _key_text(key):
-    return key.decode("utf-8", "replace") if isinstance(key, (bytes, bytearray, memoryview)) else str(key)
+    return quote(key)
 
 
 def parse_datum(value, source=None, key=None):

@@ -8,13 +8,16 @@ nobody writes to it.
 LMDB maps data.mdb into memory and follows page numbers blindly: a page past
 the end of a truncated file is a SIGBUS that kills the process without a word.
 So readers first check the file against its own header (the meta pages say
-how many pages the data uses), and every key and value is checked to lie
-inside the file before it is copied out of the map; errors LMDB reports
-(corrupt pages) become one DataError naming the file and the record.
+how many pages the data uses), and before a value is touched its extent, as
+the record's leaf node declares it, is checked to lie inside those pages (a
+damaged node could claim 4 GB); errors LMDB reports itself (pages of the wrong
+type, page numbers past the end) become one DataError naming the file and the
+record.
 Writers build the database under a temporary name and rename it when done,
 so a failed run leaves nothing behind.
 """
 import contextlib
+import ctypes
 import os
 import shutil
 import struct
@@ -24,17 +27,24 @@ import threading
 import lmdb
 import numpy as np
 
-from ..errors import DataError
+from ..errors import DataError, quote
 
 # Writers start with this map size and double it whenever the map is full.
 _INITIAL_MAP_SIZE = 1 << 30
 
-# LMDB's meta page (64-bit, little-endian): a 16-byte page header, then
-# mm_magic (u32) at 16, mm_dbs[0].md_pad (the page size, u32) at 40, the main
-# database's md_entries (u64) at 120, mm_last_pg (u64) at 136 and mm_txnid
-# (u64) at 144. Pages 0 and 1 are the two metas; the newer txnid is current.
+# LMDB's on-disk layout (64-bit, little-endian). A page starts with a 16-byte
+# header. The meta page holds mm_magic (u32) at 16, mm_dbs[0].md_pad (the page
+# size, u32) at 40, the main database's md_entries (u64) at 120, mm_last_pg
+# (u64) at 136 and mm_txnid (u64) at 144; pages 0 and 1 are the two metas, the
+# newer txnid is current. A leaf node is mn_lo, mn_hi (the value's size, low
+# and high 16 bits), mn_flags, mn_ksize (u16 each), the key, then the value
+# itself or, with F_BIGDATA, the number (u64) of the first of the overflow
+# pages that hold it after their own page header.
 _MAGIC = 0xBEEFC0DE
 _META_BYTES = 152
+_PAGE_HEADER = 16
+_NODE_HEADER = 8
+_F_BIGDATA = 0x01
 
 
 def _damaged(data_file, problem):
@@ -58,8 +68,8 @@ def _read_meta(f, offset):
 def check_file(data_file):
     """Check data.mdb against its own meta pages before LMDB maps it.
 
-    Returns the file's size in bytes; raises DataError for an empty, foreign,
-    zeroed or truncated file (a file shorter than its last used page).
+    Returns (page size, bytes the pages in use span); raises DataError for an
+    empty, foreign, zeroed or truncated file (shorter than its last used page).
     """
     try:
         with open(data_file, "rb") as f:
@@ -88,7 +98,7 @@ def check_file(data_file):
     if size < need:
         raise _damaged(data_file, f"truncated to {size} bytes; its header says the data reaches "
                        f"{need} bytes ({meta['last_pg'] + 1} pages of {psize})")
-    return size
+    return psize, need
 
 
 def _mapped_start(data_file):
@@ -118,15 +128,33 @@ class _Env:
 
     def __init__(self, path):
         self.data_file = os.path.join(path, "data.mdb")
-        self.size = check_file(self.data_file)
+        self.psize, self.end = check_file(self.data_file)
         try:
             self.env = lmdb.open(path, readonly=True, lock=False, readahead=False, max_readers=512,
                                  subdir=True)
         except lmdb.Error as e:
             raise DataError(f"{path}: cannot open the database: {e}") from None
-        start = _mapped_start(self.data_file)
-        self.span = None if start is None else (start, start + self.size)
+        self.start = _mapped_start(self.data_file)     # None: inline values go unchecked
         self.users = 0
+
+    def value_problem(self, key):
+        """Why the value of the record whose key (a buffer into the map) is `key`
+        cannot be read safely, from its leaf node; None when it can."""
+        if not len(key):
+            return None
+        at = np.frombuffer(key, np.uint8).ctypes.data
+        lo, hi, flags, ksize = struct.unpack("<HHHH", ctypes.string_at(at - _NODE_HEADER, _NODE_HEADER))
+        if ksize != len(key):
+            return None         # not the layout above: leave it to LMDB
+        size = lo | hi << 16
+        if flags & _F_BIGDATA:
+            pgno, = struct.unpack("<Q", ctypes.string_at(at + ksize, 8))
+            if pgno < 2 or pgno * self.psize + _PAGE_HEADER + size > self.end:
+                return (f"its value claims {size} bytes from page {pgno}, past the "
+                        f"{self.end // self.psize} pages of the file")
+        elif self.start is not None and at + ksize + size > self.start + self.end:
+            return f"its value claims {size} bytes, past the end of the file"
+        return None
 
 
 def _acquire_env(path):
@@ -155,7 +183,7 @@ def _check_exists(path):
 
 
 def _key_text(key):
-    return bytes(key).decode("utf-8", "replace")
+    return quote(key)
 
 
 class Reader:
@@ -192,15 +220,13 @@ class Reader:
         return DataError(f"{self.path}: {where}damaged LMDB: {text}. Copy or rebuild the database")
 
     def _record(self, cursor):
-        """The cursor's (key, value) as bytes, refusing a value that reaches past the file."""
-        key, value = cursor.key(), cursor.value()
-        span = self._entry.span
-        if span is not None and len(value):
-            start = np.frombuffer(value, np.uint8).ctypes.data
-            if start < span[0] or start + len(value) > span[1]:
-                raise self._damaged(f"the record claims {len(value)} bytes that lie outside "
-                                    f"{self._entry.data_file}", key=key)
-        return bytes(key), bytes(value)
+        """The cursor's (key, value) as bytes; the value's extent is checked before
+        py-lmdb touches it (it reads every page of a value it hands out)."""
+        key = cursor.key()
+        problem = self._entry.value_problem(key)
+        if problem:
+            raise self._damaged(problem, key=key)
+        return bytes(key), bytes(cursor.value())
 
     def keys(self):
         """Every key in order, as one NumPy bytes array (compact for millions of keys)."""

@@ -10,13 +10,14 @@ import cv2
 import cv2.utils.logging
 
 from .. import memory
-from ..errors import DataError
+from ..errors import DataError, quote
 from .datum import datum_to_array, parse_datum
 from .db import Reader
 
 # Unreadable images are reported by our own warning or error; OpenCV's own
-# "[ WARN:0@...] imread_(...)" line would repeat it in another shape.
-cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_ERROR)
+# "[ WARN:0@...] imread_(...)" or "[ERROR:0@...] ... readHeader" line would
+# repeat it in another shape.
+cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
 
 
 class LMDBSource:
@@ -29,7 +30,7 @@ class LMDBSource:
         return len(self.reader)
 
     def where(self, key):
-        return f"{self.path}: key '{key.decode('utf-8', 'replace')}': "
+        return f"{self.path}: key '{quote(key)}': "
 
     def get(self, index):
         return self.reader.get(index)

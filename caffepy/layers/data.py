@@ -7,7 +7,7 @@ from .. import fillers, log, memory, rng
 from ..data.prefetch import BatchFiller, Prefetcher, RecordOrder
 from ..data.sources import ImageListSource, LMDBSource
 from ..data.transformer import DataTransformer
-from ..errors import DataError, SizeError
+from ..errors import CaffepyError, DataError, SizeError
 from ..layer import Layer, register
 from ..parallel import world
 from ..proto import caffe_pb2
@@ -71,7 +71,10 @@ class DummyData(Layer):
         self.refill = [f.type != "constant" for f in self.fillers]
         for t, shape, filler in zip(top, shapes, self.fillers):
             t.reshape(shape)
-            t.data[...] = fillers.fill(filler, shape)
+            try:
+                t.data[...] = fillers.fill(filler, shape)
+            except CaffepyError as e:
+                raise self.error("dummy_data_param.data_filler", str(e)) from None
 
     def reshape(self, bottom, top):
         for t, shape in zip(top, self.shapes):
@@ -130,7 +133,8 @@ class _PrefetchingLayer(Layer):
             problem = str(e)
             if problem.startswith(f"{path}: "):     # house shape: the path goes last, as the value
                 problem = problem[len(path) + 2:]
-            raise self.error(f"{self._params_field}.source", problem, path, cls=DataError) from None
+            raise self.error(f"{self._params_field}.source", problem, None if path in problem else path,
+                             cls=DataError) from None
         if len(self.source_db) == 0:
             raise self.error(f"{self._params_field}.source", "the database is empty", path, cls=DataError)
         log.info(f"Opened {path} ({len(self.source_db)} records)")
