@@ -153,8 +153,11 @@ class _PrefetchingLayer(Layer):
         tp = _transform_param(self, p)
         self.transformer = DataTransformer(tp, self.phase, np.random.default_rng([base, 2, world.rank]),
                                            layer=self)
-        key, raw = self.source_db.get(order.index(0))
-        image, _ = self.source_db.decode(key, raw)
+        try:
+            key, raw = self.source_db.get(order.index(0))
+            image, _ = self.source_db.decode(key, raw)
+        except DataError as e:
+            raise self.error(f"{self._params_field}.source", str(e), cls=DataError) from None
         try:
             shape = self.transformer.check(image.shape)
         except DataError as e:
@@ -187,7 +190,10 @@ class _PrefetchingLayer(Layer):
             top[1].reshape(self.batch_size)
 
     def forward(self, bottom, top):
-        buf = self.prefetcher.next()
+        try:
+            buf = self.prefetcher.next()
+        except DataError as e:      # a record the prefetch thread could not read: say which layer
+            raise self.error(f"{self._params_field}.source", str(e), cls=DataError) from None
         try:
             top[0].data[...] = buf["data"]
             if len(top) > 1:

@@ -486,6 +486,22 @@ def enormous_repeated_field(c):
 
 
 @case("sizes")
+def memory_data_batch_1e9(c):
+    p = _bad_net(c, 'layer { name: "m" type: "MemoryData" top: "m" top: "l" memory_data_param { '
+                 'batch_size: 1000000000 channels: 3 height: 227 width: 227 } }\n')
+    return time_args(p), [p + ":", "layer 'm'", "memory_data_param.batch_size", "1000000000"]
+
+
+@case("sizes")
+def image_data_huge_resize(c):
+    lst = c.write("list.txt", "im0.png 0\n")
+    p = _bad_net(c, f'layer {{ name: "img" type: "ImageData" top: "data" top: "label" image_data_param {{ '
+                 f'source: "{lst}" root_folder: "{c.fx.images}" batch_size: 1 new_height: 1000000 '
+                 f'new_width: 1000000 }} }}\n')
+    return time_args(p), [p + ":", "layer 'img'", "image_data_param.source", "im0.png", "1000000 x 1000000"]
+
+
+@case("sizes")
 def kernel_larger_than_input(c):
     p = _bad_net(c, DEPLOY.replace("kernel_size: 5", "kernel_size: 40"))
     return time_args(p), [p + ":", "layer 'conv1'", "kernel"]
@@ -913,7 +929,7 @@ def zeroed_leaf_page(c):
     leaf = _leaf(data)
     data[leaf:leaf + 4096] = bytes(4096)
     c.save_mdb(db, data)
-    return time_args(_lmdb_net(c, db)), [db, "damaged LMDB"]
+    return time_args(_lmdb_net(c, db)), [db, "layer 'data'", "damaged LMDB"]
 
 
 @case("lmdb")
@@ -948,7 +964,8 @@ def record_claims_4gb_data_layer(c):
     node = _node(data, _leaf(data), 2)
     struct.pack_into("<HH", data, node, 0xFFF0, 0xFFFF)
     c.save_mdb(db, data)
-    return time_args(_lmdb_net(c, db), "--iterations", "2"), [db, "key '00000002'", "damaged LMDB"]
+    return time_args(_lmdb_net(c, db), "--iterations", "2"), [db, "layer 'data'", "key '00000002'",
+                                                              "damaged LMDB"]
 
 
 @case("lmdb")
@@ -978,7 +995,7 @@ def zeroed_record(c):
 def record_not_a_datum(c):
     db = c.copy_db()
     put_raw(db, "00000004", b"\xff\xff\xff not a datum")
-    return time_args(_lmdb_net(c, db), "--iterations", "2"), [db, "key '00000004'", "Datum"]
+    return time_args(_lmdb_net(c, db), "--iterations", "2"), [db, "layer 'data'", "key '00000004'", "Datum"]
 
 
 @case("lmdb")
@@ -994,7 +1011,7 @@ def datum_negative_dims(c):
     db = c.copy_db()
     datum = caffe_pb2.Datum(channels=-1, height=-1, width=3, data=bytes(3), label=1)
     put_raw(db, "00000000", datum.SerializeToString())
-    return time_args(_lmdb_net(c, db)), [db, "key '00000000'", "negative"]
+    return time_args(_lmdb_net(c, db)), [db, "layer 'data'", "key '00000000'", "negative"]
 
 
 @case("lmdb")
@@ -1002,7 +1019,8 @@ def datum_of_another_size(c):
     db = c.copy_db()
     datum = caffe_pb2.Datum(channels=3, height=16, width=16, data=bytes(768), label=1)
     put_raw(db, "00000002", datum.SerializeToString())
-    return time_args(_lmdb_net(c, db), "--iterations", "2"), [db, "key '00000002'", "3x16x16"]
+    return time_args(_lmdb_net(c, db), "--iterations", "2"), [db, "layer 'data'", "key '00000002'",
+                                                              "3x16x16"]
 
 
 @case("lmdb")
