@@ -37,9 +37,8 @@ class SizeError(ShapeError):
     Net adds the layer and the field) or directly in the house shape.
     """
 
-    def __init__(self, message, problem=None, blob=None, shape=None):
+    def __init__(self, message, blob=None, shape=None):
         super().__init__(message)
-        self.problem = problem or message
         self.blob = blob
         self.shape = shape
 

@@ -10,8 +10,6 @@ cannot fit is refused: there is no cap of our own.
 import math
 import sys
 
-from .errors import SizeError
-
 # Below this an allocation is not worth a look at /proc/meminfo.
 _SMALL = 64 << 20
 
@@ -49,7 +47,9 @@ def dims_text(shape):
 
 
 def problem(nbytes, what):
-    """Why `nbytes` for `what` cannot be allocated, or None when it can be tried."""
+    """Why `nbytes` for `what` (e.g. "blob 'fc' (10 x 20 floats)") cannot be allocated,
+    or None when it can be tried. Callers raise it in their own shape (naming the
+    layer and field, or the flag)."""
     if nbytes <= _SMALL:
         return None
     free = available()
@@ -60,27 +60,10 @@ def problem(nbytes, what):
     return None
 
 
-def check(nbytes, what):
-    """Raise SizeError when `nbytes` for `what` (e.g. "blob 'fc' (10 x 20 floats)") cannot fit."""
-    why = problem(nbytes, what)
-    if why is not None:
-        raise SizeError(why)
-
-
-def check_shape(shape, itemsize, what):
-    """Check a shape read from a file: no negative dims, and its bytes fit in memory.
-    Returns the element count."""
-    if any(int(d) < 0 for d in shape):
-        raise SizeError(f"{what}: negative dimension in shape {dims_text(shape)}")
-    n = count(shape)
-    check(n * itemsize, f"{what} ({dims_text(shape)} values)")
-    return n
-
-
 def size_field(param, shape):
-    """The field of a LayerParameter that most likely asked for `shape`: the one
-    whose value is the offending dimension (a negative one, else the largest).
-    None when no field holds such a value (the size came from the bottoms)."""
+    """(field, value): the field of a LayerParameter that most likely asked for
+    `shape`, the one whose value is the offending dimension (a negative one, else
+    the largest); (None, None) when no field holds one (the size came from the bottoms)."""
     dims = [int(d) for d in shape]
     wanted = [d for d in dims if d < 0] or sorted({d for d in dims if d > 1}, reverse=True)
     found = {}

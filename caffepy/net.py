@@ -15,9 +15,8 @@ import types
 import numpy as np
 
 from . import layers as _layers  # noqa: F401  (registers every layer type)
-from . import log
+from . import log, memory
 from .blob import Blob
-from . import memory
 from .errors import CaffepyError, LayerError, PrototxtError, ShapeError, SizeError, layer_error, quote
 from .layer import create_layer
 from .layers import intel as _intel
@@ -47,8 +46,9 @@ def insert_splits(param, source=None):
     for li, layer in enumerate(param.layer):
         for bi, name in enumerate(layer.bottom):
             if name not in last_producer:
-                raise layer_error(types.SimpleNamespace(param=layer, source=source), "bottom", f"unknown blob '{quote(name)}' (bottom "
-                                  f"index {bi}); no earlier layer produces it")
+                named = types.SimpleNamespace(param=layer, source=source)
+                raise layer_error(named, "bottom", f"unknown blob '{quote(name)}' (bottom index {bi}); "
+                                  f"no earlier layer produces it")
             consumers[last_producer[name]].append((li, bi))
         for ti, name in enumerate(layer.top):
             last_producer[name] = (li, ti)
@@ -95,7 +95,7 @@ def _size_error(layer, error):
     if error.blob is None:
         return error
     field, value = memory.size_field(layer.param, error.shape or ())
-    return layer.error(field or "shape", error.problem, value, cls=SizeError)
+    return layer.error(field or "shape", str(error), value, cls=SizeError)
 
 
 class Net:
@@ -196,8 +196,9 @@ class Net:
             except (ValueError, IndexError) as e:
                 raise layer.error("setup", str(e), cls=ShapeError) from None
             except MemoryError:
-                raise layer.error("setup", "out of memory while setting the layer up",
-                                  hint=f"{memory.human(memory.available() or 0)} available", cls=SizeError) from None
+                free = memory.available()
+                raise layer.error("setup", "out of memory while allocating its blobs", cls=SizeError,
+                                  hint=f"{memory.human(free)} of memory available" if free else None) from None
             _intel.propagate_layout(layer, bottoms, tops)
             weights = layer.loss_weights(len(tops))
             for name, w in zip(lp.top, weights):

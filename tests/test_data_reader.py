@@ -1,6 +1,7 @@
 """The Data layer's reader and prefetcher: every record once per epoch, shuffle,
 shared-DB interleave and split-DB shards across ranks, errors from the prefetch thread."""
 import contextlib
+import os
 import threading
 
 import numpy as np
@@ -259,3 +260,13 @@ def test_reader_checks_the_file_against_its_header_before_mapping_it(tmp_path, d
     data.write_bytes(damage(data.read_bytes()))
     with pytest.raises(DataError, match=message):
         Reader(db)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
+def test_reader_backs_the_map_past_the_file_with_zero_pages(tmp_path):
+    # what keeps a damaged node from faulting (the corpus runs such files through the CLI)
+    db = make_db(tmp_path / "db", 24, shape=(3, 32, 32))
+    r = Reader(db)
+    assert r._entry.shielded
+    assert len(list(r)) == 24 and r.get(23)[0] == b"00000023"
+    r.close()

@@ -21,7 +21,7 @@ def _where(source, key):
 
 
 def _key_text(key):
-    return quote(key)
+    return quote(key, 100)
 
 
 def parse_datum(value, source=None, key=None):

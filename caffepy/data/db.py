@@ -5,19 +5,23 @@ key order. Readers open it read-only with lock=False, so any number of
 processes (MPI ranks on one machine) read it at once, which is only safe while
 nobody writes to it.
 
-LMDB maps data.mdb into memory and follows page numbers blindly: a page past
+LMDB maps data.mdb into memory and trusts what it finds there: a page past
 the end of a truncated file is a SIGBUS that kills the process without a word.
 So readers first check the file against its own header (the meta pages say
-how many pages the data uses), and before a value is touched its extent, as
-the record's leaf node declares it, is checked to lie inside those pages (a
-damaged node could claim 4 GB); errors LMDB reports itself (pages of the wrong
+how many pages the data uses); then the part of the map past the end of the
+file is backed by zero pages, and the map reaches 4 GiB past the data, so a
+damaged page whose node claims any size (a 32-bit field) or points anywhere
+near reads zeros instead of faulting; a value longer than the whole file is
+refused before it is copied. Errors LMDB reports itself (pages of the wrong
 type, page numbers past the end) become one DataError naming the file and the
 record.
+
 Writers build the database under a temporary name and rename it when done,
 so a failed run leaves nothing behind.
 """
 import contextlib
 import ctypes
+import mmap
 import os
 import shutil
 import struct
@@ -32,19 +36,15 @@ from ..errors import DataError, quote
 # Writers start with this map size and double it whenever the map is full.
 _INITIAL_MAP_SIZE = 1 << 30
 
-# LMDB's on-disk layout (64-bit, little-endian). A page starts with a 16-byte
-# header. The meta page holds mm_magic (u32) at 16, mm_dbs[0].md_pad (the page
-# size, u32) at 40, the main database's md_entries (u64) at 120, mm_last_pg
-# (u64) at 136 and mm_txnid (u64) at 144; pages 0 and 1 are the two metas, the
-# newer txnid is current. A leaf node is mn_lo, mn_hi (the value's size, low
-# and high 16 bits), mn_flags, mn_ksize (u16 each), the key, then the value
-# itself or, with F_BIGDATA, the number (u64) of the first of the overflow
-# pages that hold it after their own page header.
+# LMDB's meta page (64-bit, little-endian): a 16-byte page header, then mm_magic
+# (u32) at 16, mm_dbs[0].md_pad (the page size, u32) at 40, mm_last_pg (u64) at
+# 136 and mm_txnid (u64) at 144. Pages 0 and 1 are the two metas; the one with
+# the newer txnid is current.
 _MAGIC = 0xBEEFC0DE
 _META_BYTES = 152
-_PAGE_HEADER = 16
-_NODE_HEADER = 8
-_F_BIGDATA = 0x01
+# How far past the data a damaged leaf node can make LMDB or py-lmdb read: a
+# value's size is 32 bits, a node's offset in its page 16 bits.
+_REACH = (1 << 32) + (1 << 16)
 
 
 def _damaged(data_file, problem):
@@ -60,15 +60,14 @@ def _read_meta(f, offset):
     if magic != _MAGIC:
         return None, raw
     psize, = struct.unpack_from("<I", raw, 40)
-    entries, = struct.unpack_from("<Q", raw, 120)
     last_pg, txnid = struct.unpack_from("<QQ", raw, 136)
-    return {"psize": psize, "entries": entries, "last_pg": last_pg, "txnid": txnid}, raw
+    return {"psize": psize, "last_pg": last_pg, "txnid": txnid}, raw
 
 
 def check_file(data_file):
     """Check data.mdb against its own meta pages before LMDB maps it.
 
-    Returns (page size, bytes the pages in use span); raises DataError for an
+    Returns (file size, bytes the pages in use span); raises DataError for an
     empty, foreign, zeroed or truncated file (shorter than its last used page).
     """
     try:
@@ -98,22 +97,48 @@ def check_file(data_file):
     if size < need:
         raise _damaged(data_file, f"truncated to {size} bytes; its header says the data reaches "
                        f"{need} bytes ({meta['last_pg'] + 1} pages of {psize})")
-    return psize, need
+    return size, need
 
 
-def _mapped_start(data_file):
-    """Where this process mapped `data_file` (from /proc/self/maps), or None."""
+def _find_map(data_file, length):
+    """Start of this process's mapping of `data_file` from offset 0 spanning
+    `length` bytes (LMDB's map, from /proc/self/maps), or None."""
     try:
         inode = os.stat(data_file).st_ino
+        real = os.path.realpath(data_file)
         with open("/proc/self/maps") as maps:
             for line in maps:
                 parts = line.split(None, 5)
-                if len(parts) == 6 and int(parts[4]) == inode and int(parts[2], 16) == 0 \
-                        and os.path.realpath(parts[5].strip()) == os.path.realpath(data_file):
-                    return int(parts[0].split("-")[0], 16)
+                if len(parts) < 6 or int(parts[4]) != inode or int(parts[2], 16) != 0:
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if hi - lo >= length and os.path.realpath(parts[5].strip()) == real:
+                    return lo
     except (OSError, ValueError):
         pass
     return None
+
+
+def _round_up(n, page=mmap.PAGESIZE):
+    return -(-n // page) * page
+
+
+def _back_with_zeros(data_file, size, map_size):
+    """Replace the pages of LMDB's read-only map past the end of the file (which
+    fault with SIGBUS) by anonymous zero pages. True when done."""
+    start = _find_map(data_file, map_size)
+    if start is None:
+        return False
+    lo, hi = start + _round_up(size), start + _round_up(map_size)
+    if lo >= hi:
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+    fixed = 0x10        # MAP_FIXED (Linux): replace what is mapped there
+    got = libc.mmap(lo, hi - lo, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | fixed, -1, 0)
+    return got == lo
 
 
 # py-lmdb refuses to open one environment twice in a process, yet a TRAIN and a
@@ -124,37 +149,19 @@ _envs_lock = threading.Lock()
 
 
 class _Env:
-    """An open read-only environment and the bytes of its map that lie inside the file."""
+    """An open read-only environment whose map cannot fault (see the module's docstring)."""
 
     def __init__(self, path):
         self.data_file = os.path.join(path, "data.mdb")
-        self.psize, self.end = check_file(self.data_file)
+        self.size, self.end = check_file(self.data_file)
         try:
             self.env = lmdb.open(path, readonly=True, lock=False, readahead=False, max_readers=512,
-                                 subdir=True)
+                                 subdir=True, map_size=self.end + _REACH)
         except lmdb.Error as e:
             raise DataError(f"{path}: cannot open the database: {e}") from None
-        self.start = _mapped_start(self.data_file)     # None: inline values go unchecked
+        # not on Linux: the header check above still catches a truncated file
+        self.shielded = _back_with_zeros(self.data_file, self.size, self.env.info()["map_size"])
         self.users = 0
-
-    def value_problem(self, key):
-        """Why the value of the record whose key (a buffer into the map) is `key`
-        cannot be read safely, from its leaf node; None when it can."""
-        if not len(key):
-            return None
-        at = np.frombuffer(key, np.uint8).ctypes.data
-        lo, hi, flags, ksize = struct.unpack("<HHHH", ctypes.string_at(at - _NODE_HEADER, _NODE_HEADER))
-        if ksize != len(key):
-            return None         # not the layout above: leave it to LMDB
-        size = lo | hi << 16
-        if flags & _F_BIGDATA:
-            pgno, = struct.unpack("<Q", ctypes.string_at(at + ksize, 8))
-            if pgno < 2 or pgno * self.psize + _PAGE_HEADER + size > self.end:
-                return (f"its value claims {size} bytes from page {pgno}, past the "
-                        f"{self.end // self.psize} pages of the file")
-        elif self.start is not None and at + ksize + size > self.start + self.end:
-            return f"its value claims {size} bytes, past the end of the file"
-        return None
 
 
 def _acquire_env(path):
@@ -183,7 +190,7 @@ def _check_exists(path):
 
 
 def _key_text(key):
-    return quote(key)
+    return quote(key, 100)
 
 
 class Reader:
@@ -220,13 +227,13 @@ class Reader:
         return DataError(f"{self.path}: {where}damaged LMDB: {text}. Copy or rebuild the database")
 
     def _record(self, cursor):
-        """The cursor's (key, value) as bytes; the value's extent is checked before
-        py-lmdb touches it (it reads every page of a value it hands out)."""
-        key = cursor.key()
-        problem = self._entry.value_problem(key)
-        if problem:
-            raise self._damaged(problem, key=key)
-        return bytes(key), bytes(cursor.value())
+        """The cursor's (key, value) as bytes; a value longer than the file is
+        damage, refused before it is copied."""
+        key, value = cursor.key(), cursor.value()
+        if len(value) > self._entry.end:
+            raise self._damaged(f"its value claims {len(value)} bytes, more than the "
+                                f"{self._entry.end} of the whole file", key=key)
+        return bytes(key), bytes(value)
 
     def keys(self):
         """Every key in order, as one NumPy bytes array (compact for millions of keys)."""

@@ -30,7 +30,7 @@ class LMDBSource:
         return len(self.reader)
 
     def where(self, key):
-        return f"{self.path}: key '{quote(key)}': "
+        return f"{self.path}: key '{quote(key, 100)}': "
 
     def get(self, index):
         return self.reader.get(index)

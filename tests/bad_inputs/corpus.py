@@ -958,14 +958,14 @@ def record_claims_4gb(c):
 
 
 @case("lmdb")
-def record_claims_4gb_data_layer(c):
+def record_claims_64mb_data_layer(c):
     db = c.copy_db()
     data = c.data_mdb(db)
     node = _node(data, _leaf(data), 2)
-    struct.pack_into("<HH", data, node, 0xFFF0, 0xFFFF)
+    struct.pack_into("<HH", data, node, 0, 0x0400)        # 64 MiB: past the end of the file
     c.save_mdb(db, data)
     return time_args(_lmdb_net(c, db), "--iterations", "2"), [db, "layer 'data'", "key '00000002'",
-                                                              "damaged LMDB"]
+                                                              "damaged LMDB", "67108864 bytes"]
 
 
 @case("lmdb")
