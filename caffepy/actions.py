@@ -64,6 +64,8 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
     if weights and snapshot:
         raise UsageError("give --snapshot or --weights, not both: --snapshot resumes a run, "
                          "--weights starts a new one from trained weights")
+    if snapshot:
+        _check_snapshot(snapshot)
     mpi = _mpi_if_launched()
     if mpi is not None:
         mpi.init_world()      # before building nets: data layers pick their records by rank
@@ -90,6 +92,21 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
     if mpi is not None:
         mpi.finish()
     return the_solver
+
+
+def _check_snapshot(path):
+    """Refuse weights given as a state to resume from: a NetParameter starts with its
+    name (field 1) or a layer (field 100), a SolverState with its iteration (field 1,
+    a number)."""
+    head = b""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError:
+        pass        # reading it later says what is wrong
+    if str(path).endswith(".caffemodel") or head[:1] == b"\x0a" or head == b"\xa2\x06":
+        raise UsageError(f"--snapshot: {path} holds weights (a .caffemodel), not a solver state; "
+                         f"resume from a .solverstate, or start from these weights with --weights {path}")
 
 
 def _mpi_if_launched():

@@ -10,7 +10,7 @@ import re
 import click
 
 from . import log
-from .errors import CaffepyError
+from .errors import CaffepyError, one_line
 
 SIGNAL_EFFECTS = click.Choice(["stop", "snapshot", "none"])
 _FLAG = re.compile(r"^-{1,2}([A-Za-z][A-Za-z0-9_]*)(=(.*))?$")
@@ -50,7 +50,7 @@ class CaffeGroup(click.Group):
         try:
             return super().invoke(ctx)
         except CaffepyError as e:
-            click.echo(f"caffepy: error: {log.rank_prefix()}{e}", err=True)
+            click.echo(f"caffepy: error: {log.rank_prefix()}{one_line(e)}", err=True)
             ctx.exit(e.exit_code)
 
 

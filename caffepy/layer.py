@@ -23,6 +23,7 @@ else the plain one. A new implementation (an autotuned one, say) is a class with
 and a `@register(variant=...)`. The Net only asks; the layer keeps the run context it was
 built for in `layer.context`.
 """
+import difflib
 import typing
 
 import numpy as np
@@ -30,7 +31,7 @@ import numpy as np
 from . import fillers
 from .blob import Blob
 from .context import SINGLE
-from .errors import LayerError, ShapeError, layer_error
+from .errors import CaffepyError, LayerError, ShapeError, layer_error, quote
 
 # The bottom layouts an implementation takes (Layer.layout)
 NCHW = "nchw"        # plain blobs only
@@ -102,8 +103,11 @@ def choose(request, variant=None):
     variants = LAYERS.get(param.type)
     if variants is None:
         known = ", ".join(sorted(LAYERS))
-        raise layer_error(param, "type", f"unknown layer type '{param.type}'",
-                          hint=f"Known types: {known}", source=source)
+        lower = {t.lower(): t for t in LAYERS}
+        close = difflib.get_close_matches(param.type.lower(), lower, n=1)
+        guess = f"did you mean '{lower[close[0]]}'? " if close else ""
+        raise layer_error(param, "type", f"unknown layer type '{quote(param.type)}'",
+                          hint=f"{guess}Known types: {known}", source=source)
     if variant is not None:
         if variant not in variants:
             raise layer_error(param, "type", f"{param.type} has no '{variant}' implementation",
@@ -183,9 +187,10 @@ class Layer:
         self.blobs = []
         if len(param.blobs):
             from .blobproto import blobproto_to_array
-            for bp in param.blobs:
+            for i, bp in enumerate(param.blobs):
                 b = Blob(name=f"{self.name}.{len(self.blobs)}")
-                b.set_data(blobproto_to_array(bp))
+                b.set_data(blobproto_to_array(bp, source=source,
+                                              where=f"layer '{param.name}' ({param.type}): blobs[{i}]"))
                 self.blobs.append(b)
         # which param blobs want a gradient (lr_mult != 0); set by the Net
         self.param_propagate_down = []
@@ -226,7 +231,10 @@ class Layer:
             return
         for i, (shape, filler) in enumerate(specs):
             b = Blob(shape, name=f"{self.name}.{i}")
-            b.data[...] = fillers.fill(filler, shape)
+            try:
+                b.data[...] = fillers.fill(filler, shape)
+            except CaffepyError as e:
+                raise self.error(f"blobs[{i}] filler", str(e)) from None
             self.blobs.append(b)
 
     def check_blob_counts(self, bottom, top):

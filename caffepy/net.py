@@ -13,14 +13,15 @@ caffe.TEST)`, `net.blobs`, `net.params`, `net.forward(**inputs)`, ...
 """
 import collections
 import os
+import types
 
 import numpy as np
 
 from . import layers as _layers  # noqa: F401  (registers every layer type)
-from . import log, prototxt, upgrade
+from . import log, memory, prototxt, upgrade
 from .blob import Blob
 from .context import SINGLE
-from .errors import CaffepyError, PrototxtError, ShapeError, layer_error
+from .errors import CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote
 from .layer import Request, choose, create_layer
 from .proto import caffe_pb2
 
@@ -92,8 +93,7 @@ def split_blob_name(layer_name, blob_name, top_index, split_index):
 
 
 def insert_splits(param, source=None):
-    """Return a copy of `param` with Split layers wherever a top feeds several bottoms
-    (`source`, the net's file, names it in errors).
+    """Return a copy of `param` with Split layers wherever a top feeds several bottoms.
 
     A bottom always refers to the most recent layer that produced that name, so an
     in-place chain (conv -> relu in place -> pool) needs no split.
@@ -104,7 +104,7 @@ def insert_splits(param, source=None):
     for li, layer in enumerate(param.layer):
         for bi, name in enumerate(layer.bottom):
             if name not in last_producer:
-                raise layer_error(layer, "bottom", f"unknown blob '{name}' (bottom index {bi}); "
+                raise layer_error(layer, "bottom", f"unknown blob '{quote(name)}' (bottom index {bi}); "
                                   "no earlier layer produces it", source=source)
             consumers[last_producer[name]].append((li, bi))
         for ti, name in enumerate(layer.top):
@@ -144,6 +144,15 @@ def insert_splits(param, source=None):
             for k, (ci, cb) in enumerate(users):
                 renamed[(ci, cb)] = split_blob_name(layer.name, blob, ti, k)
     return out
+
+
+def _size_error(layer, error):
+    """A Blob's SizeError in the house shape: the layer, and the prototxt field that
+    asked for the size when one holds the offending dimension."""
+    if error.blob is None:
+        return error
+    field, value = memory.size_field(layer.param, error.shape or ())
+    return layer.error(field or "shape", str(error), value, cls=SizeError)
 
 
 class Net:
@@ -286,8 +295,14 @@ class Net:
     def _setup_layer(layer, bottoms, tops):
         try:
             layer.layer_setup(bottoms, tops)
+        except SizeError as e:
+            raise _size_error(layer, e) from None
         except (ValueError, IndexError) as e:
             raise layer.error("setup", str(e), cls=ShapeError) from None
+        except MemoryError:
+            free = memory.available()
+            raise layer.error("setup", "out of memory while allocating its blobs", cls=SizeError,
+                              hint=f"{memory.human(free)} of memory available" if free else None) from None
 
     def use_context(self, context):
         """Run under `context` from now on: every layer gets it, and a layer whose
@@ -385,13 +400,18 @@ class Net:
         """Run layers start..end inclusive; return the weighted loss."""
         end = len(self.layers) - 1 if end is None else end
         loss = 0.0
-        for li in range(start, end + 1):
-            layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
-            layer.reshape(bottom, top)
-            layer.forward(bottom, top)
-            for w, blob in zip(self._top_loss_weights[li], top):
-                if w:
-                    loss += w * float(np.sum(blob.data, dtype=np.float64))
+        try:
+            for li in range(start, end + 1):
+                layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
+                layer.reshape(bottom, top)
+                layer.forward(bottom, top)
+                for w, blob in zip(self._top_loss_weights[li], top):
+                    if w:
+                        loss += w * float(np.sum(blob.data, dtype=np.float64))
+        except SizeError as e:
+            if e.blob is None:
+                raise
+            raise _size_error(self.layers[li], e) from None
         return loss
 
     def backward_from_to(self, start=None, end=0, on_layer_done=None):
@@ -566,7 +586,15 @@ class Net:
         self.copy_from_param(source, path)
 
     def copy_from_param(self, source, path="<weights>"):
+        """Copy the blobs of `source`'s layers into the layers of the same name.
+
+        As Caffe, layers of the file missing from the net are ignored and layers of
+        the net missing from the file keep their initial values (fine-tuning renames
+        layers on purpose), with a warning naming them; but weights that fill no
+        layer at all are a mistake (a wrong or empty file) and are refused."""
         from .blobproto import blobproto_to_array
+        wanting = [name for name, layer in self.layer_dict.items() if layer.blobs]
+        loaded = set()
         for lp in source.layer:
             if lp.name not in self.layer_dict:
                 log.info(f"Ignoring source layer {lp.name}")
@@ -575,8 +603,11 @@ class Net:
             if len(lp.blobs) != len(layer.blobs):
                 raise layer_error(layer, "blobs", f"the file has {len(lp.blobs)} parameter blobs, "
                                   f"the net expects {len(layer.blobs)}", source=path, cls=ShapeError)
+            if layer.blobs:
+                loaded.add(lp.name)
             for i, (bp, blob) in enumerate(zip(lp.blobs, layer.blobs)):
-                array = blobproto_to_array(bp)
+                array = blobproto_to_array(bp, source=path, where=f"layer '{lp.name}' ({layer.type}): "
+                                           f"blobs[{i}]")
                 if array.shape != blob.shape:
                     legacy = (not bp.HasField("shape")) and array.size == blob.count
                     if not legacy:
@@ -584,6 +615,16 @@ class Net:
                                           f"{array.shape}, net has {blob.shape}", source=path,
                                           cls=ShapeError)
                 blob.data[...] = array.reshape(blob.shape)
+        missed = [name for name in wanting if name not in loaded]
+        if wanting and not loaded:
+            names = [lp.name for lp in source.layer if lp.blobs]
+            found = (f"its layers with weights are {quote(', '.join(names))}" if names
+                     else "it holds no layer with weights")
+            raise CaffepyError(f"{path}: no layer of the net got weights from this file: {found}; the "
+                               f"net's are {quote(', '.join(wanting))}. Is it the caffemodel of this net?")
+        if missed:
+            log.warning(f"{path}: no weights for layer(s) {quote(', '.join(missed))} of {self.source}; "
+                        f"they keep their initial values")
 
     def to_proto(self, write_diff=False):
         from .blobproto import array_to_blobproto

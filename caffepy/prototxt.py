@@ -160,7 +160,8 @@ def parse_text(msg, text, source="<string>"):
             text = text.decode("utf-8")
         except UnicodeDecodeError as e:
             line = text[: e.start].count(b"\n") + 1
-            raise PrototxtError(f"{source}:{line}: not UTF-8 text (byte 0x{text[e.start]:02x})") from None
+            hint = "; it looks like a binary file, not a text prototxt" if b"\0" in text[:4096] else ""
+            raise PrototxtError(f"{source}:{line}: not UTF-8 text (byte 0x{text[e.start]:02x}){hint}") from None
     try:
         text_format.Parse(text, msg)
     except text_format.ParseError as e:
@@ -198,12 +199,14 @@ def read_binary(msg, path):
     """Parse the binary proto file at `path` into `msg`, without any upgrade."""
     source = os.fspath(path)
     data = _read_bytes(path)
+    if not data:
+        raise PrototxtError(f"{source}: the file is empty (0 bytes); expected a binary {msg.DESCRIPTOR.name}")
     try:
         msg.ParseFromString(data)
     except _pb_message.DecodeError as e:
-        hint = ""
-        if data[:200].lstrip()[:1].isalpha() or data[:1] == b"#":
-            hint = "; it looks like a text prototxt"
+        head = data[:200].decode("utf-8", "replace")
+        text = all(ch.isprintable() or ch in "\n\r\t" for ch in head) and "\ufffd" not in head
+        hint = "; it looks like a text prototxt" if text else ""
         raise PrototxtError(f"{source}: not a binary {msg.DESCRIPTOR.name} ({e}){hint}") from None
     _check_required(msg, source)
     return msg

@@ -27,6 +27,9 @@ from .prototxt import copy_message, parse_text, read_binary, read_text, write_bi
 def read_net(path):
     """A net prototxt, upgraded to the current format (ReadNetParamsFromTextFileOrDie)."""
     net = read_text(caffe_pb2.NetParameter(), path)
+    if not (len(net.layer) or len(net.layers) or len(net.input)):
+        raise PrototxtError(f"{os.fspath(path)}: defines no layers"
+                            f"{' (the file is empty)' if os.path.getsize(path) == 0 else ''}")
     _upgrade_net(net, os.fspath(path))
     return net
 
@@ -47,6 +50,8 @@ def read_binary_net(path):
 
 def read_solver(path):
     """A solver prototxt, upgraded (ReadSolverParamsFromTextFileOrDie)."""
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise PrototxtError(f"{os.fspath(path)}: the file is empty; a solver needs at least a net and base_lr")
     solver = read_text(caffe_pb2.SolverParameter(), path)
     return upgrade_solver(solver, os.fspath(path))[0]
 

@@ -263,3 +263,59 @@ def test_include_and_exclude_together_is_an_error():
 def test_bad_phase_name():
     with pytest.raises(CaffepyError, match="phase: must be TRAIN or TEST, got val"):
         net_state("val")
+
+
+def test_weights_filling_some_layers_warn_naming_the_others(tmp_path, capsys):
+    from caffepy import log
+    old = tmp_path / "old.prototxt"
+    old.write_text(INPUT + ip("a", "data", "a") + ip("b", "a", "b"))
+    new = tmp_path / "new.prototxt"
+    new.write_text(INPUT + ip("a", "data", "a") + ip("b_renamed", "a", "b"))
+    weights = tmp_path / "old.caffemodel"
+    trained = caffepy.Net(str(old), caffepy.TEST)
+    trained.save(str(weights))
+    log.set_quiet(True)           # warnings print anyway
+    net = caffepy.Net(str(new), str(weights), caffepy.TEST)      # fine-tuning renames layers: allowed
+    np.testing.assert_array_equal(net.params["a"][0].data, trained.params["a"][0].data)
+    err = capsys.readouterr().err
+    assert "old.caffemodel: no weights for layer(s) b_renamed of " in err and "keep their initial values" in err
+
+
+def test_weights_filling_no_layer_are_refused(tmp_path):
+    a = tmp_path / "a.prototxt"
+    a.write_text(INPUT + ip("a", "data", "a"))
+    b = tmp_path / "b.prototxt"
+    b.write_text(INPUT + ip("other", "data", "a"))
+    weights = tmp_path / "a.caffemodel"
+    caffepy.Net(str(a), caffepy.TEST).save(str(weights))
+    with pytest.raises(CaffepyError, match=r"a.caffemodel: no layer of the net got weights from this file: "
+                                           r"its layers with weights are a; the net's are other"):
+        caffepy.Net(str(b), str(weights), caffepy.TEST)
+    (tmp_path / "empty.caffemodel").write_bytes(b"")
+    with pytest.raises(CaffepyError, match=r"empty.caffemodel: the file is empty \(0 bytes\)"):
+        caffepy.Net(str(a), str(tmp_path / "empty.caffemodel"), caffepy.TEST)
+
+
+def test_sizes_are_checked_before_allocating(monkeypatch):
+    from caffepy import memory
+    from caffepy.blob import Blob
+    from caffepy.errors import SizeError
+    monkeypatch.setattr(memory, "available", lambda: 1 << 30)
+    blob = Blob((2, 3), name="x")
+    with pytest.raises(SizeError, match=r"blob 'x' \(1000 x 1000 x 1000 floats\) needs 3.7 GiB, more than "
+                                        r"the 1.0 GiB of memory available"):
+        blob.reshape(1000, 1000, 1000)
+    assert blob.shape == (2, 3) and blob.data.shape == (2, 3)      # untouched
+    with pytest.raises(SizeError, match="needs 64.0 EiB"):         # 2**64 elements: no 64-bit wraparound
+        blob.reshape(2**32, 2**32)
+    blob.reshape(100, 100)                                          # within memory: allowed
+    text = INPUT + ip("a", "data", "a", n=2_000_000_000)
+    with pytest.raises(SizeError, match=r"^net: layer 'a' \(InnerProduct\): inner_product_param.num_output: "
+                                        r"blob 'a.0' \(2000000000 x 5 floats\) needs 37.3 GiB.*, got 2000000000$"):
+        Net(net_param(text), caffepy.TEST, source="net")
+
+
+def test_unknown_layer_type_suggests_the_closest():
+    with pytest.raises(LayerError, match=r"unknown layer type 'InerProduct'. did you mean 'InnerProduct'\? "
+                                         r"Known types: AbsVal, "):
+        Net(net_param(INPUT + ip("a", "data", "a").replace("InnerProduct", "InerProduct")), caffepy.TEST)

@@ -60,7 +60,7 @@ def test_duplicate_registration_is_refused():
 
 def test_unknown_type_and_variant_list_the_known_ones():
     with pytest.raises(LayerError, match=r"layer 'layer' \(Convolutio\): type: unknown layer type "
-                                         r"'Convolutio'\. Known types: .*Convolution, "):
+                                         r"'Convolutio'\. did you mean 'Convolution'\? Known types: .*Convolution, "):
         create_layer(layer_param("Convolutio"), 0)
     with pytest.raises(LayerError, match=r"type: ReLU has no 'blocked' implementation\. Its variants: plain"):
         create_layer(layer_param("ReLU"), 0, variant=BLOCKED)

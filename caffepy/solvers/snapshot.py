@@ -109,7 +109,7 @@ def restore(state_file, net, history, solver_type):
                           f"got {len(state.history)}. Was it written by another solver type or net?")
     log.info("SGDSolver: restoring history")
     for i, (bp, h) in enumerate(zip(state.history, history)):
-        array = blobproto_to_array(bp, source=state_file)
+        array = blobproto_to_array(bp, source=state_file, where=f"history[{i}]")
         if array.shape != h.shape:
             if array.size != h.size:
                 raise SolverError(f"{state_file}: history[{i}]: shape should be {h.shape}, "
