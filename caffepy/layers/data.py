@@ -384,6 +384,10 @@ class WindowData(Layer):
             context_pad=int(p.context_pad), square=p.crop_mode == "square", mirror=tp.mirror, scale=scale,
             mean=mean, generator=generator, cache_images=p.cache_images, where=f"{p.source}: ")
         self.top_shape = (int(p.batch_size), channels, int(tp.crop_size), int(tp.crop_size))
+        why = memory.problem(3 * memory.count(self.top_shape) * 4,
+                             f"3 batches of {memory.dims_text(self.top_shape)} floats")
+        if why:
+            raise self.error("window_data_param.batch_size", why, p.batch_size, cls=SizeError)
         self.prefetcher = Prefetcher(self.filler, 2, self.name)
         self._finalizer = weakref.finalize(self, _shutdown_prefetcher, self.prefetcher)
         log.info(f"output data size: {','.join(map(str, self.top_shape))}")
