@@ -49,8 +49,8 @@ def export(net, path=None):
     """Export `net` (a caffepy.Net) to ONNX; write it to `path` if given; return the ModelProto."""
     onnx = _onnx()
     net = _plain(net)
-    model = _Exporter(net, onnx).model()
-    _check(onnx, model, net)
+    model, skeleton = _Exporter(net, onnx).models()
+    _check(onnx, skeleton, net)
     if path is not None:
         onnx.save(model, str(path))
     return model
@@ -102,7 +102,9 @@ def _constant_fillers(message):
 
 def _check(onnx, model, net):
     """onnx.checker's verdict, and ONNX's own shape inference must give every tensor named after
-    a blob the blob's shape (one strict inference pass serves both)."""
+    a blob the blob's shape (one strict inference pass serves both). Run on the skeleton, whose
+    weights are inputs of their shape: the checks read shapes, and AlexNet's 240 MB of weights
+    would take seconds to serialize for them."""
     inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     onnx.checker.check_model(inferred)
     inferred = inferred.graph
@@ -138,7 +140,7 @@ class _Exporter:
 
     def const(self, base, value, dtype=np.float32):
         name = self.fresh(base)
-        self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(value, dtype), name))
+        self.initializers.append((name, np.asarray(value, dtype)))
         return name
 
     def ints(self, base, values):
@@ -154,7 +156,8 @@ class _Exporter:
         return outputs
 
     # -- the walk ------------------------------------------------------------------
-    def model(self):
+    def models(self):
+        """The model, and its skeleton: the same graph with the float weights as inputs."""
         net = self.net
         for name, layer in zip(net._layer_names, net.layers):
             bottoms, tops = net.bottom_names[name], net.top_names[name]
@@ -182,11 +185,23 @@ class _Exporter:
         outputs = [self.h.make_tensor_value_info(o, self.onnx.TensorProto.FLOAT, net.blobs[blob].shape,
                                                  doc_string=f"blob {blob}")
                    for o, blob in self.order if o not in self.read]
-        graph = self.h.make_graph(self.nodes, net.name or "net", inputs, outputs, self.initializers)
+        FLOAT = self.onnx.TensorProto.FLOAT
+        weights = [(n, a) for n, a in self.initializers if a.dtype == np.float32]
+        small = [self.onnx.numpy_helper.from_array(a, n) for n, a in self.initializers if a.dtype != np.float32]
+        model = self._model(inputs, outputs, small)
+        for name, array in weights:      # in place: make_graph and make_model would copy them twice
+            t = model.graph.initializer.add()
+            t.name, t.data_type = name, FLOAT
+            t.dims.extend(array.shape)
+            t.raw_data = array.astype("<f4", copy=False).tobytes()
+        as_inputs = [self.h.make_tensor_value_info(n, FLOAT, a.shape) for n, a in weights]
+        return model, self._model(inputs + as_inputs, outputs, small)
+
+    def _model(self, inputs, outputs, initializers):
+        graph = self.h.make_graph(self.nodes, self.net.name or "net", inputs, outputs, initializers)
         opset = [self.h.make_opsetid("", OPSET)]
-        model = self.h.make_model(graph, opset_imports=opset, producer_name="caffepy",
-                                  ir_version=self.h.find_min_ir_version_for(opset))
-        return model
+        return self.h.make_model(graph, opset_imports=opset, producer_name="caffepy",
+                                 ir_version=self.h.find_min_ir_version_for(opset))
 
     def _inputs(self, layer, tops):
         if layer.blobs:

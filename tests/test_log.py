@@ -39,7 +39,9 @@ def say_all():
 
 
 def lines(text):
-    return [line[0] + line.split("] ", 1)[1] for line in text.splitlines() if "] " in line]
+    """Severity letter + message of each glog-shaped line."""
+    return [line[0] + line.split("] ", 1)[1] for line in text.splitlines()
+            if re.match(r"[IWE]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ \S+:\d+\] ", line)]
 
 
 def test_without_switches_everything_goes_to_stderr(glog, capsys):
@@ -120,7 +122,11 @@ NET = ('layer { name: "data" type: "Input" top: "data" input_param { shape { dim
 def run(args, tmp_path, **env):
     full = {k: v for k, v in os.environ.items() if k not in GLOG}
     full.update({k: str(v) for k, v in env.items()})
-    return subprocess.run(args, capture_output=True, text=True, timeout=120, env=full, cwd=tmp_path)
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full,
+                          cwd=tmp_path) as proc:
+        stdout, stderr = proc.communicate(timeout=120)
+    proc.stdout, proc.stderr = stdout, stderr
+    return proc
 
 
 def test_python_api_honours_minloglevel(tmp_path):
