@@ -62,12 +62,14 @@ def export_files(model_file, weights, out):
     from . import log
     from .net import TEST, Net
     net = Net(model_file, weights, TEST)
-    model = export(net, out)
-    graph = model.graph
-    shape = lambda v: "x".join(str(d.dim_value) for d in v.type.tensor_type.shape.dim)  # noqa: E731
+    graph = export(net, out).graph
+
+    def described(values):
+        return ", ".join(f"{v.name} ({'x'.join(str(d.dim_value) for d in v.type.tensor_type.shape.dim)})"
+                         for v in values)
     log.info(f"Wrote {out}: ONNX opset {OPSET}, {len(graph.node)} nodes from {len(net.layers)} layers")
-    log.info("Inputs: " + ", ".join(f"{v.name} ({shape(v)})" for v in graph.input))
-    log.info("Outputs: " + ", ".join(f"{v.name} ({shape(v)})" for v in graph.output))
+    log.info(f"Inputs: {described(graph.input)}")
+    log.info(f"Outputs: {described(graph.output)}")
 
 
 def _plain(net):
@@ -161,16 +163,19 @@ class _Exporter:
         net = self.net
         for name, layer in zip(net._layer_names, net.layers):
             bottoms, tops = net.bottom_names[name], net.top_names[name]
-            if layer.type == "Split":       # every top is the bottom; an output needs a tensor
-                for t in tops:
-                    self.current[t] = self.current[bottoms[0]] if t in self.bottoms else \
-                        self.node("Identity", [self.current[bottoms[0]]], [self._top_name(name, t)], name)[0]
-                continue
             if layer.type in _DROPPED or getattr(layer, "is_loss", False):
                 continue
             if not bottoms:
                 self._inputs(layer, tops)
                 continue
+            if layer.type == "Split":
+                if bottoms[0] in self.current:      # else the layers reading it name the problem
+                    self._split(name, self.current[bottoms[0]], tops)
+                continue
+            for b in bottoms:
+                if b not in self.current:
+                    raise layer_error(layer, "bottom", f"blob '{b}' comes from a layer left out of "
+                                      "the ONNX graph (a loss layer or Accuracy)")
             mapper = MAPPERS.get(layer.type)
             if mapper is None:
                 raise layer_error(layer, "type", "has no exact ONNX mapping",
@@ -202,6 +207,13 @@ class _Exporter:
         opset = [self.h.make_opsetid("", OPSET)]
         return self.h.make_model(graph, opset_imports=opset, producer_name="caffepy",
                                  ir_version=self.h.find_min_ir_version_for(opset))
+
+    def _split(self, name, x, tops):
+        """Every top is the bottom: a name for the same tensor, or an Identity for a top that no
+        layer reads (a net output, e.g. an IntelUnpack's)."""
+        for t in tops:
+            self.current[t] = x if t in self.bottoms else self.node("Identity", [x], [self._top_name(name, t)],
+                                                                     name)[0]
 
     def _inputs(self, layer, tops):
         if layer.blobs:
@@ -249,14 +261,11 @@ class _Layer:
     def refuse(self, field, problem, value=None, hint=None):
         return layer_error(self.layer, field, problem, value, hint)
 
-    def chain(self, steps, x=None):
-        """Apply [(op, extra inputs, attrs)] in order, the last one writing the top."""
-        x = self.x[0] if x is None else x
-        for i, (op, extra, attrs) in enumerate(steps):
-            last = i == len(steps) - 1
-            x = self.node(op, [x, *extra], self.y[:1] if last else None, **attrs)[0]
-        if not steps:
-            self.out("Identity", [x])
+    def chain(self, steps):
+        """Apply [(op, extra inputs)] to bottom[0] in order, the last one writing the top."""
+        x = self.x[0]
+        for i, (op, extra) in enumerate(steps):
+            x = self.node(op, [x, *extra], self.y[:1] if i == len(steps) - 1 else None)[0]
 
 
 MAPPERS = {}
@@ -279,7 +288,8 @@ def _axis(axis, ndim):
 def _conv(c):
     L = c.layer
     if c.p.convolution_param.relu:
-        raise c.refuse("convolution_param.relu", "fused ReLU has no exact ONNX mapping here", True)
+        raise c.refuse("convolution_param.relu", "Intel's fused ReLU is not exported", True,
+                       "Put a ReLU layer after the convolution")
     inputs = [c.const(c.blob(0), "weights")] + ([c.const(c.blob(1), "bias")] if L.bias_term else [])
     (ph, pw), (sh, sw), (dh, dw) = L.pad, L.stride, L.dilation
     op = "Conv" if L.type == "Convolution" else "ConvTranspose"
@@ -330,8 +340,10 @@ def _crop(c):
 # -- neurons --------------------------------------------------------------------------
 @maps("ReLU")
 def _relu(c):
-    slope = c.layer.slope
-    c.out("LeakyRelu", c.x, alpha=slope) if slope else c.out("Relu", c.x)
+    if c.layer.slope:
+        c.out("LeakyRelu", c.x, alpha=c.layer.slope)
+    else:
+        c.out("Relu", c.x)
 
 
 _SIMPLE = {"Sigmoid": "Sigmoid", "TanH": "Tanh", "AbsVal": "Abs", "BNLL": "Softplus"}
@@ -370,32 +382,32 @@ def _power(c):
         value = 1.0 if L.power == 0 else L.shift ** L.power
         c.out("Expand", [c.const(np.float32(value), "value"), c.ints(c.out_shapes[0])])
         return
-    steps = [("Mul", [c.const(np.float32(L.scale), "scale")], {})]
+    steps = [("Mul", [c.const(np.float32(L.scale), "scale")])]
     if L.shift:
-        steps.append(("Add", [c.const(np.float32(L.shift), "shift")], {}))
+        steps.append(("Add", [c.const(np.float32(L.shift), "shift")]))
     if L.power != 1:
-        steps.append(("Pow", [c.const(np.float32(L.power), "power")], {}))
+        steps.append(("Pow", [c.const(np.float32(L.power), "power")]))
     c.chain(steps)
 
 
 @maps("Exp")
 def _exp(c):
     L = c.layer
-    steps = [("Mul", [c.const(np.float32(L.inner_scale), "inner_scale")], {}), ("Exp", [], {})]
+    steps = [("Mul", [c.const(np.float32(L.inner_scale), "inner_scale")]), ("Exp", [])]
     if L.outer_scale != 1:
-        steps.append(("Mul", [c.const(np.float32(L.outer_scale), "outer_scale")], {}))
+        steps.append(("Mul", [c.const(np.float32(L.outer_scale), "outer_scale")]))
     c.chain(steps)
 
 
 @maps("Log")
 def _log(c):
     L = c.layer
-    steps = [("Mul", [c.const(np.float32(L.scale), "scale")], {})]
+    steps = [("Mul", [c.const(np.float32(L.scale), "scale")])]
     if L.shift:
-        steps.append(("Add", [c.const(np.float32(L.shift), "shift")], {}))
-    steps.append(("Log", [], {}))
+        steps.append(("Add", [c.const(np.float32(L.shift), "shift")]))
+    steps.append(("Log", []))
     if L.base_scale != 1:
-        steps.append(("Mul", [c.const(np.float32(L.base_scale), "base_scale")], {}))
+        steps.append(("Mul", [c.const(np.float32(L.base_scale), "base_scale")]))
     c.chain(steps)
 
 
@@ -470,11 +482,11 @@ def _operand(c, field, index, what):
 
 @maps("Scale")
 def _scale(c):
-    steps = [("Mul", [_operand(c, "scale_param", 0, "scale")], {})]
+    steps = [("Mul", [_operand(c, "scale_param", 0, "scale")])]
     if c.layer.bias_term:
         bias = c.layer.blobs[-1].data
         shape = _broadcast(c, "scale_param", c.in_shapes[1] if len(c.x) == 2 else c.blob(0).shape)
-        steps.append(("Add", [c.const(bias.reshape(shape), "bias")], {}))
+        steps.append(("Add", [c.const(bias.reshape(shape), "bias")]))
     c.chain(steps)
 
 

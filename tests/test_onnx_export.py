@@ -115,11 +115,17 @@ CASES = {
                                   "group: 2 }"),
     "conv_no_bias": layer("Convolution", "convolution_param { num_output: 3 kernel_size: 3 "
                           "bias_term: false }"),
+    "conv_two_bottoms": layer("ReLU", top="a", name="r") + layer(
+        "Convolution", "convolution_param { num_output: 3 kernel_size: 2 stride: 2 }", bottom=["data", "a"],
+        top=["out", "out2"]),
     "deconv": layer("Deconvolution", "convolution_param { num_output: 4 kernel_size: 4 stride: 2 "
                     "pad: 1 group: 2 }"),
     "deconv_dilation": layer("Deconvolution", "convolution_param { num_output: 2 kernel_size: 3 "
                              "stride: 3 dilation: 2 }"),
     "inner_product": layer("InnerProduct", "inner_product_param { num_output: 5 }"),
+    "inner_product_2d_batchnorm": layer("Flatten", top="f", name="f") + layer(
+        "InnerProduct", "inner_product_param { num_output: 5 }", bottom="f", top="ip", name="ip")
+    + layer("BatchNorm", bottom="ip", top="ip", name="bn"),
     "inner_product_axis2_transpose": layer("InnerProduct", "inner_product_param { num_output: 5 "
                                            "axis: 2 transpose: true bias_term: false }"),
     "relu": layer("ReLU", bottom="data", top="data"),
@@ -281,12 +287,26 @@ def test_layer_without_exact_mapping_is_one_line_error():
     assert message.startswith("<net>: layer 'norm' (MVN): type: has no exact ONNX mapping. Mapped types: ")
 
 
-def test_pooling_mask_top_and_train_phase_are_refused():
+def test_a_layer_reading_a_left_out_layer_is_refused():
+    text = (input_layer((2, 3)) + input_layer((2,), "label")
+            + layer("SoftmaxWithLoss", bottom=["data", "label"], top="loss", name="loss")
+            + layer("Power", bottom="loss", top="out", name="twice"))
+    with pytest.raises(CaffepyError, match=r"layer 'twice' \(Power\): bottom: blob 'loss' comes from a layer left out"):
+        onnx_export.export(make_net(text))
+
+
+def test_mask_top_train_phase_and_fused_relu_are_refused():
     net, _ = one_layer(layer("Pooling", "pooling_param { pool: MAX kernel_size: 2 }", top=["out", "mask"]))
     with pytest.raises(CaffepyError, match=r"layer 'l' \(Pooling\): top: the MAX pooling mask top"):
         onnx_export.export(net)
     net = make_net(input_layer((2, 3)) + layer("Dropout"), phase=caffepy.TRAIN)
     with pytest.raises(CaffepyError, match=r"\(Dropout\): phase: TRAIN-phase dropout is random"):
+        onnx_export.export(net)
+    net = make_net(input_layer((2, 3)) + layer("BatchNorm"), phase=caffepy.TRAIN)
+    with pytest.raises(CaffepyError, match=r"\(BatchNorm\): batch_norm_param.use_global_stats: batch "):
+        onnx_export.export(net)
+    net, _ = one_layer(layer("Convolution", "convolution_param { num_output: 2 kernel_size: 1 relu: true }"))
+    with pytest.raises(CaffepyError, match=r"convolution_param.relu: Intel's fused ReLU is not exported"):
         onnx_export.export(net)
 
 
