@@ -1,7 +1,8 @@
 """The `caffepy` command: Caffe's subcommands and flags, argument handling and exit codes only.
 
 Caffe's gflags spellings work too: `-solver x` and `-solver=x` are read as
-`--solver x`, and boolean flags accept `-gray=true` / `-gray=false`.
+`--solver x`, and boolean flags accept `-gray=true` / `-gray=false`; `-help`,
+`help` and a bare `caffepy` print the usage.
 Known errors (CaffepyError) print one line and exit 1 (usage errors 2);
 anything else is a bug and keeps its traceback.
 """
