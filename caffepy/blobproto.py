@@ -78,14 +78,18 @@ def array_to_blobproto(arr, diff=None, double=False, legacy_shape=False):
 
 def blob_shape(bp):
     """The shape a BlobProto declares: legacy num/channels/height/width if any
-    of them is set (as Caffe's Blob::FromProto decides), else `shape.dim`."""
+    of them is set (as Caffe's Blob::FromProto decides), else `shape.dim`; None
+    when it declares none (an old blob that is only a list of values)."""
     if bp.HasField("num") or bp.HasField("channels") or bp.HasField("height") or bp.HasField("width"):
         return (bp.num, bp.channels, bp.height, bp.width)
+    if not bp.HasField("shape"):
+        return None
     return tuple(bp.shape.dim)
 
 
 def blobproto_to_array(bp, return_diff=False, source=None):
-    """The values of a BlobProto as an array of its declared shape.
+    """The values of a BlobProto as an array of its declared shape (a flat array
+    when it declares none, as pycaffe returns it).
 
     Reads `data` (float32) or, when only doubles are stored, `double_data`
     (float64); `return_diff` reads the diff fields instead.
@@ -97,6 +101,8 @@ def blobproto_to_array(bp, return_diff=False, source=None):
         values, dtype = getattr(bp, double), np.float64
     arr = np.array(values, dtype=dtype)
     shape = blob_shape(bp)
+    if shape is None:
+        return arr
     count = int(np.prod(shape, dtype=np.int64))
     if arr.size != count:
         where = f"{source}: " if source else ""

@@ -249,6 +249,26 @@ def export_onnx(net, weights, output):
     onnx_export.export_files(net, weights, output)
 
 
+@main.command("draw_net")
+@click.argument("input_net_proto_file", metavar="NET_PROTOTXT")
+@click.argument("output_image_file", metavar="OUTPUT_FILE")
+@click.option("--rankdir", type=click.Choice(["LR", "TB", "BT", "RL"]), default="LR", show_default=True,
+              help="Layout direction: LR (left to right), TB (top to bottom), BT, RL.")
+@click.option("--phase", type=click.Choice(["TRAIN", "TEST", "ALL"], case_sensitive=False), default="ALL",
+              show_default=True, help="Draw the layers of this phase only; ALL draws every layer.")
+@click.option("--display_lrm/--no-display_lrm", default=False,
+              help="Show the learning rate multipliers of Convolution, Deconvolution and InnerProduct.")
+def draw_net(input_net_proto_file, output_image_file, rankdir, phase, display_lrm):
+    """Draw a net as a graph; the format comes from OUTPUT_FILE's extension (.png, .svg, .pdf
+    through Graphviz's dot; .raw for the DOT text)."""
+    from . import draw, prototxt
+    from .proto import caffe_pb2
+    net = prototxt.read_net(input_net_proto_file)
+    phases = {"TRAIN": caffe_pb2.TRAIN, "TEST": caffe_pb2.TEST, "ALL": None}
+    click.echo(f"Drawing net to {output_image_file}")
+    draw.draw_net_to_file(net, output_image_file, rankdir, phases[phase.upper()], display_lrm)
+
+
 @main.command("split_db")
 @click.argument("input_db")
 @click.argument("num_shards", type=click.IntRange(min=1))

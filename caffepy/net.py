@@ -3,7 +3,9 @@
 Construction follows Caffe's Net::Init: filter layers by NetState, insert Split
 layers where one top feeds several bottoms (their backward sums the gradients),
 wire in-place layers to the same Blob, decide which layers need backward, and
-share parameters by `param { name }`.
+share parameters by `param { name }`. Which implementation of each layer runs is the
+factory's choice (caffepy.layer.create_layer), from the layer's parameters, its bottoms
+and the run context the Net was given.
 
 The same class is the pycaffe-compatible Python API: `Net(prototxt, weights,
 caffe.TEST)`, `net.blobs`, `net.params`, `net.forward(**inputs)`, ...
@@ -16,9 +18,9 @@ import numpy as np
 from . import layers as _layers  # noqa: F401  (registers every layer type)
 from . import log
 from .blob import Blob
-from .errors import CaffepyError, LayerError, PrototxtError, ShapeError
-from .layer import create_layer
-from .layers import intel as _intel
+from .context import SINGLE
+from .errors import CaffepyError, ShapeError, layer_error
+from .layer import Request, choose, create_layer
 from .proto import caffe_pb2
 
 TRAIN = caffe_pb2.TRAIN
@@ -45,8 +47,8 @@ def insert_splits(param):
     for li, layer in enumerate(param.layer):
         for bi, name in enumerate(layer.bottom):
             if name not in last_producer:
-                raise LayerError(f"layer '{layer.name}' ({layer.type}): bottom: unknown blob '{name}'"
-                                 f" (bottom index {bi}); no earlier layer produces it")
+                raise layer_error(layer, "bottom", f"unknown blob '{name}' (bottom index {bi}); "
+                                  "no earlier layer produces it")
             consumers[last_producer[name]].append((li, bi))
         for ti, name in enumerate(layer.top):
             last_producer[name] = (li, ti)
@@ -88,10 +90,11 @@ def insert_splits(param):
 
 
 class Net:
-    """A network. `Net(path_or_NetParameter, [weights], phase, level=0, stages=())`."""
+    """A network. `Net(path_or_NetParameter, [weights], phase, level=0, stages=())`;
+    `context` is the run's RunContext (caffepy.context; one process alone by default)."""
 
     def __init__(self, network=None, *args, phase=None, weights=None, level=0, stages=None, source=None,
-                 network_file=None):
+                 network_file=None, context=SINGLE):
         if network is None:
             network = network_file    # pycaffe's keyword: Net(network_file=..., phase=...)
         if network is None:
@@ -114,6 +117,7 @@ class Net:
             self.source = os.fspath(network)
             param = prototxt.read_net(self.source)
         self.phase = phase
+        self.context = context
         state = prototxt.net_state(phase, level, stages or [])
         for s in param.state.stage:
             if s not in state.stage:
@@ -145,17 +149,17 @@ class Net:
 
         for li, lp in enumerate(param.layer):
             if lp.name in self._layer_names:
-                raise LayerError(f"{self.source}: layer '{lp.name}' ({lp.type}): name: duplicate layer name")
-            layer = create_layer(lp, self.phase, self.source)
+                raise layer_error(lp, "name", "duplicate layer name", source=self.source)
             bottoms, tops = [], []
             need_backward = False
             bottom_need = []
             if len(lp.propagate_down) not in (0, len(lp.bottom)):
-                raise layer.error("propagate_down", f"needs one value per bottom ({len(lp.bottom)})",
-                                  len(lp.propagate_down))
+                raise layer_error(lp, "propagate_down", f"needs one value per bottom ({len(lp.bottom)})",
+                                  len(lp.propagate_down), source=self.source)
             for bi, name in enumerate(lp.bottom):
                 if name not in available:
-                    raise layer.error("bottom", f"unknown blob '{name}' (bottom index {bi})")
+                    raise layer_error(lp, "bottom", f"unknown blob '{name}' (bottom index {bi})",
+                                      source=self.source)
                 del available[name]
                 bottoms.append(self.blobs[name])
                 need = blob_need_backward[name]
@@ -163,9 +167,8 @@ class Net:
                     need = need and bool(lp.propagate_down[bi])
                 bottom_need.append(need)
                 need_backward |= need
-            if any(b.layout is not None for b in bottoms):
-                # between IntelPack and IntelUnpack: the blocked implementation, or a LayerError
-                layer = _intel.blocked_version(layer, bottoms)
+            layer = create_layer(lp, self.phase, self.source, bottoms=bottoms, context=self.context,
+                                 net=self.param)
             for ti, name in enumerate(lp.top):
                 if name in lp.bottom:
                     blob = self.blobs[name]            # in place
@@ -178,11 +181,7 @@ class Net:
                     self.inputs.append(name)
                 available[name] = True
                 tops.append(blob)
-            try:
-                layer.layer_setup(bottoms, tops)
-            except (ValueError, IndexError) as e:
-                raise layer.error("setup", str(e), cls=ShapeError) from None
-            _intel.propagate_layout(layer, bottoms, tops)
+            self._setup_layer(layer, bottoms, tops)
             weights = layer.loss_weights(len(tops))
             for name, w in zip(lp.top, weights):
                 if w:
@@ -226,6 +225,33 @@ class Net:
         self.blob_loss_weights = collections.OrderedDict(
             (name, self.blob_loss_weights.get(name, 0.0)) for name in self.blobs)
         self._share_params(param)
+        self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
+
+    @staticmethod
+    def _setup_layer(layer, bottoms, tops):
+        try:
+            layer.layer_setup(bottoms, tops)
+        except (ValueError, IndexError) as e:
+            raise layer.error("setup", str(e), cls=ShapeError) from None
+
+    def use_context(self, context):
+        """Run under `context` from now on: every layer gets it, and a layer whose
+        implementation the factory now chooses differently (the model-parallel InnerProduct
+        under a distributed context) is rebuilt over the same blobs, keeping its parameter
+        Blobs and what it learned. For a net built before its run context was known."""
+        self.context = context
+        for li, layer in enumerate(self.layers):
+            bottoms, tops = self.bottom_vecs[li], self.top_vecs[li]
+            cls = choose(Request(layer.param, self.phase, self.source, tuple(bottoms), context,
+                                 self.param))
+            if type(layer) is not cls:
+                fresh = create_layer(layer.param, self.phase, self.source, bottoms=bottoms,
+                                     context=context, net=self.param)
+                fresh.blobs = layer.blobs
+                fresh.param_propagate_down = layer.param_propagate_down
+                self._setup_layer(fresh, bottoms, tops)
+                self.layers[li] = fresh
+            self.layers[li].context = context
         self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
 
     def _prune_backward(self, param):
@@ -374,6 +400,102 @@ class Net:
         outs.update(diffs or [])
         return {name: self.blobs[name].diff for name in outs}
 
+    def forward_all(self, blobs=None, **kwargs):
+        """pycaffe's forward_all: run `kwargs` (input name: N x ... array, any N) through the
+        net in batches of the net's batch size; return {output or `blobs` name: N x ... array}.
+        The last partial batch is padded with zeros and the padding trimmed from the outputs."""
+        names = list(dict.fromkeys(self.outputs + list(blobs or [])))
+        if not kwargs:
+            outs = self.forward(blobs=blobs)
+            return {name: outs[name].copy() for name in names}
+        num = self._batch_count(kwargs)
+        parts = {name: [] for name in names}
+        for batch in self._batch(kwargs):
+            outs = self.forward(blobs=blobs, **batch)
+            for name in names:
+                parts[name].append(outs[name].copy())
+        return {name: np.concatenate(parts[name])[:num] for name in names}
+
+    def forward_backward_all(self, blobs=None, diffs=None, **kwargs):
+        """pycaffe's forward_backward_all: `kwargs` holds inputs (for forward) and output diffs
+        (for backward), N items each, run in batches as forward_all. Returns ({output or `blobs`
+        name: array}, {input or `diffs` name: diff array}), padding trimmed."""
+        import itertools
+        out_names = list(dict.fromkeys(self.outputs + list(blobs or [])))
+        diff_names = list(dict.fromkeys(self.inputs + list(diffs or [])))
+        for name in kwargs:
+            if name not in self.inputs and name not in self.outputs:
+                raise CaffepyError(f"{self.source}: forward_backward_all: '{name}' is neither a net "
+                                   f"input ({', '.join(self.inputs) or 'none'}) nor an output "
+                                   f"({', '.join(self.outputs)})")
+        num = self._batch_count(kwargs) if kwargs else None
+        forward_batches = self._batch({k: v for k, v in kwargs.items() if k in self.inputs})
+        backward_batches = self._batch({k: v for k, v in kwargs.items() if k in self.outputs})
+        all_outs = {name: [] for name in out_names}
+        all_diffs = {name: [] for name in diff_names}
+        for fb, bb in itertools.zip_longest(forward_batches, backward_batches, fillvalue={}):
+            outs = self.forward(blobs=blobs, **fb)
+            grads = self.backward(diffs=diffs, **bb)
+            for name in out_names:
+                all_outs[name].append(outs[name].copy())
+            for name in diff_names:
+                all_diffs[name].append(grads[name].copy())
+        return ({name: np.concatenate(v)[:num] for name, v in all_outs.items()},
+                {name: np.concatenate(v)[:num] for name, v in all_diffs.items()})
+
+    def _batch_count(self, arrays):
+        """The common number of items of the arrays handed to forward_all."""
+        counts = {name: len(value) for name, value in arrays.items()}
+        if len(set(counts.values())) > 1:
+            raise ShapeError(f"{self.source}: the arrays hold different numbers of items: "
+                             + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        return next(iter(counts.values()))
+
+    def _batch(self, arrays):
+        """Yield {name: batch} slices of `arrays` in the net's batch size (the first blob's first
+        axis, as pycaffe), the last one padded with zeros to a full batch."""
+        if not arrays:
+            return
+        num = self._batch_count(arrays)
+        batch_size = next(iter(self.blobs.values())).shape[0]
+        arrays = {name: np.asarray(value) for name, value in arrays.items()}
+        for start in range(0, num - num % batch_size, batch_size):
+            yield {name: value[start:start + batch_size] for name, value in arrays.items()}
+        remainder = num % batch_size
+        if remainder:
+            yield {name: np.concatenate([value[num - remainder:],
+                                         np.zeros((batch_size - remainder,) + value.shape[1:], value.dtype)])
+                   for name, value in arrays.items()}
+
+    def share_with(self, other):
+        """Caffe's ShareTrainedLayersWith: every layer of `other` that this net also has (by
+        name) lends its parameter data to it; the two nets then see one set of weights."""
+        for name, source in other.layer_dict.items():
+            layer = self.layer_dict.get(name)
+            if layer is None:
+                log.info(f"Ignoring source layer {name}")
+                continue
+            if len(layer.blobs) != len(source.blobs):
+                raise ShapeError(f"{self.source}: layer '{name}' ({layer.type}): blobs: has "
+                                 f"{len(layer.blobs)} parameter blobs, the source net's layer has "
+                                 f"{len(source.blobs)}")
+            for i, (mine, theirs) in enumerate(zip(layer.blobs, source.blobs)):
+                if mine.shape != theirs.shape:
+                    raise ShapeError(f"{self.source}: layer '{name}' ({layer.type}): blobs[{i}]: cannot "
+                                     f"share weights of shape {theirs.shape_string()}, this net's "
+                                     f"are {mine.shape_string()}")
+                mine.share_data(theirs)
+
+    def save_hdf5(self, path, write_diff=False):
+        """Write the weights as Caffe's HDF5 (`data/<layer>/<i>`); needs h5py."""
+        from . import net_hdf5
+        net_hdf5.save(self, path, write_diff)
+
+    def load_hdf5(self, path):
+        """Load weights from Caffe's HDF5 layout by layer name; needs h5py."""
+        from . import net_hdf5
+        net_hdf5.load(self, path)
+
     def set_input_arrays(self, data, labels):
         """pycaffe: hand arrays to the net's first layer, which must be MemoryData
         (data N x C x H x W, labels N; N a multiple of its batch_size)."""
@@ -397,15 +519,16 @@ class Net:
                 continue
             layer = self.layer_dict[lp.name]
             if len(lp.blobs) != len(layer.blobs):
-                raise ShapeError(f"{path}: layer '{lp.name}' ({layer.type}): has {len(lp.blobs)} "
-                                 f"parameter blobs, the net expects {len(layer.blobs)}")
+                raise layer_error(layer, "blobs", f"the file has {len(lp.blobs)} parameter blobs, "
+                                  f"the net expects {len(layer.blobs)}", source=path, cls=ShapeError)
             for i, (bp, blob) in enumerate(zip(lp.blobs, layer.blobs)):
                 array = blobproto_to_array(bp)
                 if array.shape != blob.shape:
                     legacy = (not bp.HasField("shape")) and array.size == blob.count
                     if not legacy:
-                        raise ShapeError(f"{path}: layer '{lp.name}' ({layer.type}): blobs[{i}]: shape "
-                                         f"mismatch: file has {array.shape}, net has {blob.shape}")
+                        raise layer_error(layer, f"blobs[{i}]", f"shape mismatch: file has "
+                                          f"{array.shape}, net has {blob.shape}", source=path,
+                                          cls=ShapeError)
                 blob.data[...] = array.reshape(blob.shape)
 
     def to_proto(self, write_diff=False):

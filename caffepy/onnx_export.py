@@ -25,6 +25,7 @@ zero Pad of Caffe's size and then count_include_pad=0 over the rest.
 """
 import numpy as np
 
+from . import geometry
 from .errors import CaffepyError, layer_error
 from .proto import caffe_pb2
 
@@ -286,44 +287,47 @@ def _axis(axis, ndim):
 # -- vision ---------------------------------------------------------------------------
 @maps("Convolution", "Deconvolution")
 def _conv(c):
-    L = c.layer
-    if c.p.convolution_param.relu:
+    p = c.p.convolution_param
+    if p.relu:
         raise c.refuse("convolution_param.relu", "Intel's fused ReLU is not exported", True,
                        "Put a ReLU layer after the convolution")
-    inputs = [c.const(c.blob(0), "weights")] + ([c.const(c.blob(1), "bias")] if L.bias_term else [])
-    (ph, pw), (sh, sw), (dh, dw) = L.pad, L.stride, L.dilation
-    op = "Conv" if L.type == "Convolution" else "ConvTranspose"
+    inputs = [c.const(c.blob(i), what) for i, what in zip(range(len(c.layer.blobs)), ("weights", "bias"))]
+    kernel, (ph, pw), stride, dilation = geometry.conv_window(c.layer)
+    op = "Conv" if c.layer.type == "Convolution" else "ConvTranspose"
     for x, y in zip(c.x, c.y):   # several bottoms share the weights
-        c.node(op, [x, *inputs], [y], kernel_shape=list(L.kernel), pads=[ph, pw, ph, pw],
-               strides=[sh, sw], dilations=[dh, dw], group=L.group)
+        c.node(op, [x, *inputs], [y], kernel_shape=list(kernel), pads=[ph, pw, ph, pw],
+               strides=list(stride), dilations=list(dilation), group=int(p.group))
 
 
 @maps("Pooling")
 def _pool(c):
-    L = c.layer
-    P = caffe_pb2.PoolingParameter
+    P = c.p.pooling_param
     if len(c.y) == 2:
         raise c.refuse("top", "the MAX pooling mask top has no exact ONNX mapping", len(c.y))
-    if L.global_pooling:
-        c.out("GlobalMaxPool" if L.pool == P.MAX else "GlobalAveragePool", c.x)
+    if P.global_pooling:
+        c.out("GlobalMaxPool" if P.pool == P.MAX else "GlobalAveragePool", c.x)
         return
     (_, _, H, W), (_, _, oh, ow) = c.in_shapes[0], c.out_shapes[0]
-    k, s, p = L.kernel, L.stride, L.pad
+    k, p, s, _ = geometry.pool_window(c.layer)
     # end padding that makes ONNX's floor rounding give Caffe's output size
     end = [max((o - 1) * st + kk - size - pp, 0) for o, st, kk, size, pp in zip((oh, ow), s, k, (H, W), p)]
-    geometry = dict(kernel_shape=list(k), strides=list(s))
-    if L.pool == P.MAX:
-        c.out("MaxPool", c.x, pads=[p[0], p[1], end[0], end[1]], **geometry)
+    window = dict(kernel_shape=list(k), strides=list(s))
+    if P.pool == P.MAX:
+        c.out("MaxPool", c.x, pads=[p[0], p[1], end[0], end[1]], **window)
+        return
+    if not P.avg_include_pad:
+        # Intel Caffe's divisor, the window clipped to the image, is count_include_pad=0's
+        c.out("AveragePool", c.x, pads=[p[0], p[1], end[0], end[1]], count_include_pad=0, **window)
         return
     if all(e <= pp for e, pp in zip(end, p)):
         # every window lies inside Caffe's padded image: its divisor is the whole kernel
-        c.out("AveragePool", c.x, pads=[p[0], p[1], p[0], p[1]], count_include_pad=1, **geometry)
+        c.out("AveragePool", c.x, pads=[p[0], p[1], p[0], p[1]], count_include_pad=1, **window)
         return
     x = c.x[0]
     if any(p):
         x = c.node("Pad", [x, c.ints([0, 0, p[0], p[1], 0, 0, p[0], p[1]], "pads")], mode="constant")[0]
     rest = [max(e - pp, 0) for e, pp in zip(end, p)]
-    c.out("AveragePool", [x], pads=[0, 0, rest[0], rest[1]], count_include_pad=0, **geometry)
+    c.out("AveragePool", [x], pads=[0, 0, rest[0], rest[1]], count_include_pad=0, **window)
 
 
 @maps("Crop")

@@ -46,6 +46,25 @@ def test_legacy_four_axis_form():
     assert blob_shape(bp) == (2, 1, 2, 3)
 
 
+def test_a_blob_with_no_shape_at_all_is_a_flat_array():
+    # old blobs that are only a list of values (no num/channels/height/width, no shape)
+    bp = caffe_pb2.BlobProto()
+    bp.data.extend([1, 2, 3, 4, 5])
+    assert blob_shape(bp) is None
+    arr = blobproto_to_array(bp)
+    assert arr.shape == (5,) and arr.dtype == np.float32
+    np.testing.assert_array_equal(arr, [1, 2, 3, 4, 5])
+    bp.diff.extend([-1, -2, -3, -4, -5])
+    np.testing.assert_array_equal(blobproto_to_array(bp, return_diff=True), [-1, -2, -3, -4, -5])
+    assert blobproto_to_array(caffe_pb2.BlobProto()).shape == (0,)
+    # one legacy dimension set makes it 4-D (the unset ones are 0, as Caffe reads them)
+    bp.channels = 5
+    with pytest.raises(PrototxtError, match=r"has 5 values, its shape \[0, 5, 0, 0\] needs 0"):
+        blobproto_to_array(bp)
+    bp.num, bp.height, bp.width = 1, 1, 1
+    assert blobproto_to_array(bp).shape == (1, 5, 1, 1)
+
+
 def test_legacy_shape_writer_pads_leading_axes():
     bp = array_to_blobproto(np.zeros((3, 4, 5), np.float32), legacy_shape=True)
     assert (bp.num, bp.channels, bp.height, bp.width) == (1, 3, 4, 5)

@@ -248,6 +248,16 @@ def test_pooling_geometry_matches_onnxruntime(method, geometry):
     assert "ceil_mode" not in str(model.graph.node)
 
 
+@pytest.mark.parametrize("geometry", ["ceil_past_pad", "clip_last_window", "asymmetric", "ceil_inside_pad"])
+def test_ave_pooling_without_pad_in_the_divisor_matches_onnxruntime(geometry):
+    # Intel Caffe's avg_include_pad: false divides by the window clipped to the image
+    H, W, kh, kw, sh, sw, ph, pw, _ = POOL_GEOMETRIES[geometry]
+    fields = (f"pool: AVE avg_include_pad: false kernel_h: {kh} kernel_w: {kw} stride_h: {sh} "
+              f"stride_w: {sw} pad_h: {ph} pad_w: {pw}")
+    net, inputs = one_layer(layer("Pooling", f"pooling_param {{ {fields} }}"), shape=(2, 3, H, W))
+    check(net, inputs)
+
+
 def test_train_val_net_exports_data_as_input_and_drops_loss_layers():
     text = ('layer { name: "data" type: "DummyData" top: "data" top: "label" dummy_data_param { '
             'shape { dim: 2 dim: 3 dim: 8 dim: 8 } shape { dim: 2 } data_filler { type: "constant" } } }\n'

@@ -155,8 +155,8 @@ class _PrefetchingLayer(Layer):
             shape = self.transformer.check(image.shape)
         except DataError as e:
             where = self.source_db.where(key).rstrip(": ")
-            prefix = f"{self.source}: " if self.source else ""
-            raise DataError(f"{prefix}layer '{self.name}' ({self.type}): {e} (first record: {where})") from None
+            field, problem = str(e).split(": ", 1)      # the transformer's "<field>: <problem>"
+            raise self.error(field, f"{problem} (first record: {where})", cls=DataError) from None
         self.top_shape = (self.batch_size,) + shape
         filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
         self.prefetcher = Prefetcher(filler, self.prefetch_depth(), self.name)
