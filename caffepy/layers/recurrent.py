@@ -54,6 +54,7 @@ def lstm_unit_backward(c_prev, c, acts, cont, dc, dh):
     dc_total = dc + dh * o * (1 - tanh_c * tanh_c)
     dgates = np.empty_like(acts)
     dgates[:, :hidden] = dc_total * g * i * (1 - i)
+    # the exact derivative of cont * sigmoid; Caffe's equals it for the usual cont of 0 or 1
     dgates[:, hidden:2 * hidden] = dc_total * c_prev * keep * f * (1 - f)
     dgates[:, 2 * hidden:3 * hidden] = dh * tanh_c * o * (1 - o)
     dgates[:, 3 * hidden:] = dc_total * i * (1 - g * g)
