@@ -1,4 +1,4 @@
-"""Milliseconds of the vision kernels on AlexNet's shapes (batch 64), with the threading choice.
+"""Milliseconds of the kernels of AlexNet's layers (batch 64), with the threading choice.
 
     .venv/bin/python benchmarks/bench_kernels.py [--batch 64] [--reps 3] [--layers conv1,norm1]
                                                  [--threading both|images|blas]
@@ -14,7 +14,10 @@ Prints one table:
     LRN against torch's local_response_norm when torch is installed (benchmarks only);
   - for the same pooling and LRN shapes, a 'blocked' row: the kernels of caffepy.kernels.intel
     on the blocked layout [N, C/V, H, W, V] (V = --width), run alternately with the NCHW
-    kernel above it, with the ratio blocked / NCHW of forward + backward (<= 1: not slower).
+    kernel above it, with the ratio blocked / NCHW of forward + backward (<= 1: not slower);
+  - loss: the SoftmaxWithLoss kernels on fc8's output (batch x 1000) forward/backward;
+  - update: one fused SGD step (caffepy.kernels.solver) over all of AlexNet's parameters, and
+    over its conv weights alone (34,848 to 884,736 values each), timed alternately.
 Times are the best of --reps runs after one warm-up. The load average and the CPU time of the
 process (all threads, spinning included) are printed too: on a busy machine the wall time
 overstates the kernels' cost, and CPU time / threads is the better guide.
@@ -28,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from caffepy.kernels import intel, vision  # noqa: E402
+from caffepy.kernels import intel, loss, normalization, solver, vision  # noqa: E402
 
 # name: (C, H, W, O, kernel, pad, stride, group), bottom shape per image; bvlc_alexnet
 CONVS = {
@@ -41,6 +44,11 @@ CONVS = {
 # name: (C, H, W)
 POOLS = {"pool1": (96, 55, 55), "pool2": (256, 27, 27), "pool5": (256, 13, 13)}
 NORMS = {"norm1": (96, 55, 55), "norm2": (256, 27, 27)}
+CLASSES = 1000
+# bvlc_alexnet's learnable parameters: (weight, bias) per conv and fc layer
+PARAMS = [(96, 3, 11, 11), (96,), (256, 48, 5, 5), (256,), (384, 256, 3, 3), (384,),
+          (384, 192, 3, 3), (384,), (256, 192, 3, 3), (256,), (4096, 9216), (4096,),
+          (4096, 4096), (4096,), (1000, 4096), (1000,)]
 LRN = dict(size=5, alpha=1e-4, beta=0.75, k=1.0)
 
 
@@ -145,10 +153,10 @@ def bench_lrn(name, N, reps, rng):
     bottom, top_diff = rand(rng, N, C, H, W), rand(rng, N, C, H, W)
     top, scale, bottom_diff = (np.empty_like(bottom) for _ in range(3))
     p = LRN
-    fwd = best_ms(lambda: vision.lrn_across_forward(bottom, top, scale, p["size"], p["alpha"],
-                                                    p["beta"], p["k"]), reps)
-    bwd = best_ms(lambda: vision.lrn_across_backward(bottom, scale, top_diff, bottom_diff,
-                                                     p["size"], p["alpha"], p["beta"]), reps)
+    fwd = best_ms(lambda: normalization.lrn_across_forward(bottom, top, scale, p["size"],
+                                                           p["alpha"], p["beta"], p["k"]), reps)
+    bwd = best_ms(lambda: normalization.lrn_across_backward(bottom, scale, top_diff, bottom_diff,
+                                                            p["size"], p["alpha"], p["beta"]), reps)
     return fwd, bwd, bench_lrn_torch(bottom, top_diff, reps)
 
 
@@ -165,10 +173,10 @@ def bench_lrn_blocked(name, N, reps, rng, width):
     yb, dxb = np.empty_like(xb), np.empty_like(xb)
     blocked = lrn_blocked_calls(xb, yb, dyb, dxb, C)
     times = alternate([
-        lambda: vision.lrn_across_forward(bottom, top, scale, p["size"], p["alpha"], p["beta"],
-                                          p["k"]),
-        lambda: vision.lrn_across_backward(bottom, scale, top_diff, bottom_diff, p["size"],
-                                           p["alpha"], p["beta"]),
+        lambda: normalization.lrn_across_forward(bottom, top, scale, p["size"], p["alpha"],
+                                                 p["beta"], p["k"]),
+        lambda: normalization.lrn_across_backward(bottom, scale, top_diff, bottom_diff, p["size"],
+                                                  p["alpha"], p["beta"]),
         *blocked], reps)
     return times[:2], times[2:]
 
@@ -185,6 +193,26 @@ def blocked_row(plain, blocked, width):
     ratio = sum(blocked) / sum(plain)
     return (f"{'blocked':7} {blocked[0]:9.1f} {blocked[1]:9.1f}   same on [N, C/{width}, H, W, "
             f"{width}]: fwd+bwd {ratio:.2f}x the NCHW time")
+
+
+def bench_loss(N, reps, rng):
+    """(fwd, bwd) of the SoftmaxWithLoss kernels on N x CLASSES scores, timed alternately."""
+    x = rand(rng, N, CLASSES, 1)
+    labels = rng.integers(0, CLASSES, (N, 1)).astype(np.int32)
+    prob, diff = np.empty_like(x), np.empty_like(x)
+    return alternate([lambda: loss.softmax_loss_forward(x, labels, prob),
+                      lambda: loss.softmax_loss_backward(prob, labels, 1.0 / N, diff)], reps)
+
+
+def bench_update(reps, rng):
+    """(all parameters, conv weights) ms of one SGD step per parameter, timed alternately."""
+    params = [[rand(rng, int(np.prod(shape))) * 0.01 for _ in range(3)] for shape in PARAMS]
+    convs = [p for p, shape in zip(params, PARAMS) if len(shape) == 4]
+
+    def update(subset):
+        for w, g, h in subset:
+            solver.step("SGD", w, g, h, h, 1.0, 0.0005, False, 0.01, 0.9)
+    return alternate([lambda: update(params), lambda: update(convs)], reps)
 
 
 def bench_lrn_torch(bottom, top_diff, reps):
@@ -217,7 +245,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--layers", default="", help="comma-separated subset, e.g. conv2,norm1")
+    parser.add_argument("--layers", default="", help="comma-separated subset of conv1-conv5, "
+                        "pool1, pool2, pool5, norm1, norm2, loss, update; e.g. conv2,norm1")
     parser.add_argument("--threading", choices=("both", "images", "blas"), default="both",
                         help="conv threadings to time; the first column uses the chosen one")
     parser.add_argument("--width", type=int, default=8,
@@ -274,6 +303,13 @@ def main():
         print(f"{'':7} {plain[0]:9.1f} {plain[1]:9.1f}   NCHW again, alternated with the row "
               f"below", flush=True)
         print(blocked_row(plain, blocked, args.width), flush=True)
+    if not wanted or "loss" in wanted:
+        fwd, bwd = bench_loss(N, reps, rng)
+        print(f"{'loss':7} {fwd:9.2f} {bwd:9.2f}   SoftmaxWithLoss on {N}x{CLASSES}", flush=True)
+    if not wanted or "update" in wanted:
+        every, convs = bench_update(reps, rng)
+        print(f"{'update':7} {every:9.2f} {convs:9.2f}   SGD step: all {len(PARAMS)} parameters "
+              f"(61M values) / the conv weights alone (the 'bwd' column)", flush=True)
     peak = max(peak, sgemm_peak(reps))
     print(f"\nsgemm peak (numpy float32 matmul 4096^3, best sample): {peak:.1f} GFLOP/s; "
           f"load average now {os.getloadavg()[0]:.2f}")
