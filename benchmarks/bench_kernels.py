@@ -259,9 +259,11 @@ def main():
     print(f"batch {N}, {os.cpu_count()} cpus, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}, "
           f"load average {os.getloadavg()[0]:.2f}, best of {reps}")
-    # the peak is sampled before every conv layer and after the last layer, and the best kept,
-    # so a burst of load from elsewhere during one sample does not inflate the percentages
-    peak = sgemm_peak(reps)
+    # the peak (for the conv rows) is sampled before every conv layer and after the last layer,
+    # and the best kept, so a burst of load from elsewhere during one sample does not inflate
+    # the percentages
+    conv_names = [name for name in CONVS if not wanted or name in wanted]
+    peak = sgemm_peak(reps) if conv_names else 0.0
     default = vision.get_conv_threading()
     modes = ("images", "blas") if args.threading == "both" else (args.threading,)
     if default not in modes:
@@ -269,9 +271,7 @@ def main():
     print(f"conv threading in the first columns: '{default}'\n")
     print(f"{'layer':7} {'fwd ms':>9} {'bwd ms':>9}   {'notes'}")
     conv_rows = []
-    for name in CONVS:
-        if wanted and name not in wanted:
-            continue
+    for name in conv_names:
         peak = max(peak, sgemm_peak(1))
         row = bench_conv(name, N, reps, rng, modes)
         fwd, bwd = row[default]
@@ -307,12 +307,14 @@ def main():
         fwd, bwd = bench_loss(N, reps, rng)
         print(f"{'loss':7} {fwd:9.2f} {bwd:9.2f}   SoftmaxWithLoss on {N}x{CLASSES}", flush=True)
     if not wanted or "update" in wanted:
-        every, convs = bench_update(reps, rng)
-        print(f"{'update':7} {every:9.2f} {convs:9.2f}   SGD step: all {len(PARAMS)} parameters "
+        every, conv_weights = bench_update(reps, rng)
+        print(f"{'update':7} {every:9.2f} {conv_weights:9.2f}   SGD step: all {len(PARAMS)} parameters "
               f"(61M values) / the conv weights alone (the 'bwd' column)", flush=True)
+    print(f"\nload average now {os.getloadavg()[0]:.2f}")
+    if not conv_names:
+        return
     peak = max(peak, sgemm_peak(reps))
-    print(f"\nsgemm peak (numpy float32 matmul 4096^3, best sample): {peak:.1f} GFLOP/s; "
-          f"load average now {os.getloadavg()[0]:.2f}")
+    print(f"sgemm peak (numpy float32 matmul 4096^3, best sample): {peak:.1f} GFLOP/s")
     for name, gf_f, gf_b in conv_rows:
         print(f"  {name}: {100 * gf_f / peak:3.0f}% of peak forward, {100 * gf_b / peak:3.0f}% "
               f"backward")

@@ -93,7 +93,8 @@ def unpack(const float[:, :, :, :, ::1] y, float[:, :, :, ::1] x):
 #         cost no FLOPs.
 # The weight is given as Wt[group, Kg, Og] in the same order (the layer builds it from Caffe's
 # [O, C/g, kh, kw]). Threads take whole images, each with its own col / Y / weight-diff buffers
-# and a single-threaded BLAS; with one image or one thread, the BLAS threads each GEMM instead.
+# and a single-threaded BLAS; with one image, one thread or a small problem (the thread rule of
+# rules.pxd), the BLAS threads each GEMM instead.
 
 include "blas_threads.pxi"
 

@@ -32,7 +32,6 @@ computes.
 """
 
 from cython.parallel cimport prange, threadid
-cimport openmp
 from libc.string cimport memcpy, memset
 
 import numpy as np

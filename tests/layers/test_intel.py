@@ -89,6 +89,7 @@ CONVS = [
     (3, 5, 1, 11, 4, 0, 1, 23, 19),     # conv1's kernel and stride
     (32, 24, 2, 3, 1, 1, 2, 7, 7),      # dilation, vector order at 8 and 16
     (8, 7, 1, 2, 3, 1, 1, 8, 9),        # stride past the kernel, output channels not a block
+    (3, 12, 1, 3, 1, 1, 1, 12, 12),     # plain order, enough work to run the images on threads
 ]
 
 
