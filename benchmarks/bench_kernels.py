@@ -1,7 +1,7 @@
 """Milliseconds of the kernels of AlexNet's layers (batch 64), with the threading choice.
 
     .venv/bin/python benchmarks/bench_kernels.py [--batch 64] [--reps 3] [--layers conv1,norm1]
-                                                 [--threading both|images|blas]
+                                                 [--threading both|images|blas] [--median]
 
 Prints one table:
   - conv1..conv5 forward and backward (weight + bias diffs, and the bottom diff except for
@@ -18,12 +18,13 @@ Prints one table:
   - loss: the SoftmaxWithLoss kernels on fc8's output (batch x 1000) forward/backward;
   - update: one fused SGD step (caffepy.kernels.solver) over all of AlexNet's parameters, and
     over its conv weights alone (34,848 to 884,736 values each), timed alternately.
-Times are the best of --reps runs after one warm-up. The load average and the CPU time of the
-process (all threads, spinning included) are printed too: on a busy machine the wall time
-overstates the kernels' cost, and CPU time / threads is the better guide.
+Times are the best (--median: the median) of --reps runs after one warm-up. The load average
+and the CPU time of the process (all threads, spinning included) are printed too: on a busy
+machine the wall time overstates the kernels' cost, and CPU time / threads is the better guide.
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -52,21 +53,35 @@ PARAMS = [(96, 3, 11, 11), (96,), (256, 48, 5, 5), (256,), (384, 256, 3, 3), (38
 LRN = dict(size=5, alpha=1e-4, beta=0.75, k=1.0)
 
 
+# How a row's runs are summed up: the best (default), or the median (--median), which on a busy
+# machine shows how often a parallel region waits for a descheduled thread
+SUMMARY = min
+
+
 class Timer:
-    """Best wall and CPU milliseconds of the runs it has seen."""
+    """Wall and CPU milliseconds of the runs it has seen, summed up by SUMMARY."""
 
     def __init__(self):
-        self.wall = self.cpu = float("inf")
+        self.walls, self.cpus = [], []
 
     def run(self, fn):
         cpu, wall = time.process_time(), time.perf_counter()
         fn()
-        self.wall = min(self.wall, 1e3 * (time.perf_counter() - wall))
-        self.cpu = min(self.cpu, 1e3 * (time.process_time() - cpu))
+        self.walls.append(1e3 * (time.perf_counter() - wall))
+        self.cpus.append(1e3 * (time.process_time() - cpu))
+
+    @property
+    def wall(self):
+        return SUMMARY(self.walls)
+
+    @property
+    def cpu(self):
+        return SUMMARY(self.cpus)
 
 
 def best_ms(fn, reps, setup=None):
-    """Best wall ms of fn() over reps runs (after a warm-up); setup() runs untimed before each."""
+    """Wall ms of fn() over reps runs (after a warm-up), best or median (SUMMARY); setup() runs
+    untimed before each."""
     timer = Timer()
     for i in range(reps + 1):
         if setup is not None:
@@ -81,8 +96,11 @@ def best_ms(fn, reps, setup=None):
 def sgemm_peak(reps):
     a = np.random.default_rng(0).random((4096, 4096), dtype=np.float32)
     b = a.copy()
-    ms = best_ms(lambda: a @ b, reps)
-    return 2 * 4096 ** 3 / ms / 1e6
+    timer = Timer()
+    a @ b
+    for _ in range(reps):
+        timer.run(lambda: a @ b)
+    return 2 * 4096 ** 3 / min(timer.walls) / 1e6
 
 
 def rand(rng, *shape):
@@ -114,7 +132,8 @@ def bench_conv(name, N, reps, rng, modes):
 
 
 def alternate(fns, reps):
-    """Best wall ms of each fn, the fns run in turn (one warm-up round) so all see one machine."""
+    """Wall ms of each fn (SUMMARY), the fns run in turn (one warm-up round) so all see one
+    machine."""
     timers = [Timer() for _ in fns]
     for i in range(reps + 1):
         for fn, timer in zip(fns, timers):
@@ -249,16 +268,20 @@ def main():
                         "pool1, pool2, pool5, norm1, norm2, loss, update; e.g. conv2,norm1")
     parser.add_argument("--threading", choices=("both", "images", "blas"), default="both",
                         help="conv threadings to time; the first column uses the chosen one")
+    parser.add_argument("--median", action="store_true",
+                        help="the median of the --reps runs instead of the best")
     parser.add_argument("--width", type=int, default=8,
                         help="block width V of the blocked pooling / LRN rows")
     args = parser.parse_args()
+    global SUMMARY
+    SUMMARY = statistics.median if args.median else min
     wanted = set(filter(None, args.layers.split(",")))
     rng = np.random.default_rng(0)
     N, reps = args.batch, args.reps
 
     print(f"batch {N}, {os.cpu_count()} cpus, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}, "
-          f"load average {os.getloadavg()[0]:.2f}, best of {reps}")
+          f"load average {os.getloadavg()[0]:.2f}, {'median' if args.median else 'best'} of {reps}")
     # the peak (for the conv rows) is sampled before every conv layer and after the last layer,
     # and the best kept, so a burst of load from elsewhere during one sample does not inflate
     # the percentages
