@@ -71,5 +71,6 @@ proto: install
 	$(PY) -m pip install -q grpcio-tools==1.85.1
 	$(PY) -m grpc_tools.protoc -Icaffepy/proto --python_out=caffepy/proto caffepy/proto/caffe.proto
 
+# The stamp too: the next target rebuilds the kernels it removes
 clean:
-	rm -rf build *.egg-info caffepy/kernels/*.so cext/*.c
+	rm -rf build *.egg-info caffepy/kernels/*.so cext/*.c $(STAMP)

@@ -384,20 +384,21 @@ def test_inner_product_matches_torch():
 
 def test_scale_kernels_against_numpy():
     from caffepy.kernels import common as kernels
+    from caffepy.kernels.reference import common as ref
     x, dy = randn(3, 7, 5003, seed=1), randn(3, 7, 5003, seed=2)
     s, b = randn(7, seed=3), randn(7, seed=4)
     y, saved = np.empty_like(x), np.empty_like(x)
     kernels.scale_forward(x, s, b, y, saved)
-    np.testing.assert_allclose(y, x * s[:, None] + b[:, None], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y, ref.scale_forward(x, s, b), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(saved, x)
     kernels.scale_forward(x, s, None, y, None)
-    np.testing.assert_allclose(y, x * s[:, None], rtol=1e-6)
+    np.testing.assert_allclose(y, ref.scale_forward(x, s), rtol=1e-6)
     dx, ds, db = np.empty_like(x), np.ones(7), np.ones(7)
     kernels.scale_backward(x, dy, s, dx, ds, db)
-    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
-    np.testing.assert_allclose(ds, 1 + (dy64 * x64).sum(axis=(0, 2)), rtol=1e-4)
-    np.testing.assert_allclose(db, 1 + dy64.sum(axis=(0, 2)), rtol=1e-4)
-    np.testing.assert_allclose(dx, dy * s[:, None], rtol=1e-6)
+    want_dx, want_ds, want_db = ref.scale_backward(x, dy, s)
+    np.testing.assert_allclose(ds, 1 + want_ds, rtol=1e-4)
+    np.testing.assert_allclose(db, 1 + want_db, rtol=1e-4)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-6)
     kernels.scale_backward(x, dy, s, dy, None, None)      # dx over dy, in place
     np.testing.assert_array_equal(dy, dx)
 
