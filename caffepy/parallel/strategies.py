@@ -27,6 +27,7 @@ import numpy as np
 from .. import log
 from ..errors import ParallelError, layer_error
 from ..layers.common import gemm_into
+from . import watchdog
 from .allreduce import GradientReducer
 
 
@@ -124,7 +125,9 @@ class DataParallel:
 
     # -- hooks ----------------------------------------------------------
     def on_start(self, solver):
-        self.broadcast_weights(solver)
+        self._solver = solver
+        with watchdog.waiting(f"the weight broadcast before iteration {solver.iter}"):
+            self.broadcast_weights(solver)
         self.setup_split(solver)
         self._local_action = solver.action_fn
         self._agreed = "none"
@@ -157,14 +160,18 @@ class DataParallel:
         if self._last_layer is None or layer_index > self._last_layer:
             self._passes += 1
         self._last_layer = layer_index
+        watchdog.at(f"backward of iteration {solver.iter}")
         if self._passes >= max(1, getattr(solver.param, "iter_size", 1)):
             self.reducer.layer_done(layer_index)
 
     def before_update(self, solver):
-        self.reducer.finish()
+        with watchdog.waiting(f"the gradient allreduce of iteration {solver.iter}"):
+            self.reducer.finish()
         self._passes = 0
         self._last_layer = None
-        self._agree_on_action()
+        with watchdog.waiting(f"the signal agreement of iteration {solver.iter}"):
+            self._agree_on_action()
+        watchdog.at(f"the update of iteration {solver.iter}")
 
     # Signals (SIGINT / SIGHUP forwarded by the launcher) reach the ranks at
     # different moments; every rank must snapshot or stop after the same
@@ -191,11 +198,13 @@ class DataParallel:
         # read by the solver right after the update (and by rank 0's test loop,
         # which gets "none": the request waits for the next agreement)
         agreed, self._agreed = self._agreed, "none"
+        watchdog.at(f"forward of iteration {self._solver.iter}")
         return agreed
 
     def reduce_loss(self, solver, loss):
         buf = np.array([loss], np.float64)
-        self.comm.Allreduce(_in_place(), buf)
+        with watchdog.waiting(f"the loss average of iteration {solver.iter}"):
+            self.comm.Allreduce(_in_place(), buf)
         return float(buf[0]) / self.world.size
 
     def sumsq(self, solver, param_index, array):
@@ -204,7 +213,8 @@ class DataParallel:
         if param_index not in self.split:
             return local
         buf = np.array([local], np.float64)
-        self.comm.Allreduce(_in_place(), buf)
+        with watchdog.waiting(f"the gradient norm sum of iteration {solver.iter}"):
+            self.comm.Allreduce(_in_place(), buf)
         return float(buf[0])
 
     # -- pieces ---------------------------------------------------------

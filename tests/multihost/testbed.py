@@ -195,6 +195,7 @@ class TestBed:
             _ip("-n", h.namespace, "addr", "add", f"{h.address}/24", "dev", DEVICE)
             _ip("-n", h.namespace, "link", "set", DEVICE, "up")
             self._shape(h)
+        self._wait_for_carrier()
         self.workdir = tempfile.mkdtemp(prefix=self.tag)
         cases = "\n".join(f'  {h.address}|{h.hostname}) ns={h.namespace}; name={h.hostname};;'
                           for h in self.hosts)
@@ -202,6 +203,16 @@ class TestBed:
         with open(self.launcher, "w") as f:
             f.write(_LAUNCHER.format(cases=cases))
         os.chmod(self.launcher, 0o755)
+
+    def _wait_for_carrier(self, timeout=10.0):
+        # a veth reports its carrier a moment after both ends are up; UCX started before
+        # that finds no usable 'eth0' and MPI_Init fails ("Destination is unreachable")
+        deadline = time.monotonic() + timeout
+        for h in self.hosts:
+            while "LOWER_UP" not in _ip("-n", h.namespace, "-o", "link", "show", "dev", DEVICE).stdout:
+                if time.monotonic() > deadline:
+                    raise TestBedError(f"{h.hostname}: {DEVICE} has no carrier after {timeout:.0f} s")
+                time.sleep(0.02)
 
     def _shape(self, host):
         if not (self.rate or self.delay):
