@@ -201,11 +201,16 @@ def supervise():
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
         rank = launcher_rank()
-        host = socket.gethostname()
-        sys.stderr.write(f"[rank {rank}] caffepy rank {rank} (pid {child}@{host}) was killed by "
-                         f"{signal.Signals(signum).name}: by hand, by the out-of-memory killer or "
-                         f"by the batch system; the MPI launcher ends the other ranks\n")
+        how = ("was killed by SIGKILL (by hand, by the out-of-memory killer or by the batch system)"
+               if signum == signal.SIGKILL else f"died of {signal.Signals(signum).name}")
+        sys.stderr.write(f"[rank {rank}] caffepy rank {rank} (pid {child}@{socket.gethostname()}) {how}; "
+                         f"the MPI launcher ends the other ranks\n")
         sys.stderr.flush()
+        # die of the same signal: launchers end the job when a rank is killed, while they
+        # wait for the others when one merely exits non-zero
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
         os._exit(128 + signum)
     os._exit(os.WEXITSTATUS(status))
 
