@@ -192,6 +192,9 @@ def supervise():
     parent = os.getpid()
     child = os.fork()
     if child == 0:
+        # launchers signal the process group: in a group of its own the rank gets each
+        # signal once, from the parent
+        os.setpgid(0, 0)
         _die_with_parent(parent)
         return
     for name in _FORWARDED:

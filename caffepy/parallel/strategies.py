@@ -176,23 +176,27 @@ class DataParallel:
     # Signals (SIGINT / SIGHUP forwarded by the launcher) reach the ranks at
     # different moments; every rank must snapshot or stop after the same
     # iteration, so the ranks agree on the strongest request once per iteration.
+    # One signal reaches every rank, maybe in different iterations: the ranks
+    # compare how many requests of each kind they have seen so far (MAX), and a
+    # request acts once, when the first rank reports it.
     _ACTIONS = ("none", "snapshot", "stop", "snapshot_stop")
 
     def _agree_on_action(self):
-        local = "none"
+        if not hasattr(self, "_seen"):
+            self._seen = np.zeros(len(self._ACTIONS), np.int64)    # requests received here
+            self._acted = np.zeros(len(self._ACTIONS), np.int64)   # requests acted on
         if self._local_action is not None:
-            requests = []
             while True:
                 request = self._local_action()
                 if request == "none":
                     break
-                requests.append(request)
-            if requests:
-                local = max(requests, key=self._ACTIONS.index)
-        code = np.array([self._ACTIONS.index(local)], np.int32)
+                self._seen[self._ACTIONS.index(request)] += 1
+        agreed = self._seen.copy()
         from mpi4py import MPI
-        self.comm.Allreduce(MPI.IN_PLACE, code, op=MPI.MAX)
-        self._agreed = self._ACTIONS[int(code[0])]
+        self.comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
+        new = [k for k in range(1, len(self._ACTIONS)) if agreed[k] > self._acted[k]]
+        self._acted = np.maximum(self._acted, agreed)
+        self._agreed = self._ACTIONS[max(new)] if new else "none"
 
     def _action(self):
         # read by the solver right after the update (and by rank 0's test loop,

@@ -141,6 +141,7 @@ exec ip netns exec "$ns" unshare --uts -- sh -c 'hostname "$0" && exec sh -c "$1
 class TestBed:
     """K emulated hosts; use as a context manager (or call start() and close())."""
 
+    __test__ = False             # not a pytest test class
     _serial = 0
 
     def __init__(self, hosts=2, rate=None, delay=None, burst=None):
