@@ -279,6 +279,23 @@ def test_sigterm_names_the_cause(tmp_path):
            "was cancelled" in err, err
 
 
+@pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "PMI_SIZE"])
+def test_foreign_launcher_is_refused(tmp_path, var):
+    """A launcher says 4 processes, MPI (another MPI's launcher: no PMI for ours) says 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_"))}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env[var] = "4"
+    out = subprocess.run([sys.executable, "-m", "caffepy.cli", "train", "--solver", "none.prototxt"],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"caffepy: error: {var}=4: the launcher started 4 processes but MPI sees this "
+                           f"one alone: mpi4py uses MPICH"), line
+    assert "Launch with the mpiexec of the MPI mpi4py was built for" in line
+    assert "rebuild mpi4py against the cluster's MPI" in line
+    assert "Traceback" not in out.stderr
+
+
 def test_unknown_algorithm_or_progress_is_refused(monkeypatch):
     from caffepy.errors import ParallelError
     from caffepy.parallel import allreduce
