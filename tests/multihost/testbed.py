@@ -363,8 +363,11 @@ def main(argv=None):
             print(f"testbed: {len(bed.hosts)} hosts ({hosts}), rate {args.rate or 'unshaped'}",
                   file=sys.stderr, flush=True)
             proc = bed.popen(command, args.ranks_per_host)
-            # the launcher runs in its own session: pass on what a terminal or a job system sends
-            forward = lambda signum, frame: proc.send_signal(signum)   # noqa: E731
+            # the launcher runs in its own session: pass on what a terminal or a job system
+            # sends; SIGHUP as SIGUSR1, which hydra forwards (it dies of SIGHUP) and caffepy
+            # ranks take as SIGHUP
+            def forward(signum, frame):
+                proc.send_signal(signal.SIGUSR1 if signum == signal.SIGHUP else signum)
             for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
                 signal.signal(signum, forward)
             return proc.wait()
