@@ -117,6 +117,7 @@ class Watchdog:
 
     # -- the thread ------------------------------------------------------------
     def _run(self):
+        self._receives = []
         try:
             if self.rank == 0:
                 self._root()
@@ -125,6 +126,14 @@ class Watchdog:
         except Exception as e:        # a broken watchdog must not end training
             if not self._stop.is_set():
                 log.warning(f"stall watchdog stopped: {type(e).__name__}: {e}")
+        finally:
+            # no receive may stay posted when MPI finalizes
+            for request in self._receives:
+                try:
+                    request.Cancel()
+                    request.Wait()
+                except Exception:
+                    pass
 
     def _state(self):
         return (self.place, self.waits, self.moves, self._cpu())
@@ -135,6 +144,7 @@ class Watchdog:
         summary = {}
         heard = time.monotonic()
         inbox = comm.irecv(source=0, tag=_SUMMARY)
+        self._receives = [inbox]
         patience = self.timeout + min(self.rank - 1, 3) * 2 * self.interval
         while not self._stop.wait(self.interval):
             sends = [r for r in sends if not r.Test()]
@@ -145,7 +155,7 @@ class Watchdog:
                 if not done:
                     break
                 summary, heard = message, time.monotonic()
-                inbox = comm.irecv(source=0, tag=_SUMMARY)
+                inbox = self._receives[0] = comm.irecv(source=0, tag=_SUMMARY)
             silent = time.monotonic() - heard
             if silent > patience:
                 # the others as rank 0 last saw them
@@ -164,6 +174,7 @@ class Watchdog:
         moved = [now] * size              # last progress of each rank
         state = [("start-up", False, 0, 0.0)] * size
         inboxes = {r: comm.irecv(source=r, tag=_STATE) for r in range(1, size)}
+        self._receives = inboxes.values()
         sends = []
         while not self._stop.wait(self.interval):
             now = time.monotonic()
