@@ -296,6 +296,33 @@ def test_foreign_launcher_is_refused(tmp_path, var):
     assert "Traceback" not in out.stderr
 
 
+def test_thread_level_below_multiple(tmp_path):
+    """MPI grants less than MPI_THREAD_MULTIPLE: no communication thread by default (blocking),
+    an explicit request for it refused, no stall watchdog; each said in one line."""
+    out = mpirun(2, """
+        import mpi4py
+        mpi4py.rc.thread_level = "funneled"
+        from mpi4py import MPI                    # started before caffepy asks for more
+        from caffepy.errors import ParallelError
+        from caffepy.parallel import allreduce, mpi, watchdog, world
+        mpi.init_world(stall_timeout=30)
+        assert watchdog._current is None
+        assert allreduce.GradientReducer(world.comm, []).progress == "blocking"
+        try:
+            allreduce.GradientReducer(world.comm, [], progress="thread")
+        except ParallelError as e:
+            print("refused:", e)
+        mpi.finish()
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("refused: CAFFEPY_MPI_PROGRESS: 'thread' needs MPI_THREAD_MULTIPLE, MPI "
+                            "granted level 1. Use blocking, test or wait") == 2, out.stdout
+    assert "MPI granted thread level MPI_THREAD_FUNNELED, not MPI_THREAD_MULTIPLE: gradients are " \
+           "reduced without a thread (blocking)" in out.stderr
+    assert "--stall_timeout: MPI granted thread level 1, not MPI_THREAD_MULTIPLE; stalled ranks are " \
+           "not detected" in out.stderr
+
+
 def test_unknown_algorithm_or_progress_is_refused(monkeypatch):
     from caffepy.errors import ParallelError
     from caffepy.parallel import allreduce
