@@ -122,6 +122,8 @@ class DataParallel:
         self.split = set()           # learnable-param indices split across ranks
         self._passes = 0
         self._last_layer = None
+        self._seen = np.zeros(len(self._ACTIONS), np.int64)    # signal requests received here
+        self._acted = np.zeros(len(self._ACTIONS), np.int64)   # requests acted on (agreed)
 
     # -- hooks ----------------------------------------------------------
     def on_start(self, solver):
@@ -182,9 +184,6 @@ class DataParallel:
     _ACTIONS = ("none", "snapshot", "stop", "snapshot_stop")
 
     def _agree_on_action(self):
-        if not hasattr(self, "_seen"):
-            self._seen = np.zeros(len(self._ACTIONS), np.int64)    # requests received here
-            self._acted = np.zeros(len(self._ACTIONS), np.int64)   # requests acted on
         if self._local_action is not None:
             while True:
                 request = self._local_action()
