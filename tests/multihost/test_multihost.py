@@ -155,3 +155,23 @@ def test_sigusr1_to_the_launcher_snapshots_and_continues(tmp_path, db, can_emula
     assert len(snaps) == 2 and snaps[0] + 5 < snaps[1], snaps
     assert (job / f"snap_iter_{snaps[0]}.solverstate").exists()
     assert "Optimization stopped early." in out
+
+
+def test_testbed_removes_what_it_made(can_emulate):
+    from multihost import testbed
+    dead = subprocess.Popen(["true"])                   # a pid nobody uses any more
+    dead.wait()
+    stale = f"{testbed.PREFIX}{dead.pid}x1-h0"          # as a testbed killed with -9 leaves it
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        with TestBed(3, rate="100mbit") as bed:
+            made = list(bed.namespaces)
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert all(name in listed for name in made) and len(made) == 4      # 3 hosts + bridge
+            assert stale not in listed
+            assert "tbf" in subprocess.run(["ip", "netns", "exec", made[0], "tc", "qdisc", "show"],
+                                           capture_output=True, text=True).stdout
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert not any(name in listed for name in made)
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)

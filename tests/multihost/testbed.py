@@ -27,6 +27,7 @@ whose process died (kill -9) are removed by the next one.
     python -m tests.multihost.testbed --hosts 2 --rate 500mbit -- caffepy train --solver s.prototxt
 """
 import argparse
+import atexit
 import os
 import re
 import shutil
@@ -165,6 +166,7 @@ class TestBed:
         if reason:
             raise TestBedError(reason)
         remove_stale()
+        atexit.register(self.close)          # also when the caller forgets to close
         try:
             self._build()
         except BaseException:
