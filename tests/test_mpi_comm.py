@@ -300,6 +300,7 @@ def test_thread_level_below_multiple(tmp_path):
     """MPI grants less than MPI_THREAD_MULTIPLE: no communication thread by default (blocking),
     an explicit request for it refused, no stall watchdog; each said in one line."""
     out = mpirun(2, """
+        import sys
         import mpi4py
         mpi4py.rc.thread_level = "funneled"
         from mpi4py import MPI                    # started before caffepy asks for more
@@ -311,7 +312,8 @@ def test_thread_level_below_multiple(tmp_path):
         try:
             allreduce.GradientReducer(world.comm, [], progress="thread")
         except ParallelError as e:
-            print("refused:", e)
+            sys.stdout.write(f"refused: {e}\\n")      # one write: the ranks' lines do not interleave
+            sys.stdout.flush()
         mpi.finish()
     """, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
