@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all test-multihost bench bench-full bench-mpi bench-multihost proto clean
+.PHONY: install extras demo test test-all test-multihost bench bench-full bench-mpi bench-multihost proto clean
 
 install: $(STAMP)
 
@@ -15,6 +15,28 @@ $(STAMP): pyproject.toml setup.py $(wildcard cext/*.pyx cext/*.pxd cext/*.pxi ce
 	$(PY) -m pip install -q 'setuptools>=70' wheel 'cython>=3.0' 'numpy>=2.0' 'scipy>=1.11'
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	touch $(STAMP)
+
+# The optional extras by name (pip install 'caffepy[draw,hdf5,plot]'): pydot for
+# caffe.draw.get_pydot_graph, h5py for Net.save_hdf5 / load_hdf5, matplotlib for plot_log.
+# Drawing nets also needs Graphviz's `dot` program: apt-get install graphviz.
+# Their requirements are read from the installed caffepy's metadata (pyproject.toml's
+# optional-dependencies) and installed alone: reinstalling caffepy would recompile every kernel.
+EXTRAS := $(VENV)/.extras
+
+define EXTRA_REQUIREMENTS
+import importlib.metadata as m
+for r in m.requires("caffepy"):
+    spec, _, marker = r.partition(";")
+    if any(f'extra == "{e}"' in marker for e in ("draw", "hdf5", "plot")):
+        print(spec.strip())
+endef
+export EXTRA_REQUIREMENTS
+
+extras: $(EXTRAS)
+
+$(EXTRAS): $(STAMP)
+	$(PY) -c "$$EXTRA_REQUIREMENTS" | xargs $(PY) -m pip install -q
+	touch $(EXTRAS)
 
 # The embedded default: digits -> LMDB -> train LeNet -> test accuracy
 demo: install
@@ -27,11 +49,12 @@ $(TORCH): $(STAMP)
 	$(PY) -m pip install -q torch==2.13.0 || echo "torch unavailable: torch-reference tests will skip"
 	touch $(TORCH)
 
-test: install $(TORCH)
+# the extras too, so their tests run rather than skip
+test: install $(EXTRAS) $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
 
 # Includes the slow end-to-end runs
-test-all: install $(TORCH)
+test-all: install $(EXTRAS) $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m ''
 
 # Ranks across emulated hosts (network namespaces + veth, root needed; skipped with the

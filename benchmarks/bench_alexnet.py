@@ -40,10 +40,10 @@ def _rss_mb():
 def caffepy_net_param(batch, blocked):
     """models/intel_alexnet's TRAIN net with DummyData in, optionally without Pack / Unpack."""
     sys.path.insert(0, REPO)
-    from caffepy import prototxt
+    from caffepy import upgrade
     from caffepy.proto import caffe_pb2
 
-    src = prototxt.read_net(MODEL)
+    src = upgrade.read_net(MODEL)
     out = caffe_pb2.NetParameter()
     out.name = src.name
     renamed = {}

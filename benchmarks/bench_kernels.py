@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from caffepy import geometry  # noqa: E402
 from caffepy.kernels import intel, vision  # noqa: E402
 
 # name: (C, H, W, O, kernel, pad, stride, group), bottom shape per image; bvlc_alexnet
@@ -83,12 +84,12 @@ def rand(rng, *shape):
 
 def bench_conv(name, N, reps, rng, modes):
     C, H, W, O, k, pad, stride, group = CONVS[name]
-    oh, ow = vision.conv_output_shape(H, W, k, k, pad, pad, stride, stride)
+    oh, ow = geometry.conv_output_shape(H, W, k, k, pad, pad, stride, stride)
     bottom, weight, bias = rand(rng, N, C, H, W), rand(rng, O, C // group, k, k), rand(rng, O)
     top, top_diff = np.empty((N, O, oh, ow), np.float32), rand(rng, N, O, oh, ow)
     weight_diff, bias_diff = np.zeros_like(weight), np.zeros_like(bias)
     bottom_diff = None if name == "conv1" else np.empty_like(bottom)
-    geometry = (pad, pad, stride, stride, 1, 1, group)
+    conv_args = (pad, pad, stride, stride, 1, 1, group)
     flops = 2.0 * N * O * oh * ow * (C // group) * k * k
     default = vision.get_conv_threading()
     col = np.empty(vision.conv_workspace_size(C, k, k, oh, ow, weight.size), np.float32)
@@ -98,9 +99,9 @@ def bench_conv(name, N, reps, rng, modes):
             vision.set_conv_threading(mode)
             run_fwd = fwd.run if i else (lambda fn: fn())
             run_bwd = bwd.run if i else (lambda fn: fn())
-            run_fwd(lambda: vision.conv_forward(bottom, weight, bias, top, col, *geometry))
+            run_fwd(lambda: vision.conv_forward(bottom, weight, bias, top, col, *conv_args))
             run_bwd(lambda: vision.conv_backward(top_diff, bottom, weight, weight_diff,
-                                                 bias_diff, bottom_diff, col, *geometry))
+                                                 bias_diff, bottom_diff, col, *conv_args))
     vision.set_conv_threading(default)
     return {"flops": flops, "bwd_flops": flops * (1 if bottom_diff is None else 2), **timers}
 
@@ -124,7 +125,7 @@ def blocked_shape(N, C, H, W, width):
 def bench_pool(name, N, reps, rng, width):
     """(NCHW fwd, bwd), (blocked fwd, bwd) of MAX 3x3 stride 2, timed alternately."""
     C, H, W = POOLS[name]
-    oh, ow = vision.pool_output_shape(H, W, 3, 3, 2, 2, 0, 0)
+    oh, ow = geometry.pool_output_shape(H, W, 3, 3, 2, 2, 0, 0)
     bottom, top_diff = rand(rng, N, C, H, W), rand(rng, N, C, oh, ow)
     top, mask = np.empty((N, C, oh, ow), np.float32), np.empty((N, C, oh, ow), np.int32)
     bottom_diff = np.empty_like(bottom)

@@ -59,12 +59,12 @@ def build_solver(batch, path=NET):
     sys.path.insert(0, REPO)
     from google.protobuf import text_format
 
-    from caffepy import prototxt
-    from caffepy.net import TRAIN
+    from caffepy import upgrade
+    from caffepy.net import TRAIN, filter_net, net_state
     from caffepy.proto import caffe_pb2
     from caffepy.solvers import Solver
 
-    net = prototxt.filter_net(prototxt.read_net(path), prototxt.net_state(TRAIN, 0, []))
+    net = filter_net(upgrade.read_net(path), net_state(TRAIN, 0, []))
     data = net.layer[0]
     assert data.type == "Data"
     data.Clear()

@@ -12,8 +12,7 @@ import numpy as np
 
 from caffepy.blob import Blob
 from caffepy.proto import caffe_pb2
-from caffepy.solvers.solver import Solver, _kernels
-from caffepy.solvers.updates import make_rule
+from caffepy.solvers import updates
 
 ALEXNET = [(96, 3, 11, 11), (96,), (256, 48, 5, 5), (256,), (384, 256, 3, 3), (384,),
            (384, 192, 3, 3), (384,), (256, 192, 3, 3), (256,), (4096, 9216), (4096,),
@@ -36,15 +35,17 @@ class _Params:
 
 
 def make(type_, params, use_kernels):
+    """One solver update over `params`, as a function of no arguments."""
     p = caffe_pb2.SolverParameter(type=type_, base_lr=0.01, lr_policy="fixed", weight_decay=0.0005,
                                   momentum=0.9 if type_ not in ("AdaGrad", "RMSProp") else 0.0)
-    s = Solver.__new__(Solver)
-    s.param, s.source, s.hooks, s.iter, s.current_step = p, "<bench>", [], 0, 0
-    s.net = params
-    s.rule = make_rule(p, [b.shape for b in params.learnable_params])
-    s.type = s.rule.type
-    s.use_kernels = use_kernels
-    return s
+    rule = updates.make_rule(p, [b.shape for b in params.learnable_params])
+    fused = updates.kernels() if use_kernels else None
+
+    def sumsq(index, array):
+        flat = array.reshape(-1)
+        return float(np.dot(flat, flat))
+
+    return lambda: updates.apply_update(p, params, rule, p.base_lr, 0, sumsq, fused)
 
 
 def main():
@@ -62,14 +63,14 @@ def main():
     copy_gbs = 2 * a.nbytes * args.repeat / (time.perf_counter() - t) / 1e9
     print(f"AlexNet parameters: {count / 1e6:.1f}M; memory copy bandwidth {copy_gbs:.1f} GB/s")
     print(f"{'solver':10} {'path':8} {'ms/update':>10} {'GB/s (6 arrays)':>16}")
-    modes = [True, False] if _kernels() is not None else [False]
+    modes = [True, False] if updates.kernels() is not None else [False]
     for type_ in ("SGD", "Nesterov", "AdaGrad", "RMSProp", "AdaDelta", "Adam"):
         for use in modes:
-            s = make(type_, params, use)
-            s.apply_update()
+            update = make(type_, params, use)
+            update()
             t = time.perf_counter()
             for _ in range(args.repeat):
-                s.apply_update()
+                update()
             dt = (time.perf_counter() - t) / args.repeat
             # the fused SGD pass reads data, diff, history and writes all three
             moved = 6 * 4 * count / dt / 1e9

@@ -5,9 +5,8 @@
     net = caffe.Net("deploy.prototxt", "weights.caffemodel", caffe.TEST)
     out = net.forward(data=images)
 """
-from .parallel import mpi as _mpi
-
-_mpi.share_cores()   # before any kernel loads OpenMP, which reads OMP_NUM_THREADS once
+# first: shares the cores among MPI ranks before any kernel loads OpenMP (see caffepy.parallel)
+from . import parallel  # noqa: F401
 
 from . import proto  # noqa: F401  (caffe.proto.caffe_pb2, as in pycaffe)
 from .net import TEST, TRAIN, Net
@@ -18,6 +17,9 @@ from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
 # pycaffe's `from caffe import layers as L, params as P`: `layers` here is the NetSpec
 # layer factory (it forwards lower-case names to the caffepy.layers subpackage)
 from .net_spec import NetSpec, layers, params, to_proto  # noqa: F401,E402
+from .classifier import Classifier  # noqa: E402
+from .detector import Detector  # noqa: E402
+from . import coord_map, draw  # noqa: F401,E402  (pycaffe's caffe.coord_map, caffe.draw)
 
 __version__ = "0.1.0"
 
@@ -38,6 +40,11 @@ def set_device(device_id):
 
 def set_random_seed(seed):
     rng.seed(seed)
+
+
+def has_nccl():
+    """False: caffepy is a CPU build (multi-rank training goes through MPI)."""
+    return False
 
 
 def layer_type_list():

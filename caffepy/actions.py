@@ -10,7 +10,7 @@ import numpy as np
 
 from . import log
 from .errors import UsageError
-from .solvers.solver import fmt
+from .log import fmt
 
 
 class SignalHandler:
@@ -66,12 +66,14 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
 
     stall_timeout: seconds without progress on some rank before a multi-rank job is ended
     (None: the default, 0: never)."""
-    from . import prototxt
+    from . import upgrade
     from .solvers import Solver
 
     if weights and snapshot:
         raise UsageError("give --snapshot or --weights, not both: --snapshot resumes a run, "
                          "--weights starts a new one from trained weights")
+    if snapshot:
+        _check_snapshot(snapshot)
     mpi = _mpi_if_launched()
     if mpi is not None:
         from .parallel import watchdog
@@ -79,7 +81,7 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
             stall_timeout = watchdog.DEFAULT_TIMEOUT
         mpi.supervise()       # from here on this process is the rank (its parent reports its death)
         mpi.init_world(stall_timeout)   # before building nets: data layers pick their records by rank
-    param = prototxt.read_solver(solver)
+    param = upgrade.read_solver(solver)
     if snapshot:
         del param.weights[:]
     elif weights:
@@ -102,6 +104,21 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
     if mpi is not None:
         mpi.finish()
     return the_solver
+
+
+def _check_snapshot(path):
+    """Refuse weights given as a state to resume from: a NetParameter starts with its
+    name (field 1) or a layer (field 100), a SolverState with its iteration (field 1,
+    a number)."""
+    head = b""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError:
+        pass        # reading it later says what is wrong
+    if str(path).endswith(".caffemodel") or head[:1] == b"\x0a" or head == b"\xa2\x06":
+        raise UsageError(f"--snapshot: {path} holds weights (a .caffemodel), not a solver state; "
+                         f"resume from a .solverstate, or start from these weights with --weights {path}")
 
 
 def _mpi_if_launched():

@@ -4,11 +4,13 @@ Reshaping to a smaller or equal count reuses the buffers (as Caffe does), so a
 net that changes batch size does not reallocate. `diff` is allocated on first
 use: nets that only run forward never pay for it.
 """
+import sys
 import typing
 
 import numpy as np
 
-from .errors import ShapeError
+from . import memory
+from .errors import ShapeError, SizeError
 
 MAX_AXES = 32
 
@@ -37,18 +39,30 @@ class Blob:
         if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
             shape = shape[0]
         shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape) or len(shape) > MAX_AXES:
-            raise ShapeError(f"blob '{self.name}': invalid shape {shape}")
+        if len(shape) > MAX_AXES:
+            self._refuse(shape, f"blob '{self.name}' has {len(shape)} axes, more than the {MAX_AXES} "
+                         f"a blob can have")
         if shape == self._shape:
             return
-        self._shape = shape
-        count = int(np.prod(shape, dtype=np.int64))
+        count = memory.count(shape)
+        if any(s < 0 for s in shape):
+            self._refuse(shape, f"blob '{self.name}' has a negative dimension: {memory.dims_text(shape)}")
+        if count == 0 and memory.count(s for s in shape if s) > sys.maxsize // 4:
+            self._refuse(shape, f"blob '{self.name}' shape {memory.dims_text(shape)} is too large to address")
         if count > self._data_buf.size:
+            buffers = 2 if self._diff_buf is not None else 1
+            why = memory.problem(count * 4 * buffers, f"blob '{self.name}' ({memory.dims_text(shape)} floats)")
+            if why:
+                self._refuse(shape, why)
             self._data_buf = np.zeros(count, np.float32)
             if self._diff_buf is not None:
                 self._diff_buf = np.zeros(count, np.float32)
+        self._shape = shape
         self._data = self._data_buf[:count].reshape(shape)
         self._diff = None if self._diff_buf is None else self._diff_buf[:count].reshape(shape)
+
+    def _refuse(self, shape, problem):
+        raise SizeError(problem, blob=self.name, shape=shape)
 
     @property
     def shape(self):
@@ -85,6 +99,10 @@ class Blob:
     def diff(self):
         if self._diff is None:
             if self._diff_buf is None or self._diff_buf.size < self._data_buf.size:
+                why = memory.problem(self._data_buf.size * 4, f"the diff of blob '{self.name}' "
+                                     f"({memory.dims_text(self._shape)} floats)")
+                if why:
+                    self._refuse(self._shape, why)
                 self._diff_buf = np.zeros(self._data_buf.size, np.float32)
             self._diff = self._diff_buf[: self.count].reshape(self._shape)
         return self._diff

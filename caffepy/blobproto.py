@@ -11,7 +11,8 @@ import os
 
 import numpy as np
 
-from .errors import PrototxtError
+from . import memory
+from .errors import PrototxtError, quote
 from .proto import caffe_pb2
 
 # Wire tags (field_number << 3 | wire type 2 = length-delimited) of the
@@ -78,31 +79,39 @@ def array_to_blobproto(arr, diff=None, double=False, legacy_shape=False):
 
 def blob_shape(bp):
     """The shape a BlobProto declares: legacy num/channels/height/width if any
-    of them is set (as Caffe's Blob::FromProto decides), else `shape.dim`."""
+    of them is set (as Caffe's Blob::FromProto decides), else `shape.dim`; None
+    when it declares none (an old blob that is only a list of values)."""
     if bp.HasField("num") or bp.HasField("channels") or bp.HasField("height") or bp.HasField("width"):
         return (bp.num, bp.channels, bp.height, bp.width)
+    if not bp.HasField("shape"):
+        return None
     return tuple(bp.shape.dim)
 
 
-def blobproto_to_array(bp, return_diff=False, source=None):
-    """The values of a BlobProto as an array of its declared shape.
+def blobproto_to_array(bp, return_diff=False, source=None, where="blob"):
+    """The values of a BlobProto as an array of its declared shape (a flat array
+    when it declares none, as pycaffe returns it).
 
     Reads `data` (float32) or, when only doubles are stored, `double_data`
-    (float64); `return_diff` reads the diff fields instead.
+    (float64); `return_diff` reads the diff fields instead. Errors name
+    `source` (the file) and `where` (e.g. "layer 'fc' (InnerProduct): blobs[0]").
     """
     single, double = ("diff", "double_diff") if return_diff else ("data", "double_data")
     values = getattr(bp, single)
     dtype = np.float32
     if len(values) == 0 and len(getattr(bp, double)) > 0:
         values, dtype = getattr(bp, double), np.float64
-    arr = np.array(values, dtype=dtype)
     shape = blob_shape(bp)
-    count = int(np.prod(shape, dtype=np.int64))
-    if arr.size != count:
-        where = f"{source}: " if source else ""
-        raise PrototxtError(f"{where}blob: {single}: has {arr.size} values, its shape {list(shape)} "
-                            f"needs {count}")
-    return arr.reshape(shape)
+    prefix = f"{source}: {where}" if source else where
+    if shape is None:
+        return np.array(values, dtype=dtype)
+    if any(d < 0 for d in shape):
+        raise PrototxtError(f"{prefix}: shape: negative dimension, got {quote(list(shape))}")
+    count = memory.count(shape)     # exact: a product of int64 dims may overflow 64 bits
+    if len(values) != count:
+        raise PrototxtError(f"{prefix}: {single}: has {len(values)} values, its shape "
+                            f"{quote(list(shape))} needs {count}")
+    return np.array(values, dtype=dtype).reshape(shape)
 
 
 def read_blobproto(path):

@@ -1,18 +1,20 @@
 """The `caffepy` command: Caffe's subcommands and flags, argument handling and exit codes only.
 
 Caffe's gflags spellings work too: `-solver x` and `-solver=x` are read as
-`--solver x`, and boolean flags accept `-gray=true` / `-gray=false`.
+`--solver x`, and boolean flags accept `-gray=true` / `-gray=false`; `-help`,
+`help` and a bare `caffepy` print the usage.
 Known errors (CaffepyError) print one line and exit 1 (usage errors 2);
 anything else is a bug and keeps its traceback.
 """
 import re
-import sys
 
 import click
 
 from . import log
-from .errors import CaffepyError
+from .errors import CaffepyError, one_line
 
+_GPU_HELP = ("Caffe's GPU ids ('0', '0,1' or 'all'): accepted so Caffe's scripts run, and ignored "
+             "with a warning; caffepy runs on the CPU.")
 SIGNAL_EFFECTS = click.Choice(["stop", "snapshot", "none"])
 _FLAG = re.compile(r"^-{1,2}([A-Za-z][A-Za-z0-9_]*)(=(.*))?$")
 
@@ -41,7 +43,22 @@ def gflags_to_click(args, bool_flags):
     return out
 
 
+_HELP = {"-help", "--help", "help", "-h", "-helpfull", "--helpfull"}
+
+
 class CaffeGroup(click.Group):
+    def parse_args(self, ctx, args):
+        # gflags' -help, and `help [command]`; bare `caffepy` prints the usage and exits 0,
+        # as Caffe's main() returns 0 after ShowUsageWithFlags
+        if not args or args[0] in _HELP:
+            name = args[1] if args[:1] == ["help"] and len(args) > 1 else None
+            command = self.get_command(ctx, name) if name else None
+            if command is not None:
+                ctx = click.Context(command, info_name=name, parent=ctx)
+            click.echo(ctx.get_help(), color=ctx.color)
+            ctx.exit(0)
+        return super().parse_args(ctx, args)
+
     def resolve_command(self, ctx, args):
         cmd_name, cmd, rest = super().resolve_command(ctx, args)
         bool_flags = {o.name for o in cmd.params if isinstance(o, click.Option) and o.is_flag}
@@ -51,7 +68,7 @@ class CaffeGroup(click.Group):
         try:
             return super().invoke(ctx)
         except CaffepyError as e:
-            click.echo(f"caffepy: error: {log.rank_prefix()}{e}", err=True)
+            click.echo(f"caffepy: error: {log.rank_prefix()}{one_line(e)}", err=True)
             ctx.exit(e.exit_code)
 
 
@@ -61,12 +78,14 @@ def main():
     """caffepy: the Caffe command line, on CPUs, with MPI.
 
     \b
+    usage: caffepy <command> <args>   (caffepy <command> -help for its flags)
     commands like caffe's:
       train           train or fine-tune a model
       test            score a model
       time            benchmark model execution time
       device_query    show CPU and MPI details
     """
+    log.configure(program="caffepy", also_to_stderr=True)
 
 
 def _stages(values):
@@ -89,7 +108,7 @@ def _stages(values):
               metavar="SECONDS",
               help="Under MPI: when a rank makes no progress for this long (stopped, hung, its host "
                    "lost), end the job with a line naming it and where the others waited; 0: never.")
-@click.option("--gpu", hidden=True, help="Accepted for Caffe compatibility; caffepy runs on the CPU.")
+@click.option("--gpu", metavar="IDS", help=_GPU_HELP)
 def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, stall_timeout, gpu):
     """Train or fine-tune a model (mpirun -n N for several ranks)."""
     if weights and snapshot:
@@ -108,7 +127,7 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
               help="The number of iterations to run.")
 @click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
 @click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
-@click.option("--gpu", hidden=True)
+@click.option("--gpu", metavar="IDS", help=_GPU_HELP)
 def test(model, weights, iterations, level, stage, gpu):
     """Score a model: run the TEST phase and average its outputs."""
     _gpu_notice(gpu)
@@ -125,7 +144,7 @@ def test(model, weights, iterations, level, stage, gpu):
               show_default=True, help="Network phase.")
 @click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
 @click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
-@click.option("--gpu", hidden=True)
+@click.option("--gpu", metavar="IDS", help=_GPU_HELP)
 def time(model, weights, iterations, phase, level, stage, gpu):
     """Benchmark model execution time, layer by layer."""
     _gpu_notice(gpu)
@@ -180,9 +199,7 @@ def compute_image_mean(input_db, output_file, backend):
 @click.argument("output_file")
 def upgrade_net_proto_text(input_file, output_file):
     """Upgrade a V0/V1 net prototxt to the current format."""
-    from . import prototxt
-    if not prototxt.upgrade_net_file(input_file, output_file, binary=False):
-        raise click.exceptions.Exit(1)   # partially upgraded, as Caffe's tool reports
+    _upgrade_net(input_file, output_file, binary=False)
 
 
 @main.command("upgrade_net_proto_binary")
@@ -190,8 +207,12 @@ def upgrade_net_proto_text(input_file, output_file):
 @click.argument("output_file")
 def upgrade_net_proto_binary(input_file, output_file):
     """Upgrade a V0/V1 binary .caffemodel to the current format."""
-    from . import prototxt
-    if not prototxt.upgrade_net_file(input_file, output_file, binary=True):
+    _upgrade_net(input_file, output_file, binary=True)
+
+
+def _upgrade_net(input_file, output_file, binary):
+    from . import upgrade
+    if not upgrade.upgrade_net_file(input_file, output_file, binary=binary):
         raise click.exceptions.Exit(1)   # partially upgraded, as Caffe's tool reports
 
 
@@ -200,8 +221,8 @@ def upgrade_net_proto_binary(input_file, output_file):
 @click.argument("output_file")
 def upgrade_solver_proto_text(input_file, output_file):
     """Upgrade a solver prototxt (solver_type enum to type string)."""
-    from . import prototxt
-    prototxt.upgrade_solver_file(input_file, output_file)
+    from . import upgrade
+    upgrade.upgrade_solver_file(input_file, output_file)
 
 
 @main.command("parse_log")
@@ -223,6 +244,37 @@ def plot_log(logfile, output_png):
     logtools.plot_log(logfile, output_png)
 
 
+@main.command("export_onnx")
+@click.argument("net", metavar="NET.prototxt")
+@click.argument("weights", metavar="WEIGHTS.caffemodel")
+@click.argument("output", metavar="OUT.onnx")
+def export_onnx(net, weights, output):
+    """Export a TEST net and its weights to ONNX (needs the onnx extra; see the README for the
+    layer types mapped)."""
+    from . import onnx_export
+    onnx_export.export_files(net, weights, output)
+
+
+@main.command("draw_net")
+@click.argument("input_net_proto_file", metavar="NET_PROTOTXT")
+@click.argument("output_image_file", metavar="OUTPUT_FILE")
+@click.option("--rankdir", type=click.Choice(["LR", "TB", "BT", "RL"]), default="LR", show_default=True,
+              help="Layout direction: LR (left to right), TB (top to bottom), BT, RL.")
+@click.option("--phase", type=click.Choice(["TRAIN", "TEST", "ALL"], case_sensitive=False), default="ALL",
+              show_default=True, help="Draw the layers of this phase only; ALL draws every layer.")
+@click.option("--display_lrm/--no-display_lrm", default=False,
+              help="Show the learning rate multipliers of Convolution, Deconvolution and InnerProduct.")
+def draw_net(input_net_proto_file, output_image_file, rankdir, phase, display_lrm):
+    """Draw a net as a graph; the format comes from OUTPUT_FILE's extension (.png, .svg, .pdf
+    through Graphviz's dot; .raw for the DOT text)."""
+    from . import draw, upgrade
+    from .proto import caffe_pb2
+    net = upgrade.read_net(input_net_proto_file)
+    phases = {"TRAIN": caffe_pb2.TRAIN, "TEST": caffe_pb2.TEST, "ALL": None}
+    click.echo(f"Drawing net to {output_image_file}")
+    draw.draw_net_to_file(net, output_image_file, rankdir, phases[phase.upper()], display_lrm)
+
+
 @main.command("split_db")
 @click.argument("input_db")
 @click.argument("num_shards", type=click.IntRange(min=1))
@@ -234,8 +286,12 @@ def split_db(input_db, num_shards, output_prefix):
 
 
 def _gpu_notice(gpu):
-    if gpu is not None:
-        log.info("caffepy runs on the CPU; ignoring --gpu")
+    if gpu is None:
+        return
+    if gpu != "all" and not re.fullmatch(r"\d+(,\d+)*", gpu):
+        raise click.BadParameter(f"expected 'all' or comma-separated device ids, got '{gpu}'",
+                                 param_hint="--gpu")
+    log.warning(f"caffepy runs on the CPU; ignoring --gpu {gpu}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ The CLI prints `str(error)` on one line and exits 1 (usage errors 2); anything
 outside this family is a bug and keeps its traceback.
 Message shape: `<file>: layer '<name>' (<Type>): <field>: <problem>, got <value>[. <hint>]`.
 """
+from google.protobuf.message import Message
 
 
 class CaffepyError(Exception):
@@ -30,6 +31,23 @@ class ShapeError(LayerError):
     """Blob shapes that do not fit together."""
 
 
+class ArgumentTypeError(LayerError, TypeError):
+    """A NetSpec argument of the wrong type (a TypeError too, as pycaffe raises)."""
+
+
+class SizeError(ShapeError):
+    """A size that is negative, overflows, or needs more memory than there is.
+
+    Raised by a Blob (`blob` and `shape` set, no layer in the message yet: the
+    Net adds the layer and the field) or directly in the house shape.
+    """
+
+    def __init__(self, message, blob=None, shape=None):
+        super().__init__(message)
+        self.blob = blob
+        self.shape = shape
+
+
 class DataError(CaffepyError):
     """A database, image or record that cannot be used."""
 
@@ -42,14 +60,42 @@ class ParallelError(CaffepyError):
     """A problem in multi-rank training (names the rank)."""
 
 
-def layer_error(layer, field, problem, value=None, hint=None, cls=LayerError):
-    """Build the house-shaped message for a layer (a Layer or a LayerParameter)."""
-    param = getattr(layer, "param", layer)
-    where = f"layer '{param.name}' ({param.type})"
-    source = getattr(layer, "source", None)
+# An error line quotes at most this many characters of a value (a repeated
+# field of 100,000 entries would otherwise make a 600 KB line).
+QUOTE_LIMIT = 200
+
+
+def quote(value, limit=QUOTE_LIMIT):
+    """`value` as text for an error line: bytes decoded, what is not printable escaped
+    (a damaged record's key is any bytes), cut to `limit` characters."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        value = bytes(value).decode("utf-8", "backslashreplace")
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def one_line(message, limit=10 * QUOTE_LIMIT):
+    """A message as one line of at most about `limit` characters (head and tail kept)."""
+    text = " ".join(str(message).splitlines())
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 3 // 4, limit // 4
+    return f"{text[:head]} ... [{len(text) - head - tail} characters cut] ... {text[-tail:]}"
+
+
+def layer_error(layer, field, problem, value=None, hint=None, cls=LayerError, source=None):
+    """Build the house-shaped message for a layer (a Layer or a LayerParameter); `source`
+    names the file when it is not the layer's own (a weights file), or the layer has none."""
+    param = layer if isinstance(layer, Message) else layer.param
+    where = f"layer '{quote(param.name)}' ({quote(param.type)})"
+    source = source or getattr(layer, "source", None)
     msg = f"{source + ': ' if source else ''}{where}: {field}: {problem}"
     if value is not None:
-        msg += f", got {value}"
+        msg += f", got {quote(value)}"
     if hint:
         msg += f". {hint}"
     return cls(msg)

@@ -7,38 +7,144 @@ A layer has the pycaffe Python-layer shape:
     backward(top, propagate_down, bottom)   fill bottom diffs (overwrite) and
                                             param diffs (accumulate, as Caffe)
 Blob counts are declared as class data and checked once by `layer_setup`.
+
+Which implementation runs is the factory's decision, as in Caffe's layer_factory.cpp. A type
+may have several implementations, its variants, each registered with `@register(variant=...)`
+after the plain one (`@register`):
+    plain            the NCHW implementation, in caffepy/layers/<family>.py
+    blocked          on the SIMD-blocked layout between IntelPack and IntelUnpack (layers/intel.py)
+    blocked_via_nchw the plain layer run between an unpack and a pack (layers/intel.py)
+    model_parallel   InnerProduct split across ranks (caffepy/parallel/model_parallel.py)
+`create_layer` picks one from what a Request holds (the layer's parameters, its bottoms, the
+run context, the net's parameters): first the bottoms' layout (each implementation declares
+the one it takes in `Layer.layout`; blocked bottoms need a blocked variant or a
+layout-agnostic plain layer), then the first other variant whose `wanted(request)` says yes,
+else the plain one. A new implementation (an autotuned one, say) is a class with a `wanted`
+and a `@register(variant=...)`. The Net only asks; the layer keeps the run context it was
+built for in `layer.context`.
 """
+import difflib
+import typing
+
 import numpy as np
 
 from . import fillers
 from .blob import Blob
-from .errors import LayerError, ShapeError, layer_error
+from .context import SINGLE
+from .errors import CaffepyError, LayerError, ShapeError, layer_error, quote
 
-LAYERS = {}
+# The bottom layouts an implementation takes (Layer.layout)
+NCHW = "nchw"        # plain blobs only
+BLOCKED = "blocked"  # SIMD-blocked blobs only; the layer sets its tops' layout
+ANY = "any"          # either, all bottoms alike; the tops take the first bottom's layout
+OWN = "own"          # either; the layer checks and sets layouts itself (IntelPack / IntelUnpack)
+
+# Variant names (the registry's second key); the blocked variant is named after its layout
+PLAIN = "plain"
+VIA_NCHW = "blocked_via_nchw"
+MODEL_PARALLEL = "model_parallel"
+
+LAYERS = {}          # prototxt type -> {variant name: class}, the plain implementation first
 
 
-def register(cls):
-    """Class decorator: register `cls` under its class name (the prototxt type)."""
-    name = cls.__dict__.get("type") or cls.__name__
-    if name in LAYERS:
-        raise RuntimeError(f"layer type '{name}' registered twice")
-    cls.type = name
-    LAYERS[name] = cls
-    return cls
+def register(cls=None, *, variant=PLAIN):
+    """Class decorator: `@register` adds a type's plain implementation under its class name
+    (or its `type` attribute), `@register(variant=name)` another implementation of a type
+    registered before."""
+    def add(cls):
+        name = cls.__dict__.get("type") or cls.__name__
+        variants = LAYERS.get(name)
+        if variant == PLAIN and variants:
+            raise RuntimeError(f"layer type '{name}' registered twice")
+        if variant != PLAIN and not variants:
+            raise RuntimeError(f"layer type '{name}': variant '{variant}' registered before the "
+                               f"plain implementation")
+        if variant in (variants or {}):
+            raise RuntimeError(f"layer type '{name}': variant '{variant}' registered twice")
+        cls.type, cls.variant = name, variant
+        LAYERS.setdefault(name, {})[variant] = cls
+        return cls
+    return add if cls is None else add(cls)
 
 
-def create_layer(param, phase, source=None):
-    cls = LAYERS.get(param.type)
-    if cls is None:
+class Request(typing.NamedTuple):
+    """What the factory knows when it picks an implementation."""
+    param: object            # the LayerParameter
+    phase: int
+    source: str
+    bottoms: tuple           # the bottom Blobs (their `layout` decides blocked or not)
+    context: object          # the RunContext
+    net: object              # the NetParameter the layer belongs to (None outside a Net)
+
+
+def create_layer(param, phase, source=None, *, bottoms=(), context=SINGLE, net=None, variant=None):
+    """The implementation of `param.type` for these bottoms and this run, constructed, with
+    `layer.context` set. `variant` names one instead of choosing (tests, benchmarks)."""
+    cls = choose(Request(param, phase, source, tuple(bottoms), context, net), variant)
+    layer = cls(param, phase, source)
+    layer.context = context
+    return layer
+
+
+def choose(request, variant=None):
+    """The class `create_layer` builds for `request` (see the module docstring)."""
+    param, source = request.param, request.source
+    variants = LAYERS.get(param.type)
+    if variants is None:
         known = ", ".join(sorted(LAYERS))
-        raise layer_error(_Named(param, source), "type", f"unknown layer type '{param.type}'",
-                          hint=f"Known types: {known}")
-    return cls(param, phase, source)
+        lower = {t.lower(): t for t in LAYERS}
+        close = difflib.get_close_matches(param.type.lower(), lower, n=1)
+        guess = f"did you mean '{lower[close[0]]}'? " if close else ""
+        raise layer_error(param, "type", f"unknown layer type '{quote(param.type)}'",
+                          hint=f"{guess}Known types: {known}", source=source)
+    if variant is not None:
+        if variant not in variants:
+            raise layer_error(param, "type", f"{param.type} has no '{variant}' implementation",
+                              hint=f"Its variants: {', '.join(variants)}", source=source)
+        return variants[variant]
+    plain = variants[PLAIN]
+    layouts = [b.layout for b in request.bottoms]
+    if plain.layout == OWN or all(lay is None for lay in layouts):
+        pool = [cls for cls in variants.values() if cls.layout != BLOCKED]
+    else:
+        pool = _blocked_pool(request, variants, layouts)
+    for cls in pool:
+        if cls.variant != PLAIN and cls.wanted(request):
+            return cls
+    if plain in pool:
+        return plain
+    raise _no_blocked(request, layouts)
 
 
-class _Named:
-    def __init__(self, param, source):
-        self.param, self.source = param, source
+def _blocked_pool(request, variants, layouts):
+    """The implementations that take the (blocked) layout of `request`'s bottoms."""
+    param, source, bottoms = request.param, request.source, request.bottoms
+    if None in layouts:
+        raise layer_error(param, "bottom", "mixes blocked and plain (NCHW) blobs",
+                          ", ".join(f"'{b.name}'" for b in bottoms), source=source,
+                          hint="Put an IntelPack or IntelUnpack so all bottoms share one layout")
+    pool = [cls for cls in variants.values() if cls.layout == BLOCKED]
+    plain = variants[PLAIN]
+    if not pool and plain.layout == ANY:
+        if len(set(layouts)) > 1:
+            raise layer_error(param, "bottom", "blocked bottoms differ in channels or width",
+                              ", ".join(f"'{b.name}' {b.layout}" for b in bottoms), source=source)
+        return [plain]
+    if not pool:
+        raise _no_blocked(request, layouts)
+    return pool
+
+
+def _no_blocked(request, layouts):
+    param, bottoms = request.param, request.bottoms
+    named = ", ".join(f"'{b.name}'" for b in bottoms)
+    known = ", ".join(sorted(name for name, variants in LAYERS.items()
+                             if variants[PLAIN].layout == ANY
+                             or any(cls.layout == BLOCKED for cls in variants.values())))
+    return layer_error(param, "bottom", f"blob {named} is in the SIMD-blocked layout (between "
+                       f"IntelPack and IntelUnpack) and {param.type} has no blocked implementation",
+                       layouts[0], hint=f"Put an IntelUnpack before this layer; blocked types: {known}",
+                       source=request.source)
 
 
 class Layer:
@@ -51,20 +157,29 @@ class Layer:
     is_loss = False
     # False for layers with no gradient (data, Accuracy, ArgMax): no gradient test owed
     differentiable = True
-    # may sit between IntelPack and IntelUnpack (takes the SIMD-blocked layout)
-    accepts_blocked = False
+    # which implementation of its type this is, and the bottom layout it takes (see above)
+    variant = PLAIN
+    layout = NCHW
+
+    @classmethod
+    def wanted(cls, request):
+        """Whether the factory picks this variant for `request` (a Request) over the plain
+        implementation; asked only of variants that take the bottoms' layout."""
+        return True
 
     def __init__(self, param, phase=0, source=None):
         self.param = param
         self.phase = phase
         self.source = source
         self.name = param.name
+        self.context = SINGLE       # the run's RunContext; create_layer sets it
         self.blobs = []
         if len(param.blobs):
             from .blobproto import blobproto_to_array
-            for bp in param.blobs:
+            for i, bp in enumerate(param.blobs):
                 b = Blob(name=f"{self.name}.{len(self.blobs)}")
-                b.set_data(blobproto_to_array(bp))
+                b.set_data(blobproto_to_array(bp, source=source,
+                                              where=f"layer '{param.name}' ({param.type}): blobs[{i}]"))
                 self.blobs.append(b)
         # which param blobs want a gradient (lr_mult != 0); set by the Net
         self.param_propagate_down = []
@@ -105,7 +220,10 @@ class Layer:
             return
         for i, (shape, filler) in enumerate(specs):
             b = Blob(shape, name=f"{self.name}.{i}")
-            b.data[...] = fillers.fill(filler, shape)
+            try:
+                b.data[...] = fillers.fill(filler, shape)
+            except CaffepyError as e:
+                raise self.error(f"blobs[{i}] filler", str(e)) from None
             self.blobs.append(b)
 
     def check_blob_counts(self, bottom, top):
@@ -131,10 +249,14 @@ class Layer:
         return [1.0 if (self.is_loss and i == 0) else 0.0 for i in range(num_tops)]
 
     def layer_setup(self, bottom, top):
-        """What the Net calls once: count check, setup, first reshape."""
+        """What the Net calls once: count check, setup, first reshape; the tops of a
+        layout-agnostic layer take its bottoms' layout."""
         self.check_blob_counts(bottom, top)
         self.setup(bottom, top)
         self.reshape(bottom, top)
+        if self.layout == ANY and bottom and bottom[0].layout is not None:
+            for t in top:
+                t.layout = bottom[0].layout
 
     def __repr__(self):
         return f"<{self.type} layer '{self.name}'>"

@@ -8,6 +8,7 @@ Testing net" line above them.
 import collections
 import csv
 import datetime
+import io
 import math
 import os
 import re
@@ -116,13 +117,12 @@ def write_table(path, rows, delimiter=","):
     fields = list(rows[0].keys())
     for row in rows[1:]:
         fields.extend(k for k in row if k not in fields)
-    try:
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields, delimiter=delimiter, lineterminator="\n")
-            writer.writeheader()
-            writer.writerows(rows)
-    except OSError as e:
-        raise CaffepyError(f"{path}: cannot write: {e.strerror}") from None
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=fields, delimiter=delimiter, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    from .prototxt import atomic_write
+    atomic_write(path, text.getvalue().encode())
     return True
 
 
@@ -171,10 +171,13 @@ def plot_log(logfile, png):
     axes[2].grid(True, alpha=0.3)
     fig.suptitle(os.path.basename(logfile))
     fig.tight_layout()
+    image = io.BytesIO()
     try:
-        fig.savefig(png)
-    except OSError as e:
-        raise CaffepyError(f"{png}: cannot write: {e.strerror}") from None
+        fig.savefig(image, format=os.path.splitext(png)[1].lstrip(".").lower() or "png")
+    except ValueError as e:
+        raise CaffepyError(f"{png}: cannot write: {e}") from None
     finally:
         plt.close(fig)
+    from .prototxt import atomic_write
+    atomic_write(png, image.getvalue())
     return png

@@ -1,30 +1,89 @@
 """Net: a DAG of layers over named blobs, built from a NetParameter as Caffe does.
 
-Construction follows Caffe's Net::Init: filter layers by NetState, insert Split
-layers where one top feeds several bottoms (their backward sums the gradients),
+Construction follows Caffe's Net::Init: filter layers by NetState (net_state,
+filter_net: FilterNet and StateMeetsRule of net.cpp), insert Split layers where
+one top feeds several bottoms (their backward sums the gradients),
 wire in-place layers to the same Blob, decide which layers need backward, and
-share parameters by `param { name }`.
+share parameters by `param { name }`. Which implementation of each layer runs is the
+factory's choice (caffepy.layer.create_layer), from the layer's parameters, its bottoms
+and the run context the Net was given.
 
 The same class is the pycaffe-compatible Python API: `Net(prototxt, weights,
 caffe.TEST)`, `net.blobs`, `net.params`, `net.forward(**inputs)`, ...
 """
 import collections
 import os
+import types
 
 import numpy as np
 
 from . import layers as _layers  # noqa: F401  (registers every layer type)
-from . import log
+from . import log, memory, prototxt, upgrade
 from .blob import Blob
-from .errors import CaffepyError, LayerError, PrototxtError, ShapeError
-from .layer import create_layer
-from .layers import intel as _intel
+from .context import SINGLE
+from .errors import CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote
+from .layer import Request, choose, create_layer
 from .proto import caffe_pb2
 
 TRAIN = caffe_pb2.TRAIN
 TEST = caffe_pb2.TEST
 
 
+# -- NetState filtering (Caffe's Net::FilterNet / Net::StateMeetsRule) ---------
+def net_state(phase, level=0, stages=()):
+    """A NetState; `phase` is caffe_pb2.TRAIN / TEST or their names."""
+    if isinstance(phase, str):
+        try:
+            phase = caffe_pb2.Phase.Value(phase.upper())
+        except ValueError:
+            raise CaffepyError(f"phase: must be TRAIN or TEST, got {phase}") from None
+    state = caffe_pb2.NetState(phase=phase, level=int(level))
+    state.stage.extend(stages)
+    return state
+
+
+def state_meets_rule(state, rule):
+    """StateMeetsRule: every condition the rule sets must hold."""
+    if rule.HasField("phase") and rule.phase != state.phase:
+        return False
+    if rule.HasField("min_level") and state.level < rule.min_level:
+        return False
+    if rule.HasField("max_level") and state.level > rule.max_level:
+        return False
+    stages = set(state.stage)
+    if any(s not in stages for s in rule.stage):
+        return False
+    if any(s in stages for s in rule.not_stage):
+        return False
+    return True
+
+
+def layer_included(layer, state, source=None):
+    """Whether the layer takes part in a net of this state (FilterNet's rule)."""
+    if len(layer.include) and len(layer.exclude):
+        where = f"{source}: " if source else ""
+        raise PrototxtError(f"{where}layer '{layer.name}' ({layer.type}): include, exclude: both given; "
+                            f"specify either include rules or exclude rules, not both")
+    if len(layer.include):
+        return any(state_meets_rule(state, rule) for rule in layer.include)
+    return not any(state_meets_rule(state, rule) for rule in layer.exclude)
+
+
+def filter_net(net_param, state=None, source=None):
+    """A copy of `net_param` holding only the layers the NetState keeps
+    (FilterNet).  `state` defaults to the net's own `state`; the copy's
+    `state` is set to the one used."""
+    if state is None:
+        state = net_param.state
+    out = prototxt.copy_message(net_param, skip="layer")
+    out.state.CopyFrom(state)
+    for layer in net_param.layer:
+        if layer_included(layer, state, source):
+            out.layer.add().CopyFrom(layer)
+    return out
+
+
+# -- Split layers (Caffe's insert_splits.cpp) -----------------------------------
 def split_layer_name(layer_name, blob_name, top_index):
     return f"{blob_name}_{layer_name}_{top_index}_split"
 
@@ -33,7 +92,7 @@ def split_blob_name(layer_name, blob_name, top_index, split_index):
     return f"{split_layer_name(layer_name, blob_name, top_index)}_{split_index}"
 
 
-def insert_splits(param):
+def insert_splits(param, source=None):
     """Return a copy of `param` with Split layers wherever a top feeds several bottoms.
 
     A bottom always refers to the most recent layer that produced that name, so an
@@ -45,8 +104,8 @@ def insert_splits(param):
     for li, layer in enumerate(param.layer):
         for bi, name in enumerate(layer.bottom):
             if name not in last_producer:
-                raise LayerError(f"layer '{layer.name}' ({layer.type}): bottom: unknown blob '{name}'"
-                                 f" (bottom index {bi}); no earlier layer produces it")
+                raise layer_error(layer, "bottom", f"unknown blob '{quote(name)}' (bottom index {bi}); "
+                                  "no earlier layer produces it", source=source)
             consumers[last_producer[name]].append((li, bi))
         for ti, name in enumerate(layer.top):
             last_producer[name] = (li, ti)
@@ -87,11 +146,21 @@ def insert_splits(param):
     return out
 
 
+def _size_error(layer, error):
+    """A Blob's SizeError in the house shape: the layer, and the prototxt field that
+    asked for the size when one holds the offending dimension."""
+    if error.blob is None:
+        return error
+    field, value = memory.size_field(layer.param, error.shape or ())
+    return layer.error(field or "shape", str(error), value, cls=SizeError)
+
+
 class Net:
-    """A network. `Net(path_or_NetParameter, [weights], phase, level=0, stages=())`."""
+    """A network. `Net(path_or_NetParameter, [weights], phase, level=0, stages=())`;
+    `context` is the run's RunContext (caffepy.context; one process alone by default)."""
 
     def __init__(self, network=None, *args, phase=None, weights=None, level=0, stages=None, source=None,
-                 network_file=None):
+                 network_file=None, context=SINGLE):
         if network is None:
             network = network_file    # pycaffe's keyword: Net(network_file=..., phase=...)
         if network is None:
@@ -105,20 +174,19 @@ class Net:
             raise TypeError("Net(network, [weights], phase)")
         if phase is None:
             raise TypeError("Net needs a phase (caffe.TRAIN or caffe.TEST)")
-        from . import prototxt
-
         if isinstance(network, caffe_pb2.NetParameter):
             param = network
             self.source = source or param.name or "<net>"
         else:
             self.source = os.fspath(network)
-            param = prototxt.read_net(self.source)
+            param = upgrade.read_net(self.source)
         self.phase = phase
-        state = prototxt.net_state(phase, level, stages or [])
+        self.context = context
+        state = net_state(phase, level, stages or [])
         for s in param.state.stage:
             if s not in state.stage:
                 state.stage.append(s)
-        filtered = prototxt.filter_net(param, state, self.source)
+        filtered = filter_net(param, state, self.source)
         self._init(filtered)
         if weights:
             for path in str(weights).split(","):
@@ -128,7 +196,7 @@ class Net:
     def _init(self, param):
         self.name = param.name
         self.param = param
-        param = insert_splits(param)
+        param = insert_splits(param, self.source)
         self.blobs = collections.OrderedDict()
         self.layers = []
         self._layer_names = []
@@ -145,17 +213,17 @@ class Net:
 
         for li, lp in enumerate(param.layer):
             if lp.name in self._layer_names:
-                raise LayerError(f"{self.source}: layer '{lp.name}' ({lp.type}): name: duplicate layer name")
-            layer = create_layer(lp, self.phase, self.source)
+                raise layer_error(lp, "name", "duplicate layer name", source=self.source)
             bottoms, tops = [], []
             need_backward = False
             bottom_need = []
             if len(lp.propagate_down) not in (0, len(lp.bottom)):
-                raise layer.error("propagate_down", f"needs one value per bottom ({len(lp.bottom)})",
-                                  len(lp.propagate_down))
+                raise layer_error(lp, "propagate_down", f"needs one value per bottom ({len(lp.bottom)})",
+                                  len(lp.propagate_down), source=self.source)
             for bi, name in enumerate(lp.bottom):
                 if name not in available:
-                    raise layer.error("bottom", f"unknown blob '{name}' (bottom index {bi})")
+                    raise layer_error(lp, "bottom", f"unknown blob '{name}' (bottom index {bi})",
+                                      source=self.source)
                 del available[name]
                 bottoms.append(self.blobs[name])
                 need = blob_need_backward[name]
@@ -163,9 +231,8 @@ class Net:
                     need = need and bool(lp.propagate_down[bi])
                 bottom_need.append(need)
                 need_backward |= need
-            if any(b.layout is not None for b in bottoms):
-                # between IntelPack and IntelUnpack: the blocked implementation, or a LayerError
-                layer = _intel.blocked_version(layer, bottoms)
+            layer = create_layer(lp, self.phase, self.source, bottoms=bottoms, context=self.context,
+                                 net=self.param)
             for ti, name in enumerate(lp.top):
                 if name in lp.bottom:
                     blob = self.blobs[name]            # in place
@@ -178,11 +245,7 @@ class Net:
                     self.inputs.append(name)
                 available[name] = True
                 tops.append(blob)
-            try:
-                layer.layer_setup(bottoms, tops)
-            except (ValueError, IndexError) as e:
-                raise layer.error("setup", str(e), cls=ShapeError) from None
-            _intel.propagate_layout(layer, bottoms, tops)
+            self._setup_layer(layer, bottoms, tops)
             weights = layer.loss_weights(len(tops))
             for name, w in zip(lp.top, weights):
                 if w:
@@ -226,6 +289,39 @@ class Net:
         self.blob_loss_weights = collections.OrderedDict(
             (name, self.blob_loss_weights.get(name, 0.0)) for name in self.blobs)
         self._share_params(param)
+        self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
+
+    @staticmethod
+    def _setup_layer(layer, bottoms, tops):
+        try:
+            layer.layer_setup(bottoms, tops)
+        except SizeError as e:
+            raise _size_error(layer, e) from None
+        except (ValueError, IndexError) as e:
+            raise layer.error("setup", str(e), cls=ShapeError) from None
+        except MemoryError:
+            free = memory.available()
+            raise layer.error("setup", "out of memory while allocating its blobs", cls=SizeError,
+                              hint=f"{memory.human(free)} of memory available" if free else None) from None
+
+    def use_context(self, context):
+        """Run under `context` from now on: every layer gets it, and a layer whose
+        implementation the factory now chooses differently (the model-parallel InnerProduct
+        under a distributed context) is rebuilt over the same blobs, keeping its parameter
+        Blobs and what it learned. For a net built before its run context was known."""
+        self.context = context
+        for li, layer in enumerate(self.layers):
+            bottoms, tops = self.bottom_vecs[li], self.top_vecs[li]
+            cls = choose(Request(layer.param, self.phase, self.source, tuple(bottoms), context,
+                                 self.param))
+            if type(layer) is not cls:
+                fresh = create_layer(layer.param, self.phase, self.source, bottoms=bottoms,
+                                     context=context, net=self.param)
+                fresh.blobs = layer.blobs
+                fresh.param_propagate_down = layer.param_propagate_down
+                self._setup_layer(fresh, bottoms, tops)
+                self.layers[li] = fresh
+            self.layers[li].context = context
         self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
 
     def _prune_backward(self, param):
@@ -304,13 +400,18 @@ class Net:
         """Run layers start..end inclusive; return the weighted loss."""
         end = len(self.layers) - 1 if end is None else end
         loss = 0.0
-        for li in range(start, end + 1):
-            layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
-            layer.reshape(bottom, top)
-            layer.forward(bottom, top)
-            for w, blob in zip(self._top_loss_weights[li], top):
-                if w:
-                    loss += w * float(np.sum(blob.data, dtype=np.float64))
+        try:
+            for li in range(start, end + 1):
+                layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
+                layer.reshape(bottom, top)
+                layer.forward(bottom, top)
+                for w, blob in zip(self._top_loss_weights[li], top):
+                    if w:
+                        loss += w * float(np.sum(blob.data, dtype=np.float64))
+        except SizeError as e:
+            if e.blob is None:
+                raise
+            raise _size_error(self.layers[li], e) from None
         return loss
 
     def backward_from_to(self, start=None, end=0, on_layer_done=None):
@@ -374,6 +475,102 @@ class Net:
         outs.update(diffs or [])
         return {name: self.blobs[name].diff for name in outs}
 
+    def forward_all(self, blobs=None, **kwargs):
+        """pycaffe's forward_all: run `kwargs` (input name: N x ... array, any N) through the
+        net in batches of the net's batch size; return {output or `blobs` name: N x ... array}.
+        The last partial batch is padded with zeros and the padding trimmed from the outputs."""
+        names = list(dict.fromkeys(self.outputs + list(blobs or [])))
+        if not kwargs:
+            outs = self.forward(blobs=blobs)
+            return {name: outs[name].copy() for name in names}
+        num = self._batch_count(kwargs)
+        parts = {name: [] for name in names}
+        for batch in self._batch(kwargs):
+            outs = self.forward(blobs=blobs, **batch)
+            for name in names:
+                parts[name].append(outs[name].copy())
+        return {name: np.concatenate(parts[name])[:num] for name in names}
+
+    def forward_backward_all(self, blobs=None, diffs=None, **kwargs):
+        """pycaffe's forward_backward_all: `kwargs` holds inputs (for forward) and output diffs
+        (for backward), N items each, run in batches as forward_all. Returns ({output or `blobs`
+        name: array}, {input or `diffs` name: diff array}), padding trimmed."""
+        import itertools
+        out_names = list(dict.fromkeys(self.outputs + list(blobs or [])))
+        diff_names = list(dict.fromkeys(self.inputs + list(diffs or [])))
+        for name in kwargs:
+            if name not in self.inputs and name not in self.outputs:
+                raise CaffepyError(f"{self.source}: forward_backward_all: '{name}' is neither a net "
+                                   f"input ({', '.join(self.inputs) or 'none'}) nor an output "
+                                   f"({', '.join(self.outputs)})")
+        num = self._batch_count(kwargs) if kwargs else None
+        forward_batches = self._batch({k: v for k, v in kwargs.items() if k in self.inputs})
+        backward_batches = self._batch({k: v for k, v in kwargs.items() if k in self.outputs})
+        all_outs = {name: [] for name in out_names}
+        all_diffs = {name: [] for name in diff_names}
+        for fb, bb in itertools.zip_longest(forward_batches, backward_batches, fillvalue={}):
+            outs = self.forward(blobs=blobs, **fb)
+            grads = self.backward(diffs=diffs, **bb)
+            for name in out_names:
+                all_outs[name].append(outs[name].copy())
+            for name in diff_names:
+                all_diffs[name].append(grads[name].copy())
+        return ({name: np.concatenate(v)[:num] for name, v in all_outs.items()},
+                {name: np.concatenate(v)[:num] for name, v in all_diffs.items()})
+
+    def _batch_count(self, arrays):
+        """The common number of items of the arrays handed to forward_all."""
+        counts = {name: len(value) for name, value in arrays.items()}
+        if len(set(counts.values())) > 1:
+            raise ShapeError(f"{self.source}: the arrays hold different numbers of items: "
+                             + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        return next(iter(counts.values()))
+
+    def _batch(self, arrays):
+        """Yield {name: batch} slices of `arrays` in the net's batch size (the first blob's first
+        axis, as pycaffe), the last one padded with zeros to a full batch."""
+        if not arrays:
+            return
+        num = self._batch_count(arrays)
+        batch_size = next(iter(self.blobs.values())).shape[0]
+        arrays = {name: np.asarray(value) for name, value in arrays.items()}
+        for start in range(0, num - num % batch_size, batch_size):
+            yield {name: value[start:start + batch_size] for name, value in arrays.items()}
+        remainder = num % batch_size
+        if remainder:
+            yield {name: np.concatenate([value[num - remainder:],
+                                         np.zeros((batch_size - remainder,) + value.shape[1:], value.dtype)])
+                   for name, value in arrays.items()}
+
+    def share_with(self, other):
+        """Caffe's ShareTrainedLayersWith: every layer of `other` that this net also has (by
+        name) lends its parameter data to it; the two nets then see one set of weights."""
+        for name, source in other.layer_dict.items():
+            layer = self.layer_dict.get(name)
+            if layer is None:
+                log.info(f"Ignoring source layer {name}")
+                continue
+            if len(layer.blobs) != len(source.blobs):
+                raise ShapeError(f"{self.source}: layer '{name}' ({layer.type}): blobs: has "
+                                 f"{len(layer.blobs)} parameter blobs, the source net's layer has "
+                                 f"{len(source.blobs)}")
+            for i, (mine, theirs) in enumerate(zip(layer.blobs, source.blobs)):
+                if mine.shape != theirs.shape:
+                    raise ShapeError(f"{self.source}: layer '{name}' ({layer.type}): blobs[{i}]: cannot "
+                                     f"share weights of shape {theirs.shape_string()}, this net's "
+                                     f"are {mine.shape_string()}")
+                mine.share_data(theirs)
+
+    def save_hdf5(self, path, write_diff=False):
+        """Write the weights as Caffe's HDF5 (`data/<layer>/<i>`); needs h5py."""
+        from . import net_hdf5
+        net_hdf5.save(self, path, write_diff)
+
+    def load_hdf5(self, path):
+        """Load weights from Caffe's HDF5 layout by layer name; needs h5py."""
+        from . import net_hdf5
+        net_hdf5.load(self, path)
+
     def set_input_arrays(self, data, labels):
         """pycaffe: hand arrays to the net's first layer, which must be MemoryData
         (data N x C x H x W, labels N; N a multiple of its batch_size)."""
@@ -383,30 +580,51 @@ class Net:
 
     def copy_from(self, path):
         """Load weights from a .caffemodel by layer name (Caffe's CopyTrainedLayersFrom)."""
-        from . import prototxt
         if str(path).endswith((".h5", ".hdf5")):
             raise CaffepyError(f"{path}: HDF5 weights are not supported; use a binary .caffemodel")
-        source = prototxt.read_binary_net(path)
+        source = upgrade.read_binary_net(path)
         self.copy_from_param(source, path)
 
     def copy_from_param(self, source, path="<weights>"):
+        """Copy the blobs of `source`'s layers into the layers of the same name.
+
+        As Caffe, layers of the file missing from the net are ignored and layers of
+        the net missing from the file keep their initial values (fine-tuning renames
+        layers on purpose), with a warning naming them; but weights that fill no
+        layer at all are a mistake (a wrong or empty file) and are refused."""
         from .blobproto import blobproto_to_array
+        wanting = [name for name, layer in self.layer_dict.items() if layer.blobs]
+        loaded = set()
         for lp in source.layer:
             if lp.name not in self.layer_dict:
                 log.info(f"Ignoring source layer {lp.name}")
                 continue
             layer = self.layer_dict[lp.name]
             if len(lp.blobs) != len(layer.blobs):
-                raise ShapeError(f"{path}: layer '{lp.name}' ({layer.type}): has {len(lp.blobs)} "
-                                 f"parameter blobs, the net expects {len(layer.blobs)}")
+                raise layer_error(layer, "blobs", f"the file has {len(lp.blobs)} parameter blobs, "
+                                  f"the net expects {len(layer.blobs)}", source=path, cls=ShapeError)
+            if layer.blobs:
+                loaded.add(lp.name)
             for i, (bp, blob) in enumerate(zip(lp.blobs, layer.blobs)):
-                array = blobproto_to_array(bp)
+                array = blobproto_to_array(bp, source=path, where=f"layer '{lp.name}' ({layer.type}): "
+                                           f"blobs[{i}]")
                 if array.shape != blob.shape:
                     legacy = (not bp.HasField("shape")) and array.size == blob.count
                     if not legacy:
-                        raise ShapeError(f"{path}: layer '{lp.name}' ({layer.type}): blobs[{i}]: shape "
-                                         f"mismatch: file has {array.shape}, net has {blob.shape}")
+                        raise layer_error(layer, f"blobs[{i}]", f"shape mismatch: file has "
+                                          f"{array.shape}, net has {blob.shape}", source=path,
+                                          cls=ShapeError)
                 blob.data[...] = array.reshape(blob.shape)
+        missed = [name for name in wanting if name not in loaded]
+        if wanting and not loaded:
+            names = [lp.name for lp in source.layer if lp.blobs]
+            found = (f"its layers with weights are {quote(', '.join(names))}" if names
+                     else "it holds no layer with weights")
+            raise CaffepyError(f"{path}: no layer of the net got weights from this file: {found}; the "
+                               f"net's are {quote(', '.join(wanting))}. Is it the caffemodel of this net?")
+        if missed:
+            log.warning(f"{path}: no weights for layer(s) {quote(', '.join(missed))} of {self.source}; "
+                        f"they keep their initial values")
 
     def to_proto(self, write_diff=False):
         from .blobproto import array_to_blobproto
@@ -423,7 +641,6 @@ class Net:
         return out
 
     def save(self, path):
-        from . import prototxt
         prototxt.write_binary(self.to_proto(), path)
 
     @property

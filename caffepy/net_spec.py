@@ -27,7 +27,7 @@ import importlib
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from .errors import LayerError, layer_error
+from .errors import ArgumentTypeError, LayerError, layer_error
 from .proto import caffe_pb2
 
 # layer types whose parameters live in another type's sub-message
@@ -105,7 +105,12 @@ def assign(msg, name, value, where, path=None):
             _fill(getattr(msg, name), value, where, path)
         else:
             setattr(msg, name, _scalar(field, value, where, path))
-    except (TypeError, ValueError) as e:
+    except LayerError:
+        raise                 # from a nested field: already names it
+    except TypeError as e:
+        raise layer_error(where, path, f"cannot take this value ({e})", repr(value),
+                          cls=ArgumentTypeError) from None
+    except ValueError as e:
         raise layer_error(where, path, f"cannot take this value ({e})", repr(value)) from None
 
 
@@ -120,7 +125,8 @@ def _fill(msg, value, where, path):
         msg.CopyFrom(value)
         return
     if not isinstance(value, dict):
-        raise layer_error(where, path, f"needs a dict of {msg.DESCRIPTOR.name} fields", repr(value))
+        raise layer_error(where, path, f"needs a dict of {msg.DESCRIPTOR.name} fields", repr(value),
+                          cls=ArgumentTypeError)
     for key, item in value.items():
         assign(msg, key, item, where, f"{path}.{key}")
 
@@ -146,8 +152,11 @@ class Function:
         self.type_name = type_name
         for i, inp in enumerate(inputs):
             if not isinstance(inp, Top):
-                raise LayerError(f"NetSpec: layer of type '{type_name}': bottom {i}: must be a top "
-                                 f"made by another layer (L.<Type>(...)), got {inp!r}")
+                hint = ("; a layer with ntop > 1 returns a tuple of tops: pick one with [i]"
+                        if isinstance(inp, tuple) else "")
+                raise ArgumentTypeError(f"NetSpec: layer of type '{type_name}': bottom {i}: must be a top "
+                                        f"made by another layer (L.<Type>(...)), got {inp!r} (type is "
+                                        f"{type(inp)}){hint}")
         self.inputs = list(inputs)
         self.params = dict(params)
         self.ntop = self.params.pop("ntop", 1)

@@ -9,8 +9,8 @@ kernel are in caffepy/kernels/reference.py.
 Conventions (Caffe's):
 - im2col row index = (c * kh + i) * kw + j, column index = oy * ow + ox; out-of-image taps are 0.
 - conv / deconv weight diffs and bias diffs ACCUMULATE (+=); top and bottom diffs are OVERWRITTEN.
-- pooling output sizes use Caffe's ceil rule (see pool_output_shape); AVE divides by the window
-  clipped to the padded extent, MAX ignores the padding and records the argmax as h * W + w.
+- output sizes are the caller's (Caffe's rules: caffepy/geometry.py); AVE pooling divides by the
+  window clipped to the padded extent, MAX ignores the padding and records the argmax as h * W + w.
 """
 
 from cython.parallel cimport prange, threadid
@@ -21,45 +21,6 @@ from libc.stdint cimport int32_t
 from libc.string cimport memcpy, memset
 
 from blas cimport gemm
-
-
-# ---------------------------------------------------------------------------------------------
-# Shapes the layers need to allocate outputs (Caffe's formulas).
-
-def conv_output_shape(int H, int W, int kh, int kw, int pad_h, int pad_w,
-                      int stride_h, int stride_w, int dil_h=1, int dil_w=1):
-    """(out_h, out_w) of a convolution: (H + 2p - (d(k-1)+1)) // s + 1."""
-    return ((H + 2 * pad_h - (dil_h * (kh - 1) + 1)) // stride_h + 1,
-            (W + 2 * pad_w - (dil_w * (kw - 1) + 1)) // stride_w + 1)
-
-
-def deconv_output_shape(int H, int W, int kh, int kw, int pad_h, int pad_w,
-                        int stride_h, int stride_w, int dil_h=1, int dil_w=1):
-    """(out_h, out_w) of a deconvolution: s(H-1) + d(k-1)+1 - 2p (the inverse of conv)."""
-    return (stride_h * (H - 1) + dil_h * (kh - 1) + 1 - 2 * pad_h,
-            stride_w * (W - 1) + dil_w * (kw - 1) + 1 - 2 * pad_w)
-
-
-def pool_output_shape(int H, int W, int kh, int kw, int stride_h, int stride_w,
-                      int pad_h, int pad_w, bint ceil_mode=True):
-    """(out_h, out_w) of pooling with Caffe's rounding.
-
-    ceil((H + 2p - k) / s) + 1 (floor with ceil_mode=False, Caffe's round_mode FLOOR); with
-    padding, a last window that would start at or past H + p is dropped.
-    """
-    return (_pool_extent(H, kh, stride_h, pad_h, ceil_mode),
-            _pool_extent(W, kw, stride_w, pad_w, ceil_mode))
-
-
-cdef int _pool_extent(int size, int k, int s, int p, bint ceil_mode) except -1:
-    cdef int span = size + 2 * p - k
-    cdef int out
-    if k < 1 or s < 1 or p < 0 or span < 0:
-        raise ValueError(f"pooling kernel {k} (stride {s}, pad {p}) does not fit size {size}")
-    out = (span + s - 1) // s + 1 if ceil_mode else span // s + 1
-    if p > 0 and (out - 1) * s >= size + p:
-        out -= 1
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,7 +510,7 @@ def deconv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] w
     """top[N, Co, Ho, Wo] = deconv(bottom[N, Ci, H, W], weight[Ci, Co/group, kh, kw]) + bias[Co].
 
     Caffe's Deconvolution: the data-gradient of the convolution from top to bottom with the
-    same weight and geometry; Ho = deconv_output_shape(H, ...). top is overwritten.
+    same weight and geometry; Ho = geometry.deconv_output_shape(H, ...). top is overwritten.
     """
     cdef Geom g = _conv_geom(_s4(top.shape), _s4(bottom.shape),
                              _s4(weight.shape), pad_h, pad_w, stride_h, stride_w,

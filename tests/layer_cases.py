@@ -4,16 +4,22 @@ the gradient check comes free.
     Case("ReLU", "relu_param { negative_slope: 0.1 }", [randn(2, 3, 4, 5)],
          expected=lambda x: [np.where(x > 0, x, 0.1 * x)], kink=0.0)
 
+A case exercises one implementation (variant, caffepy/layer.py) of its type: the plain one by
+default; `layout="blocked"` packs the bottoms (NCHW arrays) into the SIMD-blocked layout and
+lets the factory choose (the case says which `variant` it expects, "blocked" unless given);
+`variant=` alone asks the factory for that variant by name, under `context` (a RunContext, or
+a function returning one). Forward references stay NCHW: blocked tops are unpacked first.
 Each tests/layers/test_<family>.py defines CASES and calls `case_tests(CASES)`;
-tests/test_registry.py checks every differentiable layer type has a gradient case.
+tests/test_registry.py checks every variant of every differentiable type has a gradient case.
 """
 import numpy as np
 import pytest
 from google.protobuf import text_format
 
 from caffepy import rng
-from caffepy.blob import Blob
-from caffepy.layer import create_layer
+from caffepy.blob import Blob, Blocked
+from caffepy.context import SINGLE
+from caffepy.layer import BLOCKED, PLAIN, create_layer
 from caffepy.proto import caffe_pb2
 from gradient_checker import check_gradient
 
@@ -24,42 +30,121 @@ def randn(*shape, seed=0, scale=1.0):
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
-def make_layer(type_, params="", phase=TRAIN, name="layer", n_bottom=1, n_top=1):
+def distinct(*shape, seed=0):
+    # a permutation: no ties, so MAX pooling's argmax is stable under the checker's steps
+    n = int(np.prod(shape))
+    return (np.random.default_rng(seed).permutation(n).reshape(shape) * 0.05).astype(np.float32)
+
+
+def pool_expected(kind, k, s, p, global_pooling=False, floor=False, include_pad=True):
+    """A loop over Caffe's pooling windows (for the plain and blocked Pooling cases); AVE divides
+    by the window clipped to the padded image, or to the image without include_pad."""
+    def expected(x):
+        n, c, h, w = x.shape
+        kh, kw = (h, w) if global_pooling else k
+        def extent(size, kk, ss, pp):
+            span = size + 2 * pp - kk
+            out = (span // ss if floor else -(-span // ss)) + 1
+            if pp and (out - 1) * ss >= size + pp:
+                out -= 1
+            return out
+        oh, ow = extent(h, kh, s[0], p[0]), extent(w, kw, s[1], p[1])
+        out = np.zeros((n, c, oh, ow))
+        for y in range(oh):
+            for xx in range(ow):
+                y0, x0 = y * s[0] - p[0], xx * s[1] - p[1]
+                y1, x1 = min(y0 + kh, h + p[0]), min(x0 + kw, w + p[1])
+                win = x[:, :, max(y0, 0):min(y1, h), max(x0, 0):min(x1, w)]
+                size = (y1 - y0) * (x1 - x0) if include_pad else win.shape[2] * win.shape[3]
+                out[:, :, y, xx] = win.max(axis=(2, 3)) if kind == "MAX" else win.sum(axis=(2, 3)) / size
+        return [out]
+    return expected
+
+
+def ref_pack(x, width):
+    """[N, C, H, W] -> [N, ceil(C/V), H, W, V], zero lanes past C."""
+    n, c, h, w = x.shape
+    cb = -(-c // width)
+    padded = np.zeros((n, cb * width, h, w), x.dtype)
+    padded[:, :c] = x
+    return np.ascontiguousarray(padded.reshape(n, cb, width, h, w).transpose(0, 1, 3, 4, 2))
+
+
+def ref_unpack(y, channels):
+    n, cb, h, w, v = y.shape
+    return y.transpose(0, 1, 4, 2, 3).reshape(n, cb * v, h, w)[:, :channels]
+
+
+def blocked_blob(x, width, name="b"):
+    b = Blob(name=name)
+    b.set_data(ref_pack(np.asarray(x, np.float32), width))
+    b.layout = Blocked(width, x.shape[1])
+    return b
+
+
+def layer_param(type_, params="", name="layer", n_bottom=1, n_top=1):
     lp = caffe_pb2.LayerParameter()
     text_format.Parse(params, lp)
     lp.name, lp.type = name, type_
     lp.bottom.extend(f"b{i}" for i in range(n_bottom))
     lp.top.extend(f"t{i}" for i in range(n_top))
-    return create_layer(lp, phase)
+    return lp
 
 
-def setup_layer(type_, params, bottoms, phase=TRAIN, n_top=1, seed=1701):
-    """Create a layer over copies of `bottoms` (arrays); return (layer, bottom, top)."""
+def make_layer(type_, params="", phase=TRAIN, name="layer", n_bottom=1, n_top=1, bottoms=(),
+               context=SINGLE, variant=None):
+    lp = layer_param(type_, params, name, n_bottom, n_top)
+    return create_layer(lp, phase, bottoms=bottoms, context=context, variant=variant)
+
+
+def setup_layer(type_, params, bottoms, phase=TRAIN, n_top=1, seed=1701, layout=None,
+                context=SINGLE, variant=None):
+    """Create a layer over copies of `bottoms` (arrays; packed with layout="blocked") through
+    the factory; return (layer, bottom, top)."""
     rng.seed(seed)
-    layer = make_layer(type_, params, phase, n_bottom=len(bottoms), n_top=n_top)
     bottom = []
     for i, a in enumerate(bottoms):
-        b = Blob(name=f"b{i}")
-        b.set_data(a)
-        bottom.append(b)
+        if layout == BLOCKED:
+            from caffepy.layers.intel import block_width
+            bottom.append(blocked_blob(a, block_width(), f"b{i}"))
+        else:
+            b = Blob(name=f"b{i}")
+            b.set_data(a)
+            bottom.append(b)
+    layer = make_layer(type_, params, phase, n_bottom=len(bottoms), n_top=n_top, bottoms=bottom,
+                       context=context, variant=variant)
     top = [Blob(name=f"t{i}") for i in range(n_top)]
     layer.layer_setup(bottom, top)
     return layer, bottom, top
 
 
+def _nchw(blob):
+    return blob.data if blob.layout is None else ref_unpack(blob.data, blob.layout.channels)
+
+
 class Case:
     def __init__(self, type_, params="", bottoms=(), expected=None, phase=TRAIN, n_top=1,
                  check_bottom=None, check_params=True, grad=True, eps=1e-2, threshold=1e-3,
-                 kink=None, kink_range=-1.0, init=None, atol=1e-5, rtol=1e-4, id=None, max_checks=150):
+                 kink=None, kink_range=-1.0, init=None, atol=1e-5, rtol=1e-4, id=None, max_checks=150,
+                 layout=None, variant=None, context=None):
         self.type, self.params, self.bottoms = type_, params, [np.asarray(b) for b in bottoms]
         self.expected, self.phase, self.n_top = expected, phase, n_top
         self.check_bottom, self.check_params, self.grad = check_bottom, check_params, grad
         self.eps, self.threshold, self.kink, self.kink_range = eps, threshold, kink, kink_range
         self.init, self.atol, self.rtol, self.max_checks = init, atol, rtol, max_checks
-        self.id = id or f"{type_}:{params.strip()[:40]}"
+        self.layout, self.context = layout, context
+        self.variant = variant or (BLOCKED if layout == BLOCKED else PLAIN)
+        tag = "" if self.variant == PLAIN else f"[{self.variant}]"
+        self.id = id or f"{type_}{tag}:{params.strip()[:40]}"
 
     def build(self):
-        layer, bottom, top = setup_layer(self.type, self.params, self.bottoms, self.phase, self.n_top)
+        context = self.context() if callable(self.context) else (self.context or SINGLE)
+        # a variant the layout does not decide is asked for by name
+        forced = self.variant if self.layout is None and self.variant != PLAIN else None
+        layer, bottom, top = setup_layer(self.type, self.params, self.bottoms, self.phase, self.n_top,
+                                         layout=self.layout, context=context, variant=forced)
+        assert layer.variant == self.variant, \
+            f"{self.id}: the factory chose the {layer.variant} variant, the case is for {self.variant}"
         if self.init:
             self.init(layer)
         return layer, bottom, top
@@ -75,8 +160,9 @@ class Case:
         assert len(want) == len(top), f"{self.id}: expected {len(want)} tops, layer made {len(top)}"
         for i, (t, w) in enumerate(zip(top, want)):
             w = np.asarray(w)
-            assert t.shape == w.shape, f"{self.id}: top[{i}] shape {t.shape} != expected {w.shape}"
-            np.testing.assert_allclose(t.data, w, rtol=self.rtol, atol=self.atol,
+            got = _nchw(t) if self.layout == BLOCKED else t.data
+            assert got.shape == w.shape, f"{self.id}: top[{i}] shape {got.shape} != expected {w.shape}"
+            np.testing.assert_allclose(got, w, rtol=self.rtol, atol=self.atol,
                                        err_msg=f"{self.id}: top[{i}]")
 
     def check_gradient(self):
@@ -84,10 +170,26 @@ class Case:
             pytest.skip("no gradient for this case")
         layer, bottom, top = self.build()
         check_gradient(layer, bottom, top, self.check_bottom, self.check_params, self.eps,
-                       self.threshold, self.kink, self.kink_range, max_checks=self.max_checks)
+                       self.threshold, self.kink, self.kink_range, max_checks=self.max_checks,
+                       top_weights=_lane_weights(top))
 
     def __repr__(self):
         return self.id
+
+
+def _lane_weights(top):
+    """For blocked tops: the checker's random top weights, zero in the padding lanes (no layer
+    writes them, and the kernels' backward may route their diffs as if they were real)."""
+    if all(t.layout is None for t in top):
+        return None
+    gen = np.random.default_rng(1701)
+    weights = []
+    for t in top:
+        w = gen.standard_normal(t.shape)
+        if t.layout is not None:
+            w *= ref_pack(np.ones((1, t.layout.channels, 1, 1)), t.layout.width)
+        weights.append(w)
+    return weights
 
 
 def _takes_layer(fn):

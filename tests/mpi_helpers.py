@@ -89,9 +89,9 @@ def train(job, ranks=1, args=(), timeout=240, env=None):
 
 
 def weights(path):
-    from caffepy import prototxt
+    from caffepy import upgrade
     from caffepy.blobproto import blobproto_to_array
-    net = prototxt.read_binary_net(str(path))
+    net = upgrade.read_binary_net(str(path))
     return {f"{lp.name}.{i}": blobproto_to_array(bp) for lp in net.layer for i, bp in enumerate(lp.blobs)}
 
 

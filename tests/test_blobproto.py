@@ -10,6 +10,8 @@ from caffepy.blobproto import (array_to_blobproto, blob_shape, blobproto_to_arra
 from caffepy.errors import CaffepyError, PrototxtError
 from caffepy.proto import caffe_pb2
 from caffepy import prototxt as P
+from caffepy.solvers.snapshot import write_solver_state
+from caffepy.upgrade import read_binary_net
 
 
 def test_round_trip_with_shape_and_diff():
@@ -44,6 +46,25 @@ def test_legacy_four_axis_form():
     # Legacy fields win over `shape`, as in Caffe's Blob::FromProto.
     bp.shape.dim.extend([12])
     assert blob_shape(bp) == (2, 1, 2, 3)
+
+
+def test_a_blob_with_no_shape_at_all_is_a_flat_array():
+    # old blobs that are only a list of values (no num/channels/height/width, no shape)
+    bp = caffe_pb2.BlobProto()
+    bp.data.extend([1, 2, 3, 4, 5])
+    assert blob_shape(bp) is None
+    arr = blobproto_to_array(bp)
+    assert arr.shape == (5,) and arr.dtype == np.float32
+    np.testing.assert_array_equal(arr, [1, 2, 3, 4, 5])
+    bp.diff.extend([-1, -2, -3, -4, -5])
+    np.testing.assert_array_equal(blobproto_to_array(bp, return_diff=True), [-1, -2, -3, -4, -5])
+    assert blobproto_to_array(caffe_pb2.BlobProto()).shape == (0,)
+    # one legacy dimension set makes it 4-D (the unset ones are 0, as Caffe reads them)
+    bp.channels = 5
+    with pytest.raises(PrototxtError, match=r"has 5 values, its shape \[0, 5, 0, 0\] needs 0"):
+        blobproto_to_array(bp)
+    bp.num, bp.height, bp.width = 1, 1, 1
+    assert blobproto_to_array(bp).shape == (1, 5, 1, 1)
 
 
 def test_legacy_shape_writer_pads_leading_axes():
@@ -113,12 +134,12 @@ def test_two_gib_guard_refuses_before_writing(tmp_path):
         P.write_binary(net, path, limit=P.payload_bytes(net))
     assert not os.listdir(tmp_path)
     P.write_binary(net, path, limit=5000)
-    assert P.read_binary_net(path) == net
+    assert read_binary_net(path) == net
 
 
 def test_solver_state_guard(tmp_path):
     state = caffe_pb2.SolverState(iter=1)
     state.history.append(array_to_blobproto(np.ones(100, np.float32)))
     with pytest.raises(CaffepyError, match="SolverState needs"):
-        P.write_solver_state(state, tmp_path / "s.solverstate", limit=100)
+        write_solver_state(state, tmp_path / "s.solverstate", limit=100)
     assert not os.listdir(tmp_path)

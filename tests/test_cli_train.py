@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from caffepy import log, logtools, prototxt
+from caffepy import log, logtools, prototxt, upgrade
 from caffepy.blobproto import blobproto_to_array
 from caffepy.cli import main
+from caffepy.solvers import snapshot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFERENCE_MODELS = os.path.join(os.path.dirname(REPO), "shared", "reference-models")
@@ -60,7 +61,7 @@ def caffepy(*args):
 
 
 def arrays(path):
-    net = prototxt.read_binary_net(path)
+    net = upgrade.read_binary_net(path)
     return [blobproto_to_array(b) for layer in net.layer for b in layer.blobs]
 
 
@@ -215,7 +216,7 @@ def test_sigint_with_snapshot_saves_and_exits_cleanly(tiny):
     assert "Optimization stopped early." in log_text
     states = [p for p in os.listdir(tiny) if p.endswith(".solverstate")]
     assert len(states) == 1
-    state = prototxt.read_solver_state(tiny / states[0])
+    state = snapshot.read_solver_state(tiny / states[0])
     assert state.iter > 0 and os.path.exists(tiny / state.learned_net)
 
 
@@ -243,8 +244,8 @@ def _dummy_data(net, batch):
 @pytest.mark.parametrize("name", ["mnist__lenet", "cifar10__cifar10_quick"])
 def test_reference_solver_runs_and_its_log_parses(tmp_path, monkeypatch, loud, name):
     monkeypatch.chdir(tmp_path)
-    solver = prototxt.read_solver(os.path.join(REFERENCE_MODELS, "bvlc", f"{name}_solver.prototxt"))
-    net = prototxt.read_net(os.path.join(REFERENCE_MODELS, "bvlc", f"{name}_train_test.prototxt"))
+    solver = upgrade.read_solver(os.path.join(REFERENCE_MODELS, "bvlc", f"{name}_solver.prototxt"))
+    net = upgrade.read_net(os.path.join(REFERENCE_MODELS, "bvlc", f"{name}_train_test.prototxt"))
     prototxt.write_text(_dummy_data(net, 8), "net.prototxt")
     solver.net = "net.prototxt"
     solver.max_iter, solver.display, solver.test_interval = 4, 1, 2

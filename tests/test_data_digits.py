@@ -30,9 +30,9 @@ def test_split_is_complete_disjoint_and_stratified():
 
 
 def test_test_iterations_cover_the_test_split_once():
-    from caffepy import prototxt
-    net = prototxt.read_net(os.path.join(DIGITS, "lenet_train_test.prototxt"))
-    solver = prototxt.read_solver(os.path.join(DIGITS, "lenet_solver.prototxt"))
+    from caffepy import upgrade
+    net = upgrade.read_net(os.path.join(DIGITS, "lenet_train_test.prototxt"))
+    solver = upgrade.read_solver(os.path.join(DIGITS, "lenet_solver.prototxt"))
     test_batch = [lp.data_param.batch_size for lp in net.layer
                   if lp.type == "Data" and lp.include and lp.include[0].phase == 1][0]
     assert solver.test_iter[0] * test_batch == 296

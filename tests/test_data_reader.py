@@ -1,6 +1,7 @@
 """The Data layer's reader and prefetcher: every record once per epoch, shuffle,
 shared-DB interleave and split-DB shards across ranks, errors from the prefetch thread."""
 import contextlib
+import os
 import threading
 
 import numpy as np
@@ -227,3 +228,45 @@ def test_writer_grows_the_map_and_reader_refuses_non_databases(tmp_path, monkeyp
     (tmp_path / "file").write_text("x")
     with pytest.raises(DataError, match="file: not an LMDB database"):
         Reader(tmp_path / "file")
+
+
+def test_writer_builds_under_a_temporary_name_and_leaves_nothing_on_failure(tmp_path):
+    from caffepy.data import db as dbmod
+    with dbmod.Writer(tmp_path / "db") as w:
+        w.put("a", b"1")
+        w.commit()
+        assert not (tmp_path / "db").exists()          # only the temporary directory so far
+        assert [p.name.startswith(".db.") for p in tmp_path.iterdir()] == [True]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["db"]
+    assert Reader(tmp_path / "db").get(0) == (b"a", b"1")
+    with pytest.raises(RuntimeError):
+        with dbmod.Writer(tmp_path / "db2") as w:
+            w.put("a", b"1")
+            raise RuntimeError("the tool failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["db"]
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: d[: len(d) // 2], r"data.mdb: damaged LMDB: truncated to \d+ bytes; its header says the data "
+                                 r"reaches \d+ bytes"),
+    (lambda d: d[:-4096], r"damaged LMDB: truncated"),
+    (lambda d: bytes(len(d)), r"damaged LMDB: its header page is all zero bytes"),
+    (lambda d: b"x" * len(d), r"data.mdb: not an LMDB file"),
+    (lambda d: b"", r"damaged LMDB: the file is empty"),
+])
+def test_reader_checks_the_file_against_its_header_before_mapping_it(tmp_path, damage, message):
+    db = make_db(tmp_path / "db", 24, shape=(3, 32, 32))
+    data = tmp_path / "db" / "data.mdb"
+    data.write_bytes(damage(data.read_bytes()))
+    with pytest.raises(DataError, match=message):
+        Reader(db)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
+def test_reader_backs_the_map_past_the_file_with_zero_pages(tmp_path):
+    # what keeps a damaged node from faulting (the corpus runs such files through the CLI)
+    db = make_db(tmp_path / "db", 24, shape=(3, 32, 32))
+    r = Reader(db)
+    assert r._entry.shielded
+    assert len(list(r)) == 24 and r.get(23)[0] == b"00000023"
+    r.close()

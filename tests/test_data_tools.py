@@ -157,3 +157,28 @@ def test_cli_convert_and_mean(images):
     assert res.exit_code == 1
     assert res.output.strip().splitlines()[-1].startswith("caffepy: error: ")
     assert "missing_db: no such database" in res.output
+
+
+def test_failed_convert_leaves_nothing_and_the_rerun_succeeds(images):
+    tmp, arrays = images
+    cv2.imwrite(str(tmp / "img" / "big.png"), np.zeros((9, 9, 3), np.uint8))
+    (tmp / "mixed.txt").write_text("sub/a0.png 0\nsub/a1.png 1\nbig.png 1\n")
+    before = sorted(os.listdir(tmp))
+    with pytest.raises(DataError, match="differs from the first image's"):
+        tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "mixed.txt"), str(tmp / "db"),
+                               check_size=True)
+    assert sorted(os.listdir(tmp)) == before          # neither db nor a temporary directory
+    assert tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "mixed.txt"), str(tmp / "db")) == 3
+    assert len(read_plain(tmp / "db")) == 3
+    assert sorted(os.listdir(tmp)) == sorted(before + ["db"])
+
+
+def test_split_db_failure_leaves_no_shard(tmp_path):
+    from caffepy.parallel.split_db import split_db
+    from data_helpers import make_db
+    db = make_db(tmp_path / "db", 30, shape=(3, 32, 32))
+    data = tmp_path / "db" / "data.mdb"
+    data.write_bytes(data.read_bytes()[:-4096])
+    with pytest.raises(DataError, match=r"data.mdb: damaged LMDB: truncated"):
+        split_db(db, 3, str(tmp_path / "part"))
+    assert sorted(os.listdir(tmp_path)) == ["db"]

@@ -214,9 +214,9 @@ def test_intel_alexnet_models_match_bvlc_alexnet():
     assert shapes["conv2"] == [(256, 48, 5, 5), (256,)]
     assert shapes["fc6"] == [(4096, 9216), (4096,)]
     assert deploy.blobs["prob"].shape == (10, 1000)
-    from caffepy import prototxt
-    solver = prototxt.read_solver(os.path.join(MODELS, "solver.prototxt"))
-    val = prototxt.read_net(os.path.join(MODELS, "train_val.prototxt"))
+    from caffepy import upgrade
+    solver = upgrade.read_solver(os.path.join(MODELS, "solver.prototxt"))
+    val = upgrade.read_net(os.path.join(MODELS, "train_val.prototxt"))
     val_batch = [lp.data_param.batch_size for lp in val.layer
                  if lp.type == "Data" and lp.include[0].phase == caffe_pb2.TEST]
     assert solver.test_iter == [200] and val_batch == [256]
@@ -224,9 +224,9 @@ def test_intel_alexnet_models_match_bvlc_alexnet():
 
 def _alexnet_train(blocked, batch=2):
     """models/intel_alexnet's TRAIN net on random DummyData; without Pack / Unpack if not blocked."""
-    from caffepy import prototxt
-    param = prototxt.filter_net(prototxt.read_net(os.path.join(MODELS, "train_val.prototxt")),
-                                prototxt.net_state(TRAIN, 0, []))
+    from caffepy import upgrade
+    from caffepy.net import filter_net, net_state
+    param = filter_net(upgrade.read_net(os.path.join(MODELS, "train_val.prototxt")), net_state(TRAIN, 0, []))
     data = param.layer[0]
     assert data.type == "Data"
     data.Clear()

@@ -6,6 +6,7 @@ NaN, so a kernel that reads what it should overwrite (or skips an element) fails
 import numpy as np
 import pytest
 
+from caffepy import geometry
 from caffepy.kernels import reference as ref
 from caffepy.kernels import vision
 
@@ -49,7 +50,7 @@ IM2COL_CASES = [
 @pytest.mark.parametrize("case", IM2COL_CASES)
 def test_im2col_col2im(case):
     C, H, W, kh, kw, pad, stride, dil = case
-    oh, ow = vision.conv_output_shape(H, W, kh, kw, *pad, *stride, *dil)
+    oh, ow = geometry.conv_output_shape(H, W, kh, kw, *pad, *stride, *dil)
     assert (oh, ow) == (ref.conv_out_size(H, kh, pad[0], stride[0], dil[0]),
                         ref.conv_out_size(W, kw, pad[1], stride[1], dil[1]))
     im = rand(C, H, W)
@@ -96,7 +97,7 @@ CONV_CASES = [
 
 def _conv_buffers(case, full_workspace):
     N, C, H, W, O, kh, kw, pad, stride, dil, group = case
-    oh, ow = vision.conv_output_shape(H, W, kh, kw, *pad, *stride, *dil)
+    oh, ow = geometry.conv_output_shape(H, W, kh, kw, *pad, *stride, *dil)
     wcount = O * (C // group) * kh * kw
     if full_workspace:
         ws = vision.conv_workspace_size(C, kh, kw, oh, ow, wcount)
@@ -111,12 +112,12 @@ def test_conv(case, full_workspace, threading):
     N, C, H, W, O, kh, kw, pad, stride, dil, group = case
     oh, ow, col = _conv_buffers(case, full_workspace)
     bottom, weight, bias = rand(N, C, H, W), rand(O, C // group, kh, kw), rand(O)
-    geometry = (*pad, *stride, *dil, group)
+    conv_args = (*pad, *stride, *dil, group)
 
     top = nans(N, O, oh, ow)
-    vision.conv_forward(bottom, weight, bias, top, col, *geometry)
+    vision.conv_forward(bottom, weight, bias, top, col, *conv_args)
     close(top, ref.conv_forward(bottom, weight, bias, pad, stride, dil, group))
-    vision.conv_forward(bottom, weight, None, top, col, *geometry)
+    vision.conv_forward(bottom, weight, None, top, col, *conv_args)
     close(top, ref.conv_forward(bottom, weight, None, pad, stride, dil, group))
 
     top_diff = rand(N, O, oh, ow)
@@ -125,17 +126,17 @@ def test_conv(case, full_workspace, threading):
     w0, b0 = weight_diff.copy(), bias_diff.copy()
     bottom_diff = nans(*bottom.shape)
     vision.conv_backward(top_diff, bottom, weight, weight_diff, bias_diff, bottom_diff, col,
-                         *geometry)
+                         *conv_args)
     close(weight_diff, w0 + want_w, atol=1e-4)
     close(bias_diff, b0 + want_b, atol=1e-4)
     close(bottom_diff, want_x)
 
     # each diff can be skipped alone
     only_x = nans(*bottom.shape)
-    vision.conv_backward(top_diff, bottom, weight, None, None, only_x, col, *geometry)
+    vision.conv_backward(top_diff, bottom, weight, None, None, only_x, col, *conv_args)
     close(only_x, want_x)
     only_w = np.zeros_like(weight)
-    vision.conv_backward(top_diff, bottom, weight, only_w, None, None, col, *geometry)
+    vision.conv_backward(top_diff, bottom, weight, only_w, None, None, col, *conv_args)
     close(only_w, want_w, atol=1e-4)
 
 
@@ -163,15 +164,15 @@ DECONV_CASES = [
 @pytest.mark.parametrize("case", DECONV_CASES)
 def test_deconv(case, threading):
     N, Ci, H, W, Co, kh, kw, pad, stride, dil, group = case
-    Ho, Wo = vision.deconv_output_shape(H, W, kh, kw, *pad, *stride, *dil)
-    assert vision.conv_output_shape(Ho, Wo, kh, kw, *pad, *stride, *dil) == (H, W)
+    Ho, Wo = geometry.deconv_output_shape(H, W, kh, kw, *pad, *stride, *dil)
+    assert geometry.conv_output_shape(Ho, Wo, kh, kw, *pad, *stride, *dil) == (H, W)
     wcount = Ci * (Co // group) * kh * kw
     col = np.zeros(max(vision.conv_workspace_size(Co, kh, kw, H, W, wcount), 1), np.float32)
     bottom, weight, bias = rand(N, Ci, H, W), rand(Ci, Co // group, kh, kw), rand(Co)
-    geometry = (*pad, *stride, *dil, group)
+    conv_args = (*pad, *stride, *dil, group)
 
     top = nans(N, Co, Ho, Wo)
-    vision.deconv_forward(bottom, weight, bias, top, col, *geometry)
+    vision.deconv_forward(bottom, weight, bias, top, col, *conv_args)
     close(top, ref.deconv_forward(bottom, weight, bias, (Ho, Wo), pad, stride, dil, group))
 
     top_diff = rand(N, Co, Ho, Wo)
@@ -181,7 +182,7 @@ def test_deconv(case, threading):
     w0, b0 = weight_diff.copy(), bias_diff.copy()
     bottom_diff = nans(*bottom.shape)
     vision.deconv_backward(top_diff, bottom, weight, weight_diff, bias_diff, bottom_diff, col,
-                           *geometry)
+                           *conv_args)
     close(weight_diff, w0 + want_w, atol=1e-4)
     close(bias_diff, b0 + want_b, atol=1e-4)
     close(bottom_diff, want_x)
@@ -208,22 +209,6 @@ def test_conv_rejects_buffers_that_do_not_fit():
 
 
 # --------------------------------------------------------------------------- pooling
-def test_pool_output_shape_matches_caffe_rounding():
-    assert vision.pool_output_shape(6, 6, 3, 3, 2, 2, 1, 1) == (4, 4)   # ceil((6+2-3)/2)+1
-    assert vision.pool_output_shape(5, 5, 2, 2, 2, 2, 1, 1) == (3, 3)   # last window dropped
-    assert vision.pool_output_shape(55, 55, 3, 3, 2, 2, 0, 0) == (27, 27)
-    assert vision.pool_output_shape(7, 7, 3, 3, 2, 2, 0, 0, False) == (3, 3)
-    for H in range(1, 12):
-        for k in range(1, 5):
-            for s in range(1, 5):
-                for p in range(0, k):
-                    if H + 2 * p < k:
-                        continue
-                    for ceil_mode in (True, False):
-                        assert vision.pool_output_shape(H, H, k, k, s, s, p, p, ceil_mode)[0] \
-                            == ref.pool_out_size(H, k, p, s, ceil_mode)
-
-
 # (N, C, H, W, kh, kw, sh, sw, ph, pw)
 POOL_CASES = [
     (2, 3, 7, 7, 3, 3, 2, 2, 0, 0),     # ceil: last window over the edge
@@ -240,7 +225,7 @@ POOL_CASES = [
 @pytest.mark.parametrize("case", POOL_CASES)
 def test_max_pool(case):
     N, C, H, W, kh, kw, sh, sw, ph, pw = case
-    oh, ow = vision.pool_output_shape(H, W, kh, kw, sh, sw, ph, pw)
+    oh, ow = geometry.pool_output_shape(H, W, kh, kw, sh, sw, ph, pw)
     bottom = rand(N, C, H, W)
     top, mask = nans(N, C, oh, ow), np.full((N, C, oh, ow), -7, np.int32)
     vision.max_pool_forward(bottom, top, mask, kh, kw, sh, sw, ph, pw)
@@ -268,7 +253,7 @@ def test_max_pool_ties_pick_the_first_in_the_window():
 @pytest.mark.parametrize("case", POOL_CASES)
 def test_ave_pool(case):
     N, C, H, W, kh, kw, sh, sw, ph, pw = case
-    oh, ow = vision.pool_output_shape(H, W, kh, kw, sh, sw, ph, pw)
+    oh, ow = geometry.pool_output_shape(H, W, kh, kw, sh, sw, ph, pw)
     bottom = rand(N, C, H, W)
     top = nans(N, C, oh, ow)
     vision.ave_pool_forward(bottom, top, kh, kw, sh, sw, ph, pw)

@@ -4,9 +4,10 @@ import pytest
 from google.protobuf import text_format
 
 import caffepy
-from caffepy.errors import CaffepyError, LayerError, ShapeError
-from caffepy.net import Net, insert_splits
+from caffepy.errors import CaffepyError, LayerError, PrototxtError, ShapeError
+from caffepy.net import Net, filter_net, insert_splits, net_state
 from caffepy.proto import caffe_pb2
+from caffepy.upgrade import parse_net_text
 
 
 def net_param(text):
@@ -184,3 +185,137 @@ def test_missing_phase_is_a_type_error():
 
 def test_errors_are_caffepy_errors():
     assert issubclass(ShapeError, CaffepyError)
+
+
+def test_the_run_context_reaches_every_layer():
+    from caffepy.context import RunContext
+    context = RunContext(rank=0, size=1, seed=7)
+    net = Net(net_param(INPUT + ip("a", "data", "a") + ip("b", "a", "b")), caffepy.TRAIN, context=context)
+    assert net.context is context and all(layer.context is context for layer in net.layers)
+    assert Net(net_param(INPUT), caffepy.TRAIN).layers[0].context.size == 1
+
+
+def test_use_context_rebuilds_the_layers_the_factory_now_chooses_differently():
+    from caffepy.context import RunContext
+    from caffepy.layer import MODEL_PARALLEL, PLAIN
+    text = INPUT + ip("a", "data", "a", n=4, extra="multinode { model_parts: 0 }") + ip("b", "a", "b")
+    net = Net(net_param(text), caffepy.TRAIN)
+    before = list(net.layers)
+    blobs = [list(layer.blobs) for layer in net.layers]
+    learnable = list(net.learnable_params)
+    two = RunContext(rank=0, size=2)       # the choice only: nothing runs without a communicator
+    net.use_context(two)
+    assert [layer.variant for layer in net.layers] == [PLAIN, MODEL_PARALLEL, PLAIN]
+    assert net.layers[0] is before[0] and net.layers[2] is before[2] and net.layer_dict["a"] is net.layers[1]
+    assert all(layer.context is two for layer in net.layers)
+    # the rebuilt layer keeps its parameter Blobs (what the solver and the params dict hold)
+    assert [list(layer.blobs) for layer in net.layers] == blobs
+    assert net.params["a"] is net.layers[1].blobs and net.learnable_params == learnable
+    assert net.layers[1].m == 2 and net.layers[1].blobs[0].shape == (4, 5)     # full until split
+
+
+# -- NetState filtering ------------------------------------------------------
+
+FILTER_NET = """
+layer { name: "always" }
+layer { name: "train" include { phase: TRAIN } }
+layer { name: "test" include { phase: TEST } }
+layer { name: "not_test" exclude { phase: TEST } }
+layer { name: "level2" include { min_level: 2 } }
+layer { name: "level_le1" include { max_level: 1 } }
+layer { name: "stage_ab" include { stage: "a" stage: "b" } }
+layer { name: "stage_a_or_b" include { stage: "a" } include { stage: "b" } }
+layer { name: "not_a" include { not_stage: "a" } }
+layer { name: "train_lvl3" include { phase: TRAIN min_level: 3 } }
+"""
+
+
+def kept(state):
+    net = parse_net_text(FILTER_NET, "f.prototxt")
+    return [l.name for l in filter_net(net, state).layer]
+
+
+def test_filter_by_phase_and_level():
+    assert kept(net_state(caffe_pb2.TRAIN)) == ["always", "train", "not_test", "level_le1", "not_a"]
+    assert kept(net_state("test", level=2)) == ["always", "test", "level2", "not_a"]
+    assert kept(net_state("TRAIN", level=3)) == ["always", "train", "not_test", "level2", "not_a", "train_lvl3"]
+
+
+def test_filter_by_stage():
+    assert kept(net_state("TEST", 1, ["a"])) == ["always", "test", "level_le1", "stage_a_or_b"]
+    assert kept(net_state("TEST", 1, ["a", "b"])) == ["always", "test", "level_le1", "stage_ab", "stage_a_or_b"]
+    assert kept(net_state("TEST", 1, ["b"])) == ["always", "test", "level_le1", "stage_a_or_b", "not_a"]
+
+
+def test_filter_uses_the_nets_own_state_by_default():
+    net = parse_net_text(FILTER_NET + "state { phase: TRAIN level: 5 }", "f")
+    out = filter_net(net)
+    assert "train_lvl3" in [l.name for l in out.layer]
+    assert out.state.level == 5
+
+
+def test_include_and_exclude_together_is_an_error():
+    net = parse_net_text('layer { name: "d" type: "Data" include { phase: TRAIN } exclude { phase: TEST } }', "x")
+    with pytest.raises(PrototxtError, match=r"^net\.prototxt: layer 'd' \(Data\): include, exclude: both given"):
+        filter_net(net, net_state("TRAIN"), "net.prototxt")
+
+
+def test_bad_phase_name():
+    with pytest.raises(CaffepyError, match="phase: must be TRAIN or TEST, got val"):
+        net_state("val")
+
+
+def test_weights_filling_some_layers_warn_naming_the_others(tmp_path, capsys):
+    from caffepy import log
+    old = tmp_path / "old.prototxt"
+    old.write_text(INPUT + ip("a", "data", "a") + ip("b", "a", "b"))
+    new = tmp_path / "new.prototxt"
+    new.write_text(INPUT + ip("a", "data", "a") + ip("b_renamed", "a", "b"))
+    weights = tmp_path / "old.caffemodel"
+    trained = caffepy.Net(str(old), caffepy.TEST)
+    trained.save(str(weights))
+    log.set_quiet(True)           # warnings print anyway
+    net = caffepy.Net(str(new), str(weights), caffepy.TEST)      # fine-tuning renames layers: allowed
+    np.testing.assert_array_equal(net.params["a"][0].data, trained.params["a"][0].data)
+    err = capsys.readouterr().err
+    assert "old.caffemodel: no weights for layer(s) b_renamed of " in err and "keep their initial values" in err
+
+
+def test_weights_filling_no_layer_are_refused(tmp_path):
+    a = tmp_path / "a.prototxt"
+    a.write_text(INPUT + ip("a", "data", "a"))
+    b = tmp_path / "b.prototxt"
+    b.write_text(INPUT + ip("other", "data", "a"))
+    weights = tmp_path / "a.caffemodel"
+    caffepy.Net(str(a), caffepy.TEST).save(str(weights))
+    with pytest.raises(CaffepyError, match=r"a.caffemodel: no layer of the net got weights from this file: "
+                                           r"its layers with weights are a; the net's are other"):
+        caffepy.Net(str(b), str(weights), caffepy.TEST)
+    (tmp_path / "empty.caffemodel").write_bytes(b"")
+    with pytest.raises(CaffepyError, match=r"empty.caffemodel: the file is empty \(0 bytes\)"):
+        caffepy.Net(str(a), str(tmp_path / "empty.caffemodel"), caffepy.TEST)
+
+
+def test_sizes_are_checked_before_allocating(monkeypatch):
+    from caffepy import memory
+    from caffepy.blob import Blob
+    from caffepy.errors import SizeError
+    monkeypatch.setattr(memory, "available", lambda: 1 << 30)
+    blob = Blob((2, 3), name="x")
+    with pytest.raises(SizeError, match=r"blob 'x' \(1000 x 1000 x 1000 floats\) needs 3.7 GiB, more than "
+                                        r"the 1.0 GiB of memory available"):
+        blob.reshape(1000, 1000, 1000)
+    assert blob.shape == (2, 3) and blob.data.shape == (2, 3)      # untouched
+    with pytest.raises(SizeError, match="needs 64.0 EiB"):         # 2**64 elements: no 64-bit wraparound
+        blob.reshape(2**32, 2**32)
+    blob.reshape(100, 100)                                          # within memory: allowed
+    text = INPUT + ip("a", "data", "a", n=2_000_000_000)
+    with pytest.raises(SizeError, match=r"^net: layer 'a' \(InnerProduct\): inner_product_param.num_output: "
+                                        r"blob 'a.0' \(2000000000 x 5 floats\) needs 37.3 GiB.*, got 2000000000$"):
+        Net(net_param(text), caffepy.TEST, source="net")
+
+
+def test_unknown_layer_type_suggests_the_closest():
+    with pytest.raises(LayerError, match=r"unknown layer type 'InerProduct'. did you mean 'InnerProduct'\? "
+                                         r"Known types: AbsVal, "):
+        Net(net_param(INPUT + ip("a", "data", "a").replace("InnerProduct", "InerProduct")), caffepy.TEST)

@@ -168,6 +168,22 @@ def test_mistakes_name_the_layer_and_the_field(kwargs, message):
 def test_bottom_must_be_a_top():
     with pytest.raises(LayerError, match="bottom 0: must be a top"):
         L.ReLU("data")
+    # a TypeError too, as pycaffe raises, naming the type it got
+    with pytest.raises(TypeError, match=r"^NetSpec: layer of type 'Silence': bottom 0: must be a top made by "
+                                        r"another layer .* \(type is <class 'tuple'>\); a layer with ntop > 1 "
+                                        r"returns a tuple of tops: pick one with \[i\]$"):
+        L.Silence(L.DummyData(ntop=2), ntop=0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kernel_size="a"), dict(param=[3]), dict(include=dict(phase=[1, 2]))])
+def test_a_value_of_the_wrong_type_is_a_type_error(kwargs):
+    n = NetSpec()
+    n.data = L.Input(shape=dict(dim=[1, 1, 4, 4]))
+    n.bad = L.Pooling(n.data, **kwargs)
+    with pytest.raises(TypeError, match="^NetSpec: layer 'bad' \\(Pooling\\): "):
+        n.to_proto()
+    with pytest.raises(TypeError):
+        assign_proto(caffe_pb2.LayerParameter(), "convolution_param", dict(num_output="many"))
     with pytest.raises(AttributeError, match="no top 'nothing'"):
         NetSpec().nothing
 

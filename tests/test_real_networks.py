@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from caffepy import prototxt, rng
-from caffepy.net import TEST, TRAIN, Net
+from caffepy import rng, upgrade
+from caffepy.net import TEST, TRAIN, Net, filter_net, net_state
 from caffepy.proto import caffe_pb2
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ def bvlc(name):
 
 def swap_data_layers(path, data_shape):
     """The TRAIN net of a train_val prototxt, its Data layer replaced by Input 'data' and 'label'."""
-    param = prototxt.filter_net(prototxt.read_net(path), prototxt.net_state(TRAIN), path)
+    param = filter_net(upgrade.read_net(path), net_state(TRAIN), path)
     out = caffe_pb2.NetParameter()
     out.name = param.name
     for lp in param.layer:
@@ -94,7 +94,7 @@ def test_bvlc_train_net_forward_backward(name, shape, n_params):
     ("cifar10__cifar10_quick.prototxt", 145578, 32),
 ])
 def test_bvlc_deploy_nets_shape_and_size(name, n_params, size):
-    param = prototxt.read_net(bvlc(name))
+    param = upgrade.read_net(bvlc(name))
     net = Net(param, TEST)
     assert param_count(net) == n_params
     assert net.blobs["data"].shape[2:] == (size, size)
@@ -104,7 +104,7 @@ def test_bvlc_deploy_nets_shape_and_size(name, n_params, size):
 
 # -- the zoo: published architectures, deploy files ---------------------------------------------
 def zoo_net(filename, batch, phase=TEST):
-    param = prototxt.read_net(os.path.join(ZOO, filename))
+    param = upgrade.read_net(os.path.join(ZOO, filename))
     param.force_backward = True
     param.layer[0].input_param.shape[0].dim[0] = batch
     rng.seed(3)
@@ -172,7 +172,7 @@ def test_vgg16_builds_at_its_published_size():
 
 def test_googlenet_train_with_auxiliary_heads():
     """The train_val GoogLeNet: two auxiliary classifiers (loss weight 0.3) and the main one."""
-    param = prototxt.read_net(os.path.join(ZOO, "googlenet_train.prototxt"))
+    param = upgrade.read_net(os.path.join(ZOO, "googlenet_train.prototxt"))
     for lp in param.layer[:2]:
         lp.input_param.shape[0].dim[0] = 2
     rng.seed(5)
@@ -195,7 +195,7 @@ def test_googlenet_train_with_auxiliary_heads():
 
 def test_zoo_structure_facts():
     """Layer names and wiring as the released models have them."""
-    resnet = prototxt.read_net(os.path.join(ZOO, "resnet50_deploy.prototxt"))
+    resnet = upgrade.read_net(os.path.join(ZOO, "resnet50_deploy.prototxt"))
     names = [lp.name for lp in resnet.layer]
     for name in ("conv1", "bn_conv1", "scale_conv1", "pool1", "res2a_branch1", "bn2a_branch2a",
                  "scale5c_branch2c", "res5c", "res5c_relu", "pool5", "fc1000", "prob"):
@@ -203,16 +203,16 @@ def test_zoo_structure_facts():
     types = [lp.type for lp in resnet.layer]
     assert types.count("BatchNorm") == types.count("Scale") == 53
     assert types.count("Eltwise") == 16 and types.count("Convolution") == 53
-    resnext = prototxt.read_net(os.path.join(ZOO, "resnext50_32x4d_deploy.prototxt"))
+    resnext = upgrade.read_net(os.path.join(ZOO, "resnext50_32x4d_deploy.prototxt"))
     groups = {lp.name: lp.convolution_param.group for lp in resnext.layer if lp.type == "Convolution"}
     assert groups["res2a_branch2b"] == groups["res5c_branch2b"] == 32
-    mobilenet = prototxt.read_net(os.path.join(ZOO, "mobilenet_v1_deploy.prototxt"))
+    mobilenet = upgrade.read_net(os.path.join(ZOO, "mobilenet_v1_deploy.prototxt"))
     dw = [lp for lp in mobilenet.layer if lp.name.endswith("/dw") and lp.type == "Convolution"]
     assert len(dw) == 13
     channels = [32, 64, 128, 128, 256, 256] + [512] * 6 + [1024]
     assert [lp.convolution_param.group for lp in dw] == channels
     assert all(lp.convolution_param.num_output == c for lp, c in zip(dw, channels))
-    googlenet = prototxt.read_net(os.path.join(ZOO, "googlenet_deploy.prototxt"))
+    googlenet = upgrade.read_net(os.path.join(ZOO, "googlenet_deploy.prototxt"))
     assert [lp.name for lp in googlenet.layer if lp.type == "Concat"] == \
         [f"inception_{k}/output" for k in ("3a", "3b", "4a", "4b", "4c", "4d", "4e", "5a", "5b")]
     assert not any(lp.name.startswith(("loss1", "loss2")) for lp in googlenet.layer)
@@ -229,7 +229,7 @@ def test_zoo_files_are_what_the_generator_writes(tmp_path):
 
 
 def test_googlenet_train_test_phase_has_the_accuracies():
-    param = prototxt.read_net(os.path.join(ZOO, "googlenet_train.prototxt"))
+    param = upgrade.read_net(os.path.join(ZOO, "googlenet_train.prototxt"))
     for lp in param.layer[:2]:
         lp.input_param.shape[0].dim[0] = 1
     net = Net(param, TEST)

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from caffepy import prototxt, rng
+from caffepy import rng, upgrade
 from caffepy.blobproto import blobproto_to_array
 from caffepy.errors import PrototxtError, SolverError
 from caffepy.proto import caffe_pb2
 from caffepy.solvers import Solver, get_solver
-from caffepy.solvers.solver import RNG_STATE_FIELD, _find_extension
+from caffepy.solvers.snapshot import (RNG_STATE_FIELD, find_extension, read_solver_state,
+                                      write_solver_state)
 
 SCALAR_NET = """
 net_param {{
@@ -312,8 +313,15 @@ def write_files(tmp_path, type_="SGD", max_iter=10):
 
 
 def model_arrays(path):
-    net = prototxt.read_binary_net(path)
+    net = upgrade.read_binary_net(path)
     return [blobproto_to_array(b) for layer in net.layer for b in layer.blobs]
+
+
+def test_solver_state_round_trip(tmp_path):
+    state = caffe_pb2.SolverState(iter=100, learned_net="x_iter_100.caffemodel", current_step=2)
+    state.history.add().data.extend([0.5, 1.5])
+    write_solver_state(state, tmp_path / "x.solverstate")
+    assert read_solver_state(tmp_path / "x.solverstate") == state
 
 
 @pytest.mark.parametrize("type_", ["SGD", "Adam"])
@@ -337,10 +345,10 @@ def test_solverstate_is_caffes_shape(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_files(tmp_path, "Adam", max_iter=5)
     get_solver("solver.prototxt").solve()
-    state = prototxt.read_binary(caffe_pb2.SolverState(), "out/run_iter_5.solverstate")
+    state = read_solver_state("out/run_iter_5.solverstate")
     assert state.iter == 5 and state.learned_net == "out/run_iter_5.caffemodel"
     assert state.current_step == 1 and len(state.history) == 4
-    assert _find_extension(state.SerializeToString(), RNG_STATE_FIELD) is not None
+    assert find_extension(state.SerializeToString(), RNG_STATE_FIELD) is not None
     assert sorted(os.listdir("out")) == ["run_iter_5.caffemodel", "run_iter_5.solverstate"]
 
 
@@ -407,6 +415,22 @@ def test_pycaffe_typed_solver_classes(tmp_path, monkeypatch):
     assert s.iter == 2
     paths = s.snapshot()
     assert paths == ("out/run_iter_2.caffemodel", "out/run_iter_2.solverstate")
+
+
+def test_every_solver_type_has_its_pycaffe_class(tmp_path, monkeypatch):
+    import caffepy
+    from caffepy.solvers.updates import RULES
+    monkeypatch.chdir(tmp_path)
+    for name in RULES:
+        cls = getattr(caffepy, f"{name}Solver")
+        assert cls.forced_type == name and cls.__name__ == f"{name}Solver"
+        write_files(tmp_path, name, max_iter=1)
+        text = (tmp_path / "solver.prototxt").read_text()
+        if name in ("AdaGrad", "RMSProp"):
+            text = text.replace("momentum: 0.9", "")
+        (tmp_path / "solver.prototxt").write_text(text)
+        assert type(get_solver("solver.prototxt")) is cls
+    rng.seed(-1)
 
 
 @pytest.mark.parametrize("extra", [

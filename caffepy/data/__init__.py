@@ -2,7 +2,8 @@
 and Caffe's image tools (convert_imageset, compute_image_mean).
 
     datum.py        Datum <-> array, encoded JPEG/PNG decode (OpenCV, BGR)
-    db.py           LMDB Reader (read-only, lock=False) and Writer
+    db.py           LMDB Reader (read-only, lock=False, checked against its header) and Writer
+                    (built under a temporary name)
     sources.py      record sources for the prefetcher: LMDB, image list file
     transformer.py  crop, mirror, mean, scale in Caffe's order
     prefetch.py     RecordOrder (epochs, shuffle, ranks), BatchFiller, Prefetcher

@@ -10,7 +10,7 @@ import cv2
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ..errors import DataError
+from ..errors import DataError, quote
 from ..proto import caffe_pb2
 
 
@@ -21,7 +21,7 @@ def _where(source, key):
 
 
 def _key_text(key):
-    return key.decode("utf-8", "replace") if isinstance(key, (bytes, bytearray, memoryview)) else str(key)
+    return quote(key, 100)
 
 
 def parse_datum(value, source=None, key=None):
@@ -47,7 +47,11 @@ def decode_image(buf, force_color=False, force_gray=False, source=None, key=None
         flag = cv2.IMREAD_GRAYSCALE
     else:
         flag = cv2.IMREAD_ANYCOLOR
-    img = cv2.imdecode(np.frombuffer(buf, np.uint8), flag)
+    try:
+        img = cv2.imdecode(np.frombuffer(buf, np.uint8), flag)
+    except cv2.error as e:
+        raise DataError(f"{_where(source, key)}cannot decode the encoded image ({len(buf)} bytes): "
+                        f"{str(e).strip().splitlines()[-1]}") from None
     if img is None:
         raise DataError(f"{_where(source, key)}cannot decode the encoded image ({len(buf)} bytes)")
     if img.ndim == 2:
@@ -70,6 +74,9 @@ def datum_to_array(datum, force_color=False, force_gray=False, source=None, key=
     if datum.encoded:
         return hwc_to_chw(decode_image(datum.data, force_color, force_gray, source, key))
     shape = (datum.channels, datum.height, datum.width)
+    if min(shape) < 0:
+        raise DataError(f"{_where(source, key)}Datum shape {shape[0]}x{shape[1]}x{shape[2]} has a "
+                        f"negative size")
     count = shape[0] * shape[1] * shape[2]
     if len(datum.data):
         if len(datum.data) != count:

@@ -9,13 +9,15 @@ import os
 import cv2
 import cv2.utils.logging
 
-from ..errors import DataError
+from .. import memory
+from ..errors import DataError, quote
 from .datum import datum_to_array, parse_datum
 from .db import Reader
 
 # Unreadable images are reported by our own warning or error; OpenCV's own
-# "[ WARN:0@...] imread_(...)" line would repeat it in another shape.
-cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_ERROR)
+# "[ WARN:0@...] imread_(...)" or "[ERROR:0@...] ... readHeader" line would
+# repeat it in another shape.
+cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
 
 
 class LMDBSource:
@@ -28,7 +30,7 @@ class LMDBSource:
         return len(self.reader)
 
     def where(self, key):
-        return f"{self.path}: key '{key.decode('utf-8', 'replace')}': "
+        return f"{self.path}: key '{quote(key, 100)}': "
 
     def get(self, index):
         return self.reader.get(index)
@@ -76,7 +78,15 @@ def read_image(path, height=0, width=0, is_color=True, where=""):
     if img is None:
         return None
     if height > 0 and width > 0 and img.shape[:2] != (height, width):
-        img = cv2.resize(img, (width, height), interpolation=cv2.INTER_LINEAR)
+        channels = img.shape[2] if img.ndim == 3 else 1
+        why = memory.problem(height * width * channels, f"resizing '{path}' to {height} x {width}")
+        if why:
+            raise DataError(why)
+        try:
+            img = cv2.resize(img, (width, height), interpolation=cv2.INTER_LINEAR)
+        except cv2.error as e:
+            raise DataError(f"{path}: cannot resize the image to {height} x {width}: "
+                            f"{str(e).strip().splitlines()[-1]}") from None
     if img.ndim == 2:
         img = img[:, :, None]
     return img

@@ -18,8 +18,8 @@ import click
 import cv2
 import numpy as np
 
-from .. import log, rng
-from ..errors import DataError
+from .. import log, memory, rng
+from ..errors import DataError, UsageError, quote
 from .datum import datum_to_array, encoded_datum, image_to_datum, parse_datum
 from .db import Reader, Writer
 from .sources import read_image, read_list_file
@@ -56,6 +56,13 @@ def convert_imageset(root_folder, list_file, db_name, gray=False, shuffle=False,
     if backend != "lmdb":
         raise DataError(f"{db_name}: backend '{backend}' is not supported; use lmdb")
     is_color = not gray
+    if os.path.exists(db_name):
+        raise DataError(f"{db_name}: database already exists; remove it or choose another name")
+    if resize_height and resize_width:
+        why = memory.problem(resize_height * resize_width * (3 if is_color else 1),
+                             f"one {resize_height} x {resize_width} image")
+        if why:
+            raise UsageError(f"--resize_height, --resize_width: {why}, got {resize_height} x {resize_width}")
     entries = read_list_file(list_file)
     if shuffle:
         log.info("Shuffling data")
@@ -84,7 +91,10 @@ def convert_imageset(root_folder, list_file, db_name, gray=False, shuffle=False,
                     with open(path, "rb") as f:
                         datum = encoded_datum(f.read(), label)
                 else:
-                    ok, buf = cv2.imencode("." + enc, img)
+                    try:
+                        ok, buf = cv2.imencode("." + enc, img)
+                    except cv2.error:
+                        ok = False
                     if not ok:
                         raise DataError(f"{path}: cannot encode the image as '{enc}'")
                     datum = encoded_datum(buf.tobytes(), label)
@@ -124,7 +134,7 @@ def compute_image_mean(input_db, output_file=None):
                 if total is None:
                     total, first = np.zeros(image.shape, np.float64), image.shape
                 elif image.shape != first:
-                    raise DataError(f"{reader.path}: key '{key.decode('utf-8', 'replace')}': Datum shape "
+                    raise DataError(f"{reader.path}: key '{quote(key)}': Datum shape "
                                     f"{'x'.join(map(str, image.shape))} differs from the first one's "
                                     f"{'x'.join(map(str, first))}")
                 total += image

@@ -50,8 +50,9 @@ class DataTransformer:
             if mean.ndim == 4 and mean.shape[0] == 1:
                 mean = mean[0]
             if mean.ndim != 3:
-                raise self._error("transform_param.mean_file", "the mean must be 1 x C x H x W",
-                                  f"shape {mean.shape}")
+                raise self._error("transform_param.mean_file", f"the mean in '{param.mean_file}' must be "
+                                  f"1 x C x H x W or C x H x W",
+                                  " x ".join(map(str, mean.shape)) or "a scalar")
             self.mean = np.ascontiguousarray(mean, np.float32)
         elif len(param.mean_value):
             self.mean_values = np.asarray(param.mean_value, np.float32)
@@ -71,7 +72,8 @@ class DataTransformer:
                             f"{self.crop}")
         if self.mean is not None and self.mean.shape != (c, h, w):
             raise DataError(f"{where}transform_param.mean_file: the mean is "
-                            f"{'x'.join(map(str, self.mean.shape))} but the image is {c}x{h}x{w}")
+                            f"{'x'.join(map(str, self.mean.shape))} but the image is {c}x{h}x{w} "
+                            f"(mean file '{self.param.mean_file}')")
         if self.mean_values is not None and len(self.mean_values) not in (1, c):
             raise DataError(f"{where}transform_param.mean_value: give 1 value or one per channel ({c}), "
                             f"got {len(self.mean_values)}")

@@ -1,11 +1,11 @@
 """Common layers: InnerProduct, Concat, Slice, Split, Eltwise, Flatten, Reshape, Scale,
 Bias, Softmax, ArgMax, Tile, Embed, Silence, Reduction."""
 import numpy as np
-from scipy.linalg.blas import sgemm
 
+from ..blas import gemm_into
 from ..errors import ShapeError
 from ..kernels import common as kernels
-from ..layer import Layer, canonical_axis, count_from, register
+from ..layer import ANY, Layer, canonical_axis, count_from, register
 from ..proto import caffe_pb2
 
 
@@ -23,35 +23,13 @@ def constant_filler(value):
     return caffe_pb2.FillerParameter(type="constant", value=value)
 
 
-def _fortran(a):
-    """(array, trans) with op(array) == a and the array Fortran-ordered, so BLAS copies nothing."""
-    return (a, 0) if a.flags.f_contiguous else (a.T, 1)
-
-
-def gemm_into(a, b, c, beta=0.0):
-    """c = a @ b + beta * c for float32 matrix views, written in place through scipy's BLAS.
-
-    Fortran BLAS sees the transposes: c^T = b^T a^T; c must be C-contiguous. scipy's OpenBLAS
-    runs AlexNet's batch-64 InnerProduct products at 1.5x the speed numpy.matmul gets from
-    numpy's own OpenBLAS build on this kind of machine (benchmarks/bench_alexnet.py's fc rows).
-    """
-    if c.size == 0:
-        return
-    if a.shape[1] == 0:
-        c *= beta
-        return
-    (fa, ta), (fb, tb) = _fortran(b.T), _fortran(a.T)
-    out = sgemm(1.0, fa, fb, beta=beta, c=c.T, trans_a=ta, trans_b=tb, overwrite_c=True)
-    assert np.shares_memory(out, c), "sgemm copied its output"
-
-
 @register
 class Split(Layer):
     """Copy one bottom to every top; backward sums the top diffs (inserted by the Net
     where a blob feeds several layers)."""
     exact_bottoms = 1
     min_tops = 1
-    accepts_blocked = True
+    layout = ANY
 
     def reshape(self, bottom, top):
         for t in top:
@@ -241,7 +219,7 @@ class Eltwise(Layer):
     """
     min_bottoms = 2
     exact_tops = 1
-    accepts_blocked = True
+    layout = ANY
     PROD, SUM, MAX = caffe_pb2.EltwiseParameter.PROD, caffe_pb2.EltwiseParameter.SUM, \
         caffe_pb2.EltwiseParameter.MAX
 
@@ -725,7 +703,7 @@ class Silence(Layer):
     """Consume bottoms so they are not net outputs; backward gives them zero gradient."""
     min_bottoms = 1
     exact_tops = 0
-    accepts_blocked = True
+    layout = ANY
 
     def reshape(self, bottom, top):
         pass

@@ -3,11 +3,11 @@ import weakref
 
 import numpy as np
 
-from .. import fillers, log, rng
+from .. import fillers, log, memory, rng
 from ..data.prefetch import BatchFiller, Prefetcher, RecordOrder
 from ..data.sources import ImageListSource, LMDBSource
 from ..data.transformer import DataTransformer
-from ..errors import DataError
+from ..errors import CaffepyError, DataError, SizeError
 from ..layer import Layer, register
 from ..parallel import world
 from ..proto import caffe_pb2
@@ -71,7 +71,10 @@ class DummyData(Layer):
         self.refill = [f.type != "constant" for f in self.fillers]
         for t, shape, filler in zip(top, shapes, self.fillers):
             t.reshape(shape)
-            t.data[...] = fillers.fill(filler, shape)
+            try:
+                t.data[...] = fillers.fill(filler, shape)
+            except CaffepyError as e:
+                raise self.error("dummy_data_param.data_filler", str(e)) from None
 
     def reshape(self, bottom, top):
         for t, shape in zip(top, self.shapes):
@@ -130,7 +133,8 @@ class _PrefetchingLayer(Layer):
             problem = str(e)
             if problem.startswith(f"{path}: "):     # house shape: the path goes last, as the value
                 problem = problem[len(path) + 2:]
-            raise self.error(f"{self._params_field}.source", problem, path, cls=DataError) from None
+            raise self.error(f"{self._params_field}.source", problem, None if path in problem else path,
+                             cls=DataError) from None
         if len(self.source_db) == 0:
             raise self.error(f"{self._params_field}.source", "the database is empty", path, cls=DataError)
         log.info(f"Opened {path} ({len(self.source_db)} records)")
@@ -149,15 +153,24 @@ class _PrefetchingLayer(Layer):
         tp = _transform_param(self, p)
         self.transformer = DataTransformer(tp, self.phase, np.random.default_rng([base, 2, world.rank]),
                                            layer=self)
-        key, raw = self.source_db.get(order.index(0))
-        image, _ = self.source_db.decode(key, raw)
+        try:
+            key, raw = self.source_db.get(order.index(0))
+            image, _ = self.source_db.decode(key, raw)
+        except DataError as e:
+            raise self.error(f"{self._params_field}.source", str(e), cls=DataError) from None
         try:
             shape = self.transformer.check(image.shape)
         except DataError as e:
             where = self.source_db.where(key).rstrip(": ")
-            prefix = f"{self.source}: " if self.source else ""
-            raise DataError(f"{prefix}layer '{self.name}' ({self.type}): {e} (first record: {where})") from None
+            field, problem = str(e).split(": ", 1)      # the transformer's "<field>: <problem>"
+            raise self.error(field, f"{problem} (first record: {where})", cls=DataError) from None
         self.top_shape = (self.batch_size,) + shape
+        # the top and the prefetch buffers are allocated here at once: refuse what cannot fit
+        buffers = max(1, int(self.prefetch_depth())) + 1
+        why = memory.problem(buffers * memory.count(self.top_shape) * 4,
+                             f"{buffers} batches of {memory.dims_text(self.top_shape)} floats")
+        if why:
+            raise self.error(f"{self._params_field}.batch_size", why, self.batch_size, cls=SizeError)
         filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
         self.prefetcher = Prefetcher(filler, self.prefetch_depth(), self.name)
         self._finalizer = weakref.finalize(self, _shutdown, self.prefetcher, self.source_db)
@@ -177,7 +190,10 @@ class _PrefetchingLayer(Layer):
             top[1].reshape(self.batch_size)
 
     def forward(self, bottom, top):
-        buf = self.prefetcher.next()
+        try:
+            buf = self.prefetcher.next()
+        except DataError as e:      # a record the prefetch thread could not read: say which layer
+            raise self.error(f"{self._params_field}.source", str(e), cls=DataError) from None
         try:
             top[0].data[...] = buf["data"]
             if len(top) > 1:

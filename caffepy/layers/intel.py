@@ -9,22 +9,28 @@ real channel count are padding: IntelPack and every blocked kernel write zeros t
 blocked kernel reads them as data, so an elementwise layer that maps 0 elsewhere (Sigmoid) cannot
 leak into real channels. The blob records the layout as `blob.layout = Blocked(V, C)`.
 
-When the Net builds a layer whose bottom is blocked, `blocked_version` picks its implementation:
-the blocked class registered for its type in BLOCKED below (the kernels of
+The classes here are registered variants of their types (caffepy/layer.py): when a layer's
+bottoms are blocked, the factory picks the `blocked` variant (the kernels of
 caffepy.kernels.intel: vectorized over the V lanes of a pixel, OpenMP over images and blocks),
-or the layer itself when it is elementwise (`accepts_blocked`: the neuron layers, Split,
-Eltwise, Silence). Any other type fed a blocked blob is a LayerError naming the layer.
-Blocked layers compute the same numbers as their NCHW versions (up to float rounding).
+the `blocked_via_nchw` one (the NCHW layer between an unpack and a pack), or the plain layer
+itself when it is layout-agnostic (`layout = ANY`: the neuron layers, Split, Eltwise, Silence).
+Any other type fed a blocked blob is a LayerError naming the layer. Blocked layers compute the
+same numbers as their NCHW versions (up to float rounding), windows and output sizes from
+caffepy.geometry as the plain ones.
 """
 import functools
 import os
 
 import numpy as np
 
+from .. import geometry
 from ..blob import Blob, Blocked
-from ..errors import CaffepyError, LayerError, ShapeError
-from ..layer import LAYERS, Layer, register
+from ..errors import CaffepyError, ShapeError
+from ..layer import BLOCKED, OWN, VIA_NCHW, Layer, register
 from ..proto import caffe_pb2
+from .common import Scale, param_wanted
+from .normalization import LRN, BatchNorm
+from .vision import pool_method, scaled_top_diff
 
 try:
     from ..kernels import intel as _k
@@ -64,6 +70,7 @@ class IntelPack(Layer):
     """NCHW -> SIMD-blocked (N, ceil(C/V), H, W, V), padding lanes zero. Backward unpacks the
     diff. No parameters; the width V is the CPU's (see block_width)."""
     exact_bottoms = exact_tops = 1
+    layout = OWN        # a blocked bottom is its reshape's error
 
     def setup(self, bottom, top):
         _kernels(self)
@@ -96,6 +103,7 @@ class IntelUnpack(Layer):
     zero). A 5-axis bottom without a layout record (a blob set from Python) is read as blocked
     with every lane a channel."""
     exact_bottoms = exact_tops = 1
+    layout = OWN
 
     def setup(self, bottom, top):
         _kernels(self)
@@ -124,71 +132,7 @@ class IntelUnpack(Layer):
 
 
 # ---------------------------------------------------------------------------------------------
-# Net construction hooks
-
-def blocked_version(layer, bottoms):
-    """The layer to build for `layer`'s prototxt entry, given that some bottom is blocked."""
-    layouts = [b.layout for b in bottoms]
-    if layer.type == "IntelPack":
-        return layer          # its reshape names the problem
-    if layer.type == "IntelUnpack":
-        return layer
-    named = ", ".join(f"'{b.name}'" for b in bottoms)
-    if None in layouts:
-        raise layer.error("bottom", "mixes blocked and plain (NCHW) blobs", named,
-                          hint="Put an IntelPack or IntelUnpack so all bottoms share one layout")
-    cls = BLOCKED.get(layer.type)
-    if cls is not None and hasattr(cls, "select"):
-        cls = cls.select(layer.param)
-    if cls is None and layer.accepts_blocked:
-        if len(set(layouts)) > 1:
-            raise layer.error("bottom", "blocked bottoms differ in channels or width",
-                              ", ".join(f"'{b.name}' {b.layout}" for b in bottoms))
-        return layer
-    if cls is None:
-        known = ", ".join(sorted(set(BLOCKED) | {n for n, c in LAYERS.items() if c.accepts_blocked}))
-        raise layer.error("bottom", f"blob {named} is in the SIMD-blocked layout (between IntelPack "
-                          f"and IntelUnpack) and {layer.type} has no blocked implementation",
-                          layouts[0], hint=f"Put an IntelUnpack before this layer; blocked types: {known}")
-    return cls(layer.param, layer.phase, layer.source)
-
-
-def propagate_layout(layer, bottoms, tops):
-    """After setup: tops of a layout-agnostic layer are as blocked as its first bottom."""
-    if bottoms and bottoms[0].layout is not None and layer.accepts_blocked:
-        for t in tops:
-            t.layout = bottoms[0].layout
-
-
-# ---------------------------------------------------------------------------------------------
-# Parameter reading shared by the blocked layers (Caffe's 2-D rules)
-
-def _spatial(layer, p, name, default=None):
-    """(h, w) from `name` (repeated or single) or `name_h` / `name_w`."""
-    field = f"{layer.type.lower()}_param.{name}"
-    h_name, w_name = f"{name}_h", f"{name}_w"
-    has_hw = hasattr(p, h_name) and (p.HasField(h_name) or p.HasField(w_name))
-    raw = getattr(p, name)
-    if isinstance(raw, (int, float)):
-        values = [int(raw)] if p.HasField(name) else []
-    else:
-        values = [int(v) for v in raw]
-    if has_hw:
-        if values:
-            raise layer.error(field, f"give either {name} or {h_name} / {w_name}", values)
-        if not (p.HasField(h_name) and p.HasField(w_name)):
-            raise layer.error(field, f"{h_name} and {w_name} go together", None)
-        return int(getattr(p, h_name)), int(getattr(p, w_name))
-    if not values:
-        if default is None:
-            raise layer.error(field, "is required", None)
-        return default
-    if len(values) == 1:
-        return values[0], values[0]
-    if len(values) == 2:
-        return values[0], values[1]
-    raise layer.error(field, "the blocked layout has 2 spatial axes; give 1 or 2 values", values)
-
+# Shared by the blocked layers
 
 def _workspace(name, shape, dtype=np.float32):
     """Scratch shared by all blocked layers (they run one at a time): grows, never shrinks."""
@@ -232,6 +176,7 @@ def _blocked_bottom(layer, b, index=0):
 # ---------------------------------------------------------------------------------------------
 # Convolution
 
+@register(variant=BLOCKED)
 class BlockedConvolution(Layer):
     """Convolution on blocked blobs: y[o] = sum over the group's channels and taps of W * x + b.
 
@@ -245,6 +190,7 @@ class BlockedConvolution(Layer):
     or any convolution with `engine: CAFFE`, runs Caffe's algorithm: per image, blocked im2col +
     one sgemm per group (cext/intel.pyx). Both agree to float rounding."""
     type = "Convolution"
+    layout = BLOCKED
     min_bottoms = 1
     min_tops = 1
     equal_bottom_top = True
@@ -261,24 +207,10 @@ class BlockedConvolution(Layer):
         for i, b in enumerate(bottom[1:], 1):
             if _blocked_bottom(self, b, i) != layout or b.shape[1:] != bottom[0].shape[1:]:
                 raise self.error(f"bottom[{i}]", "all bottoms need one shape", b.shape, cls=ShapeError)
-        self.kh, self.kw = _spatial(self, p, "kernel_size")
-        self.sh, self.sw = _spatial(self, p, "stride", (1, 1))
-        self.ph, self.pw = _spatial(self, p, "pad", (0, 0))
-        dil = [int(d) for d in p.dilation] or [1]
-        if len(dil) > 2:
-            raise self.error("convolution_param.dilation", "give 1 or 2 values", dil)
-        self.dh, self.dw = (dil[0], dil[-1])
-        if min(self.kh, self.kw, self.sh, self.sw, self.dh, self.dw) < 1:
-            raise self.error("convolution_param", "kernel, stride and dilation must be positive",
-                             (self.kh, self.kw, self.sh, self.sw, self.dh, self.dw))
-        self.num_output = int(p.num_output)
-        if self.num_output < 1:
-            raise self.error("convolution_param.num_output", "must be positive", self.num_output)
-        self.group = int(p.group)
+        self.window = geometry.conv_window(self)
+        (self.kh, self.kw), (self.ph, self.pw), (self.sh, self.sw), (self.dh, self.dw) = self.window
         self.width, self.channels = layout.width, layout.channels
-        if self.group < 1 or self.channels % self.group or self.num_output % self.group:
-            raise self.error("convolution_param.group", f"must divide the {self.channels} input "
-                             f"and {self.num_output} output channels", self.group)
+        self.num_output, self.group = geometry.conv_channels(self, self.channels)
         self.bias_term = bool(p.bias_term)
         cg = self.channels // self.group
         specs = [((self.num_output, cg, self.kh, self.kw), p.weight_filler)]
@@ -300,11 +232,7 @@ class BlockedConvolution(Layer):
             raise self.error("bottom[0]", f"channels changed after setup (was {self.channels})",
                              layout.channels, cls=ShapeError)
         n, _, h, w, v = bottom[0].shape
-        self.oh = (h + 2 * self.ph - (self.dh * (self.kh - 1) + 1)) // self.sh + 1
-        self.ow = (w + 2 * self.pw - (self.dw * (self.kw - 1) + 1)) // self.sw + 1
-        if self.oh < 1 or self.ow < 1:
-            raise self.error("convolution_param.kernel_size", f"does not fit the {h}x{w} input "
-                             f"(pad {self.ph}x{self.pw})", (self.kh, self.kw), cls=ShapeError)
+        self.oh, self.ow = geometry.conv_output(self, self.window, h, w)
         for b, t in zip(bottom, top):
             if b.shape != bottom[0].shape:
                 raise self.error("bottom", "all bottoms need one shape", b.shape, cls=ShapeError)
@@ -393,9 +321,8 @@ class BlockedConvolution(Layer):
             _k.conv_forward(b.data, self._wt, bias, t.data, col, ybuf, *self._args())
 
     def backward(self, top, propagate_down, bottom):
-        pd = self.param_propagate_down
-        need_w = bool(pd and pd[0])
-        need_b = self.bias_term and len(pd) > 1 and bool(pd[1])
+        need_w = param_wanted(self, 0)
+        need_b = self.bias_term and param_wanted(self, 1)
         if not (need_w or need_b or any(propagate_down)):
             return
         if self.winograd:
@@ -421,74 +348,38 @@ class BlockedConvolution(Layer):
 # ---------------------------------------------------------------------------------------------
 # Pooling
 
-def pool_extent(size, k, s, p, ceil_mode=True):
-    """Caffe's pooled size: ceil (or floor) of (size + 2p - k) / s, + 1; with padding, a last
-    window starting at or past size + p is dropped."""
-    span = size + 2 * p - k
-    out = (-(-span // s) if ceil_mode else span // s) + 1
-    if p > 0 and (out - 1) * s >= size + p:
-        out -= 1
-    return out
-
-
+@register(variant=BLOCKED)
 class BlockedPooling(Layer):
     """MAX or AVE pooling on blocked blobs, windows and output sizes as Caffe's Pooling
-    (pooling_param: pool, kernel_size / kernel_h,w, stride, pad, global_pooling, round_mode).
-    MAX keeps the argmax (h * W + w) per lane for the backward."""
+    (pooling_param: pool, kernel_size / kernel_h,w, stride, pad, global_pooling, round_mode,
+    avg_include_pad). MAX keeps the argmax (h * W + w) per lane for the backward."""
     type = "Pooling"
+    layout = BLOCKED
     exact_bottoms = 1
     exact_tops = 1
 
     def setup(self, bottom, top):
         _kernels(self)
         p = self.param.pooling_param
-        P = caffe_pb2.PoolingParameter
-        if p.pool not in (P.MAX, P.AVE):
-            raise self.error("pooling_param.pool", "only MAX and AVE run on the blocked layout",
-                             P.PoolMethod.Name(p.pool), hint="Put an IntelUnpack before this layer")
-        if not p.avg_include_pad:
-            raise self.error("pooling_param.avg_include_pad", "only true (Caffe's rule) is "
-                             "supported", False)
+        self.method = pool_method(self)
         if p.axis != 1:
             raise self.error("pooling_param.axis", "the blocked layout pools axes 2, 3", p.axis)
-        self.method = p.pool
-        self.global_pooling = bool(p.global_pooling)
-        self.ceil_mode = p.round_mode == P.CEIL
-        if self.global_pooling:
-            if p.HasField("kernel_size") or p.HasField("kernel_h") or p.HasField("kernel_w"):
-                raise self.error("pooling_param.kernel_size", "is not allowed with global_pooling",
-                                 None)
-            self.kh = self.kw = None
-        else:
-            self.kh, self.kw = _spatial(self, p, "kernel_size")
-        self.ph, self.pw = _spatial(self, p, "pad", (0, 0))
-        self.sh, self.sw = _spatial(self, p, "stride", (1, 1))
-        if self.global_pooling and (self.ph or self.pw or self.sh != 1 or self.sw != 1):
-            raise self.error("pooling_param", "global pooling takes pad 0 and stride 1",
-                             (self.ph, self.pw, self.sh, self.sw))
-        if not self.global_pooling:
-            if min(self.kh, self.kw, self.sh, self.sw) < 1:
-                raise self.error("pooling_param", "kernel and stride must be positive",
-                                 (self.kh, self.kw, self.sh, self.sw))
-            if self.ph >= self.kh or self.pw >= self.kw:
-                raise self.error("pooling_param.pad", "must be smaller than the kernel",
-                                 (self.ph, self.pw))
+        self.window_param = geometry.pool_window(self)
+        self.ceil_mode = p.round_mode == caffe_pb2.PoolingParameter.CEIL
 
     def reshape(self, bottom, top):
         layout = _blocked_bottom(self, bottom[0])
         n, cb, h, w, v = bottom[0].shape
-        if self.global_pooling:
-            self.kh, self.kw = h, w
-        self.oh = pool_extent(h, self.kh, self.sh, self.ph, self.ceil_mode)
-        self.ow = pool_extent(w, self.kw, self.sw, self.pw, self.ceil_mode)
-        if self.oh < 1 or self.ow < 1:
-            raise self.error("pooling_param.kernel_size", f"does not fit the {h}x{w} input",
-                             (self.kh, self.kw), cls=ShapeError)
+        self.window = self.window_param.sized(h, w)
+        (self.kh, self.kw), (self.ph, self.pw), (self.sh, self.sw), _ = self.window
+        self.oh, self.ow = geometry.pool_output(self, self.window, h, w, self.ceil_mode)
         top[0].reshape(n, cb, self.oh, self.ow, v)
         top[0].layout = layout
         if self.method == caffe_pb2.PoolingParameter.MAX:
             if getattr(self, "mask", None) is None or self.mask.shape != top[0].shape:
                 self.mask = np.empty(top[0].shape, np.int32)
+        self.pad_ratio = geometry.pool_pad_ratio(self.param.pooling_param, self.window, h, w,
+                                                 self.oh, self.ow)
 
     def _geom(self):
         return self.kh, self.kw, self.sh, self.sw, self.ph, self.pw
@@ -498,6 +389,8 @@ class BlockedPooling(Layer):
             _k.pool_max_forward(bottom[0].data, top[0].data, self.mask, *self._geom())
         else:
             _k.pool_ave_forward(bottom[0].data, top[0].data, *self._geom())
+            if self.pad_ratio is not None:
+                top[0].data[...] *= self.pad_ratio[:, :, None]
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -505,25 +398,25 @@ class BlockedPooling(Layer):
         if self.method == caffe_pb2.PoolingParameter.MAX:
             _k.pool_max_backward(top[0].diff, self.mask, bottom[0].diff)
         else:
-            _k.pool_ave_backward(top[0].diff, bottom[0].diff, *self._geom())
+            _k.pool_ave_backward(scaled_top_diff(self, top[0]), bottom[0].diff, *self._geom())
 
 
 # ---------------------------------------------------------------------------------------------
 # LRN across channels
 
+@register(variant=BLOCKED)
 class BlockedLRN(Layer):
     """ACROSS_CHANNELS LRN on blocked blobs: y = x * (k + alpha/size * sum of x^2 over the
     `size` channels centred on c)^-beta, the window crossing blocks (lrn_param: local_size,
     alpha, beta, k). The backward recomputes the scale rather than keeping it.
-    WITHIN_CHANNEL runs the NCHW layer through unpack / pack (see _ViaPlain)."""
+    WITHIN_CHANNEL runs the NCHW layer through unpack / pack (BlockedLRNWithinChannel)."""
     type = "LRN"
+    layout = BLOCKED
     exact_bottoms = exact_tops = 1
 
-    @staticmethod
-    def select(param):
-        if param.lrn_param.norm_region == caffe_pb2.LRNParameter.ACROSS_CHANNELS:
-            return BlockedLRN
-        return _via_plain("LRN")
+    @classmethod
+    def wanted(cls, request):
+        return request.param.lrn_param.norm_region == caffe_pb2.LRNParameter.ACROSS_CHANNELS
 
     def setup(self, bottom, top):
         _kernels(self)
@@ -558,10 +451,12 @@ class BlockedLRN(Layer):
 # ---------------------------------------------------------------------------------------------
 # Concat
 
+@register(variant=BLOCKED)
 class BlockedConcat(Layer):
     """Concat of blocked blobs (concat_param.axis / concat_dim). Along channels, bottoms whose
     channel counts fill their blocks are copied block by block; otherwise lane by lane."""
     type = "Concat"
+    layout = BLOCKED
     min_bottoms = 1
     exact_tops = 1
 
@@ -654,8 +549,15 @@ class BlockedConcat(Layer):
 class _ViaPlain(Layer):
     """A per-channel NCHW layer (BatchNorm, Scale, WITHIN_CHANNEL LRN) run on blocked blobs by
     unpacking the bottoms and packing the tops around it. Correct, not fast: the copies cost
-    about as much as these layers themselves."""
+    about as much as these layers themselves. Subclasses name the NCHW class in `plain`."""
     plain = None
+    layout = BLOCKED
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in ("exact_bottoms", "min_bottoms", "max_bottoms", "exact_tops", "min_tops",
+                     "max_tops", "differentiable"):
+            setattr(cls, name, getattr(cls.plain, name))
 
     def __init__(self, param, phase=0, source=None):
         super().__init__(param, phase, source)
@@ -664,6 +566,7 @@ class _ViaPlain(Layer):
 
     def setup(self, bottom, top):
         _kernels(self)
+        self.inner.context = self.context
         for i, b in enumerate(bottom):
             _blocked_bottom(self, b, i)
         self.width = bottom[0].layout.width
@@ -709,34 +612,23 @@ class _ViaPlain(Layer):
                 _k.pack(ib.diff, b.diff)
 
 
-@functools.lru_cache(maxsize=None)
-def _via_plain(type_name):
-    plain = LAYERS.get(type_name)
-    if plain is None:
-        return None
-    return type(f"Blocked{type_name}", (_ViaPlain,), {"plain": plain, "type": type_name,
-                                                       "exact_bottoms": plain.exact_bottoms,
-                                                       "min_bottoms": plain.min_bottoms,
-                                                       "max_bottoms": plain.max_bottoms,
-                                                       "exact_tops": plain.exact_tops,
-                                                       "min_tops": plain.min_tops,
-                                                       "max_tops": plain.max_tops})
+@register(variant=VIA_NCHW)
+class BlockedBatchNorm(_ViaPlain):
+    type = "BatchNorm"
+    plain = BatchNorm
 
 
-def _via_plain_select(type_name):
-    class _Select:
-        @staticmethod
-        def select(param):
-            return _via_plain(type_name)
-    return _Select
+@register(variant=VIA_NCHW)
+class BlockedScale(_ViaPlain):
+    type = "Scale"
+    plain = Scale
 
 
-# type string -> blocked implementation (or an object whose select(param) returns one)
-BLOCKED = {
-    "Convolution": BlockedConvolution,
-    "Pooling": BlockedPooling,
-    "LRN": BlockedLRN,
-    "Concat": BlockedConcat,
-    "BatchNorm": _via_plain_select("BatchNorm"),
-    "Scale": _via_plain_select("Scale"),
-}
+@register(variant=VIA_NCHW)
+class BlockedLRNWithinChannel(_ViaPlain):
+    type = "LRN"
+    plain = LRN
+
+    @classmethod
+    def wanted(cls, request):
+        return request.param.lrn_param.norm_region == caffe_pb2.LRNParameter.WITHIN_CHANNEL

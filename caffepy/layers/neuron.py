@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import rng
 from ..kernels import neuron as kernels
-from ..layer import Layer, register
+from ..layer import ANY, Layer, register
 from ..proto import caffe_pb2
 from .common import constant_filler, param_wanted
 
@@ -20,7 +20,7 @@ class Neuron(Layer):
     """Base: shape the top like the bottom; keep x aside for in-place layers that need it."""
     exact_bottoms = 1
     exact_tops = 1
-    accepts_blocked = True
+    layout = ANY
     keeps_input = False
     _saved = None     # the input of an in-place forward, for `keeps_input` layers
 

@@ -5,10 +5,13 @@
 
 `module` is imported from sys.path or the current directory; `layer` names a class in it
 that subclasses caffepy.Layer (pycaffe's caffe.Layer) and defines setup / reshape / forward /
-backward(top, propagate_down, bottom). Before setup it gets `self.param_str` and `self.phase`,
-and `self.blobs.add_blob(*shape)` creates a learnable blob, as in pycaffe.
+backward(top, propagate_down, bottom); any of them may be left out, as pycaffe's base class
+allows (a layer may define only setup; a forward left out is reported when the net runs it).
+Before setup it gets `self.param_str` and `self.phase`, and `self.blobs.add_blob(*shape)`
+creates a learnable blob, as in pycaffe.
 python_param { module layer param_str share_in_parallel (ignored: one process per rank) }.
 """
+import functools
 import importlib
 import os
 import sys
@@ -79,11 +82,30 @@ def _user_class(param, source):
     if not (isinstance(cls, type) and issubclass(cls, Layer)):
         raise layer_error(where, "python_param.layer", "must name a subclass of caffepy.Layer (caffe.Layer)",
                           f"'{p.layer}' in '{p.module}'")
-    for method in ("reshape", "forward"):
-        if getattr(cls, method) is getattr(Layer, method):
-            raise layer_error(where, "python_param.layer", f"class must define {method}(bottom, top)",
-                              f"'{p.layer}' in '{p.module}'")
-    return cls
+    return _with_defaults(cls)
+
+
+class _Defaults:
+    """What caffe.Layer supplies to a Python layer that leaves reshape or forward out (a layer
+    may define only setup): reshape leaves the tops as they are; forward says what is missing."""
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward(self, bottom, top):
+        p = self.param.python_param
+        raise layer_error(self, "python_param.layer", "class must define forward(bottom, top)",
+                          f"'{p.layer}' in '{p.module}'")
+
+
+@functools.lru_cache(maxsize=None)
+def _with_defaults(cls):
+    missing = {name: getattr(_Defaults, name) for name in ("reshape", "forward")
+               if getattr(cls, name) is getattr(Layer, name)}
+    if not missing:
+        return cls
+    return type(cls.__name__, (cls,), {**missing, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
 
 @register

@@ -2,9 +2,12 @@
 
 The arithmetic lives in caffepy.kernels.vision (im2col + sgemm without the GIL,
 OpenMP over images); these classes read parameters, check shapes and own buffers.
+Windows and output sizes (kernel, pad, stride, dilation, Caffe's rounding) come from
+caffepy.geometry, which the blocked versions (layers/intel.py) read too.
 """
 import numpy as np
 
+from .. import geometry
 from ..errors import ShapeError
 from ..kernels import vision as kv
 from ..layer import Layer, canonical_axis, register
@@ -12,21 +15,6 @@ from ..proto import caffe_pb2
 from .common import param_wanted
 
 _NO_BUFFER = np.zeros(0, np.float32)
-
-
-def _pair(layer, repeated, h, w, has_h, default, name):
-    """Caffe's 2-D geometry: `name: v` (one or two values) or `name_h`/`name_w`."""
-    if has_h:
-        if len(repeated):
-            raise layer.error(name, f"give either {name} or {name}_h/{name}_w, not both")
-        return int(h), int(w)
-    if len(repeated) == 0:
-        return default, default
-    if len(repeated) == 1:
-        return int(repeated[0]), int(repeated[0])
-    if len(repeated) == 2:
-        return int(repeated[0]), int(repeated[1])
-    raise layer.error(name, "caffepy supports 2-D spatial geometry (1 or 2 values)", len(repeated))
 
 
 class _ConvBase(Layer):
@@ -41,25 +29,11 @@ class _ConvBase(Layer):
             raise self.error("convolution_param.axis", "caffepy supports the channel axis 1", p.axis)
         if bottom[0].num_axes != 4:
             raise self.error("bottom", "needs a 4-axis (N, C, H, W) blob", bottom[0].shape, cls=ShapeError)
-        self.kernel = _pair(self, p.kernel_size, p.kernel_h, p.kernel_w,
-                            p.HasField("kernel_h") or p.HasField("kernel_w"), None, "kernel_size")
-        if self.kernel[0] is None or min(self.kernel) < 1:
-            raise self.error("convolution_param.kernel_size", "must be set and positive", self.kernel)
-        self.pad = _pair(self, p.pad, p.pad_h, p.pad_w, p.HasField("pad_h") or p.HasField("pad_w"), 0, "pad")
-        self.stride = _pair(self, p.stride, p.stride_h, p.stride_w,
-                            p.HasField("stride_h") or p.HasField("stride_w"), 1, "stride")
-        self.dilation = _pair(self, p.dilation, 1, 1, False, 1, "dilation")
-        if min(self.stride) < 1 or min(self.dilation) < 1:
-            raise self.error("convolution_param.stride", "stride and dilation must be positive",
-                             self.stride + self.dilation)
-        if not p.HasField("num_output") or p.num_output < 1:
-            raise self.error("convolution_param.num_output", "must be set and positive", p.num_output)
-        self.group = p.group
+        window = geometry.conv_window(self)
+        self.window = window
+        self.kernel, self.pad, self.stride, self.dilation = window
         self.channels = bottom[0].shape[1]
-        self.num_output = p.num_output
-        if self.group < 1 or self.channels % self.group or self.num_output % self.group:
-            raise self.error("convolution_param.group", f"must divide the input channels ({self.channels}) "
-                             f"and num_output ({self.num_output})", self.group)
+        self.num_output, self.group = geometry.conv_channels(self, self.channels)
         self.bias_term = p.bias_term
         kh, kw = self.kernel
         specs = [(self.weight_shape(kh, kw), p.weight_filler)]
@@ -68,7 +42,7 @@ class _ConvBase(Layer):
         self.init_param_blobs(specs)
         self.col_buffer = _NO_BUFFER
 
-    def geometry(self):
+    def conv_args(self):
         return (*self.pad, *self.stride, *self.dilation, self.group)
 
     def reshape(self, bottom, top):
@@ -79,9 +53,6 @@ class _ConvBase(Layer):
                                  b.shape, cls=ShapeError)
         n, _, h, w = first
         oh, ow = self.output_size(h, w)
-        if oh < 1 or ow < 1:
-            raise self.error("kernel_size", f"kernel {self.kernel} (pad {self.pad}, dilation "
-                             f"{self.dilation}) does not fit the {h}x{w} input", cls=ShapeError)
         for t in top:
             t.reshape(n, self.top_channels(), oh, ow)
         need = self.workspace(h, w, oh, ow)
@@ -113,7 +84,7 @@ class Convolution(_ConvBase):
         return (self.num_output, self.channels // self.group, kh, kw)
 
     def output_size(self, h, w):
-        return kv.conv_output_shape(h, w, *self.kernel, *self.pad, *self.stride, *self.dilation)
+        return geometry.conv_output(self, self.window, h, w)
 
     def workspace(self, h, w, oh, ow):
         return kv.conv_workspace_size(self.channels, *self.kernel, oh, ow,
@@ -122,13 +93,13 @@ class Convolution(_ConvBase):
     def forward(self, bottom, top):
         for b, t in zip(bottom, top):
             kv.conv_forward(b.data, self.blobs[0].data, self._bias(), t.data, self.col_buffer,
-                            *self.geometry())
+                            *self.conv_args())
 
     def backward(self, top, propagate_down, bottom):
         wdiff, bdiff = self.param_diffs()
         for t, down, b in zip(top, propagate_down, bottom):
             kv.conv_backward(t.diff, b.data, self.blobs[0].data, wdiff, bdiff,
-                             b.diff if down else None, self._ensure_backward_buffer(b), *self.geometry())
+                             b.diff if down else None, self._ensure_backward_buffer(b), *self.conv_args())
 
     def _ensure_backward_buffer(self, b):
         # TEST-phase nets size the buffer without weight partials; grow it on first backward
@@ -151,7 +122,7 @@ class Deconvolution(_ConvBase):
         return (self.channels, self.num_output // self.group, kh, kw)
 
     def output_size(self, h, w):
-        return kv.deconv_output_shape(h, w, *self.kernel, *self.pad, *self.stride, *self.dilation)
+        return geometry.deconv_output(self, self.window, h, w)
 
     def workspace(self, h, w, oh, ow):
         # the geometry of the convolution it inverts: top channels and the bottom's size
@@ -160,13 +131,13 @@ class Deconvolution(_ConvBase):
     def forward(self, bottom, top):
         for b, t in zip(bottom, top):
             kv.deconv_forward(b.data, self.blobs[0].data, self._bias(), t.data, self.col_buffer,
-                              *self.geometry())
+                              *self.conv_args())
 
     def backward(self, top, propagate_down, bottom):
         wdiff, bdiff = self.param_diffs()
         for t, down, b in zip(top, propagate_down, bottom):
             kv.deconv_backward(t.diff, b.data, self.blobs[0].data, wdiff, bdiff,
-                               b.diff if down else None, self.col_buffer, *self.geometry())
+                               b.diff if down else None, self.col_buffer, *self.conv_args())
 
 
 @register
@@ -174,8 +145,9 @@ class Pooling(Layer):
     """MAX or AVE pooling over kernel windows, with Caffe's ceil rounding of the output size.
 
     pooling_param: pool, kernel_size | kernel_h/w, stride | stride_h/w, pad | pad_h/w,
-    global_pooling, round_mode. MAX keeps the argmax for backward (and as an optional
-    second top); AVE divides by the window clipped to the padded image.
+    global_pooling, round_mode, avg_include_pad. MAX keeps the argmax for backward (and as an
+    optional second top); AVE divides by the window clipped to the padded image, or with
+    avg_include_pad false by the window clipped to the image.
     """
     exact_bottoms = 1
     min_tops = 1
@@ -185,57 +157,34 @@ class Pooling(Layer):
         p = self.param.pooling_param
         if bottom[0].num_axes != 4:
             raise self.error("bottom", "needs a 4-axis (N, C, H, W) blob", bottom[0].shape, cls=ShapeError)
-        if p.pool == p.STOCHASTIC:
-            raise self.error("pooling_param.pool", "STOCHASTIC pooling is not supported", hint="use MAX or AVE")
-        self.pool = p.pool
+        self.pool = pool_method(self)
         if len(top) == 2 and self.pool != p.MAX:
             raise self.error("top", "only MAX pooling has a second (mask) top", len(top))
-        self.global_pooling = p.global_pooling
-        has_kernel = p.HasField("kernel_size") or p.HasField("kernel_h") or p.HasField("kernel_w")
-        if self.global_pooling:
-            if has_kernel:
-                raise self.error("pooling_param.kernel_size", "global_pooling sets the kernel; remove it")
-        elif p.HasField("kernel_size") and (p.HasField("kernel_h") or p.HasField("kernel_w")):
-            raise self.error("pooling_param.kernel_size", "give kernel_size or kernel_h/kernel_w, not both")
-        elif not has_kernel:
-            raise self.error("pooling_param.kernel_size", "must be set (or use global_pooling)")
-        elif not p.HasField("kernel_size") and not (p.HasField("kernel_h") and p.HasField("kernel_w")):
-            raise self.error("pooling_param.kernel_h", "kernel_h and kernel_w go together")
-        self.kernel_param = (p.kernel_size, p.kernel_size) if p.HasField("kernel_size") else (p.kernel_h, p.kernel_w)
-        self.pad = (p.pad_h, p.pad_w) if (p.HasField("pad_h") or p.HasField("pad_w")) else (p.pad, p.pad)
-        self.stride = (p.stride_h, p.stride_w) if (p.HasField("stride_h") or p.HasField("stride_w")) \
-            else (p.stride, p.stride)
-        if self.global_pooling and (self.pad != (0, 0) or self.stride != (1, 1)):
-            raise self.error("pooling_param", "global pooling needs pad 0 and stride 1",
-                             f"pad {self.pad}, stride {self.stride}")
-        if min(self.kernel_param) < 1 and not self.global_pooling:
-            raise self.error("pooling_param.kernel_size", "must be positive", self.kernel_param)
-        if self.pad[0] >= max(self.kernel_param[0], 1) and not self.global_pooling \
-                or self.pad[1] >= max(self.kernel_param[1], 1) and not self.global_pooling:
-            raise self.error("pooling_param.pad", "must be smaller than the kernel", self.pad)
+        self.window_param = geometry.pool_window(self)
         self.ceil = p.round_mode == p.CEIL
         self.mask = None
 
     def reshape(self, bottom, top):
         n, c, h, w = bottom[0].shape
-        self.kernel = (h, w) if self.global_pooling else self.kernel_param
-        try:
-            oh, ow = kv.pool_output_shape(h, w, *self.kernel, *self.stride, *self.pad, self.ceil)
-        except ValueError as e:
-            raise self.error("pooling_param", str(e), cls=ShapeError) from None
+        self.window = self.window_param.sized(h, w)
+        self.kernel, self.pad, self.stride, _ = self.window
+        oh, ow = geometry.pool_output(self, self.window, h, w, self.ceil)
         for t in top:
             t.reshape(n, c, oh, ow)
         if self.pool == caffe_pb2.PoolingParameter.MAX and (self.mask is None or self.mask.shape != top[0].shape):
             self.mask = np.zeros(top[0].shape, np.int32)
+        self.pad_ratio = geometry.pool_pad_ratio(self.param.pooling_param, self.window, h, w, oh, ow)
 
     def forward(self, bottom, top):
-        geometry = (*self.kernel, *self.stride, *self.pad)
+        args = (*self.kernel, *self.stride, *self.pad)
         if self.pool == caffe_pb2.PoolingParameter.MAX:
-            kv.max_pool_forward(bottom[0].data, top[0].data, self.mask, *geometry)
+            kv.max_pool_forward(bottom[0].data, top[0].data, self.mask, *args)
             if len(top) == 2:
                 top[1].data[...] = self.mask
         else:
-            kv.ave_pool_forward(bottom[0].data, top[0].data, *geometry)
+            kv.ave_pool_forward(bottom[0].data, top[0].data, *args)
+            if self.pad_ratio is not None:
+                top[0].data[...] *= self.pad_ratio
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -243,7 +192,30 @@ class Pooling(Layer):
         if self.pool == caffe_pb2.PoolingParameter.MAX:
             kv.max_pool_backward(top[0].diff, self.mask, bottom[0].diff)
         else:
-            kv.ave_pool_backward(top[0].diff, bottom[0].diff, *self.kernel, *self.stride, *self.pad)
+            kv.ave_pool_backward(scaled_top_diff(self, top[0]), bottom[0].diff,
+                                 *self.kernel, *self.stride, *self.pad)
+
+
+def pool_method(layer):
+    """pooling_param.pool, MAX or AVE (STOCHASTIC is refused on every path)."""
+    p = layer.param.pooling_param
+    if p.pool not in (p.MAX, p.AVE):
+        raise layer.error("pooling_param.pool", "only MAX and AVE are supported",
+                          p.PoolMethod.Name(p.pool))
+    return p.pool
+
+
+def scaled_top_diff(layer, t):
+    """The top diff the AVE kernels' backward gets: as is, or times the layer's pad_ratio
+    (avg_include_pad false; the blocked Pooling uses it too)."""
+    if layer.pad_ratio is None:
+        return t.diff
+    ratio = layer.pad_ratio if t.num_axes == 4 else layer.pad_ratio[:, :, None]
+    scaled = getattr(layer, "_scaled", None)
+    if scaled is None or scaled.shape != t.shape:
+        scaled = layer._scaled = np.empty(t.shape, np.float32)
+    np.multiply(t.diff, ratio, out=scaled)
+    return scaled
 
 
 @register
@@ -253,31 +225,19 @@ class Im2col(Layer):
     exact_tops = 1
 
     def setup(self, bottom, top):
-        p = self.param.convolution_param
-        self.kernel = _pair(self, p.kernel_size, p.kernel_h, p.kernel_w,
-                            p.HasField("kernel_h") or p.HasField("kernel_w"), None, "kernel_size")
-        if self.kernel[0] is None or min(self.kernel) < 1:
-            raise self.error("convolution_param.kernel_size", "must be set and positive", self.kernel)
-        self.pad = _pair(self, p.pad, p.pad_h, p.pad_w, p.HasField("pad_h") or p.HasField("pad_w"), 0, "pad")
-        self.stride = _pair(self, p.stride, p.stride_h, p.stride_w,
-                            p.HasField("stride_h") or p.HasField("stride_w"), 1, "stride")
-        self.dilation = _pair(self, p.dilation, 1, 1, False, 1, "dilation")
+        self.window = geometry.conv_window(self)
+        self.kernel = self.window.kernel
 
     def reshape(self, bottom, top):
         if bottom[0].num_axes != 4:
             raise self.error("bottom", "needs a 4-axis (N, C, H, W) blob", bottom[0].shape, cls=ShapeError)
         n, c, h, w = bottom[0].shape
-        oh, ow = kv.conv_output_shape(h, w, *self.kernel, *self.pad, *self.stride, *self.dilation)
-        if oh < 1 or ow < 1:
-            raise self.error("kernel_size", f"does not fit the {h}x{w} input", self.kernel, cls=ShapeError)
+        oh, ow = geometry.conv_output(self, self.window, h, w)
         top[0].reshape(n, c * self.kernel[0] * self.kernel[1], oh, ow)
-
-    def _geometry(self):
-        return (*self.kernel, *self.pad, *self.stride, *self.dilation)
 
     def forward(self, bottom, top):
         n, k = top[0].shape[:2]
-        kv.im2col_batch(bottom[0].data, *self._geometry(), top[0].data.reshape(n, k, -1))
+        kv.im2col_batch(bottom[0].data, *self.window.args(), top[0].data.reshape(n, k, -1))
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -285,7 +245,7 @@ class Im2col(Layer):
         n, k = top[0].shape[:2]
         cols = top[0].diff.reshape(n, k, -1)
         for i in range(n):
-            kv.col2im(cols[i], *self._geometry(), bottom[0].diff[i])
+            kv.col2im(cols[i], *self.window.args(), bottom[0].diff[i])
 
 
 @register

@@ -4,7 +4,9 @@ rank 0 of 1 unless the train command runs under an MPI launcher with N > 1.
     mpi.py          launcher detection, MPI start, the abort-everyone excepthook,
                     attach(solver): consistency check, weight broadcast, strategy
     allreduce.py    bucketed gradient allreduce overlapped with backward
-    strategies.py   data parallel, model-parallel InnerProduct, hybrid
+    model_parallel.py  the model-parallel InnerProduct, a layer variant the factory picks
+                    under a distributed context (registered when this package is imported)
+    strategies.py   data parallel, hybrid (data + model parallel)
     split_db.py     one LMDB -> N shards `<prefix>_<r>` for split-DB training
 
 Data layers read `world.rank` / `world.size` at setup (shared DB: rank r reads
@@ -22,3 +24,9 @@ class World(RunContext):
 
 
 world = World()
+
+# each rank's share of the cores, before the layer below imports the compiled kernels: OpenMP
+# reads OMP_NUM_THREADS once, when it loads
+from .mpi import share_cores  # noqa: E402
+share_cores()
+from . import model_parallel  # noqa: E402,F401  (registers the model-parallel InnerProduct)

@@ -4,8 +4,9 @@
 never pays for MPI start-up. `init_world()` starts MPI and fills
 `caffepy.parallel.world` (the train command calls it before building nets,
 because data layers pick their records by rank). `attach(solver)` checks that
-every rank runs the same net and solver, and installs the training strategy
-(data parallel, or hybrid when the net marks model-parallel layers).
+every rank runs the same net and solver, gives the train net the world as its
+run context, and installs the training strategy (data parallel, or hybrid when
+the net marks model-parallel layers).
 
 Failure: an uncaught exception on any rank (in any thread) prints one line
 `[rank N] <cause>` and calls MPI Abort, which ends every rank; a rank that
@@ -366,6 +367,9 @@ def attach(solver):
     with watchdog.waiting("the definition check at start-up"):
         check_same_everywhere("the solver definition (SolverParameter)", digest(solver.param))
         check_same_everywhere("the train net definition (NetParameter)", digest(solver.net.param))
+    # the Solver built its train net before it knew the run; from here the factory picks the
+    # model-parallel InnerProduct where the prototxt marks one (test nets run on rank 0 alone)
+    solver.net.use_context(world)
     strategy = make_strategy(solver, world)
     solver.hooks.append(strategy)
     return strategy

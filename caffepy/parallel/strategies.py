@@ -4,91 +4,36 @@ Data parallel (the default): every rank holds all the weights and runs its own
 local batch; gradients are averaged with an allreduce overlapped with backward
 (allreduce.py), so every rank applies the same update.
 
-Hybrid (Intel's AlexNet layout): InnerProduct layers marked model-parallel
-keep only rank r's slice of the outputs (rows r*M/N .. (r+1)*M/N of the
-weights, the same slice of the bias). Each such layer
-    forward:  allgather the local bottoms into the global batch (N*b, K),
-              compute its output slice (N*b, M/N), and alltoall so each rank
-              gets its own rows with every output (b, M);
-    backward: alltoall the top diff back to (N*b, M/N) slices, accumulate the
-              weight gradient of its slice over the global batch, and
-              reduce-scatter the partial bottom gradients (summed over ranks)
-              back to each rank's (b, K).
-Everything around these layers stays data parallel. A layer is model-parallel
-when its prototxt says so, with Intel Caffe's fields:
-    layer { type: "InnerProduct" ... multinode { model_parts: 0 } }   # 0 = all ranks
-or for a range of layers at the net level:
-    multinode { model_parallel { layer_from: "fc6" layer_to: "fc8" model_parts: 0 } }
-Only splitting over all ranks is supported (model_parts 0 or N, num_nodes 0 or N);
-when N does not divide num_output the first num_output % N ranks hold one more.
+Hybrid (Intel's AlexNet layout): the InnerProduct layers the prototxt marks
+model-parallel are the factory's model-parallel variant under a distributed
+context (model_parallel.py: each rank keeps a slice of the outputs); the
+strategy finds them in the train net, has them keep their rows once rank 0's
+weights are everywhere, and keeps the solver state, snapshots and the test
+nets' full copies of their weights consistent. Everything around them stays
+data parallel.
 """
 import numpy as np
 
 from .. import log
-from ..errors import ParallelError, layer_error
-from ..layers.common import gemm_into
+from ..layer import MODEL_PARALLEL
 from . import watchdog
 from .allreduce import GradientReducer
+from .model_parallel import model_parallel_names
 
 
 def make_strategy(solver, world):
-    mp_layers = model_parallel_layers(solver.net, world.size)
+    model_parallel_layers(solver.net, world.size)         # every multinode setting is valid
+    mp_layers = [li for li, layer in enumerate(solver.net.layers) if layer.variant == MODEL_PARALLEL]
     if mp_layers:
         return Hybrid(solver, world, mp_layers)
     return DataParallel(solver, world)
 
 
 # -- which layers are model parallel ------------------------------------------
-def _split_over_all(parts, nodes, size):
-    return parts in (0, size) or (parts > size and nodes in (0, size))
-
-
 def model_parallel_layers(net, size):
-    """Indices of the net's layers split across ranks (prototxt `multinode` settings)."""
-    chosen = []
-    names = [layer.name for layer in net.layers]
-    ranges = []
-    for mp in net.param.multinode.model_parallel:
-        if mp.layer_from not in names:
-            raise ParallelError(f"{net.source}: multinode.model_parallel.layer_from: no layer named "
-                                f"'{mp.layer_from}'")
-        last = mp.layer_to or mp.layer_from
-        if last not in names:
-            raise ParallelError(f"{net.source}: multinode.model_parallel.layer_to: no layer named "
-                                f"'{last}'")
-        parts = mp.model_parts
-        nodes = mp.num_nodes
-        if parts == 1:
-            continue
-        if not _split_over_all(parts, nodes, size):
-            raise ParallelError(f"{net.source}: multinode.model_parallel.model_parts: only splitting "
-                                f"over all {size} ranks is supported (0 or {size}), got {parts}")
-        ranges.append((names.index(mp.layer_from), names.index(last)))
-    for li, layer in enumerate(net.layers):
-        in_range = any(lo <= li <= hi for lo, hi in ranges)
-        lp = layer.param
-        marked = lp.HasField("multinode") and lp.multinode.model_parts != 1
-        if marked and not _split_over_all(lp.multinode.model_parts, lp.multinode.num_nodes, size):
-            raise layer_error(layer, "multinode.model_parts", "only splitting over all "
-                              f"{size} ranks is supported (0 or {size})", lp.multinode.model_parts,
-                              cls=ParallelError)
-        if not (marked or in_range):
-            continue
-        if layer.type != "InnerProduct":
-            if marked:
-                raise layer_error(layer, "multinode", "model parallelism is implemented for "
-                                  "InnerProduct layers only", layer.type, cls=ParallelError)
-            continue                # layers inside a model_parallel range stay data parallel
-        ip = lp.inner_product_param
-        if ip.transpose:
-            raise layer_error(layer, "inner_product_param.transpose", "model-parallel InnerProduct "
-                              "needs untransposed weights", True, cls=ParallelError)
-        if ip.num_output < size:
-            raise layer_error(layer, "inner_product_param.num_output", f"must be at least the "
-                              f"number of ranks ({size}) to split it across them", ip.num_output,
-                              cls=ParallelError)
-        chosen.append(li)
-    return chosen
+    """Indices of the net's layers split across `size` ranks (prototxt `multinode` settings)."""
+    names = set(model_parallel_names(net.param, size, net.source))
+    return [li for li, layer in enumerate(net.layers) if layer.name in names]
 
 
 # -- the strategies -----------------------------------------------------------
@@ -247,32 +192,30 @@ def _in_place():
 
 
 class Hybrid(DataParallel):
-    """Data-parallel everywhere except model-parallel InnerProduct layers."""
+    """Data-parallel everywhere except the model-parallel InnerProduct layers."""
 
     name = "hybrid (data + model parallel)"
 
     def __init__(self, solver, world, layer_indices):
         super().__init__(solver, world)
-        self.layer_indices = layer_indices
-        self.wrappers = []
-        self.split_rows = {}         # learnable-param index -> its wrapper
+        self.layers = [solver.net.layers[li] for li in layer_indices]
+        self.split_rows = {}         # learnable-param index -> its model-parallel layer
+        self._split_done = False
         self._after_update = False
 
     def setup_split(self, solver):
-        if self.wrappers:
+        if self._split_done:
             return
-        net = solver.net
-        index = {id(b): i for i, b in enumerate(net.learnable_params)}
-        for li in self.layer_indices:
-            layer = net.layers[li]
-            wrapper = ModelParallelInnerProduct(layer, self.comm)
-            self.wrappers.append(wrapper)
+        self._split_done = True
+        index = {id(b): i for i, b in enumerate(solver.net.learnable_params)}
+        for layer in self.layers:
+            layer.keep_own_rows()              # rank 0's full weights are everywhere by now
             for blob in layer.blobs:
                 if id(blob) in index:
                     self.split.add(index[id(blob)])
-                    self.split_rows[index[id(blob)]] = wrapper
-            log.info(f"Layer {layer.name}: model parallel, {wrapper.m} of {wrapper.M} outputs "
-                     f"on this rank")
+                    self.split_rows[index[id(blob)]] = layer
+            log.info(f"Layer {layer.name}: model parallel, {layer.m} of {layer.num_output} "
+                     f"outputs on this rank")
         self._slice_solver_state(solver)
         self._unshare_test_weights(solver)
         self._wrap_snapshot(solver)
@@ -281,8 +224,8 @@ class Hybrid(DataParallel):
     def before_update(self, solver):
         super().before_update(solver)
         scale = np.float32(1.0 / self.world.size)
-        for wrapper in self.wrappers:
-            for blob in wrapper.layer.blobs:
+        for layer in self.layers:
+            for blob in layer.blobs:
                 blob.diff[...] *= scale
         self._after_update = True
 
@@ -306,18 +249,18 @@ class Hybrid(DataParallel):
         self._solver = solver
         for _, arrays, n in self._history_lists(solver):
             for j, array in enumerate(arrays):
-                wrapper = self.split_rows.get(j % n)
-                if wrapper is not None and array.shape[0] == wrapper.M:
-                    arrays[j] = np.ascontiguousarray(array[wrapper.rows])
+                layer = self.split_rows.get(j % n)
+                if layer is not None and array.shape[0] == layer.num_output:
+                    arrays[j] = np.ascontiguousarray(array[layer.rows])
 
     # -- full weights where a whole model is needed (snapshots, tests on rank 0)
-    def _gather(self, wrapper, array):
-        """Rank 0 gets the full (M, ...) array from every rank's row slice; others None."""
+    def _gather(self, layer, array):
+        """Rank 0 gets the full (num_output, ...) array from every rank's row slice; others None."""
         from mpi4py import MPI
         rest = int(np.prod(array.shape[1:], dtype=np.int64))
-        counts = [m * rest for m in wrapper.counts]
-        displs = [o * rest for o in wrapper.offsets]
-        full = (np.empty((wrapper.M,) + array.shape[1:], np.float32)
+        counts = [m * rest for m in layer.counts]
+        displs = [o * rest for o in layer.offsets]
+        full = (np.empty((layer.num_output,) + array.shape[1:], np.float32)
                 if self.world.rank == 0 else None)
         self.comm.Gatherv(np.ascontiguousarray(array, np.float32),
                           [full, counts, displs, MPI.FLOAT] if full is not None else None, root=0)
@@ -331,9 +274,8 @@ class Hybrid(DataParallel):
             # every rank reaches a snapshot at the same iteration (periodic, or the
             # agreed signal action); only rank 0 writes
             saved_blobs = []
-            for wrapper in self.wrappers:
-                layer = wrapper.layer
-                full = [self._gather(wrapper, blob.data) for blob in layer.blobs]
+            for layer in self.layers:
+                full = [self._gather(layer, blob.data) for blob in layer.blobs]
                 saved_blobs.append((layer, layer.blobs))
                 if self.world.rank == 0:
                     layer.blobs = [Blob(name=b.name) for b in layer.blobs]
@@ -343,9 +285,9 @@ class Hybrid(DataParallel):
             for _, arrays, n in self._history_lists(solver):
                 saved_lists.append((arrays, list(arrays)))
                 for j, array in enumerate(arrays):
-                    wrapper = self.split_rows.get(j % n)
-                    if wrapper is not None:
-                        full = self._gather(wrapper, array)
+                    layer = self.split_rows.get(j % n)
+                    if layer is not None:
+                        full = self._gather(layer, array)
                         if full is not None:
                             arrays[j] = full
             try:
@@ -362,19 +304,19 @@ class Hybrid(DataParallel):
         """Test nets (run on rank 0 alone) keep full copies of the split layers' weights."""
         from ..blob import Blob
         self._test_copies = []
-        names = {w.layer.name: w for w in self.wrappers}
+        names = {layer.name: layer for layer in self.layers}
         for net in getattr(solver, "test_nets", []) or []:
             for layer in net.layers:
-                wrapper = names.get(layer.name)
-                if wrapper is None or not layer.blobs:
+                split = names.get(layer.name)
+                if split is None or not layer.blobs:
                     continue
                 fresh = []
                 for blob in layer.blobs:
                     copy = Blob(name=blob.name)
-                    copy.set_data(np.zeros((wrapper.M,) + tuple(blob.shape[1:]), np.float32))
+                    copy.set_data(np.zeros((split.num_output,) + tuple(blob.shape[1:]), np.float32))
                     fresh.append(copy)
                 layer.blobs = fresh
-                self._test_copies.append((wrapper, layer))
+                self._test_copies.append((split, layer))
 
     def _refresh_test_weights(self, solver):
         p = solver.param
@@ -382,94 +324,8 @@ class Hybrid(DataParallel):
             return
         if solver.iter == 0 and not p.test_initialization:
             return
-        for wrapper, layer in self._test_copies:
-            for source, target in zip(wrapper.layer.blobs, layer.blobs):
-                full = self._gather(wrapper, source.data)
+        for split, layer in self._test_copies:
+            for source, target in zip(split.blobs, layer.blobs):
+                full = self._gather(split, source.data)
                 if full is not None:
                     target.data[...] = full
-
-
-class ModelParallelInnerProduct:
-    """Takes over one InnerProduct layer: its weights become this rank's row slice
-    (rank r holds outputs offsets[r] .. offsets[r] + counts[r]; the first M % N
-    ranks hold one more)."""
-
-    def __init__(self, layer, comm):
-        self.layer = layer
-        self.comm = comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        ip = layer.param.inner_product_param
-        self.M = ip.num_output
-        base, extra = divmod(self.M, self.size)
-        self.counts = [base + (1 if r < extra else 0) for r in range(self.size)]
-        self.offsets = [sum(self.counts[:r]) for r in range(self.size)]
-        self.m = self.counts[self.rank]
-        self.rows = slice(self.offsets[self.rank], self.offsets[self.rank] + self.m)
-        for blob in layer.blobs:
-            blob.set_data(blob.data[self.rows].copy())
-        self.bias = ip.bias_term
-        self.outer = None
-        layer.reshape = self.reshape
-        layer.forward = self.forward
-        layer.backward = self.backward
-
-    def reshape(self, bottom, top):
-        shape = bottom[0].shape
-        axis = self.layer.param.inner_product_param.axis % len(shape)
-        outer = int(np.prod(shape[:axis], dtype=np.int64))
-        K = int(np.prod(shape[axis:], dtype=np.int64))
-        if K != self.layer.blobs[0].shape[1]:
-            raise self.layer.error("bottom", f"input size from axis {axis} must be "
-                                   f"{self.layer.blobs[0].shape[1]} (the weights' K)", K)
-        top[0].reshape(tuple(shape[:axis]) + (self.M,))
-        if outer == self.outer and K == getattr(self, "K", None):
-            return
-        self.outer, self.K = outer, K
-        n = self.size * outer
-        self.x_all = np.empty((n, K), np.float32)
-        self.y_part = np.empty((n, self.m), np.float32)
-        self.dy_all = np.empty((n, self.m), np.float32)
-        self.exchange = np.empty(outer * self.M, np.float32)      # (outer, m_s) blocks by rank
-        self.dx = np.empty((outer, K), np.float32)
-        self.block_counts = [outer * m for m in self.counts]
-        self.block_displs = [outer * o for o in self.offsets]
-
-    def _blocks(self):
-        return [self.exchange[d:d + c].reshape(self.outer, c // self.outer if self.outer else 0)
-                for d, c in zip(self.block_displs, self.block_counts)]
-
-    def forward(self, bottom, top):
-        from mpi4py import MPI
-        x = np.ascontiguousarray(bottom[0].data.reshape(self.outer, self.K))
-        self.comm.Allgather(x, self.x_all)
-        gemm_into(self.x_all, self.layer.blobs[0].data.T, self.y_part)
-        if self.bias:
-            self.y_part += self.layer.blobs[1].data
-        # rows of rank s (block s of y_part) go to rank s; from rank s come my rows of its outputs
-        sends = [self.outer * self.m] * self.size
-        sdispl = [s * self.outer * self.m for s in range(self.size)]
-        self.comm.Alltoallv([self.y_part, (sends, sdispl), MPI.FLOAT],
-                            [self.exchange, (self.block_counts, self.block_displs), MPI.FLOAT])
-        y = top[0].data.reshape(self.outer, self.M)
-        for block, offset, count in zip(self._blocks(), self.offsets, self.counts):
-            y[:, offset:offset + count] = block
-
-    def backward(self, top, propagate_down, bottom):
-        from mpi4py import MPI
-        dy = top[0].diff.reshape(self.outer, self.M)
-        for block, offset, count in zip(self._blocks(), self.offsets, self.counts):
-            block[...] = dy[:, offset:offset + count]
-        recvs = [self.outer * self.m] * self.size
-        rdispl = [s * self.outer * self.m for s in range(self.size)]
-        self.comm.Alltoallv([self.exchange, (self.block_counts, self.block_displs), MPI.FLOAT],
-                            [self.dy_all, (recvs, rdispl), MPI.FLOAT])
-        ppd = self.layer.param_propagate_down
-        if ppd and ppd[0]:
-            gemm_into(self.dy_all.T, self.x_all, self.layer.blobs[0].diff, 1.0)
-        if self.bias and len(ppd) > 1 and ppd[1]:
-            self.layer.blobs[1].diff[...] += self.dy_all.sum(axis=0)
-        if propagate_down[0]:
-            dx_all = np.empty((self.dy_all.shape[0], self.K), np.float32)
-            gemm_into(self.dy_all, self.layer.blobs[0].data, dx_all)
-            self.comm.Reduce_scatter_block(dx_all, self.dx)
-            bottom[0].diff.reshape(self.outer, self.K)[...] = self.dx

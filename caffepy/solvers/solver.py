@@ -1,10 +1,12 @@
-"""The training loop: Caffe's Solver::Step / Solve / Test, snapshots and restore.
+"""The training loop: Caffe's Solver::Step / Solve / Test, and pycaffe's solver classes.
 
 One iteration (Step): clear parameter diffs; test if it is time; run
 forward/backward `iter_size` times (parameter diffs accumulate); smooth and
-display the loss; then ApplyUpdate: learning rate, gradient clipping, and per
-parameter normalize (1/iter_size), regularize (L2 / L1 weight decay), local
-rate (lr_mult, or LARS), the update rule, and `data -= step`.
+display the loss; then ApplyUpdate: the learning rate (lr_policy.py), then
+clipping, normalizing, regularizing and the update rule (updates.py).
+
+Beside it: nets.py builds the train and test nets (InitTrainNet, InitTestNets),
+snapshot.py writes and reads the .caffemodel / .solverstate pair.
 
 Multi-rank hooks: `solver.hooks` holds objects that may define
     on_start(solver)                  nets built, weights loaded/restored, before iteration one
@@ -14,50 +16,23 @@ Multi-rank hooks: `solver.hooks` holds objects that may define
     reduce_loss(solver, loss) -> loss the iteration's loss, for display and the NaN check
     sumsq(solver, param_index, array) -> float   squared L2 norm (clip_gradients, LARS)
 Only rank 0 logs, tests and writes snapshots; every rank runs the update.
-
-Snapshots are Caffe's: <prefix>_iter_<N>.caffemodel and .solverstate (BINARYPROTO),
-written atomically.  The .solverstate also carries the random generator state
-(an extra field Caffe ignores when it reads the file), so a resumed run draws
-the same numbers an uninterrupted one would.
 """
-import json
 import math
 import os
 import time
 
 import numpy as np
 
-from .. import log, rng
-from ..blobproto import array_to_blobproto, blobproto_to_array
-from ..errors import ShapeError, SolverError
+from .. import log, rng, upgrade
+from ..errors import SolverError
+from ..log import fmt
 from ..proto import caffe_pb2
-from . import lr_policy
-from .updates import make_rule, rule_class
-
-# Field number of caffepy's extension inside SolverState: the random generator
-# state as JSON.  Unknown to Caffe, whose reader skips it.
-RNG_STATE_FIELD = 1001
-
-ACTIONS = ("none", "stop", "snapshot")
-
-
-def fmt(x):
-    """A number as C++'s ostream prints it by default (6 significant digits)."""
-    return f"{x:.6g}"
+from . import lr_policy, nets, snapshot, updates
 
 
 def _rank():
     from ..parallel import world
     return world.rank
-
-
-def _kernels():
-    """The compiled fused updates (cext/solver.pyx), or None when not built."""
-    try:
-        from ..kernels import solver
-    except ImportError:
-        return None
-    return solver
 
 
 class Solver:
@@ -73,14 +48,11 @@ class Solver:
     use_kernels = True
 
     def __init__(self, param, source=None, level=None, stages=()):
-        from .. import prototxt
         if isinstance(param, (str, os.PathLike)):
             source = os.fspath(param)
-            param = prototxt.read_solver(source)
+            param = upgrade.read_solver(source)
         else:
-            copy = caffe_pb2.SolverParameter()
-            copy.CopyFrom(param)
-            param = prototxt.upgrade_solver(copy, source or "<solver>")[0]
+            param = upgrade.upgrade_solver(param, source or "<solver>")[0]     # a copy
         if self.forced_type:
             param.type = self.forced_type
         self.param = param
@@ -99,8 +71,9 @@ class Solver:
         self._snapshot_iter = None
         self.is_root = _rank() == 0
         self._check()
-        self._default_snapshot_prefix()
-        self._check_snapshot_writable()
+        snapshot.default_prefix(param, self.source)
+        if self.is_root:
+            snapshot.check_writable(param, self.source)
         log.info(f"Initializing solver from parameters: {self.source}")
         if param.solver_mode == caffe_pb2.SolverParameter.GPU:
             log.info("solver_mode: GPU requested; caffepy runs on the CPU")
@@ -108,9 +81,10 @@ class Solver:
             log.warning(f"{self.source}: debug_info: per-layer debug output is not implemented; ignored")
         if param.random_seed >= 0:
             rng.seed(param.random_seed + _rank())
-        self._init_nets(level, stages)
+        self.net = nets.init_train_net(param, self.source, level, stages)
+        self.test_nets = nets.init_test_nets(param, self.source, self.net)
         shapes = [b.shape for b in self.net.learnable_params]
-        self.rule = make_rule(param, shapes, self.source)
+        self.rule = updates.make_rule(param, shapes, self.source)
         self.type = self.rule.type
         if param.local_lr_auto and self.type != "SGD":
             log.warning(f"{self.source}: local_lr_auto (LARS) applies to the SGD solver only, as in "
@@ -120,9 +94,7 @@ class Solver:
     # -- construction ----------------------------------------------------
     def _check(self):
         p, src = self.param, self.source
-        if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
-            raise SolverError(f"{src}: snapshot_format: HDF5 snapshots are not supported, got HDF5. "
-                              f"Use snapshot_format: BINARYPROTO (the default)")
+        snapshot.check_format(p, src)
         if p.regularization_type not in ("L1", "L2"):
             raise SolverError(f"{src}: regularization_type: must be L1 or L2, got '{p.regularization_type}'")
         if p.iter_size < 1:
@@ -133,83 +105,14 @@ class Solver:
             field = "display" if p.display < 0 else "snapshot" if p.snapshot < 0 else "test_interval"
             raise SolverError(f"{src}: {field}: must be >= 0, got {getattr(p, field)}")
         lr_policy.check(p, src)
-        rule_class(p, src)      # an unknown type or bad setting fails before the nets are built
+        updates.rule_class(p, src)      # an unknown type or bad setting fails before the nets are built
         for i, n in enumerate(p.test_iter):
             if n < 0:
                 raise SolverError(f"{src}: test_iter[{i}]: must be >= 0, got {n}")
 
-    def _default_snapshot_prefix(self):
-        """Caffe's UpgradeSnapshotPrefixProperty: no prefix -> the solver file's path without
-        its extension; a directory -> that directory / the solver file's stem."""
-        p = self.param
-        if self.source == "<solver>" or not os.path.exists(self.source):
-            return
-        stem = os.path.splitext(self.source)[0]
-        if not p.HasField("snapshot_prefix"):
-            p.snapshot_prefix = stem
-            log.info(f"snapshot_prefix was not specified and is set to {p.snapshot_prefix}")
-        elif os.path.isdir(p.snapshot_prefix):
-            p.snapshot_prefix = os.path.join(p.snapshot_prefix, os.path.basename(stem))
-            log.info(f"snapshot_prefix is a directory and is replaced to {p.snapshot_prefix}")
-
-    def _check_snapshot_writable(self):
-        """Caffe's CheckSnapshotWritePermissions: find out now, not after hours of training."""
-        p = self.param
-        if not self.is_root or not (p.snapshot or p.snapshot_after_train):
-            return
-        directory = os.path.dirname(p.snapshot_prefix) or "."
-        if not os.path.isdir(directory):
-            raise SolverError(f"{self.source}: snapshot_prefix: the directory '{directory}' does not exist, "
-                              f"got '{p.snapshot_prefix}'. Create it or change snapshot_prefix")
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise SolverError(f"{self.source}: snapshot_prefix: cannot write to '{directory}', got "
-                              f"'{p.snapshot_prefix}'. Make sure the directory is writable")
-
-    def _init_nets(self, level, stages):
-        from .. import prototxt
-        p, src = self.param, self.source
-        train = prototxt.solver_train_net_param(p, src, level=level, stages=stages)
-        log.info(f"Creating training net from {train.origin}" if "file" in train.origin
-                 else f"Creating training net specified in {train.origin}.")
-        self.net = self._build_net(train)
-        self.test_nets = []
-        for i, test in enumerate(prototxt.solver_test_net_params(p, src)):
-            log.info(f"Creating test net (#{i}) specified by {test.origin}")
-            net = self._build_net(test)
-            self._share_trained_layers(net)
-            self.test_nets.append(net)
-        for entry in p.weights:
-            for path in entry.split(","):
-                if path:
-                    log.info(f"Finetuning from {path}")
-                    self.net.copy_from(path)
-
-    def _build_net(self, solver_net):
-        from ..net import Net
-        s = solver_net.state
-        origin = solver_net.origin
-        where = origin.split(": ", 1)[1] if "file: " in origin else f"{self.source}: {origin}"
-        return Net(solver_net.param, phase=s.phase, level=s.level, stages=list(s.stage), source=where)
-
-    def _share_trained_layers(self, test_net):
-        """Caffe's ShareTrainedLayersWith: a test layer named like a train layer sees its weights."""
-        train_layers = self.net.layer_dict
-        for name, layer in test_net.layer_dict.items():
-            source = train_layers.get(name)
-            if source is None or not layer.blobs:
-                continue
-            if len(source.blobs) != len(layer.blobs):
-                raise ShapeError(f"{test_net.source}: layer '{name}' ({layer.type}): blobs: the test net has "
-                                 f"{len(layer.blobs)} parameter blobs, the train net {len(source.blobs)}")
-            for i, (mine, theirs) in enumerate(zip(layer.blobs, source.blobs)):
-                if mine.shape != theirs.shape:
-                    raise ShapeError(f"{test_net.source}: layer '{name}' ({layer.type}): blobs[{i}]: cannot "
-                                     f"share the train net's weights of shape {theirs.shape}, got {mine.shape}")
-                mine.share_data(theirs)
-
     def share_weights(self, net):
         """pycaffe's Solver.share_weights: `net` sees the train net's weights (by layer name)."""
-        self._share_trained_layers(net)
+        nets.share_trained_layers(self.net, net)
 
     # -- hooks ----------------------------------------------------------------
     def _hooks(self, name):
@@ -385,79 +288,15 @@ class Solver:
         return rate
 
     def apply_update(self):
-        """Caffe's SGDSolver::ApplyUpdate (with Intel Caffe's warm-up and LARS)."""
+        """Caffe's SGDSolver::ApplyUpdate: this iteration's rate, then updates.apply_update."""
         p = self.param
         rate = self.learning_rate()
         if p.display and self.iter % p.display == 0:
             log.info(f"Iteration {self.iter}, lr = {fmt(rate)}")
         if p.disabled_update:
             return
-        self.clip_gradients()
-        momentum = p.momentum
-        is_sgd = self.type == "SGD"
-        if is_sgd and lr_policy.in_warmup(p, self.iter):
-            # Intel Caffe's momentum correction while the rate ramps up; a zero previous
-            # rate (warmup_start_lr 0 at the first step) would divide by zero: no correction
-            prev = lr_policy.warmup_rate(p, self.iter - 1)
-            if prev > 0:
-                momentum *= rate / prev
-        net = self.net
-        decay = p.weight_decay
-        l1 = p.regularization_type == "L1"
-        norm = 1.0 / p.iter_size
-        fused = _kernels() if self.use_kernels else None
-        for i, blob in enumerate(net.learnable_params):
-            lr_mult = net.params_lr[i]
-            if lr_mult == 0:
-                # no step to take (Intel Caffe skips these; Caffe's step would be 0)
-                continue
-            g = blob.diff
-            local_decay = decay * net.params_weight_decay[i]
-            if fused is not None:
-                w1, g1 = blob.data.reshape(-1), g.reshape(-1)
-                if is_sgd and p.local_lr_auto:
-                    fused.regularize(w1, g1, norm, local_decay, l1)
-                    local = self._lars_rate(i, blob, lr_mult)
-                    self.rule.fused(fused, i, w1, g1, 1.0, 0.0, False, rate * local, self.iter, momentum)
-                else:
-                    self.rule.fused(fused, i, w1, g1, norm, local_decay, l1, rate * lr_mult, self.iter,
-                                    momentum)
-                continue
-            if p.iter_size > 1:
-                g *= norm
-            if local_decay:
-                g += local_decay * (np.sign(blob.data) if l1 else blob.data)
-            local = lr_mult
-            if is_sgd and p.local_lr_auto:
-                local = self._lars_rate(i, blob, lr_mult)
-            self.rule.compute(i, g, rate * local, self.iter, momentum)
-            blob.data[...] -= g
-
-    def _lars_rate(self, i, blob, lr_mult):
-        """Intel Caffe's GetLocalRate: gw_ratio * |w| / (|g| + weight_decay * |w|), replacing
-        lr_mult when lr_mult > 0; 1 when either norm is 0. |g| is the normalized, regularized
-        gradient (the order of Intel Caffe's unfused path)."""
-        p = self.param
-        w_norm = math.sqrt(self.sumsq(i, blob.data))
-        g_norm = math.sqrt(self.sumsq(i, blob.diff))
-        rate = 1.0
-        if w_norm > 0 and g_norm > 0:
-            rate = p.local_gw_ratio * w_norm / (g_norm + p.weight_decay * w_norm)
-        return rate if lr_mult > 0 else lr_mult
-
-    def clip_gradients(self):
-        clip = self.param.clip_gradients
-        if clip < 0:
-            return
-        params = self.net.learnable_params
-        total = sum(self.sumsq(i, b.diff) for i, b in enumerate(params))
-        l2 = math.sqrt(total)
-        if l2 > clip:
-            scale = clip / l2
-            log.info(f"Gradient clipping: scaling down gradients (L2 norm {fmt(l2)} > {fmt(clip)}) "
-                     f"by scale factor {fmt(scale)}")
-            for b in params:
-                b.diff[...] *= scale
+        updates.apply_update(p, self.net, self.rule, rate, self.iter, self.sumsq,
+                             updates.kernels() if self.use_kernels else None)
 
     # -- testing --------------------------------------------------------------
     def test_all(self):
@@ -511,154 +350,44 @@ class Solver:
         self.test_scores[index] = results
 
     # -- snapshots ------------------------------------------------------------
-    def snapshot_filename(self, extension):
-        return f"{self.param.snapshot_prefix}_iter_{self.iter}{extension}"
-
     def snapshot(self):
         """Write <prefix>_iter_<N>.caffemodel and .solverstate (rank 0 only); returns their paths."""
         if not self.is_root:
             return None
         if self._snapshot_iter == self.iter and self.last_snapshot:
             return self.last_snapshot
-        from .. import prototxt
-        model = self.snapshot_filename(".caffemodel")
-        log.info(f"Snapshotting to binary proto file {model}")
-        prototxt.write_binary(self.net.to_proto(write_diff=self.param.snapshot_diff), model)
-        state = caffe_pb2.SolverState(iter=self.iter, learned_net=model, current_step=self.current_step,
-                                      minimum_loss=self.plateau.minimum_loss,
-                                      iter_last_event=self.plateau.iter_last_event)
-        for h in self.rule.history:
-            state.history.append(array_to_blobproto(h))
-        state.MergeFromString(_extension_bytes(RNG_STATE_FIELD, json.dumps(rng.get_state()).encode()))
-        path = self.snapshot_filename(".solverstate")
-        log.info(f"Snapshotting solver state to binary proto file {path}")
-        prototxt.write_binary(state, path)
-        self.last_snapshot = (model, path)
+        self.last_snapshot = snapshot.write(self.param, self.iter, self.net, self.rule.history,
+                                            self.current_step, self.plateau)
         self._snapshot_iter = self.iter
         return self.last_snapshot
 
     def restore(self, state_file):
         """Resume from a .solverstate: weights from the caffemodel it names, history, iter,
         current_step and (when saved by caffepy) the random generator state."""
-        from .. import prototxt
-        state_file = os.fspath(state_file)
-        if state_file.endswith(".h5"):
-            raise SolverError(f"{state_file}: HDF5 solver states are not supported; resume from a "
-                              f".solverstate written with snapshot_format: BINARYPROTO")
-        state = prototxt.read_binary(caffe_pb2.SolverState(), state_file)
+        state = snapshot.restore(state_file, self.net, self.rule.history, self.type)
         self.iter = state.iter
-        if state.HasField("learned_net") and state.learned_net:
-            self.net.copy_from(self._resolve_learned_net(state.learned_net, state_file))
         self.current_step = state.current_step
         self.plateau.minimum_loss = state.minimum_loss
         self.plateau.iter_last_event = state.iter_last_event
-        history = self.rule.history
-        if len(state.history) != len(history):
-            raise SolverError(f"{state_file}: history: incorrect number of history blobs for a "
-                              f"{self.type} solver over this net (expected {len(history)}), "
-                              f"got {len(state.history)}. Was it written by another solver type or net?")
-        log.info("SGDSolver: restoring history")
-        for i, (bp, h) in enumerate(zip(state.history, history)):
-            array = blobproto_to_array(bp, source=state_file)
-            if array.shape != h.shape:
-                if array.size != h.size:
-                    raise SolverError(f"{state_file}: history[{i}]: shape should be {h.shape}, "
-                                      f"got {array.shape}")
-                array = array.reshape(h.shape)
-            h[...] = array
-        saved = _find_extension(state.SerializeToString(), RNG_STATE_FIELD)
-        if saved is not None:
-            try:
-                rng.set_state(json.loads(saved.decode()))
-            except (ValueError, TypeError, KeyError):
-                log.warning(f"{state_file}: unreadable random generator state; continuing without it")
-
-    @staticmethod
-    def _resolve_learned_net(learned_net, state_file):
-        if os.path.exists(learned_net):
-            return learned_net
-        here = os.path.dirname(os.path.abspath(state_file))
-        for candidate in (os.path.join(here, learned_net), os.path.join(here, os.path.basename(learned_net))):
-            if os.path.exists(candidate):
-                return candidate
-        raise SolverError(f"{state_file}: learned_net: cannot find the weights it names, got "
-                          f"'{learned_net}' (looked in the current directory and next to the .solverstate)")
-
-
-# -- the extension field inside SolverState ---------------------------------
-def _varint(value):
-    out = bytearray()
-    while True:
-        low = value & 0x7F
-        value >>= 7
-        out.append(low | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _extension_bytes(field, payload):
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _read_varint(data, pos):
-    result = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return result, pos
-
-
-def _find_extension(data, field):
-    """The payload of the last length-delimited top-level field `field` in `data`, or None."""
-    pos, found = 0, None
-    try:
-        while pos < len(data):
-            key, pos = _read_varint(data, pos)
-            number, wire = key >> 3, key & 7
-            if wire == 0:
-                _, pos = _read_varint(data, pos)
-            elif wire == 1:
-                pos += 8
-            elif wire == 5:
-                pos += 4
-            elif wire == 2:
-                size, pos = _read_varint(data, pos)
-                if number == field:
-                    found = bytes(data[pos:pos + size])
-                pos += size
-            else:
-                return found
-    except IndexError:
-        return found
-    return found
 
 
 # -- pycaffe's solver classes ------------------------------------------------
-def _typed(name):
-    return type(f"{name}Solver", (Solver,), {"forced_type": name,
-                                               "__doc__": f"A {name} solver (pycaffe's caffe.{name}Solver)."})
-
-
-SGDSolver = _typed("SGD")
-NesterovSolver = _typed("Nesterov")
-AdaGradSolver = _typed("AdaGrad")
-RMSPropSolver = _typed("RMSProp")
-AdaDeltaSolver = _typed("AdaDelta")
-AdamSolver = _typed("Adam")
-
-
-_TYPED = {cls.forced_type: cls for cls in (SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver,
-                                           AdaDeltaSolver, AdamSolver)}
+# one per solver type in updates.RULES: caffe.SGDSolver, caffe.NesterovSolver, ...
+TYPED = {name: type(f"{name}Solver", (Solver,), {"forced_type": name,
+                                                 "__doc__": f"A {name} solver (pycaffe's caffe.{name}Solver)."})
+         for name in updates.RULES}
+SGDSolver = TYPED["SGD"]
+NesterovSolver = TYPED["Nesterov"]
+AdaGradSolver = TYPED["AdaGrad"]
+RMSPropSolver = TYPED["RMSProp"]
+AdaDeltaSolver = TYPED["AdaDelta"]
+AdamSolver = TYPED["Adam"]
 
 
 def get_solver(path):
     """pycaffe's caffe.get_solver: an instance of the class for the type named in the file
     (an SGDSolver for `type: "SGD"`, ...)."""
-    from .. import prototxt
-    return _TYPED.get(prototxt.read_solver(path).type, Solver)(path)
+    return TYPED.get(upgrade.read_solver(path).type, Solver)(path)
 
 
 __all__ = ["Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver",

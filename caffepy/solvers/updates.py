@@ -1,7 +1,15 @@
-"""Update rules keyed by SolverParameter.type, with Caffe's exact formulas.
+"""Caffe's update application and update rules (sgd_solver.cpp and its siblings).
 
-Each rule turns a parameter's gradient g (already normalized by iter_size and
-regularized) into the step that is subtracted from the weights, in place in g:
+apply_update is SGDSolver::ApplyUpdate once the rate is known: clip the
+gradients to clip_gradients (their global L2 norm), then per parameter
+normalize by 1/iter_size, regularize (L2 or L1, weight_decay * decay_mult), take
+the local rate (rate * lr_mult, or Intel Caffe's LARS for SGD with
+local_lr_auto), let the rule turn the gradient into a step, and `data -= step`.
+With the compiled kernels (caffepy.kernels.solver) normalizing, regularizing,
+the rule and the subtraction are one fused pass over each parameter.
+
+Each rule turns a parameter's gradient g (already normalized and regularized)
+into the step that is subtracted from the weights, in place in g:
 
     SGD       h = momentum * h + lr * g                     step = h
     Nesterov  h' = momentum * h + lr * g                    step = (1 + momentum) * h' - momentum * h
@@ -17,10 +25,20 @@ regularized) into the step that is subtracted from the weights, in place in g:
 `lr` is the parameter's local rate (rate * lr_mult, or LARS's rate). History
 blobs are laid out as Caffe saves them in the .solverstate: one per parameter,
 then (AdaDelta, Adam) a second one per parameter.
+
+RULES is the one table of solver types: a `type` string -> its rule class,
+whose `enum` is the value of the deprecated `solver_type` enum that names it.
+The solver_type upgrade (upgrade.py) and pycaffe's typed solver classes
+(solver.py) are read from it.
 """
+import math
+
 import numpy as np
 
+from .. import log
 from ..errors import SolverError
+from ..proto import caffe_pb2
+from . import lr_policy
 
 RULES = {}
 
@@ -30,12 +48,14 @@ def rule(cls):
     return cls
 
 
-# The deprecated `solver_type` enum, in its numbering.
-ENUM_NAMES = ["SGD", "Nesterov", "AdaGrad", "RMSProp", "AdaDelta", "Adam"]
+def type_of_enum(value):
+    """The `type` string named by a value of the deprecated solver_type enum."""
+    return next(cls.type for cls in RULES.values() if cls.enum == value)
 
 
 class UpdateRule:
-    type = None
+    type = None       # SolverParameter.type
+    enum = None       # its value of the deprecated SolverParameter.solver_type
     histories = 1     # history blobs per parameter
 
     def __init__(self, param, shapes):
@@ -62,6 +82,7 @@ class UpdateRule:
 @rule
 class SGD(UpdateRule):
     type = "SGD"
+    enum = caffe_pb2.SolverParameter.SGD
 
     def compute(self, i, g, lr, it, momentum):
         h = self.history[i]
@@ -74,6 +95,7 @@ class SGD(UpdateRule):
 @rule
 class Nesterov(UpdateRule):
     type = "Nesterov"
+    enum = caffe_pb2.SolverParameter.NESTEROV
 
     def compute(self, i, g, lr, it, momentum):
         h, prev = self.history[i], self._temp[i]
@@ -87,33 +109,43 @@ class Nesterov(UpdateRule):
         g -= prev
 
 
+def _refuse_momentum(cls, param, source):
+    if param.momentum != 0:
+        raise SolverError(f"{source}: momentum: cannot be used with {cls.type}, got {param.momentum:g}")
+
+
+def _divide_by_root(g, h, t, delta, lr):
+    """g = lr * g / (sqrt(h) + delta), with `t` as scratch."""
+    np.sqrt(h, out=t)
+    t += delta
+    np.divide(g, t, out=g)
+    g *= lr
+
+
 @rule
 class AdaGrad(UpdateRule):
     type = "AdaGrad"
+    enum = caffe_pb2.SolverParameter.ADAGRAD
 
     @classmethod
     def check(cls, param, source):
-        if param.momentum != 0:
-            raise SolverError(f"{source}: momentum: cannot be used with AdaGrad, got {param.momentum:g}")
+        _refuse_momentum(cls, param, source)
 
     def compute(self, i, g, lr, it, momentum):
         h, t = self.history[i], self._temp[i]
         np.multiply(g, g, out=t)
         h += t
-        np.sqrt(h, out=t)
-        t += self.param.delta
-        np.divide(g, t, out=g)
-        g *= lr
+        _divide_by_root(g, h, t, self.param.delta, lr)
 
 
 @rule
 class RMSProp(UpdateRule):
     type = "RMSProp"
+    enum = caffe_pb2.SolverParameter.RMSPROP
 
     @classmethod
     def check(cls, param, source):
-        if param.momentum != 0:
-            raise SolverError(f"{source}: momentum: cannot be used with RMSProp, got {param.momentum:g}")
+        _refuse_momentum(cls, param, source)
         if not 0 <= param.rms_decay < 1:
             raise SolverError(f"{source}: rms_decay: must be in [0, 1), got {param.rms_decay:g}")
 
@@ -124,10 +156,7 @@ class RMSProp(UpdateRule):
         t *= 1.0 - decay
         h *= decay
         h += t
-        np.sqrt(h, out=t)
-        t += self.param.delta
-        np.divide(g, t, out=g)
-        g *= lr
+        _divide_by_root(g, h, t, self.param.delta, lr)
 
     def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
         h = self.history[i].reshape(-1)
@@ -137,6 +166,7 @@ class RMSProp(UpdateRule):
 @rule
 class AdaDelta(UpdateRule):
     type = "AdaDelta"
+    enum = caffe_pb2.SolverParameter.ADADELTA
     histories = 2
 
     def __init__(self, param, shapes):
@@ -172,6 +202,7 @@ class AdaDelta(UpdateRule):
 @rule
 class Adam(UpdateRule):
     type = "Adam"
+    enum = caffe_pb2.SolverParameter.ADAM
     histories = 2
 
     def correction(self, it):
@@ -203,16 +234,9 @@ class Adam(UpdateRule):
         g *= lr * correction
 
 
-def solver_type(param):
-    """The update rule's name: `type`, or the deprecated `solver_type` enum if only it is set."""
-    if param.HasField("type") or not param.HasField("solver_type"):
-        return param.type
-    return ENUM_NAMES[param.solver_type]
-
-
 def rule_class(param, source="<solver>"):
     """The update rule the solver names, after checking its settings."""
-    name = solver_type(param)
+    name = param.type
     cls = RULES.get(name)
     if cls is None:
         raise SolverError(f"{source}: type: unknown solver type, got '{name}'. "
@@ -223,3 +247,81 @@ def rule_class(param, source="<solver>"):
 
 def make_rule(param, shapes, source="<solver>"):
     return rule_class(param, source)(param, shapes)
+
+
+# -- update application (SGDSolver::ApplyUpdate) ------------------------------------
+def kernels():
+    """The compiled fused updates (cext/solver.pyx), or None when not built."""
+    try:
+        from ..kernels import solver
+    except ImportError:
+        return None
+    return solver
+
+
+def apply_update(param, net, update_rule, rate, it, sumsq, fused=None):
+    """SGDSolver::ApplyUpdate after the rate (with Intel Caffe's warm-up and LARS): update
+    every learnable parameter of `net` with `update_rule` at `rate`.  `sumsq(index, array)` is
+    the squared L2 norm of a parameter's data or diff (the solver's, which a multi-rank
+    hook may sum over ranks); `fused` the compiled kernels, or None for NumPy."""
+    clip_gradients(param.clip_gradients, net.learnable_params, sumsq)
+    momentum = param.momentum
+    lars = update_rule.type == "SGD" and param.local_lr_auto
+    if update_rule.type == "SGD" and lr_policy.in_warmup(param, it):
+        # Intel Caffe's momentum correction while the rate ramps up; a zero previous
+        # rate (warmup_start_lr 0 at the first step) would divide by zero: no correction
+        prev = lr_policy.warmup_rate(param, it - 1)
+        if prev > 0:
+            momentum *= rate / prev
+    decay = param.weight_decay
+    l1 = param.regularization_type == "L1"
+    norm = 1.0 / param.iter_size
+    for i, blob in enumerate(net.learnable_params):
+        lr_mult = net.params_lr[i]
+        if lr_mult == 0:
+            # no step to take (Intel Caffe skips these; Caffe's step would be 0)
+            continue
+        g = blob.diff
+        local_decay = decay * net.params_weight_decay[i]
+        if fused is not None:
+            w1, g1 = blob.data.reshape(-1), g.reshape(-1)
+            if lars:
+                fused.regularize(w1, g1, norm, local_decay, l1)
+                local = lars_rate(param, sumsq(i, blob.data), sumsq(i, blob.diff), lr_mult)
+                update_rule.fused(fused, i, w1, g1, 1.0, 0.0, False, rate * local, it, momentum)
+            else:
+                update_rule.fused(fused, i, w1, g1, norm, local_decay, l1, rate * lr_mult, it, momentum)
+            continue
+        if param.iter_size > 1:
+            g *= norm
+        if local_decay:
+            g += local_decay * (np.sign(blob.data) if l1 else blob.data)
+        local = lr_mult
+        if lars:
+            local = lars_rate(param, sumsq(i, blob.data), sumsq(i, blob.diff), lr_mult)
+        update_rule.compute(i, g, rate * local, it, momentum)
+        blob.data[...] -= g
+
+
+def lars_rate(param, w_sumsq, g_sumsq, lr_mult):
+    """Intel Caffe's GetLocalRate: gw_ratio * |w| / (|g| + weight_decay * |w|), replacing
+    lr_mult when lr_mult > 0; 1 when either norm is 0. |g| is the normalized, regularized
+    gradient (the order of Intel Caffe's unfused path)."""
+    w_norm, g_norm = math.sqrt(w_sumsq), math.sqrt(g_sumsq)
+    rate = 1.0
+    if w_norm > 0 and g_norm > 0:
+        rate = param.local_gw_ratio * w_norm / (g_norm + param.weight_decay * w_norm)
+    return rate if lr_mult > 0 else lr_mult
+
+
+def clip_gradients(clip, blobs, sumsq):
+    """SGDSolver::ClipGradients: scale every diff down when their global L2 norm exceeds `clip`."""
+    if clip < 0:
+        return
+    l2 = math.sqrt(sum(sumsq(i, b.diff) for i, b in enumerate(blobs)))
+    if l2 > clip:
+        scale = clip / l2
+        log.info(f"Gradient clipping: scaling down gradients (L2 norm {log.fmt(l2)} > {log.fmt(clip)}) "
+                 f"by scale factor {log.fmt(scale)}")
+        for b in blobs:
+            b.diff[...] *= scale

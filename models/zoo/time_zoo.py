@@ -17,7 +17,7 @@ sys.path.insert(0, REPO)
 
 import numpy as np  # noqa: E402
 
-from caffepy import log, prototxt  # noqa: E402
+from caffepy import log, upgrade  # noqa: E402
 from caffepy.net import TEST, Net  # noqa: E402
 
 NETS = ["mobilenet_v1_deploy.prototxt", "googlenet_deploy.prototxt", "resnet50_deploy.prototxt",
@@ -27,7 +27,7 @@ NETS = ["mobilenet_v1_deploy.prototxt", "googlenet_deploy.prototxt", "resnet50_d
 
 
 def time_net(path, batch, repeats):
-    param = prototxt.read_net(path if os.path.isabs(path) else os.path.join(HERE, path))
+    param = upgrade.read_net(path if os.path.isabs(path) else os.path.join(HERE, path))
     param.force_backward = True
     first = param.layer[0]
     if first.type == "Input":

@@ -2,13 +2,20 @@ import numpy as np
 import pytest
 
 from caffepy.blob import Blob
+from caffepy.context import RunContext
 from caffepy.errors import LayerError, ShapeError
+from caffepy.layer import MODEL_PARALLEL
 from layer_cases import Case, case_tests, make_layer, randn, setup_layer
 
 
 def softmax(x, axis):
     e = np.exp(x - x.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
+
+
+def comm_self():
+    from mpi4py import MPI
+    return RunContext(rank=0, size=1, comm=MPI.COMM_SELF)
 
 
 def ip_ref(x, layer, axis=1, transpose=False):
@@ -86,6 +93,13 @@ CASES = [
          [randn(2, 3, 4)], expected=lambda x, layer: ip_ref(x, layer, axis=2)),
     Case("InnerProduct", f"inner_product_param {{ num_output: 2 axis: -1 transpose: true {GAUSS} }}",
          [randn(3, 2, 5)], expected=lambda x, layer: ip_ref(x, layer, axis=2, transpose=True)),
+    # the model-parallel variant (caffepy/parallel) over a real communicator of one rank;
+    # tests/test_mpi_train.py runs it on several
+    Case("InnerProduct", f"inner_product_param {{ num_output: 4 {GAUSS} }}", [X4[:, :, :2, :2]],
+         variant=MODEL_PARALLEL, context=comm_self, expected=lambda x, layer: ip_ref(x, layer)),
+    Case("InnerProduct", f"inner_product_param {{ num_output: 3 axis: 2 bias_term: false {GAUSS} }}",
+         [randn(2, 3, 4)], variant=MODEL_PARALLEL, context=comm_self,
+         expected=lambda x, layer: ip_ref(x, layer, axis=2)),
     # Concat / Slice
     Case("Concat", "", [randn(2, 3, 4), randn(2, 1, 4, seed=1), randn(2, 2, 4, seed=2)],
          expected=lambda *xs: [np.concatenate(xs, axis=1)]),

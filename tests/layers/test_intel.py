@@ -1,52 +1,25 @@
 """The Intel path: IntelPack / IntelUnpack and the blocked layers, against NumPy references of
-the NCHW computation (caffepy/kernels/reference.py), for block widths 8 and 16 on any CPU."""
+the NCHW computation (caffepy/kernels/reference.py), for block widths 8 and 16 on any CPU; a
+gradient case for every blocked variant; the plain and blocked paths read one geometry."""
 import numpy as np
 import pytest
-from google.protobuf import text_format
 
 from caffepy.blob import Blob, Blocked
 from caffepy.errors import LayerError
 from caffepy.kernels import reference as ref
+from caffepy.layer import VIA_NCHW
 from caffepy.layers import intel
 from caffepy.proto import caffe_pb2
-from layer_cases import Case, case_tests, randn
+from layer_cases import (Case, blocked_blob, case_tests, distinct, make_layer, pool_expected, randn,
+                         ref_pack, ref_unpack, setup_layer)
 
 WIDTHS = [8, 16]
 
 
-def ref_pack(x, width):
-    """[N, C, H, W] -> [N, ceil(C/V), H, W, V], zero lanes past C."""
-    n, c, h, w = x.shape
-    cb = -(-c // width)
-    padded = np.zeros((n, cb * width, h, w), x.dtype)
-    padded[:, :c] = x
-    return np.ascontiguousarray(padded.reshape(n, cb, width, h, w).transpose(0, 1, 3, 4, 2))
-
-
-def ref_unpack(y, channels):
-    n, cb, h, w, v = y.shape
-    return y.transpose(0, 1, 4, 2, 3).reshape(n, cb * v, h, w)[:, :channels]
-
-
-def blocked_blob(x, width, name="b"):
-    b = Blob(name=name)
-    b.set_data(ref_pack(np.asarray(x, np.float32), width))
-    b.layout = Blocked(width, x.shape[1])
-    return b
-
-
 def blocked_layer(type_, params, bottoms, width, n_top=1, phase=caffe_pb2.TRAIN):
-    """Build the blocked implementation the Net would pick; bottoms are NCHW arrays."""
-    lp = caffe_pb2.LayerParameter()
-    text_format.Parse(params, lp)
-    lp.name, lp.type = "layer", type_
-    lp.bottom.extend(f"b{i}" for i in range(len(bottoms)))
-    lp.top.extend(f"t{i}" for i in range(n_top))
+    """Build the implementation the factory picks for blocked bottoms (NCHW arrays)."""
     bottom = [blocked_blob(x, width, f"b{i}") for i, x in enumerate(bottoms)]
-    cls = intel.BLOCKED[type_]
-    if hasattr(cls, "select"):
-        cls = cls.select(lp)
-    layer = cls(lp, phase)
+    layer = make_layer(type_, params, phase, n_bottom=len(bottoms), n_top=n_top, bottoms=bottom)
     top = [Blob(name=f"t{i}") for i in range(n_top)]
     layer.layer_setup(bottom, top)
     layer.param_propagate_down = [True] * len(layer.blobs)
@@ -286,10 +259,46 @@ def test_blocked_concat(channels):
 
 
 # ---------------------------------------------------------------------------------------------
-# Gradient cases (the shared checker) for the two registered types
+# Gradient cases (the shared checker): IntelPack / IntelUnpack and every blocked variant, with
+# NCHW references (the case unpacks the blocked tops)
 
 def _pack_expected(x):
     return [ref_pack(x, intel.block_width())]
+
+
+FILL = "weight_filler { type: 'gaussian' std: 0.3 } bias_filler { type: 'gaussian' std: 0.3 }"
+
+
+def _conv_expected(pad, stride, group=1):
+    def expected(x, layer):
+        w, b = (blob.data.astype(np.float64) for blob in layer.blobs)
+        return [ref.conv_forward(x, w, b, (pad, pad), (stride, stride), (1, 1), group)]
+    return expected
+
+
+def _lrn_expected(size, alpha, beta, k):
+    return lambda x: [ref.lrn_across_forward(x, size, alpha, beta, k)[0]]
+
+
+def _batch_norm_expected(x):
+    mean, var = x.mean(axis=(0, 2, 3), keepdims=True), x.var(axis=(0, 2, 3), keepdims=True)
+    return [(x - mean) / np.sqrt(var + 1e-5)]
+
+
+def _scale_expected(x, layer):
+    s, b = (blob.data.astype(np.float64).reshape(1, -1, 1, 1) for blob in layer.blobs)
+    return [x * s + b]
+
+
+def _lrn_within_expected(x):
+    pre = 1
+    padded = np.pad(x ** 2, ((0, 0), (0, 0), (pre, pre), (pre, pre)))
+    box = sum(padded[:, :, i:i + x.shape[2], j:j + x.shape[3]] for i in range(3) for j in range(3))
+    return [x * (1.0 + 0.8 / 9 * box) ** -0.75]
+
+
+def _winograd(layer):
+    assert layer.winograd, "this case is for the Winograd path"
 
 
 CASES = [
@@ -298,9 +307,92 @@ CASES = [
          id="IntelPack:11ch"),
     Case("IntelUnpack", "", [randn(2, 2, 3, 3, 8)],
          expected=lambda y: [y.transpose(0, 1, 4, 2, 3).reshape(2, 16, 3, 3)], atol=0, rtol=0),
+    Case("Convolution", f"convolution_param {{ num_output: 5 kernel_size: 3 stride: 2 pad: 1 {FILL} }}",
+         [randn(2, 3, 7, 6)], layout="blocked", expected=_conv_expected(1, 2), atol=1e-4,
+         eps=0.5, id="blocked-conv-im2col"),
+    Case("Convolution", f"convolution_param {{ num_output: 6 kernel_size: 1 group: 2 {FILL} }}",
+         [randn(2, 4, 3, 3)], layout="blocked", expected=_conv_expected(0, 1, 2), atol=1e-4,
+         eps=0.5, id="blocked-conv-group"),
+    Case("Convolution", f"convolution_param {{ num_output: 16 kernel_size: 3 pad: 1 {FILL} }}",
+         [randn(1, 16, 4, 5, scale=0.5)], layout="blocked", expected=_conv_expected(1, 1), atol=1e-4,
+         init=_winograd, eps=0.5, id="blocked-conv-winograd"),   # linear: a wide step is exact
+    Case("Pooling", "pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 }", [distinct(2, 11, 7, 8)],
+         layout="blocked", expected=pool_expected("MAX", (3, 3), (2, 2), (1, 1)), id="blocked-max-pad"),
+    Case("Pooling", "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 }", [randn(2, 11, 7, 6)],
+         layout="blocked", expected=pool_expected("AVE", (3, 3), (2, 2), (1, 1)), id="blocked-ave-pad"),
+    Case("Pooling", "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 avg_include_pad: false }",
+         [randn(2, 11, 7, 6)], layout="blocked",
+         expected=pool_expected("AVE", (3, 3), (2, 2), (1, 1), include_pad=False),
+         id="blocked-ave-pad-excluded"),
+    Case("Pooling", "pooling_param { pool: AVE global_pooling: true }", [randn(2, 9, 5, 4)],
+         layout="blocked", expected=pool_expected("AVE", None, (1, 1), (0, 0), global_pooling=True),
+         id="blocked-ave-global"),
+    Case("LRN", "lrn_param { local_size: 5 alpha: 0.8 beta: 0.75 k: 2 }", [randn(2, 11, 4, 3)],
+         layout="blocked", expected=_lrn_expected(5, 0.8, 0.75, 2.0), id="blocked-lrn-across"),
+    Case("LRN", "lrn_param { local_size: 3 alpha: 0.8 beta: 0.75 norm_region: WITHIN_CHANNEL }",
+         [randn(2, 5, 4, 3)], layout="blocked", variant=VIA_NCHW, expected=_lrn_within_expected,
+         id="blocked-lrn-within"),
+    Case("Concat", "", [randn(2, 3, 3, 2), randn(2, 13, 3, 2, seed=1)], layout="blocked",
+         expected=lambda a, b: [np.concatenate([a, b], axis=1)], id="blocked-concat-lanes"),
+    Case("Concat", "concat_param { axis: 2 }", [randn(2, 5, 3, 2), randn(2, 5, 1, 2, seed=1)],
+         layout="blocked", expected=lambda a, b: [np.concatenate([a, b], axis=2)],
+         id="blocked-concat-height"),
+    Case("BatchNorm", "", [randn(4, 3, 2, 3, seed=20, scale=2.0)], layout="blocked", variant=VIA_NCHW,
+         expected=_batch_norm_expected, id="blocked-batchnorm"),
+    Case("Scale", "scale_param { bias_term: true filler { type: 'gaussian' } bias_filler { type: 'gaussian' } }",
+         [randn(2, 5, 3, 3)], layout="blocked", variant=VIA_NCHW, expected=_scale_expected,
+         id="blocked-scale"),
 ]
 
 test_forward, test_gradient = case_tests(CASES)
+
+
+# ---------------------------------------------------------------------------------------------
+# One geometry: the plain and blocked paths read the same fields with the same errors
+
+BAD_GEOMETRY = [
+    ("Convolution", "convolution_param { num_output: 4 kernel_size: 3 kernel_h: 3 kernel_w: 3 }", (8, 8)),
+    ("Convolution", "convolution_param { num_output: 4 kernel_size: 3 stride: 0 }", (8, 8)),
+    ("Convolution", "convolution_param { num_output: 4 kernel_size: 3 dilation: 1 dilation: 2 dilation: 1 }",
+     (8, 8)),
+    ("Convolution", "convolution_param { num_output: 4 }", (8, 8)),
+    ("Convolution", "convolution_param { num_output: 4 kernel_size: 5 pad: 1 }", (2, 2)),
+    ("Convolution", "convolution_param { num_output: 3 kernel_size: 1 group: 2 }", (4, 4)),
+    ("Pooling", "pooling_param { pool: MAX kernel_size: 2 pad: 2 }", (6, 6)),
+    ("Pooling", "pooling_param { pool: MAX kernel_h: 2 }", (6, 6)),
+    ("Pooling", "pooling_param { pool: AVE kernel_size: 2 pad: 1 pad_h: 1 pad_w: 1 }", (6, 6)),
+    ("Pooling", "pooling_param { pool: AVE global_pooling: true kernel_size: 2 }", (6, 6)),
+    ("Pooling", "pooling_param { pool: AVE global_pooling: true stride: 2 }", (6, 6)),
+    ("Pooling", "pooling_param { pool: STOCHASTIC kernel_size: 2 }", (6, 6)),
+    ("Pooling", "pooling_param { pool: MAX kernel_size: 7 stride: 1 }", (4, 4)),
+]
+
+
+@pytest.mark.parametrize("type_,params,hw", BAD_GEOMETRY, ids=[p for _, p, _ in BAD_GEOMETRY])
+def test_plain_and_blocked_paths_give_one_error(type_, params, hw):
+    x = randn(2, 4, *hw)
+    with pytest.raises(LayerError) as plain:
+        setup_layer(type_, params, [x])
+    with pytest.raises(LayerError) as blocked:
+        setup_layer(type_, params, [x], layout="blocked")
+    assert str(blocked.value) == str(plain.value)
+    assert str(plain.value).startswith(f"layer 'layer' ({type_}): ") and "\n" not in str(plain.value)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_avg_include_pad_false_gives_the_same_numbers_on_both_paths(width):
+    params = "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 avg_include_pad: false }"
+    x = randn(2, 11, 8, 9, seed=4)
+    plain, pb, pt = setup_layer("Pooling", params, [x])
+    plain.forward(pb, pt)
+    layer, bottom, top = blocked_layer("Pooling", params, [x], width)
+    layer.forward(bottom, top)
+    np.testing.assert_allclose(ref_unpack(top[0].data, 11), pt[0].data, rtol=1e-6, atol=1e-7)
+    dy = randn(*pt[0].shape, seed=5)
+    pt[0].diff[...] = dy
+    plain.backward(pt, [True], pb)
+    run_backward(layer, bottom, top, [dy])
+    np.testing.assert_allclose(ref_unpack(bottom[0].diff, 11), pb[0].diff, rtol=1e-6, atol=1e-7)
 
 
 def test_unpack_refuses_a_plain_blob():

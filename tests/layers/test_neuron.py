@@ -296,7 +296,7 @@ def test_prelu_kernels():
 
 def test_in_place_chain_in_a_net_matches_numeric_gradient():
     import caffepy
-    from caffepy import prototxt
+    from caffepy import upgrade
     fill = "weight_filler { type: 'gaussian' std: 0.5 } bias_filler { type: 'gaussian' std: 0.5 }"
     text = f"""
     force_backward: true
@@ -312,7 +312,7 @@ def test_in_place_chain_in_a_net_matches_numeric_gradient():
              reduction_param {{ operation: SUMSQ }} }}
     """
     rng.seed(1)
-    net = caffepy.Net(prototxt.parse_net_text(text), caffepy.TRAIN)
+    net = caffepy.Net(upgrade.parse_net_text(text), caffepy.TRAIN)
     x = randn(4, 6, seed=11)
 
     def loss_at(values):

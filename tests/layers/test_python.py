@@ -65,6 +65,23 @@ class NoForward(caffepy.Layer):
         pass
 
 
+class SetupOnly(caffepy.Layer):
+    """pycaffe's ExceptionLayer: only setup, which refuses (param_str "raise") or not."""
+
+    def setup(self, bottom, top):
+        if self.param_str == "raise":
+            raise RuntimeError("setup says no")
+        top[0].reshape(*bottom[0].shape)
+
+
+class NoReshape(caffepy.Layer):
+    def setup(self, bottom, top):
+        top[0].reshape(*bottom[0].shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = bottom[0].data + 3
+
+
 class NotALayer:
     pass
 
@@ -72,7 +89,7 @@ class NotALayer:
 # The classes above, importable by name as a user's module would be.
 USER = "caffepy_test_user_layers"
 _module = types.ModuleType(USER)
-for _cls in (TimesTwo, LearnedScale, PhaseEcho, NoForward, NotALayer):
+for _cls in (TimesTwo, LearnedScale, PhaseEcho, NoForward, SetupOnly, NoReshape, NotALayer):
     setattr(_module, _cls.__name__, _cls)
 sys.modules[USER] = _module
 
@@ -118,14 +135,14 @@ def test_module_found_in_the_current_directory(tmp_path, monkeypatch):
 
 
 def test_python_layer_in_a_net_trains_its_blob():
-    from caffepy import prototxt
+    from caffepy import upgrade
     text = f"""
     force_backward: true
     layer {{ name: "in" type: "Input" top: "x" input_param {{ shape {{ dim: 2 dim: 3 }} }} }}
     layer {{ name: "py" type: "Python" bottom: "x" top: "y" {py("LearnedScale", '{"offset": 1}')} }}
     layer {{ name: "loss" type: "Reduction" bottom: "y" top: "loss" loss_weight: 1 }}
     """
-    net = caffepy.Net(prototxt.parse_net_text(text), caffepy.TRAIN)
+    net = caffepy.Net(upgrade.parse_net_text(text), caffepy.TRAIN)
     x = randn(2, 3)
     net.blobs["x"].data[...] = x
     loss = net.forward_backward()
@@ -134,17 +151,46 @@ def test_python_layer_in_a_net_trains_its_blob():
     np.testing.assert_allclose(net.blobs["x"].diff, np.tile([1, 2, 3], (2, 1)))
 
 
+def one_layer_net(layer, param_str=""):
+    from caffepy import upgrade
+    return upgrade.parse_net_text(f"""
+    layer {{ name: "in" type: "Input" top: "x" input_param {{ shape {{ dim: 2 dim: 3 }} }} }}
+    layer {{ name: "py" type: "Python" bottom: "x" top: "y" {py(layer, param_str)} }}
+    """)
+
+
+def test_a_layer_may_define_only_setup_and_its_exception_reaches_the_caller():
+    with pytest.raises(RuntimeError) as info:
+        caffepy.Net(one_layer_net("SetupOnly", "raise"), caffepy.TEST)
+    assert type(info.value) is RuntimeError and str(info.value) == "setup says no"
+    # the base class supplies the rest: reshape keeps the tops, backward does nothing
+    net = caffepy.Net(one_layer_net("SetupOnly"), caffepy.TEST)
+    assert isinstance(net.layers[1], SetupOnly) and net.blobs["y"].shape == (2, 3)
+    net.layers[1].backward(net.top_vecs[1], [True], net.bottom_vecs[1])
+    # a forward left out is reported when the net runs it, naming the layer and the class
+    with pytest.raises(LayerError, match=rf"^<net>: layer 'py' \(Python\): python_param.layer: class must define "
+                                         rf"forward\(bottom, top\), got 'SetupOnly' in '{USER}'$"):
+        net.forward()
+    with pytest.raises(LayerError, match=r"class must define forward\(bottom, top\), got 'NoForward'"):
+        caffepy.Net(one_layer_net("NoForward"), caffepy.TEST).forward()
+
+
+def test_a_layer_without_reshape_keeps_the_shapes_setup_gave():
+    net = caffepy.Net(one_layer_net("NoReshape"), caffepy.TEST)
+    out = net.forward(x=np.ones((2, 3), np.float32))
+    np.testing.assert_array_equal(out["y"], np.full((2, 3), 4.0))
+    assert type(net.layers[1]).__name__ == "NoReshape" and isinstance(net.layers[1], NoReshape)
+
+
 @pytest.mark.parametrize("params,pattern", [
     ('python_param { module: "no_such_module_xyz" layer: "A" }',
      r"python_param.module: cannot import module, got 'no_such_module_xyz'\. Put no_such_module_xyz.py in "
      r"the current directory"),
     (f'python_param {{ module: "{USER}" layer: "Missing" }}',
      rf"python_param.layer: module '{USER}' has no class, got 'Missing'\. Layer classes there: "
-     r"LearnedScale, NoForward, PhaseEcho, TimesTwo"),
+     r"LearnedScale, NoForward, NoReshape, PhaseEcho, SetupOnly, TimesTwo"),
     (f'python_param {{ module: "{USER}" layer: "NotALayer" }}',
      r"python_param.layer: must name a subclass of caffepy.Layer"),
-    (f'python_param {{ module: "{USER}" layer: "NoForward" }}',
-     r"python_param.layer: class must define forward\(bottom, top\)"),
     ('python_param { layer: "A" }', r"python_param.module: is required"),
 ])
 def test_load_errors_are_one_line_and_name_the_layer(params, pattern):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from layer_cases import TEST, Case, case_tests, randn, setup_layer
+from layer_cases import TEST, Case, case_tests, distinct, pool_expected, randn, setup_layer
 
 FILL = 'weight_filler { type: "gaussian" std: 0.3 } bias_filler { type: "gaussian" std: 0.3 }'
 
@@ -57,35 +57,6 @@ def deconv_expected(pad, stride, group=1):
     return expected
 
 
-def pool_expected(kind, k, s, p, global_pooling=False, floor=False):
-    def expected(x):
-        n, c, h, w = x.shape
-        kh, kw = (h, w) if global_pooling else k
-        def extent(size, kk, ss, pp):
-            span = size + 2 * pp - kk
-            out = (span // ss if floor else -(-span // ss)) + 1
-            if pp and (out - 1) * ss >= size + pp:
-                out -= 1
-            return out
-        oh, ow = extent(h, kh, s[0], p[0]), extent(w, kw, s[1], p[1])
-        out = np.zeros((n, c, oh, ow))
-        for y in range(oh):
-            for xx in range(ow):
-                y0, x0 = y * s[0] - p[0], xx * s[1] - p[1]
-                y1, x1 = min(y0 + kh, h + p[0]), min(x0 + kw, w + p[1])
-                size = (y1 - y0) * (x1 - x0)
-                win = x[:, :, max(y0, 0):min(y1, h), max(x0, 0):min(x1, w)]
-                out[:, :, y, xx] = win.max(axis=(2, 3)) if kind == "MAX" else win.sum(axis=(2, 3)) / size
-        return [out]
-    return expected
-
-
-def distinct(*shape, seed=0):
-    # a permutation: no ties, so MAX pooling's argmax is stable under the checker's steps
-    n = int(np.prod(shape))
-    return (np.random.default_rng(seed).permutation(n).reshape(shape) * 0.05).astype(np.float32)
-
-
 CASES = [
     Case("Convolution", f"convolution_param {{ num_output: 4 kernel_size: 3 {FILL} }}",
          [randn(2, 3, 6, 5)], expected=conv_expected(), id="conv-3x3"),
@@ -116,6 +87,12 @@ CASES = [
          [randn(2, 3, 8, 8)], expected=pool_expected("AVE", (3, 3), (2, 2), (0, 0), floor=True), id="ave-floor"),
     Case("Pooling", "pooling_param { pool: AVE global_pooling: true }", [randn(2, 3, 5, 4)],
          expected=pool_expected("AVE", None, (1, 1), (0, 0), global_pooling=True), id="ave-global"),
+    Case("Pooling", "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 avg_include_pad: false }",
+         [randn(2, 3, 7, 6)], expected=pool_expected("AVE", (3, 3), (2, 2), (1, 1), include_pad=False),
+         id="ave-pad-excluded"),
+    Case("Pooling", "pooling_param { pool: AVE kernel_h: 3 kernel_w: 2 stride: 1 pad_h: 2 pad_w: 1 "
+         "avg_include_pad: false }", [randn(1, 2, 4, 5)],
+         expected=pool_expected("AVE", (3, 2), (1, 1), (2, 1), include_pad=False), id="ave-pad-excluded-rect"),
     Case("Im2col", "convolution_param { kernel_size: 2 stride: 1 pad: 1 }", [randn(2, 3, 3, 4)],
          expected=lambda x: [np.stack([np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))[:, c, i:i + 4, j:j + 5]
                                        for c in range(3) for i in range(2) for j in range(2)], axis=1)],

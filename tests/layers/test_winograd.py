@@ -8,6 +8,7 @@ from google.protobuf import text_format
 from caffepy.blob import Blob, Blocked
 from caffepy.kernels import reference as ref
 from caffepy.kernels import winograd
+from caffepy.layer import BLOCKED, create_layer
 from caffepy.layers import intel
 from caffepy.proto import caffe_pb2
 from gradient_checker import check_gradient
@@ -44,7 +45,7 @@ def _layer(C, O, k, pad, group, width, engine="DEFAULT", bias=True):
         convolution_param {{ num_output: {O} kernel_size: {k} pad: {pad} group: {group}
         engine: {engine} bias_term: {str(bias).lower()}
         weight_filler {{ type: "gaussian" std: 0.2 }} bias_filler {{ type: "gaussian" std: 0.2 }} }}""", lp)
-    layer = intel.BLOCKED["Convolution"](lp, caffe_pb2.TRAIN)
+    layer = create_layer(lp, caffe_pb2.TRAIN, variant=BLOCKED)
     return layer
 
 
@@ -125,7 +126,7 @@ def test_winograd_only_where_it_applies(k, stride, dilation, channels):
     lp = caffe_pb2.LayerParameter()
     text_format.Parse(f"""name: "conv" type: "Convolution" convolution_param {{ num_output: 16
         kernel_size: {k} stride: {stride} dilation: {dilation} pad: 1 }}""", lp)
-    layer = intel.BLOCKED["Convolution"](lp, caffe_pb2.TRAIN)
+    layer = create_layer(lp, caffe_pb2.TRAIN, variant=BLOCKED)
     layer.layer_setup([_blocked(randn(1, channels, 9, 9), 8)], [Blob(name="t")])
     assert not layer.winograd
 

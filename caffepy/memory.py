@@ -1,0 +1,88 @@
+"""Sizes checked before they are allocated.
+
+A prototxt, a caffemodel or a mean file can ask for any size: num_output 2e9,
+a batch of 1e9, dims whose product overflows 64 bits. Every such size is
+counted with Python integers (no wraparound) and compared with the memory the
+machine has available now (MemAvailable) before NumPy is asked for it, so the
+answer is one line naming what needs how much, not a traceback. Only what
+cannot fit is refused: there is no cap of our own.
+"""
+import math
+import sys
+
+# Below this an allocation is not worth a look at /proc/meminfo.
+_SMALL = 64 << 20
+
+
+def available():
+    """Bytes of memory available now (MemAvailable), or None when the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def human(nbytes):
+    """A byte count as text: 512 bytes, 3.1 GiB, 7.9e+09 EiB."""
+    if nbytes < 1024:
+        return f"{nbytes} bytes"
+    value = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        value /= 1024
+        if value < 1024 or unit == "EiB":
+            return f"{value:.1f} {unit}" if value < 1e6 else f"{value:.3g} {unit}"
+
+
+def count(shape):
+    """The number of elements of `shape`, exact (Python integers do not overflow)."""
+    return math.prod(int(d) for d in shape)
+
+
+def dims_text(shape):
+    return " x ".join(str(int(d)) for d in shape) if len(shape) else "a scalar"
+
+
+def problem(nbytes, what):
+    """Why `nbytes` for `what` (e.g. "blob 'fc' (10 x 20 floats)") cannot be allocated,
+    or None when it can be tried. Callers raise it in their own shape (naming the
+    layer and field, or the flag)."""
+    if nbytes <= _SMALL:
+        return None
+    free = available()
+    if free is not None and nbytes > free:
+        return f"{what} needs {human(nbytes)}, more than the {human(free)} of memory available"
+    if nbytes > sys.maxsize:
+        return f"{what} needs {human(nbytes)}, more than this machine can address"
+    return None
+
+
+def size_field(param, shape):
+    """(field, value): the field of a LayerParameter that most likely asked for
+    `shape`, the one whose value is the offending dimension (a negative one, else
+    the largest); (None, None) when no field holds one (the size came from the bottoms)."""
+    dims = [int(d) for d in shape]
+    wanted = [d for d in dims if d < 0] or sorted({d for d in dims if d > 1}, reverse=True)
+    found = {}
+
+    def walk(msg, prefix):
+        for field, value in msg.ListFields():
+            if field.name in ("blobs", "param", "loss_weight", "include", "exclude"):
+                continue
+            values = value if field.is_repeated else [value]
+            if field.message_type is not None:
+                for sub in values:
+                    walk(sub, f"{prefix}{field.name}.")
+            elif field.cpp_type in (field.CPPTYPE_INT32, field.CPPTYPE_INT64, field.CPPTYPE_UINT32,
+                                    field.CPPTYPE_UINT64):
+                for v in values:
+                    found.setdefault(int(v), f"{prefix}{field.name}")
+
+    walk(param, "")
+    for d in wanted:
+        if d in found:
+            return found[d], d
+    return None, None

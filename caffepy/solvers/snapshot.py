@@ -1,0 +1,188 @@
+"""Caffe's snapshot files: Solver::Snapshot / Restore and SGDSolver's BINARYPROTO state.
+
+A snapshot is two files, written atomically by rank 0:
+
+    <snapshot_prefix>_iter_<N>.caffemodel     the train net's weights (a NetParameter)
+    <snapshot_prefix>_iter_<N>.solverstate    a SolverState: iter, learned_net (the
+                                              .caffemodel's path), current_step, the
+                                              update rule's history blobs, and Intel
+                                              Caffe's plateau fields
+
+The .solverstate also carries the random generator state as JSON in field
+RNG_STATE_FIELD, an extension Caffe's reader skips, so a resumed run draws the
+same numbers an uninterrupted one would.  Only BINARYPROTO is supported: HDF5
+snapshots are refused before training starts.
+"""
+import json
+import os
+
+from .. import log, rng
+from ..blobproto import array_to_blobproto, blobproto_to_array
+from ..errors import SolverError
+from ..proto import caffe_pb2
+from ..prototxt import PROTO_LIMIT, read_binary, write_binary
+
+# Field number of caffepy's extension inside SolverState: the random generator
+# state as JSON.  Unknown to Caffe, whose reader skips it.
+RNG_STATE_FIELD = 1001
+
+
+# -- before training ------------------------------------------------------------
+def check_format(param, source):
+    if param.snapshot_format == caffe_pb2.SolverParameter.HDF5:
+        raise SolverError(f"{source}: snapshot_format: HDF5 snapshots are not supported, got HDF5. "
+                          f"Use snapshot_format: BINARYPROTO (the default)")
+
+
+def default_prefix(param, source):
+    """Caffe's UpgradeSnapshotPrefixProperty, on `param` in place: no prefix -> the solver
+    file's path without its extension; a directory -> that directory / the solver file's stem."""
+    if source == "<solver>" or not os.path.exists(source):
+        return
+    stem = os.path.splitext(source)[0]
+    if not param.HasField("snapshot_prefix"):
+        param.snapshot_prefix = stem
+        log.info(f"snapshot_prefix was not specified and is set to {param.snapshot_prefix}")
+    elif os.path.isdir(param.snapshot_prefix):
+        param.snapshot_prefix = os.path.join(param.snapshot_prefix, os.path.basename(stem))
+        log.info(f"snapshot_prefix is a directory and is replaced to {param.snapshot_prefix}")
+
+
+def check_writable(param, source):
+    """Caffe's CheckSnapshotWritePermissions: find out now, not after hours of training."""
+    if not (param.snapshot or param.snapshot_after_train):
+        return
+    directory = os.path.dirname(param.snapshot_prefix) or "."
+    if not os.path.isdir(directory):
+        raise SolverError(f"{source}: snapshot_prefix: the directory '{directory}' does not exist, "
+                          f"got '{param.snapshot_prefix}'. Create it or change snapshot_prefix")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise SolverError(f"{source}: snapshot_prefix: cannot write to '{directory}', got "
+                          f"'{param.snapshot_prefix}'. Make sure the directory is writable")
+
+
+# -- the files ------------------------------------------------------------------
+def filename(prefix, it, extension):
+    return f"{prefix}_iter_{it}{extension}"
+
+
+def read_solver_state(path):
+    """A binary SolverState (.solverstate)."""
+    return read_binary(caffe_pb2.SolverState(), path)
+
+
+def write_solver_state(state, path, limit=PROTO_LIMIT):
+    """Write a SolverState atomically (refused over protobuf's 2 GiB limit)."""
+    write_binary(state, path, limit)
+
+
+def write(param, it, net, history, current_step, plateau):
+    """Solver::Snapshot: the .caffemodel, then the .solverstate; returns their paths."""
+    model = filename(param.snapshot_prefix, it, ".caffemodel")
+    log.info(f"Snapshotting to binary proto file {model}")
+    write_binary(net.to_proto(write_diff=param.snapshot_diff), model)
+    state = caffe_pb2.SolverState(iter=it, learned_net=model, current_step=current_step,
+                                  minimum_loss=plateau.minimum_loss, iter_last_event=plateau.iter_last_event)
+    for h in history:
+        state.history.append(array_to_blobproto(h))
+    state.MergeFromString(_extension_bytes(RNG_STATE_FIELD, json.dumps(rng.get_state()).encode()))
+    path = filename(param.snapshot_prefix, it, ".solverstate")
+    log.info(f"Snapshotting solver state to binary proto file {path}")
+    write_solver_state(state, path)
+    return model, path
+
+
+def restore(state_file, net, history, solver_type):
+    """Solver::Restore: the weights of the caffemodel the .solverstate names into `net`, its
+    history blobs into `history` (in place), and (when saved by caffepy) the random
+    generator state.  Returns the SolverState, for its iter, current_step and plateau fields."""
+    state_file = os.fspath(state_file)
+    if state_file.endswith(".h5"):
+        raise SolverError(f"{state_file}: HDF5 solver states are not supported; resume from a "
+                          f".solverstate written with snapshot_format: BINARYPROTO")
+    state = read_solver_state(state_file)
+    if state.HasField("learned_net") and state.learned_net:
+        net.copy_from(_resolve_learned_net(state.learned_net, state_file))
+    if len(state.history) != len(history):
+        raise SolverError(f"{state_file}: history: incorrect number of history blobs for a "
+                          f"{solver_type} solver over this net (expected {len(history)}), "
+                          f"got {len(state.history)}. Was it written by another solver type or net?")
+    log.info("SGDSolver: restoring history")
+    for i, (bp, h) in enumerate(zip(state.history, history)):
+        array = blobproto_to_array(bp, source=state_file, where=f"history[{i}]")
+        if array.shape != h.shape:
+            if array.size != h.size:
+                raise SolverError(f"{state_file}: history[{i}]: shape should be {h.shape}, "
+                                  f"got {array.shape}")
+            array = array.reshape(h.shape)
+        h[...] = array
+    saved = find_extension(state.SerializeToString(), RNG_STATE_FIELD)
+    if saved is not None:
+        try:
+            rng.set_state(json.loads(saved.decode()))
+        except (ValueError, TypeError, KeyError):
+            log.warning(f"{state_file}: unreadable random generator state; continuing without it")
+    return state
+
+
+def _resolve_learned_net(learned_net, state_file):
+    """learned_net as written (relative to the current directory), else next to the .solverstate."""
+    if os.path.exists(learned_net):
+        return learned_net
+    here = os.path.dirname(os.path.abspath(state_file))
+    for candidate in (os.path.join(here, learned_net), os.path.join(here, os.path.basename(learned_net))):
+        if os.path.exists(candidate):
+            return candidate
+    raise SolverError(f"{state_file}: learned_net: cannot find the weights it names, got "
+                      f"'{learned_net}' (looked in the current directory and next to the .solverstate)")
+
+
+# -- the extension field inside SolverState ---------------------------------
+def _varint(value):
+    out = bytearray()
+    while True:
+        low = value & 0x7F
+        value >>= 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _extension_bytes(field, payload):
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _read_varint(data, pos):
+    result = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return result, pos
+
+
+def find_extension(data, field):
+    """The payload of the last length-delimited top-level field `field` in `data`, or None."""
+    pos, found = 0, None
+    try:
+        while pos < len(data):
+            key, pos = _read_varint(data, pos)
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                _, pos = _read_varint(data, pos)
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            elif wire == 2:
+                size, pos = _read_varint(data, pos)
+                if number == field:
+                    found = bytes(data[pos:pos + size])
+                pos += size
+            else:
+                return found
+    except IndexError:
+        return found
+    return found
