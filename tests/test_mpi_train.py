@@ -255,10 +255,8 @@ def test_one_signal_acts_once_on_every_rank(tmp_path, db):
     job, proc, lines = _start_long_run(tmp_path, db, "usr1")
     try:
         os.kill(proc.pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not list(job.glob("snap_iter_*.solverstate")):
-            time.sleep(0.2)
-        time.sleep(1)
+        snap = int(_read_until(proc.stderr, r"Snapshotting to binary proto file \S+_iter_(\d+)\.caffemodel"))
+        _read_until(proc.stderr, rf"Iteration {snap + 3} \(")     # training went on
         assert proc.poll() is None
         os.kill(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=30)
@@ -267,4 +265,20 @@ def test_one_signal_acts_once_on_every_rank(tmp_path, db):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
     snaps = sorted(int(re.search(r"_iter_(\d+)", p.name).group(1)) for p in job.glob("snap_iter_*.caffemodel"))
-    assert len(snaps) == 2 and snaps[0] + 5 < snaps[1], snaps     # the last: snapshot_after_train
+    # the signal's snapshot, then snapshot_after_train's
+    assert len(snaps) == 2 and snaps[0] == snap and snaps[0] + 3 <= snaps[1], snaps
+
+
+def _read_until(stream, pattern, timeout=60):
+    """Read lines until one matches `pattern`; its first group (or the line)."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            break
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m.group(1) if m.groups() else line
+    raise AssertionError(f"no line matching {pattern!r}: " + "".join(seen[-20:]))

@@ -104,6 +104,21 @@ def _long_run(bed, tmp_path, db, name, args=()):
     raise AssertionError("training did not start: " + "".join(lines[-30:]))
 
 
+def _read_until(stream, pattern, timeout=60):
+    """Read lines until one matches `pattern`; its first group (or the line)."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            break
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m.group(1) if m.groups() else line
+    raise AssertionError(f"no line matching {pattern!r}: " + "".join(seen[-20:]))
+
+
 @pytest.mark.parametrize("victim", [1, 0])
 def test_stopped_rank_ends_the_job(tmp_path, db, can_emulate, victim):
     """SIGSTOP a rank on one host: the job ends within stall_timeout + 30 s, naming it."""
@@ -142,17 +157,15 @@ def test_sigusr1_to_the_launcher_snapshots_and_continues(tmp_path, db, can_emula
     with TestBed(2) as bed:
         job, proc, lines, pids = _long_run(bed, tmp_path, db, "usr1")
         os.kill(proc.pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not list(job.glob("snap_iter_*.solverstate")):
-            time.sleep(0.2)
-        time.sleep(1)
-        assert proc.poll() is None                   # still training
+        snap = int(_read_until(proc.stdout, r"Snapshotting to binary proto file \S+_iter_(\d+)\.caffemodel"))
+        _read_until(proc.stdout, rf"Iteration {snap + 3} \(")    # training went on
+        assert proc.poll() is None
         os.kill(proc.pid, signal.SIGINT)             # --sigint_effect stop
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out[-3000:]
     # the signal's snapshot, then training went on; the last one is snapshot_after_train's
     snaps = sorted(int(re.search(r"_iter_(\d+)", p.name).group(1)) for p in job.glob("snap_iter_*.caffemodel"))
-    assert len(snaps) == 2 and snaps[0] + 5 < snaps[1], snaps
+    assert len(snaps) == 2 and snaps[0] == snap and snaps[0] + 3 <= snaps[1], snaps
     assert (job / f"snap_iter_{snaps[0]}.solverstate").exists()
     assert "Optimization stopped early." in out
 
