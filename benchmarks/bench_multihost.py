@@ -46,11 +46,12 @@ def _time(fn):
 
 def calibrate(args):
     """One rank alone: seconds per iteration at --batch (after one warm-up)."""
-    from bench_mpi import build_solver
+    from bench_mpi import NET, build_solver
 
     from caffepy import log
+    from caffepy.context import SINGLE
     log.set_quiet(True)
-    solver = build_solver(args.batch)
+    solver = build_solver(args.batch, NET, SINGLE)
     solver.step(1)
     times = [_time(lambda: solver.step(1))[0] for _ in range(args.iters)]
     print("RESULT " + json.dumps({"iter": statistics.median(times), "all": times}), flush=True)
@@ -86,7 +87,7 @@ def link(comm, MPI):
 
 
 def worker(args):
-    from bench_mpi import build_solver, timed_steps
+    from bench_mpi import NET, build_solver, timed_steps
 
     from caffepy import log
     log.set_quiet(True)
@@ -98,7 +99,7 @@ def worker(args):
     result = {"hosts": comm.allgather(os.uname().nodename)}
     result["latency"], result["bandwidth"] = link(comm, MPI)
 
-    solver = build_solver(args.batch)
+    solver = build_solver(args.batch, NET, world)
     strategy = mpi.attach(solver)
     timed_steps(solver, 1)                          # on_start: broadcast, buckets
     nbytes = strategy.reducer.nbytes

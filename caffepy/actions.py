@@ -9,6 +9,7 @@ import time as _time
 import numpy as np
 
 from . import log
+from .context import SINGLE
 from .errors import UsageError
 from .log import fmt
 
@@ -75,12 +76,14 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
     if snapshot:
         _check_snapshot(snapshot)
     mpi = _mpi_if_launched()
+    context = SINGLE
     if mpi is not None:
         from .parallel import watchdog
         if stall_timeout is None:
             stall_timeout = watchdog.DEFAULT_TIMEOUT
         mpi.supervise()       # from here on this process is the rank (its parent reports its death)
-        mpi.init_world(stall_timeout)   # before building nets: data layers pick their records by rank
+        # the run context, before the Solver builds its nets: data layers pick their records by rank
+        context = mpi.init_world(stall_timeout)
     param = upgrade.read_solver(solver)
     if snapshot:
         del param.weights[:]
@@ -89,7 +92,7 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
         param.weights.append(weights)
     log.info("Use CPU.")
     handler = SignalHandler(sigint_effect, sighup_effect, mpi=mpi is not None)
-    the_solver = Solver(param, source=solver, level=level, stages=stages)
+    the_solver = Solver(param, source=solver, level=level, stages=stages, context=context)
     # ---- multi-rank call site: the MPI strategy joins the solver through its hooks ----
     if mpi is not None:
         mpi.attach(the_solver)

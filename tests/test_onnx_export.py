@@ -369,8 +369,8 @@ def test_cli_export_onnx(tmp_path):
 
 # -- real nets, weights filled randomly by caffepy, batch 1 ----------------------------------
 def real_net(path, filler):
-    from caffepy import prototxt
-    param = prototxt.read_net(os.path.join(REPO, path))
+    from caffepy import upgrade
+    param = upgrade.read_net(os.path.join(REPO, path))
     for lp in param.layer:
         if lp.type == "Input":
             lp.input_param.shape[0].dim[0] = 1

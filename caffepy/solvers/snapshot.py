@@ -8,6 +8,10 @@ A snapshot is two files, written atomically by rank 0:
                                               update rule's history blobs, and Intel
                                               Caffe's plateau fields
 
+The history blobs are the update rule's per-parameter arrays (`rule.state(i)`)
+in Caffe's order: the first array of every parameter, then (AdaDelta, Adam)
+the second array of every parameter.
+
 The .solverstate also carries the random generator state as JSON in field
 RNG_STATE_FIELD, an extension Caffe's reader skips, so a resumed run draws the
 same numbers an uninterrupted one would.  Only BINARYPROTO is supported: HDF5
@@ -76,14 +80,23 @@ def write_solver_state(state, path, limit=PROTO_LIMIT):
     write_binary(state, path, limit)
 
 
-def write(param, it, net, history, current_step, plateau):
-    """Solver::Snapshot: the .caffemodel, then the .solverstate; returns their paths."""
+def saved_order(states):
+    """The history arrays of `states` (one list per parameter) in the .solverstate's order."""
+    return [arrays[k] for k in range(len(states[0]) if states else 0) for arrays in states]
+
+
+def write(param, it, net, states, current_step, plateau, arrays=None):
+    """Solver::Snapshot: the .caffemodel, then the .solverstate; returns their paths.
+
+    `states[i]`: the history arrays of learnable parameter i (the rule's `state(i)`);
+    `arrays`: {parameter Blob: (data, diff)} written instead of the net's own (the whole
+    arrays of parameters split across ranks; Net.to_proto)."""
     model = filename(param.snapshot_prefix, it, ".caffemodel")
     log.info(f"Snapshotting to binary proto file {model}")
-    write_binary(net.to_proto(write_diff=param.snapshot_diff), model)
+    write_binary(net.to_proto(write_diff=param.snapshot_diff, arrays=arrays), model)
     state = caffe_pb2.SolverState(iter=it, learned_net=model, current_step=current_step,
                                   minimum_loss=plateau.minimum_loss, iter_last_event=plateau.iter_last_event)
-    for h in history:
+    for h in saved_order(states):
         state.history.append(array_to_blobproto(h))
     state.MergeFromString(_extension_bytes(RNG_STATE_FIELD, json.dumps(rng.get_state()).encode()))
     path = filename(param.snapshot_prefix, it, ".solverstate")
@@ -92,10 +105,11 @@ def write(param, it, net, history, current_step, plateau):
     return model, path
 
 
-def restore(state_file, net, history, solver_type):
+def restore(state_file, net, rule):
     """Solver::Restore: the weights of the caffemodel the .solverstate names into `net`, its
-    history blobs into `history` (in place), and (when saved by caffepy) the random
-    generator state.  Returns the SolverState, for its iter, current_step and plateau fields."""
+    history blobs into the update rule's arrays (`rule.state(i)`, in place), and (when saved
+    by caffepy) the random generator state.  Returns the SolverState, for its iter,
+    current_step and plateau fields."""
     state_file = os.fspath(state_file)
     if state_file.endswith(".h5"):
         raise SolverError(f"{state_file}: HDF5 solver states are not supported; resume from a "
@@ -103,9 +117,10 @@ def restore(state_file, net, history, solver_type):
     state = read_solver_state(state_file)
     if state.HasField("learned_net") and state.learned_net:
         net.copy_from(_resolve_learned_net(state.learned_net, state_file))
+    history = saved_order([rule.state(i) for i in range(len(net.learnable_params))])
     if len(state.history) != len(history):
         raise SolverError(f"{state_file}: history: incorrect number of history blobs for a "
-                          f"{solver_type} solver over this net (expected {len(history)}), "
+                          f"{rule.type} solver over this net (expected {len(history)}), "
                           f"got {len(state.history)}. Was it written by another solver type or net?")
     log.info("SGDSolver: restoring history")
     for i, (bp, h) in enumerate(zip(state.history, history)):
