@@ -246,7 +246,7 @@ def test_stopped_rank_ends_training(tmp_path, db):
     assert re.search(rf"\[rank 0\] stall: rank 1 \(pid {pids.group(2)}@\S+: nothing heard from it for \d+ s: "
                      rf"stopped, hung or unreachable; last at .*\) did not arrive within --stall_timeout 5 s; "
                      rf"rank 0 waited in the [a-z ]+ of iteration \d+; aborting all 2 ranks", err), err[-3000:]
-    assert 5 <= took < 35
+    assert 3 <= took < 35        # from its last sign of life, up to a heartbeat before the signal
 
 
 def test_one_signal_acts_once_on_every_rank(tmp_path, db):

@@ -135,7 +135,8 @@ def test_stopped_rank_ends_the_job(tmp_path, db, can_emulate, victim):
                      rf"heard from it for \d+ s: stopped, hung or unreachable.*\) did not arrive within "
                      rf"--stall_timeout {timeout} s; .*rank {other} waited in the \w[\w ]* of iteration \d+; "
                      rf"aborting all 2 ranks", out), out[-3000:]
-    assert timeout <= took < timeout + 30
+    # counted from its last sign of life, which may come up to a heartbeat before the signal
+    assert timeout - 2 <= took < timeout + 30
 
 
 def test_killed_rank_is_named(tmp_path, db, can_emulate):
