@@ -102,9 +102,14 @@ def _stages(values):
 @click.option("--sigint_effect", type=SIGNAL_EFFECTS, default="stop", show_default=True,
               help="What to do on SIGINT (Ctrl-C).")
 @click.option("--sighup_effect", type=SIGNAL_EFFECTS, default="snapshot", show_default=True,
-              help="What to do on SIGHUP.")
+              help="What to do on SIGHUP (under MPI also on SIGUSR1, which mpiexec passes on to the "
+                   "ranks; MPICH's mpiexec dies of SIGHUP itself).")
+@click.option("--stall_timeout", type=click.FloatRange(min=0), default=300, show_default=True,
+              metavar="SECONDS",
+              help="Under MPI: when a rank makes no progress for this long (stopped, hung, its host "
+                   "lost), end the job with a line naming it and where the others waited; 0: never.")
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
-def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, gpu):
+def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, stall_timeout, gpu):
     """Train or fine-tune a model (mpirun -n N for several ranks)."""
     if weights and snapshot:
         raise click.UsageError("give --snapshot or --weights, not both: --snapshot resumes a run, "
@@ -112,7 +117,7 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
     _gpu_notice(gpu)
     from . import actions
     actions.train(solver=solver, weights=weights, snapshot=snapshot, level=level, stages=_stages(stage),
-                  sigint_effect=sigint_effect, sighup_effect=sighup_effect)
+                  sigint_effect=sigint_effect, sighup_effect=sighup_effect, stall_timeout=stall_timeout)
 
 
 @main.command()
