@@ -26,11 +26,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import timing  # noqa: E402
 
 from caffepy import geometry  # noqa: E402
 from caffepy.kernels import intel, loss, normalization, solver, vision  # noqa: E402
@@ -59,45 +60,18 @@ LRN = dict(size=5, alpha=1e-4, beta=0.75, k=1.0)
 SUMMARY = min
 
 
-class Timer:
-    """Wall and CPU milliseconds of the runs it has seen, summed up by SUMMARY."""
-
-    def __init__(self):
-        self.walls, self.cpus = [], []
-
-    def run(self, fn):
-        cpu, wall = time.process_time(), time.perf_counter()
-        fn()
-        self.walls.append(1e3 * (time.perf_counter() - wall))
-        self.cpus.append(1e3 * (time.process_time() - cpu))
-
-    @property
-    def wall(self):
-        return SUMMARY(self.walls)
-
-    @property
-    def cpu(self):
-        return SUMMARY(self.cpus)
-
-
 def best_ms(fn, reps, setup=None):
-    """Wall ms of fn() over reps runs (after a warm-up), best or median (SUMMARY); setup() runs
-    untimed before each."""
-    timer = Timer()
-    for i in range(reps + 1):
-        if setup is not None:
-            setup()
-        if i:
-            timer.run(fn)
-        else:
-            fn()
-    return timer.wall
+    return timing.best_ms(fn, reps, setup, SUMMARY)
+
+
+def alternate(fns, reps):
+    return timing.alternate(fns, reps, summary=SUMMARY)
 
 
 def sgemm_peak(reps):
     a = np.random.default_rng(0).random((4096, 4096), dtype=np.float32)
     b = a.copy()
-    timer = Timer()
+    timer = timing.Timer()
     a @ b
     for _ in range(reps):
         timer.run(lambda: a @ b)
@@ -119,7 +93,7 @@ def bench_conv(name, N, reps, rng, modes):
     flops = 2.0 * N * O * oh * ow * (C // group) * k * k
     default = vision.get_conv_threading()
     col = np.empty(vision.conv_workspace_size(C, k, k, oh, ow, weight.size), np.float32)
-    timers = {mode: (Timer(), Timer()) for mode in modes}
+    timers = {mode: (timing.Timer(SUMMARY), timing.Timer(SUMMARY)) for mode in modes}
     for i in range(reps + 1):
         for mode, (fwd, bwd) in timers.items():
             vision.set_conv_threading(mode)
@@ -130,19 +104,6 @@ def bench_conv(name, N, reps, rng, modes):
                                                  bias_diff, bottom_diff, col, *conv_args))
     vision.set_conv_threading(default)
     return {"flops": flops, "bwd_flops": flops * (1 if bottom_diff is None else 2), **timers}
-
-
-def alternate(fns, reps):
-    """Wall ms of each fn (SUMMARY), the fns run in turn (one warm-up round) so all see one
-    machine."""
-    timers = [Timer() for _ in fns]
-    for i in range(reps + 1):
-        for fn, timer in zip(fns, timers):
-            if i:
-                timer.run(fn)
-            else:
-                fn()
-    return [t.wall for t in timers]
 
 
 def blocked_shape(N, C, H, W, width):
