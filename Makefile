@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install extras demo test test-all test-multihost bench bench-full bench-mpi bench-multihost proto clean
+.PHONY: install extras demo test test-all test-multihost bench bench-quick bench-full bench-mpi bench-multihost proto clean
 
 install: $(STAMP)
 
@@ -62,11 +62,19 @@ test-all: install $(EXTRAS) $(TORCH)
 test-multihost: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m multihost tests/multihost
 
+# The training table, net by net: caffepy, PyTorch (torch, a test-time reference) and BVLC
+# Caffe when CAFFE_BIN names its `caffe` binary; the threading check. BENCH_ARGS passes more
+# options (python benchmarks/bench_nets.py --help), e.g. make bench BENCH_ARGS='--nets resnet50'
 bench: install $(TORCH)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_alexnet.py
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_nets.py $(BENCH_ARGS)
 
+# LeNet, cifar10_quick and AlexNet, 3 rounds
+bench-quick: install $(TORCH)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_nets.py --quick $(BENCH_ARGS)
+
+# Larger batches (AlexNet 256, ResNet-50 / GoogLeNet / MobileNet 32, VGG-16 16), 9 rounds
 bench-full: install $(TORCH)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_alexnet.py --full
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_nets.py --full $(BENCH_ARGS)
 
 bench-mpi: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_mpi.py

@@ -13,7 +13,8 @@ def gemm_into(a, b, c, beta=0.0):
 
     Fortran BLAS sees the transposes: c^T = b^T a^T; c must be C-contiguous. scipy's OpenBLAS
     runs AlexNet's batch-64 InnerProduct products at 1.5x the speed numpy.matmul gets from
-    numpy's own OpenBLAS build on this kind of machine (benchmarks/bench_alexnet.py's fc rows).
+    numpy's own OpenBLAS build on this kind of machine (AlexNet's fc6 / fc8 shapes;
+    benchmarks/bench_layers.py times those layers).
     """
     if c.size == 0:
         return

@@ -291,10 +291,10 @@ def test_caffepy_time_on_intel_alexnet_deploy():
 
 @pytest.mark.slow
 def test_caffepy_time_on_intel_alexnet_train_val(tmp_path):
-    # the TRAIN net with its Data layer swapped for small DummyData (no ImageNet LMDB in tests)
+    # the TRAIN net with its Data layer swapped for small Input blobs (no ImageNet LMDB in tests)
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    from bench_alexnet import caffepy_net_param
-    param = caffepy_net_param(2, blocked=True)
+    import nets
+    param = nets.train_net("alexnet_intel", 2)
     path = tmp_path / "train_val_dummy.prototxt"
     path.write_text(text_format.MessageToString(param))
     r = _caffepy("time", "--model", str(path), "--iterations", "1")
