@@ -9,12 +9,14 @@ upgraded from older formats) comes from upgrade.py's read_net / read_solver.
 """
 import contextlib
 import difflib
+import math
 import os
 import re
 import tempfile
 
+import numpy as np
 from google.protobuf import message as _pb_message
-from google.protobuf import text_format
+from google.protobuf import text_encoding, text_format
 
 from .errors import CaffepyError, PrototxtError
 from .proto import caffe_pb2
@@ -182,9 +184,53 @@ def read_text(msg, path):
     return parse_text(msg, _read_bytes(path), os.fspath(path))
 
 
+def format_float(value, double=False):
+    """A float field as C++ protobuf's TextFormat prints it (SimpleFtoa / SimpleDtoa):
+    %g with 6 significant digits (15 for a double), or 9 (17) when that would not read
+    back as the same number: `1`, `0.1`, `1e-05`, `0.123456791`, `3.40282347e+38`."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if not double:
+        value = float(np.float32(value))
+    short, full = (15, 17) if double else (6, 9)
+    text = f"{value:.{short}g}"
+    same = float(text) == value if double else np.float32(text) == np.float32(value)
+    return text if same else f"{value:.{full}g}"
+
+
+def _print_message(msg, indent, out):
+    pad = " " * indent
+    for field, value in msg.ListFields():
+        values = value if field.is_repeated else [value]
+        for v in values:
+            if field.cpp_type == field.CPPTYPE_MESSAGE:
+                out.append(f"{pad}{field.name} {{\n")
+                _print_message(v, indent + 2, out)
+                out.append(f"{pad}}}\n")
+                continue
+            if field.cpp_type == field.CPPTYPE_ENUM:
+                named = field.enum_type.values_by_number.get(v)
+                text = named.name if named is not None else str(v)
+            elif field.cpp_type == field.CPPTYPE_STRING:
+                raw = v if isinstance(v, bytes) else v.encode("utf-8")
+                text = f'"{text_encoding.CEscape(raw, False)}"'
+            elif field.cpp_type == field.CPPTYPE_BOOL:
+                text = "true" if v else "false"
+            elif field.cpp_type in (field.CPPTYPE_FLOAT, field.CPPTYPE_DOUBLE):
+                text = format_float(v, field.cpp_type == field.CPPTYPE_DOUBLE)
+            else:
+                text = str(v)
+            out.append(f"{pad}{field.name}: {text}\n")
+
+
 def to_text(msg):
-    """Text format as Caffe prints it (two-space indent, shortest floats)."""
-    return text_format.MessageToString(msg)
+    """Text format as Caffe's WriteProtoToTextFile prints it: fields in number order,
+    two-space indent, strings C-escaped, floats as C++ protobuf formats them."""
+    out = []
+    _print_message(msg, 0, out)
+    return "".join(out)
 
 
 def write_text(msg, path):

@@ -112,3 +112,83 @@ def test_writes_are_atomic_and_leave_no_temporaries(tmp_path):
 def test_write_into_missing_directory_is_a_clean_error(tmp_path):
     with pytest.raises(CaffepyError, match="cannot write"):
         P.write_binary(caffe_pb2.NetParameter(), tmp_path / "no" / "net.caffemodel")
+
+
+# -- text as Caffe writes it -------------------------------------------------
+
+@pytest.mark.parametrize("value, text", [
+    (1.0, "1"), (0.0, "0"), (2.0, "2"), (-0.5, "-0.5"), (0.01, "0.01"), (1e-05, "1e-05"),
+    (1e8, "1e+08"), (0.123456789, "0.123456791"), (3.4028235e38, "3.40282347e+38"),
+    (float("inf"), "inf"), (float("-inf"), "-inf"), (float("nan"), "nan")])
+def test_floats_print_as_cpp_protobuf_prints_them(value, text):
+    # C++ SimpleFtoa: %.6g, or %.9g when that does not read back as the same float
+    assert P.format_float(value) == text
+
+
+def test_doubles_print_with_15_or_17_digits():
+    assert P.format_float(0.1, double=True) == "0.1"
+    assert P.format_float(0.1 + 0.2, double=True) == "0.30000000000000004"
+
+
+# What BVLC's upgrade_net_proto_text wrote for V1 (run on the real binary; byte for byte)
+V1_NET = r'''name: "a\"b\\c\td é"
+layers { name: "conv" type: CONVOLUTION bottom: "data" top: "conv" blobs_lr: 1 blobs_lr: 2
+  weight_decay: 1 weight_decay: 0
+  convolution_param { num_output: 2 kernel_size: 3 bias_filler { type: "constant" value: 0.123456789 } } }
+layers { name: "s" type: POWER bottom: "conv" top: "s" power_param { power: 2 scale: 100000000 shift: -0.5 } }
+input: "data" input_dim: 1 input_dim: 3 input_dim: 8 input_dim: 8
+'''
+CAFFE_UPGRADED = r'''name: "a\"b\\c\td \303\251"
+layer {
+  name: "input"
+  type: "Input"
+  top: "data"
+  input_param {
+    shape {
+      dim: 1
+      dim: 3
+      dim: 8
+      dim: 8
+    }
+  }
+}
+layer {
+  name: "conv"
+  type: "Convolution"
+  bottom: "data"
+  top: "conv"
+  param {
+    lr_mult: 1
+    decay_mult: 1
+  }
+  param {
+    lr_mult: 2
+    decay_mult: 0
+  }
+  convolution_param {
+    num_output: 2
+    kernel_size: 3
+    bias_filler {
+      type: "constant"
+      value: 0.123456791
+    }
+  }
+}
+layer {
+  name: "s"
+  type: "Power"
+  bottom: "conv"
+  top: "s"
+  power_param {
+    power: 2
+    scale: 1e+08
+    shift: -0.5
+  }
+}
+'''
+
+
+def test_upgraded_text_is_byte_for_byte_caffes(tmp_path):
+    src = write(tmp_path, "v1.prototxt", V1_NET)
+    U.upgrade_net_file(src, tmp_path / "out.prototxt")
+    assert (tmp_path / "out.prototxt").read_bytes() == CAFFE_UPGRADED.encode()
