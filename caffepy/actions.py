@@ -126,27 +126,29 @@ def test(model, weights=None, iterations=50, level=0, stages=()):
                          "Give --weights model.caffemodel")
     net = Net(model, phase=TEST, weights=weights, level=level, stages=list(stages))
     log.info(f"Running for {iterations} iterations.")
+    # float sums, as caffe.cpp's test(): its averages print as Caffe's do
+    f32 = np.float32
     names, scores = [], None
-    total_loss = 0.0
+    total_loss = f32(0)
     for i in range(iterations):
-        total_loss += net.forward_from_to()
+        total_loss += f32(net.forward_from_to())
         values = []
         for name in net.outputs:
             for value in net.blobs[name].data.reshape(-1):
                 if i == 0:
                     names.append(name)
-                values.append(float(value))
+                values.append(value)
                 log.info(f"Batch {i}, {name} = {fmt(float(value))}")
-        values = np.array(values, np.float64)
+        values = np.array(values, np.float32)
         scores = values if scores is None else scores + values
-    log.info(f"Loss: {fmt(total_loss / iterations)}")
+    log.info(f"Loss: {fmt(total_loss / f32(iterations))}")
     results = []
     for name, total in zip(names, scores if scores is not None else []):
-        mean = total / iterations
+        mean = total / f32(iterations)
         weight = net.blob_loss_weights.get(name, 0.0)
-        extra = f" (* {fmt(weight)} = {fmt(weight * mean)} loss)" if weight else ""
+        extra = f" (* {fmt(weight)} = {fmt(f32(weight) * mean)} loss)" if weight else ""
         log.info(f"{name} = {fmt(mean)}{extra}")
-        results.append((name, mean))
+        results.append((name, float(mean)))
     return results
 
 

@@ -397,9 +397,9 @@ class Net:
         return self._layer_names.index(name)
 
     def forward_from_to(self, start=0, end=None):
-        """Run layers start..end inclusive; return the weighted loss."""
+        """Run layers start..end inclusive; return the weighted loss (summed in float, as Caffe)."""
         end = len(self.layers) - 1 if end is None else end
-        loss = 0.0
+        loss = np.float32(0)
         try:
             for li in range(start, end + 1):
                 layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
@@ -407,12 +407,12 @@ class Net:
                 layer.forward(bottom, top)
                 for w, blob in zip(self._top_loss_weights[li], top):
                     if w:
-                        loss += w * float(np.sum(blob.data, dtype=np.float64))
+                        loss += np.float32(w) * np.float32(np.sum(blob.data, dtype=np.float64))
         except SizeError as e:
             if e.blob is None:
                 raise
             raise _size_error(self.layers[li], e) from None
-        return loss
+        return float(loss)
 
     def backward_from_to(self, start=None, end=0, on_layer_done=None):
         """Run backward from `start` down to `end`; `on_layer_done(layer_index)` is called
@@ -627,15 +627,20 @@ class Net:
                         f"they keep their initial values")
 
     def to_proto(self, write_diff=False):
+        """Caffe's Net::ToProto: every layer as the net runs it (Split layers and renamed
+        bottoms included), each with its `phase` and, for a loss layer that gave none, the
+        `loss_weight: 1` Caffe's LossLayer adds; then its blobs."""
         from .blobproto import array_to_blobproto
         out = caffe_pb2.NetParameter()
         out.name = self.name
         for layer in self.layers:
-            if layer.type == "Split":
-                continue
             lp = out.layer.add()
             lp.CopyFrom(layer.param)
             del lp.blobs[:]
+            if not lp.HasField("phase"):
+                lp.phase = self.phase
+            if layer.is_loss and not lp.loss_weight:
+                lp.loss_weight.extend(layer.loss_weights(len(lp.top)))
             for blob in layer.blobs:
                 lp.blobs.append(array_to_blobproto(blob.data, blob.diff if write_diff else None))
         return out

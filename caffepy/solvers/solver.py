@@ -16,6 +16,11 @@ Multi-rank hooks: `solver.hooks` holds objects that may define
     reduce_loss(solver, loss) -> loss the iteration's loss, for display and the NaN check
     sumsq(solver, param_index, array) -> float   squared L2 norm (clip_gradients, LARS)
 Only rank 0 logs, tests and writes snapshots; every rank runs the update.
+
+The numbers it logs are Caffe's: losses, their running average and test scores are
+accumulated in float (Caffe's Dtype), so an accuracy averaged over 100 batches prints
+0.990001 where Caffe does; the display timer counts whole milliseconds, as Caffe's CPU
+Timer does.
 """
 import math
 import os
@@ -28,6 +33,14 @@ from ..errors import SolverError
 from ..log import fmt
 from ..proto import caffe_pb2
 from . import lr_policy, nets, snapshot, updates
+
+
+F32 = np.float32
+
+
+def _seconds_since(start):
+    """Caffe's CPU Timer::Seconds(): the whole milliseconds elapsed / 1000, as a float."""
+    return F32(int((time.perf_counter() - start) * 1000) / 1000.0)
 
 
 def _rank():
@@ -182,7 +195,7 @@ class Solver:
                 if self.requested_early_exit:
                     break
             display = p.display and self.iter % p.display == 0
-            loss = 0.0
+            loss = F32(0)
             error = None
             for _ in range(p.iter_size):
                 pass_loss = self.net.forward_from_to()
@@ -190,9 +203,9 @@ class Solver:
                     error = self._nonfinite_error(pass_loss)     # names the layer while its top is there
                 # backward and the loss reduction still run: other ranks wait for them
                 self.net.backward_from_to(on_layer_done=on_layer_done)
-                loss += pass_loss
-            loss /= p.iter_size
-            loss = self._reduce_loss(loss)
+                loss += F32(pass_loss)
+            loss /= F32(p.iter_size)
+            loss = self._reduce_loss(float(loss))
             if error is not None:
                 raise error
             if not math.isfinite(loss):
@@ -200,8 +213,8 @@ class Solver:
             self._update_smoothed_loss(loss, start_iter)
             if display:
                 self._check_weights_finite()
-                lapse = time.perf_counter() - timer
-                per_s = (self.iter - iterations_last) / (lapse or 1.0)
+                lapse = _seconds_since(timer)
+                per_s = F32(self.iter - iterations_last) / (lapse or F32(1))
                 log.info(f"Iteration {self.iter} ({fmt(per_s)} iter/s, {fmt(lapse)}s/{p.display} iters), "
                          f"loss = {fmt(self.smoothed_loss)}")
                 timer = time.perf_counter()
@@ -228,11 +241,12 @@ class Solver:
         if len(self.losses) < n:
             self.losses.append(loss)
             size = len(self.losses)
-            self.smoothed_loss = (self.smoothed_loss * (size - 1) + loss) / size
+            smoothed = (F32(self.smoothed_loss) * F32(size - 1) + F32(loss)) / F32(size)
         else:
             idx = (self.iter - start_iter) % n
-            self.smoothed_loss += (loss - self.losses[idx]) / n
+            smoothed = F32(self.smoothed_loss) + (F32(loss) - F32(self.losses[idx])) / F32(n)
             self.losses[idx] = loss
+        self.smoothed_loss = float(smoothed)
 
     def _display_outputs(self):
         net = self.net
@@ -240,7 +254,7 @@ class Solver:
         for name in net.outputs:
             weight = net.blob_loss_weights.get(name, 0.0)
             for value in net.blobs[name].data.reshape(-1):
-                extra = f" (* {fmt(weight)} = {fmt(weight * float(value))} loss)" if weight else ""
+                extra = f" (* {fmt(weight)} = {fmt(F32(weight) * value)} loss)" if weight else ""
                 log.info(f"    Train net output #{index}: {name} = {fmt(float(value))}{extra}")
                 index += 1
 
@@ -313,7 +327,7 @@ class Solver:
         net = self.test_nets[index]
         n = p.test_iter[index]
         scores = None
-        loss = 0.0
+        loss = F32(0)
         for _ in range(n):
             request = self.get_requested_action()
             while request != "none":
@@ -326,24 +340,24 @@ class Solver:
                 break
             batch_loss = net.forward_from_to()
             if p.test_compute_loss:
-                loss += batch_loss
-            values = np.concatenate([net.blobs[name].data.reshape(-1).astype(np.float64)
-                                     for name in net.outputs]) if net.outputs else np.zeros(0)
+                loss += F32(batch_loss)
+            values = np.concatenate([net.blobs[name].data.reshape(-1) for name in net.outputs]
+                                    ).astype(np.float32) if net.outputs else np.zeros(0, np.float32)
             scores = values if scores is None else scores + values
         if self.requested_early_exit:
             log.info("Test interrupted.")
             return
         if p.test_compute_loss and n:
-            log.info(f"Test loss: {fmt(loss / n)}")
+            log.info(f"Test loss: {fmt(loss / F32(n))}")
         results = []
         index_out = 0
         for name in net.outputs:
             weight = net.blob_loss_weights.get(name, 0.0)
             for _ in range(net.blobs[name].count):
-                mean = float(scores[index_out]) / n if n else 0.0
-                extra = f" (* {fmt(weight)} = {fmt(weight * mean)} loss)" if weight else ""
+                mean = scores[index_out] / F32(n) if n else F32(0)
+                extra = f" (* {fmt(weight)} = {fmt(F32(weight) * mean)} loss)" if weight else ""
                 log.info(f"    Test net output #{index_out}: {name} = {fmt(mean)}{extra}")
-                results.append((name, mean))
+                results.append((name, float(mean)))
                 index_out += 1
         while len(self.test_scores) <= index:
             self.test_scores.append([])
