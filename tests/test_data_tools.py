@@ -182,3 +182,23 @@ def test_split_db_failure_leaves_no_shard(tmp_path):
     with pytest.raises(DataError, match=r"data.mdb: damaged LMDB: truncated"):
         split_db(db, 3, str(tmp_path / "part"))
     assert sorted(os.listdir(tmp_path)) == ["db"]
+
+
+def test_raw_records_are_byte_for_byte_caffes(tmp_path):
+    # BVLC convert_imageset's record for this 1x2 BGR PNG, label 1 (read from its LMDB):
+    # channels, height, width, data (C x H x W), label, and encoded: false (field 7 = 0)
+    (tmp_path / "img").mkdir()
+    cv2.imwrite(str(tmp_path / "img" / "a.png"), np.array([[[1, 2, 3], [4, 5, 6]]], np.uint8))
+    (tmp_path / "list.txt").write_text("a.png 1\n")
+    tools.convert_imageset(str(tmp_path / "img") + "/", str(tmp_path / "list.txt"), str(tmp_path / "db"))
+    env = lmdb.open(str(tmp_path / "db"), readonly=True, lock=False)
+    with env.begin() as txn:
+        assert txn.get(b"00000000_a.png") == bytes.fromhex("08031001180222060104020503062801" "3800")
+    env.close()
+    assert oct(os.stat(tmp_path / "db").st_mode & 0o777) == oct(0o744 & ~_umask())
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

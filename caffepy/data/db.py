@@ -35,6 +35,9 @@ from ..errors import DataError, quote
 
 # Writers start with this map size and double it whenever the map is full.
 _INITIAL_MAP_SIZE = 1 << 30
+# the process umask, read once (reading it means setting it)
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 # LMDB's meta page (64-bit, little-endian): a 16-byte page header, then mm_magic
 # (u32) at 16, mm_dbs[0].md_pad (the page size, u32) at 40, mm_last_pg (u64) at
@@ -325,6 +328,8 @@ class Writer:
         try:
             self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp",
                                         dir=parent)
+            # mkdtemp's 0700 would hide the database from other users: Caffe's mkdir uses 0744
+            os.chmod(self.tmp, 0o744 & ~_UMASK)
         except OSError as e:
             raise DataError(f"{self.path}: cannot create the database: {e.strerror}") from None
         self.map_size = _INITIAL_MAP_SIZE
