@@ -104,9 +104,9 @@ def _check_snapshot(path):
             head = f.read(2)
     except OSError:
         pass        # reading it later says what is wrong
-    if str(path).endswith(".caffemodel") or head[:1] == b"\x0a" or head == b"\xa2\x06":
+    if str(path).endswith((".caffemodel", ".caffemodel.h5")) or head[:1] == b"\x0a" or head == b"\xa2\x06":
         raise UsageError(f"--snapshot: {path} holds weights (a .caffemodel), not a solver state; "
-                         f"resume from a .solverstate, or start from these weights with --weights {path}")
+                         f"resume from a .solverstate (.solverstate.h5), or start from these weights with --weights {path}")
 
 
 def _mpi_if_launched():

@@ -284,7 +284,8 @@ class Net:
                     need or layer.allow_force_backward(bi)
                     for bi, need in enumerate(self.bottom_need_backward[li])]
                 layer.param_propagate_down = [True] * len(layer.blobs)
-        self.outputs = list(available)
+        # Caffe keeps the remaining blobs in a std::set: outputs come in byte order of their names
+        self.outputs = sorted(available, key=lambda name: name.encode())
         # pycaffe lists every blob, with 0 for those outside the loss
         self.blob_loss_weights = collections.OrderedDict(
             (name, self.blob_loss_weights.get(name, 0.0)) for name in self.blobs)
@@ -579,9 +580,12 @@ class Net:
         self.layers[0].reset(data, labels)
 
     def copy_from(self, path):
-        """Load weights from a .caffemodel by layer name (Caffe's CopyTrainedLayersFrom)."""
-        if str(path).endswith((".h5", ".hdf5")):
-            raise CaffepyError(f"{path}: HDF5 weights are not supported; use a binary .caffemodel")
+        """Load weights by layer name (Caffe's CopyTrainedLayersFrom): from Caffe's HDF5
+        layout when the file is HDF5 (a .caffemodel.h5; needs h5py), else a .caffemodel."""
+        from . import net_hdf5
+        if net_hdf5.is_hdf5(path) or str(path).endswith((".h5", ".hdf5")):
+            net_hdf5.load(self, path)
+            return
         source = upgrade.read_binary_net(path)
         self.copy_from_param(source, path)
 

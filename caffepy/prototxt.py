@@ -42,8 +42,11 @@ def _read_bytes(path):
         raise PrototxtError(f"{os.fspath(path)}: cannot open: {e.strerror}") from None
 
 
-def atomic_write(path, data):
-    """Write bytes to `path` so that readers see the old file or the whole new one."""
+@contextlib.contextmanager
+def atomic_path(path):
+    """A temporary name next to `path` for the block to write a file at: renamed to `path`
+    (after fsync) when the block ends, removed when it raises.  Readers see the old file or
+    the whole new one.  OSErrors become one CaffepyError line naming `path`."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     try:
@@ -51,16 +54,21 @@ def atomic_write(path, data):
     except OSError as e:
         raise CaffepyError(f"{path}: cannot write: {e.strerror}") from None
     try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_UMASK)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            os.fchmod(fd, 0o666 & ~_UMASK)
+        finally:
+            os.close(fd)
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise CaffepyError(f"{path}: cannot write: {e.strerror}") from None
+        raise CaffepyError(f"{path}: cannot write: {e.strerror or e}") from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -72,6 +80,13 @@ def atomic_write(path, data):
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def atomic_write(path, data):
+    """Write bytes to `path` so that readers see the old file or the whole new one."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
 
 
 # ---------------------------------------------------------------------------

@@ -365,3 +365,12 @@ def test_to_proto_writes_the_layers_as_caffes_net_to_proto(tmp_path):
     weights = tmp_path / "w.caffemodel"
     caffepy.Net(str(path), caffepy.TRAIN).save(str(weights))
     caffepy.Net(str(path), str(weights), caffepy.TEST)
+
+
+def test_outputs_are_in_name_order_as_caffes_std_set(tmp_path):
+    # the real caffe binary lists FAITHFUL_NET's outputs as acc, loss (loss is defined first)
+    path = tmp_path / "net.prototxt"
+    path.write_text(FAITHFUL_NET.replace('top: "acc"', 'top: "Zacc"'))
+    assert caffepy.Net(str(path), caffepy.TRAIN).outputs == ["Zacc", "loss"]
+    path.write_text(FAITHFUL_NET)
+    assert caffepy.Net(str(path), caffepy.TRAIN).outputs == ["acc", "loss"]

@@ -275,11 +275,6 @@ def test_random_seed_makes_runs_identical():
     rng.seed(-1)
 
 
-def test_hdf5_snapshots_are_refused():
-    with pytest.raises(SolverError, match="snapshot_format: HDF5 snapshots are not supported"):
-        make_solver(BASE + "snapshot_format: HDF5")
-
-
 def test_solver_without_a_net_is_an_error():
     p = caffe_pb2.SolverParameter(base_lr=0.1, lr_policy="fixed")
     with pytest.raises(PrototxtError, match="specifies no net"):

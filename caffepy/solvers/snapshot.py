@@ -1,6 +1,7 @@
-"""Caffe's snapshot files: Solver::Snapshot / Restore and SGDSolver's BINARYPROTO state.
+"""Caffe's snapshot files: Solver::Snapshot / Restore and SGDSolver's solver state, in
+both of Caffe's snapshot_format s.
 
-A snapshot is two files, written atomically by rank 0:
+A snapshot is two files, written atomically by rank 0.  BINARYPROTO (the default):
 
     <snapshot_prefix>_iter_<N>.caffemodel     the train net's weights (a NetParameter)
     <snapshot_prefix>_iter_<N>.solverstate    a SolverState: iter, learned_net (the
@@ -8,30 +9,47 @@ A snapshot is two files, written atomically by rank 0:
                                               update rule's history blobs, and Intel
                                               Caffe's plateau fields
 
-The .solverstate also carries the random generator state as JSON in field
-RNG_STATE_FIELD, an extension Caffe's reader skips, so a resumed run draws the
-same numbers an uninterrupted one would.  Only BINARYPROTO is supported: HDF5
-snapshots are refused before training starts.
+HDF5 (needs h5py):
+
+    <snapshot_prefix>_iter_<N>.caffemodel.h5  data/<layer>/<i> (Net::ToHDF5, net_hdf5.py)
+    <snapshot_prefix>_iter_<N>.solverstate.h5 iter, current_step (1-element int32),
+                                              learned_net (a NUL-terminated string),
+                                              history/<i> (float32, the blob's shape);
+                                              Intel Caffe's iter_last_event (int32) and
+                                              minimum_loss (float32), which BVLC ignores
+
+The state also carries the random generator state as JSON (in field RNG_STATE_FIELD
+of a .solverstate, dataset RNG_STATE_DATASET of a .solverstate.h5), an extension
+Caffe's readers skip, so a resumed run draws the same numbers an uninterrupted one
+would.  restore() reads either format, by extension as Caffe does (.h5: HDF5).
 """
 import json
 import os
 
-from .. import log, rng
+import numpy as np
+
+from .. import log, net_hdf5, rng
 from ..blobproto import array_to_blobproto, blobproto_to_array
 from ..errors import SolverError
 from ..proto import caffe_pb2
-from ..prototxt import PROTO_LIMIT, read_binary, write_binary
+from ..prototxt import PROTO_LIMIT, atomic_path, read_binary, write_binary
 
 # Field number of caffepy's extension inside SolverState: the random generator
 # state as JSON.  Unknown to Caffe, whose reader skips it.
 RNG_STATE_FIELD = 1001
+# Its place in a .solverstate.h5: a root dataset, which Caffe's reader never opens
+RNG_STATE_DATASET = "caffepy_rng_state"
+
+
+def is_hdf5(param):
+    return param.snapshot_format == caffe_pb2.SolverParameter.HDF5
 
 
 # -- before training ------------------------------------------------------------
 def check_format(param, source):
-    if param.snapshot_format == caffe_pb2.SolverParameter.HDF5:
-        raise SolverError(f"{source}: snapshot_format: HDF5 snapshots are not supported, got HDF5. "
-                          f"Use snapshot_format: BINARYPROTO (the default)")
+    """HDF5 snapshots need h5py: find out before training, not at the first snapshot."""
+    if is_hdf5(param):
+        net_hdf5.require_h5py(f"{source}: snapshot_format: HDF5")
 
 
 def default_prefix(param, source):
@@ -77,7 +95,10 @@ def write_solver_state(state, path, limit=PROTO_LIMIT):
 
 
 def write(param, it, net, history, current_step, plateau):
-    """Solver::Snapshot: the .caffemodel, then the .solverstate; returns their paths."""
+    """Solver::Snapshot: the weights, then the solver state, in param.snapshot_format;
+    returns their paths."""
+    if is_hdf5(param):
+        return _write_hdf5(param, it, net, history, current_step, plateau)
     model = filename(param.snapshot_prefix, it, ".caffemodel")
     log.info(f"Snapshotting to binary proto file {model}")
     write_binary(net.to_proto(write_diff=param.snapshot_diff), model)
@@ -92,34 +113,90 @@ def write(param, it, net, history, current_step, plateau):
     return model, path
 
 
+def _write_hdf5(param, it, net, history, current_step, plateau):
+    """Solver::SnapshotToHDF5 and SGDSolver::SnapshotSolverStateToHDF5."""
+    model = filename(param.snapshot_prefix, it, ".caffemodel.h5")
+    log.info(f"Snapshotting to HDF5 file {model}")
+    net_hdf5.save(net, model, write_diff=param.snapshot_diff)
+    path = filename(param.snapshot_prefix, it, ".solverstate.h5")
+    log.info(f"Snapshotting solver state to HDF5 file {path}")
+    h5py = net_hdf5.require_h5py(f"{path}: snapshot_format: HDF5")
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        net_hdf5.save_int(f, "iter", it)
+        net_hdf5.save_string(f, "learned_net", model)
+        net_hdf5.save_int(f, "current_step", current_step)
+        net_hdf5.save_int(f, "iter_last_event", plateau.iter_last_event)
+        net_hdf5.save_float(f, "minimum_loss", plateau.minimum_loss)
+        group = f.create_group("history")
+        for i, h in enumerate(history):
+            group.create_dataset(str(i), data=np.asarray(h, np.float32))
+        net_hdf5.save_string(f, RNG_STATE_DATASET, json.dumps(rng.get_state()))
+    return model, path
+
+
+def _read_hdf5_state(state_file):
+    """A .solverstate.h5: a SolverState of its scalar fields, the history arrays, and the
+    saved random generator state (JSON text, or None)."""
+    h5py = net_hdf5.require_h5py(f"{state_file}: HDF5 solver state")
+    with net_hdf5.open_file(state_file, "HDF5 solver state") as f:
+        if "iter" not in f and "data" in f:
+            raise SolverError(f"{state_file}: holds weights (a .caffemodel.h5), not a solver state; "
+                              f"resume from a .solverstate.h5, or start from these weights with "
+                              f"--weights {state_file}")
+        state = caffe_pb2.SolverState(iter=net_hdf5.load_scalar(f, "iter", state_file),
+                                      current_step=net_hdf5.load_scalar(f, "current_step", state_file))
+        if "learned_net" in f:
+            state.learned_net = net_hdf5.load_string(f, "learned_net", state_file)
+        if "iter_last_event" in f:
+            state.iter_last_event = net_hdf5.load_scalar(f, "iter_last_event", state_file)
+        if "minimum_loss" in f:
+            state.minimum_loss = net_hdf5.load_scalar(f, "minimum_loss", state_file, kind="f")
+        group = f.get("history")
+        if not isinstance(group, h5py.Group):
+            raise SolverError(f"{state_file}: no 'history' group; not a Caffe HDF5 solver state")
+        arrays = []
+        for i in range(len(group)):
+            if str(i) not in group:
+                raise SolverError(f"{state_file}: history: datasets should be named 0..{len(group) - 1}, "
+                                  f"got {sorted(group)}")
+            arrays.append(net_hdf5.read_array(group[str(i)], state_file, f"history/{i}"))
+        saved = net_hdf5.load_string(f, RNG_STATE_DATASET, state_file) if RNG_STATE_DATASET in f else None
+    return state, arrays, saved
+
+
 def restore(state_file, net, history, solver_type):
-    """Solver::Restore: the weights of the caffemodel the .solverstate names into `net`, its
-    history blobs into `history` (in place), and (when saved by caffepy) the random
-    generator state.  Returns the SolverState, for its iter, current_step and plateau fields."""
+    """Solver::Restore: the weights the solver state names into `net`, its history blobs
+    into `history` (in place), and (when saved by caffepy) the random generator state.
+    A name ending in .h5 is read as HDF5, as Caffe does.  Returns a SolverState, for its
+    iter, current_step and plateau fields."""
     state_file = os.fspath(state_file)
     if state_file.endswith(".h5"):
-        raise SolverError(f"{state_file}: HDF5 solver states are not supported; resume from a "
-                          f".solverstate written with snapshot_format: BINARYPROTO")
-    state = read_solver_state(state_file)
+        state, arrays, saved = _read_hdf5_state(state_file)
+        count = len(arrays)
+    else:
+        state = read_solver_state(state_file)
+        count = len(state.history)      # converted one at a time below
+        arrays = (blobproto_to_array(bp, source=state_file, where=f"history[{i}]")
+                  for i, bp in enumerate(state.history))
+        saved = find_extension(state.SerializeToString(), RNG_STATE_FIELD)
+        saved = saved.decode(errors="replace") if saved is not None else None
     if state.HasField("learned_net") and state.learned_net:
         net.copy_from(_resolve_learned_net(state.learned_net, state_file))
-    if len(state.history) != len(history):
+    if count != len(history):
         raise SolverError(f"{state_file}: history: incorrect number of history blobs for a "
                           f"{solver_type} solver over this net (expected {len(history)}), "
-                          f"got {len(state.history)}. Was it written by another solver type or net?")
+                          f"got {count}. Was it written by another solver type or net?")
     log.info("SGDSolver: restoring history")
-    for i, (bp, h) in enumerate(zip(state.history, history)):
-        array = blobproto_to_array(bp, source=state_file, where=f"history[{i}]")
+    for i, (array, h) in enumerate(zip(arrays, history)):
         if array.shape != h.shape:
             if array.size != h.size:
                 raise SolverError(f"{state_file}: history[{i}]: shape should be {h.shape}, "
                                   f"got {array.shape}")
             array = array.reshape(h.shape)
         h[...] = array
-    saved = find_extension(state.SerializeToString(), RNG_STATE_FIELD)
     if saved is not None:
         try:
-            rng.set_state(json.loads(saved.decode()))
+            rng.set_state(json.loads(saved))
         except (ValueError, TypeError, KeyError):
             log.warning(f"{state_file}: unreadable random generator state; continuing without it")
     return state
