@@ -89,6 +89,7 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
             the_solver.restore(snapshot)
         log.info("Starting Optimization")
         the_solver.solve()
+    log.info("Optimization Done.")      # caffe.cpp's own line, after the solver's
     if mpi is not None:
         mpi.finish()
     return the_solver
