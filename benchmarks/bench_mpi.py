@@ -55,7 +55,7 @@ NODES = (1, 2, 4, 8, 16, 32, 64)
 
 
 # -- worker side (one process per rank) ------------------------------------------
-def build_solver(batch, path=NET):
+def build_solver(batch, path, context):
     sys.path.insert(0, REPO)
     from google.protobuf import text_format
 
@@ -75,7 +75,7 @@ def build_solver(batch, path=NET):
                                    max_iter=10 ** 9, display=0, snapshot=0, random_seed=1,
                                    snapshot_after_train=False, solver_mode=caffe_pb2.SolverParameter.CPU)
     sp.net_param.CopyFrom(net)
-    return Solver(sp, source="bench_mpi")
+    return Solver(sp, source="bench_mpi", context=context)
 
 
 def timed_steps(solver, n, reducer=None):
@@ -97,7 +97,7 @@ def worker(args):
     log.set_quiet(True)
     from caffepy.parallel import mpi, world
     mpi.init_world()
-    solver = build_solver(args.batch, HYBRID_NET if args.hybrid else NET)
+    solver = build_solver(args.batch, HYBRID_NET if args.hybrid else NET, world)
     result = {"ranks": world.size, "threads": int(os.environ.get("OMP_NUM_THREADS", "0")),
               "batch": args.batch, "params": sum(b.count for b in solver.net.learnable_params)}
     # The machine may be shared: configurations are interleaved over rounds and the

@@ -9,6 +9,7 @@ import time as _time
 import numpy as np
 
 from . import log
+from .context import SINGLE
 from .errors import UsageError
 from .log import fmt
 
@@ -67,8 +68,8 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
     if snapshot:
         _check_snapshot(snapshot)
     mpi = _mpi_if_launched()
-    if mpi is not None:
-        mpi.init_world()      # before building nets: data layers pick their records by rank
+    # the run context, before the Solver builds its nets: data layers pick their records by rank
+    context = mpi.init_world() if mpi is not None else SINGLE
     param = upgrade.read_solver(solver)
     if snapshot:
         del param.weights[:]
@@ -77,7 +78,7 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
         param.weights.append(weights)
     log.info("Use CPU.")
     handler = SignalHandler(sigint_effect, sighup_effect)
-    the_solver = Solver(param, source=solver, level=level, stages=stages)
+    the_solver = Solver(param, source=solver, level=level, stages=stages, context=context)
     # ---- multi-rank call site: the MPI strategy joins the solver through its hooks ----
     if mpi is not None:
         mpi.attach(the_solver)

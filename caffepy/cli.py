@@ -1,7 +1,8 @@
 """The `caffepy` command: Caffe's subcommands and flags, argument handling and exit codes only.
 
 Caffe's gflags spellings work too: `-solver x` and `-solver=x` are read as
-`--solver x`, and boolean flags accept `-gray=true` / `-gray=false`.
+`--solver x`, and boolean flags accept `-gray=true` / `-gray=false`; `-help`,
+`help` and a bare `caffepy` print the usage.
 Known errors (CaffepyError) print one line and exit 1 (usage errors 2);
 anything else is a bug and keeps its traceback.
 """
@@ -12,6 +13,8 @@ import click
 from . import log
 from .errors import CaffepyError, one_line
 
+_GPU_HELP = ("Caffe's GPU ids ('0', '0,1' or 'all'): accepted so Caffe's scripts run, and ignored "
+             "with a warning; caffepy runs on the CPU.")
 SIGNAL_EFFECTS = click.Choice(["stop", "snapshot", "none"])
 _FLAG = re.compile(r"^-{1,2}([A-Za-z][A-Za-z0-9_]*)(=(.*))?$")
 
@@ -40,7 +43,22 @@ def gflags_to_click(args, bool_flags):
     return out
 
 
+_HELP = {"-help", "--help", "help", "-h", "-helpfull", "--helpfull"}
+
+
 class CaffeGroup(click.Group):
+    def parse_args(self, ctx, args):
+        # gflags' -help, and `help [command]`; bare `caffepy` prints the usage and exits 0,
+        # as Caffe's main() returns 0 after ShowUsageWithFlags
+        if not args or args[0] in _HELP:
+            name = args[1] if args[:1] == ["help"] and len(args) > 1 else None
+            command = self.get_command(ctx, name) if name else None
+            if command is not None:
+                ctx = click.Context(command, info_name=name, parent=ctx)
+            click.echo(ctx.get_help(), color=ctx.color)
+            ctx.exit(0)
+        return super().parse_args(ctx, args)
+
     def resolve_command(self, ctx, args):
         cmd_name, cmd, rest = super().resolve_command(ctx, args)
         bool_flags = {o.name for o in cmd.params if isinstance(o, click.Option) and o.is_flag}
@@ -60,12 +78,14 @@ def main():
     """caffepy: the Caffe command line, on CPUs, with MPI.
 
     \b
+    usage: caffepy <command> <args>   (caffepy <command> -help for its flags)
     commands like caffe's:
       train           train or fine-tune a model
       test            score a model
       time            benchmark model execution time
       device_query    show CPU and MPI details
     """
+    log.configure(program="caffepy", also_to_stderr=True)
 
 
 def _stages(values):
@@ -83,7 +103,7 @@ def _stages(values):
               help="What to do on SIGINT (Ctrl-C).")
 @click.option("--sighup_effect", type=SIGNAL_EFFECTS, default="snapshot", show_default=True,
               help="What to do on SIGHUP.")
-@click.option("--gpu", hidden=True, help="Accepted for Caffe compatibility; caffepy runs on the CPU.")
+@click.option("--gpu", metavar="IDS", help=_GPU_HELP)
 def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, gpu):
     """Train or fine-tune a model (mpirun -n N for several ranks)."""
     if weights and snapshot:
@@ -102,7 +122,7 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
               help="The number of iterations to run.")
 @click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
 @click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
-@click.option("--gpu", hidden=True)
+@click.option("--gpu", metavar="IDS", help=_GPU_HELP)
 def test(model, weights, iterations, level, stage, gpu):
     """Score a model: run the TEST phase and average its outputs."""
     _gpu_notice(gpu)
@@ -119,7 +139,7 @@ def test(model, weights, iterations, level, stage, gpu):
               show_default=True, help="Network phase.")
 @click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
 @click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
-@click.option("--gpu", hidden=True)
+@click.option("--gpu", metavar="IDS", help=_GPU_HELP)
 def time(model, weights, iterations, phase, level, stage, gpu):
     """Benchmark model execution time, layer by layer."""
     _gpu_notice(gpu)
@@ -219,6 +239,17 @@ def plot_log(logfile, output_png):
     logtools.plot_log(logfile, output_png)
 
 
+@main.command("export_onnx")
+@click.argument("net", metavar="NET.prototxt")
+@click.argument("weights", metavar="WEIGHTS.caffemodel")
+@click.argument("output", metavar="OUT.onnx")
+def export_onnx(net, weights, output):
+    """Export a TEST net and its weights to ONNX (needs the onnx extra; see the README for the
+    layer types mapped)."""
+    from . import onnx_export
+    onnx_export.export_files(net, weights, output)
+
+
 @main.command("draw_net")
 @click.argument("input_net_proto_file", metavar="NET_PROTOTXT")
 @click.argument("output_image_file", metavar="OUTPUT_FILE")
@@ -250,8 +281,12 @@ def split_db(input_db, num_shards, output_prefix):
 
 
 def _gpu_notice(gpu):
-    if gpu is not None:
-        log.info("caffepy runs on the CPU; ignoring --gpu")
+    if gpu is None:
+        return
+    if gpu != "all" and not re.fullmatch(r"\d+(,\d+)*", gpu):
+        raise click.BadParameter(f"expected 'all' or comma-separated device ids, got '{gpu}'",
+                                 param_hint="--gpu")
+    log.warning(f"caffepy runs on the CPU; ignoring --gpu {gpu}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from . import log, memory, prototxt, upgrade
 from .blob import Blob
 from .context import SINGLE
 from .errors import CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote
-from .layer import Request, choose, create_layer
+from .layer import create_layer
 from .proto import caffe_pb2
 
 TRAIN = caffe_pb2.TRAIN
@@ -304,26 +304,6 @@ class Net:
             free = memory.available()
             raise layer.error("setup", "out of memory while allocating its blobs", cls=SizeError,
                               hint=f"{memory.human(free)} of memory available" if free else None) from None
-
-    def use_context(self, context):
-        """Run under `context` from now on: every layer gets it, and a layer whose
-        implementation the factory now chooses differently (the model-parallel InnerProduct
-        under a distributed context) is rebuilt over the same blobs, keeping its parameter
-        Blobs and what it learned. For a net built before its run context was known."""
-        self.context = context
-        for li, layer in enumerate(self.layers):
-            bottoms, tops = self.bottom_vecs[li], self.top_vecs[li]
-            cls = choose(Request(layer.param, self.phase, self.source, tuple(bottoms), context,
-                                 self.param))
-            if type(layer) is not cls:
-                fresh = create_layer(layer.param, self.phase, self.source, bottoms=bottoms,
-                                     context=context, net=self.param)
-                fresh.blobs = layer.blobs
-                fresh.param_propagate_down = layer.param_propagate_down
-                self._setup_layer(fresh, bottoms, tops)
-                self.layers[li] = fresh
-            self.layers[li].context = context
-        self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
 
     def _prune_backward(self, param):
         """Caffe's rule: skip backward where nothing downstream reaches a loss."""
@@ -630,11 +610,14 @@ class Net:
             log.warning(f"{path}: no weights for layer(s) {quote(', '.join(missed))} of {self.source}; "
                         f"they keep their initial values")
 
-    def to_proto(self, write_diff=False):
+    def to_proto(self, write_diff=False, arrays=None):
         """Caffe's Net::ToProto: every layer as the net runs it (Split layers and renamed
         bottoms included), each with its `phase` and, for a loss layer that gave none, the
-        `loss_weight: 1` Caffe's LossLayer adds; then its blobs."""
+        `loss_weight: 1` Caffe's LossLayer adds; then its blobs. `arrays` maps a parameter
+        Blob to the (data, diff) written in its place (a solver's snapshot of parameters
+        split across ranks: their whole arrays)."""
         from .blobproto import array_to_blobproto
+        arrays = arrays or {}
         out = caffe_pb2.NetParameter()
         out.name = self.name
         for layer in self.layers:
@@ -646,7 +629,8 @@ class Net:
             if layer.is_loss and not lp.loss_weight:
                 lp.loss_weight.extend(layer.loss_weights(len(lp.top)))
             for blob in layer.blobs:
-                lp.blobs.append(array_to_blobproto(blob.data, blob.diff if write_diff else None))
+                data, diff = arrays.get(blob, (blob.data, blob.diff if write_diff else None))
+                lp.blobs.append(array_to_blobproto(data, diff if write_diff else None))
         return out
 
     def save(self, path):

@@ -119,11 +119,13 @@ def _owned(net):
     return owned
 
 
-def save(net, path, write_diff=False):
-    """Net::ToHDF5, written atomically (a temporary file renamed over `path`)."""
+def save(net, path, write_diff=False, arrays=None):
+    """Net::ToHDF5, written atomically (a temporary file renamed over `path`). `arrays`
+    maps a parameter Blob to the (data, diff) written in its place (as Net.to_proto)."""
     path = os.fspath(path)
     h5py = require_h5py(f"{path}: save_hdf5")
     owned = _owned(net)
+    arrays = arrays or {}
     with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         data = f.create_group("data")
         diff = f.create_group("diff") if write_diff else None
@@ -131,10 +133,11 @@ def save(net, path, write_diff=False):
             group = data.create_group(name)
             diff_group = diff.create_group(name) if write_diff else None
             for pi, blob in enumerate(layer.blobs):
+                values, grads = arrays.get(blob, (blob.data, blob.diff))
                 if (li, pi) in owned:
-                    group.create_dataset(str(pi), data=np.asarray(blob.data, np.float32))
+                    group.create_dataset(str(pi), data=np.asarray(values, np.float32))
                 if write_diff:   # diffs of borrowed parameters too, as Caffe
-                    diff_group.create_dataset(str(pi), data=np.asarray(blob.diff, np.float32))
+                    diff_group.create_dataset(str(pi), data=np.asarray(grads, np.float32))
 
 
 def load(net, path):

@@ -1,4 +1,5 @@
 """The CLI surface: gflags spellings, help, usage errors and exit codes."""
+import re
 import subprocess
 import sys
 
@@ -88,3 +89,44 @@ def test_mpi_ranks_share_the_cores_by_default(tmp_path):
     expected = str(max(1, len(os.sched_getaffinity(0)) // 2))
     # the launcher may merge the two ranks' lines ("11\n\n"): compare the characters only
     assert "".join(proc.stdout.split()) == expected * 2, proc.stdout
+
+
+@pytest.mark.parametrize("args", [["-help"], ["--help"], ["help"], ["-h"], []])
+def test_every_help_spelling_and_bare_caffepy_print_the_usage(args):
+    # bare `caffepy` exits 0 as Caffe's does (its main() returns 0 after printing the usage)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "usage: caffepy <command> <args>" in result.output
+    assert "export_onnx" in result.output and "No such option" not in result.output
+
+
+def test_bare_caffepy_exits_0_in_a_real_process():
+    proc = subprocess.run([sys.executable, "-m", "caffepy.cli"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "usage: caffepy <command> <args>" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [["help", "train"], ["train", "-help"], ["train", "--help"]])
+def test_command_help(args):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "--solver" in result.output
+
+
+@pytest.mark.parametrize("command", ["train", "test", "time"])
+def test_gpu_flag_is_listed(command):
+    result = CliRunner().invoke(main, [command, "--help"])
+    assert "--gpu IDS" in result.output and "ignored" in result.output
+
+
+def test_gpu_is_ignored_with_a_warning_and_checked(tmp_path):
+    model = tmp_path / "net.prototxt"
+    model.write_text('layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 3 } } }\n'
+                     'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+                     'inner_product_param { num_output: 2 } }\n')
+    base = [sys.executable, "-m", "caffepy.cli", "time", "-model", str(model), "-iterations", "1"]
+    proc = subprocess.run(base + ["-gpu", "0,1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^W\d{4} .*\] caffepy runs on the CPU; ignoring --gpu 0,1$", proc.stderr, re.M)
+    proc = subprocess.run(base + ["-gpu=one"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--gpu: expected 'all' or comma-separated device ids, got 'one'" \
+        in proc.stderr

@@ -31,7 +31,7 @@ READER = textwrap.dedent("""
         layer {{ name: "data" type: "Data" top: "data" top: "label"
                  data_param {{ source: "{source}" batch_size: {batch} backend: LMDB shuffle: true }} }}''',
         caffe_pb2.NetParameter())
-    net = Net(param, phase=TRAIN)
+    net = Net(param, phase=TRAIN, context=world)
     seen = []
     for _ in range(steps):
         net.forward()

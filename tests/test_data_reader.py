@@ -9,22 +9,22 @@ import pytest
 from google.protobuf import text_format
 
 from caffepy import rng
+from caffepy.context import SINGLE, RunContext
 from caffepy.data.db import Reader
 from caffepy.data.prefetch import RecordOrder
 from caffepy.errors import DataError
 from caffepy.net import Net
-from caffepy.parallel import world
 from caffepy.proto import caffe_pb2
 from data_helpers import data_net_text, make_db, put_raw
 
 TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST
 
 
-def build(text, phase=TRAIN, seed=5):
+def build(text, phase=TRAIN, seed=5, context=SINGLE):
     rng.seed(seed)
     p = caffe_pb2.NetParameter()
     text_format.Parse(text, p)
-    return Net(p, phase=phase, source="net.prototxt")
+    return Net(p, phase=phase, source="net.prototxt", context=context)
 
 
 def labels_read(net, batches):
@@ -33,16 +33,6 @@ def labels_read(net, batches):
         net.forward()
         out.extend(int(v) for v in net.blobs["label"].data)
     return out
-
-
-@contextlib.contextmanager
-def as_rank(rank, size):
-    saved = world.rank, world.size
-    world.rank, world.size = rank, size
-    try:
-        yield
-    finally:
-        world.rank, world.size = saved
 
 
 def test_record_order_every_record_once_per_epoch():
@@ -102,9 +92,7 @@ def test_shared_db_ranks_together_read_the_single_rank_batches(tmp_path, shuffle
     single = labels_read(build(data_net_text(db, n * b, extra), seed=4), k)
     per_rank = []
     for r in range(n):
-        with as_rank(r, n):
-            per_rank.append(labels_read(build(data_net_text(db, b, extra), seed=4), k))
-    assert (world.rank, world.size) == (0, 1)
+        per_rank.append(labels_read(build(data_net_text(db, b, extra), seed=4, context=RunContext(r, n)), k))
     for j in range(k):
         union = sorted(lab for r in range(n) for lab in per_rank[r][j * b:(j + 1) * b])
         assert union == sorted(single[j * n * b:(j + 1) * n * b])
@@ -120,10 +108,9 @@ def test_split_db_rank_placeholder_reads_own_shard(tmp_path):
     make_db(tmp_path / "shard_0", 4)
     make_db(tmp_path / "shard_1", 6, shape=(1, 1, 1))
     text = data_net_text(str(tmp_path / "shard_{rank}"), 3)
-    with as_rank(1, 2):
-        net = build(text)
-        assert labels_read(net, 2) == list(range(6))      # the whole shard, no interleave
-        assert net.blobs["data"].data.shape == (3, 1, 1, 1)
+    net = build(text, context=RunContext(1, 2))
+    assert labels_read(net, 2) == list(range(6))      # the whole shard, no interleave
+    assert net.blobs["data"].data.shape == (3, 1, 1, 1)
 
 
 def test_label_top_is_optional_and_encoded_records_decode(tmp_path):

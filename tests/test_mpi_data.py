@@ -28,7 +28,7 @@ READER = """
         layer {{ name: "data" type: "Data" top: "data" top: "label"
                  data_param {{ source: "{source}" batch_size: {batch} backend: LMDB shuffle: {shuffle} }} }}''',
         caffe_pb2.NetParameter())
-    net = Net(param, phase=TRAIN)
+    net = Net(param, phase=TRAIN, context=world)
     steps = epochs * {records} // (batch * world.size)
     seen = []
     for _ in range(steps):

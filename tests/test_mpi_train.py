@@ -225,3 +225,22 @@ def test_killed_rank_ends_training(tmp_path, db):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert f"PID {pids.group(2)} RUNNING" in out + err
+
+
+def test_attach_refuses_a_solver_built_without_the_world(tmp_path, db):
+    """A Solver built in the single-process context would read every record on every rank and
+    pick no model-parallel layer: joining it to the world is an error, not a silent mistake."""
+    job = write_job(tmp_path, "context", db, BATCH // 2)
+    script = tmp_path / "attach.py"
+    script.write_text(f"""
+from caffepy.parallel import mpi
+from caffepy.solvers import Solver
+mpi.init_world()
+mpi.attach(Solver({str(job / "solver.prototxt")!r}))
+""")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True,
+                         text=True, timeout=60, env=env, cwd=job)
+    assert out.returncode != 0
+    assert "uncaught the Solver was built for another run context, got <RunContext rank 0 of 1>. " \
+           "Build it with Solver(..., context=caffepy.parallel.world)" in out.stderr, out.stderr[-3000:]

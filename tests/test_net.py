@@ -195,23 +195,18 @@ def test_the_run_context_reaches_every_layer():
     assert Net(net_param(INPUT), caffepy.TRAIN).layers[0].context.size == 1
 
 
-def test_use_context_rebuilds_the_layers_the_factory_now_chooses_differently():
+def test_a_distributed_context_gets_the_model_parallel_variant_with_full_weights():
     from caffepy.context import RunContext
     from caffepy.layer import MODEL_PARALLEL, PLAIN
     text = INPUT + ip("a", "data", "a", n=4, extra="multinode { model_parts: 0 }") + ip("b", "a", "b")
-    net = Net(net_param(text), caffepy.TRAIN)
-    before = list(net.layers)
-    blobs = [list(layer.blobs) for layer in net.layers]
-    learnable = list(net.learnable_params)
     two = RunContext(rank=0, size=2)       # the choice only: nothing runs without a communicator
-    net.use_context(two)
+    net = Net(net_param(text), caffepy.TRAIN, context=two)
     assert [layer.variant for layer in net.layers] == [PLAIN, MODEL_PARALLEL, PLAIN]
-    assert net.layers[0] is before[0] and net.layers[2] is before[2] and net.layer_dict["a"] is net.layers[1]
-    assert all(layer.context is two for layer in net.layers)
-    # the rebuilt layer keeps its parameter Blobs (what the solver and the params dict hold)
-    assert [list(layer.blobs) for layer in net.layers] == blobs
-    assert net.params["a"] is net.layers[1].blobs and net.learnable_params == learnable
+    assert all(layer.context is two for layer in net.layers) and net.layer_dict["a"] is net.layers[1]
+    assert net.params["a"] is net.layers[1].blobs
     assert net.layers[1].m == 2 and net.layers[1].blobs[0].shape == (4, 5)     # full until split
+    alone = Net(net_param(text), caffepy.TRAIN)
+    assert [layer.variant for layer in alone.layers] == [PLAIN, PLAIN, PLAIN]
 
 
 # -- NetState filtering ------------------------------------------------------

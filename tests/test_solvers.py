@@ -13,9 +13,11 @@ from google.protobuf import text_format
 
 from caffepy import rng, upgrade
 from caffepy.blobproto import blobproto_to_array
+from caffepy.context import SINGLE, RunContext
 from caffepy.errors import PrototxtError, SolverError
 from caffepy.proto import caffe_pb2
-from caffepy.solvers import Solver, get_solver
+from caffepy.solvers import Solver, get_solver, updates
+from caffepy.solvers.solver import Hooks
 from caffepy.solvers.snapshot import (RNG_STATE_FIELD, find_extension, read_solver_state,
                                       write_solver_state)
 
@@ -33,11 +35,11 @@ net_param {{
 """
 
 
-def make_solver(text, param="", bias="false", b0=0):
+def make_solver(text, param="", bias="false", b0=0, context=SINGLE):
     p = caffe_pb2.SolverParameter()
     text_format.Parse(SCALAR_NET.format(param=param, bias=bias, b0=b0) + text, p)
     p.snapshot_after_train = False
-    return Solver(p)
+    return Solver(p, context=context)
 
 
 def weight(solver, layer="ip", index=0):
@@ -146,7 +148,7 @@ def test_adam_bias_correction():
 
 def test_adam_and_adadelta_keep_two_histories_per_parameter():
     s = make_solver(BASE + 'type: "Adam"', bias="true")
-    assert len(s.rule.history) == 4
+    assert [len(s.rule.state(i)) for i in range(2)] == [2, 2]
 
 
 def test_adagrad_refuses_momentum():
@@ -236,6 +238,105 @@ def test_hooks_see_every_stage():
     s.step(1)
     assert calls == [("start", 0), ("layer", "ip"), ("update", 1.0), ("sumsq", 0)]
     assert s.smoothed_loss == pytest.approx(1.0)
+
+
+def test_the_hooks_base_class_changes_nothing():
+    text = BASE + "momentum: 0.9 clip_gradients: 100 test_iter: 1 test_interval: 2"
+    want = run(text)
+    s = make_solver(text)
+    s.hooks.append(Hooks())
+    got = []
+    for _ in range(3):
+        s.step(1)
+        got.append(weight(s))
+    assert got == want
+
+
+def test_the_agreed_action_is_the_one_taken(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    class Agree(Hooks):
+        def agree_action(self, solver, request):
+            seen.append((solver.iter, request))
+            return "snapshot_stop" if solver.iter == 2 else "none"     # as if another rank asked
+
+    s = make_solver(BASE + 'snapshot_prefix: "agreed"')
+    s.action_fn = lambda: "snapshot"          # this rank's request, overruled at iteration 1
+    s.hooks.append(Agree())
+    s.step(10)
+    assert s.iter == 2 and s.requested_early_exit
+    assert seen == [(1, "snapshot"), (2, "snapshot")]
+    assert sorted(os.listdir(tmp_path)) == ["agreed_iter_2.caffemodel", "agreed_iter_2.solverstate"]
+
+
+def test_snapshots_write_what_the_gather_hook_gives(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    class Whole(Hooks):
+        def gather(self, solver, index, array):
+            return np.full_like(array, 7 + index)
+
+    write_files(tmp_path, "Adam", max_iter=2)
+    s = get_solver("solver.prototxt")
+    s.step(2)
+    s.hooks.append(Whole())
+    model, state = s.snapshot()
+    assert [float(a.mean()) for a in model_arrays(model)] == [7, 8]          # ip weights, bias
+    history = [blobproto_to_array(b) for b in read_solver_state(state).history]
+    assert [float(h.mean()) for h in history] == [7, 8, 7, 8]               # m of each, then v of each
+    assert not (s.net.layer_dict["ip"].blobs[0].data == 7).all()             # the solver's own: untouched
+    assert not (s.rule.state(0)[0] == 7).all()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_rank_readies_the_tests_and_rank_0_runs_them(tmp_path, monkeypatch, rank):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    class Record(Hooks):
+        def before_test(self, solver):
+            calls.append((solver.iter, len(solver.test_scores)))
+
+    context = RunContext(rank, 2)
+    s = make_solver(BASE + 'test_iter: 1 test_interval: 2 snapshot_prefix: "r"', context=context)
+    # the train net in the run's context; the test nets as one process (rank 0 runs them alone)
+    assert s.net.context is context and all(layer.context is context for layer in s.net.layers)
+    assert s.test_context is SINGLE and all(layer.context is SINGLE for layer in s.test_nets[0].layers)
+    assert s.tests_here == (rank == 0)
+    s.hooks.append(Record())
+    s.step(3)
+    assert calls == [(0, 0), (2, 1 if rank == 0 else 0)]      # before each test phase, every rank
+    assert bool(s.test_scores) == (rank == 0)
+    paths = s.snapshot()
+    assert (paths is not None) == (rank == 0)
+    assert sorted(os.listdir(tmp_path)) == (["r_iter_3.caffemodel", "r_iter_3.solverstate"] if rank == 0 else [])
+
+
+def test_a_single_process_context_tests_in_the_same_context():
+    s = make_solver(BASE + "test_iter: 1 test_interval: 2", context=RunContext(0, 1))
+    assert s.test_context is s.context and s.tests_here
+
+
+def test_each_rank_seeds_with_random_seed_plus_its_rank():
+    make_solver(BASE + "random_seed: 5", context=RunContext(1, 2))
+    drawn = rng.generator().random()
+    rng.seed(6)
+    assert drawn == rng.generator().random()
+    rng.seed(-1)
+
+
+def test_a_rules_history_is_per_parameter_and_may_shrink_to_a_slice():
+    p = caffe_pb2.SolverParameter(type="Adam", momentum=0.9, momentum2=0.999, delta=1e-8)
+    rule = updates.make_rule(p, [(4, 3), (4,)])
+    assert [[h.shape for h in rule.state(i)] for i in range(2)] == [[(4, 3), (4, 3)], [(4,), (4,)]]
+    rule.state(0)[0][...] = np.arange(12).reshape(4, 3)
+    rule.set_state(0, [h[1:3].copy() for h in rule.state(0)])       # a rank's rows
+    np.testing.assert_array_equal(rule.state(0)[0], np.arange(3, 9).reshape(2, 3))
+    g = np.ones((2, 3), np.float32)
+    rule.compute(0, g, 0.1, 0, 0.9)                                  # scratch follows the new shape
+    assert g.shape == (2, 3) and np.isfinite(g).all()
+    assert rule.state(0)[1].shape == (2, 3) and (rule.state(0)[1] > 0).all()
 
 
 # -- loop bookkeeping ---------------------------------------------------------------

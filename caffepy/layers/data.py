@@ -9,7 +9,6 @@ from ..data.sources import ImageListSource, LMDBSource
 from ..data.transformer import DataTransformer
 from ..errors import CaffepyError, DataError, SizeError
 from ..layer import Layer, register
-from ..parallel import world
 from ..proto import caffe_pb2
 
 
@@ -121,12 +120,11 @@ class _PrefetchingLayer(Layer):
         if not p.source:
             raise self.error(f"{self._params_field}.source", "is required")
         path = p.source
+        context = self.context
         if "{rank}" in path:        # split-DB: each rank reads its own whole shard
-            path, rank, ranks = path.replace("{rank}", str(world.rank)), 0, 1
-        elif self.phase == caffe_pb2.TEST:   # only rank 0 tests (solver.py): the whole DB
-            rank, ranks = 0, 1
+            path, rank, ranks = path.replace("{rank}", str(context.rank)), 0, 1
         else:                       # shared-DB: the ranks interleave record by record
-            rank, ranks = world.rank, world.size
+            rank, ranks = context.rank, context.size
         try:
             self.source_db = self.open_source(path)
         except DataError as e:
@@ -143,15 +141,15 @@ class _PrefetchingLayer(Layer):
         # (random_seed + rank), so interleaving ranks take rank 0's draw: they must
         # agree on the shuffle and the skip. Crops and mirrors differ per rank.
         base = int(rng.generator().integers(1 << 62))
-        if ranks > 1 and world.comm is not None:
-            base = world.comm.bcast(base, root=0)
+        if ranks > 1:
+            base = context.agree(base)
         skip = 0
         if p.rand_skip:
             skip = int(np.random.default_rng([base, 1]).integers(p.rand_skip))
             log.info(f"Skipping first {skip} data points")
         order = RecordOrder(len(self.source_db), rank, ranks, bool(p.shuffle), base, skip)
         tp = _transform_param(self, p)
-        self.transformer = DataTransformer(tp, self.phase, np.random.default_rng([base, 2, world.rank]),
+        self.transformer = DataTransformer(tp, self.phase, np.random.default_rng([base, 2, context.rank]),
                                            layer=self)
         try:
             key, raw = self.source_db.get(order.index(0))
@@ -219,14 +217,16 @@ class Data(_PrefetchingLayer):
     data_param: source, batch_size, rand_skip, backend (LMDB), prefetch, shuffle (Intel),
     force_encoded_color. Encoded records are decoded by OpenCV in BGR order.
 
-    Multi-rank (caffepy.parallel.world): a source containing `{rank}` names one shard
-    per rank (split-DB: `{rank}` is replaced by the rank, each rank reads its whole
-    shard; `caffepy split_db DB N` writes DB_0 ... DB_<N-1>, read as `DB_{rank}`).
-    Otherwise all ranks read one database (shared-DB): in TRAIN, rank r of N reads
-    records r, r+N, r+2N, ..., so N ranks with batch_size b see together what one rank
-    with batch_size N*b sees. With shuffle, each epoch's permutation comes from a seed
-    drawn from rank 0's caffepy.rng and broadcast, so all ranks walk the same one.
-    In TEST (only rank 0 tests) every rank reads every record, as Caffe does.
+    Multi-rank (rank r of N in the layer's run context, `self.context`): a source
+    containing `{rank}` names one shard per rank (split-DB: `{rank}` is replaced by the
+    rank, each rank reads its whole shard; `caffepy split_db DB N` writes DB_0 ...
+    DB_<N-1>, read as `DB_{rank}`). Otherwise all ranks read one database (shared-DB):
+    rank r of N reads records r, r+N, r+2N, ..., so N ranks with batch_size b see
+    together what one rank with batch_size N*b sees. With shuffle, each epoch's
+    permutation comes from a seed drawn from rank 0's caffepy.rng and agreed
+    (`context.agree`), so all ranks walk the same one. A solver's test nets run on
+    rank 0 alone in a single-process context (solver.py), so they read every record,
+    as Caffe's do.
     """
     _params_field = "data_param"
 

@@ -2,16 +2,19 @@
 rank 0 of 1 unless the train command runs under an MPI launcher with N > 1.
 
     mpi.py          launcher detection, MPI start, the abort-everyone excepthook,
-                    attach(solver): consistency check, weight broadcast, strategy
+                    attach(solver): consistency check, the strategy joins the solver's hooks
     allreduce.py    bucketed gradient allreduce overlapped with backward
     model_parallel.py  the model-parallel InnerProduct, a layer variant the factory picks
                     under a distributed context (registered when this package is imported)
-    strategies.py   data parallel, hybrid (data + model parallel)
+    strategies.py   data parallel, hybrid (data + model parallel): solver Hooks
     split_db.py     one LMDB -> N shards `<prefix>_<r>` for split-DB training
 
-Data layers read `world.rank` / `world.size` at setup (shared DB: rank r reads
-records r, r+N, ...; split DB: the source names `{rank}`), so the train command
-calls `mpi.init_world()` before it builds any net.
+`world` is this process's run context (caffepy.context.RunContext). The train
+command calls `mpi.init_world()`, then builds the Solver with `context=world`;
+the Solver hands it to the train net, whose layers read rank and size from it
+(shared DB: rank r reads records r, r+N, ...; split DB: the source names
+`{rank}`; the model-parallel InnerProduct). Nothing outside this package
+imports it: layers and solvers only see their context.
 """
 from ..context import RunContext
 

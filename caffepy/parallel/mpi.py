@@ -2,11 +2,11 @@
 
 `launched()` reads the launcher's environment only, so a single-process run
 never pays for MPI start-up. `init_world()` starts MPI and fills
-`caffepy.parallel.world` (the train command calls it before building nets,
-because data layers pick their records by rank). `attach(solver)` checks that
-every rank runs the same net and solver, gives the train net the world as its
-run context, and installs the training strategy (data parallel, or hybrid when
-the net marks model-parallel layers).
+`caffepy.parallel.world` (the train command calls it before building the
+Solver, which takes the world as its run context and hands it to its nets:
+data layers pick their records by rank). `attach(solver)` checks that every
+rank runs the same net and solver and adds the training strategy (data
+parallel, or hybrid when the net marks model-parallel layers) to its hooks.
 
 Failure: an uncaught exception on any rank (in any thread) prints one line
 `[rank N] <cause>` and calls MPI Abort, which ends every rank; a rank that
@@ -231,19 +231,21 @@ def check_same_everywhere(what, value):
 
 
 def attach(solver):
-    """Join `solver` to the world: check the definitions match, install the strategy.
+    """Join `solver` (built with `context=world`) to the world: check the definitions match,
+    add the strategy to its hooks.
 
     Weights are broadcast from rank 0 when training starts (after -weights or
     -snapshot are loaded), through the strategy's `on_start`."""
     init_world()
     if world.size == 1:
         return None
+    if solver.context is not world:
+        raise ParallelError("the Solver was built for another run context, got "
+                            f"{solver.context!r}. Build it with Solver(..., context="
+                            "caffepy.parallel.world) after mpi.init_world()")
     from .strategies import make_strategy
     check_same_everywhere("the solver definition (SolverParameter)", digest(solver.param))
     check_same_everywhere("the train net definition (NetParameter)", digest(solver.net.param))
-    # the Solver built its train net before it knew the run; from here the factory picks the
-    # model-parallel InnerProduct where the prototxt marks one (test nets run on rank 0 alone)
-    solver.net.use_context(world)
     strategy = make_strategy(solver, world)
     solver.hooks.append(strategy)
     return strategy

@@ -8,14 +8,19 @@ Hybrid (Intel's AlexNet layout): the InnerProduct layers the prototxt marks
 model-parallel are the factory's model-parallel variant under a distributed
 context (model_parallel.py: each rank keeps a slice of the outputs); the
 strategy finds them in the train net, has them keep their rows once rank 0's
-weights are everywhere, and keeps the solver state, snapshots and the test
-nets' full copies of their weights consistent. Everything around them stays
-data parallel.
+weights are everywhere (and the update rule's history of them, through
+`rule.set_state`), gathers them whole for snapshots and for the test nets rank
+0 runs. Everything around them stays data parallel.
+
+Both are solver Hooks (caffepy.solvers.solver.Hooks): they join the loop only
+at the points the solver publishes.
 """
 import numpy as np
 
 from .. import log
+from ..blob import Blob
 from ..layer import MODEL_PARALLEL
+from ..solvers.solver import ACTIONS, Hooks
 from .allreduce import GradientReducer
 from .model_parallel import model_parallel_names
 
@@ -52,7 +57,7 @@ def _global_batch(net):
     return None
 
 
-class DataParallel:
+class DataParallel(Hooks):
     """Synchronous SGD: same weights everywhere, gradients averaged over ranks."""
 
     name = "data parallel"
@@ -71,9 +76,6 @@ class DataParallel:
     def on_start(self, solver):
         self.broadcast_weights(solver)
         self.setup_split(solver)
-        self._local_action = solver.action_fn
-        self._agreed = "none"
-        solver.action_fn = self._action
         net = solver.net
         if self.reducer is None:
             self.set_progress(None, solver)
@@ -109,34 +111,14 @@ class DataParallel:
         self.reducer.finish()
         self._passes = 0
         self._last_layer = None
-        self._agree_on_action()
 
-    # Signals (SIGINT / SIGHUP forwarded by the launcher) reach the ranks at
-    # different moments; every rank must snapshot or stop after the same
-    # iteration, so the ranks agree on the strongest request once per iteration.
-    _ACTIONS = ("none", "snapshot", "stop", "snapshot_stop")
-
-    def _agree_on_action(self):
-        local = "none"
-        if self._local_action is not None:
-            requests = []
-            while True:
-                request = self._local_action()
-                if request == "none":
-                    break
-                requests.append(request)
-            if requests:
-                local = max(requests, key=self._ACTIONS.index)
-        code = np.array([self._ACTIONS.index(local)], np.int32)
+    def agree_action(self, solver, request):
+        # Signals (SIGINT / SIGHUP forwarded by the launcher) reach the ranks at different
+        # moments; every rank takes the strongest request of any rank
+        code = np.array([ACTIONS.index(request)], np.int32)
         from mpi4py import MPI
         self.comm.Allreduce(MPI.IN_PLACE, code, op=MPI.MAX)
-        self._agreed = self._ACTIONS[int(code[0])]
-
-    def _action(self):
-        # read by the solver right after the update (and by rank 0's test loop,
-        # which gets "none": the request waits for the next agreement)
-        agreed, self._agreed = self._agreed, "none"
-        return agreed
+        return ACTIONS[int(code[0])]
 
     def reduce_loss(self, solver, loss):
         buf = np.array([loss], np.float64)
@@ -187,26 +169,26 @@ class Hybrid(DataParallel):
         super().__init__(solver, world)
         self.layers = [solver.net.layers[li] for li in layer_indices]
         self.split_rows = {}         # learnable-param index -> its model-parallel layer
+        self._test_copies = []       # (train layer, test layer): test weights kept whole
         self._split_done = False
-        self._after_update = False
 
     def setup_split(self, solver):
         if self._split_done:
             return
         self._split_done = True
+        self._keep_whole_test_weights(solver)
         index = {id(b): i for i, b in enumerate(solver.net.learnable_params)}
         for layer in self.layers:
             layer.keep_own_rows()              # rank 0's full weights are everywhere by now
             for blob in layer.blobs:
-                if id(blob) in index:
-                    self.split.add(index[id(blob)])
-                    self.split_rows[index[id(blob)]] = layer
+                i = index.get(id(blob))
+                if i is None:
+                    continue
+                self.split.add(i)
+                self.split_rows[i] = layer
+                solver.rule.set_state(i, [h[layer.rows].copy() for h in solver.rule.state(i)])
             log.info(f"Layer {layer.name}: model parallel, {layer.m} of {layer.num_output} "
                      f"outputs on this rank")
-        self._slice_solver_state(solver)
-        self._unshare_test_weights(solver)
-        self._wrap_snapshot(solver)
-        self._refresh_test_weights(solver)
 
     def before_update(self, solver):
         super().before_update(solver)
@@ -214,34 +196,20 @@ class Hybrid(DataParallel):
         for layer in self.layers:
             for blob in layer.blobs:
                 blob.diff[...] *= scale
-        self._after_update = True
 
-    def _action(self):
-        agreed = super()._action()
-        if self._after_update:            # every rank is here, right after the update
-            self._after_update = False
-            self._refresh_test_weights(self._solver)
-        return agreed
+    # -- whole weights where a whole model is needed (snapshots, tests on rank 0)
+    def gather(self, solver, index, array):
+        layer = self.split_rows.get(index)
+        return array if layer is None else self._gather_rows(layer, array)
 
-    # -- solver state of split params -------------------------------------
-    def _history_lists(self, solver):
-        """The update rule's per-parameter array lists (history, scratch), aligned by index."""
-        n = len(solver.net.learnable_params)
-        for name, value in vars(solver.rule).items():
-            if (isinstance(value, list) and value and len(value) % n == 0
-                    and all(isinstance(a, np.ndarray) for a in value)):
-                yield name, value, n
+    def before_test(self, solver):
+        for split, layer in self._test_copies:
+            for source, target in zip(split.blobs, layer.blobs):
+                whole = self._gather_rows(split, source.data)
+                if whole is not None:
+                    target.data[...] = whole
 
-    def _slice_solver_state(self, solver):
-        self._solver = solver
-        for _, arrays, n in self._history_lists(solver):
-            for j, array in enumerate(arrays):
-                layer = self.split_rows.get(j % n)
-                if layer is not None and array.shape[0] == layer.num_output:
-                    arrays[j] = np.ascontiguousarray(array[layer.rows])
-
-    # -- full weights where a whole model is needed (snapshots, tests on rank 0)
-    def _gather(self, layer, array):
+    def _gather_rows(self, layer, array):
         """Rank 0 gets the full (num_output, ...) array from every rank's row slice; others None."""
         from mpi4py import MPI
         rest = int(np.prod(array.shape[1:], dtype=np.int64))
@@ -253,66 +221,18 @@ class Hybrid(DataParallel):
                           [full, counts, displs, MPI.FLOAT] if full is not None else None, root=0)
         return full
 
-    def _wrap_snapshot(self, solver):
-        from ..blob import Blob
-        original = solver.snapshot
-
-        def snapshot():
-            # every rank reaches a snapshot at the same iteration (periodic, or the
-            # agreed signal action); only rank 0 writes
-            saved_blobs = []
-            for layer in self.layers:
-                full = [self._gather(layer, blob.data) for blob in layer.blobs]
-                saved_blobs.append((layer, layer.blobs))
-                if self.world.rank == 0:
-                    layer.blobs = [Blob(name=b.name) for b in layer.blobs]
-                    for blob, array in zip(layer.blobs, full):
-                        blob.set_data(array)
-            saved_lists = []
-            for _, arrays, n in self._history_lists(solver):
-                saved_lists.append((arrays, list(arrays)))
-                for j, array in enumerate(arrays):
-                    layer = self.split_rows.get(j % n)
-                    if layer is not None:
-                        full = self._gather(layer, array)
-                        if full is not None:
-                            arrays[j] = full
-            try:
-                return original()
-            finally:
-                for layer, blobs in saved_blobs:
-                    layer.blobs = blobs
-                for arrays, kept in saved_lists:
-                    arrays[:] = kept
-
-        solver.snapshot = snapshot
-
-    def _unshare_test_weights(self, solver):
-        """Test nets (run on rank 0 alone) keep full copies of the split layers' weights."""
-        from ..blob import Blob
-        self._test_copies = []
+    def _keep_whole_test_weights(self, solver):
+        """The test nets share the train net's weights, whose split layers are about to keep
+        their own rows only: the test layers get their own whole copies (before_test
+        refreshes them)."""
         names = {layer.name: layer for layer in self.layers}
-        for net in getattr(solver, "test_nets", []) or []:
+        for net in solver.test_nets:
             for layer in net.layers:
                 split = names.get(layer.name)
                 if split is None or not layer.blobs:
                     continue
-                fresh = []
                 for blob in layer.blobs:
-                    copy = Blob(name=blob.name)
-                    copy.set_data(np.zeros((split.num_output,) + tuple(blob.shape[1:]), np.float32))
-                    fresh.append(copy)
-                layer.blobs = fresh
+                    own = Blob(name=blob.name)
+                    own.set_data(blob.data)
+                    blob.share_data(own)
                 self._test_copies.append((split, layer))
-
-    def _refresh_test_weights(self, solver):
-        p = solver.param
-        if not self._test_copies or not p.test_interval or solver.iter % p.test_interval:
-            return
-        if solver.iter == 0 and not p.test_initialization:
-            return
-        for split, layer in self._test_copies:
-            for source, target in zip(split.blobs, layer.blobs):
-                full = self._gather(split, source.data)
-                if full is not None:
-                    target.data[...] = full

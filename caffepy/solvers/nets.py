@@ -3,13 +3,15 @@
 Which NetParameter each net comes from (net, net_param, train_net,
 train_net_param, test_net, test_net_param), the NetState it is built in
 (phase, then the net's own state, then train_state / test_state[i] and the
-command line's --level / --stage), the Net objects themselves, and test
-layers sharing the train net's weights (ShareTrainedLayersWith).
+command line's --level / --stage), the Net objects themselves (in the run
+context the solver gives each), and test layers sharing the train net's
+weights (ShareTrainedLayersWith).
 """
 import collections
 import os
 
 from .. import log
+from ..context import SINGLE
 from ..errors import PrototxtError, ShapeError
 from ..net import Net
 from ..proto import caffe_pb2
@@ -113,12 +115,12 @@ def solver_test_net_params(solver, source="<solver>"):
 
 
 # -- the Net objects ------------------------------------------------------------
-def init_train_net(param, source, level=None, stages=()):
+def init_train_net(param, source, level=None, stages=(), context=SINGLE):
     """InitTrainNet: the train Net, with the solver's `weights` loaded (fine-tuning)."""
     train = solver_train_net_param(param, source, level=level, stages=stages)
     log.info(f"Creating training net from {train.origin}" if "file" in train.origin
              else f"Creating training net specified in {train.origin}.")
-    net = build_net(train, source)
+    net = build_net(train, source, context)
     for entry in param.weights:
         for path in entry.split(","):
             if path:
@@ -127,23 +129,25 @@ def init_train_net(param, source, level=None, stages=()):
     return net
 
 
-def init_test_nets(param, source, train_net):
+def init_test_nets(param, source, train_net, context=SINGLE):
     """InitTestNets: the test Nets, each seeing the train net's weights."""
     nets = []
     for i, test in enumerate(solver_test_net_params(param, source)):
         log.info(f"Creating test net (#{i}) specified by {test.origin}")
-        net = build_net(test, source)
+        net = build_net(test, source, context)
         share_trained_layers(train_net, net)
         nets.append(net)
     return nets
 
 
-def build_net(solver_net, solver_source):
-    """The Net of a SolverNet; its errors name the net file, or the solver file for an inline net."""
+def build_net(solver_net, solver_source, context=SINGLE):
+    """The Net of a SolverNet, in run context `context`; its errors name the net file, or the
+    solver file for an inline net."""
     s = solver_net.state
     origin = solver_net.origin
     where = origin.split(": ", 1)[1] if "file: " in origin else f"{solver_source}: {origin}"
-    return Net(solver_net.param, phase=s.phase, level=s.level, stages=list(s.stage), source=where)
+    return Net(solver_net.param, phase=s.phase, level=s.level, stages=list(s.stage), source=where,
+               context=context)
 
 
 def share_trained_layers(train_net, test_net):

@@ -18,6 +18,10 @@ HDF5 (needs h5py):
                                               Intel Caffe's iter_last_event (int32) and
                                               minimum_loss (float32), which BVLC ignores
 
+The history blobs are the update rule's per-parameter arrays (`rule.state(i)`)
+in Caffe's order: the first array of every parameter, then (AdaDelta, Adam)
+the second array of every parameter.
+
 The state also carries the random generator state as JSON (in field RNG_STATE_FIELD
 of a .solverstate, dataset RNG_STATE_DATASET of a .solverstate.h5), an extension
 Caffe's readers skip, so a resumed run draws the same numbers an uninterrupted one
@@ -94,17 +98,26 @@ def write_solver_state(state, path, limit=PROTO_LIMIT):
     write_binary(state, path, limit)
 
 
-def write(param, it, net, history, current_step, plateau):
+def saved_order(states):
+    """The history arrays of `states` (one list per parameter) in the .solverstate's order."""
+    return [arrays[k] for k in range(len(states[0]) if states else 0) for arrays in states]
+
+
+def write(param, it, net, states, current_step, plateau, arrays=None):
     """Solver::Snapshot: the weights, then the solver state, in param.snapshot_format;
-    returns their paths."""
+    returns their paths.
+
+    `states[i]`: the history arrays of learnable parameter i (the rule's `state(i)`);
+    `arrays`: {parameter Blob: (data, diff)} written instead of the net's own (the whole
+    arrays of parameters split across ranks; Net.to_proto)."""
     if is_hdf5(param):
-        return _write_hdf5(param, it, net, history, current_step, plateau)
+        return _write_hdf5(param, it, net, states, current_step, plateau, arrays)
     model = filename(param.snapshot_prefix, it, ".caffemodel")
     log.info(f"Snapshotting to binary proto file {model}")
-    write_binary(net.to_proto(write_diff=param.snapshot_diff), model)
+    write_binary(net.to_proto(write_diff=param.snapshot_diff, arrays=arrays), model)
     state = caffe_pb2.SolverState(iter=it, learned_net=model, current_step=current_step,
                                   minimum_loss=plateau.minimum_loss, iter_last_event=plateau.iter_last_event)
-    for h in history:
+    for h in saved_order(states):
         state.history.append(array_to_blobproto(h))
     state.MergeFromString(_extension_bytes(RNG_STATE_FIELD, json.dumps(rng.get_state()).encode()))
     path = filename(param.snapshot_prefix, it, ".solverstate")
@@ -113,11 +126,11 @@ def write(param, it, net, history, current_step, plateau):
     return model, path
 
 
-def _write_hdf5(param, it, net, history, current_step, plateau):
+def _write_hdf5(param, it, net, states, current_step, plateau, arrays):
     """Solver::SnapshotToHDF5 and SGDSolver::SnapshotSolverStateToHDF5."""
     model = filename(param.snapshot_prefix, it, ".caffemodel.h5")
     log.info(f"Snapshotting to HDF5 file {model}")
-    net_hdf5.save(net, model, write_diff=param.snapshot_diff)
+    net_hdf5.save(net, model, write_diff=param.snapshot_diff, arrays=arrays)
     path = filename(param.snapshot_prefix, it, ".solverstate.h5")
     log.info(f"Snapshotting solver state to HDF5 file {path}")
     h5py = net_hdf5.require_h5py(f"{path}: snapshot_format: HDF5")
@@ -128,7 +141,7 @@ def _write_hdf5(param, it, net, history, current_step, plateau):
         net_hdf5.save_int(f, "iter_last_event", plateau.iter_last_event)
         net_hdf5.save_float(f, "minimum_loss", plateau.minimum_loss)
         group = f.create_group("history")
-        for i, h in enumerate(history):
+        for i, h in enumerate(saved_order(states)):
             group.create_dataset(str(i), data=np.asarray(h, np.float32))
         net_hdf5.save_string(f, RNG_STATE_DATASET, json.dumps(rng.get_state()))
     return model, path
@@ -164,11 +177,11 @@ def _read_hdf5_state(state_file):
     return state, arrays, saved
 
 
-def restore(state_file, net, history, solver_type):
+def restore(state_file, net, rule):
     """Solver::Restore: the weights the solver state names into `net`, its history blobs
-    into `history` (in place), and (when saved by caffepy) the random generator state.
-    A name ending in .h5 is read as HDF5, as Caffe does.  Returns a SolverState, for its
-    iter, current_step and plateau fields."""
+    into the update rule's arrays (`rule.state(i)`, in place), and (when saved by caffepy)
+    the random generator state.  A name ending in .h5 is read as HDF5, as Caffe does.
+    Returns a SolverState, for its iter, current_step and plateau fields."""
     state_file = os.fspath(state_file)
     if state_file.endswith(".h5"):
         state, arrays, saved = _read_hdf5_state(state_file)
@@ -182,9 +195,10 @@ def restore(state_file, net, history, solver_type):
         saved = saved.decode(errors="replace") if saved is not None else None
     if state.HasField("learned_net") and state.learned_net:
         net.copy_from(_resolve_learned_net(state.learned_net, state_file))
+    history = saved_order([rule.state(i) for i in range(len(net.learnable_params))])
     if count != len(history):
         raise SolverError(f"{state_file}: history: incorrect number of history blobs for a "
-                          f"{solver_type} solver over this net (expected {len(history)}), "
+                          f"{rule.type} solver over this net (expected {len(history)}), "
                           f"got {count}. Was it written by another solver type or net?")
     log.info("SGDSolver: restoring history")
     for i, (array, h) in enumerate(zip(arrays, history)):

@@ -3,19 +3,18 @@
 One iteration (Step): clear parameter diffs; test if it is time; run
 forward/backward `iter_size` times (parameter diffs accumulate); smooth and
 display the loss; then ApplyUpdate: the learning rate (lr_policy.py), then
-clipping, normalizing, regularizing and the update rule (updates.py).
+clipping, normalizing, regularizing and the update rule (updates.py); then the
+signal handler's request (snapshot, stop), agreed across ranks.
 
 Beside it: nets.py builds the train and test nets (InitTrainNet, InitTestNets),
 snapshot.py writes and reads the .caffemodel / .solverstate pair.
 
-Multi-rank hooks: `solver.hooks` holds objects that may define
-    on_start(solver)                  nets built, weights loaded/restored, before iteration one
-    on_layer_done(solver, layer)      a layer's backward is done; called in every one of the
-                                      iter_size passes (its gradients are final in the last one)
-    before_update(solver)             all forward/backward done, before lr/regularization/update
-    reduce_loss(solver, loss) -> loss the iteration's loss, for display and the NaN check
-    sumsq(solver, param_index, array) -> float   squared L2 norm (clip_gradients, LARS)
-Only rank 0 logs, tests and writes snapshots; every rank runs the update.
+A solver runs in a run context (caffepy.context: rank, size, agree): it seeds
+its random generator with random_seed + rank, builds its train net in that
+context and its test nets in the one `test_context` says. Code that takes part
+in the loop without being the loop (the MPI strategies of caffepy.parallel,
+profilers) plugs in through `Hooks`, the one list of the points it may use;
+nothing outside the solver replaces its methods or reads its rule's attributes.
 
 The numbers it logs are Caffe's: losses, their running average and test scores are
 accumulated in float (Caffe's Dtype), so an accuracy averaged over 100 batches prints
@@ -29,11 +28,14 @@ import time
 import numpy as np
 
 from .. import log, rng, upgrade
+from ..context import SINGLE
 from ..errors import SolverError
 from ..log import fmt
 from ..proto import caffe_pb2
 from . import lr_policy, nets, snapshot, updates
 
+ACTIONS = ("none", "snapshot", "stop", "snapshot_stop")
+"""Caffe's SolverAction: what a signal asks for (SignalHandler in actions.py), weakest first."""
 
 F32 = np.float32
 
@@ -43,9 +45,54 @@ def _seconds_since(start):
     return F32(int((time.perf_counter() - start) * 1000) / 1000.0)
 
 
-def _rank():
-    from ..parallel import world
-    return world.rank
+class Hooks:
+    """The solver's hook protocol (BVLC's Solver::Callback, Intel Caffe's on_backward_finished).
+
+    `solver.hooks` is a list; at each point below the solver calls the method of every hook
+    that has it, in list order. Subclass Hooks for no-op defaults, or define only some.
+    Methods marked "every rank" are called by every rank at the same point of the same
+    iteration, so a hook may communicate (MPI collectives) in them.
+    """
+
+    def on_start(self, solver):
+        """Every rank, once, at the first step: the nets are built and their weights loaded
+        (-weights) or restored (-snapshot); nothing has run yet."""
+
+    def on_layer_done(self, solver, layer_index):
+        """Every rank: the backward of train-net layer `layer_index` (one with parameters) is
+        done. Called in each of the iter_size passes; the gradients are final in the last."""
+
+    def before_update(self, solver):
+        """Every rank: forward and backward are done; lr, clipping, regularization and the
+        update rule come next (the parameter diffs are what the update will use)."""
+
+    def reduce_loss(self, solver, loss):
+        """Every rank: the iteration's loss, as displayed and checked for NaN. Chained: each
+        hook gets the previous hook's result."""
+        return loss
+
+    def sumsq(self, solver, index, array):
+        """Every rank: the squared L2 norm of learnable parameter `index`'s data or diff `array`
+        (clip_gradients, LARS), or None to leave it to the next hook (in the end, the local
+        sum). The first number returned is used."""
+        return None
+
+    def agree_action(self, solver, request):
+        """Every rank, after each update (and in the test loop when every rank tests): the
+        signal handler's request on this rank, one of ACTIONS. Returns the action to take;
+        chained. Agreeing makes every rank snapshot or stop after the same iteration."""
+        return request
+
+    def before_test(self, solver):
+        """Every rank, when the test phase is due, before the ranks that test (`tests_here`)
+        run the test nets: make their weights whole."""
+
+    def gather(self, solver, index, array):
+        """Every rank, for a snapshot: the whole of `array` (learnable parameter `index`'s data,
+        diff or one of its update-rule history arrays) on rank 0, which writes the files;
+        other ranks' results are not used. Chained; the solver asks for every parameter's
+        arrays in the same order on every rank."""
+        return array
 
 
 class Solver:
@@ -53,14 +100,16 @@ class Solver:
 
     pycaffe: `.net`, `.test_nets`, `.iter`, `.step(n)`, `.solve()`, `.snapshot()`,
     `.restore(path)`.  `level` / `stages` are the command line's --level / --stage
-    (applied to the train net's state, as `caffe train` does).
+    (applied to the train net's state, as `caffe train` does). `context` is the run
+    context (caffepy.context; caffepy.parallel.world on a multi-rank run); `hooks`
+    holds the Hooks that join the loop; `action_fn` returns the signal handler's request.
     """
 
     forced_type = None
     # False: NumPy only (the reference the compiled kernels are tested against)
     use_kernels = True
 
-    def __init__(self, param, source=None, level=None, stages=()):
+    def __init__(self, param, source=None, level=None, stages=(), context=SINGLE):
         if isinstance(param, (str, os.PathLike)):
             source = os.fspath(param)
             param = upgrade.read_solver(source)
@@ -82,7 +131,13 @@ class Solver:
         self.test_scores = []
         self._started = False
         self._snapshot_iter = None
-        self.is_root = _rank() == 0
+        self.context = context
+        self.is_root = context.rank == 0
+        # The test phase, decided here: rank 0 runs the test nets alone, as one process (the
+        # whole test DB, no model-parallel variant; Hooks.before_test makes their weights
+        # whole). Sharing it among the ranks means changing these two lines.
+        self.test_context = SINGLE if context.distributed else context
+        self.tests_here = self.is_root
         self._check()
         snapshot.default_prefix(param, self.source)
         if self.is_root:
@@ -93,9 +148,9 @@ class Solver:
         if param.debug_info:
             log.warning(f"{self.source}: debug_info: per-layer debug output is not implemented; ignored")
         if param.random_seed >= 0:
-            rng.seed(param.random_seed + _rank())
-        self.net = nets.init_train_net(param, self.source, level, stages)
-        self.test_nets = nets.init_test_nets(param, self.source, self.net)
+            rng.seed(param.random_seed + context.rank)
+        self.net = nets.init_train_net(param, self.source, level, stages, context=context)
+        self.test_nets = nets.init_test_nets(param, self.source, self.net, context=self.test_context)
         shapes = [b.shape for b in self.net.learnable_params]
         self.rule = updates.make_rule(param, shapes, self.source)
         self.type = self.rule.type
@@ -134,9 +189,16 @@ class Solver:
     def sumsq(self, index, array):
         """Squared L2 norm of a parameter's data or diff (a hook may sum it over ranks)."""
         for fn in self._hooks("sumsq"):
-            return float(fn(self, index, array))
+            value = fn(self, index, array)
+            if value is not None:
+                return float(value)
         flat = array.reshape(-1)
         return float(np.dot(flat, flat))
+
+    def _gather(self, index, array):
+        for fn in self._hooks("gather"):
+            array = fn(self, index, array)
+        return array
 
     def _start(self):
         if not self._started:
@@ -145,9 +207,12 @@ class Solver:
                 fn(self)
 
     def get_requested_action(self):
-        if self.action_fn is None:
-            return "none"
-        return self.action_fn()
+        """Caffe's GetRequestedAction: the signal handler's request (`action_fn`, one of
+        ACTIONS), as the hooks agree on it across ranks."""
+        request = "none" if self.action_fn is None else self.action_fn()
+        for fn in self._hooks("agree_action"):
+            request = fn(self, request)
+        return request
 
     # -- the loop -------------------------------------------------------------
     def solve(self, resume_file=None):
@@ -171,7 +236,7 @@ class Solver:
             self._update_smoothed_loss(loss, start_iter)
             log.info(f"Iteration {self.iter}, loss = {fmt(self.smoothed_loss)}")
         if p.test_interval and self.iter % p.test_interval == 0:
-            self.test_all()
+            self._test_phase()
         log.info("Optimization Done.")
 
     def step(self, iters):
@@ -190,8 +255,7 @@ class Solver:
             self.net.clear_param_diffs()
             if (p.test_interval and self.iter % p.test_interval == 0
                     and (self.iter > 0 or p.test_initialization)):
-                if self.is_root:
-                    self.test_all()
+                self._test_phase()
                 if self.requested_early_exit:
                     break
             display = p.display and self.iter % p.display == 0
@@ -313,6 +377,13 @@ class Solver:
                              updates.kernels() if self.use_kernels else None)
 
     # -- testing --------------------------------------------------------------
+    def _test_phase(self):
+        """Every rank: the hooks ready the test nets, then the ranks that test run them."""
+        for fn in self._hooks("before_test"):
+            fn(self)
+        if self.tests_here:
+            self.test_all()
+
     def test_all(self):
         self.test_scores = []
         for i in range(len(self.test_nets)):
@@ -328,8 +399,11 @@ class Solver:
         n = p.test_iter[index]
         scores = None
         loss = F32(0)
+        # a request is agreed on by every rank: here only when every rank tests, else it
+        # waits for the agreement after the next update
+        polled = self.test_context is self.context
         for _ in range(n):
-            request = self.get_requested_action()
+            request = self.get_requested_action() if polled else "none"
             while request != "none":
                 if request in ("snapshot", "snapshot_stop"):
                     self.snapshot()
@@ -365,20 +439,26 @@ class Solver:
 
     # -- snapshots ------------------------------------------------------------
     def snapshot(self):
-        """Write <prefix>_iter_<N>.caffemodel and .solverstate (rank 0 only); returns their paths."""
-        if not self.is_root:
-            return None
-        if self._snapshot_iter == self.iter and self.last_snapshot:
+        """Write <prefix>_iter_<N>.caffemodel and .solverstate; returns their paths (None on
+        the ranks that do not write). Every rank calls it at the same iteration: the hooks
+        gather the parameters split across ranks whole onto rank 0, which writes."""
+        if self._snapshot_iter == self.iter:
             return self.last_snapshot
-        self.last_snapshot = snapshot.write(self.param, self.iter, self.net, self.rule.history,
-                                            self.current_step, self.plateau)
+        write_diff = self.param.snapshot_diff
+        arrays, states = {}, []
+        for i, blob in enumerate(self.net.learnable_params):
+            arrays[blob] = (self._gather(i, blob.data), self._gather(i, blob.diff) if write_diff else None)
+            states.append([self._gather(i, h) for h in self.rule.state(i)])
+        if self.is_root:
+            self.last_snapshot = snapshot.write(self.param, self.iter, self.net, states, self.current_step,
+                                                self.plateau, arrays)
         self._snapshot_iter = self.iter
         return self.last_snapshot
 
     def restore(self, state_file):
         """Resume from a .solverstate: weights from the caffemodel it names, history, iter,
         current_step and (when saved by caffepy) the random generator state."""
-        state = snapshot.restore(state_file, self.net, self.rule.history, self.type)
+        state = snapshot.restore(state_file, self.net, self.rule)
         self.iter = state.iter
         self.current_step = state.current_step
         self.plateau.minimum_loss = state.minimum_loss
@@ -404,5 +484,5 @@ def get_solver(path):
     return TYPED.get(upgrade.read_solver(path).type, Solver)(path)
 
 
-__all__ = ["Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver",
+__all__ = ["ACTIONS", "Hooks", "Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver",
            "AdamSolver", "get_solver"]

@@ -22,9 +22,12 @@ into the step that is subtracted from the weights, in place in g:
               step = lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + delta),  t = iter + 1
               (beta1 = momentum, beta2 = momentum2)
 
-`lr` is the parameter's local rate (rate * lr_mult, or LARS's rate). History
-blobs are laid out as Caffe saves them in the .solverstate: one per parameter,
-then (AdaDelta, Adam) a second one per parameter.
+`lr` is the parameter's local rate (rate * lr_mult, or LARS's rate). A rule's
+history is kept per parameter: `rule.state(i)` is the list of parameter i's
+history arrays (h; AdaDelta h, h2; Adam m, v), updated in place, and
+`rule.set_state(i, arrays)` replaces them (the hybrid MPI strategy keeps a
+rank's rows of a model-parallel layer's). snapshot.py saves and restores them
+through the same two calls.
 
 RULES is the one table of solver types: a `type` string -> its rule class,
 whose `enum` is the value of the deprecated `solver_type` enum that names it.
@@ -56,13 +59,29 @@ def type_of_enum(value):
 class UpdateRule:
     type = None       # SolverParameter.type
     enum = None       # its value of the deprecated SolverParameter.solver_type
-    histories = 1     # history blobs per parameter
+    histories = 1     # history arrays per parameter
+    scratches = 1     # scratch arrays per parameter (shaped like it, never saved)
 
     def __init__(self, param, shapes):
         self.param = param
-        n = len(shapes)
-        self.history = [np.zeros(shapes[i % n], np.float32) for i in range(self.histories * n)]
-        self._temp = [np.empty(s, np.float32) for s in shapes]
+        self._state = [[np.zeros(s, np.float32) for _ in range(self.histories)] for s in shapes]
+        self._temp = [self._scratch(s) for s in shapes]
+
+    def _scratch(self, shape):
+        return [np.empty(shape, np.float32) for _ in range(self.scratches)]
+
+    def state(self, i):
+        """The history arrays of learnable parameter i (`histories` of them), updated in place."""
+        return self._state[i]
+
+    def set_state(self, i, arrays):
+        """Replace parameter i's history arrays. They may be shaped differently from before
+        (a rank's rows of a model-parallel parameter): the rule's scratch follows them, and
+        the parameter's data and diff must have that shape when the rule next runs."""
+        arrays = [np.ascontiguousarray(a, np.float32) for a in arrays]
+        assert len(arrays) == self.histories, (self.type, len(arrays))
+        self._state[i] = arrays
+        self._temp[i] = self._scratch(arrays[0].shape)
 
     @classmethod
     def check(cls, param, source):
@@ -75,7 +94,7 @@ class UpdateRule:
     def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
         """The compiled one-pass version (caffepy.kernels.solver): normalize by `norm`,
         add weight decay, compute the step and subtract it from `w` (flat arrays)."""
-        h = self.history[i].reshape(-1)
+        h = self._state[i][0].reshape(-1)
         k.step(self.type, w, g, h, h, norm, decay, l1, lr, momentum, 0.0, self.param.delta)
 
 
@@ -85,10 +104,10 @@ class SGD(UpdateRule):
     enum = caffe_pb2.SolverParameter.SGD
 
     def compute(self, i, g, lr, it, momentum):
-        h = self.history[i]
+        (h,), (t,) = self._state[i], self._temp[i]
         h *= momentum
-        np.multiply(g, lr, out=self._temp[i])
-        h += self._temp[i]
+        np.multiply(g, lr, out=t)
+        h += t
         g[...] = h
 
 
@@ -98,7 +117,7 @@ class Nesterov(UpdateRule):
     enum = caffe_pb2.SolverParameter.NESTEROV
 
     def compute(self, i, g, lr, it, momentum):
-        h, prev = self.history[i], self._temp[i]
+        (h,), (prev,) = self._state[i], self._temp[i]
         prev[...] = h
         h *= momentum
         g *= lr
@@ -132,7 +151,7 @@ class AdaGrad(UpdateRule):
         _refuse_momentum(cls, param, source)
 
     def compute(self, i, g, lr, it, momentum):
-        h, t = self.history[i], self._temp[i]
+        (h,), (t,) = self._state[i], self._temp[i]
         np.multiply(g, g, out=t)
         h += t
         _divide_by_root(g, h, t, self.param.delta, lr)
@@ -150,7 +169,7 @@ class RMSProp(UpdateRule):
             raise SolverError(f"{source}: rms_decay: must be in [0, 1), got {param.rms_decay:g}")
 
     def compute(self, i, g, lr, it, momentum):
-        h, t = self.history[i], self._temp[i]
+        (h,), (t,) = self._state[i], self._temp[i]
         decay = self.param.rms_decay
         np.multiply(g, g, out=t)
         t *= 1.0 - decay
@@ -159,7 +178,7 @@ class RMSProp(UpdateRule):
         _divide_by_root(g, h, t, self.param.delta, lr)
 
     def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
-        h = self.history[i].reshape(-1)
+        h = self._state[i][0].reshape(-1)
         k.step(self.type, w, g, h, h, norm, decay, l1, lr, self.param.rms_decay, 0.0, self.param.delta)
 
 
@@ -168,15 +187,10 @@ class AdaDelta(UpdateRule):
     type = "AdaDelta"
     enum = caffe_pb2.SolverParameter.ADADELTA
     histories = 2
-
-    def __init__(self, param, shapes):
-        super().__init__(param, shapes)
-        self._temp2 = [np.empty(s, np.float32) for s in shapes]
+    scratches = 2
 
     def compute(self, i, g, lr, it, momentum):
-        n = len(self._temp)
-        h, h2 = self.history[i], self.history[n + i]
-        t, u = self._temp[i], self._temp2[i]
+        (h, h2), (t, u) = self._state[i], self._temp[i]
         delta = self.param.delta
         np.multiply(g, g, out=t)
         t *= 1.0 - momentum
@@ -194,9 +208,9 @@ class AdaDelta(UpdateRule):
         g *= lr
 
     def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
-        n = len(self._temp)
-        k.step(self.type, w, g, self.history[i].reshape(-1), self.history[n + i].reshape(-1), norm,
-               decay, l1, lr, momentum, 0.0, self.param.delta)
+        h, h2 = self._state[i]
+        k.step(self.type, w, g, h.reshape(-1), h2.reshape(-1), norm, decay, l1, lr, momentum, 0.0,
+               self.param.delta)
 
 
 @rule
@@ -211,14 +225,12 @@ class Adam(UpdateRule):
         return np.sqrt(1.0 - self.param.momentum2 ** t) / (1.0 - self.param.momentum ** t)
 
     def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
-        n = len(self._temp)
-        k.step(self.type, w, g, self.history[i].reshape(-1), self.history[n + i].reshape(-1), norm,
-               decay, l1, lr * self.correction(it), self.param.momentum, self.param.momentum2,
-               self.param.delta)
+        m, v = self._state[i]
+        k.step(self.type, w, g, m.reshape(-1), v.reshape(-1), norm, decay, l1, lr * self.correction(it),
+               self.param.momentum, self.param.momentum2, self.param.delta)
 
     def compute(self, i, g, lr, it, momentum):
-        n = len(self._temp)
-        m, v, t = self.history[i], self.history[n + i], self._temp[i]
+        (m, v), (t,) = self._state[i], self._temp[i]
         beta1, beta2 = self.param.momentum, self.param.momentum2
         correction = self.correction(it)
         m *= beta1
