@@ -1,5 +1,5 @@
 """Caffe's snapshot files: Solver::Snapshot / Restore and SGDSolver's solver state, in
-both of Caffe's snapshot_format s.
+either of Caffe's snapshot formats.
 
 A snapshot is two files, written atomically by rank 0.  BINARYPROTO (the default):
 
