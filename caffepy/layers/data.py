@@ -103,6 +103,11 @@ class _PrefetchingLayer(Layer):
 
     `wait_seconds` is the time forward() waited for the prefetch thread: the
     training loop's data-wait.
+
+    read_state / set_read_state: the position after the batches forward() handed out
+    (not the prefetch thread's, which reads ahead): reads done, the record order's seed
+    and skip (so the shuffle continues its epoch's permutation) and the transformer's
+    generator (mirror and crop draws); kept per rank in the solver's snapshots.
     """
     exact_bottoms = 0
     min_tops, max_tops = 1, 2
@@ -147,7 +152,8 @@ class _PrefetchingLayer(Layer):
         if p.rand_skip:
             skip = int(np.random.default_rng([base, 1]).integers(p.rand_skip))
             log.info(f"Skipping first {skip} data points")
-        order = RecordOrder(len(self.source_db), rank, ranks, bool(p.shuffle), base, skip)
+        self._order_args = (len(self.source_db), rank, ranks, bool(p.shuffle))
+        order = RecordOrder(*self._order_args, base, skip)
         tp = _transform_param(self, p)
         self.transformer = DataTransformer(tp, self.phase, np.random.default_rng([base, 2, context.rank]),
                                            layer=self)
@@ -169,8 +175,9 @@ class _PrefetchingLayer(Layer):
                              f"{buffers} batches of {memory.dims_text(self.top_shape)} floats")
         if why:
             raise self.error(f"{self._params_field}.batch_size", why, self.batch_size, cls=SizeError)
-        filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
-        self.prefetcher = Prefetcher(filler, self.prefetch_depth(), self.name)
+        self.filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
+        self._consumed = self.filler.position()
+        self.prefetcher = Prefetcher(self.filler, self.prefetch_depth(), self.name)
         self._finalizer = weakref.finalize(self, _shutdown, self.prefetcher, self.source_db)
         log.info(f"output data size: {','.join(map(str, self.top_shape))}")
         self.reshape(bottom, top)
@@ -196,8 +203,38 @@ class _PrefetchingLayer(Layer):
             top[0].data[...] = buf["data"]
             if len(top) > 1:
                 top[1].data[...] = buf["label"]
+            self._consumed = buf["position"]
         finally:
             self.prefetcher.release(buf)
+
+    def read_state(self):
+        reads, transform = self._consumed
+        order = self.filler.order
+        return {"records": order.size, "seed": order.seed, "skip": order.skip, "reads": reads,
+                "transform": transform}
+
+    def set_read_state(self, state):
+        if set(state) != {"records", "seed", "skip", "reads", "transform"}:
+            raise DataError(f"expected the keys records, seed, skip, reads, transform, got {', '.join(state)}")
+        for field, high in (("records", 1 << 62), ("seed", 1 << 62), ("skip", 1 << 62), ("reads", 1 << 62)):
+            value = state[field]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < high:
+                raise DataError(f"{field}: must be an integer in [0, 2^62), got {str(value)[:40]}")
+        problem = rng.state_problem(state["transform"], self.transformer.gen.bit_generator.state)
+        if problem:
+            raise DataError(f"transform: not a generator state ({problem})")
+        size = self._order_args[0]
+        if state["records"] != size:
+            log.warning(f"{self.filler.source.path}: layer '{self.name}' read {state['records']} records "
+                        f"when the snapshot was taken, {size} now: reading from the first record")
+            return
+
+        def reposition():
+            self.filler.order = RecordOrder(*self._order_args, state["seed"], state["skip"])
+            self.filler.reads = state["reads"]
+            self.transformer.gen.bit_generator.state = state["transform"]
+            self._consumed = self.filler.position()
+        self.prefetcher.restart(reposition)
 
     def close(self):
         """Stop the prefetch thread and close the source (also done at exit)."""
