@@ -32,6 +32,9 @@ def state_problem(value, template):
     if isinstance(template, dict):
         if not isinstance(value, dict):
             return f"expected an object, got {type(value).__name__}"
+        for key, name in template.items():      # a wrong name (bit_generator) says the most
+            if isinstance(name, str) and key in value and value[key] != name:
+                return f"{key}: expected '{name}', got {str(value[key])[:40]!r}"
         if set(value) != set(template):
             return f"expected the keys {sorted(template)}, got {sorted(value)}"
         for key in template:

@@ -335,9 +335,11 @@ class Writer:
         self.map_size = _INITIAL_MAP_SIZE
         try:
             self.env = lmdb.open(self.tmp, map_size=self.map_size, subdir=True)
-        except lmdb.Error as e:
+        except BaseException as e:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            raise DataError(f"{self.path}: cannot create the database: {e}") from None
+            if isinstance(e, lmdb.Error):
+                raise DataError(f"{self.path}: cannot create the database: {e}") from None
+            raise
         self.commit_every = commit_every
         self._pending = []
         self.done = False       # renamed to `path`
