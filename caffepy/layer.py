@@ -205,10 +205,11 @@ class Layer:
         has handed out, as JSON-able data the solver keeps in its snapshots; None for the rest."""
         return None
 
-    def set_read_state(self, state):
+    def set_read_state(self, state, ranks=None):
         """Continue from what `read_state` gave (and a snapshot kept): the next forward hands
-        out the batch that followed. Raises a CaffepyError `<field>: <problem>, got <value>`
-        for a state it cannot use."""
+        out the batch that followed. `ranks`: the number of ranks of the run that saved it
+        (None: as many as now). Raises a CaffepyError `<field>: <problem>, got <value>` for a
+        state it cannot use."""
         raise NotImplementedError
 
     # -- helpers for subclasses ------------------------------------------

@@ -194,7 +194,7 @@ def test_caffe_reads_our_solverstate_unchanged(tmp_path, db):
 
 @pytest.mark.parametrize("change, message", [
     (lambda d: d.update(reads=-3), "layer 'data': reads: must be an integer in [0, 2^62), got -3"),
-    (lambda d: d.pop("seed"), "layer 'data': expected the keys records, seed, skip, reads, transform"),
+    (lambda d: d.pop("seed"), "layer 'data': expected the keys records, ranks, seed, skip, reads, transform"),
     (lambda d: d["transform"].update(bit_generator="MT19937"), "layer 'data': transform: not a generator state"),
 ])
 def test_a_damaged_position_is_one_line(tmp_path, db, change, message):
@@ -273,11 +273,16 @@ def test_two_ranks_resume_exactly(tmp_path, db, split):
     out = train_cli(job, 2, "--snapshot", "out/run_iter_5.solverstate")
     assert out.returncode == 0, out.stderr[-3000:]
     assert identical(want, model(job / "out/run_iter_12.caffemodel"))
-    # on one rank the two ranks' positions do not apply: the data starts over, as in Caffe
+    # on one rank: the shared DB's record stream goes on where the two ranks had got to
+    # (5 iterations x 2 ranks x 3 records), shards start over
     out = train_cli(job, 1, "--snapshot", "out/run_iter_5.solverstate")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert ("out/run_iter_5.solverstate was written by 2 ranks, this run has 1: data layers data start from "
-            "their first record, as in Caffe") in out.stderr
+    assert "out/run_iter_5.solverstate was written by 2 ranks, this run has 1" in out.stderr
+    if split:
+        assert "layer 'data': the snapshot's 2 ranks and this run's 1 do not read one record stream" in out.stderr
+    else:
+        assert "layer 'data': continues the record stream where the snapshot's 2 ranks had read it together (30)" \
+            in out.stderr
 
 
 # -- the kill loop --------------------------------------------------------------------

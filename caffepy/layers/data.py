@@ -210,29 +210,46 @@ class _PrefetchingLayer(Layer):
     def read_state(self):
         reads, transform = self._consumed
         order = self.filler.order
-        return {"records": order.size, "seed": order.seed, "skip": order.skip, "reads": reads,
-                "transform": transform}
+        return {"records": order.size, "ranks": order.ranks, "seed": order.seed, "skip": order.skip,
+                "reads": reads, "transform": transform}
 
-    def set_read_state(self, state):
-        if set(state) != {"records", "seed", "skip", "reads", "transform"}:
-            raise DataError(f"expected the keys records, seed, skip, reads, transform, got {', '.join(state)}")
-        for field, high in (("records", 1 << 62), ("seed", 1 << 62), ("skip", 1 << 62), ("reads", 1 << 62)):
+    _STATE_KEYS = ("records", "ranks", "seed", "skip", "reads", "transform")
+
+    def set_read_state(self, state, ranks=None):
+        """`ranks`: the number of ranks of the run that saved `state` (rank 0's state when it
+        differs from this run's). With as many ranks as then, each rank goes on exactly; else
+        a record stream the ranks interleaved (shared DB, or one process) goes on from where
+        they had read it together, with fresh mirror and crop draws; shards start over."""
+        if set(state) != set(self._STATE_KEYS):
+            raise DataError(f"expected the keys {', '.join(self._STATE_KEYS)}, got {', '.join(state)}")
+        for field in self._STATE_KEYS[:-1]:
             value = state[field]
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < high:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
                 raise DataError(f"{field}: must be an integer in [0, 2^62), got {str(value)[:40]}")
         problem = rng.state_problem(state["transform"], self.transformer.gen.bit_generator.state)
         if problem:
             raise DataError(f"transform: not a generator state ({problem})")
-        size = self._order_args[0]
+        size, _, interleave, _ = self._order_args
+        here, ranks = f"{self.filler.source.path}: layer '{self.name}'", ranks or self.context.size
         if state["records"] != size:
-            log.warning(f"{self.filler.source.path}: layer '{self.name}' read {state['records']} records "
-                        f"when the snapshot was taken, {size} now: reading from the first record")
+            log.warning(f"{here}: the snapshot was taken over {state['records']} records, the source has "
+                        f"{size}: reading from the first record")
             return
+        skip, reads, transform = state["skip"], state["reads"], state["transform"]
+        if ranks != self.context.size:
+            if state["ranks"] != ranks or interleave != self.context.size:
+                log.warning(f"{here}: the snapshot's {ranks} ranks and this run's {self.context.size} do not "
+                            f"read one record stream (a split DB): reading from the first record")
+                return
+            skip, reads, transform = skip + reads * ranks, 0, None
+            log.info(f"{here}: continues the record stream where the snapshot's {ranks} ranks had read it "
+                     f"together ({skip}); mirror and crop draws start afresh")
 
         def reposition():
-            self.filler.order = RecordOrder(*self._order_args, state["seed"], state["skip"])
-            self.filler.reads = state["reads"]
-            self.transformer.gen.bit_generator.state = state["transform"]
+            self.filler.order = RecordOrder(*self._order_args, state["seed"], skip)
+            self.filler.reads = reads
+            if transform is not None:
+                self.transformer.gen.bit_generator.state = transform
             self._consumed = self.filler.position()
         self.prefetcher.restart(reposition)
 

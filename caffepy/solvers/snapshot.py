@@ -90,7 +90,8 @@ def remove_stale(param):
     if not param.snapshot_prefix:
         return
     directory, stem = os.path.split(param.snapshot_prefix)
-    removed = remove_stale_temporaries(directory or ".", re.escape(stem) + r"_iter_\d+\.(caffemodel|solverstate)(\.h5)?")
+    names = re.escape(stem) + r"_iter_\d+\.(caffemodel|solverstate)(\.h5)?"
+    removed = remove_stale_temporaries(directory or ".", names)
     if removed:
         log.info(f"Removed {len(removed)} temporary snapshot files left by a killed run "
                  f"({sum(size for _, size in removed) / 1e6:.1f} MB): {', '.join(p for p, _ in removed[:3])}"
@@ -159,7 +160,7 @@ def restore(state_file, net, rule):
     if generator is not None:
         generator = _rng_state(_json(generator, state_file, "random generator state", RNG_STATE_BYTES),
                                state_file, "random generator state")
-    saved_run_state(state, state_file)
+    saved_run_state(state, state_file, data)
     if state.HasField("learned_net") and state.learned_net:
         net.copy_from(_resolve_learned_net(state.learned_net, state_file))
     history = saved_order([rule.state(i) for i in range(len(net.learnable_params))])
@@ -181,11 +182,12 @@ def restore(state_file, net, rule):
     return state
 
 
-def saved_run_state(state, state_file):
-    """The RUN_STATE_FIELD object of a SolverState, or None (Caffe's files, older caffepy's),
-    its shape checked: {"ranks": [{"rng": generator state, "layers": {layer name: {...}}},
-    ...]} (each layer checks its own object: Layer.set_read_state)."""
-    payload = find_extension(state.SerializeToString(), RUN_STATE_FIELD)
+def saved_run_state(state, state_file, data=None):
+    """The RUN_STATE_FIELD object of a SolverState (`data`: the state serialized, if at
+    hand), or None (Caffe's files, older caffepy's), its shape checked: {"ranks": [{"rng":
+    generator state, "layers": {layer name: {...}}}, ...]} (each layer checks its own
+    object: Layer.set_read_state)."""
+    payload = find_extension(state.SerializeToString() if data is None else data, RUN_STATE_FIELD)
     if payload is None:
         return None
     value = _json(payload, state_file, "run state", RUN_STATE_BYTES)
@@ -194,8 +196,9 @@ def saved_run_state(state, state_file):
     if not isinstance(ranks, list) or not ranks or set(value) != {"ranks"}:
         raise SolverError(f"{where}: expected {{\"ranks\": [one object per rank]}}, got {_short(value)}")
     for r, entry in enumerate(ranks):
-        if not isinstance(entry, dict) or set(entry) != {"rng", "layers"} or not isinstance(entry["layers"], dict) \
-                or not all(isinstance(v, dict) for v in entry["layers"].values()):
+        layers = entry.get("layers") if isinstance(entry, dict) else None
+        if not isinstance(layers, dict) or set(entry) != {"rng", "layers"} \
+                or not all(isinstance(v, dict) for v in layers.values()):
             raise SolverError(f"{where}: ranks[{r}]: expected {{\"rng\": ..., \"layers\": {{name: {{...}}}}}}, "
                               f"got {_short(entry)}")
         _rng_state(entry["rng"], state_file, f"run state: ranks[{r}].rng")

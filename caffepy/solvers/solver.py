@@ -468,15 +468,21 @@ class Solver:
 
     def _restore_run(self, run, state_file):
         readers = [layer for layer in self.net.layers if layer.read_state() is not None]
-        if run is None or len(run["ranks"]) != self.context.size:
+        if run is None:
             if readers:
-                why = ("has no data read positions (written by Caffe or an older caffepy)" if run is None
-                       else f"was written by {len(run['ranks'])} ranks, this run has {self.context.size}")
-                log.info(f"{state_file} {why}: data layers {', '.join(r.name for r in readers)} start from "
-                         f"their first record, as in Caffe")
+                log.info(f"{state_file} has no data read positions (written by Caffe or an older caffepy): "
+                         f"data layers {', '.join(r.name for r in readers)} start from their first record, "
+                         f"as in Caffe")
             return
-        mine = run["ranks"][self.context.rank]
-        rng.set_state(mine["rng"])
+        ranks = run["ranks"]
+        same = len(ranks) == self.context.size
+        index = self.context.rank if same else 0
+        mine = ranks[index]
+        if same:
+            rng.set_state(mine["rng"])
+        else:           # each rank keeps rank 0's generator (RNG_STATE_FIELD), as before
+            log.info(f"{state_file} was written by {len(ranks)} ranks, this run has {self.context.size}: "
+                     f"the random draws will not be those of an uninterrupted run")
         for layer in readers:
             saved = mine["layers"].get(layer.name)
             if saved is None:
@@ -484,9 +490,9 @@ class Solver:
                          f"its first record")
                 continue
             try:
-                layer.set_read_state(saved)
+                layer.set_read_state(saved, len(ranks))
             except CaffepyError as e:
-                raise SolverError(f"{state_file}: run state: ranks[{self.context.rank}]: layer "
+                raise SolverError(f"{state_file}: run state: ranks[{index}]: layer "
                                   f"'{layer.name}': {e}") from None
 
 

@@ -763,7 +763,7 @@ def _run_state(**layer):
     """A run state for one rank whose data layer's position is the good one, changed by `layer`."""
     import json
     from caffepy import rng
-    data = {"records": 24, "seed": 5, "skip": 0, "reads": 8, "transform": rng.get_state()}
+    data = {"records": 24, "ranks": 1, "seed": 5, "skip": 0, "reads": 8, "transform": rng.get_state()}
     data.update(layer)
     return json.dumps({"ranks": [{"rng": rng.get_state(), "layers": {"data": data}}]}).encode()
 
