@@ -10,7 +10,7 @@ import numpy as np
 
 from . import log
 from .context import SINGLE
-from .errors import UsageError
+from .errors import SolverError, UsageError
 from .log import fmt
 
 
@@ -93,6 +93,7 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
     log.info("Use CPU.")
     handler = SignalHandler(sigint_effect, sighup_effect, mpi=mpi is not None)
     the_solver = Solver(param, source=solver, level=level, stages=stages, context=context)
+    _check_has_loss(the_solver.net)
     # ---- multi-rank call site: the MPI strategy joins the solver through its hooks ----
     if mpi is not None:
         mpi.attach(the_solver)
@@ -107,6 +108,18 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
     if mpi is not None:
         mpi.finish()
     return the_solver
+
+
+def _check_has_loss(net):
+    """Refuse a train net without a loss (a deploy net given to train). Caffe trains it:
+    every layer "does not need backward computation", the weights change by weight decay
+    alone, each display prints every value of the net's outputs, and snapshots overwrite
+    the previous ones; that is never what the person who typed `train` wanted."""
+    if not any(net.blob_loss_weights.values()):
+        raise SolverError(f"{net.source}: the train net has no loss layer (no top with a loss weight), so "
+                          f"training could not change its weights but by weight decay. Is it a deploy "
+                          f"net? Give the solver the train/val net, with a loss layer such as "
+                          f"SoftmaxWithLoss")
 
 
 def _check_snapshot(path):

@@ -187,3 +187,45 @@ def test_intel_fields_of_the_38_reference_files_that_did_not_parse():
     solver = U.parse_solver_text('net: "n" lr_policy: "multifixed" stagelr: 0.1 stageiter: 10 test_offset: 5',
                                  "solver.prototxt")
     assert solver.test_offset == 5 and list(solver.stageiter) == [10]
+
+
+def _dead_pid():
+    import subprocess
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_temporaries_of_killed_writers_are_removed_and_nothing_else(tmp_path):
+    import socket
+    host, dead = socket.gethostname(), _dead_pid()
+    stale = [f".out.prototxt.{dead}@{host}.abcd_123.tmp", f".out.prototxt.{dead}@{host}.zzzzzzzz.tmp"]
+    kept = [f".out.prototxt.{os.getpid()}@{host}.abcdefgh.tmp",      # a live writer's
+            f".out.prototxt.{dead}@otherhost.example.abcdefgh.tmp",  # another host's
+            f".other.prototxt.{dead}@{host}.abcdefgh.tmp",           # another file's
+            ".out.prototxt.abcdefgh.tmp",                            # no pid: not ours to judge
+            "out.prototxt.tmp", "notes.txt"]
+    for name in stale + kept:
+        (tmp_path / name).write_text("x")
+    (tmp_path / stale[1]).unlink()
+    (tmp_path / stale[1]).mkdir()                                    # a directory (an LMDB being built)
+    (tmp_path / stale[1] / "data.mdb").write_bytes(bytes(100))
+    removed = P.remove_stale_temporaries(str(tmp_path), r"out\.prototxt")
+    assert sorted((os.path.basename(p), n) for p, n in removed) == sorted([(stale[0], 1), (stale[1], 100)])
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
+    P.write_text(caffe_pb2.NetParameter(name="n"), tmp_path / "other.prototxt")   # cleans its own name
+    assert sorted(os.listdir(tmp_path)) == sorted(set(kept) - {kept[2]} | {"other.prototxt"})
+
+
+def test_temporary_names_carry_the_writer(tmp_path, monkeypatch):
+    import socket
+    seen = []
+    real = os.replace
+
+    def spy(src, dst):
+        seen.append(os.path.basename(src))
+        real(src, dst)
+    monkeypatch.setattr(os, "replace", spy)
+    P.write_text(caffe_pb2.NetParameter(name="n"), tmp_path / "net.prototxt")
+    (name,) = seen
+    assert name.startswith(f".net.prototxt.{os.getpid()}@{socket.gethostname()}.") and name.endswith(".tmp")

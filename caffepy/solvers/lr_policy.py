@@ -48,8 +48,18 @@ def check(param, source="<solver>"):
     if policy not in POLICIES:
         raise SolverError(f"{source}: lr_policy: unknown learning rate policy, got '{policy}'. "
                           f"Known policies: {', '.join(POLICIES)}")
-    if policy in ("step",) and param.stepsize <= 0:
-        raise SolverError(f"{source}: stepsize: the step policy needs stepsize > 0, got {param.stepsize}")
+    for field in ("base_lr", "warmup_start_lr"):
+        value = getattr(param, field)
+        if not (math.isfinite(value) and value >= 0):
+            raise SolverError(f"{source}: {field}: must be a finite number >= 0, got {value:g}")
+    if not math.isfinite(param.power):
+        raise SolverError(f"{source}: power: must be a finite number, got {param.power:g}")
+    # Caffe's CHECKs in SGDSolver::GetLearningRate
+    if policy in ("step", "exp", "inv", "multistep", "sigmoid", "plateau") and not (
+            math.isfinite(param.gamma) and param.gamma >= 0):
+        raise SolverError(f"{source}: gamma: the {policy} policy needs a finite gamma >= 0, got {param.gamma:g}")
+    if policy in ("step", "sigmoid") and param.stepsize <= 0:
+        raise SolverError(f"{source}: stepsize: the {policy} policy needs stepsize > 0, got {param.stepsize}")
     if policy == "poly" and param.max_iter <= 0:
         raise SolverError(f"{source}: max_iter: the poly policy needs max_iter > 0, got {param.max_iter}")
     if policy == "multistep":
