@@ -55,7 +55,8 @@ def _xavier(p, shape, g):
 
 
 def _msra(p, shape, g):
-    return g.normal(0.0, np.sqrt(2.0 / _fan(shape, p.variance_norm)), shape)
+    # Intel Caffe's `scale` multiplies the standard deviation (1 in BVLC Caffe)
+    return g.normal(0.0, p.scale * np.sqrt(2.0 / _fan(shape, p.variance_norm)), shape)
 
 
 def _bilinear(p, shape, g):

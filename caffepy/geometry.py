@@ -1,6 +1,6 @@
 """Caffe's 2-D window geometry, in one place.
 
-How Convolution, Deconvolution, Im2col and Pooling read their windows (kernel, pad, stride,
+How Convolution, Deconvolution, Im2col, Pooling and SPP read their windows (kernel, pad, stride,
 dilation: one value for both axes, one per axis, or the `_h` / `_w` pair; global pooling), and
 the output sizes with Caffe's rounding:
 
@@ -109,6 +109,12 @@ def conv_channels(layer, channels):
 def pool_window(layer):
     """The window of a Pooling layer (pooling_param); kernel None with global_pooling."""
     p, where = layer.param.pooling_param, "pooling_param"
+    for name in ("kernel_size_3d", "pad_3d", "stride_3d"):
+        if len(getattr(p, name)):
+            raise layer.error(f"{where}.{name}", "caffepy supports 2-D pooling (Intel Caffe's 3-D "
+                              "pooling is not supported)", list(getattr(p, name)))
+    if p.axis != 1:
+        raise layer.error(f"{where}.axis", "caffepy pools N x C x H x W blobs (channel axis 1)", p.axis)
     pad = _read_pair(layer, p, where, "pad", "pad_h", "pad_w", (0, 0), True)
     stride = _read_pair(layer, p, where, "stride", "stride_h", "stride_w", (1, 1), True)
     _positive(layer, f"{where}.stride", stride)
@@ -128,6 +134,16 @@ def pool_window(layer):
         raise layer.error(f"{where}.pad", f"must be smaller than the kernel ({_hw(kernel)})",
                           _hw(pad))
     return Window(kernel, pad, stride)
+
+
+def spp_window(level, h, w):
+    """The pooling window of level `level` of a spatial pyramid (SPP) over an h x w input:
+    2^level bins a side, kernel ceil(size / bins) as stride, and the shortfall of
+    kernel * bins over the size split as padding ((shortfall + 1) / 2), as Caffe's SPP."""
+    bins = 2 ** level
+    kernel = (-(-h // bins), -(-w // bins))
+    pad = ((kernel[0] * bins - h + 1) // 2, (kernel[1] * bins - w + 1) // 2)
+    return Window(kernel, pad, kernel)
 
 
 # -- output sizes -------------------------------------------------------------------------------

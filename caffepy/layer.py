@@ -46,6 +46,14 @@ MODEL_PARALLEL = "model_parallel"
 
 LAYERS = {}          # prototxt type -> {variant name: class}, the plain implementation first
 
+# LayerParameter fields that no implementation runs and that change results: a layer that
+# sets one is refused when the net is built, never run without it. Fields of one type's
+# parameters are refused by that type's setup.
+NOT_RUN = {
+    "quantization_param": ("Intel Caffe's int8 (reduced-precision) inference is not supported",
+                           "Remove quantization_param to run the layer in float32"),
+}
+
 
 def register(cls=None, *, variant=PLAIN):
     """Class decorator: `@register` adds a type's plain implementation under its class name
@@ -89,6 +97,9 @@ def create_layer(param, phase, source=None, *, bottoms=(), context=SINGLE, net=N
 def choose(request, variant=None):
     """The class `create_layer` builds for `request` (see the module docstring)."""
     param, source = request.param, request.source
+    for field, (problem, hint) in NOT_RUN.items():
+        if param.HasField(field):
+            raise layer_error(param, field, problem, hint=hint, source=source)
     variants = LAYERS.get(param.type)
     if variants is None:
         known = ", ".join(sorted(LAYERS))
@@ -199,6 +210,18 @@ class Layer:
 
     def allow_force_backward(self, bottom_index):
         return True
+
+    def read_state(self):
+        """A layer that reads a source: where it stands in it after the batches its forward
+        has handed out, as JSON-able data the solver keeps in its snapshots; None for the rest."""
+        return None
+
+    def set_read_state(self, state, ranks=None):
+        """Continue from what `read_state` gave (and a snapshot kept): the next forward hands
+        out the batch that followed. `ranks`: the number of ranks of the run that saved it
+        (None: as many as now). Raises a CaffepyError `<field>: <problem>, got <value>` for a
+        state it cannot use."""
+        raise NotImplementedError
 
     # -- helpers for subclasses ------------------------------------------
     def error(self, field, problem, value=None, hint=None, cls=LayerError):

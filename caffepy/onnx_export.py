@@ -288,9 +288,6 @@ def _axis(axis, ndim):
 @maps("Convolution", "Deconvolution")
 def _conv(c):
     p = c.p.convolution_param
-    if p.relu:
-        raise c.refuse("convolution_param.relu", "Intel's fused ReLU is not exported", True,
-                       "Put a ReLU layer after the convolution")
     inputs = [c.const(c.blob(i), what) for i, what in zip(range(len(c.layer.blobs)), ("weights", "bias"))]
     kernel, (ph, pw), stride, dilation = geometry.conv_window(c.layer)
     op = "Conv" if c.layer.type == "Convolution" else "ConvTranspose"

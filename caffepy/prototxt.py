@@ -2,7 +2,10 @@
 
 * every mistake in a file is one PrototxtError line naming `file:line:col`;
 * every write is atomic (temporary file, fsync, rename), and a binary message
-  over protobuf's 2 GiB limit is refused before anything is written.
+  over protobuf's 2 GiB limit is refused before anything is written;
+* temporary names say who writes them, `.<name>.<pid>@<host>.<random>.tmp`, so
+  the ones a killed process left behind can be told from those of a live writer
+  and removed (`remove_stale_temporaries`).
 
 Nothing here upgrades: a net or solver as Caffe reads it (parsed, then
 upgraded from older formats) comes from upgrade.py's read_net / read_solver.
@@ -12,6 +15,8 @@ import difflib
 import math
 import os
 import re
+import shutil
+import socket
 import tempfile
 
 import numpy as np
@@ -42,15 +47,78 @@ def _read_bytes(path):
         raise PrototxtError(f"{os.fspath(path)}: cannot open: {e.strerror}") from None
 
 
+def temporary_affixes(path):
+    """(prefix, suffix) of the temporary names (mkstemp / mkdtemp in the same directory) under
+    which `path` is written: `.<name>.<pid>@<host>.` + random + `.tmp`."""
+    return f".{os.path.basename(path)}.{os.getpid()}@{socket.gethostname()}.", ".tmp"
+
+
+# mkstemp's random part: 8 of [a-z0-9_]
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)@(?P<host>[^/]+)\.[a-z0-9_]{8}\.tmp")
+
+
+def remove_stale_temporaries(directory, final_name):
+    """Remove the temporary files and directories in `directory` that were being written to a
+    final name matching the regular expression `final_name` (matched whole) by a process of
+    this host that no longer exists (killed mid-write). Names of another host, of a live
+    process, or not of our shape are left alone. Returns [(path, bytes)] of what was removed."""
+    host, removed = socket.gethostname(), []
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        return removed
+    for entry in names:
+        m = _TEMPORARY.fullmatch(entry)
+        if not m or m["host"] != host or not re.fullmatch(final_name, m["name"]) or _alive(int(m["pid"])):
+            continue
+        path = os.path.join(directory, entry)
+        size = _size(path)
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append((path, size))
+    return removed
+
+
+def _alive(pid):
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:         # another user's process: alive
+        return True
+    return True
+
+
+def _size(path):
+    if not os.path.isdir(path):
+        with contextlib.suppress(OSError):
+            return os.path.getsize(path)
+        return 0
+    total = 0
+    for here, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(here, name))
+    return total
+
+
 @contextlib.contextmanager
 def atomic_path(path):
     """A temporary name next to `path` for the block to write a file at: renamed to `path`
     (after fsync) when the block ends, removed when it raises.  Readers see the old file or
-    the whole new one.  OSErrors become one CaffepyError line naming `path`."""
+    the whole new one.  Temporary files of `path` left by a killed writer are removed first;
+    OSErrors become one CaffepyError line naming `path`."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
+    remove_stale_temporaries(directory, re.escape(os.path.basename(path)))
+    prefix, suffix = temporary_affixes(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=directory)
     except OSError as e:
         raise CaffepyError(f"{path}: cannot write: {e.strerror}") from None
     try:

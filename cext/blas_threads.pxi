@@ -2,6 +2,8 @@
 # thread then calls a single-threaded BLAS (two thread pools at once oversubscribe the cores).
 # Included (not cimported) by each kernel module: every module binds its own pointers.
 
+from rules cimport threads_for
+
 ctypedef void (*_set_threads_fn)(int) noexcept nogil
 ctypedef int (*_get_threads_fn)() noexcept nogil
 cdef _set_threads_fn _blas_set_threads = NULL
@@ -30,12 +32,15 @@ cdef _bind_blas_threads():
 _bind_blas_threads()
 
 
-cdef inline int _task_threads(int T, int tasks) noexcept nogil:
-    """OpenMP threads for a loop over `tasks` that each call a single-threaded BLAS: at most T
-    and at most one per task; 1 when this BLAS's thread count cannot be set (its own threads
-    would then multiply with ours)."""
-    if T > tasks:
-        T = tasks
-    if T > 1 and _blas_set_threads == NULL:
-        T = 1
-    return T if T > 1 else 1
+cdef inline int _task_threads(int T, Py_ssize_t tasks, Py_ssize_t work) noexcept nogil:
+    """OpenMP threads for a loop over `tasks` that each call a single-threaded BLAS: the thread
+    rule's count for `work` (rules.threads_for), at most T and at most one per task; 1 when this
+    BLAS's thread count cannot be set (its own threads would then multiply with ours)."""
+    cdef int t = threads_for(work)
+    if t > T:
+        t = T
+    if t > tasks:
+        t = <int>tasks
+    if t > 1 and _blas_set_threads == NULL:
+        t = 1
+    return t if t > 1 else 1

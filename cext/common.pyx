@@ -1,21 +1,16 @@
 # cython: language_level=3
 # distutils: extra_compile_args = -fno-trapping-math
-"""Kernels of the common layers: the Scale layer's fused passes over (outer, dim, inner) views.
+"""Kernels of the common layers (caffepy/layers/common.py): the Scale layer's fused passes over
+(outer, dim, inner) views.
 
 Float32 C-contiguous arrays in, buffers the caller allocated out, no GIL. Work is split over
 OpenMP threads by plane (forward) or by channel (backward, so every thread owns its channels'
-sums and nothing races). The NumPy references are in tests/layers/test_common.py.
+sums and nothing races). The NumPy references are in caffepy/kernels/reference/common.py.
 """
 
 from cython.parallel cimport prange
-cimport openmp
 
-
-cdef Py_ssize_t SERIAL_BELOW = 65536
-
-
-cdef inline int _threads(Py_ssize_t n) noexcept nogil:
-    return 1 if n < SERIAL_BELOW else openmp.omp_get_max_threads()
+from rules cimport dims, need_shape, threads_for
 
 
 cdef inline void _affine(const float* x, float* y, float* saved, Py_ssize_t n, float s, float b,
@@ -69,9 +64,15 @@ def scale_forward(const float[:, :, ::1] x, const float[::1] scale, const float[
     cdef Py_ssize_t O = x.shape[0], D = x.shape[1], inner = x.shape[2], p, o, d
     cdef bint has_bias = bias is not None, keep = saved is not None
     cdef float b
+    need_shape("scale_forward", "scale", dims(scale.shape, 1), (D,))
+    if has_bias:
+        need_shape("scale_forward", "bias", dims(bias.shape, 1), (D,))
+    need_shape("scale_forward", "y", dims(y.shape, 3), dims(x.shape, 3))
+    if keep:
+        need_shape("scale_forward", "saved", dims(saved.shape, 3), dims(x.shape, 3))
     if O == 0 or D == 0 or inner == 0:
         return
-    for p in prange(O * D, nogil=True, schedule="static", num_threads=_threads(O * D * inner)):
+    for p in prange(O * D, nogil=True, schedule="static", num_threads=threads_for(O * D * inner)):
         o = p // D
         d = p % D
         b = bias[d] if has_bias else 0
@@ -88,9 +89,17 @@ def scale_backward(const float[:, :, ::1] x, const float[:, :, ::1] dy, const fl
     cdef bint want_s = scale_diff is not None, want_b = bias_diff is not None
     cdef bint want_dx = dx is not None
     cdef double acc_s, acc_b
+    need_shape("scale_backward", "dy", dims(dy.shape, 3), dims(x.shape, 3))
+    need_shape("scale_backward", "scale", dims(scale.shape, 1), (D,))
+    if want_dx:
+        need_shape("scale_backward", "dx", dims(dx.shape, 3), dims(x.shape, 3))
+    if want_s:
+        need_shape("scale_backward", "scale_diff", dims(scale_diff.shape, 1), (D,))
+    if want_b:
+        need_shape("scale_backward", "bias_diff", dims(bias_diff.shape, 1), (D,))
     if O == 0 or D == 0 or inner == 0:
         return
-    for d in prange(D, nogil=True, schedule="static", num_threads=_threads(O * D * inner)):
+    for d in prange(D, nogil=True, schedule="static", num_threads=threads_for(O * D * inner)):
         acc_s = 0
         acc_b = 0
         for o in range(O):

@@ -1,15 +1,20 @@
 # cython: language_level=3
-"""Kernels of the SIMD-blocked layout that IntelPack / IntelUnpack bracket.
+"""Kernels of the Intel family (caffepy/layers/intel.py): the SIMD-blocked layout that
+IntelPack / IntelUnpack bracket, and the blocked Convolution (im2col + sgemm), Pooling and LRN.
+The blocked Convolution's other algorithm, Winograd, is intel_winograd.pyx.
 
 A blocked tensor is float32 [N, Cb, H, W, V], C-contiguous: channel c sits in block c // V,
 lane c % V, where V is the vector width (8 floats for AVX2, 16 for AVX-512); lanes past the real
 channel count C are padding: every kernel here writes zeros there and never reads them as data
-(so an elementwise layer that maps 0 to something else, Sigmoid say, cannot leak into real lanes). The innermost loops run over the V lanes of one pixel, which are
-contiguous, so they vectorize; the outer loops are OpenMP-parallel over images, blocks or pixels.
+(so an elementwise layer that maps 0 to something else, Sigmoid say, cannot leak into real
+lanes). The innermost loops run over the V lanes of one pixel, which are contiguous, so they
+vectorize; the outer loops are OpenMP-parallel over images, blocks or pixels.
 
 Conventions (Caffe's): top and bottom diffs are OVERWRITTEN, weight and bias diffs ACCUMULATE.
 Every kernel writes into buffers the caller allocated (scratch included) and runs without the GIL.
-The NumPy references are in caffepy/layers/intel.py (`ref_*`), used by tests/layers/test_intel.py.
+The NumPy references are in caffepy/kernels/reference/intel.py (pack, unpack) and, for the
+computations, the NCHW references of reference/vision.py and reference/normalization.py on the
+unpacked arrays; tests/layers/test_intel.py compares them.
 """
 
 from cython.parallel cimport prange, threadid
@@ -20,15 +25,7 @@ from libc.stdint cimport int32_t
 from libc.string cimport memcpy, memset
 
 from blas cimport gemm_ld
-
-
-cdef tuple _sh(Py_ssize_t* shape, int n):
-    return tuple([shape[i] for i in range(n)])
-
-
-cdef _need(bint ok, str what):
-    if not ok:
-        raise ValueError(what)
+from rules cimport dims, need, need_shape, threads_for
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,13 +35,14 @@ def pack(const float[:, :, :, ::1] x, float[:, :, :, :, ::1] y):
     """y[n, c // V, h, w, c % V] = x[n, c, h, w]; lanes past C are zeroed."""
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int Cb = y.shape[1], V = y.shape[4]
-    _need(V > 0 and _sh(y.shape, 5) == (N, (C + V - 1) // V, H, W, V),
-          f"pack: blocked shape {_sh(y.shape, 5)} does not fit {(N, C, H, W)} with width {V}")
+    need(V > 0, "pack", "y", "needs a block width V > 0", V)
+    need_shape("pack", "y", dims(y.shape, 5), (N, (C + V - 1) // V, H, W, V))
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, item
     if N * Cb == 0 or HW == 0:
         return
     with nogil:
-        for item in prange(<Py_ssize_t>N * Cb, schedule="static"):
+        for item in prange(<Py_ssize_t>N * Cb, schedule="static",
+                           num_threads=threads_for(<Py_ssize_t>N * Cb * HW * V)):
             _pack_plane(&x[0, 0, 0, 0] + (item // Cb) * C * HW, &y[0, 0, 0, 0, 0] + item * HW * V,
                         <int>(item % Cb), C, HW, V)
 
@@ -66,8 +64,8 @@ def unpack(const float[:, :, :, :, ::1] y, float[:, :, :, ::1] x):
     """x[n, c, h, w] = y[n, c // V, h, w, c % V] for the C channels of x (overwritten)."""
     cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
     cdef int Cb = y.shape[1], V = y.shape[4]
-    _need(V > 0 and _sh(y.shape, 5) == (N, (C + V - 1) // V, H, W, V),
-          f"unpack: blocked shape {_sh(y.shape, 5)} does not fit {(N, C, H, W)} with width {V}")
+    need(V > 0, "unpack", "y", "needs a block width V > 0", V)
+    need_shape("unpack", "y", dims(y.shape, 5), (N, (C + V - 1) // V, H, W, V))
     cdef Py_ssize_t HW = <Py_ssize_t>H * W, item, p
     cdef int c
     cdef const float* src
@@ -75,7 +73,8 @@ def unpack(const float[:, :, :, :, ::1] y, float[:, :, :, ::1] x):
     if N * C == 0 or HW == 0:
         return
     with nogil:
-        for item in prange(<Py_ssize_t>N * C, schedule="static"):
+        for item in prange(<Py_ssize_t>N * C, schedule="static",
+                           num_threads=threads_for(<Py_ssize_t>N * C * HW * V)):
             c = <int>(item % C)
             src = &y[0, 0, 0, 0, 0] + ((item // C) * Cb + c // V) * HW * V + c % V
             dst = &x[0, 0, 0, 0] + item * HW
@@ -94,7 +93,8 @@ def unpack(const float[:, :, :, :, ::1] y, float[:, :, :, ::1] x):
 #         cost no FLOPs.
 # The weight is given as Wt[group, Kg, Og] in the same order (the layer builds it from Caffe's
 # [O, C/g, kh, kw]). Threads take whole images, each with its own col / Y / weight-diff buffers
-# and a single-threaded BLAS; with one image or one thread, the BLAS threads each GEMM instead.
+# and a single-threaded BLAS; with one image, one thread or a small problem (the thread rule of
+# rules.pxd), the BLAS threads each GEMM instead.
 
 include "blas_threads.pxi"
 
@@ -112,20 +112,22 @@ cdef struct BGeom:
 
 
 cdef BGeom _bgeom(int C, int Cb, int H, int W, int V, int O, int kh, int kw, int ph, int pw,
-                  int sh, int sw, int dh, int dw, int group) except *:
+                  int sh, int sw, int dh, int dw, int group, str kernel) except *:
     cdef BGeom g
-    _need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and dh >= 1 and dw >= 1 and ph >= 0
-          and pw >= 0, f"kernel {kh}x{kw}, stride {sh}x{sw}, dilation {dh}x{dw} must be >= 1 "
-          f"and pad {ph}x{pw} >= 0")
-    _need(group >= 1 and C % group == 0 and O % group == 0,
-          f"group {group} must divide {C} input and {O} output channels")
-    _need(V >= 1 and Cb == (C + V - 1) // V, f"{Cb} blocks of {V} do not hold {C} channels")
+    need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and dh >= 1 and dw >= 1 and ph >= 0
+         and pw >= 0, kernel, "geometry", "kernel, stride and dilation must be >= 1 and pad >= 0",
+         f"kernel {kh}x{kw} stride {sh}x{sw} dilation {dh}x{dw} pad {ph}x{pw}")
+    need(group >= 1 and C % group == 0 and O % group == 0, kernel, "group",
+         f"must divide {C} input and {O} output channels", group)
+    need(V >= 1 and Cb == (C + V - 1) // V, kernel, "x", f"needs the blocks of width {V} that "
+         f"hold {C} channels", f"{Cb} blocks")
     g.C, g.Cb, g.H, g.W, g.V, g.O = C, Cb, H, W, V, O
     g.Ob = (O + V - 1) // V
     g.kh, g.kw, g.ph, g.pw, g.sh, g.sw, g.dh, g.dw, g.group = kh, kw, ph, pw, sh, sw, dh, dw, group
     g.oh = (H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
     g.ow = (W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
-    _need(g.oh >= 1 and g.ow >= 1, f"kernel {kh}x{kw} does not fit a {H}x{W} image")
+    need(g.oh >= 1 and g.ow >= 1, kernel, "geometry", f"kernel {kh}x{kw} (dilation {dh}x{dw}, "
+         f"pad {ph}x{pw}) does not fit the image", f"{H}x{W}")
     g.Cg = C // group
     g.Og = O // group
     g.Kg = g.Cg * kh * kw
@@ -283,6 +285,15 @@ cdef void _conv_fwd_image(const BGeom* g, const float* x, const float* wt, const
                 dst[p * V + v] = 0.0
 
 
+cdef _check_scratch(str kernel, const float[:, :, ::1] col, const float[:, :, ::1] ybuf,
+                    const BGeom* g):
+    """col[T, P, Ktot] and ybuf[>= T, P, O] for T >= 1 threads."""
+    need(col.shape[0] >= 1 and col.shape[1] == g.P and col.shape[2] == g.Ktot, kernel, "col",
+         f"needs shape (threads, {g.P}, {g.Ktot})", dims(col.shape, 3))
+    need(ybuf.shape[0] >= col.shape[0] and ybuf.shape[1] == g.P and ybuf.shape[2] == g.O, kernel,
+         "ybuf", f"needs shape (>= {col.shape[0]}, {g.P}, {g.O})", dims(ybuf.shape, 3))
+
+
 def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] wt, const float[::1] bias,
                  float[:, :, :, :, ::1] y, float[:, :, ::1] col, float[:, :, ::1] ybuf,
                  int C, int O, int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw,
@@ -292,21 +303,19 @@ def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] wt, cons
     Scratch: col[T, P, Ktot], ybuf[T, P, O] for T threads (T = 1 lets BLAS thread each GEMM).
     """
     cdef BGeom g = _bgeom(C, x.shape[1], x.shape[2], x.shape[3], x.shape[4], O, kh, kw, ph, pw,
-                          sh, sw, dh, dw, group)
+                          sh, sw, dh, dw, group, "conv_forward")
     cdef int N = x.shape[0], T = col.shape[0], nt, n, tid, saved = 0
-    _need(_sh(wt.shape, 3) == (group, g.Kg, g.Og), f"wt shape {_sh(wt.shape, 3)} != "
-          f"{(group, g.Kg, g.Og)}")
-    _need(_sh(y.shape, 5) == (N, g.Ob, g.oh, g.ow, g.V), f"y shape {_sh(y.shape, 5)} != "
-          f"{(N, g.Ob, g.oh, g.ow, g.V)}")
-    _need(T >= 1 and col.shape[1] == g.P and col.shape[2] == g.Ktot and ybuf.shape[0] >= T
-          and ybuf.shape[1] == g.P and ybuf.shape[2] == O, "conv_forward: scratch shapes")
-    _need(bias.shape[0] in (0, O), f"bias has {bias.shape[0]} values for {O} outputs")
+    need_shape("conv_forward", "wt", dims(wt.shape, 3), (group, g.Kg, g.Og))
+    need_shape("conv_forward", "y", dims(y.shape, 5), (N, g.Ob, g.oh, g.ow, g.V))
+    _check_scratch("conv_forward", col, ybuf, &g)
+    need(bias.shape[0] in (0, O), "conv_forward", "bias", f"needs {O} values or none",
+         bias.shape[0])
     cdef const float* b = &bias[0] if bias.shape[0] else NULL
     cdef Py_ssize_t xs = <Py_ssize_t>g.Cb * g.H * g.W * g.V, ys = <Py_ssize_t>g.Ob * g.P * g.V
     cdef Py_ssize_t cs = <Py_ssize_t>g.P * g.Ktot, bs = <Py_ssize_t>g.P * O
     if N == 0:
         return
-    nt = _task_threads(T, N)
+    nt = _task_threads(T, N, <Py_ssize_t>N * g.P * g.O * g.Kg)
     with nogil:
         if nt == 1:
             for n in range(N):
@@ -366,16 +375,20 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] wt,
     per-thread scratch: the caller adds row 0 into its diffs). col / ybuf as for conv_forward.
     """
     cdef BGeom g = _bgeom(C, x.shape[1], x.shape[2], x.shape[3], x.shape[4], O, kh, kw, ph, pw,
-                          sh, sw, dh, dw, group)
+                          sh, sw, dh, dw, group, "conv_backward")
     cdef int N = x.shape[0], T = col.shape[0], nt, n, tid, t, saved = 0
-    _need(_sh(wt.shape, 3) == (group, g.Kg, g.Og), "conv_backward: wt shape")
-    _need(_sh(dy.shape, 5) == (N, g.Ob, g.oh, g.ow, g.V), "conv_backward: dy shape")
-    _need(not need_x or _sh(dx.shape, 5) == _sh(x.shape, 5), "conv_backward: dx shape")
-    _need(not need_w or (dwt.shape[0] >= T and _sh(dwt.shape + 1, 3) == (group, g.Kg, g.Og)),
-          "conv_backward: dwt shape")
-    _need(not need_b or (db.shape[0] >= T and db.shape[1] == O), "conv_backward: db shape")
-    _need(T >= 1 and col.shape[1] == g.P and col.shape[2] == g.Ktot and ybuf.shape[0] >= T
-          and ybuf.shape[1] == g.P and ybuf.shape[2] == O, "conv_backward: scratch shapes")
+    need_shape("conv_backward", "wt", dims(wt.shape, 3), (group, g.Kg, g.Og))
+    need_shape("conv_backward", "dy", dims(dy.shape, 5), (N, g.Ob, g.oh, g.ow, g.V))
+    if need_x:
+        need_shape("conv_backward", "dx", dims(dx.shape, 5), dims(x.shape, 5))
+    if need_w:
+        need(dwt.shape[0] >= T and dims(dwt.shape + 1, 3) == (group, g.Kg, g.Og),
+             "conv_backward", "dwt", f"needs shape (>= {T}, {group}, {g.Kg}, {g.Og})",
+             dims(dwt.shape, 4))
+    if need_b:
+        need(db.shape[0] >= T and db.shape[1] == O, "conv_backward", "db",
+             f"needs shape (>= {T}, {O})", dims(db.shape, 2))
+    _check_scratch("conv_backward", col, ybuf, &g)
     cdef Py_ssize_t xs = <Py_ssize_t>g.Cb * g.H * g.W * g.V, ys = <Py_ssize_t>g.Ob * g.P * g.V
     cdef Py_ssize_t cs = <Py_ssize_t>g.P * g.Ktot, bs = <Py_ssize_t>g.P * O
     cdef Py_ssize_t ws = <Py_ssize_t>group * g.Kg * g.Og, i
@@ -384,7 +397,7 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] wt,
     cdef float* dbp = &db[0, 0] if need_b else NULL
     if N == 0:
         return
-    nt = _task_threads(T, N)
+    nt = _task_threads(T, N, <Py_ssize_t>N * g.P * g.O * g.Kg)
     with nogil:
         for t in range(nt):
             if need_w:
@@ -409,7 +422,7 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] wt,
             _blas_set_threads(saved)
             for t in range(1, nt):
                 if need_w:
-                    for i in prange(ws, schedule="static"):
+                    for i in prange(ws, schedule="static", num_threads=threads_for(ws)):
                         dwp[i] += dwp[t * ws + i]
                 if need_b:
                     for i in range(O):
@@ -417,27 +430,30 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] wt,
 
 
 # ---------------------------------------------------------------------------------------------
-# Pooling on blocked planes [H, W, V]: windows as Caffe's (see caffepy/kernels/vision.pyx).
+# Pooling on blocked planes [H, W, V]: windows as Caffe's (see cext/vision.pyx).
 
-cdef _check_pool(x, y, int kh, int kw, int sh, int sw, int ph, int pw):
-    _need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and ph >= 0 and pw >= 0,
-          f"pooling kernel {kh}x{kw} / stride {sh}x{sw} must be >= 1, pad {ph}x{pw} >= 0")
-    _need(x.shape[4] <= 64, f"pooling: block width {x.shape[4]} above 64")
-    _need(x.shape[0] == y.shape[0] and x.shape[1] == y.shape[1] and x.shape[4] == y.shape[4],
-          f"pooling: blocked shapes {tuple(x.shape[:5])} and {tuple(y.shape[:5])} do not fit")
+cdef _check_pool(str kernel, str xname, x, str yname, y, int kh, int kw, int sh, int sw, int ph,
+                 int pw):
+    need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and ph >= 0 and pw >= 0, kernel,
+         "geometry", "kernel and stride must be >= 1, pad >= 0",
+         f"kernel {kh}x{kw} stride {sh}x{sw} pad {ph}x{pw}")
+    need(x.shape[4] <= 64, kernel, xname, "needs a block width of at most 64", x.shape[4])
+    need(x.shape[0] == y.shape[0] and x.shape[1] == y.shape[1] and x.shape[4] == y.shape[4],
+         kernel, yname, f"does not fit {xname} {tuple(x.shape[:5])}", tuple(y.shape[:5]))
 
 
 def pool_max_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y,
                      int32_t[:, :, :, :, ::1] mask, int kh, int kw, int sh, int sw, int ph, int pw):
     """y = max over each window (padding ignored); mask = h * W + w of the first maximum."""
-    _check_pool(x, y, kh, kw, sh, sw, ph, pw)
-    _need(_sh(mask.shape, 5) == _sh(y.shape, 5), "pool_max_forward: mask shape")
+    _check_pool("pool_max_forward", "x", x, "y", y, kh, kw, sh, sw, ph, pw)
+    need_shape("pool_max_forward", "mask", dims(mask.shape, 5), dims(y.shape, 5))
     cdef int H = x.shape[2], W = x.shape[3], oh = y.shape[2], ow = y.shape[3], V = x.shape[4]
     cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], pl
     if planes == 0 or oh * ow == 0:
         return
     with nogil:
-        for pl in prange(planes, schedule="static"):
+        for pl in prange(planes, schedule="static",
+                         num_threads=threads_for(planes * oh * ow * V * kh * kw)):
             if _MAXPOOL4 and V % 4 == 0:
                 _max_plane4(&x[0, 0, 0, 0, 0] + pl * H * W * V,
                             &y[0, 0, 0, 0, 0] + pl * oh * ow * V,
@@ -449,69 +465,7 @@ def pool_max_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y,
                            kh, kw, sh, sw, ph, pw)
 
 
-cdef extern from *:
-    """
-    #if defined(__SSE4_1__)
-    #include <immintrin.h>
-    #include <float.h>
-    #define CAFFEPY_MAXPOOL4 1
-    /* _max_plane by quarters of 4 lanes held in registers: compare, then blend both the
-       maximum and its index (GCC left the per-lane selects of the Cython loop scalar, one
-       compare and branch-free move per lane) */
-    static inline __attribute__((always_inline)) void caffepy_max_plane4_m(
-            const float* x, float* y, int* mask, int H, int W, int oh, int ow, const int m,
-            int kh, int kw, int sh, int sw, int ph, int pw) {
-        const int V = 4 * m;
-        __m128 best[16], idx[16], v, gt, at;
-        int py, px, h, w, hs, he, ws, we, j;
-        for (py = 0; py < oh; py++) {
-            hs = py * sh - ph;
-            he = hs + kh < H ? hs + kh : H;
-            hs = hs > 0 ? hs : 0;
-            for (px = 0; px < ow; px++) {
-                ws = px * sw - pw;
-                we = ws + kw < W ? ws + kw : W;
-                ws = ws > 0 ? ws : 0;
-                for (j = 0; j < m; j++) {
-                    best[j] = _mm_set1_ps(-FLT_MAX);
-                    idx[j] = _mm_castsi128_ps(_mm_set1_epi32(-1));
-                }
-                for (h = hs; h < he; h++)
-                    for (w = ws; w < we; w++) {
-                        at = _mm_castsi128_ps(_mm_set1_epi32(h * W + w));
-                        for (j = 0; j < m; j++) {
-                            v = _mm_loadu_ps(x + (long)(h * W + w) * V + 4 * j);
-                            /* strict '>' keeps the first maximum (Caffe's rule) */
-                            gt = _mm_cmpgt_ps(v, best[j]);
-                            best[j] = _mm_blendv_ps(best[j], v, gt);
-                            idx[j] = _mm_blendv_ps(idx[j], at, gt);
-                        }
-                    }
-                for (j = 0; j < m; j++) {
-                    _mm_storeu_ps(y + 4 * j, best[j]);
-                    _mm_storeu_si128((__m128i*)(mask + 4 * j), _mm_castps_si128(idx[j]));
-                }
-                y += V;
-                mask += V;
-            }
-        }
-    }
-    static void caffepy_max_plane4(const float* x, float* y, int* mask, int H, int W, int oh,
-                                   int ow, int V, int kh, int kw, int sh, int sw, int ph, int pw) {
-        /* widths 8 and 16 get a copy each, so the quarter loops unroll */
-        if (V == 8)
-            caffepy_max_plane4_m(x, y, mask, H, W, oh, ow, 2, kh, kw, sh, sw, ph, pw);
-        else if (V == 16)
-            caffepy_max_plane4_m(x, y, mask, H, W, oh, ow, 4, kh, kw, sh, sw, ph, pw);
-        else
-            caffepy_max_plane4_m(x, y, mask, H, W, oh, ow, V / 4, kh, kw, sh, sw, ph, pw);
-    }
-    #else
-    #define CAFFEPY_MAXPOOL4 0
-    static void caffepy_max_plane4(const float* x, float* y, int* mask, int H, int W, int oh,
-                                   int ow, int V, int kh, int kw, int sh, int sw, int ph, int pw) {}
-    #endif
-    """
+cdef extern from "intel_maxpool.h":
     bint _MAXPOOL4 "CAFFEPY_MAXPOOL4"
     void _max_plane4 "caffepy_max_plane4"(const float* x, float* y, int32_t* mask, int H, int W,
                                           int oh, int ow, int V, int kh, int kw, int sh, int sw,
@@ -556,7 +510,9 @@ cdef void _max_plane(const float* x, float* y, int32_t* mask, int H, int W, int 
 def pool_max_backward(const float[:, :, :, :, ::1] dy, const int32_t[:, :, :, :, ::1] mask,
                       float[:, :, :, :, ::1] dx):
     """dx = top diffs routed to their argmax (zeroed first: overwritten)."""
-    _need(_sh(mask.shape, 5) == _sh(dy.shape, 5), "pool_max_backward: mask shape")
+    need_shape("pool_max_backward", "mask", dims(mask.shape, 5), dims(dy.shape, 5))
+    need(dims(dx.shape, 2) == dims(dy.shape, 2) and dx.shape[4] == dy.shape[4],
+         "pool_max_backward", "dx", f"does not fit dy {dims(dy.shape, 5)}", dims(dx.shape, 5))
     cdef int H = dx.shape[2], W = dx.shape[3], oh = dy.shape[2], ow = dy.shape[3], V = dx.shape[4]
     cdef Py_ssize_t planes = <Py_ssize_t>dx.shape[0] * dx.shape[1], pl, p
     cdef int v
@@ -566,7 +522,8 @@ def pool_max_backward(const float[:, :, :, :, ::1] dy, const int32_t[:, :, :, :,
     if planes == 0:
         return
     with nogil:
-        for pl in prange(planes, schedule="static"):
+        for pl in prange(planes, schedule="static",
+                         num_threads=threads_for(planes * (<Py_ssize_t>H * W + oh * ow) * V)):
             d = &dx[0, 0, 0, 0, 0] + pl * H * W * V
             g = &dy[0, 0, 0, 0, 0] + pl * oh * ow * V
             mk = &mask[0, 0, 0, 0, 0] + pl * oh * ow * V
@@ -580,13 +537,14 @@ def pool_max_backward(const float[:, :, :, :, ::1] dy, const int32_t[:, :, :, :,
 def pool_ave_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y,
                      int kh, int kw, int sh, int sw, int ph, int pw):
     """y = window sum / window size clipped to the padded extent (Caffe's AVE)."""
-    _check_pool(x, y, kh, kw, sh, sw, ph, pw)
+    _check_pool("pool_ave_forward", "x", x, "y", y, kh, kw, sh, sw, ph, pw)
     cdef int H = x.shape[2], W = x.shape[3], oh = y.shape[2], ow = y.shape[3], V = x.shape[4]
     cdef Py_ssize_t planes = <Py_ssize_t>x.shape[0] * x.shape[1], pl
     if planes == 0 or oh * ow == 0:
         return
     with nogil:
-        for pl in prange(planes, schedule="static"):
+        for pl in prange(planes, schedule="static",
+                         num_threads=threads_for(planes * oh * ow * V * kh * kw)):
             _ave_plane(<float*>&x[0, 0, 0, 0, 0] + pl * H * W * V, &y[0, 0, 0, 0, 0] + pl * oh * ow * V,
                        H, W, oh, ow, V, kh, kw, sh, sw, ph, pw, False)
 
@@ -594,13 +552,14 @@ def pool_ave_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y,
 def pool_ave_backward(const float[:, :, :, :, ::1] dy, float[:, :, :, :, ::1] dx,
                       int kh, int kw, int sh, int sw, int ph, int pw):
     """dx = each top diff spread evenly over its window (zeroed first: overwritten)."""
-    _check_pool(dx, dy, kh, kw, sh, sw, ph, pw)
+    _check_pool("pool_ave_backward", "dx", dx, "dy", dy, kh, kw, sh, sw, ph, pw)
     cdef int H = dx.shape[2], W = dx.shape[3], oh = dy.shape[2], ow = dy.shape[3], V = dx.shape[4]
     cdef Py_ssize_t planes = <Py_ssize_t>dx.shape[0] * dx.shape[1], pl
     if planes == 0:
         return
     with nogil:
-        for pl in prange(planes, schedule="static"):
+        for pl in prange(planes, schedule="static",
+                         num_threads=threads_for(planes * oh * ow * V * kh * kw)):
             memset(&dx[0, 0, 0, 0, 0] + pl * H * W * V, 0, <Py_ssize_t>H * W * V * sizeof(float))
             _ave_plane(&dx[0, 0, 0, 0, 0] + pl * H * W * V, <float*>&dy[0, 0, 0, 0, 0] + pl * oh * ow * V,
                        H, W, oh, ow, V, kh, kw, sh, sw, ph, pw, True)
@@ -665,178 +624,7 @@ cdef void _ave_plane(float* x, float* y, int H, int W, int oh, int ow, int V, in
 # window of what was kept, which needs the blocks on both sides, so it runs one block behind
 # (fast path: three kept blocks; generic path: the whole tile).
 
-cdef extern from *:
-    """
-    #if defined(__FMA__) && defined(__SSSE3__)
-    #include <immintrin.h>
-    #define CAFFEPY_LRN4 1
-
-    /* lanes [0, n) of a quarter set (n may be <= 0 or >= 4) */
-    static inline __m128 caffepy_lrn4_lanes(int n) {
-        return _mm_castsi128_ps(_mm_cmpgt_epi32(_mm_set1_epi32(n), _mm_setr_epi32(0, 1, 2, 3)));
-    }
-
-    #define CAFFEPY_ALIGNR4(hi, lo, bytes) _mm_castsi128_ps(_mm_alignr_epi8( \
-        _mm_castps_si128(hi), _mm_castps_si128(lo), bytes))
-
-    /* window sum over channels v - pre .. v + pre of quarter c, b / a being the quarters of the
-       four channels before / after it (pre <= 4) */
-    static inline __attribute__((always_inline)) __m128 caffepy_lrn4_window(
-            __m128 b, __m128 c, __m128 a, const int pre) {
-        __m128 w = c;
-        if (pre >= 1)
-            w = _mm_add_ps(w, _mm_add_ps(CAFFEPY_ALIGNR4(a, c, 4), CAFFEPY_ALIGNR4(c, b, 12)));
-        if (pre >= 2)
-            w = _mm_add_ps(w, _mm_add_ps(CAFFEPY_ALIGNR4(a, c, 8), CAFFEPY_ALIGNR4(c, b, 8)));
-        if (pre >= 3)
-            w = _mm_add_ps(w, _mm_add_ps(CAFFEPY_ALIGNR4(a, c, 12), CAFFEPY_ALIGNR4(c, b, 4)));
-        if (pre >= 4)
-            w = _mm_add_ps(w, _mm_add_ps(a, b));
-        return w;
-    }
-
-    /* p = s^-3/4 = 1 / (s^1/2 * s^1/4), no exp / log, and *q = p / s, with one division */
-    static inline __attribute__((always_inline)) __m128 caffepy_lrn4_pow(__m128 s, __m128* q) {
-        const __m128 r = _mm_sqrt_ps(s);
-        *q = _mm_div_ps(_mm_set1_ps(1.0f), _mm_mul_ps(_mm_mul_ps(s, r), _mm_sqrt_ps(r)));
-        return _mm_mul_ps(*q, s);
-    }
-
-    /* The quarters around pixel t of a block run, as m + 2 quarters: the last of the block
-       before (zero when cp is NULL), the m of this block, the first of the block after (zero
-       when cn is NULL), squared if sq; lanes past the real channels are zeroed (unless full:
-       all of them are real). */
-    static inline __attribute__((always_inline)) void caffepy_lrn4_load(
-            __m128* q, const float* cp, const float* cc, const float* cn, long t, const int m,
-            int nv, int nn, int sq, const int full) {
-        const long V = 4 * m;
-        int j;
-        q[0] = cp ? _mm_loadu_ps(cp + V * t + V - 4) : _mm_setzero_ps();
-        for (j = 0; j < m; j++) {
-            q[j + 1] = _mm_loadu_ps(cc + V * t + 4 * j);
-            if (!full)
-                q[j + 1] = _mm_and_ps(q[j + 1], caffepy_lrn4_lanes(nv - 4 * j));
-        }
-        q[m + 1] = cn ? _mm_loadu_ps(cn + V * t) : _mm_setzero_ps();
-        if (!full)
-            q[m + 1] = _mm_and_ps(q[m + 1], caffepy_lrn4_lanes(nn));
-        if (sq)
-            for (j = 0; j < m + 2; j++)
-                q[j] = _mm_mul_ps(q[j], q[j]);
-    }
-
-    /* x, zeroed past the real lanes unless full */
-    #define CAFFEPY_LRN4_MASK(x, j) (full ? (x) : _mm_and_ps((x), caffepy_lrn4_lanes(nv - 4 * (j))))
-
-    /* Forward of one block run of L pixels (V = 4 m lanes): xc this block, xp / xn the blocks
-       before / after (NULL: none), nv / nn the real lanes of this block / the next. */
-    static inline __attribute__((always_inline)) void caffepy_lrn4_fwd_mp(
-            const float* xp, const float* xc, const float* xn, float* y, long L, int nv, int nn,
-            float k, float a, const int m, const int pre, const int full) {
-        const __m128 vk = _mm_set1_ps(k), va = _mm_set1_ps(a);
-        __m128 q[18], s, r, x, out;
-        long t;
-        int j;
-        for (t = 0; t < L; t++) {
-            caffepy_lrn4_load(q, xp, xc, xn, t, m, nv, nn, 1, full);
-            for (j = 0; j < m; j++) {
-                s = _mm_fmadd_ps(va, caffepy_lrn4_window(q[j], q[j + 1], q[j + 2], pre), vk);
-                x = _mm_loadu_ps(xc + 4 * (m * t + j));
-                r = _mm_sqrt_ps(s);     /* x / (s^1/2 * s^1/4) */
-                out = _mm_div_ps(x, _mm_mul_ps(r, _mm_sqrt_ps(r)));
-                _mm_storeu_ps(y + 4 * (m * t + j), CAFFEPY_LRN4_MASK(out, j));
-            }
-        }
-    }
-
-    /* Backward pass 1 over one block run: dx = dy * s^-beta, keep = dy * x * s^(-beta-1) */
-    static inline __attribute__((always_inline)) void caffepy_lrn4_bwd1_mp(
-            const float* xp, const float* xc, const float* xn, const float* dy, float* dx,
-            float* keep, long L, int nv, int nn, float k, float a, const int m,
-            const int pre, const int full) {
-        const __m128 vk = _mm_set1_ps(k), va = _mm_set1_ps(a);
-        __m128 q[18], s, p, inv, g;
-        long t, o;
-        int j;
-        for (t = 0; t < L; t++) {
-            caffepy_lrn4_load(q, xp, xc, xn, t, m, nv, nn, 1, full);
-            for (j = 0; j < m; j++) {
-                o = 4 * (m * t + j);
-                s = _mm_fmadd_ps(va, caffepy_lrn4_window(q[j], q[j + 1], q[j + 2], pre), vk);
-                p = caffepy_lrn4_pow(s, &inv);
-                g = _mm_loadu_ps(dy + o);
-                _mm_storeu_ps(dx + o, _mm_mul_ps(g, p));
-                /* lanes past C kept at 0: pass 2's windows read them */
-                _mm_storeu_ps(keep + o, CAFFEPY_LRN4_MASK(
-                    _mm_mul_ps(_mm_mul_ps(g, _mm_loadu_ps(xc + o)), inv), j));
-            }
-        }
-    }
-
-    /* Backward pass 2 over one block run: dx -= cache * x * window of keep (kp / kn: NULL
-       past the ends); lanes past C of dx get 0 */
-    static inline __attribute__((always_inline)) void caffepy_lrn4_bwd2_mp(
-            const float* kp, const float* kc, const float* kn, const float* xc, float* dx, long L,
-            int nv, int nn, float cache, const int m, const int pre, const int full) {
-        const __m128 vc = _mm_set1_ps(cache);
-        __m128 q[18], d;
-        long t, o;
-        int j;
-        for (t = 0; t < L; t++) {
-            caffepy_lrn4_load(q, kp, kc, kn, t, m, nv, nn, 0, full);
-            for (j = 0; j < m; j++) {
-                o = 4 * (m * t + j);
-                d = _mm_fnmadd_ps(_mm_mul_ps(vc, _mm_loadu_ps(xc + o)),
-                                  caffepy_lrn4_window(q[j], q[j + 1], q[j + 2], pre),
-                                  _mm_loadu_ps(dx + o));
-                _mm_storeu_ps(dx + o, CAFFEPY_LRN4_MASK(d, j));
-            }
-        }
-    }
-
-    /* one copy of each for V = 8 and 16, local_size 1, 3, 5, 7, 9 and full or partial blocks,
-       so the quarter and shift loops unroll and full blocks skip the lane masks */
-    #define CAFFEPY_LRN4_PRE(call, M, F) switch (pre) { case 0: call(M, 0, F); break; \
-        case 1: call(M, 1, F); break; case 2: call(M, 2, F); break; \
-        case 3: call(M, 3, F); break; default: call(M, 4, F); }
-    #define CAFFEPY_LRN4_DISPATCH(call) { \
-        const int full_ = nv >= V && (nn >= 4 || nn <= 0); \
-        if (V == 8) { if (full_) CAFFEPY_LRN4_PRE(call, 2, 1) else CAFFEPY_LRN4_PRE(call, 2, 0) } \
-        else { if (full_) CAFFEPY_LRN4_PRE(call, 4, 1) else CAFFEPY_LRN4_PRE(call, 4, 0) } }
-
-    static void caffepy_lrn4_fwd(const float* xp, const float* xc, const float* xn, float* y,
-                                 long L, int nv, int nn, int V, int pre, float k, float a) {
-        #define CAFFEPY_CALL(M, P, F) caffepy_lrn4_fwd_mp(xp, xc, xn, y, L, nv, nn, k, a, M, P, F)
-        CAFFEPY_LRN4_DISPATCH(CAFFEPY_CALL)
-        #undef CAFFEPY_CALL
-    }
-    static void caffepy_lrn4_bwd1(const float* xp, const float* xc, const float* xn,
-                                  const float* dy, float* dx, float* keep, long L, int nv, int nn,
-                                  int V, int pre, float k, float a) {
-        #define CAFFEPY_CALL(M, P, F) caffepy_lrn4_bwd1_mp(xp, xc, xn, dy, dx, keep, L, nv, nn, \
-                                                           k, a, M, P, F)
-        CAFFEPY_LRN4_DISPATCH(CAFFEPY_CALL)
-        #undef CAFFEPY_CALL
-    }
-    static void caffepy_lrn4_bwd2(const float* kp, const float* kc, const float* kn,
-                                  const float* xc, float* dx, long L, int nv, int nn, int V,
-                                  int pre, float cache) {
-        #define CAFFEPY_CALL(M, P, F) caffepy_lrn4_bwd2_mp(kp, kc, kn, xc, dx, L, nv, nn, cache, M, P, F)
-        CAFFEPY_LRN4_DISPATCH(CAFFEPY_CALL)
-        #undef CAFFEPY_CALL
-    }
-    #else
-    #define CAFFEPY_LRN4 0
-    static void caffepy_lrn4_fwd(const float* xp, const float* xc, const float* xn, float* y,
-                                 long L, int nv, int nn, int V, int pre, float k, float a) {}
-    static void caffepy_lrn4_bwd1(const float* xp, const float* xc, const float* xn,
-                                  const float* dy, float* dx, float* keep, long L, int nv, int nn,
-                                  int V, int pre, float k, float a) {}
-    static void caffepy_lrn4_bwd2(const float* kp, const float* kc, const float* kn,
-                                  const float* xc, float* dx, long L, int nv, int nn, int V,
-                                  int pre, float cache) {}
-    #endif
-    """
+cdef extern from "intel_lrn.h":
     bint _LRN4 "CAFFEPY_LRN4"
     void _lrn4_fwd "caffepy_lrn4_fwd"(const float* xp, const float* xc, const float* xn, float* y,
                                       long L, int nv, int nn, int V, int pre, float k,
@@ -870,17 +658,16 @@ cdef struct LrnGeom:
     float k, a, beta, cache
 
 
-cdef _check_lrn(x, others, int size, int C):
-    _need(0 <= C <= x.shape[1] * x.shape[4] and C > (x.shape[1] - 1) * x.shape[4],
-          f"LRN: {C} channels do not fill {x.shape[1]} blocks of {x.shape[4]}")
-    _need(size >= 1 and size % 2 == 1, f"LRN local_size must be odd and positive, got {size}")
-    _need((size - 1) // 2 <= _MAXPAD, f"LRN local_size {size} is larger than this kernel "
-          f"supports ({2 * _MAXPAD + 1})")
-    _need(x.shape[1] * x.shape[4] <= _MAXC, f"LRN over {x.shape[1] * x.shape[4]} channels: this "
-          f"kernel supports {_MAXC}")
+cdef _check_lrn(str kernel, x, others, int size, int C):
+    need(0 <= C <= x.shape[1] * x.shape[4] and C > (x.shape[1] - 1) * x.shape[4], kernel, "C",
+         f"must fill the {x.shape[1]} blocks of {x.shape[4]} of x", C)
+    need(size >= 1 and size % 2 == 1, kernel, "local_size", "must be odd and positive", size)
+    need((size - 1) // 2 <= _MAXPAD, kernel, "local_size",
+         f"is larger than this kernel supports ({2 * _MAXPAD + 1})", size)
+    need(x.shape[1] * x.shape[4] <= _MAXC, kernel, "x",
+         f"has more channels than this kernel supports ({_MAXC})", x.shape[1] * x.shape[4])
     for name, o in others:
-        _need(tuple(o.shape[:5]) == tuple(x.shape[:5]),
-              f"{name}: shape {tuple(o.shape[:5])} does not fit {tuple(x.shape[:5])}")
+        need_shape(kernel, name, tuple(o.shape[:5]), tuple(x.shape[:5]))
 
 
 cdef LrnGeom _lrn_geom(x, int C, int size, float alpha, float beta, float k):
@@ -899,14 +686,14 @@ cdef LrnGeom _lrn_geom(x, int C, int size, float alpha, float beta, float k):
 def lrn_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y, int C, int size,
                 float alpha, float beta, float k):
     """y = x * (k + alpha/size * window sum of x^2 across channels)^-beta (overwritten)."""
-    _check_lrn(x, [("top", y)], size, C)
+    _check_lrn("lrn_forward", x, [("y", y)], size, C)
     cdef LrnGeom g = _lrn_geom(x, C, size, alpha, beta, k)
     cdef int N = x.shape[0], L = _PIXELS if g.fast else _ROWS // g.W
     cdef Py_ssize_t tiles = (g.HW + L - 1) // L, item, image = g.Cb * g.HW * g.V
     if N * g.Cb == 0 or g.HW == 0:
         return
     with nogil:
-        for item in prange(N * tiles, schedule="static"):
+        for item in prange(N * tiles, schedule="static", num_threads=threads_for(N * image * 4)):
             _lrn_fwd_tile(&x[0, 0, 0, 0, 0] + (item // tiles) * image,
                           &y[0, 0, 0, 0, 0] + (item // tiles) * image, (item % tiles) * L, L, &g)
 
@@ -914,7 +701,7 @@ def lrn_forward(const float[:, :, :, :, ::1] x, float[:, :, :, :, ::1] y, int C,
 def lrn_backward(const float[:, :, :, :, ::1] x, const float[:, :, :, :, ::1] dy,
                  float[:, :, :, :, ::1] dx, int C, int size, float alpha, float beta, float k):
     """dx = dy * scale^-beta - 2*alpha*beta/size * x * window sum of dy * y / scale (overwritten)."""
-    _check_lrn(x, [("top_diff", dy), ("bottom_diff", dx)], size, C)
+    _check_lrn("lrn_backward", x, [("dy", dy), ("dx", dx)], size, C)
     cdef LrnGeom g = _lrn_geom(x, C, size, alpha, beta, k)
     cdef int N = x.shape[0]
     cdef int L = min(_PIXELS, _KEEP // (3 * g.V)) if g.fast else min(_ROWS // g.W, _KEEP // (g.Cb * g.V))
@@ -922,7 +709,7 @@ def lrn_backward(const float[:, :, :, :, ::1] x, const float[:, :, :, :, ::1] dy
     if N * g.Cb == 0 or g.HW == 0:
         return
     with nogil:
-        for item in prange(N * tiles, schedule="static"):
+        for item in prange(N * tiles, schedule="static", num_threads=threads_for(N * image * 4)):
             _lrn_bwd_tile(&x[0, 0, 0, 0, 0] + (item // tiles) * image,
                           &dy[0, 0, 0, 0, 0] + (item // tiles) * image,
                           &dx[0, 0, 0, 0, 0] + (item // tiles) * image, (item % tiles) * L, L, &g)

@@ -1,6 +1,6 @@
 # How an LRN kernel raises its scale to -beta: the betas of the reference nets get square roots
 # or a division instead of powf (exp and log), each in its own loop so it vectorizes.
-# Included (not cimported) by the NCHW (vision.pyx) and blocked (intel.pyx) LRN kernels.
+# Included (not cimported) by the NCHW (normalization.pyx) and blocked (intel.pyx) LRN kernels.
 
 cdef enum:
     _POW_075 = 0

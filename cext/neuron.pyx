@@ -6,22 +6,23 @@ Every kernel takes flat float32 C-contiguous arrays, writes into buffers the cal
 (an output may be the same buffer as an input: the layers run in place) and runs without the GIL.
 The work is split over OpenMP threads in contiguous chunks; each chunk runs a plain pointer loop
 in a small inline function, the shape GCC vectorizes. The NumPy references are in
-tests/layers/test_neuron.py.
+caffepy/kernels/reference/neuron.py.
 """
 
 from cython.parallel cimport prange
-cimport openmp
 from libc.math cimport floorf
 from libc.stdint cimport int32_t
 
+from rules cimport dims, need_shape, threads_for
 
-# Below this many elements one thread is faster than waking the team.
-DEF SERIAL_BELOW = 65536
 DEF CHUNK = 16384
 
 
-cdef inline int _threads(Py_ssize_t n) noexcept nogil:
-    return 1 if n < SERIAL_BELOW else openmp.omp_get_max_threads()
+cdef inline int _same_size(str kernel, str name, Py_ssize_t got, Py_ssize_t n) except -1:
+    """Every flat array of a kernel holds its first array's n values."""
+    if got != n:
+        need_shape(kernel, name, (got,), (n,))
+    return 0
 
 
 # -- chunk loops ---------------------------------------------------------------------------------
@@ -189,9 +190,10 @@ cdef inline void _dropout_f(const float* x, float* m, float* y, Py_ssize_t n, fl
 def relu_forward(const float[::1] x, float[::1] y, float negative_slope):
     """y = x if x > 0 else negative_slope * x."""
     cdef Py_ssize_t n = x.shape[0], c, lo
+    _same_size("relu_forward", "y", y.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _relu_f(&x[lo], &y[lo], min(CHUNK, n - lo), negative_slope)
 
@@ -199,9 +201,11 @@ def relu_forward(const float[::1] x, float[::1] y, float negative_slope):
 def relu_backward(const float[::1] x, const float[::1] dy, float[::1] dx, float negative_slope):
     """dx = dy * (1 if x > 0 else negative_slope); `x` may be the top (same sign for slope >= 0)."""
     cdef Py_ssize_t n = x.shape[0], c, lo
+    _same_size("relu_backward", "dy", dy.shape[0], n)
+    _same_size("relu_backward", "dx", dx.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _relu_b(&x[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo), negative_slope)
 
@@ -209,9 +213,10 @@ def relu_backward(const float[::1] x, const float[::1] dy, float[::1] dx, float 
 def elu_forward(const float[::1] x, float[::1] y, float alpha):
     """y = x if x > 0 else alpha * (exp(x) - 1)."""
     cdef Py_ssize_t n = x.shape[0], c, lo
+    _same_size("elu_forward", "y", y.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _elu_f(&x[lo], &y[lo], min(CHUNK, n - lo), alpha)
 
@@ -220,9 +225,12 @@ def elu_backward(const float[::1] x, const float[::1] y, const float[::1] dy, fl
                  float alpha):
     """dx = dy if x > 0 else dy * (y + alpha); `x` may be the top (same sign for alpha > 0)."""
     cdef Py_ssize_t n = x.shape[0], c, lo
+    _same_size("elu_backward", "y", y.shape[0], n)
+    _same_size("elu_backward", "dy", dy.shape[0], n)
+    _same_size("elu_backward", "dx", dx.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _elu_b(&x[lo], &y[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo), alpha)
 
@@ -230,9 +238,10 @@ def elu_backward(const float[::1] x, const float[::1] y, const float[::1] dy, fl
 def exp_forward(const float[::1] x, float[::1] y):
     """y = exp(x) (see _exp for the range)."""
     cdef Py_ssize_t n = x.shape[0], c, lo
+    _same_size("exp_forward", "y", y.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _exp_f(&x[lo], &y[lo], min(CHUNK, n - lo))
 
@@ -240,9 +249,10 @@ def exp_forward(const float[::1] x, float[::1] y):
 def sigmoid_forward(const float[::1] x, float[::1] y):
     """y = 1 / (1 + exp(-x))."""
     cdef Py_ssize_t n = x.shape[0], c, lo
+    _same_size("sigmoid_forward", "y", y.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _sigmoid_f(&x[lo], &y[lo], min(CHUNK, n - lo))
 
@@ -250,9 +260,11 @@ def sigmoid_forward(const float[::1] x, float[::1] y):
 def swish_forward(const float[::1] x, float[::1] s, float[::1] y, float beta):
     """s = sigmoid(beta * x) (kept for backward), y = x * s; y may be x."""
     cdef Py_ssize_t n = x.shape[0], c, lo
+    _same_size("swish_forward", "s", s.shape[0], n)
+    _same_size("swish_forward", "y", y.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _swish_f(&x[lo], &s[lo], &y[lo], min(CHUNK, n - lo), beta)
 
@@ -260,9 +272,11 @@ def swish_forward(const float[::1] x, float[::1] s, float[::1] y, float beta):
 def absval_backward(const float[::1] x, const float[::1] dy, float[::1] dx):
     """dx = sign(x) * dy (0 at x = 0, as Caffe's sign)."""
     cdef Py_ssize_t n = x.shape[0], c, lo
+    _same_size("absval_backward", "dy", dy.shape[0], n)
+    _same_size("absval_backward", "dx", dx.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _absval_b(&x[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo))
 
@@ -270,9 +284,11 @@ def absval_backward(const float[::1] x, const float[::1] dy, float[::1] dx):
 def clip_backward(const float[::1] x, const float[::1] dy, float[::1] dx, float lo_, float hi_):
     """dx = dy where lo <= x <= hi, else 0."""
     cdef Py_ssize_t n = x.shape[0], c, lo
+    _same_size("clip_backward", "dy", dy.shape[0], n)
+    _same_size("clip_backward", "dx", dx.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _clip_b(&x[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo), lo_, hi_)
 
@@ -280,9 +296,11 @@ def clip_backward(const float[::1] x, const float[::1] dy, float[::1] dx, float 
 def sigmoid_backward(const float[::1] y, const float[::1] dy, float[::1] dx):
     """dx = dy * y * (1 - y)."""
     cdef Py_ssize_t n = y.shape[0], c, lo
+    _same_size("sigmoid_backward", "dy", dy.shape[0], n)
+    _same_size("sigmoid_backward", "dx", dx.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _sigmoid_b(&y[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo))
 
@@ -290,9 +308,10 @@ def sigmoid_backward(const float[::1] y, const float[::1] dy, float[::1] dx):
 def tanh_forward(const float[::1] x, float[::1] y):
     """y = tanh(x)."""
     cdef Py_ssize_t n = x.shape[0], c, lo
+    _same_size("tanh_forward", "y", y.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _tanh_f(&x[lo], &y[lo], min(CHUNK, n - lo))
 
@@ -300,9 +319,11 @@ def tanh_forward(const float[::1] x, float[::1] y):
 def tanh_backward(const float[::1] y, const float[::1] dy, float[::1] dx):
     """dx = dy * (1 - y^2)."""
     cdef Py_ssize_t n = y.shape[0], c, lo
+    _same_size("tanh_backward", "dy", dy.shape[0], n)
+    _same_size("tanh_backward", "dx", dx.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _tanh_b(&y[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo))
 
@@ -311,9 +332,12 @@ def swish_backward(const float[::1] y, const float[::1] s, const float[::1] dy, 
                    float beta):
     """dx = dy * (beta * y + s * (1 - beta * y)) with s = sigmoid(beta * x) saved by forward."""
     cdef Py_ssize_t n = y.shape[0], c, lo
+    _same_size("swish_backward", "s", s.shape[0], n)
+    _same_size("swish_backward", "dy", dy.shape[0], n)
+    _same_size("swish_backward", "dx", dx.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _swish_b(&y[lo], &s[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo), beta)
 
@@ -324,9 +348,11 @@ def dropout_forward(const float[::1] x, float[::1] mask, float[::1] y, float rat
     Keeping u >= ratio keeps each unit with probability 1 - ratio (Caffe's Bernoulli mask).
     """
     cdef Py_ssize_t n = x.shape[0], c, lo
+    _same_size("dropout_forward", "mask", mask.shape[0], n)
+    _same_size("dropout_forward", "y", y.shape[0], n)
     if n == 0:
         return
-    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=_threads(n)):
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _dropout_f(&x[lo], &mask[lo], &y[lo], min(CHUNK, n - lo), ratio, scale)
 
@@ -354,9 +380,11 @@ cdef inline double _prelu_b(const float* x, const float* g, float* d, Py_ssize_t
 def prelu_forward(const float[:, :, ::1] x, float[:, :, ::1] y, const float[::1] slope):
     """y[n, c, :] = x if x > 0 else slope[c] * x."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], inner = x.shape[2], c, n
+    need_shape("prelu_forward", "y", dims(y.shape, 3), dims(x.shape, 3))
+    need_shape("prelu_forward", "slope", dims(slope.shape, 1), (C,))
     if N == 0 or C == 0 or inner == 0:
         return
-    for c in prange(C, nogil=True, schedule="static", num_threads=_threads(N * C * inner)):
+    for c in prange(C, nogil=True, schedule="static", num_threads=threads_for(N * C * inner)):
         for n in range(N):
             _prelu_f(&x[n, c, 0], &y[n, c, 0], inner, slope[c])
 
@@ -369,9 +397,15 @@ def prelu_backward(const float[:, :, ::1] x, const float[:, :, ::1] dy, float[:,
     cdef bint want_dx = dx is not None, want_slope = slope_diff is not None
     cdef double acc
     cdef float* d
+    need_shape("prelu_backward", "dy", dims(dy.shape, 3), dims(x.shape, 3))
+    if want_dx:
+        need_shape("prelu_backward", "dx", dims(dx.shape, 3), dims(x.shape, 3))
+    need_shape("prelu_backward", "slope", dims(slope.shape, 1), (C,))
+    if want_slope:
+        need_shape("prelu_backward", "slope_diff", dims(slope_diff.shape, 1), (C,))
     if N == 0 or C == 0 or inner == 0:
         return
-    for c in prange(C, nogil=True, schedule="static", num_threads=_threads(N * C * inner)):
+    for c in prange(C, nogil=True, schedule="static", num_threads=threads_for(N * C * inner)):
         acc = 0
         for n in range(N):
             d = &dx[n, c, 0] if want_dx else NULL

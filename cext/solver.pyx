@@ -2,18 +2,20 @@
 """Fused parameter updates for caffepy/solvers: one pass over data, diff and history
 (normalize by iter_size, weight decay, the rule, data -= step) instead of NumPy's
 six to twelve; a 61M-parameter update is memory bound.  Each rule's formula is
-the one in caffepy/solvers/updates.py (the NumPy reference; tests/test_solvers.py
-checks both agree).  Afterwards diff holds the step, as in Caffe.
+the one in caffepy/solvers/updates.py (the NumPy path of the solver).  The NumPy
+references of these kernels are in caffepy/kernels/reference/solver.py
+(tests/test_kernels_solver.py); tests/test_solvers.py checks that training with
+and without them agrees.  Afterwards diff holds the step, as in Caffe.
 
 Every rule is its own loop over plain scalars, so GCC vectorizes it (sqrt and
-division included).  Arrays under PARALLEL_MIN elements run on one thread: an
-OpenMP region costs more than it saves on them, and far more when ranks
+division included).  Small arrays run on one thread (the thread rule of rules.pxd):
+an OpenMP region costs more than it saves on them, and far more when ranks
 oversubscribe the cores.
 """
 from cython.parallel cimport prange
 from libc.math cimport sqrtf
 
-DEF PARALLEL_MIN = 1 << 20
+from rules cimport dims, need_shape, threads_for
 
 
 cdef inline float _reg(float w, float g, float norm, float decay, bint l1) noexcept nogil:
@@ -26,15 +28,16 @@ cdef inline float _reg(float w, float g, float norm, float decay, bint l1) noexc
 def regularize(float[::1] w, float[::1] g, float norm, float decay, bint l1):
     """g = norm * g + decay * (sign(w) if l1 else w)."""
     cdef Py_ssize_t i, n = g.shape[0]
-    cdef int threads = 1 if n < PARALLEL_MIN else 0
+    cdef int nt = threads_for(n)
+    need_shape("regularize", "w", dims(w.shape, 1), (n,))
     if n == 0:
         return
     with nogil:
-        if threads == 1:
+        if nt == 1:
             for i in range(n):
                 g[i] = _reg(w[i], g[i], norm, decay, l1)
         else:
-            for i in prange(n, schedule="static"):
+            for i in prange(n, schedule="static", num_threads=nt):
                 g[i] = _reg(w[i], g[i], norm, decay, l1)
 
 
@@ -153,20 +156,22 @@ def step(str rule_name, float[::1] w, float[::1] g, float[::1] h, float[::1] h2,
     takes beta1 as `momentum` and lr already multiplied by its bias correction."""
     cdef int rule = _RULES[rule_name]
     cdef Py_ssize_t c, n = g.shape[0], chunks
+    cdef int nt = threads_for(n)
+    need_shape("step", "w", dims(w.shape, 1), (n,))
+    need_shape("step", "h", dims(h.shape, 1), (n,))
+    need_shape("step", "h2", dims(h2.shape, 1), (n,))
     if n == 0:
         return
-    if not (w.shape[0] == n and h.shape[0] == n and h2.shape[0] == n):
-        raise ValueError("step: arrays of different sizes")
     cdef float* pw = &w[0]
     cdef float* pg = &g[0]
     cdef float* ph = &h[0]
     cdef float* ph2 = &h2[0]
     with nogil:
-        if n < PARALLEL_MIN:
+        if nt == 1:
             _range(rule, pw, pg, ph, ph2, 0, n, norm, decay, l1, lr, momentum, beta2, delta)
         else:
             # chunks, each a plain vectorizable loop
             chunks = (n + CHUNK - 1) // CHUNK
-            for c in prange(chunks, schedule="static"):
+            for c in prange(chunks, schedule="static", num_threads=nt):
                 _range(rule, pw, pg, ph, ph2, c * CHUNK, min((c + 1) * CHUNK, n), norm, decay, l1, lr,
                        momentum, beta2, delta)

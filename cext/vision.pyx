@@ -1,10 +1,11 @@
 # cython: language_level=3
-"""Kernels of Caffe's vision layers: im2col/col2im, (de)convolution, pooling, LRN.
+"""Kernels of the vision layers (caffepy/layers/vision.py): im2col/col2im for Im2col and the
+convolutions, Convolution and Deconvolution (im2col + sgemm), Pooling (MAX, AVE).
 
 Every kernel takes float32 C-contiguous arrays (int32 for the max-pooling mask), writes into
 buffers the caller allocated, and runs without the GIL. Shapes are read from the arrays; the
 geometry (pad, stride, dilation, kernel) is passed as ints. The NumPy references of every
-kernel are in caffepy/kernels/reference.py.
+kernel are in caffepy/kernels/reference/vision.py.
 
 Conventions (Caffe's):
 - im2col row index = (c * kh + i) * kw + j, column index = oy * ow + ox; out-of-image taps are 0.
@@ -16,11 +17,11 @@ Conventions (Caffe's):
 from cython.parallel cimport prange, threadid
 cimport openmp
 from libc.float cimport FLT_MAX
-from libc.math cimport powf, sqrtf
 from libc.stdint cimport int32_t
 from libc.string cimport memcpy, memset
 
 from blas cimport gemm
+from rules cimport dims, need, need_shape, threads_for
 
 
 # ---------------------------------------------------------------------------------------------
@@ -34,7 +35,7 @@ from blas cimport gemm
 # never miscompute). benchmarks/bench_kernels.py measures both: per-image threads win on every
 # AlexNet layer (3-10x at batch 64 on 2 cores), since the BLAS way pays a fork/join per image
 # and its spinning BLAS workers compete with the OpenMP ones. A batch smaller than the thread
-# count, or a tiny problem, falls back to the BLAS way.
+# count, or a tiny problem (the thread rule of rules.pxd), falls back to the BLAS way.
 
 include "blas_threads.pxi"
 
@@ -63,27 +64,15 @@ def get_conv_threading():
     return "images" if _conv_threading == _PER_IMAGE and _blas_set_threads != NULL else "blas"
 
 
-cdef enum:
-    # Below this many element operations a parallel region costs more than it saves (and on a
-    # busy machine its barrier waits for descheduled threads): run on the calling thread.
-    _MIN_PARALLEL_WORK = 1 << 16
-
-
-cdef inline int _threads_for(Py_ssize_t work) noexcept nogil:
-    return 1 if work < _MIN_PARALLEL_WORK else openmp.omp_get_max_threads()
-
-
 cdef int _image_threads(int n_images, Py_ssize_t buffer_floats, Py_ssize_t per_thread,
                         Py_ssize_t work) noexcept nogil:
     """How many threads the image loop uses: 1 means images in turn with a threaded BLAS."""
     cdef int t = openmp.omp_get_max_threads()
-    if _conv_threading != _PER_IMAGE or _blas_set_threads == NULL or _threads_for(work) == 1:
+    if _conv_threading != _PER_IMAGE:
         return 1
     if per_thread > 0 and buffer_floats // per_thread < t:
         t = <int>(buffer_floats // per_thread)
-    if t > n_images:
-        t = n_images
-    return t if t > 1 else 1
+    return _task_threads(t, n_images, work)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +157,7 @@ cdef void _col2im_channel(const float* col, int c, const Geom* g, float* im) noe
 
 cdef void _im2col(const float* im, const Geom* g, float* col, int nt) noexcept nogil:
     cdef int c
-    if nt <= 1 or _threads_for(<Py_ssize_t>g.C * g.kh * g.kw * g.P) == 1:
+    if nt <= 1 or threads_for(<Py_ssize_t>g.C * g.kh * g.kw * g.P) == 1:
         for c in range(g.C):
             _im2col_channel(im, c, g, col)
     else:
@@ -179,7 +168,7 @@ cdef void _im2col(const float* im, const Geom* g, float* col, int nt) noexcept n
 cdef void _col2im(const float* col, const Geom* g, float* im, int nt) noexcept nogil:
     # each channel owns its image plane and its rows of the column matrix: no races
     cdef int c
-    if nt <= 1 or _threads_for(<Py_ssize_t>g.C * g.kh * g.kw * g.P) == 1:
+    if nt <= 1 or threads_for(<Py_ssize_t>g.C * g.kh * g.kw * g.P) == 1:
         for c in range(g.C):
             _col2im_channel(col, c, g, im)
     else:
@@ -188,20 +177,19 @@ cdef void _col2im(const float* col, const Geom* g, float* im, int nt) noexcept n
 
 
 cdef Geom _geom(int C, int H, int W, int O, int kh, int kw, int ph, int pw, int sh, int sw,
-                int dh, int dw, int group) except *:
+                int dh, int dw, int group, str kernel) except *:
     cdef Geom g
-    if kh < 1 or kw < 1 or sh < 1 or sw < 1 or dh < 1 or dw < 1 or ph < 0 or pw < 0:
-        raise ValueError(f"kernel, stride and dilation must be >= 1 and pad >= 0, got "
-                         f"kernel {kh}x{kw} stride {sh}x{sw} dilation {dh}x{dw} pad {ph}x{pw}")
-    if group < 1 or C % group or O % group:
-        raise ValueError(f"group {group} must divide {C} input and {O} output channels")
+    need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and dh >= 1 and dw >= 1 and ph >= 0
+         and pw >= 0, kernel, "geometry", "kernel, stride and dilation must be >= 1 and pad >= 0",
+         f"kernel {kh}x{kw} stride {sh}x{sw} dilation {dh}x{dw} pad {ph}x{pw}")
+    need(group >= 1 and C % group == 0 and O % group == 0, kernel, "group",
+         f"must divide {C} input and {O} output channels", group)
     g.C, g.H, g.W, g.O = C, H, W, O
     g.kh, g.kw, g.ph, g.pw, g.sh, g.sw, g.dh, g.dw, g.group = kh, kw, ph, pw, sh, sw, dh, dw, group
     g.oh = (H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
     g.ow = (W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
-    if g.oh < 1 or g.ow < 1:
-        raise ValueError(f"kernel {kh}x{kw} (dilation {dh}x{dw}, pad {ph}x{pw}) does not fit "
-                         f"a {H}x{W} image")
+    need(g.oh >= 1 and g.ow >= 1, kernel, "geometry", f"kernel {kh}x{kw} (dilation {dh}x{dw}, "
+         f"pad {ph}x{pw}) does not fit the image", f"{H}x{W}")
     g.Cg = C // group
     g.Og = O // group
     g.Kg = g.Cg * kh * kw
@@ -214,9 +202,8 @@ def im2col(const float[:, :, ::1] data_im, int kh, int kw, int pad_h, int pad_w,
            int stride_h, int stride_w, int dil_h, int dil_w, float[:, ::1] data_col):
     """data_col[C*kh*kw, oh*ow] = columns of data_im[C, H, W] (overwritten)."""
     cdef Geom g = _geom(data_im.shape[0], data_im.shape[1], data_im.shape[2], 1, kh, kw,
-                        pad_h, pad_w, stride_h, stride_w, dil_h, dil_w, 1)
-    _check(data_col.shape[0] == g.C * kh * kw and data_col.shape[1] == g.P, "data_col",
-           (data_col.shape[0], data_col.shape[1]), (g.C * kh * kw, g.P))
+                        pad_h, pad_w, stride_h, stride_w, dil_h, dil_w, 1, "im2col")
+    need_shape("im2col", "data_col", dims(data_col.shape, 2), (g.C * kh * kw, g.P))
     with nogil:
         _im2col(&data_im[0, 0, 0], &g, &data_col[0, 0], openmp.omp_get_max_threads())
 
@@ -225,9 +212,8 @@ def col2im(const float[:, ::1] data_col, int kh, int kw, int pad_h, int pad_w,
            int stride_h, int stride_w, int dil_h, int dil_w, float[:, :, ::1] data_im):
     """data_im[C, H, W] = sum of the columns back onto the image (zeroed first: overwritten)."""
     cdef Geom g = _geom(data_im.shape[0], data_im.shape[1], data_im.shape[2], 1, kh, kw,
-                        pad_h, pad_w, stride_h, stride_w, dil_h, dil_w, 1)
-    _check(data_col.shape[0] == g.C * kh * kw and data_col.shape[1] == g.P, "data_col",
-           (data_col.shape[0], data_col.shape[1]), (g.C * kh * kw, g.P))
+                        pad_h, pad_w, stride_h, stride_w, dil_h, dil_w, 1, "col2im")
+    need_shape("col2im", "data_col", dims(data_col.shape, 2), (g.C * kh * kw, g.P))
     with nogil:
         _col2im(&data_col[0, 0], &g, &data_im[0, 0, 0], openmp.omp_get_max_threads())
 
@@ -236,30 +222,19 @@ def im2col_batch(const float[:, :, :, ::1] data_im, int kh, int kw, int pad_h, i
                  int stride_h, int stride_w, int dil_h, int dil_w, float[:, :, ::1] data_col):
     """data_col[N, C*kh*kw, oh*ow] = im2col of every image of data_im[N, C, H, W]."""
     cdef Geom g = _geom(data_im.shape[1], data_im.shape[2], data_im.shape[3], 1, kh, kw,
-                        pad_h, pad_w, stride_h, stride_w, dil_h, dil_w, 1)
+                        pad_h, pad_w, stride_h, stride_w, dil_h, dil_w, 1, "im2col_batch")
     cdef int N = data_im.shape[0]
-    _check(data_col.shape[0] == N and data_col.shape[1] == g.C * kh * kw
-           and data_col.shape[2] == g.P, "data_col",
-           (data_col.shape[0], data_col.shape[1], data_col.shape[2]), (N, g.C * kh * kw, g.P))
+    need_shape("im2col_batch", "data_col", dims(data_col.shape, 3), (N, g.C * kh * kw, g.P))
     cdef Py_ssize_t item, n, im_size = <Py_ssize_t>g.C * g.H * g.W
     cdef Py_ssize_t col_size = <Py_ssize_t>g.C * kh * kw * g.P
     if N == 0:
         return
     with nogil:
         for item in prange(<Py_ssize_t>N * g.C, schedule="static",
-                           num_threads=_threads_for(N * col_size)):
+                           num_threads=threads_for(N * col_size)):
             n = item // g.C
             _im2col_channel(&data_im[0, 0, 0, 0] + n * im_size, <int>(item % g.C), &g,
                             &data_col[0, 0, 0] + n * col_size)
-
-
-cdef inline tuple _s4(Py_ssize_t* shape):
-    return (shape[0], shape[1], shape[2], shape[3])
-
-
-cdef _check(bint ok, str name, got, want):
-    if not ok:
-        raise ValueError(f"{name}: shape {tuple(got)} does not fit, expected {tuple(want)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +249,7 @@ cdef void _add_bias_image(float* out, const float* bias, int rows, Py_ssize_t pl
     cdef float* dst
     if bias == NULL:
         return
-    if _threads_for(rows * plane) == 1:
+    if threads_for(rows * plane) == 1:
         nt = 1
     for r in prange(rows, num_threads=nt, schedule="static"):
         b = bias[r]
@@ -328,7 +303,7 @@ cdef void _bias_diff(const Geom* g, int N, const float* out_diff, float* bias_di
     cdef float acc
     cdef const float* src
     for o in prange(g.O, schedule="static",
-                    num_threads=_threads_for(<Py_ssize_t>N * g.O * g.P)):
+                    num_threads=threads_for(<Py_ssize_t>N * g.O * g.P)):
         acc = 0.0
         for n in range(N):
             src = out_diff + (n * g.O + o) * g.P
@@ -385,7 +360,7 @@ cdef void _run_images(const Geom* g, int N, int op, const float* a, const float*
                        ws + tid * col_floats, 1)
         _blas_set_threads(saved)
         if op == _OP_BWD_WEIGHT:
-            for i in prange(w_floats, num_threads=_threads_for(w_floats * T), schedule="static"):
+            for i in prange(w_floats, num_threads=threads_for(w_floats * T), schedule="static"):
                 for t in range(1, T):
                     wdiff[i] += partials[t * w_floats + i]
     for n in range(n_par, N):
@@ -408,24 +383,23 @@ def conv_workspace_size(int C, int kh, int kw, int out_h, int out_w, int weight_
 
 
 cdef Geom _conv_geom(tuple im_shape, tuple out_shape, tuple w_shape, int ph, int pw, int sh,
-                     int sw, int dh, int dw, int group, str im_name, str out_name) except *:
+                     int sw, int dh, int dw, int group, str im_name, str out_name,
+                     str kernel) except *:
     cdef Geom g
-    if im_shape[0] != out_shape[0]:
-        raise ValueError(f"{im_name} has {im_shape[0]} images but {out_name} has {out_shape[0]}")
+    need(im_shape[0] == out_shape[0], kernel, out_name,
+         f"needs the {im_shape[0]} images of {im_name}", out_shape[0])
     g = _geom(im_shape[1], im_shape[2], im_shape[3], out_shape[1], w_shape[2], w_shape[3],
-              ph, pw, sh, sw, dh, dw, group)
-    _check(w_shape[0] == g.O and w_shape[1] == g.Cg, "weight", w_shape,
-           (g.O, g.Cg, w_shape[2], w_shape[3]))
-    _check(out_shape[2] == g.oh and out_shape[3] == g.ow, out_name, out_shape,
-           (out_shape[0], g.O, g.oh, g.ow))
+              ph, pw, sh, sw, dh, dw, group, kernel)
+    need_shape(kernel, "weight", w_shape, (g.O, g.Cg, w_shape[2], w_shape[3]))
+    need_shape(kernel, out_name, out_shape, (out_shape[0], g.O, g.oh, g.ow))
     return g
 
 
-cdef Py_ssize_t _ws_floats(const Geom* g, float[::1] col_buffer) except -1:
-    cdef Py_ssize_t need = 0 if g.direct else <Py_ssize_t>g.Kg * g.group * g.P
+cdef Py_ssize_t _ws_floats(const Geom* g, float[::1] col_buffer, str kernel) except -1:
+    cdef Py_ssize_t floats = 0 if g.direct else <Py_ssize_t>g.Kg * g.group * g.P
     cdef Py_ssize_t have = 0 if col_buffer is None else col_buffer.shape[0]
-    if have < need:
-        raise ValueError(f"col_buffer has {have} floats, the column matrix needs {need}")
+    need(have >= floats, kernel, "col_buffer",
+         f"needs at least {floats} floats (one column matrix)", have)
     return have
 
 
@@ -447,14 +421,14 @@ def conv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] wei
 
     top is overwritten; bias may be None. col_buffer: see conv_workspace_size.
     """
-    cdef Geom g = _conv_geom(_s4(bottom.shape), _s4(top.shape),
-                             _s4(weight.shape), pad_h, pad_w, stride_h, stride_w,
-                             dil_h, dil_w, group, "bottom", "top")
-    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer)
+    cdef Geom g = _conv_geom(dims(bottom.shape, 4), dims(top.shape, 4),
+                             dims(weight.shape, 4), pad_h, pad_w, stride_h, stride_w,
+                             dil_h, dil_w, group, "bottom", "top", "conv_forward")
+    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer, "conv_forward")
     cdef int N = bottom.shape[0]
     cdef float* ws = _ptr(col_buffer)
     if bias is not None:
-        _check(bias.shape[0] == g.O, "bias", (bias.shape[0],), (g.O,))
+        need_shape("conv_forward", "bias", dims(bias.shape, 1), (g.O,))
     if N == 0:
         return
     cdef const float* b = _cptr(bias)
@@ -473,20 +447,18 @@ def conv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1] 
     weight_diff += dL/dweight (None skips it), bias_diff += dL/dbias (None skips it),
     bottom_diff = dL/dbottom (overwritten; None skips it).
     """
-    cdef Geom g = _conv_geom(_s4(bottom.shape), _s4(top_diff.shape),
-                             _s4(weight.shape), pad_h, pad_w, stride_h, stride_w,
-                             dil_h, dil_w, group, "bottom", "top_diff")
-    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer)
+    cdef Geom g = _conv_geom(dims(bottom.shape, 4), dims(top_diff.shape, 4),
+                             dims(weight.shape, 4), pad_h, pad_w, stride_h, stride_w,
+                             dil_h, dil_w, group, "bottom", "top_diff", "conv_backward")
+    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer, "conv_backward")
     cdef int N = bottom.shape[0]
     cdef float* ws = _ptr(col_buffer)
     if weight_diff is not None:
-        _check(_s4(weight_diff.shape) == _s4(weight.shape), "weight_diff",
-               _s4(weight_diff.shape), _s4(weight.shape))
+        need_shape("conv_backward", "weight_diff", dims(weight_diff.shape, 4), dims(weight.shape, 4))
     if bias_diff is not None:
-        _check(bias_diff.shape[0] == g.O, "bias_diff", (bias_diff.shape[0],), (g.O,))
+        need_shape("conv_backward", "bias_diff", dims(bias_diff.shape, 1), (g.O,))
     if bottom_diff is not None:
-        _check(_s4(bottom_diff.shape) == _s4(bottom.shape), "bottom_diff",
-               _s4(bottom_diff.shape), _s4(bottom.shape))
+        need_shape("conv_backward", "bottom_diff", dims(bottom_diff.shape, 4), dims(bottom.shape, 4))
     if N == 0:
         return
     if bias_diff is not None:
@@ -512,14 +484,14 @@ def deconv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] w
     Caffe's Deconvolution: the data-gradient of the convolution from top to bottom with the
     same weight and geometry; Ho = geometry.deconv_output_shape(H, ...). top is overwritten.
     """
-    cdef Geom g = _conv_geom(_s4(top.shape), _s4(bottom.shape),
-                             _s4(weight.shape), pad_h, pad_w, stride_h, stride_w,
-                             dil_h, dil_w, group, "top", "bottom")
-    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer)
+    cdef Geom g = _conv_geom(dims(top.shape, 4), dims(bottom.shape, 4),
+                             dims(weight.shape, 4), pad_h, pad_w, stride_h, stride_w,
+                             dil_h, dil_w, group, "top", "bottom", "deconv_forward")
+    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer, "deconv_forward")
     cdef int N = bottom.shape[0]
     cdef float* ws = _ptr(col_buffer)
     if bias is not None:
-        _check(bias.shape[0] == g.C, "bias", (bias.shape[0],), (g.C,))
+        need_shape("deconv_forward", "bias", dims(bias.shape, 1), (g.C,))
     if N == 0:
         return
     cdef const float* b = _cptr(bias)
@@ -534,21 +506,19 @@ def deconv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1
                     int pad_h, int pad_w, int stride_h, int stride_w, int dil_h, int dil_w,
                     int group):
     """Gradients of deconv_forward; the same accumulate/overwrite rules as conv_backward."""
-    cdef Geom g = _conv_geom(_s4(top_diff.shape), _s4(bottom.shape),
-                             _s4(weight.shape), pad_h, pad_w, stride_h, stride_w,
-                             dil_h, dil_w, group, "top_diff", "bottom")
-    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer)
+    cdef Geom g = _conv_geom(dims(top_diff.shape, 4), dims(bottom.shape, 4),
+                             dims(weight.shape, 4), pad_h, pad_w, stride_h, stride_w,
+                             dil_h, dil_w, group, "top_diff", "bottom", "deconv_backward")
+    cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer, "deconv_backward")
     cdef int N = bottom.shape[0]
     cdef float* ws = _ptr(col_buffer)
     cdef Geom gb
     if weight_diff is not None:
-        _check(_s4(weight_diff.shape) == _s4(weight.shape), "weight_diff",
-               _s4(weight_diff.shape), _s4(weight.shape))
+        need_shape("deconv_backward", "weight_diff", dims(weight_diff.shape, 4), dims(weight.shape, 4))
     if bias_diff is not None:
-        _check(bias_diff.shape[0] == g.C, "bias_diff", (bias_diff.shape[0],), (g.C,))
+        need_shape("deconv_backward", "bias_diff", dims(bias_diff.shape, 1), (g.C,))
     if bottom_diff is not None:
-        _check(_s4(bottom_diff.shape) == _s4(bottom.shape), "bottom_diff",
-               _s4(bottom_diff.shape), _s4(bottom.shape))
+        need_shape("deconv_backward", "bottom_diff", dims(bottom_diff.shape, 4), dims(bottom.shape, 4))
     if N == 0:
         return
     if bias_diff is not None:
@@ -572,31 +542,33 @@ def deconv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1
 # Pooling: one (n, c) plane per task. Window of output (py, px): rows [py*sh - ph, +kh) and
 # columns [px*sw - pw, +kw), clipped to the image (MAX; AVE's divisor clips to the padded image).
 
-cdef _check_pool(tuple b, tuple t, int kh, int kw, int sh, int sw, int ph, int pw):
-    if kh < 1 or kw < 1 or sh < 1 or sw < 1 or ph < 0 or pw < 0:
-        raise ValueError(f"pooling kernel {kh}x{kw} and stride {sh}x{sw} must be >= 1, "
-                         f"pad {ph}x{pw} >= 0")
-    if ph >= kh or pw >= kw:
-        raise ValueError(f"pooling pad {ph}x{pw} must be smaller than the kernel {kh}x{kw}")
-    if b[0] != t[0] or b[1] != t[1] or t[2] < 1 or t[3] < 1:
-        raise ValueError(f"pooling top {t} does not fit bottom {b}")
+cdef _check_pool(str kernel, str bottom, tuple b, str top, tuple t, int kh, int kw, int sh,
+                 int sw, int ph, int pw):
+    need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and ph >= 0 and pw >= 0, kernel,
+         "geometry", "kernel and stride must be >= 1, pad >= 0",
+         f"kernel {kh}x{kw} stride {sh}x{sw} pad {ph}x{pw}")
+    need(ph < kh and pw < kw, kernel, "geometry", f"pad must be smaller than the kernel {kh}x{kw}",
+         f"pad {ph}x{pw}")
+    need(b[0] == t[0] and b[1] == t[1] and t[2] >= 1 and t[3] >= 1, kernel, top,
+         f"does not fit {bottom} {b}", t)
     # every window must overlap the image, else MAX has no argmax and AVE no divisor
-    if (t[2] - 1) * sh - ph >= b[2] or (t[3] - 1) * sw - pw >= b[3]:
-        raise ValueError(f"pooling top {t} has windows past bottom {b}; see pool_output_shape")
+    need((t[2] - 1) * sh - ph < b[2] and (t[3] - 1) * sw - pw < b[3], kernel, top,
+         f"has windows past {bottom} {b} (see pool_output_shape)", t)
 
 
 def max_pool_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
                      int32_t[:, :, :, ::1] mask, int kh, int kw, int sh, int sw, int ph, int pw):
     """top = max over each window; mask = argmax as h * W + w (first max wins; both overwritten)."""
-    _check_pool(_s4(bottom.shape), _s4(top.shape), kh, kw, sh, sw, ph, pw)
-    _check(_s4(mask.shape) == _s4(top.shape), "mask", _s4(mask.shape), _s4(top.shape))
+    _check_pool("max_pool_forward", "bottom", dims(bottom.shape, 4), "top", dims(top.shape, 4),
+                kh, kw, sh, sw, ph, pw)
+    need_shape("max_pool_forward", "mask", dims(mask.shape, 4), dims(top.shape, 4))
     cdef int H = bottom.shape[2], W = bottom.shape[3], oh = top.shape[2], ow = top.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1], pl
     if planes == 0:
         return
     with nogil:
         for pl in prange(planes, schedule="static",
-                          num_threads=_threads_for(planes * oh * ow * kh * kw)):
+                          num_threads=threads_for(planes * oh * ow * kh * kw)):
             _max_pool_plane(&bottom[0, 0, 0, 0] + pl * H * W, &top[0, 0, 0, 0] + pl * oh * ow,
                             &mask[0, 0, 0, 0] + pl * oh * ow, H, W, oh, ow, kh, kw, sh, sw, ph, pw)
 
@@ -631,11 +603,10 @@ cdef void _max_pool_plane(const float* x, float* y, int32_t* mask, int H, int W,
 def max_pool_backward(const float[:, :, :, ::1] top_diff, const int32_t[:, :, :, ::1] mask,
                       float[:, :, :, ::1] bottom_diff):
     """bottom_diff = top_diff routed to each window's argmax (zeroed first: overwritten)."""
-    _check(_s4(mask.shape) == _s4(top_diff.shape), "mask", _s4(mask.shape),
-           _s4(top_diff.shape))
-    if bottom_diff.shape[0] != top_diff.shape[0] or bottom_diff.shape[1] != top_diff.shape[1]:
-        raise ValueError(f"bottom_diff {_s4(bottom_diff.shape)} does not fit top_diff "
-                         f"{_s4(top_diff.shape)}")
+    need_shape("max_pool_backward", "mask", dims(mask.shape, 4), dims(top_diff.shape, 4))
+    need(dims(bottom_diff.shape, 2) == dims(top_diff.shape, 2), "max_pool_backward",
+         "bottom_diff", f"does not fit top_diff {dims(top_diff.shape, 4)}",
+         dims(bottom_diff.shape, 4))
     cdef Py_ssize_t HW = <Py_ssize_t>bottom_diff.shape[2] * bottom_diff.shape[3]
     cdef Py_ssize_t OHW = <Py_ssize_t>top_diff.shape[2] * top_diff.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>top_diff.shape[0] * top_diff.shape[1], pl, i
@@ -646,7 +617,7 @@ def max_pool_backward(const float[:, :, :, ::1] top_diff, const int32_t[:, :, :,
         return
     with nogil:
         for pl in prange(planes, schedule="static",
-                          num_threads=_threads_for(planes * (HW + OHW))):
+                          num_threads=threads_for(planes * (HW + OHW))):
             dst = &bottom_diff[0, 0, 0, 0] + pl * HW
             src = &top_diff[0, 0, 0, 0] + pl * OHW
             arg = &mask[0, 0, 0, 0] + pl * OHW
@@ -659,14 +630,15 @@ def max_pool_backward(const float[:, :, :, ::1] top_diff, const int32_t[:, :, :,
 def ave_pool_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
                      int kh, int kw, int sh, int sw, int ph, int pw):
     """top = window sum / window size clipped to the padded image (overwritten)."""
-    _check_pool(_s4(bottom.shape), _s4(top.shape), kh, kw, sh, sw, ph, pw)
+    _check_pool("ave_pool_forward", "bottom", dims(bottom.shape, 4), "top", dims(top.shape, 4),
+                kh, kw, sh, sw, ph, pw)
     cdef int H = bottom.shape[2], W = bottom.shape[3], oh = top.shape[2], ow = top.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1], pl
     if planes == 0:
         return
     with nogil:
         for pl in prange(planes, schedule="static",
-                          num_threads=_threads_for(planes * oh * ow * kh * kw)):
+                          num_threads=threads_for(planes * oh * ow * kh * kw)):
             _ave_pool_plane(&bottom[0, 0, 0, 0] + pl * H * W, &top[0, 0, 0, 0] + pl * oh * ow,
                             H, W, oh, ow, kh, kw, sh, sw, ph, pw)
 
@@ -698,7 +670,8 @@ cdef void _ave_pool_plane(const float* x, float* y, int H, int W, int oh, int ow
 def ave_pool_backward(const float[:, :, :, ::1] top_diff, float[:, :, :, ::1] bottom_diff,
                       int kh, int kw, int sh, int sw, int ph, int pw):
     """bottom_diff = each top_diff spread evenly over its window (zeroed first: overwritten)."""
-    _check_pool(_s4(bottom_diff.shape), _s4(top_diff.shape), kh, kw, sh, sw, ph, pw)
+    _check_pool("ave_pool_backward", "bottom_diff", dims(bottom_diff.shape, 4), "top_diff",
+                dims(top_diff.shape, 4), kh, kw, sh, sw, ph, pw)
     cdef int H = bottom_diff.shape[2], W = bottom_diff.shape[3]
     cdef int oh = top_diff.shape[2], ow = top_diff.shape[3]
     cdef Py_ssize_t planes = <Py_ssize_t>top_diff.shape[0] * top_diff.shape[1], pl
@@ -706,7 +679,7 @@ def ave_pool_backward(const float[:, :, :, ::1] top_diff, float[:, :, :, ::1] bo
         return
     with nogil:
         for pl in prange(planes, schedule="static",
-                          num_threads=_threads_for(planes * oh * ow * kh * kw)):
+                          num_threads=threads_for(planes * oh * ow * kh * kw)):
             _ave_unpool_plane(&top_diff[0, 0, 0, 0] + pl * oh * ow,
                               &bottom_diff[0, 0, 0, 0] + pl * H * W,
                               H, W, oh, ow, kh, kw, sh, sw, ph, pw)
@@ -729,321 +702,3 @@ cdef void _ave_unpool_plane(const float* dy, float* dx, int H, int W, int oh, in
                 xr = dx + h * W
                 for w in range(max(ws, 0), min(we, W)):
                     xr[w] += g
-
-
-# ---------------------------------------------------------------------------------------------
-# LRN. y = x * scale^-beta; the power is the hot spot, so the common betas avoid powf.
-
-cdef enum:
-    _BLOCK = 1024         # spatial positions per task: vectors over positions, L1-sized rows
-    _RING = 8192          # floats of the per-task ring of recent channels (backward)
-    _MAX_WITHIN_PRE = 255
-
-include "lrn_pow.pxi"
-
-
-cdef inline float _npow(float s, float beta, int kind) noexcept nogil:
-    """s ** -beta; callers' loops get unswitched on kind, so each kind vectorizes."""
-    cdef float r
-    if kind == _POW_075:
-        # s^-3/4 = 1 / (s^1/2 * s^1/4): two square roots instead of exp(log)
-        r = sqrtf(s)
-        return <float>1.0 / (r * sqrtf(r))
-    if kind == _POW_050:
-        return <float>1.0 / sqrtf(s)
-    if kind == _POW_100:
-        return <float>1.0 / s
-    return powf(s, -beta)
-
-
-cdef inline void _neg_pow(const float* s, float* out, int n, float beta, int kind) noexcept nogil:
-    """out[i] = s[i] ** -beta; separate loops so each kind vectorizes."""
-    cdef int i
-    cdef float r, one = 1.0
-    if kind == _POW_075:
-        # s^-3/4 = 1 / (s^1/2 * s^1/4): two square roots instead of exp(log)
-        for i in range(n):
-            r = sqrtf(s[i])
-            out[i] = one / (r * sqrtf(r))
-    elif kind == _POW_050:
-        for i in range(n):
-            out[i] = one / sqrtf(s[i])
-    elif kind == _POW_100:
-        for i in range(n):
-            out[i] = one / s[i]
-    else:
-        for i in range(n):
-            out[i] = powf(s[i], -beta)
-
-
-cdef _check_lrn(int size, tuple shape, list others):
-    if size < 1 or size % 2 == 0:
-        raise ValueError(f"LRN local_size must be odd and positive, got {size}")
-    for name, other in others:
-        if other is not None and tuple(other.shape[:4]) != shape:
-            raise ValueError(f"{name}: shape {tuple(other.shape[:4])} does not fit bottom {shape}")
-
-
-def lrn_across_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
-                       float[:, :, :, ::1] scale, int size, float alpha, float beta, float k):
-    """ACROSS_CHANNELS: scale = k + alpha/size * sum of x^2 over `size` channels centred on c
-    (zero past the ends); top = bottom * scale^-beta. top and scale are overwritten."""
-    _check_lrn(size, _s4(bottom.shape), [("top", top), ("scale", scale)])
-    cdef int N = bottom.shape[0], C = bottom.shape[1]
-    cdef Py_ssize_t HW = <Py_ssize_t>bottom.shape[2] * bottom.shape[3]
-    cdef Py_ssize_t nblocks = (HW + _BLOCK - 1) // _BLOCK, item
-    if N == 0 or C == 0 or HW == 0:
-        return
-    with nogil:
-        for item in prange(N * nblocks, schedule="static",
-                          num_threads=_threads_for(N * C * HW * 4)):
-            _lrn_across_fwd_block(&bottom[0, 0, 0, 0], &top[0, 0, 0, 0], &scale[0, 0, 0, 0],
-                                  item // nblocks, (item % nblocks) * _BLOCK, C, HW, size,
-                                  alpha, beta, k)
-
-
-cdef void _lrn_across_fwd_block(const float* bottom, float* top, float* scale, Py_ssize_t n,
-                                Py_ssize_t s0, int C, Py_ssize_t HW, int size, float alpha,
-                                float beta, float k) noexcept nogil:
-    # running sum of x^2 over channels [c - pre, c + pre] for L positions at once; one fused
-    # pass per channel (a zero row stands in for channels past the ends)
-    cdef float acc[_BLOCK]
-    cdef float zero[_BLOCK]
-    cdef int L = <int>min(<Py_ssize_t>_BLOCK, HW - s0)
-    cdef int pre = (size - 1) // 2, c, i, kind = _pow_kind(beta)
-    cdef float a = alpha / size, v
-    cdef Py_ssize_t base = n * C * HW + s0
-    cdef const float* zp = zero
-    cdef const float* x
-    cdef const float* xh
-    cdef const float* xt
-    cdef float* sc
-    cdef float* y
-    for i in range(L):
-        acc[i] = 0.0
-        zero[i] = 0.0
-    for c in range(min(pre, C)):
-        x = bottom + base + c * HW
-        for i in range(L):
-            acc[i] = acc[i] + x[i] * x[i]
-    for c in range(C):
-        xh = bottom + base + (c + pre) * HW if c + pre < C else zp
-        xt = bottom + base + (c - pre - 1) * HW if c - pre - 1 >= 0 else zp
-        x = bottom + base + c * HW
-        sc = scale + base + c * HW
-        y = top + base + c * HW
-        for i in range(L):
-            acc[i] = acc[i] + xh[i] * xh[i] - xt[i] * xt[i]
-            v = k + a * acc[i]
-            sc[i] = v
-            y[i] = x[i] * _npow(v, beta, kind)
-
-
-def lrn_across_backward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] scale,
-                        const float[:, :, :, ::1] top_diff, float[:, :, :, ::1] bottom_diff,
-                        int size, float alpha, float beta):
-    """bottom_diff = top_diff * scale^-beta
-                     - 2*alpha*beta/size * bottom * sum over the channel window of
-                       top_diff * top / scale                              (overwritten).
-
-    top / scale is formed as bottom * scale^(-beta-1), so top itself is not read.
-    """
-    _check_lrn(size, _s4(bottom.shape),
-               [("scale", scale), ("top_diff", top_diff), ("bottom_diff", bottom_diff)])
-    cdef int N = bottom.shape[0], C = bottom.shape[1]
-    cdef Py_ssize_t HW = <Py_ssize_t>bottom.shape[2] * bottom.shape[3]
-    # the ring holds size + 1 channels of L positions
-    cdef int L = min(_BLOCK, (_RING // (size + 1)) // 8 * 8)
-    if L < 8:
-        raise ValueError(f"LRN local_size {size} is larger than this kernel supports "
-                         f"({_RING // 8 - 1})")
-    cdef Py_ssize_t nblocks = (HW + L - 1) // L, item
-    if N == 0 or C == 0 or HW == 0:
-        return
-    with nogil:
-        for item in prange(N * nblocks, schedule="static",
-                          num_threads=_threads_for(N * C * HW * 4)):
-            _lrn_across_bwd_block(&bottom[0, 0, 0, 0], &scale[0, 0, 0, 0], &top_diff[0, 0, 0, 0],
-                                  &bottom_diff[0, 0, 0, 0], item // nblocks,
-                                  (item % nblocks) * L, L, C, HW, size, alpha, beta)
-
-
-cdef void _lrn_across_bwd_block(const float* bottom, const float* scale, const float* top_diff,
-                                float* bottom_diff, Py_ssize_t n, Py_ssize_t s0, int Lmax, int C,
-                                Py_ssize_t HW, int size, float alpha, float beta) noexcept nogil:
-    # Ring slot ch % R (R = size + 1) keeps, for channel ch, ratio = dy * x * scale^(-beta-1)
-    # (= dy * top / scale) and scale^-beta, from when ch entered the window as its head until
-    # it leaves as the tail. Rows of zeros (and ones for the scale) stand in past the last
-    # channel, so each channel is one fused pass.
-    cdef float ratio[_RING]
-    cdef float pw[_RING]
-    cdef float acc[_BLOCK]
-    cdef float zero[_BLOCK]
-    cdef float one[_BLOCK]
-    cdef int R = size + 1
-    cdef int L = <int>min(<Py_ssize_t>Lmax, HW - s0)
-    cdef int pre = (size - 1) // 2, c, h, i, kind = _pow_kind(beta)
-    cdef float cache = 2.0 * alpha * beta / size, p, r
-    cdef Py_ssize_t base = n * C * HW + s0
-    cdef const float* zp = zero
-    cdef const float* op = one
-    cdef const float* x
-    cdef const float* dy
-    cdef const float* xh
-    cdef const float* sh
-    cdef const float* dyh
-    cdef const float* rt
-    cdef const float* pc
-    cdef float* rh
-    cdef float* ph
-    cdef float* dx
-    for i in range(L):
-        acc[i] = 0.0
-        zero[i] = 0.0
-        one[i] = 1.0
-    for h in range(min(pre, C)):
-        x = bottom + base + h * HW
-        sh = scale + base + h * HW
-        dy = top_diff + base + h * HW
-        rh = ratio + (h % R) * Lmax
-        ph = pw + (h % R) * Lmax
-        for i in range(L):
-            p = _npow(sh[i], beta, kind)
-            ph[i] = p
-            rh[i] = dy[i] * x[i] * p / sh[i]
-            acc[i] = acc[i] + rh[i]
-    for c in range(C):
-        h = c + pre
-        xh = bottom + base + h * HW if h < C else zp
-        sh = scale + base + h * HW if h < C else op
-        dyh = top_diff + base + h * HW if h < C else zp
-        rh = ratio + (h % R) * Lmax
-        ph = pw + (h % R) * Lmax
-        rt = <const float*>&ratio[((c - pre - 1) % R) * Lmax] if c - pre - 1 >= 0 else zp
-        pc = pw + (c % R) * Lmax
-        x = bottom + base + c * HW
-        dy = top_diff + base + c * HW
-        dx = bottom_diff + base + c * HW
-        # two loops, not one: with every ring row in one loop GCC cannot rule out overlaps
-        # and leaves it scalar (3x slower measured)
-        for i in range(L):
-            p = _npow(sh[i], beta, kind)
-            ph[i] = p
-            r = dyh[i] * xh[i] * p / sh[i]
-            rh[i] = r
-            acc[i] = acc[i] + r - rt[i]
-        for i in range(L):
-            dx[i] = dy[i] * pc[i] - cache * x[i] * acc[i]
-
-
-# WITHIN_CHANNEL (Caffe builds it from layers: AVE pooling of x^2 with pad (size-1)/2, then a
-# power layer with shift 1, scale alpha, power -beta): scale = 1 + alpha/size^2 * box sum of x^2
-# over size x size (zero outside the image; the AVE divisor is always size^2 for odd size).
-
-cdef void _box_sum_inplace(float* v, int n, Py_ssize_t stride, int pre, float* ring) noexcept nogil:
-    """v[i] = sum of v[i-pre .. i+pre] (zero outside), in place; ring holds pre + 1 floats."""
-    cdef int i, R = pre + 1
-    cdef float s = 0.0
-    for i in range(min(pre, n)):
-        s = s + v[i * stride]
-    for i in range(n):
-        if i + pre < n:
-            s = s + v[(i + pre) * stride]
-        ring[i % R] = v[i * stride]
-        v[i * stride] = s
-        if i - pre >= 0:
-            s = s - ring[(i - pre) % R]
-
-
-cdef inline void _box_sum_plane(float* plane, int H, int W, int pre, float* ring) noexcept nogil:
-    cdef int y, xx
-    for y in range(H):
-        _box_sum_inplace(plane + <Py_ssize_t>y * W, W, 1, pre, ring)
-    for xx in range(W):
-        _box_sum_inplace(plane + xx, H, W, pre, ring)
-
-
-def lrn_within_forward(const float[:, :, :, ::1] bottom, float[:, :, :, ::1] top,
-                       float[:, :, :, ::1] scale, int size, float alpha, float beta):
-    """WITHIN_CHANNEL: scale = 1 + alpha/size^2 * sum of x^2 over the size x size window
-    centred on (h, w); top = bottom * scale^-beta. top and scale are overwritten."""
-    _check_lrn(size, _s4(bottom.shape), [("top", top), ("scale", scale)])
-    if (size - 1) // 2 > _MAX_WITHIN_PRE:
-        raise ValueError(f"LRN local_size {size} is larger than this kernel supports "
-                         f"({2 * _MAX_WITHIN_PRE + 1})")
-    cdef int H = bottom.shape[2], W = bottom.shape[3]
-    cdef Py_ssize_t HW = <Py_ssize_t>H * W, pl
-    cdef Py_ssize_t planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1]
-    if planes == 0 or HW == 0:
-        return
-    with nogil:
-        for pl in prange(planes, schedule="static",
-                          num_threads=_threads_for(planes * HW * 8)):
-            _lrn_within_fwd_plane(&bottom[0, 0, 0, 0] + pl * HW, &top[0, 0, 0, 0] + pl * HW,
-                                  &scale[0, 0, 0, 0] + pl * HW, H, W, size, alpha, beta)
-
-
-cdef void _lrn_within_fwd_plane(const float* x, float* y, float* sc, int H, int W, int size,
-                                float alpha, float beta) noexcept nogil:
-    cdef float ring[_MAX_WITHIN_PRE + 1]
-    cdef Py_ssize_t i, HW = <Py_ssize_t>H * W
-    cdef float a = alpha / (size * size), one = 1.0
-    for i in range(HW):
-        sc[i] = x[i] * x[i]
-    _box_sum_plane(sc, H, W, (size - 1) // 2, ring)
-    for i in range(HW):
-        sc[i] = one + a * sc[i]
-    _neg_pow(sc, y, <int>HW, beta, _pow_kind(beta))
-    for i in range(HW):
-        y[i] = x[i] * y[i]
-
-
-def lrn_within_backward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] scale,
-                        const float[:, :, :, ::1] top_diff, float[:, :, :, ::1] bottom_diff,
-                        int size, float alpha, float beta):
-    """bottom_diff = top_diff * scale^-beta
-                     - 2*alpha*beta/size^2 * bottom * box sum of top_diff * top / scale
-                                                                        (overwritten)."""
-    _check_lrn(size, _s4(bottom.shape),
-               [("scale", scale), ("top_diff", top_diff), ("bottom_diff", bottom_diff)])
-    if (size - 1) // 2 > _MAX_WITHIN_PRE:
-        raise ValueError(f"LRN local_size {size} is larger than this kernel supports "
-                         f"({2 * _MAX_WITHIN_PRE + 1})")
-    cdef int H = bottom.shape[2], W = bottom.shape[3]
-    cdef Py_ssize_t HW = <Py_ssize_t>H * W, pl
-    cdef Py_ssize_t planes = <Py_ssize_t>bottom.shape[0] * bottom.shape[1]
-    if planes == 0 or HW == 0:
-        return
-    with nogil:
-        for pl in prange(planes, schedule="static",
-                          num_threads=_threads_for(planes * HW * 8)):
-            _lrn_within_bwd_plane(&bottom[0, 0, 0, 0] + pl * HW, &scale[0, 0, 0, 0] + pl * HW,
-                                  &top_diff[0, 0, 0, 0] + pl * HW,
-                                  &bottom_diff[0, 0, 0, 0] + pl * HW, H, W, size, alpha, beta)
-
-
-cdef void _lrn_within_bwd_plane(const float* x, const float* sc, const float* dy, float* dx,
-                                int H, int W, int size, float alpha, float beta) noexcept nogil:
-    cdef float ring[_MAX_WITHIN_PRE + 1]
-    cdef float pw[_BLOCK]
-    cdef Py_ssize_t i, j, s0, HW = <Py_ssize_t>H * W
-    cdef int L, kind = _pow_kind(beta)
-    cdef float cache = 2.0 * alpha * beta / (size * size)
-    # dx holds dy * x * scale^(-beta-1), then its box sum, then the result
-    s0 = 0
-    while s0 < HW:
-        L = <int>min(<Py_ssize_t>_BLOCK, HW - s0)
-        _neg_pow(sc + s0, pw, L, beta, kind)
-        for j in range(L):
-            i = s0 + j
-            dx[i] = dy[i] * x[i] * pw[j] / sc[i]
-        s0 += L
-    _box_sum_plane(dx, H, W, (size - 1) // 2, ring)
-    s0 = 0
-    while s0 < HW:
-        L = <int>min(<Py_ssize_t>_BLOCK, HW - s0)
-        _neg_pow(sc + s0, pw, L, beta, kind)
-        for j in range(L):
-            i = s0 + j
-            dx[i] = dy[i] * pw[j] - cache * x[i] * dx[i]
-        s0 += L

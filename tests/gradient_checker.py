@@ -28,6 +28,7 @@ def check_gradient(layer, bottom, top, check_bottom=None, check_params=True, eps
     """
     check_bottom = range(len(bottom)) if check_bottom is None else check_bottom
     gen = np.random.default_rng(seed)
+    layer.reshape(bottom, top)     # tops sized by their bottoms' data (Filter) take their size
     _objective(layer, bottom, top, [np.zeros(t.shape) for t in top], seed)
     weights = top_weights or [gen.standard_normal(t.shape) for t in top]
     # analytic

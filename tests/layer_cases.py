@@ -19,6 +19,7 @@ from google.protobuf import text_format
 from caffepy import rng
 from caffepy.blob import Blob, Blocked
 from caffepy.context import SINGLE
+from caffepy.kernels.reference.intel import pack as ref_pack, unpack as ref_unpack  # noqa: F401
 from caffepy.layer import BLOCKED, PLAIN, create_layer
 from caffepy.proto import caffe_pb2
 from gradient_checker import check_gradient
@@ -59,20 +60,6 @@ def pool_expected(kind, k, s, p, global_pooling=False, floor=False, include_pad=
                 out[:, :, y, xx] = win.max(axis=(2, 3)) if kind == "MAX" else win.sum(axis=(2, 3)) / size
         return [out]
     return expected
-
-
-def ref_pack(x, width):
-    """[N, C, H, W] -> [N, ceil(C/V), H, W, V], zero lanes past C."""
-    n, c, h, w = x.shape
-    cb = -(-c // width)
-    padded = np.zeros((n, cb * width, h, w), x.dtype)
-    padded[:, :c] = x
-    return np.ascontiguousarray(padded.reshape(n, cb, width, h, w).transpose(0, 1, 3, 4, 2))
-
-
-def ref_unpack(y, channels):
-    n, cb, h, w, v = y.shape
-    return y.transpose(0, 1, 4, 2, 3).reshape(n, cb * v, h, w)[:, :channels]
 
 
 def blocked_blob(x, width, name="b"):
@@ -154,6 +141,7 @@ class Case:
             pytest.skip("no forward reference for this case")
         layer, bottom, top = self.build()
         rng.seed(1701)
+        layer.reshape(bottom, top)     # as the Net does before every forward
         layer.forward(bottom, top)
         want = self.expected(*[b.astype(np.float64) for b in self.bottoms], layer=layer) \
             if _takes_layer(self.expected) else self.expected(*[b.astype(np.float64) for b in self.bottoms])

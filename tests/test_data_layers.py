@@ -52,6 +52,13 @@ def test_image_data_resize_gray_crop(image_list):
     assert net.blobs["data"].data.shape == (2, 1, 3, 3)
 
 
+def test_image_data_intel_bgr2rgb_gives_rgb_order(image_list):
+    net = build(image_net(image_list, "", "bgr2rgb: true"), TEST)
+    net.forward()
+    data = net.blobs["data"].data
+    assert data[1, 0, 0, 0] == 2 and data[1, 1, 0, 0] == 1 and data[1, 2, 0, 0] == 10
+
+
 def test_image_data_shuffle_each_epoch(image_list):
     net = build(image_net(image_list, "shuffle: true"))
     seen = []

@@ -106,3 +106,40 @@ def test_mean_file_shape_must_match_image(tmp_path):
     t = make(f'mean_file: "{tmp_path / "m.binaryproto"}"')
     with pytest.raises(DataError, match="the mean is 3x4x4 but the image is 3x5x5"):
         t.check((3, 5, 5))
+
+
+# -- Intel Caffe's transform fields ----------------------------------------------------------------
+def test_intel_pad_puts_a_zero_border_around_the_crop():
+    t = make("crop_size: 3 pad: 2 scale: 0.5", TEST)
+    img = image(1, 5, 5)
+    out = t(img)
+    assert out.shape == (1, 7, 7)
+    assert not out[:, :2].any() and not out[:, -2:].any() and not out[:, :, :2].any() and not out[:, :, -2:].any()
+    np.testing.assert_allclose(out[:, 2:5, 2:5], img[:, 1:4, 1:4] * 0.5)
+    assert t.check((1, 5, 5)) == (1, 7, 7)
+
+
+def test_intel_pad_with_mean_value_rounds_as_intel_caffe():
+    t = make("pad: 1 mean_value: 0.25 scale: 0.5", TEST)
+    out = t(np.array([[[0, 1], [2, 5]]], np.uint8))
+    # (x - 0.25) * 0.5 = -0.125, 0.375, 0.875, 2.375, rounded to the nearest integer
+    np.testing.assert_array_equal(out[0, 1:3, 1:3], [[0, 0], [1, 2]])
+    assert out[0, 0].tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("text,field", [
+    ("random_resize_param { min_size: 256 max_size: 256 }", "random_resize_param"),
+    ("random_aspect_ratio_param { min_area_ratio: 0.1 }", "random_aspect_ratio_param"),
+    ("distort_param { brightness_prob: 0.5 }", "distort_param"),
+    ("crop_h: 10", "crop_h"),
+])
+def test_intel_augmentations_are_refused_not_ignored(text, field):
+    with pytest.raises(DataError, match=rf"^transform_param.{field}: is an Intel Caffe "
+                                        r"augmentation caffepy does not run"):
+        make(text)
+
+
+def test_intel_pad_with_a_mean_file_is_refused(tmp_path):
+    write_blobproto(np.zeros((1, 1, 5, 5), np.float32), tmp_path / "m.binaryproto")
+    with pytest.raises(DataError, match=r"transform_param.pad: cannot be combined with mean_file"):
+        make(f'pad: 1 mean_file: "{tmp_path / "m.binaryproto"}"')

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from caffepy import geometry
-from caffepy.kernels import reference as ref
+from caffepy.kernels.reference import vision as ref
 from layer_cases import ref_unpack, randn, setup_layer
 
 

@@ -109,6 +109,15 @@ def test_missing_policy_and_bad_stepsize_are_errors():
         lr_policy.check(solver(lr_policy="poly"), "s")
 
 
+def test_intel_multifixed_holds_each_stage_rate_up_to_its_iteration():
+    p = solver(lr_policy="multifixed", stagelr=[0.01, 0.1, 0.001], stageiter=[2, 5, 8])
+    assert rates(p, [0, 2, 3, 5, 6, 8, 9, 100]) == pytest.approx([0.01, 0.01, 0.1, 0.1, 0.001, 0.001, 0.001, 0.001])
+    lr_policy.check(p)
+    with pytest.raises(SolverError, match=r"stagelr: the multifixed policy needs one stagelr per stageiter, "
+                                          r"got 3 stagelr and 2 stageiter"):
+        lr_policy.check(solver(lr_policy="multifixed", stagelr=[1, 2, 3], stageiter=[1, 2]))
+
+
 # Rates the real caffe binary (BVLC, CPU) used, read back bit for bit from the weights one
 # SGD step moved (tests/test_caffe_binary.py repeats this live when CAFFE_BIN is set).
 CAFFE_RATES = [

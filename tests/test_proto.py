@@ -57,6 +57,22 @@ CAFFE_NUMBERS = [
     ("V1LayerParameter", "type", 5), ("V1LayerParameter", "blobs_lr", 7), ("V1LayerParameter", "param", 1001),
     ("V1LayerParameter", "layer", 1), ("V0LayerParameter", "kernelsize", 8),
     ("V0LayerParameter", "hdf5_output_param", 1001),
+    # Intel Caffe's, where BVLC leaves the number free
+    ("SolverParameter", "test_offset", 52), ("SolverParameter", "stagelr", 150),
+    ("SolverParameter", "stageiter", 151), ("CompileNetState", "negative_conv_names", 5),
+    ("CompileNetState", "negative_conv_indexes", 6), ("LayerParameter", "quantization_param", 158),
+    ("LayerParameter", "reorg_param", 159), ("LayerParameter", "split_param", 208),
+    ("LayerParameter", "region_loss_param", 209), ("LayerParameter", "eval_detection_param", 301),
+    ("LayerParameter", "roi_pooling_param", 154), ("QuantizationParameter", "is_negative_input", 23),
+    ("QuantizationParameter", "force_u8_input", 24), ("TransformationParameter", "bgr2rgb", 18),
+    ("TransformationParameter", "pad", 19), ("ConcatParameter", "per_fla_fuse", 4),
+    ("ConvolutionParameter", "coeff", 23), ("ConvolutionParameter", "fusion_type", 24),
+    ("DataParameter", "side", 12), ("InnerProductParameter", "relu", 8),
+    ("InnerProductParameter", "negative_slope", 9), ("PoolingParameter", "pad_3d", 15),
+    ("PoolingParameter", "kernel_size_3d", 16), ("PoolingParameter", "stride_3d", 17),
+    ("ReshapeParameter", "pixelshuffler", 4), ("ReorgParameter", "stride", 1), ("ReorgParameter", "reverse", 2),
+    ("RegionLossParameter", "biases", 16), ("RegionLossParameter", "class_map", 18),
+    ("EvalDetectionParameter", "score_type", 7), ("EvalDetectionParameter", "biases", 9),
 ]
 
 
@@ -66,6 +82,8 @@ def test_field_numbers_are_caffes(message, field, expected):
 
 
 def test_enum_values_are_caffes():
+    assert caffe_pb2.ConvolutionParameter.SUM_FUSION == 1
+    assert caffe_pb2.EvalDetectionParameter.MULTIPLY == 2
     assert caffe_pb2.V1LayerParameter.CONVOLUTION == 4
     assert caffe_pb2.V1LayerParameter.SOFTMAX_LOSS == 21
     assert caffe_pb2.V1LayerParameter.DECONVOLUTION == 39

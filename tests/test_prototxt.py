@@ -46,6 +46,58 @@ def test_reference_solver_round_trips(path, tmp_path):
     assert U.read_solver(tmp_path / "solver.prototxt") == solver
 
 
+# Every prototxt under the reference directories (bvlc, intel) and under the directories of
+# CAFFEPY_REFERENCE_MODELS (os.pathsep-separated; e.g. checkouts of BVLC and Intel Caffe, whose
+# models/ and examples/ hold 54 and 302 prototxts) must read, and every net must build in
+# TRAIN and TEST or be refused in one line naming its file and the layer (a missing LMDB, an
+# Intel layer or field caffepy does not run).
+CORPUS_DIRS = [os.path.join(REFERENCE, "bvlc"), os.path.join(REFERENCE, "intel")] + \
+    [d for d in os.environ.get("CAFFEPY_REFERENCE_MODELS", "").split(os.pathsep) if d]
+CORPUS = sorted({os.path.abspath(f) for d in CORPUS_DIRS
+                 for f in glob.glob(os.path.join(d, "**", "*.prototxt"), recursive=True)})
+
+
+def corpus_kind(path):
+    name = os.path.basename(path)
+    return "solver" if "solver" in name else "labelmap" if "labelmap" in name else "net"
+
+
+def corpus_id(path):
+    for d in CORPUS_DIRS:
+        if path.startswith(os.path.abspath(d) + os.sep):
+            return os.path.relpath(path, os.path.dirname(os.path.abspath(d)))
+    return path
+
+
+@pytest.mark.skipif(not CORPUS, reason="no reference models")
+@pytest.mark.parametrize("path", CORPUS, ids=corpus_id)
+def test_reference_prototxt_reads(path):
+    kind = corpus_kind(path)
+    if kind == "solver":
+        assert U.read_solver(path).ListFields()
+    elif kind == "labelmap":
+        assert P.read_text(caffe_pb2.LabelMap(), path).item
+    else:
+        assert U.read_net(path).layer
+
+
+@pytest.mark.skipif(not CORPUS, reason="no reference models")
+@pytest.mark.parametrize("phase", [caffe_pb2.TRAIN, caffe_pb2.TEST], ids=["TRAIN", "TEST"])
+@pytest.mark.parametrize("path", [p for p in CORPUS if corpus_kind(p) == "net"], ids=corpus_id)
+def test_reference_net_builds_or_is_refused_in_one_line(path, phase, monkeypatch):
+    import numpy as np
+    from caffepy import fillers
+    from caffepy.net import Net
+    # the weights' values do not matter here: zeros are faster to make than random numbers
+    monkeypatch.setattr(fillers, "fill", lambda param, shape: np.zeros(shape, np.float32))
+    try:
+        Net(path, phase=phase)
+    except CaffepyError as e:
+        message = str(e)
+        assert "\n" not in message and message.startswith(path), message
+        assert "layer '" in message, message
+
+
 @needs_reference
 def test_reference_intel_fields():
     solver = U.read_solver(os.path.join(REFERENCE, "intel", "multinode__alexnet_bn_64nodes__solver.prototxt"))
@@ -112,6 +164,71 @@ def test_writes_are_atomic_and_leave_no_temporaries(tmp_path):
 def test_write_into_missing_directory_is_a_clean_error(tmp_path):
     with pytest.raises(CaffepyError, match="cannot write"):
         P.write_binary(caffe_pb2.NetParameter(), tmp_path / "no" / "net.caffemodel")
+
+
+def test_intel_fields_of_the_38_reference_files_that_did_not_parse():
+    """One of each field that kept Intel Caffe's reference prototxts from parsing."""
+    net = U.parse_net_text('''
+        layer { name: "data" type: "Data" top: "data" transform_param { pad: 3 bgr2rgb: true }
+                data_param { source: "x" batch_size: 1 side: 13 } }
+        layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+                quantization_param { bw_layer_in: 8 is_negative_input: true force_u8_input: true }
+                convolution_param { num_output: 1 kernel_size: 1 fusion_type: SUM_FUSION coeff: 1 } }
+        layer { name: "reorg" type: "Reorg" bottom: "conv" top: "reorg" reorg_param { stride: 2 } }
+        layer { name: "cat" type: "Concat" bottom: "reorg" top: "cat" concat_param { per_fla_fuse: true } }
+        layer { name: "loss" type: "RegionLoss" bottom: "cat" top: "loss" region_loss_param { biases: 1 } }
+        layer { name: "eval" type: "EvalDetection" bottom: "cat" top: "eval"
+                eval_detection_param { score_type: PROB } }
+        layer { name: "pool" type: "Pooling" bottom: "cat" top: "pool" pooling_param { kernel_size_3d: 2 } }
+        layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip" inner_product_param { relu: true } }
+        layer { name: "up" type: "Reshape" bottom: "ip" top: "up" reshape_param { pixelshuffler: 2 } }
+        compile_net_state { negative_conv_names: "conv" negative_conv_indexes: 1 }''', "intel.prototxt")
+    assert net.layer[1].quantization_param.is_negative_input and net.layer[2].reorg_param.stride == 2
+    solver = U.parse_solver_text('net: "n" lr_policy: "multifixed" stagelr: 0.1 stageiter: 10 test_offset: 5',
+                                 "solver.prototxt")
+    assert solver.test_offset == 5 and list(solver.stageiter) == [10]
+
+
+def _dead_pid():
+    import subprocess
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_temporaries_of_killed_writers_are_removed_and_nothing_else(tmp_path):
+    import socket
+    host, dead = socket.gethostname(), _dead_pid()
+    stale = [f".out.prototxt.{dead}@{host}.abcd_123.tmp", f".out.prototxt.{dead}@{host}.zzzzzzzz.tmp"]
+    kept = [f".out.prototxt.{os.getpid()}@{host}.abcdefgh.tmp",      # a live writer's
+            f".out.prototxt.{dead}@otherhost.example.abcdefgh.tmp",  # another host's
+            f".other.prototxt.{dead}@{host}.abcdefgh.tmp",           # another file's
+            ".out.prototxt.abcdefgh.tmp",                            # no pid: not ours to judge
+            "out.prototxt.tmp", "notes.txt"]
+    for name in stale + kept:
+        (tmp_path / name).write_text("x")
+    (tmp_path / stale[1]).unlink()
+    (tmp_path / stale[1]).mkdir()                                    # a directory (an LMDB being built)
+    (tmp_path / stale[1] / "data.mdb").write_bytes(bytes(100))
+    removed = P.remove_stale_temporaries(str(tmp_path), r"out\.prototxt")
+    assert sorted((os.path.basename(p), n) for p, n in removed) == sorted([(stale[0], 1), (stale[1], 100)])
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
+    P.write_text(caffe_pb2.NetParameter(name="n"), tmp_path / "other.prototxt")   # cleans its own name
+    assert sorted(os.listdir(tmp_path)) == sorted(set(kept) - {kept[2]} | {"other.prototxt"})
+
+
+def test_temporary_names_carry_the_writer(tmp_path, monkeypatch):
+    import socket
+    seen = []
+    real = os.replace
+
+    def spy(src, dst):
+        seen.append(os.path.basename(src))
+        real(src, dst)
+    monkeypatch.setattr(os, "replace", spy)
+    P.write_text(caffe_pb2.NetParameter(name="n"), tmp_path / "net.prototxt")
+    (name,) = seen
+    assert name.startswith(f".net.prototxt.{os.getpid()}@{socket.gethostname()}.") and name.endswith(".tmp")
 
 
 # -- text as Caffe writes it -------------------------------------------------

@@ -614,3 +614,32 @@ def test_non_finite_weights_stop_training_at_a_display_iteration():
                                           r"by iteration 2, got a sum of nan"):
         s.step(3)
     assert s.iter == 2
+
+
+@pytest.mark.parametrize("offset,tested", [(0, [0, 3, 6]), (1, [1, 4]), (5, [2, 5])])
+def test_intel_test_offset_shifts_the_test_iterations(offset, tested):
+    s = make_solver(BASE + f"test_iter: 1 test_interval: 3 test_offset: {offset}")
+    seen = []
+    s.test_all = lambda: seen.append(s.iter)
+    s.step(7)
+    assert seen == tested
+
+
+def test_solver_start_removes_its_prefix_s_stale_snapshot_temporaries(tmp_path, monkeypatch):
+    """A kill -9 mid-snapshot leaves `.run_iter_N.<ext>.<pid>@<host>.*.tmp`: the next run with
+    this prefix removes those of dead writers, and nothing else."""
+    import socket
+    import subprocess
+    monkeypatch.chdir(tmp_path)
+    write_files(tmp_path, max_iter=0)
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    host, dead = socket.gethostname(), proc.pid
+    stale = [f".run_iter_5.caffemodel.{dead}@{host}.abcdefgh.tmp", f".run_iter_10.solverstate.{dead}@{host}.a_b_c_d_.tmp"]
+    kept = [f".run_iter_5.caffemodel.{os.getpid()}@{host}.abcdefgh.tmp", f".other_iter_5.caffemodel.{dead}@{host}.abcdefgh.tmp",
+            f".run_iter_5.caffemodel.{dead}@elsewhere.abcdefgh.tmp", f".run_iter_x.caffemodel.{dead}@{host}.abcdefgh.tmp",
+            "run_iter_3.caffemodel"]
+    for name in stale + kept:
+        (tmp_path / "out" / name).write_bytes(bytes(1000))
+    get_solver("solver.prototxt")
+    assert sorted(os.listdir("out")) == sorted(kept)

@@ -93,13 +93,16 @@ def read_image(path, height=0, width=0, is_color=True, where=""):
 
 
 class ImageListSource:
-    """ImageData's source: the lines of a list file, images read from root_folder."""
+    """ImageData's source: the lines of a list file, images read from root_folder; colour
+    images in BGR order (OpenCV's, Caffe's), or RGB with `bgr2rgb` (Intel Caffe's
+    transform_param.bgr2rgb)."""
 
-    def __init__(self, list_file, root_folder="", height=0, width=0, is_color=True):
+    def __init__(self, list_file, root_folder="", height=0, width=0, is_color=True, bgr2rgb=False):
         self.path = list_file
         self.entries = read_list_file(list_file)
         self.root = root_folder
         self.height, self.width, self.is_color = height, width, is_color
+        self.bgr2rgb = bgr2rgb
 
     def __len__(self):
         return len(self.entries)
@@ -115,6 +118,8 @@ class ImageListSource:
         img = read_image(self.root + key, self.height, self.width, self.is_color)
         if img is None:
             raise DataError(f"{self.where(key)}cannot read the image file '{self.root + key}'")
+        if self.bgr2rgb and img.shape[2] == 3:
+            img = img[:, :, ::-1]
         return img.transpose(2, 0, 1), label
 
     def close(self):

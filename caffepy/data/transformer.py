@@ -8,13 +8,24 @@ Crops are random in TRAIN (h_off uniform in [0, H - crop]) and centred in TEST
 ((H - crop) / 2); with `mirror` every image is flipped with probability 1/2 in
 both phases, as Caffe does.
 
+With Intel Caffe's `pad` the output gets a border of zeros `pad` wide on every side
+(the first convolution's padding, moved into the data layer); with mean_value, values are
+then rounded to the nearest integer, as Intel Caffe does (its int8 input path).
+
 Proto fields: scale, mirror, crop_size, mean_file, mean_value, force_color,
-force_gray (the last two apply to encoded images).
+force_gray (the last two apply to encoded images), pad. Intel Caffe's augmentations
+(resize, noise, distortion, expansion, random resize / aspect ratio, crop_h / crop_w,
+emit_constraint, flow) are refused: caffepy does not run them.
 """
 import numpy as np
 
 from ..errors import DataError
 from ..proto import caffe_pb2
+
+
+# Intel Caffe's TransformationParameter fields caffepy does not run (bgr2rgb is ImageData's)
+NOT_RUN = ("resize_param", "noise_param", "emit_constraint", "crop_h", "crop_w", "distort_param",
+           "expand_param", "random_resize_param", "random_aspect_ratio_param", "flow")
 
 
 class DataTransformer:
@@ -32,10 +43,18 @@ class DataTransformer:
         self.scale = float(param.scale)
         self.crop = int(param.crop_size)
         self.mirror = bool(param.mirror)
+        self.pad = int(param.pad)
+        for field in NOT_RUN:
+            if param.HasField(field):
+                raise self._error(f"transform_param.{field}", "is an Intel Caffe augmentation caffepy "
+                                  "does not run", hint="Remove it (caffepy would train without it)")
+        if self.pad and param.mean_file:
+            raise self._error("transform_param.pad", "cannot be combined with mean_file (Intel Caffe "
+                              "misaligns the mean then)", self.pad, hint="Give mean_value instead")
         self.mean = None            # C x H x W float32 (mean_file)
         self.mean_values = None     # C values (mean_value)
         if param.mean_file and len(param.mean_value):
-            raise self._error("mean_file", "give mean_file or mean_value, not both",
+            raise self._error("transform_param.mean_file", "give mean_file or mean_value, not both",
                               f"mean_file '{param.mean_file}' and {len(param.mean_value)} mean_value(s)")
         if param.mean_file:
             from ..blobproto import read_blobproto
@@ -60,7 +79,8 @@ class DataTransformer:
     def _error(self, field, problem, value=None, hint=None):
         if self.layer is not None:
             return self.layer.error(field, problem, value, hint, cls=DataError)
-        msg = f"transform_param: {field}: {problem}"
+        field = field if field.startswith("transform_param") else f"transform_param.{field}"
+        msg = f"{field}: {problem}"
         return DataError(msg + (f", got {value}" if value is not None else "") + (f". {hint}" if hint else ""))
 
     # -- shapes ----------------------------------------------------------
@@ -77,7 +97,8 @@ class DataTransformer:
         if self.mean_values is not None and len(self.mean_values) not in (1, c):
             raise DataError(f"{where}transform_param.mean_value: give 1 value or one per channel ({c}), "
                             f"got {len(self.mean_values)}")
-        return (c, self.crop, self.crop) if self.crop else (c, h, w)
+        h, w = (self.crop, self.crop) if self.crop else (h, w)
+        return c, h + 2 * self.pad, w + 2 * self.pad
 
     # -- randomness ------------------------------------------------------
     def draw(self, n):
@@ -112,7 +133,12 @@ class DataTransformer:
                             f"{'x'.join(map(str, out.shape))} of the first record (records must share one "
                             f"size unless a crop makes them equal)")
         h_off, w_off, mirrored = self.offsets(image.shape, draw)
-        ch, cw = shape[1], shape[2]
+        full = out
+        if self.pad:
+            out[...] = 0
+            p = self.pad
+            out = out[:, p:out.shape[1] - p, p:out.shape[2] - p]
+        ch, cw = out.shape[1], out.shape[2]
         src = image[:, h_off:h_off + ch, w_off:w_off + cw]
         if self.mean is not None:
             mean = self.mean[:, h_off:h_off + ch, w_off:w_off + cw]
@@ -133,7 +159,9 @@ class DataTransformer:
             np.subtract(src, mean, out=out, casting="unsafe")
             if self.scale != 1:
                 np.multiply(out, np.float32(self.scale), out=out)
-        return out
+            if self.pad and self.mean_values is not None:
+                np.rint(out, out=out)
+        return full
 
     def __call__(self, image, draw=None):
         """Transform one image into a new array (drawing its random numbers if not given)."""

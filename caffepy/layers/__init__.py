@@ -1,12 +1,13 @@
 """Every layer type, one module per family; importing this package registers them all.
 
-Find a layer by its prototxt type:  data (Input, DummyData, Data, ImageData, MemoryData),
-vision (Convolution, Deconvolution, Pooling, Im2col, Crop), normalization (LRN,
-BatchNorm, MVN), neuron (ReLU, Sigmoid, Dropout, ...), common (InnerProduct, Concat,
-Split, Eltwise, Softmax, ...), loss (SoftmaxWithLoss, Accuracy, ...), python (Python),
+Find a layer by its prototxt type:  data (Input, DummyData, Data, ImageData, MemoryData,
+WindowData), vision (Convolution, Deconvolution, Pooling, Im2col, Crop, SPP, ROIPooling,
+Reorg), normalization (LRN, BatchNorm, MVN), neuron (ReLU, Sigmoid, Dropout, ...), common
+(InnerProduct, Concat, Split, Eltwise, Softmax, BatchReindex, Filter, Parameter, ...),
+recurrent (LSTM, RNN, LSTMUnit), loss (SoftmaxWithLoss, Accuracy, ...), python (Python),
 hdf5 (HDF5Data, HDF5Output),
 intel (IntelPack, IntelUnpack, and the blocked variants of Convolution, Pooling, LRN, Concat,
 BatchNorm, Scale). The model-parallel InnerProduct lives in caffepy/parallel/model_parallel.py;
 caffepy/layer.py says how the factory chooses among a type's variants.
 """
-from . import common, data, hdf5, loss, neuron, normalization, python, vision, intel  # noqa: F401
+from . import common, data, hdf5, loss, neuron, normalization, python, recurrent, vision, intel  # noqa: F401

@@ -1,5 +1,5 @@
 """Common layers: InnerProduct, Concat, Slice, Split, Eltwise, Flatten, Reshape, Scale,
-Bias, Softmax, ArgMax, Tile, Embed, Silence, Reduction."""
+Bias, Softmax, ArgMax, Tile, Embed, Silence, Reduction, BatchReindex, Filter, Parameter."""
 import numpy as np
 
 from ..blas import gemm_into
@@ -60,6 +60,9 @@ class InnerProduct(Layer):
 
     def setup(self, bottom, top):
         p = self.param.inner_product_param
+        if p.relu:
+            raise self.error("inner_product_param.relu", "fused ReLU (Intel Caffe) is not supported", True,
+                             hint="Use a ReLU layer after the InnerProduct")
         if p.num_output <= 0:
             raise self.error("inner_product_param.num_output", "must be positive", p.num_output)
         self.num_output, self.bias_term, self.transpose = p.num_output, p.bias_term, p.transpose
@@ -114,6 +117,14 @@ def _legacy_axis(layer, p, legacy, field):
     return p.axis
 
 
+def refuse_concat_fusion(layer):
+    """Intel's per_fla_fuse (the bottoms' Permute + Flatten done by the concat) is not run."""
+    if layer.param.concat_param.per_fla_fuse:
+        raise layer.error("concat_param.per_fla_fuse", "the fused Permute + Flatten (Intel Caffe int8 "
+                          "SSD) is not supported", True, hint="Use Permute and Flatten layers before "
+                          "the Concat")
+
+
 @register
 class Concat(Layer):
     """Join the bottoms along `axis`; all other dimensions must agree.
@@ -124,6 +135,7 @@ class Concat(Layer):
     exact_tops = 1
 
     def setup(self, bottom, top):
+        refuse_concat_fusion(self)
         self._axis = _legacy_axis(self, self.param.concat_param, "concat_dim", "concat_param")
 
     def reshape(self, bottom, top):
@@ -344,6 +356,9 @@ class Reshape(Layer):
     def setup(self, bottom, top):
         _no_in_place(self, bottom, top)
         p = self.param.reshape_param
+        if p.pixelshuffler != 1:
+            raise self.error("reshape_param.pixelshuffler", "the pixel shuffle (Intel Caffe) is not "
+                             "supported", p.pixelshuffler)
         self.dims = [int(d) for d in p.shape.dim]
         if self.dims.count(-1) > 1:
             raise self.error("reshape_param.shape", "at most one dimension may be -1", self.dims)
@@ -768,3 +783,122 @@ class Reduction(Layer):
         factor = self.coeff / self.dims[1] if self.op == self.Op.MEAN and self.dims[1] else self.coeff
         if factor != 1:
             dx *= np.float32(factor)
+
+
+@register
+class BatchReindex(Layer):
+    """top[i] = bottom[0][indices[i]]: pick (and repeat or reorder) items of the batch.
+
+    Bottoms: data (N x ...), indices (M values in [0, N)); top M x .... Backward sums the
+    diffs of an item picked several times; no gradient to the indices.
+    """
+    exact_bottoms = 2
+    exact_tops = 1
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index == 0
+
+    def reshape(self, bottom, top):
+        if bottom[1].num_axes != 1:
+            raise self.error("bottom[1]", "the indices must be a 1-axis blob", bottom[1].shape, cls=ShapeError)
+        if bottom[0].num_axes < 1:
+            raise self.error("bottom[0]", "needs a batch axis", bottom[0].shape, cls=ShapeError)
+        top[0].reshape(bottom[1].shape + bottom[0].shape[1:])
+
+    def _indices(self, bottom):
+        values = bottom[1].data
+        n = bottom[0].shape[0]
+        bad = (values < 0) | (values >= n)
+        if np.any(bad):
+            raise self.error("bottom[1]", f"indices must lie in [0, {n}) (the batch of bottom[0])",
+                             float(values[bad][0]), cls=ShapeError)
+        return values.astype(np.int64)      # Caffe truncates
+
+    def forward(self, bottom, top):
+        self.index = self._indices(bottom)
+        np.take(bottom[0].data, self.index, axis=0, out=top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            diff = bottom[0].diff
+            diff[...] = 0
+            np.add.at(diff, self.index, top[0].diff)
+        if propagate_down[1]:
+            bottom[1].diff[...] = 0
+
+
+@register
+class Filter(Layer):
+    """Keep the items whose selector is non-zero: bottoms b_1 .. b_K and a selector (N, or
+    N x 1 x ...); tops t_1 .. t_K hold the selected items of each b_k, in order.
+
+    Until the first forward (when the selector is not known yet) the tops keep all N items,
+    as in Caffe. Backward gives unselected items zero gradient; none to the selector.
+    """
+    min_bottoms = 2
+    min_tops = 1
+
+    def setup(self, bottom, top):
+        if len(top) != len(bottom) - 1:
+            raise self.error("top", f"needs one top per filtered bottom ({len(bottom) - 1})", len(top))
+        self.first = True
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index != self.selector_index
+
+    @property
+    def selector_index(self):
+        return len(self.param.bottom) - 1
+
+    def reshape(self, bottom, top):
+        selector = bottom[-1]
+        if selector.num_axes < 1 or any(d != 1 for d in selector.shape[1:]):
+            raise self.error(f"bottom[{len(bottom) - 1}]", "the selector must be N or N x 1 x ... (one "
+                             "value per item)", selector.shape, cls=ShapeError)
+        n = selector.shape[0]
+        for i, b in enumerate(bottom[:-1]):
+            if b.num_axes < 1 or b.shape[0] != n:
+                raise self.error(f"bottom[{i}]", f"needs the selector's {n} items on axis 0", b.shape,
+                                 cls=ShapeError)
+        self.selected = np.flatnonzero(selector.data.reshape(n))
+        kept = n if self.first else self.selected.size
+        self.first = False
+        for t, b in zip(top, bottom):
+            t.reshape((kept,) + b.shape[1:])
+
+    def forward(self, bottom, top):
+        for t, b in zip(top, bottom):
+            np.take(b.data, self.selected, axis=0, out=t.data)
+
+    def backward(self, top, propagate_down, bottom):
+        for i, (t, b) in enumerate(zip(top, bottom)):
+            if propagate_down[i]:
+                diff = b.diff
+                diff[...] = 0
+                diff[self.selected] = t.diff
+        if propagate_down[-1]:
+            bottom[-1].diff[...] = 0
+
+
+@register
+class Parameter(Layer):
+    """A learned blob as a layer's output: top = blobs[0], of parameter_param.shape (zeros
+    until trained or loaded, as in Caffe). Backward accumulates the top's diff into the
+    blob's."""
+    exact_bottoms = 0
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        shape = tuple(self.param.parameter_param.shape.dim)
+        self.init_param_blobs([(shape, constant_filler(0.0))])
+        top[0].reshape(self.blobs[0].shape)
+
+    def reshape(self, bottom, top):
+        top[0].reshape(self.blobs[0].shape)
+
+    def forward(self, bottom, top):
+        top[0].share_data(self.blobs[0])
+
+    def backward(self, top, propagate_down, bottom):
+        if param_wanted(self, 0):
+            self.blobs[0].diff[...] += top[0].diff

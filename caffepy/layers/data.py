@@ -1,4 +1,5 @@
-"""Data layers: Input, DummyData, and the readers Data (LMDB), ImageData (list file), MemoryData (arrays)."""
+"""Data layers: Input, DummyData, and the readers Data (LMDB), ImageData (list file), MemoryData
+(arrays), WindowData (R-CNN window files)."""
 import weakref
 
 import numpy as np
@@ -6,6 +7,7 @@ import numpy as np
 from .. import fillers, log, memory, rng
 from ..data.prefetch import BatchFiller, Prefetcher, RecordOrder
 from ..data.sources import ImageListSource, LMDBSource
+from ..data import windows
 from ..data.transformer import DataTransformer
 from ..errors import CaffepyError, DataError, SizeError
 from ..layer import Layer, register
@@ -103,6 +105,11 @@ class _PrefetchingLayer(Layer):
 
     `wait_seconds` is the time forward() waited for the prefetch thread: the
     training loop's data-wait.
+
+    read_state / set_read_state: the position after the batches forward() handed out
+    (not the prefetch thread's, which reads ahead): reads done, the record order's seed
+    and skip (so the shuffle continues its epoch's permutation) and the transformer's
+    generator (mirror and crop draws); kept per rank in the solver's snapshots.
     """
     exact_bottoms = 0
     min_tops, max_tops = 1, 2
@@ -147,7 +154,8 @@ class _PrefetchingLayer(Layer):
         if p.rand_skip:
             skip = int(np.random.default_rng([base, 1]).integers(p.rand_skip))
             log.info(f"Skipping first {skip} data points")
-        order = RecordOrder(len(self.source_db), rank, ranks, bool(p.shuffle), base, skip)
+        self._order_args = (len(self.source_db), rank, ranks, bool(p.shuffle))
+        order = RecordOrder(*self._order_args, base, skip)
         tp = _transform_param(self, p)
         self.transformer = DataTransformer(tp, self.phase, np.random.default_rng([base, 2, context.rank]),
                                            layer=self)
@@ -169,8 +177,9 @@ class _PrefetchingLayer(Layer):
                              f"{buffers} batches of {memory.dims_text(self.top_shape)} floats")
         if why:
             raise self.error(f"{self._params_field}.batch_size", why, self.batch_size, cls=SizeError)
-        filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
-        self.prefetcher = Prefetcher(filler, self.prefetch_depth(), self.name)
+        self.filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
+        self._consumed = self.filler.position()
+        self.prefetcher = Prefetcher(self.filler, self.prefetch_depth(), self.name)
         self._finalizer = weakref.finalize(self, _shutdown, self.prefetcher, self.source_db)
         log.info(f"output data size: {','.join(map(str, self.top_shape))}")
         self.reshape(bottom, top)
@@ -196,8 +205,55 @@ class _PrefetchingLayer(Layer):
             top[0].data[...] = buf["data"]
             if len(top) > 1:
                 top[1].data[...] = buf["label"]
+            self._consumed = buf["position"]
         finally:
             self.prefetcher.release(buf)
+
+    def read_state(self):
+        reads, transform = self._consumed
+        order = self.filler.order
+        return {"records": order.size, "ranks": order.ranks, "seed": order.seed, "skip": order.skip,
+                "reads": reads, "transform": transform}
+
+    _STATE_KEYS = ("records", "ranks", "seed", "skip", "reads", "transform")
+
+    def set_read_state(self, state, ranks=None):
+        """`ranks`: the number of ranks of the run that saved `state` (rank 0's state when it
+        differs from this run's). With as many ranks as then, each rank goes on exactly; else
+        a record stream the ranks interleaved (shared DB, or one process) goes on from where
+        they had read it together, with fresh mirror and crop draws; shards start over."""
+        if set(state) != set(self._STATE_KEYS):
+            raise DataError(f"expected the keys {', '.join(self._STATE_KEYS)}, got {', '.join(state)}")
+        for field in self._STATE_KEYS[:-1]:
+            value = state[field]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+                raise DataError(f"{field}: must be an integer in [0, 2^62), got {str(value)[:40]}")
+        problem = rng.state_problem(state["transform"], self.transformer.gen.bit_generator.state)
+        if problem:
+            raise DataError(f"transform: not a generator state ({problem})")
+        size, _, interleave, _ = self._order_args
+        here, ranks = f"{self.filler.source.path}: layer '{self.name}'", ranks or self.context.size
+        if state["records"] != size:
+            log.warning(f"{here}: the snapshot was taken over {state['records']} records, the source has "
+                        f"{size}: reading from the first record")
+            return
+        skip, reads, transform = state["skip"], state["reads"], state["transform"]
+        if ranks != self.context.size:
+            if state["ranks"] != ranks or interleave != self.context.size:
+                log.warning(f"{here}: the snapshot's {ranks} ranks and this run's {self.context.size} do not "
+                            f"read one record stream (a split DB): reading from the first record")
+                return
+            skip, reads, transform = skip + reads * ranks, 0, None
+            log.info(f"{here}: continues the record stream where the snapshot's {ranks} ranks had read it "
+                     f"together ({skip}); mirror and crop draws start afresh")
+
+        def reposition():
+            self.filler.order = RecordOrder(*self._order_args, state["seed"], skip)
+            self.filler.reads = reads
+            if transform is not None:
+                self.transformer.gen.bit_generator.state = transform
+            self._consumed = self.filler.position()
+        self.prefetcher.restart(reposition)
 
     def close(self):
         """Stop the prefetch thread and close the source (also done at exit)."""
@@ -248,7 +304,8 @@ class ImageData(_PrefetchingLayer):
 
     image_data_param: source, root_folder (prefixed to each path), batch_size,
     rand_skip, shuffle (a new order every epoch), new_height/new_width (resize with
-    INTER_LINEAR, both or neither), is_color. Transformed by transform_param.
+    INTER_LINEAR, both or neither), is_color. Transformed by transform_param (Intel's
+    bgr2rgb, which as in Intel Caffe only ImageData honours, gives colour images in RGB order).
     """
     _params_field = "image_data_param"
 
@@ -257,7 +314,8 @@ class ImageData(_PrefetchingLayer):
         if bool(p.new_height) != bool(p.new_width):
             raise self.error("image_data_param.new_height", "set new_height and new_width together",
                              f"{p.new_height}x{p.new_width}")
-        return ImageListSource(path, p.root_folder, p.new_height, p.new_width, p.is_color)
+        return ImageListSource(path, p.root_folder, p.new_height, p.new_width, p.is_color,
+                               self.param.transform_param.bgr2rgb)
 
 
 @register
@@ -311,3 +369,103 @@ class MemoryData(Layer):
         top[0].data[...] = self.data[self.pos:self.pos + b]
         top[1].data[...] = self.labels[self.pos:self.pos + b]
         self.pos = (self.pos + b) % self.data.shape[0]
+
+
+@register
+class WindowData(Layer):
+    """Batches of windows sampled from an R-CNN window file (caffepy/data/windows.py gives
+    the format, the sampling and the warping): tops data (batch_size x C x crop x crop) and
+    label (batch_size; 0 for background windows).
+
+    window_data_param: source, root_folder, batch_size, fg_threshold, bg_threshold,
+    fg_fraction, context_pad, crop_mode ("warp" or "square"), cache_images, scale.
+    transform_param: crop_size (required), mirror, mean_file or mean_value (the deprecated
+    crop_size, mirror, mean_file and scale of window_data_param are read too). Windows are
+    drawn in a prefetch thread from caffepy.rng's seed.
+    """
+    exact_bottoms = 0
+    exact_tops = 2
+    differentiable = False
+
+    def setup(self, bottom, top):
+        p = self.param.window_data_param
+        tp = _transform_param(self, p)
+        if p.batch_size < 1:
+            raise self.error("window_data_param.batch_size", "must be at least 1", p.batch_size)
+        if not p.source:
+            raise self.error("window_data_param.source", "is required")
+        if tp.crop_size < 1:
+            raise self.error("transform_param.crop_size", "WindowData needs a crop size (the warped "
+                             "window's side)", tp.crop_size)
+        if p.crop_mode not in ("warp", "square"):
+            raise self.error("window_data_param.crop_mode", "must be 'warp' or 'square'", f"'{p.crop_mode}'")
+        if 2 * p.context_pad >= tp.crop_size:
+            raise self.error("window_data_param.context_pad", f"must be less than half the crop size "
+                             f"({tp.crop_size})", p.context_pad)
+        try:
+            images, fg, bg, channels = windows.read_window_file(p.source, p.root_folder, p.fg_threshold,
+                                                                p.bg_threshold)
+        except DataError as e:
+            problem = str(e)
+            if problem.startswith(f"{p.source}: "):
+                problem = problem[len(p.source) + 2:]
+            raise self.error("window_data_param.source", problem, p.source, cls=DataError) from None
+        if channels != 3:
+            raise self.error("window_data_param.source", "images are read in colour: the window file "
+                             "must give 3 channels", f"{channels} (first image)", cls=DataError)
+        num_fg = int(np.float32(p.batch_size) * np.float32(p.fg_fraction))
+        for kind, found, wanted in (("foreground", fg, num_fg), ("background", bg, p.batch_size - num_fg)):
+            if wanted and not found:
+                raise self.error("window_data_param.source", f"no {kind} windows (fg_threshold "
+                                 f"{p.fg_threshold:g}, bg_threshold {p.bg_threshold:g})", p.source,
+                                 cls=DataError)
+        log.info(f"Window data layer: {len(images)} images, foreground overlap >= {p.fg_threshold:g}, "
+                 f"background < {p.bg_threshold:g}, foreground fraction {p.fg_fraction:g}")
+        for label, count in windows.label_histogram(fg, bg).items():
+            log.info(f"class {label} has {count} samples")
+        transformer = DataTransformer(tp, self.phase, layer=self)     # reads and checks the mean
+        mean = transformer.mean if transformer.mean is not None else transformer.mean_values
+        if transformer.mean is not None and min(transformer.mean.shape[1:]) < tp.crop_size:
+            raise self.error("transform_param.mean_file", f"the mean must be at least crop_size "
+                             f"({tp.crop_size}) a side", transformer.mean.shape, cls=DataError)
+        if transformer.mean_values is not None and len(transformer.mean_values) not in (1, channels):
+            raise self.error("transform_param.mean_value", f"give 1 value or one per channel ({channels})",
+                             len(transformer.mean_values), cls=DataError)
+        scale = tp.scale if tp.HasField("scale") else p.scale
+        generator = np.random.default_rng([int(rng.generator().integers(1 << 62)), self.context.rank])
+        self.filler = windows.WindowFiller(
+            images, fg, bg, int(p.batch_size), channels, int(tp.crop_size), fg_fraction=p.fg_fraction,
+            context_pad=int(p.context_pad), square=p.crop_mode == "square", mirror=tp.mirror, scale=scale,
+            mean=mean, generator=generator, cache_images=p.cache_images, where=f"{p.source}: ")
+        self.top_shape = (int(p.batch_size), channels, int(tp.crop_size), int(tp.crop_size))
+        why = memory.problem(3 * memory.count(self.top_shape) * 4,
+                             f"3 batches of {memory.dims_text(self.top_shape)} floats")
+        if why:
+            raise self.error("window_data_param.batch_size", why, p.batch_size, cls=SizeError)
+        self.prefetcher = Prefetcher(self.filler, 2, self.name)
+        self._finalizer = weakref.finalize(self, _shutdown_prefetcher, self.prefetcher)
+        log.info(f"output data size: {','.join(map(str, self.top_shape))}")
+
+    @property
+    def wait_seconds(self):
+        return self.prefetcher.wait_seconds
+
+    def reshape(self, bottom, top):
+        top[0].reshape(self.top_shape)
+        top[1].reshape(self.top_shape[0])
+
+    def forward(self, bottom, top):
+        buf = self.prefetcher.next()
+        try:
+            top[0].data[...] = buf["data"]
+            top[1].data[...] = buf["label"]
+        finally:
+            self.prefetcher.release(buf)
+
+    def close(self):
+        """Stop the prefetch thread (also done at exit)."""
+        self._finalizer()
+
+
+def _shutdown_prefetcher(prefetcher):
+    prefetcher.close()

@@ -28,13 +28,13 @@ from ..blob import Blob, Blocked
 from ..errors import CaffepyError, ShapeError
 from ..layer import BLOCKED, OWN, VIA_NCHW, Layer, register
 from ..proto import caffe_pb2
-from .common import Scale, param_wanted
+from .common import Scale, param_wanted, refuse_concat_fusion
 from .normalization import LRN, BatchNorm
-from .vision import pool_method, scaled_top_diff
+from .vision import pool_method, refuse_fusions, scaled_top_diff
 
 try:
     from ..kernels import intel as _k
-    from ..kernels import winograd as _winograd
+    from ..kernels import intel_winograd as _winograd
 except ImportError:     # reported when a blocked layer is built, not at import
     _k = _winograd = None
 
@@ -185,7 +185,7 @@ class BlockedConvolution(Layer):
     bias_term, weight_filler, bias_filler, engine).
 
     Two algorithms: stride-1 undilated 3x3 and 5x5 kernels with at least 16 channels in and out
-    per group run as Winograd F(m x m, r x r) (cext/winograd.pyx: a*a GEMMs over tiles instead
+    per group run as Winograd F(m x m, r x r) (cext/intel_winograd.pyx: a*a GEMMs over tiles instead
     of one over pixels; 2.6x fewer multiplies for AlexNet's 13x13 3x3 layers); everything else,
     or any convolution with `engine: CAFFE`, runs Caffe's algorithm: per image, blocked im2col +
     one sgemm per group (cext/intel.pyx). Both agree to float rounding."""
@@ -200,9 +200,7 @@ class BlockedConvolution(Layer):
         p = self.param.convolution_param
         if p.axis != 1:
             raise self.error("convolution_param.axis", "the blocked layout convolves axis 1", p.axis)
-        if p.relu:
-            raise self.error("convolution_param.relu", "fused ReLU is not supported on the blocked "
-                             "layout", True, hint="Use a ReLU layer after the convolution")
+        refuse_fusions(self)
         layout = _blocked_bottom(self, bottom[0])
         for i, b in enumerate(bottom[1:], 1):
             if _blocked_bottom(self, b, i) != layout or b.shape[1:] != bottom[0].shape[1:]:
@@ -461,6 +459,7 @@ class BlockedConcat(Layer):
     exact_tops = 1
 
     def setup(self, bottom, top):
+        refuse_concat_fusion(self)
         p = self.param.concat_param
         axis = p.axis if p.HasField("axis") or not p.HasField("concat_dim") else p.concat_dim
         if not -5 <= axis < 4:

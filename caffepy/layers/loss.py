@@ -10,17 +10,16 @@ ignore_label is an error naming the layer and the value.
 import numpy as np
 
 from ..errors import ShapeError
+from ..kernels.reference import loss as reference
 from ..layer import Layer, canonical_axis, count_from, register
 from ..proto import caffe_pb2
 
 try:
     from ..kernels import loss as _kernels
-except ImportError:     # not built: the NumPy path is correct, only slower
+except ImportError:     # not built: the NumPy references are correct, only slower
     _kernels = None
 
 LossParameter = caffe_pb2.LossParameter
-FLT_MIN = float(np.finfo(np.float32).tiny)
-LOG_FLT_MIN = float(np.log(np.float32(FLT_MIN)))
 LOG_THRESHOLD = 1e-20          # Caffe's kLOG_THRESHOLD
 
 
@@ -118,17 +117,6 @@ def log_softmax(x):
     return shifted - np.log(s), prob
 
 
-def softmax_into(x, prob):
-    """prob = softmax of x over axis 1, written into `prob` without temporaries of x's
-    size; returns (max, sum of exp(x - max)) per (outer, inner) for the log terms."""
-    peak = x.max(axis=1, keepdims=True)
-    np.subtract(x, peak, out=prob)
-    np.exp(prob, out=prob)
-    total = prob.sum(axis=1, keepdims=True)
-    prob *= 1.0 / total
-    return peak[:, 0, :], total[:, 0, :]
-
-
 # -- layers -----------------------------------------------------------------
 @register
 class SoftmaxWithLoss(LossLayer):
@@ -139,7 +127,8 @@ class SoftmaxWithLoss(LossLayer):
     (VALID default; legacy `normalize`). Optional top[1]: the probabilities.
     The log comes from log-softmax (no log of an underflowed probability), clamped
     at log(FLT_MIN) as Caffe's log(max(prob, FLT_MIN)) is. Computed by
-    caffepy.kernels.loss (cext/loss.pyx) when built, else by NumPy."""
+    caffepy.kernels.loss (cext/loss.pyx) when built, else by its NumPy reference
+    (caffepy/kernels/reference/loss.py)."""
     exact_tops = None
     min_tops, max_tops = 1, 2
 
@@ -165,18 +154,9 @@ class SoftmaxWithLoss(LossLayer):
                                     (self.outer, self.inner))
         if getattr(self, "prob", None) is None or self.prob.shape != x.shape:
             self.prob = np.empty(x.shape, np.float32)
-        self.valid = valid
         self.count = int(valid.sum())
-        if _kernels is not None:
-            self.labels = np.where(valid, labels, -1).astype(np.int32)
-            loss = _kernels.softmax_loss_forward(x, self.labels, self.prob)
-        else:
-            peak, total = softmax_into(x, self.prob)
-            self.labels = np.where(valid, labels, 0)
-            # log p[label] = x[label] - max - log(sum): no log of an underflowed probability
-            picked = gather_classes(x, self.labels).astype(np.float64) - peak - np.log(
-                total.astype(np.float64))
-            loss = -float(np.sum(np.maximum(picked, LOG_FLT_MIN)[valid]))
+        self.labels = np.where(valid, labels, -1).astype(np.int32)
+        loss = (_kernels or reference).softmax_loss_forward(x, self.labels, self.prob)
         top[0].data[...] = loss / normalizer(self, self.mode, self.outer, self.inner, self.count)
         if len(top) > 1:
             top[1].data[...] = self.prob.reshape(bottom[0].shape)
@@ -186,16 +166,7 @@ class SoftmaxWithLoss(LossLayer):
             return
         scale = self.top_diff(top) / normalizer(self, self.mode, self.outer, self.inner, self.count)
         diff = bottom[0].diff.reshape(self.outer, self.classes, self.inner)
-        if _kernels is not None:
-            _kernels.softmax_loss_backward(self.prob, self.labels, scale, diff)
-            return
-        if self.count == self.valid.size:
-            np.multiply(self.prob, np.float32(scale), out=diff)
-        else:
-            weight = np.where(self.valid, np.float32(scale), np.float32(0))
-            np.multiply(self.prob, weight[:, None, :], out=diff)
-        rows, cols = np.nonzero(self.valid)
-        diff[rows, self.labels[rows, cols], cols] -= np.float32(scale)
+        (_kernels or reference).softmax_loss_backward(self.prob, self.labels, scale, diff)
 
 
 @register

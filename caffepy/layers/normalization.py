@@ -6,16 +6,14 @@ Scale layer after it, as in Caffe.
 import numpy as np
 
 from ..errors import ShapeError
+from ..kernels.reference import normalization as reference
+from ..kernels.reference.normalization import MODE_BATCH_NORM, MODE_MEAN_ONLY, MODE_MVN
 from ..layer import Layer, count_from, register
 from ..proto import caffe_pb2
 
 try:
-    from ..kernels import vision as _vision
-except ImportError:     # not built: the NumPy references are correct, only slower
-    _vision = None
-try:
     from ..kernels import normalization as _kernels
-except ImportError:
+except ImportError:     # not built: the NumPy references are correct, only slower
     _kernels = None
 
 LRNParameter = caffe_pb2.LRNParameter
@@ -41,7 +39,7 @@ class LRN(Layer):
         if self.region not in (LRNParameter.ACROSS_CHANNELS, LRNParameter.WITHIN_CHANNEL):
             raise self.error("lrn_param.norm_region", "unknown region", self.region)
         # the compiled kernels keep windows on the stack: 511 covers any real net
-        self.compiled = _vision is not None and self.size <= 511
+        self.compiled = _kernels is not None and self.size <= 511
         if top[0] is bottom[0]:
             raise self.error("top", "LRN cannot run in place (its backward needs the input)",
                              f"'{bottom[0].name}'")
@@ -59,11 +57,10 @@ class LRN(Layer):
         across = self.region == LRNParameter.ACROSS_CHANNELS
         if self.compiled:
             if across:
-                _vision.lrn_across_forward(x, y, self.scale, self.size, self.alpha, self.beta, self.k)
+                _kernels.lrn_across_forward(x, y, self.scale, self.size, self.alpha, self.beta, self.k)
             else:
-                _vision.lrn_within_forward(x, y, self.scale, self.size, self.alpha, self.beta)
+                _kernels.lrn_within_forward(x, y, self.scale, self.size, self.alpha, self.beta)
             return
-        from ..kernels import reference
         if across:
             out, scale = reference.lrn_across_forward(x, self.size, self.alpha, self.beta, self.k)
         else:
@@ -77,10 +74,9 @@ class LRN(Layer):
         x, dy, dx = bottom[0].data, top[0].diff, bottom[0].diff
         across = self.region == LRNParameter.ACROSS_CHANNELS
         if self.compiled:
-            kernel = _vision.lrn_across_backward if across else _vision.lrn_within_backward
+            kernel = _kernels.lrn_across_backward if across else _kernels.lrn_within_backward
             kernel(x, self.scale, dy, dx, self.size, self.alpha, self.beta)
             return
-        from ..kernels import reference
         ref = reference.lrn_across_backward if across else reference.lrn_within_backward
         dx[...] = ref(x, top[0].data, self.scale, dy, self.size, self.alpha, self.beta)
 
@@ -188,35 +184,14 @@ def _buffer(layer, attr, shape):
     return buf[:size].reshape(shape)
 
 
-# -- per-channel passes over (N, C, S) views: kernels, or NumPy when not built --------------
-MODE_BATCH_NORM, MODE_MVN, MODE_MEAN_ONLY = 0, 1, 2
-
-
+# -- per-channel passes over (N, C, S) views: kernels, or their NumPy references when not built
 def normalize_forward(x, y, keep, mode, eps):
     """mean[c], biased var[c] of x[:, c, :] (float64), inv[c] (float32):
     1/sqrt(var + eps) (BatchNorm), 1/(sqrt(var) + eps) (MVN) or 1 (mean only);
     y = (x - mean) * inv, and keep = y when `keep` is given. y may be x."""
     C = x.shape[1]
-    if _kernels is not None:
-        mean, var, inv = np.empty(C), np.empty(C), np.empty(C, np.float32)
-        _kernels.normalize_forward(x, y, keep, mean, var, inv, mode, eps)
-        return mean, var, inv
-    m = x.shape[0] * x.shape[2]
-    mean, var = np.zeros(C), np.zeros(C)
-    if m:
-        mean = x.sum(axis=(0, 2), dtype=np.float64) / m
-        centred = x - mean.astype(np.float32)[None, :, None]
-        var = np.einsum("ncs,ncs->c", centred, centred, dtype=np.float64) / m
-    if mode == MODE_BATCH_NORM:
-        inv = 1.0 / np.sqrt(var + eps)
-    elif mode == MODE_MVN:
-        inv = 1.0 / (np.sqrt(var) + eps)
-    else:
-        inv = np.ones(C)
-    inv = inv.astype(np.float32)
-    channel_affine(x, mean, inv, y)
-    if keep is not None:
-        np.copyto(keep, y)
+    mean, var, inv = np.empty(C), np.empty(C), np.empty(C, np.float32)
+    (_kernels or reference).normalize_forward(x, y, keep, mean, var, inv, mode, eps)
     return mean, var, inv
 
 
@@ -224,24 +199,14 @@ def normalize_backward(dy, y, inv, inv_y, dx):
     """dx = inv (dy - mean(dy)) - inv_y mean(dy y) y per channel; dx may be dy."""
     if _kernels is not None:
         _kernels.normalize_backward(dy, y, inv, np.asarray(inv_y, np.float32), dx)
-        return
-    m = max(dy.shape[0] * dy.shape[2], 1)
-    sum_dy = dy.sum(axis=(0, 2), dtype=np.float64)
-    sum_dy_y = np.einsum("ncs,ncs->c", dy, y, dtype=np.float64)
-    p = inv.astype(np.float32)[None, :, None]
-    q = (-np.asarray(inv_y, np.float64) * sum_dy_y / m).astype(np.float32)[None, :, None]
-    r = (-inv * sum_dy / m).astype(np.float32)[None, :, None]
-    dx[...] = p * dy + q * y + r
+    else:
+        reference.normalize_backward(dy, y, inv, inv_y, dx)
 
 
 def channel_affine(x, sub, mul, out):
     """out[:, c, :] = (x[:, c, :] - sub[c]) * mul[c]; out may be x."""
     sub, mul = np.asarray(sub, np.float32), np.asarray(mul, np.float32)
-    if _kernels is not None:
-        _kernels.channel_affine(x, sub, mul, out)
-        return
-    np.subtract(x, sub[None, :, None], out=out)
-    out *= mul[None, :, None]
+    (_kernels or reference).channel_affine(x, sub, mul, out)
 
 
 @register

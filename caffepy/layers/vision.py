@@ -1,4 +1,5 @@
-"""Vision layers: Convolution, Deconvolution, Pooling, Im2col, Crop.
+"""Vision layers: Convolution, Deconvolution, Pooling, Im2col, Crop, SPP (spatial pyramid
+pooling), and Intel Caffe's ROIPooling (Fast R-CNN) and Reorg (YOLO v2).
 
 The arithmetic lives in caffepy.kernels.vision (im2col + sgemm without the GIL,
 OpenMP over images); these classes read parameters, check shapes and own buffers.
@@ -10,11 +11,24 @@ import numpy as np
 from .. import geometry
 from ..errors import ShapeError
 from ..kernels import vision as kv
-from ..layer import Layer, canonical_axis, register
+from ..layer import Layer, canonical_axis, count_from, register
 from ..proto import caffe_pb2
 from .common import param_wanted
 
 _NO_BUFFER = np.zeros(0, np.float32)
+
+
+def refuse_fusions(layer):
+    """Intel Caffe's fusions in convolution_param (a ReLU or an Eltwise SUM done by the
+    convolution) change results and are not run: refused on every path."""
+    p = layer.param.convolution_param
+    if p.relu:
+        raise layer.error("convolution_param.relu", "fused ReLU (Intel Caffe) is not supported", True,
+                          hint="Use a ReLU layer after the convolution")
+    if p.fusion_type != p.NONE_FUSION or len(p.coeff):
+        raise layer.error("convolution_param.fusion_type", "fused Eltwise SUM (Intel Caffe) is not "
+                          "supported", p.FusionType.Name(p.fusion_type),
+                          hint="Use an Eltwise layer after the convolution")
 
 
 class _ConvBase(Layer):
@@ -24,6 +38,7 @@ class _ConvBase(Layer):
     equal_bottom_top = True
 
     def setup(self, bottom, top):
+        refuse_fusions(self)
         p = self.param.convolution_param
         if p.axis not in (1, -3) and not (p.axis < 0 and p.axis + bottom[0].num_axes == 1):
             raise self.error("convolution_param.axis", "caffepy supports the channel axis 1", p.axis)
@@ -288,3 +303,250 @@ class Crop(Layer):
             diff = bottom[0].diff
             diff[...] = 0
             diff[self.window] = top[0].diff
+
+
+@register
+class SPP(Layer):
+    """Spatial pyramid pooling: MAX or AVE pooling of the whole image into 1, 2x2, 4x4, ...
+    bins (pyramid_height levels; geometry.spp_window gives each level's kernel and padding),
+    each level flattened and all concatenated: top N x C * (1 + 4 + 16 + ...). With
+    pyramid_height 1 the top is the single level unflattened, N x C x 1 x 1 (as in Caffe).
+
+    spp_param { pyramid_height pool }.
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        p = self.param.spp_param
+        if p.pyramid_height < 1:
+            raise self.error("spp_param.pyramid_height", "must be at least 1", p.pyramid_height)
+        if p.pool not in (p.MAX, p.AVE):
+            raise self.error("spp_param.pool", "only MAX and AVE are supported", p.PoolMethod.Name(p.pool))
+        self.levels = int(p.pyramid_height)
+        self.max = p.pool == p.MAX
+
+    def reshape(self, bottom, top):
+        if bottom[0].num_axes != 4:
+            raise self.error("bottom", "needs a 4-axis (N, C, H, W) blob", bottom[0].shape, cls=ShapeError)
+        n, c, h, w = bottom[0].shape
+        self.windows, self.outputs, self.masks = [], [], []
+        for level in range(self.levels):
+            window = geometry.spp_window(level, h, w)
+            if window.pad[0] >= window.kernel[0] or window.pad[1] >= window.kernel[1]:
+                raise self.error("spp_param.pyramid_height", f"level {level} ({2 ** level}x{2 ** level} "
+                                 f"bins) does not fit the {h}x{w} input", self.levels, cls=ShapeError)
+            oh, ow = geometry.pool_output_shape(h, w, *window.kernel, *window.stride, *window.pad)
+            self.windows.append(window)
+            self.outputs.append(np.zeros((n, c, oh, ow), np.float32))
+            self.masks.append(np.zeros((n, c, oh, ow), np.int32) if self.max else None)
+        if self.levels == 1:
+            top[0].reshape(self.outputs[0].shape)
+        else:
+            top[0].reshape(n, sum(o[0].size for o in self.outputs))
+
+    def _args(self, window):
+        return (*window.kernel, *window.stride, *window.pad)
+
+    def forward(self, bottom, top):
+        n = bottom[0].shape[0]
+        y = top[0].data.reshape(n, -1)
+        start = 0
+        for window, out, mask in zip(self.windows, self.outputs, self.masks):
+            if self.max:
+                kv.max_pool_forward(bottom[0].data, out, mask, *self._args(window))
+            else:
+                kv.ave_pool_forward(bottom[0].data, out, *self._args(window))
+            y[:, start:start + out[0].size] = out.reshape(n, -1)
+            start += out[0].size
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        n = bottom[0].shape[0]
+        dy = top[0].diff.reshape(n, -1)
+        dx = bottom[0].diff
+        scratch = np.empty_like(dx) if self.levels > 1 else dx
+        start = 0
+        for level, (window, out, mask) in enumerate(zip(self.windows, self.outputs, self.masks)):
+            part = np.ascontiguousarray(dy[:, start:start + out[0].size].reshape(out.shape))
+            start += out[0].size
+            into = dx if level == 0 else scratch
+            if self.max:
+                kv.max_pool_backward(part, mask, into)
+            else:
+                kv.ave_pool_backward(part, into, *self._args(window))
+            if level:
+                dx += scratch
+
+
+def round_half_away(x):
+    """C's round(): halves away from zero (NumPy's rint rounds them to even)."""
+    return np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+
+
+@register
+class ROIPooling(Layer):
+    """Max pooling of each region of interest into a fixed pooled_h x pooled_w grid (Fast
+    R-CNN; Intel Caffe's layer).
+
+    Bottoms: features N x C x H x W, rois R x 5 (batch index, x1, y1, x2, y2 in input-image
+    coordinates). Top R x C x pooled_h x pooled_w. A region is scaled by spatial_scale and
+    rounded to the feature grid (ends inclusive, at least 1 x 1); bin (ph, pw) covers rows
+    [floor(ph * h / pooled_h), ceil((ph + 1) * h / pooled_h)) of it, clipped to the map; an
+    empty bin gives 0. Backward routes each bin's diff to its maximum; none to the rois.
+
+    roi_pooling_param { pooled_h pooled_w (or pooled_size: one or two values) spatial_scale }.
+    """
+    exact_bottoms = 2
+    exact_tops = 1
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index == 0
+
+    def setup(self, bottom, top):
+        p = self.param.roi_pooling_param
+        if bottom[0].num_axes != 4:
+            raise self.error("bottom[0]", "caffepy supports 2-D ROI pooling: needs N x C x H x W",
+                             bottom[0].shape, cls=ShapeError)
+        if len(p.pooled_size):
+            if len(p.pooled_size) > 2:
+                raise self.error("roi_pooling_param.pooled_size", "give one value or two (h, w)",
+                                 list(p.pooled_size))
+            self.pooled = (p.pooled_size[0], p.pooled_size[-1])
+        else:
+            self.pooled = (p.pooled_h, p.pooled_w)
+        if min(self.pooled) < 1:
+            raise self.error("roi_pooling_param.pooled_h", "pooled_h and pooled_w must be positive",
+                             f"{self.pooled[0]}x{self.pooled[1]}")
+        self.scale = np.float32(p.spatial_scale)
+
+    def reshape(self, bottom, top):
+        rois = bottom[1]
+        if rois.num_axes < 2 or count_from(rois.shape, 1) != 5:
+            raise self.error("bottom[1]", "rois must be R x 5 (batch index, x1, y1, x2, y2)", rois.shape,
+                             cls=ShapeError)
+        top[0].reshape(rois.shape[0], bottom[0].shape[1], *self.pooled)
+
+    def _bins(self, start, length, pooled, limit):
+        """[start, end) of each of `pooled` bins over `length` cells from `start`, clipped."""
+        size = np.float32(length) / np.float32(pooled)
+        steps = np.arange(pooled + 1, dtype=np.float32)
+        lo = np.floor(steps[:-1] * size).astype(np.int64) + start
+        hi = np.ceil(steps[1:] * size).astype(np.int64) + start
+        return np.clip(lo, 0, limit), np.clip(hi, 0, limit)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data
+        n, c, h, w = x.shape
+        rois = bottom[1].data.reshape(-1, 5)
+        y = top[0].data
+        ph_n, pw_n = self.pooled
+        self.argmax = np.full(y.shape, -1, np.int64)
+        self.batch = rois[:, 0].astype(np.int64)
+        bad = (self.batch < 0) | (self.batch >= n)
+        if np.any(bad):
+            raise self.error("bottom[1]", f"roi batch indices must lie in [0, {n})", float(rois[bad, 0][0]),
+                             cls=ShapeError)
+        corners = round_half_away(rois[:, 1:] * self.scale).astype(np.int64)   # x1, y1, x2, y2
+        for r in range(rois.shape[0]):
+            x1, y1, x2, y2 = corners[r]
+            hs, he = self._bins(y1, max(y2 - y1 + 1, 1), ph_n, h)
+            ws, we = self._bins(x1, max(x2 - x1 + 1, 1), pw_n, w)
+            plane = x[self.batch[r]].reshape(c, h * w)
+            for i in range(ph_n):
+                for j in range(pw_n):
+                    if he[i] <= hs[i] or we[j] <= ws[j]:
+                        y[r, :, i, j] = 0
+                        continue
+                    cells = (np.arange(hs[i], he[i])[:, None] * w + np.arange(ws[j], we[j])).ravel()
+                    arg = np.argmax(plane[:, cells], axis=1)      # the first maximum, as Caffe's scan
+                    self.argmax[r, :, i, j] = cells[arg]
+                    y[r, :, i, j] = plane[np.arange(c), cells[arg]]
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[1]:
+            bottom[1].diff[...] = 0
+        if not propagate_down[0]:
+            return
+        dx = bottom[0].diff
+        dx[...] = 0
+        n, c, h, w = dx.shape
+        r, _, ph_n, pw_n = top[0].shape
+        found = self.argmax >= 0
+        plane = (self.batch[:, None, None, None] * c + np.arange(c)[None, :, None, None])
+        flat = np.broadcast_to(plane, self.argmax.shape)[found] * (h * w) + self.argmax[found]
+        np.add.at(dx.reshape(-1), flat, top[0].diff[found])
+
+
+@register
+class Reorg(Layer):
+    """YOLO v2's reorganisation, in darknet's element order (Intel Caffe's layer). With
+    stride s and a bottom N x C x H x W:
+
+        reverse false: top N x C s^2 x H/s x W/s (space to depth)
+        reverse true:  top N x C/s^2 x H s x W s (depth to space)
+
+    Both read the bottom's values as a N x C/s^2 x H s x W s array X (the bottom's own
+    shape when reversed, a reinterpretation of its memory otherwise) and pair X[n, c, h s + dy,
+    w s + dx] with element (n, (dy s + dx) C/s^2 + c, h, w) of a N x C x H x W array (the top's
+    memory without reverse, the bottom with it). reorg_param { stride reverse }.
+    """
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom, top):
+        _no_in_place_top(self, bottom, top)
+        p = self.param.reorg_param
+        if not p.HasField("stride") or p.stride < 1:
+            raise self.error("reorg_param.stride", "is required and must be positive", p.stride)
+        self.stride, self.reverse = int(p.stride), bool(p.reverse)
+
+    def reshape(self, bottom, top):
+        if bottom[0].num_axes != 4:
+            raise self.error("bottom", "needs a 4-axis (N, C, H, W) blob", bottom[0].shape, cls=ShapeError)
+        n, c, h, w = bottom[0].shape
+        s = self.stride
+        if c % (s * s) or (not self.reverse and (h % s or w % s)):
+            need = f"channels divisible by {s * s}" + ("" if self.reverse else f" and height, width by {s}")
+            raise self.error("reorg_param.stride", f"needs {need}", f"{s} for a {c}x{h}x{w} bottom",
+                             cls=ShapeError)
+        # the N x C x H x W grid of the pairing (see the docstring): the bottom's shape either way
+        self.grid = (n, c, h, w)
+        if self.reverse:
+            top[0].reshape(n, c // (s * s), h * s, w * s)
+        else:
+            top[0].reshape(n, c * s * s, h // s, w // s)
+
+    def _space(self, a):
+        """A (the N x C x H x W side) as N x s x s x C/s^2 x H x W, X's order."""
+        n, c, h, w = self.grid
+        s = self.stride
+        return a.reshape(n, s, s, c // (s * s), h, w)
+
+    def _x(self, a):
+        """X as N x C/s^2 x H x s x W x s."""
+        n, c, h, w = self.grid
+        s = self.stride
+        return a.reshape(n, c // (s * s), h, s, w, s)
+
+    def _move(self, src, dst, to_grid):
+        """Copy src into dst through the pairing: X -> grid side (to_grid) or back."""
+        if to_grid:
+            self._space(dst)[...] = self._x(src).transpose(0, 3, 5, 1, 2, 4)
+        else:
+            self._x(dst)[...] = self._space(src).transpose(0, 3, 4, 1, 5, 2)
+
+    def forward(self, bottom, top):
+        # without reverse the bottom's memory is X and the top's the grid; with reverse, the other way
+        self._move(bottom[0].data, top[0].data, to_grid=not self.reverse)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            self._move(top[0].diff, bottom[0].diff, to_grid=self.reverse)
+
+
+def _no_in_place_top(layer, bottom, top):
+    if top[0] is bottom[0]:
+        raise layer.error("top", "cannot be computed in place", f"'{layer.param.top[0]}'",
+                          "Give the top its own name")

@@ -11,6 +11,8 @@
     plateau    (Intel) base_lr * gamma ^ current_step; current_step advances when the
                smoothed loss has not reached a new minimum for plateau_winsize[current_step]
                iterations since the last event (a new minimum or a step)
+    multifixed (Intel) stagelr[i] for the first stage i with iter <= stageiter[i]; the last
+               stage's rate after stageiter runs out (base_lr is not used)
 
 Intel Caffe's linear warm-up takes precedence while iter < warmup_iter:
     (iter * base_lr + (warmup_iter - iter) * warmup_start_lr) / warmup_iter
@@ -18,7 +20,7 @@ i.e. it ramps towards base_lr (not the policy's rate), and the policy's own stat
 (multistep's current_step) does not move during warm-up — both as Intel Caffe does.
 
 Fields read: lr_policy, base_lr, gamma, power, stepsize, stepvalue, max_iter,
-plateau_winsize, warmup_iter, warmup_start_lr.
+plateau_winsize, stagelr, stageiter, warmup_iter, warmup_start_lr.
 
 The arithmetic is Caffe's, in its types (Dtype = float): C++ promotes pow(float, int)
 to double (step, exp, multistep, plateau: the power in double, the product rounded to
@@ -68,7 +70,7 @@ def _times_pow(base, gamma, n):
     return F32(float(F32(base)) * math.pow(float(F32(gamma)), n))
 
 
-POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid", "plateau")
+POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid", "plateau", "multifixed")
 
 
 class Plateau:
@@ -88,14 +90,28 @@ def check(param, source="<solver>"):
     if policy not in POLICIES:
         raise SolverError(f"{source}: lr_policy: unknown learning rate policy, got '{policy}'. "
                           f"Known policies: {', '.join(POLICIES)}")
-    if policy in ("step",) and param.stepsize <= 0:
-        raise SolverError(f"{source}: stepsize: the step policy needs stepsize > 0, got {param.stepsize}")
+    for field in ("base_lr", "warmup_start_lr"):
+        value = getattr(param, field)
+        if not (math.isfinite(value) and value >= 0):
+            raise SolverError(f"{source}: {field}: must be a finite number >= 0, got {value:g}")
+    if not math.isfinite(param.power):
+        raise SolverError(f"{source}: power: must be a finite number, got {param.power:g}")
+    # Caffe's CHECKs in SGDSolver::GetLearningRate
+    if policy in ("step", "exp", "inv", "multistep", "sigmoid", "plateau") and not (
+            math.isfinite(param.gamma) and param.gamma >= 0):
+        raise SolverError(f"{source}: gamma: the {policy} policy needs a finite gamma >= 0, got {param.gamma:g}")
+    if policy in ("step", "sigmoid") and param.stepsize <= 0:
+        raise SolverError(f"{source}: stepsize: the {policy} policy needs stepsize > 0, got {param.stepsize}")
     if policy == "poly" and param.max_iter <= 0:
         raise SolverError(f"{source}: max_iter: the poly policy needs max_iter > 0, got {param.max_iter}")
     if policy == "multistep":
         values = list(param.stepvalue)
         if any(b <= a for a, b in zip(values, values[1:])):
             raise SolverError(f"{source}: stepvalue: must increase, got {values}")
+    if policy == "multifixed":
+        if not len(param.stagelr) or len(param.stagelr) != len(param.stageiter):
+            raise SolverError(f"{source}: stagelr: the multifixed policy needs one stagelr per stageiter, "
+                              f"got {len(param.stagelr)} stagelr and {len(param.stageiter)} stageiter")
     if param.warmup_iter < 0:
         raise SolverError(f"{source}: warmup_iter: must be >= 0, got {param.warmup_iter}")
 
@@ -148,6 +164,9 @@ def learning_rate(param, it, current_step, plateau=None):
         if param.display and it % param.display == 0 and state.iter_last_event > it - param.display:
             status.append(f"Plateau Status: Iteration {it}, current minimum_loss = {state.minimum_loss:.6g}")
         rate = _times_pow(base, param.gamma, current_step)
+    elif policy == "multifixed":
+        stage = next((i for i, end in enumerate(param.stageiter) if it <= end), len(param.stageiter) - 1)
+        rate = param.stagelr[stage]
     elif policy == "sigmoid":
         rate = base * (F32(1) / (F32(1) + expf(-F32(param.gamma) * (F32(it) - F32(param.stepsize)))))
     else:

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import log, rng, upgrade
 from ..context import SINGLE
-from ..errors import SolverError
+from ..errors import CaffepyError, SolverError
 from ..log import fmt
 from ..proto import caffe_pb2
 from . import lr_policy, nets, snapshot, updates
@@ -142,6 +142,7 @@ class Solver:
         snapshot.default_prefix(param, self.source)
         if self.is_root:
             snapshot.check_writable(param, self.source)
+            snapshot.remove_stale(param)
         log.info(f"Initializing solver from parameters: {self.source}")
         if param.solver_mode == caffe_pb2.SolverParameter.GPU:
             log.info("solver_mode: GPU requested; caffepy runs on the CPU")
@@ -235,7 +236,7 @@ class Solver:
             loss = self._reduce_loss(self.net.forward_from_to())
             self._update_smoothed_loss(loss, start_iter)
             log.info(f"Iteration {self.iter}, loss = {fmt(self.smoothed_loss)}")
-        if p.test_interval and self.iter % p.test_interval == 0:
+        if p.test_interval and (self.iter - p.test_offset) % p.test_interval == 0:
             self._test_phase()
         log.info("Optimization Done.")
 
@@ -253,7 +254,8 @@ class Solver:
         on_layer_done = (lambda li: [fn(self, li) for fn in layer_done]) if layer_done else None
         while self.iter < stop_iter:
             self.net.clear_param_diffs()
-            if (p.test_interval and self.iter % p.test_interval == 0
+            # Intel's test_offset shifts the test iterations (test_interval counts from it)
+            if (p.test_interval and (self.iter - p.test_offset) % p.test_interval == 0
                     and (self.iter > 0 or p.test_initialization)):
                 self._test_phase()
                 if self.requested_early_exit:
@@ -449,20 +451,63 @@ class Solver:
         for i, blob in enumerate(self.net.learnable_params):
             arrays[blob] = (self._gather(i, blob.data), self._gather(i, blob.diff) if write_diff else None)
             states.append([self._gather(i, h) for h in self.rule.state(i)])
+        ranks = self.context.gather(self._run_state())
         if self.is_root:
             self.last_snapshot = snapshot.write(self.param, self.iter, self.net, states, self.current_step,
-                                                self.plateau, arrays)
+                                                self.plateau, arrays, run_state={"ranks": ranks})
         self._snapshot_iter = self.iter
         return self.last_snapshot
 
+    def _run_state(self):
+        """This rank's part of a snapshot's run state: its random generator and where the
+        train net's data layers stand (the test nets start over on resume, as in Caffe)."""
+        layers = {}
+        for layer in self.net.layers:
+            state = layer.read_state()
+            if state is not None:
+                layers[layer.name] = state
+        return {"rng": rng.get_state(), "layers": layers}
+
     def restore(self, state_file):
         """Resume from a .solverstate: weights from the caffemodel it names, history, iter,
-        current_step and (when saved by caffepy) the random generator state."""
+        current_step and (when saved by caffepy) the random generator state of this rank and
+        the read positions of the train net's data layers."""
+        state_file = os.fspath(state_file)
         state = snapshot.restore(state_file, self.net, self.rule)
+        self._restore_run(snapshot.saved_run_state(state, state_file), state_file)
         self.iter = state.iter
         self.current_step = state.current_step
         self.plateau.minimum_loss = state.minimum_loss
         self.plateau.iter_last_event = state.iter_last_event
+
+    def _restore_run(self, run, state_file):
+        readers = [layer for layer in self.net.layers if layer.read_state() is not None]
+        if run is None:
+            if readers:
+                log.info(f"{state_file} has no data read positions (written by Caffe or an older caffepy): "
+                         f"data layers {', '.join(r.name for r in readers)} start from their first record, "
+                         f"as in Caffe")
+            return
+        ranks = run["ranks"]
+        same = len(ranks) == self.context.size
+        index = self.context.rank if same else 0
+        mine = ranks[index]
+        if same:
+            rng.set_state(mine["rng"])
+        else:           # each rank keeps rank 0's generator (RNG_STATE_FIELD), as before
+            log.info(f"{state_file} was written by {len(ranks)} ranks, this run has {self.context.size}: "
+                     f"the random draws will not be those of an uninterrupted run")
+        for layer in readers:
+            saved = mine["layers"].get(layer.name)
+            if saved is None:
+                log.info(f"{state_file}: no read position for data layer '{layer.name}': it starts from "
+                         f"its first record")
+                continue
+            try:
+                layer.set_read_state(saved, len(ranks))
+            except CaffepyError as e:
+                raise SolverError(f"{state_file}: run state: ranks[{index}]: layer "
+                                  f"'{layer.name}': {e}") from None
 
 
 # -- pycaffe's solver classes ------------------------------------------------

@@ -183,6 +183,18 @@ CASES = [
          expected=lambda x: [(x * x).sum(axis=-1)]),
     Case("Reduction", "reduction_param { operation: MEAN axis: 2 coeff: -0.5 }", [X4],
          expected=lambda x: [-0.5 * x.mean(axis=(2, 3))]),
+    # BatchReindex / Filter / Parameter
+    Case("BatchReindex", "", [randn(4, 3, 2), np.array([3, 0, 3, 1, 2], np.float32)], check_bottom=[0],
+         expected=lambda x, idx: [x[idx.astype(int)]]),
+    Case("BatchReindex", "", [randn(3, 2), np.array([2.7, 0], np.float32)], check_bottom=[0],
+         expected=lambda x, idx: [x[[2, 0]]], id="BatchReindex:truncates"),
+    Case("Filter", "", [randn(4, 3), randn(4, 2, 2, seed=1), np.array([1, 0, 0.5, 1], np.float32)], n_top=2,
+         check_bottom=[0, 1], expected=lambda a, b, sel: [a[[0, 2, 3]], b[[0, 2, 3]]]),
+    Case("Filter", "", [randn(3, 2), np.array([[0], [1], [0]], np.float32)], check_bottom=[0],
+         expected=lambda a, sel: [a[[1]]], id="Filter:N x 1 selector"),
+    Case("Parameter", "parameter_param { shape { dim: 2 dim: 3 } }", [],
+         init=lambda layer: layer.blobs[0].set_data(randn(2, 3, seed=4)),
+         expected=lambda layer: [layer.blobs[0].data]),
 ]
 
 test_forward, test_gradient = case_tests(CASES)
@@ -372,20 +384,21 @@ def test_inner_product_matches_torch():
 
 def test_scale_kernels_against_numpy():
     from caffepy.kernels import common as kernels
+    from caffepy.kernels.reference import common as ref
     x, dy = randn(3, 7, 5003, seed=1), randn(3, 7, 5003, seed=2)
     s, b = randn(7, seed=3), randn(7, seed=4)
     y, saved = np.empty_like(x), np.empty_like(x)
     kernels.scale_forward(x, s, b, y, saved)
-    np.testing.assert_allclose(y, x * s[:, None] + b[:, None], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y, ref.scale_forward(x, s, b), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(saved, x)
     kernels.scale_forward(x, s, None, y, None)
-    np.testing.assert_allclose(y, x * s[:, None], rtol=1e-6)
+    np.testing.assert_allclose(y, ref.scale_forward(x, s), rtol=1e-6)
     dx, ds, db = np.empty_like(x), np.ones(7), np.ones(7)
     kernels.scale_backward(x, dy, s, dx, ds, db)
-    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
-    np.testing.assert_allclose(ds, 1 + (dy64 * x64).sum(axis=(0, 2)), rtol=1e-4)
-    np.testing.assert_allclose(db, 1 + dy64.sum(axis=(0, 2)), rtol=1e-4)
-    np.testing.assert_allclose(dx, dy * s[:, None], rtol=1e-6)
+    want_dx, want_ds, want_db = ref.scale_backward(x, dy, s)
+    np.testing.assert_allclose(ds, 1 + want_ds, rtol=1e-4)
+    np.testing.assert_allclose(db, 1 + want_db, rtol=1e-4)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-6)
     kernels.scale_backward(x, dy, s, dy, None, None)      # dx over dy, in place
     np.testing.assert_array_equal(dy, dx)
 
@@ -411,3 +424,60 @@ def test_softmax_matches_torch(axis):
     ty.backward(torch.from_numpy(dy.astype(np.float64)))
     np.testing.assert_allclose(top[0].data, ty.detach().numpy(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(bottom[0].diff, tx.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+# -- BatchReindex / Filter / Parameter ----------------------------------------------------------
+def test_batch_reindex_sums_the_diffs_of_a_repeated_item_and_checks_indices():
+    layer, bottom, top = setup_layer("BatchReindex", "", [randn(3, 2), np.array([1, 1, 0], np.float32)])
+    layer.forward(bottom, top)
+    top[0].diff[...] = [[1, 2], [10, 20], [5, 5]]
+    layer.backward(top, [True, False], bottom)
+    np.testing.assert_array_equal(bottom[0].diff, [[5, 5], [11, 22], [0, 0]])
+    bottom[1].data[...] = [0, 3, 1]
+    with pytest.raises(ShapeError, match=r"bottom\[1\]: indices must lie in \[0, 3\).*got 3.0"):
+        layer.forward(bottom, top)
+
+
+def test_filter_keeps_the_batch_until_the_selector_is_known_then_zeroes_dropped_diffs():
+    layer, bottom, top = setup_layer("Filter", "", [randn(4, 3), np.array([0, 1, 0, 1], np.float32)])
+    assert top[0].shape == (4, 3)             # as Caffe: the setup-time shape keeps all items
+    layer.reshape(bottom, top)
+    assert top[0].shape == (2, 3)
+    layer.forward(bottom, top)
+    top[0].diff[...] = 1
+    bottom[0].diff[...] = 7
+    layer.backward(top, [True, False], bottom)
+    np.testing.assert_array_equal(bottom[0].diff, [[0] * 3, [1] * 3, [0] * 3, [1] * 3])
+    with pytest.raises(LayerError, match=r"top: needs one top per filtered bottom \(1\), got 2"):
+        setup_layer("Filter", "", [randn(4, 3), np.ones(4, np.float32)], n_top=2)
+    with pytest.raises(ShapeError, match=r"bottom\[1\]: the selector must be N or N x 1 x"):
+        setup_layer("Filter", "", [randn(4, 3), np.ones((4, 2), np.float32)])
+
+
+def test_parameter_top_is_the_blob_and_backward_accumulates():
+    layer, bottom, top = setup_layer("Parameter", "parameter_param { shape { dim: 2 } }", [])
+    assert layer.blobs[0].shape == (2,) and not layer.blobs[0].data.any()
+    layer.forward(bottom, top)
+    layer.blobs[0].data[...] = [3, 4]
+    assert top[0].data.tolist() == [3, 4]
+    layer.blobs[0].diff[...] = 1
+    top[0].diff[...] = [2, 5]
+    layer.backward(top, [], bottom)
+    assert layer.blobs[0].diff.tolist() == [3, 6]
+
+
+# -- Intel Caffe fields refused when a net is built ----------------------------------------------
+@pytest.mark.parametrize("type_,params,bottoms,match", [
+    ("InnerProduct", "inner_product_param { num_output: 2 relu: true }", [randn(2, 3)],
+     r"layer 'layer' \(InnerProduct\): inner_product_param.relu: fused ReLU \(Intel Caffe\) is not supported"),
+    ("Concat", "concat_param { per_fla_fuse: true }", [randn(2, 3), randn(2, 3)],
+     r"concat_param.per_fla_fuse: the fused Permute \+ Flatten .* is not supported"),
+    ("Reshape", "reshape_param { pixelshuffler: 2 }", [randn(1, 4, 2, 2)],
+     r"reshape_param.pixelshuffler: the pixel shuffle \(Intel Caffe\) is not supported, got 2"),
+    ("ReLU", "quantization_param { bw_layer_in: 8 is_negative_input: true }", [randn(2, 3)],
+     r"layer 'layer' \(ReLU\): quantization_param: Intel Caffe's int8 \(reduced-precision\) inference is "
+     r"not supported\. Remove quantization_param to run the layer in float32"),
+])
+def test_intel_fields_caffepy_does_not_run_are_refused(type_, params, bottoms, match):
+    with pytest.raises(LayerError, match=match):
+        setup_layer(type_, params, bottoms)

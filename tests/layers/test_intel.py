@@ -1,12 +1,14 @@
 """The Intel path: IntelPack / IntelUnpack and the blocked layers, against NumPy references of
-the NCHW computation (caffepy/kernels/reference.py), for block widths 8 and 16 on any CPU; a
+the layout (caffepy/kernels/reference/intel.py) and of the NCHW computation
+(reference/vision.py, reference/normalization.py), for block widths 8 and 16 on any CPU; a
 gradient case for every blocked variant; the plain and blocked paths read one geometry."""
 import numpy as np
 import pytest
 
 from caffepy.blob import Blob, Blocked
 from caffepy.errors import LayerError
-from caffepy.kernels import reference as ref
+from caffepy.kernels.reference import normalization as ref_norm
+from caffepy.kernels.reference import vision as ref
 from caffepy.layer import VIA_NCHW
 from caffepy.layers import intel
 from caffepy.proto import caffe_pb2
@@ -72,6 +74,7 @@ CONVS = [
     (3, 5, 1, 11, 4, 0, 1, 23, 19),     # conv1's kernel and stride
     (32, 24, 2, 3, 1, 1, 2, 7, 7),      # dilation, vector order at 8 and 16
     (8, 7, 1, 2, 3, 1, 1, 8, 9),        # stride past the kernel, output channels not a block
+    (3, 12, 1, 3, 1, 1, 1, 12, 12),     # plain order, enough work to run the images on threads
 ]
 
 
@@ -180,11 +183,11 @@ def test_blocked_lrn_matches_reference(spec, width):
     params = f"lrn_param {{ local_size: {size} alpha: 0.3 beta: {beta} k: {k} }}"
     layer, bottom, top = blocked_layer("LRN", params, [x], width)
     layer.forward(bottom, top)
-    want, scale = ref.lrn_across_forward(x, size, 0.3, beta, k)
+    want, scale = ref_norm.lrn_across_forward(x, size, 0.3, beta, k)
     np.testing.assert_allclose(ref_unpack(top[0].data, C), want, rtol=1e-5, atol=1e-6)
     dy = randn(*x.shape, seed=7)
     run_backward(layer, bottom, top, [dy])
-    dx = ref.lrn_across_backward(x, want, scale, dy, size, 0.3, beta)
+    dx = ref_norm.lrn_across_backward(x, want, scale, dy, size, 0.3, beta)
     np.testing.assert_allclose(ref_unpack(bottom[0].diff, C), dx, rtol=1e-4, atol=1e-5)
     assert not ref_unpack(bottom[0].diff, bottom[0].shape[1] * width)[:, C:].any()
 
@@ -198,11 +201,11 @@ def test_blocked_lrn_many_tiles(width, beta):
     params = f"lrn_param {{ local_size: {size} alpha: {alpha} beta: {beta} }}"
     layer, bottom, top = blocked_layer("LRN", params, [x], width)
     layer.forward(bottom, top)
-    want, scale = ref.lrn_across_forward(x, size, alpha, beta, 1.0)
+    want, scale = ref_norm.lrn_across_forward(x, size, alpha, beta, 1.0)
     np.testing.assert_allclose(ref_unpack(top[0].data, C), want, rtol=1e-5, atol=1e-6)
     dy = randn(*x.shape, seed=12)
     run_backward(layer, bottom, top, [dy])
-    dx = ref.lrn_across_backward(x, want, scale, dy, size, alpha, beta)
+    dx = ref_norm.lrn_across_backward(x, want, scale, dy, size, alpha, beta)
     np.testing.assert_allclose(ref_unpack(bottom[0].diff, C), dx, rtol=1e-4, atol=1e-5)
 
 
@@ -217,14 +220,14 @@ def test_blocked_lrn_backward_ignores_padding_lanes(width, beta):
     layer, bottom, top = blocked_layer("LRN", params, [x], width)
     bottom[0].data[:, -1, :, :, C % width:] = np.inf
     layer.forward(bottom, top)
-    want, scale = ref.lrn_across_forward(x, 5, 0.5, beta, 1.0)
+    want, scale = ref_norm.lrn_across_forward(x, 5, 0.5, beta, 1.0)
     np.testing.assert_allclose(ref_unpack(top[0].data, C), want, rtol=1e-5, atol=1e-6)
     assert not top[0].data[:, -1, :, :, C % width:].any()
     dy = randn(*x.shape, seed=14)
     top[0].diff[...] = ref_pack(dy, width)
     top[0].diff[:, -1, :, :, C % width:] = 0.5
     layer.backward(top, [True], bottom)
-    dx = ref.lrn_across_backward(x, want, scale, dy, 5, 0.5, beta)
+    dx = ref_norm.lrn_across_backward(x, want, scale, dy, 5, 0.5, beta)
     np.testing.assert_allclose(ref_unpack(bottom[0].diff, C), dx, rtol=1e-4, atol=1e-5)
     assert not bottom[0].diff[:, -1, :, :, C % width:].any()
 
@@ -235,7 +238,7 @@ def test_blocked_lrn_ignores_padding_lanes():
     layer, bottom, top = blocked_layer("LRN", "lrn_param { local_size: 5 alpha: 0.5 }", [x], 8)
     bottom[0].data[:, 1, :, :, 5:] = 0.5
     layer.forward(bottom, top)
-    want, _ = ref.lrn_across_forward(x, 5, 0.5, 0.75, 1.0)
+    want, _ = ref_norm.lrn_across_forward(x, 5, 0.5, 0.75, 1.0)
     np.testing.assert_allclose(ref_unpack(top[0].data, 13), want, rtol=1e-5, atol=1e-6)
     assert not top[0].data[:, 1, :, :, 5:].any()
 
@@ -277,7 +280,7 @@ def _conv_expected(pad, stride, group=1):
 
 
 def _lrn_expected(size, alpha, beta, k):
-    return lambda x: [ref.lrn_across_forward(x, size, alpha, beta, k)[0]]
+    return lambda x: [ref_norm.lrn_across_forward(x, size, alpha, beta, k)[0]]
 
 
 def _batch_norm_expected(x):

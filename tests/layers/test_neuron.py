@@ -5,6 +5,7 @@ from caffepy import rng
 from caffepy.blob import Blob
 from caffepy.errors import LayerError
 from caffepy.kernels import neuron as kernels
+from caffepy.kernels.reference import neuron as ref
 from layer_cases import TEST, TRAIN, Case, case_tests, make_layer, randn
 
 
@@ -218,47 +219,58 @@ def test_prelu_needs_channels():
 N = 3 * 65536 + 7
 
 
-def _ref_relu_b(x, dy, slope):
-    return dy * np.where(x > 0, 1, slope)
-
-
 @pytest.mark.parametrize("slope", [0.0, 0.1])
 def test_relu_kernels(slope):
     x, dy = randn(N, seed=1), randn(N, seed=2)
     y = np.empty_like(x)
     kernels.relu_forward(x, y, slope)
-    np.testing.assert_array_equal(y, np.where(x > 0, x, x * np.float32(slope)))
+    np.testing.assert_array_equal(y, ref.relu_forward(x, slope))
     dx = np.empty_like(x)
     kernels.relu_backward(x, dy, dx, slope)
-    np.testing.assert_allclose(dx, _ref_relu_b(x, dy, np.float32(slope)), rtol=1e-6)
+    np.testing.assert_allclose(dx, ref.relu_backward(x, dy, slope), rtol=1e-6)
     kernels.relu_forward(x, x, slope)                     # in place
     np.testing.assert_array_equal(x, y)
 
 
 def test_elu_sigmoid_tanh_swish_dropout_kernels():
     x, dy = randn(N, seed=1), randn(N, seed=2)
-    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    x64 = x.astype(np.float64)
     y = np.empty_like(x)
     kernels.elu_forward(x, y, 0.7)
-    np.testing.assert_allclose(y, np.where(x64 > 0, x64, 0.7 * np.expm1(x64)), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(y, ref.elu_forward(x, 0.7), rtol=1e-5, atol=1e-7)
     dx = np.empty_like(x)
     kernels.elu_backward(x, y, dy, dx, 0.7)
-    np.testing.assert_allclose(dx, dy64 * np.where(x64 > 0, 1, y + 0.7), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dx, ref.elu_backward(x, y, dy, 0.7), rtol=1e-5, atol=1e-7)
     s = sigmoid(x64).astype(np.float32)
     kernels.sigmoid_backward(s, dy, dx)
-    np.testing.assert_allclose(dx, dy64 * s * (1 - s.astype(np.float64)), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dx, ref.sigmoid_backward(s, dy), rtol=1e-5, atol=1e-7)
     t = np.tanh(x)
     kernels.tanh_backward(t, dy, dx)
-    np.testing.assert_allclose(dx, dy64 * (1 - t.astype(np.float64) ** 2), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dx, ref.tanh_backward(t, dy), rtol=1e-5, atol=1e-7)
     sw = (x64 * s).astype(np.float32)
     kernels.swish_backward(sw, s, dy, dx, 1.0)
-    np.testing.assert_allclose(dx, dy64 * (sw + s * (1 - sw.astype(np.float64))), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, ref.swish_backward(sw, s, dy, 1.0), rtol=1e-5, atol=1e-6)
     u = np.random.default_rng(0).random(N, dtype=np.float32)
     mask = u.copy()
     kernels.dropout_forward(x, mask, y, 0.25, 4 / 3)
-    want = np.where(u >= 0.25, np.float32(4 / 3), 0).astype(np.float32)
+    want, want_y = ref.dropout_forward(x, u, 0.25, 4 / 3)
     np.testing.assert_array_equal(mask, want)
-    np.testing.assert_array_equal(y, x * want)
+    np.testing.assert_array_equal(y, want_y)
+
+
+def test_exp_sigmoid_tanh_swish_forward_kernels():
+    x = randn(N, seed=3, scale=4.0)
+    y, s = np.empty_like(x), np.empty_like(x)
+    kernels.exp_forward(x, y)
+    np.testing.assert_allclose(y, ref.exp_forward(x), rtol=1e-6)
+    kernels.sigmoid_forward(x, y)
+    np.testing.assert_allclose(y, ref.sigmoid_forward(x), rtol=1e-6, atol=1e-7)
+    kernels.tanh_forward(x, y)
+    np.testing.assert_allclose(y, ref.tanh_forward(x), rtol=1e-6, atol=1e-7)
+    kernels.swish_forward(x, s, y, 0.5)
+    want_s, want_y = ref.swish_forward(x, 0.5)
+    np.testing.assert_allclose(s, want_s, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-7)
 
 
 def test_absval_and_clip_backward_kernels():
@@ -266,9 +278,9 @@ def test_absval_and_clip_backward_kernels():
     x[:5] = [0, -0.0, 1, -1, 0.5]
     dx = np.empty_like(x)
     kernels.absval_backward(x, dy, dx)
-    np.testing.assert_array_equal(dx, dy * np.sign(x))
+    np.testing.assert_array_equal(dx, ref.absval_backward(x, dy))
     kernels.clip_backward(x, dy, dx, -0.5, 0.5)
-    np.testing.assert_array_equal(dx, np.where((x >= -0.5) & (x <= 0.5), dy, 0))
+    np.testing.assert_array_equal(dx, ref.clip_backward(x, dy, -0.5, 0.5))
     kernels.clip_backward(x, dy, dy, -0.5, 0.5)       # in place
     np.testing.assert_array_equal(dy, dx)
 
@@ -284,13 +296,13 @@ def test_prelu_kernels():
     a = np.array([0.25, -0.5, 0, 1, 2], np.float32)
     y = np.empty_like(x)
     kernels.prelu_forward(x, y, a)
-    np.testing.assert_array_equal(y, np.where(x > 0, x, x * a[None, :, None]))
+    np.testing.assert_array_equal(y, ref.prelu_forward(x, a))
     dx = np.empty_like(x)
     sums = np.ones(5)
     kernels.prelu_backward(x, dy, dx, a, sums)
-    np.testing.assert_allclose(dx, np.where(x > 0, dy, dy * a[None, :, None]), rtol=1e-6)
-    want = 1 + (np.minimum(x, 0).astype(np.float64) * dy).sum(axis=(0, 2))
-    np.testing.assert_allclose(sums, want, rtol=1e-4)
+    want_dx, want_sums = ref.prelu_backward(x, dy, a)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-6)
+    np.testing.assert_allclose(sums, 1 + want_sums, rtol=1e-4)
     kernels.prelu_backward(x, dy, None, a, None)      # nothing wanted: a no-op
 
 

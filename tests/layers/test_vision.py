@@ -1,4 +1,6 @@
 """Vision layers against naive NumPy loops written for these tests."""
+import math
+
 import numpy as np
 import pytest
 
@@ -57,6 +59,74 @@ def deconv_expected(pad, stride, group=1):
     return expected
 
 
+def spp_expected(levels, kind):
+    """Each level: Caffe's SPP window (kernel ceil(size / bins) as stride, padding half the
+    shortfall, rounded up) pooled with pool_expected, flattened and concatenated."""
+    def expected(x):
+        n, _, h, w = x.shape
+        parts = []
+        for level in range(levels):
+            bins = 2 ** level
+            k = (-(-h // bins), -(-w // bins))
+            pad = ((k[0] * bins - h + 1) // 2, (k[1] * bins - w + 1) // 2)
+            parts.append(pool_expected(kind, k, k, pad)(x)[0])
+        return [parts[0] if levels == 1 else np.concatenate([p.reshape(n, -1) for p in parts], axis=1)]
+    return expected
+
+
+def c_round(v):
+    return math.floor(v + 0.5) if v >= 0 else -math.floor(-v + 0.5)
+
+
+def roi_pool_expected(pooled_h, pooled_w, scale):
+    """Fast R-CNN's ROI max pooling, loop by loop, in float32 as Caffe computes the bins."""
+    f32 = np.float32
+
+    def expected(x, rois):
+        n, c, h, w = x.shape
+        out = np.zeros((len(rois), c, pooled_h, pooled_w))
+        for r, (b, x1, y1, x2, y2) in enumerate(rois):
+            sx, sy = c_round(f32(x1) * f32(scale)), c_round(f32(y1) * f32(scale))
+            ex, ey = c_round(f32(x2) * f32(scale)), c_round(f32(y2) * f32(scale))
+            bh = f32(max(ey - sy + 1, 1)) / f32(pooled_h)
+            bw = f32(max(ex - sx + 1, 1)) / f32(pooled_w)
+            for i in range(pooled_h):
+                for j in range(pooled_w):
+                    hs = min(max(math.floor(f32(i) * bh) + sy, 0), h)
+                    he = min(max(math.ceil(f32(i + 1) * bh) + sy, 0), h)
+                    ws = min(max(math.floor(f32(j) * bw) + sx, 0), w)
+                    we = min(max(math.ceil(f32(j + 1) * bw) + sx, 0), w)
+                    if he > hs and we > ws:
+                        out[r, :, i, j] = x[int(b), :, hs:he, ws:we].max(axis=(1, 2))
+        return [out]
+    return expected
+
+
+def reorg_loops(x, stride, forward):
+    """Darknet's reorg as Intel Caffe runs it, element by element: for each (n, k, j, i) of a
+    N x C x H x W grid (the bottom's shape), element (n, k % C', j s + (k // C') // s,
+    i s + (k // C') % s) of a N x C' x H s x W s array, C' = C / s^2, is paired with it;
+    `forward` copies grid <- array (Reorg without reverse), else array <- grid."""
+    n, c, h, w = x.shape
+    s, c2 = stride, c // (stride * stride)
+    flat_in = x.reshape(-1)
+    out = np.zeros(x.size)
+    for b in range(n):
+        for k in range(c):
+            for j in range(h):
+                for i in range(w):
+                    grid = i + w * (j + h * (k + c * b))
+                    off = k // c2
+                    arr = (i * s + off % s) + w * s * ((j * s + off // s) + h * s * (k % c2 + c2 * b))
+                    if forward:
+                        out[grid] = flat_in[arr]
+                    else:
+                        out[arr] = flat_in[grid]
+    return out
+
+
+ROIS = np.array([[0, 0, 0, 10, 8], [1, 5, 3, 19, 15], [1, 6, 6, 7, 7], [0, 13, 9, 40, 30]], np.float32)
+
 CASES = [
     Case("Convolution", f"convolution_param {{ num_output: 4 kernel_size: 3 {FILL} }}",
          [randn(2, 3, 6, 5)], expected=conv_expected(), id="conv-3x3"),
@@ -101,6 +171,24 @@ CASES = [
          expected=lambda x, ref: [x[:, :, 1:4, 2:6]], check_bottom=[0], id="crop-offsets"),
     Case("Crop", "crop_param { axis: 1 offset: 1 }", [randn(2, 4, 5, 5), randn(2, 2, 3, 3, seed=1)],
          expected=lambda x, ref: [x[:, 1:3, 1:4, 1:4]], check_bottom=[0], id="crop-axis1"),
+    Case("SPP", "spp_param { pyramid_height: 3 }", [distinct(2, 3, 7, 9)], expected=spp_expected(3, "MAX"),
+         id="spp-max-3-levels"),
+    Case("SPP", "spp_param { pyramid_height: 2 pool: AVE }", [randn(2, 3, 5, 6)], expected=spp_expected(2, "AVE"),
+         id="spp-ave-2-levels"),
+    Case("SPP", "spp_param { pyramid_height: 1 }", [distinct(2, 3, 5, 6)], expected=spp_expected(1, "MAX"),
+         id="spp-one-level-4d"),
+    Case("ROIPooling", "roi_pooling_param { pooled_h: 2 pooled_w: 3 spatial_scale: 0.5 }",
+         [distinct(2, 3, 8, 10), ROIS], expected=roi_pool_expected(2, 3, 0.5), check_bottom=[0],
+         id="roi-pooling"),
+    Case("ROIPooling", "roi_pooling_param { pooled_size: 3 spatial_scale: 0.25 }",
+         [distinct(2, 2, 6, 7), ROIS], expected=roi_pool_expected(3, 3, 0.25), check_bottom=[0],
+         id="roi-pooling-pooled-size"),
+    Case("Reorg", "reorg_param { stride: 2 }", [randn(2, 8, 4, 6)],
+         expected=lambda x: [reorg_loops(x, 2, True).reshape(2, 32, 2, 3)], id="reorg"),
+    Case("Reorg", "reorg_param { stride: 2 reverse: true }", [randn(2, 8, 4, 6)],
+         expected=lambda x: [reorg_loops(x, 2, False).reshape(2, 2, 8, 12)], id="reorg-reverse"),
+    Case("Reorg", "reorg_param { stride: 3 }", [randn(1, 9, 3, 6)],
+         expected=lambda x: [reorg_loops(x, 3, True).reshape(1, 81, 1, 2)], id="reorg-stride3"),
 ]
 
 test_forward, test_gradient = case_tests(CASES)
@@ -136,3 +224,58 @@ def test_crop_too_large_is_a_shape_error():
     from caffepy.errors import ShapeError
     with pytest.raises(ShapeError, match="exceeds"):
         setup_layer("Crop", "crop_param { offset: 3 }", [randn(1, 1, 4, 4), randn(1, 1, 3, 3)])
+
+
+# -- SPP, ROIPooling, Reorg -----------------------------------------------------------------------
+def test_spp_refuses_a_level_finer_than_the_input():
+    # 4x4 bins over 5 rows: kernel 2, padding 2, which Caffe's pooling refuses too
+    with pytest.raises(Exception, match=r"spp_param.pyramid_height: level 2 \(4x4 bins\) does not fit "
+                                        r"the 5x8 input, got 3"):
+        setup_layer("SPP", "spp_param { pyramid_height: 3 }", [randn(1, 1, 5, 8)])
+    with pytest.raises(Exception, match=r"spp_param.pool: only MAX and AVE are supported, got STOCHASTIC"):
+        setup_layer("SPP", "spp_param { pyramid_height: 2 pool: STOCHASTIC }", [randn(1, 1, 8, 8)])
+
+
+def test_roi_pooling_rounds_halves_away_from_zero_and_routes_diffs_to_the_maxima():
+    x = np.arange(2 * 1 * 4 * 4, dtype=np.float32).reshape(2, 1, 4, 4)
+    # x1 = 2.5 -> 3 (C's round), not 2 (NumPy's rint): the bin is column 3 only
+    layer, bottom, top = setup_layer("ROIPooling", "roi_pooling_param { pooled_h: 1 pooled_w: 1 spatial_scale: 0.5 }",
+                                     [x, np.array([[1, 5, 0, 7, 1]], np.float32)])
+    layer.forward(bottom, top)
+    assert top[0].data.item() == x[1, 0, 1, 3]
+    top[0].diff[...] = 2
+    layer.backward(top, [True, False], bottom)
+    assert bottom[0].diff[1, 0, 1, 3] == 2 and bottom[0].diff.sum() == 2
+    bottom[1].data[0, 0] = 2
+    with pytest.raises(Exception, match=r"bottom\[1\]: roi batch indices must lie in \[0, 2\), got 2.0"):
+        layer.forward(bottom, top)
+
+
+def test_reorg_refuses_shapes_the_stride_does_not_divide_and_in_place():
+    with pytest.raises(Exception, match=r"reorg_param.stride: needs channels divisible by 4 and height, "
+                                        r"width by 2, got 2 for a 6x4x4 bottom"):
+        setup_layer("Reorg", "reorg_param { stride: 2 }", [randn(1, 6, 4, 4)])
+    with pytest.raises(Exception, match=r"reorg_param.stride: is required"):
+        setup_layer("Reorg", "", [randn(1, 4, 4, 4)])
+
+
+@pytest.mark.parametrize("type_,params,match", [
+    ("Convolution", "convolution_param { num_output: 2 kernel_size: 1 relu: true }",
+     r"convolution_param.relu: fused ReLU \(Intel Caffe\) is not supported, got True\. Use a ReLU layer"),
+    ("Convolution", "convolution_param { num_output: 2 kernel_size: 1 fusion_type: SUM_FUSION coeff: 1 }",
+     r"convolution_param.fusion_type: fused Eltwise SUM \(Intel Caffe\) is not supported, got SUM_FUSION"),
+    ("Deconvolution", "convolution_param { num_output: 2 kernel_size: 1 coeff: 1 }",
+     r"convolution_param.fusion_type: fused Eltwise SUM"),
+    ("Pooling", "pooling_param { kernel_size_3d: 2 }",
+     r"pooling_param.kernel_size_3d: caffepy supports 2-D pooling \(Intel Caffe's 3-D pooling is not supported\)"),
+])
+def test_intel_convolution_and_pooling_extensions_are_refused(type_, params, match):
+    with pytest.raises(Exception, match=match):
+        setup_layer(type_, params, [randn(1, 2, 4, 4)])
+
+
+def test_blocked_convolution_refuses_the_fusions_with_the_same_words():
+    with pytest.raises(Exception, match=r"layer 'layer' \(Convolution\): convolution_param.fusion_type: fused "
+                                        r"Eltwise SUM \(Intel Caffe\) is not supported, got SUM_FUSION"):
+        setup_layer("Convolution", "convolution_param { num_output: 8 kernel_size: 1 fusion_type: SUM_FUSION }",
+                    [randn(1, 8, 4, 4)], layout="blocked")

@@ -1,4 +1,4 @@
-/* Winograd tile transforms for cext/winograd.pyx, in C for `restrict` (Cython cannot say that
+/* Winograd tile transforms for cext/intel_winograd.pyx, in C for `restrict` (Cython cannot say that
  * the work buffers do not alias, and without it GCC keeps every sum in memory, scalar).
  *
  * A tile is [rows][cols][V] floats: the V lanes of one channel block, contiguous. Each transform

@@ -1,5 +1,10 @@
 # cython: language_level=3
-"""Winograd convolution F(m x m, r x r) on the SIMD-blocked layout [N, Cb, H, W, V].
+"""Winograd convolution F(m x m, r x r) on the SIMD-blocked layout [N, Cb, H, W, V]: the
+blocked Convolution's second algorithm (caffepy/layers/intel.py picks it per layer shape).
+
+Its own module rather than a part of intel.pyx: it shares nothing with the im2col path but the
+layout, its entry points would clash with that path's (conv_forward, conv_backward), and one
+file would pass 1,200 lines.
 
 For stride-1, undilated r x r kernels, each m x m tile of output is computed from an
 a x a tile of input (a = m + r - 1) with a*a products per channel pair instead of m*m*r*r:
@@ -16,19 +21,23 @@ Backward, with dM = AT^T dY AT per output tile:
     dU_p = dM_p^T @ V_p,   dW = G^T dU G                           (weight gradient)
 
 The matrices come from `matrices(m, r)` (Toom-Cook on the points 0, +-1, +-2, 1/2, ..., infinity).
-The tile and weight transforms are C in winograd_tiles.h; the GEMMs go to scipy's BLAS.
+The tile and weight transforms are C in intel_winograd_tiles.h; the GEMMs go to scipy's BLAS.
 Images are processed in chunks, one chunk per OpenMP thread with a single-threaded BLAS, so each
 thread's tile buffers stay near its caches. Channel lanes past C or O are padding: written as
 zeros, never read as data (as every kernel of caffepy.kernels.intel).
+
+The NumPy reference is the NCHW convolution of caffepy/kernels/reference/vision.py on the
+unpacked arrays (tests/layers/test_winograd.py); `matrices` is checked against the correlation it
+computes.
 """
 
 from cython.parallel cimport prange, threadid
-cimport openmp
 from libc.string cimport memcpy, memset
 
 import numpy as np
 
 from blas cimport gemm_ld
+from rules cimport dims, need, need_shape, threads_for
 
 include "blas_threads.pxi"
 
@@ -44,8 +53,8 @@ def matrices(int m, int r):
     for exactly (least squares with a zero residual, checked).
     """
     cdef int a = m + r - 1
-    if m < 1 or r < 1 or a > MAX_A:
-        raise ValueError(f"Winograd F({m}, {r}): tile side {a} must be 1..{MAX_A}")
+    need(m >= 1 and r >= 1 and a <= MAX_A, "matrices", "m, r",
+         f"tile side m + r - 1 must be 1..{MAX_A}", f"F({m}, {r})")
     candidates = [0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5]
     points = candidates[:a - 1]
     at = np.zeros((m, a))
@@ -68,8 +77,8 @@ def matrices(int m, int r):
                 rhs[row] = 1.0 if l == i + k else 0.0
                 row += 1
     bt = np.linalg.lstsq(system, rhs, rcond=None)[0]
-    if np.abs(system @ bt - rhs).max() > 1e-9:
-        raise ValueError(f"Winograd F({m}, {r}): no input transform for these points")
+    need(np.abs(system @ bt - rhs).max() <= 1e-9, "matrices", "m, r",
+         "no input transform for these points", f"F({m}, {r})")
     bt = np.round(bt.reshape(a, a), 9)
     return at.astype(np.float32), g.astype(np.float32), bt.astype(np.float32)
 
@@ -87,47 +96,42 @@ cdef struct WGeom:
     float bm[MAX_A * MAX_A]
 
 
-cdef tuple _sh(Py_ssize_t* shape, int n):
-    return tuple([shape[i] for i in range(n)])
-
-
-cdef _need(bint ok, str what):
-    if not ok:
-        raise ValueError(what)
-
-
-cdef WGeom _geom(x, y, int C, int O, int m, int r, int ph, int pw, int group, vbuf, mbuf,
-                 const float[:, ::1] at, const float[:, ::1] bt) except *:
+cdef WGeom _geom(str kernel, x, str yname, y, int C, int O, int m, int r, int ph, int pw,
+                 int group, vbuf, mbuf, const float[:, ::1] at, const float[:, ::1] bt) except *:
     cdef WGeom g
     cdef int i, j
     g.N, g.Cb, g.H, g.W, g.V = x.shape[0], x.shape[1], x.shape[2], x.shape[3], x.shape[4]
     g.C, g.O, g.m, g.r, g.a, g.ph, g.pw, g.group = C, O, m, r, m + r - 1, ph, pw, group
-    _need(g.V <= MAX_V and g.a <= MAX_A and m >= 1 and r >= 1, f"Winograd F({m}, {r}) with "
-          f"block width {g.V}: tile side must be <= {MAX_A}, width <= {MAX_V}")
-    _need(group >= 1 and C % group == 0 and O % group == 0 and g.Cb * g.V >= C,
-          f"group {group} / channels {C}, {O} / blocks {g.Cb}x{g.V} do not fit")
+    need(g.a <= MAX_A and m >= 1 and r >= 1, kernel, "m, r",
+         f"tile side m + r - 1 must be 1..{MAX_A}", f"F({m}, {r})")
+    need(g.V <= MAX_V, kernel, "x", f"needs a block width of at most {MAX_V}", g.V)
+    need(group >= 1 and C % group == 0 and O % group == 0 and g.Cb * g.V >= C, kernel, "group",
+         f"must divide {C} input and {O} output channels held in {g.Cb} blocks of {g.V}", group)
     g.Ob = (O + g.V - 1) // g.V
     g.oh = g.H + 2 * ph - r + 1
     g.ow = g.W + 2 * pw - r + 1
-    _need(g.oh >= 1 and g.ow >= 1, f"kernel {r}x{r} does not fit a {g.H}x{g.W} image")
-    _need(tuple(y.shape[:5]) == (g.N, g.Ob, g.oh, g.ow, g.V),
-          f"output blob shape {tuple(y.shape[:5])} != {(g.N, g.Ob, g.oh, g.ow, g.V)}")
+    need(g.oh >= 1 and g.ow >= 1, kernel, "geometry",
+         f"kernel {r}x{r} (pad {ph}x{pw}) does not fit the image", f"{g.H}x{g.W}")
+    need_shape(kernel, yname, tuple(y.shape[:5]), (g.N, g.Ob, g.oh, g.ow, g.V))
     g.Cg, g.Og = C // group, O // group
     g.th, g.tw = (g.oh + m - 1) // m, (g.ow + m - 1) // m
     g.cpad, g.opad = <Py_ssize_t>g.Cb * g.V, <Py_ssize_t>g.Ob * g.V
     g.tiles = vbuf.shape[2]
-    _need(g.tiles % (g.th * g.tw) == 0 and g.tiles > 0,
-          f"scratch holds {g.tiles} tiles, not whole images of {g.th * g.tw}")
+    need(g.tiles % (g.th * g.tw) == 0 and g.tiles > 0, kernel, "vbuf",
+         f"needs whole images of {g.th * g.tw} tiles", f"{g.tiles} tiles")
     g.chunk = g.tiles // (g.th * g.tw)
-    _need(_sh(at.shape, 2) == (m, g.a) and _sh(bt.shape, 2) == (g.a, g.a), "Winograd: matrices")
+    need_shape(kernel, "at", dims(at.shape, 2), (m, g.a))
+    need_shape(kernel, "bt", dims(bt.shape, 2), (g.a, g.a))
     for i in range(g.a):
         for j in range(g.a):
             g.bt[i * g.a + j], g.bm[j * g.a + i] = bt[i, j], bt[i, j]
             if i < m:
                 g.at[i * g.a + j], g.am[j * m + i] = at[i, j], at[i, j]
-    _need(vbuf.shape[1] == g.a * g.a and vbuf.shape[3] == g.cpad and mbuf.shape[1] == g.a * g.a
-          and mbuf.shape[2] == g.tiles and mbuf.shape[3] == g.opad and mbuf.shape[0] >= vbuf.shape[0],
-          "Winograd scratch shapes")
+    need(vbuf.shape[1] == g.a * g.a and vbuf.shape[3] == g.cpad, kernel, "vbuf",
+         f"needs shape (threads, {g.a * g.a}, tiles, {g.cpad})", tuple(vbuf.shape[:4]))
+    need(mbuf.shape[0] >= vbuf.shape[0] and tuple(mbuf.shape[1:4]) == (g.a * g.a, g.tiles, g.opad),
+         kernel, "mbuf", f"needs shape (>= {vbuf.shape[0]}, {g.a * g.a}, {g.tiles}, {g.opad})",
+         tuple(mbuf.shape[:4]))
     return g
 
 
@@ -149,9 +153,9 @@ def scratch_shapes(int threads, int N, int C, int O, int H, int W, int V, int m,
 
 
 # ---------------------------------------------------------------------------------------------
-# Tile transforms: in C (cext/winograd_tiles.h) for `restrict`, which lets GCC vectorize them.
+# Tile transforms: in C (cext/intel_winograd_tiles.h) for `restrict`, which lets GCC vectorize them.
 
-cdef extern from "winograd_tiles.h" nogil:
+cdef extern from "intel_winograd_tiles.h" nogil:
     void wg_input(const float* x, int H, int W, int iy0, int ix0, int m, int a, const float* bt,
                   float* w, float* out, long pstride, int V)
     void wg_output(const float* mb, long pstride, int m, int a, const float* at,
@@ -256,35 +260,39 @@ cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float
 # ---------------------------------------------------------------------------------------------
 # Weight transforms: U = G W G^T into the GEMM layout u[a*a, O, Cg], dW += G^T dU G back out.
 
-cdef extern from "winograd_tiles.h" nogil:
+cdef extern from "intel_winograd_tiles.h" nogil:
     void wg_weights(const float* w, float* u, const float* gm, int O, int Cg, int r, int a,
                     int o0, int o1)
     void wg_weight_grad(const float* du, float* dw, const float* gm, int O, int Cg, int r, int a,
                         int o0, int o1)
 
 
-cdef _check_weights(w, u, gm, str name):
+cdef _check_weights(str kernel, str wname, w, str uname, u, gm):
     cdef int O = w.shape[0], Cg = w.shape[1], r = w.shape[2], a = gm.shape[0]
-    _need(w.shape[3] == r and gm.shape[1] == r and 1 <= a <= MAX_A
-          and tuple(u.shape[:3]) == (a * a, O, Cg), f"{name}: shapes")
+    need(w.shape[3] == r, kernel, wname, "needs square kernels", tuple(w.shape[:4]))
+    need(gm.shape[1] == r and 1 <= a <= MAX_A, kernel, "gm", f"needs shape (1..{MAX_A}, {r})",
+         tuple(gm.shape[:2]))
+    need_shape(kernel, uname, tuple(u.shape[:3]), (a * a, O, Cg))
 
 
 def weight_transform(const float[:, :, :, ::1] w, const float[:, ::1] gm, float[:, :, ::1] u):
     """u[i * a + j, o, c] = (G W[o, c] G^T)[i, j]; w is [O, Cg, r, r], gm is G [a, r]."""
-    _check_weights(w, u, gm, "weight_transform")
+    _check_weights("weight_transform", "w", w, "u", u, gm)
     cdef int O = w.shape[0], o
     with nogil:
-        for o in prange(O, schedule="static"):
+        for o in prange(O, schedule="static", num_threads=threads_for(u.shape[0] * u.shape[1]
+                                                                       * u.shape[2] * w.shape[2])):
             wg_weights(&w[0, 0, 0, 0], &u[0, 0, 0], &gm[0, 0], O, w.shape[1], w.shape[2],
                        gm.shape[0], o, o + 1)
 
 
 def weight_grad_add(const float[:, :, ::1] du, const float[:, ::1] gm, float[:, :, :, ::1] dw):
     """dw[o, c] += G^T dU[:, o, c] G, with du laid out as weight_transform's u."""
-    _check_weights(dw, du, gm, "weight_grad_add")
+    _check_weights("weight_grad_add", "dw", dw, "du", du, gm)
     cdef int O = dw.shape[0], o
     with nogil:
-        for o in prange(O, schedule="static"):
+        for o in prange(O, schedule="static", num_threads=threads_for(du.shape[0] * du.shape[1]
+                                                                       * du.shape[2] * dw.shape[2])):
             wg_weight_grad(&du[0, 0, 0], &dw[0, 0, 0, 0], &gm[0, 0], O, dw.shape[1], dw.shape[2],
                            gm.shape[0], o, o + 1)
 
@@ -303,6 +311,11 @@ def _work_buffer(int threads):
     return _WORK
 
 
+cdef inline Py_ssize_t _work(const WGeom* g) noexcept nogil:
+    """Multiply-adds of the tile GEMMs over the batch: the size the thread rule sees."""
+    return <Py_ssize_t>g.N * g.th * g.tw * g.a * g.a * g.O * g.Cg
+
+
 def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
                  const float[::1] bias, float[:, :, :, :, ::1] y,
                  float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
@@ -313,15 +326,15 @@ def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
     bias: O values padded to a whole number of blocks (zeros for no bias).
     Scratch vbuf, mbuf as `scratch_shapes` gives them (one slice per thread).
     """
-    cdef WGeom g = _geom(x, y, C, O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
-    _need(_sh(u.shape, 3) == (g.a * g.a, O, g.Cg), "Winograd: transformed weight shape")
-    _need(bias.shape[0] == g.opad, f"Winograd: bias must hold {g.opad} values (padded)")
+    cdef WGeom g = _geom("conv_forward", x, "y", y, C, O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
+    need_shape("conv_forward", "u", dims(u.shape, 3), (g.a * g.a, O, g.Cg))
+    need_shape("conv_forward", "bias", dims(bias.shape, 1), (g.opad,))
     cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid
     cdef int saved = 0
     cdef float[:, ::1] work = _work_buffer(T)
     if g.N == 0:
         return
-    nt = _task_threads(T, chunks)
+    nt = _task_threads(T, chunks, _work(&g))
     with nogil:
         if nt == 1:
             for c in range(chunks):
@@ -351,12 +364,15 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
     """Gradients of conv_forward: dx (blocked, overwritten) if need_x; du[0] = the gradient
     with respect to U summed over the batch if need_w (du[T, a*a, O, Cg] is per-thread
     scratch; the caller turns row 0 into dW = G^T dU G and adds it to its diff)."""
-    cdef WGeom g = _geom(x, dy, C, O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
-    _need(_sh(u.shape, 3) == (g.a * g.a, O, g.Cg), "Winograd: transformed weight shape")
-    _need(not need_x or _sh(dx.shape, 5) == _sh(x.shape, 5), "Winograd: dx shape")
+    cdef WGeom g = _geom("conv_backward", x, "dy", dy, C, O, m, r, ph, pw, group, vbuf, mbuf, at,
+                         bt)
+    need_shape("conv_backward", "u", dims(u.shape, 3), (g.a * g.a, O, g.Cg))
+    if need_x:
+        need_shape("conv_backward", "dx", dims(dx.shape, 5), dims(x.shape, 5))
     cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid, t
-    _need(not need_w or (du.shape[0] >= T and _sh(du.shape + 1, 3) == (g.a * g.a, O, g.Cg)),
-          "Winograd: du shape")
+    if need_w:
+        need(du.shape[0] >= T and dims(du.shape + 1, 3) == (g.a * g.a, O, g.Cg), "conv_backward",
+             "du", f"needs shape (>= {T}, {g.a * g.a}, {O}, {g.Cg})", dims(du.shape, 4))
     cdef int saved = 0
     cdef Py_ssize_t us = <Py_ssize_t>g.a * g.a * O * g.Cg, i
     cdef float* dup = &du[0, 0, 0, 0] if need_w else NULL
@@ -364,7 +380,7 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
     cdef float[:, ::1] work = _work_buffer(T)
     if g.N == 0 or not (need_x or need_w):
         return
-    nt = _task_threads(T, chunks)
+    nt = _task_threads(T, chunks, _work(&g))
     with nogil:
         if need_w:
             memset(dup, 0, nt * us * sizeof(float))
@@ -387,5 +403,5 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
             _blas_set_threads(saved)
             if need_w:
                 for t in range(1, nt):
-                    for i in prange(us, schedule="static"):
+                    for i in prange(us, schedule="static", num_threads=threads_for(us)):
                         dup[i] += dup[t * us + i]

@@ -1,4 +1,5 @@
-"""Pure NumPy references of the compiled vision kernels (caffepy.kernels.vision), for tests.
+"""NumPy references of the vision kernels (cext/vision.pyx, caffepy.kernels.vision): im2col,
+col2im, convolution, deconvolution, MAX and AVE pooling.
 
 Written for clarity, not speed: direct sums over kernel taps and windows in float64, sharing
 no code with the kernels (no im2col inside the convolution reference). Each function returns
@@ -175,47 +176,3 @@ def ave_pool_backward(top_diff, H, W, kh, kw, sh, sw, ph, pw):
     for py, px, rows, cols, count in _windows(H, W, oh, ow, kh, kw, sh, sw, ph, pw):
         bottom_diff[:, :, rows, cols] += (dy[:, :, py, px] / count)[:, :, None, None]
     return bottom_diff
-
-
-def _channel_window_sum(v, size):
-    """s[:, c] = sum of v[:, c - pre .. c + pre], zero past the channel ends."""
-    pre = (size - 1) // 2
-    C = v.shape[1]
-    s = np.zeros_like(v)
-    for c in range(C):
-        s[:, c] = v[:, max(c - pre, 0):min(c + pre + 1, C)].sum(axis=1)
-    return s
-
-
-def lrn_across_forward(bottom, size, alpha, beta, k):
-    """(top, scale): scale = k + alpha/size * window sum of x^2 over channels, top = x*scale^-b."""
-    x = bottom.astype(np.float64)
-    scale = k + alpha / size * _channel_window_sum(x * x, size)
-    return x * scale ** -beta, scale
-
-
-def lrn_across_backward(bottom, top, scale, top_diff, size, alpha, beta):
-    x, y, s, dy = (a.astype(np.float64) for a in (bottom, top, scale, top_diff))
-    ratio = _channel_window_sum(dy * y / s, size)
-    return dy * s ** -beta - 2.0 * alpha * beta / size * x * ratio
-
-
-def lrn_within_forward(bottom, size, alpha, beta):
-    """(top, scale) as Caffe composes it: AVE pooling of x^2 (kernel size, pad (size-1)/2,
-    stride 1), then power(shift 1, scale alpha, power -beta), then product with x."""
-    x = bottom.astype(np.float64)
-    H, W = x.shape[2:]
-    pre = (size - 1) // 2
-    avg = ave_pool_forward(x * x, size, size, 1, 1, pre, pre,
-                           pool_out_size(H, size, pre, 1), pool_out_size(W, size, pre, 1))
-    scale = 1.0 + alpha * avg
-    return x * scale ** -beta, scale
-
-
-def lrn_within_backward(bottom, top, scale, top_diff, size, alpha, beta):
-    """Chain rule through the same composition: d(avg) = -alpha*beta * dy * y / scale."""
-    x, y, s, dy = (a.astype(np.float64) for a in (bottom, top, scale, top_diff))
-    H, W = x.shape[2:]
-    pre = (size - 1) // 2
-    d_avg = -alpha * beta * dy * y / s
-    return dy * s ** -beta + 2.0 * x * ave_pool_backward(d_avg, H, W, size, size, 1, 1, pre, pre)
