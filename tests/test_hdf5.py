@@ -62,8 +62,8 @@ def test_hdf5_snapshot_has_caffes_layout(files):
         assert f["data/ip/0"].shape == (2, 3) and f["data/ip/0"].dtype == np.float32
     with h5py.File("out/run_iter_5.solverstate.h5", "r") as f:
         # SGDSolver::SnapshotSolverStateToHDF5, plus Intel's plateau fields and our generator state
-        assert sorted(f) == ["caffepy_rng_state", "current_step", "history", "iter", "iter_last_event",
-                             "learned_net", "minimum_loss"]
+        assert sorted(f) == ["caffepy_rng_state", "caffepy_run_state", "current_step", "history", "iter",
+                             "iter_last_event", "learned_net", "minimum_loss"]
         assert f["iter"].shape == (1,) and f["iter"].dtype == np.int32 and f["iter"][0] == 5
         assert f["current_step"].shape == (1,) and f["current_step"].dtype == np.int32
         assert f["minimum_loss"].shape == (1,) and f["minimum_loss"].dtype == np.float32
@@ -86,6 +86,37 @@ def test_hdf5_resume_is_bit_identical(files, type_):
     assert resumed.iter == 10
     got = weights("out/run_iter_10.caffemodel.h5")
     assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+
+
+HDF5_NET = """
+name: "rows"
+layer { name: "in" type: "HDF5Data" top: "x" top: "y" hdf5_data_param { source: "list.txt" batch_size: 3 shuffle: true } }
+layer { name: "ip" type: "InnerProduct" bottom: "x" top: "ip"
+  inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "ip" bottom: "y" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("format_", ["HDF5", "BINARYPROTO"])
+def test_hdf5data_run_resumes_exactly(files, tmp_path, format_):
+    """Shuffled rows of two files: resumed at 5, the run reads the very rows it would have."""
+    gen = np.random.default_rng(0)
+    for name, rows in (("a.h5", 5), ("b.h5", 4)):
+        with h5py.File(tmp_path / name, "w") as f:
+            f["x"] = gen.normal(size=(rows, 3))
+            f["y"] = gen.normal(size=(rows, 2))
+    (tmp_path / "list.txt").write_text("a.h5\nb.h5\n")
+    (tmp_path / "net.prototxt").write_text(HDF5_NET)
+    files("SGD", format_)
+    ext = ".h5" if format_ == "HDF5" else ""
+    get_solver("solver.prototxt").solve()
+    model = f"out/run_iter_10.caffemodel{ext}"
+    net = Net("net.prototxt", model, 1)
+    want = [b.data.copy() for b in net.params["ip"]]
+    os.remove(model)
+    get_solver("solver.prototxt").solve(f"out/run_iter_5.solverstate{ext}")
+    got = Net("net.prototxt", model, 1).params["ip"]
+    assert all(np.array_equal(w, g.data) for w, g in zip(want, got))
 
 
 def test_either_format_resumes_and_loads_weights(files):

@@ -11,6 +11,10 @@ from ..net_hdf5 import require_h5py
 from ..proto import caffe_pb2
 
 
+# which permutation a draw is for (a part of its seed)
+_FILES, _ROWS = 1, 2
+
+
 @register
 class HDF5Data(Layer):
     """Rows of HDF5 datasets, one top per dataset, named as the top (Caffe's HDF5DataLayer).
@@ -21,17 +25,21 @@ class HDF5Data(Layer):
     top's dataset has the same N.  Float and integer datasets are read as float32 (HDF5
     converts doubles and integers, as Caffe's H5LTread_dataset_float does); other types
     are refused.  The rows run through each file in order, then the next file; with
-    shuffle, the file order is shuffled at setup and at each pass over the list, and the
-    rows of a file each time it is loaded and each time it is started again (Caffe's
-    Next()).  No transform_param: Caffe refuses it.
+    shuffle, the file order is drawn anew at setup and at each pass over the list, and the
+    row order each time a file is started (Caffe's Next(): a file's rows are shuffled again
+    when it is loaded and when a single file starts over).  No transform_param: Caffe
+    refuses it.
 
-    Multi-rank (TRAIN): rank r of N keeps rows r, r+N, r+2N, ... of the common sequence,
-    as Caffe's Skip() does; the shuffles come from one seed all ranks agree on, so the
-    ranks see disjoint rows.  TEST reads every row.
+    Multi-rank: rank r of N keeps rows r, r+N, r+2N, ... of the common sequence in TRAIN,
+    as Caffe's Skip() does (a TEST net reads every row); the
+    permutations come from one seed the ranks agree on, so the ranks see disjoint rows.
+    Permutation k of the files (of the rows) is drawn from (seed, kind, k): a snapshot
+    keeps the seed, the counts and the position (read_state), which is all it takes to go on.
     """
     exact_bottoms = 0
     min_tops = 1
     differentiable = False
+    _STATE_KEYS = ("seed", "files", "file_draws", "row_draws", "current_file", "current_row", "offset")
 
     def setup(self, bottom, top):
         self.h5py = require_h5py(f"{self.source or '<net>'}: layer '{self.name}' (HDF5Data)")
@@ -56,23 +64,58 @@ class HDF5Data(Layer):
             raise self.error("hdf5_data_param.source", "lists no HDF5 file", p.source, cls=DataError)
         self.names = list(self.param.top)
         self.shuffle = bool(p.shuffle)
-        seed = int(rng.generator().integers(1 << 62))
-        if self.phase == caffe_pb2.TRAIN:       # only rank 0 builds test nets: no agreeing there
-            seed = self.context.agree(seed)
-        self.gen = np.random.default_rng([seed, 3])
-        self.file_order = np.arange(len(self.files))
-        if self.shuffle:
-            self.gen.shuffle(self.file_order)
-        self.current_file = 0
-        self.offset = 0
+        self.seed = int(self.context.agree(int(rng.generator().integers(1 << 62))))
+        self.file_draws = self.row_draws = 0
+        self.current_file = self.current_row = self.offset = 0
         self.row_shapes = None
-        self._load(self.files[self.file_order[0]])
+        self._draw_files()
+        self._start_file()
         self.row_shapes = [a.shape[1:] for a in self.arrays]
-        self.current_row = 0
         self.reshape(bottom, top)
 
+    # -- the order of files and rows --------------------------------------------------
+    def _permutation(self, kind, draw, n):
+        return np.random.default_rng([self.seed, kind, draw]).permutation(n)
+
+    def _draw_files(self):
+        if self.shuffle:
+            self.file_order = self._permutation(_FILES, self.file_draws, len(self.files))
+            self.file_draws += 1
+        else:
+            self.file_order = np.arange(len(self.files))
+
+    def _draw_rows(self):
+        rows = len(self.arrays[0])
+        if self.shuffle:
+            self.row_order = self._permutation(_ROWS, self.row_draws, rows)
+            self.row_draws += 1
+        else:
+            self.row_order = np.arange(rows)
+
+    def _start_file(self):
+        self._load(self.files[self.file_order[self.current_file]])
+        self._draw_rows()
+
+    def _skip(self):
+        c = self.context
+        return self.phase != caffe_pb2.TEST and self.offset % c.size != c.rank
+
+    def _next(self):
+        self.current_row += 1
+        if self.current_row == len(self.row_order):
+            self.current_row = 0
+            if len(self.files) > 1:
+                self.current_file += 1
+                if self.current_file == len(self.files):
+                    self.current_file = 0
+                    self._draw_files()
+                self._start_file()
+            else:
+                self._draw_rows()
+        self.offset += 1
+
     def _load(self, path):
-        """Caffe's LoadHDF5FileData: every top's dataset of `path`, and a new row order."""
+        """Caffe's LoadHDF5FileData: every top's dataset of `path`, checked."""
         h5py = self.h5py
         where = f"hdf5_data_param.source: {path}"
         try:
@@ -109,29 +152,8 @@ class HDF5Data(Layer):
         if rows == 0:
             raise self.error(where, f"dataset '{self.names[0]}' has no rows", cls=DataError)
         self.arrays = arrays
-        self.row_order = np.arange(rows)
-        if self.shuffle:
-            self.gen.shuffle(self.row_order)
 
-    def _skip(self):
-        c = self.context
-        return self.phase != caffe_pb2.TEST and self.offset % c.size != c.rank
-
-    def _next(self):
-        self.current_row += 1
-        if self.current_row == len(self.row_order):
-            if len(self.files) > 1:
-                self.current_file += 1
-                if self.current_file == len(self.files):
-                    self.current_file = 0
-                    if self.shuffle:
-                        self.gen.shuffle(self.file_order)
-                self._load(self.files[self.file_order[self.current_file]])
-            self.current_row = 0
-            if self.shuffle:
-                self.gen.shuffle(self.row_order)
-        self.offset += 1
-
+    # -- the layer --------------------------------------------------------------------
     def reshape(self, bottom, top):
         for t, shape in zip(top, self.row_shapes):
             t.reshape((self.batch_size,) + shape)
@@ -144,6 +166,36 @@ class HDF5Data(Layer):
             for t, a in zip(top, self.arrays):
                 t.data[i] = a[row]
             self._next()
+
+    def read_state(self):
+        return {key: int(getattr(self, key)) if key != "files" else len(self.files) for key in self._STATE_KEYS}
+
+    def set_read_state(self, state, ranks=None):
+        """Go on from a snapshot's position: the same permutations (from the saved seed and
+        counts) and row. The row sequence is common to all ranks, so another number of ranks
+        goes on from the same place too."""
+        if set(state) != set(self._STATE_KEYS):
+            raise DataError(f"expected the keys {', '.join(self._STATE_KEYS)}, got {', '.join(state)}")
+        for key in self._STATE_KEYS:
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+                raise DataError(f"{key}: must be an integer in [0, 2^62), got {str(value)[:40]}")
+        if state["files"] != len(self.files) or state["current_file"] >= len(self.files):
+            log.warning(f"layer '{self.name}': the snapshot read {state['files']} HDF5 files, the list has "
+                        f"{len(self.files)}: reading from the first row")
+            return
+        self.seed = state["seed"]
+        self.file_draws = max(state["file_draws"] - 1, 0)
+        self._draw_files()
+        self.current_file = state["current_file"]
+        self._load(self.files[self.file_order[self.current_file]])
+        self.row_draws = max(state["row_draws"] - 1, 0)
+        self._draw_rows()
+        if state["current_row"] >= len(self.row_order):
+            raise DataError(f"current_row: past the {len(self.row_order)} rows of the file, got "
+                            f"{state['current_row']}")
+        self.current_row, self.offset = state["current_row"], state["offset"]
+        self.file_draws, self.row_draws = state["file_draws"], state["row_draws"]
 
 
 @register
