@@ -167,11 +167,13 @@ def test_learning_rates_are_caffes_bit_for_bit(tmp_path, text, it):
     assert np.float32(lr_policy.learning_rate(param, it, 0)[0]) == caffe_rate(tmp_path, text, it)
 
 
-DEPLOY = """
-name: "deploy"
-layer { name: "data" type: "DummyData" top: "score"
-  dummy_data_param { shape { dim: 1 } data_filler { type: "constant" value: 0.9 } } }
+FLOAT_SUMS = """
+name: "sums"
+layer { name: "data" type: "DummyData" top: "score" top: "a" top: "b"
+  dummy_data_param { shape { dim: 1 } data_filler { type: "constant" value: 0.9 }
+    data_filler { type: "constant" value: 0 } data_filler { type: "constant" value: 0 } } }
 layer { name: "p" type: "Power" bottom: "score" top: "out" }
+layer { name: "loss" type: "EuclideanLoss" bottom: "a" bottom: "b" top: "loss" }
 """
 
 
@@ -180,7 +182,7 @@ def test_training_log_lines_are_caffes(tmp_path):
     for name, program in (("c", caffe), ("o", caffepy)):
         d = tmp_path / name
         d.mkdir()
-        (d / "net.prototxt").write_text(DEPLOY)
+        (d / "net.prototxt").write_text(FLOAT_SUMS)
         (d / "solver.prototxt").write_text('net: "net.prototxt" test_iter: 100 test_interval: 2 base_lr: 0.01 '
                                            'lr_policy: "fixed" max_iter: 4 display: 2 snapshot_after_train: false')
         logs[name] = [m for m in messages(program("train", "--solver", "solver.prototxt", cwd=d))
@@ -189,7 +191,7 @@ def test_training_log_lines_are_caffes(tmp_path):
     def mask(lines):
         return [re.sub(r"\(\S+ iter/s, \S+s/", "(N iter/s, Ns/", line) for line in lines]
     assert mask(logs["o"]) == mask(logs["c"])
-    assert "    Test net output #0: out = 0.900001" in logs["c"]
+    assert "    Test net output #1: out = 0.900001" in logs["c"]
 
 
 def test_upgraded_text_is_caffes(tmp_path):
