@@ -15,8 +15,7 @@ from caffepy.blobproto import blobproto_to_array
 from caffepy.cli import main
 from caffepy.solvers import snapshot
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE_MODELS = os.path.join(os.path.dirname(REPO), "shared", "reference-models")
+from paths import REFERENCE_MODELS, REPO
 
 NET = """
 name: "tiny"

@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO
 SCRIPT = os.path.join(REPO, "examples", "pycaffe", "tutorial.py")
 
 

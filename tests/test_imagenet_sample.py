@@ -13,7 +13,7 @@ import pytest
 
 from caffepy.proto import caffe_pb2
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO
 SCRIPT = os.path.join(REPO, "examples", "imagenet", "make_sample.py")
 BIN = os.path.dirname(sys.executable)
 

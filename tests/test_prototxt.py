@@ -10,7 +10,7 @@ from caffepy import upgrade as U
 from caffepy.errors import CaffepyError, PrototxtError
 from caffepy.proto import caffe_pb2
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO
 REFERENCE = os.path.join(REPO, "..", "shared", "reference-models")
 NETS = sorted(p for p in glob.glob(os.path.join(REFERENCE, "*", "*.prototxt")) if "solver" not in p)
 SOLVERS = sorted(p for p in glob.glob(os.path.join(REFERENCE, "*", "*.prototxt")) if "solver" in p)
