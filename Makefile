@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard cext/*.pyx cext/*.pxd cext/*.pxi ce
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
-# The optional extras by name (pip install 'caffepy[draw,hdf5,plot]'): pydot for
-# caffe.draw.get_pydot_graph, h5py for Net.save_hdf5 / load_hdf5, matplotlib for plot_log.
+# The optional extras by name (pip install 'caffepy[draw,hdf5,plot,onnx]'): pydot for
+# caffe.draw.get_pydot_graph, h5py for HDF5 layers and snapshots, matplotlib for plot_log,
+# onnx for export_onnx.
 # Drawing nets also needs Graphviz's `dot` program: apt-get install graphviz.
 # Their requirements are read from the installed caffepy's metadata (pyproject.toml's
 # optional-dependencies) and installed alone: reinstalling caffepy would recompile every kernel.
@@ -27,7 +28,7 @@ define EXTRA_REQUIREMENTS
 import importlib.metadata as m
 for r in m.requires("caffepy"):
     spec, _, marker = r.partition(";")
-    if any(f'extra == "{e}"' in marker for e in ("draw", "hdf5", "plot")):
+    if any(f'extra == "{e}"' in marker for e in ("draw", "hdf5", "plot", "onnx")):
         print(spec.strip())
 endef
 export EXTRA_REQUIREMENTS
