@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-quick bench-full bench-mpi bench-multihost proto clean
+.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-quick bench-full bench-layers bench-mpi bench-multihost proto clean
 
 install: $(STAMP)
 
@@ -70,18 +70,23 @@ test-multihost: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m multihost tests/multihost
 
 # The training table, net by net: caffepy, PyTorch (torch, a test-time reference) and BVLC
-# Caffe when CAFFE_BIN names its `caffe` binary; the threading check. BENCH_ARGS passes more
+# Caffe when CAFFE_BIN names its `caffe` binary; efficiency, sgemm peak, peak RSS; the threading
+# check. Every net at its default batch (VGG-16 at 4), 3 rounds. BENCH_ARGS passes more
 # options (python benchmarks/bench_nets.py --help), e.g. make bench BENCH_ARGS='--nets resnet50'
 bench: install $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_nets.py $(BENCH_ARGS)
 
-# LeNet, cifar10_quick and AlexNet, 3 rounds
+# LeNet, cifar10_quick and AlexNet, 2 rounds
 bench-quick: install $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_nets.py --quick $(BENCH_ARGS)
 
-# Larger batches (AlexNet 256, ResNet-50 / GoogLeNet / MobileNet 32, VGG-16 16), 9 rounds
+# Larger batches (AlexNet 256, ResNet-50 / GoogLeNet / MobileNet 32, VGG-16 16), 5 rounds
 bench-full: install $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_nets.py --full $(BENCH_ARGS)
+
+# Single layers, every implementation of each, beside PyTorch's (benchmarks/bench_layers.py)
+bench-layers: install $(TORCH)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_layers.py $(BENCH_ARGS)
 
 bench-mpi: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_mpi.py

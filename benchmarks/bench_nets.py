@@ -1,8 +1,8 @@
 """Training speed net by net: caffepy against BVLC Caffe and PyTorch, in one run (issue 12).
 
-    make bench                 # python benchmarks/bench_nets.py: every net, 5 rounds
-    make bench-quick           # --quick: LeNet, cifar10_quick and AlexNet, 3 rounds
-    make bench-full            # --full: larger batches (AlexNet 256, ResNet-50 32), 9 rounds
+    make bench                 # python benchmarks/bench_nets.py: every net, 3 rounds
+    make bench-quick           # --quick: LeNet, cifar10_quick and AlexNet, 2 rounds
+    make bench-full            # --full: larger batches (AlexNet 256, ResNet-50 32), 5 rounds
     python benchmarks/bench_nets.py --nets resnet50,lenet --rounds 5 --layers resnet50
     CAFFE_BIN=/path/to/build/tools/caffe make bench      # adds BVLC Caffe's `caffe time`
 
@@ -27,7 +27,7 @@ loss.backward() after the forward; none clears gradients between iterations (nei
 `caffe time`). Efficiency: direct-convolution FLOPs of the iteration (nets.training_flops; the
 PyTorch translation counts its own, and the table says so if they differ) over the time, and
 caffepy's executed FLOPs where Winograd multiplies less, against this machine's sgemm peak
-(NumPy float32 4096^3 with the same threads, best of the start and end of the run). Peak RSS
+(NumPy float32 2048^3 with the same threads, best of the start and end of the run). Peak RSS
 is each process's own (the kernel's maxrss at its exit).
 
 Then the threading check: caffepy with its default threads against one thread, with no other
@@ -58,7 +58,7 @@ GROUPS = {
     "alexnet": (["alexnet_intel", "alexnet"], "alexnet", 64, 256, 1),
     "resnet50": (["resnet50"], "resnet50", 16, 32, 1),
     "googlenet": (["googlenet"], "googlenet", 16, 32, 1),
-    "vgg16": (["vgg16"], "vgg16", 8, 16, 1),
+    "vgg16": (["vgg16"], "vgg16", 4, 16, 1),
     "mobilenet": (["mobilenet"], "mobilenet", 16, 32, 1),
     "lenet": (["lenet"], "lenet", 64, 64, 10),
     "cifar10_quick": (["cifar10_quick"], "cifar10_quick", 100, 100, 4),
@@ -160,12 +160,12 @@ class TorchWorker:
 
 def worker_sgemm():
     import numpy as np
-    n = 4096
+    n = 2048
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     b = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
     a @ b
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         t = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t)
@@ -527,7 +527,7 @@ def print_tables(results, peak, facts, args, load_start, threads_rows):
     torch_version = next((r.torch.info.get("version") for r in results if r.torch), None)
     print("\n" + "=" * 100)
     print(f"machine: {facts}")
-    print(f"sgemm peak {peak:.1f} GFLOP/s (NumPy float32 4096^3, {args.threads} threads); load "
+    print(f"sgemm peak {peak:.1f} GFLOP/s (NumPy float32 2048^3, {args.threads} threads); load "
           f"average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
           f"{args.threads} threads for every framework; {args.rounds} rounds")
     print(f"PyTorch {torch_version or 'not run'}; BVLC Caffe: {args.caffe_bin or 'not run (set CAFFE_BIN)'}")
@@ -600,11 +600,11 @@ def have_torch():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}; 3 rounds")
-    ap.add_argument("--full", action="store_true", help="larger batches, 9 rounds")
+    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}; 2 rounds")
+    ap.add_argument("--full", action="store_true", help="larger batches, 5 rounds")
     ap.add_argument("--nets", default="", help=f"comma-separated subset of {', '.join(GROUPS)}")
     ap.add_argument("--batch", type=int, help="one batch size for every net")
-    ap.add_argument("--rounds", type=int, help="interleaved rounds (default 5; --quick 3, --full 9)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds (default 3; --quick 2, --full 5)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--layers", default="", help="comma-separated groups to print per layer")
     ap.add_argument("--no-threads-check", action="store_true")
@@ -623,7 +623,7 @@ def main():
     if args.worker:
         return run_worker(args)
     if args.rounds is None:
-        args.rounds = 3 if args.quick else 9 if args.full else 5
+        args.rounds = 2 if args.quick else 5 if args.full else 3
     names = [n for n in args.nets.split(",") if n] or (QUICK if args.quick else list(GROUPS))
     unknown = [n for n in names if n not in GROUPS]
     if unknown:

@@ -16,8 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks"))
+from paths import REPO  # noqa: E402
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import nets  # noqa: E402
 import torch_net  # noqa: E402
