@@ -18,7 +18,7 @@ from cython.parallel cimport prange, threadid
 cimport openmp
 from libc.float cimport FLT_MAX
 from libc.stdint cimport int32_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memset
 
 from blas cimport gemm
 from rules cimport dims, need, need_shape, threads_for
@@ -87,73 +87,22 @@ cdef struct Geom:
     bint direct              # 1x1, stride 1, pad 0: the image is already the column matrix
 
 
-cdef inline void _valid_cols(int off, int s, int W, int ow, int* lo, int* hi) noexcept nogil:
-    """ox in [lo, hi) keeps 0 <= ox * s + off < W."""
-    cdef int a = 0, b
-    if off < 0:
-        a = (-off + s - 1) // s
-    if W - 1 - off < 0:
-        b = 0
-    else:
-        b = (W - 1 - off) // s + 1
-    if a > ow:
-        a = ow
-    if b > ow:
-        b = ow
-    if b < a:
-        b = a
-    lo[0] = a
-    hi[0] = b
+cdef extern from "vision_im2col.h":
+    void vi_im2col_channel(const float* plane, int H, int W, int oh, int ow, int kh, int kw,
+                           int ph, int pw, int sh, int sw, int dh, int dw, float* col) noexcept nogil
+    void vi_col2im_channel(const float* col, int H, int W, int oh, int ow, int kh, int kw,
+                           int ph, int pw, int sh, int sw, int dh, int dw, float* plane) noexcept nogil
+    void _valid_cols "vi_valid_cols"(int off, int s, int W, int ow, int* lo, int* hi) noexcept nogil
 
 
-cdef void _im2col_channel(const float* im, int c, const Geom* g, float* col) noexcept nogil:
-    cdef const float* plane = im + <Py_ssize_t>c * g.H * g.W
-    cdef int i, j, oy, ox, iy, off, lo, hi
-    cdef float* dst
-    cdef const float* src
-    for i in range(g.kh):
-        for j in range(g.kw):
-            off = j * g.dw - g.pw
-            _valid_cols(off, g.sw, g.W, g.ow, &lo, &hi)
-            dst = col + (<Py_ssize_t>(c * g.kh + i) * g.kw + j) * g.P
-            for oy in range(g.oh):
-                iy = oy * g.sh - g.ph + i * g.dh
-                if iy < 0 or iy >= g.H:
-                    memset(dst, 0, g.ow * sizeof(float))
-                else:
-                    memset(dst, 0, lo * sizeof(float))
-                    src = plane + iy * g.W + off + lo * g.sw
-                    if g.sw == 1:
-                        memcpy(dst + lo, src, (hi - lo) * sizeof(float))
-                    else:
-                        for ox in range(hi - lo):
-                            dst[lo + ox] = src[ox * g.sw]
-                    memset(dst + hi, 0, (g.ow - hi) * sizeof(float))
-                dst += g.ow
+cdef inline void _im2col_channel(const float* im, int c, const Geom* g, float* col) noexcept nogil:
+    vi_im2col_channel(im + <Py_ssize_t>c * g.H * g.W, g.H, g.W, g.oh, g.ow, g.kh, g.kw, g.ph,
+                      g.pw, g.sh, g.sw, g.dh, g.dw, col + <Py_ssize_t>c * g.kh * g.kw * g.P)
 
 
-cdef void _col2im_channel(const float* col, int c, const Geom* g, float* im) noexcept nogil:
-    cdef float* plane = im + <Py_ssize_t>c * g.H * g.W
-    cdef int i, j, oy, ox, iy, off, lo, hi
-    cdef const float* src
-    cdef float* dst
-    memset(plane, 0, <Py_ssize_t>g.H * g.W * sizeof(float))
-    for i in range(g.kh):
-        for j in range(g.kw):
-            off = j * g.dw - g.pw
-            _valid_cols(off, g.sw, g.W, g.ow, &lo, &hi)
-            src = col + (<Py_ssize_t>(c * g.kh + i) * g.kw + j) * g.P
-            for oy in range(g.oh):
-                iy = oy * g.sh - g.ph + i * g.dh
-                if iy >= 0 and iy < g.H:
-                    dst = plane + iy * g.W + off + lo * g.sw
-                    if g.sw == 1:
-                        for ox in range(hi - lo):
-                            dst[ox] += src[lo + ox]
-                    else:
-                        for ox in range(hi - lo):
-                            dst[ox * g.sw] += src[lo + ox]
-                src += g.ow
+cdef inline void _col2im_channel(const float* col, int c, const Geom* g, float* im) noexcept nogil:
+    vi_col2im_channel(col + <Py_ssize_t>c * g.kh * g.kw * g.P, g.H, g.W, g.oh, g.ow, g.kh, g.kw,
+                      g.ph, g.pw, g.sh, g.sw, g.dh, g.dw, im + <Py_ssize_t>c * g.H * g.W)
 
 
 cdef void _im2col(const float* im, const Geom* g, float* col) noexcept nogil:
