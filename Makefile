@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-full bench-mpi bench-multihost proto clean
+.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-full bench-mpi bench-threads bench-multihost proto clean
 
 install: $(STAMP)
 
@@ -74,6 +74,11 @@ bench: install $(TORCH)
 
 bench-full: install $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_alexnet.py --full
+
+# Default threads vs one thread (idle, and beside a busy process it starts) on LeNet, CIFAR-10,
+# the digits demo's net and AlexNet b4; with CAFFE_BIN=/path/to/caffe, BVLC Caffe's `caffe time` too
+bench-threads: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_threads.py
 
 bench-mpi: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_mpi.py

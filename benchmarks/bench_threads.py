@@ -10,6 +10,8 @@ Cases (benchmarks/prototxt/: BVLC's example nets, Data swapped for constant Dumm
   cifar10_quick     cifar10_quick, batch 100, training forward + backward
   cifar10_full      cifar10_full, batch 100, training forward + backward
   cifar10_quick_b1  cifar10_quick, batch 1, forward only (a deploy net at batch 1)
+  digits            the demo's LeNet (examples/digits, 16x16 digits), batch 64, training
+                    forward + backward: what examples/digits/run.sh trains
   alexnet_b4        AlexNet (models/intel_alexnet without IntelPack / IntelUnpack), batch 4,
                     training forward + backward
 Contenders, each in its own process: caffepy with default settings (OMP_NUM_THREADS and the
@@ -38,15 +40,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 NETS = os.path.join(HERE, "prototxt")
 
-# name: (description, prototxt or builder, batch override for a deploy copy, backward?)
+# name: (description, prototxt (in NETS unless absolute) or None for AlexNet's builder, batch override for a deploy copy, backward?)
 CASES = {
     "lenet": ("LeNet b64 training", "lenet_train.prototxt", None, True),
     "cifar10_quick": ("cifar10_quick b100 training", "cifar10_quick_train.prototxt", None, True),
     "cifar10_full": ("cifar10_full b100 training", "cifar10_full_train.prototxt", None, True),
     "cifar10_quick_b1": ("cifar10_quick b1 forward", "cifar10_quick_train.prototxt", 1, False),
+    "digits": ("digits LeNet b64 training", os.path.join(REPO, "examples", "digits",
+                                                         "lenet_train_test.prototxt"), None, True),
     "alexnet_b4": ("AlexNet b4 training", None, 4, True),
 }
-CAFFE_CASES = ("lenet", "cifar10_quick", "cifar10_full", "cifar10_quick_b1")
+CAFFE_CASES = ("lenet", "cifar10_quick", "cifar10_full", "cifar10_quick_b1", "digits")
 THREAD_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_DYNAMIC",
                "OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "GOTO_NUM_THREADS",
                "MKL_NUM_THREADS")
@@ -63,11 +67,35 @@ def net_param(case):
         from bench_alexnet import caffepy_net_param
         return caffepy_net_param(batch, blocked=False)
     param = upgrade.read_net(os.path.join(NETS, path))
+    if case == "digits":
+        _digits_dummy_data(param)
     if batch is not None:
         for lp in param.layer:
             for shape in lp.dummy_data_param.shape:
                 shape.dim[0] = batch
     return param
+
+
+def _digits_dummy_data(param):
+    """The demo's TRAIN net with its Data layer swapped for constant DummyData of its shapes
+    (64 grayscale 16x16 digits, run.sh's convert_imageset size); the TEST-phase layers go."""
+    from caffepy.proto import caffe_pb2
+
+    keep = [lp for lp in param.layer if not any(r.phase == caffe_pb2.TEST for r in lp.include)]
+    del param.layer[:]
+    param.layer.extend(keep)
+    for lp in param.layer:
+        if lp.type == "Data":
+            batch = lp.data_param.batch_size
+            lp.type = "DummyData"
+            lp.ClearField("include")
+            lp.ClearField("transform_param")
+            lp.ClearField("data_param")
+            d = lp.dummy_data_param
+            d.data_filler.add(type="constant", value=0.5)
+            d.data_filler.add(type="constant", value=3.0)
+            d.shape.add(dim=[batch, 1, 16, 16])
+            d.shape.add(dim=[batch])
 
 
 # ---------------------------------------------------------------------------------------------
