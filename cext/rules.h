@@ -7,7 +7,11 @@
  * that thread runs a fraction of the time (a region of 2 threads on a 2-core machine with one
  * busy process took 9-100x the time of one thread, issue 12). The runnable count is the fourth
  * field of /proc/loadavg ("running/total", the machine's, the reading thread included), read
- * at most every CAFFEPY_LOAD_PERIOD_NS. With spinning threads (OMP_WAIT_POLICY=active, or a
+ * at most every CAFFEPY_LOAD_PERIOD_NS. The count is a snapshot, and a busy machine's processes
+ * come and go from the run queue (I/O, page faults, their own regions): the limit is the
+ * smallest reading of the last CAFFEPY_LOAD_HOLD_NS, so one reading taken while the others
+ * slept does not give a team that must then wait a scheduler slice for its second thread.
+ * With spinning threads (OMP_WAIT_POLICY=active, or a
  * GOMP_SPINCOUNT) our own idle threads would count as load, and the user has said the cores are
  * theirs: the limit is then omp_get_max_threads() alone.
  *
@@ -23,10 +27,12 @@
 #include <unistd.h>
 
 #define CAFFEPY_LOAD_PERIOD_NS 20000000LL
+#define CAFFEPY_LOAD_HOLD_NS 250000000LL
 
 static int caffepy_adaptive = -1;      /* -1: not decided yet, then 0 or 1 */
 static long long caffepy_load_read_ns = 0;
 static int caffepy_free_cores = 0;
+static long long caffepy_low_ns = 0;   /* when caffepy_free_cores last read this low */
 
 static int caffepy_passive_wait(void) {
     const char* policy = getenv("OMP_WAIT_POLICY");
@@ -68,8 +74,14 @@ static int caffepy_team_limit(void) {
     if (now - __atomic_load_n(&caffepy_load_read_ns, __ATOMIC_RELAXED) >= CAFFEPY_LOAD_PERIOD_NS) {
         int running = caffepy_runnable();
         long online = sysconf(_SC_NPROCESSORS_ONLN);
-        free_cores = running > 0 && online > 0 ? (int)(online - (running - 1)) : max;
-        __atomic_store_n(&caffepy_free_cores, free_cores, __ATOMIC_RELAXED);
+        int reading = running > 0 && online > 0 ? (int)(online - (running - 1)) : max;
+        free_cores = __atomic_load_n(&caffepy_free_cores, __ATOMIC_RELAXED);
+        if (reading <= free_cores
+                || now - __atomic_load_n(&caffepy_low_ns, __ATOMIC_RELAXED) >= CAFFEPY_LOAD_HOLD_NS) {
+            free_cores = reading;
+            __atomic_store_n(&caffepy_free_cores, free_cores, __ATOMIC_RELAXED);
+            __atomic_store_n(&caffepy_low_ns, now, __ATOMIC_RELAXED);
+        }
         __atomic_store_n(&caffepy_load_read_ns, now, __ATOMIC_RELAXED);
     } else {
         free_cores = __atomic_load_n(&caffepy_free_cores, __ATOMIC_RELAXED);
