@@ -16,7 +16,8 @@ Cases (benchmarks/prototxt/: BVLC's example nets, Data swapped for constant Dumm
                     training forward + backward
 Contenders, each in its own process: caffepy with default settings (OMP_NUM_THREADS and the
 OpenMP / OpenBLAS variables removed from its environment), caffepy with OMP_NUM_THREADS=1, and
-with --spinning caffepy with a team of every core that spins between regions as OpenMP does by
+with --control a second caffepy with OMP_NUM_THREADS=1 (the same
+contender twice: how far apart noise alone puts two figures), with --spinning caffepy with a team of every core that spins between regions as OpenMP does by
 default (GOMP_SPINCOUNT=300000, OPENBLAS_THREAD_TIMEOUT=28: what caffepy.threads turns off). With
 CAFFE_BIN, for the LeNet and CIFAR-10 cases, `caffe time -model <net> -iterations K` with its
 default settings and with OPENBLAS_NUM_THREADS=1 (its "Average Forward-Backward", or "Average
@@ -138,6 +139,7 @@ def clean_env(**extra):
 
 CAFFEPY = [("default", "caffepy default", {}),
            ("one", "caffepy 1 thread", {"OMP_NUM_THREADS": "1"})]
+CONTROL = ("control", "caffepy 1 thread again", {"OMP_NUM_THREADS": "1"})
 SPINNING = ("spinning", "caffepy spinning", {"GOMP_SPINCOUNT": "300000",
                                                "OPENBLAS_THREAD_TIMEOUT": "28"})
 CAFFE = [("caffe", "Caffe default", {}), ("caffe_one", "Caffe 1 thread",
@@ -209,6 +211,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--chunk", type=float, default=0.25, help="seconds per contender per round")
     ap.add_argument("--spinning", action="store_true", help="add caffepy with spinning threads")
+    ap.add_argument("--control", action="store_true",
+                    help="add a second 1-thread caffepy: its ratio to the first is the noise")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -218,7 +222,7 @@ def main():
     for c in cases:
         if c not in CASES:
             raise SystemExit(f"--cases: unknown case '{c}'; known: {', '.join(CASES)}")
-    contenders = CAFFEPY + ([SPINNING] if args.spinning else [])
+    contenders = CAFFEPY + ([CONTROL] if args.control else []) + ([SPINNING] if args.spinning else [])
     print(f"{os.cpu_count()} CPU(s), {len(os.sched_getaffinity(0))} for this process; medians of "
           f"{args.rounds} interleaved rounds; load average {os.getloadavg()[0]:.1f} at start")
     if not caffe:
@@ -258,6 +262,8 @@ def print_row(case, condition, load, got, contenders):
     cols = "  ".join(f"{label} {got[name]:8.2f} ms" for name, label, _ in contenders)
     line = (f"{CASES[case][0]:28s} {condition:4s} (load {load:4.1f})  {cols}  "
             f"default/1 thread {got['default'] / got['one']:.2f}")
+    if "control" in got:
+        line += f" (control {got['control'] / got['one']:.2f})"
     if "caffe" in got:
         line += (f"  | Caffe default {got['caffe']:8.2f} ms, 1 thread {got['caffe_one']:8.2f} ms;"
                  f" Caffe default / caffepy default {got['caffe'] / got['default']:.2f}x")
@@ -268,6 +274,9 @@ def summary(rows):
     worst = max(rows, key=lambda r: r[3]["default"] / r[3]["one"])
     ratio = worst[3]["default"] / worst[3]["one"]
     print(f"\nworst default / 1 thread: {ratio:.2f} ({CASES[worst[0]][0]}, {worst[1]}); goal <= 1.10")
+    if "control" in worst[3]:
+        noise = max(max(r[3]["control"], r[3]["one"]) / min(r[3]["control"], r[3]["one"]) for r in rows)
+        print(f"noise: two identical 1-thread contenders differed by up to {noise:.2f}x")
     versus = [(r, r[3]["caffe"] / r[3]["default"]) for r in rows if "caffe" in r[3]]
     if versus:
         (case, condition, _, _), least = min(versus, key=lambda v: v[1])
