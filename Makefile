@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-quick bench-full bench-layers bench-mpi bench-multihost proto clean
+.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-quick bench-full bench-layers bench-threads bench-mpi bench-multihost proto clean
 
 install: $(STAMP)
 
@@ -87,6 +87,11 @@ bench-full: install $(TORCH)
 # Single layers, every implementation of each, beside PyTorch's (benchmarks/bench_layers.py)
 bench-layers: install $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_layers.py $(BENCH_ARGS)
+
+# Default threads vs one thread (idle, and beside a busy process it starts) on LeNet, CIFAR-10,
+# the digits demo's net and AlexNet b4; with CAFFE_BIN=/path/to/caffe, BVLC Caffe's `caffe time` too
+bench-threads: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_threads.py
 
 bench-mpi: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_mpi.py

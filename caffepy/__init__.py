@@ -5,7 +5,10 @@
     net = caffe.Net("deploy.prototxt", "weights.caffemodel", caffe.TEST)
     out = net.forward(data=images)
 """
-# first: shares the cores among MPI ranks before any kernel loads OpenMP (see caffepy.parallel)
+# first: the OpenMP and OpenBLAS defaults (passive waiting) before numpy, scipy or a kernel
+# loads a runtime that reads them (see caffepy.threads)
+from . import threads  # noqa: F401
+# then: shares the cores among MPI ranks before any kernel loads OpenMP (see caffepy.parallel)
 from . import parallel  # noqa: F401
 
 from . import proto  # noqa: F401  (caffe.proto.caffe_pb2, as in pycaffe)

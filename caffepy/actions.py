@@ -182,20 +182,20 @@ def test(model, weights=None, iterations=50, level=0, stages=()):
 
 
 def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
-    """Benchmark: one warm-up pass, then average per-layer forward/backward times."""
+    """Benchmark as Caffe's `time`: one warm-up pass, then per-layer forward and backward times.
+    Every layer's backward runs, in either phase and on a deploy net too (parameter gradients
+    included), since Caffe's tool calls each layer's Backward whether or not a loss needs it."""
     from .net import TEST, TRAIN, Net
 
     if str(phase).upper() not in ("TRAIN", "TEST"):
         raise UsageError(f"time: --phase: must be TRAIN or TEST, got '{phase}'")
     phase_value = TRAIN if str(phase).upper() == "TRAIN" else TEST
     net = Net(model, phase=phase_value, weights=weights or None, level=level, stages=list(stages))
-    training = phase_value == TRAIN
     log.info("Performing Forward")
     initial_loss = net.forward_from_to()
     log.info(f"Initial loss: {fmt(initial_loss)}")
-    if training:
-        log.info("Performing Backward")
-        net.backward_from_to()
+    log.info("Performing Backward")
+    net.backward_from_to()
     layers = net.layers
     n = len(layers)
     forward_s = [0.0] * n
@@ -214,24 +214,21 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
             net.forward_from_to(i, i)
             forward_s[i] += clock() - t
         forward_total += clock() - iter_start
-        if training:
-            back_start = clock()
-            for i in reversed(range(n)):
-                t = clock()
-                net.backward_from_to(i, i)
-                backward_s[i] += clock() - t
-            backward_total += clock() - back_start
+        back_start = clock()
+        for i in reversed(range(n)):
+            t = clock()
+            net.backward_from_to(i, i, every_layer=True)
+            backward_s[i] += clock() - t
+        backward_total += clock() - back_start
         log.info(f"Iteration: {j + 1} forward-backward time: {fmt((clock() - iter_start) * 1e3)} ms.")
     total = clock() - total_start
     log.info("Average time per layer: ")
     for i, layer in enumerate(layers):
         log.info(f"{layer.name:>10}\tforward: {fmt(forward_s[i] * 1e3 / iterations)} ms.")
-        if training:
-            log.info(f"{layer.name:>10}\tbackward: {fmt(backward_s[i] * 1e3 / iterations)} ms.")
+        log.info(f"{layer.name:>10}\tbackward: {fmt(backward_s[i] * 1e3 / iterations)} ms.")
     log.info(f"Average Forward pass: {fmt(forward_total * 1e3 / iterations)} ms.")
-    if training:
-        log.info(f"Average Backward pass: {fmt(backward_total * 1e3 / iterations)} ms.")
-        log.info(f"Average Forward-Backward: {fmt(total * 1e3 / iterations)} ms.")
+    log.info(f"Average Backward pass: {fmt(backward_total * 1e3 / iterations)} ms.")
+    log.info(f"Average Forward-Backward: {fmt(total * 1e3 / iterations)} ms.")
     log.info(f"Total Time: {fmt(total * 1e3)} ms.")
     for layer, before in waits:
         waited = float(getattr(layer, "wait_seconds", 0.0)) - before

@@ -1,26 +1,13 @@
 """Matrix products into caller-owned buffers, for the layers and caffepy.parallel alike."""
-import numpy as np
-from scipy.linalg.blas import sgemm
-
-
-def _fortran(a):
-    """(array, trans) with op(array) == a and the array Fortran-ordered, so BLAS copies nothing."""
-    return (a, 0) if a.flags.f_contiguous else (a.T, 1)
+from .kernels import common as _kernels
 
 
 def gemm_into(a, b, c, beta=0.0):
-    """c = a @ b + beta * c for float32 matrix views, written in place through scipy's BLAS.
+    """c = a @ b + beta * c for float32 matrix views, written in place (c C-contiguous; a and b
+    C- or Fortran-ordered, so transposed views are free).
 
-    Fortran BLAS sees the transposes: c^T = b^T a^T; c must be C-contiguous. scipy's OpenBLAS
-    runs AlexNet's batch-64 InnerProduct products at 1.5x the speed numpy.matmul gets from
-    numpy's own OpenBLAS build on this kind of machine (AlexNet's fc6 / fc8 shapes;
-    benchmarks/bench_layers.py times those layers).
+    A compiled kernel (caffepy.kernels.common.gemm) calls scipy's BLAS single-threaded on the
+    kernels' own OpenMP threads, sized by the thread rule like every other kernel (cext/blas.pxd):
+    one pool of threads that wait passively, never BLAS's own spinning pool as well.
     """
-    if c.size == 0:
-        return
-    if a.shape[1] == 0:
-        c *= beta
-        return
-    (fa, ta), (fb, tb) = _fortran(b.T), _fortran(a.T)
-    out = sgemm(1.0, fa, fb, beta=beta, c=c.T, trans_a=ta, trans_b=tb, overwrite_c=True)
-    assert np.shares_memory(out, c), "sgemm copied its output"
+    _kernels.gemm(a, b, c, beta)

@@ -24,6 +24,7 @@ and a `@register(variant=...)`. The Net only asks; the layer keeps the run conte
 built for in `layer.context`.
 """
 import difflib
+import math
 import typing
 
 import numpy as np
@@ -286,7 +287,8 @@ class Layer:
 
 
 def count_from(shape, start, end=None):
-    return int(np.prod(shape[start:end], dtype=np.int64))
+    # Python ints (no overflow) and no NumPy call: this runs in every reshape
+    return math.prod(int(d) for d in shape[start:end])
 
 
 def canonical_axis(layer, axis, num_axes, field="axis"):

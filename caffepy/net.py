@@ -395,12 +395,14 @@ class Net:
             raise _size_error(self.layers[li], e) from None
         return float(loss)
 
-    def backward_from_to(self, start=None, end=0, on_layer_done=None):
+    def backward_from_to(self, start=None, end=0, on_layer_done=None, every_layer=False):
         """Run backward from `start` down to `end`; `on_layer_done(layer_index)` is called
-        as soon as a layer's parameter gradients are final (to overlap communication)."""
+        as soon as a layer's parameter gradients are final (to overlap communication).
+        `every_layer` runs the layers that reach no loss too, as Caffe's `time` does: their
+        parameter gradients (lr_mult != 0), never a bottom diff that backward does not need."""
         start = len(self.layers) - 1 if start is None else start
         for li in range(start, end - 1, -1):
-            if not self.layer_need_backward[li]:
+            if not (every_layer or self.layer_need_backward[li]):
                 continue
             top = self.top_vecs[li]
             for w, blob in zip(self._top_loss_weights[li], top):

@@ -5,8 +5,58 @@
 # (scipy.linalg.cython_blas), which takes Fortran (column-major) arguments.
 # A row-major C = op(A) @ op(B) is the column-major C^T = op(B)^T @ op(A)^T, so the
 # operands and the sizes M, N are swapped on the way in; no data is moved.
+#
+# Threads: inside a parallel region a product runs on the calling thread (the region set the
+# BLAS to one thread: blas_threads.pxi). Outside one, a product gets threads_for_macs(M*N*K)
+# OpenMP threads, each computing a slice of C with a single-threaded BLAS, so matrix products
+# follow the thread rule of rules.pxd like every other kernel. A module that calls these must
+# include blas_threads.pxi, which binds the BLAS thread setter; without it (or without an
+# OpenBLAS) each product is one BLAS call that threads itself.
 
+cimport openmp
+from cython.parallel cimport prange
 from scipy.linalg.cython_blas cimport sgemm as _fortran_sgemm
+
+from rules cimport threads_for_macs
+
+cdef extern from "blas_threads.h":
+    int caffepy_blas_serial() noexcept nogil
+    void caffepy_blas_restore(int saved) noexcept nogil
+    bint caffepy_blas_settable() noexcept nogil
+
+
+cdef inline void _sgemm(bint trans_a, bint trans_b, int M, int N, int K, float alpha,
+                        const float* A, int lda, const float* B, int ldb, float beta, float* C,
+                        int ldc) noexcept nogil:
+    cdef char ta = b'T' if trans_a else b'N'
+    cdef char tb = b'T' if trans_b else b'N'
+    _fortran_sgemm(&tb, &ta, &N, &M, &K, &alpha, <float*>B, &ldb, <float*>A, &lda,
+                   &beta, C, &ldc)
+
+
+cdef inline void _sgemm_split(int nt, bint trans_a, bint trans_b, int M, int N, int K,
+                              float alpha, const float* A, int lda, const float* B, int ldb,
+                              float beta, float* C, int ldc) noexcept nogil:
+    """The product on nt threads, each computing a block of C's columns (or of its rows, when
+    C has more rows), blocks a multiple of 16 floats wide."""
+    cdef int part, lo, hi, step
+    if N >= M:
+        step = ((N + nt - 1) // nt + 15) // 16 * 16
+        for part in prange(nt, num_threads=nt, schedule="static"):
+            lo = part * step
+            hi = N if lo + step > N else lo + step
+            if lo < hi:
+                _sgemm(trans_a, trans_b, M, hi - lo, K, alpha, A, lda,
+                       B + (<Py_ssize_t>lo * ldb if trans_b else lo), ldb, beta, C + lo, ldc)
+    else:
+        step = (M + nt - 1) // nt
+        for part in prange(nt, num_threads=nt, schedule="static"):
+            lo = part * step
+            hi = M if lo + step > M else lo + step
+            if lo < hi:
+                _sgemm(trans_a, trans_b, hi - lo, N, K, alpha,
+                       A + (lo if trans_a else <Py_ssize_t>lo * lda), lda, B, ldb, beta,
+                       C + <Py_ssize_t>lo * ldc, ldc)
 
 
 cdef inline void gemm_ld(bint trans_a, bint trans_b, int M, int N, int K,
@@ -16,16 +66,23 @@ cdef inline void gemm_ld(bint trans_a, bint trans_b, int M, int N, int K,
 
     beta == 0 overwrites C without reading it (NaNs in C do not propagate).
     """
-    cdef char ta = b'T' if trans_a else b'N'
-    cdef char tb = b'T' if trans_b else b'N'
+    cdef int nt, saved
     if M <= 0 or N <= 0:
         return
     if K <= 0:
         # BLAS leaves C untouched when K == 0 only if beta == 1; make the result explicit.
         _scale_rows(M, N, beta, C, ldc)
         return
-    _fortran_sgemm(&tb, &ta, &N, &M, &K, &alpha, <float*>B, &ldb, <float*>A, &lda,
-                   &beta, C, &ldc)
+    if openmp.omp_in_parallel() or not caffepy_blas_settable():
+        _sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+        return
+    nt = threads_for_macs(<Py_ssize_t>M * N * K)
+    saved = caffepy_blas_serial()
+    if nt > 1:
+        _sgemm_split(nt, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+    else:
+        _sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+    caffepy_blas_restore(saved)
 
 
 cdef inline void gemm(bint trans_a, bint trans_b, int M, int N, int K,

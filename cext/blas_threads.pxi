@@ -1,13 +1,16 @@
-# OpenBLAS thread control for kernels that thread over images themselves: each OpenMP
-# thread then calls a single-threaded BLAS (two thread pools at once oversubscribe the cores).
-# Included (not cimported) by each kernel module: every module binds its own pointers.
+# OpenBLAS thread control for kernels that call BLAS (blas.pxd): every module that cimports
+# blas includes this file, which binds the module's own BLAS thread setter (blas_threads.h)
+# when it loads. Loops whose OpenMP threads each call a single-threaded BLAS set the count to
+# 1 around the loop and restore it after (two thread pools at once oversubscribe the cores).
 
-from rules cimport threads_for
+from rules cimport threads_for_macs
 
 ctypedef void (*_set_threads_fn)(int) noexcept nogil
 ctypedef int (*_get_threads_fn)() noexcept nogil
-cdef _set_threads_fn _blas_set_threads = NULL
-cdef _get_threads_fn _blas_get_threads = NULL
+
+cdef extern from "blas_threads.h":
+    _set_threads_fn _blas_set_threads "caffepy_blas_set_threads"
+    _get_threads_fn _blas_get_threads "caffepy_blas_get_threads"
 
 
 cdef _bind_blas_threads():
@@ -32,11 +35,12 @@ cdef _bind_blas_threads():
 _bind_blas_threads()
 
 
-cdef inline int _task_threads(int T, Py_ssize_t tasks, Py_ssize_t work) noexcept nogil:
-    """OpenMP threads for a loop over `tasks` that each call a single-threaded BLAS: the thread
-    rule's count for `work` (rules.threads_for), at most T and at most one per task; 1 when this
-    BLAS's thread count cannot be set (its own threads would then multiply with ours)."""
-    cdef int t = threads_for(work)
+cdef inline int _task_threads(int T, Py_ssize_t tasks, Py_ssize_t macs) noexcept nogil:
+    """OpenMP threads for a loop over `tasks` that each call a single-threaded BLAS, `macs`
+    multiply-adds in all: the thread rule's count (rules.threads_for_macs), at most T and at
+    most one per task; 1 when this BLAS's thread count cannot be set (its own threads would
+    then multiply with ours)."""
+    cdef int t = threads_for_macs(macs)
     if t > T:
         t = T
     if t > tasks:

@@ -1,7 +1,7 @@
 # cython: language_level=3
 # distutils: extra_compile_args = -fno-trapping-math
-"""Kernels of the common layers (caffepy/layers/common.py): the Scale layer's fused passes over
-(outer, dim, inner) views.
+"""Kernels of the common layers (caffepy/layers/common.py): the matrix product of InnerProduct
+(caffepy.blas.gemm_into), the Scale layer's fused passes over (outer, dim, inner) views.
 
 Float32 C-contiguous arrays in, buffers the caller allocated out, no GIL. Work is split over
 OpenMP threads by plane (forward) or by channel (backward, so every thread owns its channels'
@@ -10,7 +10,27 @@ sums and nothing races). The NumPy references are in caffepy/kernels/reference/c
 
 from cython.parallel cimport prange
 
+from blas cimport gemm_ld
 from rules cimport dims, need_shape, threads_for
+
+include "blas_threads.pxi"
+
+
+def gemm(a, b, float[:, ::1] c, float beta=0.0):
+    """c = a @ b + beta * c for float32 matrices a [M, K], b [K, N] (each C- or Fortran-ordered,
+    so a transposed view costs nothing) and c [M, N]; beta 0 overwrites c. Threaded as every
+    product of the kernels (blas.pxd)."""
+    cdef bint ta = not a.flags.c_contiguous, tb = not b.flags.c_contiguous
+    cdef const float[:, ::1] sa = a.T if ta else a        # as stored: [M, K] or [K, M]
+    cdef const float[:, ::1] sb = b.T if tb else b
+    cdef int M = a.shape[0], K = a.shape[1], N = b.shape[1]
+    need_shape("gemm", "b", tuple(b.shape), (K, N))
+    need_shape("gemm", "c", dims(c.shape, 2), (M, N))
+    if M == 0 or N == 0:
+        return
+    with nogil:
+        gemm_ld(ta, tb, M, N, K, 1.0, &sa[0, 0], sa.shape[1], &sb[0, 0], sb.shape[1], beta,
+                &c[0, 0], N)
 
 
 cdef inline void _affine(const float* x, float* y, float* saved, Py_ssize_t n, float s, float b,

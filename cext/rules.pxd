@@ -1,7 +1,8 @@
 # The two rules every kernel module shares, cimported by each cext/*.pyx (the functions are
 # inline, so no runtime module `rules` is imported):
 #
-# - how many OpenMP threads a parallel region gets for its amount of work (threads_for);
+# - how many OpenMP threads a parallel region gets for its amount of work (threads_for,
+#   threads_for_macs);
 # - how a kernel refuses an argument that does not fit: one message shape,
 #   `<kernel>: <argument>: <problem>, got <value>` (need, need_shape), as a ValueError.
 #
@@ -11,18 +12,33 @@
 
 cimport openmp
 
+cdef extern from "rules.h":
+    int caffepy_team_limit() noexcept nogil
+
 cdef enum:
-    # Element operations (roughly) below which a parallel region costs more than it saves: waking
-    # the team is microseconds, and on a busy machine its barrier waits for descheduled threads.
-    # Measured on the kernels whose copies differed (SoftmaxWithLoss, the solver update, which
-    # had 1 << 20): benchmarks/bench_kernels.py, cext/README.md.
-    SERIAL_BELOW = 1 << 16
+    # The least work, in element operations (one float read, computed and written: ~0.15 ns on
+    # one core), that pays for one more thread: waking a passively waiting thread and joining
+    # it costs 15-20 us, and a region of PER_THREAD ops per thread takes ~40 us. Measured:
+    # benchmarks/bench_threads.py, cext/README.md.
+    PER_THREAD = 1 << 18
+    # Multiply-adds of a matrix product (sgemm) per element operation, by time on one core.
+    MACS_PER_OP = 4
 
 
 cdef inline int threads_for(Py_ssize_t work) noexcept nogil:
-    """OpenMP threads for a region of `work` element operations: 1 (the calling thread) below
-    SERIAL_BELOW, else all of them (OMP_NUM_THREADS, else the cores)."""
-    return 1 if work < SERIAL_BELOW else openmp.omp_get_max_threads()
+    """OpenMP threads for a region of `work` element operations: one per PER_THREAD of work, at
+    most the team limit of rules.h (OMP_NUM_THREADS, else the cores; fewer when other processes
+    want the cores), and 1 inside a parallel region (no nested teams)."""
+    cdef int limit
+    if work < 2 * PER_THREAD or openmp.omp_in_parallel():
+        return 1
+    limit = caffepy_team_limit()
+    return limit if work // PER_THREAD > limit else <int>(work // PER_THREAD)
+
+
+cdef inline int threads_for_macs(Py_ssize_t macs) noexcept nogil:
+    """threads_for a region of `macs` multiply-adds of matrix products."""
+    return threads_for(macs // MACS_PER_OP)
 
 
 cdef inline tuple dims(const Py_ssize_t* shape, int ndim):

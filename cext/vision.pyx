@@ -18,7 +18,7 @@ from cython.parallel cimport prange, threadid
 cimport openmp
 from libc.float cimport FLT_MAX
 from libc.stdint cimport int32_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memset
 
 from blas cimport gemm
 from rules cimport dims, need, need_shape, threads_for
@@ -27,15 +27,15 @@ from rules cimport dims, need, need_shape, threads_for
 # ---------------------------------------------------------------------------------------------
 # Threading of the convolution image loop.
 #
-# Two ways to use the cores: call BLAS once per image and let it thread each GEMM (im2col is
-# then split over channels with OpenMP), or give every OpenMP thread its own images, its own
-# column buffer and a single-threaded BLAS. Running both pools at once oversubscribes the cores,
-# so the second way sets the BLAS thread count to 1 for the loop and restores it after (the
-# count is process-wide: two Python threads running convolutions at once may oversubscribe,
-# never miscompute). benchmarks/bench_kernels.py measures both: per-image threads win on every
-# AlexNet layer (3-10x at batch 64 on 2 cores), since the BLAS way pays a fork/join per image
-# and its spinning BLAS workers compete with the OpenMP ones. A batch smaller than the thread
-# count, or a tiny problem (the thread rule of rules.pxd), falls back to the BLAS way.
+# Two ways to use the cores: images in turn, each one's im2col split over channels and each
+# GEMM over blocks of its output (blas.pxd), or every OpenMP thread on its own images, with its
+# own column buffer and a single-threaded BLAS. The second sets the BLAS thread count to 1 for
+# the loop and restores it after (the count is process-wide: two Python threads running
+# convolutions at once may oversubscribe, never miscompute). benchmarks/bench_kernels.py
+# measures both: per-image threads win on every AlexNet layer (3-10x at batch 64 on 2 cores),
+# since the other way pays a fork/join per image and per product. A batch smaller than the
+# thread count, or a problem too small for several threads (the thread rule of rules.pxd), runs
+# images in turn, each region sized by the rule.
 
 include "blas_threads.pxi"
 
@@ -47,7 +47,8 @@ cdef int _conv_threading = _PER_IMAGE
 
 
 def set_conv_threading(str mode):
-    """'images': OpenMP over the batch, one BLAS thread each; 'blas': images in turn, BLAS threads.
+    """'images': OpenMP over the batch, one BLAS thread each; 'blas': images in turn, each
+    product threaded (blas.pxd).
 
     'images' needs a BLAS whose thread count can be set (OpenBLAS); without one, 'blas' is used.
     """
@@ -66,7 +67,7 @@ def get_conv_threading():
 
 cdef int _image_threads(int n_images, Py_ssize_t buffer_floats, Py_ssize_t per_thread,
                         Py_ssize_t work) noexcept nogil:
-    """How many threads the image loop uses: 1 means images in turn with a threaded BLAS."""
+    """How many threads the image loop uses: 1 means images in turn (see above)."""
     cdef int t = openmp.omp_get_max_threads()
     if _conv_threading != _PER_IMAGE:
         return 1
@@ -86,78 +87,27 @@ cdef struct Geom:
     bint direct              # 1x1, stride 1, pad 0: the image is already the column matrix
 
 
-cdef inline void _valid_cols(int off, int s, int W, int ow, int* lo, int* hi) noexcept nogil:
-    """ox in [lo, hi) keeps 0 <= ox * s + off < W."""
-    cdef int a = 0, b
-    if off < 0:
-        a = (-off + s - 1) // s
-    if W - 1 - off < 0:
-        b = 0
-    else:
-        b = (W - 1 - off) // s + 1
-    if a > ow:
-        a = ow
-    if b > ow:
-        b = ow
-    if b < a:
-        b = a
-    lo[0] = a
-    hi[0] = b
+cdef extern from "vision_im2col.h":
+    void vi_im2col_channel(const float* plane, int H, int W, int oh, int ow, int kh, int kw,
+                           int ph, int pw, int sh, int sw, int dh, int dw, float* col) noexcept nogil
+    void vi_col2im_channel(const float* col, int H, int W, int oh, int ow, int kh, int kw,
+                           int ph, int pw, int sh, int sw, int dh, int dw, float* plane) noexcept nogil
+    void _valid_cols "vi_valid_cols"(int off, int s, int W, int ow, int* lo, int* hi) noexcept nogil
 
 
-cdef void _im2col_channel(const float* im, int c, const Geom* g, float* col) noexcept nogil:
-    cdef const float* plane = im + <Py_ssize_t>c * g.H * g.W
-    cdef int i, j, oy, ox, iy, off, lo, hi
-    cdef float* dst
-    cdef const float* src
-    for i in range(g.kh):
-        for j in range(g.kw):
-            off = j * g.dw - g.pw
-            _valid_cols(off, g.sw, g.W, g.ow, &lo, &hi)
-            dst = col + (<Py_ssize_t>(c * g.kh + i) * g.kw + j) * g.P
-            for oy in range(g.oh):
-                iy = oy * g.sh - g.ph + i * g.dh
-                if iy < 0 or iy >= g.H:
-                    memset(dst, 0, g.ow * sizeof(float))
-                else:
-                    memset(dst, 0, lo * sizeof(float))
-                    src = plane + iy * g.W + off + lo * g.sw
-                    if g.sw == 1:
-                        memcpy(dst + lo, src, (hi - lo) * sizeof(float))
-                    else:
-                        for ox in range(hi - lo):
-                            dst[lo + ox] = src[ox * g.sw]
-                    memset(dst + hi, 0, (g.ow - hi) * sizeof(float))
-                dst += g.ow
+cdef inline void _im2col_channel(const float* im, int c, const Geom* g, float* col) noexcept nogil:
+    vi_im2col_channel(im + <Py_ssize_t>c * g.H * g.W, g.H, g.W, g.oh, g.ow, g.kh, g.kw, g.ph,
+                      g.pw, g.sh, g.sw, g.dh, g.dw, col + <Py_ssize_t>c * g.kh * g.kw * g.P)
 
 
-cdef void _col2im_channel(const float* col, int c, const Geom* g, float* im) noexcept nogil:
-    cdef float* plane = im + <Py_ssize_t>c * g.H * g.W
-    cdef int i, j, oy, ox, iy, off, lo, hi
-    cdef const float* src
-    cdef float* dst
-    memset(plane, 0, <Py_ssize_t>g.H * g.W * sizeof(float))
-    for i in range(g.kh):
-        for j in range(g.kw):
-            off = j * g.dw - g.pw
-            _valid_cols(off, g.sw, g.W, g.ow, &lo, &hi)
-            src = col + (<Py_ssize_t>(c * g.kh + i) * g.kw + j) * g.P
-            for oy in range(g.oh):
-                iy = oy * g.sh - g.ph + i * g.dh
-                if iy >= 0 and iy < g.H:
-                    dst = plane + iy * g.W + off + lo * g.sw
-                    if g.sw == 1:
-                        for ox in range(hi - lo):
-                            dst[ox] += src[lo + ox]
-                    else:
-                        for ox in range(hi - lo):
-                            dst[ox * g.sw] += src[lo + ox]
-                src += g.ow
+cdef inline void _col2im_channel(const float* col, int c, const Geom* g, float* im) noexcept nogil:
+    vi_col2im_channel(col + <Py_ssize_t>c * g.kh * g.kw * g.P, g.H, g.W, g.oh, g.ow, g.kh, g.kw,
+                      g.ph, g.pw, g.sh, g.sw, g.dh, g.dw, im + <Py_ssize_t>c * g.H * g.W)
 
 
-cdef void _im2col(const float* im, const Geom* g, float* col, int nt) noexcept nogil:
-    cdef int c
-    if nt <= 1 or threads_for(<Py_ssize_t>g.C * g.kh * g.kw * g.P) == 1:
+cdef void _im2col(const float* im, const Geom* g, float* col) noexcept nogil:
+    cdef int c, nt = threads_for(<Py_ssize_t>g.C * g.kh * g.kw * g.P)
+    if nt == 1:
         for c in range(g.C):
             _im2col_channel(im, c, g, col)
     else:
@@ -165,10 +115,10 @@ cdef void _im2col(const float* im, const Geom* g, float* col, int nt) noexcept n
             _im2col_channel(im, c, g, col)
 
 
-cdef void _col2im(const float* col, const Geom* g, float* im, int nt) noexcept nogil:
+cdef void _col2im(const float* col, const Geom* g, float* im) noexcept nogil:
     # each channel owns its image plane and its rows of the column matrix: no races
-    cdef int c
-    if nt <= 1 or threads_for(<Py_ssize_t>g.C * g.kh * g.kw * g.P) == 1:
+    cdef int c, nt = threads_for(<Py_ssize_t>g.C * g.kh * g.kw * g.P)
+    if nt == 1:
         for c in range(g.C):
             _col2im_channel(col, c, g, im)
     else:
@@ -205,7 +155,7 @@ def im2col(const float[:, :, ::1] data_im, int kh, int kw, int pad_h, int pad_w,
                         pad_h, pad_w, stride_h, stride_w, dil_h, dil_w, 1, "im2col")
     need_shape("im2col", "data_col", dims(data_col.shape, 2), (g.C * kh * kw, g.P))
     with nogil:
-        _im2col(&data_im[0, 0, 0], &g, &data_col[0, 0], openmp.omp_get_max_threads())
+        _im2col(&data_im[0, 0, 0], &g, &data_col[0, 0])
 
 
 def col2im(const float[:, ::1] data_col, int kh, int kw, int pad_h, int pad_w,
@@ -215,7 +165,7 @@ def col2im(const float[:, ::1] data_col, int kh, int kw, int pad_h, int pad_w,
                         pad_h, pad_w, stride_h, stride_w, dil_h, dil_w, 1, "col2im")
     need_shape("col2im", "data_col", dims(data_col.shape, 2), (g.C * kh * kw, g.P))
     with nogil:
-        _col2im(&data_col[0, 0], &g, &data_im[0, 0, 0], openmp.omp_get_max_threads())
+        _col2im(&data_col[0, 0], &g, &data_im[0, 0, 0])
 
 
 def im2col_batch(const float[:, :, :, ::1] data_im, int kh, int kw, int pad_h, int pad_w,
@@ -241,17 +191,14 @@ def im2col_batch(const float[:, :, :, ::1] data_im, int kh, int kw, int pad_h, i
 # Convolution on one image. Weight is [O, C/g * kh * kw] row-major, group gr uses rows
 # [gr*Og, (gr+1)*Og), image channels [gr*Cg, (gr+1)*Cg) and col rows [gr*Kg, (gr+1)*Kg).
 
-cdef void _add_bias_image(float* out, const float* bias, int rows, Py_ssize_t plane,
-                          int nt) noexcept nogil:
+cdef void _add_bias_image(float* out, const float* bias, int rows, Py_ssize_t plane) noexcept nogil:
     cdef int r
     cdef Py_ssize_t p
     cdef float b
     cdef float* dst
     if bias == NULL:
         return
-    if threads_for(rows * plane) == 1:
-        nt = 1
-    for r in prange(rows, num_threads=nt, schedule="static"):
+    for r in prange(rows, num_threads=threads_for(rows * plane), schedule="static"):
         b = bias[r]
         dst = out + r * plane
         for p in range(plane):
@@ -259,21 +206,21 @@ cdef void _add_bias_image(float* out, const float* bias, int rows, Py_ssize_t pl
 
 
 cdef void _fwd_image(const Geom* g, const float* im, const float* w, const float* bias,
-                     float* out, float* col, int nt) noexcept nogil:
+                     float* out, float* col) noexcept nogil:
     """out[O, P] = W (*) im + bias: im2col then one GEMM per group."""
     cdef const float* src = im
     cdef int gr
     if not g.direct:
-        _im2col(im, g, col, nt)
+        _im2col(im, g, col)
         src = col
     for gr in range(g.group):
         gemm(False, False, g.Og, g.P, g.Kg, 1.0, w + <Py_ssize_t>gr * g.Og * g.Kg,
              src + <Py_ssize_t>gr * g.Kg * g.P, 0.0, out + <Py_ssize_t>gr * g.Og * g.P)
-    _add_bias_image(out, bias, g.O, g.P, nt)
+    _add_bias_image(out, bias, g.O, g.P)
 
 
 cdef void _bwd_data_image(const Geom* g, const float* out, const float* w, const float* bias,
-                          float* im, float* col, int nt) noexcept nogil:
+                          float* im, float* col) noexcept nogil:
     """im[C, H, W] = col2im(W^T out) + bias (overwritten; the bias is a deconv's)."""
     cdef float* dst = im if g.direct else col
     cdef int gr
@@ -281,17 +228,17 @@ cdef void _bwd_data_image(const Geom* g, const float* out, const float* w, const
         gemm(True, False, g.Kg, g.P, g.Og, 1.0, w + <Py_ssize_t>gr * g.Og * g.Kg,
              out + <Py_ssize_t>gr * g.Og * g.P, 0.0, dst + <Py_ssize_t>gr * g.Kg * g.P)
     if not g.direct:
-        _col2im(col, g, im, nt)
-    _add_bias_image(im, bias, g.C, <Py_ssize_t>g.H * g.W, nt)
+        _col2im(col, g, im)
+    _add_bias_image(im, bias, g.C, <Py_ssize_t>g.H * g.W)
 
 
 cdef void _bwd_weight_image(const Geom* g, const float* im, const float* out, float* wdiff,
-                            float* col, int nt) noexcept nogil:
+                            float* col) noexcept nogil:
     """wdiff[O, Kg] += out @ im2col(im)^T."""
     cdef const float* src = im
     cdef int gr
     if not g.direct:
-        _im2col(im, g, col, nt)
+        _im2col(im, g, col)
         src = col
     for gr in range(g.group):
         gemm(False, True, g.Og, g.Kg, g.P, 1.0, out + <Py_ssize_t>gr * g.Og * g.P,
@@ -320,16 +267,16 @@ cdef enum:
 
 
 cdef inline void _one_image(const Geom* g, int op, int n, const float* a, const float* w,
-                            const float* bias, float* b, float* wdiff, float* col,
-                            int nt) noexcept nogil:
+                            const float* bias, float* b, float* wdiff,
+                            float* col) noexcept nogil:
     cdef Py_ssize_t im_floats = <Py_ssize_t>g.C * g.H * g.W
     cdef Py_ssize_t out_floats = <Py_ssize_t>g.O * g.P
     if op == _OP_FWD:
-        _fwd_image(g, a + n * im_floats, w, bias, b + n * out_floats, col, nt)
+        _fwd_image(g, a + n * im_floats, w, bias, b + n * out_floats, col)
     elif op == _OP_BWD_DATA:
-        _bwd_data_image(g, a + n * out_floats, w, bias, b + n * im_floats, col, nt)
+        _bwd_data_image(g, a + n * out_floats, w, bias, b + n * im_floats, col)
     else:
-        _bwd_weight_image(g, b + n * im_floats, a + n * out_floats, wdiff, col, nt)
+        _bwd_weight_image(g, b + n * im_floats, a + n * out_floats, wdiff, col)
 
 
 cdef void _run_images(const Geom* g, int N, int op, const float* a, const float* w,
@@ -341,7 +288,7 @@ cdef void _run_images(const Geom* g, int N, int op, const float* a, const float*
     cdef Py_ssize_t per_thread = col_floats + (w_floats if op == _OP_BWD_WEIGHT else 0)
     cdef int T = _image_threads(N, ws_floats + (w_floats if op == _OP_BWD_WEIGHT else 0),
                                 per_thread, <Py_ssize_t>N * g.O * g.P * g.Kg)
-    # whole rounds of T images run in parallel; the rest, one at a time on all threads
+    # whole rounds of T images run in parallel
     cdef int n_par = N - N % T if T > 1 else 0
     cdef int n, t, tid, saved
     cdef float* partials = ws + T * col_floats - w_floats
@@ -357,14 +304,15 @@ cdef void _run_images(const Geom* g, int N, int op, const float* a, const float*
             tid = threadid()
             _one_image(g, op, n, a, w, bias, b,
                        wdiff if tid == 0 else partials + tid * w_floats,
-                       ws + tid * col_floats, 1)
+                       ws + tid * col_floats)
         _blas_set_threads(saved)
         if op == _OP_BWD_WEIGHT:
             for i in prange(w_floats, num_threads=threads_for(w_floats * T), schedule="static"):
                 for t in range(1, T):
                     wdiff[i] += partials[t * w_floats + i]
+    # the rest in turn; each region inside (im2col, the products, the bias) sized by the rule
     for n in range(n_par, N):
-        _one_image(g, op, n, a, w, bias, b, wdiff, ws, openmp.omp_get_max_threads())
+        _one_image(g, op, n, a, w, bias, b, wdiff, ws)
 
 
 def conv_workspace_size(int C, int kh, int kw, int out_h, int out_w, int weight_count,

@@ -129,9 +129,54 @@ def test_time_command_reports_caffes_figures(tiny, loud):
                  "        ip\tbackward: ", "Average Forward pass: ", "Average Backward pass: ",
                  "Average Forward-Backward: ", "Total Time: ", "*** Benchmark ends ***"):
         assert line in err, line
+    # Caffe's time runs and reports every layer's backward in either phase
     result = caffepy("time", "-model", "net.prototxt", "-iterations", "2", "-phase", "TEST")
-    assert result.exit_code == 0 and "backward:" not in result.stderr
-    assert "  accuracy\tforward: " in result.stderr
+    assert result.exit_code == 0, result.output
+    assert "  accuracy\tforward: " in result.stderr and "  accuracy\tbackward: " in result.stderr
+    assert "Average Backward pass: " in result.stderr
+
+
+DEPLOY = """
+name: "deploy"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip" param { lr_mult: 0 } param { lr_mult: 0 }
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "prob" type: "Softmax" bottom: "ip" top: "prob" }
+"""
+
+
+@pytest.mark.parametrize("phase", ["TRAIN", "TEST"])
+def test_time_runs_every_backward_of_a_deploy_net(tmp_path, monkeypatch, phase):
+    """No layer of a deploy net reaches a loss, yet Caffe's time calls each layer's Backward:
+    parameter gradients where lr_mult != 0, no bottom diff."""
+    from caffepy import actions, net as net_module
+
+    (tmp_path / "deploy.prototxt").write_text(DEPLOY)
+    calls = []
+    create = net_module.create_layer
+
+    def counting_create(lp, *args, **kwargs):
+        layer = create(lp, *args, **kwargs)
+        backward = layer.backward
+
+        def counted(top, propagate_down, bottom):
+            calls.append((lp.name, tuple(propagate_down), tuple(layer.param_propagate_down)))
+            return backward(top, propagate_down, bottom)
+        layer.backward = counted
+        return layer
+
+    monkeypatch.setattr(net_module, "create_layer", counting_create)
+    result = actions.time(str(tmp_path / "deploy.prototxt"), iterations=3, phase=phase)
+    timed = {name: backward_ms for name, _, backward_ms in result["layers"]}
+    assert sorted(timed) == ["conv", "data", "ip", "prob", "relu"]
+    for name in timed:
+        assert sum(1 for c in calls if c[0] == name) == 3, (name, calls)
+    assert ("conv", (False,), (True, True)) in calls            # its weight and bias gradients
+    assert ("ip", (False,), (False, False)) in calls            # lr_mult 0: none
+    assert result["backward_ms"] > 0
 
 
 def test_missing_solver_file(tiny):

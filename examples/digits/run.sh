@@ -13,11 +13,6 @@ if [[ "${1:-}" == "--mpi" ]]; then
   RANKS="${2:?usage: run.sh [--mpi N]}"
 fi
 
-# This net's layers are too small to gain from a second OpenMP thread, and on a busy
-# machine (or with one rank per core under MPI) extra threads wait on each other at
-# every parallel region. Set OMP_NUM_THREADS yourself to override.
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-
 cd "$(dirname "$0")/../.."
 DIGITS=examples/digits
 WORK=$DIGITS/work
