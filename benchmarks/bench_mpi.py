@@ -78,16 +78,34 @@ def build_solver(batch, path, context):
     return Solver(sp, source="bench_mpi", context=context)
 
 
-def timed_steps(solver, n, reducer=None):
-    """Wall time, wait before the update and CPU time (all threads of this process) per step."""
-    times, waits, cpus = [], [], []
-    for _ in range(n):
-        t, c = time.perf_counter(), time.process_time()
-        solver.step(1)
-        times.append(time.perf_counter() - t)
-        cpus.append(time.process_time() - c)
-        if reducer is not None:
-            waits.append(reducer.wait_seconds)
+def timed_steps(solver, n, reducer=None, skip=0):
+    """Wall time, wait for the reduction and CPU time (all threads of this process) of each
+    of n iterations run in one step(n), the first `skip` left out. Iterations are clocked
+    after each update (a hook: every rank, every iteration), not per step(1): a step ends by
+    applying the updates the reducer still completes, which in a longer run overlap the next
+    forward."""
+    from caffepy.solvers.solver import Hooks
+
+    marks = []
+
+    class Clock(Hooks):
+        def agree_action(self, solver, request):
+            marks.append((time.perf_counter(), time.process_time(),
+                          reducer.wait_seconds if reducer is not None else 0.0))
+            return request
+
+    clock = Clock()
+    marks.append((time.perf_counter(), time.process_time(),
+                  reducer.wait_seconds if reducer is not None else 0.0))
+    solver.hooks.append(clock)
+    try:
+        solver.step(n)
+    finally:
+        solver.hooks.remove(clock)
+    steps = list(zip(marks[:-1], marks[1:]))[skip:]
+    times = [b[0] - a[0] for a, b in steps]
+    cpus = [b[1] - a[1] for a, b in steps]
+    waits = [b[2] - a[2] for a, b in steps]
     return times, waits, cpus
 
 

@@ -361,7 +361,8 @@ class GradientReducer:
         self._queue = None
         self._thread = None
         self._error = None
-        # timing of the last iteration, for benchmarks and the log
+        # seconds the main thread waited for reductions, and the communication took (in
+        # the thread: with its sleeps), since the reducer was built or reset_timers()
         self.wait_seconds = 0.0
         self.comm_seconds = 0.0
         if self.progress == "thread":
@@ -535,16 +536,16 @@ class GradientReducer:
         t0 = time.perf_counter()
         if self.progress == "none":
             self._next = 0
-            self.wait_seconds = time.perf_counter() - t0
             return
         if self.progress == "blocking":
             for bucket in self.buckets:
                 self._reduce(bucket)
-            self.wait_seconds = self.comm_seconds = time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.wait_seconds += elapsed
+            self.comm_seconds += elapsed
             return
         if self.progress == "thread":
             self.issue_all()
-            self.wait_seconds = 0.0
             self.wait(self.blobs())
             return
         while self._next < len(self.buckets):
@@ -557,7 +558,7 @@ class GradientReducer:
                 bucket.blobs[0].diff[...] *= self._scale
             bucket.unpack(self._scale)
         self._next = 0
-        self.wait_seconds = time.perf_counter() - t0
+        self.wait_seconds += time.perf_counter() - t0
 
     def reset_timers(self):
         self.wait_seconds = self.comm_seconds = 0.0
