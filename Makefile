@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install extras demo test test-all test-multihost bench bench-full bench-mpi bench-multihost proto clean
+.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-full bench-mpi bench-multihost proto clean
 
 install: $(STAMP)
 
@@ -41,6 +41,12 @@ $(EXTRAS): $(STAMP)
 # The embedded default: digits -> LMDB -> train LeNet -> test accuracy
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/digits/run.sh
+
+# A synthetic stand-in for ImageNet at the paths models/intel_alexnet and mpi_intel_alexnet
+# name: 500 generated JPEGs in 10 classes -> caffepy convert_imageset (256 x 256) -> train/val
+# LMDBs in examples/imagenet/, and the mean in data/ilsvrc12/ (about 100 MB; keeps real LMDBs)
+imagenet-sample: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) examples/imagenet/make_sample.py
 
 # torch (a local CPU build) is only a test-time reference; without it those checks skip
 TORCH := $(VENV)/.torch

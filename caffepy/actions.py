@@ -10,7 +10,7 @@ import numpy as np
 
 from . import log
 from .context import SINGLE
-from .errors import UsageError
+from .errors import SolverError, UsageError
 from .log import fmt
 
 
@@ -93,6 +93,7 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
     log.info("Use CPU.")
     handler = SignalHandler(sigint_effect, sighup_effect, mpi=mpi is not None)
     the_solver = Solver(param, source=solver, level=level, stages=stages, context=context)
+    _check_has_loss(the_solver.net)
     # ---- multi-rank call site: the MPI strategy joins the solver through its hooks ----
     if mpi is not None:
         mpi.attach(the_solver)
@@ -104,9 +105,22 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
             the_solver.restore(snapshot)
         log.info("Starting Optimization")
         the_solver.solve()
+    log.info("Optimization Done.")      # caffe.cpp's own line, after the solver's
     if mpi is not None:
         mpi.finish()
     return the_solver
+
+
+def _check_has_loss(net):
+    """Refuse a train net without a loss (a deploy net given to train). Caffe trains it:
+    every layer "does not need backward computation", the weights change by weight decay
+    alone, each display prints every value of the net's outputs, and snapshots overwrite
+    the previous ones; that is never what the person who typed `train` wanted."""
+    if not any(net.blob_loss_weights.values()):
+        raise SolverError(f"{net.source}: the train net has no loss layer (no top with a loss weight), so "
+                          f"training could not change its weights but by weight decay. Is it a deploy "
+                          f"net? Give the solver the train/val net, with a loss layer such as "
+                          f"SoftmaxWithLoss")
 
 
 def _check_snapshot(path):
@@ -119,9 +133,9 @@ def _check_snapshot(path):
             head = f.read(2)
     except OSError:
         pass        # reading it later says what is wrong
-    if str(path).endswith(".caffemodel") or head[:1] == b"\x0a" or head == b"\xa2\x06":
+    if str(path).endswith((".caffemodel", ".caffemodel.h5")) or head[:1] == b"\x0a" or head == b"\xa2\x06":
         raise UsageError(f"--snapshot: {path} holds weights (a .caffemodel), not a solver state; "
-                         f"resume from a .solverstate, or start from these weights with --weights {path}")
+                         f"resume from a .solverstate (.solverstate.h5), or start from these weights with --weights {path}")
 
 
 def _mpi_if_launched():
@@ -141,27 +155,29 @@ def test(model, weights=None, iterations=50, level=0, stages=()):
                          "Give --weights model.caffemodel")
     net = Net(model, phase=TEST, weights=weights, level=level, stages=list(stages))
     log.info(f"Running for {iterations} iterations.")
+    # float sums, as caffe.cpp's test(): its averages print as Caffe's do
+    f32 = np.float32
     names, scores = [], None
-    total_loss = 0.0
+    total_loss = f32(0)
     for i in range(iterations):
-        total_loss += net.forward_from_to()
+        total_loss += f32(net.forward_from_to())
         values = []
         for name in net.outputs:
             for value in net.blobs[name].data.reshape(-1):
                 if i == 0:
                     names.append(name)
-                values.append(float(value))
+                values.append(value)
                 log.info(f"Batch {i}, {name} = {fmt(float(value))}")
-        values = np.array(values, np.float64)
+        values = np.array(values, np.float32)
         scores = values if scores is None else scores + values
-    log.info(f"Loss: {fmt(total_loss / iterations)}")
+    log.info(f"Loss: {fmt(total_loss / f32(iterations))}")
     results = []
     for name, total in zip(names, scores if scores is not None else []):
-        mean = total / iterations
+        mean = total / f32(iterations)
         weight = net.blob_loss_weights.get(name, 0.0)
-        extra = f" (* {fmt(weight)} = {fmt(weight * mean)} loss)" if weight else ""
+        extra = f" (* {fmt(weight)} = {fmt(f32(weight) * mean)} loss)" if weight else ""
         log.info(f"{name} = {fmt(mean)}{extra}")
-        results.append((name, mean))
+        results.append((name, float(mean)))
     return results
 
 

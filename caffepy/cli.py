@@ -3,7 +3,11 @@
 Caffe's gflags spellings work too: `-solver x` and `-solver=x` are read as
 `--solver x`, and boolean flags accept `-gray=true` / `-gray=false`; `-help`,
 `help` and a bare `caffepy` print the usage.
-Known errors (CaffepyError) print one line and exit 1 (usage errors 2);
+Known errors (CaffepyError) print one line and exit 1 (usage errors, click's
+too, 2);
+Ctrl-C (SIGINT; `train` handles it itself once training runs, see
+--sigint_effect) prints one line and exits 130, as the shell reports a
+process SIGINT ended, once the command has removed what it was writing;
 anything else is a bug and keeps its traceback.
 """
 import re
@@ -70,6 +74,18 @@ class CaffeGroup(click.Group):
         except CaffepyError as e:
             click.echo(f"caffepy: error: {log.rank_prefix()}{one_line(e)}", err=True)
             ctx.exit(e.exit_code)
+        except click.UsageError as e:       # click's own (a bad choice, a missing flag): one line too
+            where = e.ctx.command_path if e.ctx is not None else "caffepy"
+            problem = e.format_message()
+            problem += " " if problem.endswith((".", "?")) else ". "
+            click.echo(f"caffepy: error: {log.rank_prefix()}{where}: {problem}'{where} -help' shows the usage",
+                       err=True)
+            ctx.exit(e.exit_code)
+        except KeyboardInterrupt:
+            name = ctx.invoked_subcommand or "caffepy"
+            click.echo(f"caffepy: error: {log.rank_prefix()}{name}: interrupted (SIGINT); "
+                       f"nothing half-written was left", err=True)
+            ctx.exit(130)
 
 
 @click.group(cls=CaffeGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,9 +7,6 @@ sys.path.insert(0, os.path.dirname(__file__))   # shared helpers: gradient_check
 
 from caffepy import log  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE_MODELS = os.path.join(os.path.dirname(REPO), "shared", "reference-models")
-
 
 @pytest.fixture(autouse=True)
 def _quiet_log():

@@ -5,8 +5,9 @@ WindowData), vision (Convolution, Deconvolution, Pooling, Im2col, Crop, SPP, ROI
 Reorg), normalization (LRN, BatchNorm, MVN), neuron (ReLU, Sigmoid, Dropout, ...), common
 (InnerProduct, Concat, Split, Eltwise, Softmax, BatchReindex, Filter, Parameter, ...),
 recurrent (LSTM, RNN, LSTMUnit), loss (SoftmaxWithLoss, Accuracy, ...), python (Python),
+hdf5 (HDF5Data, HDF5Output),
 intel (IntelPack, IntelUnpack, and the blocked variants of Convolution, Pooling, LRN, Concat,
 BatchNorm, Scale). The model-parallel InnerProduct lives in caffepy/parallel/model_parallel.py;
 caffepy/layer.py says how the factory chooses among a type's variants.
 """
-from . import common, data, loss, neuron, normalization, python, recurrent, vision, intel  # noqa: F401
+from . import common, data, hdf5, loss, neuron, normalization, python, recurrent, vision, intel  # noqa: F401
