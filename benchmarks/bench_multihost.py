@@ -189,13 +189,28 @@ def verdict(cost, t_allreduce, spread):
 
 
 def model_inputs(r):
-    """The scaling model's measured inputs from a worker's result."""
+    """The scaling model's measured inputs from a worker's result, and how the layer times
+    were made to agree with the compute-only iteration (a note to print, or "").
+
+    The layers are timed one by one, the iteration as a whole: on a loaded machine the two
+    can disagree. When the layers sum to more than the iteration (a negative rest, which
+    cannot be), they keep their proportions, scaled to the iteration, with no rest, and the
+    note says by how much. The compute-only iteration is thus an input of the model, not a
+    prediction: only the communicating modes are predictions."""
     t_none = r["modes"]["none"]["iter"]
-    rest = t_none - sum(r["forward"]) - sum(r["backward"])
+    forward, backward = r["forward"], r["backward"]
+    total = sum(forward) + sum(backward)
+    rest, note = t_none - total, ""
+    if rest < 0:
+        scale = t_none / total
+        forward, backward = [x * scale for x in forward], [x * scale for x in backward]
+        note = (f"; the layers timed one by one summed to {total:.2f} s, more than the compute-only "
+                f"iteration: scaled by {scale:.2f}, no rest")
+        rest = 0.0
     cpu_per_byte = r["ring_cpu"] / r["ring_bytes_sent"]
-    return dict(forward=r["forward"], backward=r["backward"], rest=max(0.0, rest),
+    return dict(forward=forward, backward=backward, rest=rest,
                 buckets=[tuple(b) for b in r["buckets"]], ranks=len(r["hosts"]), latency=r["latency"],
-                bandwidth=r["bandwidth"], cpu_per_byte=cpu_per_byte), rest
+                bandwidth=r["bandwidth"], cpu_per_byte=cpu_per_byte), note
 
 
 def run_hosts(args, hosts, batch, me):
@@ -246,13 +261,13 @@ def report(args, r, batch, hybrid=None):
         if shown is not None:
             print(f"blocking overlaps nothing by construction: its {shown:.0%} is this run's error bar "
                   f"on the others (its ring moves the bytes with less waiting than one MPI call)")
-    inputs, rest = model_inputs(r)
+    inputs, note = model_inputs(r)
     checks = []
     print(f"model (scaling_model.py; inputs measured in this run: layer times summing to "
-          f"{sum(r['forward']):.2f} s forward + {sum(r['backward']):.2f} s backward, the rest "
-          f"{rest:.2f} s, the link above, {inputs['cpu_per_byte'] * 1e9:.2f} ns of CPU per byte sent, "
+          f"{sum(inputs['forward']):.2f} s forward + {sum(inputs['backward']):.2f} s backward, the rest "
+          f"{inputs['rest']:.2f} s{note}, the link above, {inputs['cpu_per_byte'] * 1e9:.2f} ns of CPU per byte sent, "
           f"all of it taken from compute):")
-    for mode in ("none", "blocking", "thread"):
+    for mode in ("blocking", "thread"):         # `none` is an input (above), not a prediction
         if mode not in modes:
             continue
         predicted = scaling_model.iteration_time(**inputs, mode=mode)
