@@ -79,7 +79,7 @@ bench-mpi: install
 
 # 2 emulated hosts, 500 Mbit/s link: how much of the gradient allreduce hides (root needed)
 bench-multihost: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_multihost.py
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_multihost.py --validate
 
 # Regenerate caffepy/proto/caffe_pb2.py after editing caffe.proto
 proto: install
