@@ -18,7 +18,7 @@ nothing outside the solver replaces its methods or reads its rule's attributes.
 
 The numbers it logs are Caffe's: losses, their running average and test scores are
 accumulated in float (Caffe's Dtype), so an accuracy averaged over 100 batches prints
-0.990001 where Caffe does; the display timer counts whole milliseconds, as Caffe's CPU
+0.990001 where Caffe does (on N ranks each rank's float sums are added over the ranks); the display timer counts whole milliseconds, as Caffe's CPU
 Timer does.
 """
 import math
