@@ -28,8 +28,8 @@ is flagged as noise, never printed as a result. `blocking` hides nothing by
 construction: its figure is the run's error bar.
 
     python benchmarks/bench_multihost.py [--hosts 2] [--rate 500mbit] [--batch N | --target 5]
-    python benchmarks/bench_multihost.py --validate      # 2 then 4 hosts, then the projection
-    python benchmarks/bench_multihost.py --project       # the projection alone (assumptions)
+    python benchmarks/bench_multihost.py --validate --save m.json   # 2 then 4 hosts, the projection
+    python benchmarks/bench_multihost.py --load m.json   # the report again from saved measurements
 """
 import argparse
 import json
@@ -208,9 +208,18 @@ def model_inputs(r):
                 f"iteration: scaled by {scale:.2f}, no rest")
         rest = 0.0
     cpu_per_byte = r["ring_cpu"] / r["ring_bytes_sent"]
+    # the bandwidth the ring gets out of the link (its measured allreduce of all the
+    # gradients, less its latencies): below the raw link's when the machine is busy
+    steps = 2 * (len(r["hosts"]) - 1)
+    moving = r["ring"] - steps * r["latency"]
+    if moving <= 0:
+        raise SystemExit(f"bench_multihost: the ring's {r['ring']:.3f} s for {r['bytes'] / 1e6:.0f} MB is "
+                         f"less than its {steps} latencies of {r['latency'] * 1e6:.0f} us: the measurements "
+                         f"contradict each other")
+    bandwidth = r["ring_bytes_sent"] / moving
     return dict(forward=forward, backward=backward, rest=rest,
                 buckets=[tuple(b) for b in r["buckets"]], ranks=len(r["hosts"]), latency=r["latency"],
-                bandwidth=r["bandwidth"], cpu_per_byte=cpu_per_byte), note
+                bandwidth=bandwidth, cpu_per_byte=cpu_per_byte), note
 
 
 def run_hosts(args, hosts, batch, me):
@@ -227,7 +236,7 @@ def run_hosts(args, hosts, batch, me):
     return r, hybrid
 
 
-def report(args, r, batch, hybrid=None):
+def report(args, r, batch, hybrid, load):
     """Print one run's figures; returns [(mode, predicted, measured)] of the model check."""
     import scaling_model
     hosts = len(r["hosts"])
@@ -237,7 +246,7 @@ def report(args, r, batch, hybrid=None):
     spread = max(max(m["all"]) - min(m["all"]) for m in modes.values())
     print(f"\nAlexNet (DummyData), data parallel, {hosts} emulated hosts ({', '.join(r['hosts'])}), "
           f"1 rank x 1 thread each, local batch {batch}, links shaped to {args.rate}; load average "
-          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores at the end")
+          f"{load:.2f} on {os.cpu_count()} cores at the end")
     print(f"link to the next rank: latency {r['latency'] * 1e6:.0f} us, bandwidth "
           f"{r['bandwidth'] * 8 / 1e6:.0f} Mbit/s ({r['bandwidth'] / 1e6:.1f} MB/s)")
     print(f"gradients: {r['bytes'] / 1e6:.1f} MB in {len(r['buckets'])} buckets")
@@ -265,7 +274,8 @@ def report(args, r, batch, hybrid=None):
     checks = []
     print(f"model (scaling_model.py; inputs measured in this run: layer times summing to "
           f"{sum(inputs['forward']):.2f} s forward + {sum(inputs['backward']):.2f} s backward, the rest "
-          f"{inputs['rest']:.2f} s{note}, the link above, {inputs['cpu_per_byte'] * 1e9:.2f} ns of CPU per byte sent, "
+          f"{inputs['rest']:.2f} s{note}, the latency above, the ring's {inputs['bandwidth'] * 8 / 1e6:.0f} Mbit/s, "
+          f"{inputs['cpu_per_byte'] * 1e9:.2f} ns of CPU per byte sent, "
           f"all of it taken from compute):")
     for mode in ("blocking", "thread"):         # `none` is an input (above), not a prediction
         if mode not in modes:
@@ -284,7 +294,6 @@ def report(args, r, batch, hybrid=None):
               f"{hybrid['bytes'] / 1e6:.1f} MB of gradients allreduced, activation exchanges "
               f"{hybrid['activation_bytes'] / 1e6:.1f} MB per rank per iteration "
               f"({hybrid['activation_bytes'] / r['bandwidth']:.2f} s of the link, not overlapped)")
-    load = os.getloadavg()[0]
     if load > os.cpu_count():
         print(f"the machine was busy (load average {load:.2f} on {os.cpu_count()} cores): other jobs took "
               f"CPU from the ranks, so these times are not comparable with a quiet run (compare CPU "
@@ -352,8 +361,8 @@ def main():
     ap.add_argument("--hybrid", action="store_true", help="also the hybrid layout (2 hosts)")
     ap.add_argument("--validate", action="store_true",
                     help="2 hosts, then 4 at the same local batch, then the projection")
-    ap.add_argument("--project", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--inputs", help=argparse.SUPPRESS)
+    ap.add_argument("--save", help="write the raw measurements to this JSON file")
+    ap.add_argument("--load", help="no run: report (model check, projection) from a --save file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -364,12 +373,38 @@ def main():
     if "none" not in args.modes.split(","):
         ap.error("--modes: needs `none` (the compute-only baseline)")
 
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+        for key in ("rate", "rounds", "iters"):
+            setattr(args, key, saved[key])
+        runs = saved["runs"]
+        print(f"measurements of {saved['when']} (load average {saved['load']:.2f} before)")
+    else:
+        runs = measure(args)
+    all_checks, inputs = [], None
+    for run in runs:
+        checks, found = report(args, run["result"], run["batch"], run["hybrid"], run["load"])
+        inputs = inputs or found
+        all_checks += [(len(run["result"]["hosts"]),) + c for c in checks]
+        sys.stdout.flush()
+    if len({hosts for hosts, *_ in all_checks}) > 1:
+        worst = max(abs(p / m - 1) for _, _, p, m in all_checks)
+        validated = worst <= TOLERANCE
+        print(f"\nmodel check: worst error {worst:.1%} over {len(all_checks)} predictions at "
+              f"{' and '.join(str(h) for h in sorted({h for h, *_ in all_checks}))} hosts "
+              f"({'within' if validated else 'OUTSIDE'} {TOLERANCE:.0%})")
+        project(inputs, validated)
+
+
+def measure(args):
     from tests.multihost.testbed import unavailable
     reason = unavailable()
     if reason:
         raise SystemExit(f"bench_multihost: {reason}")
     me = os.path.abspath(__file__)
-    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+    load = os.getloadavg()[0]
+    print(f"load average before: {load:.2f} on {os.cpu_count()} cores", flush=True)
     batch = args.batch
     if not batch:
         probe = 8
@@ -377,20 +412,15 @@ def main():
                                    capture_output=True, text=True, env=_env()), "calibration")["iter"]
         batch = max(1, round(probe * args.target / t))
         print(f"calibration: batch {probe} takes {t:.2f} s/iter alone -> local batch {batch}", flush=True)
-    all_checks, inputs = [], None
+    runs = []
     for hosts in ((2, 4) if args.validate else (args.hosts,)):
         r, hybrid = run_hosts(args, hosts, batch, me)
-        checks, found = report(args, r, batch, hybrid)
-        inputs = inputs or found
-        all_checks += [(hosts,) + c for c in checks]
-        sys.stdout.flush()
-    if args.validate:
-        worst = max(abs(p / m - 1) for _, _, p, m in all_checks)
-        validated = worst <= TOLERANCE
-        print(f"\nmodel check: worst error {worst:.1%} over {len(all_checks)} predictions at 2 and 4 hosts "
-              f"({'within' if validated else 'OUTSIDE'} {TOLERANCE:.0%})")
-        project(inputs, validated)
-
+        runs.append({"result": r, "batch": batch, "hybrid": hybrid, "load": os.getloadavg()[0]})
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load,
+                           "rate": args.rate, "rounds": args.rounds, "iters": args.iters, "runs": runs}, f)
+    return runs
 
 if __name__ == "__main__":
     main()
