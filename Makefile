@@ -96,9 +96,10 @@ bench-threads: install
 bench-mpi: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_mpi.py
 
-# 2 emulated hosts, 500 Mbit/s link: how much of the gradient allreduce hides (root needed)
+# 2 then 4 emulated hosts, 500 Mbit/s links: how much of the gradient allreduce hides, the
+# scaling model against the measured iterations, then its projection (root needed)
 bench-multihost: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_multihost.py
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_multihost.py --validate
 
 # Regenerate caffepy/proto/caffe_pb2.py after editing caffe.proto
 proto: install

@@ -15,15 +15,10 @@ From the measured figures: the communication cost per iteration, t_blocking - t_
 (ms) and cpu_mode - cpu_none (CPU work per rank), and the fraction of it hidden behind
 backward
     hidden = 1 - (t_mode - t_none) / (t_blocking - t_none)
-and, with a ring allreduce cost model over a network of stated bandwidth
-    t_comm(N) = 2 (N-1)/N * bytes / bandwidth + 2 (N-1) * latency
-    t_iter(N) = t_compute + max((1 - hidden) * t_comm(N), t_comm(N) - t_backward)
-                + (N-1)/N * t_sum
-(t_sum: one thread adding all the gradients into a second copy, measured: the ring's sums
-need the CPU, which compute keeps busy, so the model never counts them as hidden)
-the projected time per iteration and scaling efficiency t_compute / t_iter(N)
-for 1 to 64 nodes, each node running this machine's 1 x 2-thread iteration at
-local batch G (weak scaling, Intel Caffe's convention: batch_size is per node).
+(a figure outside 0..100% contradicts itself: it is printed as noise, not as a result).
+No projection to more nodes: these ranks talk through shared memory, whose cost says
+nothing about a network; `make bench-multihost` (bench_multihost.py --validate) measures
+across emulated hosts, checks the scaling model against them and only then projects.
 
     python benchmarks/bench_mpi.py [--batch 16] [--iters 2] [--rounds 2] [--warmup 1]
     python benchmarks/bench_mpi.py --options [--iters 5] [--rounds 2]
@@ -49,9 +44,6 @@ REPO = os.path.dirname(HERE)
 NET = os.path.join(REPO, "models", "mpi_intel_alexnet", "train_val_shared_db.prototxt")
 HYBRID_NET = os.path.join(REPO, "models", "mpi_intel_alexnet", "train_val.prototxt")
 MODES = ("none", "blocking", "thread", "test", "wait", "blocking:mpi", "thread:mpi")
-NETWORKS_GBPS = (10, 100)
-LATENCY_S = 5e-6           # per ring step, a typical TCP/RoCE small-message figure
-NODES = (1, 2, 4, 8, 16, 32, 64)
 
 
 # -- worker side (one process per rank) ------------------------------------------
@@ -78,16 +70,34 @@ def build_solver(batch, path, context):
     return Solver(sp, source="bench_mpi", context=context)
 
 
-def timed_steps(solver, n, reducer=None):
-    """Wall time, wait before the update and CPU time (all threads of this process) per step."""
-    times, waits, cpus = [], [], []
-    for _ in range(n):
-        t, c = time.perf_counter(), time.process_time()
-        solver.step(1)
-        times.append(time.perf_counter() - t)
-        cpus.append(time.process_time() - c)
-        if reducer is not None:
-            waits.append(reducer.wait_seconds)
+def timed_steps(solver, n, reducer=None, skip=0):
+    """Wall time, wait for the reduction and CPU time (all threads of this process) of each
+    of n iterations run in one step(n), the first `skip` left out. Iterations are clocked
+    after each update (a hook: every rank, every iteration), not per step(1): a step ends by
+    applying the updates the reducer still completes, which in a longer run overlap the next
+    forward."""
+    from caffepy.solvers.solver import Hooks
+
+    marks = []
+
+    class Clock(Hooks):
+        def agree_action(self, solver, request):
+            marks.append((time.perf_counter(), time.process_time(),
+                          reducer.wait_seconds if reducer is not None else 0.0))
+            return request
+
+    clock = Clock()
+    marks.append((time.perf_counter(), time.process_time(),
+                  reducer.wait_seconds if reducer is not None else 0.0))
+    solver.hooks.append(clock)
+    try:
+        solver.step(n)
+    finally:
+        solver.hooks.remove(clock)
+    steps = list(zip(marks[:-1], marks[1:]))[skip:]
+    times = [b[0] - a[0] for a, b in steps]
+    cpus = [b[1] - a[1] for a, b in steps]
+    waits = [b[2] - a[2] for a, b in steps]
     return times, waits, cpus
 
 
@@ -196,31 +206,6 @@ def run(cmd, threads, extra_env=None):
             return json.loads(line[7:])
     sys.stderr.write(out.stdout[-3000:] + out.stderr[-5000:])
     raise SystemExit(f"bench_mpi: a run failed: {' '.join(cmd)}")
-
-
-def project(t_compute, t_backward, hidden, nbytes, gbps, nodes, t_sum=0.0):
-    """Time per iteration on `nodes` nodes: the network part of a ring allreduce is hidden
-    behind backward as measured, but its sums ((N-1)/N of the gradients, t_sum for all of
-    them) need the CPU, which compute keeps busy: they are never hidden."""
-    bw = gbps * 1e9 / 8
-    if nodes == 1:
-        return t_compute
-    t_comm = 2 * (nodes - 1) / nodes * nbytes / bw + 2 * (nodes - 1) * LATENCY_S
-    exposed = max((1 - hidden) * t_comm, t_comm - t_backward)
-    return t_compute + exposed + (nodes - 1) / nodes * t_sum
-
-
-def time_gradient_sum(nbytes):
-    """Seconds one thread takes to add one gradient-sized float32 buffer into another."""
-    import numpy as np
-    n = nbytes // 4
-    a, b = np.ones(n, np.float32), np.ones(n, np.float32)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        np.add(a, b, out=a)
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 # -- the allreduce options table (--options) ---------------------------------------
@@ -399,7 +384,6 @@ def main():
     # by waiting time: 1 - wait_mode / wait_blocking, the part of the reduction the main thread
     #   no longer waits for before the update (ignores the CPU the overlap takes from compute);
     # and the CPU work per iteration each configuration adds to the compute-only run (per rank).
-    hidden, basis = {}, {}
     if "none" in modes:
         t_none, c_none = modes["none"]["iter"], modes["none"]["cpu"]
         spread = max(max(r["all"]) - min(r["all"]) for r in modes.values())
@@ -421,10 +405,11 @@ def main():
                     continue
                 by_wait = 1 - r["wait"] / max(block["wait"], 1e-9)
                 by_iter = 1 - (r["iter"] - t_none) / comm_cost if readable else None
-                if not suffix:
-                    hidden[mode] = by_iter if readable else by_wait
-                    basis[mode] = "iteration time" if readable else "waiting time"
-                shown = f"{by_iter * 100:6.1f}%" if readable else "   n/a "
+                if by_iter is not None and not 0 <= by_iter <= 1:
+                    # a negative cost or more than all of it hidden: the run's noise, not a result
+                    by_iter, shown = None, "  noise"
+                else:
+                    shown = f"{by_iter * 100:6.1f}%" if by_iter is not None else "   n/a "
                 print(f"    {mode:6s} {(r['iter'] - t_none) * 1e3:6.1f} ms/iter, CPU work "
                       f"{(r['cpu'] - c_none) * 1e3:6.1f} ms/iter per rank; hidden {shown} by "
                       f"iteration time, {by_wait * 100:5.1f}% of the wait before the update")
@@ -434,24 +419,8 @@ def main():
         ratio = one["iter"] / overlapped[best]["iter"]
         print(f"2 x 1-thread ranks ({best}) vs 1 x 2-thread rank throughput: {ratio * 100:.1f}% "
               f"(target >= 90%)")
-        default = "thread"
-        h = min(1.0, max(0.0, hidden.get(default, 0.0)))
-        t_sum = time_gradient_sum(two["bytes"])
-        print(f"\nProjection (ring allreduce, {LATENCY_S * 1e6:.0f} us/step latency, hidden fraction "
-              f"{h * 100:.0f}% ({default}, by {basis.get(default, '-')}) capped by backward "
-              f"{one['backward']:.2f} s, plus the ring's sums on the CPU, never hidden "
-              f"({t_sum * 1e3:.0f} ms for all the gradients, measured); each node = this machine, "
-              f"local batch {args.batch}, {one['iter']:.2f} s/iter compute):")
-        print("  nodes " + "".join(f"{f'{g} Gb/s s/iter':>17s}{'eff':>7s}" for g in NETWORKS_GBPS))
-        for n in NODES:
-            row = f"  {n:5d} "
-            for g in NETWORKS_GBPS:
-                t = project(one["iter"], one["backward"], h, two["bytes"], g, n, t_sum)
-                row += f"{t:17.3f}{one['iter'] / t * 100:6.1f}%"
-            print(row)
-        print("  (measured on this machine: comm on shared memory at "
-              f"{rate / 1e9:.2f} GB/s, i.e. {rate * 8 / 1e9:.0f} Gb/s)")
-
+    print("No projection from these figures (shared memory, one host): `make bench-multihost` "
+          "checks the scaling model across emulated hosts, then projects")
 
 if __name__ == "__main__":
     main()

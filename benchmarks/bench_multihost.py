@@ -1,24 +1,35 @@
-"""How much of the gradient allreduce hides behind backward across a real link (`make bench-multihost`).
+"""Training across emulated hosts: how much of the gradient allreduce hides, and the scaling
+model checked against it (`make bench-multihost`).
 
-Two emulated hosts (tests/multihost/testbed.py: network namespaces, a veth link shaped
-with tc tbf), one rank each, one thread each (OMP_NUM_THREADS=1), MPI over TCP. AlexNet
-(models/mpi_intel_alexnet/train_val_shared_db.prototxt, data parallel) with DummyData at a
-local batch chosen so that one iteration takes about --target seconds. Prints:
+K emulated hosts (tests/multihost/testbed.py: network namespaces, links shaped with tc
+tbf), one rank each, one thread each (OMP_NUM_THREADS=1), MPI over TCP. AlexNet
+(models/mpi_intel_alexnet/train_val_shared_db.prototxt, data parallel) with DummyData at
+a local batch chosen so that one iteration takes about --target seconds. Prints:
 
-  link        latency (half an 8-byte MPI ping-pong) and bandwidth (a 64 MB MPI send)
-  t_allreduce one MPI Allreduce of all the gradients over the link, and the CPU seconds
-              it burns (process time of the rank: MPICH polls while it waits)
-  t_1rank     one iteration without communication (progress `none`, both ranks side by
-              side: the same cores and memory busy as in the real runs); and one rank
-              alone on the machine, for reference
-  t_2ranks    one iteration with each CAFFEPY_MPI_PROGRESS mode, its CPU seconds, and
-              hidden = 1 - (t_2ranks - t_1rank) / t_allreduce
+  link        latency and bandwidth from each rank to the next (ring.Link, as the reducer
+              measures it), and the ring's CPU cost per byte sent
+  t_allreduce one MPI Allreduce of all the gradients over the link, and its CPU seconds
+              (process time of the rank: MPICH polls while it waits); the same bytes over
+              caffepy's ring, and its CPU seconds
+  t_1rank     one iteration without communication (progress `none`, the ranks side by
+              side: the same cores and memory busy as in the real runs)
+  t_Nranks    one iteration per mode (`blocking`, `thread` = the default, `thread:mpi` =
+              MPI Allreduce in the thread, as before the ring), its CPU seconds, and
+              hidden = 1 - (t_Nranks - t_1rank) / t_allreduce
+  model       scaling_model.py's iteration time from the measured layer times, link and
+              CPU cost, beside the measured one (it must be within 15%)
+and with --hybrid the hybrid layout (fc6..fc8 model parallel): its iteration with and
+without communication, and the bytes its activation exchanges move.
 
-Iteration times are medians over --iters iterations after --warmup, modes interleaved
-over --rounds. A figure that contradicts itself (a negative cost, more than 100% hidden)
-is flagged as noise, never printed as a result.
+Iterations are clocked inside one step(n) per mode (after --warmup untimed ones), modes
+interleaved over --rounds; figures are medians; an iteration ends when the slowest
+rank's does. A figure that contradicts itself (a negative cost, more than 100% hidden)
+is flagged as noise, never printed as a result. `blocking` hides nothing by
+construction: its figure is the run's error bar.
 
-    python benchmarks/bench_multihost.py [--rate 500mbit] [--batch N | --target 5] [--iters 3]
+    python benchmarks/bench_multihost.py [--hosts 2] [--rate 500mbit] [--batch N | --target 5]
+    python benchmarks/bench_multihost.py --validate --save m.json   # 2 then 4 hosts, the projection
+    python benchmarks/bench_multihost.py --load m.json   # the report again from saved measurements
 """
 import argparse
 import json
@@ -34,7 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
-MODES = ("none", "blocking", "thread", "test", "wait")
+MODES = ("none", "blocking", "thread", "thread:mpi")
+TOLERANCE = 0.15          # the model's predictions must be within 15% of the measurements
 
 
 # -- worker side (one process per rank, inside the emulated hosts) ----------------
@@ -46,91 +58,106 @@ def _time(fn):
 
 def calibrate(args):
     """One rank alone: seconds per iteration at --batch (after one warm-up)."""
-    from bench_mpi import NET, build_solver
+    from bench_mpi import NET, build_solver, timed_steps
 
     from caffepy import log
     from caffepy.context import SINGLE
     log.set_quiet(True)
     solver = build_solver(args.batch, NET, SINGLE)
-    solver.step(1)
-    times = [_time(lambda: solver.step(1))[0] for _ in range(args.iters)]
+    times = timed_steps(solver, 1 + args.iters, skip=1)[0]
     print("RESULT " + json.dumps({"iter": statistics.median(times), "all": times}), flush=True)
 
 
-def link(comm, MPI):
-    """Latency (s, one way) and bandwidth (bytes/s) between rank 0 and rank 1."""
-    small = np.zeros(2, np.float32)
-    rounds = 200
-    comm.Barrier()
-    t = time.perf_counter()
-    for _ in range(rounds):
-        if comm.rank == 0:
-            comm.Send(small, 1)
-            comm.Recv(small, 1)
-        else:
-            comm.Recv(small, 0)
-            comm.Send(small, 0)
-    latency = (time.perf_counter() - t) / rounds / 2
-    big = np.zeros(16 << 20, np.float32)            # 64 MB
-    rates = []
-    for _ in range(2):
-        comm.Barrier()
-        t = time.perf_counter()
-        if comm.rank == 0:
-            comm.Send(big, 1)
-            comm.Recv(small, 1)                      # the receiver has it all
-        else:
-            comm.Recv(big, 0)
-            comm.Send(small, 0)
-        rates.append(big.nbytes / (time.perf_counter() - t - 2 * latency))
-    return latency, max(rates)
+def layer_times(net, reps=2):
+    """Seconds of each layer's forward and backward (the fastest of `reps`)."""
+    n = len(net.layers)
+    fwd, bwd = [float("inf")] * n, [float("inf")] * n
+    for _ in range(reps):
+        for li in range(n):
+            t = time.perf_counter()
+            net.forward_from_to(li, li)
+            fwd[li] = min(fwd[li], time.perf_counter() - t)
+        for li in range(n - 1, -1, -1):
+            t = time.perf_counter()
+            net.backward_from_to(li, li)
+            bwd[li] = min(bwd[li], time.perf_counter() - t)
+    return fwd, bwd
 
 
 def worker(args):
-    from bench_mpi import NET, build_solver, timed_steps
+    from bench_mpi import HYBRID_NET, NET, build_solver, timed_steps
 
     from caffepy import log
     log.set_quiet(True)
     from mpi4py import MPI
 
     from caffepy.parallel import mpi, world
+    from caffepy.parallel.ring import Link, Ring
     mpi.init_world(stall_timeout=0)
     comm = world.comm
     result = {"hosts": comm.allgather(os.uname().nodename)}
-    result["latency"], result["bandwidth"] = link(comm, MPI)
+    link = Link.measure(comm, probe_bytes=32 << 20)
+    result["latency"], result["bandwidth"] = link.latency, link.bandwidth
 
-    solver = build_solver(args.batch, NET, world)
+    solver = build_solver(args.batch, HYBRID_NET if args.hybrid else NET, world)
     strategy = mpi.attach(solver)
     timed_steps(solver, 1)                          # on_start: broadcast, buckets
-    nbytes = strategy.reducer.nbytes
-    # one MPI allreduce of all the gradients, in one call (the figure the overlap must hide)
-    grads = np.ones(nbytes // 4, np.float32)
-    walls, cpus = [], []
-    for _ in range(2):
-        comm.Barrier()
-        wall, cpu = _time(lambda: comm.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM))
-        walls.append(comm.allreduce(wall, op=MPI.MAX))
-        cpus.append(comm.allreduce(cpu, op=MPI.MAX))
-    grads = None                                    # 244 MB back before training resumes
-    result.update(bytes=nbytes, buckets=len(strategy.reducer.buckets), allreduce=min(walls),
-                  allreduce_cpu=cpus[walls.index(min(walls))])
+    reducer = strategy.reducer
+    result["buckets"] = [(4 * b.count, b.ready_layer) for b in reducer.buckets]
+    nbytes = reducer.nbytes
+    result["bytes"] = nbytes
+
+    def slowest(x):
+        return comm.allreduce(x, op=MPI.MAX)
+
+    if not args.hybrid:
+        # the compute, ranks side by side: each layer's time, for the model
+        fwd, bwd = layer_times(solver.net)
+        result["forward"] = [slowest(x) for x in fwd]
+        result["backward"] = [slowest(x) for x in bwd]
+        # one MPI Allreduce of all the gradients (the figure the overlap must hide), then the
+        # same bytes over the ring (its CPU per byte sent goes into the model)
+        grads = np.ones(nbytes // 4, np.float32)
+        ring = Ring(comm.Dup(), link.piece_bytes() // 4, link.poll_cap())
+        for name, fn in (("allreduce", lambda: comm.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)),
+                         ("ring", lambda: ring.allreduce(grads, None))):
+            runs = []
+            for _ in range(2):
+                comm.Barrier()
+                wall, cpu = _time(fn)
+                runs.append((slowest(wall), slowest(cpu)))
+            result[name], result[name + "_cpu"] = min(runs)
+        ring.comm.Free()
+        grads = None                                # 244 MB back before training resumes
+        result["ring_bytes_sent"] = 2 * (world.size - 1) / world.size * nbytes
 
     modes = args.modes.split(",")
     found = {m: {"iter": [], "cpu": [], "wait": []} for m in modes}
     for _ in range(args.rounds):
         for mode in modes:
-            strategy.set_progress(mode, solver)
+            progress, _, algorithm = mode.partition(":")
+            strategy.set_progress(progress, solver, algorithm or None)
             found[mode]["algorithm"] = strategy.reducer.describe()
-            timed_steps(solver, args.warmup, strategy.reducer)
-            times, waits, cpus = timed_steps(solver, args.iters, strategy.reducer)
+            times, waits, cpus = timed_steps(solver, args.warmup + args.iters, strategy.reducer,
+                                             skip=args.warmup)
             for t, w, c in zip(times, waits, cpus):
-                # an iteration ends when the slower rank's does; CPU: the busier rank
-                found[mode]["iter"].append(comm.allreduce(t, op=MPI.MAX))
-                found[mode]["cpu"].append(comm.allreduce(c, op=MPI.MAX))
-                found[mode]["wait"].append(comm.allreduce(w, op=MPI.MAX))
+                found[mode]["iter"].append(slowest(t))
+                found[mode]["cpu"].append(slowest(c))      # CPU: the busier rank
+                found[mode]["wait"].append(slowest(w))
     result["modes"] = {m: {"iter": statistics.median(r["iter"]), "cpu": statistics.median(r["cpu"]),
                            "wait": statistics.median(r["wait"]), "all": r["iter"],
                            "algorithm": r["algorithm"]} for m, r in found.items()}
+    if args.hybrid:
+        from caffepy.layer import MODEL_PARALLEL
+        layers = [layer for layer in solver.net.layers if layer.variant == MODEL_PARALLEL]
+        # per iteration: forward allgathers N*b*K inputs and alltoalls the outputs, backward
+        # alltoalls the output gradients and reduce-scatters the input gradients
+        per_rank = 0
+        for layer in layers:
+            outer = layer.outer
+            per_rank += 4 * outer * (2 * (world.size - 1) * layer.K + 2 * (world.size - 1) * layer.m)
+        result["mp_layers"] = [layer.name for layer in layers]
+        result["activation_bytes"] = per_rank
     strategy.close()
     if world.rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
@@ -161,15 +188,181 @@ def verdict(cost, t_allreduce, spread):
     return hidden, f"{hidden:6.1%} hidden"
 
 
+def model_inputs(r):
+    """The scaling model's measured inputs from a worker's result, and how the layer times
+    were made to agree with the compute-only iteration (a note to print, or "").
+
+    The layers are timed one by one, the iteration as a whole: on a loaded machine the two
+    can disagree. When the layers sum to more than the iteration (a negative rest, which
+    cannot be), they keep their proportions, scaled to the iteration, with no rest, and the
+    note says by how much. The compute-only iteration is thus an input of the model, not a
+    prediction: only the communicating modes are predictions."""
+    t_none = r["modes"]["none"]["iter"]
+    forward, backward = r["forward"], r["backward"]
+    total = sum(forward) + sum(backward)
+    rest, note = t_none - total, ""
+    if rest < 0:
+        scale = t_none / total
+        forward, backward = [x * scale for x in forward], [x * scale for x in backward]
+        note = (f"; the layers timed one by one summed to {total:.2f} s, more than the compute-only "
+                f"iteration: scaled by {scale:.2f}, no rest")
+        rest = 0.0
+    cpu_per_byte = r["ring_cpu"] / r["ring_bytes_sent"]
+    # the bandwidth the ring gets out of the link (its measured allreduce of all the
+    # gradients, less its latencies): below the raw link's when the machine is busy
+    steps = 2 * (len(r["hosts"]) - 1)
+    moving = r["ring"] - steps * r["latency"]
+    if moving <= 0:
+        raise SystemExit(f"bench_multihost: the ring's {r['ring']:.3f} s for {r['bytes'] / 1e6:.0f} MB is "
+                         f"less than its {steps} latencies of {r['latency'] * 1e6:.0f} us: the measurements "
+                         f"contradict each other")
+    bandwidth = r["ring_bytes_sent"] / moving
+    return dict(forward=forward, backward=backward, rest=rest,
+                buckets=[tuple(b) for b in r["buckets"]], ranks=len(r["hosts"]), latency=r["latency"],
+                bandwidth=bandwidth, cpu_per_byte=cpu_per_byte), note
+
+
+def run_hosts(args, hosts, batch, me):
+    from tests.multihost.testbed import TestBed
+    cmd = [sys.executable, me, "--worker", "--batch", str(batch), "--iters", str(args.iters),
+           "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--modes", args.modes]
+    with TestBed(hosts, rate=args.rate) as bed:
+        r = _result(bed.run(cmd, env=_env()), f"the {hosts}-host run")
+    hybrid = None
+    if args.hybrid and hosts == 2:
+        with TestBed(hosts, rate=args.rate) as bed:
+            hybrid = _result(bed.run(cmd[:-2] + ["--modes", "none,thread", "--hybrid"], env=_env()),
+                             "the hybrid run")
+    return r, hybrid
+
+
+def report(args, r, batch, hybrid, load):
+    """Print one run's figures; returns [(mode, predicted, measured)] of the model check."""
+    import scaling_model
+    hosts = len(r["hosts"])
+    modes = r["modes"]
+    t1, c1 = modes["none"]["iter"], modes["none"]["cpu"]
+    t_ar = r["allreduce"]
+    spread = max(max(m["all"]) - min(m["all"]) for m in modes.values())
+    print(f"\nAlexNet (DummyData), data parallel, {hosts} emulated hosts ({', '.join(r['hosts'])}), "
+          f"1 rank x 1 thread each, local batch {batch}, links shaped to {args.rate}; load average "
+          f"{load:.2f} on {os.cpu_count()} cores at the end")
+    print(f"link to the next rank: latency {r['latency'] * 1e6:.0f} us, bandwidth "
+          f"{r['bandwidth'] * 8 / 1e6:.0f} Mbit/s ({r['bandwidth'] / 1e6:.1f} MB/s)")
+    print(f"gradients: {r['bytes'] / 1e6:.1f} MB in {len(r['buckets'])} buckets")
+    print(f"t_allreduce  {t_ar:6.2f} s  one MPI Allreduce of all of them over the links; CPU "
+          f"{r['allreduce_cpu']:.2f} s ({r['allreduce_cpu'] / t_ar:.0%} of a core while it waits)")
+    print(f"  the ring   {r['ring']:6.2f} s  the same bytes over caffepy's ring; CPU {r['ring_cpu']:.2f} s "
+          f"({r['ring_cpu'] / r['ring']:.0%} of a core; {r['ring_cpu'] / r['ring_bytes_sent'] * 1e9:.2f} "
+          f"ns per byte sent)")
+    print(f"t_1rank      {t1:6.2f} s  no communication (progress none, ranks side by side); CPU {c1:.2f} s")
+    print(f"t_{hosts}ranks by mode (median of {args.rounds * args.iters}; iteration spread up to {spread:.2f} s):")
+    for mode, m in modes.items():
+        if mode == "none":
+            continue
+        cost = m["iter"] - t1
+        _, text = verdict(cost, t_ar, spread)
+        print(f"  {mode:10s} {m['iter']:6.2f} s  cost {cost:+.2f} s  {text}; CPU {m['cpu']:.2f} s "
+              f"({m['cpu'] - c1:+.2f} s for communication), waiting {m['wait']:.2f} s  [{m['algorithm']}]")
+    print("hidden = 1 - (t_Nranks - t_1rank) / t_allreduce; target for `thread` (the default): >= 70%")
+    if "blocking" in modes:
+        shown, _ = verdict(modes["blocking"]["iter"] - t1, t_ar, spread)
+        if shown is not None:
+            print(f"blocking overlaps nothing by construction: its {shown:.0%} is this run's error bar "
+                  f"on the others (its ring moves the bytes with less waiting than one MPI call)")
+    inputs, note = model_inputs(r)
+    checks = []
+    print(f"model (scaling_model.py; inputs measured in this run: layer times summing to "
+          f"{sum(inputs['forward']):.2f} s forward + {sum(inputs['backward']):.2f} s backward, the rest "
+          f"{inputs['rest']:.2f} s{note}, the latency above, the ring's {inputs['bandwidth'] * 8 / 1e6:.0f} Mbit/s, "
+          f"{inputs['cpu_per_byte'] * 1e9:.2f} ns of CPU per byte sent, "
+          f"all of it taken from compute):")
+    for mode in ("blocking", "thread"):         # `none` is an input (above), not a prediction
+        if mode not in modes:
+            continue
+        predicted = scaling_model.iteration_time(**inputs, mode=mode)
+        measured = modes[mode]["iter"]
+        error = predicted / measured - 1
+        checks.append((mode, predicted, measured))
+        flag = "" if abs(error) <= TOLERANCE else f"  OUTSIDE {TOLERANCE:.0%}"
+        print(f"  {mode:10s} predicted {predicted:6.2f} s, measured {measured:6.2f} s ({error:+.1%}){flag}")
+    if hybrid is not None:
+        h = hybrid["modes"]
+        print(f"hybrid (train_val.prototxt: {', '.join(hybrid['mp_layers'])} model parallel), local batch "
+              f"{batch}: none {h['none']['iter']:.2f} s, thread {h['thread']['iter']:.2f} s "
+              f"({h['thread']['iter'] - t1:+.2f} s against the data-parallel t_1rank); "
+              f"{hybrid['bytes'] / 1e6:.1f} MB of gradients allreduced, activation exchanges "
+              f"{hybrid['activation_bytes'] / 1e6:.1f} MB per rank per iteration "
+              f"({hybrid['activation_bytes'] / r['bandwidth']:.2f} s of the link, not overlapped)")
+    if load > os.cpu_count():
+        print(f"the machine was busy (load average {load:.2f} on {os.cpu_count()} cores): other jobs took "
+              f"CPU from the ranks, so these times are not comparable with a quiet run (compare CPU "
+              f"seconds, or rerun)")
+    return checks, inputs
+
+
+# -- the projection -----------------------------------------------------------------------
+# Assumptions for nodes of a real cluster, printed with the projection. Everything else
+# (layer proportions, buckets, the ring's CPU per byte) comes from a measured run.
+NODE = dict(
+    name="a 2-socket Xeon node (Intel Caffe's multinode setting)",
+    iteration=0.70,            # s per iteration at local batch 64 (about 91 img/s per node)
+    batch=64,
+    cores=36,                  # the communication thread's CPU comes out of 1 of them
+)
+NETWORKS = ((10e9, 10e-6, "10 Gb/s Ethernet, 10 us"), (100e9, 3e-6, "100 Gb/s (EDR/RoCE), 3 us"))
+PROJECT_NODES = (2, 4, 16, 64, 256, 1024)
+SEEDS = ("Intel Caffe's AlexNet on 64 Xeon nodes and You et al.'s 73% efficiency at 1024 CPUs "
+         "(quoted by issue 11; not measured here)")
+
+
+def project(inputs, validated):
+    import scaling_model
+    scale = NODE["iteration"] / (sum(inputs["forward"]) + sum(inputs["backward"]) + inputs["rest"])
+    fwd = [x * scale for x in inputs["forward"]]
+    bwd = [x * scale for x in inputs["backward"]]
+    rest = inputs["rest"] * scale
+    cpu = inputs["cpu_per_byte"]
+    print(f"\nProjection ({'model validated above' if validated else 'MODEL NOT VALIDATED: for reference only'}):")
+    print(f"  assumption: each node is {NODE['name']}, {NODE['iteration']:.2f} s per AlexNet iteration at "
+          f"local batch {NODE['batch']} (weak scaling: batch_size is per node), its time split across "
+          f"layers as measured here")
+    print(f"  assumption: one rank per node; the ring's CPU cost per byte as measured here "
+          f"({cpu * 1e9:.2f} ns), taken from 1 of {NODE['cores']} cores (compute slows by 1/{NODE['cores']} "
+          f"of it)")
+    print("  assumption: a non-blocking network, every rank sending to the next at the link's rate; "
+          "a step of the ring costs one latency; no stragglers, no data-loading stalls")
+    print(f"  seeds to compare with: {SEEDS}")
+    t_c = sum(fwd) + sum(bwd) + rest
+    header = "".join(f"{label:>34s}" for _, _, label in NETWORKS)
+    print(f"  nodes{header}")
+    for n in PROJECT_NODES:
+        row = f"  {n:5d}"
+        for bandwidth, latency, _ in NETWORKS:
+            t = scaling_model.iteration_time(fwd, bwd, rest, inputs["buckets"], n, latency, bandwidth / 8,
+                                             cpu, stolen=1.0 / NODE["cores"], mode="thread")
+            eff = scaling_model.efficiency(t_c, t)
+            row += f"{t:14.3f} s/iter {eff:6.1%} eff  "
+        print(row)
+    print("  (efficiency = compute-only time / projected time per iteration; the ring's 2(N-1) "
+          "latencies per bucket are what grows with N)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rate", default="500mbit", help="the link's bandwidth, as tc says it")
+    ap.add_argument("--hosts", type=int, default=2, help="emulated hosts (one rank each)")
+    ap.add_argument("--rate", default="500mbit", help="each host's link, as tc says it")
     ap.add_argument("--batch", type=int, default=0, help="local batch per rank (0: from --target)")
     ap.add_argument("--target", type=float, default=5.0, help="seconds per iteration to aim the batch at")
     ap.add_argument("--iters", type=int, default=3, help="timed iterations per mode and round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations after each mode switch")
-    ap.add_argument("--rounds", type=int, default=1, help="rounds over the modes")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds over the modes")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--hybrid", action="store_true", help="also the hybrid layout (2 hosts)")
+    ap.add_argument("--validate", action="store_true",
+                    help="2 hosts, then 4 at the same local batch, then the projection")
+    ap.add_argument("--save", help="write the raw measurements to this JSON file")
+    ap.add_argument("--load", help="no run: report (model check, projection) from a --save file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -180,65 +373,54 @@ def main():
     if "none" not in args.modes.split(","):
         ap.error("--modes: needs `none` (the compute-only baseline)")
 
-    from tests.multihost.testbed import TestBed, unavailable
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+        for key in ("rate", "rounds", "iters"):
+            setattr(args, key, saved[key])
+        runs = saved["runs"]
+        print(f"measurements of {saved['when']} (load average {saved['load']:.2f} before)")
+    else:
+        runs = measure(args)
+    all_checks, inputs = [], None
+    for run in runs:
+        checks, found = report(args, run["result"], run["batch"], run["hybrid"], run["load"])
+        inputs = inputs or found
+        all_checks += [(len(run["result"]["hosts"]),) + c for c in checks]
+        sys.stdout.flush()
+    if len({hosts for hosts, *_ in all_checks}) > 1:
+        worst = max(abs(p / m - 1) for _, _, p, m in all_checks)
+        validated = worst <= TOLERANCE
+        print(f"\nmodel check: worst error {worst:.1%} over {len(all_checks)} predictions at "
+              f"{' and '.join(str(h) for h in sorted({h for h, *_ in all_checks}))} hosts "
+              f"({'within' if validated else 'OUTSIDE'} {TOLERANCE:.0%})")
+        project(inputs, validated)
+
+
+def measure(args):
+    from tests.multihost.testbed import unavailable
     reason = unavailable()
     if reason:
         raise SystemExit(f"bench_multihost: {reason}")
     me = os.path.abspath(__file__)
-    py = sys.executable
-    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+    load = os.getloadavg()[0]
+    print(f"load average before: {load:.2f} on {os.cpu_count()} cores", flush=True)
     batch = args.batch
     if not batch:
         probe = 8
-        t = _result(subprocess.run([py, me, "--calibrate", "--batch", str(probe), "--iters", "2"],
+        t = _result(subprocess.run([sys.executable, me, "--calibrate", "--batch", str(probe), "--iters", "2"],
                                    capture_output=True, text=True, env=_env()), "calibration")["iter"]
         batch = max(1, round(probe * args.target / t))
         print(f"calibration: batch {probe} takes {t:.2f} s/iter alone -> local batch {batch}", flush=True)
-    alone = _result(subprocess.run([py, me, "--calibrate", "--batch", str(batch), "--iters", str(args.iters)],
-                                   capture_output=True, text=True, env=_env()), "the lone rank")
-    with TestBed(2, rate=args.rate) as bed:
-        out = bed.run([py, me, "--worker", "--batch", str(batch), "--iters", str(args.iters),
-                       "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--modes", args.modes],
-                      env=_env())
-    r = _result(out, "the 2-host run")
-    modes = r["modes"]
-    t1 = modes["none"]["iter"]
-    c1 = modes["none"]["cpu"]
-    t_ar = r["allreduce"]
-    spread = max(max(m["all"]) - min(m["all"]) for m in modes.values())
-    print(f"AlexNet (DummyData), data parallel, 2 emulated hosts ({', '.join(r['hosts'])}), 1 rank x 1 thread "
-          f"each, local batch {batch}, link shaped to {args.rate}")
-    print(f"link: latency {r['latency'] * 1e6:.0f} us one way, bandwidth {r['bandwidth'] * 8 / 1e6:.0f} Mbit/s "
-          f"({r['bandwidth'] / 1e6:.1f} MB/s)")
-    print(f"gradients: {r['bytes'] / 1e6:.1f} MB in {r['buckets']} buckets")
-    print(f"t_allreduce  {t_ar:6.2f} s  one MPI Allreduce of all of them over the link; CPU "
-          f"{r['allreduce_cpu']:.2f} s ({r['allreduce_cpu'] / t_ar:.0%} of a core while it waits)")
-    print(f"t_1rank      {t1:6.2f} s  no communication (progress none, ranks side by side); CPU {c1:.2f} s; "
-          f"one rank alone on the machine {alone['iter']:.2f} s")
-    print(f"t_2ranks by CAFFEPY_MPI_PROGRESS (median of {args.rounds * args.iters}; iteration spread up to "
-          f"{spread:.2f} s):")
-    for mode, m in modes.items():
-        if mode == "none":
-            continue
-        cost = m["iter"] - t1
-        _, text = verdict(cost, t_ar, spread)
-        print(f"  {mode:9s} {m['iter']:6.2f} s  cost {cost:+.2f} s  {text}; CPU {m['cpu']:.2f} s "
-              f"({m['cpu'] - c1:+.2f} s for communication), waiting before the update {m['wait']:.2f} s  "
-              f"[{m['algorithm']}]")
-    print("hidden = 1 - (t_2ranks - t_1rank) / t_allreduce; the target for the allreduce rework: >= 70%")
-    if "blocking" in modes:
-        # blocking reduces after backward: whatever it shows as hidden is not overlap but the
-        # difference between its bucketed reduction and one Allreduce call, plus noise
-        shown, _ = verdict(modes["blocking"]["iter"] - t1, t_ar, spread)
-        if shown is not None:
-            print(f"blocking overlaps nothing by construction: its {shown:.0%} is this run's error bar "
-                  f"on the others")
-    load = os.getloadavg()[0]
-    if load > os.cpu_count():
-        print(f"the machine was busy (load average {load:.2f} on {os.cpu_count()} cores): other jobs took "
-              f"CPU from the ranks, so these times are not comparable with a quiet run (compare CPU "
-              f"seconds, or rerun)")
-
+    runs = []
+    for hosts in ((2, 4) if args.validate else (args.hosts,)):
+        r, hybrid = run_hosts(args, hosts, batch, me)
+        runs.append({"result": r, "batch": batch, "hybrid": hybrid, "load": os.getloadavg()[0]})
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load,
+                           "rate": args.rate, "rounds": args.rounds, "iters": args.iters, "runs": runs}, f)
+    return runs
 
 if __name__ == "__main__":
     main()

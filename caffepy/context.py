@@ -4,8 +4,8 @@ Layers and solvers learn their rank, the number of ranks, the run's seed and how
 value across ranks from here, never by importing caffepy.parallel. A single process uses
 `SINGLE`; a multi-rank run (caffepy.parallel.mpi.init_world) makes one around its communicator
 and hands it to the Solver (`Solver(..., context=world)`), which hands it to its train net and
-every layer in it. The test nets get the context the Solver's `test_context` names (`SINGLE`
-while rank 0 runs them alone).
+every layer in it. The test nets get the context the Solver's `test_context` names (the run's:
+every rank tests its share of the batches).
 """
 
 

@@ -377,12 +377,16 @@ class Net:
             raise CaffepyError(f"{self.source}: no layer named '{name}'")
         return self._layer_names.index(name)
 
-    def forward_from_to(self, start=0, end=None):
-        """Run layers start..end inclusive; return the weighted loss (summed in float, as Caffe)."""
+    def forward_from_to(self, start=0, end=None, before_layer=None):
+        """Run layers start..end inclusive; return the weighted loss (summed in float, as Caffe).
+        `before_layer(layer_index)` is called before each layer runs (the solver applies a late
+        update there)."""
         end = len(self.layers) - 1 if end is None else end
         loss = np.float32(0)
         try:
             for li in range(start, end + 1):
+                if before_layer is not None:
+                    before_layer(li)
                 layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
                 layer.reshape(bottom, top)
                 layer.forward(bottom, top)

@@ -1,28 +1,38 @@
-"""Gradient averaging across ranks, overlapped with backward.
+"""Gradient averaging across ranks, overlapped with backward (and with the next forward).
 
 Parameters are grouped into buckets in backward order (the order their
 gradients become final). A bucket is reduced as soon as the backward pass has
-passed the lowest layer that uses one of its parameters. `finish()` (before
-the update) waits for every bucket and leaves the average in the diffs.
+passed the lowest layer that uses one of its parameters. With the `thread`
+progress mode the update does not wait for it: the solver updates each
+parameter just before the next forward reaches a layer that uses it
+(Hooks.pending_gradients / await_gradients), so a bucket's reduction has the rest
+of backward and the next forward up to its layer to travel. `finish()` waits for
+every bucket instead (the other modes, clip_gradients, snapshots, tests).
 
 How a bucket is reduced (`algorithm`, CAFFEPY_MPI_ALLREDUCE, default `shm`):
     shm  ranks on one host keep their parameter diffs in one MPI-3 shared-memory
          window, laid out bucket by bucket, so backward writes gradients where
          every local rank can read them. Local rank r of L sums slice r of the
          bucket over the L windows (scaled by 1/N) into its own window, ranks
-         with the same local rank on other hosts allreduce that slice over MPI,
-         and each rank copies the other slices from their owners. No packing,
-         no kernel-mediated copies: on 2 ranks about 40% of the CPU time of
-         MPICH's Allreduce of the same bytes (benchmarks/bench_mpi.py --options).
-         Ranks wait for each other on flags in the window, sleeping when the
-         wait is long, instead of spinning on a core backward needs.
-         Used with the `thread` and `blocking` progress modes, when every host
-         runs the same number (> 1) of ranks; otherwise, and for one rank per
-         host, the diffs stay private and the `mpi` algorithm runs.
+         with the same local rank on other hosts reduce that slice over the
+         ring (ring.py), and each rank copies the other slices from their
+         owners. No packing, no kernel-mediated copies: on 2 ranks about 40% of
+         the CPU time of MPICH's Allreduce of the same bytes
+         (benchmarks/bench_mpi.py --options). Ranks wait for each other on flags
+         in the window, sleeping when the wait is long, instead of spinning on a
+         core backward needs. Used with the `thread` and `blocking` progress
+         modes, when every host runs the same number (> 1) of ranks; otherwise
+         the diffs stay private and the `ring` algorithm runs.
+    ring the ring allreduce of ring.py over the ranks: pieces sized for the link
+         (measured when the reducer is built), the sums done by NumPy, waiting
+         by tests and sleeps instead of MPI's busy polling. With the `thread`
+         mode the most urgent bucket goes first (the one the next forward needs
+         earliest), between two pieces of a less urgent one.
     mpi  MPI Allreduce on the diff in place (one parameter per bucket when it is
          larger than `bucket_bytes`), or on a packed buffer of small ones, in
          slices of `chunk_bytes` (MPICH reduces 244 MB in 1 MB slices with about
          half the CPU time it takes as one message: the copies stay in cache).
+         MPICH polls the network while it waits: a core per rank.
 
 How communication progresses while backward computes (`progress`):
     thread   a dedicated thread reduces the queued buckets (MPI_THREAD_MULTIPLE;
@@ -33,8 +43,9 @@ How communication progresses while backward computes (`progress`):
     blocking no overlap: every bucket reduced in finish() (the reference)
     none     no communication at all (benchmarks only: the compute-only time)
 The default comes from CAFFEPY_MPI_PROGRESS, else `thread` (see
-benchmarks/bench_mpi.py for the measurements behind these choices).
-Buffer-based (uppercase) MPI calls on float32 arrays only: nothing is pickled.
+benchmarks/bench_multihost.py and bench_mpi.py for the measurements behind these
+choices). Buffer-based (uppercase) MPI calls on float32 arrays only: nothing is
+pickled.
 """
 import os
 import queue
@@ -43,8 +54,10 @@ import time
 
 import numpy as np
 
+from .ring import Link, Poller, Ring
+
 PROGRESS_MODES = ("thread", "test", "wait", "blocking", "none")
-ALGORITHMS = ("shm", "mpi")
+ALGORITHMS = ("shm", "ring", "mpi")
 DEFAULT_BUCKET_BYTES = 4 << 20
 DEFAULT_CHUNK_BYTES = 1 << 20
 _SHM_PROGRESS = ("thread", "blocking")
@@ -73,6 +86,7 @@ class _Bucket:
     """Parameters reduced together; `ready_layer` = the lowest layer index using any."""
 
     def __init__(self):
+        self.index = 0            # position in backward order; the ring's message tag
         self.blobs = []
         self.ready_layer = None
         self.count = 0
@@ -99,13 +113,18 @@ class _Bucket:
         return self.buffer
 
     def unpack(self, scale):
-        """Scaled diffs from the packed buffer (a single blob was scaled in place already)."""
+        """Diffs from the packed buffer, times `scale` (None: as they are); a single blob was
+        reduced in place already."""
         if len(self.blobs) == 1:
             return
         offset = 0
         for blob in self.blobs:
             n = blob.count
-            np.multiply(self.buffer[offset:offset + n].reshape(blob.shape), scale, out=blob.diff)
+            part = self.buffer[offset:offset + n].reshape(blob.shape)
+            if scale is None:
+                np.copyto(blob.diff, part)
+            else:
+                np.multiply(part, scale, out=blob.diff)
             offset += n
 
 
@@ -122,6 +141,7 @@ class NodeWindow:
         from mpi4py import MPI
         self._MPI = MPI
         self.node, self.cross = node, cross
+        self.ring = None          # set by the reducer: the cross-host ring
         self.local_size, self.local_rank = node.Get_size(), node.Get_rank()
         self.scale = scale
         self.total = self.layout(buckets)
@@ -160,7 +180,7 @@ class NodeWindow:
             if free < need:
                 from .. import log
                 log.warning(f"/dev/shm has {free / 1e6:.0f} MB free, the shared-memory allreduce "
-                            f"needs {need / 1e6:.0f} MB on this host: using MPI Allreduce instead")
+                            f"needs {need / 1e6:.0f} MB on this host: using the ring allreduce instead")
             node.Free()
             return None
         cross = comm.Split(node.Get_rank(), comm.Get_rank())
@@ -236,13 +256,16 @@ class NodeWindow:
                 np.add(out, view[start:end], out=out)
             if scale is not None:
                 out *= scale                          # still in cache
-        if self.cross is not None and hi > lo:
-            _chunked_allreduce(self.cross, self.own[lo:hi], self.scale, self._MPI)
+        if self.cross is not None:
+            self.ring.allreduce(self.own[lo:hi], self.scale, tag=bucket.index)
         self.fence()                                  # every slice summed
         for rank, view in enumerate(self.views):
             if rank != self.local_rank:
                 a, b = self._slice(bucket, rank)
                 np.copyto(self.own[a:b], view[a:b])
+        # every copy done before any rank changes its diffs (the update writes its step
+        # there, then they are cleared)
+        self.fence()
 
     def close(self, buckets):
         """Give the blobs private diffs again (with their values) and free the window."""
@@ -273,16 +296,18 @@ def _chunked_allreduce(comm, buf, scale, MPI, chunk=DEFAULT_CHUNK_BYTES // 4):
             part *= scale                             # still in cache
 
 
+
 class GradientReducer:
     """Average the diffs of `params` over `comm`.
 
     params: [(blob, ready_layer)] — ready_layer is the lowest layer index whose
     backward writes that blob's diff (its gradient is final once that layer ran).
+    link: a ring.Link measured before (None: measured here when the ring needs it).
     Collective: every rank builds its reducer (and closes it) at the same point.
     """
 
-    def __init__(self, comm, params, bucket_bytes=DEFAULT_BUCKET_BYTES, progress=None,
-                 algorithm=None, chunk_bytes=DEFAULT_CHUNK_BYTES):
+    def __init__(self, comm, params, bucket_bytes=None, progress=None, algorithm=None,
+                 chunk_bytes=DEFAULT_CHUNK_BYTES, link=None):
         from mpi4py import MPI
         self._MPI = MPI
         self.comm = comm
@@ -301,32 +326,59 @@ class GradientReducer:
         requested = algorithm or default_algorithm()
         if requested not in ALGORITHMS:
             raise ValueError(f"unknown allreduce algorithm {requested!r}")
+        if self.progress in ("test", "wait"):
+            requested = "mpi"            # they are MPI's non-blocking Iallreduce
         self._chunk = max(_ALIGN, chunk_bytes // 4)
-        self.buckets = self._make_buckets(params, bucket_bytes)
-        self.nbytes = 4 * sum(b.count for b in self.buckets)
+        self.link = link
+        ring_comm = comm
         self.window = None
         if requested == "shm" and self.progress in _SHM_PROGRESS:
+            # the window's layout needs the buckets: sized for a host-local reduction first
+            self.buckets = self._make_buckets(params, bucket_bytes or DEFAULT_BUCKET_BYTES)
             self.window = NodeWindow.create(comm, self.buckets, self._scale)
-        self.algorithm = "shm" if self.window is not None else "mpi"
+            if self.window is None:
+                requested = "ring"
+            else:
+                ring_comm = self.window.cross
+        self.algorithm = "shm" if self.window is not None else requested
+        self.ring = None
+        if ring_comm is not None and self.algorithm in ("shm", "ring") and self.progress != "none":
+            if self.link is None:
+                self.link = Link.measure(ring_comm)
+            self.ring = Ring(ring_comm, self.link.piece_bytes() // 4, self.link.poll_cap())
+            if self.window is not None:
+                self.window.ring = self.ring
+        if self.window is None:
+            if bucket_bytes is None:
+                # buckets sized for the link: a ring step of a bucket is about one piece
+                bucket_bytes = DEFAULT_BUCKET_BYTES
+                if self.ring is not None:
+                    bucket_bytes = max(bucket_bytes, self.size * 4 * self.ring.piece)
+            self.buckets = self._make_buckets(params, bucket_bytes)
+        self.nbytes = 4 * sum(b.count for b in self.buckets)
+        self._bucket_of = {id(blob): bucket for bucket in self.buckets for blob in bucket.blobs}
         self._next = 0                  # first bucket not yet issued
         self._queue = None
         self._thread = None
         self._error = None
-        self._fenced = threading.Event()
-        # timing of the last iteration, for benchmarks and the log
+        # seconds the main thread waited for reductions, and the communication took (in
+        # the thread: with its sleeps), since the reducer was built or reset_timers()
         self.wait_seconds = 0.0
         self.comm_seconds = 0.0
         if self.progress == "thread":
             self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._run, name="caffepy-allreduce", daemon=True)
+            run = self._run_ring if self.window is None and self.ring is not None else self._run
+            self._thread = threading.Thread(target=run, name="caffepy-allreduce", daemon=True)
             self._thread.start()
 
     def describe(self):
-        if self.window is None:
-            return "mpi"
-        w = self.window
-        hosts = 1 if w.cross is None else w.cross.Get_size()
-        return f"shm ({w.local_size} ranks per host, {hosts} host{'s' if hosts > 1 else ''})"
+        if self.window is not None:
+            w = self.window
+            hosts = 1 if w.cross is None else w.cross.Get_size()
+            return f"shm ({w.local_size} ranks per host, {hosts} host{'s' if hosts > 1 else ''})"
+        if self.algorithm == "ring" and self.ring is not None:
+            return f"ring ({self.size} ranks, {4 * self.ring.piece / 1e6:.1f} MB pieces)"
+        return self.algorithm
 
     @staticmethod
     def _make_buckets(params, bucket_bytes):
@@ -348,6 +400,8 @@ class GradientReducer:
                 current = _Bucket()
         if current.blobs:
             buckets.append(current)
+        for index, bucket in enumerate(buckets):
+            bucket.index = index
         return buckets
 
     # -- one bucket, blocking ------------------------------------------------
@@ -356,6 +410,10 @@ class GradientReducer:
             self.window.reduce(bucket)
             return
         single = len(bucket.blobs) == 1
+        if self.ring is not None:
+            self.ring.allreduce(bucket.pack(), self._scale, tag=bucket.index)
+            bucket.unpack(None)
+            return
         _chunked_allreduce(self.comm, bucket.pack(), self._scale if single else None, self._MPI,
                            self._chunk)
         bucket.unpack(self._scale)
@@ -383,65 +441,124 @@ class GradientReducer:
         bucket.requests = [self.comm.Iallreduce(self._MPI.IN_PLACE, bucket.pack(), op=self._MPI.SUM)]
 
     def _run(self):
+        """The thread, buckets one after another (shm, mpi: the ranks must take them in the
+        same order)."""
         while True:
             bucket = self._queue.get()
             if bucket is None:
                 return
             try:
                 t = time.perf_counter()
-                if self._error is not None:
-                    pass        # after a failure the ranks' fences no longer pair up: skip
-                elif bucket == "fence":
-                    self.window.fence()
-                else:
+                if self._error is None:      # after a failure the ranks no longer pair up: skip
                     # averaging and unpacking here too: the diffs of a sent bucket are
                     # final, nothing else touches them before the update
                     self._reduce(bucket)
                 self.comm_seconds += time.perf_counter() - t
-            except BaseException as e:       # surfaced by finish() on the main thread
+            except BaseException as e:       # surfaced on the main thread by wait()
                 self._error = e
-            if bucket == "fence":
-                self._fenced.set()
-            else:
-                bucket.done.set()
+            bucket.done.set()
 
-    # -- called before the update -------------------------------------------
+    def _run_ring(self):
+        """The thread, ring algorithm: every queued bucket is under way, the most urgent one
+        (the lowest layer, which the next forward needs first) posting new pieces. The
+        priorities are the same on every rank, so whatever the ranks have queued, the most
+        urgent bucket queued everywhere moves: no rank waits for a message another never
+        posts."""
+        active = []                          # [(bucket, transfer)], most urgent first
+        poller = Poller(self.ring.poll_cap)
+        while True:
+            try:
+                item = self._queue.get(block=not active)
+                while True:
+                    if item is None:
+                        return
+                    t = time.perf_counter()
+                    active.append((item, self.ring.transfer(item.pack(), self._scale, item.index)))
+                    self.comm_seconds += time.perf_counter() - t
+                    item = self._queue.get(block=False)
+            except queue.Empty:
+                pass
+            active.sort(key=lambda a: (a[0].ready_layer, a[0].index))
+            t = time.perf_counter()
+            try:
+                progressed = self._error is None and active[0][1].post() > 0
+                for bucket, transfer in active:
+                    if self._error is None:
+                        progressed = transfer.test() or progressed
+                    if transfer.done or self._error is not None:
+                        if self._error is None:
+                            bucket.unpack(None)
+                        transfer.release()
+                        bucket.done.set()
+            except BaseException as e:       # surfaced on the main thread by wait()
+                self._error = e
+                for bucket, transfer in active:
+                    transfer.release()
+                    bucket.done.set()
+                active = []
+                continue
+            active = [a for a in active if not a[0].done.is_set()]
+            self.comm_seconds += time.perf_counter() - t
+            if progressed:
+                poller.progressed()
+            elif active:
+                poller.idle()
+
+    # -- called after backward ---------------------------------------------
+    def issue_all(self):
+        """Backward is over: start every bucket not started yet (non-blocking, `thread` mode)."""
+        if self.progress != "thread":
+            return
+        while self._next < len(self.buckets):
+            self._issue(self.buckets[self._next])
+            self._next += 1
+        self._next = 0                  # the next backward starts from the first bucket again
+
+    def blobs(self):
+        return [blob for bucket in self.buckets for blob in bucket.blobs]
+
+    def wait(self, blobs):
+        """`thread` mode: return once the buckets holding `blobs` are reduced (averaged and
+        back in the diffs)."""
+        t0 = time.perf_counter()
+        for bucket in {id(self._bucket_of[id(b)]): self._bucket_of[id(b)] for b in blobs}.values():
+            bucket.done.wait()
+        self.wait_seconds += time.perf_counter() - t0
+        self._raise()
+
+    def _raise(self):
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
     def finish(self):
         """Issue what is left, wait for everything, leave the averaged gradients in the diffs."""
         t0 = time.perf_counter()
         if self.progress == "none":
             self._next = 0
-            self.wait_seconds = time.perf_counter() - t0
             return
         if self.progress == "blocking":
             for bucket in self.buckets:
                 self._reduce(bucket)
-            if self.window is not None:
-                self.window.fence()
-            self.wait_seconds = self.comm_seconds = time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.wait_seconds += elapsed
+            self.comm_seconds += elapsed
+            return
+        if self.progress == "thread":
+            self.issue_all()
+            self.wait(self.blobs())
             return
         while self._next < len(self.buckets):
             self._issue(self.buckets[self._next])
             self._next += 1
-        if self.progress == "thread" and self.window is not None:
-            # no rank may change its diffs (update, clearing) while another still reads them
-            self._fenced.clear()
-            self._queue.put("fence")
-            self._fenced.wait()
         for bucket in self.buckets:
-            if self.progress == "thread":
-                bucket.done.wait()          # reduced, averaged and unpacked by the thread
-            else:
-                self._MPI.Request.Waitall(bucket.requests)
-                bucket.requests = []
-                if len(bucket.blobs) == 1:
-                    bucket.blobs[0].diff[...] *= self._scale
-                bucket.unpack(self._scale)
+            self._MPI.Request.Waitall(bucket.requests)
+            bucket.requests = []
+            if len(bucket.blobs) == 1:
+                bucket.blobs[0].diff[...] *= self._scale
+            bucket.unpack(self._scale)
         self._next = 0
-        self.wait_seconds = time.perf_counter() - t0
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self.wait_seconds += time.perf_counter() - t0
 
     def reset_timers(self):
         self.wait_seconds = self.comm_seconds = 0.0

@@ -18,7 +18,8 @@ the bias; the first M % N ranks hold one more). Each layer
               bottom gradients (summed over ranks) back to each rank's (b, K).
 It is built with the full weights, so loading -weights, restoring a snapshot and broadcasting
 rank 0's weights see the whole matrix; `keep_own_rows` then drops the other ranks' rows (the
-Hybrid strategy calls it once the weights agree everywhere).
+Hybrid strategy calls it once the weights agree everywhere), and the test nets' copies of the
+layer use those rows (`share_rows`).
 """
 import numpy as np
 
@@ -116,6 +117,15 @@ class ModelParallelInnerProduct(InnerProduct):
             for blob in self.blobs:
                 blob.set_data(blob.data[self.rows].copy())
             self.split = True
+
+    def share_rows(self, other):
+        """Use the rows `other` keeps (the same layer in the train net, split already): a test
+        net's layer sees the trained weights without gathering them."""
+        assert other.split and (self.counts, self.offsets) == (other.counts, other.offsets)
+        for mine, theirs in zip(self.blobs, other.blobs):
+            mine.reshape(theirs.shape)
+            mine.share_data(theirs)
+        self.split = True
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape

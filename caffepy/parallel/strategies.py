@@ -9,8 +9,22 @@ model-parallel are the factory's model-parallel variant under a distributed
 context (model_parallel.py: each rank keeps a slice of the outputs); the
 strategy finds them in the train net, has them keep their rows once rank 0's
 weights are everywhere (and the update rule's history of them, through
-`rule.set_state`), gathers them whole for snapshots and for the test nets rank
-0 runs. Everything around them stays data parallel.
+`rule.set_state`), lets the test nets' model-parallel layers use the same rows,
+and gathers them whole for snapshots. Everything around them stays data parallel.
+
+With the `thread` progress mode the gradients of a bucket are still travelling
+when the update comes: the strategy names them (pending_gradients) and the
+solver updates each parameter when the next forward needs it (await_gradients),
+so communication overlaps the rest of backward and the next forward.
+
+BatchNorm's running statistics (mean, variance, the moving-average factor) come
+from each rank's own batches, so they differ between ranks; before every test
+phase and snapshot they are replaced by their average over the ranks. Their
+update is linear (s = maf * s + batch statistic), so the average is the same
+whenever it is taken: the statistic of the mean of the ranks' batch statistics,
+i.e. for the mean exactly the global batch's (equal local batches), for the
+variance the mean of the ranks' variances (each around its own batch mean;
+Caffe has no rule across processes).
 
 Both are solver Hooks (caffepy.solvers.solver.Hooks): they join the loop only
 at the points the solver publishes.
@@ -58,6 +72,13 @@ def _global_batch(net):
     return None
 
 
+def _running_statistics(net):
+    """Learnable-param indices of the blobs a layer's forward changes: BatchNorm's statistics."""
+    index = {id(b): i for i, b in enumerate(net.learnable_params)}
+    return sorted({index[id(b)] for layer in net.layers if layer.type == "BatchNorm"
+                   for b in layer.blobs if id(b) in index})
+
+
 class DataParallel(Hooks):
     """Synchronous SGD: same weights everywhere, gradients averaged over ranks."""
 
@@ -69,7 +90,11 @@ class DataParallel(Hooks):
         # the reducer's own communicator: its thread never meets the main thread's collectives
         self.grad_comm = world.comm.Dup()
         self.reducer = None
+        self.link = None             # the ring's link, measured once
         self.split = set()           # learnable-param indices split across ranks
+        self.statistics = _running_statistics(solver.net)
+        self._reduced = []           # learnable-param indices the reducer averages
+        self._pending = ()
         self._passes = 0
         self._last_layer = None
         self._seen = np.zeros(len(ACTIONS), np.int64)    # signal requests received here
@@ -87,6 +112,8 @@ class DataParallel(Hooks):
         if batch is not None:
             log.info(f"{self.name} over {self.world.size} ranks: local batch {batch}, "
                      f"global batch {self.world.size * batch}")
+        if self.reducer.link is not None:
+            log.info(f"Link to the next rank: {self.reducer.link}")
         log.info(f"Allreduce: {self.reducer.nbytes / 1e6:.1f} MB of gradients in "
                  f"{len(self.reducer.buckets)} buckets, progress: {self.reducer.progress}, "
                  f"algorithm: {self.reducer.describe()}")
@@ -97,11 +124,14 @@ class DataParallel(Hooks):
         them with it; every rank must call it at the same point."""
         net = solver.net
         ready = _ready_layers(net)
-        params = [(blob, ready[i]) for i, blob in enumerate(net.learnable_params)
-                  if i not in self.split and net.params_lr[i] != 0]
+        self._reduced = [i for i in range(len(net.learnable_params))
+                         if i not in self.split and net.params_lr[i] != 0]
+        params = [(net.learnable_params[i], ready[i]) for i in self._reduced]
         if self.reducer is not None:
             self.reducer.close()
-        self.reducer = GradientReducer(self.grad_comm, params, progress=progress, algorithm=algorithm)
+        self.reducer = GradientReducer(self.grad_comm, params, progress=progress, algorithm=algorithm,
+                                       link=self.link)
+        self.link = self.reducer.link
 
     def on_layer_done(self, solver, layer_index):
         # with iter_size > 1 only the last backward pass of the iteration is reduced
@@ -113,11 +143,49 @@ class DataParallel(Hooks):
             self.reducer.layer_done(layer_index)
 
     def before_update(self, solver):
-        with watchdog.waiting(f"the gradient allreduce of iteration {solver.iter}"):
-            self.reducer.finish()
+        if self.reducer.progress == "thread":
+            self.reducer.issue_all()          # the solver awaits each bucket when it needs it
+            self._pending = self._reduced
+        else:
+            with watchdog.waiting(f"the gradient allreduce of iteration {solver.iter}"):
+                self.reducer.finish()
+            self._pending = ()
         self._passes = 0
         self._last_layer = None
         watchdog.at(f"the update of iteration {solver.iter}")
+
+    def pending_gradients(self, solver):
+        pending, self._pending = self._pending, ()
+        return pending
+
+    def await_gradients(self, solver, indices):
+        blobs = [solver.net.learnable_params[i] for i in indices]
+        with watchdog.waiting(f"the gradient allreduce of iteration {solver.iter}"):
+            self.reducer.wait(blobs)
+        watchdog.at(f"forward of iteration {solver.iter}")
+
+    def reduce_scores(self, solver, values):
+        buf = np.ascontiguousarray(values, np.float64)
+        with watchdog.waiting(f"the output sums of iteration {solver.iter}"):
+            self.comm.Allreduce(_in_place(), buf)
+        return buf
+
+    def before_test(self, solver):
+        self.average_statistics(solver)
+
+    def gather(self, solver, index, array):
+        if index in self.statistics and array is solver.net.learnable_params[index].data:
+            self.average_statistics(solver, [index])
+        return array
+
+    def average_statistics(self, solver, indices=None):
+        """BatchNorm's running statistics: every rank's replaced by their average over ranks."""
+        scale = np.float32(1.0 / self.world.size)
+        for i in self.statistics if indices is None else indices:
+            data = solver.net.learnable_params[i].data
+            with watchdog.waiting(f"the BatchNorm statistics average of iteration {solver.iter}"):
+                self.comm.Allreduce(_in_place(), data)
+            data *= scale
 
     def agree_action(self, solver, request):
         # Signals (SIGINT / SIGHUP forwarded by the launcher) reach the ranks at different
@@ -186,14 +254,14 @@ class Hybrid(DataParallel):
         super().__init__(solver, world)
         self.layers = [solver.net.layers[li] for li in layer_indices]
         self.split_rows = {}         # learnable-param index -> its model-parallel layer
-        self._test_copies = []       # (train layer, test layer): test weights kept whole
+        self._test_copies = []       # (train layer, plain test layer): whole weights, refreshed
         self._split_done = False
 
     def setup_split(self, solver):
         if self._split_done:
             return
         self._split_done = True
-        self._keep_whole_test_weights(solver)
+        self._copy_whole_test_weights(solver)
         index = {id(b): i for i, b in enumerate(solver.net.learnable_params)}
         for layer in self.layers:
             layer.keep_own_rows()              # rank 0's full weights are everywhere by now
@@ -206,6 +274,7 @@ class Hybrid(DataParallel):
                 solver.rule.set_state(i, [h[layer.rows].copy() for h in solver.rule.state(i)])
             log.info(f"Layer {layer.name}: model parallel, {layer.m} of {layer.num_output} "
                      f"outputs on this rank")
+        self._share_test_rows(solver)
 
     def before_update(self, solver):
         super().before_update(solver)
@@ -214,17 +283,26 @@ class Hybrid(DataParallel):
             for blob in layer.blobs:
                 blob.diff[...] *= scale
 
-    # -- whole weights where a whole model is needed (snapshots, tests on rank 0)
+    # -- whole weights where a whole model is needed (snapshots, plain test layers)
     def gather(self, solver, index, array):
         layer = self.split_rows.get(index)
-        return array if layer is None else self._gather_rows(layer, array)
+        if layer is None:
+            return super().gather(solver, index, array)
+        return self._gather_rows(layer, array)
 
     def before_test(self, solver):
+        super().before_test(solver)
         for split, layer in self._test_copies:
             for source, target in zip(split.blobs, layer.blobs):
-                whole = self._gather_rows(split, source.data)
-                if whole is not None:
-                    target.data[...] = whole
+                self._allgather_rows(split, source.data, target.data)
+
+    def _allgather_rows(self, layer, array, out):
+        """Every rank gets the full (num_output, ...) array in `out` from every rank's rows."""
+        from mpi4py import MPI
+        rest = int(np.prod(array.shape[1:], dtype=np.int64))
+        self.comm.Allgatherv(np.ascontiguousarray(array, np.float32),
+                             [out, [m * rest for m in layer.counts], [o * rest for o in layer.offsets],
+                              MPI.FLOAT])
 
     def _gather_rows(self, layer, array):
         """Rank 0 gets the full (num_output, ...) array from every rank's row slice; others None."""
@@ -238,18 +316,32 @@ class Hybrid(DataParallel):
                           [full, counts, displs, MPI.FLOAT] if full is not None else None, root=0)
         return full
 
-    def _keep_whole_test_weights(self, solver):
+    def _copy_whole_test_weights(self, solver):
         """The test nets share the train net's weights, whose split layers are about to keep
-        their own rows only: the test layers get their own whole copies (before_test
-        refreshes them)."""
+        their own rows only. A plain test layer (a test net without the `multinode` marks)
+        gets its own whole copy, which before_test refreshes."""
         names = {layer.name: layer for layer in self.layers}
         for net in solver.test_nets:
             for layer in net.layers:
                 split = names.get(layer.name)
-                if split is None or not layer.blobs:
+                if split is None or not layer.blobs or layer.variant == MODEL_PARALLEL:
                     continue
                 for blob in layer.blobs:
                     own = Blob(name=blob.name)
                     own.set_data(blob.data)
                     blob.share_data(own)
                 self._test_copies.append((split, layer))
+
+    def _share_test_rows(self, solver):
+        """A test layer that is model parallel too uses the train layer's rows (no gathering
+        before a test); one only the test net has keeps its own (rank 0's weights)."""
+        names = {layer.name: layer for layer in self.layers}
+        for net in solver.test_nets:
+            for layer in net.layers:
+                if layer.variant != MODEL_PARALLEL:
+                    continue
+                split = names.get(layer.name)
+                if split is not None:
+                    layer.share_rows(split)
+                elif not layer.split:
+                    layer.keep_own_rows()

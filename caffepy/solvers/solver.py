@@ -18,7 +18,7 @@ nothing outside the solver replaces its methods or reads its rule's attributes.
 
 The numbers it logs are Caffe's: losses, their running average and test scores are
 accumulated in float (Caffe's Dtype), so an accuracy averaged over 100 batches prints
-0.990001 where Caffe does; the display timer counts whole milliseconds, as Caffe's CPU
+0.990001 where Caffe does (on N ranks each rank's float sums are added over the ranks); the display timer counts whole milliseconds, as Caffe's CPU
 Timer does.
 """
 import math
@@ -64,12 +64,32 @@ class Hooks:
 
     def before_update(self, solver):
         """Every rank: forward and backward are done; lr, clipping, regularization and the
-        update rule come next (the parameter diffs are what the update will use)."""
+        update rule come next. The parameter diffs are what the update will use, except
+        those `pending_gradients` names."""
+
+    def pending_gradients(self, solver):
+        """Every rank, after before_update: indices of the learnable parameters whose
+        gradients are still being completed in the background (reduced across ranks), the
+        same on every rank. The solver updates the others now and each of these when it is
+        needed: right before the next forward reaches the first layer that uses it (or before
+        a test, a snapshot, the end of `step`), after `await_gradients`. A solver that must
+        see every gradient at once (clip_gradients) awaits them all first."""
+        return ()
+
+    def await_gradients(self, solver, indices):
+        """Every rank: return once the gradients of learnable parameters `indices` (some of
+        what pending_gradients named) are final in their diffs."""
 
     def reduce_loss(self, solver, loss):
         """Every rank: the iteration's loss, as displayed and checked for NaN. Chained: each
         hook gets the previous hook's result."""
         return loss
+
+    def reduce_scores(self, solver, values):
+        """Every rank: `values`, a float64 array of this rank's sums of net outputs (test
+        scores over its test batches, the train net's outputs at a display), summed over
+        the ranks. Chained."""
+        return values
 
     def sumsq(self, solver, index, array):
         """Every rank: the squared L2 norm of learnable parameter `index`'s data or diff `array`
@@ -84,8 +104,8 @@ class Hooks:
         return request
 
     def before_test(self, solver):
-        """Every rank, when the test phase is due, before the ranks that test (`tests_here`)
-        run the test nets: make their weights whole."""
+        """Every rank, when the test phase is due (every parameter updated), before the test
+        nets run: make their weights and statistics what the test should see."""
 
     def gather(self, solver, index, array):
         """Every rank, for a snapshot: the whole of `array` (learnable parameter `index`'s data,
@@ -133,11 +153,13 @@ class Solver:
         self._snapshot_iter = None
         self.context = context
         self.is_root = context.rank == 0
-        # The test phase, decided here: rank 0 runs the test nets alone, as one process (the
-        # whole test DB, no model-parallel variant; Hooks.before_test makes their weights
-        # whole). Sharing it among the ranks means changing these two lines.
-        self.test_context = SINGLE if context.distributed else context
-        self.tests_here = self.is_root
+        # The test phase, shared: every rank builds its test nets in the run's context (a
+        # data layer reads its interleaved share of the records, model-parallel layers
+        # stay split) and runs its share of the test_iter batches; the scores are summed
+        # over the ranks (Hooks.reduce_scores).
+        self.test_context = context
+        self._deferred = {}         # layer index -> [learnable-param index]: updates not applied yet
+        self._deferred_step = None  # (rate, iteration) of those updates
         self._check()
         snapshot.default_prefix(param, self.source)
         if self.is_root:
@@ -152,6 +174,11 @@ class Solver:
             rng.seed(param.random_seed + context.rank)
         self.net = nets.init_train_net(param, self.source, level, stages, context=context)
         self.test_nets = nets.init_test_nets(param, self.source, self.net, context=self.test_context)
+        first_use = {}
+        for li, layer in enumerate(self.net.layers):
+            for blob in layer.blobs:
+                first_use.setdefault(id(blob), li)
+        self._first_use = [first_use[id(b)] for b in self.net.learnable_params]
         shapes = [b.shape for b in self.net.learnable_params]
         self.rule = updates.make_rule(param, shapes, self.source)
         self.type = self.rule.type
@@ -253,18 +280,18 @@ class Solver:
         layer_done = self._hooks("on_layer_done")
         on_layer_done = (lambda li: [fn(self, li) for fn in layer_done]) if layer_done else None
         while self.iter < stop_iter:
-            self.net.clear_param_diffs()
             # Intel's test_offset shifts the test iterations (test_interval counts from it)
             if (p.test_interval and (self.iter - p.test_offset) % p.test_interval == 0
                     and (self.iter > 0 or p.test_initialization)):
                 self._test_phase()
                 if self.requested_early_exit:
                     break
+            self._clear_diffs()
             display = p.display and self.iter % p.display == 0
             loss = F32(0)
             error = None
             for _ in range(p.iter_size):
-                pass_loss = self.net.forward_from_to()
+                pass_loss = self.net.forward_from_to(before_layer=self._before_layer if self._deferred else None)
                 if error is None and not math.isfinite(pass_loss):
                     error = self._nonfinite_error(pass_loss)     # names the layer while its top is there
                 # backward and the loss reduction still run: other ranks wait for them
@@ -296,6 +323,7 @@ class Solver:
             if request in ("stop", "snapshot_stop"):
                 self.requested_early_exit = True
                 break
+        self.finish_updates()
 
     def _reduce_loss(self, loss):
         for fn in self._hooks("reduce_loss"):
@@ -315,14 +343,30 @@ class Solver:
         self.smoothed_loss = float(smoothed)
 
     def _display_outputs(self):
+        """The train net's outputs of this iteration's last pass: on N ranks their mean over
+        the ranks (the global batch's figures, as the loss line's)."""
         net = self.net
+        values = self._outputs(net)
+        values = self._reduce_scores(values) / F32(self.context.size)
         index = 0
         for name in net.outputs:
             weight = net.blob_loss_weights.get(name, 0.0)
-            for value in net.blobs[name].data.reshape(-1):
+            for _ in range(net.blobs[name].count):
+                value = values[index]
                 extra = f" (* {fmt(weight)} = {fmt(F32(weight) * value)} loss)" if weight else ""
                 log.info(f"    Train net output #{index}: {name} = {fmt(float(value))}{extra}")
                 index += 1
+
+    @staticmethod
+    def _outputs(net):
+        return (np.concatenate([net.blobs[name].data.reshape(-1) for name in net.outputs]).astype(F32)
+                if net.outputs else np.zeros(0, F32))
+
+    def _reduce_scores(self, values):
+        """Sums over the ranks (float32, as each rank's sums: one rank's figures are Caffe's)."""
+        for fn in self._hooks("reduce_scores"):
+            values = np.asarray(fn(self, values), np.float64).astype(F32)
+        return values
 
     def _check_weights_finite(self):
         """At display iterations: a loss layer may clamp non-finite scores to a finite loss,
@@ -368,23 +412,75 @@ class Solver:
         return rate
 
     def apply_update(self):
-        """Caffe's SGDSolver::ApplyUpdate: this iteration's rate, then updates.apply_update."""
+        """Caffe's SGDSolver::ApplyUpdate: this iteration's rate, then updates.apply_update
+        for the parameters whose gradients are final; those the hooks still complete
+        (Hooks.pending_gradients) are updated when they are needed (_before_layer)."""
         p = self.param
         rate = self.learning_rate()
         if p.display and self.iter % p.display == 0:
             log.info(f"Iteration {self.iter}, lr = {fmt(rate)}")
+        pending = set()
+        for fn in self._hooks("pending_gradients"):
+            pending.update(fn(self))
+        if pending and (p.disabled_update or p.clip_gradients >= 0):
+            self._await(sorted(pending))        # the clipping norm needs every gradient
+            pending = set()
         if p.disabled_update:
             return
-        updates.apply_update(p, self.net, self.rule, rate, self.iter, self.sumsq,
-                             updates.kernels() if self.use_kernels else None)
+        now = None
+        if pending:
+            now = [i for i in range(len(self.net.learnable_params)) if i not in pending]
+            for i in sorted(pending):
+                self._deferred.setdefault(self._first_use[i], []).append(i)
+            self._deferred_step = (rate, self.iter)
+        self._update(rate, self.iter, now)
+
+    def _update(self, rate, it, indices=None):
+        updates.apply_update(self.param, self.net, self.rule, rate, it, self.sumsq,
+                             updates.kernels() if self.use_kernels else None, indices)
+
+    def _await(self, indices):
+        for fn in self._hooks("await_gradients"):
+            fn(self, indices)
+
+    def _before_layer(self, layer_index):
+        """The forward is about to run layer `layer_index`: apply the deferred updates of the
+        parameters it is the first to use, then clear their diffs for this backward."""
+        indices = self._deferred.pop(layer_index, None)
+        if indices:
+            self._await(indices)
+            self._update(*self._deferred_step, indices)
+            for i in indices:
+                self.net.learnable_params[i].diff[...] = 0
+
+    def finish_updates(self):
+        """Apply every deferred update (before a test, a snapshot, the end of `step`): the
+        weights are then those of Caffe's loop."""
+        if not self._deferred:
+            return
+        indices = sorted(i for group in self._deferred.values() for i in group)
+        self._deferred = {}
+        self._await(indices)
+        self._update(*self._deferred_step, indices)
+
+    def _clear_diffs(self):
+        """Clear the parameter diffs for this iteration's backward (those with a deferred update
+        are cleared once it is applied)."""
+        if not self._deferred:
+            self.net.clear_param_diffs()
+            return
+        waiting = {i for group in self._deferred.values() for i in group}
+        for i, blob in enumerate(self.net.learnable_params):
+            if i not in waiting:
+                blob.diff[...] = 0
 
     # -- testing --------------------------------------------------------------
     def _test_phase(self):
-        """Every rank: the hooks ready the test nets, then the ranks that test run them."""
+        """Every rank: the updates done, the hooks ready the test nets, every rank tests."""
+        self.finish_updates()
         for fn in self._hooks("before_test"):
             fn(self)
-        if self.tests_here:
-            self.test_all()
+        self.test_all()
 
     def test_all(self):
         self.test_scores = []
@@ -394,18 +490,23 @@ class Solver:
             self.test(i)
 
     def test(self, index=0):
-        """Caffe's Solver::Test: average each output of test net `index` over test_iter batches."""
+        """Caffe's Solver::Test: average each output of test net `index` over test_iter batches.
+
+        On N ranks rank r runs batches r, r+N, ... of the test_iter (its test net's data
+        layer reads its interleaved share of the records: together the ranks read the
+        records one process reads when N divides test_iter), and the sums are added over
+        the ranks. Every rank runs ceil(test_iter / N) forwards, so that layers that
+        communicate (model parallel) meet; a forward past test_iter is not counted."""
         p = self.param
         log.info(f"Iteration {self.iter}, Testing net (#{index})")
         net = self.test_nets[index]
         n = p.test_iter[index]
-        scores = None
+        rank, ranks = self.test_context.rank, self.test_context.size
+        scores = np.zeros(len(self._outputs(net)), F32)
         loss = F32(0)
-        # a request is agreed on by every rank: here only when every rank tests, else it
-        # waits for the agreement after the next update
-        polled = self.test_context is self.context
-        for _ in range(n):
-            request = self.get_requested_action() if polled else "none"
+        for batch in range(rank, rank + ranks * -(-n // ranks), ranks):
+            # a signal's request is agreed on by every rank, as during training
+            request = self.get_requested_action()
             while request != "none":
                 if request in ("snapshot", "snapshot_stop"):
                     self.snapshot()
@@ -415,14 +516,15 @@ class Solver:
             if self.requested_early_exit:
                 break
             batch_loss = net.forward_from_to()
-            if p.test_compute_loss:
-                loss += F32(batch_loss)
-            values = np.concatenate([net.blobs[name].data.reshape(-1) for name in net.outputs]
-                                    ).astype(np.float32) if net.outputs else np.zeros(0, np.float32)
-            scores = values if scores is None else scores + values
+            if batch < n:
+                if p.test_compute_loss:
+                    loss += F32(batch_loss)
+                scores += self._outputs(net)
         if self.requested_early_exit:
             log.info("Test interrupted.")
             return
+        totals = self._reduce_scores(np.concatenate([scores, np.array([loss], F32)]))
+        scores, loss = totals[:-1], totals[-1]
         if p.test_compute_loss and n:
             log.info(f"Test loss: {fmt(loss / F32(n))}")
         results = []
@@ -446,6 +548,7 @@ class Solver:
         gather the parameters split across ranks whole onto rank 0, which writes."""
         if self._snapshot_iter == self.iter:
             return self.last_snapshot
+        self.finish_updates()
         write_diff = self.param.snapshot_diff
         arrays, states = {}, []
         for i, blob in enumerate(self.net.learnable_params):

@@ -291,11 +291,14 @@ def kernels():
     return solver
 
 
-def apply_update(param, net, update_rule, rate, it, sumsq, fused=None):
+def apply_update(param, net, update_rule, rate, it, sumsq, fused=None, indices=None):
     """SGDSolver::ApplyUpdate after the rate (with Intel Caffe's warm-up and LARS): update
-    every learnable parameter of `net` with `update_rule` at `rate`.  `sumsq(index, array)` is
-    the squared L2 norm of a parameter's data or diff (the solver's, which a multi-rank
-    hook may sum over ranks); `fused` the compiled kernels, or None for NumPy."""
+    every learnable parameter of `net` (or those in `indices`) with `update_rule` at `rate`.
+    `sumsq(index, array)` is the squared L2 norm of a parameter's data or diff (the
+    solver's, which a multi-rank hook may sum over ranks); `fused` the compiled kernels, or
+    None for NumPy. Updating the parameters in several calls gives what one call gives,
+    except with clip_gradients (the norm of every gradient): then `indices` must be None."""
+    assert indices is None or param.clip_gradients < 0, "clipping needs every gradient at once"
     clip_gradients(param.clip_gradients, net.learnable_params, sumsq)
     momentum = param.momentum
     lars = update_rule.type == "SGD" and param.local_lr_auto
@@ -308,7 +311,8 @@ def apply_update(param, net, update_rule, rate, it, sumsq, fused=None):
     decay = param.weight_decay
     l1 = param.regularization_type == "L1"
     norm = 1.0 / param.iter_size
-    for i, blob in enumerate(net.learnable_params):
+    for i in range(len(net.learnable_params)) if indices is None else indices:
+        blob = net.learnable_params[i]
         lr_mult = net.params_lr[i]
         if lr_mult == 0:
             # no step to take (Intel Caffe skips these; Caffe's step would be 0)

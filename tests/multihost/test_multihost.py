@@ -47,7 +47,7 @@ def across_hosts(job, hosts=2, ranks_per_host=1, args=(), rate=None, timeout=240
 
 
 @pytest.mark.parametrize("hosts,per_host,algorithm", [
-    (2, 1, "algorithm: mpi"),                                 # one rank per host: MPI over TCP
+    (2, 1, "algorithm: ring (2 ranks"),                       # one rank per host: the ring over TCP
     (2, 2, "algorithm: shm (2 ranks per host, 2 hosts)"),     # shared memory, then TCP across
 ])
 def test_data_parallel_across_hosts_matches_one_rank(tmp_path, db, can_emulate, hosts, per_host,
@@ -64,14 +64,22 @@ def test_data_parallel_across_hosts_matches_one_rank(tmp_path, db, can_emulate, 
                         weights(multi / f"snap_iter_{ITERS}.caffemodel")) < 1e-5
 
 
-def test_hybrid_across_hosts_matches_one_rank(tmp_path, db, can_emulate):
+@pytest.mark.parametrize("layout", ["model", "hybrid"])
+def test_model_and_hybrid_across_hosts_match_one_rank(tmp_path, db, can_emulate, layout):
+    """model: both InnerProducts split across the ranks; hybrid: fc1 data parallel (its
+    gradients over the ring), fc2 split."""
     kw = dict(fc="InnerProduct", hybrid=True)
     single = write_job(tmp_path, "single", db, BATCH, ITERS, **kw)
     multi = write_job(tmp_path, "multi", db, BATCH // 2, ITERS, **kw)
+    if layout == "hybrid":
+        net = multi / "net.prototxt"
+        net.write_text(net.read_text().replace("multinode { model_parts: 0 }", "", 1))
     assert train(single).returncode == 0
-    out = across_hosts(multi)
+    out = across_hosts(multi, rate="1gbit")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "hybrid (data + model parallel) over 2 ranks" in out.stderr
+    if layout == "hybrid":
+        assert "algorithm: ring (2 ranks" in out.stderr
     assert max_rel_diff(weights(single / f"snap_iter_{ITERS}.caffemodel"),
                         weights(multi / f"snap_iter_{ITERS}.caffemodel")) < 1e-5
 

@@ -86,15 +86,20 @@ REDUCER = """
 """
 
 
-@pytest.mark.parametrize("algorithm", ["shm", "mpi"])
+@pytest.mark.parametrize("algorithm", ["shm", "ring", "mpi"])
 @pytest.mark.parametrize("progress", ["thread", "test", "wait", "blocking"])
 def test_reducer_averages(tmp_path, progress, algorithm):
     # a 64 KB MPI slice: the 8 MB parameter goes in many pieces
     out = mpirun(2, REDUCER, tmp_path, progress, algorithm, str(64 << 10))
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("ok") == 2
-    shm = algorithm == "shm" and progress in ("thread", "blocking")
-    assert out.stdout.count("shm (2 ranks per host, 1 host)" if shm else " mpi") == 2
+    if progress in ("test", "wait"):               # MPI's Iallreduce, whatever the algorithm
+        expect = " mpi"
+    elif algorithm == "shm":
+        expect = "shm (2 ranks per host, 1 host)"
+    else:
+        expect = " ring (2 ranks" if algorithm == "ring" else " mpi"
+    assert out.stdout.count(expect) == 2
 
 
 def test_reducer_four_ranks(tmp_path):
@@ -106,8 +111,8 @@ def test_reducer_four_ranks(tmp_path):
 @pytest.mark.parametrize("ranks,per_host,expect", [
     (4, 2, "shm (2 ranks per host, 2 hosts)"),   # local sums, then an allreduce across hosts
     (6, 2, "shm (2 ranks per host, 3 hosts)"),
-    (3, 2, " mpi"),                              # hosts with different rank counts
-    (2, 1, " mpi"),                              # one rank per host: nothing to share
+    (3, 2, " ring (3 ranks"),                    # hosts with different rank counts
+    (2, 1, " ring (2 ranks"),                    # one rank per host: nothing to share
 ])
 def test_reducer_over_emulated_hosts(tmp_path, ranks, per_host, expect):
     for progress in ("blocking", "thread"):
@@ -118,7 +123,7 @@ def test_reducer_over_emulated_hosts(tmp_path, ranks, per_host, expect):
 
 
 def test_shm_falls_back_when_dev_shm_is_small(tmp_path):
-    """One host short of /dev/shm space: every rank agrees on MPI Allreduce instead."""
+    """One host short of /dev/shm space: every rank agrees on the ring instead."""
     out = mpirun(2, """
         import numpy as np
         from caffepy.blob import Blob
@@ -137,7 +142,7 @@ def test_shm_falls_back_when_dev_shm_is_small(tmp_path):
         mpi.finish()
     """, tmp_path)
     assert out.returncode == 0, out.stderr
-    assert len(re.findall(r"ok mpi", out.stdout)) == 2
+    assert len(re.findall(r"ok ring \(2 ranks", out.stdout)) == 2
     assert "[rank 1] /dev/shm has 0 MB free, the shared-memory allreduce needs" in out.stderr
 
 
@@ -165,6 +170,93 @@ def test_shm_fence_sleeps_while_waiting(tmp_path):
     """, tmp_path)
     assert out.returncode == 0, out.stderr
     assert "waited" in out.stdout
+
+
+RING = """
+    import numpy as np
+    from caffepy.parallel import mpi, world
+    from caffepy.parallel.ring import Ring
+    mpi.init_world()
+    ring = Ring(world.comm.Dup(), piece_floats=1000)        # many pieces, two in flight
+    for n in (0, 1, 17, 5000, 123457):
+        buf = (np.arange(n) % 97 * (world.rank + 1) + 0.1).astype(np.float32)
+        ring.allreduce(buf, 1.0 / world.size, tag=n % 7)
+        mean = (world.size + 1) / 2
+        np.testing.assert_allclose(buf, (np.arange(n) % 97 * mean + 0.1).astype(np.float32), rtol=1e-6)
+        copies = world.comm.allgather(buf.tobytes())
+        assert all(c == copies[0] for c in copies)           # the same bits on every rank
+    print(f"ok {world.rank}")
+    mpi.finish()
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_ring_averages_to_the_same_bits_everywhere(tmp_path, ranks):
+    out = mpirun(ranks, RING, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("ok") == ranks
+
+
+def test_ring_waits_without_spinning(tmp_path):
+    """A rank far ahead of the other waits for it on sleeps, not on a core."""
+    out = mpirun(2, """
+        import time
+        import numpy as np
+        from caffepy.parallel import mpi, world
+        from caffepy.parallel.ring import Ring
+        mpi.init_world()
+        ring = Ring(world.comm.Dup(), piece_floats=1 << 18)
+        buf = np.ones(1 << 20, np.float32)
+        ring.allreduce(buf, None)
+        if world.rank == 1:
+            time.sleep(2.0)
+        cpu, wall = time.process_time(), time.perf_counter()
+        ring.allreduce(buf, None)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        assert np.all(buf == 4)
+        if world.rank == 0:
+            print(f"waited {wall:.2f} s using {cpu:.2f} s of CPU")
+            assert wall > 1.5 and cpu < 0.25 * wall      # MPI's blocking wait would be about 1.0
+        mpi.finish()
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "waited" in out.stdout
+
+
+def test_urgent_bucket_overtakes_and_late_ranks_do_not_hang(tmp_path):
+    """The comm thread serves the bucket the next forward needs first (the lowest layer)
+    between two pieces of a big one; a rank that queues it later than the other stalls
+    the big one for a moment, never for good."""
+    out = mpirun(2, """
+        import time
+        import numpy as np
+        from caffepy.blob import Blob
+        from caffepy.parallel import mpi, world
+        from caffepy.parallel.allreduce import GradientReducer
+        from caffepy.parallel.ring import Link
+        mpi.init_world()
+        Link.piece_bytes = lambda self: 64 << 10
+        big, small = Blob((8 << 20,), name="big"), Blob((1000,), name="small")
+        reducer = GradientReducer(world.comm, [(big, 5), (small, 0)], bucket_bytes=4096,
+                                  progress="thread", algorithm="ring")
+        for it in range(3):
+            big.diff[...] = world.rank + it
+            small.diff[...] = 10 * world.rank + it
+            reducer.layer_done(5)                        # the big one starts
+            if world.rank == 1 and it == 1:
+                time.sleep(0.5)                          # queues the urgent one late
+            reducer.issue_all()
+            reducer.wait([small])
+            overtook = not reducer.buckets[0].done.is_set()
+            reducer.wait([big])
+            assert np.all(small.diff == 5 + it) and np.all(big.diff == 0.5 + it)
+            print(f"rank {world.rank} iteration {it} overtook {overtook}")
+        reducer.close()
+        mpi.finish()
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("overtook") == 6
+    assert "rank 0 iteration 0 overtook True" in out.stdout
 
 
 def test_blob_place_diff_keeps_values():
@@ -330,7 +422,7 @@ def test_unknown_algorithm_or_progress_is_refused(monkeypatch):
     from caffepy.parallel import allreduce
     monkeypatch.setenv("CAFFEPY_MPI_ALLREDUCE", "nccl")
     with pytest.raises(ParallelError, match="CAFFEPY_MPI_ALLREDUCE: unknown value, got 'nccl'. "
-                                            "Use one of shm, mpi"):
+                                            "Use one of shm, ring, mpi"):
         allreduce.default_algorithm()
     monkeypatch.setenv("CAFFEPY_MPI_PROGRESS", "spin")
     with pytest.raises(ParallelError, match="CAFFEPY_MPI_PROGRESS: unknown value, got 'spin'"):

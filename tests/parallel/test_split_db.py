@@ -64,3 +64,20 @@ def test_cli_split_db(tmp_path):
     result = CliRunner().invoke(main, ["split_db", str(src), "3", str(tmp_path / "s")])
     assert result.exit_code == 0, result.output
     assert [len(read_lmdb(tmp_path / f"s_{r}")) for r in range(3)] == [3, 2, 2]
+
+
+@pytest.mark.parametrize("records,ranks", [(96, 4), (98, 4)])
+def test_split_db_order_against_shared_db_as_the_readme_states(tmp_path, records, ranks):
+    """The same records in the same order for the first pass (floor(M / N) reads per rank);
+    after it the same order only when N divides M."""
+    from caffepy.data.prefetch import RecordOrder
+    make_lmdb(tmp_path / "db", records)
+    paths = split_db(str(tmp_path / "db"), ranks)
+    reads = 3 * records // ranks
+    for r, path in enumerate(paths):
+        shard = [int(k) for k, _ in read_lmdb(path)]
+        split = [shard[RecordOrder(len(shard)).index(i)] for i in range(reads)]
+        shared = [RecordOrder(records, r, ranks).index(i) for i in range(reads)]
+        first = records // ranks
+        assert split[:first] == shared[:first]
+        assert (split == shared) == (records % ranks == 0)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mpi_helpers import MPIEXEC, REPO, make_lmdb, max_rel_diff, train, weights, write_job
+from mpi_helpers import MPIEXEC, REPO, make_lmdb, max_rel_diff, solver_text, train, weights, write_job
 
 pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in the venv")
 
@@ -131,8 +131,10 @@ def test_hybrid_snapshot_holds_full_weights_and_history(tmp_path, db):
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
-def test_rank_0_tests_like_one_rank(tmp_path, db, hybrid):
-    """Rank 0 tests over the whole test DB with the full weights (gathered in hybrid)."""
+def test_ranks_share_the_test_phase_like_one_rank(tmp_path, db, hybrid):
+    """Each of 2 ranks runs 2 of the 4 test batches of 6 (shared DB: the ranks' records
+    interleave), the sums are added over the ranks: the scores of one rank testing 2 batches
+    of 12. Rank 0 alone would have read only even records."""
     kw = dict(fc="InnerProduct", hybrid=hybrid)
     single = write_job(tmp_path, "single", db, BATCH, ITERS, "test_iter: 2\ntest_interval: 3\n", **kw)
     multi = write_job(tmp_path, "multi", db, BATCH // 2, ITERS, "test_iter: 4\ntest_interval: 3\n", **kw)
@@ -301,3 +303,50 @@ mpi.attach(Solver({str(job / "solver.prototxt")!r}))
     assert out.returncode != 0
     assert "uncaught the Solver was built for another run context, got <RunContext rank 0 of 1>. " \
            "Build it with Solver(..., context=caffepy.parallel.world)" in out.stderr, out.stderr[-3000:]
+
+
+def _bn_job(tmp_path, name, db, batch):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "net.prototxt").write_text(f"""name: "bn"
+layer {{ name: "data" type: "Data" top: "data" top: "label"
+  data_param {{ source: "{db}" batch_size: {batch} backend: LMDB }} }}
+layer {{ name: "bn" type: "BatchNorm" bottom: "data" top: "bn"
+  batch_norm_param {{ moving_average_fraction: 0.9 }} }}
+layer {{ name: "fc" type: "InnerProduct" bottom: "bn" top: "fc"
+  inner_product_param {{ num_output: 4 weight_filler {{ type: "gaussian" std: 0.1 }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }}
+""")
+    (d / "solver.prototxt").write_text(solver_text(d / "net.prototxt", d / "snap", ITERS))
+    return d
+
+
+def test_batchnorm_statistics_are_the_mean_over_ranks(tmp_path, db):
+    """Each rank accumulates BatchNorm's statistics from its local batches; the snapshot holds
+    their mean over the ranks: for the mean exactly one rank's with the global batch, for the
+    variance the mean of the ranks' local variances (the rule the README states)."""
+    import numpy as np
+
+    from mpi_helpers import RECORDS
+    ranks, local = 2, BATCH // 2
+    single, multi = _bn_job(tmp_path, "single", db, BATCH), _bn_job(tmp_path, "multi", db, local)
+    out1, outn = train(single), train(multi, ranks)
+    assert out1.returncode == 0, out1.stderr[-2000:]
+    assert outn.returncode == 0, outn.stderr[-2000:]
+    w1 = weights(single / f"snap_iter_{ITERS}.caffemodel")
+    wn = weights(multi / f"snap_iter_{ITERS}.caffemodel")
+    assert max_rel_diff({"m": w1["bn.0"]}, {"m": wn["bn.0"]}) < 1e-5
+    assert float(wn["bn.2"].ravel()[0]) == pytest.approx(float(w1["bn.2"].ravel()[0]))
+    # the records rank r reads in iteration k: positions (k * local + j) * ranks + r
+    from caffepy.data.datum import datum_to_array, parse_datum
+    from caffepy.data.db import Reader
+    reader = Reader(db)
+    records = np.stack([datum_to_array(parse_datum(reader.get(i)[1])) for i in range(RECORDS)]).astype(np.float64)
+    m = local * 16
+    expected = np.zeros(2)
+    for r in range(ranks):
+        for k in range(ITERS):
+            x = records[[(k * local + j) * ranks + r for j in range(local)]]
+            expected += 0.9 ** (ITERS - 1 - k) * x.var(axis=(0, 2, 3)) * m / (m - 1) / ranks
+    assert wn["bn.1"].ravel() == pytest.approx(expected, rel=1e-4)
+    assert not np.allclose(w1["bn.1"].ravel(), expected, rtol=1e-3)    # not the global variance

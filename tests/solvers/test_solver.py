@@ -290,32 +290,43 @@ def test_snapshots_write_what_the_gather_hook_gives(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_every_rank_readies_the_tests_and_rank_0_runs_them(tmp_path, monkeypatch, rank):
+def test_every_rank_tests_its_share_of_the_batches(tmp_path, monkeypatch, rank):
+    """Rank r of N runs test batches r, r+N, ... in the run's context; a batch past test_iter
+    is run (layers that communicate meet) but not counted; the hooks sum the scores."""
     monkeypatch.chdir(tmp_path)
-    calls = []
+    calls, sums = [], []
 
     class Record(Hooks):
         def before_test(self, solver):
-            calls.append((solver.iter, len(solver.test_scores)))
+            calls.append(solver.iter)
+
+        def reduce_scores(self, solver, values):
+            sums.append(values.tolist())
+            return values * 2                     # as if the other rank had the same
 
     context = RunContext(rank, 2)
-    s = make_solver(BASE + 'test_iter: 1 test_interval: 2 snapshot_prefix: "r"', context=context)
-    # the train net in the run's context; the test nets as one process (rank 0 runs them alone)
+    s = make_solver(BASE + 'test_iter: 3 test_interval: 2 test_compute_loss: true snapshot_prefix: "r"',
+                    context=context)
     assert s.net.context is context and all(layer.context is context for layer in s.net.layers)
-    assert s.test_context is SINGLE and all(layer.context is SINGLE for layer in s.test_nets[0].layers)
-    assert s.tests_here == (rank == 0)
+    assert s.test_context is context and all(layer.context is context for layer in s.test_nets[0].layers)
+    forwards = []
+    net = s.test_nets[0]
+    forward = net.forward_from_to
+    net.forward_from_to = lambda *a, **k: forwards.append(1) or forward(*a, **k)
     s.hooks.append(Record())
-    s.step(3)
-    assert calls == [(0, 0), (2, 1 if rank == 0 else 0)]      # before each test phase, every rank
-    assert bool(s.test_scores) == (rank == 0)
+    s.step(1)
+    assert calls == [0] and len(forwards) == 2              # ceil(3 / 2) on either rank
+    counted = 2 if rank == 0 else 1                         # batches 0, 2 / batch 1 (3 not counted)
+    assert sums == [[0.5 * counted, 0.5 * counted]]         # loss output w^2 / 2 with w = 1; test loss
+    assert s.test_scores == [[("loss", pytest.approx(2 * 0.5 * counted / 3))]]
     paths = s.snapshot()
     assert (paths is not None) == (rank == 0)
-    assert sorted(os.listdir(tmp_path)) == (["r_iter_3.caffemodel", "r_iter_3.solverstate"] if rank == 0 else [])
+    assert sorted(os.listdir(tmp_path)) == (["r_iter_1.caffemodel", "r_iter_1.solverstate"] if rank == 0 else [])
 
 
 def test_a_single_process_context_tests_in_the_same_context():
     s = make_solver(BASE + "test_iter: 1 test_interval: 2", context=RunContext(0, 1))
-    assert s.test_context is s.context and s.tests_here
+    assert s.test_context is s.context
 
 
 def test_each_rank_seeds_with_random_seed_plus_its_rank():
@@ -623,6 +634,75 @@ def test_intel_test_offset_shifts_the_test_iterations(offset, tested):
     s.test_all = lambda: seen.append(s.iter)
     s.step(7)
     assert seen == tested
+
+
+# -- updates the hooks defer (gradients still being reduced) ------------------------
+class DeferWeight(Hooks):
+    """Says the ip weight's gradient is still on its way; records when it is awaited and the
+    weight at that moment (its previous update must not have happened yet)."""
+
+    def __init__(self):
+        self.awaited = []
+
+    def pending_gradients(self, solver):
+        return [0]
+
+    def await_gradients(self, solver, indices):
+        self.awaited.append((solver.iter, list(indices), weight(solver)))
+
+
+def test_a_deferred_update_happens_before_the_next_forward_needs_it():
+    s = make_solver(BASE + "momentum: 0.9")
+    hook = DeferWeight()
+    s.hooks.append(hook)
+    out = []
+    s.step(3)
+    out.append(weight(s))
+    # the same weights as without deferring: 1 -> 0.9 -> 0.72 -> 0.486
+    assert out == pytest.approx([0.486], rel=1e-6)
+    # iteration k's update waits until iteration k+1's forward reaches the ip layer; the last
+    # one is applied when step() returns
+    assert hook.awaited == [(1, [0], 1.0), (2, [0], pytest.approx(0.9)), (3, [0], pytest.approx(0.72))]
+
+
+def test_a_deferred_update_is_applied_before_a_test_and_a_snapshot(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    s = make_solver(BASE + 'momentum: 0.9 test_iter: 1 test_interval: 2 snapshot: 1 snapshot_prefix: "d"')
+    hook = DeferWeight()
+    s.hooks.append(hook)
+    s.step(2)
+    # the snapshot after iteration 0 awaits (iter 1), as does each later one
+    assert [a[0] for a in hook.awaited] == [1, 2]
+    from caffepy import upgrade
+    from caffepy.blobproto import blobproto_to_array
+    saved = upgrade.read_binary_net(str(tmp_path / "d_iter_1.caffemodel"))
+    assert float(blobproto_to_array(saved.layer[1].blobs[0]).ravel()[0]) == pytest.approx(0.9)
+
+
+def test_clip_gradients_awaits_every_gradient_before_the_update():
+    s = make_solver(BASE + "momentum: 0.9 clip_gradients: 100")
+    hook = DeferWeight()
+    s.hooks.append(hook)
+    s.step(2)
+    assert hook.awaited == [(0, [0], 1.0), (1, [0], pytest.approx(0.9))]
+    assert weight(s) == pytest.approx(0.72, rel=1e-6)
+
+
+def test_train_outputs_are_the_mean_over_ranks(monkeypatch):
+    """Like the loss line, "Train net output" shows the mean over the ranks."""
+    from caffepy import log
+    lines = []
+    monkeypatch.setattr(log, "info", lambda msg, everyone=False: lines.append(msg))
+
+    class OtherRankTriples(Hooks):            # the other rank's output is 3x this one's
+        def reduce_scores(self, solver, values):
+            return values * 4
+
+    s = make_solver(BASE.replace("display: 0", "display: 1"), context=RunContext(0, 2))
+    s.hooks.append(OtherRankTriples())
+    s.step(1)
+    shown = [line for line in lines if "Train net output" in line]
+    assert shown == ["    Train net output #0: loss = 1 (* 1 = 1 loss)"]      # (0.5 + 1.5) / 2
 
 
 def test_solver_start_removes_its_prefix_s_stale_snapshot_temporaries(tmp_path, monkeypatch):
