@@ -280,7 +280,7 @@ def _conv_expected(pad, stride, group=1):
 
 
 def _lrn_expected(size, alpha, beta, k):
-    return lambda x: [ref.lrn_across_forward(x, size, alpha, beta, k)[0]]
+    return lambda x: [ref_norm.lrn_across_forward(x, size, alpha, beta, k)[0]]
 
 
 def _batch_norm_expected(x):
