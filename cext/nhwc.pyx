@@ -105,17 +105,21 @@ def unpack(const float[:, :, :, ::1] y, float[:, :, :, ::1] x):
 # and the weight is given in the same order as wt[group, Kg, Og] (the layer builds it from
 # Caffe's [O, Cg, kh, kw]), so Y[p, gr * Og + o] = col_gr[p, :] @ wt[gr, :, o] (+ bias).
 # A pointwise stride-1 unpadded convolution (`direct`) needs no column matrix: the input rows are
-# it, for the whole batch at once. Work is split into tasks: chunks of rows of the batch's
-# matrix (direct), or images whose rows go through the column buffer `rows` pixels at a time.
-# Threads take whole tasks, each with its own scratch and a single-threaded BLAS; with one task,
-# or a small problem (the thread rule), the BLAS threads each GEMM instead.
+# it, for the whole batch at once. Work is split into tasks: chunks of `rows` rows of the batch's
+# matrix (direct), or whole images, several per task when an image has fewer than `rows`
+# pixels (so every GEMM has about `rows` rows), an image's pixels going through the column
+# buffer `rows` at a time when it has more. A task owns its images, so the scatter of the data
+# gradient (col2im) never races. Threads take whole tasks, each with its own scratch and a
+# single-threaded BLAS; with one task, or a small problem (the thread rule), the BLAS threads
+# each GEMM instead.
 
 cdef struct CGeom:
     int N, H, W, C, O, oh, ow
     int kh, kw, ph, pw, sh, sw, dh, dw, group
     int Cg, Og, Kg, Ktot
     Py_ssize_t P            # output pixels per image
-    Py_ssize_t rows         # pixels per pass through the column buffer
+    Py_ssize_t rows         # pixels per GEMM: per pass through the column buffer
+    int images              # images per task (not direct)
     bint direct
 
 
@@ -141,17 +145,28 @@ cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int s
     g.P = <Py_ssize_t>g.oh * g.ow
     g.direct = kh == 1 and kw == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
     need(rows >= 1, kernel, "rows", "must be positive", rows)
-    g.rows = rows if rows < g.P else g.P
+    g.images = 1
+    if g.direct:
+        g.rows = rows
+    elif rows < g.P:
+        g.rows = rows
+    else:
+        g.images = <int>min(rows // g.P, <Py_ssize_t>max(g.N, 1))
+        g.rows = g.images * g.P
     return g
 
 
-def conv_rows(int C, int O, int kh, int kw, int group, Py_ssize_t pixels):
-    """Pixels per pass through the column buffer: about 1 MB of columns (kept in cache between
-    im2col and its GEMM), at least 64 rows for the GEMM, at most the image."""
+def conv_rows(int C, int kh, int kw):
+    """Pixels per GEMM of an im2col convolution: about 4 MB of columns, at least 256 rows."""
     cdef Py_ssize_t k = <Py_ssize_t>C * kh * kw
-    cdef Py_ssize_t rows = (1 << 18) // k if k else pixels
-    rows = max(rows, 64)
-    return max(1, min(rows, pixels))
+    return max(256, (1 << 20) // max(k, 1))
+
+
+def conv_col_floats(int C, int kh, int kw, int oh, int ow, Py_ssize_t rows):
+    """Floats of one thread's column buffer for conv_forward / conv_backward."""
+    cdef Py_ssize_t P = <Py_ssize_t>oh * ow
+    cdef Py_ssize_t chunk = rows if rows < P else (rows // P) * P
+    return chunk * C * kh * kw
 
 
 cdef inline void _jrange(int ix0, int kw, int W, int* lo, int* hi) noexcept nogil:
@@ -289,10 +304,17 @@ cdef void _fwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float
         _fwd_rows(g, x + r0 * g.C, g.C, wt, bias, y + r0 * g.O,
                   min(g.rows, <Py_ssize_t>g.N * g.P - r0))
         return
-    n = task
+    cdef Py_ssize_t plane = <Py_ssize_t>g.H * g.W * g.C, i, n1
+    n = task * g.images
+    n1 = min(n + g.images, <Py_ssize_t>g.N)
+    if g.images > 1:
+        for i in range(n, n1):
+            _im2col(x + i * plane, g, 0, g.P, col + (i - n) * g.P * g.Ktot)
+        _fwd_rows(g, col, g.Ktot, wt, bias, y + n * g.P * g.O, (n1 - n) * g.P)
+        return
     p0 = 0
     while p0 < g.P:
-        _im2col(x + n * g.H * g.W * g.C, g, p0, min(p0 + g.rows, g.P), col)
+        _im2col(x + n * plane, g, p0, min(p0 + g.rows, g.P), col)
         _fwd_rows(g, col, g.Ktot, wt, bias, y + (n * g.P + p0) * g.O, min(g.rows, g.P - p0))
         p0 = p0 + g.rows
 
@@ -315,14 +337,26 @@ cdef void _bwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float*
 
 cdef void _bwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float* wt,
                     const float* dy, float* dx, float* dwt, float* db, float* col) noexcept nogil:
-    cdef Py_ssize_t r0, p0, n, rows, plane = <Py_ssize_t>g.H * g.W * g.C
+    cdef Py_ssize_t r0, p0, n, n1, i, rows, plane = <Py_ssize_t>g.H * g.W * g.C
     if g.direct:
         r0 = task * g.rows
         rows = min(g.rows, <Py_ssize_t>g.N * g.P - r0)
         _bwd_rows(g, x + r0 * g.C, g.C, wt, dy + r0 * g.O, rows,
                   dx + r0 * g.C if dx != NULL else NULL, g.C, dwt, db)
         return
-    n = task
+    n = task * g.images
+    n1 = min(n + g.images, <Py_ssize_t>g.N)
+    if g.images > 1:
+        if dwt != NULL:
+            for i in range(n, n1):
+                _im2col(x + i * plane, g, 0, g.P, col + (i - n) * g.P * g.Ktot)
+        _bwd_rows(g, col, g.Ktot, wt, dy + n * g.P * g.O, (n1 - n) * g.P,
+                  col if dx != NULL else NULL, g.Ktot, dwt, db)
+        if dx != NULL:
+            memset(dx + n * plane, 0, (n1 - n) * plane * sizeof(float))
+            for i in range(n, n1):
+                _col2im(col + (i - n) * g.P * g.Ktot, g, 0, g.P, dx + i * plane)
+        return
     if dx != NULL:
         memset(dx + n * plane, 0, plane * sizeof(float))
     p0 = 0
@@ -340,7 +374,7 @@ cdef void _bwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float
 cdef inline Py_ssize_t _tasks(const CGeom* g) noexcept nogil:
     if g.direct:
         return (<Py_ssize_t>g.N * g.P + g.rows - 1) // g.rows
-    return g.N
+    return (g.N + g.images - 1) // g.images
 
 
 cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
