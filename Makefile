@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install extras demo test test-all bench bench-full bench-mpi proto clean
+.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-full bench-mpi bench-multihost proto clean
 
 install: $(STAMP)
 
@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard cext/*.pyx cext/*.pxd cext/*.pxi ce
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
-# The optional extras by name (pip install 'caffepy[draw,hdf5,plot]'): pydot for
-# caffe.draw.get_pydot_graph, h5py for Net.save_hdf5 / load_hdf5, matplotlib for plot_log.
+# The optional extras by name (pip install 'caffepy[draw,hdf5,plot,onnx]'): pydot for
+# caffe.draw.get_pydot_graph, h5py for HDF5 layers and snapshots, matplotlib for plot_log,
+# onnx for export_onnx.
 # Drawing nets also needs Graphviz's `dot` program: apt-get install graphviz.
 # Their requirements are read from the installed caffepy's metadata (pyproject.toml's
 # optional-dependencies) and installed alone: reinstalling caffepy would recompile every kernel.
@@ -27,7 +28,7 @@ define EXTRA_REQUIREMENTS
 import importlib.metadata as m
 for r in m.requires("caffepy"):
     spec, _, marker = r.partition(";")
-    if any(f'extra == "{e}"' in marker for e in ("draw", "hdf5", "plot")):
+    if any(f'extra == "{e}"' in marker for e in ("draw", "hdf5", "plot", "onnx")):
         print(spec.strip())
 endef
 export EXTRA_REQUIREMENTS
@@ -41,6 +42,12 @@ $(EXTRAS): $(STAMP)
 # The embedded default: digits -> LMDB -> train LeNet -> test accuracy
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/digits/run.sh
+
+# A synthetic stand-in for ImageNet at the paths models/intel_alexnet and mpi_intel_alexnet
+# name: 500 generated JPEGs in 10 classes -> caffepy convert_imageset (256 x 256) -> train/val
+# LMDBs in examples/imagenet/, and the mean in data/ilsvrc12/ (about 100 MB; keeps real LMDBs)
+imagenet-sample: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) examples/imagenet/make_sample.py
 
 # torch (a local CPU build) is only a test-time reference; without it those checks skip
 TORCH := $(VENV)/.torch
@@ -57,6 +64,11 @@ test: install $(EXTRAS) $(TORCH)
 test-all: install $(EXTRAS) $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m ''
 
+# Ranks across emulated hosts (network namespaces + veth, root needed; skipped with the
+# reason where the machine does not allow it). Not in `make test`: CI runs both.
+test-multihost: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m multihost tests/multihost
+
 bench: install $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_alexnet.py
 
@@ -65,6 +77,10 @@ bench-full: install $(TORCH)
 
 bench-mpi: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_mpi.py
+
+# 2 emulated hosts, 500 Mbit/s link: how much of the gradient allreduce hides (root needed)
+bench-multihost: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_multihost.py
 
 # Regenerate caffepy/proto/caffe_pb2.py after editing caffe.proto
 proto: install

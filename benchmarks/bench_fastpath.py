@@ -7,7 +7,7 @@ algorithms (CAFFEPY_ENGINE=CAFFE: plain NCHW, im2col + GEMM) and PyTorch, in one
 Nets: models/zoo's deploy files in TRAIN phase (batch-statistics BatchNorm, every parameter
 gradient; ResNet-50 is the architecture of Intel's benchmark prototxt), fed random data. PyTorch
 (if installed) runs ResNet-50 built here layer for layer, default and channels_last memory
-format, the faster counted. Each contender lives in its own process; the driver runs their
+format (--torch-format), the faster counted. Each contender lives in its own process; the driver runs their
 iterations in turn (A B C A B C ...) so load changes hit all alike, and prints medians. The
 first caffepy iteration measures the convolution candidates (or reads the cache,
 CAFFEPY_CACHE_DIR) and is not counted; the algorithm per convolution is listed.
@@ -115,6 +115,8 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--torch-format", choices=("both", "default", "channels_last"), default="both",
+                    help="PyTorch memory formats to run (one saves memory on a small machine)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("nets", nargs="*", default=["resnet50", "googlenet"])
     args = ap.parse_args()
@@ -125,8 +127,10 @@ def main():
         contenders = [("caffepy fast path", {"kind": "caffepy"}, {}),
                       ("caffepy engine CAFFE", {"kind": "caffepy"}, {"CAFFEPY_ENGINE": "CAFFE"})]
         if net_name == "resnet50" and not args.no_torch:
-            contenders += [("PyTorch", {"kind": "torch", "channels_last": False}, {}),
-                           ("PyTorch channels_last", {"kind": "torch", "channels_last": True}, {})]
+            if args.torch_format in ("both", "default"):
+                contenders.append(("PyTorch", {"kind": "torch", "channels_last": False}, {}))
+            if args.torch_format in ("both", "channels_last"):
+                contenders.append(("PyTorch channels_last", {"kind": "torch", "channels_last": True}, {}))
         procs = []
         for label, spec, env in contenders:
             spec = dict(spec, net=net_name, batch=args.batch)

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import log
 from .context import SINGLE
-from .errors import UsageError
+from .errors import SolverError, UsageError
 from .log import fmt
 
 
@@ -20,14 +20,19 @@ class SignalHandler:
 
     SIGINT's `snapshot` saves and then stops (Ctrl-C ends the run, nothing is lost);
     SIGHUP's `snapshot` saves and carries on, as in Caffe.
+
+    Under MPI, SIGUSR1 has SIGHUP's effect: MPICH's mpiexec dies of a SIGHUP (and its
+    proxies kill every rank) but passes SIGUSR1 on to the ranks, as Open MPI's mpirun does.
     """
 
-    def __init__(self, sigint_effect="stop", sighup_effect="snapshot"):
+    def __init__(self, sigint_effect="stop", sighup_effect="snapshot", mpi=False):
         for name, effect in (("sigint_effect", sigint_effect), ("sighup_effect", sighup_effect)):
             if effect not in ("stop", "snapshot", "none"):
                 raise UsageError(f"--{name}: must be stop, snapshot or none, got '{effect}'")
         self.effects = {signal.SIGINT: "snapshot_stop" if sigint_effect == "snapshot" else sigint_effect,
                         signal.SIGHUP: sighup_effect}
+        if mpi:
+            self.effects[signal.SIGUSR1] = sighup_effect
         self.pending = []
         self._previous = {}
 
@@ -57,8 +62,11 @@ class SignalHandler:
 
 
 def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect="stop",
-          sighup_effect="snapshot"):
-    """Train or fine-tune: build the solver, load -weights or restore -snapshot, solve."""
+          sighup_effect="snapshot", stall_timeout=None):
+    """Train or fine-tune: build the solver, load -weights or restore -snapshot, solve.
+
+    stall_timeout: seconds without progress on some rank before a multi-rank job is ended
+    (None: the default, 0: never)."""
     from . import upgrade
     from .solvers import Solver
 
@@ -68,8 +76,14 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
     if snapshot:
         _check_snapshot(snapshot)
     mpi = _mpi_if_launched()
-    # the run context, before the Solver builds its nets: data layers pick their records by rank
-    context = mpi.init_world() if mpi is not None else SINGLE
+    context = SINGLE
+    if mpi is not None:
+        from .parallel import watchdog
+        if stall_timeout is None:
+            stall_timeout = watchdog.DEFAULT_TIMEOUT
+        mpi.supervise()       # from here on this process is the rank (its parent reports its death)
+        # the run context, before the Solver builds its nets: data layers pick their records by rank
+        context = mpi.init_world(stall_timeout)
     param = upgrade.read_solver(solver)
     if snapshot:
         del param.weights[:]
@@ -77,8 +91,9 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
         del param.weights[:]
         param.weights.append(weights)
     log.info("Use CPU.")
-    handler = SignalHandler(sigint_effect, sighup_effect)
+    handler = SignalHandler(sigint_effect, sighup_effect, mpi=mpi is not None)
     the_solver = Solver(param, source=solver, level=level, stages=stages, context=context)
+    _check_has_loss(the_solver.net)
     # ---- multi-rank call site: the MPI strategy joins the solver through its hooks ----
     if mpi is not None:
         mpi.attach(the_solver)
@@ -90,9 +105,22 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
             the_solver.restore(snapshot)
         log.info("Starting Optimization")
         the_solver.solve()
+    log.info("Optimization Done.")      # caffe.cpp's own line, after the solver's
     if mpi is not None:
         mpi.finish()
     return the_solver
+
+
+def _check_has_loss(net):
+    """Refuse a train net without a loss (a deploy net given to train). Caffe trains it:
+    every layer "does not need backward computation", the weights change by weight decay
+    alone, each display prints every value of the net's outputs, and snapshots overwrite
+    the previous ones; that is never what the person who typed `train` wanted."""
+    if not any(net.blob_loss_weights.values()):
+        raise SolverError(f"{net.source}: the train net has no loss layer (no top with a loss weight), so "
+                          f"training could not change its weights but by weight decay. Is it a deploy "
+                          f"net? Give the solver the train/val net, with a loss layer such as "
+                          f"SoftmaxWithLoss")
 
 
 def _check_snapshot(path):
@@ -105,9 +133,9 @@ def _check_snapshot(path):
             head = f.read(2)
     except OSError:
         pass        # reading it later says what is wrong
-    if str(path).endswith(".caffemodel") or head[:1] == b"\x0a" or head == b"\xa2\x06":
+    if str(path).endswith((".caffemodel", ".caffemodel.h5")) or head[:1] == b"\x0a" or head == b"\xa2\x06":
         raise UsageError(f"--snapshot: {path} holds weights (a .caffemodel), not a solver state; "
-                         f"resume from a .solverstate, or start from these weights with --weights {path}")
+                         f"resume from a .solverstate (.solverstate.h5), or start from these weights with --weights {path}")
 
 
 def _mpi_if_launched():
@@ -127,27 +155,29 @@ def test(model, weights=None, iterations=50, level=0, stages=()):
                          "Give --weights model.caffemodel")
     net = Net(model, phase=TEST, weights=weights, level=level, stages=list(stages))
     log.info(f"Running for {iterations} iterations.")
+    # float sums, as caffe.cpp's test(): its averages print as Caffe's do
+    f32 = np.float32
     names, scores = [], None
-    total_loss = 0.0
+    total_loss = f32(0)
     for i in range(iterations):
-        total_loss += net.forward_from_to()
+        total_loss += f32(net.forward_from_to())
         values = []
         for name in net.outputs:
             for value in net.blobs[name].data.reshape(-1):
                 if i == 0:
                     names.append(name)
-                values.append(float(value))
+                values.append(value)
                 log.info(f"Batch {i}, {name} = {fmt(float(value))}")
-        values = np.array(values, np.float64)
+        values = np.array(values, np.float32)
         scores = values if scores is None else scores + values
-    log.info(f"Loss: {fmt(total_loss / iterations)}")
+    log.info(f"Loss: {fmt(total_loss / f32(iterations))}")
     results = []
     for name, total in zip(names, scores if scores is not None else []):
-        mean = total / iterations
+        mean = total / f32(iterations)
         weight = net.blob_loss_weights.get(name, 0.0)
-        extra = f" (* {fmt(weight)} = {fmt(weight * mean)} loss)" if weight else ""
+        extra = f" (* {fmt(weight)} = {fmt(f32(weight) * mean)} loss)" if weight else ""
         log.info(f"{name} = {fmt(mean)}{extra}")
-        results.append((name, mean))
+        results.append((name, float(mean)))
     return results
 
 

@@ -3,7 +3,11 @@
 Caffe's gflags spellings work too: `-solver x` and `-solver=x` are read as
 `--solver x`, and boolean flags accept `-gray=true` / `-gray=false`; `-help`,
 `help` and a bare `caffepy` print the usage.
-Known errors (CaffepyError) print one line and exit 1 (usage errors 2);
+Known errors (CaffepyError) print one line and exit 1 (usage errors, click's
+too, 2);
+Ctrl-C (SIGINT; `train` handles it itself once training runs, see
+--sigint_effect) prints one line and exits 130, as the shell reports a
+process SIGINT ended, once the command has removed what it was writing;
 anything else is a bug and keeps its traceback.
 """
 import re
@@ -70,6 +74,18 @@ class CaffeGroup(click.Group):
         except CaffepyError as e:
             click.echo(f"caffepy: error: {log.rank_prefix()}{one_line(e)}", err=True)
             ctx.exit(e.exit_code)
+        except click.UsageError as e:       # click's own (a bad choice, a missing flag): one line too
+            where = e.ctx.command_path if e.ctx is not None else "caffepy"
+            problem = e.format_message()
+            problem += " " if problem.endswith((".", "?")) else ". "
+            click.echo(f"caffepy: error: {log.rank_prefix()}{where}: {problem}'{where} -help' shows the usage",
+                       err=True)
+            ctx.exit(e.exit_code)
+        except KeyboardInterrupt:
+            name = ctx.invoked_subcommand or "caffepy"
+            click.echo(f"caffepy: error: {log.rank_prefix()}{name}: interrupted (SIGINT); "
+                       f"nothing half-written was left", err=True)
+            ctx.exit(130)
 
 
 @click.group(cls=CaffeGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -102,9 +118,14 @@ def _stages(values):
 @click.option("--sigint_effect", type=SIGNAL_EFFECTS, default="stop", show_default=True,
               help="What to do on SIGINT (Ctrl-C).")
 @click.option("--sighup_effect", type=SIGNAL_EFFECTS, default="snapshot", show_default=True,
-              help="What to do on SIGHUP.")
+              help="What to do on SIGHUP (under MPI also on SIGUSR1, which mpiexec passes on to the "
+                   "ranks; MPICH's mpiexec dies of SIGHUP itself).")
+@click.option("--stall_timeout", type=click.FloatRange(min=0), default=300, show_default=True,
+              metavar="SECONDS",
+              help="Under MPI: when a rank makes no progress for this long (stopped, hung, its host "
+                   "lost), end the job with a line naming it and where the others waited; 0: never.")
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
-def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, gpu):
+def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, stall_timeout, gpu):
     """Train or fine-tune a model (mpirun -n N for several ranks)."""
     if weights and snapshot:
         raise click.UsageError("give --snapshot or --weights, not both: --snapshot resumes a run, "
@@ -112,7 +133,7 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
     _gpu_notice(gpu)
     from . import actions
     actions.train(solver=solver, weights=weights, snapshot=snapshot, level=level, stages=_stages(stage),
-                  sigint_effect=sigint_effect, sighup_effect=sighup_effect)
+                  sigint_effect=sigint_effect, sighup_effect=sighup_effect, stall_timeout=stall_timeout)
 
 
 @main.command()

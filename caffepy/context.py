@@ -25,6 +25,13 @@ class RunContext:
             return value
         return self.comm.bcast(value, root=root)
 
+    def gather(self, value, root=0):
+        """`root` gets every rank's value (a picklable Python object) in rank order; the
+        other ranks get None. Every rank calls it at the same point."""
+        if self.comm is None or self.size == 1:
+            return [value]
+        return self.comm.gather(value, root=root)
+
     def __repr__(self):
         return f"<RunContext rank {self.rank} of {self.size}>"
 

@@ -241,6 +241,18 @@ class Layer:
     def allow_force_backward(self, bottom_index):
         return True
 
+    def read_state(self):
+        """A layer that reads a source: where it stands in it after the batches its forward
+        has handed out, as JSON-able data the solver keeps in its snapshots; None for the rest."""
+        return None
+
+    def set_read_state(self, state, ranks=None):
+        """Continue from what `read_state` gave (and a snapshot kept): the next forward hands
+        out the batch that followed. `ranks`: the number of ranks of the run that saved it
+        (None: as many as now). Raises a CaffepyError `<field>: <problem>, got <value>` for a
+        state it cannot use."""
+        raise NotImplementedError
+
     # -- helpers for subclasses ------------------------------------------
     def error(self, field, problem, value=None, hint=None, cls=LayerError):
         return layer_error(self, field, problem, value, hint, cls)

@@ -249,7 +249,9 @@ class Net:
                     need or layer.allow_force_backward(bi)
                     for bi, need in enumerate(self.bottom_need_backward[li])]
                 layer.param_propagate_down = [True] * len(layer.blobs)
-        self.outputs = [plan.user_name(name) for name in self._available]
+        # Caffe keeps the remaining blobs in a std::set: outputs come in byte order of their names
+        self.outputs = sorted((plan.user_name(name) for name in self._available),
+                              key=lambda name: name.encode())
         del self._available
         # pycaffe's view: the blobs under the prototxt's names (a blob the plan converted for an
         # in-place layer is seen as the converted one, its last value)
@@ -437,9 +439,9 @@ class Net:
         return self._layer_names.index(name)
 
     def forward_from_to(self, start=0, end=None):
-        """Run layers start..end inclusive; return the weighted loss."""
+        """Run layers start..end inclusive; return the weighted loss (summed in float, as Caffe)."""
         end = len(self.layers) - 1 if end is None else end
-        loss = 0.0
+        loss = np.float32(0)
         try:
             for li in range(start, end + 1):
                 for conversion, b, t, _ in self._conversions[li]:
@@ -450,12 +452,12 @@ class Net:
                 layer.forward(bottom, top)
                 for w, blob in zip(self._top_loss_weights[li], top):
                     if w:
-                        loss += w * float(np.sum(blob.data, dtype=np.float64))
+                        loss += np.float32(w) * np.float32(np.sum(blob.data, dtype=np.float64))
         except SizeError as e:
             if e.blob is None:
                 raise
             raise _size_error(self.layers[li], e) from None
-        return loss
+        return float(loss)
 
     def backward_from_to(self, start=None, end=0, on_layer_done=None):
         """Run backward from `start` down to `end`; `on_layer_done(layer_index)` is called
@@ -628,9 +630,12 @@ class Net:
         self.layers[0].reset(data, labels)
 
     def copy_from(self, path):
-        """Load weights from a .caffemodel by layer name (Caffe's CopyTrainedLayersFrom)."""
-        if str(path).endswith((".h5", ".hdf5")):
-            raise CaffepyError(f"{path}: HDF5 weights are not supported; use a binary .caffemodel")
+        """Load weights by layer name (Caffe's CopyTrainedLayersFrom): from Caffe's HDF5
+        layout when the file is HDF5 (a .caffemodel.h5; needs h5py), else a .caffemodel."""
+        from . import net_hdf5
+        if net_hdf5.is_hdf5(path) or str(path).endswith((".h5", ".hdf5")):
+            net_hdf5.load(self, path)
+            return
         source = upgrade.read_binary_net(path)
         self.copy_from_param(source, path)
 
@@ -676,19 +681,23 @@ class Net:
                         f"they keep their initial values")
 
     def to_proto(self, write_diff=False, arrays=None):
-        """The net with its weights (and diffs) as a NetParameter. `arrays` maps a parameter
+        """Caffe's Net::ToProto: every layer as the net runs it (Split layers and renamed
+        bottoms included), each with its `phase` and, for a loss layer that gave none, the
+        `loss_weight: 1` Caffe's LossLayer adds; then its blobs. `arrays` maps a parameter
         Blob to the (data, diff) written in its place (a solver's snapshot of parameters
         split across ranks: their whole arrays)."""
         from .blobproto import array_to_blobproto
         arrays = arrays or {}
         out = caffe_pb2.NetParameter()
         out.name = self.name
-        for li, layer in enumerate(self.layers):
-            if layer.type == "Split":
-                continue
+        for layer in self.layers:
             lp = out.layer.add()
             lp.CopyFrom(layer.param)
             del lp.blobs[:]
+            if not lp.HasField("phase"):
+                lp.phase = self.phase
+            if layer.is_loss and not lp.loss_weight:
+                lp.loss_weight.extend(layer.loss_weights(len(lp.top)))
             for blob in layer.blobs:
                 data, diff = arrays.get(blob, (blob.data, blob.diff if write_diff else None))
                 lp.blobs.append(array_to_blobproto(data, diff if write_diff else None))

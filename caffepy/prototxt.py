@@ -2,19 +2,26 @@
 
 * every mistake in a file is one PrototxtError line naming `file:line:col`;
 * every write is atomic (temporary file, fsync, rename), and a binary message
-  over protobuf's 2 GiB limit is refused before anything is written.
+  over protobuf's 2 GiB limit is refused before anything is written;
+* temporary names say who writes them, `.<name>.<pid>@<host>.<random>.tmp`, so
+  the ones a killed process left behind can be told from those of a live writer
+  and removed (`remove_stale_temporaries`).
 
 Nothing here upgrades: a net or solver as Caffe reads it (parsed, then
 upgraded from older formats) comes from upgrade.py's read_net / read_solver.
 """
 import contextlib
 import difflib
+import math
 import os
 import re
+import shutil
+import socket
 import tempfile
 
+import numpy as np
 from google.protobuf import message as _pb_message
-from google.protobuf import text_format
+from google.protobuf import text_encoding, text_format
 
 from .errors import CaffepyError, PrototxtError
 from .proto import caffe_pb2
@@ -40,25 +47,96 @@ def _read_bytes(path):
         raise PrototxtError(f"{os.fspath(path)}: cannot open: {e.strerror}") from None
 
 
-def atomic_write(path, data):
-    """Write bytes to `path` so that readers see the old file or the whole new one."""
+def temporary_affixes(path):
+    """(prefix, suffix) of the temporary names (mkstemp / mkdtemp in the same directory) under
+    which `path` is written: `.<name>.<pid>@<host>.` + random + `.tmp`."""
+    return f".{os.path.basename(path)}.{os.getpid()}@{socket.gethostname()}.", ".tmp"
+
+
+# mkstemp's random part: 8 of [a-z0-9_]
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)@(?P<host>[^/]+)\.[a-z0-9_]{8}\.tmp")
+
+
+def remove_stale_temporaries(directory, final_name):
+    """Remove the temporary files and directories in `directory` that were being written to a
+    final name matching the regular expression `final_name` (matched whole) by a process of
+    this host that no longer exists (killed mid-write). Names of another host, of a live
+    process, or not of our shape are left alone. Returns [(path, bytes)] of what was removed."""
+    host, removed = socket.gethostname(), []
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        return removed
+    for entry in names:
+        m = _TEMPORARY.fullmatch(entry)
+        if not m or m["host"] != host or not re.fullmatch(final_name, m["name"]) or _alive(int(m["pid"])):
+            continue
+        path = os.path.join(directory, entry)
+        size = _size(path)
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append((path, size))
+    return removed
+
+
+def _alive(pid):
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:         # another user's process: alive
+        return True
+    return True
+
+
+def _size(path):
+    if not os.path.isdir(path):
+        with contextlib.suppress(OSError):
+            return os.path.getsize(path)
+        return 0
+    total = 0
+    for here, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(here, name))
+    return total
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """A temporary name next to `path` for the block to write a file at: renamed to `path`
+    (after fsync) when the block ends, removed when it raises.  Readers see the old file or
+    the whole new one.  Temporary files of `path` left by a killed writer are removed first;
+    OSErrors become one CaffepyError line naming `path`."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
+    remove_stale_temporaries(directory, re.escape(os.path.basename(path)))
+    prefix, suffix = temporary_affixes(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=directory)
     except OSError as e:
         raise CaffepyError(f"{path}: cannot write: {e.strerror}") from None
     try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_UMASK)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            os.fchmod(fd, 0o666 & ~_UMASK)
+        finally:
+            os.close(fd)
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise CaffepyError(f"{path}: cannot write: {e.strerror}") from None
+        raise CaffepyError(f"{path}: cannot write: {e.strerror or e}") from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -70,6 +148,13 @@ def atomic_write(path, data):
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def atomic_write(path, data):
+    """Write bytes to `path` so that readers see the old file or the whole new one."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
 
 
 # ---------------------------------------------------------------------------
@@ -182,9 +267,53 @@ def read_text(msg, path):
     return parse_text(msg, _read_bytes(path), os.fspath(path))
 
 
+def format_float(value, double=False):
+    """A float field as C++ protobuf's TextFormat prints it (SimpleFtoa / SimpleDtoa):
+    %g with 6 significant digits (15 for a double), or 9 (17) when that would not read
+    back as the same number: `1`, `0.1`, `1e-05`, `0.123456791`, `3.40282347e+38`."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if not double:
+        value = float(np.float32(value))
+    short, full = (15, 17) if double else (6, 9)
+    text = f"{value:.{short}g}"
+    same = float(text) == value if double else np.float32(text) == np.float32(value)
+    return text if same else f"{value:.{full}g}"
+
+
+def _print_message(msg, indent, out):
+    pad = " " * indent
+    for field, value in msg.ListFields():
+        values = value if field.is_repeated else [value]
+        for v in values:
+            if field.cpp_type == field.CPPTYPE_MESSAGE:
+                out.append(f"{pad}{field.name} {{\n")
+                _print_message(v, indent + 2, out)
+                out.append(f"{pad}}}\n")
+                continue
+            if field.cpp_type == field.CPPTYPE_ENUM:
+                named = field.enum_type.values_by_number.get(v)
+                text = named.name if named is not None else str(v)
+            elif field.cpp_type == field.CPPTYPE_STRING:
+                raw = v if isinstance(v, bytes) else v.encode("utf-8")
+                text = f'"{text_encoding.CEscape(raw, False)}"'
+            elif field.cpp_type == field.CPPTYPE_BOOL:
+                text = "true" if v else "false"
+            elif field.cpp_type in (field.CPPTYPE_FLOAT, field.CPPTYPE_DOUBLE):
+                text = format_float(v, field.cpp_type == field.CPPTYPE_DOUBLE)
+            else:
+                text = str(v)
+            out.append(f"{pad}{field.name}: {text}\n")
+
+
 def to_text(msg):
-    """Text format as Caffe prints it (two-space indent, shortest floats)."""
-    return text_format.MessageToString(msg)
+    """Text format as Caffe's WriteProtoToTextFile prints it: fields in number order,
+    two-space indent, strings C-escaped, floats as C++ protobuf formats them."""
+    out = []
+    _print_message(msg, 0, out)
+    return "".join(out)
 
 
 def write_text(msg, path):

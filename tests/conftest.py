@@ -11,9 +11,6 @@ from caffepy import log  # noqa: E402
 # written to the user's cache; tests/test_autotune.py turns measuring on where it is the subject
 os.environ["CAFFEPY_AUTOTUNE"] = "0"
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE_MODELS = os.path.join(os.path.dirname(REPO), "shared", "reference-models")
-
 
 @pytest.fixture(autouse=True)
 def _quiet_log():

@@ -14,8 +14,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -52,7 +54,7 @@ class Corpus:
             os.makedirs(inp)
             os.makedirs(out)
             args, names = case.fn(Context(self.fx, inp, out))
-            self.jobs.append({"name": case.name, "args": [str(a) for a in args], "cwd": out})
+            self.jobs.append({"name": case.name, "args": [str(a) for a in args], "cwd": out, "send": case.send})
             self.names[case.name] = [str(n) for n in names]
             self.dirs[case.name] = (inp, out)
             self.before[case.name] = (listing(inp), listing(out))
@@ -72,15 +74,28 @@ class Corpus:
 
     def run_each(self):
         """Each case through the `caffepy` executable, in its own process."""
+        from bad_inputs.runner import due
         exe = shutil.which("caffepy", path=os.path.dirname(sys.executable)) or shutil.which("caffepy")
         assert exe, "the caffepy command is not installed"
         results = {}
         for job in self.jobs:
-            proc = subprocess.run([exe, *job["args"]], cwd=job["cwd"], capture_output=True, text=True,
-                                  timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-            signal = -proc.returncode if proc.returncode < 0 else None
-            results[job["name"]] = {"name": job["name"], "code": None if signal else proc.returncode,
-                                    "signal": signal, "stdout": proc.stdout, "stderr": proc.stderr}
+            out_path, err_path = (os.path.join(self.root, f"{job['name']}.{s}") for s in ("stdout", "stderr"))
+            with open(out_path, "w") as out, open(err_path, "w") as err:
+                proc = subprocess.Popen([exe, *job["args"]], cwd=job["cwd"], stdout=out, stderr=err,
+                                        env=dict(os.environ, OMP_NUM_THREADS="1"))
+                send, start = job["send"], time.perf_counter()
+                while proc.poll() is None and time.perf_counter() - start < 300:
+                    if send and due(send, job["cwd"], err_path):
+                        proc.send_signal(signal.Signals[send["signal"]])
+                        send = None
+                    time.sleep(0.005)
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            killed = -proc.returncode if proc.returncode < 0 else None
+            with open(out_path) as out, open(err_path) as err:
+                results[job["name"]] = {"name": job["name"], "code": None if killed else proc.returncode,
+                                        "signal": killed, "stdout": out.read(), "stderr": err.read()}
         return results
 
 
@@ -126,7 +141,7 @@ def test_bad_input(corpus, batch, case):
 def test_corpus_covers_every_category_and_leaves_fixtures_alone(corpus, batch):
     counts = {cat: sum(1 for c in CASES if c.category == cat) for cat in categories()}
     assert set(counts) == {"syntax", "names", "wiring", "sizes", "caffemodel", "solverstate", "mean",
-                           "lmdb", "tools"}
+                           "lmdb", "tools", "solver_values", "signals"}
     assert all(n >= 5 for n in counts.values()), counts
     assert listing(corpus.fx.root) == corpus.fixtures_before
     assert len({c.name for c in CASES}) == len(CASES)

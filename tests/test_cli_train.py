@@ -15,8 +15,7 @@ from caffepy.blobproto import blobproto_to_array
 from caffepy.cli import main
 from caffepy.solvers import snapshot
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE_MODELS = os.path.join(os.path.dirname(REPO), "shared", "reference-models")
+from paths import REFERENCE_MODELS, REPO
 
 NET = """
 name: "tiny"
@@ -295,3 +294,37 @@ def test_time_reports_the_data_wait_of_a_data_layer(tmp_path, monkeypatch, loud)
     result = caffepy("time", "-model", "net.prototxt", "-iterations", "2")
     assert result.exit_code == 0, result.output
     assert "Data wait (data): " in result.stderr and "% of the forward pass" in result.stderr
+
+
+# Caffe prints the iter/s line at each display, and sums test scores in float, so 100 batches
+# of 0.9 average to 0.900001 (the real caffe binary's line). The loss is 0: nothing trains.
+FLOAT_SUMS = """
+name: "sums"
+layer { name: "data" type: "DummyData" top: "score" top: "a" top: "b"
+  dummy_data_param { shape { dim: 1 } data_filler { type: "constant" value: 0.9 }
+    data_filler { type: "constant" value: 0 } data_filler { type: "constant" value: 0 } } }
+layer { name: "p" type: "Power" bottom: "score" top: "out" }
+layer { name: "loss" type: "EuclideanLoss" bottom: "a" bottom: "b" top: "loss" }
+"""
+
+
+def test_log_has_caffes_lines_and_float_sums(tmp_path, monkeypatch, loud):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(FLOAT_SUMS)
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt" test_iter: 100 test_interval: 2 base_lr: 0.01 lr_policy: "fixed" '
+        'max_iter: 4 display: 2 snapshot_after_train: false')
+    result = caffepy("train", "-solver", "solver.prototxt")
+    assert result.exit_code == 0, result.output
+    lines = [line.split("] ", 1)[1] for line in result.stderr.splitlines() if "] " in line]
+    shown = [line for line in lines if line.startswith("Iteration ") and "iter/s" in line]
+    assert [line.split(" (")[0] for line in shown] == ["Iteration 0", "Iteration 2"]
+    # Caffe's CPU timer counts whole milliseconds: the lapse has at most 3 decimals
+    lapse = float(shown[1].split(", ")[1].split("s/")[0])
+    assert round(lapse, 3) == lapse and shown[1].endswith("s/2 iters), loss = 0")
+    assert "    Test net output #1: out = 0.900001" in lines
+    assert "    Train net output #1: out = 0.9" in lines
+    (tmp_path / "w.caffemodel").write_bytes(b"\x0a\x04sums")
+    result = caffepy("test", "-model", "net.prototxt", "-weights", "w.caffemodel", "-iterations", "100")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.rstrip().endswith("] out = 0.900001")

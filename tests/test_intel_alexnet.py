@@ -14,7 +14,7 @@ from caffepy.errors import LayerError
 from caffepy.net import TEST, TRAIN, Net
 from caffepy.proto import caffe_pb2
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO
 MODELS = os.path.join(REPO, "models", "intel_alexnet")
 
 # AlexNet in miniature: conv1 (3 channels, stride), LRN, max pooling over the edge, a grouped conv

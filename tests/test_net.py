@@ -314,3 +314,58 @@ def test_unknown_layer_type_suggests_the_closest():
     with pytest.raises(LayerError, match=r"unknown layer type 'InerProduct'. did you mean 'InnerProduct'\? "
                                          r"Known types: AbsVal, "):
         Net(net_param(INPUT + ip("a", "data", "a").replace("InnerProduct", "InerProduct")), caffepy.TEST)
+
+
+FAITHFUL_NET = """
+name: "tiny"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 4 dim: 3 dim: 5 dim: 5 } shape { dim: 4 }
+    data_filler { type: "constant" value: 0.5 } data_filler { type: "constant" value: 1 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  param { lr_mult: 1 } param { lr_mult: 2 }
+  convolution_param { num_output: 2 kernel_size: 3 weight_filler { type: "constant" value: 0.1 }
+    bias_filler { type: "constant" value: 0.2 } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+  inner_product_param { num_output: 3 weight_filler { type: "constant" value: 0.01 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+layer { name: "acc" type: "Accuracy" bottom: "ip" bottom: "label" top: "acc" }
+"""
+
+# The layers of BVLC caffe's snapshot of FAITHFUL_NET (its .caffemodel read back): name, type,
+# bottoms, tops, phase, loss_weight, blob shapes.  tests/test_caffe_binary.py compares bytes.
+CAFFE_LAYERS = [
+    ("data", "DummyData", [], ["data", "label"], caffe_pb2.TRAIN, [], []),
+    ("label_data_1_split", "Split", ["label"], ["label_data_1_split_0", "label_data_1_split_1"],
+     caffe_pb2.TRAIN, [], []),
+    ("conv", "Convolution", ["data"], ["conv"], caffe_pb2.TRAIN, [], [(2, 3, 3, 3), (2,)]),
+    ("relu", "ReLU", ["conv"], ["conv"], caffe_pb2.TRAIN, [], []),
+    ("ip", "InnerProduct", ["conv"], ["ip"], caffe_pb2.TRAIN, [], [(3, 18), (3,)]),
+    ("ip_ip_0_split", "Split", ["ip"], ["ip_ip_0_split_0", "ip_ip_0_split_1"], caffe_pb2.TRAIN, [], []),
+    ("loss", "SoftmaxWithLoss", ["ip_ip_0_split_0", "label_data_1_split_0"], ["loss"], caffe_pb2.TRAIN,
+     [1.0], []),
+    ("acc", "Accuracy", ["ip_ip_0_split_1", "label_data_1_split_1"], ["acc"], caffe_pb2.TRAIN, [], []),
+]
+
+
+def test_to_proto_writes_the_layers_as_caffes_net_to_proto(tmp_path):
+    path = tmp_path / "net.prototxt"
+    path.write_text(FAITHFUL_NET)
+    out = caffepy.Net(str(path), caffepy.TRAIN).to_proto()
+    got = [(lp.name, lp.type, list(lp.bottom), list(lp.top), lp.phase, list(lp.loss_weight),
+            [tuple(b.shape.dim) for b in lp.blobs]) for lp in out.layer]
+    assert got == CAFFE_LAYERS
+    assert all(lp.HasField("phase") for lp in out.layer)
+    # read back into a net: the Split layers match by name and carry no blobs
+    weights = tmp_path / "w.caffemodel"
+    caffepy.Net(str(path), caffepy.TRAIN).save(str(weights))
+    caffepy.Net(str(path), str(weights), caffepy.TEST)
+
+
+def test_outputs_are_in_name_order_as_caffes_std_set(tmp_path):
+    # the real caffe binary lists FAITHFUL_NET's outputs as acc, loss (loss is defined first)
+    path = tmp_path / "net.prototxt"
+    path.write_text(FAITHFUL_NET.replace('top: "acc"', 'top: "Zacc"'))
+    assert caffepy.Net(str(path), caffepy.TRAIN).outputs == ["Zacc", "loss"]
+    path.write_text(FAITHFUL_NET)
+    assert caffepy.Net(str(path), caffepy.TRAIN).outputs == ["acc", "loss"]

@@ -17,7 +17,7 @@ from caffepy.blob import Blocked  # noqa: E402
 from caffepy.errors import CaffepyError  # noqa: E402
 from caffepy.proto import caffe_pb2  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO
 
 
 def make_net(text, phase=caffepy.TEST):

@@ -11,7 +11,7 @@ from google.protobuf import text_format
 
 from caffepy.proto import caffe_pb2
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO
 PROTO = os.path.join(REPO, "caffepy", "proto", "caffe.proto")
 REFERENCE = os.path.join(REPO, "..", "shared", "reference-models")
 REFERENCE_FILES = sorted(glob.glob(os.path.join(REFERENCE, "*", "*.prototxt")))

@@ -10,7 +10,7 @@ from caffepy import upgrade as U
 from caffepy.errors import CaffepyError, PrototxtError
 from caffepy.proto import caffe_pb2
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO
 REFERENCE = os.path.join(REPO, "..", "shared", "reference-models")
 NETS = sorted(p for p in glob.glob(os.path.join(REFERENCE, "*", "*.prototxt")) if "solver" not in p)
 SOLVERS = sorted(p for p in glob.glob(os.path.join(REFERENCE, "*", "*.prototxt")) if "solver" in p)
@@ -187,3 +187,125 @@ def test_intel_fields_of_the_38_reference_files_that_did_not_parse():
     solver = U.parse_solver_text('net: "n" lr_policy: "multifixed" stagelr: 0.1 stageiter: 10 test_offset: 5',
                                  "solver.prototxt")
     assert solver.test_offset == 5 and list(solver.stageiter) == [10]
+
+
+def _dead_pid():
+    import subprocess
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_temporaries_of_killed_writers_are_removed_and_nothing_else(tmp_path):
+    import socket
+    host, dead = socket.gethostname(), _dead_pid()
+    stale = [f".out.prototxt.{dead}@{host}.abcd_123.tmp", f".out.prototxt.{dead}@{host}.zzzzzzzz.tmp"]
+    kept = [f".out.prototxt.{os.getpid()}@{host}.abcdefgh.tmp",      # a live writer's
+            f".out.prototxt.{dead}@otherhost.example.abcdefgh.tmp",  # another host's
+            f".other.prototxt.{dead}@{host}.abcdefgh.tmp",           # another file's
+            ".out.prototxt.abcdefgh.tmp",                            # no pid: not ours to judge
+            "out.prototxt.tmp", "notes.txt"]
+    for name in stale + kept:
+        (tmp_path / name).write_text("x")
+    (tmp_path / stale[1]).unlink()
+    (tmp_path / stale[1]).mkdir()                                    # a directory (an LMDB being built)
+    (tmp_path / stale[1] / "data.mdb").write_bytes(bytes(100))
+    removed = P.remove_stale_temporaries(str(tmp_path), r"out\.prototxt")
+    assert sorted((os.path.basename(p), n) for p, n in removed) == sorted([(stale[0], 1), (stale[1], 100)])
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
+    P.write_text(caffe_pb2.NetParameter(name="n"), tmp_path / "other.prototxt")   # cleans its own name
+    assert sorted(os.listdir(tmp_path)) == sorted(set(kept) - {kept[2]} | {"other.prototxt"})
+
+
+def test_temporary_names_carry_the_writer(tmp_path, monkeypatch):
+    import socket
+    seen = []
+    real = os.replace
+
+    def spy(src, dst):
+        seen.append(os.path.basename(src))
+        real(src, dst)
+    monkeypatch.setattr(os, "replace", spy)
+    P.write_text(caffe_pb2.NetParameter(name="n"), tmp_path / "net.prototxt")
+    (name,) = seen
+    assert name.startswith(f".net.prototxt.{os.getpid()}@{socket.gethostname()}.") and name.endswith(".tmp")
+
+
+# -- text as Caffe writes it -------------------------------------------------
+
+@pytest.mark.parametrize("value, text", [
+    (1.0, "1"), (0.0, "0"), (2.0, "2"), (-0.5, "-0.5"), (0.01, "0.01"), (1e-05, "1e-05"),
+    (1e8, "1e+08"), (0.123456789, "0.123456791"), (3.4028235e38, "3.40282347e+38"),
+    (float("inf"), "inf"), (float("-inf"), "-inf"), (float("nan"), "nan")])
+def test_floats_print_as_cpp_protobuf_prints_them(value, text):
+    # C++ SimpleFtoa: %.6g, or %.9g when that does not read back as the same float
+    assert P.format_float(value) == text
+
+
+def test_doubles_print_with_15_or_17_digits():
+    assert P.format_float(0.1, double=True) == "0.1"
+    assert P.format_float(0.1 + 0.2, double=True) == "0.30000000000000004"
+
+
+# What BVLC's upgrade_net_proto_text wrote for V1 (run on the real binary; byte for byte)
+V1_NET = r'''name: "a\"b\\c\td é"
+layers { name: "conv" type: CONVOLUTION bottom: "data" top: "conv" blobs_lr: 1 blobs_lr: 2
+  weight_decay: 1 weight_decay: 0
+  convolution_param { num_output: 2 kernel_size: 3 bias_filler { type: "constant" value: 0.123456789 } } }
+layers { name: "s" type: POWER bottom: "conv" top: "s" power_param { power: 2 scale: 100000000 shift: -0.5 } }
+input: "data" input_dim: 1 input_dim: 3 input_dim: 8 input_dim: 8
+'''
+CAFFE_UPGRADED = r'''name: "a\"b\\c\td \303\251"
+layer {
+  name: "input"
+  type: "Input"
+  top: "data"
+  input_param {
+    shape {
+      dim: 1
+      dim: 3
+      dim: 8
+      dim: 8
+    }
+  }
+}
+layer {
+  name: "conv"
+  type: "Convolution"
+  bottom: "data"
+  top: "conv"
+  param {
+    lr_mult: 1
+    decay_mult: 1
+  }
+  param {
+    lr_mult: 2
+    decay_mult: 0
+  }
+  convolution_param {
+    num_output: 2
+    kernel_size: 3
+    bias_filler {
+      type: "constant"
+      value: 0.123456791
+    }
+  }
+}
+layer {
+  name: "s"
+  type: "Power"
+  bottom: "conv"
+  top: "s"
+  power_param {
+    power: 2
+    scale: 1e+08
+    shift: -0.5
+  }
+}
+'''
+
+
+def test_upgraded_text_is_byte_for_byte_caffes(tmp_path):
+    src = write(tmp_path, "v1.prototxt", V1_NET)
+    U.upgrade_net_file(src, tmp_path / "out.prototxt")
+    assert (tmp_path / "out.prototxt").read_bytes() == CAFFE_UPGRADED.encode()

@@ -17,9 +17,9 @@ from caffepy import rng, upgrade
 from caffepy.net import TEST, TRAIN, Net, filter_net, net_state
 from caffepy.proto import caffe_pb2
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REFERENCE_MODELS, REPO
 ZOO = os.path.join(REPO, "models", "zoo")
-BVLC = os.path.join(os.path.dirname(REPO), "shared", "reference-models", "bvlc")
+BVLC = os.path.join(REFERENCE_MODELS, "bvlc")
 
 
 def bvlc(name):

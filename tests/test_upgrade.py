@@ -10,7 +10,7 @@ from caffepy.errors import PrototxtError
 from caffepy.proto import caffe_pb2
 from caffepy.solvers.updates import RULES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO
 REFERENCE = os.path.join(REPO, "..", "shared", "reference-models")
 needs_reference = pytest.mark.skipif(not glob.glob(os.path.join(REFERENCE, "*", "*.prototxt")),
                                      reason="no reference models next to the repository")

@@ -108,10 +108,13 @@ def array_to_datum(arr, label=None):
 
 
 def image_to_datum(img, label=0):
-    """An H x W x C (or H x W) uint8 OpenCV image as a raw Datum (Caffe's CVMatToDatum)."""
+    """An H x W x C (or H x W) uint8 OpenCV image as a raw Datum (Caffe's CVMatToDatum,
+    which writes `encoded: false` where pycaffe's array_to_datum leaves it unset)."""
     if img.ndim == 2:
         img = img[:, :, None]
-    return array_to_datum(hwc_to_chw(img), label)
+    datum = array_to_datum(hwc_to_chw(img), label)
+    datum.encoded = False
+    return datum
 
 
 def encoded_datum(buf, label=0):

@@ -17,12 +17,14 @@ type, page numbers past the end) become one DataError naming the file and the
 record.
 
 Writers build the database under a temporary name and rename it when done,
-so a failed run leaves nothing behind.
+so a failed run leaves nothing behind; what a killed writer left (its pid is
+in the name) is removed when a writer of the same database starts.
 """
 import contextlib
 import ctypes
 import mmap
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -32,9 +34,13 @@ import lmdb
 import numpy as np
 
 from ..errors import DataError, quote
+from ..prototxt import remove_stale_temporaries, temporary_affixes
 
 # Writers start with this map size and double it whenever the map is full.
 _INITIAL_MAP_SIZE = 1 << 30
+# the process umask, read once (reading it means setting it)
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 # LMDB's meta page (64-bit, little-endian): a 16-byte page header, then mm_magic
 # (u32) at 16, mm_dbs[0].md_pad (the page size, u32) at 40, mm_last_pg (u64) at
@@ -315,24 +321,30 @@ class Writer:
     The database is built in a temporary directory next to `path` and renamed
     to `path` by `close()`; `abort()` (or leaving a `with` block by an
     exception) removes it, so a failed run leaves no half-written database.
+    Temporary directories of `path` that a killed writer left are removed first.
     """
 
     def __init__(self, path, commit_every=1000):
         self.path = os.fspath(path).rstrip("/") or "/"
+        parent = os.path.dirname(os.path.abspath(self.path))
+        remove_stale_temporaries(parent, re.escape(os.path.basename(self.path)))
         if os.path.exists(self.path):
             raise DataError(f"{self.path}: database already exists; remove it or choose another name")
-        parent = os.path.dirname(os.path.abspath(self.path))
+        prefix, suffix = temporary_affixes(self.path)
         try:
-            self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp",
-                                        dir=parent)
+            self.tmp = tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=parent)
+            # mkdtemp's 0700 would hide the database from other users: Caffe's mkdir uses 0744
+            os.chmod(self.tmp, 0o744 & ~_UMASK)
         except OSError as e:
             raise DataError(f"{self.path}: cannot create the database: {e.strerror}") from None
         self.map_size = _INITIAL_MAP_SIZE
         try:
             self.env = lmdb.open(self.tmp, map_size=self.map_size, subdir=True)
-        except lmdb.Error as e:
+        except BaseException as e:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            raise DataError(f"{self.path}: cannot create the database: {e}") from None
+            if isinstance(e, lmdb.Error):
+                raise DataError(f"{self.path}: cannot create the database: {e}") from None
+            raise
         self.commit_every = commit_every
         self._pending = []
         self.done = False       # renamed to `path`

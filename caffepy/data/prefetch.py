@@ -6,7 +6,14 @@
                   release the GIL, so the workers run in parallel with the training loop)
     Prefetcher    one daemon thread filling `depth` recycled buffers ahead of the
                   consumer; `next()` hands over a full one and adds the time it had to
-                  wait to `wait_seconds`; an error in the thread is raised by `next()`
+                  wait to `wait_seconds`; an error in the thread is raised by `next()`;
+                  `restart(reposition)` drops what was read ahead and starts over from
+                  where `reposition` puts the filler
+
+Each buffer BatchFiller fills carries its `position`: the reads done and the
+transformer's generator state once that batch is read, i.e. where the source
+stands for a consumer that has taken this batch and no other (the prefetcher
+itself is always further on).
 
 Every prefetcher is stopped at interpreter exit (a stop event, then a short join).
 """
@@ -80,6 +87,10 @@ class BatchFiller:
         return {"data": np.zeros((self.batch_size,) + self.shape, np.float32),
                 "label": np.zeros(self.batch_size, np.float32)}
 
+    def position(self):
+        """(reads done, the transformer's generator state): where the next batch starts."""
+        return self.reads, self.transformer.gen.bit_generator.state
+
     def fill(self, buf):
         b = self.batch_size
         items = []
@@ -87,6 +98,7 @@ class BatchFiller:
             items.append(self.source.get(self.order.index(self.reads)))
             self.reads += 1
         draws = self.transformer.draw(b)
+        buf["position"] = self.position()
 
         def work(lo, hi):
             for j in range(lo, hi):
@@ -162,6 +174,22 @@ class Prefetcher:
 
     def release(self, buf):
         self._free.put(buf)
+
+    def restart(self, reposition):
+        """Stop the thread (once its current batch is done), drop the batches read ahead,
+        call `reposition()` (which moves the filler) and start reading again. Every buffer
+        handed out must have been released."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        while not self._full.empty():
+            item = self._full.get()
+            if not isinstance(item, _Failure):
+                self._free.put(item)
+        reposition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=self._thread.name, daemon=True)
+        self._thread.start()
 
     def close(self):
         self._stop.set()

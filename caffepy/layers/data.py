@@ -105,6 +105,11 @@ class _PrefetchingLayer(Layer):
 
     `wait_seconds` is the time forward() waited for the prefetch thread: the
     training loop's data-wait.
+
+    read_state / set_read_state: the position after the batches forward() handed out
+    (not the prefetch thread's, which reads ahead): reads done, the record order's seed
+    and skip (so the shuffle continues its epoch's permutation) and the transformer's
+    generator (mirror and crop draws); kept per rank in the solver's snapshots.
     """
     exact_bottoms = 0
     min_tops, max_tops = 1, 2
@@ -149,7 +154,8 @@ class _PrefetchingLayer(Layer):
         if p.rand_skip:
             skip = int(np.random.default_rng([base, 1]).integers(p.rand_skip))
             log.info(f"Skipping first {skip} data points")
-        order = RecordOrder(len(self.source_db), rank, ranks, bool(p.shuffle), base, skip)
+        self._order_args = (len(self.source_db), rank, ranks, bool(p.shuffle))
+        order = RecordOrder(*self._order_args, base, skip)
         tp = _transform_param(self, p)
         self.transformer = DataTransformer(tp, self.phase, np.random.default_rng([base, 2, context.rank]),
                                            layer=self)
@@ -171,8 +177,9 @@ class _PrefetchingLayer(Layer):
                              f"{buffers} batches of {memory.dims_text(self.top_shape)} floats")
         if why:
             raise self.error(f"{self._params_field}.batch_size", why, self.batch_size, cls=SizeError)
-        filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
-        self.prefetcher = Prefetcher(filler, self.prefetch_depth(), self.name)
+        self.filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
+        self._consumed = self.filler.position()
+        self.prefetcher = Prefetcher(self.filler, self.prefetch_depth(), self.name)
         self._finalizer = weakref.finalize(self, _shutdown, self.prefetcher, self.source_db)
         log.info(f"output data size: {','.join(map(str, self.top_shape))}")
         self.reshape(bottom, top)
@@ -198,8 +205,55 @@ class _PrefetchingLayer(Layer):
             top[0].data[...] = buf["data"]
             if len(top) > 1:
                 top[1].data[...] = buf["label"]
+            self._consumed = buf["position"]
         finally:
             self.prefetcher.release(buf)
+
+    def read_state(self):
+        reads, transform = self._consumed
+        order = self.filler.order
+        return {"records": order.size, "ranks": order.ranks, "seed": order.seed, "skip": order.skip,
+                "reads": reads, "transform": transform}
+
+    _STATE_KEYS = ("records", "ranks", "seed", "skip", "reads", "transform")
+
+    def set_read_state(self, state, ranks=None):
+        """`ranks`: the number of ranks of the run that saved `state` (rank 0's state when it
+        differs from this run's). With as many ranks as then, each rank goes on exactly; else
+        a record stream the ranks interleaved (shared DB, or one process) goes on from where
+        they had read it together, with fresh mirror and crop draws; shards start over."""
+        if set(state) != set(self._STATE_KEYS):
+            raise DataError(f"expected the keys {', '.join(self._STATE_KEYS)}, got {', '.join(state)}")
+        for field in self._STATE_KEYS[:-1]:
+            value = state[field]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+                raise DataError(f"{field}: must be an integer in [0, 2^62), got {str(value)[:40]}")
+        problem = rng.state_problem(state["transform"], self.transformer.gen.bit_generator.state)
+        if problem:
+            raise DataError(f"transform: not a generator state ({problem})")
+        size, _, interleave, _ = self._order_args
+        here, ranks = f"{self.filler.source.path}: layer '{self.name}'", ranks or self.context.size
+        if state["records"] != size:
+            log.warning(f"{here}: the snapshot was taken over {state['records']} records, the source has "
+                        f"{size}: reading from the first record")
+            return
+        skip, reads, transform = state["skip"], state["reads"], state["transform"]
+        if ranks != self.context.size:
+            if state["ranks"] != ranks or interleave != self.context.size:
+                log.warning(f"{here}: the snapshot's {ranks} ranks and this run's {self.context.size} do not "
+                            f"read one record stream (a split DB): reading from the first record")
+                return
+            skip, reads, transform = skip + reads * ranks, 0, None
+            log.info(f"{here}: continues the record stream where the snapshot's {ranks} ranks had read it "
+                     f"together ({skip}); mirror and crop draws start afresh")
+
+        def reposition():
+            self.filler.order = RecordOrder(*self._order_args, state["seed"], skip)
+            self.filler.reads = reads
+            if transform is not None:
+                self.transformer.gen.bit_generator.state = transform
+            self._consumed = self.filler.position()
+        self.prefetcher.restart(reposition)
 
     def close(self):
         """Stop the prefetch thread and close the source (also done at exit)."""

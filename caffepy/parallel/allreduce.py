@@ -291,6 +291,13 @@ class GradientReducer:
         self.progress = progress or default_progress()
         if self.progress not in PROGRESS_MODES:
             raise ValueError(f"unknown progress mode {self.progress!r}")
+        if self.progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            # the thread would call MPI beside the main thread: only MPI_THREAD_MULTIPLE allows it
+            if progress or "CAFFEPY_MPI_PROGRESS" in os.environ:
+                from ..errors import ParallelError
+                raise ParallelError(f"CAFFEPY_MPI_PROGRESS: 'thread' needs MPI_THREAD_MULTIPLE, MPI granted "
+                                    f"level {MPI.Query_thread()}. Use blocking, test or wait")
+            self.progress = "blocking"
         requested = algorithm or default_algorithm()
         if requested not in ALGORITHMS:
             raise ValueError(f"unknown allreduce algorithm {requested!r}")

@@ -11,10 +11,19 @@ parallel, or hybrid when the net marks model-parallel layers) to its hooks.
 Failure: an uncaught exception on any rank (in any thread) prints one line
 `[rank N] <cause>` and calls MPI Abort, which ends every rank; a rank that
 exits early with an error (the CLI's one-line error path) aborts the job the
-same way from an atexit handler. A rank killed outright is handled by the
-launcher: MPICH's hydra sends SIGTERM to the remaining ranks, and a watcher
-thread here turns it into one line naming the rank that died (found among the
-ranks of this host) before exiting.
+same way from an atexit handler.
+
+A rank killed outright (kill -9, the out-of-memory killer): under a PMI launcher
+(MPICH hydra, Intel MPI, Slurm's PMI) `supervise()` forks before MPI starts, and
+the parent, the process the launcher watches, prints `[rank N] ... was killed by
+SIGKILL` when its child, the rank itself, dies of a signal; the launcher then
+ends the job. Ranks the launcher stops with SIGTERM print one line saying so.
+A rank that stops making progress (SIGSTOP, a hung file system, a lost host) is
+found by the stall watchdog (watchdog.py, `--stall_timeout`).
+
+A launcher whose environment announces N > 1 processes while MPI starts this one
+alone means mpi4py was built for another MPI than the launcher's: init_world()
+refuses to train (every process would train alone and write the same snapshots).
 """
 import atexit
 import hashlib
@@ -31,26 +40,45 @@ from ..errors import CaffepyError, ParallelError
 from . import world
 
 # The size variable each launcher exports: MPICH/Intel MPI hydra and Slurm's
-# PMI(2), Open MPI, and PMIx-based launchers.
-_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
+# PMI(2), Open MPI, PMIx-based launchers, and a Slurm step (srun sets it in every
+# task, whatever MPI plugin; sbatch's script, one process, has SLURM_NTASKS only).
+_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS",
+              "MPI_LOCALNRANKS")
 _RANK_ONLY_VARS = ("PMIX_RANK",)
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 
 _state = {"started": False, "finished": False}
+
+
+def launcher_variable():
+    """(variable, size): the launcher's announcement of the world size; (None, 0) if
+    none, (variable, -1) if a launcher is present but does not say (PMIx alone)."""
+    for var in _SIZE_VARS:
+        value = os.environ.get(var)
+        if value:
+            try:
+                return var, int(value)
+            except ValueError:
+                continue
+    for var in _RANK_ONLY_VARS:
+        if os.environ.get(var):
+            return var, -1
+    return None, 0
 
 
 def launcher_size():
     """World size announced by an MPI launcher, 0 if none, -1 if a launcher is
     present but does not say (PMIx without a size variable)."""
-    for var in _SIZE_VARS:
-        value = os.environ.get(var)
-        if value:
-            try:
-                return int(value)
-            except ValueError:
-                continue
-    if any(os.environ.get(var) for var in _RANK_ONLY_VARS):
-        return -1
-    return 0
+    return launcher_variable()[1]
+
+
+def launcher_rank():
+    """This process's rank as the launcher announced it (before MPI starts), or None."""
+    for var in _RANK_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def launched():
@@ -80,19 +108,21 @@ def share_cores():
             return
 
 
-def init_world():
+def init_world(stall_timeout=0):
     """Start MPI when launched with several ranks and fill `world`; idempotent.
 
+    stall_timeout > 0 starts the stall watchdog (watchdog.py) with that many seconds.
     Returns `world` (rank 0 of 1 when not launched)."""
     if _state["started"] or not launched():
         return world
     import mpi4py
-    # the comm thread of allreduce.py calls MPI while the main thread also may
+    # the comm thread of allreduce.py and the watchdog call MPI while the main thread also may
     mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI
     base = MPI.COMM_WORLD
     _state["started"] = True
     if base.Get_size() == 1:
+        _refuse_foreign_launcher()
         return world
     world.comm = base.Dup()
     world.rank = world.comm.Get_rank()
@@ -102,17 +132,111 @@ def init_world():
     world.peers = world.comm.allgather((socket.gethostname(), os.getpid()))
     # the launcher reports a killed process by pid: this line maps pids to ranks
     log.info("MPI ranks: " + ", ".join(f"{r}=pid {pid}@{host}" for r, (host, pid) in enumerate(world.peers)))
+    if world.thread_level < MPI.THREAD_MULTIPLE:
+        log.warning(f"MPI granted thread level {_THREAD_LEVELS.get(world.thread_level, world.thread_level)}"
+                    f", not MPI_THREAD_MULTIPLE: gradients are reduced without a thread (blocking)")
     sys.excepthook = _excepthook
     threading.excepthook = _thread_excepthook
     _watch_sigterm()
     # registered after mpi4py's own finalizer, so it runs first (atexit is LIFO)
     atexit.register(_abort_unless_finished)
+    from . import watchdog
+    watchdog.start(world.comm, stall_timeout, world.peers, abort)
     return world
+
+
+_THREAD_LEVELS = {0: "MPI_THREAD_SINGLE", 1: "MPI_THREAD_FUNNELED", 2: "MPI_THREAD_SERIALIZED",
+                  3: "MPI_THREAD_MULTIPLE"}
+
+
+def _refuse_foreign_launcher():
+    """The launcher announced N > 1 processes but MPI started this one alone."""
+    var, size = launcher_variable()
+    if size <= 1:
+        return
+    from mpi4py import MPI
+    library = MPI.Get_library_version().splitlines()[0].strip()
+    raise ParallelError(
+        f"{var}={os.environ[var]}: the launcher started {size} processes but MPI sees this one alone: "
+        f"mpi4py uses {library}, not the launcher's MPI, so every process would train alone and "
+        f"write the same snapshots. Launch with the mpiexec of the MPI mpi4py was built for "
+        f"({os.path.join(os.path.dirname(sys.executable), 'mpiexec')}), or rebuild mpi4py against the "
+        f"cluster's MPI (pip install --no-binary=mpi4py --force-reinstall mpi4py, with its mpicc on PATH)")
 
 
 def finish():
     """Mark this rank's work as done: leaving now is a normal exit, not a failure."""
     _state["finished"] = True
+    from . import watchdog
+    watchdog.stop()
+
+
+# -- a parent that reports its rank's death -------------------------------------
+_FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGALRM", "SIGCONT",
+              "SIGTSTP")
+
+
+def supervise():
+    """Fork: the child returns and becomes the rank; the parent, the process the launcher
+    started and watches, passes signals on to it and exits as it does, and when the child
+    dies of a signal (kill -9, the out-of-memory killer) prints the line naming the rank
+    while the launcher still forwards output.
+
+    Only under PMI launchers (PMI_RANK set: MPICH hydra, Intel MPI, Slurm's PMI), whose
+    MPI start-up a forked child inherits; CAFFEPY_MPI_SUPERVISE=0 turns it off. Call
+    before MPI starts and before any thread exists."""
+    if (not launched() or os.environ.get("PMI_RANK") is None
+            or os.environ.get("CAFFEPY_MPI_SUPERVISE", "1") == "0"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        # launchers signal the process group: in a group of its own the rank gets each
+        # signal once, from the parent
+        os.setpgid(0, 0)
+        _die_with_parent(parent)
+        return
+    for name in _FORWARDED:
+        signum = getattr(signal, name)
+        signal.signal(signum, lambda signum, frame: _pass_on(child, signum))
+    _, status = os.waitpid(child, 0)      # blocks; signals are passed on meanwhile
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        rank = launcher_rank()
+        how = ("was killed by SIGKILL (by hand, by the out-of-memory killer or by the batch system)"
+               if signum == signal.SIGKILL else f"died of {signal.Signals(signum).name}")
+        sys.stderr.write(f"[rank {rank}] caffepy rank {rank} (pid {child}@{socket.gethostname()}) {how}; "
+                         f"the MPI launcher ends the other ranks\n")
+        sys.stderr.flush()
+        # die of the same signal: launchers end the job when a rank is killed, while they
+        # wait for the others when one merely exits non-zero
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        os._exit(128 + signum)
+    os._exit(os.WEXITSTATUS(status))
+
+
+def _pass_on(child, signum):
+    try:
+        os.kill(child, signum)
+        if signum == signal.SIGTERM:
+            os.kill(child, signal.SIGCONT)    # a stopped rank would keep SIGTERM pending forever
+    except ProcessLookupError:
+        pass
+
+
+def _die_with_parent(parent):
+    """The rank must not outlive the process the launcher kills (PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:            # the parent died before prctl took effect
+        os._exit(1)
 
 
 def abort(message, code=1):
@@ -243,9 +367,11 @@ def attach(solver):
         raise ParallelError("the Solver was built for another run context, got "
                             f"{solver.context!r}. Build it with Solver(..., context="
                             "caffepy.parallel.world) after mpi.init_world()")
+    from . import watchdog
     from .strategies import make_strategy
-    check_same_everywhere("the solver definition (SolverParameter)", digest(solver.param))
-    check_same_everywhere("the train net definition (NetParameter)", digest(solver.net.param))
+    with watchdog.waiting("the definition check at start-up"):
+        check_same_everywhere("the solver definition (SolverParameter)", digest(solver.param))
+        check_same_everywhere("the train net definition (NetParameter)", digest(solver.net.param))
     strategy = make_strategy(solver, world)
     solver.hooks.append(strategy)
     return strategy

@@ -37,7 +37,8 @@ def split_db(input_db, num_shards, output_prefix=None):
     outputs = []
     counts = [0] * num_shards
     try:
-        outputs = [Writer(path, commit_every=_BATCH) for path in paths]
+        for path in paths:      # one by one: an interruption between two still aborts the first
+            outputs.append(Writer(path, commit_every=_BATCH))
         for index, (key, value) in enumerate(source):
             shard = index % num_shards
             outputs[shard].put(key, value)

@@ -21,6 +21,7 @@ from .. import log
 from ..blob import Blob
 from ..layer import MODEL_PARALLEL
 from ..solvers.solver import ACTIONS, Hooks
+from . import watchdog
 from .allreduce import GradientReducer
 from .model_parallel import model_parallel_names
 
@@ -71,10 +72,13 @@ class DataParallel(Hooks):
         self.split = set()           # learnable-param indices split across ranks
         self._passes = 0
         self._last_layer = None
+        self._seen = np.zeros(len(ACTIONS), np.int64)    # signal requests received here
+        self._acted = np.zeros(len(ACTIONS), np.int64)   # requests acted on (agreed)
 
     # -- hooks ----------------------------------------------------------
     def on_start(self, solver):
-        self.broadcast_weights(solver)
+        with watchdog.waiting(f"the weight broadcast before iteration {solver.iter}"):
+            self.broadcast_weights(solver)
         self.setup_split(solver)
         net = solver.net
         if self.reducer is None:
@@ -104,25 +108,37 @@ class DataParallel(Hooks):
         if self._last_layer is None or layer_index > self._last_layer:
             self._passes += 1
         self._last_layer = layer_index
+        watchdog.at(f"backward of iteration {solver.iter}")
         if self._passes >= max(1, getattr(solver.param, "iter_size", 1)):
             self.reducer.layer_done(layer_index)
 
     def before_update(self, solver):
-        self.reducer.finish()
+        with watchdog.waiting(f"the gradient allreduce of iteration {solver.iter}"):
+            self.reducer.finish()
         self._passes = 0
         self._last_layer = None
+        watchdog.at(f"the update of iteration {solver.iter}")
 
     def agree_action(self, solver, request):
         # Signals (SIGINT / SIGHUP forwarded by the launcher) reach the ranks at different
-        # moments; every rank takes the strongest request of any rank
-        code = np.array([ACTIONS.index(request)], np.int32)
+        # moments, maybe in different iterations: the ranks compare how many requests of each
+        # kind they have received so far (MAX), and a request acts once, when the first rank
+        # reports it (taking the strongest request of any rank acted twice on one signal)
+        if request != "none":
+            self._seen[ACTIONS.index(request)] += 1
+        agreed = self._seen.copy()
         from mpi4py import MPI
-        self.comm.Allreduce(MPI.IN_PLACE, code, op=MPI.MAX)
-        return ACTIONS[int(code[0])]
+        with watchdog.waiting(f"the signal agreement of iteration {solver.iter}"):
+            self.comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
+        new = [k for k in range(1, len(ACTIONS)) if agreed[k] > self._acted[k]]
+        self._acted = np.maximum(self._acted, agreed)
+        watchdog.at(f"forward of iteration {solver.iter}")
+        return ACTIONS[max(new)] if new else "none"
 
     def reduce_loss(self, solver, loss):
         buf = np.array([loss], np.float64)
-        self.comm.Allreduce(_in_place(), buf)
+        with watchdog.waiting(f"the loss average of iteration {solver.iter}"):
+            self.comm.Allreduce(_in_place(), buf)
         return float(buf[0]) / self.world.size
 
     def sumsq(self, solver, param_index, array):
@@ -131,7 +147,8 @@ class DataParallel(Hooks):
         if param_index not in self.split:
             return local
         buf = np.array([local], np.float64)
-        self.comm.Allreduce(_in_place(), buf)
+        with watchdog.waiting(f"the gradient norm sum of iteration {solver.iter}"):
+            self.comm.Allreduce(_in_place(), buf)
         return float(buf[0])
 
     # -- pieces ---------------------------------------------------------

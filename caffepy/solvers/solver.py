@@ -15,6 +15,11 @@ context and its test nets in the one `test_context` says. Code that takes part
 in the loop without being the loop (the MPI strategies of caffepy.parallel,
 profilers) plugs in through `Hooks`, the one list of the points it may use;
 nothing outside the solver replaces its methods or reads its rule's attributes.
+
+The numbers it logs are Caffe's: losses, their running average and test scores are
+accumulated in float (Caffe's Dtype), so an accuracy averaged over 100 batches prints
+0.990001 where Caffe does; the display timer counts whole milliseconds, as Caffe's CPU
+Timer does.
 """
 import math
 import os
@@ -24,13 +29,20 @@ import numpy as np
 
 from .. import log, rng, upgrade
 from ..context import SINGLE
-from ..errors import SolverError
+from ..errors import CaffepyError, SolverError
 from ..log import fmt
 from ..proto import caffe_pb2
 from . import lr_policy, nets, snapshot, updates
 
 ACTIONS = ("none", "snapshot", "stop", "snapshot_stop")
 """Caffe's SolverAction: what a signal asks for (SignalHandler in actions.py), weakest first."""
+
+F32 = np.float32
+
+
+def _seconds_since(start):
+    """Caffe's CPU Timer::Seconds(): the whole milliseconds elapsed / 1000, as a float."""
+    return F32(int((time.perf_counter() - start) * 1000) / 1000.0)
 
 
 class Hooks:
@@ -130,6 +142,7 @@ class Solver:
         snapshot.default_prefix(param, self.source)
         if self.is_root:
             snapshot.check_writable(param, self.source)
+            snapshot.remove_stale(param)
         log.info(f"Initializing solver from parameters: {self.source}")
         if param.solver_mode == caffe_pb2.SolverParameter.GPU:
             log.info("solver_mode: GPU requested; caffepy runs on the CPU")
@@ -248,7 +261,7 @@ class Solver:
                 if self.requested_early_exit:
                     break
             display = p.display and self.iter % p.display == 0
-            loss = 0.0
+            loss = F32(0)
             error = None
             for _ in range(p.iter_size):
                 pass_loss = self.net.forward_from_to()
@@ -256,9 +269,9 @@ class Solver:
                     error = self._nonfinite_error(pass_loss)     # names the layer while its top is there
                 # backward and the loss reduction still run: other ranks wait for them
                 self.net.backward_from_to(on_layer_done=on_layer_done)
-                loss += pass_loss
-            loss /= p.iter_size
-            loss = self._reduce_loss(loss)
+                loss += F32(pass_loss)
+            loss /= F32(p.iter_size)
+            loss = self._reduce_loss(float(loss))
             if error is not None:
                 raise error
             if not math.isfinite(loss):
@@ -266,8 +279,8 @@ class Solver:
             self._update_smoothed_loss(loss, start_iter)
             if display:
                 self._check_weights_finite()
-                lapse = time.perf_counter() - timer
-                per_s = (self.iter - iterations_last) / (lapse or 1.0)
+                lapse = _seconds_since(timer)
+                per_s = F32(self.iter - iterations_last) / (lapse or F32(1))
                 log.info(f"Iteration {self.iter} ({fmt(per_s)} iter/s, {fmt(lapse)}s/{p.display} iters), "
                          f"loss = {fmt(self.smoothed_loss)}")
                 timer = time.perf_counter()
@@ -294,11 +307,12 @@ class Solver:
         if len(self.losses) < n:
             self.losses.append(loss)
             size = len(self.losses)
-            self.smoothed_loss = (self.smoothed_loss * (size - 1) + loss) / size
+            smoothed = (F32(self.smoothed_loss) * F32(size - 1) + F32(loss)) / F32(size)
         else:
             idx = (self.iter - start_iter) % n
-            self.smoothed_loss += (loss - self.losses[idx]) / n
+            smoothed = F32(self.smoothed_loss) + (F32(loss) - F32(self.losses[idx])) / F32(n)
             self.losses[idx] = loss
+        self.smoothed_loss = float(smoothed)
 
     def _display_outputs(self):
         net = self.net
@@ -306,7 +320,7 @@ class Solver:
         for name in net.outputs:
             weight = net.blob_loss_weights.get(name, 0.0)
             for value in net.blobs[name].data.reshape(-1):
-                extra = f" (* {fmt(weight)} = {fmt(weight * float(value))} loss)" if weight else ""
+                extra = f" (* {fmt(weight)} = {fmt(F32(weight) * value)} loss)" if weight else ""
                 log.info(f"    Train net output #{index}: {name} = {fmt(float(value))}{extra}")
                 index += 1
 
@@ -386,7 +400,7 @@ class Solver:
         net = self.test_nets[index]
         n = p.test_iter[index]
         scores = None
-        loss = 0.0
+        loss = F32(0)
         # a request is agreed on by every rank: here only when every rank tests, else it
         # waits for the agreement after the next update
         polled = self.test_context is self.context
@@ -402,24 +416,24 @@ class Solver:
                 break
             batch_loss = net.forward_from_to()
             if p.test_compute_loss:
-                loss += batch_loss
-            values = np.concatenate([net.blobs[name].data.reshape(-1).astype(np.float64)
-                                     for name in net.outputs]) if net.outputs else np.zeros(0)
+                loss += F32(batch_loss)
+            values = np.concatenate([net.blobs[name].data.reshape(-1) for name in net.outputs]
+                                    ).astype(np.float32) if net.outputs else np.zeros(0, np.float32)
             scores = values if scores is None else scores + values
         if self.requested_early_exit:
             log.info("Test interrupted.")
             return
         if p.test_compute_loss and n:
-            log.info(f"Test loss: {fmt(loss / n)}")
+            log.info(f"Test loss: {fmt(loss / F32(n))}")
         results = []
         index_out = 0
         for name in net.outputs:
             weight = net.blob_loss_weights.get(name, 0.0)
             for _ in range(net.blobs[name].count):
-                mean = float(scores[index_out]) / n if n else 0.0
-                extra = f" (* {fmt(weight)} = {fmt(weight * mean)} loss)" if weight else ""
+                mean = scores[index_out] / F32(n) if n else F32(0)
+                extra = f" (* {fmt(weight)} = {fmt(F32(weight) * mean)} loss)" if weight else ""
                 log.info(f"    Test net output #{index_out}: {name} = {fmt(mean)}{extra}")
-                results.append((name, mean))
+                results.append((name, float(mean)))
                 index_out += 1
         while len(self.test_scores) <= index:
             self.test_scores.append([])
@@ -437,20 +451,63 @@ class Solver:
         for i, blob in enumerate(self.net.learnable_params):
             arrays[blob] = (self._gather(i, blob.data), self._gather(i, blob.diff) if write_diff else None)
             states.append([self._gather(i, h) for h in self.rule.state(i)])
+        ranks = self.context.gather(self._run_state())
         if self.is_root:
             self.last_snapshot = snapshot.write(self.param, self.iter, self.net, states, self.current_step,
-                                                self.plateau, arrays)
+                                                self.plateau, arrays, run_state={"ranks": ranks})
         self._snapshot_iter = self.iter
         return self.last_snapshot
 
+    def _run_state(self):
+        """This rank's part of a snapshot's run state: its random generator and where the
+        train net's data layers stand (the test nets start over on resume, as in Caffe)."""
+        layers = {}
+        for layer in self.net.layers:
+            state = layer.read_state()
+            if state is not None:
+                layers[layer.name] = state
+        return {"rng": rng.get_state(), "layers": layers}
+
     def restore(self, state_file):
         """Resume from a .solverstate: weights from the caffemodel it names, history, iter,
-        current_step and (when saved by caffepy) the random generator state."""
+        current_step and (when saved by caffepy) the random generator state of this rank and
+        the read positions of the train net's data layers."""
+        state_file = os.fspath(state_file)
         state = snapshot.restore(state_file, self.net, self.rule)
+        self._restore_run(snapshot.saved_run_state(state, state_file), state_file)
         self.iter = state.iter
         self.current_step = state.current_step
         self.plateau.minimum_loss = state.minimum_loss
         self.plateau.iter_last_event = state.iter_last_event
+
+    def _restore_run(self, run, state_file):
+        readers = [layer for layer in self.net.layers if layer.read_state() is not None]
+        if run is None:
+            if readers:
+                log.info(f"{state_file} has no data read positions (written by Caffe or an older caffepy): "
+                         f"data layers {', '.join(r.name for r in readers)} start from their first record, "
+                         f"as in Caffe")
+            return
+        ranks = run["ranks"]
+        same = len(ranks) == self.context.size
+        index = self.context.rank if same else 0
+        mine = ranks[index]
+        if same:
+            rng.set_state(mine["rng"])
+        else:           # each rank keeps rank 0's generator (RNG_STATE_FIELD), as before
+            log.info(f"{state_file} was written by {len(ranks)} ranks, this run has {self.context.size}: "
+                     f"the random draws will not be those of an uninterrupted run")
+        for layer in readers:
+            saved = mine["layers"].get(layer.name)
+            if saved is None:
+                log.info(f"{state_file}: no read position for data layer '{layer.name}': it starts from "
+                         f"its first record")
+                continue
+            try:
+                layer.set_read_state(saved, len(ranks))
+            except CaffepyError as e:
+                raise SolverError(f"{state_file}: run state: ranks[{index}]: layer "
+                                  f"'{layer.name}': {e}") from None
 
 
 # -- pycaffe's solver classes ------------------------------------------------

@@ -219,6 +219,13 @@ class Adam(UpdateRule):
     enum = caffe_pb2.SolverParameter.ADAM
     histories = 2
 
+    @classmethod
+    def check(cls, param, source):
+        # beta1 = 1 divides the bias correction by 1 - 1^t = 0
+        for field in ("momentum", "momentum2"):
+            if getattr(param, field) >= 1:
+                raise SolverError(f"{source}: {field}: Adam needs it below 1, got {getattr(param, field):g}")
+
     def correction(self, it):
         """Caffe's bias correction sqrt(1 - beta2^t) / (1 - beta1^t), t = iter + 1."""
         t = it + 1
@@ -253,8 +260,21 @@ def rule_class(param, source="<solver>"):
     if cls is None:
         raise SolverError(f"{source}: type: unknown solver type, got '{name}'. "
                           f"Known types: {', '.join(RULES)}")
+    check_values(param, source)
     cls.check(param, source)
     return cls
+
+
+def check_values(param, source="<solver>"):
+    """Refuse, before anything runs, the values whose first update would make the weights
+    non-finite or move them the wrong way: negative or non-finite momentum, momentum2,
+    delta, weight_decay, local_gw_ratio; a NaN clip_gradients (negative: no clipping)."""
+    for field in ("momentum", "momentum2", "delta", "weight_decay", "local_gw_ratio"):
+        value = getattr(param, field)
+        if not (math.isfinite(value) and value >= 0):
+            raise SolverError(f"{source}: {field}: must be a finite number >= 0, got {value:g}")
+    if math.isnan(param.clip_gradients):
+        raise SolverError(f"{source}: clip_gradients: must be a number (negative for no clipping), got nan")
 
 
 def make_rule(param, shapes, source="<solver>"):

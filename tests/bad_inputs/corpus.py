@@ -4,7 +4,9 @@ A case is a function of a `Context` (the fixtures, its own input directory `c.in
 and its own output directory `c.out`, the command's working directory) that writes
 whatever broken input it needs and returns (argv, names): the caffepy arguments and
 the strings its one error line must contain (a file, a layer, a field, a key).
-`@case(category, code=...)` registers it; `code` is the exit code it must end with.
+`@case(category, code=..., send=...)` registers it; `code` is the exit code it must
+end with; `send` ({"signal", "stderr" or "path"}) a signal the runner sends once the
+command's stderr holds the text or a file matching the glob exists in `c.out`.
 """
 import os
 import shutil
@@ -25,17 +27,17 @@ CASES = []
 
 
 class Case:
-    def __init__(self, fn, category, code):
-        self.fn, self.category, self.code = fn, category, code
+    def __init__(self, fn, category, code, send=None):
+        self.fn, self.category, self.code, self.send = fn, category, code, send
         self.name = fn.__name__
 
     def __repr__(self):
         return self.name
 
 
-def case(category, code=1):
+def case(category, code=1, send=None):
     def register(fn):
-        CASES.append(Case(fn, category, code))
+        CASES.append(Case(fn, category, code, send))
         return fn
     return register
 
@@ -148,6 +150,11 @@ class Fixtures:
             f.write("\n".join(lines) + "\n")
         with open(self.log, "w") as f:
             f.write("I1122 13:39:22.381027 12345 solver.py:204] Iteration 0, loss = 2.3\n")
+        # long enough to be interrupted half way: 60000 tiny records, 30000 list lines
+        self.big_db = make_db(j("big_db"), 60000, shape=(1, 2, 2))
+        self.long_list = j("long_list.txt")
+        with open(self.long_list, "w") as f:
+            f.write("".join(f"im{i % 4}.png {i % 2}\n" for i in range(30000)))
 
 
 def time_args(model, *more):
@@ -742,6 +749,244 @@ def state_history_values(c):
 def state_hdf5(c):
     s = c.write("s.solverstate.h5", b"\x89HDF\r\n\x1a\n")
     return resume_args(c, s), [s, "HDF5"]
+
+
+def _with_extension(c, field, payload, state=None):
+    """The fixture's solverstate (or `state`) with extension `field` holding `payload`."""
+    from caffepy.solvers import snapshot
+    state = state or prototxt.read_binary(caffe_pb2.SolverState(), c.fx.state)
+    state.MergeFromString(snapshot._extension_bytes(field, payload))
+    return c.write("s.solverstate", state.SerializeToString())
+
+
+def _run_state(**layer):
+    """A run state for one rank whose data layer's position is the good one, changed by `layer`."""
+    import json
+    from caffepy import rng
+    data = {"records": 24, "ranks": 1, "seed": 5, "skip": 0, "reads": 8, "transform": rng.get_state()}
+    data.update(layer)
+    return json.dumps({"ranks": [{"rng": rng.get_state(), "layers": {"data": data}}]}).encode()
+
+
+@case("solverstate")
+def state_negative_iter(c):
+    state = prototxt.read_binary(caffe_pb2.SolverState(), c.fx.state)
+    state.iter = -5
+    s = c.write("s.solverstate", state.SerializeToString())
+    return resume_args(c, s), [s, "iter", "-5"]
+
+
+@case("solverstate")
+def state_negative_current_step(c):
+    state = prototxt.read_binary(caffe_pb2.SolverState(), c.fx.state)
+    state.current_step = -1
+    s = c.write("s.solverstate", state.SerializeToString())
+    return resume_args(c, s), [s, "current_step", "-1"]
+
+
+@case("solverstate")
+def state_deeply_nested_rng(c):
+    s = _with_extension(c, 1001, b"[" * 20_000 + b"]" * 20_000)      # json.loads: RecursionError
+    return resume_args(c, s), [s, "random generator state", "nested deeper", "20000 levels"]
+
+
+@case("solverstate")
+def state_huge_rng(c):
+    s = _with_extension(c, 1001, b'"' + b"x" * 100_000 + b'"')
+    return resume_args(c, s), [s, "random generator state", "100002 bytes"]
+
+
+@case("solverstate")
+def state_rng_not_json(c):
+    s = _with_extension(c, 1001, b"\xff{not json")
+    return resume_args(c, s), [s, "random generator state", "not JSON"]
+
+
+@case("solverstate")
+def state_rng_of_another_generator(c):
+    import json
+    s = _with_extension(c, 1001, json.dumps({"bit_generator": "MT19937", "state": {"key": [1, 2], "pos": 3}})
+                        .encode())
+    return resume_args(c, s), [s, "random generator state", "MT19937"]
+
+
+@case("solverstate")
+def state_rng_negative_number(c):
+    import json
+    from caffepy import rng
+    state = rng.get_state()
+    state["state"]["inc"] = -7
+    s = _with_extension(c, 1001, json.dumps(state).encode())
+    return resume_args(c, s), [s, "random generator state", "inc", "-7"]
+
+
+@case("solverstate")
+def state_run_state_deeply_nested(c):
+    s = _with_extension(c, 1002, b'{"ranks": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    return resume_args(c, s), [s, "run state", "nested deeper"]
+
+
+@case("solverstate")
+def state_run_state_not_per_rank(c):
+    s = _with_extension(c, 1002, b'{"ranks": 3}')
+    return resume_args(c, s), [s, "run state", '"ranks": 3']
+
+
+@case("solverstate")
+def state_run_state_negative_reads(c):
+    s = _with_extension(c, 1002, _run_state(reads=-40))
+    return resume_args(c, s), [s, "run state: ranks[0]: layer 'data'", "reads", "-40"]
+
+
+@case("solverstate")
+def state_run_state_bad_transform(c):
+    s = _with_extension(c, 1002, _run_state(transform={"bit_generator": "PCG64"}))
+    return resume_args(c, s), [s, "layer 'data'", "transform", "not a generator state"]
+
+
+# =====================================================================================
+# solver_values: settings Caffe CHECKs (or that would wreck the first update)
+
+def _solver_with(c, extra, base=None):
+    text = base if base is not None else solver(c.fx.train_val)
+    s = c.write("solver.prototxt", text + extra + "\n")
+    return ["train", "--solver", s], s
+
+
+@case("solver_values")
+def negative_base_lr(c):
+    args, s = _solver_with(c, "", solver(c.fx.train_val).replace("base_lr: 0.01", "base_lr: -0.01"))
+    return args, [s, "base_lr", "-0.01"]
+
+
+@case("solver_values")
+def nan_base_lr(c):
+    args, s = _solver_with(c, "", solver(c.fx.train_val).replace("base_lr: 0.01", "base_lr: nan"))
+    return args, [s, "base_lr", "nan"]
+
+
+@case("solver_values")
+def infinite_momentum(c):
+    args, s = _solver_with(c, "", solver(c.fx.train_val).replace("momentum: 0.9", "momentum: inf"))
+    return args, [s, "momentum", "inf"]
+
+
+@case("solver_values")
+def negative_momentum(c):
+    args, s = _solver_with(c, "", solver(c.fx.train_val).replace("momentum: 0.9", "momentum: -0.9"))
+    return args, [s, "momentum", "-0.9"]
+
+
+@case("solver_values")
+def negative_weight_decay(c):
+    args, s = _solver_with(c, "weight_decay: -0.0005")
+    return args, [s, "weight_decay", "-0.0005"]
+
+
+@case("solver_values")
+def negative_delta(c):
+    args, s = _solver_with(c, 'type: "AdaDelta" delta: -1e-6',
+                           solver(c.fx.train_val).replace("momentum: 0.9", "momentum: 0.95"))
+    return args, [s, "delta", "-1e-06"]
+
+
+@case("solver_values")
+def nan_momentum2(c):
+    args, s = _solver_with(c, 'type: "Adam" momentum2: nan')
+    return args, [s, "momentum2", "nan"]
+
+
+@case("solver_values")
+def adam_beta1_of_one(c):
+    args, s = _solver_with(c, 'type: "Adam"', solver(c.fx.train_val).replace("momentum: 0.9", "momentum: 1"))
+    return args, [s, "momentum", "Adam", "got 1"]
+
+
+@case("solver_values")
+def negative_gamma(c):
+    args, s = _solver_with(c, "gamma: -0.1 stepsize: 10", solver(c.fx.train_val).replace('"fixed"', '"step"'))
+    return args, [s, "gamma", "-0.1"]
+
+
+@case("solver_values")
+def sigmoid_without_stepsize(c):
+    args, s = _solver_with(c, "gamma: 0.1", solver(c.fx.train_val).replace('"fixed"', '"sigmoid"'))
+    return args, [s, "stepsize", "sigmoid"]
+
+
+@case("solver_values")
+def inv_with_nan_power(c):
+    args, s = _solver_with(c, "gamma: 0.1 power: nan", solver(c.fx.train_val).replace('"fixed"', '"inv"'))
+    return args, [s, "power", "nan"]
+
+
+@case("solver_values")
+def nan_clip_gradients(c):
+    args, s = _solver_with(c, "clip_gradients: nan")
+    return args, [s, "clip_gradients", "nan"]
+
+
+@case("solver_values")
+def rms_decay_of_one(c):
+    args, s = _solver_with(c, 'type: "RMSProp" rms_decay: 1', solver(c.fx.train_val).replace("momentum: 0.9", ""))
+    return args, [s, "rms_decay", "got 1"]
+
+
+@case("solver_values")
+def average_loss_zero(c):
+    args, s = _solver_with(c, "average_loss: 0")
+    return args, [s, "average_loss", "0"]
+
+
+@case("solver_values")
+def iter_size_zero(c):
+    args, s = _solver_with(c, "iter_size: 0")
+    return args, [s, "iter_size", "0"]
+
+
+@case("solver_values")
+def deploy_net_given_to_train(c):
+    args, s = _solver_with(c, "", solver(c.fx.deploy))
+    return args, [c.fx.deploy, "no loss layer", "deploy net"]
+
+
+# =====================================================================================
+# signals: Ctrl-C (SIGINT) half way through a command; the flags that say what a signal does
+
+@case("signals", code=130, send={"signal": "SIGINT", "stderr": "Processed 1000 files."})
+def sigint_convert_imageset(c):
+    return ["convert_imageset", c.fx.images, c.fx.long_list, "out_lmdb"], ["convert_imageset", "SIGINT"]
+
+
+@case("signals", code=130, send={"signal": "SIGINT", "path": ".shard_1.*.tmp"})
+def sigint_split_db(c):
+    return ["split_db", c.fx.big_db, "2", "shard"], ["split_db", "SIGINT"]
+
+
+@case("signals", code=130, send={"signal": "SIGINT", "stderr": "Processed 10000 files."})
+def sigint_compute_image_mean(c):
+    return ["compute_image_mean", c.fx.big_db, "mean.binaryproto"], ["compute_image_mean", "SIGINT"]
+
+
+@case("signals", code=130, send={"signal": "SIGINT", "stderr": "Batch 0,"})
+def sigint_test(c):
+    return ["test", "--model", c.fx.deploy, "--weights", c.fx.weights, "--iterations", "100000000"], [
+        "test", "SIGINT"]
+
+
+@case("signals", code=130, send={"signal": "SIGINT", "stderr": "Iteration: 1 forward-backward"})
+def sigint_time(c):
+    return time_args(c.fx.deploy)[:-1] + ["100000000"], ["time", "SIGINT"]
+
+
+@case("signals", code=2)
+def unknown_sigint_effect(c):
+    return ["train", "--solver", c.fx.solver, "--sigint_effect", "explode"], ["--sigint_effect", "explode"]
+
+
+@case("signals", code=2)
+def unknown_sighup_effect(c):
+    return ["train", "--solver", c.fx.solver, "--sighup_effect", "Snapshot"], ["--sighup_effect", "Snapshot"]
 
 
 # =====================================================================================

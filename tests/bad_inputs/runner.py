@@ -8,8 +8,11 @@ NumPy and OpenCV costs more than most cases), with stdout and stderr on their
 own files; an exception that escapes the command prints its traceback and exits
 1, as the interpreter would. A child killed by a signal (the SIGBUS of a
 truncated LMDB) is reported as such; WORKERS (2) children run at a time.
+A case with a "send" ({"signal", "stderr" or "path"}) gets that signal once its
+stderr holds the text, or once a file matching the glob exists in its directory.
 Results: {"name", "code", "signal", "stdout", "stderr", "seconds"} per case.
 """
+import glob
 import json
 import os
 import signal
@@ -67,6 +70,17 @@ def _start(case, scratch):
     return {"case": case, "pid": pid, "start": time.perf_counter(), "out": out_path, "err": err_path}
 
 
+def due(send, cwd, err_path):
+    """Whether a case's signal is due: its text on stderr, or its glob in the directory."""
+    if "path" in send:
+        return bool(glob.glob(os.path.join(cwd, send["path"])))
+    try:
+        with open(err_path, errors="replace") as f:
+            return send["stderr"] in f.read()
+    except OSError:
+        return False
+
+
 def _finish(job, status):
     result = {"name": job["case"]["name"], "seconds": time.perf_counter() - job["start"],
               "code": None, "signal": None}
@@ -93,6 +107,10 @@ def run(cases, scratch, workers):
             results[job["case"]["name"]] = _finish(job, status)
             continue
         for job in list(running.values()):
+            send = job["case"].get("send")
+            if send and not job.get("sent") and due(send, job["case"]["cwd"], job["err"]):
+                os.kill(job["pid"], signal.Signals[send["signal"]])
+                job["sent"] = True
             if time.perf_counter() - job["start"] > TIMEOUT:
                 os.kill(job["pid"], signal.SIGKILL)
         time.sleep(0.005)

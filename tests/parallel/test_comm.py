@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO
 BIN = os.path.dirname(sys.executable)
 MPIEXEC = os.path.join(BIN, "mpiexec")
 
@@ -277,6 +277,52 @@ def test_sigterm_names_the_cause(tmp_path):
     assert proc.returncode != 0
     assert "[rank 0] stopped by the MPI launcher (SIGTERM): another rank failed or the job " \
            "was cancelled" in err, err
+
+
+@pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "PMI_SIZE"])
+def test_foreign_launcher_is_refused(tmp_path, var):
+    """A launcher says 4 processes, MPI (another MPI's launcher: no PMI for ours) says 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_"))}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env[var] = "4"
+    out = subprocess.run([sys.executable, "-m", "caffepy.cli", "train", "--solver", "none.prototxt"],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"caffepy: error: {var}=4: the launcher started 4 processes but MPI sees this "
+                           f"one alone: mpi4py uses MPICH"), line
+    assert "Launch with the mpiexec of the MPI mpi4py was built for" in line
+    assert "rebuild mpi4py against the cluster's MPI" in line
+    assert "Traceback" not in out.stderr
+
+
+def test_thread_level_below_multiple(tmp_path):
+    """MPI grants less than MPI_THREAD_MULTIPLE: no communication thread by default (blocking),
+    an explicit request for it refused, no stall watchdog; each said in one line."""
+    out = mpirun(2, """
+        import sys
+        import mpi4py
+        mpi4py.rc.thread_level = "funneled"
+        from mpi4py import MPI                    # started before caffepy asks for more
+        from caffepy.errors import ParallelError
+        from caffepy.parallel import allreduce, mpi, watchdog, world
+        mpi.init_world(stall_timeout=30)
+        assert watchdog._current is None
+        assert allreduce.GradientReducer(world.comm, []).progress == "blocking"
+        try:
+            allreduce.GradientReducer(world.comm, [], progress="thread")
+        except ParallelError as e:
+            sys.stdout.write(f"refused: {e}\\n")      # one write: the ranks' lines do not interleave
+            sys.stdout.flush()
+        mpi.finish()
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("refused: CAFFEPY_MPI_PROGRESS: 'thread' needs MPI_THREAD_MULTIPLE, MPI "
+                            "granted level 1. Use blocking, test or wait") == 2, out.stdout
+    assert "MPI granted thread level MPI_THREAD_FUNNELED, not MPI_THREAD_MULTIPLE: gradients are " \
+           "reduced without a thread (blocking)" in out.stderr
+    assert "--stall_timeout: MPI granted thread level 1, not MPI_THREAD_MULTIPLE; stalled ranks are " \
+           "not detected" in out.stderr
 
 
 def test_unknown_algorithm_or_progress_is_refused(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 
 from data_helpers import make_db
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 pytestmark = [pytest.mark.mpi,

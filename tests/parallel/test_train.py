@@ -215,8 +215,8 @@ def test_sigint_snapshots_on_rank_0_and_stops_every_rank(tmp_path, db):
 def test_killed_rank_ends_training(tmp_path, db):
     job, proc, lines = _start_long_run(tmp_path, db, "kill")
     try:
-        pids = re.search(r"MPI ranks: 0=pid (\d+)@\S+, 1=pid (\d+)@", "".join(lines))
-        os.kill(int(pids.group(2)), signal.SIGKILL)
+        pids = re.search(r"MPI ranks: 0=pid (\d+)@(\S+), 1=pid (\d+)@", "".join(lines))
+        os.kill(int(pids.group(3)), signal.SIGKILL)
         start = time.monotonic()
         out, err = proc.communicate(timeout=30)
         assert time.monotonic() - start < 30
@@ -224,7 +224,64 @@ def test_killed_rank_ends_training(tmp_path, db):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
-    assert f"PID {pids.group(2)} RUNNING" in out + err
+    # the rank's parent (the process the launcher watches) names it; then the launcher's banner
+    assert (f"[rank 1] caffepy rank 1 (pid {pids.group(3)}@{pids.group(2)}) was killed by SIGKILL (by "
+            f"hand, by the out-of-memory killer or by the batch system)") in err, err[-3000:]
+    assert "BAD TERMINATION" in out + err
+
+
+def test_stopped_rank_ends_training(tmp_path, db):
+    """SIGSTOP one rank: --stall_timeout ends the job, naming it and where rank 0 waited."""
+    job, proc, lines = _start_long_run(tmp_path, db, "stall", ["--stall_timeout", "5"])
+    try:
+        pids = re.search(r"MPI ranks: 0=pid (\d+)@\S+, 1=pid (\d+)@", "".join(lines))
+        os.kill(int(pids.group(2)), signal.SIGSTOP)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=35)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert re.search(rf"\[rank 0\] stall: rank 1 \(pid {pids.group(2)}@\S+: nothing heard from it for \d+ s: "
+                     rf"stopped, hung or unreachable; last at .*\) did not arrive within --stall_timeout 5 s; "
+                     rf"rank 0 waited in the [a-z ]+ of iteration \d+; aborting all 2 ranks", err), err[-3000:]
+    assert 3 <= took < 35        # from its last sign of life, up to a heartbeat before the signal
+
+
+def test_one_signal_acts_once_on_every_rank(tmp_path, db):
+    """SIGUSR1 to the launcher (SIGHUP's effect under MPI; MPICH's mpiexec dies of SIGHUP):
+    one snapshot, and training goes on."""
+    job, proc, lines = _start_long_run(tmp_path, db, "usr1")
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+        snap = int(_read_until(proc.stderr, r"Snapshotting to binary proto file \S+_iter_(\d+)\.caffemodel"))
+        _read_until(proc.stderr, rf"Iteration {snap + 3} \(")     # training went on
+        assert proc.poll() is None
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    snaps = sorted(int(re.search(r"_iter_(\d+)", p.name).group(1)) for p in job.glob("snap_iter_*.caffemodel"))
+    # the signal's snapshot, then snapshot_after_train's
+    assert len(snaps) == 2 and snaps[0] == snap and snaps[0] + 3 <= snaps[1], snaps
+
+
+def _read_until(stream, pattern, timeout=60):
+    """Read lines until one matches `pattern`; its first group (or the line)."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            break
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m.group(1) if m.groups() else line
+    raise AssertionError(f"no line matching {pattern!r}: " + "".join(seen[-20:]))
 
 
 def test_attach_refuses_a_solver_built_without_the_world(tmp_path, db):

@@ -116,3 +116,30 @@ def test_intel_multifixed_holds_each_stage_rate_up_to_its_iteration():
     with pytest.raises(SolverError, match=r"stagelr: the multifixed policy needs one stagelr per stageiter, "
                                           r"got 3 stagelr and 2 stageiter"):
         lr_policy.check(solver(lr_policy="multifixed", stagelr=[1, 2, 3], stageiter=[1, 2]))
+
+
+# Rates the real caffe binary (BVLC, CPU) used, read back bit for bit from the weights one
+# SGD step moved (tests/test_caffe_binary.py repeats this live when CAFFE_BIN is set).
+CAFFE_RATES = [
+    ('lr_policy: "step" gamma: 0.1 stepsize: 1', 7, 1.0000001e-09),
+    ('lr_policy: "exp" gamma: 0.9999', 15, 0.009985007),
+    ('lr_policy: "inv" gamma: 0.0001 power: 0.75', 43, 0.00996787),
+    ('lr_policy: "poly" power: 0.5 max_iter: 100', 99, 0.0009999995),
+    ('lr_policy: "sigmoid" gamma: 0.001 stepsize: 2000', 1, 0.0011930793),
+]
+
+
+@pytest.mark.parametrize("text, it, caffe", CAFFE_RATES, ids=[c[0].split('"')[1] for c in CAFFE_RATES])
+def test_rates_are_caffes_float_arithmetic(text, it, caffe):
+    import numpy as np
+    from google.protobuf import text_format
+    p = text_format.Parse(text, caffe_pb2.SolverParameter(base_lr=0.01))
+    rate = lr_policy.learning_rate(p, it, 0)[0]
+    assert np.float32(rate) == np.float32(caffe) and rate == float(np.float32(rate))
+
+
+def test_double_arithmetic_would_differ():
+    # the cases above are chosen where double arithmetic rounds to another float
+    import numpy as np
+    assert np.float32(0.01 * 0.1 ** 7) != np.float32(1.0000001e-09)
+    assert np.float32(0.01 / (1 + math.exp(-0.001 * (1 - 2000)))) != np.float32(0.0011930793)

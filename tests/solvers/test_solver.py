@@ -376,11 +376,6 @@ def test_random_seed_makes_runs_identical():
     rng.seed(-1)
 
 
-def test_hdf5_snapshots_are_refused():
-    with pytest.raises(SolverError, match="snapshot_format: HDF5 snapshots are not supported"):
-        make_solver(BASE + "snapshot_format: HDF5")
-
-
 def test_solver_without_a_net_is_an_error():
     p = caffe_pb2.SolverParameter(base_lr=0.1, lr_policy="fixed")
     with pytest.raises(PrototxtError, match="specifies no net"):
@@ -628,3 +623,23 @@ def test_intel_test_offset_shifts_the_test_iterations(offset, tested):
     s.test_all = lambda: seen.append(s.iter)
     s.step(7)
     assert seen == tested
+
+
+def test_solver_start_removes_its_prefix_s_stale_snapshot_temporaries(tmp_path, monkeypatch):
+    """A kill -9 mid-snapshot leaves `.run_iter_N.<ext>.<pid>@<host>.*.tmp`: the next run with
+    this prefix removes those of dead writers, and nothing else."""
+    import socket
+    import subprocess
+    monkeypatch.chdir(tmp_path)
+    write_files(tmp_path, max_iter=0)
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    host, dead = socket.gethostname(), proc.pid
+    stale = [f".run_iter_5.caffemodel.{dead}@{host}.abcdefgh.tmp", f".run_iter_10.solverstate.{dead}@{host}.a_b_c_d_.tmp"]
+    kept = [f".run_iter_5.caffemodel.{os.getpid()}@{host}.abcdefgh.tmp", f".other_iter_5.caffemodel.{dead}@{host}.abcdefgh.tmp",
+            f".run_iter_5.caffemodel.{dead}@elsewhere.abcdefgh.tmp", f".run_iter_x.caffemodel.{dead}@{host}.abcdefgh.tmp",
+            "run_iter_3.caffemodel"]
+    for name in stale + kept:
+        (tmp_path / "out" / name).write_bytes(bytes(1000))
+    get_solver("solver.prototxt")
+    assert sorted(os.listdir("out")) == sorted(kept)

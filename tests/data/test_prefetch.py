@@ -10,6 +10,7 @@ import pytest
 
 from caffepy.data.prefetch import Prefetcher
 from caffepy.errors import DataError
+from paths import REPO, TESTS
 
 
 class SlowFiller:
@@ -74,7 +75,7 @@ def test_process_with_running_prefetchers_exits_promptly(tmp_path):
         from caffepy import log
         from caffepy.net import Net
         from caffepy.proto import caffe_pb2
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {TESTS!r})
         from data_helpers import make_db, data_net_text
         log.set_quiet(True)
         db = make_db({str(tmp_path / 'db')!r}, 50, shape=(3, 64, 64))
@@ -86,7 +87,7 @@ def test_process_with_running_prefetchers_exits_promptly(tmp_path):
     """)
     start = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
+                         cwd=REPO)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
     assert time.perf_counter() - start < 30

@@ -9,7 +9,7 @@ import sys
 import cv2
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO
 DIGITS = os.path.join(REPO, "examples", "digits")
 
 

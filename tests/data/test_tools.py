@@ -182,3 +182,47 @@ def test_split_db_failure_leaves_no_shard(tmp_path):
     with pytest.raises(DataError, match=r"data.mdb: damaged LMDB: truncated"):
         split_db(db, 3, str(tmp_path / "part"))
     assert sorted(os.listdir(tmp_path)) == ["db"]
+
+
+def test_a_killed_convert_leaves_a_temporary_that_the_rerun_removes(images, tmp_path):
+    """kill -9 mid-write leaves the hidden `.db.<pid>@<host>.*.tmp` LMDB; running the tool
+    again for the same output removes it (and leaves another output's alone)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    tmp, _ = images
+    (tmp / "long.txt").write_text("".join(f"sub/a{i % 5}.png {i % 3}\n" for i in range(200000)))
+    (tmp / ".other.99999999@elsewhere.abcdefgh.tmp").mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "caffepy.cli", "convert_imageset", str(tmp / "img") + "/",
+                             str(tmp / "long.txt"), "db"], cwd=tmp, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not [p for p in os.listdir(tmp) if p.startswith(".db.")] and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = [p for p in os.listdir(tmp) if p.startswith(".db.")]
+    assert len(left) == 1 and left[0].startswith(f".db.{proc.pid}@") and not (tmp / "db").exists()
+    (tmp / "short.txt").write_text("sub/a0.png 0\n")
+    assert tools.convert_imageset(str(tmp / "img") + "/", str(tmp / "short.txt"), str(tmp / "db")) == 1
+    assert sorted(p for p in os.listdir(tmp) if p.startswith(".")) == [".other.99999999@elsewhere.abcdefgh.tmp"]
+
+
+def test_raw_records_are_byte_for_byte_caffes(tmp_path):
+    # BVLC convert_imageset's record for this 1x2 BGR PNG, label 1 (read from its LMDB):
+    # channels, height, width, data (C x H x W), label, and encoded: false (field 7 = 0)
+    (tmp_path / "img").mkdir()
+    cv2.imwrite(str(tmp_path / "img" / "a.png"), np.array([[[1, 2, 3], [4, 5, 6]]], np.uint8))
+    (tmp_path / "list.txt").write_text("a.png 1\n")
+    tools.convert_imageset(str(tmp_path / "img") + "/", str(tmp_path / "list.txt"), str(tmp_path / "db"))
+    env = lmdb.open(str(tmp_path / "db"), readonly=True, lock=False)
+    with env.begin() as txn:
+        assert txn.get(b"00000000_a.png") == bytes.fromhex("08031001180222060104020503062801" "3800")
+    env.close()
+    assert oct(os.stat(tmp_path / "db").st_mode & 0o777) == oct(0o744 & ~_umask())
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
