@@ -230,6 +230,13 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
     log.info(f"Average Backward pass: {fmt(backward_total * 1e3 / iterations)} ms.")
     log.info(f"Average Forward-Backward: {fmt(total * 1e3 / iterations)} ms.")
     log.info(f"Total Time: {fmt(total * 1e3)} ms.")
+    # how each layer with a choice of algorithms computes (caffepy/autotune.py): beyond Caffe
+    algorithms = [(layer.name, layer.algorithm, getattr(layer, "tuning", "rule"))
+                  for layer in layers if getattr(layer, "algorithm", None)]
+    if algorithms:
+        log.info("Algorithm per layer:")
+        for name, algorithm, tuning in algorithms:
+            log.info(f"{name:>10}\t{algorithm} ({tuning})")
     for layer, before in waits:
         waited = float(getattr(layer, "wait_seconds", 0.0)) - before
         share = waited / forward_total if forward_total > 0 else 0.0
@@ -240,7 +247,8 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
             "backward_ms": backward_total * 1e3 / iterations,
             "total_ms": total * 1e3,
             "layers": [(layer.name, forward_s[i] * 1e3 / iterations, backward_s[i] * 1e3 / iterations)
-                       for i, layer in enumerate(layers)]}
+                       for i, layer in enumerate(layers)],
+            "algorithms": [(name, algorithm) for name, algorithm, _ in algorithms]}
 
 
 __all__ = ["train", "test", "time", "SignalHandler"]

@@ -3,6 +3,13 @@
 Reshaping to a smaller or equal count reuses the buffers (as Caffe does), so a
 net that changes batch size does not reallocate. `diff` is allocated on first
 use: nets that only run forward never pay for it.
+
+Layouts (`blob.layout`): None is Caffe's (N, C, H, W). `Blocked` is the SIMD-blocked layout
+between IntelPack and IntelUnpack, whose `data` is the 5-axis array as stored. `CHANNELS_LAST`
+is the fast path's (N, H, W, C) memory order (caffepy/layout_plan.py puts it where it pays):
+its `data`, `diff` and `shape` stay Caffe's (N, C, H, W), as views of that memory, so pycaffe
+code, the gradient checker and the NumPy layers read and write it unchanged; the kernels take
+`raw_data` / `raw_diff`, the arrays in memory order (the same arrays for the other layouts).
 """
 import sys
 import typing
@@ -25,14 +32,41 @@ class Blocked(typing.NamedTuple):
     channels: int
 
 
+class ChannelsLast:
+    """The channels-last layout: a 4-axis blob of Caffe shape (N, C, H, W) stored as (N, H, W, C)."""
+    def __eq__(self, other):
+        return isinstance(other, ChannelsLast)
+
+    def __hash__(self):
+        return hash(ChannelsLast)
+
+    def __repr__(self):
+        return "NHWC"
+
+
+CHANNELS_LAST = ChannelsLast()
+
+
 class Blob:
     def __init__(self, shape=(), name=""):
         self.name = name
         self._data_buf = np.zeros(0, np.float32)
         self._diff_buf = None
         self._shape = None
-        self.layout = None        # None: plain (NCHW); Blocked(width, channels) between Pack/Unpack
+        self._layout = None       # None: plain (NCHW); Blocked; CHANNELS_LAST (see the docstring)
         self.reshape(shape)
+
+    @property
+    def layout(self):
+        return self._layout
+
+    @layout.setter
+    def layout(self, layout):
+        if layout == CHANNELS_LAST and len(self._shape) != 4:
+            raise ShapeError(f"blob '{self.name}': the channels-last layout needs 4 axes, got "
+                             f"{memory.dims_text(self._shape)}")
+        self._layout = layout
+        self._views()
 
     # -- shape -----------------------------------------------------------
     def reshape(self, *shape):
@@ -57,9 +91,27 @@ class Blob:
             self._data_buf = np.zeros(count, np.float32)
             if self._diff_buf is not None:
                 self._diff_buf = np.zeros(count, np.float32)
+        if self._layout == CHANNELS_LAST and len(shape) != 4:
+            self._refuse(shape, f"blob '{self.name}' is channels-last (N, H, W, C) and takes 4 axes, "
+                         f"got {memory.dims_text(shape)}")
         self._shape = shape
-        self._data = self._data_buf[:count].reshape(shape)
-        self._diff = None if self._diff_buf is None else self._diff_buf[:count].reshape(shape)
+        self._views()
+
+    def _view(self, buf):
+        """(memory-order array, Caffe-order view) of the first `count` floats of `buf`."""
+        flat = buf[:memory.count(self._shape)]
+        if self._layout == CHANNELS_LAST:
+            n, c, h, w = self._shape
+            raw = flat.reshape(n, h, w, c)
+            return raw, raw.transpose(0, 3, 1, 2)
+        raw = flat.reshape(self._shape)
+        return raw, raw
+
+    def _views(self):
+        self._raw, self._data = self._view(self._data_buf)
+        self._raw_diff = self._diff = None
+        if self._diff_buf is not None:
+            self._raw_diff, self._diff = self._view(self._diff_buf)
 
     def _refuse(self, shape, problem):
         raise SizeError(problem, blob=self.name, shape=shape)
@@ -104,8 +156,18 @@ class Blob:
                 if why:
                     self._refuse(self._shape, why)
                 self._diff_buf = np.zeros(self._data_buf.size, np.float32)
-            self._diff = self._diff_buf[: self.count].reshape(self._shape)
+            self._raw_diff, self._diff = self._view(self._diff_buf)
         return self._diff
+
+    @property
+    def raw_data(self):
+        """The data as stored (C-contiguous): `data` itself but for a channels-last blob."""
+        return self._raw
+
+    @property
+    def raw_diff(self):
+        self.diff
+        return self._raw_diff
 
     @property
     def has_diff(self):
@@ -115,15 +177,21 @@ class Blob:
         """Make this blob a view of `other`'s data (Flatten, Reshape); shapes may differ."""
         if other.count != self.count:
             raise ShapeError(f"blob '{self.name}': cannot share data of {other.count} values into {self.count}")
+        self._refuse_layouts(other, "share data")
         self._data_buf = other._data_buf
-        self._data = other._data.reshape(self._shape)
+        self._raw = self._data = other._data.reshape(self._shape)
 
     def share_diff(self, other):
         if other.count != self.count:
             raise ShapeError(f"blob '{self.name}': cannot share diff of {other.count} values into {self.count}")
+        self._refuse_layouts(other, "share diff")
         other.diff  # allocate on the owner so both see one buffer
         self._diff_buf = other._diff_buf
-        self._diff = other._diff.reshape(self._shape)
+        self._raw_diff = self._diff = other._diff.reshape(self._shape)
+
+    def _refuse_layouts(self, other, what):
+        if self._layout == CHANNELS_LAST or other._layout == CHANNELS_LAST:
+            raise ShapeError(f"blob '{self.name}': cannot {what} with a channels-last blob")
 
     def place_diff(self, buffer):
         """Keep the diff in `buffer` from now on (a float32 array of `count` values, e.g. the
@@ -132,9 +200,9 @@ class Blob:
         if flat.dtype != np.float32 or flat.size != self.count:
             raise ShapeError(f"blob '{self.name}': cannot place a diff of {self.count} float32 "
                              f"values in {flat.size} {flat.dtype} values")
-        flat[...] = 0 if self._diff is None else self._diff.reshape(-1)
+        flat[...] = 0 if self._diff is None else self.raw_diff.reshape(-1)
         self._diff_buf = flat
-        self._diff = flat.reshape(self._shape)
+        self._raw_diff, self._diff = self._view(flat)
 
     def set_data(self, array):
         """Copy `array` in, reshaping to its shape."""

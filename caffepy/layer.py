@@ -14,14 +14,16 @@ after the plain one (`@register`):
     plain            the NCHW implementation, in caffepy/layers/<family>.py
     blocked          on the SIMD-blocked layout between IntelPack and IntelUnpack (layers/intel.py)
     blocked_via_nchw the plain layer run between an unpack and a pack (layers/intel.py)
+    nhwc             on the channels-last layout the fast path plans (layers/nhwc.py)
     model_parallel   InnerProduct split across ranks (caffepy/parallel/model_parallel.py)
 `create_layer` picks one from what a Request holds (the layer's parameters, its bottoms, the
 run context, the net's parameters): first the bottoms' layout (each implementation declares
-the one it takes in `Layer.layout`; blocked bottoms need a blocked variant or a
-layout-agnostic plain layer), then the first other variant whose `wanted(request)` says yes,
-else the plain one. A new implementation (an autotuned one, say) is a class with a `wanted`
-and a `@register(variant=...)`. The Net only asks; the layer keeps the run context it was
-built for in `layer.context`.
+the one it takes in `Layer.layout`; bottoms in another layout than NCHW need a variant of that
+layout or a layout-agnostic plain layer), then the first other variant whose `wanted(request)`
+says yes, else the plain one. Which layout a layer's bottoms are in is the layout plan's
+decision (caffepy/layout_plan.py, asked by the Net); `takes_layout` tells it what a type can
+run on. A new implementation is a class with a `wanted` and a `@register(variant=...)`. The Net
+only asks; the layer keeps the run context it was built for in `layer.context`.
 """
 import difflib
 import math
@@ -30,20 +32,30 @@ import typing
 import numpy as np
 
 from . import fillers
-from .blob import Blob
+from .blob import CHANNELS_LAST, Blob, Blocked
 from .context import SINGLE
 from .errors import CaffepyError, LayerError, ShapeError, layer_error, quote
 
 # The bottom layouts an implementation takes (Layer.layout)
 NCHW = "nchw"        # plain blobs only
 BLOCKED = "blocked"  # SIMD-blocked blobs only; the layer sets its tops' layout
-ANY = "any"          # either, all bottoms alike; the tops take the first bottom's layout
-OWN = "own"          # either; the layer checks and sets layouts itself (IntelPack / IntelUnpack)
+NHWC = "nhwc"        # channels-last blobs only; the layer sets its tops' layout
+ANY = "any"          # any, all bottoms alike; the tops take the first bottom's layout
+OWN = "own"          # any; the layer checks and sets layouts itself (the packs and unpacks)
+LAYOUTS = (NCHW, BLOCKED, NHWC)
 
-# Variant names (the registry's second key); the blocked variant is named after its layout
+# Variant names (the registry's second key); the blocked and nhwc variants are named after
+# their layouts
 PLAIN = "plain"
 VIA_NCHW = "blocked_via_nchw"
 MODEL_PARALLEL = "model_parallel"
+
+
+def layout_of(blob):
+    """The layout name (NCHW, BLOCKED, NHWC) of a blob."""
+    if blob.layout is None:
+        return NCHW
+    return BLOCKED if isinstance(blob.layout, Blocked) else NHWC
 
 LAYERS = {}          # prototxt type -> {variant name: class}, the plain implementation first
 
@@ -114,48 +126,66 @@ def choose(request, variant=None):
             raise layer_error(param, "type", f"{param.type} has no '{variant}' implementation",
                               hint=f"Its variants: {', '.join(variants)}", source=source)
         return variants[variant]
-    plain = variants[PLAIN]
-    layouts = [b.layout for b in request.bottoms]
-    if plain.layout == OWN or all(lay is None for lay in layouts):
-        pool = [cls for cls in variants.values() if cls.layout != BLOCKED]
-    else:
-        pool = _blocked_pool(request, variants, layouts)
+    pool = _pool(request, variants)
     for cls in pool:
         if cls.variant != PLAIN and cls.wanted(request):
             return cls
+    plain = variants[PLAIN]
     if plain in pool:
         return plain
-    raise _no_blocked(request, layouts)
+    raise _no_variant(request, layout_of(request.bottoms[0]))
 
 
-def _blocked_pool(request, variants, layouts):
-    """The implementations that take the (blocked) layout of `request`'s bottoms."""
+def _pool(request, variants):
+    """The implementations that take the layout of `request`'s bottoms."""
     param, source, bottoms = request.param, request.source, request.bottoms
-    if None in layouts:
-        raise layer_error(param, "bottom", "mixes blocked and plain (NCHW) blobs",
+    plain = variants[PLAIN]
+    kinds = {layout_of(b) for b in bottoms}
+    if plain.layout == OWN or kinds <= {NCHW}:
+        return [cls for cls in variants.values() if cls.layout not in (BLOCKED, NHWC)]
+    if len(kinds) > 1:
+        names = [name for kind, name in ((BLOCKED, "blocked"), (NHWC, "channels-last (NHWC)"),
+                                         (NCHW, "plain (NCHW)")) if kind in kinds]
+        raise layer_error(param, "bottom", f"mixes {' and '.join(names)} blobs",
                           ", ".join(f"'{b.name}'" for b in bottoms), source=source,
                           hint="Put an IntelPack or IntelUnpack so all bottoms share one layout")
-    pool = [cls for cls in variants.values() if cls.layout == BLOCKED]
-    plain = variants[PLAIN]
+    kind = kinds.pop()
+    pool = [cls for cls in variants.values() if cls.layout == kind]
     if not pool and plain.layout == ANY:
-        if len(set(layouts)) > 1:
+        if len({b.layout for b in bottoms}) > 1:
             raise layer_error(param, "bottom", "blocked bottoms differ in channels or width",
                               ", ".join(f"'{b.name}' {b.layout}" for b in bottoms), source=source)
         return [plain]
     if not pool:
-        raise _no_blocked(request, layouts)
+        raise _no_variant(request, kind)
     return pool
 
 
-def _no_blocked(request, layouts):
+def takes_layout(request, kind):
+    """Whether `request`'s type has an implementation for bottoms in layout `kind` that wants
+    this request (the layout plan asks before it converts a layer's bottoms)."""
+    variants = LAYERS.get(request.param.type)
+    if variants is None:
+        return False
+    plain = variants[PLAIN]
+    if kind == NCHW or plain.layout == ANY:
+        return True
+    return any(cls.layout == kind and cls.wanted(request) for cls in variants.values())
+
+
+def _no_variant(request, kind):
     param, bottoms = request.param, request.bottoms
     named = ", ".join(f"'{b.name}'" for b in bottoms)
+    if kind != BLOCKED:
+        return layer_error(param, "bottom", f"blob {named} is in the {kind} layout and {param.type} "
+                           f"has no {kind} implementation for it", bottoms[0].layout,
+                           source=request.source)
     known = ", ".join(sorted(name for name, variants in LAYERS.items()
                              if variants[PLAIN].layout == ANY
                              or any(cls.layout == BLOCKED for cls in variants.values())))
     return layer_error(param, "bottom", f"blob {named} is in the SIMD-blocked layout (between "
                        f"IntelPack and IntelUnpack) and {param.type} has no blocked implementation",
-                       layouts[0], hint=f"Put an IntelUnpack before this layer; blocked types: {known}",
+                       bottoms[0].layout, hint=f"Put an IntelUnpack before this layer; blocked types: {known}",
                        source=request.source)
 
 

@@ -23,6 +23,7 @@ from .blob import Blob
 from .context import SINGLE
 from .errors import CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote
 from .layer import create_layer
+from .layout_plan import LayoutPlan
 from .proto import caffe_pb2
 
 TRAIN = caffe_pb2.TRAIN
@@ -197,7 +198,7 @@ class Net:
         self.name = param.name
         self.param = param
         param = insert_splits(param, self.source)
-        self.blobs = collections.OrderedDict()
+        self._blobs = collections.OrderedDict()   # every blob, the plan's conversions' included
         self.layers = []
         self._layer_names = []
         self.bottom_vecs, self.top_vecs = [], []
@@ -208,76 +209,40 @@ class Net:
         self.bottom_need_backward = []
         self.layer_need_backward = []
         self._params = []             # (layer index, param index, Blob) in net order
-        blob_need_backward = {}
-        available = collections.OrderedDict()
+        # per layer: the layout plan's conversions that run before it, as
+        # (layer, bottom blob, top blob, index of the bottom of this layer it feeds)
+        self._conversions = []
+        self._blob_need_backward = {}
+        self._available = collections.OrderedDict()
 
-        for li, lp in enumerate(param.layer):
-            if lp.name in self._layer_names:
-                raise layer_error(lp, "name", "duplicate layer name", source=self.source)
-            bottoms, tops = [], []
-            need_backward = False
-            bottom_need = []
-            if len(lp.propagate_down) not in (0, len(lp.bottom)):
-                raise layer_error(lp, "propagate_down", f"needs one value per bottom ({len(lp.bottom)})",
-                                  len(lp.propagate_down), source=self.source)
-            for bi, name in enumerate(lp.bottom):
-                if name not in available:
-                    raise layer_error(lp, "bottom", f"unknown blob '{name}' (bottom index {bi})",
+        # which bottoms to convert first is the layout plan's answer (caffepy/layout_plan.py);
+        # `wired` is the net with the blob names the layers read and write
+        plan = LayoutPlan(self.param, param.layer, self.phase, self.context, self.source)
+        wired = prototxt.copy_message(param, skip="layer")
+        aliases = {}                  # a conversion's top -> its bottom (one blob, two layouts)
+        for user_lp in param.layer:
+            for bi, name in enumerate(user_lp.bottom):
+                if plan.current(name) not in self._available:
+                    raise layer_error(user_lp, "bottom", f"unknown blob '{name}' (bottom index {bi})",
                                       source=self.source)
-                del available[name]
-                bottoms.append(self.blobs[name])
-                need = blob_need_backward[name]
-                if len(lp.propagate_down):
-                    need = need and bool(lp.propagate_down[bi])
-                bottom_need.append(need)
-                need_backward |= need
-            layer = create_layer(lp, self.phase, self.source, bottoms=bottoms, context=self.context,
-                                 net=self.param)
-            for ti, name in enumerate(lp.top):
-                if name in lp.bottom:
-                    blob = self.blobs[name]            # in place
-                elif name in self.blobs:
-                    raise layer.error("top", f"blob '{name}' is produced by more than one layer")
-                else:
-                    blob = Blob(name=name)
-                    self.blobs[name] = blob
-                if lp.type == "Input":
-                    self.inputs.append(name)
-                available[name] = True
-                tops.append(blob)
-            self._setup_layer(layer, bottoms, tops)
-            weights = layer.loss_weights(len(tops))
-            for name, w in zip(lp.top, weights):
-                if w:
-                    self.blob_loss_weights[name] = self.blob_loss_weights.get(name, 0.0) + w
-            self._top_loss_weights.append(weights)
-            log.info(f"Setting up {lp.name}")
-            for blob in tops:
-                log.info(f"Top shape: {blob.shape_string()}")
-            # parameters: lr_mult 0 means no gradient for that blob
-            layer.param_propagate_down = []
-            for pi in range(len(layer.blobs)):
-                spec = lp.param[pi] if pi < len(lp.param) else None
-                lr_mult = spec.lr_mult if spec is not None and spec.HasField("lr_mult") else 1.0
-                wants = lr_mult != 0
-                layer.param_propagate_down.append(wants)
-                need_backward |= wants
-            if len(lp.param) > len(layer.blobs):
-                raise layer.error("param", f"has {len(layer.blobs)} parameter blobs but "
-                                  f"{len(lp.param)} param specs")
-            for name in lp.top:
-                blob_need_backward[name] = need_backward
-            self.layers.append(layer)
-            self._layer_names.append(lp.name)
-            self.bottom_vecs.append(bottoms)
-            self.top_vecs.append(tops)
-            self.bottom_names[lp.name] = list(lp.bottom)
-            self.top_names[lp.name] = list(lp.top)
-            self.bottom_need_backward.append(bottom_need)
-            self.layer_need_backward.append(need_backward)
+            bottoms = [self._blobs[plan.current(name)] for name in user_lp.bottom]
+            conversions = []
+            for clp in plan.conversions(user_lp, bottoms):
+                conversions.append(self._add_conversion(clp))
+                aliases[clp.top[0]] = clp.bottom[0]
+            lp = plan.wired(user_lp)
+            self._add_layer(lp, user_lp)
+            self._conversions.append([conv + (list(lp.bottom).index(conv[2].name),)
+                                      for conv in conversions])
+            wired.layer.add().CopyFrom(lp)
+            del wired.layer[-1].param[:]
+            wired.layer[-1].param.extend(user_lp.param)   # as the layer's setup left them
+        if plan.summary():
+            log.info(plan.summary())
+        del self._blob_need_backward
 
-        self._prune_backward(param)
-        if param.force_backward:
+        self._prune_backward(wired, aliases)
+        if wired.force_backward:
             for li, layer in enumerate(self.layers):
                 self.layer_need_backward[li] = True
                 self.bottom_need_backward[li] = [
@@ -285,12 +250,105 @@ class Net:
                     for bi, need in enumerate(self.bottom_need_backward[li])]
                 layer.param_propagate_down = [True] * len(layer.blobs)
         # Caffe keeps the remaining blobs in a std::set: outputs come in byte order of their names
-        self.outputs = sorted(available, key=lambda name: name.encode())
+        self.outputs = sorted((plan.user_name(name) for name in self._available),
+                              key=lambda name: name.encode())
+        del self._available
+        # pycaffe's view: the blobs under the prototxt's names (a blob the plan converted for an
+        # in-place layer is seen as the converted one, its last value)
+        self.blobs = collections.OrderedDict(
+            (name, self._blobs[plan.current(name)]) for name in self._blobs if not plan.made(name))
         # pycaffe lists every blob, with 0 for those outside the loss
         self.blob_loss_weights = collections.OrderedDict(
-            (name, self.blob_loss_weights.get(name, 0.0)) for name in self.blobs)
-        self._share_params(param)
+            (name, self.blob_loss_weights.get(plan.current(name), 0.0)) for name in self.blobs)
+        self._share_params(wired)
         self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
+
+    def _add_conversion(self, clp):
+        """Build and set up one of the layout plan's conversion layers: (layer, bottom, top)."""
+        name = clp.bottom[0]
+        del self._available[name]
+        bottom, top = self._blobs[name], Blob(name=clp.top[0])
+        self._blobs[top.name] = top
+        layer = create_layer(clp, self.phase, self.source, bottoms=[bottom], context=self.context,
+                             net=self.param)
+        self._setup_layer(layer, [bottom], [top])
+        self._blob_need_backward[top.name] = self._blob_need_backward[name]
+        self._available[top.name] = True
+        log.info(f"Setting up {clp.name}")
+        log.info(f"Top shape: {top.shape_string()} ({top.layout})")
+        return layer, bottom, top
+
+    def _add_layer(self, lp, user_lp):
+        """Build, wire and set up one layer: `lp` names the blobs it reads and writes, the
+        layer is constructed from `user_lp` (the prototxt's; the blob names differ where the
+        layout plan converted a bottom)."""
+        available, blob_need_backward = self._available, self._blob_need_backward
+        if lp.name in self._layer_names:
+            raise layer_error(lp, "name", "duplicate layer name", source=self.source)
+        bottoms, tops = [], []
+        need_backward = False
+        bottom_need = []
+        if len(lp.propagate_down) not in (0, len(lp.bottom)):
+            raise layer_error(lp, "propagate_down", f"needs one value per bottom ({len(lp.bottom)})",
+                              len(lp.propagate_down), source=self.source)
+        for bi, name in enumerate(lp.bottom):
+            if name not in available:
+                raise layer_error(lp, "bottom", f"unknown blob '{name}' (bottom index {bi})",
+                                  source=self.source)
+            del available[name]
+            bottoms.append(self._blobs[name])
+            need = blob_need_backward[name]
+            if len(lp.propagate_down):
+                need = need and bool(lp.propagate_down[bi])
+            bottom_need.append(need)
+            need_backward |= need
+        layer = create_layer(user_lp, self.phase, self.source, bottoms=bottoms, context=self.context,
+                             net=self.param)
+        for ti, name in enumerate(lp.top):
+            if name in lp.bottom:
+                blob = self._blobs[name]           # in place
+            elif name in self._blobs:
+                raise layer.error("top", f"blob '{name}' is produced by more than one layer")
+            else:
+                blob = Blob(name=name)
+                self._blobs[name] = blob
+            if lp.type == "Input":
+                self.inputs.append(name)
+            available[name] = True
+            tops.append(blob)
+        self._setup_layer(layer, bottoms, tops)
+        weights = layer.loss_weights(len(tops))
+        for name, w in zip(lp.top, weights):
+            if w:
+                self.blob_loss_weights[name] = self.blob_loss_weights.get(name, 0.0) + w
+        self._top_loss_weights.append(weights)
+        log.info(f"Setting up {lp.name}")
+        for blob in tops:
+            log.info(f"Top shape: {blob.shape_string()}")
+        if getattr(layer, "algorithm", None):
+            log.info(f"Algorithm: {layer.algorithm} ({getattr(layer, 'tuning', 'rule')})")
+        # parameters: lr_mult 0 means no gradient for that blob
+        layer.param_propagate_down = []
+        specs = user_lp.param               # as the layer's setup left them (BatchNorm adds some)
+        for pi in range(len(layer.blobs)):
+            spec = specs[pi] if pi < len(specs) else None
+            lr_mult = spec.lr_mult if spec is not None and spec.HasField("lr_mult") else 1.0
+            wants = lr_mult != 0
+            layer.param_propagate_down.append(wants)
+            need_backward |= wants
+        if len(specs) > len(layer.blobs):
+            raise layer.error("param", f"has {len(layer.blobs)} parameter blobs but "
+                              f"{len(specs)} param specs")
+        for name in lp.top:
+            blob_need_backward[name] = need_backward
+        self.layers.append(layer)
+        self._layer_names.append(lp.name)
+        self.bottom_vecs.append(bottoms)
+        self.top_vecs.append(tops)
+        self.bottom_names[lp.name] = list(user_lp.bottom)
+        self.top_names[lp.name] = list(user_lp.top)
+        self.bottom_need_backward.append(bottom_need)
+        self.layer_need_backward.append(need_backward)
 
     @staticmethod
     def _setup_layer(layer, bottoms, tops):
@@ -305,14 +363,16 @@ class Net:
             raise layer.error("setup", "out of memory while allocating its blobs", cls=SizeError,
                               hint=f"{memory.human(free)} of memory available" if free else None) from None
 
-    def _prune_backward(self, param):
-        """Caffe's rule: skip backward where nothing downstream reaches a loss."""
+    def _prune_backward(self, param, aliases):
+        """Caffe's rule: skip backward where nothing downstream reaches a loss. A blob and the
+        layout plan's converted copy of it (`aliases`: copy -> original) count as one."""
         under_loss, skip = set(), set()
         for li in reversed(range(len(self.layers))):
             lp = param.layer[li]
             contributes = False
             skip_down = True
             for ti, name in enumerate(lp.top):
+                name = aliases.get(name, name)
                 if self._top_loss_weights[li][ti] or name in under_loss:
                     contributes = True
                 if name not in skip:
@@ -325,6 +385,7 @@ class Net:
             if not contributes:
                 self.layer_need_backward[li] = False
             for bi, name in enumerate(lp.bottom):
+                name = aliases.get(name, name)
                 if contributes:
                     under_loss.add(name)
                 else:
@@ -387,6 +448,9 @@ class Net:
             for li in range(start, end + 1):
                 if before_layer is not None:
                     before_layer(li)
+                for conversion, b, t, _ in self._conversions[li]:
+                    conversion.reshape([b], [t])
+                    conversion.forward([b], [t])
                 layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
                 layer.reshape(bottom, top)
                 layer.forward(bottom, top)
@@ -413,6 +477,9 @@ class Net:
                 if w:
                     blob.diff[...] = w
             self.layers[li].backward(top, self.bottom_need_backward[li], self.bottom_vecs[li])
+            for conversion, b, t, bi in reversed(self._conversions[li]):
+                if self.bottom_need_backward[li][bi]:
+                    conversion.backward([t], [True], [b])
             if on_layer_done is not None and self.layers[li].blobs:
                 on_layer_done(li)
 
@@ -426,7 +493,10 @@ class Net:
             blob.diff[...] = 0
 
     def reshape(self):
-        for layer, bottom, top in zip(self.layers, self.bottom_vecs, self.top_vecs):
+        for conversions, layer, bottom, top in zip(self._conversions, self.layers, self.bottom_vecs,
+                                                   self.top_vecs):
+            for conversion, b, t, _ in conversions:
+                conversion.reshape([b], [t])
             layer.reshape(bottom, top)
 
     # -- pycaffe API -----------------------------------------------------

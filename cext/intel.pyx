@@ -1,7 +1,8 @@
 # cython: language_level=3
 """Kernels of the Intel family (caffepy/layers/intel.py): the SIMD-blocked layout that
 IntelPack / IntelUnpack bracket, and the blocked Convolution (im2col + sgemm), Pooling and LRN.
-The blocked Convolution's other algorithm, Winograd, is intel_winograd.pyx.
+The blocked Convolution's other algorithm, Winograd, is winograd.pyx (shared with the
+channels-last layout).
 
 A blocked tensor is float32 [N, Cb, H, W, V], C-contiguous: channel c sits in block c // V,
 lane c % V, where V is the vector width (8 floats for AVX2, 16 for AVX-512); lanes past the real

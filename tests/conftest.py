@@ -7,6 +7,10 @@ sys.path.insert(0, os.path.dirname(__file__))   # shared helpers: gradient_check
 
 from caffepy import log  # noqa: E402
 
+# The suite runs the rules' choice of algorithm (caffepy/autotune.py): no measuring, nothing
+# written to the user's cache; tests/test_autotune.py turns measuring on where it is the subject
+os.environ["CAFFEPY_AUTOTUNE"] = "0"
+
 
 @pytest.fixture(autouse=True)
 def _quiet_log():

@@ -41,13 +41,14 @@ def check_gradient(layer, bottom, top, check_bottom=None, check_params=True, eps
     propagate = [i in check_bottom for i in range(len(bottom))]
     rng.seed(seed)
     layer.backward(top, propagate, bottom)
-    targets = [(f"bottom[{i}]", bottom[i], bottom[i].diff.astype(np.float64).copy()) for i in check_bottom]
+    # perturbed and compared in memory order (raw_data): a channels-last blob's data is a view
+    targets = [(f"bottom[{i}]", bottom[i], bottom[i].raw_diff.astype(np.float64).copy()) for i in check_bottom]
     if check_params:
-        targets += [(f"blobs[{i}]", p, p.diff.astype(np.float64).copy()) for i, p in enumerate(layer.blobs)
+        targets += [(f"blobs[{i}]", p, p.raw_diff.astype(np.float64).copy()) for i, p in enumerate(layer.blobs)
                     if i >= len(layer.param_propagate_down) or layer.param_propagate_down[i]]
     failures = []
     for label, blob, analytic in targets:
-        flat = blob.data.reshape(-1)
+        flat = blob.raw_data.reshape(-1)
         n = flat.size
         indices = range(n) if n <= max_checks else gen.choice(n, max_checks, replace=False)
         for idx in indices:

@@ -7,6 +7,7 @@ the gradient check comes free.
 A case exercises one implementation (variant, caffepy/layer.py) of its type: the plain one by
 default; `layout="blocked"` packs the bottoms (NCHW arrays) into the SIMD-blocked layout and
 lets the factory choose (the case says which `variant` it expects, "blocked" unless given);
+`layout="nhwc"` puts them in the channels-last layout (variant "nhwc" unless given);
 `variant=` alone asks the factory for that variant by name, under `context` (a RunContext, or
 a function returning one). Forward references stay NCHW: blocked tops are unpacked first.
 Each tests/layers/test_<family>.py defines CASES and calls `case_tests(CASES)`;
@@ -17,10 +18,10 @@ import pytest
 from google.protobuf import text_format
 
 from caffepy import rng
-from caffepy.blob import Blob, Blocked
+from caffepy.blob import CHANNELS_LAST, Blob, Blocked
 from caffepy.context import SINGLE
 from caffepy.kernels.reference.intel import pack as ref_pack, unpack as ref_unpack  # noqa: F401
-from caffepy.layer import BLOCKED, PLAIN, create_layer
+from caffepy.layer import BLOCKED, NHWC, PLAIN, create_layer
 from caffepy.proto import caffe_pb2
 from gradient_checker import check_gradient
 
@@ -69,6 +70,14 @@ def blocked_blob(x, width, name="b"):
     return b
 
 
+def nhwc_blob(x, name="b"):
+    """A channels-last blob holding the NCHW array x (its data view shows x)."""
+    b = Blob(x.shape, name=name)
+    b.layout = CHANNELS_LAST
+    b.data[...] = x
+    return b
+
+
 def layer_param(type_, params="", name="layer", n_bottom=1, n_top=1):
     lp = caffe_pb2.LayerParameter()
     text_format.Parse(params, lp)
@@ -94,6 +103,8 @@ def setup_layer(type_, params, bottoms, phase=TRAIN, n_top=1, seed=1701, layout=
         if layout == BLOCKED:
             from caffepy.layers.intel import block_width
             bottom.append(blocked_blob(a, block_width(), f"b{i}"))
+        elif layout == NHWC:
+            bottom.append(nhwc_blob(np.asarray(a, np.float32), f"b{i}"))
         else:
             b = Blob(name=f"b{i}")
             b.set_data(a)
@@ -106,7 +117,7 @@ def setup_layer(type_, params, bottoms, phase=TRAIN, n_top=1, seed=1701, layout=
 
 
 def _nchw(blob):
-    return blob.data if blob.layout is None else ref_unpack(blob.data, blob.layout.channels)
+    return ref_unpack(blob.data, blob.layout.channels) if isinstance(blob.layout, Blocked) else blob.data
 
 
 class Case:
@@ -120,7 +131,7 @@ class Case:
         self.eps, self.threshold, self.kink, self.kink_range = eps, threshold, kink, kink_range
         self.init, self.atol, self.rtol, self.max_checks = init, atol, rtol, max_checks
         self.layout, self.context = layout, context
-        self.variant = variant or (BLOCKED if layout == BLOCKED else PLAIN)
+        self.variant = variant or (layout if layout in (BLOCKED, NHWC) else PLAIN)
         tag = "" if self.variant == PLAIN else f"[{self.variant}]"
         self.id = id or f"{type_}{tag}:{params.strip()[:40]}"
 
@@ -168,13 +179,13 @@ class Case:
 def _lane_weights(top):
     """For blocked tops: the checker's random top weights, zero in the padding lanes (no layer
     writes them, and the kernels' backward may route their diffs as if they were real)."""
-    if all(t.layout is None for t in top):
+    if not any(isinstance(t.layout, Blocked) for t in top):
         return None
     gen = np.random.default_rng(1701)
     weights = []
     for t in top:
         w = gen.standard_normal(t.shape)
-        if t.layout is not None:
+        if isinstance(t.layout, Blocked):
             w *= ref_pack(np.ones((1, t.layout.channels, 1, 1)), t.layout.width)
         weights.append(w)
     return weights

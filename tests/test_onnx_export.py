@@ -13,6 +13,7 @@ ort = pytest.importorskip("onnxruntime")
 
 import caffepy  # noqa: E402
 from caffepy import fillers, onnx_export  # noqa: E402
+from caffepy.blob import Blocked  # noqa: E402
 from caffepy.errors import CaffepyError  # noqa: E402
 from caffepy.proto import caffe_pb2  # noqa: E402
 
@@ -73,8 +74,8 @@ def check(net, inputs, rtol=1e-4, every_blob=True):
 
 def nchw(blob):
     """A blob's values in NCHW (blobs on the Intel path hold the SIMD-blocked layout)."""
-    if blob.layout is None:
-        return blob.data
+    if not isinstance(blob.layout, Blocked):
+        return blob.data                 # plain, or channels-last (whose data is an NCHW view)
     n, blocks, h, w, width = blob.shape
     return blob.data.transpose(0, 1, 4, 2, 3).reshape(n, blocks * width, h, w)[:, :blob.layout.channels]
 

@@ -7,7 +7,10 @@ Reorg), normalization (LRN, BatchNorm, MVN), neuron (ReLU, Sigmoid, Dropout, ...
 recurrent (LSTM, RNN, LSTMUnit), loss (SoftmaxWithLoss, Accuracy, ...), python (Python),
 hdf5 (HDF5Data, HDF5Output),
 intel (IntelPack, IntelUnpack, and the blocked variants of Convolution, Pooling, LRN, Concat,
-BatchNorm, Scale). The model-parallel InnerProduct lives in caffepy/parallel/model_parallel.py;
-caffepy/layer.py says how the factory chooses among a type's variants.
+BatchNorm, Scale), nhwc (NHWCPack, NHWCUnpack, and the channels-last variants of Convolution,
+Pooling, BatchNorm, Scale, Bias, Concat, LRN that the fast path's layout plan uses). The
+model-parallel InnerProduct lives in caffepy/parallel/model_parallel.py; caffepy/layer.py says
+how the factory chooses among a type's variants, caffepy/layout_plan.py which layout a net's
+layers run in.
 """
-from . import common, data, hdf5, loss, neuron, normalization, python, recurrent, vision, intel  # noqa: F401
+from . import common, data, hdf5, loss, neuron, normalization, python, recurrent, vision, intel, nhwc  # noqa: F401

@@ -37,15 +37,15 @@ class Split(Layer):
 
     def forward(self, bottom, top):
         for t in top:
-            t.data[...] = bottom[0].data
+            t.raw_data[...] = bottom[0].raw_data
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        diff = bottom[0].diff
-        diff[...] = top[0].diff
+        diff = bottom[0].raw_diff
+        diff[...] = top[0].raw_diff
         for t in top[1:]:
-            diff += t.diff
+            diff += t.raw_diff
 
 
 @register

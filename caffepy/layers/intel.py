@@ -34,7 +34,7 @@ from .vision import pool_method, refuse_fusions, scaled_top_diff
 
 try:
     from ..kernels import intel as _k
-    from ..kernels import intel_winograd as _winograd
+    from ..kernels import winograd as _winograd
 except ImportError:     # reported when a blocked layer is built, not at import
     _k = _winograd = None
 
@@ -185,7 +185,7 @@ class BlockedConvolution(Layer):
     bias_term, weight_filler, bias_filler, engine).
 
     Two algorithms: stride-1 undilated 3x3 and 5x5 kernels with at least 16 channels in and out
-    per group run as Winograd F(m x m, r x r) (cext/intel_winograd.pyx: a*a GEMMs over tiles instead
+    per group run as Winograd F(m x m, r x r) (cext/winograd.pyx: a*a GEMMs over tiles instead
     of one over pixels; 2.6x fewer multiplies for AlexNet's 13x13 3x3 layers); everything else,
     or any convolution with `engine: CAFFE`, runs Caffe's algorithm: per image, blocked im2col +
     one sgemm per group (cext/intel.pyx). Both agree to float rounding."""

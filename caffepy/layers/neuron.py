@@ -28,20 +28,21 @@ class Neuron(Layer):
         top[0].reshape(bottom[0].shape)
 
     def forward(self, bottom, top):
-        x = bottom[0].data.reshape(-1)
+        # the arrays in memory order (raw_data): elementwise work is the same in any layout
+        x = bottom[0].raw_data.reshape(-1)
         if top[0] is bottom[0] and self.keeps_input:
             if self._saved is None or self._saved.size < x.size:
                 self._saved = np.empty(x.size, np.float32)
             np.copyto(self._saved[: x.size], x)
-        self.compute(x, top[0].data.reshape(-1))
+        self.compute(x, top[0].raw_data.reshape(-1))
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        y = top[0].data.reshape(-1)
+        y = top[0].raw_data.reshape(-1)
         x = self._saved[: y.size] if top[0] is bottom[0] and self.keeps_input \
-            else bottom[0].data.reshape(-1)
-        self.gradient(x, y, top[0].diff.reshape(-1), bottom[0].diff.reshape(-1))
+            else bottom[0].raw_data.reshape(-1)
+        self.gradient(x, y, top[0].raw_diff.reshape(-1), bottom[0].raw_diff.reshape(-1))
 
     def compute(self, x, y):
         """y = f(x) on flat arrays (y may be x)."""

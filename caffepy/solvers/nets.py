@@ -37,6 +37,12 @@ def _read_solver_net(path, field, source):
     return read_net(path)
 
 
+def _engine(solver, param):
+    """Intel Caffe's rule: the solver's `engine` is its nets' unless a net names its own."""
+    if solver.engine and not param.engine:
+        param.engine = solver.engine
+
+
 def solver_train_net_param(solver, source="<solver>", level=None, stages=()):
     """The train net of a solver (Solver::InitTrainNet): exactly one of
     train_net_param, train_net, net_param, net; NetState = phase TRAIN, then
@@ -67,6 +73,7 @@ def solver_train_net_param(solver, source="<solver>", level=None, stages=()):
     state.MergeFrom(param.state)
     state.MergeFrom(train_state)
     param.state.CopyFrom(state)
+    _engine(solver, param)
     return SolverNet(param, state, origin)
 
 
@@ -110,6 +117,7 @@ def solver_test_net_params(solver, source="<solver>"):
         if len(solver.test_state):
             state.MergeFrom(solver.test_state[i])
         param.state.CopyFrom(state)
+        _engine(solver, param)
         out.append(SolverNet(param, state, origin))
     return out
 

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from caffepy.kernels import common, intel, intel_winograd, loss, neuron, normalization, solver, vision
+from caffepy.kernels import common, intel, loss, neuron, normalization, solver, vision, winograd
 
 SHAPE = re.compile(r"^(\w+): ([\w, ]+): .+, got .+$")
 
@@ -32,7 +32,7 @@ CALLS = [
     (lambda: vision.conv_forward(f32(1, 4, 6, 6), f32(2, 4, 3, 3), None, f32(1, 2, 5, 4),
                                  f32(999), 0, 0, 1, 1, 1, 1, 1), "conv_forward", "top"),
     (lambda: intel.pack(f32(1, 3, 2, 2), f32(1, 1, 2, 1, 4)), "pack", "y"),
-    (lambda: intel_winograd.weight_transform(f32(4, 2, 3, 3), f32(4, 3), f32(16, 4, 3)),
+    (lambda: winograd.weight_transform(f32(4, 2, 3, 3), f32(4, 3), f32(16, 4, 3)),
      "weight_transform", "u"),
 ]
 

@@ -1,4 +1,4 @@
-"""Winograd convolution on the blocked layout (cext/intel_winograd.pyx): the transform matrices, and
+"""Winograd convolution on the blocked layout (cext/winograd.pyx): the transform matrices, and
 the blocked Convolution layer on its Winograd path against the NCHW reference, forward and
 backward, with a numerical gradient check."""
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from google.protobuf import text_format
 
 from caffepy.blob import Blob, Blocked
-from caffepy.kernels import intel_winograd as winograd
+from caffepy.kernels import winograd
 from caffepy.kernels.reference import vision as ref
 from caffepy.layer import BLOCKED, create_layer
 from caffepy.layers import intel

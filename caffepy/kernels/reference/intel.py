@@ -1,6 +1,6 @@
 """NumPy references of the SIMD-blocked layout of the Intel kernels (cext/intel.pyx,
 caffepy.kernels.intel): pack and unpack. The blocked convolution, pooling and LRN (and the
-Winograd convolution of cext/intel_winograd.pyx) are compared, unpacked, with the NCHW
+Winograd convolution of cext/winograd.pyx) are compared, unpacked, with the NCHW
 references of reference/vision.py and reference/normalization.py.
 """
 import numpy as np

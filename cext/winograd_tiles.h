@@ -1,9 +1,14 @@
-/* Winograd tile transforms for cext/intel_winograd.pyx, in C for `restrict` (Cython cannot say that
+/* Winograd tile transforms for cext/winograd.pyx, in C for `restrict` (Cython cannot say that
  * the work buffers do not alias, and without it GCC keeps every sum in memory, scalar).
  *
- * A tile is [rows][cols][V] floats: the V lanes of one channel block, contiguous. Each transform
- * is one sandwich M X M^T of small matrices in the thread's work memory (3 * a * a * V floats),
- * stored once. The wg_* entry points dispatch on V so the lane loops have a constant trip count.
+ * A tile is [rows][cols][V] floats: V channels of one pixel, contiguous. Each transform is one
+ * sandwich M X M^T of small matrices in the thread's work memory (3 * a * a * V floats), stored
+ * once. The wg_* entry points dispatch on V so the lane loops have a constant trip count.
+ *
+ * An image plane is read and written through its pixel stride `ps`: V for the blocked layout
+ * (a block's plane [H][W][V]), the channel count for the channels-last one ([H][W][C], the block
+ * being V channels of each pixel). Only the `nv` real lanes of a block are read or written,
+ * except that `pad_lanes` (the blocked layout) writes zeros to the others.
  */
 #include <string.h>
 
@@ -56,26 +61,28 @@ WG_INLINE void wg_sandwich(const float *restrict M, int R, int K, const float *r
     wg_right(tmp, R, K, M, R, dst, V);
 }
 
-/* out[p * pstride] = (BT d BT^T)[p] for the a x a tile of plane x [H][W][V] at (iy0, ix0),
- * zero outside the plane. */
+/* out[p * pstride] = (BT d BT^T)[p] for the a x a tile of plane x [H][W] (pixel stride ps) at
+ * (iy0, ix0), zero outside the plane and in lanes >= nv. */
 WG_INLINE void wg_input_v(const float *restrict x, int H, int W, int iy0, int ix0, int a,
                           const float *restrict bt, float *restrict w, float *restrict out,
-                          long pstride, int V)
+                          long pstride, int V, long ps, int nv)
 {
     float *restrict d = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
     int inside = iy0 >= 0 && ix0 >= 0 && iy0 + a <= H && ix0 + a <= W;
     for (int i = 0; i < a; i++) {
         int iy = iy0 + i;
-        if (inside) {
+        if (inside && ps == V && nv == V) {
             memcpy(d + i * a * V, x + ((long)iy * W + ix0) * V, sizeof(float) * a * V);
             continue;
         }
         for (int j = 0; j < a; j++) {
             int ix = ix0 + j;
             float *restrict e = d + (i * a + j) * V;
-            if (iy >= 0 && iy < H && ix >= 0 && ix < W)
-                memcpy(e, x + ((long)iy * W + ix) * V, sizeof(float) * V);
-            else
+            if (iy >= 0 && iy < H && ix >= 0 && ix < W) {
+                memcpy(e, x + ((long)iy * W + ix) * ps, sizeof(float) * nv);
+                if (nv < V)
+                    memset(e + nv, 0, sizeof(float) * (V - nv));
+            } else
                 memset(e, 0, sizeof(float) * V);
         }
     }
@@ -84,12 +91,13 @@ WG_INLINE void wg_input_v(const float *restrict x, int H, int W, int iy0, int ix
         memcpy(out + p * pstride, res + p * V, sizeof(float) * V);
 }
 
-/* The m x m output tile of plane y [oh][ow][V] at (oy0, ox0) = AT M AT^T + bias, the part inside
- * the plane; lanes >= nv are written as 0. M[p] is at mb + p * pstride. */
+/* The m x m output tile of plane y [oh][ow] (pixel stride ps) at (oy0, ox0) = AT M AT^T + bias,
+ * the part inside the plane, lanes < nv (and zeros in the others with pad_lanes). M[p] is at
+ * mb + p * pstride. */
 WG_INLINE void wg_output_v(const float *restrict mb, long pstride, int m, int a,
                            const float *restrict at, const float *restrict bias, int nv,
                            float *restrict y, int oh, int ow, int oy0, int ox0,
-                           float *restrict w, int V)
+                           float *restrict w, int V, long ps, int pad_lanes)
 {
     float *restrict mt = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
     for (int p = 0; p < a * a; p++)
@@ -97,26 +105,37 @@ WG_INLINE void wg_output_v(const float *restrict mb, long pstride, int m, int a,
     wg_sandwich(at, m, a, mt, tmp, res, V);
     for (int i = 0; i < m && oy0 + i < oh; i++)
         for (int j = 0; j < m && ox0 + j < ow; j++) {
-            float *restrict o = y + ((long)(oy0 + i) * ow + ox0 + j) * V;
+            float *restrict o = y + ((long)(oy0 + i) * ow + ox0 + j) * ps;
             const float *restrict s = res + (i * m + j) * V;
-            for (int v = 0; v < V; v++)
-                o[v] = v < nv ? s[v] + bias[v] : 0.f;
+            if (nv == V) {
+                for (int v = 0; v < V; v++)
+                    o[v] = s[v] + bias[v];
+                continue;
+            }
+            for (int v = 0; v < nv; v++)
+                o[v] = s[v] + bias[v];
+            if (pad_lanes)
+                for (int v = nv; v < V; v++)
+                    o[v] = 0.f;
         }
 }
 
 /* out[p * pstride] = (A dY A^T)[p], A = AT^T given as am [a][m], for the m x m tile of the
- * gradient plane dy [oh][ow][V] at (oy0, ox0), zero past the plane. */
+ * gradient plane dy [oh][ow] (pixel stride ps) at (oy0, ox0), zero past the plane and in lanes
+ * >= nv. */
 WG_INLINE void wg_dy_v(const float *restrict dy, int oh, int ow, int oy0, int ox0, int m, int a,
                        const float *restrict am, float *restrict w, float *restrict out,
-                       long pstride, int V)
+                       long pstride, int V, long ps, int nv)
 {
     float *restrict t = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
     for (int i = 0; i < m; i++)
         for (int j = 0; j < m; j++) {
             float *restrict e = t + (i * m + j) * V;
-            if (oy0 + i < oh && ox0 + j < ow)
-                memcpy(e, dy + ((long)(oy0 + i) * ow + ox0 + j) * V, sizeof(float) * V);
-            else
+            if (oy0 + i < oh && ox0 + j < ow) {
+                memcpy(e, dy + ((long)(oy0 + i) * ow + ox0 + j) * ps, sizeof(float) * nv);
+                if (nv < V)
+                    memset(e + nv, 0, sizeof(float) * (V - nv));
+            } else
                 memset(e, 0, sizeof(float) * V);
         }
     wg_sandwich(am, a, m, t, tmp, res, V);
@@ -124,11 +143,11 @@ WG_INLINE void wg_dy_v(const float *restrict dy, int oh, int ow, int oy0, int ox
         memcpy(out + p * pstride, res + p * V, sizeof(float) * V);
 }
 
-/* Plane dx [H][W][V] at the a x a tile (iy0, ix0), inside the plane, += B dV B^T, with
- * B = BT^T given as bm; dV[p] at dv + p * pstride, lanes >= nv read as 0. */
+/* Plane dx [H][W] (pixel stride ps) at the a x a tile (iy0, ix0), inside the plane, lanes < nv,
+ * += B dV B^T, with B = BT^T given as bm; dV[p] at dv + p * pstride, lanes >= nv read as 0. */
 WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const float *restrict bm,
                        int nv, float *restrict dx, int H, int W, int iy0, int ix0,
-                       float *restrict w, int V)
+                       float *restrict w, int V, long ps)
 {
     float *restrict t = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
     for (int p = 0; p < a * a; p++)
@@ -143,10 +162,14 @@ WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const floa
             int ix = ix0 + j;
             if (ix < 0 || ix >= W)
                 continue;
-            float *restrict o = dx + ((long)iy * W + ix) * V;
+            float *restrict o = dx + ((long)iy * W + ix) * ps;
             const float *restrict s = res + (i * a + j) * V;
-            for (int v = 0; v < V; v++)
-                o[v] += s[v];
+            if (nv == V) {
+                for (int v = 0; v < V; v++)
+                    o[v] += s[v];
+            } else
+                for (int v = 0; v < nv; v++)
+                    o[v] += s[v];
         }
     }
 }
@@ -168,28 +191,29 @@ WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const floa
     else { const int m_ = m, a_ = a; WG_LANES(call) }
 
 static void wg_input(const float *x, int H, int W, int iy0, int ix0, int m, int a,
-                     const float *bt, float *w, float *out, long pstride, int V)
+                     const float *bt, float *w, float *out, long pstride, int V, long ps, int nv)
 {
-    WG_DISPATCH((void)m_; wg_input_v(x, H, W, iy0, ix0, a_, bt, w, out, pstride, V_))
+    WG_DISPATCH((void)m_; wg_input_v(x, H, W, iy0, ix0, a_, bt, w, out, pstride, V_, ps, nv))
 }
 
 static void wg_output(const float *mb, long pstride, int m, int a, const float *at,
                       const float *bias, int nv, float *y, int oh, int ow, int oy0, int ox0,
-                      float *w, int V)
+                      float *w, int V, long ps, int pad_lanes)
 {
-    WG_DISPATCH(wg_output_v(mb, pstride, m_, a_, at, bias, nv, y, oh, ow, oy0, ox0, w, V_))
+    WG_DISPATCH(wg_output_v(mb, pstride, m_, a_, at, bias, nv, y, oh, ow, oy0, ox0, w, V_, ps,
+                            pad_lanes))
 }
 
 static void wg_dy(const float *dy, int oh, int ow, int oy0, int ox0, int m, int a,
-                  const float *am, float *w, float *out, long pstride, int V)
+                  const float *am, float *w, float *out, long pstride, int V, long ps, int nv)
 {
-    WG_DISPATCH(wg_dy_v(dy, oh, ow, oy0, ox0, m_, a_, am, w, out, pstride, V_))
+    WG_DISPATCH(wg_dy_v(dy, oh, ow, oy0, ox0, m_, a_, am, w, out, pstride, V_, ps, nv))
 }
 
 static void wg_dx(const float *dv, long pstride, int m, int a, const float *bm, int nv,
-                  float *dx, int H, int W, int iy0, int ix0, float *w, int V)
+                  float *dx, int H, int W, int iy0, int ix0, float *w, int V, long ps)
 {
-    WG_DISPATCH((void)m_; wg_dx_v(dv, pstride, a_, bm, nv, dx, H, W, iy0, ix0, w, V_))
+    WG_DISPATCH((void)m_; wg_dx_v(dv, pstride, a_, bm, nv, dx, H, W, iy0, ix0, w, V_, ps))
 }
 
 /* Weight transforms between Caffe's W [O][Cg][r][r] and the GEMM layout U [a*a][O][Cg]

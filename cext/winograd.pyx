@@ -1,10 +1,12 @@
 # cython: language_level=3
-"""Winograd convolution F(m x m, r x r) on the SIMD-blocked layout [N, Cb, H, W, V]: the
-blocked Convolution's second algorithm (caffepy/layers/intel.py picks it per layer shape).
+"""Winograd convolution F(m x m, r x r) on the SIMD-blocked layout [N, Cb, H, W, V] and on the
+channels-last one [N, H, W, C]: an algorithm of the blocked Convolution (caffepy/layers/intel.py
+picks it per layer shape) and of the channels-last one (caffepy/layers/nhwc.py, by measurement).
 
-Its own module rather than a part of intel.pyx: it shares nothing with the im2col path but the
-layout, its entry points would clash with that path's (conv_forward, conv_backward), and one
-file would pass 1,200 lines.
+Its own module, shared by the two layout families: it shares nothing with their im2col paths
+but the layouts. The two differ only in where a block of V channels of a pixel lives: in the
+blocked layout a block is a plane [H][W][V] (pixel stride V), channels-last it is V channels of
+each pixel [H][W][C] (pixel stride C); the transforms take the pixel stride, the rest is common.
 
 For stride-1, undilated r x r kernels, each m x m tile of output is computed from an
 a x a tile of input (a = m + r - 1) with a*a products per channel pair instead of m*m*r*r:
@@ -21,14 +23,15 @@ Backward, with dM = AT^T dY AT per output tile:
     dU_p = dM_p^T @ V_p,   dW = G^T dU G                           (weight gradient)
 
 The matrices come from `matrices(m, r)` (Toom-Cook on the points 0, +-1, +-2, 1/2, ..., infinity).
-The tile and weight transforms are C in intel_winograd_tiles.h; the GEMMs go to scipy's BLAS.
+The tile and weight transforms are C in winograd_tiles.h; the GEMMs go to scipy's BLAS.
 Images are processed in chunks, one chunk per OpenMP thread with a single-threaded BLAS, so each
-thread's tile buffers stay near its caches. Channel lanes past C or O are padding: written as
-zeros, never read as data (as every kernel of caffepy.kernels.intel).
+thread's tile buffers stay near its caches. In the blocked layout, channel lanes past C or O are
+padding: written as zeros, never read as data (as every kernel of caffepy.kernels.intel);
+channels-last, the last block of a pixel is only read and written up to C or O.
 
 The NumPy reference is the NCHW convolution of caffepy/kernels/reference/vision.py on the
-unpacked arrays (tests/layers/test_winograd.py); `matrices` is checked against the correlation it
-computes.
+unpacked arrays (tests/layers/test_winograd.py, tests/layers/test_nhwc.py); `matrices` is
+checked against the correlation it computes.
 """
 
 from cython.parallel cimport prange, threadid
@@ -90,29 +93,50 @@ cdef struct WGeom:
     int chunk                     # images per chunk
     Py_ssize_t tiles              # tiles per chunk (rows of every GEMM)
     Py_ssize_t cpad, opad         # channel columns of the V and M buffers (Cb * V, Ob * V)
+    Py_ssize_t xn, xb, xp         # x's strides: image, block of V channels, pixel
+    Py_ssize_t yn, yb, yp         # y's (and dy's) strides
+    bint pad_lanes                # blocked: lanes past O are written as zeros
     float at[MAX_A * MAX_A]       # AT [m, a] and its transpose am [a, m]
     float am[MAX_A * MAX_A]
     float bt[MAX_A * MAX_A]       # BT [a, a] and its transpose bm
     float bm[MAX_A * MAX_A]
 
 
-cdef WGeom _geom(str kernel, x, str yname, y, int C, int O, int m, int r, int ph, int pw,
-                 int group, vbuf, mbuf, const float[:, ::1] at, const float[:, ::1] bt) except *:
+cdef WGeom _geom(str kernel, tuple xs, str yname, tuple ys, bint blocked, int V, int C, int O,
+                 int m, int r, int ph, int pw, int group, vbuf, mbuf, const float[:, ::1] at,
+                 const float[:, ::1] bt) except *:
+    """The geometry of x (shape xs) and y (ys): blocked [N, Cb, H, W, V] or channels-last
+    [N, H, W, C] with blocks of V channels."""
     cdef WGeom g
     cdef int i, j
-    g.N, g.Cb, g.H, g.W, g.V = x.shape[0], x.shape[1], x.shape[2], x.shape[3], x.shape[4]
+    if blocked:
+        g.N, g.Cb, g.H, g.W, g.V = xs[0], xs[1], xs[2], xs[3], xs[4]
+        need(C <= g.Cb * g.V, kernel, "x", f"needs the blocks of width {g.V} that hold {C} channels",
+             f"{g.Cb} blocks")
+    else:
+        g.N, g.H, g.W, g.V = xs[0], xs[1], xs[2], V
+        need(xs[3] == C, kernel, "x", f"needs {C} channels", xs[3])
+        g.Cb = (C + V - 1) // V
     g.C, g.O, g.m, g.r, g.a, g.ph, g.pw, g.group = C, O, m, r, m + r - 1, ph, pw, group
     need(g.a <= MAX_A and m >= 1 and r >= 1, kernel, "m, r",
          f"tile side m + r - 1 must be 1..{MAX_A}", f"F({m}, {r})")
-    need(g.V <= MAX_V, kernel, "x", f"needs a block width of at most {MAX_V}", g.V)
-    need(group >= 1 and C % group == 0 and O % group == 0 and g.Cb * g.V >= C, kernel, "group",
-         f"must divide {C} input and {O} output channels held in {g.Cb} blocks of {g.V}", group)
+    need(1 <= g.V <= MAX_V, kernel, "x", f"needs a block width of 1 to {MAX_V}", g.V)
+    need(group >= 1 and C % group == 0 and O % group == 0, kernel, "group",
+         f"must divide {C} input and {O} output channels", group)
     g.Ob = (O + g.V - 1) // g.V
     g.oh = g.H + 2 * ph - r + 1
     g.ow = g.W + 2 * pw - r + 1
     need(g.oh >= 1 and g.ow >= 1, kernel, "geometry",
          f"kernel {r}x{r} (pad {ph}x{pw}) does not fit the image", f"{g.H}x{g.W}")
-    need_shape(kernel, yname, tuple(y.shape[:5]), (g.N, g.Ob, g.oh, g.ow, g.V))
+    if blocked:
+        need_shape(kernel, yname, ys, (g.N, g.Ob, g.oh, g.ow, g.V))
+        g.xp, g.xb, g.xn = g.V, <Py_ssize_t>g.H * g.W * g.V, <Py_ssize_t>g.Cb * g.H * g.W * g.V
+        g.yp, g.yb, g.yn = g.V, <Py_ssize_t>g.oh * g.ow * g.V, <Py_ssize_t>g.Ob * g.oh * g.ow * g.V
+    else:
+        need_shape(kernel, yname, ys, (g.N, g.oh, g.ow, O))
+        g.xp, g.xb, g.xn = C, g.V, <Py_ssize_t>g.H * g.W * C
+        g.yp, g.yb, g.yn = O, g.V, <Py_ssize_t>g.oh * g.ow * O
+    g.pad_lanes = blocked
     g.Cg, g.Og = C // group, O // group
     g.th, g.tw = (g.oh + m - 1) // m, (g.ow + m - 1) // m
     g.cpad, g.opad = <Py_ssize_t>g.Cb * g.V, <Py_ssize_t>g.Ob * g.V
@@ -153,18 +177,18 @@ def scratch_shapes(int threads, int N, int C, int O, int H, int W, int V, int m,
 
 
 # ---------------------------------------------------------------------------------------------
-# Tile transforms: in C (cext/intel_winograd_tiles.h) for `restrict`, which lets GCC vectorize them.
+# Tile transforms: in C (cext/winograd_tiles.h) for `restrict`, which lets GCC vectorize them.
 
-cdef extern from "intel_winograd_tiles.h" nogil:
+cdef extern from "winograd_tiles.h" nogil:
     void wg_input(const float* x, int H, int W, int iy0, int ix0, int m, int a, const float* bt,
-                  float* w, float* out, long pstride, int V)
+                  float* w, float* out, long pstride, int V, long ps, int nv)
     void wg_output(const float* mb, long pstride, int m, int a, const float* at,
                    const float* bias, int nv, float* y, int oh, int ow, int oy0, int ox0,
-                   float* w, int V)
+                   float* w, int V, long ps, int pad_lanes)
     void wg_dy(const float* dy, int oh, int ow, int oy0, int ox0, int m, int a,
-               const float* am, float* w, float* out, long pstride, int V)
+               const float* am, float* w, float* out, long pstride, int V, long ps, int nv)
     void wg_dx(const float* dv, long pstride, int m, int a, const float* bm, int nv, float* dx,
-               int H, int W, int iy0, int ix0, float* w, int V)
+               int H, int W, int iy0, int ix0, float* w, int V, long ps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,20 +196,27 @@ cdef extern from "intel_winograd_tiles.h" nogil:
 # tile t of the chunk = (image - n0) * th * tw + ty * tw + tx. Loops run tile by tile with the
 # channel blocks innermost, so the V-float pieces a tile writes into each buffer row are adjacent.
 
+cdef inline int _lanes(const WGeom* g, int block, int channels) noexcept nogil:
+    """Real channels in `block`: V, but the last block of a channels-last pixel (blocked
+    padding lanes hold zeros and are read as such)."""
+    cdef int nv = channels - block * g.V
+    return g.V if g.pad_lanes or nv > g.V else nv
+
+
 cdef void _inputs(const WGeom* g, const float* x, int n0, int count, float* vb,
                   float* w) noexcept nogil:
     cdef int n, cb, ty, tx, iy0, ix0, V = g.V
-    cdef Py_ssize_t t, pstride = g.tiles * g.cpad, plane = <Py_ssize_t>g.H * g.W * V
+    cdef Py_ssize_t t, pstride = g.tiles * g.cpad
     cdef const float* img
     for n in range(count):
-        img = x + <Py_ssize_t>(n0 + n) * g.Cb * plane
+        img = x + <Py_ssize_t>(n0 + n) * g.xn
         for ty in range(g.th):
             for tx in range(g.tw):
                 t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
                 iy0, ix0 = ty * g.m - g.ph, tx * g.m - g.pw
                 for cb in range(g.Cb):
-                    wg_input(img + cb * plane, g.H, g.W, iy0, ix0, g.m, g.a, g.bt, w,
-                             vb + t * g.cpad + cb * V, pstride, V)
+                    wg_input(img + cb * g.xb, g.H, g.W, iy0, ix0, g.m, g.a, g.bt, w,
+                             vb + t * g.cpad + cb * V, pstride, V, g.xp, _lanes(g, cb, g.C))
 
 
 cdef void _fwd_chunk(const WGeom* g, const float* x, const float* u, const float* bias,
@@ -193,7 +224,6 @@ cdef void _fwd_chunk(const WGeom* g, const float* x, const float* u, const float
     cdef int p, gr, n, ob, ty, tx, nv, V = g.V, a2 = g.a * g.a
     cdef Py_ssize_t t, rows = <Py_ssize_t>count * g.th * g.tw
     cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
-    cdef Py_ssize_t plane = <Py_ssize_t>g.oh * g.ow * V
     cdef float* img
     _inputs(g, x, n0, count, vb, w)
     for p in range(a2):
@@ -202,7 +232,7 @@ cdef void _fwd_chunk(const WGeom* g, const float* x, const float* u, const float
                     <int>g.cpad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
                     0.0, mb + p * mstride + gr * g.Og, <int>g.opad)
     for n in range(count):
-        img = y + <Py_ssize_t>(n0 + n) * g.Ob * plane
+        img = y + <Py_ssize_t>(n0 + n) * g.yn
         for ty in range(g.th):
             for tx in range(g.tw):
                 t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
@@ -211,7 +241,8 @@ cdef void _fwd_chunk(const WGeom* g, const float* x, const float* u, const float
                     if nv > V:
                         nv = V
                     wg_output(mb + t * g.opad + ob * V, mstride, g.m, g.a, g.at, bias + ob * V,
-                              nv, img + ob * plane, g.oh, g.ow, ty * g.m, tx * g.m, w, V)
+                              nv, img + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, w, V, g.yp,
+                              g.pad_lanes)
 
 
 cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float* dy, float* dx,
@@ -219,17 +250,16 @@ cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float
     cdef int p, gr, n, ob, cb, ty, tx, nv, V = g.V, a2 = g.a * g.a
     cdef Py_ssize_t t, rows = <Py_ssize_t>count * g.th * g.tw
     cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
-    cdef Py_ssize_t xplane = <Py_ssize_t>g.H * g.W * V, yplane = <Py_ssize_t>g.oh * g.ow * V
     cdef const float* dimg
     cdef float* ximg
     for n in range(count):          # dM = AT^T dY AT, tile by tile
-        dimg = dy + <Py_ssize_t>(n0 + n) * g.Ob * yplane
+        dimg = dy + <Py_ssize_t>(n0 + n) * g.yn
         for ty in range(g.th):
             for tx in range(g.tw):
                 t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
                 for ob in range(g.Ob):
-                    wg_dy(dimg + ob * yplane, g.oh, g.ow, ty * g.m, tx * g.m, g.m, g.a, g.am, w,
-                          mb + t * g.opad + ob * V, mstride, V)
+                    wg_dy(dimg + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, g.m, g.a, g.am, w,
+                          mb + t * g.opad + ob * V, mstride, V, g.yp, _lanes(g, ob, g.O))
     if du != NULL:                  # dU_p += V_p^T dM_p
         _inputs(g, x, n0, count, vb, w)
         for p in range(a2):
@@ -243,9 +273,9 @@ cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float
                 gemm_ld(False, False, <int>rows, g.Cg, g.Og, 1.0, mb + p * mstride + gr * g.Og,
                         <int>g.opad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
                         0.0, vb + p * vstride + gr * g.Cg, <int>g.cpad)
-        memset(dx + <Py_ssize_t>n0 * g.Cb * xplane, 0, count * g.Cb * xplane * sizeof(float))
+        memset(dx + <Py_ssize_t>n0 * g.xn, 0, count * g.xn * sizeof(float))
         for n in range(count):
-            ximg = dx + <Py_ssize_t>(n0 + n) * g.Cb * xplane
+            ximg = dx + <Py_ssize_t>(n0 + n) * g.xn
             for ty in range(g.th):
                 for tx in range(g.tw):
                     t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
@@ -253,14 +283,14 @@ cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float
                         nv = g.C - cb * V
                         if nv > V:
                             nv = V
-                        wg_dx(vb + t * g.cpad + cb * V, vstride, g.m, g.a, g.bm, nv, ximg + cb * xplane,
-                              g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, w, V)
+                        wg_dx(vb + t * g.cpad + cb * V, vstride, g.m, g.a, g.bm, nv, ximg + cb * g.xb,
+                              g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, w, V, g.xp)
 
 
 # ---------------------------------------------------------------------------------------------
 # Weight transforms: U = G W G^T into the GEMM layout u[a*a, O, Cg], dW += G^T dU G back out.
 
-cdef extern from "intel_winograd_tiles.h" nogil:
+cdef extern from "winograd_tiles.h" nogil:
     void wg_weights(const float* w, float* u, const float* gm, int O, int Cg, int r, int a,
                     int o0, int o1)
     void wg_weight_grad(const float* du, float* dw, const float* gm, int O, int Cg, int r, int a,
@@ -316,6 +346,72 @@ cdef inline Py_ssize_t _work(const WGeom* g) noexcept nogil:
     return <Py_ssize_t>g.N * g.th * g.tw * g.a * g.a * g.O * g.Cg
 
 
+cdef void _run_forward(const WGeom* g, const float* x, const float* u, const float* bias,
+                       float* y, float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
+                       float[:, ::1] work) noexcept nogil:
+    cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid
+    cdef int saved = 0
+    nt = _task_threads(T, chunks, _work(g))
+    if nt == 1:
+        for c in range(chunks):
+            n0 = c * g.chunk
+            cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
+            _fwd_chunk(g, x, u, bias, y, n0, cnt, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0], &work[0, 0])
+    else:
+        saved = _blas_get_threads()
+        _blas_set_threads(1)
+        for c in prange(chunks, num_threads=nt, schedule="dynamic"):
+            tid = threadid()
+            n0 = c * g.chunk
+            cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
+            _fwd_chunk(g, x, u, bias, y, n0, cnt, &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0],
+                       &work[tid, 0])
+        _blas_set_threads(saved)
+
+
+cdef void _run_backward(const WGeom* g, const float* x, const float* u, const float* dy,
+                        float* dx, float* du, float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
+                        float[:, ::1] work) noexcept nogil:
+    cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid, t
+    cdef int saved = 0
+    cdef Py_ssize_t us = <Py_ssize_t>g.a * g.a * g.O * g.Cg, i
+    nt = _task_threads(T, chunks, _work(g))
+    if du != NULL:
+        memset(du, 0, nt * us * sizeof(float))
+    if nt == 1:
+        for c in range(chunks):
+            n0 = c * g.chunk
+            cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
+            _bwd_chunk(g, x, u, dy, dx, du, n0, cnt, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0],
+                       &work[0, 0])
+    else:
+        saved = _blas_get_threads()
+        _blas_set_threads(1)
+        for c in prange(chunks, num_threads=nt, schedule="dynamic"):
+            tid = threadid()
+            n0 = c * g.chunk
+            cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
+            _bwd_chunk(g, x, u, dy, dx, du + tid * us if du != NULL else NULL, n0, cnt,
+                       &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0], &work[tid, 0])
+        _blas_set_threads(saved)
+        if du != NULL:
+            for t in range(1, nt):
+                for i in prange(us, schedule="static", num_threads=threads_for(us)):
+                    du[i] += du[t * us + i]
+
+
+cdef _check_forward(str kernel, const WGeom* g, u, bias):
+    need_shape(kernel, "u", tuple(u.shape[:3]), (g.a * g.a, g.O, g.Cg))
+    need_shape(kernel, "bias", tuple(bias.shape[:1]), (g.opad,))
+
+
+cdef _check_backward(str kernel, const WGeom* g, u, du, int T, bint need_w):
+    need_shape(kernel, "u", tuple(u.shape[:3]), (g.a * g.a, g.O, g.Cg))
+    if need_w:
+        need(du.shape[0] >= T and tuple(du.shape[1:4]) == (g.a * g.a, g.O, g.Cg), kernel,
+             "du", f"needs shape (>= {T}, {g.a * g.a}, {g.O}, {g.Cg})", tuple(du.shape[:4]))
+
+
 def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
                  const float[::1] bias, float[:, :, :, :, ::1] y,
                  float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
@@ -326,34 +422,15 @@ def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
     bias: O values padded to a whole number of blocks (zeros for no bias).
     Scratch vbuf, mbuf as `scratch_shapes` gives them (one slice per thread).
     """
-    cdef WGeom g = _geom("conv_forward", x, "y", y, C, O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
-    need_shape("conv_forward", "u", dims(u.shape, 3), (g.a * g.a, O, g.Cg))
-    need_shape("conv_forward", "bias", dims(bias.shape, 1), (g.opad,))
-    cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid
-    cdef int saved = 0
-    cdef float[:, ::1] work = _work_buffer(T)
+    cdef WGeom g = _geom("conv_forward", dims(x.shape, 5), "y", dims(y.shape, 5), True, 0, C, O,
+                         m, r, ph, pw, group, vbuf, mbuf, at, bt)
+    _check_forward("conv_forward", &g, u, bias)
+    cdef float[:, ::1] work = _work_buffer(vbuf.shape[0])
     if g.N == 0:
         return
-    nt = _task_threads(T, chunks, _work(&g))
     with nogil:
-        if nt == 1:
-            for c in range(chunks):
-                n0 = c * g.chunk
-                cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-                _fwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0], &bias[0], &y[0, 0, 0, 0, 0],
-                           n0, cnt, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0],
-                           &work[0, 0])
-        else:
-            saved = _blas_get_threads()
-            _blas_set_threads(1)
-            for c in prange(chunks, num_threads=nt, schedule="dynamic"):
-                tid = threadid()
-                n0 = c * g.chunk
-                cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-                _fwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0], &bias[0], &y[0, 0, 0, 0, 0],
-                           n0, cnt, &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0],
-                           &work[tid, 0])
-            _blas_set_threads(saved)
+        _run_forward(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0], &bias[0], &y[0, 0, 0, 0, 0], vbuf, mbuf,
+                     work)
 
 
 def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
@@ -364,44 +441,55 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
     """Gradients of conv_forward: dx (blocked, overwritten) if need_x; du[0] = the gradient
     with respect to U summed over the batch if need_w (du[T, a*a, O, Cg] is per-thread
     scratch; the caller turns row 0 into dW = G^T dU G and adds it to its diff)."""
-    cdef WGeom g = _geom("conv_backward", x, "dy", dy, C, O, m, r, ph, pw, group, vbuf, mbuf, at,
-                         bt)
-    need_shape("conv_backward", "u", dims(u.shape, 3), (g.a * g.a, O, g.Cg))
+    cdef WGeom g = _geom("conv_backward", dims(x.shape, 5), "dy", dims(dy.shape, 5), True, 0, C,
+                         O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
+    _check_backward("conv_backward", &g, u, du, vbuf.shape[0], need_w)
     if need_x:
         need_shape("conv_backward", "dx", dims(dx.shape, 5), dims(x.shape, 5))
-    cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid, t
-    if need_w:
-        need(du.shape[0] >= T and dims(du.shape + 1, 3) == (g.a * g.a, O, g.Cg), "conv_backward",
-             "du", f"needs shape (>= {T}, {g.a * g.a}, {O}, {g.Cg})", dims(du.shape, 4))
-    cdef int saved = 0
-    cdef Py_ssize_t us = <Py_ssize_t>g.a * g.a * O * g.Cg, i
     cdef float* dup = &du[0, 0, 0, 0] if need_w else NULL
     cdef float* dxp = &dx[0, 0, 0, 0, 0] if need_x else NULL
-    cdef float[:, ::1] work = _work_buffer(T)
+    cdef float[:, ::1] work = _work_buffer(vbuf.shape[0])
     if g.N == 0 or not (need_x or need_w):
         return
-    nt = _task_threads(T, chunks, _work(&g))
     with nogil:
-        if need_w:
-            memset(dup, 0, nt * us * sizeof(float))
-        if nt == 1:
-            for c in range(chunks):
-                n0 = c * g.chunk
-                cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-                _bwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0], &dy[0, 0, 0, 0, 0], dxp, dup,
-                           n0, cnt, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0],
-                           &work[0, 0])
-        else:
-            saved = _blas_get_threads()
-            _blas_set_threads(1)
-            for c in prange(chunks, num_threads=nt, schedule="dynamic"):
-                tid = threadid()
-                n0 = c * g.chunk
-                cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-                _bwd_chunk(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0], &dy[0, 0, 0, 0, 0], dxp,
-                           dup + tid * us if need_w else NULL, n0, cnt, &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0], &work[tid, 0])
-            _blas_set_threads(saved)
-            if need_w:
-                for t in range(1, nt):
-                    for i in prange(us, schedule="static", num_threads=threads_for(us)):
-                        dup[i] += dup[t * us + i]
+        _run_backward(&g, &x[0, 0, 0, 0, 0], &u[0, 0, 0], &dy[0, 0, 0, 0, 0], dxp, dup, vbuf,
+                      mbuf, work)
+
+
+def conv_forward_nhwc(const float[:, :, :, ::1] x, const float[:, :, ::1] u,
+                      const float[::1] bias, float[:, :, :, ::1] y,
+                      float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
+                      const float[:, ::1] at, const float[:, ::1] bt,
+                      int V, int O, int m, int r, int ph, int pw, int group):
+    """conv_forward on channels-last x [N, H, W, C], y [N, oh, ow, O], in blocks of V channels
+    (bias padded to whole blocks; scratch_shapes with this V)."""
+    cdef WGeom g = _geom("conv_forward_nhwc", dims(x.shape, 4), "y", dims(y.shape, 4), False, V,
+                         x.shape[3], O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
+    _check_forward("conv_forward_nhwc", &g, u, bias)
+    cdef float[:, ::1] work = _work_buffer(vbuf.shape[0])
+    if g.N == 0:
+        return
+    with nogil:
+        _run_forward(&g, &x[0, 0, 0, 0], &u[0, 0, 0], &bias[0], &y[0, 0, 0, 0], vbuf, mbuf, work)
+
+
+def conv_backward_nhwc(const float[:, :, :, ::1] x, const float[:, :, ::1] u,
+                       const float[:, :, :, ::1] dy, float[:, :, :, ::1] dx,
+                       float[:, :, :, ::1] du, float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
+                       const float[:, ::1] at, const float[:, ::1] bt,
+                       int V, int O, int m, int r, int ph, int pw, int group, bint need_x,
+                       bint need_w):
+    """conv_backward on channels-last arrays, as conv_forward_nhwc."""
+    cdef WGeom g = _geom("conv_backward_nhwc", dims(x.shape, 4), "dy", dims(dy.shape, 4), False,
+                         V, x.shape[3], O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
+    _check_backward("conv_backward_nhwc", &g, u, du, vbuf.shape[0], need_w)
+    if need_x:
+        need_shape("conv_backward_nhwc", "dx", dims(dx.shape, 4), dims(x.shape, 4))
+    cdef float* dup = &du[0, 0, 0, 0] if need_w else NULL
+    cdef float* dxp = &dx[0, 0, 0, 0] if need_x else NULL
+    cdef float[:, ::1] work = _work_buffer(vbuf.shape[0])
+    if g.N == 0 or not (need_x or need_w):
+        return
+    with nogil:
+        _run_backward(&g, &x[0, 0, 0, 0], &u[0, 0, 0], &dy[0, 0, 0, 0], dxp, dup, vbuf, mbuf,
+                      work)

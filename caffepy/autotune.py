@@ -1,0 +1,142 @@
+"""Per-layer algorithm choice by measurement, kept per machine and shape on disk.
+
+Which convolution algorithm is fastest depends on the shape and the machine more than any rule
+says (the lesson of the HKBU study of deep-learning frameworks): a layer with several
+algorithms for one shape (the channels-last Convolution: GEMM with or without im2col, Winograd
+tiles, depthwise) times each on its first reshape for that shape, keeps the fastest, and the
+choice is stored so the next run reads it instead of measuring.
+
+    choice = autotune.choose(layer, key, {"gemm": run_gemm, "winograd F(4,3)": run_f43}, "gemm")
+
+Each candidate is a function running the layer's forward (and backward, in training) with that
+algorithm; `default` is the rule's choice, used when measuring is off.
+
+Switches (environment):
+    CAFFEPY_AUTOTUNE=0      no measuring, no cache: the rules decide (tests, reproducible CI)
+    CAFFEPY_CACHE_DIR=dir   where the cache lives (default $XDG_CACHE_HOME/caffepy, else
+                            ~/.cache/caffepy): autotune.json
+
+The cache holds one section per machine (CPU model, vector ISA, threads, kernel version), an
+entry per key: the choice and the milliseconds measured. It is read once per process; writes
+re-read it under an exclusive lock (ranks of one node may measure at once), merge, and replace
+the file atomically. A file that does not parse is set aside (warned once) and rebuilt. In a
+multi-rank run every rank takes rank 0's choice (`context.agree`), so the replicas run the same
+arithmetic.
+"""
+import json
+import os
+import tempfile
+import time
+
+from . import device, log
+
+VERSION = 1                  # bump when a kernel change makes old measurements meaningless
+_FILE = "autotune.json"
+_cache = None                # {machine: {key: entry}} as read from disk, this process
+_path_read = None
+
+
+def enabled():
+    value = os.environ.get("CAFFEPY_AUTOTUNE", "1").strip().lower()
+    return value not in ("0", "off", "no", "false")
+
+
+def cache_path():
+    root = os.environ.get("CAFFEPY_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "caffepy")
+    return os.path.join(root, _FILE)
+
+
+def machine_key(threads):
+    isa, _ = device.vector_isa()
+    return f"{device.cpu_model()} | {isa} | {threads} threads | v{VERSION}"
+
+
+def _read(path):
+    """The cache at `path` ({} when missing); a damaged file is renamed aside and reads as {}."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+            raise ValueError("not a mapping of machines to entries")
+        return data
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        aside = f"{path}.bad"
+        try:
+            os.replace(path, aside)
+        except OSError:
+            aside = None
+        log.warning(f"{path}: unreadable autotune cache ({e}); measuring again"
+                    + (f" (the file is kept as {aside})" if aside else ""))
+        return {}
+
+
+def _loaded():
+    global _cache, _path_read
+    path = cache_path()
+    if _cache is None or _path_read != path:
+        _cache, _path_read = _read(path), path
+    return _cache
+
+
+def lookup(machine, key):
+    entry = _loaded().get(machine, {}).get(key)
+    return entry if isinstance(entry, dict) else None
+
+
+def store(machine, key, entry):
+    """Merge one entry into the file under a lock, written atomically (temp file + rename)."""
+    path = cache_path()
+    _loaded().setdefault(machine, {})[key] = entry
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".lock", "a") as lock:
+            try:
+                import fcntl
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except (ImportError, OSError):
+                pass             # no locking here: the rename still keeps the file whole
+            current = _read(path)
+            current.setdefault(machine, {})[key] = entry
+            fd, tmp = tempfile.mkstemp(prefix=".autotune-", dir=os.path.dirname(path))
+            with os.fdopen(fd, "w") as f:
+                json.dump(current, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+    except OSError as e:
+        log.warning(f"{path}: cannot write the autotune cache ({e}); the choice holds for this run")
+
+
+def measure(run, repeats=2):
+    """Seconds of the fastest of `repeats` runs of `run` after one warm-up run."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def choose(layer, key, candidates, default, threads):
+    """The name of the fastest candidate for `key` on this machine (see the module docstring);
+    sets `layer.tuning` to how it was decided, for the log and `caffepy time`."""
+    if len(candidates) == 1 or not enabled():
+        layer.tuning = "rule" if len(candidates) > 1 else "only"
+        return default if default in candidates else next(iter(candidates))
+    machine = machine_key(threads)
+    entry = lookup(machine, key)
+    if entry is not None and entry.get("choice") in candidates:
+        choice, layer.tuning = entry["choice"], "cached"
+    else:
+        ms = {name: round(measure(run) * 1e3, 3) for name, run in candidates.items()}
+        choice = min(ms, key=ms.get)
+        layer.tuning = "measured " + ", ".join(f"{name} {t:g} ms" for name, t in ms.items())
+        store(machine, key, {"choice": choice, "ms": ms})
+    agreed = layer.context.agree(choice)
+    if agreed != choice:
+        choice, layer.tuning = agreed, "rank 0's choice"
+    return choice

@@ -1,0 +1,674 @@
+"""The fast path's channels-last family: NHWCPack / NHWCUnpack and the layers that run on the
+channels-last layout (caffepy.blob.CHANNELS_LAST: N, H, W, C in memory).
+
+A net gets this layout from its layout plan (caffepy/layout_plan.py), not from its prototxt:
+the plan runs every layer that has a channels-last implementation in that layout once a
+convolution has started a region, and puts an NHWCPack / NHWCUnpack where the region starts and
+ends. The blobs keep Caffe's shapes and values (`data` is an N, C, H, W view), so a net reads and
+saves as ever; the kernels (caffepy.kernels.nhwc) take the arrays as stored.
+
+The classes are registered `nhwc` variants of their types and subclass the plain ones, whose
+setup (fields, checks, parameter blobs) they keep:
+    Convolution   the algorithm per shape by measurement (caffepy/autotune.py): GEMM over the
+                  pixels (pointwise: no im2col; else im2col in runs of kw * C floats), Winograd
+                  F(m, r) for stride-1 3x3 and 5x5 kernels (cext/winograd.pyx), or direct
+                  depthwise (group = channels); `layer.algorithm` names the one chosen
+    Pooling       MAX (one top) and AVE, global too
+    BatchNorm     batch statistics (train) and global statistics
+    Scale, Bias   a learned per-channel scale (and bias) / bias
+    Concat        along channels
+    LRN           ACROSS_CHANNELS
+The layout-agnostic plain layers (ReLU and the other neurons, Split, Eltwise, Dropout, Silence)
+run on it as they are. All compute Caffe's numbers up to float rounding.
+"""
+import numpy as np
+
+from .. import autotune, geometry
+from ..blob import CHANNELS_LAST
+from ..errors import CaffepyError, ShapeError
+from ..layer import NHWC, OWN, Layer, register
+from ..proto import caffe_pb2
+from .common import Bias, Concat, Scale, param_wanted, refuse_concat_fusion
+from .intel import WINOGRAD_TILES, block_width, winograd_matrices, winograd_tile
+from .normalization import LRN, BatchNorm
+from .vision import Convolution, Pooling
+
+try:
+    from ..kernels import nhwc as _k
+    from ..kernels import winograd as _winograd
+except ImportError:     # reported when a channels-last layer is built, not at import
+    _k = _winograd = None
+
+TRAIN = caffe_pb2.TRAIN
+_EMPTY = np.zeros(0, np.float32)
+_EMPTY2 = np.zeros((0, 0), np.float32)
+
+
+def _kernels(layer):
+    if _k is None:
+        raise layer.error("type", "needs the compiled kernels (caffepy.kernels.nhwc), which are "
+                          "not built", hint="Run `make install`", cls=CaffepyError)
+    return _k
+
+
+def _workspace(name, shape, dtype=np.float32):
+    """Scratch shared by the channels-last layers (they run one at a time): grows, never shrinks."""
+    count = int(np.prod(shape))
+    buf = _WORKSPACE.get((name, np.dtype(dtype)))
+    if buf is None or buf.size < count:
+        buf = _WORKSPACE[(name, np.dtype(dtype))] = np.empty(max(count, 1), dtype)
+    return buf[:count].reshape(shape)
+
+
+_WORKSPACE = {}
+
+
+def nhwc_top(top, shape):
+    """Shape `top` (Caffe's N, C, H, W) in the channels-last layout."""
+    top.reshape(shape)
+    if top.layout != CHANNELS_LAST:
+        top.layout = CHANNELS_LAST
+
+
+def rows(blob, diff=False):
+    """A channels-last blob as its [N * H * W, C] matrix of pixels (data or diff)."""
+    raw = blob.raw_diff if diff else blob.raw_data
+    return raw.reshape(-1, blob.shape[1])
+
+
+def _four_axes(request):
+    return all(b.num_axes == 4 for b in request.bottoms)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pack / Unpack
+
+@register
+class NHWCPack(Layer):
+    """NCHW -> channels-last; backward the other way. The layout plan inserts it where a
+    channels-last region starts (caffepy/layout_plan.py); no parameters."""
+    exact_bottoms = exact_tops = 1
+    layout = OWN
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        if top[0] is bottom[0]:
+            raise self.error("top", "NHWCPack cannot run in place", f"'{bottom[0].name}'")
+
+    def reshape(self, bottom, top):
+        b = bottom[0]
+        if b.layout is not None or b.num_axes != 4:
+            raise self.error("bottom[0]", "needs a plain 4-axis (N, C, H, W) blob",
+                             f"{b.shape} {b.layout or ''}".strip(), cls=ShapeError)
+        nhwc_top(top[0], b.shape)
+
+    def forward(self, bottom, top):
+        _k.pack(bottom[0].data, top[0].raw_data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            _k.unpack(top[0].raw_diff, bottom[0].diff)
+
+
+@register
+class NHWCUnpack(Layer):
+    """Channels-last -> NCHW; backward the other way (where a channels-last region ends)."""
+    exact_bottoms = exact_tops = 1
+    layout = OWN
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        if top[0] is bottom[0]:
+            raise self.error("top", "NHWCUnpack cannot run in place", f"'{bottom[0].name}'")
+
+    def reshape(self, bottom, top):
+        b = bottom[0]
+        if b.layout != CHANNELS_LAST:
+            raise self.error("bottom[0]", "needs a channels-last blob", b.layout, cls=ShapeError)
+        top[0].reshape(b.shape)
+        top[0].layout = None
+
+    def forward(self, bottom, top):
+        _k.unpack(bottom[0].raw_data, top[0].data)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            _k.pack(top[0].diff, bottom[0].raw_diff)
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution
+
+class _Gemm:
+    """im2col (none for a pointwise stride-1 convolution) + one GEMM per group and row chunk."""
+
+    def __init__(self, layer, n, h, w):
+        L = layer
+        self.layer = L
+        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = L.window
+        self.args = (L.num_output, kh, kw, ph, pw, sh, sw, dh, dw, L.group)
+        self.direct = (kh, kw, sh, sw, ph, pw) == (1, 1, 1, 1, 0, 0)
+        cg, og = L.channels // L.group, L.num_output // L.group
+        self.kg = cg * kh * kw
+        # pointwise: one GEMM over the batch's pixels, threaded by BLAS
+        self.rows = n * L.oh * L.ow if self.direct else _k.conv_rows(L.channels, kh, kw)
+        self.col_floats = 0 if self.direct else _k.conv_col_floats(L.channels, kh, kw, L.oh, L.ow,
+                                                                     self.rows)
+        self.name = "gemm" if self.direct else "im2col+gemm"
+        self.wt = np.empty((L.group, self.kg, og), np.float32)
+
+    def _pack(self):
+        L = self.layer
+        (kh, kw) = L.window.kernel
+        g, cg = L.group, L.channels // L.group
+        w = L.blobs[0].data.reshape(g, L.num_output // g, cg, kh, kw)
+        np.copyto(self.wt.reshape(g, kh, kw, cg, -1), w.transpose(0, 3, 4, 2, 1))
+
+    def _col(self):
+        return _workspace("col", (_k.max_threads(), self.col_floats))
+
+    def forward(self, bottom, top):
+        L = self.layer
+        self._pack()
+        bias = L.blobs[1].data if L.bias_term else _EMPTY
+        col = self._col()
+        for b, t in zip(bottom, top):
+            _k.conv_forward(b.raw_data, self.wt, bias, t.raw_data, col, *self.args, self.rows)
+
+    def backward(self, top, propagate_down, bottom, need_w, need_b):
+        L = self.layer
+        col = self._col()
+        threads = col.shape[0]
+        dwt = _workspace("dwt", (threads, self.wt.size)) if need_w else _EMPTY2
+        db = _workspace("db", (threads, L.num_output)) if need_b else _EMPTY2
+        (kh, kw) = L.window.kernel
+        g, cg = L.group, L.channels // L.group
+        for i, (b, t) in enumerate(zip(bottom, top)):
+            need_x = bool(propagate_down[i])
+            if not (need_x or need_w or need_b):
+                continue
+            dx = b.raw_diff if need_x else b.raw_data
+            _k.conv_backward(b.raw_data, self.wt, t.raw_diff, dx, dwt, db, col, *self.args,
+                             self.rows, need_x, need_w, need_b)
+            if need_w:
+                grad = dwt[0].reshape(g, kh, kw, cg, -1).transpose(0, 4, 3, 1, 2)
+                L.blobs[0].diff.reshape(grad.shape)[...] += grad
+            if need_b:
+                L.blobs[1].diff[...] += db[0]
+
+
+class _Depthwise:
+    """Direct depthwise convolution (group = channels = outputs), vectorized over channels."""
+    name = "depthwise"
+
+    def __init__(self, layer, n, h, w):
+        L = self.layer = layer
+        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = L.window
+        self.args = (kh, kw, ph, pw, sh, sw, dh, dw)
+        self.w = np.empty((kh * kw, L.channels), np.float32)
+
+    def forward(self, bottom, top):
+        L = self.layer
+        np.copyto(self.w, L.blobs[0].data.reshape(L.channels, -1).T)
+        bias = L.blobs[1].data if L.bias_term else _EMPTY
+        for b, t in zip(bottom, top):
+            _k.dw_forward(b.raw_data, self.w, bias, t.raw_data, *self.args)
+
+    def backward(self, top, propagate_down, bottom, need_w, need_b):
+        L = self.layer
+        threads = _k.max_threads()
+        dw = _workspace("dw_acc", (threads,) + self.w.shape)
+        db = _workspace("dw_db", (threads, L.channels))
+        for i, (b, t) in enumerate(zip(bottom, top)):
+            need_x = bool(propagate_down[i])
+            if not (need_x or need_w or need_b):
+                continue
+            dx = b.raw_diff if need_x else b.raw_data
+            _k.dw_backward(b.raw_data, self.w, t.raw_diff, dx, dw, db, *self.args, need_x, need_w,
+                           need_b)
+            if need_w:
+                L.blobs[0].diff.reshape(L.channels, -1)[...] += dw[0].T
+            if need_b:
+                L.blobs[1].diff[...] += db[0]
+
+
+class _Winograd:
+    """Winograd F(m x m, r x r) on the channels-last layout (cext/winograd.pyx), for stride-1
+    undilated square kernels: a*a GEMMs over tiles instead of one over pixels."""
+
+    def __init__(self, layer, n, h, w, m):
+        L = self.layer = layer
+        self.m, self.r = m, L.window.kernel[0]
+        self.name = f"winograd F({m},{self.r})"
+        self.v = block_width()
+        self.ph, self.pw = L.window.pad
+        a = m + self.r - 1
+        self.u_shape = (a * a, L.num_output, L.channels // L.group)
+        self.vshape, self.mshape = _winograd.scratch_shapes(_k.max_threads(), n, L.channels,
+                                                            L.num_output, h, w, self.v, m, self.r,
+                                                            self.ph, self.pw)
+
+    def _setup(self):
+        L = self.layer
+        at, gm, bt = winograd_matrices(self.m, self.r)
+        u = _workspace("wino_u", self.u_shape)
+        _winograd.weight_transform(L.blobs[0].data, gm, u)
+        return at, bt, gm, u, _workspace("wino_v", self.vshape), _workspace("wino_m", self.mshape)
+
+    def forward(self, bottom, top):
+        L = self.layer
+        at, bt, _, u, vbuf, mbuf = self._setup()
+        bias = _workspace("wino_bias", (self.mshape[3],))
+        bias[...] = 0
+        if L.bias_term:
+            bias[:L.num_output] = L.blobs[1].data
+        for b, t in zip(bottom, top):
+            _winograd.conv_forward_nhwc(b.raw_data, u, bias, t.raw_data, vbuf, mbuf, at, bt, self.v,
+                                        L.num_output, self.m, self.r, self.ph, self.pw, L.group)
+
+    def backward(self, top, propagate_down, bottom, need_w, need_b):
+        L = self.layer
+        at, bt, gm, u, vbuf, mbuf = self._setup()
+        du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else np.zeros((1, 1, 1, 1), np.float32)
+        for i, (b, t) in enumerate(zip(bottom, top)):
+            need_x = bool(propagate_down[i])
+            if need_b:
+                L.blobs[1].diff[...] += rows(t, diff=True).sum(axis=0, dtype=np.float64)
+            if not (need_x or need_w):
+                continue
+            dx = b.raw_diff if need_x else b.raw_data
+            _winograd.conv_backward_nhwc(b.raw_data, u, t.raw_diff, dx, du, vbuf, mbuf, at, bt,
+                                         self.v, L.num_output, self.m, self.r, self.ph, self.pw,
+                                         L.group, need_x, need_w)
+            if need_w:
+                _winograd.weight_grad_add(du[0], gm, L.blobs[0].diff)
+
+
+@register(variant=NHWC)
+class NHWCConvolution(Convolution):
+    """Convolution on channels-last blobs: Caffe's fields and blobs (the plain Convolution's
+    setup), the algorithm chosen per shape (see the module docstring; `engine: CAFFE` keeps a
+    layer off this path altogether)."""
+    type = "Convolution"
+    layout = NHWC
+
+    @classmethod
+    def wanted(cls, request):
+        return _four_axes(request) and request.param.convolution_param.axis in (1, -3)
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        super().setup(bottom, top)
+        self.oh = self.ow = None
+        self.algorithm = None
+        self._tuned_for = None
+
+    def _candidates(self, n, h, w):
+        """{name: algorithm} that can run this shape, and the rule's choice among them."""
+        (kh, kw), _, stride, dilation = self.window
+        cg, og = self.channels // self.group, self.num_output // self.group
+        found = {}
+        gemm = _Gemm(self, n, h, w)
+        found[gemm.name] = gemm
+        default = gemm.name
+        if self.group == self.channels == self.num_output and self.group > 1:
+            found["depthwise"] = _Depthwise(self, n, h, w)
+            default = "depthwise"
+        if kh == kw and kh in WINOGRAD_TILES and stride == (1, 1) and dilation == (1, 1) \
+                and min(cg, og) >= 4 and _winograd is not None:
+            for m in WINOGRAD_TILES[kh]:
+                algo = _Winograd(self, n, h, w, m)
+                found[algo.name] = algo
+            if min(cg, og) >= 16:
+                default = f"winograd F({winograd_tile(kh, self.oh, self.ow)},{kh})"
+        return found, default
+
+    def reshape(self, bottom, top):
+        first = bottom[0].shape
+        for i, b in enumerate(bottom):
+            if b.num_axes != 4 or b.shape[1] != self.channels or b.shape != first:
+                raise self.error(f"bottom[{i}]", f"needs shape {first} with {self.channels} channels",
+                                 b.shape, cls=ShapeError)
+        n, _, h, w = first
+        self.oh, self.ow = self.output_size(h, w)
+        for t in top:
+            nhwc_top(t, (n, self.num_output, self.oh, self.ow))
+        if self._tuned_for != first:
+            self._tuned_for = first
+            self._choose(bottom, top, n, h, w)
+
+    def _choose(self, bottom, top, n, h, w):
+        found, default = self._candidates(n, h, w)
+        training = self.phase == TRAIN
+        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.window
+        key = (f"Convolution {n}x{self.channels}x{h}x{w} -> {self.num_output} k{kh}x{kw} "
+               f"s{sh}x{sw} p{ph}x{pw} d{dh}x{dw} g{self.group}"
+               f"{' b' if self.bias_term else ''} {'train' if training else 'test'}")
+
+        def trial(algo):
+            def run():
+                algo.forward(bottom, top)
+                if training:
+                    self._trial_backward(algo, bottom, top)
+            return run
+        name = autotune.choose(self, key, {name: trial(a) for name, a in found.items()}, default,
+                               _k.max_threads())
+        self.algorithms = found
+        self.algo = found[name]
+        self.algorithm = name
+
+    def force_algorithm(self, name):
+        """Run algorithm `name` (a key of `self.algorithms`, the candidates for the current
+        shape) instead of the chosen one, until the shape changes: tests and benchmarks."""
+        if name not in self.algorithms:
+            raise self.error("convolution_param", f"no algorithm '{name}' for this shape", name,
+                             hint=f"Candidates: {', '.join(self.algorithms)}")
+        self.algo, self.algorithm, self.tuning = self.algorithms[name], name, "forced"
+
+    def _trial_backward(self, algo, bottom, top):
+        """A backward for timing: parameter diffs restored after it."""
+        saved = [b.diff.copy() for b in self.blobs]
+        algo.backward(top, [True] * len(bottom), bottom, True, self.bias_term)
+        for b, s in zip(self.blobs, saved):
+            b.diff[...] = s
+
+    def forward(self, bottom, top):
+        self.algo.forward(bottom, top)
+
+    def backward(self, top, propagate_down, bottom):
+        need_w = param_wanted(self, 0)
+        need_b = self.bias_term and param_wanted(self, 1)
+        if need_w or need_b or any(propagate_down):
+            self.algo.backward(top, propagate_down, bottom, need_w, need_b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling
+
+@register(variant=NHWC)
+class NHWCPooling(Pooling):
+    """MAX (without the mask top) or AVE pooling on channels-last blobs; windows and sizes as
+    the plain Pooling's (caffepy.geometry)."""
+    type = "Pooling"
+    layout = NHWC
+
+    @classmethod
+    def wanted(cls, request):
+        p = request.param.pooling_param
+        return _four_axes(request) and len(request.param.top) == 1 and p.pool in (p.MAX, p.AVE)
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        super().setup(bottom, top)
+
+    def reshape(self, bottom, top):
+        n, c, h, w = bottom[0].shape
+        self.window = self.window_param.sized(h, w)
+        self.kernel, self.pad, self.stride, _ = self.window
+        oh, ow = geometry.pool_output(self, self.window, h, w, self.ceil)
+        nhwc_top(top[0], (n, c, oh, ow))
+        if self.pool == caffe_pb2.PoolingParameter.MAX and (self.mask is None or self.mask.shape != (n, oh, ow, c)):
+            self.mask = np.empty((n, oh, ow, c), np.int32)
+        ratio = geometry.pool_pad_ratio(self.param.pooling_param, self.window, h, w, oh, ow)
+        self.pad_ratio = None if ratio is None else ratio[:, :, None].astype(np.float32)
+
+    def _args(self):
+        return (*self.kernel, *self.stride, *self.pad)
+
+    def forward(self, bottom, top):
+        if self.pool == caffe_pb2.PoolingParameter.MAX:
+            _k.pool_max_forward(bottom[0].raw_data, top[0].raw_data, self.mask, *self._args())
+        else:
+            _k.pool_ave_forward(bottom[0].raw_data, top[0].raw_data, *self._args())
+            if self.pad_ratio is not None:
+                top[0].raw_data[...] *= self.pad_ratio
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = top[0].raw_diff
+        if self.pool == caffe_pb2.PoolingParameter.MAX:
+            _k.pool_max_backward(dy, self.mask, bottom[0].raw_diff)
+            return
+        if self.pad_ratio is not None:
+            dy = _workspace("pool_dy", dy.shape)
+            np.multiply(top[0].raw_diff, self.pad_ratio, out=dy)
+        _k.pool_ave_backward(dy, bottom[0].raw_diff, *self._args())
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-channel layers over the [N * H * W, C] matrix of pixels
+
+def _reduce(a, b=None, shift=None):
+    """Per-channel float64 sums of a [M, C]: (sum a, sum a * b), or with `shift` the moments
+    (sum a - shift, sum (a - shift)^2)."""
+    c = a.shape[1]
+    threads = _k.max_threads()
+    work = _workspace("reduce_work", (threads, 2 * c))
+    partial = _workspace("reduce_partial", (threads, 2 * c), np.float64)
+    s1, s2 = np.empty(c), np.empty(c)
+    if b is None:
+        _k.channel_moments(a, shift, s1, s2, work, partial)
+    else:
+        _k.channel_dots(a, b, s1, s2, work, partial)
+    return s1, s2
+
+
+@register(variant=NHWC)
+class NHWCBatchNorm(BatchNorm):
+    """BatchNorm on channels-last blobs (the plain layer's fields, blobs and statistics
+    updates): batch moments in one pass from a shift (the first pixel's values, so the
+    variance keeps its precision), then y = (x - mean) / sqrt(var + eps)."""
+    type = "BatchNorm"
+    layout = NHWC
+
+    @classmethod
+    def wanted(cls, request):
+        return _four_axes(request)
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        super().setup(bottom, top)
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        if top[0] is not bottom[0]:
+            nhwc_top(top[0], bottom[0].shape)
+
+    def forward(self, bottom, top):
+        x, y = rows(bottom[0]), rows(top[0])
+        c = x.shape[1]
+        if self.use_global_stats:
+            factor = float(self.blobs[2].data[0])
+            factor = 0.0 if factor == 0 else 1.0 / factor
+            mean = (self.blobs[0].data * np.float32(factor)).astype(np.float32)
+            var = self.blobs[1].data.astype(np.float64) * np.float32(factor)
+            self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
+            _k.channel_affine(x, mean, self.inv_std, _EMPTY, y, _EMPTY2)
+            self.x_norm = None
+            return
+        m = x.shape[0]
+        shift = x[0].copy() if m else np.zeros(c, np.float32)
+        s1, s2 = _reduce(x, shift=shift)
+        d = s1 / max(m, 1)
+        mean = shift + d
+        var = np.maximum(s2 / max(m, 1) - d * d, 0.0)
+        self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
+        self.x_norm = _layer_buffer(self, "_x_norm_buf", x.shape)
+        _k.channel_affine(x, mean.astype(np.float32), self.inv_std, _EMPTY, y, self.x_norm, True)
+        correction = m / (m - 1) if m > 1 else 1.0
+        self.blobs[2].data[...] = self.blobs[2].data * self.maf + 1.0
+        self.blobs[0].data[...] = mean + self.maf * self.blobs[0].data
+        self.blobs[1].data[...] = correction * var + self.maf * self.blobs[1].data
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy, dx = rows(top[0], diff=True), rows(bottom[0], diff=True)
+        inv = self.inv_std
+        if self.use_global_stats:
+            _k.channel_affine(dy, np.zeros_like(inv), inv, _EMPTY, dx, _EMPTY2)
+            return
+        m = max(dy.shape[0], 1)
+        sa, sab = _reduce(dy, self.x_norm)
+        q = (-inv * sab / m).astype(np.float32)
+        r = (-inv * sa / m).astype(np.float32)
+        _k.bn_backward_apply(dy, self.x_norm, inv, q, r, dx)
+
+
+def _layer_buffer(layer, attr, shape):
+    """A float32 array kept by the layer between iterations (what the backward reads)."""
+    size = int(np.prod(shape))
+    buf = getattr(layer, attr, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(size, np.float32)
+        setattr(layer, attr, buf)
+    return buf[:size].reshape(shape)
+
+
+def _per_channel(request, field):
+    """A learned per-channel blob over a 4-axis bottom: one bottom, axis 1, num_axes 1."""
+    p = getattr(request.param, field)
+    return (_four_axes(request) and len(request.bottoms) == 1 and p.axis in (1, -3)
+            and p.num_axes == 1)
+
+
+@register(variant=NHWC)
+class NHWCScale(Scale):
+    """Scale with a learned per-channel scale (and bias) on channels-last blobs: y = x * s + b."""
+    type = "Scale"
+    layout = NHWC
+
+    @classmethod
+    def wanted(cls, request):
+        return _per_channel(request, "scale_param")
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        super().setup(bottom, top)
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        if top[0] is not bottom[0]:
+            nhwc_top(top[0], bottom[0].shape)
+
+    def forward(self, bottom, top):
+        x, y = rows(bottom[0]), rows(top[0])
+        keep = _layer_buffer(self, "_saved_rows", x.shape) if top[0] is bottom[0] else _EMPTY2
+        add = self.blobs[1].data if self.bias_term else np.zeros(x.shape[1], np.float32)
+        _k.channel_affine(x, _EMPTY, self.blobs[0].data, add, y, keep)
+
+    def backward(self, top, propagate_down, bottom):
+        dy = rows(top[0], diff=True)
+        x = self._saved_rows[:dy.size].reshape(dy.shape) if top[0] is bottom[0] else rows(bottom[0])
+        want_scale = param_wanted(self, 0)
+        want_bias = self.bias_term and param_wanted(self, 1)
+        if want_scale or want_bias:
+            sums, dots = _reduce(dy, x)
+            if want_bias:
+                self.blobs[1].diff[...] += sums
+            if want_scale:
+                self.blobs[0].diff[...] += dots
+        if propagate_down[0]:
+            scale = self.blobs[0].data
+            _k.channel_affine(dy, np.zeros_like(scale), scale, _EMPTY, rows(bottom[0], diff=True), _EMPTY2)
+
+
+@register(variant=NHWC)
+class NHWCBias(Bias):
+    """Bias with a learned per-channel bias on channels-last blobs: y = x + b."""
+    type = "Bias"
+    layout = NHWC
+
+    @classmethod
+    def wanted(cls, request):
+        return _per_channel(request, "bias_param")
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        super().setup(bottom, top)
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        if top[0] is not bottom[0]:
+            nhwc_top(top[0], bottom[0].shape)
+
+    def forward(self, bottom, top):
+        x = rows(bottom[0])
+        _k.channel_affine(x, _EMPTY, np.ones(x.shape[1], np.float32), self.blobs[0].data,
+                          rows(top[0]), _EMPTY2)
+
+    def backward(self, top, propagate_down, bottom):
+        dy = rows(top[0], diff=True)
+        if param_wanted(self, 0):
+            self.blobs[0].diff[...] += dy.sum(axis=0, dtype=np.float64)
+        if propagate_down[0] and bottom[0] is not top[0]:
+            np.copyto(rows(bottom[0], diff=True), dy)
+
+
+@register(variant=NHWC)
+class NHWCConcat(Concat):
+    """Concat of channels-last blobs along channels: each pixel's channels are the bottoms'
+    runs in order."""
+    type = "Concat"
+    layout = NHWC
+
+    @classmethod
+    def wanted(cls, request):
+        p = request.param.concat_param
+        axis = p.concat_dim if p.HasField("concat_dim") and not p.HasField("axis") else p.axis
+        return _four_axes(request) and axis in (1, -3)
+
+    def setup(self, bottom, top):
+        refuse_concat_fusion(self)
+        super().setup(bottom, top)
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        nhwc_top(top[0], top[0].shape)
+        bounds = np.cumsum([0] + [b.shape[1] for b in bottom])
+        self.runs = list(zip(bounds[:-1], bounds[1:]))
+
+    def forward(self, bottom, top):
+        y = top[0].raw_data
+        for b, (lo, hi) in zip(bottom, self.runs):
+            y[..., lo:hi] = b.raw_data
+
+    def backward(self, top, propagate_down, bottom):
+        dy = top[0].raw_diff
+        for b, (lo, hi), down in zip(bottom, self.runs, propagate_down):
+            if down:
+                b.raw_diff[...] = dy[..., lo:hi]
+
+
+@register(variant=NHWC)
+class NHWCLRN(LRN):
+    """ACROSS_CHANNELS LRN on channels-last blobs: a pixel's channel window is contiguous.
+    The backward recomputes the scale rather than keeping it."""
+    type = "LRN"
+    layout = NHWC
+
+    @classmethod
+    def wanted(cls, request):
+        return (_four_axes(request)
+                and request.param.lrn_param.norm_region == caffe_pb2.LRNParameter.ACROSS_CHANNELS)
+
+    def setup(self, bottom, top):
+        _kernels(self)
+        super().setup(bottom, top)
+
+    def reshape(self, bottom, top):
+        nhwc_top(top[0], bottom[0].shape)
+
+    def _work(self, c):
+        return _workspace("lrn_work", (_k.max_threads(), _k.lrn_work_size(c, self.size)))
+
+    def forward(self, bottom, top):
+        x = rows(bottom[0])
+        _k.lrn_forward(x, rows(top[0]), self.size, self.alpha, self.beta, self.k, self._work(x.shape[1]))
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:
+            x = rows(bottom[0])
+            _k.lrn_backward(x, rows(top[0], diff=True), rows(bottom[0], diff=True), self.size,
+                            self.alpha, self.beta, self.k, self._work(x.shape[1]))

@@ -1,0 +1,1156 @@
+# cython: language_level=3
+"""Kernels of the channels-last family (caffepy/layers/nhwc.py): the fast path's layout
+(N, H, W, C), where one pixel's channels are contiguous, so that
+
+- a 1x1 convolution is one GEMM over the rows (pixels) of the batch, with no im2col
+  (pointwise, stride 1): Y[N*H*W, O] = X[N*H*W, C] @ W^T;
+- im2col copies whole runs of kw * C floats (the taps of one kernel row are adjacent pixels);
+- the per-channel layers (BatchNorm, Scale, pooling, LRN, depthwise convolution) run their
+  inner loops over the channels of a pixel, which are contiguous, so they vectorize.
+
+The Winograd algorithm of the channels-last Convolution is in winograd.pyx (shared with the
+blocked layout).
+
+Conventions (Caffe's): top and bottom diffs are OVERWRITTEN, weight and bias diffs ACCUMULATE
+(here: into per-thread partials the caller sums, or into the caller's float64 sums). Every
+kernel writes into buffers the caller allocated (scratch included) and runs without the GIL.
+The NumPy reference of the layout is caffepy/kernels/reference/nhwc.py (pack, unpack); the
+computations are compared with the NCHW references of reference/vision.py and
+reference/normalization.py on the packed arrays (tests/layers/test_nhwc.py).
+"""
+
+from cython.parallel cimport prange, threadid
+cimport openmp
+from libc.float cimport FLT_MAX
+from libc.math cimport powf, sqrtf
+from libc.stdint cimport int32_t
+from libc.string cimport memcpy, memset
+
+from blas cimport gemm_ld
+from rules cimport dims, need, need_shape, threads_for
+
+include "blas_threads.pxi"
+include "lrn_pow.pxi"
+
+
+def max_threads():
+    """Threads the kernels use (OMP_NUM_THREADS, else all cores): size of per-thread scratch."""
+    return openmp.omp_get_max_threads()
+
+
+cdef enum:
+    _ROWS = 64            # pixels per task of the per-channel passes
+
+
+cdef inline Py_ssize_t _row_tasks(Py_ssize_t M) noexcept nogil:
+    return (M + _ROWS - 1) // _ROWS
+
+
+# ---------------------------------------------------------------------------------------------
+# Pack / unpack: per image, the [C, H*W] <-> [H*W, C] transpose in 32 x 32 tiles, so both sides
+# are read and written in cache lines.
+
+cdef enum:
+    _TILE = 32
+
+
+cdef void _transpose_tile(const float* src, Py_ssize_t ld_src, float* dst, Py_ssize_t ld_dst,
+                          Py_ssize_t rows, Py_ssize_t cols) noexcept nogil:
+    """dst[c, r] = src[r, c] for r < rows, c < cols."""
+    cdef Py_ssize_t r, c
+    for c in range(cols):
+        for r in range(rows):
+            dst[c * ld_dst + r] = src[r * ld_src + c]
+
+
+cdef void _transpose_images(const float* src, float* dst, Py_ssize_t N, Py_ssize_t R,
+                            Py_ssize_t Cn) noexcept nogil:
+    """Per image, dst[Cn, R] = src[R, Cn]^T, tiled; tasks are (image, tile row)."""
+    cdef Py_ssize_t tr = (R + _TILE - 1) // _TILE, item, n, r0, c0
+    for item in prange(N * tr, schedule="static", num_threads=threads_for(N * R * Cn)):
+        n = item // tr
+        r0 = (item % tr) * _TILE
+        c0 = 0
+        while c0 < Cn:
+            _transpose_tile(src + n * R * Cn + r0 * Cn + c0, Cn, dst + n * R * Cn + c0 * R + r0, R,
+                            min(<Py_ssize_t>_TILE, R - r0), min(<Py_ssize_t>_TILE, Cn - c0))
+            c0 = c0 + _TILE
+
+
+def pack(const float[:, :, :, ::1] x, float[:, :, :, ::1] y):
+    """y[n, h, w, c] = x[n, c, h, w] (NCHW -> channels-last; overwritten)."""
+    cdef Py_ssize_t N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    need_shape("pack", "y", dims(y.shape, 4), (N, H, W, C))
+    if N * C * H * W == 0:
+        return
+    with nogil:
+        _transpose_images(&x[0, 0, 0, 0], &y[0, 0, 0, 0], N, C, H * W)
+
+
+def unpack(const float[:, :, :, ::1] y, float[:, :, :, ::1] x):
+    """x[n, c, h, w] = y[n, h, w, c] (channels-last -> NCHW; overwritten)."""
+    cdef Py_ssize_t N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    need_shape("unpack", "y", dims(y.shape, 4), (N, H, W, C))
+    if N * C * H * W == 0:
+        return
+    with nogil:
+        _transpose_images(&y[0, 0, 0, 0], &x[0, 0, 0, 0], N, H * W, C)
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution by GEMM. The column matrix of one image has a row per output pixel and, per
+# group, the taps (i, j) in order with the group's Cg channels of each tap contiguous:
+#     col[p, gr * Kg + (i * kw + j) * Cg + c] = x[oy * sh - ph + i * dh, ox * sw - pw + j * dw,
+#                                                 gr * Cg + c]           (0 outside the image)
+# and the weight is given in the same order as wt[group, Kg, Og] (the layer builds it from
+# Caffe's [O, Cg, kh, kw]), so Y[p, gr * Og + o] = col_gr[p, :] @ wt[gr, :, o] (+ bias).
+# A pointwise stride-1 unpadded convolution (`direct`) needs no column matrix: the input rows are
+# it, for the whole batch at once. Work is split into tasks: chunks of `rows` rows of the batch's
+# matrix (direct), or whole images, several per task when an image has fewer than `rows`
+# pixels (so every GEMM has about `rows` rows), an image's pixels going through the column
+# buffer `rows` at a time when it has more. A task owns its images, so the scatter of the data
+# gradient (col2im) never races. Threads take whole tasks, each with its own scratch and a
+# single-threaded BLAS; with one task, or a small problem (the thread rule), the BLAS threads
+# each GEMM instead.
+
+cdef struct CGeom:
+    int N, H, W, C, O, oh, ow
+    int kh, kw, ph, pw, sh, sw, dh, dw, group
+    int Cg, Og, Kg, Ktot
+    Py_ssize_t P            # output pixels per image
+    Py_ssize_t rows         # pixels per GEMM: per pass through the column buffer
+    int images              # images per task (not direct)
+    bint direct
+
+
+cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int sh, int sw,
+                  int dh, int dw, int group, Py_ssize_t rows) except *:
+    cdef CGeom g
+    g.N, g.H, g.W, g.C = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
+    g.O = O
+    need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and dh >= 1 and dw >= 1 and ph >= 0
+         and pw >= 0, kernel, "geometry", "kernel, stride and dilation must be >= 1 and pad >= 0",
+         f"kernel {kh}x{kw} stride {sh}x{sw} dilation {dh}x{dw} pad {ph}x{pw}")
+    need(group >= 1 and g.C % group == 0 and O % group == 0, kernel, "group",
+         f"must divide {g.C} input and {O} output channels", group)
+    g.kh, g.kw, g.ph, g.pw, g.sh, g.sw, g.dh, g.dw, g.group = kh, kw, ph, pw, sh, sw, dh, dw, group
+    g.oh = (g.H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+    g.ow = (g.W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    need(g.oh >= 1 and g.ow >= 1, kernel, "geometry", f"kernel {kh}x{kw} (dilation {dh}x{dw}, "
+         f"pad {ph}x{pw}) does not fit the image", f"{g.H}x{g.W}")
+    need_shape(kernel, "y", tuple(y.shape[:4]), (g.N, g.oh, g.ow, O))
+    g.Cg, g.Og = g.C // group, O // group
+    g.Kg = g.Cg * kh * kw
+    g.Ktot = g.Kg * group
+    g.P = <Py_ssize_t>g.oh * g.ow
+    g.direct = kh == 1 and kw == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
+    need(rows >= 1, kernel, "rows", "must be positive", rows)
+    g.images = 1
+    if g.direct:
+        g.rows = rows
+    elif rows < g.P:
+        g.rows = rows
+    else:
+        g.images = <int>min(rows // g.P, <Py_ssize_t>max(g.N, 1))
+        g.rows = g.images * g.P
+    return g
+
+
+def conv_rows(int C, int kh, int kw):
+    """Pixels per GEMM of an im2col convolution: about 4 MB of columns, at least 256 rows."""
+    cdef Py_ssize_t k = <Py_ssize_t>C * kh * kw
+    return max(256, (1 << 20) // max(k, 1))
+
+
+def conv_col_floats(int C, int kh, int kw, int oh, int ow, Py_ssize_t rows):
+    """Floats of one thread's column buffer for conv_forward / conv_backward."""
+    cdef Py_ssize_t P = <Py_ssize_t>oh * ow
+    cdef Py_ssize_t chunk = rows if rows < P else (rows // P) * P
+    return chunk * C * kh * kw
+
+
+cdef inline void _jrange(int ix0, int kw, int W, int* lo, int* hi) noexcept nogil:
+    """Taps j in [lo, hi) keep 0 <= ix0 + j < W (dilation 1)."""
+    cdef int a = -ix0 if ix0 < 0 else 0
+    cdef int b = W - ix0
+    if b > kw:
+        b = kw
+    if a > kw:
+        a = kw
+    if b < a:
+        b = a
+    lo[0] = a
+    hi[0] = b
+
+
+cdef void _im2col(const float* x, const CGeom* g, Py_ssize_t p0, Py_ssize_t p1,
+                  float* col) noexcept nogil:
+    """col[p - p0] for the output pixels p0 .. p1 - 1 of image x [H, W, C]."""
+    cdef Py_ssize_t p
+    cdef int oy, ox, i, j, gr, iy, ix, ix0, lo = 0, hi = 0, C = g.C, Cg = g.Cg
+    cdef float* row
+    cdef float* dst
+    cdef const float* src
+    for p in range(p0, p1):
+        oy = <int>(p // g.ow)
+        ox = <int>(p % g.ow)
+        row = col + (p - p0) * g.Ktot
+        ix0 = ox * g.sw - g.pw
+        for i in range(g.kh):
+            iy = oy * g.sh - g.ph + i * g.dh
+            if g.group == 1:
+                dst = row + i * g.kw * C
+                if iy < 0 or iy >= g.H:
+                    memset(dst, 0, g.kw * C * sizeof(float))
+                    continue
+                src = x + <Py_ssize_t>iy * g.W * C
+                if g.dw == 1:
+                    _jrange(ix0, g.kw, g.W, &lo, &hi)
+                    memset(dst, 0, lo * C * sizeof(float))
+                    memcpy(dst + lo * C, src + <Py_ssize_t>(ix0 + lo) * C, (hi - lo) * C * sizeof(float))
+                    memset(dst + hi * C, 0, (g.kw - hi) * C * sizeof(float))
+                else:
+                    for j in range(g.kw):
+                        ix = ix0 + j * g.dw
+                        if ix < 0 or ix >= g.W:
+                            memset(dst + j * C, 0, C * sizeof(float))
+                        else:
+                            memcpy(dst + j * C, src + <Py_ssize_t>ix * C, C * sizeof(float))
+            else:
+                for j in range(g.kw):
+                    ix = ix0 + j * g.dw
+                    for gr in range(g.group):
+                        dst = row + gr * g.Kg + (i * g.kw + j) * Cg
+                        if iy < 0 or iy >= g.H or ix < 0 or ix >= g.W:
+                            memset(dst, 0, Cg * sizeof(float))
+                        else:
+                            memcpy(dst, x + (<Py_ssize_t>iy * g.W + ix) * C + gr * Cg,
+                                   Cg * sizeof(float))
+
+
+cdef void _col2im(const float* col, const CGeom* g, Py_ssize_t p0, Py_ssize_t p1,
+                  float* x) noexcept nogil:
+    """x [H, W, C] += the columns of output pixels p0 .. p1 - 1 scattered back."""
+    cdef Py_ssize_t p, t, n
+    cdef int oy, ox, i, j, gr, iy, ix, ix0, lo = 0, hi = 0, C = g.C, Cg = g.Cg
+    cdef const float* row
+    cdef const float* src
+    cdef float* dst
+    for p in range(p0, p1):
+        oy = <int>(p // g.ow)
+        ox = <int>(p % g.ow)
+        row = col + (p - p0) * g.Ktot
+        ix0 = ox * g.sw - g.pw
+        for i in range(g.kh):
+            iy = oy * g.sh - g.ph + i * g.dh
+            if iy < 0 or iy >= g.H:
+                continue
+            if g.group == 1 and g.dw == 1:
+                _jrange(ix0, g.kw, g.W, &lo, &hi)
+                src = row + (i * g.kw + lo) * C
+                dst = x + (<Py_ssize_t>iy * g.W + ix0 + lo) * C
+                n = <Py_ssize_t>(hi - lo) * C
+                for t in range(n):
+                    dst[t] += src[t]
+                continue
+            for j in range(g.kw):
+                ix = ix0 + j * g.dw
+                if ix < 0 or ix >= g.W:
+                    continue
+                dst = x + (<Py_ssize_t>iy * g.W + ix) * C
+                for gr in range(g.group):
+                    src = row + gr * g.Kg + (i * g.kw + j) * Cg
+                    for t in range(Cg):
+                        dst[gr * Cg + t] += src[t]
+
+
+cdef void _add_bias(float* y, Py_ssize_t rows, int O, const float* bias) noexcept nogil:
+    cdef Py_ssize_t r
+    cdef int o
+    cdef float* yr
+    for r in range(rows):
+        yr = y + r * O
+        for o in range(O):
+            yr[o] = yr[o] + bias[o]
+
+
+cdef void _sum_rows(const float* y, Py_ssize_t rows, int O, float* acc) noexcept nogil:
+    """acc[o] += sum over the rows of y[r, o]."""
+    cdef Py_ssize_t r
+    cdef int o
+    cdef const float* yr
+    for r in range(rows):
+        yr = y + r * O
+        for o in range(O):
+            acc[o] = acc[o] + yr[o]
+
+
+cdef void _fwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float* wt,
+                    const float* bias, float* y, Py_ssize_t rows) noexcept nogil:
+    """y[rows, O] = a[rows, Ktot] @ wt per group (+ bias)."""
+    cdef int gr
+    for gr in range(g.group):
+        gemm_ld(False, False, <int>rows, g.Og, g.Kg, 1.0, a + gr * g.Kg, <int>lda,
+                wt + <Py_ssize_t>gr * g.Kg * g.Og, g.Og, 0.0, y + gr * g.Og, g.O)
+    if bias != NULL:
+        _add_bias(y, rows, g.O, bias)
+
+
+cdef void _fwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float* wt,
+                    const float* bias, float* y, float* col) noexcept nogil:
+    cdef Py_ssize_t r0, p0, n
+    if g.direct:
+        r0 = task * g.rows
+        _fwd_rows(g, x + r0 * g.C, g.C, wt, bias, y + r0 * g.O,
+                  min(g.rows, <Py_ssize_t>g.N * g.P - r0))
+        return
+    cdef Py_ssize_t plane = <Py_ssize_t>g.H * g.W * g.C, i, n1
+    n = task * g.images
+    n1 = min(n + g.images, <Py_ssize_t>g.N)
+    if g.images > 1:
+        for i in range(n, n1):
+            _im2col(x + i * plane, g, 0, g.P, col + (i - n) * g.P * g.Ktot)
+        _fwd_rows(g, col, g.Ktot, wt, bias, y + n * g.P * g.O, (n1 - n) * g.P)
+        return
+    p0 = 0
+    while p0 < g.P:
+        _im2col(x + n * plane, g, p0, min(p0 + g.rows, g.P), col)
+        _fwd_rows(g, col, g.Ktot, wt, bias, y + (n * g.P + p0) * g.O, min(g.rows, g.P - p0))
+        p0 = p0 + g.rows
+
+
+cdef void _bwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float* wt,
+                    const float* dy, Py_ssize_t rows, float* da, Py_ssize_t ldda, float* dwt,
+                    float* db) noexcept nogil:
+    """dwt += a^T dy, db += column sums of dy, da = dy wt^T, per group (each when not NULL)."""
+    cdef int gr
+    if db != NULL:
+        _sum_rows(dy, rows, g.O, db)
+    for gr in range(g.group):
+        if dwt != NULL:
+            gemm_ld(True, False, g.Kg, g.Og, <int>rows, 1.0, a + gr * g.Kg, <int>lda,
+                    dy + gr * g.Og, g.O, 1.0, dwt + <Py_ssize_t>gr * g.Kg * g.Og, g.Og)
+        if da != NULL:
+            gemm_ld(False, True, <int>rows, g.Kg, g.Og, 1.0, dy + gr * g.Og, g.O,
+                    wt + <Py_ssize_t>gr * g.Kg * g.Og, g.Og, 0.0, da + gr * g.Kg, <int>ldda)
+
+
+cdef void _bwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float* wt,
+                    const float* dy, float* dx, float* dwt, float* db, float* col) noexcept nogil:
+    cdef Py_ssize_t r0, p0, n, n1, i, rows, plane = <Py_ssize_t>g.H * g.W * g.C
+    if g.direct:
+        r0 = task * g.rows
+        rows = min(g.rows, <Py_ssize_t>g.N * g.P - r0)
+        _bwd_rows(g, x + r0 * g.C, g.C, wt, dy + r0 * g.O, rows,
+                  dx + r0 * g.C if dx != NULL else NULL, g.C, dwt, db)
+        return
+    n = task * g.images
+    n1 = min(n + g.images, <Py_ssize_t>g.N)
+    if g.images > 1:
+        if dwt != NULL:
+            for i in range(n, n1):
+                _im2col(x + i * plane, g, 0, g.P, col + (i - n) * g.P * g.Ktot)
+        _bwd_rows(g, col, g.Ktot, wt, dy + n * g.P * g.O, (n1 - n) * g.P,
+                  col if dx != NULL else NULL, g.Ktot, dwt, db)
+        if dx != NULL:
+            memset(dx + n * plane, 0, (n1 - n) * plane * sizeof(float))
+            for i in range(n, n1):
+                _col2im(col + (i - n) * g.P * g.Ktot, g, 0, g.P, dx + i * plane)
+        return
+    if dx != NULL:
+        memset(dx + n * plane, 0, plane * sizeof(float))
+    p0 = 0
+    while p0 < g.P:
+        rows = min(g.rows, g.P - p0)
+        if dwt != NULL:
+            _im2col(x + n * plane, g, p0, p0 + rows, col)
+        _bwd_rows(g, col, g.Ktot, wt, dy + (n * g.P + p0) * g.O, rows,
+                  col if dx != NULL else NULL, g.Ktot, dwt, db)
+        if dx != NULL:
+            _col2im(col, g, p0, p0 + rows, dx + n * plane)
+        p0 = p0 + g.rows
+
+
+cdef inline Py_ssize_t _tasks(const CGeom* g) noexcept nogil:
+    if g.direct:
+        return (<Py_ssize_t>g.N * g.P + g.rows - 1) // g.rows
+    return (g.N + g.images - 1) // g.images
+
+
+cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
+    need_shape(kernel, "wt", tuple(wt.shape[:3]), (g.group, g.Kg, g.Og))
+    if not g.direct:
+        need(col.shape[0] >= T and col.shape[1] >= g.rows * g.Ktot, kernel, "col",
+             f"needs shape (>= {T}, >= {g.rows * g.Ktot})", tuple(col.shape[:2]))
+
+
+def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const float[::1] bias,
+                 float[:, :, :, ::1] y, float[:, ::1] col, int O, int kh, int kw, int ph, int pw,
+                 int sh, int sw, int dh, int dw, int group, Py_ssize_t rows):
+    """y [N, oh, ow, O] = conv(x [N, H, W, C], wt) + bias (empty: none); overwritten.
+    Scratch col [T, rows * Ktot] (unused by a direct convolution) for T threads."""
+    cdef CGeom g = _cgeom("conv_forward", x, y, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows)
+    cdef int T = col.shape[0], nt, tid, saved = 0
+    _check_conv("conv_forward", &g, wt, col, T)
+    need(bias.shape[0] in (0, O), "conv_forward", "bias", f"needs {O} values or none", bias.shape[0])
+    cdef const float* b = &bias[0] if bias.shape[0] else NULL
+    cdef Py_ssize_t tasks = _tasks(&g), task, cs = col.shape[1]
+    cdef float* cp = &col[0, 0] if col.shape[1] else NULL
+    if g.N == 0:
+        return
+    nt = _task_threads(T, tasks, <Py_ssize_t>g.N * g.P * g.O * g.Kg)
+    with nogil:
+        if nt == 1:
+            for task in range(tasks):
+                _fwd_task(&g, task, &x[0, 0, 0, 0], &wt[0, 0, 0], b, &y[0, 0, 0, 0], cp)
+        else:
+            saved = _blas_get_threads()
+            _blas_set_threads(1)
+            for task in prange(tasks, num_threads=nt, schedule="dynamic"):
+                tid = threadid()
+                _fwd_task(&g, task, &x[0, 0, 0, 0], &wt[0, 0, 0], b, &y[0, 0, 0, 0],
+                          cp + tid * cs if cp != NULL else NULL)
+            _blas_set_threads(saved)
+
+
+def conv_backward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt,
+                  const float[:, :, :, ::1] dy, float[:, :, :, ::1] dx, float[:, ::1] dwt,
+                  float[:, ::1] db, float[:, ::1] col, int O, int kh, int kw, int ph, int pw,
+                  int sh, int sw, int dh, int dw, int group, Py_ssize_t rows, bint need_x,
+                  bint need_w, bint need_b):
+    """Gradients of conv_forward: dx (overwritten) if need_x; dwt[0] = the gradient of wt
+    [group * Kg * Og] and db[0] = the bias gradient [O] summed over the batch, if need_w /
+    need_b (dwt [T, ...] and db [T, O] are per-thread scratch; the caller adds row 0 to its
+    diffs). col as for conv_forward."""
+    cdef CGeom g = _cgeom("conv_backward", x, dy, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows)
+    cdef int T = col.shape[0], nt, tid, t, saved = 0
+    _check_conv("conv_backward", &g, wt, col, T)
+    cdef Py_ssize_t ws = <Py_ssize_t>group * g.Kg * g.Og, i
+    if need_x:
+        need_shape("conv_backward", "dx", dims(dx.shape, 4), dims(x.shape, 4))
+    if need_w:
+        need(dwt.shape[0] >= T and dwt.shape[1] == ws, "conv_backward", "dwt",
+             f"needs shape (>= {T}, {ws})", dims(dwt.shape, 2))
+    if need_b:
+        need(db.shape[0] >= T and db.shape[1] == O, "conv_backward", "db",
+             f"needs shape (>= {T}, {O})", dims(db.shape, 2))
+    cdef float* dxp = &dx[0, 0, 0, 0] if need_x else NULL
+    cdef float* dwp = &dwt[0, 0] if need_w else NULL
+    cdef float* dbp = &db[0, 0] if need_b else NULL
+    cdef Py_ssize_t tasks = _tasks(&g), task, cs = col.shape[1]
+    cdef float* cp = &col[0, 0] if col.shape[1] else NULL
+    if g.N == 0 or not (need_x or need_w or need_b):
+        return
+    nt = _task_threads(T, tasks, <Py_ssize_t>g.N * g.P * g.O * g.Kg)
+    with nogil:
+        for t in range(nt):
+            if need_w:
+                memset(dwp + t * ws, 0, ws * sizeof(float))
+            if need_b:
+                memset(dbp + t * O, 0, O * sizeof(float))
+        if nt == 1:
+            for task in range(tasks):
+                _bwd_task(&g, task, &x[0, 0, 0, 0], &wt[0, 0, 0], &dy[0, 0, 0, 0], dxp, dwp, dbp,
+                          cp)
+        else:
+            saved = _blas_get_threads()
+            _blas_set_threads(1)
+            for task in prange(tasks, num_threads=nt, schedule="dynamic"):
+                tid = threadid()
+                _bwd_task(&g, task, &x[0, 0, 0, 0], &wt[0, 0, 0], &dy[0, 0, 0, 0], dxp,
+                          dwp + tid * ws if need_w else NULL, dbp + tid * O if need_b else NULL,
+                          cp + tid * cs if cp != NULL else NULL)
+            _blas_set_threads(saved)
+            for t in range(1, nt):
+                if need_w:
+                    for i in prange(ws, schedule="static", num_threads=threads_for(ws)):
+                        dwp[i] += dwp[t * ws + i]
+                if need_b:
+                    for i in range(O):
+                        dbp[i] += dbp[t * O + i]
+
+
+# ---------------------------------------------------------------------------------------------
+# Depthwise convolution (group = C = O, MobileNet's): y[p, c] = sum over taps of
+# w[tap, c] * x[tap's pixel, c] (+ bias[c]), computed straight from the image, vectorized over
+# the channels of a pixel. Tasks are output rows (forward, weight gradient) or input rows
+# (data gradient, written as the gather of the transposed convolution, so no two tasks write
+# one pixel). The weight is given as wdw[kh * kw, C] (Caffe's [C, 1, kh, kw] transposed).
+
+cdef struct DGeom:
+    int N, H, W, C, oh, ow, kh, kw, ph, pw, sh, sw, dh, dw
+
+
+cdef DGeom _dgeom(str kernel, x, y, w, int kh, int kw, int ph, int pw, int sh, int sw, int dh,
+                  int dw) except *:
+    cdef DGeom g
+    g.N, g.H, g.W, g.C = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
+    need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and dh >= 1 and dw >= 1 and ph >= 0
+         and pw >= 0, kernel, "geometry", "kernel, stride and dilation must be >= 1 and pad >= 0",
+         f"kernel {kh}x{kw} stride {sh}x{sw} dilation {dh}x{dw} pad {ph}x{pw}")
+    g.kh, g.kw, g.ph, g.pw, g.sh, g.sw, g.dh, g.dw = kh, kw, ph, pw, sh, sw, dh, dw
+    g.oh = (g.H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+    g.ow = (g.W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    need(g.oh >= 1 and g.ow >= 1, kernel, "geometry", f"kernel {kh}x{kw} does not fit the image",
+         f"{g.H}x{g.W}")
+    need_shape(kernel, "y", tuple(y.shape[:4]), (g.N, g.oh, g.ow, g.C))
+    need_shape(kernel, "w", tuple(w.shape[:2]), (kh * kw, g.C))
+    return g
+
+
+cdef void _dw_fwd_row(const DGeom* g, const float* x, const float* w, const float* bias,
+                      float* y, int oy) noexcept nogil:
+    cdef int ox, i, j, iy, ix, c, C = g.C
+    cdef float* yr
+    cdef const float* xr
+    cdef const float* wr
+    for ox in range(g.ow):
+        yr = y + (<Py_ssize_t>oy * g.ow + ox) * C
+        for c in range(C):
+            yr[c] = bias[c] if bias != NULL else 0.0
+    for i in range(g.kh):
+        iy = oy * g.sh - g.ph + i * g.dh
+        if iy < 0 or iy >= g.H:
+            continue
+        for j in range(g.kw):
+            wr = w + (i * g.kw + j) * C
+            for ox in range(g.ow):
+                ix = ox * g.sw - g.pw + j * g.dw
+                if ix < 0 or ix >= g.W:
+                    continue
+                xr = x + (<Py_ssize_t>iy * g.W + ix) * C
+                yr = y + (<Py_ssize_t>oy * g.ow + ox) * C
+                for c in range(C):
+                    yr[c] = yr[c] + wr[c] * xr[c]
+
+
+def dw_forward(const float[:, :, :, ::1] x, const float[:, ::1] w, const float[::1] bias,
+               float[:, :, :, ::1] y, int kh, int kw, int ph, int pw, int sh, int sw, int dh,
+               int dw):
+    """y [N, oh, ow, C] = depthwise conv(x [N, H, W, C], w [kh * kw, C]) + bias (empty: none)."""
+    cdef DGeom g = _dgeom("dw_forward", x, y, w, kh, kw, ph, pw, sh, sw, dh, dw)
+    need(bias.shape[0] in (0, g.C), "dw_forward", "bias", f"needs {g.C} values or none", bias.shape[0])
+    cdef const float* b = &bias[0] if bias.shape[0] else NULL
+    cdef Py_ssize_t item, n
+    if g.N * g.C == 0:
+        return
+    with nogil:
+        for item in prange(<Py_ssize_t>g.N * g.oh, schedule="static",
+                           num_threads=threads_for(<Py_ssize_t>g.N * g.oh * g.ow * g.C * kh * kw)):
+            n = item // g.oh
+            _dw_fwd_row(&g, &x[0, 0, 0, 0] + n * g.H * g.W * g.C, &w[0, 0], b,
+                        &y[0, 0, 0, 0] + n * g.oh * g.ow * g.C, <int>(item % g.oh))
+
+
+cdef void _dw_dx_row(const DGeom* g, const float* dy, const float* w, float* dx,
+                     int iy) noexcept nogil:
+    cdef int ix, i, j, oy, ox, ty, tx, c, C = g.C
+    cdef float* dr
+    cdef const float* gr
+    cdef const float* wr
+    memset(dx + <Py_ssize_t>iy * g.W * C, 0, <Py_ssize_t>g.W * C * sizeof(float))
+    for i in range(g.kh):
+        ty = iy + g.ph - i * g.dh
+        if ty < 0 or ty % g.sh:
+            continue
+        oy = ty // g.sh
+        if oy >= g.oh:
+            continue
+        for j in range(g.kw):
+            wr = w + (i * g.kw + j) * C
+            for ix in range(g.W):
+                tx = ix + g.pw - j * g.dw
+                if tx < 0 or tx % g.sw:
+                    continue
+                ox = tx // g.sw
+                if ox >= g.ow:
+                    continue
+                gr = dy + (<Py_ssize_t>oy * g.ow + ox) * C
+                dr = dx + (<Py_ssize_t>iy * g.W + ix) * C
+                for c in range(C):
+                    dr[c] = dr[c] + wr[c] * gr[c]
+
+
+cdef void _dw_dw_row(const DGeom* g, const float* x, const float* dy, float* dw, float* db,
+                     int oy) noexcept nogil:
+    cdef int ox, i, j, iy, ix, c, C = g.C
+    cdef const float* gr
+    cdef const float* xr
+    cdef float* wr
+    if db != NULL:
+        for ox in range(g.ow):
+            gr = dy + (<Py_ssize_t>oy * g.ow + ox) * C
+            for c in range(C):
+                db[c] = db[c] + gr[c]
+    for i in range(g.kh):
+        iy = oy * g.sh - g.ph + i * g.dh
+        if iy < 0 or iy >= g.H:
+            continue
+        for j in range(g.kw):
+            wr = dw + (i * g.kw + j) * C
+            for ox in range(g.ow):
+                ix = ox * g.sw - g.pw + j * g.dw
+                if ix < 0 or ix >= g.W:
+                    continue
+                xr = x + (<Py_ssize_t>iy * g.W + ix) * C
+                gr = dy + (<Py_ssize_t>oy * g.ow + ox) * C
+                for c in range(C):
+                    wr[c] = wr[c] + xr[c] * gr[c]
+
+
+def dw_backward(const float[:, :, :, ::1] x, const float[:, ::1] w,
+                const float[:, :, :, ::1] dy, float[:, :, :, ::1] dx, float[:, :, ::1] dw_acc,
+                float[:, ::1] db, int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw,
+                bint need_x, bint need_w, bint need_b):
+    """Gradients of dw_forward: dx (overwritten) if need_x; dw_acc[0] [kh * kw, C] and db[0]
+    [C] = the weight and bias gradients summed over the batch if need_w / need_b (per-thread
+    scratch [T, ...]; the caller adds row 0 to its diffs)."""
+    cdef DGeom g = _dgeom("dw_backward", x, dy, w, kh, kw, ph, pw, sh, sw, dh, dw)
+    cdef int T = max(dw_acc.shape[0], db.shape[0]), t, tid
+    if need_x:
+        need_shape("dw_backward", "dx", dims(dx.shape, 4), dims(x.shape, 4))
+    if need_w:
+        need(dims(dw_acc.shape + 1, 2) == (kh * kw, g.C), "dw_backward", "dw_acc",
+             f"needs shape (T, {kh * kw}, {g.C})", dims(dw_acc.shape, 3))
+    if need_b:
+        need(db.shape[1] == g.C and (not need_w or db.shape[0] == dw_acc.shape[0]), "dw_backward",
+             "db", f"needs shape ({T}, {g.C})", dims(db.shape, 2))
+    cdef Py_ssize_t ws = <Py_ssize_t>kh * kw * g.C, item, n, i
+    cdef Py_ssize_t xs = <Py_ssize_t>g.H * g.W * g.C, ys = <Py_ssize_t>g.oh * g.ow * g.C
+    cdef float* dwp = &dw_acc[0, 0, 0] if need_w else NULL
+    cdef float* dbp = &db[0, 0] if need_b else NULL
+    cdef int nt = threads_for(<Py_ssize_t>g.N * g.oh * g.ow * g.C * kh * kw)
+    if nt > T:
+        nt = T
+    if g.N * g.C == 0:
+        return
+    with nogil:
+        if need_x:
+            for item in prange(<Py_ssize_t>g.N * g.H, schedule="static", num_threads=nt):
+                n = item // g.H
+                _dw_dx_row(&g, &dy[0, 0, 0, 0] + n * ys, &w[0, 0], &dx[0, 0, 0, 0] + n * xs,
+                           <int>(item % g.H))
+        if need_w or need_b:
+            for t in range(nt):
+                if need_w:
+                    memset(dwp + t * ws, 0, ws * sizeof(float))
+                if need_b:
+                    memset(dbp + t * g.C, 0, g.C * sizeof(float))
+            for item in prange(<Py_ssize_t>g.N * g.oh, schedule="static", num_threads=nt):
+                tid = threadid()
+                n = item // g.oh
+                _dw_dw_row(&g, &x[0, 0, 0, 0] + n * xs, &dy[0, 0, 0, 0] + n * ys,
+                           dwp + tid * ws if need_w else NULL,
+                           dbp + tid * g.C if need_b else NULL, <int>(item % g.oh))
+            for t in range(1, nt):
+                if need_w:
+                    for i in range(ws):
+                        dwp[i] += dwp[t * ws + i]
+                if need_b:
+                    for i in range(g.C):
+                        dbp[i] += dbp[t * g.C + i]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling: windows as Caffe's (cext/vision.pyx), over the C channels of a pixel at once. Tasks
+# are output rows (forward) or images (backward: windows overlap).
+
+cdef _check_pool(str kernel, str xname, x, str yname, y, int kh, int kw, int sh, int sw, int ph,
+                 int pw):
+    need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and ph >= 0 and pw >= 0, kernel,
+         "geometry", "kernel and stride must be >= 1, pad >= 0",
+         f"kernel {kh}x{kw} stride {sh}x{sw} pad {ph}x{pw}")
+    need(x.shape[0] == y.shape[0] and x.shape[3] == y.shape[3] and y.shape[1] >= 1
+         and y.shape[2] >= 1, kernel, yname, f"does not fit {xname} {tuple(x.shape[:4])}",
+         tuple(y.shape[:4]))
+    need((y.shape[1] - 1) * sh - ph < x.shape[1] and (y.shape[2] - 1) * sw - pw < x.shape[2],
+         kernel, yname, f"has windows past {xname} {tuple(x.shape[:4])}", tuple(y.shape[:4]))
+
+
+cdef void _max_row(const float* x, float* y, int32_t* mask, int H, int W, int C, int ow,
+                   int py, int kh, int kw, int sh, int sw, int ph, int pw) noexcept nogil:
+    cdef int px, h, w, hs, he, ws, we, c
+    cdef int32_t at
+    cdef const float* src
+    cdef float* out
+    cdef int32_t* mk
+    hs = py * sh - ph
+    he = min(hs + kh, H)
+    hs = max(hs, 0)
+    for px in range(ow):
+        ws = px * sw - pw
+        we = min(ws + kw, W)
+        ws = max(ws, 0)
+        out = y + <Py_ssize_t>px * C
+        mk = mask + <Py_ssize_t>px * C
+        for c in range(C):
+            out[c] = -FLT_MAX
+            mk[c] = -1
+        for h in range(hs, he):
+            for w in range(ws, we):
+                src = x + (<Py_ssize_t>h * W + w) * C
+                at = h * W + w
+                # strict '>' keeps the first maximum in row-major order (Caffe's rule)
+                for c in range(C):
+                    mk[c] = at if src[c] > out[c] else mk[c]
+                    out[c] = src[c] if src[c] > out[c] else out[c]
+
+
+def pool_max_forward(const float[:, :, :, ::1] x, float[:, :, :, ::1] y, int32_t[:, :, :, ::1] mask,
+                     int kh, int kw, int sh, int sw, int ph, int pw):
+    """y = max over each window (padding ignored); mask = h * W + w of the first maximum."""
+    _check_pool("pool_max_forward", "x", x, "y", y, kh, kw, sh, sw, ph, pw)
+    need_shape("pool_max_forward", "mask", dims(mask.shape, 4), dims(y.shape, 4))
+    cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
+    cdef int oh = y.shape[1], ow = y.shape[2]
+    cdef Py_ssize_t item, n
+    if N * C == 0:
+        return
+    with nogil:
+        for item in prange(<Py_ssize_t>N * oh, schedule="static",
+                           num_threads=threads_for(<Py_ssize_t>N * oh * ow * C * kh * kw)):
+            n = item // oh
+            _max_row(&x[0, 0, 0, 0] + n * H * W * C,
+                     &y[0, 0, 0, 0] + (n * oh + item % oh) * ow * C,
+                     &mask[0, 0, 0, 0] + (n * oh + item % oh) * ow * C, H, W, C, ow,
+                     <int>(item % oh), kh, kw, sh, sw, ph, pw)
+
+
+def pool_max_backward(const float[:, :, :, ::1] dy, const int32_t[:, :, :, ::1] mask,
+                      float[:, :, :, ::1] dx):
+    """dx = top diffs routed to their argmax (zeroed first: overwritten)."""
+    need_shape("pool_max_backward", "mask", dims(mask.shape, 4), dims(dy.shape, 4))
+    need(dx.shape[0] == dy.shape[0] and dx.shape[3] == dy.shape[3], "pool_max_backward", "dx",
+         f"does not fit dy {dims(dy.shape, 4)}", dims(dx.shape, 4))
+    cdef int N = dx.shape[0], C = dx.shape[3], c
+    cdef Py_ssize_t HW = <Py_ssize_t>dx.shape[1] * dx.shape[2], OHW = <Py_ssize_t>dy.shape[1] * dy.shape[2]
+    cdef Py_ssize_t n, p
+    cdef float* d
+    cdef const float* g
+    cdef const int32_t* mk
+    if N * C == 0:
+        return
+    with nogil:
+        for n in prange(N, schedule="static", num_threads=threads_for(N * (HW + OHW) * C)):
+            d = &dx[0, 0, 0, 0] + n * HW * C
+            g = &dy[0, 0, 0, 0] + n * OHW * C
+            mk = &mask[0, 0, 0, 0] + n * OHW * C
+            memset(d, 0, HW * C * sizeof(float))
+            for p in range(OHW):
+                for c in range(C):
+                    if mk[p * C + c] >= 0:
+                        d[<Py_ssize_t>mk[p * C + c] * C + c] += g[p * C + c]
+
+
+cdef void _ave_row(const float* x, float* y, int H, int W, int C, int ow, int py, int kh, int kw,
+                   int sh, int sw, int ph, int pw) noexcept nogil:
+    cdef int px, h, w, hs, he, ws, we, c
+    cdef float inv
+    cdef const float* src
+    cdef float* out
+    hs = py * sh - ph
+    he = min(hs + kh, H + ph)
+    for px in range(ow):
+        ws = px * sw - pw
+        we = min(ws + kw, W + pw)
+        inv = 1.0 / ((he - hs) * (we - ws))
+        out = y + <Py_ssize_t>px * C
+        for c in range(C):
+            out[c] = 0.0
+        for h in range(max(hs, 0), min(he, H)):
+            for w in range(max(ws, 0), min(we, W)):
+                src = x + (<Py_ssize_t>h * W + w) * C
+                for c in range(C):
+                    out[c] = out[c] + src[c]
+        for c in range(C):
+            out[c] = out[c] * inv
+
+
+def pool_ave_forward(const float[:, :, :, ::1] x, float[:, :, :, ::1] y, int kh, int kw, int sh,
+                     int sw, int ph, int pw):
+    """y = window sum / window size clipped to the padded image (Caffe's AVE; overwritten)."""
+    _check_pool("pool_ave_forward", "x", x, "y", y, kh, kw, sh, sw, ph, pw)
+    cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
+    cdef int oh = y.shape[1], ow = y.shape[2]
+    cdef Py_ssize_t item, n
+    if N * C == 0:
+        return
+    with nogil:
+        for item in prange(<Py_ssize_t>N * oh, schedule="static",
+                           num_threads=threads_for(<Py_ssize_t>N * oh * ow * C * kh * kw)):
+            n = item // oh
+            _ave_row(&x[0, 0, 0, 0] + n * H * W * C, &y[0, 0, 0, 0] + (n * oh + item % oh) * ow * C,
+                     H, W, C, ow, <int>(item % oh), kh, kw, sh, sw, ph, pw)
+
+
+def pool_ave_backward(const float[:, :, :, ::1] dy, float[:, :, :, ::1] dx, int kh, int kw,
+                      int sh, int sw, int ph, int pw):
+    """dx = each top diff spread evenly over its window (zeroed first: overwritten)."""
+    _check_pool("pool_ave_backward", "dx", dx, "dy", dy, kh, kw, sh, sw, ph, pw)
+    cdef int N = dx.shape[0], H = dx.shape[1], W = dx.shape[2], C = dx.shape[3]
+    cdef int oh = dy.shape[1], ow = dy.shape[2], py, px, h, w, hs, he, ws, we, c
+    cdef Py_ssize_t n
+    cdef float inv
+    cdef float* d
+    cdef float* cell
+    cdef const float* g
+    if N * C == 0:
+        return
+    with nogil:
+        for n in prange(N, schedule="static",
+                        num_threads=threads_for(<Py_ssize_t>N * oh * ow * C * kh * kw)):
+            d = &dx[0, 0, 0, 0] + n * H * W * C
+            memset(d, 0, <Py_ssize_t>H * W * C * sizeof(float))
+            for py in range(oh):
+                hs = py * sh - ph
+                he = min(hs + kh, H + ph)
+                for px in range(ow):
+                    ws = px * sw - pw
+                    we = min(ws + kw, W + pw)
+                    inv = 1.0 / ((he - hs) * (we - ws))
+                    g = &dy[0, 0, 0, 0] + ((n * oh + py) * ow + px) * C
+                    for h in range(max(hs, 0), min(he, H)):
+                        for w in range(max(ws, 0), min(we, W)):
+                            cell = d + (<Py_ssize_t>h * W + w) * C
+                            for c in range(C):
+                                cell[c] = cell[c] + g[c] * inv
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-channel passes over [M, C] (M = N * H * W pixels): BatchNorm, Scale. Tasks are runs of
+# _ROWS pixels; reductions keep float sums per task (one pixel's C channels are one vector
+# operation) and add the tasks up in float64, per thread, then across threads.
+
+cdef void _moments_rows(const float* x, Py_ssize_t rows, int C, const float* shift, float* s1,
+                        float* s2) noexcept nogil:
+    cdef Py_ssize_t r
+    cdef int c
+    cdef float d
+    cdef const float* xr
+    for c in range(C):
+        s1[c] = 0.0
+        s2[c] = 0.0
+    for r in range(rows):
+        xr = x + r * C
+        for c in range(C):
+            d = xr[c] - shift[c]
+            s1[c] = s1[c] + d
+            s2[c] = s2[c] + d * d
+
+
+cdef void _dots_rows(const float* a, const float* b, Py_ssize_t rows, int C, float* s1,
+                     float* s2) noexcept nogil:
+    cdef Py_ssize_t r
+    cdef int c
+    cdef const float* ar
+    cdef const float* br
+    for c in range(C):
+        s1[c] = 0.0
+        s2[c] = 0.0
+    for r in range(rows):
+        ar = a + r * C
+        br = b + r * C
+        for c in range(C):
+            s1[c] = s1[c] + ar[c]
+            s2[c] = s2[c] + ar[c] * br[c]
+
+
+cdef void _reduce(const float* a, const float* b, Py_ssize_t M, int C, const float* shift,
+                  double* out1, double* out2, float* work, double* partial, int T) noexcept nogil:
+    """out1 = sum over rows of (a - shift) and out2 of (a - shift)^2 (b NULL), or of a and
+    a * b; work [T, 2C] floats, partial [T, 2C] doubles."""
+    cdef Py_ssize_t tasks = _row_tasks(M), task, r0
+    cdef int nt = threads_for(M * C), tid, c, t
+    cdef float* w
+    cdef double* p
+    if nt > T:
+        nt = T
+    memset(partial, 0, <Py_ssize_t>nt * 2 * C * sizeof(double))
+    for task in prange(tasks, schedule="static", num_threads=nt):
+        tid = threadid()
+        w = work + <Py_ssize_t>tid * 2 * C
+        p = partial + <Py_ssize_t>tid * 2 * C
+        r0 = task * _ROWS
+        if b == NULL:
+            _moments_rows(a + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C, shift, w, w + C)
+        else:
+            _dots_rows(a + r0 * C, b + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C, w, w + C)
+        for c in range(2 * C):
+            p[c] = p[c] + w[c]
+    for c in range(C):
+        out1[c] = 0.0
+        out2[c] = 0.0
+        for t in range(nt):
+            out1[c] += partial[t * 2 * C + c]
+            out2[c] += partial[t * 2 * C + C + c]
+
+
+cdef _scratch_ok(str kernel, work, partial, int C):
+    need(work.shape[0] >= 1 and work.shape[1] >= 2 * C, kernel, "work",
+         f"needs shape (threads, >= {2 * C})", tuple(work.shape[:2]))
+    need(partial.shape[0] >= work.shape[0] and partial.shape[1] >= 2 * C, kernel, "partial",
+         f"needs shape (>= {work.shape[0]}, >= {2 * C})", tuple(partial.shape[:2]))
+
+
+def channel_moments(const float[:, ::1] x, const float[::1] shift, double[::1] s1, double[::1] s2,
+                    float[:, ::1] work, double[:, ::1] partial):
+    """Per channel c of x [M, C]: s1[c] = sum of (x - shift[c]), s2[c] = sum of its squares
+    (overwritten). work [T, 2C], partial [T, 2C]: per-thread scratch."""
+    cdef Py_ssize_t M = x.shape[0]
+    cdef int C = x.shape[1]
+    need_shape("channel_moments", "shift", dims(shift.shape, 1), (C,))
+    need(s1.shape[0] == C and s2.shape[0] == C, "channel_moments", "s1, s2", f"need {C} values",
+         (s1.shape[0], s2.shape[0]))
+    _scratch_ok("channel_moments", work, partial, C)
+    if C == 0:
+        return
+    with nogil:
+        _reduce(&x[0, 0], NULL, M, C, &shift[0], &s1[0], &s2[0], &work[0, 0], &partial[0, 0],
+                work.shape[0])
+
+
+def channel_dots(const float[:, ::1] a, const float[:, ::1] b, double[::1] sa, double[::1] sab,
+                 float[:, ::1] work, double[:, ::1] partial):
+    """Per channel c of a, b [M, C]: sa[c] = sum of a, sab[c] = sum of a * b (overwritten)."""
+    cdef Py_ssize_t M = a.shape[0]
+    cdef int C = a.shape[1]
+    need_shape("channel_dots", "b", dims(b.shape, 2), dims(a.shape, 2))
+    need(sa.shape[0] == C and sab.shape[0] == C, "channel_dots", "sa, sab", f"need {C} values",
+         (sa.shape[0], sab.shape[0]))
+    _scratch_ok("channel_dots", work, partial, C)
+    if C == 0:
+        return
+    with nogil:
+        _reduce(&a[0, 0], &b[0, 0], M, C, NULL, &sa[0], &sab[0], &work[0, 0], &partial[0, 0],
+                work.shape[0])
+
+
+cdef void _affine_rows(const float* x, float* y, float* keep, bint keep_output, Py_ssize_t rows,
+                       int C, const float* sub, const float* mul, const float* add) noexcept nogil:
+    cdef Py_ssize_t r
+    cdef int c
+    cdef const float* xr
+    cdef float* yr
+    cdef float* kr
+    for r in range(rows):
+        xr = x + r * C
+        yr = y + r * C
+        kr = keep + r * C if keep != NULL else NULL
+        if kr != NULL and not keep_output:
+            for c in range(C):
+                kr[c] = xr[c]
+        if add == NULL:
+            for c in range(C):
+                yr[c] = (xr[c] - sub[c]) * mul[c]
+        else:
+            for c in range(C):
+                yr[c] = xr[c] * mul[c] + add[c]
+        if kr != NULL and keep_output:
+            for c in range(C):
+                kr[c] = yr[c]
+
+
+def channel_affine(const float[:, ::1] x, const float[::1] sub, const float[::1] mul,
+                   const float[::1] add, float[:, ::1] y, float[:, ::1] keep, bint keep_output=False):
+    """Per channel c of x [M, C]: y = (x - sub[c]) * mul[c] when `add` is empty (BatchNorm), else
+    y = x * mul[c] + add[c] (Scale; `sub` unused). When `keep` is not empty it gets a copy of x
+    (an in-place Scale keeps its input) or, with keep_output, of y (BatchNorm keeps its
+    normalized output). y may be x."""
+    cdef Py_ssize_t M = x.shape[0], task, r0
+    cdef int C = x.shape[1]
+    cdef bint has_add = add.shape[0] > 0, has_keep = keep.shape[0] > 0
+    need_shape("channel_affine", "y", dims(y.shape, 2), dims(x.shape, 2))
+    need_shape("channel_affine", "mul", dims(mul.shape, 1), (C,))
+    need(sub.shape[0] == C or has_add, "channel_affine", "sub", f"needs {C} values", sub.shape[0])
+    if has_add:
+        need_shape("channel_affine", "add", dims(add.shape, 1), (C,))
+    if has_keep:
+        need_shape("channel_affine", "keep", dims(keep.shape, 2), dims(x.shape, 2))
+    if M * C == 0:
+        return
+    cdef const float* sp = &sub[0] if sub.shape[0] else NULL
+    cdef const float* ap = &add[0] if has_add else NULL
+    cdef float* kp = &keep[0, 0] if has_keep else NULL
+    with nogil:
+        for task in prange(_row_tasks(M), schedule="static", num_threads=threads_for(M * C)):
+            r0 = task * _ROWS
+            _affine_rows(&x[0, 0] + r0 * C, &y[0, 0] + r0 * C, kp + r0 * C if kp != NULL else NULL,
+                         keep_output, min(<Py_ssize_t>_ROWS, M - r0), C, sp, &mul[0], ap)
+
+
+cdef void _bn_grad_rows(const float* dy, const float* xn, float* dx, Py_ssize_t rows, int C,
+                        const float* p, const float* q, const float* r) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef int c
+    cdef const float* g
+    cdef const float* z
+    cdef float* d
+    for i in range(rows):
+        g = dy + i * C
+        z = xn + i * C
+        d = dx + i * C
+        for c in range(C):
+            d[c] = p[c] * g[c] + q[c] * z[c] + r[c]
+
+
+def bn_backward_apply(const float[:, ::1] dy, const float[:, ::1] xn, const float[::1] p,
+                      const float[::1] q, const float[::1] r, float[:, ::1] dx):
+    """dx = p[c] dy + q[c] xn + r[c] per channel (BatchNorm's gradient from its sums; dx may be dy)."""
+    cdef Py_ssize_t M = dy.shape[0], task, r0
+    cdef int C = dy.shape[1]
+    need_shape("bn_backward_apply", "xn", dims(xn.shape, 2), dims(dy.shape, 2))
+    need_shape("bn_backward_apply", "dx", dims(dx.shape, 2), dims(dy.shape, 2))
+    for name, v in (("p", p), ("q", q), ("r", r)):
+        need(v.shape[0] == C, "bn_backward_apply", name, f"needs {C} values", v.shape[0])
+    if M * C == 0:
+        return
+    with nogil:
+        for task in prange(_row_tasks(M), schedule="static", num_threads=threads_for(M * C)):
+            r0 = task * _ROWS
+            _bn_grad_rows(&dy[0, 0] + r0 * C, &xn[0, 0] + r0 * C, &dx[0, 0] + r0 * C,
+                          min(<Py_ssize_t>_ROWS, M - r0), C, &p[0], &q[0], &r[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# LRN across channels: per pixel, scale = k + alpha/size * sum of x^2 over the `size` channels
+# centred on c (zero past the ends), y = x * scale^-beta. The backward recomputes the scale:
+#     dx = dy * scale^-beta - 2 alpha beta / size * x * window sum of dy * x * scale^(-beta-1)
+# A pixel's channels are contiguous: the window sums are `size` shifted loads of a row padded
+# with `pre` zeros on each side, in the task's work memory.
+
+cdef void _window(const float* row, float* acc, int C, int size) noexcept nogil:
+    """acc[c] = row[c] + ... + row[c + size - 1] (row holds pre zeros, C values, pre zeros)."""
+    cdef int c, e
+    if size == 5:
+        for c in range(C):
+            acc[c] = row[c] + row[c + 1] + row[c + 2] + row[c + 3] + row[c + 4]
+        return
+    for c in range(C):
+        acc[c] = row[c]
+    for e in range(1, size):
+        for c in range(C):
+            acc[c] = acc[c] + row[c + e]
+
+
+cdef void _neg_pow(const float* s, float* out, int C, float beta, int kind) noexcept nogil:
+    """out = s^-beta, one loop per power kind so that each vectorizes."""
+    cdef int c
+    cdef float r
+    if kind == _POW_075:
+        for c in range(C):
+            r = sqrtf(s[c])
+            out[c] = 1.0 / (r * sqrtf(r))
+    elif kind == _POW_050:
+        for c in range(C):
+            out[c] = 1.0 / sqrtf(s[c])
+    elif kind == _POW_100:
+        for c in range(C):
+            out[c] = 1.0 / s[c]
+    else:
+        for c in range(C):
+            out[c] = powf(s[c], -beta)
+
+
+cdef void _lrn_fwd_rows(const float* x, float* y, Py_ssize_t rows, int C, int size, float k,
+                        float a, float beta, int kind, float* w) noexcept nogil:
+    cdef int pre = (size - 1) // 2, c
+    cdef Py_ssize_t r
+    cdef float* row = w
+    cdef float* s = w + C + 2 * pre
+    cdef float* pw = s + C
+    cdef const float* xr
+    cdef float* yr
+    for c in range(pre):
+        row[c] = 0.0
+        row[pre + C + c] = 0.0
+    for r in range(rows):
+        xr = x + r * C
+        yr = y + r * C
+        for c in range(C):
+            row[pre + c] = xr[c] * xr[c]
+        _window(row, s, C, size)
+        for c in range(C):
+            s[c] = k + a * s[c]
+        _neg_pow(s, pw, C, beta, kind)
+        for c in range(C):
+            yr[c] = xr[c] * pw[c]
+
+
+cdef void _lrn_bwd_rows(const float* x, const float* dy, float* dx, Py_ssize_t rows, int C,
+                        int size, float k, float a, float beta, int kind, float cache,
+                        float* w) noexcept nogil:
+    cdef int pre = (size - 1) // 2, c
+    cdef Py_ssize_t r
+    cdef float* row = w
+    cdef float* s = w + C + 2 * pre
+    cdef float* pw = s + C
+    cdef const float* xr
+    cdef const float* gr
+    cdef float* dr
+    for c in range(pre):
+        row[c] = 0.0
+        row[pre + C + c] = 0.0
+    for r in range(rows):
+        xr = x + r * C
+        gr = dy + r * C
+        dr = dx + r * C
+        for c in range(C):
+            row[pre + c] = xr[c] * xr[c]
+        _window(row, s, C, size)
+        for c in range(C):
+            s[c] = k + a * s[c]
+        _neg_pow(s, pw, C, beta, kind)
+        # row <- dy * x * scale^(-beta - 1); its window sum is the cross-channel term
+        for c in range(C):
+            row[pre + c] = gr[c] * xr[c] * pw[c] / s[c]
+        _window(row, s, C, size)
+        for c in range(C):
+            dr[c] = gr[c] * pw[c] - cache * xr[c] * s[c]
+
+
+def lrn_work_size(int C, int size):
+    """Floats of work memory per thread for lrn_forward / lrn_backward."""
+    return 3 * C + size
+
+
+def lrn_forward(const float[:, ::1] x, float[:, ::1] y, int size, float alpha, float beta,
+                float k, float[:, ::1] work):
+    """y = x * (k + alpha/size * window sum of x^2 across the channels of a pixel)^-beta for
+    x [M, C] (overwritten); work [T, lrn_work_size(C, size)]."""
+    cdef Py_ssize_t M = x.shape[0], task, r0
+    cdef int C = x.shape[1], kind = _pow_kind(beta), tid
+    need_shape("lrn_forward", "y", dims(y.shape, 2), dims(x.shape, 2))
+    need(size >= 1 and size % 2 == 1, "lrn_forward", "local_size", "must be odd and positive", size)
+    need(work.shape[1] >= 3 * C + size, "lrn_forward", "work",
+         f"needs shape (threads, >= {3 * C + size})", dims(work.shape, 2))
+    cdef int nt = min(threads_for(M * C * size), <int>work.shape[0])
+    if M * C == 0:
+        return
+    with nogil:
+        for task in prange(_row_tasks(M), schedule="static", num_threads=nt):
+            tid = threadid()
+            r0 = task * _ROWS
+            _lrn_fwd_rows(&x[0, 0] + r0 * C, &y[0, 0] + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C,
+                          size, k, alpha / size, beta, kind, &work[tid, 0])
+
+
+def lrn_backward(const float[:, ::1] x, const float[:, ::1] dy, float[:, ::1] dx, int size,
+                 float alpha, float beta, float k, float[:, ::1] work):
+    """The LRN's bottom diff from x and dy (overwritten); work as for lrn_forward."""
+    cdef Py_ssize_t M = x.shape[0], task, r0
+    cdef int C = x.shape[1], kind = _pow_kind(beta), tid
+    need_shape("lrn_backward", "dy", dims(dy.shape, 2), dims(x.shape, 2))
+    need_shape("lrn_backward", "dx", dims(dx.shape, 2), dims(x.shape, 2))
+    need(size >= 1 and size % 2 == 1, "lrn_backward", "local_size", "must be odd and positive", size)
+    need(work.shape[1] >= 3 * C + size, "lrn_backward", "work",
+         f"needs shape (threads, >= {3 * C + size})", dims(work.shape, 2))
+    cdef int nt = min(threads_for(M * C * size * 2), <int>work.shape[0])
+    if M * C == 0:
+        return
+    with nogil:
+        for task in prange(_row_tasks(M), schedule="static", num_threads=nt):
+            tid = threadid()
+            r0 = task * _ROWS
+            _lrn_bwd_rows(&x[0, 0] + r0 * C, &dy[0, 0] + r0 * C, &dx[0, 0] + r0 * C,
+                          min(<Py_ssize_t>_ROWS, M - r0), C, size, k, alpha / size, beta, kind,
+                          2.0 * alpha * beta / size, &work[tid, 0])

@@ -1,0 +1,231 @@
+"""The fast path's channels-last layers (caffepy/layers/nhwc.py): every variant and every
+convolution algorithm against the NCHW references (caffepy/kernels/reference/vision.py,
+normalization.py; the layout itself: reference/nhwc.py), forward and backward through the
+declarative cases; the blob views; the kernels' argument checks."""
+import numpy as np
+import pytest
+
+from caffepy.blob import CHANNELS_LAST, Blob
+from caffepy.errors import LayerError, ShapeError
+from caffepy.kernels import nhwc as kernels
+from caffepy.kernels.reference import nhwc as ref_layout
+from caffepy.kernels.reference import normalization as ref_norm
+from caffepy.kernels.reference import vision as ref
+from caffepy.layer import NHWC, PLAIN
+from layer_cases import Case, case_tests, distinct, nhwc_blob, pool_expected, randn, setup_layer
+
+FILL = "weight_filler { type: 'gaussian' std: 0.3 } bias_filler { type: 'gaussian' std: 0.3 }"
+
+
+def _conv_expected(pad, stride, group=1, dilation=1):
+    def expected(x, layer):
+        w = layer.blobs[0].data.astype(np.float64)
+        b = layer.blobs[1].data.astype(np.float64) if len(layer.blobs) > 1 else None
+        return [ref.conv_forward(x, w, b, (pad, pad), (stride, stride), (dilation, dilation), group)]
+    return expected
+
+
+def _algorithm(name):
+    def init(layer):
+        layer.force_algorithm(name)
+    return init
+
+
+# (C, O, group, kernel, stride, pad, dilation, H, W, algorithm)
+CONVS = [
+    (8, 12, 1, 1, 1, 0, 1, 5, 4, "gemm"),                   # pointwise: no im2col
+    (6, 4, 2, 1, 1, 0, 1, 3, 4, "gemm"),                    # pointwise, groups
+    (8, 12, 1, 1, 2, 0, 1, 6, 5, "im2col+gemm"),            # pointwise stride 2 (ResNet's branch1)
+    (8, 12, 2, 3, 1, 1, 1, 6, 6, "im2col+gemm"),            # groups
+    (3, 8, 1, 7, 2, 3, 1, 11, 11, "im2col+gemm"),           # conv1 of ResNet / GoogLeNet
+    (6, 4, 1, 3, 1, 2, 2, 7, 7, "im2col+gemm"),             # dilation
+    (8, 8, 8, 3, 1, 1, 1, 6, 6, "depthwise"),               # MobileNet's
+    (8, 8, 8, 3, 2, 1, 1, 7, 6, "depthwise"),
+    (8, 8, 8, 3, 1, 1, 1, 6, 6, "im2col+gemm"),             # depthwise as groups
+    (16, 16, 1, 3, 1, 1, 1, 7, 6, "winograd F(2,3)"),
+    (16, 16, 1, 3, 1, 1, 1, 7, 6, "winograd F(3,3)"),
+    (12, 20, 1, 3, 1, 1, 1, 6, 5, "winograd F(4,3)"),       # channels not a whole block
+    (16, 24, 2, 3, 1, 0, 1, 6, 6, "winograd F(4,3)"),       # groups, no padding
+    (8, 8, 1, 5, 1, 2, 1, 7, 7, "winograd F(2,5)"),
+    (8, 12, 1, 5, 1, 2, 1, 6, 7, "winograd F(3,5)"),
+]
+
+
+def _conv_cases():
+    out = []
+    for C, O, g, k, s, p, d, H, W, algo in CONVS:
+        params = (f"convolution_param {{ num_output: {O} kernel_size: {k} stride: {s} pad: {p} "
+                  f"dilation: {d} group: {g} {FILL} }}")
+        out.append(Case("Convolution", params, [randn(2, C, H, W, seed=C + k, scale=0.5)],
+                        layout=NHWC, expected=_conv_expected(p, s, g, d), init=_algorithm(algo),
+                        atol=1e-4, rtol=1e-4, eps=0.5,     # linear in x and w: a wide step is exact
+                        id=f"nhwc-conv-{algo}-C{C}O{O}g{g}k{k}s{s}p{p}d{d}"))
+    return out
+
+
+def _batch_norm_expected(eps=1e-5):
+    def expected(x):
+        mean, var = x.mean(axis=(0, 2, 3), keepdims=True), x.var(axis=(0, 2, 3), keepdims=True)
+        return [(x - mean) / np.sqrt(var + eps)]
+    return expected
+
+
+def _global_stats(x):
+    mean = np.array([1.0, -2.0, 0.5], np.float32).reshape(1, 3, 1, 1)
+    var = np.array([4.0, 0.5, 2.0], np.float32).reshape(1, 3, 1, 1)
+    return [(x - mean) / np.sqrt(var + 1e-5)]
+
+
+def _set_global_stats(layer):
+    layer.blobs[0].data[...] = [2.0, -4.0, 1.0]
+    layer.blobs[1].data[...] = [8.0, 1.0, 4.0]
+    layer.blobs[2].data[...] = 2.0
+
+
+def _scale_expected(x, layer):
+    s = layer.blobs[0].data.astype(np.float64).reshape(1, -1, 1, 1)
+    b = layer.blobs[1].data.astype(np.float64).reshape(1, -1, 1, 1) if len(layer.blobs) > 1 else 0
+    return [x * s + b]
+
+
+def _bias_expected(x, layer):
+    return [x + layer.blobs[0].data.astype(np.float64).reshape(1, -1, 1, 1)]
+
+
+BN_X = randn(4, 3, 2, 3, seed=20, scale=2.0) + np.array([1.0, -2.0, 0.5], np.float32).reshape(1, 3, 1, 1)
+GAUSS = "filler { type: 'gaussian' } bias_filler { type: 'gaussian' }"
+
+CASES = [
+    Case("NHWCPack", "", [randn(2, 3, 4, 5)], expected=lambda x: [x], atol=0, rtol=0),
+    Case("NHWCUnpack", "", [randn(2, 11, 3, 2)], layout=NHWC, variant=PLAIN, expected=lambda x: [x],
+         atol=0, rtol=0),
+    *_conv_cases(),
+    Case("Pooling", "pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 }", [distinct(2, 11, 7, 8)],
+         layout=NHWC, expected=pool_expected("MAX", (3, 3), (2, 2), (1, 1)), id="nhwc-max-pad"),
+    Case("Pooling", "pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 }", [distinct(2, 5, 5, 4)],
+         layout=NHWC, expected=pool_expected("MAX", (3, 3), (1, 1), (1, 1)), id="nhwc-max-s1"),
+    Case("Pooling", "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 }", [randn(2, 11, 7, 6)],
+         layout=NHWC, expected=pool_expected("AVE", (3, 3), (2, 2), (1, 1)), id="nhwc-ave-pad"),
+    Case("Pooling", "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 avg_include_pad: false }",
+         [randn(2, 11, 7, 6)], layout=NHWC,
+         expected=pool_expected("AVE", (3, 3), (2, 2), (1, 1), include_pad=False),
+         id="nhwc-ave-pad-excluded"),
+    Case("Pooling", "pooling_param { pool: AVE global_pooling: true }", [randn(2, 9, 5, 4)],
+         layout=NHWC, expected=pool_expected("AVE", None, (1, 1), (0, 0), global_pooling=True),
+         id="nhwc-ave-global"),
+    Case("Pooling", "pooling_param { pool: AVE kernel_size: 5 stride: 3 }", [randn(2, 4, 14, 14)],
+         layout=NHWC, expected=pool_expected("AVE", (5, 5), (3, 3), (0, 0)), id="nhwc-ave-googlenet-aux"),
+    Case("BatchNorm", "", [BN_X], layout=NHWC, expected=_batch_norm_expected(), id="nhwc-batchnorm"),
+    # the one-pass moments from a shift keep the variance of data far from zero (forward only:
+    # central differences in float32 cannot resolve this gradient)
+    Case("BatchNorm", "batch_norm_param { eps: 0.1 }", [randn(3, 16, 3, 2, seed=22) + 100],
+         layout=NHWC, expected=_batch_norm_expected(0.1), grad=False, id="nhwc-batchnorm-offset"),
+    Case("BatchNorm", "batch_norm_param { use_global_stats: true }", [BN_X], layout=NHWC,
+         expected=_global_stats, init=_set_global_stats, id="nhwc-batchnorm-global"),
+    Case("Scale", f"scale_param {{ bias_term: true {GAUSS} }}", [randn(2, 5, 3, 3)], layout=NHWC,
+         expected=_scale_expected, id="nhwc-scale-bias"),
+    Case("Scale", "scale_param { filler { type: 'gaussian' } }", [randn(2, 9, 2, 3)], layout=NHWC,
+         expected=_scale_expected, id="nhwc-scale"),
+    Case("Bias", "bias_param { filler { type: 'gaussian' } }", [randn(2, 5, 3, 3)], layout=NHWC,
+         expected=_bias_expected, id="nhwc-bias"),
+    Case("Concat", "", [randn(2, 3, 3, 2), randn(2, 13, 3, 2, seed=1), randn(2, 1, 3, 2, seed=2)],
+         layout=NHWC, expected=lambda a, b, c: [np.concatenate([a, b, c], axis=1)], id="nhwc-concat"),
+    Case("LRN", "lrn_param { local_size: 5 alpha: 0.8 beta: 0.75 k: 2 }", [randn(2, 11, 4, 3)],
+         layout=NHWC, expected=lambda x: [ref_norm.lrn_across_forward(x, 5, 0.8, 0.75, 2.0)[0]],
+         id="nhwc-lrn"),
+    Case("LRN", "lrn_param { local_size: 3 alpha: 2 beta: 0.6 k: 1.5 }", [randn(2, 4, 3, 3, seed=3)],
+         layout=NHWC, expected=lambda x: [ref_norm.lrn_across_forward(x, 3, 2.0, 0.6, 1.5)[0]],
+         id="nhwc-lrn-beta0.6"),
+    # the layout-agnostic plain layers run on channels-last blobs as they are
+    Case("ReLU", "", [randn(2, 5, 3, 4)], layout=NHWC, variant=PLAIN, kink=0.0, kink_range=1e-2,
+         expected=lambda x: [np.maximum(x, 0)], id="nhwc-relu"),
+    Case("Eltwise", "", [randn(2, 5, 3, 4), randn(2, 5, 3, 4, seed=1)], layout=NHWC, variant=PLAIN,
+         expected=lambda a, b: [a + b], id="nhwc-eltwise"),
+]
+
+test_forward, test_gradient = case_tests(CASES)
+
+
+def test_channels_last_blob_shows_caffe_order():
+    x = randn(2, 3, 4, 5)
+    b = nhwc_blob(x)
+    assert b.shape == (2, 3, 4, 5) and b.raw_data.shape == (2, 4, 5, 3)
+    np.testing.assert_array_equal(b.data, x)
+    np.testing.assert_array_equal(b.raw_data, ref_layout.pack(x))
+    b.data[1, 2, 3, 4] = 7                  # writes go through the view
+    assert b.raw_data[1, 3, 4, 2] == 7
+    b.diff[...] = x
+    np.testing.assert_array_equal(b.raw_diff, ref_layout.pack(x))
+    b.reshape(1, 3, 2, 2)                   # keeps its layout
+    assert b.raw_data.shape == (1, 2, 2, 3) and b.layout == CHANNELS_LAST
+    with pytest.raises(ShapeError, match="channels-last"):
+        b.reshape(3, 4)
+    with pytest.raises(ShapeError, match="channels-last"):
+        Blob((2, 3), name="flat").layout = CHANNELS_LAST
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 40, 33, 35), (3, 1, 2, 2)])
+def test_pack_unpack_kernels_match_the_reference(shape):
+    x = randn(*shape)
+    y = np.full(ref_layout.pack(x).shape, np.nan, np.float32)
+    kernels.pack(x, y)
+    np.testing.assert_array_equal(y, ref_layout.pack(x))
+    back = np.full_like(x, np.nan)
+    kernels.unpack(y, back)
+    np.testing.assert_array_equal(back, x)
+
+
+def test_every_algorithm_of_a_shape_gives_the_same_numbers():
+    """All candidates of one 3x3 shape agree with the reference, forward and backward."""
+    params = f"convolution_param {{ num_output: 16 kernel_size: 3 pad: 1 {FILL} }}"
+    x = randn(3, 16, 9, 8, seed=5)
+    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
+    assert set(layer.algorithms) == {"im2col+gemm", "winograd F(2,3)", "winograd F(3,3)", "winograd F(4,3)"}
+    w, b = (blob.data.astype(np.float64) for blob in layer.blobs)
+    want = ref.conv_forward(x.astype(np.float64), w, b, (1, 1), (1, 1), (1, 1), 1)
+    dy = randn(*want.shape, seed=6)
+    dw, db, dx = ref.conv_backward(dy.astype(np.float64), x.astype(np.float64), w, (1, 1), (1, 1), (1, 1), 1)
+    layer.param_propagate_down = [True, True]
+    for name in layer.algorithms:
+        layer.force_algorithm(name)
+        layer.forward(bottom, top)
+        np.testing.assert_allclose(top[0].data, want, rtol=1e-4, atol=1e-4, err_msg=name)
+        top[0].diff[...] = dy
+        for blob in layer.blobs:
+            blob.diff[...] = 0
+        layer.backward(top, [True], bottom)
+        np.testing.assert_allclose(bottom[0].diff, dx, rtol=1e-4, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(layer.blobs[0].diff, dw, rtol=1e-4, atol=1e-3, err_msg=name)
+        np.testing.assert_allclose(layer.blobs[1].diff, db, rtol=1e-4, atol=1e-3, err_msg=name)
+
+
+def test_force_algorithm_names_the_candidates():
+    layer, _, _ = setup_layer("Convolution", f"convolution_param {{ num_output: 4 kernel_size: 1 {FILL} }}",
+                              [randn(1, 4, 3, 3)], layout=NHWC)
+    with pytest.raises(LayerError, match=r"no algorithm 'winograd F\(4,3\)' for this shape.*Candidates: gemm"):
+        layer.force_algorithm("winograd F(4,3)")
+
+
+def test_the_rule_picks_winograd_depthwise_and_gemm(monkeypatch):
+    monkeypatch.setenv("CAFFEPY_AUTOTUNE", "0")
+    def chosen(params, shape):
+        layer, _, _ = setup_layer("Convolution", f"convolution_param {{ {params} {FILL} }}",
+                                  [randn(*shape)], layout=NHWC)
+        return layer.algorithm, layer.tuning
+    assert chosen("num_output: 32 kernel_size: 3 pad: 1", (1, 32, 12, 12)) == ("winograd F(4,3)", "rule")
+    assert chosen("num_output: 32 kernel_size: 3 pad: 1 group: 32", (1, 32, 6, 6)) == ("depthwise", "rule")
+    assert chosen("num_output: 8 kernel_size: 1", (1, 32, 6, 6)) == ("gemm", "only")
+    assert chosen("num_output: 8 kernel_size: 3 stride: 2", (1, 32, 6, 6)) == ("im2col+gemm", "only")
+
+
+def test_kernels_refuse_mismatched_arguments():
+    x = np.zeros((1, 4, 4, 8), np.float32)
+    with pytest.raises(ValueError, match=r"conv_forward: y: needs shape \(1, 4, 4, 5\)"):
+        kernels.conv_forward(x, np.zeros((1, 8, 5), np.float32), np.zeros(0, np.float32),
+                             np.zeros((1, 4, 4, 6), np.float32), np.zeros((1, 0), np.float32),
+                             5, 1, 1, 0, 0, 1, 1, 1, 1, 1, 16)
+    with pytest.raises(ValueError, match=r"pack: y: needs shape \(1, 4, 8, 4\)"):
+        kernels.pack(x, np.zeros((1, 4, 4, 8), np.float32))
+    with pytest.raises(ValueError, match=r"channel_affine: mul: needs shape \(8,\)"):
+        kernels.channel_affine(x.reshape(16, 8), np.zeros(8, np.float32), np.zeros(3, np.float32),
+                               np.zeros(0, np.float32), x.reshape(16, 8), np.zeros((0, 0), np.float32))

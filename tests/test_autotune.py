@@ -1,0 +1,82 @@
+"""Per-layer algorithm choice by measurement (caffepy/autotune.py): the fastest candidate is
+kept, stored per machine and key, read back instead of measuring, a damaged cache is set aside,
+CAFFEPY_AUTOTUNE=0 leaves the choice to the rule; a channels-last Convolution measures its
+candidates on its first reshape of a shape and says so."""
+import json
+import time
+
+import numpy as np
+import pytest
+
+from caffepy import autotune
+from caffepy.context import SINGLE
+from caffepy.layer import NHWC
+from layer_cases import randn, setup_layer
+
+
+class _Layer:
+    context = SINGLE
+    tuning = None
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAFFEPY_AUTOTUNE", "1")
+    monkeypatch.setenv("CAFFEPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_cache", None)
+    return tmp_path / "autotune.json"
+
+
+def _candidates(calls):
+    def slow():
+        calls.append("slow")
+        time.sleep(0.01)
+
+    def fast():
+        calls.append("fast")
+    return {"slow": slow, "fast": fast}
+
+
+def test_the_fastest_is_kept_stored_and_read_back(cache):
+    calls, layer = [], _Layer()
+    assert autotune.choose(layer, "k1", _candidates(calls), "slow", 2) == "fast"
+    assert layer.tuning.startswith("measured ") and "slow" in calls and "fast" in calls
+    stored = json.loads(cache.read_text())
+    machine = autotune.machine_key(2)
+    assert stored[machine]["k1"]["choice"] == "fast" and set(stored[machine]["k1"]["ms"]) == {"slow", "fast"}
+    autotune._cache = None                  # a new process: reads the file, measures nothing
+    calls.clear()
+    assert autotune.choose(layer, "k1", _candidates(calls), "slow", 2) == "fast"
+    assert layer.tuning == "cached" and calls == []
+    # another thread count is another machine: measured again
+    assert autotune.choose(layer, "k1", _candidates(calls), "slow", 1) == "fast" and calls
+
+
+def test_off_means_the_rule(cache, monkeypatch):
+    monkeypatch.setenv("CAFFEPY_AUTOTUNE", "0")
+    calls, layer = [], _Layer()
+    assert autotune.choose(layer, "k", _candidates(calls), "slow", 2) == "slow"
+    assert layer.tuning == "rule" and calls == [] and not cache.exists()
+
+
+def test_a_damaged_cache_is_set_aside(cache):
+    cache.write_text("{not json")
+    layer = _Layer()
+    assert autotune.choose(layer, "k", _candidates([]), "slow", 2) == "fast"
+    assert (cache.parent / "autotune.json.bad").read_text() == "{not json"
+    assert json.loads(cache.read_text())[autotune.machine_key(2)]["k"]["choice"] == "fast"
+
+
+def test_a_convolution_measures_its_candidates_once_per_shape(cache):
+    params = "convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: 'gaussian' } }"
+    layer, bottom, top = setup_layer("Convolution", params, [randn(1, 16, 8, 8)], layout=NHWC)
+    assert layer.tuning.startswith("measured ") and layer.algorithm in layer.algorithms
+    assert set(layer.algorithms) == {"im2col+gemm", "winograd F(2,3)", "winograd F(3,3)", "winograd F(4,3)"}
+    before = [b.diff.copy() for b in layer.blobs]
+    layer.reshape(bottom, top)              # same shape: no new measurement
+    assert layer.tuning.startswith("measured ")
+    for b, d in zip(layer.blobs, before):   # the trials leave the parameter gradients alone
+        np.testing.assert_array_equal(b.diff, d)
+    autotune._cache = None
+    again, _, _ = setup_layer("Convolution", params, [randn(1, 16, 8, 8)], layout=NHWC)
+    assert again.tuning == "cached" and again.algorithm == layer.algorithm
