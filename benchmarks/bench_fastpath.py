@@ -124,7 +124,7 @@ def main():
         return worker(json.loads(args.worker))
     print(f"load average before: {os.getloadavg()}", flush=True)
     for net_name in args.nets:
-        contenders = [("caffepy fast path", {"kind": "caffepy"}, {"CAFFEPY_ENGINE": "FAST"}),
+        contenders = [("caffepy fast path", {"kind": "caffepy"}, {}),
                       ("caffepy engine CAFFE", {"kind": "caffepy"}, {"CAFFEPY_ENGINE": "CAFFE"})]
         if net_name == "resnet50" and not args.no_torch:
             if args.torch_format in ("both", "default"):

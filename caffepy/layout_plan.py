@@ -1,6 +1,6 @@
 """The layout plan: which memory layout each layer of a net runs in, and where the conversions go.
 
-With CAFFEPY_ENGINE=FAST an unmodified Caffe net gets the fast path. The Net asks this plan, layer by layer
+An unmodified Caffe net gets the fast path by default. The Net asks this plan, layer by layer
 as it builds them (the plan needs the blobs' shapes and current layouts), which bottoms to
 convert first; the plan answers with conversion layers (NHWCPack, NHWCUnpack of
 caffepy/layers/nhwc.py) and the blob names the layer then reads and writes. The rule:
@@ -21,14 +21,12 @@ converted one, and later layers read that (`current`). The blobs keep Caffe's na
 and values (a channels-last blob shows N, C, H, W views), so pycaffe code, snapshots, `caffepy
 time` and the log see the net the prototxt describes.
 
-The plan is off unless CAFFEPY_ENGINE=FAST: measured on the development machine it was not yet
-faster than Caffe's algorithms at the default threads (ResNet-50 b16 0.73x, GoogLeNet 0.83x;
-1.1x on one thread), and a default must be the faster one. Within FAST, Intel Caffe's `engine`
-field still keeps Caffe's algorithms where it says CAFFE (`caffe_engine`):
+The switch to Caffe's algorithms (plain NCHW, im2col + GEMM, no Winograd) is Intel Caffe's
+`engine` field, read by `caffe_engine`:
     per layer     `engine: "CAFFE"` in the layer, or `engine: CAFFE` in its *_param
     per net       `engine: "CAFFE"` in the NetParameter (a solver's `engine` sets its nets')
-    everywhere    CAFFEPY_ENGINE=CAFFE (or unset: the default)
-Any other engine string ("", "MKLDNN", "MKL2017", ...) leaves the layer to the plan.
+    everywhere    CAFFEPY_ENGINE=CAFFE in the environment
+Any other engine string ("", "MKLDNN", "MKL2017", ...) means caffepy's default: the fast path.
 """
 import os
 
@@ -43,9 +41,9 @@ _ENGINE_CAFFE = 1           # the `Engine` enum's CAFFE in every *_param of caff
 
 def _engine_env():
     value = os.environ.get("CAFFEPY_ENGINE", "").strip().upper()
-    if value not in ("", "DEFAULT", "CAFFE", "FAST"):
-        raise CaffepyError(f"CAFFEPY_ENGINE: must be CAFFE, DEFAULT or FAST, got '{value}'")
-    return value or "DEFAULT"
+    if value not in ("", "DEFAULT", "CAFFE"):
+        raise CaffepyError(f"CAFFEPY_ENGINE: must be CAFFE or DEFAULT, got '{value}'")
+    return value
 
 
 def _is_caffe(engine):
@@ -56,7 +54,7 @@ def caffe_engine(layer_param=None, net_param=None):
     """Whether Caffe's own algorithms are asked for: everywhere (CAFFEPY_ENGINE), for the net
     (NetParameter.engine), or for this layer (its `engine` string or a *_param's enum). A
     layer's own engine string wins over the net's."""
-    if _engine_env() != "FAST":
+    if _engine_env() == "CAFFE":
         return True
     if layer_param is not None:
         if layer_param.engine:

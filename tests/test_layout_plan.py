@@ -1,9 +1,7 @@
 """The fast path of whole nets (caffepy/layout_plan.py): an unmodified prototxt runs its
 convolutions, pooling, BatchNorm, Scale, Concat, LRN channels-last, computes what the plain NCHW
 path computes (forward, backward, parameter gradients), keeps pycaffe's view of the net, and
-`engine: CAFFE` (layer, net, solver) or CAFFEPY_ENGINE=CAFFE keeps Caffe's NCHW algorithms.
-The fast path is opt-in (CAFFEPY_ENGINE=FAST): every test here runs with it unless it says
-otherwise."""
+`engine: CAFFE` (layer, net, solver) or CAFFEPY_ENGINE=CAFFE keeps Caffe's NCHW algorithms."""
 import os
 
 import numpy as np
@@ -19,14 +17,7 @@ from caffepy.net import TEST, TRAIN, Net
 from caffepy.proto import caffe_pb2
 from caffepy.solvers.nets import solver_test_net_params, solver_train_net_param
 
-from paths import REPO
-
-ZOO = os.path.join(REPO, "models", "zoo")
-
-
-@pytest.fixture(autouse=True)
-def _fast_path(monkeypatch):
-    monkeypatch.setenv("CAFFEPY_ENGINE", "FAST")
+ZOO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "zoo")
 
 SMALL = """
 name: "small"
@@ -92,20 +83,9 @@ def test_engine_strings():
 
 
 def test_a_bad_engine_environment_value_is_one_line(monkeypatch):
-    monkeypatch.setenv("CAFFEPY_ENGINE", "quick")
-    with pytest.raises(CaffepyError, match="CAFFEPY_ENGINE: must be CAFFE, DEFAULT or FAST, got 'QUICK'"):
+    monkeypatch.setenv("CAFFEPY_ENGINE", "fast")
+    with pytest.raises(CaffepyError, match="CAFFEPY_ENGINE: must be CAFFE or DEFAULT, got 'FAST'"):
         _net()
-
-
-@pytest.mark.parametrize("value", [None, "DEFAULT"])
-def test_the_default_is_caffes_algorithms(value, monkeypatch):
-    if value is None:
-        monkeypatch.delenv("CAFFEPY_ENGINE")
-    else:
-        monkeypatch.setenv("CAFFEPY_ENGINE", value)
-    net = _net()
-    assert [layer.variant for layer in net.layers] == ["plain"] * 6
-    assert all(b.layout != CHANNELS_LAST for b in net.blobs.values())
 
 
 def test_a_solvers_engine_reaches_its_nets():
