@@ -19,7 +19,9 @@ cores all compute takes a core from the work communication should hide behind. H
 the waiting thread tests its requests and sleeps between tests, the sleeps growing
 to `poll_cap` (about the time the link takes to fill a socket buffer: MPICH's TCP
 transport moves data only inside MPI calls, and the kernel's buffers carry it
-between them).
+between them). Each call reads at most one UCX receive segment per socket, so
+mpi.py raises UCX_TCP_RX_SEG_SIZE to 1 MB: with UCX's 64 KB a thread that tests
+every few ms drained the link at half its speed.
 """
 import time
 from collections import deque

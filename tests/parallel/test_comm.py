@@ -53,6 +53,21 @@ def test_world_under_mpiexec(tmp_path):
     assert sorted(re.findall(r"rank \d+ of \d+", out.stdout)) == [f"rank {r} of 3" for r in range(3)]
 
 
+@pytest.mark.parametrize("user", [None, "256K"])
+def test_transport_defaults_set_before_mpi_unless_the_user_did(tmp_path, user):
+    out = mpirun(2, """
+        import os
+        from caffepy.parallel import mpi, world
+        mpi.init_world()
+        seen = world.comm.gather(os.environ.get("UCX_TCP_RX_SEG_SIZE"))
+        if world.rank == 0:             # one line: the launcher may interleave the ranks' lines
+            print("seg", *seen)
+        mpi.finish()
+    """, tmp_path, env={"UCX_TCP_RX_SEG_SIZE": user} if user else None)
+    assert out.returncode == 0, out.stderr
+    assert re.findall(r"seg (\S+) (\S+)", out.stdout) == [(user or "1M",) * 2]
+
+
 REDUCER = """
     import sys
     import numpy as np
