@@ -526,22 +526,16 @@ def _layer_buffer(layer, attr, shape):
     return buf[:size].reshape(shape)
 
 
-def _per_channel(request, field):
-    """A learned per-channel blob over a 4-axis bottom: one bottom, axis 1, num_axes 1."""
-    p = getattr(request.param, field)
-    return (_four_axes(request) and len(request.bottoms) == 1 and p.axis in (1, -3)
-            and p.num_axes == 1)
-
-
-@register(variant=NHWC)
-class NHWCScale(Scale):
-    """Scale with a learned per-channel scale (and bias) on channels-last blobs: y = x * s + b."""
-    type = "Scale"
-    layout = NHWC
+class _PerChannel:
+    """What NHWCScale and NHWCBias share: a learned per-channel blob over a 4-axis bottom (one
+    bottom, axis 1, num_axes 1; `param_field` names the layer's *_param), a channels-last top."""
+    param_field = None
 
     @classmethod
     def wanted(cls, request):
-        return _per_channel(request, "scale_param")
+        p = getattr(request.param, cls.param_field)
+        return (_four_axes(request) and len(request.bottoms) == 1 and p.axis in (1, -3)
+                and p.num_axes == 1)
 
     def setup(self, bottom, top):
         _kernels(self)
@@ -551,6 +545,14 @@ class NHWCScale(Scale):
         super().reshape(bottom, top)
         if top[0] is not bottom[0]:
             nhwc_top(top[0], bottom[0].shape)
+
+
+@register(variant=NHWC)
+class NHWCScale(_PerChannel, Scale):
+    """Scale with a learned per-channel scale (and bias) on channels-last blobs: y = x * s + b."""
+    type = "Scale"
+    layout = NHWC
+    param_field = "scale_param"
 
     def forward(self, bottom, top):
         x, y = rows(bottom[0]), rows(top[0])
@@ -575,23 +577,11 @@ class NHWCScale(Scale):
 
 
 @register(variant=NHWC)
-class NHWCBias(Bias):
+class NHWCBias(_PerChannel, Bias):
     """Bias with a learned per-channel bias on channels-last blobs: y = x + b."""
     type = "Bias"
     layout = NHWC
-
-    @classmethod
-    def wanted(cls, request):
-        return _per_channel(request, "bias_param")
-
-    def setup(self, bottom, top):
-        _kernels(self)
-        super().setup(bottom, top)
-
-    def reshape(self, bottom, top):
-        super().reshape(bottom, top)
-        if top[0] is not bottom[0]:
-            nhwc_top(top[0], bottom[0].shape)
+    param_field = "bias_param"
 
     def forward(self, bottom, top):
         x = rows(bottom[0])
