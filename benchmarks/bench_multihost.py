@@ -95,7 +95,7 @@ def worker(args):
     from caffepy.parallel.ring import Link, Ring
     mpi.init_world(stall_timeout=0)
     comm = world.comm
-    result = {"hosts": comm.allgather(os.uname().nodename)}
+    result = {"hosts": comm.allgather(os.uname().nodename), "cores": os.cpu_count()}
     link = Link.measure(comm, probe_bytes=32 << 20)
     result["latency"], result["bandwidth"] = link.latency, link.bandwidth
 
@@ -158,6 +158,10 @@ def worker(args):
             per_rank += 4 * outer * (2 * (world.size - 1) * layer.K + 2 * (world.size - 1) * layer.m)
         result["mp_layers"] = [layer.name for layer in layers]
         result["activation_bytes"] = per_rank
+        # wall time inside the exchanges per iteration (every iteration run, warm-ups too),
+        # the slowest rank's
+        ran = 1 + args.rounds * len(modes) * (args.warmup + args.iters)
+        result["exchange_seconds"] = slowest(sum(layer.exchange_seconds for layer in layers) / ran)
     strategy.close()
     if world.rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
@@ -217,9 +221,14 @@ def model_inputs(r):
                          f"less than its {steps} latencies of {r['latency'] * 1e6:.0f} us: the measurements "
                          f"contradict each other")
     bandwidth = r["ring_bytes_sent"] / moving
+    # every emulated host runs on this machine's cores: with more ranks than cores, the
+    # communication CPU of all ranks comes out of the compute of all, ranks/cores times the
+    # share a rank alone on its core would lose (CPU accounting, not a fitted factor)
+    ranks = len(r["hosts"])
+    stolen = max(1.0, ranks / r.get("cores", os.cpu_count()))
     return dict(forward=forward, backward=backward, rest=rest,
-                buckets=[tuple(b) for b in r["buckets"]], ranks=len(r["hosts"]), latency=r["latency"],
-                bandwidth=bandwidth, cpu_per_byte=cpu_per_byte), note
+                buckets=[tuple(b) for b in r["buckets"]], ranks=ranks, latency=r["latency"],
+                bandwidth=bandwidth, cpu_per_byte=cpu_per_byte, stolen=stolen), note
 
 
 def run_hosts(args, hosts, batch, me):
@@ -236,7 +245,7 @@ def run_hosts(args, hosts, batch, me):
     return r, hybrid
 
 
-def report(args, r, batch, hybrid, load):
+def report(args, r, batch, hybrid, others):
     """Print one run's figures; returns [(mode, predicted, measured)] of the model check."""
     import scaling_model
     hosts = len(r["hosts"])
@@ -245,8 +254,9 @@ def report(args, r, batch, hybrid, load):
     t_ar = r["allreduce"]
     spread = max(max(m["all"]) - min(m["all"]) for m in modes.values())
     print(f"\nAlexNet (DummyData), data parallel, {hosts} emulated hosts ({', '.join(r['hosts'])}), "
-          f"1 rank x 1 thread each, local batch {batch}, links shaped to {args.rate}; load average "
-          f"{load:.2f} on {os.cpu_count()} cores at the end")
+          f"1 rank x 1 thread each, local batch {batch}, links shaped to {args.rate}"
+          + ("" if others is None else f"; other processes kept {others:.2f} of {os.cpu_count()} cores "
+             f"busy during it"))
     print(f"link to the next rank: latency {r['latency'] * 1e6:.0f} us, bandwidth "
           f"{r['bandwidth'] * 8 / 1e6:.0f} Mbit/s ({r['bandwidth'] / 1e6:.1f} MB/s)")
     print(f"gradients: {r['bytes'] / 1e6:.1f} MB in {len(r['buckets'])} buckets")
@@ -275,8 +285,8 @@ def report(args, r, batch, hybrid, load):
     print(f"model (scaling_model.py; inputs measured in this run: layer times summing to "
           f"{sum(inputs['forward']):.2f} s forward + {sum(inputs['backward']):.2f} s backward, the rest "
           f"{inputs['rest']:.2f} s{note}, the latency above, the ring's {inputs['bandwidth'] * 8 / 1e6:.0f} Mbit/s, "
-          f"{inputs['cpu_per_byte'] * 1e9:.2f} ns of CPU per byte sent, "
-          f"all of it taken from compute):")
+          f"{inputs['cpu_per_byte'] * 1e9:.2f} ns of CPU per byte sent, taken from compute "
+          f"{inputs['stolen']:.1f} times ({hosts} ranks on {r.get('cores', os.cpu_count())} cores)):")
     for mode in ("blocking", "thread"):         # `none` is an input (above), not a prediction
         if mode not in modes:
             continue
@@ -291,13 +301,19 @@ def report(args, r, batch, hybrid, load):
         print(f"hybrid (train_val.prototxt: {', '.join(hybrid['mp_layers'])} model parallel), local batch "
               f"{batch}: none {h['none']['iter']:.2f} s, thread {h['thread']['iter']:.2f} s "
               f"({h['thread']['iter'] - t1:+.2f} s against the data-parallel t_1rank); "
-              f"{hybrid['bytes'] / 1e6:.1f} MB of gradients allreduced, activation exchanges "
-              f"{hybrid['activation_bytes'] / 1e6:.1f} MB per rank per iteration "
-              f"({hybrid['activation_bytes'] / r['bandwidth']:.2f} s of the link, not overlapped)")
-    if load > os.cpu_count():
-        print(f"the machine was busy (load average {load:.2f} on {os.cpu_count()} cores): other jobs took "
-              f"CPU from the ranks, so these times are not comparable with a quiet run (compare CPU "
-              f"seconds, or rerun)")
+              f"{hybrid['bytes'] / 1e6:.1f} MB of gradients allreduced (overlapped as above)")
+    if hybrid is not None and "exchange_seconds" in hybrid:
+        share = hybrid["exchange_seconds"] / hybrid["modes"]["thread"]["iter"]
+        print(f"  activation exchanges: {hybrid['activation_bytes'] / 1e6:.1f} MB per rank per iteration "
+              f"({hybrid['activation_bytes'] / r['bandwidth']:.2f} s at the link's rate); measured "
+              f"{hybrid['exchange_seconds']:.2f} s per iteration inside them, {share:.1%} of the "
+              f"iteration. They do not overlap (each layer needs its exchange's result); both they "
+              f"and the compute grow with the local batch, so the share stays near this at any "
+              f"batch on this link and shrinks with the link's bandwidth")
+    if others is not None and others > 0.1:
+        print(f"the machine was shared: other processes used {others:.2f} cores on average during this "
+              f"run, CPU the ranks did not get, so these times are not comparable with a quiet run "
+              f"(compare CPU seconds, or rerun)")
     return checks, inputs
 
 
@@ -384,7 +400,7 @@ def main():
         runs = measure(args)
     all_checks, inputs = [], None
     for run in runs:
-        checks, found = report(args, run["result"], run["batch"], run["hybrid"], run["load"])
+        checks, found = report(args, run["result"], run["batch"], run["hybrid"], run.get("others"))
         inputs = inputs or found
         all_checks += [(len(run["result"]["hosts"]),) + c for c in checks]
         sys.stdout.flush()
@@ -397,6 +413,39 @@ def main():
         project(inputs, validated)
 
 
+def _machine_busy():
+    """CPU seconds the whole machine has been busy (every core, every process) since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu():
+    t = os.times()
+    return t.children_user + t.children_system
+
+
+def choose_batch(me, target, tries=4):
+    """The local batch whose iteration, timed at that batch (one rank alone, one thread),
+    is nearest `target` seconds. Scaling from one small probe is not enough: a small
+    batch's fixed costs (and its cache fit) make the per-image time differ."""
+    batch, timed = 8, {}
+    for _ in range(tries):
+        out = subprocess.run([sys.executable, me, "--calibrate", "--batch", str(batch), "--iters", "2"],
+                             capture_output=True, text=True, env=_env())
+        timed[batch] = _result(out, "calibration")["iter"]
+        print(f"calibration: batch {batch} takes {timed[batch]:.2f} s/iter alone", flush=True)
+        if abs(timed[batch] / target - 1) <= 0.08:
+            break
+        batch = max(1, round(batch * target / timed[batch]))
+        if batch in timed:
+            break
+    best = min(timed, key=lambda b: abs(timed[b] - target))
+    print(f"calibration: local batch {best} ({timed[best]:.2f} s/iter, target {target:.1f} s)", flush=True)
+    return best
+
+
 def measure(args):
     from tests.multihost.testbed import unavailable
     reason = unavailable()
@@ -405,17 +454,16 @@ def measure(args):
     me = os.path.abspath(__file__)
     load = os.getloadavg()[0]
     print(f"load average before: {load:.2f} on {os.cpu_count()} cores", flush=True)
-    batch = args.batch
-    if not batch:
-        probe = 8
-        t = _result(subprocess.run([sys.executable, me, "--calibrate", "--batch", str(probe), "--iters", "2"],
-                                   capture_output=True, text=True, env=_env()), "calibration")["iter"]
-        batch = max(1, round(probe * args.target / t))
-        print(f"calibration: batch {probe} takes {t:.2f} s/iter alone -> local batch {batch}", flush=True)
+    batch = args.batch or choose_batch(me, args.target)
     runs = []
     for hosts in ((2, 4) if args.validate else (args.hosts,)):
+        busy, ours, wall = _machine_busy(), _children_cpu(), time.perf_counter()
         r, hybrid = run_hosts(args, hosts, batch, me)
-        runs.append({"result": r, "batch": batch, "hybrid": hybrid, "load": os.getloadavg()[0]})
+        # cores kept busy by other processes during the run: the machine's busy time less
+        # what this run's processes (launchers, ranks) used
+        others = ((_machine_busy() - busy) - (_children_cpu() - ours)) / (time.perf_counter() - wall)
+        runs.append({"result": r, "batch": batch, "hybrid": hybrid, "load": os.getloadavg()[0],
+                     "others": max(0.0, others)})
         if args.save:
             with open(args.save, "w") as f:
                 json.dump({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load,

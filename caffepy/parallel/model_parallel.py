@@ -21,6 +21,8 @@ rank 0's weights see the whole matrix; `keep_own_rows` then drops the other rank
 Hybrid strategy calls it once the weights agree everywhere), and the test nets' copies of the
 layer use those rows (`share_rows`).
 """
+import time
+
 import numpy as np
 
 from ..blas import gemm_into
@@ -109,6 +111,7 @@ class ModelParallelInnerProduct(InnerProduct):
         self.rows = slice(self.offsets[self.rank], self.offsets[self.rank] + self.m)
         self.split = self.m == self.num_output
         self.outer = None
+        self.exchange_seconds = 0.0     # wall time in this layer's MPI exchanges (benchmarks)
 
     def keep_own_rows(self):
         """Keep this rank's rows of the weights and bias only (once; every rank must hold the
@@ -156,15 +159,19 @@ class ModelParallelInnerProduct(InnerProduct):
         from mpi4py import MPI
         assert self.split, "keep_own_rows() comes before the first forward"
         x = np.ascontiguousarray(bottom[0].data.reshape(self.outer, self.K))
+        started = time.perf_counter()
         self.comm.Allgather(x, self.x_all)
+        self.exchange_seconds += time.perf_counter() - started
         gemm_into(self.x_all, self.blobs[0].data.T, self.y_part)
         if self.bias_term:
             self.y_part += self.blobs[1].data
         # rows of rank s (block s of y_part) go to rank s; from rank s come my rows of its outputs
         sends = [self.outer * self.m] * self.size
         sdispl = [s * self.outer * self.m for s in range(self.size)]
+        started = time.perf_counter()
         self.comm.Alltoallv([self.y_part, (sends, sdispl), MPI.FLOAT],
                             [self.exchange, (self.block_counts, self.block_displs), MPI.FLOAT])
+        self.exchange_seconds += time.perf_counter() - started
         y = top[0].data.reshape(self.outer, self.num_output)
         for block, offset, count in zip(self._blocks(), self.offsets, self.counts):
             y[:, offset:offset + count] = block
@@ -176,8 +183,10 @@ class ModelParallelInnerProduct(InnerProduct):
             block[...] = dy[:, offset:offset + count]
         recvs = [self.outer * self.m] * self.size
         rdispl = [s * self.outer * self.m for s in range(self.size)]
+        started = time.perf_counter()
         self.comm.Alltoallv([self.exchange, (self.block_counts, self.block_displs), MPI.FLOAT],
                             [self.dy_all, (recvs, rdispl), MPI.FLOAT])
+        self.exchange_seconds += time.perf_counter() - started
         if param_wanted(self, 0):
             gemm_into(self.dy_all.T, self.x_all, self.blobs[0].diff, 1.0)
         if self.bias_term and param_wanted(self, 1):
@@ -185,5 +194,7 @@ class ModelParallelInnerProduct(InnerProduct):
         if propagate_down[0]:
             dx_all = np.empty((self.dy_all.shape[0], self.K), np.float32)
             gemm_into(self.dy_all, self.blobs[0].data, dx_all)
+            started = time.perf_counter()
             self.comm.Reduce_scatter_block(dx_all, self.dx)
+            self.exchange_seconds += time.perf_counter() - started
             bottom[0].diff.reshape(self.outer, self.K)[...] = self.dx
