@@ -207,18 +207,24 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
     log.info(f"Testing for {iterations} iterations.")
     clock = _time.perf_counter
     total_start = clock()
+    # a fused pair (BatchNorm + Scale, Net.fusions) runs and is timed as one, under its first layer
+    units = net.units()
+    pairs = [(layers[first].name, layers[last].name) for first, last in units if last != first]
+    if pairs:
+        log.info(f"{len(pairs)} fused pair(s), each timed under its first layer's name "
+                 f"(e.g. {pairs[0][0]} + {pairs[0][1]})")
     for j in range(iterations):
         iter_start = clock()
-        for i in range(n):
+        for first, last in units:
             t = clock()
-            net.forward_from_to(i, i)
-            forward_s[i] += clock() - t
+            net.forward_from_to(first, last)
+            forward_s[first] += clock() - t
         forward_total += clock() - iter_start
         back_start = clock()
-        for i in reversed(range(n)):
+        for first, last in reversed(units):
             t = clock()
-            net.backward_from_to(i, i, every_layer=True)
-            backward_s[i] += clock() - t
+            net.backward_from_to(last, first, every_layer=True)
+            backward_s[first] += clock() - t
         backward_total += clock() - back_start
         log.info(f"Iteration: {j + 1} forward-backward time: {fmt((clock() - iter_start) * 1e3)} ms.")
     total = clock() - total_start

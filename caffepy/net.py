@@ -262,6 +262,30 @@ class Net:
             (name, self.blob_loss_weights.get(plan.current(name), 0.0)) for name in self.blobs)
         self._share_params(wired)
         self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
+        self.fusions = self._find_fusions()
+        if self.fusions:
+            log.info(f"Fused {len(self.fusions)} BatchNorm + Scale pair(s) (the fast path; engine: "
+                     f"CAFFE runs them apart)")
+
+    def _find_fusions(self):
+        """{BatchNorm index: Scale index} of the pairs that run as one: the fast path's
+        BatchNorm in place, then its Scale in place on the same blob with no conversion between
+        (ResNet's form): one pass over the activations in forward and one reduction in backward
+        instead of two of each. Every blob ends with the values and diffs the layers one by one
+        give it (both work in place, so no intermediate is seen); a run that does not include
+        both layers runs them one by one."""
+        found = {}
+        for li in range(len(self.layers) - 1):
+            bn, scale = self.layers[li], self.layers[li + 1]
+            if not (hasattr(bn, "forward_with_scale") and hasattr(scale, "backward_with_bn")):
+                continue
+            if self._conversions[li + 1] or len(self.bottom_vecs[li + 1]) != 1:
+                continue
+            x = self.top_vecs[li][0]
+            if self.bottom_vecs[li][0] is x and self.bottom_vecs[li + 1][0] is x \
+                    and self.top_vecs[li + 1][0] is x:
+                found[li] = li + 1
+        return found
 
     def _add_conversion(self, clp):
         """Build and set up one of the layout plan's conversion layers: (layer, bottom, top)."""
@@ -444,6 +468,7 @@ class Net:
         update there)."""
         end = len(self.layers) - 1 if end is None else end
         loss = np.float32(0)
+        done = -1                     # a layer whose forward ran fused with the one before it
         try:
             for li in range(start, end + 1):
                 if before_layer is not None:
@@ -453,7 +478,17 @@ class Net:
                     conversion.forward([b], [t])
                 layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
                 layer.reshape(bottom, top)
-                layer.forward(bottom, top)
+                partner = self.fusions.get(li)
+                if li == done:
+                    pass
+                elif partner is not None and partner <= end:
+                    if before_layer is not None:
+                        before_layer(partner)         # its parameters' deferred update first
+                    self.layers[partner].reshape(self.bottom_vecs[partner], self.top_vecs[partner])
+                    layer.forward_with_scale(bottom, top, self.layers[partner])
+                    done = partner
+                else:
+                    layer.forward(bottom, top)
                 for w, blob in zip(self._top_loss_weights[li], top):
                     if w:
                         loss += np.float32(w) * np.float32(np.sum(blob.data, dtype=np.float64))
@@ -469,6 +504,8 @@ class Net:
         `every_layer` runs the layers that reach no loss too, as Caffe's `time` does: their
         parameter gradients (lr_mult != 0), never a bottom diff that backward does not need."""
         start = len(self.layers) - 1 if start is None else start
+        fused_back = {scale: bn for bn, scale in self.fusions.items()}
+        done = -1                     # a BatchNorm whose backward ran with its Scale's
         for li in range(start, end - 1, -1):
             if not (every_layer or self.layer_need_backward[li]):
                 continue
@@ -476,12 +513,31 @@ class Net:
             for w, blob in zip(self._top_loss_weights[li], top):
                 if w:
                     blob.diff[...] = w
-            self.layers[li].backward(top, self.bottom_need_backward[li], self.bottom_vecs[li])
+            layer, bn = self.layers[li], fused_back.get(li)
+            if li == done:
+                pass
+            elif bn is not None and bn >= end and layer.fused_input is not None:
+                bn_runs = every_layer or self.layer_need_backward[bn]
+                layer.backward_with_bn(top, self.layers[bn], self.bottom_vecs[bn][0],
+                                       bn_runs and self.bottom_need_backward[bn][0])
+                done = bn
+            else:
+                layer.backward(top, self.bottom_need_backward[li], self.bottom_vecs[li])
             for conversion, b, t, bi in reversed(self._conversions[li]):
                 if self.bottom_need_backward[li][bi]:
                     conversion.backward([t], [True], [b])
             if on_layer_done is not None and self.layers[li].blobs:
                 on_layer_done(li)
+
+    def units(self):
+        """(first, last) layer indices of what runs as one, in net order: (i, i) for a layer,
+        (i, j) for a fused pair (see fusions). Timing layer by layer times these."""
+        out, li = [], 0
+        while li < len(self.layers):
+            last = self.fusions.get(li, li)
+            out.append((li, last))
+            li = last + 1
+        return out
 
     def forward_backward(self):
         loss = self.forward_from_to()

@@ -978,6 +978,41 @@ def channel_affine(const float[:, ::1] x, const float[::1] sub, const float[::1]
                          keep_output, min(<Py_ssize_t>_ROWS, M - r0), C, sp, &mul[0], ap)
 
 
+cdef void _bn_scale_rows(const float* x, float* y, float* xn, Py_ssize_t rows, int C,
+                         const float* sub, const float* mul, const float* gamma,
+                         const float* beta) noexcept nogil:
+    cdef Py_ssize_t r
+    cdef int c
+    cdef float z
+    for r in range(rows):
+        for c in range(C):
+            z = (x[r * C + c] - sub[c]) * mul[c]
+            xn[r * C + c] = z
+            y[r * C + c] = z * gamma[c] + beta[c]
+
+
+def bn_scale_forward(const float[:, ::1] x, const float[::1] sub, const float[::1] mul,
+                     const float[::1] gamma, const float[::1] beta, float[:, ::1] y,
+                     float[:, ::1] xn):
+    """BatchNorm and the Scale after it in one pass over x [M, C]: per channel c,
+    xn = (x - sub[c]) * mul[c] (kept for the backward) and y = xn * gamma[c] + beta[c].
+    y may be x; xn may not."""
+    cdef Py_ssize_t M = x.shape[0], task, r0
+    cdef int C = x.shape[1]
+    need_shape("bn_scale_forward", "y", dims(y.shape, 2), dims(x.shape, 2))
+    need_shape("bn_scale_forward", "xn", dims(xn.shape, 2), dims(x.shape, 2))
+    for name, v in (("sub", sub), ("mul", mul), ("gamma", gamma), ("beta", beta)):
+        need(v.shape[0] == C, "bn_scale_forward", name, f"needs {C} values", v.shape[0])
+    if M * C == 0:
+        return
+    with nogil:
+        for task in prange(_row_tasks(M), schedule="static", num_threads=threads_for(M * C)):
+            r0 = task * _ROWS
+            _bn_scale_rows(&x[0, 0] + r0 * C, &y[0, 0] + r0 * C, &xn[0, 0] + r0 * C,
+                           min(<Py_ssize_t>_ROWS, M - r0), C, &sub[0], &mul[0], &gamma[0],
+                           &beta[0])
+
+
 cdef void _bn_grad_rows(const float* dy, const float* xn, float* dx, Py_ssize_t rows, int C,
                         const float* p, const float* q, const float* r) noexcept nogil:
     cdef Py_ssize_t i

@@ -28,11 +28,13 @@ def make_lmdb(path, n=RECORDS, seed=0, shape=(2, 4, 4)):
     return str(path)
 
 
-def conv_net(source, batch, hybrid=False, fc=None):
+def conv_net(source, batch, hybrid=False, fc=None, bn=False):
     """Data -> conv (as a fully connected layer over 2x4x4) -> ReLU -> classifier -> loss.
 
     fc: "InnerProduct" uses InnerProduct layers (needed for model parallel);
-    hybrid marks them `multinode { model_parts: 0 }`."""
+    hybrid marks them `multinode { model_parts: 0 }`; bn puts a BatchNorm with global
+    statistics (so ranks and one rank agree) and a learned Scale, both in place, before the ReLU:
+    a fused pair on the fast path."""
     mn = "multinode { model_parts: 0 }" if hybrid else ""
     if fc == "InnerProduct":
         hidden = f"""layer {{ name: "fc1" type: "InnerProduct" bottom: "data" top: "fc1"
@@ -51,10 +53,21 @@ def conv_net(source, batch, hybrid=False, fc=None):
 layer {{ name: "data" type: "Data" top: "data" top: "label"
   data_param {{ source: "{source}" batch_size: {batch} backend: LMDB }} }}
 {hidden}
+{BN_SCALE if bn else ""}
 layer {{ name: "relu1" type: "ReLU" bottom: "fc1" top: "fc1" }}
 {out}
 layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "fc2" bottom: "label" top: "loss" }}
 """
+
+
+# zero statistics: the BatchNorm multiplies by 1/sqrt(eps), the Scale starts by undoing it
+# (and learns slowly: its gradient carries that factor)
+BN_SCALE = """layer { name: "bn1" type: "BatchNorm" bottom: "fc1" top: "fc1"
+  batch_norm_param { use_global_stats: true } }
+layer { name: "scale1" type: "Scale" bottom: "fc1" top: "fc1"
+  param { lr_mult: 0.0003 } param { lr_mult: 1 }
+  scale_param { bias_term: true filler { type: "constant" value: 0.003 }
+    bias_filler { type: "constant" value: 0.1 } } }"""
 
 
 def solver_text(net_path, prefix, max_iter=6, extra=""):

@@ -475,31 +475,50 @@ class NHWCBatchNorm(BatchNorm):
         if top[0] is not bottom[0]:
             nhwc_top(top[0], bottom[0].shape)
 
-    def forward(self, bottom, top):
-        x, y = rows(bottom[0]), rows(top[0])
-        c = x.shape[1]
+    def _statistics(self, x):
+        """The mean and 1/std to normalize x [M, C] with (float32), the running statistics
+        updated when they come from the batch."""
         if self.use_global_stats:
             factor = float(self.blobs[2].data[0])
             factor = 0.0 if factor == 0 else 1.0 / factor
             mean = (self.blobs[0].data * np.float32(factor)).astype(np.float32)
             var = self.blobs[1].data.astype(np.float64) * np.float32(factor)
             self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
-            _k.channel_affine(x, mean, self.inv_std, _EMPTY, y, _EMPTY2)
-            self.x_norm = None
-            return
-        m = x.shape[0]
+            return mean, self.inv_std
+        m, c = x.shape
         shift = x[0].copy() if m else np.zeros(c, np.float32)
         s1, s2 = _reduce(x, shift=shift)
         d = s1 / max(m, 1)
         mean = shift + d
         var = np.maximum(s2 / max(m, 1) - d * d, 0.0)
         self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
-        self.x_norm = _layer_buffer(self, "_x_norm_buf", x.shape)
-        _k.channel_affine(x, mean.astype(np.float32), self.inv_std, _EMPTY, y, self.x_norm, True)
         correction = m / (m - 1) if m > 1 else 1.0
         self.blobs[2].data[...] = self.blobs[2].data * self.maf + 1.0
         self.blobs[0].data[...] = mean + self.maf * self.blobs[0].data
         self.blobs[1].data[...] = correction * var + self.maf * self.blobs[1].data
+        return mean.astype(np.float32), self.inv_std
+
+    def forward(self, bottom, top):
+        x, y = rows(bottom[0]), rows(top[0])
+        mean, inv = self._statistics(x)
+        if self.use_global_stats:
+            _k.channel_affine(x, mean, inv, _EMPTY, y, _EMPTY2)
+            self.x_norm = None
+            return
+        self.x_norm = _layer_buffer(self, "_x_norm_buf", x.shape)
+        _k.channel_affine(x, mean, inv, _EMPTY, y, self.x_norm, True)
+
+    def forward_with_scale(self, bottom, top, scale):
+        """This layer's forward and that of `scale` (an NHWCScale working in place on this
+        layer's top, see Net.fusions) in one pass: the top gets the Scale's output, the
+        normalized values stay in x_norm for the pair's backward (NHWCScale.backward_with_bn)."""
+        x, y = rows(bottom[0]), rows(top[0])
+        mean, inv = self._statistics(x)
+        self.x_norm = _layer_buffer(self, "_x_norm_buf", x.shape)
+        gamma = scale.blobs[0].data
+        beta = scale.blobs[1].data if scale.bias_term else np.zeros_like(gamma)
+        _k.bn_scale_forward(x, mean, inv, gamma, beta, y, self.x_norm)
+        scale.fused_input = self.x_norm
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -554,23 +573,58 @@ class NHWCScale(_PerChannel, Scale):
     layout = NHWC
     param_field = "scale_param"
 
+    fused_input = None      # the BatchNorm's x_norm when the last forward was fused with it
+
     def forward(self, bottom, top):
         x, y = rows(bottom[0]), rows(top[0])
         keep = _layer_buffer(self, "_saved_rows", x.shape) if top[0] is bottom[0] else _EMPTY2
         add = self.blobs[1].data if self.bias_term else np.zeros(x.shape[1], np.float32)
         _k.channel_affine(x, _EMPTY, self.blobs[0].data, add, y, keep)
+        self.fused_input = None
+
+    def _input(self, top, bottom, shape):
+        """The bottom's values of the last forward (an in-place layer overwrote them)."""
+        if self.fused_input is not None:
+            return self.fused_input
+        if top[0] is bottom[0]:
+            return self._saved_rows[:int(np.prod(shape))].reshape(shape)
+        return rows(bottom[0])
+
+    def _param_grads(self, dy, x):
+        """Add the scale and bias gradients; returns the per-channel (sum dy, sum dy * x)."""
+        sums, dots = _reduce(dy, x)
+        if self.bias_term and param_wanted(self, 1):
+            self.blobs[1].diff[...] += sums
+        if param_wanted(self, 0):
+            self.blobs[0].diff[...] += dots
+        return sums, dots
+
+    def backward_with_bn(self, top, bn, bn_bottom, bn_propagate):
+        """This layer's backward and that of the BatchNorm `bn` whose forward it was fused with
+        (forward_with_scale), from one reduction: with dxn = gamma * dy, BatchNorm's sums are
+        gamma * sum dy and gamma * sum dy * xn. The BatchNorm's bottom diff (if bn_propagate)
+        is written here; the Net then skips bn's own backward."""
+        dy = rows(top[0], diff=True)
+        xn = self.fused_input
+        sums, dots = self._param_grads(dy, xn)
+        if not bn_propagate:
+            return
+        p = bn.inv_std.astype(np.float64) * self.blobs[0].data       # d x / d dy: gamma / std
+        dx = rows(bn_bottom, diff=True)
+        if bn.use_global_stats:
+            _k.channel_affine(dy, np.zeros(len(p), np.float32), p.astype(np.float32), _EMPTY, dx,
+                              _EMPTY2)
+            return
+        m = max(dy.shape[0], 1)
+        _k.bn_backward_apply(dy, xn, p.astype(np.float32), (-p * dots / m).astype(np.float32),
+                             (-p * sums / m).astype(np.float32), dx)
 
     def backward(self, top, propagate_down, bottom):
         dy = rows(top[0], diff=True)
-        x = self._saved_rows[:dy.size].reshape(dy.shape) if top[0] is bottom[0] else rows(bottom[0])
         want_scale = param_wanted(self, 0)
         want_bias = self.bias_term and param_wanted(self, 1)
         if want_scale or want_bias:
-            sums, dots = _reduce(dy, x)
-            if want_bias:
-                self.blobs[1].diff[...] += sums
-            if want_scale:
-                self.blobs[0].diff[...] += dots
+            self._param_grads(dy, self._input(top, bottom, dy.shape))
         if propagate_down[0]:
             scale = self.blobs[0].data
             _k.channel_affine(dy, np.zeros_like(scale), scale, _EMPTY, rows(bottom[0], diff=True), _EMPTY2)

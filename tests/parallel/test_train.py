@@ -57,6 +57,16 @@ def test_data_parallel_matches_one_rank(tmp_path, db, ranks):
         assert max_rel_diff(w1, init) > 1e-3
 
 
+def test_fused_batchnorm_scale_matches_one_rank(tmp_path, db):
+    """The Scale's parameters are read by the fused BatchNorm before the Scale's own place in
+    the forward: their deferred update must be applied there (Net.forward_from_to)."""
+    w1, wn, out1, outn = run_pair(tmp_path, db, 2, bn=True)
+    assert "Fused 1 BatchNorm + Scale pair" in out1.stderr
+    assert max_rel_diff(w1, wn) < 1e-5
+    init = weights_at_start(tmp_path, db, bn=True)
+    assert max_rel_diff({"s": w1["scale1.0"]}, {"s": init["scale1.0"]}) > 1e-3
+
+
 @pytest.mark.parametrize("ranks,env,described", [
     (2, {"CAFFEPY_MPI_ALLREDUCE": "mpi"}, "progress: thread, algorithm: mpi"),
     (2, {"CAFFEPY_MPI_PROGRESS": "blocking"}, "progress: blocking, algorithm: shm (2 ranks"),
@@ -71,8 +81,8 @@ def test_allreduce_algorithms_match_one_rank(tmp_path, db, ranks, env, described
     assert max_rel_diff(w1, weights(multi / f"snap_iter_{ITERS}.caffemodel")) < 1e-5
 
 
-def weights_at_start(tmp_path, db):
-    job = write_job(tmp_path, "zero", db, BATCH, 0)
+def weights_at_start(tmp_path, db, **net_kw):
+    job = write_job(tmp_path, "zero", db, BATCH, 0, **net_kw)
     out = train(job)
     assert out.returncode == 0, out.stderr[-2000:]
     return weights(job / "snap_iter_0.caffemodel")

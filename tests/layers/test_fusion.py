@@ -1,0 +1,110 @@
+"""BatchNorm + Scale run as one on the fast path (Net.fusions, NHWCBatchNorm.forward_with_scale,
+NHWCScale.backward_with_bn): the fused net computes what the same net run layer by layer does
+(tops, parameter gradients, running statistics), in training and with global statistics, and
+a run that stops between the two layers sees each layer as written."""
+import numpy as np
+import pytest
+
+import caffepy
+from caffepy.kernels import nhwc as kernels
+from caffepy.net import Net
+
+NET = """force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 4 dim: 3 dim: 7 dim: 6 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" %(bn)s }
+layer { name: "scale1" type: "Scale" bottom: "conv1" top: "conv1"
+  scale_param { bias_term: true filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+  convolution_param { num_output: 6 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "conv2" top: "bn2" %(bn)s }
+layer { name: "scale2" type: "Scale" bottom: "bn2" top: "bn2"
+  scale_param { filler { type: "gaussian" std: 0.5 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "bn2" top: "fc"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+"""
+
+
+def _nets(tmp_path, bn=""):
+    path = tmp_path / "net.prototxt"
+    path.write_text(NET % {"bn": bn})
+    fused, plain = Net(str(path), caffepy.TRAIN), Net(str(path), caffepy.TRAIN)
+    plain.fusions = {}
+    rng = np.random.default_rng(3)
+    for name, layer in fused.layer_dict.items():
+        for mine, theirs in zip(layer.blobs, plain.layer_dict[name].blobs):
+            if layer.type == "BatchNorm":
+                mine.data[...] = np.abs(rng.standard_normal(mine.shape)) + 0.5
+            theirs.data[...] = mine.data
+    for net in (fused, plain):
+        net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal((4, 3, 7, 6))
+        net.blobs["label"].data[...] = [0, 1, 2, 4]
+    return fused, plain
+
+
+def _close(a, b, what):
+    """Within float rounding of the larger values (a gradient that is zero in exact arithmetic,
+    like a bias before a BatchNorm, is rounding noise on both sides)."""
+    assert float(np.abs(a - b).max()) <= 2e-5 * max(0.1, float(np.abs(b).max())), what
+
+
+@pytest.mark.parametrize("bn", ["", "batch_norm_param { use_global_stats: true }"])
+def test_fused_pairs_compute_the_layers(tmp_path, bn):
+    fused, plain = _nets(tmp_path, bn)
+    names = [fused.layers[i].name for i in sorted(fused.fusions)]
+    assert names == ["bn1"]             # bn2 writes a top of its own: its diff is seen
+    for step in range(2):              # the second step starts from updated running statistics
+        for net in (fused, plain):
+            net.clear_param_diffs()
+        losses = [net.forward_backward() for net in (fused, plain)]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+        for name in plain.blobs:
+            _close(fused.blobs[name].data, plain.blobs[name].data, f"{name} data, step {step}")
+            _close(fused.blobs[name].diff, plain.blobs[name].diff, f"{name} diff, step {step}")
+        for name, layer in plain.layer_dict.items():
+            for i, blob in enumerate(layer.blobs):
+                mine = fused.layer_dict[name].blobs[i]
+                _close(mine.data, blob.data, f"{name} blob {i}, step {step}")
+                _close(mine.diff, blob.diff, f"{name} blob {i} diff, step {step}")
+
+
+def test_a_run_that_stops_between_the_pair_runs_them_apart(tmp_path):
+    fused, plain = _nets(tmp_path)
+    bn = [layer.name for layer in fused.layers].index("bn1")
+    for net in (fused, plain):
+        net.forward_from_to(0, bn)          # bn1's top: its normalized values, no scale applied
+    _close(fused.blobs["conv1"].data, plain.blobs["conv1"].data, "bn1 alone")
+    x = fused.blobs["conv1"].data
+    assert np.abs(x.mean(axis=(0, 2, 3))).max() < 1e-4      # normalized per channel
+    for net in (fused, plain):
+        net.forward_from_to(bn + 1)
+        net.backward_from_to(end=bn + 1)    # scale1's backward alone, after a split forward
+    _close(fused.layer_dict["scale1"].blobs[0].diff, plain.layer_dict["scale1"].blobs[0].diff,
+           "scale1 gradient")
+    assert fused.layer_dict["bn1"].x_norm is not None
+
+
+def test_caffes_algorithms_fuse_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAFFEPY_ENGINE", "CAFFE")
+    path = tmp_path / "net.prototxt"
+    path.write_text(NET % {"bn": ""})
+    assert Net(str(path), caffepy.TRAIN).fusions == {}
+
+
+def test_bn_scale_kernel():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((70, 5)).astype(np.float32)
+    sub, mul, gamma, beta = (rng.standard_normal(5).astype(np.float32) for _ in range(4))
+    y, xn = np.empty_like(x), np.empty_like(x)
+    kernels.bn_scale_forward(x, sub, mul, gamma, beta, y, xn)
+    expected = (x.astype(np.float64) - sub) * mul
+    assert np.allclose(xn, expected, rtol=1e-6, atol=1e-6)
+    assert np.allclose(y, expected * gamma + beta, rtol=1e-6, atol=1e-6)
+    kernels.bn_scale_forward(x, sub, mul, gamma, beta, x, xn)        # in place
+    assert np.allclose(x, y)
+    with pytest.raises(ValueError, match="gamma"):
+        kernels.bn_scale_forward(x, sub, mul, gamma[:4], beta, y, xn)
