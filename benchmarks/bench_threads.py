@@ -65,8 +65,8 @@ def net_param(case):
     _, path, batch, _ = CASES[case]
     if path is None:
         sys.path.insert(0, HERE)
-        from bench_alexnet import caffepy_net_param
-        return caffepy_net_param(batch, blocked=False)
+        import nets
+        return nets.train_net("alexnet", batch)
     param = upgrade.read_net(os.path.join(NETS, path))
     if case == "digits":
         _digits_dummy_data(param)
