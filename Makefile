@@ -99,7 +99,7 @@ bench-mpi: install
 # 2 then 4 emulated hosts, 500 Mbit/s links: how much of the gradient allreduce hides, the
 # scaling model against the measured iterations, then its projection (root needed)
 bench-multihost: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_multihost.py --validate
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_multihost.py --validate --hybrid
 
 # Regenerate caffepy/proto/caffe_pb2.py after editing caffe.proto
 proto: install
