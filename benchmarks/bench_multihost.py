@@ -462,8 +462,7 @@ def measure(args):
         # cores kept busy by other processes during the run: the machine's busy time less
         # what this run's processes (launchers, ranks) used
         others = ((_machine_busy() - busy) - (_children_cpu() - ours)) / (time.perf_counter() - wall)
-        runs.append({"result": r, "batch": batch, "hybrid": hybrid, "load": os.getloadavg()[0],
-                     "others": max(0.0, others)})
+        runs.append({"result": r, "batch": batch, "hybrid": hybrid, "others": max(0.0, others)})
         if args.save:
             with open(args.save, "w") as f:
                 json.dump({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load,

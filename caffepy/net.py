@@ -484,7 +484,6 @@ class Net:
                 elif partner is not None and partner <= end:
                     if before_layer is not None:
                         before_layer(partner)         # its parameters' deferred update first
-                    self.layers[partner].reshape(self.bottom_vecs[partner], self.top_vecs[partner])
                     layer.forward_with_scale(bottom, top, self.layers[partner])
                     done = partner
                 else:

@@ -155,23 +155,25 @@ class ModelParallelInnerProduct(InnerProduct):
         return [self.exchange[d:d + c].reshape(self.outer, c // self.outer if self.outer else 0)
                 for d, c in zip(self.block_displs, self.block_counts)]
 
+    def _exchange(self, call, *args):
+        """One MPI exchange, its wall time added to exchange_seconds."""
+        started = time.perf_counter()
+        call(*args)
+        self.exchange_seconds += time.perf_counter() - started
+
     def forward(self, bottom, top):
         from mpi4py import MPI
         assert self.split, "keep_own_rows() comes before the first forward"
         x = np.ascontiguousarray(bottom[0].data.reshape(self.outer, self.K))
-        started = time.perf_counter()
-        self.comm.Allgather(x, self.x_all)
-        self.exchange_seconds += time.perf_counter() - started
+        self._exchange(self.comm.Allgather, x, self.x_all)
         gemm_into(self.x_all, self.blobs[0].data.T, self.y_part)
         if self.bias_term:
             self.y_part += self.blobs[1].data
         # rows of rank s (block s of y_part) go to rank s; from rank s come my rows of its outputs
         sends = [self.outer * self.m] * self.size
         sdispl = [s * self.outer * self.m for s in range(self.size)]
-        started = time.perf_counter()
-        self.comm.Alltoallv([self.y_part, (sends, sdispl), MPI.FLOAT],
-                            [self.exchange, (self.block_counts, self.block_displs), MPI.FLOAT])
-        self.exchange_seconds += time.perf_counter() - started
+        self._exchange(self.comm.Alltoallv, [self.y_part, (sends, sdispl), MPI.FLOAT],
+                       [self.exchange, (self.block_counts, self.block_displs), MPI.FLOAT])
         y = top[0].data.reshape(self.outer, self.num_output)
         for block, offset, count in zip(self._blocks(), self.offsets, self.counts):
             y[:, offset:offset + count] = block
@@ -183,10 +185,9 @@ class ModelParallelInnerProduct(InnerProduct):
             block[...] = dy[:, offset:offset + count]
         recvs = [self.outer * self.m] * self.size
         rdispl = [s * self.outer * self.m for s in range(self.size)]
-        started = time.perf_counter()
-        self.comm.Alltoallv([self.exchange, (self.block_counts, self.block_displs), MPI.FLOAT],
-                            [self.dy_all, (recvs, rdispl), MPI.FLOAT])
-        self.exchange_seconds += time.perf_counter() - started
+        self._exchange(self.comm.Alltoallv,
+                       [self.exchange, (self.block_counts, self.block_displs), MPI.FLOAT],
+                       [self.dy_all, (recvs, rdispl), MPI.FLOAT])
         if param_wanted(self, 0):
             gemm_into(self.dy_all.T, self.x_all, self.blobs[0].diff, 1.0)
         if self.bias_term and param_wanted(self, 1):
@@ -194,7 +195,5 @@ class ModelParallelInnerProduct(InnerProduct):
         if propagate_down[0]:
             dx_all = np.empty((self.dy_all.shape[0], self.K), np.float32)
             gemm_into(self.dy_all, self.blobs[0].data, dx_all)
-            started = time.perf_counter()
-            self.comm.Reduce_scatter_block(dx_all, self.dx)
-            self.exchange_seconds += time.perf_counter() - started
+            self._exchange(self.comm.Reduce_scatter_block, dx_all, self.dx)
             bottom[0].diff.reshape(self.outer, self.K)[...] = self.dx
