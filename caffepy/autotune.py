@@ -110,14 +110,18 @@ def store(machine, key, entry):
         log.warning(f"{path}: cannot write the autotune cache ({e}); the choice holds for this run")
 
 
-def measure(run, repeats=2):
-    """Seconds of the fastest of `repeats` runs of `run` after one warm-up run."""
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+def measure(candidates, rounds=3):
+    """{name: fastest seconds} of each candidate function, after one warm-up run of each. The
+    rounds interleave the candidates, so a moment when the machine is busy slows one round of
+    each rather than every run of one."""
+    for run in candidates.values():
         run()
-        best = min(best, time.perf_counter() - start)
+    best = dict.fromkeys(candidates, float("inf"))
+    for _ in range(rounds):
+        for name, run in candidates.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -129,10 +133,12 @@ def choose(layer, key, candidates, default, threads):
         return default if default in candidates else next(iter(candidates))
     machine = machine_key(threads)
     entry = lookup(machine, key)
-    if entry is not None and entry.get("choice") in candidates:
+    # an entry measured before a candidate existed (a new algorithm) is measured again
+    if entry is not None and entry.get("choice") in candidates \
+            and set(candidates) <= set(entry.get("ms", {})):
         choice, layer.tuning = entry["choice"], "cached"
     else:
-        ms = {name: round(measure(run) * 1e3, 3) for name, run in candidates.items()}
+        ms = {name: round(t * 1e3, 3) for name, t in measure(candidates).items()}
         choice = min(ms, key=ms.get)
         layer.tuning = "measured " + ", ".join(f"{name} {t:g} ms" for name, t in ms.items())
         store(machine, key, {"choice": choice, "ms": ms})

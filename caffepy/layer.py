@@ -225,6 +225,9 @@ class Layer:
                 self.blobs.append(b)
         # which param blobs want a gradient (lr_mult != 0); set by the Net
         self.param_propagate_down = []
+        # which bottoms will likely want a gradient, known before setup (the Net sets it; a
+        # layer built alone assumes all): what an algorithm trial's backward computes
+        self.bottom_need_backward = None
 
     # -- overridables ----------------------------------------------------
     def setup(self, bottom, top):

@@ -328,6 +328,7 @@ class Net:
             need_backward |= need
         layer = create_layer(user_lp, self.phase, self.source, bottoms=bottoms, context=self.context,
                              net=self.param)
+        layer.bottom_need_backward = list(bottom_need)
         for ti, name in enumerate(lp.top):
             if name in lp.bottom:
                 blob = self._blobs[name]           # in place

@@ -25,6 +25,8 @@ from libc.float cimport FLT_MAX
 from libc.math cimport powf, sqrtf
 from libc.stdint cimport int32_t
 from libc.string cimport memcpy, memset
+from cpython cimport array
+import array
 
 from blas cimport gemm_ld
 from rules cimport dims, need, need_shape, threads_for
@@ -468,6 +470,112 @@ def conv_backward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt,
                 if need_b:
                     for i in range(O):
                         dbp[i] += dbp[t * O + i]
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct convolution for few input channels (group 1): the image read in place, the sums kept in
+# registers (nhwc_direct.h says how). Weights wp [K, Op] and their gradient [Kp, Op] with
+# K = kh * kw * C taps in (i, j, c) order, Op = O rounded up to direct_widths()[0], Kp = K
+# rounded up to direct_widths()[1]; scratch per thread for the padded image (and dy's rows).
+
+cdef extern from "nhwc_direct.h" nogil:
+    enum:
+        CD_V
+        CD_T
+    void cd_pad(const float* x, int H, int W, int C, int ph, int pw, float* xp)
+    void cd_forward_image(const float* xp, int Wp, int C, int sh, int sw, const int* off, int K,
+                          const float* wp, const float* bp, int Op, float* y, int oh, int ow,
+                          int O)
+    void cd_weight_grad_image(const float* xp, int Wp, int C, int sh, int sw, const int* off,
+                              int Kp, const float* dy, int oh, int ow, int O, int Op, int band,
+                              float* dyp, float* dwp, float* dbp)
+
+
+def direct_widths():
+    """(outputs per vector, taps per weight-gradient block): what Op and Kp are rounded to."""
+    return CD_V, CD_T
+
+
+cdef int[::1] _direct_offsets(const CGeom* g, int Kp):
+    """Tap k's float offset from its output pixel's origin in the padded image; 0 past K."""
+    cdef int[::1] off = array.clone(array.array("i"), Kp, zero=True)
+    cdef int i, j, c, Wp = g.W + 2 * g.pw
+    for i in range(g.kh):
+        for j in range(g.kw):
+            for c in range(g.C):
+                off[(i * g.kw + j) * g.C + c] = (i * g.dh * Wp + j * g.dw) * g.C + c
+    return off
+
+
+cdef int _direct_threads(const CGeom* g, int T) noexcept nogil:
+    cdef int nt = threads_for_macs(<Py_ssize_t>g.N * g.P * g.O * g.Kg)
+    return max(1, min(nt, min(T, g.N)))
+
+
+def conv_direct_forward(const float[:, :, :, ::1] x, const float[:, ::1] wp, const float[::1] bp,
+                        float[:, :, :, ::1] y, float[:, ::1] xpad, int kh, int kw, int ph,
+                        int pw, int sh, int sw, int dh, int dw):
+    """y [N, oh, ow, O] = conv(x [N, H, W, C], wp) + bp (bp [Op]: zeros for no bias);
+    overwritten. Scratch xpad [T, (H + 2ph) * (W + 2pw) * C] for T threads."""
+    cdef CGeom g = _cgeom("conv_direct_forward", x, y, y.shape[3], kh, kw, ph, pw, sh, sw, dh,
+                          dw, 1, 1)
+    cdef int Op = wp.shape[1], T = xpad.shape[0], nt, tid
+    cdef Py_ssize_t plane = <Py_ssize_t>(g.H + 2 * ph) * (g.W + 2 * pw) * g.C, n
+    need_shape("conv_direct_forward", "wp", dims(wp.shape, 2),
+               (g.Kg, (g.O + CD_V - 1) // CD_V * CD_V))
+    need_shape("conv_direct_forward", "bp", dims(bp.shape, 1), (Op,))
+    need(T >= 1 and xpad.shape[1] >= plane, "conv_direct_forward", "xpad",
+         f"needs shape (>= 1, >= {plane})", dims(xpad.shape, 2))
+    cdef int[::1] off = _direct_offsets(&g, g.Kg)
+    if g.N == 0:
+        return
+    nt = _direct_threads(&g, T)
+    with nogil:
+        for n in prange(g.N, num_threads=nt, schedule="static"):
+            tid = threadid()
+            cd_pad(&x[n, 0, 0, 0], g.H, g.W, g.C, ph, pw, &xpad[tid, 0])
+            cd_forward_image(&xpad[tid, 0], g.W + 2 * pw, g.C, sh, sw, &off[0], g.Kg, &wp[0, 0],
+                             &bp[0], Op, &y[n, 0, 0, 0], g.oh, g.ow, g.O)
+
+
+def conv_direct_weight_grad(const float[:, :, :, ::1] x, const float[:, :, :, ::1] dy,
+                            float[:, ::1] dwp, float[:, ::1] dbp, float[:, ::1] xpad,
+                            float[:, ::1] dyp, int band, int kh, int kw, int ph, int pw, int sh,
+                            int sw, int dh, int dw):
+    """dwp[0] = the weight gradient [Kp * Op] and dbp[0] = the bias gradient [Op] of
+    conv_direct_forward, summed over the batch (overwritten; rows 1.. are the other threads'
+    partials). Scratch xpad as for the forward, dyp [T, band * ow * Op]."""
+    cdef CGeom g = _cgeom("conv_direct_weight_grad", x, dy, dy.shape[3], kh, kw, ph, pw, sh, sw,
+                          dh, dw, 1, 1)
+    cdef int Op = (g.O + CD_V - 1) // CD_V * CD_V, Kp = (g.Kg + CD_T - 1) // CD_T * CD_T
+    cdef int T = min(xpad.shape[0], min(dwp.shape[0], min(dbp.shape[0], dyp.shape[0]))), nt, tid, t
+    cdef Py_ssize_t plane = <Py_ssize_t>(g.H + 2 * ph) * (g.W + 2 * pw) * g.C, n, i
+    cdef Py_ssize_t ws = <Py_ssize_t>Kp * Op
+    need(T >= 1 and dwp.shape[1] == ws, "conv_direct_weight_grad", "dwp",
+         f"needs shape (>= 1, {ws})", dims(dwp.shape, 2))
+    need(dbp.shape[1] == Op, "conv_direct_weight_grad", "dbp", f"needs shape (>= 1, {Op})",
+         dims(dbp.shape, 2))
+    need(xpad.shape[1] >= plane, "conv_direct_weight_grad", "xpad",
+         f"needs shape (>= 1, >= {plane})", dims(xpad.shape, 2))
+    need(band >= 1 and dyp.shape[1] >= <Py_ssize_t>band * g.ow * Op, "conv_direct_weight_grad",
+         "dyp", f"needs shape (>= 1, >= {band} * {g.ow} * {Op})", dims(dyp.shape, 2))
+    cdef int[::1] off = _direct_offsets(&g, Kp)
+    nt = _direct_threads(&g, T)
+    with nogil:
+        memset(&dwp[0, 0], 0, nt * ws * sizeof(float))
+        for t in range(nt):
+            memset(&dbp[t, 0], 0, Op * sizeof(float))
+        for n in prange(g.N, num_threads=nt, schedule="static"):
+            tid = threadid()
+            cd_pad(&x[n, 0, 0, 0], g.H, g.W, g.C, ph, pw, &xpad[tid, 0])
+            cd_weight_grad_image(&xpad[tid, 0], g.W + 2 * pw, g.C, sh, sw, &off[0], Kp,
+                                 &dy[n, 0, 0, 0], g.oh, g.ow, g.O, Op, band, &dyp[tid, 0],
+                                 &dwp[tid, 0], &dbp[tid, 0])
+        for t in range(1, nt):
+            for i in range(ws):
+                dwp[0, i] += dwp[t, i]
+            for i in range(Op):
+                dbp[0, i] += dbp[t, i]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,6 +52,18 @@ def test_the_fastest_is_kept_stored_and_read_back(cache):
     assert autotune.choose(layer, "k1", _candidates(calls), "slow", 1) == "fast" and calls
 
 
+def test_a_new_candidate_is_measured_not_hidden_by_the_cache(cache):
+    """An entry stored before an algorithm existed does not keep the old choice for good."""
+    calls, layer = [], _Layer()
+    only_slow = {"slow": _candidates(calls)["slow"]}
+    only_slow["slower"] = lambda: time.sleep(0.02)
+    assert autotune.choose(layer, "k2", only_slow, "slow", 2) == "slow"
+    autotune._cache = None
+    calls.clear()
+    assert autotune.choose(layer, "k2", _candidates(calls), "slow", 2) == "fast"
+    assert layer.tuning.startswith("measured ") and "fast" in calls
+
+
 def test_off_means_the_rule(cache, monkeypatch):
     monkeypatch.setenv("CAFFEPY_AUTOTUNE", "0")
     calls, layer = [], _Layer()
@@ -71,7 +83,8 @@ def test_a_convolution_measures_its_candidates_once_per_shape(cache):
     params = "convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: 'gaussian' } }"
     layer, bottom, top = setup_layer("Convolution", params, [randn(1, 16, 8, 8)], layout=NHWC)
     assert layer.tuning.startswith("measured ") and layer.algorithm in layer.algorithms
-    assert set(layer.algorithms) == {"im2col+gemm", "winograd F(2,3)", "winograd F(3,3)", "winograd F(4,3)"}
+    assert set(layer.algorithms) == {"im2col+gemm", "direct", "winograd F(2,3)", "winograd F(3,3)",
+                                     "winograd F(4,3)"}
     before = [b.diff.copy() for b in layer.blobs]
     layer.reshape(bottom, top)              # same shape: no new measurement
     assert layer.tuning.startswith("measured ")

@@ -11,8 +11,9 @@ The classes are registered `nhwc` variants of their types and subclass the plain
 setup (fields, checks, parameter blobs) they keep:
     Convolution   the algorithm per shape by measurement (caffepy/autotune.py): GEMM over the
                   pixels (pointwise: no im2col; else im2col in runs of kw * C floats), Winograd
-                  F(m, r) for stride-1 3x3 and 5x5 kernels (cext/winograd.pyx), or direct
-                  depthwise (group = channels); `layer.algorithm` names the one chosen
+                  F(m, r) for stride-1 3x3 and 5x5 kernels (cext/winograd.pyx), direct
+                  depthwise (group = channels), or direct for few input channels
+                  (cext/nhwc_direct.h); `layer.algorithm` names the one chosen
     Pooling       MAX (one top) and AVE, global too
     BatchNorm     batch statistics (train) and global statistics
     Scale, Bias   a learned per-channel scale (and bias) / bias
@@ -40,6 +41,10 @@ except ImportError:     # reported when a channels-last layer is built, not at i
     _k = _winograd = None
 
 TRAIN = caffe_pb2.TRAIN
+# A direct convolution is a candidate up to this many taps (input channels x kernel area): the
+# first layers of LeNet (25), CIFAR-10 (75) and ImageNet nets (147 for 7x7, 363 for 11x11).
+# Not for a pointwise one: that is a plain GEMM already.
+DIRECT_MAX_TAPS = 400
 _EMPTY = np.zeros(0, np.float32)
 _EMPTY2 = np.zeros((0, 0), np.float32)
 
@@ -197,6 +202,62 @@ class _Gemm:
                 L.blobs[1].diff[...] += db[0]
 
 
+class _Direct:
+    """Direct convolution for few input channels (group 1, cext/nhwc_direct.h): the image read
+    in place instead of through im2col, the sums in registers. Its data gradient (rarely wanted:
+    such layers are mostly first layers) is the GEMM algorithm's."""
+    name = "direct"
+
+    def __init__(self, layer, n, h, w):
+        L = self.layer = layer
+        self.window = L.window
+        (kh, kw), (ph, pw), _, _ = L.window
+        v, t = _k.direct_widths()
+        self.k = kh * kw * L.channels
+        self.op = -(-L.num_output // v) * v
+        self.kp = -(-self.k // t) * t
+        self.plane = (h + 2 * ph) * (w + 2 * pw) * L.channels
+        self.band = max(1, (1 << 14) // (L.ow * self.op))     # dy rows widened at once: 64 KB
+        self.wp = np.zeros((self.k, self.op), np.float32)
+        self.bp = np.zeros(self.op, np.float32)
+        self.gemm = _Gemm(layer, n, h, w)
+
+    def _args(self):
+        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.window
+        return kh, kw, ph, pw, sh, sw, dh, dw
+
+    def forward(self, bottom, top):
+        L = self.layer
+        o = L.num_output
+        self.wp[:, :o] = L.blobs[0].data.transpose(2, 3, 1, 0).reshape(self.k, o)
+        if L.bias_term:
+            self.bp[:o] = L.blobs[1].data
+        xpad = _workspace("direct_x", (_k.max_threads(), self.plane))
+        for b, t in zip(bottom, top):
+            _k.conv_direct_forward(b.raw_data, self.wp, self.bp, t.raw_data, xpad, *self._args())
+
+    def backward(self, top, propagate_down, bottom, need_w, need_b):
+        L = self.layer
+        o, (kh, kw) = L.num_output, L.window.kernel
+        threads = _k.max_threads()
+        if need_w or need_b:
+            dwp = _workspace("direct_dw", (threads, self.kp * self.op))
+            dbp = _workspace("direct_db", (threads, self.op))
+            xpad = _workspace("direct_x", (threads, self.plane))
+            dyp = _workspace("direct_dy", (threads, self.band * L.ow * self.op))
+            for b, t in zip(bottom, top):
+                _k.conv_direct_weight_grad(b.raw_data, t.raw_diff, dwp, dbp, xpad, dyp, self.band,
+                                           *self._args())
+                if need_w:
+                    grad = dwp[0].reshape(self.kp, self.op)[:self.k, :o]
+                    L.blobs[0].diff[...] += grad.reshape(kh, kw, L.channels, o).transpose(3, 2, 0, 1)
+                if need_b:
+                    L.blobs[1].diff[...] += dbp[0, :o]
+        if any(propagate_down):
+            self.gemm._pack()
+            self.gemm.backward(top, propagate_down, bottom, False, False)
+
+
 class _Depthwise:
     """Direct depthwise convolution (group = channels = outputs), vectorized over channels."""
     name = "depthwise"
@@ -311,6 +372,9 @@ class NHWCConvolution(Convolution):
         gemm = _Gemm(self, n, h, w)
         found[gemm.name] = gemm
         default = gemm.name
+        if self.group == 1 and self.channels * kh * kw <= DIRECT_MAX_TAPS and not gemm.direct:
+            found["direct"] = _Direct(self, n, h, w)
+            default = "direct"
         if self.group == self.channels == self.num_output and self.group > 1:
             found["depthwise"] = _Depthwise(self, n, h, w)
             default = "depthwise"
@@ -340,10 +404,12 @@ class NHWCConvolution(Convolution):
     def _choose(self, bottom, top, n, h, w):
         found, default = self._candidates(n, h, w)
         training = self.phase == TRAIN
+        need_x = self._trial_propagate_down(bottom)
         (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.window
         key = (f"Convolution {n}x{self.channels}x{h}x{w} -> {self.num_output} k{kh}x{kw} "
                f"s{sh}x{sw} p{ph}x{pw} d{dh}x{dw} g{self.group}"
-               f"{' b' if self.bias_term else ''} {'train' if training else 'test'}")
+               f"{' b' if self.bias_term else ''} {'train' if training else 'test'}"
+               f"{'' if any(need_x) else ' no-dx'}")
 
         def trial(algo):
             def run():
@@ -365,10 +431,16 @@ class NHWCConvolution(Convolution):
                              hint=f"Candidates: {', '.join(self.algorithms)}")
         self.algo, self.algorithm, self.tuning = self.algorithms[name], name, "forced"
 
+    def _trial_propagate_down(self, bottom):
+        """The bottoms a trial's backward gives a gradient: those the Net expects to want one
+        (a first layer's data wants none, which can change the fastest algorithm)."""
+        need = self.bottom_need_backward
+        return list(need) if need is not None and len(need) == len(bottom) else [True] * len(bottom)
+
     def _trial_backward(self, algo, bottom, top):
         """A backward for timing: parameter diffs restored after it."""
         saved = [b.diff.copy() for b in self.blobs]
-        algo.backward(top, [True] * len(bottom), bottom, True, self.bias_term)
+        algo.backward(top, self._trial_propagate_down(bottom), bottom, True, self.bias_term)
         for b, s in zip(self.blobs, saved):
             b.diff[...] = s
 

@@ -39,6 +39,10 @@ CONVS = [
     (8, 12, 2, 3, 1, 1, 1, 6, 6, "im2col+gemm"),            # groups
     (3, 8, 1, 7, 2, 3, 1, 11, 11, "im2col+gemm"),           # conv1 of ResNet / GoogLeNet
     (6, 4, 1, 3, 1, 2, 2, 7, 7, "im2col+gemm"),             # dilation
+    (1, 20, 1, 5, 1, 0, 1, 9, 9, "direct"),                 # LeNet's conv1: few channels
+    (3, 17, 1, 5, 1, 2, 1, 8, 7, "direct"),                 # CIFAR-10's: pad, outputs past a vector
+    (3, 8, 1, 7, 2, 3, 1, 11, 11, "direct"),                # ResNet's: stride 2
+    (2, 5, 1, 3, 2, 2, 2, 9, 8, "direct"),                  # dilation, uneven output
     (8, 8, 8, 3, 1, 1, 1, 6, 6, "depthwise"),               # MobileNet's
     (8, 8, 8, 3, 2, 1, 1, 7, 6, "depthwise"),
     (8, 8, 8, 3, 1, 1, 1, 6, 6, "im2col+gemm"),             # depthwise as groups
@@ -180,7 +184,8 @@ def test_every_algorithm_of_a_shape_gives_the_same_numbers():
     params = f"convolution_param {{ num_output: 16 kernel_size: 3 pad: 1 {FILL} }}"
     x = randn(3, 16, 9, 8, seed=5)
     layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
-    assert set(layer.algorithms) == {"im2col+gemm", "winograd F(2,3)", "winograd F(3,3)", "winograd F(4,3)"}
+    assert set(layer.algorithms) == {"im2col+gemm", "direct", "winograd F(2,3)", "winograd F(3,3)",
+                                     "winograd F(4,3)"}
     w, b = (blob.data.astype(np.float64) for blob in layer.blobs)
     want = ref.conv_forward(x.astype(np.float64), w, b, (1, 1), (1, 1), (1, 1), 1)
     dy = randn(*want.shape, seed=6)
@@ -215,7 +220,8 @@ def test_the_rule_picks_winograd_depthwise_and_gemm(monkeypatch):
     assert chosen("num_output: 32 kernel_size: 3 pad: 1", (1, 32, 12, 12)) == ("winograd F(4,3)", "rule")
     assert chosen("num_output: 32 kernel_size: 3 pad: 1 group: 32", (1, 32, 6, 6)) == ("depthwise", "rule")
     assert chosen("num_output: 8 kernel_size: 1", (1, 32, 6, 6)) == ("gemm", "only")
-    assert chosen("num_output: 8 kernel_size: 3 stride: 2", (1, 32, 6, 6)) == ("im2col+gemm", "only")
+    assert chosen("num_output: 8 kernel_size: 3 stride: 2", (1, 32, 6, 6)) == ("direct", "rule")
+    assert chosen("num_output: 8 kernel_size: 5 stride: 2", (1, 32, 12, 12)) == ("im2col+gemm", "only")
 
 
 def test_kernels_refuse_mismatched_arguments():
@@ -224,6 +230,16 @@ def test_kernels_refuse_mismatched_arguments():
         kernels.conv_forward(x, np.zeros((1, 8, 5), np.float32), np.zeros(0, np.float32),
                              np.zeros((1, 4, 4, 6), np.float32), np.zeros((1, 0), np.float32),
                              5, 1, 1, 0, 0, 1, 1, 1, 1, 1, 16)
+    # the direct convolution trusts its scratch: one too small is refused, never overrun
+    with pytest.raises(ValueError, match=r"conv_direct_forward: xpad: needs shape \(>= 1, >= 288\)"):
+        kernels.conv_direct_forward(x, np.zeros((72, 16), np.float32), np.zeros(16, np.float32),
+                                    np.zeros((1, 4, 4, 5), np.float32), np.zeros((2, 287), np.float32),
+                                    3, 3, 1, 1, 1, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"conv_direct_weight_grad: dyp: needs shape"):
+        kernels.conv_direct_weight_grad(x, np.zeros((1, 4, 4, 5), np.float32),
+                                        np.zeros((2, 72 * 16), np.float32), np.zeros((2, 16), np.float32),
+                                        np.zeros((2, 288), np.float32), np.zeros((2, 63), np.float32),
+                                        1, 3, 3, 1, 1, 1, 1, 1, 1)
     with pytest.raises(ValueError, match=r"pack: y: needs shape \(1, 4, 8, 4\)"):
         kernels.pack(x, np.zeros((1, 4, 4, 8), np.float32))
     with pytest.raises(ValueError, match=r"channel_affine: mul: needs shape \(8,\)"):

@@ -1,0 +1,142 @@
+/* Direct convolution for few input channels (group 1) on the channels-last layout, for
+ * cext/nhwc.pyx's conv_direct_forward / conv_direct_weight_grad.
+ *
+ * A first layer (LeNet's conv1: 1 channel, 5x5, 20 outputs) has K = C * kh * kw of 25-75 taps:
+ * im2col then copies runs of only kw * C floats, and the GEMM is too thin for BLAS to reach its
+ * speed. Here the image is read in place instead (a padded copy, so no tap needs a bounds
+ * check), and the sums stay in registers: CD_V outputs of CD_P neighbouring pixels (forward) or
+ * CD_V outputs of CD_T taps (weight gradient), each a GCC vector of CD_V floats.
+ *
+ * Tap k of an output pixel is the input float at the pixel's origin + off[k], origin
+ * (oy * sh * Wp + ox * sw) * C in the padded image [Hp][Wp][C]. Weights come as wp[K][Op]
+ * (Op = O rounded up to CD_V, zeros after O), so each tap's outputs are whole vectors; the
+ * weight gradient is kept in that form too.
+ */
+#include <string.h>
+
+#define CD_V 16     /* outputs per vector: one AVX-512 register, two AVX2 ones */
+#define CD_P 6      /* output pixels per register block of the forward */
+#define CD_T 8      /* taps per register block of the weight gradient */
+
+typedef float cd_vec __attribute__((vector_size(CD_V * sizeof(float))));
+
+static inline cd_vec cd_load(const float *p)
+{
+    cd_vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* xp [H + 2ph][W + 2pw][C] = the image x [H][W][C] inside a border of zeros */
+static void cd_pad(const float *restrict x, int H, int W, int C, int ph, int pw,
+                   float *restrict xp)
+{
+    int Wp = W + 2 * pw;
+    size_t row = (size_t)Wp * C;
+    memset(xp, 0, (size_t)ph * row * sizeof(float));
+    for (int y = 0; y < H; y++) {
+        float *d = xp + (size_t)(y + ph) * row;
+        memset(d, 0, (size_t)pw * C * sizeof(float));
+        memcpy(d + (size_t)pw * C, x + (size_t)y * W * C, (size_t)W * C * sizeof(float));
+        memset(d + (size_t)(pw + W) * C, 0, (size_t)pw * C * sizeof(float));
+    }
+    memset(xp + (size_t)(H + ph) * row, 0, (size_t)ph * row * sizeof(float));
+}
+
+/* `n` (<= CD_P) pixels from `base`, `step` floats apart: y[p][oc .. oc + nv) = bias + taps */
+static inline void cd_fwd_block(const float *restrict base, int step, int n,
+                                const int *restrict off, int K, const float *restrict wp, int Op,
+                                cd_vec b, float *restrict y, int O, int nv)
+{
+    cd_vec acc[CD_P];
+    for (int p = 0; p < CD_P; p++)
+        acc[p] = b;
+    if (n == CD_P) {
+        for (int k = 0; k < K; k++) {
+            cd_vec w = cd_load(wp + (size_t)k * Op);
+            const float *xk = base + off[k];
+            for (int p = 0; p < CD_P; p++)
+                acc[p] += xk[p * step] * w;
+        }
+    } else {
+        for (int k = 0; k < K; k++) {
+            cd_vec w = cd_load(wp + (size_t)k * Op);
+            const float *xk = base + off[k];
+            for (int p = 0; p < n; p++)
+                acc[p] += xk[p * step] * w;
+        }
+    }
+    for (int p = 0; p < n; p++)
+        memcpy(y + (size_t)p * O, &acc[p], nv * sizeof(float));
+}
+
+/* One image: y [oh][ow][O] = the convolution of the padded image xp + bias (bp [Op]). */
+static void cd_forward_image(const float *restrict xp, int Wp, int C, int sh, int sw,
+                             const int *restrict off, int K, const float *restrict wp,
+                             const float *restrict bp, int Op, float *restrict y, int oh, int ow,
+                             int O)
+{
+    int step = sw * C;
+    for (int oc = 0; oc < O; oc += CD_V) {
+        int nv = O - oc < CD_V ? O - oc : CD_V;
+        cd_vec b = cd_load(bp + oc);
+        for (int oy = 0; oy < oh; oy++) {
+            const float *row = xp + (size_t)oy * sh * Wp * C;
+            float *yr = y + (size_t)oy * ow * O + oc;
+            for (int ox = 0; ox < ow; ox += CD_P) {
+                int n = ow - ox < CD_P ? ow - ox : CD_P;
+                cd_fwd_block(row + (size_t)ox * step, step, n, off, K, wp + oc, Op, b,
+                             yr + (size_t)ox * O, O, nv);
+            }
+        }
+    }
+}
+
+/* One image: dwp [Kp][Op] += the taps times dy [oh][ow][O], dbp [Op] += dy's sums. `off` has
+ * Kp entries (K rounded up to CD_T; the extra ones are 0, their rows of dwp are scratch).
+ * dyp is scratch for `band` output rows of dy widened to Op floats a pixel. */
+static void cd_weight_grad_image(const float *restrict xp, int Wp, int C, int sh, int sw,
+                                 const int *restrict off, int Kp, const float *restrict dy,
+                                 int oh, int ow, int O, int Op, int band, float *restrict dyp,
+                                 float *restrict dwp, float *restrict dbp)
+{
+    int step = sw * C;
+    for (int y0 = 0; y0 < oh; y0 += band) {
+        int rows = oh - y0 < band ? oh - y0 : band;
+        size_t pixels = (size_t)rows * ow;
+        for (size_t p = 0; p < pixels; p++) {
+            float *d = dyp + p * Op;
+            memcpy(d, dy + ((size_t)y0 * ow + p) * O, O * sizeof(float));
+            memset(d + O, 0, (Op - O) * sizeof(float));
+        }
+        for (int oc = 0; oc < Op; oc += CD_V) {
+            cd_vec sb = {0};
+            for (size_t p = 0; p < pixels; p++)
+                sb += cd_load(dyp + p * Op + oc);
+            cd_vec db = cd_load(dbp + oc);
+            db += sb;
+            memcpy(dbp + oc, &db, sizeof db);
+            for (int k0 = 0; k0 < Kp; k0 += CD_T) {
+                cd_vec acc[CD_T];
+                for (int t = 0; t < CD_T; t++)
+                    acc[t] = (cd_vec){0};
+                for (int r = 0; r < rows; r++) {
+                    const float *row = xp + (size_t)(y0 + r) * sh * Wp * C;
+                    const float *d = dyp + (size_t)r * ow * Op + oc;
+                    for (int ox = 0; ox < ow; ox++) {
+                        cd_vec g = cd_load(d + (size_t)ox * Op);
+                        const float *base = row + (size_t)ox * step;
+                        for (int t = 0; t < CD_T; t++)
+                            acc[t] += base[off[k0 + t]] * g;
+                    }
+                }
+                for (int t = 0; t < CD_T; t++) {
+                    float *w = dwp + (size_t)(k0 + t) * Op + oc;
+                    cd_vec s = cd_load(w);
+                    s += acc[t];
+                    memcpy(w, &s, sizeof s);
+                }
+            }
+        }
+    }
+}
