@@ -80,16 +80,29 @@ def test_a_damaged_cache_is_set_aside(cache):
 
 
 def test_a_convolution_measures_its_candidates_once_per_shape(cache):
+    """Each pass (forward, weight gradient, data gradient) is measured and chosen on its own."""
     params = "convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: 'gaussian' } }"
     layer, bottom, top = setup_layer("Convolution", params, [randn(1, 16, 8, 8)], layout=NHWC)
-    assert layer.tuning.startswith("measured ") and layer.algorithm in layer.algorithms
+    parts = layer.tuning.split("; ")
+    assert [p.split(" ")[:2] for p in parts] == [["forward", "measured"], ["weights", "measured"],
+                                                ["data", "measured"]]
+    assert "direct" in parts[1] and "direct" not in parts[2]      # direct: GEMM's data gradient
+    assert set(layer.algos) == {"forward", "weights", "data"}
+    assert all(a.name in layer.algorithms for a in layer.algos.values())
     assert set(layer.algorithms) == {"im2col+gemm", "direct", "winograd F(2,3)", "winograd F(3,3)",
                                      "winograd F(4,3)"}
+    stored = json.loads(cache.read_text())[autotune.machine_key(autotune_threads())]
+    assert {k.rsplit(" ", 1)[1] for k in stored} == {"forward", "weights", "data"}
     before = [b.diff.copy() for b in layer.blobs]
     layer.reshape(bottom, top)              # same shape: no new measurement
-    assert layer.tuning.startswith("measured ")
+    assert layer.tuning.startswith("forward measured ")
     for b, d in zip(layer.blobs, before):   # the trials leave the parameter gradients alone
         np.testing.assert_array_equal(b.diff, d)
     autotune._cache = None
     again, _, _ = setup_layer("Convolution", params, [randn(1, 16, 8, 8)], layout=NHWC)
     assert again.tuning == "cached" and again.algorithm == layer.algorithm
+
+
+def autotune_threads():
+    from caffepy.kernels import nhwc
+    return nhwc.max_threads()

@@ -41,10 +41,14 @@ except ImportError:     # reported when a channels-last layer is built, not at i
     _k = _winograd = None
 
 TRAIN = caffe_pb2.TRAIN
-# A direct convolution is a candidate up to this many taps (input channels x kernel area): the
-# first layers of LeNet (25), CIFAR-10 (75) and ImageNet nets (147 for 7x7, 363 for 11x11).
-# Not for a pointwise one: that is a plain GEMM already.
-DIRECT_MAX_TAPS = 400
+PASSES = ("forward", "weights", "data")     # what a Convolution chooses an algorithm for
+# A direct convolution is a candidate up to this many taps (input channels x kernel area), the
+# rule's choice up to DIRECT_RULE_TAPS: the first layers of LeNet (25), CIFAR-10 (75) and
+# ImageNet nets (147 for 7x7, 363 for 11x11), which im2col serves badly. Beyond that its weight
+# gradient still often wins (measured: 3x3 over 64 channels), so it stays a candidate. Not for a
+# pointwise convolution: that is a plain GEMM already.
+DIRECT_MAX_TAPS = 1200
+DIRECT_RULE_TAPS = 400
 _EMPTY = np.zeros(0, np.float32)
 _EMPTY2 = np.zeros((0, 0), np.float32)
 
@@ -182,6 +186,8 @@ class _Gemm:
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
+        if any(propagate_down):
+            self._pack()            # the forward may have run another algorithm
         col = self._col()
         threads = col.shape[0]
         dwt = _workspace("dwt", (threads, self.wt.size)) if need_w else _EMPTY2
@@ -254,7 +260,6 @@ class _Direct:
                 if need_b:
                     L.blobs[1].diff[...] += dbp[0, :o]
         if any(propagate_down):
-            self.gemm._pack()
             self.gemm.backward(top, propagate_down, bottom, False, False)
 
 
@@ -268,15 +273,21 @@ class _Depthwise:
         self.args = (kh, kw, ph, pw, sh, sw, dh, dw)
         self.w = np.empty((kh * kw, L.channels), np.float32)
 
-    def forward(self, bottom, top):
+    def _pack(self):
         L = self.layer
         np.copyto(self.w, L.blobs[0].data.reshape(L.channels, -1).T)
+
+    def forward(self, bottom, top):
+        L = self.layer
+        self._pack()
         bias = L.blobs[1].data if L.bias_term else _EMPTY
         for b, t in zip(bottom, top):
             _k.dw_forward(b.raw_data, self.w, bias, t.raw_data, *self.args)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
+        if any(propagate_down):
+            self._pack()            # the forward may have run another algorithm
         threads = _k.max_threads()
         dw = _workspace("dw_acc", (threads,) + self.w.shape)
         db = _workspace("dw_db", (threads, L.channels))
@@ -374,7 +385,8 @@ class NHWCConvolution(Convolution):
         default = gemm.name
         if self.group == 1 and self.channels * kh * kw <= DIRECT_MAX_TAPS and not gemm.direct:
             found["direct"] = _Direct(self, n, h, w)
-            default = "direct"
+            if self.channels * kh * kw <= DIRECT_RULE_TAPS:
+                default = "direct"
         if self.group == self.channels == self.num_output and self.group > 1:
             found["depthwise"] = _Depthwise(self, n, h, w)
             default = "depthwise"
@@ -402,34 +414,51 @@ class NHWCConvolution(Convolution):
             self._choose(bottom, top, n, h, w)
 
     def _choose(self, bottom, top, n, h, w):
+        """An algorithm per pass (forward; weight and bias gradients; data gradient), each by
+        measurement: the fastest weight gradient is often not the fastest forward's."""
         found, default = self._candidates(n, h, w)
-        training = self.phase == TRAIN
         need_x = self._trial_propagate_down(bottom)
+        passes = ["forward"]
+        if self.phase == TRAIN:
+            passes += ["weights"] + (["data"] if any(need_x) else [])
         (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.window
         key = (f"Convolution {n}x{self.channels}x{h}x{w} -> {self.num_output} k{kh}x{kw} "
-               f"s{sh}x{sw} p{ph}x{pw} d{dh}x{dw} g{self.group}"
-               f"{' b' if self.bias_term else ''} {'train' if training else 'test'}"
-               f"{'' if any(need_x) else ' no-dx'}")
-
-        def trial(algo):
-            def run():
-                algo.forward(bottom, top)
-                if training:
-                    self._trial_backward(algo, bottom, top)
-            return run
-        name = autotune.choose(self, key, {name: trial(a) for name, a in found.items()}, default,
-                               _k.max_threads())
+               f"s{sh}x{sw} p{ph}x{pw} d{dh}x{dw} g{self.group}{' b' if self.bias_term else ''}")
+        chosen, tunings = {}, {}
+        for name in passes:
+            # the direct algorithm's data gradient is the GEMM's: no candidate of its own
+            trials = {a: self._trial(algo, name, bottom, top, need_x) for a, algo in found.items()
+                      if not (name == "data" and a == "direct")}
+            rule = default if default in trials else next(iter(trials))
+            chosen[name] = autotune.choose(self, f"{key} {name}", trials, rule, _k.max_threads())
+            tunings[name] = self.tuning
+        for name in PASSES:             # a pass not measured (TEST; no data gradient wanted)
+            chosen.setdefault(name, chosen["forward"])
         self.algorithms = found
-        self.algo = found[name]
-        self.algorithm = name
+        self._use({name: found[a] for name, a in chosen.items()}, tunings)
+
+    def _use(self, algos, tunings):
+        """Run pass -> algorithm `algos`; name them (one name when one algorithm runs them all)."""
+        self.algos = algos
+        tuned = [name for name in PASSES if name in tunings]
+        names = {algos[name].name for name in tuned}
+        if len(names) == 1:
+            self.algorithm = names.pop()
+        else:
+            self.algorithm = ", ".join(f"{name} {algos[name].name}" for name in tuned)
+        if len(set(tunings.values())) == 1:
+            self.tuning = next(iter(tunings.values()))
+        else:
+            self.tuning = "; ".join(f"{name} {tunings[name]}" for name in tuned)
 
     def force_algorithm(self, name):
         """Run algorithm `name` (a key of `self.algorithms`, the candidates for the current
-        shape) instead of the chosen one, until the shape changes: tests and benchmarks."""
+        shape) for every pass instead of the chosen ones, until the shape changes: tests and
+        benchmarks."""
         if name not in self.algorithms:
             raise self.error("convolution_param", f"no algorithm '{name}' for this shape", name,
                              hint=f"Candidates: {', '.join(self.algorithms)}")
-        self.algo, self.algorithm, self.tuning = self.algorithms[name], name, "forced"
+        self._use(dict.fromkeys(PASSES, self.algorithms[name]), {"forward": "forced"})
 
     def _trial_propagate_down(self, bottom):
         """The bottoms a trial's backward gives a gradient: those the Net expects to want one
@@ -437,21 +466,35 @@ class NHWCConvolution(Convolution):
         need = self.bottom_need_backward
         return list(need) if need is not None and len(need) == len(bottom) else [True] * len(bottom)
 
-    def _trial_backward(self, algo, bottom, top):
-        """A backward for timing: parameter diffs restored after it."""
-        saved = [b.diff.copy() for b in self.blobs]
-        algo.backward(top, self._trial_propagate_down(bottom), bottom, True, self.bias_term)
-        for b, s in zip(self.blobs, saved):
-            b.diff[...] = s
+    def _trial(self, algo, name, bottom, top, need_x):
+        """A function running pass `name` of `algo` for timing (parameter diffs restored)."""
+        if name == "forward":
+            return lambda: algo.forward(bottom, top)
+
+        def run():
+            saved = [b.diff.copy() for b in self.blobs]
+            if name == "weights":
+                algo.backward(top, [False] * len(bottom), bottom, True, self.bias_term)
+            else:
+                algo.backward(top, need_x, bottom, False, False)
+            for b, kept in zip(self.blobs, saved):
+                b.diff[...] = kept
+        return run
 
     def forward(self, bottom, top):
-        self.algo.forward(bottom, top)
+        self.algos["forward"].forward(bottom, top)
 
     def backward(self, top, propagate_down, bottom):
         need_w = param_wanted(self, 0)
         need_b = self.bias_term and param_wanted(self, 1)
-        if need_w or need_b or any(propagate_down):
-            self.algo.backward(top, propagate_down, bottom, need_w, need_b)
+        weights, data = self.algos["weights"], self.algos["data"]
+        if any(propagate_down) and weights is data:
+            weights.backward(top, propagate_down, bottom, need_w, need_b)
+            return
+        if need_w or need_b:
+            weights.backward(top, [False] * len(bottom), bottom, need_w, need_b)
+        if any(propagate_down):
+            data.backward(top, propagate_down, bottom, False, False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -204,6 +204,38 @@ def test_every_algorithm_of_a_shape_gives_the_same_numbers():
         np.testing.assert_allclose(layer.blobs[1].diff, db, rtol=1e-4, atol=1e-3, err_msg=name)
 
 
+@pytest.mark.parametrize("forward, weights, data", [
+    ("winograd F(4,3)", "direct", "im2col+gemm"),
+    ("direct", "im2col+gemm", "winograd F(2,3)"),
+    ("im2col+gemm", "winograd F(3,3)", "winograd F(3,3)"),
+])
+def test_passes_by_different_algorithms_give_the_same_numbers(forward, weights, data):
+    """A forward by one algorithm, the weight and data gradients by others (what the per-pass
+    choice can pick): each must work from the weights, not from state another one left."""
+    params = f"convolution_param {{ num_output: 16 kernel_size: 3 pad: 1 {FILL} }}"
+    x = randn(2, 16, 7, 6, seed=8)
+    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
+    layer.param_propagate_down = [True, True]
+    for step in range(2):                   # new weights between steps: nothing stale is used
+        for blob in layer.blobs:
+            blob.data[...] = randn(*blob.shape, seed=20 + step)
+        layer._use({"forward": layer.algorithms[forward], "weights": layer.algorithms[weights],
+                    "data": layer.algorithms[data]}, {"forward": "forced"})
+        w, b = (blob.data.astype(np.float64) for blob in layer.blobs)
+        want = ref.conv_forward(x.astype(np.float64), w, b, (1, 1), (1, 1), (1, 1), 1)
+        dy = randn(*want.shape, seed=9 + step)
+        dw, db, dx = ref.conv_backward(dy.astype(np.float64), x.astype(np.float64), w, (1, 1), (1, 1), (1, 1), 1)
+        layer.forward(bottom, top)
+        np.testing.assert_allclose(top[0].data, want, rtol=1e-4, atol=1e-4)
+        top[0].diff[...] = dy
+        for blob in layer.blobs:
+            blob.diff[...] = 0
+        layer.backward(top, [True], bottom)
+        np.testing.assert_allclose(bottom[0].diff, dx, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(layer.blobs[0].diff, dw, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(layer.blobs[1].diff, db, rtol=1e-4, atol=1e-3)
+
+
 def test_force_algorithm_names_the_candidates():
     layer, _, _ = setup_layer("Convolution", f"convolution_param {{ num_output: 4 kernel_size: 1 {FILL} }}",
                               [randn(1, 4, 3, 3)], layout=NHWC)
@@ -220,8 +252,12 @@ def test_the_rule_picks_winograd_depthwise_and_gemm(monkeypatch):
     assert chosen("num_output: 32 kernel_size: 3 pad: 1", (1, 32, 12, 12)) == ("winograd F(4,3)", "rule")
     assert chosen("num_output: 32 kernel_size: 3 pad: 1 group: 32", (1, 32, 6, 6)) == ("depthwise", "rule")
     assert chosen("num_output: 8 kernel_size: 1", (1, 32, 6, 6)) == ("gemm", "only")
-    assert chosen("num_output: 8 kernel_size: 3 stride: 2", (1, 32, 6, 6)) == ("direct", "rule")
-    assert chosen("num_output: 8 kernel_size: 5 stride: 2", (1, 32, 12, 12)) == ("im2col+gemm", "only")
+    # the direct algorithm has no data gradient of its own (a layer built alone wants one)
+    assert chosen("num_output: 8 kernel_size: 3 stride: 2", (1, 32, 6, 6)) == (
+        "forward direct, weights direct, data im2col+gemm", "forward rule; weights rule; data only")
+    assert chosen("num_output: 8 kernel_size: 5 stride: 2", (1, 32, 12, 12)) == (
+        "im2col+gemm", "forward rule; weights rule; data only")     # 800 taps: direct is measured
+    assert chosen("num_output: 8 kernel_size: 7 stride: 2", (1, 32, 12, 12)) == ("im2col+gemm", "only")
 
 
 def test_kernels_refuse_mismatched_arguments():
