@@ -174,9 +174,15 @@ class Blob:
         return self._diff_buf is not None
 
     def share_data(self, other):
-        """Make this blob a view of `other`'s data (Flatten, Reshape); shapes may differ."""
+        """Make this blob a view of `other`'s data (Flatten, Reshape, Split); shapes may differ,
+        except between channels-last blobs, which share as they are."""
         if other.count != self.count:
             raise ShapeError(f"blob '{self.name}': cannot share data of {other.count} values into {self.count}")
+        if self._layout == CHANNELS_LAST and other._layout == CHANNELS_LAST \
+                and self._shape == other._shape:
+            self._data_buf = other._data_buf
+            self._raw, self._data = other._raw, other._data
+            return
         self._refuse_layouts(other, "share data")
         self._data_buf = other._data_buf
         self._raw = self._data = other._data.reshape(self._shape)

@@ -25,8 +25,9 @@ def constant_filler(value):
 
 @register
 class Split(Layer):
-    """Copy one bottom to every top; backward sums the top diffs (inserted by the Net
-    where a blob feeds several layers)."""
+    """One bottom to every top, which share its data as in Caffe (so a layer working in place
+    on one top changes what the others read, as there); backward sums the top diffs (inserted
+    by the Net where a blob feeds several layers)."""
     exact_bottoms = 1
     min_tops = 1
     layout = ANY
@@ -34,17 +35,22 @@ class Split(Layer):
     def reshape(self, bottom, top):
         for t in top:
             t.reshape(bottom[0].shape)
+            if t.layout != bottom[0].layout:
+                t.layout = bottom[0].layout     # what layer_setup gives a layout-free layer's tops
+            t.share_data(bottom[0])
 
     def forward(self, bottom, top):
-        for t in top:
-            t.raw_data[...] = bottom[0].raw_data
+        pass
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
         diff = bottom[0].raw_diff
-        diff[...] = top[0].raw_diff
-        for t in top[1:]:
+        if len(top) == 1:
+            diff[...] = top[0].raw_diff
+            return
+        np.add(top[0].raw_diff, top[1].raw_diff, out=diff)
+        for t in top[2:]:
             diff += t.raw_diff
 
 

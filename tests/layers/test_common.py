@@ -244,6 +244,30 @@ def test_flatten_and_reshape_share_data_and_diff():
         assert (bottom[0].diff == 7).all() and bottom[0].diff.shape == X4.shape
 
 
+@pytest.mark.parametrize("layout", [None, "nhwc"])
+def test_split_tops_share_the_bottom_data_and_sum_their_diffs(layout):
+    """As Caffe's Split: no copy forward (the tops are the bottom's data, in its layout, after
+    every reshape), the diffs summed backward."""
+    from caffepy.blob import CHANNELS_LAST
+    layer, bottom, top = setup_layer("Split", "", [X4], n_top=3)
+    if layout:
+        bottom[0].layout = CHANNELS_LAST
+        layer.reshape(bottom, top)
+    for grow in (False, True):
+        if grow:                            # a new, larger bottom buffer: the tops follow it
+            bottom[0].reshape(3, *X4.shape[1:])
+            layer.reshape(bottom, top)
+        bottom[0].data[...] = randn(*bottom[0].shape, seed=4)
+        layer.forward(bottom, top)
+        for i, t in enumerate(top):
+            assert t.layout == bottom[0].layout
+            assert np.shares_memory(t.raw_data, bottom[0].raw_data)
+            np.testing.assert_array_equal(t.data, bottom[0].data)
+            t.diff[...] = i + 1.0
+        layer.backward(top, [True], bottom)
+        assert (bottom[0].diff == 6.0).all()
+
+
 @pytest.mark.parametrize("type_,params", [
     ("Scale", "scale_param { bias_term: true filler { type: 'gaussian' } bias_filler { type: 'gaussian' } }"),
     ("Bias", "bias_param { filler { type: 'gaussian' } }"),
