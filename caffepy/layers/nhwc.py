@@ -44,9 +44,9 @@ TRAIN = caffe_pb2.TRAIN
 PASSES = ("forward", "weights", "data")     # what a Convolution chooses an algorithm for
 # A direct convolution is a candidate up to this many taps (input channels x kernel area), the
 # rule's choice up to DIRECT_RULE_TAPS: the first layers of LeNet (25), CIFAR-10 (75) and
-# ImageNet nets (147 for 7x7, 363 for 11x11), which im2col serves badly. Beyond that its weight
-# gradient still often wins (measured: 3x3 over 64 channels), so it stays a candidate. Not for a
-# pointwise convolution: that is a plain GEMM already.
+# ImageNet nets (147 for 7x7, 363 for 11x11), which im2col serves badly. Beyond that, and for
+# pointwise convolutions (a plain GEMM's forward), its weight gradient still often wins
+# (measured: 3x3 over 64 channels; 1x1 256 -> 64), so it stays a candidate.
 DIRECT_MAX_TAPS = 1200
 DIRECT_RULE_TAPS = 400
 _EMPTY = np.zeros(0, np.float32)
@@ -383,9 +383,9 @@ class NHWCConvolution(Convolution):
         gemm = _Gemm(self, n, h, w)
         found[gemm.name] = gemm
         default = gemm.name
-        if self.group == 1 and self.channels * kh * kw <= DIRECT_MAX_TAPS and not gemm.direct:
+        if self.group == 1 and self.channels * kh * kw <= DIRECT_MAX_TAPS:
             found["direct"] = _Direct(self, n, h, w)
-            if self.channels * kh * kw <= DIRECT_RULE_TAPS:
+            if self.channels * kh * kw <= DIRECT_RULE_TAPS and not gemm.direct:
                 default = "direct"
         if self.group == self.channels == self.num_output and self.group > 1:
             found["depthwise"] = _Depthwise(self, n, h, w)

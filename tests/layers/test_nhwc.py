@@ -34,6 +34,7 @@ def _algorithm(name):
 # (C, O, group, kernel, stride, pad, dilation, H, W, algorithm)
 CONVS = [
     (8, 12, 1, 1, 1, 0, 1, 5, 4, "gemm"),                   # pointwise: no im2col
+    (8, 12, 1, 1, 1, 0, 1, 5, 4, "direct"),                 # pointwise, direct
     (6, 4, 2, 1, 1, 0, 1, 3, 4, "gemm"),                    # pointwise, groups
     (8, 12, 1, 1, 2, 0, 1, 6, 5, "im2col+gemm"),            # pointwise stride 2 (ResNet's branch1)
     (8, 12, 2, 3, 1, 1, 1, 6, 6, "im2col+gemm"),            # groups
@@ -251,7 +252,8 @@ def test_the_rule_picks_winograd_depthwise_and_gemm(monkeypatch):
         return layer.algorithm, layer.tuning
     assert chosen("num_output: 32 kernel_size: 3 pad: 1", (1, 32, 12, 12)) == ("winograd F(4,3)", "rule")
     assert chosen("num_output: 32 kernel_size: 3 pad: 1 group: 32", (1, 32, 6, 6)) == ("depthwise", "rule")
-    assert chosen("num_output: 8 kernel_size: 1", (1, 32, 6, 6)) == ("gemm", "only")
+    assert chosen("num_output: 8 kernel_size: 1", (1, 32, 6, 6)) == (
+        "gemm", "forward rule; weights rule; data only")
     # the direct algorithm has no data gradient of its own (a layer built alone wants one)
     assert chosen("num_output: 8 kernel_size: 3 stride: 2", (1, 32, 6, 6)) == (
         "forward direct, weights direct, data im2col+gemm", "forward rule; weights rule; data only")
