@@ -483,12 +483,12 @@ cdef extern from "nhwc_direct.h" nogil:
         CD_V
         CD_T
     void cd_pad(const float* x, int H, int W, int C, int ph, int pw, float* xp)
-    void cd_forward_image(const float* xp, int Wp, int C, int sh, int sw, const int* off, int K,
-                          const float* wp, const float* bp, int Op, float* y, int oh, int ow,
-                          int O)
-    void cd_weight_grad_image(const float* xp, int Wp, int C, int sh, int sw, const int* off,
-                              int Kp, const float* dy, int oh, int ow, int O, int Op, int band,
-                              float* dyp, float* dwp, float* dbp)
+    void cd_forward_rows(const float* xp, int Wp, int C, int sh, int sw, const int* off, int K,
+                         const float* wp, const float* bp, int Op, float* y, int oy0, int oy1,
+                         int ow, int O)
+    void cd_weight_grad_rows(const float* xp, int Wp, int C, int sh, int sw, const int* off,
+                             int Kp, const float* dy, int oy0, int oy1, int ow, int O, int Op,
+                             int band, float* dyp, float* dwp, float* dbp)
 
 
 def direct_widths():
@@ -509,7 +509,19 @@ cdef int[::1] _direct_offsets(const CGeom* g, int Kp):
 
 cdef int _direct_threads(const CGeom* g, int T) noexcept nogil:
     cdef int nt = threads_for_macs(<Py_ssize_t>g.N * g.P * g.O * g.Kg)
-    return max(1, min(nt, min(T, g.N)))
+    return max(1, min(nt, T))
+
+
+cdef int _direct_split(const CGeom* g, int nt) noexcept nogil:
+    """Tasks per image (bands of output rows): 1 when the batch gives every thread two images,
+    else enough that a small batch still does (a batch of 1 ran on one thread)."""
+    if nt <= 1 or g.N >= 2 * nt:
+        return 1
+    return max(1, min(g.oh, (2 * nt + g.N - 1) // g.N))
+
+
+cdef inline int _band_row(const CGeom* g, int split, int b) noexcept nogil:
+    return <int>(<Py_ssize_t>g.oh * b // split)
 
 
 def conv_direct_forward(const float[:, :, :, ::1] x, const float[:, ::1] wp, const float[::1] bp,
@@ -527,15 +539,21 @@ def conv_direct_forward(const float[:, :, :, ::1] x, const float[:, ::1] wp, con
     need(T >= 1 and xpad.shape[1] >= plane, "conv_direct_forward", "xpad",
          f"needs shape (>= 1, >= {plane})", dims(xpad.shape, 2))
     cdef int[::1] off = _direct_offsets(&g, g.Kg)
+    cdef int split, b
+    cdef Py_ssize_t task
     if g.N == 0:
         return
     nt = _direct_threads(&g, T)
+    split = _direct_split(&g, nt)
     with nogil:
-        for n in prange(g.N, num_threads=nt, schedule="static"):
+        for task in prange(<Py_ssize_t>g.N * split, num_threads=nt, schedule="static"):
             tid = threadid()
+            n = task // split
+            b = <int>(task % split)
             cd_pad(&x[n, 0, 0, 0], g.H, g.W, g.C, ph, pw, &xpad[tid, 0])
-            cd_forward_image(&xpad[tid, 0], g.W + 2 * pw, g.C, sh, sw, &off[0], g.Kg, &wp[0, 0],
-                             &bp[0], Op, &y[n, 0, 0, 0], g.oh, g.ow, g.O)
+            cd_forward_rows(&xpad[tid, 0], g.W + 2 * pw, g.C, sh, sw, &off[0], g.Kg, &wp[0, 0],
+                            &bp[0], Op, &y[n, 0, 0, 0], _band_row(&g, split, b),
+                            _band_row(&g, split, b + 1), g.ow, g.O)
 
 
 def conv_direct_weight_grad(const float[:, :, :, ::1] x, const float[:, :, :, ::1] dy,
@@ -560,17 +578,23 @@ def conv_direct_weight_grad(const float[:, :, :, ::1] x, const float[:, :, :, ::
     need(band >= 1 and dyp.shape[1] >= <Py_ssize_t>band * g.ow * Op, "conv_direct_weight_grad",
          "dyp", f"needs shape (>= 1, >= {band} * {g.ow} * {Op})", dims(dyp.shape, 2))
     cdef int[::1] off = _direct_offsets(&g, Kp)
+    cdef int split, b
+    cdef Py_ssize_t task
     nt = _direct_threads(&g, T)
+    split = _direct_split(&g, nt)
     with nogil:
         memset(&dwp[0, 0], 0, nt * ws * sizeof(float))
         for t in range(nt):
             memset(&dbp[t, 0], 0, Op * sizeof(float))
-        for n in prange(g.N, num_threads=nt, schedule="static"):
+        for task in prange(<Py_ssize_t>g.N * split, num_threads=nt, schedule="static"):
             tid = threadid()
+            n = task // split
+            b = <int>(task % split)
             cd_pad(&x[n, 0, 0, 0], g.H, g.W, g.C, ph, pw, &xpad[tid, 0])
-            cd_weight_grad_image(&xpad[tid, 0], g.W + 2 * pw, g.C, sh, sw, &off[0], Kp,
-                                 &dy[n, 0, 0, 0], g.oh, g.ow, g.O, Op, band, &dyp[tid, 0],
-                                 &dwp[tid, 0], &dbp[tid, 0])
+            cd_weight_grad_rows(&xpad[tid, 0], g.W + 2 * pw, g.C, sh, sw, &off[0], Kp,
+                                &dy[n, 0, 0, 0], _band_row(&g, split, b),
+                                _band_row(&g, split, b + 1), g.ow, g.O, Op, band, &dyp[tid, 0],
+                                &dwp[tid, 0], &dbp[tid, 0])
         for t in range(1, nt):
             for i in range(ws):
                 dwp[0, i] += dwp[t, i]

@@ -70,17 +70,18 @@ static inline void cd_fwd_block(const float *restrict base, int step, int n,
         memcpy(y + (size_t)p * O, &acc[p], nv * sizeof(float));
 }
 
-/* One image: y [oh][ow][O] = the convolution of the padded image xp + bias (bp [Op]). */
-static void cd_forward_image(const float *restrict xp, int Wp, int C, int sh, int sw,
-                             const int *restrict off, int K, const float *restrict wp,
-                             const float *restrict bp, int Op, float *restrict y, int oh, int ow,
-                             int O)
+/* Output rows oy0 .. oy1 - 1 of one image: y [oh][ow][O] = the convolution of the padded
+ * image xp + bias (bp [Op]). */
+static void cd_forward_rows(const float *restrict xp, int Wp, int C, int sh, int sw,
+                            const int *restrict off, int K, const float *restrict wp,
+                            const float *restrict bp, int Op, float *restrict y, int oy0, int oy1,
+                            int ow, int O)
 {
     int step = sw * C;
     for (int oc = 0; oc < O; oc += CD_V) {
         int nv = O - oc < CD_V ? O - oc : CD_V;
         cd_vec b = cd_load(bp + oc);
-        for (int oy = 0; oy < oh; oy++) {
+        for (int oy = oy0; oy < oy1; oy++) {
             const float *row = xp + (size_t)oy * sh * Wp * C;
             float *yr = y + (size_t)oy * ow * O + oc;
             for (int ox = 0; ox < ow; ox += CD_P) {
@@ -92,17 +93,18 @@ static void cd_forward_image(const float *restrict xp, int Wp, int C, int sh, in
     }
 }
 
-/* One image: dwp [Kp][Op] += the taps times dy [oh][ow][O], dbp [Op] += dy's sums. `off` has
- * Kp entries (K rounded up to CD_T; the extra ones are 0, their rows of dwp are scratch).
- * dyp is scratch for `band` output rows of dy widened to Op floats a pixel. */
-static void cd_weight_grad_image(const float *restrict xp, int Wp, int C, int sh, int sw,
-                                 const int *restrict off, int Kp, const float *restrict dy,
-                                 int oh, int ow, int O, int Op, int band, float *restrict dyp,
-                                 float *restrict dwp, float *restrict dbp)
+/* Output rows oy0 .. oy1 - 1 of one image: dwp [Kp][Op] += the taps times dy [oh][ow][O],
+ * dbp [Op] += dy's sums. `off` has Kp entries (K rounded up to CD_T; the extra ones are 0,
+ * their rows of dwp are scratch). dyp is scratch for `band` output rows of dy widened to Op
+ * floats a pixel. */
+static void cd_weight_grad_rows(const float *restrict xp, int Wp, int C, int sh, int sw,
+                                const int *restrict off, int Kp, const float *restrict dy,
+                                int oy0, int oy1, int ow, int O, int Op, int band,
+                                float *restrict dyp, float *restrict dwp, float *restrict dbp)
 {
     int step = sw * C;
-    for (int y0 = 0; y0 < oh; y0 += band) {
-        int rows = oh - y0 < band ? oh - y0 : band;
+    for (int y0 = oy0; y0 < oy1; y0 += band) {
+        int rows = oy1 - y0 < band ? oy1 - y0 : band;
         size_t pixels = (size_t)rows * ow;
         for (size_t p = 0; p < pixels; p++) {
             float *d = dyp + p * Op;

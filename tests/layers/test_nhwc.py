@@ -237,6 +237,29 @@ def test_passes_by_different_algorithms_give_the_same_numbers(forward, weights, 
         np.testing.assert_allclose(layer.blobs[1].diff, db, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_direct_convolution_of_a_small_batch_splits_images_into_row_bands(n):
+    """Big enough for several threads (when the machine has them) with fewer images than two
+    per thread: each image's output rows are split among tasks, forward and weight gradient."""
+    params = f"convolution_param {{ num_output: 24 kernel_size: 5 pad: 2 {FILL} }}"
+    x = randn(n, 3, 61, 47, seed=11)
+    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
+    layer.force_algorithm("direct")
+    layer.param_propagate_down = [True, True]
+    w, b = (blob.data.astype(np.float64) for blob in layer.blobs)
+    want = ref.conv_forward(x.astype(np.float64), w, b, (2, 2), (1, 1), (1, 1), 1)
+    layer.forward(bottom, top)
+    np.testing.assert_allclose(top[0].data, want, rtol=1e-4, atol=1e-4)
+    dy = randn(*want.shape, seed=12)
+    dw, db, _ = ref.conv_backward(dy.astype(np.float64), x.astype(np.float64), w, (2, 2), (1, 1), (1, 1), 1)
+    top[0].diff[...] = dy
+    for blob in layer.blobs:
+        blob.diff[...] = 0
+    layer.backward(top, [False], bottom)
+    np.testing.assert_allclose(layer.blobs[0].diff, dw, rtol=1e-4, atol=2e-3)
+    np.testing.assert_allclose(layer.blobs[1].diff, db, rtol=1e-4, atol=2e-3)
+
+
 def test_force_algorithm_names_the_candidates():
     layer, _, _ = setup_layer("Convolution", f"convolution_param {{ num_output: 4 kernel_size: 1 {FILL} }}",
                               [randn(1, 4, 3, 3)], layout=NHWC)
