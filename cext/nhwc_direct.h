@@ -43,10 +43,11 @@ static void cd_pad(const float *restrict x, int H, int W, int C, int ph, int pw,
     memset(xp + (size_t)(H + ph) * row, 0, (size_t)ph * row * sizeof(float));
 }
 
-/* `n` (<= CD_P) pixels from `base`, `step` floats apart: y[p][oc .. oc + nv) = bias + taps */
-static inline void cd_fwd_block(const float *restrict base, int step, int n,
-                                const int *restrict off, int K, const float *restrict wp, int Op,
-                                cd_vec b, float *restrict y, int O, int nv)
+/* `n` (<= CD_P) pixels, tap 0 of pixel p at base[p]: y[p][oc .. oc + nv) = bias + taps
+ * (y: the first pixel's outputs, the others following, O floats apart) */
+static inline void cd_fwd_block(const float *const *base, int n, const int *restrict off, int K,
+                                const float *restrict wp, int Op, cd_vec b, float *restrict y,
+                                int O, int nv)
 {
     cd_vec acc[CD_P];
     for (int p = 0; p < CD_P; p++)
@@ -54,16 +55,16 @@ static inline void cd_fwd_block(const float *restrict base, int step, int n,
     if (n == CD_P) {
         for (int k = 0; k < K; k++) {
             cd_vec w = cd_load(wp + (size_t)k * Op);
-            const float *xk = base + off[k];
+            int o = off[k];
             for (int p = 0; p < CD_P; p++)
-                acc[p] += xk[p * step] * w;
+                acc[p] += base[p][o] * w;
         }
     } else {
         for (int k = 0; k < K; k++) {
             cd_vec w = cd_load(wp + (size_t)k * Op);
-            const float *xk = base + off[k];
+            int o = off[k];
             for (int p = 0; p < n; p++)
-                acc[p] += xk[p * step] * w;
+                acc[p] += base[p][o] * w;
         }
     }
     for (int p = 0; p < n; p++)
@@ -71,24 +72,25 @@ static inline void cd_fwd_block(const float *restrict base, int step, int n,
 }
 
 /* Output rows oy0 .. oy1 - 1 of one image: y [oh][ow][O] = the convolution of the padded
- * image xp + bias (bp [Op]). */
+ * image xp + bias (bp [Op]). A block of CD_P pixels runs on across the end of a row, so a
+ * width that is not a multiple of CD_P (LeNet conv2's 8) still fills whole blocks. */
 static void cd_forward_rows(const float *restrict xp, int Wp, int C, int sh, int sw,
                             const int *restrict off, int K, const float *restrict wp,
                             const float *restrict bp, int Op, float *restrict y, int oy0, int oy1,
                             int ow, int O)
 {
-    int step = sw * C;
+    size_t q0 = (size_t)oy0 * ow, q1 = (size_t)oy1 * ow;
+    const float *base[CD_P];
     for (int oc = 0; oc < O; oc += CD_V) {
         int nv = O - oc < CD_V ? O - oc : CD_V;
         cd_vec b = cd_load(bp + oc);
-        for (int oy = oy0; oy < oy1; oy++) {
-            const float *row = xp + (size_t)oy * sh * Wp * C;
-            float *yr = y + (size_t)oy * ow * O + oc;
-            for (int ox = 0; ox < ow; ox += CD_P) {
-                int n = ow - ox < CD_P ? ow - ox : CD_P;
-                cd_fwd_block(row + (size_t)ox * step, step, n, off, K, wp + oc, Op, b,
-                             yr + (size_t)ox * O, O, nv);
+        for (size_t q = q0; q < q1; q += CD_P) {
+            int n = q1 - q < CD_P ? (int)(q1 - q) : CD_P;
+            for (int p = 0; p < n; p++) {
+                size_t oy = (q + p) / ow, ox = (q + p) % ow;
+                base[p] = xp + (oy * sh * Wp + ox * sw) * C;
             }
+            cd_fwd_block(base, n, off, K, wp + oc, Op, b, y + q * O + oc, O, nv);
         }
     }
 }
