@@ -140,7 +140,8 @@ cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int s
     g.ow = (g.W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
     need(g.oh >= 1 and g.ow >= 1, kernel, "geometry", f"kernel {kh}x{kw} (dilation {dh}x{dw}, "
          f"pad {ph}x{pw}) does not fit the image", f"{g.H}x{g.W}")
-    need_shape(kernel, "y", tuple(y.shape[:4]), (g.N, g.oh, g.ow, O))
+    if y is not None:
+        need_shape(kernel, "y", tuple(y.shape[:4]), (g.N, g.oh, g.ow, O))
     g.Cg, g.Og = g.C // group, O // group
     g.Kg = g.Cg * kh * kw
     g.Ktot = g.Kg * group
@@ -482,13 +483,17 @@ cdef extern from "nhwc_direct.h" nogil:
     enum:
         CD_V
         CD_T
-    void cd_pad(const float* x, int H, int W, int C, int ph, int pw, float* xp)
+    ctypedef struct cd_out:
+        int ys, B
+        size_t bs
+    void cd_pad(const float* x, int H, int W, int C, int xs, int ph, int pw, int Hp, int Wp,
+                float* xp)
     void cd_forward_rows(const float* xp, int Wp, int C, int sh, int sw, const int* off, int K,
-                         const float* wp, const float* bp, int Op, float* y, int oy0, int oy1,
-                         int ow, int O)
+                         const float* wp, const float* bp, int Op, float* y, cd_out a, int oy0,
+                         int oy1, int ow, int O)
     void cd_weight_grad_rows(const float* xp, int Wp, int C, int sh, int sw, const int* off,
-                             int Kp, const float* dy, int oy0, int oy1, int ow, int O, int Op,
-                             int band, float* dyp, float* dwp, float* dbp)
+                             int Kp, const float* dy, cd_out a, int oy0, int oy1, int ow, int O,
+                             int Op, int band, float* dyp, float* dwp, float* dbp)
 
 
 def direct_widths():
@@ -496,10 +501,41 @@ def direct_widths():
     return CD_V, CD_T
 
 
+cdef CGeom _direct_geom(str kernel, x, int C, y, int O, int ys, int B, Py_ssize_t bs, int kh,
+                        int kw, int ph, int pw, int sh, int sw, int dh, int dw) except *:
+    """The geometry of a direct convolution of the first C of x's xs floats a pixel, into O
+    outputs a pixel of y [N, floats an image] addressed by (ys, B, bs) (nhwc_direct.h)."""
+    cdef CGeom g = _cgeom(kernel, x, None, O, kh, kw, ph, pw, sh, sw, dh, dw, 1, 1)
+    need(1 <= C <= g.C, kernel, "C", f"must be 1 .. {g.C} (x's floats a pixel)", C)
+    need(O >= 1 and B >= 1 and ys >= 1 and bs >= 0, kernel, "O, ys, B, bs",
+         "must be positive (bs >= 0)", (O, ys, B, bs))
+    g.C = g.Cg = C
+    g.Kg = g.Ktot = C * kh * kw
+    cdef Py_ssize_t last = 0, i
+    for i in range(O):      # one past the furthest float an output is written to
+        last = max(last, (i // B) * bs + (g.P - 1) * ys + i % B + 1)
+    need(y.shape[0] == g.N and y.shape[1] >= last, kernel, "y",
+         f"needs shape ({g.N}, >= {last})", tuple(y.shape[:2]))
+    return g
+
+
+cdef inline int _padded(int n, int pad, int out, int k, int s, int d) noexcept nogil:
+    """Rows (columns) of the padded image: every window's, the last one's past the padding."""
+    return max(n + 2 * pad, (out - 1) * s + d * (k - 1) + 1)
+
+
+def conv_direct_plane(int H, int W, int C, int kh, int kw, int ph, int pw, int sh, int sw,
+                      int dh, int dw):
+    """Floats of one thread's padded image (the xpad scratch of the direct kernels)."""
+    cdef int oh = (H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+    cdef int ow = (W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    return <Py_ssize_t>_padded(H, ph, oh, kh, sh, dh) * _padded(W, pw, ow, kw, sw, dw) * C
+
+
 cdef int[::1] _direct_offsets(const CGeom* g, int Kp):
     """Tap k's float offset from its output pixel's origin in the padded image; 0 past K."""
     cdef int[::1] off = array.clone(array.array("i"), Kp, zero=True)
-    cdef int i, j, c, Wp = g.W + 2 * g.pw
+    cdef int i, j, c, Wp = _padded(g.W, g.pw, g.ow, g.kw, g.sw, g.dw)
     for i in range(g.kh):
         for j in range(g.kw):
             for c in range(g.C):
@@ -524,23 +560,25 @@ cdef inline int _band_row(const CGeom* g, int split, int b) noexcept nogil:
     return <int>(<Py_ssize_t>g.oh * b // split)
 
 
-def conv_direct_forward(const float[:, :, :, ::1] x, const float[:, ::1] wp, const float[::1] bp,
-                        float[:, :, :, ::1] y, float[:, ::1] xpad, int kh, int kw, int ph,
-                        int pw, int sh, int sw, int dh, int dw):
-    """y [N, oh, ow, O] = conv(x [N, H, W, C], wp) + bp (bp [Op]: zeros for no bias);
-    overwritten. Scratch xpad [T, (H + 2ph) * (W + 2pw) * C] for T threads."""
-    cdef CGeom g = _cgeom("conv_direct_forward", x, y, y.shape[3], kh, kw, ph, pw, sh, sw, dh,
-                          dw, 1, 1)
-    cdef int Op = wp.shape[1], T = xpad.shape[0], nt, tid
-    cdef Py_ssize_t plane = <Py_ssize_t>(g.H + 2 * ph) * (g.W + 2 * pw) * g.C, n
-    need_shape("conv_direct_forward", "wp", dims(wp.shape, 2),
-               (g.Kg, (g.O + CD_V - 1) // CD_V * CD_V))
+def conv_direct_forward(const float[:, :, :, ::1] x, int C, const float[:, ::1] wp,
+                        const float[::1] bp, float[:, ::1] y, int O, int ys, int B, Py_ssize_t bs,
+                        float[:, ::1] xpad, int kh, int kw, int ph, int pw, int sh, int sw,
+                        int dh, int dw):
+    """Outputs 0 .. O - 1 of y [N, floats an image] (addressed by ys, B, bs: nhwc_direct.h) =
+    conv(the first C floats a pixel of x [N, H, W, xs], wp) + bp (bp [Op]: zeros for no bias);
+    overwritten. Scratch xpad [T, conv_direct_plane(...)] for T threads."""
+    cdef CGeom g = _direct_geom("conv_direct_forward", x, C, y, O, ys, B, bs, kh, kw, ph, pw, sh,
+                                sw, dh, dw)
+    cdef int Op = wp.shape[1], T = xpad.shape[0], nt, tid, split, b
+    cdef int Hp = _padded(g.H, ph, g.oh, kh, sh, dh), Wp = _padded(g.W, pw, g.ow, kw, sw, dw)
+    cdef Py_ssize_t plane = <Py_ssize_t>Hp * Wp * C, n, task
+    cdef cd_out a
+    a.ys, a.B, a.bs = ys, B, bs
+    need_shape("conv_direct_forward", "wp", dims(wp.shape, 2), (g.Kg, (O + CD_V - 1) // CD_V * CD_V))
     need_shape("conv_direct_forward", "bp", dims(bp.shape, 1), (Op,))
     need(T >= 1 and xpad.shape[1] >= plane, "conv_direct_forward", "xpad",
          f"needs shape (>= 1, >= {plane})", dims(xpad.shape, 2))
     cdef int[::1] off = _direct_offsets(&g, g.Kg)
-    cdef int split, b
-    cdef Py_ssize_t task
     if g.N == 0:
         return
     nt = _direct_threads(&g, T)
@@ -550,25 +588,30 @@ def conv_direct_forward(const float[:, :, :, ::1] x, const float[:, ::1] wp, con
             tid = threadid()
             n = task // split
             b = <int>(task % split)
-            cd_pad(&x[n, 0, 0, 0], g.H, g.W, g.C, ph, pw, &xpad[tid, 0])
-            cd_forward_rows(&xpad[tid, 0], g.W + 2 * pw, g.C, sh, sw, &off[0], g.Kg, &wp[0, 0],
-                            &bp[0], Op, &y[n, 0, 0, 0], _band_row(&g, split, b),
-                            _band_row(&g, split, b + 1), g.ow, g.O)
+            cd_pad(&x[n, 0, 0, 0], g.H, g.W, C, x.shape[3], ph, pw, Hp, Wp, &xpad[tid, 0])
+            cd_forward_rows(&xpad[tid, 0], Wp, C, sh, sw, &off[0], g.Kg, &wp[0, 0],
+                            &bp[0], Op, &y[n, 0], a, _band_row(&g, split, b),
+                            _band_row(&g, split, b + 1), g.ow, O)
 
 
-def conv_direct_weight_grad(const float[:, :, :, ::1] x, const float[:, :, :, ::1] dy,
-                            float[:, ::1] dwp, float[:, ::1] dbp, float[:, ::1] xpad,
-                            float[:, ::1] dyp, int band, int kh, int kw, int ph, int pw, int sh,
-                            int sw, int dh, int dw):
+def conv_direct_weight_grad(const float[:, :, :, ::1] x, int C, const float[:, ::1] dy, int O,
+                            int ys, int B, Py_ssize_t bs, float[:, ::1] dwp, float[:, ::1] dbp,
+                            float[:, ::1] xpad, float[:, ::1] dyp, int band, int kh, int kw,
+                            int ph, int pw, int sh, int sw, int dh, int dw):
     """dwp[0] = the weight gradient [Kp * Op] and dbp[0] = the bias gradient [Op] of
-    conv_direct_forward, summed over the batch (overwritten; rows 1.. are the other threads'
-    partials). Scratch xpad as for the forward, dyp [T, band * ow * Op]."""
-    cdef CGeom g = _cgeom("conv_direct_weight_grad", x, dy, dy.shape[3], kh, kw, ph, pw, sh, sw,
-                          dh, dw, 1, 1)
-    cdef int Op = (g.O + CD_V - 1) // CD_V * CD_V, Kp = (g.Kg + CD_T - 1) // CD_T * CD_T
+    conv_direct_forward for dy's outputs 0 .. O - 1 (addressed as its y), summed over the batch
+    (overwritten; rows 1.. are the other threads' partials). Scratch xpad as for the forward,
+    dyp [T, band * ow * Op]."""
+    cdef CGeom g = _direct_geom("conv_direct_weight_grad", x, C, dy, O, ys, B, bs, kh, kw, ph,
+                                pw, sh, sw, dh, dw)
+    cdef int Op = (O + CD_V - 1) // CD_V * CD_V, Kp = (g.Kg + CD_T - 1) // CD_T * CD_T
     cdef int T = min(xpad.shape[0], min(dwp.shape[0], min(dbp.shape[0], dyp.shape[0]))), nt, tid, t
-    cdef Py_ssize_t plane = <Py_ssize_t>(g.H + 2 * ph) * (g.W + 2 * pw) * g.C, n, i
+    cdef int split, b
+    cdef int Hp = _padded(g.H, ph, g.oh, kh, sh, dh), Wp = _padded(g.W, pw, g.ow, kw, sw, dw)
+    cdef Py_ssize_t plane = <Py_ssize_t>Hp * Wp * C, n, i, task
     cdef Py_ssize_t ws = <Py_ssize_t>Kp * Op
+    cdef cd_out a
+    a.ys, a.B, a.bs = ys, B, bs
     need(T >= 1 and dwp.shape[1] == ws, "conv_direct_weight_grad", "dwp",
          f"needs shape (>= 1, {ws})", dims(dwp.shape, 2))
     need(dbp.shape[1] == Op, "conv_direct_weight_grad", "dbp", f"needs shape (>= 1, {Op})",
@@ -578,8 +621,6 @@ def conv_direct_weight_grad(const float[:, :, :, ::1] x, const float[:, :, :, ::
     need(band >= 1 and dyp.shape[1] >= <Py_ssize_t>band * g.ow * Op, "conv_direct_weight_grad",
          "dyp", f"needs shape (>= 1, >= {band} * {g.ow} * {Op})", dims(dyp.shape, 2))
     cdef int[::1] off = _direct_offsets(&g, Kp)
-    cdef int split, b
-    cdef Py_ssize_t task
     nt = _direct_threads(&g, T)
     split = _direct_split(&g, nt)
     with nogil:
@@ -590,11 +631,10 @@ def conv_direct_weight_grad(const float[:, :, :, ::1] x, const float[:, :, :, ::
             tid = threadid()
             n = task // split
             b = <int>(task % split)
-            cd_pad(&x[n, 0, 0, 0], g.H, g.W, g.C, ph, pw, &xpad[tid, 0])
-            cd_weight_grad_rows(&xpad[tid, 0], g.W + 2 * pw, g.C, sh, sw, &off[0], Kp,
-                                &dy[n, 0, 0, 0], _band_row(&g, split, b),
-                                _band_row(&g, split, b + 1), g.ow, g.O, Op, band, &dyp[tid, 0],
-                                &dwp[tid, 0], &dbp[tid, 0])
+            cd_pad(&x[n, 0, 0, 0], g.H, g.W, C, x.shape[3], ph, pw, Hp, Wp, &xpad[tid, 0])
+            cd_weight_grad_rows(&xpad[tid, 0], Wp, C, sh, sw, &off[0], Kp, &dy[n, 0], a,
+                                _band_row(&g, split, b), _band_row(&g, split, b + 1), g.ow, O,
+                                Op, band, &dyp[tid, 0], &dwp[tid, 0], &dbp[tid, 0])
         for t in range(1, nt):
             for i in range(ws):
                 dwp[0, i] += dwp[t, i]

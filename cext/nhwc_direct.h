@@ -11,6 +11,11 @@
  * (oy * sh * Wp + ox * sw) * C in the padded image [Hp][Wp][C]. Weights come as wp[K][Op]
  * (Op = O rounded up to CD_V, zeros after O), so each tap's outputs are whole vectors; the
  * weight gradient is kept in that form too.
+ *
+ * An image is read with a pixel stride xs >= C (C for channels-last; the block width V for the
+ * blocked layout's single channel block), and outputs (and dy) are addressed as blocks of B
+ * channels: output o of pixel q at (o / B) * bs + q * ys + o % B (channels-last: B = ys = O;
+ * blocked: B = ys = V, bs = one block's plane).
  */
 #include <string.h>
 
@@ -27,27 +32,64 @@ static inline cd_vec cd_load(const float *p)
     return v;
 }
 
-/* xp [H + 2ph][W + 2pw][C] = the image x [H][W][C] inside a border of zeros */
-static void cd_pad(const float *restrict x, int H, int W, int C, int ph, int pw,
-                   float *restrict xp)
+/* xp [Hp][Wp][C] = the first C floats of each pixel of x [H][W][xs], from row ph and column
+ * pw on, inside zeros (Hp >= H + 2ph: Caffe's output size lets the last window run past the
+ * padding when the stride does not divide evenly) */
+static void cd_pad(const float *restrict x, int H, int W, int C, int xs, int ph, int pw, int Hp,
+                   int Wp, float *restrict xp)
 {
-    int Wp = W + 2 * pw;
     size_t row = (size_t)Wp * C;
     memset(xp, 0, (size_t)ph * row * sizeof(float));
     for (int y = 0; y < H; y++) {
         float *d = xp + (size_t)(y + ph) * row;
+        const float *s = x + (size_t)y * W * xs;
         memset(d, 0, (size_t)pw * C * sizeof(float));
-        memcpy(d + (size_t)pw * C, x + (size_t)y * W * C, (size_t)W * C * sizeof(float));
-        memset(d + (size_t)(pw + W) * C, 0, (size_t)pw * C * sizeof(float));
+        if (xs == C)
+            memcpy(d + (size_t)pw * C, s, (size_t)W * C * sizeof(float));
+        else
+            for (int x0 = 0; x0 < W; x0++)
+                memcpy(d + (size_t)(pw + x0) * C, s + (size_t)x0 * xs, C * sizeof(float));
+        memset(d + (size_t)(pw + W) * C, 0, (size_t)(Wp - pw - W) * C * sizeof(float));
     }
-    memset(xp + (size_t)(H + ph) * row, 0, (size_t)ph * row * sizeof(float));
+    memset(xp + (size_t)(H + ph) * row, 0, (size_t)(Hp - ph - H) * row * sizeof(float));
+}
+
+/* Where output o of pixel q lives (see the top of the file). */
+typedef struct {
+    int ys, B;
+    size_t bs;
+} cd_out;
+
+static inline size_t cd_at(cd_out a, size_t q, int o)
+{
+    return (size_t)(o / a.B) * a.bs + q * a.ys + o % a.B;
+}
+
+/* y's outputs oc .. oc + n of pixel q = v[0 .. n), piece by piece across blocks */
+static inline void cd_put(float *y, cd_out a, size_t q, int oc, int n, const float *v)
+{
+    for (int done = 0; done < n;) {
+        int o = oc + done, lane = o % a.B, m = a.B - lane < n - done ? a.B - lane : n - done;
+        memcpy(y + cd_at(a, q, o), v + done, m * sizeof(float));
+        done += m;
+    }
+}
+
+/* v[0 .. n) = y's outputs 0 .. n of pixel q */
+static inline void cd_get(const float *y, cd_out a, size_t q, int n, float *v)
+{
+    for (int done = 0; done < n;) {
+        int m = a.B - done % a.B < n - done ? a.B - done % a.B : n - done;
+        memcpy(v + done, y + cd_at(a, q, done), m * sizeof(float));
+        done += m;
+    }
 }
 
 /* `n` (<= CD_P) pixels, tap 0 of pixel p at base[p]: y[p][oc .. oc + nv) = bias + taps
  * (y: the first pixel's outputs, the others following, O floats apart) */
 static inline void cd_fwd_block(const float *const *base, int n, const int *restrict off, int K,
                                 const float *restrict wp, int Op, cd_vec b, float *restrict y,
-                                int O, int nv)
+                                cd_out a, size_t q, int oc, int nv)
 {
     cd_vec acc[CD_P];
     for (int p = 0; p < CD_P; p++)
@@ -68,16 +110,17 @@ static inline void cd_fwd_block(const float *const *base, int n, const int *rest
         }
     }
     for (int p = 0; p < n; p++)
-        memcpy(y + (size_t)p * O, &acc[p], nv * sizeof(float));
+        cd_put(y, a, q + p, oc, nv, (const float *)&acc[p]);
 }
 
-/* Output rows oy0 .. oy1 - 1 of one image: y [oh][ow][O] = the convolution of the padded
- * image xp + bias (bp [Op]). A block of CD_P pixels runs on across the end of a row, so a
- * width that is not a multiple of CD_P (LeNet conv2's 8) still fills whole blocks. */
+/* Output rows oy0 .. oy1 - 1 of one image: outputs 0 .. O - 1 of y (addressed by `a`) = the
+ * convolution of the padded image xp + bias (bp [Op]); O may count a block's padding lanes,
+ * whose weights and bias are zero. A block of CD_P pixels runs on across the end of a row, so
+ * a width that is not a multiple of CD_P (LeNet conv2's 8) still fills whole blocks. */
 static void cd_forward_rows(const float *restrict xp, int Wp, int C, int sh, int sw,
                             const int *restrict off, int K, const float *restrict wp,
-                            const float *restrict bp, int Op, float *restrict y, int oy0, int oy1,
-                            int ow, int O)
+                            const float *restrict bp, int Op, float *restrict y, cd_out a,
+                            int oy0, int oy1, int ow, int O)
 {
     size_t q0 = (size_t)oy0 * ow, q1 = (size_t)oy1 * ow;
     const float *base[CD_P];
@@ -90,18 +133,18 @@ static void cd_forward_rows(const float *restrict xp, int Wp, int C, int sh, int
                 size_t oy = (q + p) / ow, ox = (q + p) % ow;
                 base[p] = xp + (oy * sh * Wp + ox * sw) * C;
             }
-            cd_fwd_block(base, n, off, K, wp + oc, Op, b, y + q * O + oc, O, nv);
+            cd_fwd_block(base, n, off, K, wp + oc, Op, b, y, a, q, oc, nv);
         }
     }
 }
 
-/* Output rows oy0 .. oy1 - 1 of one image: dwp [Kp][Op] += the taps times dy [oh][ow][O],
- * dbp [Op] += dy's sums. `off` has Kp entries (K rounded up to CD_T; the extra ones are 0,
+/* Output rows oy0 .. oy1 - 1 of one image: dwp [Kp][Op] += the taps times dy's outputs
+ * 0 .. O - 1 (addressed by `a`), dbp [Op] += their sums. `off` has Kp entries (K rounded up to CD_T; the extra ones are 0,
  * their rows of dwp are scratch). dyp is scratch for `band` output rows of dy widened to Op
  * floats a pixel. */
 static void cd_weight_grad_rows(const float *restrict xp, int Wp, int C, int sh, int sw,
                                 const int *restrict off, int Kp, const float *restrict dy,
-                                int oy0, int oy1, int ow, int O, int Op, int band,
+                                cd_out a, int oy0, int oy1, int ow, int O, int Op, int band,
                                 float *restrict dyp, float *restrict dwp, float *restrict dbp)
 {
     int step = sw * C;
@@ -110,7 +153,7 @@ static void cd_weight_grad_rows(const float *restrict xp, int Wp, int C, int sh,
         size_t pixels = (size_t)rows * ow;
         for (size_t p = 0; p < pixels; p++) {
             float *d = dyp + p * Op;
-            memcpy(d, dy + ((size_t)y0 * ow + p) * O, O * sizeof(float));
+            cd_get(dy, a, (size_t)y0 * ow + p, O, d);
             memset(d + O, 0, (Op - O) * sizeof(float));
         }
         for (int oc = 0; oc < Op; oc += CD_V) {

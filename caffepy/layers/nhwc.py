@@ -222,7 +222,7 @@ class _Direct:
         self.k = kh * kw * L.channels
         self.op = -(-L.num_output // v) * v
         self.kp = -(-self.k // t) * t
-        self.plane = (h + 2 * ph) * (w + 2 * pw) * L.channels
+        self.plane = _k.conv_direct_plane(h, w, L.channels, *self._args())
         self.band = max(1, (1 << 14) // (L.ow * self.op))     # dy rows widened at once: 64 KB
         self.wp = np.zeros((self.k, self.op), np.float32)
         self.bp = np.zeros(self.op, np.float32)
@@ -240,7 +240,9 @@ class _Direct:
             self.bp[:o] = L.blobs[1].data
         xpad = _workspace("direct_x", (_k.max_threads(), self.plane))
         for b, t in zip(bottom, top):
-            _k.conv_direct_forward(b.raw_data, self.wp, self.bp, t.raw_data, xpad, *self._args())
+            _k.conv_direct_forward(b.raw_data, L.channels, self.wp, self.bp,
+                                   t.raw_data.reshape(len(t.raw_data), -1), o, o, o, 0, xpad,
+                                   *self._args())
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
@@ -252,8 +254,9 @@ class _Direct:
             xpad = _workspace("direct_x", (threads, self.plane))
             dyp = _workspace("direct_dy", (threads, self.band * L.ow * self.op))
             for b, t in zip(bottom, top):
-                _k.conv_direct_weight_grad(b.raw_data, t.raw_diff, dwp, dbp, xpad, dyp, self.band,
-                                           *self._args())
+                _k.conv_direct_weight_grad(b.raw_data, L.channels,
+                                           t.raw_diff.reshape(len(t.raw_diff), -1), o, o, o, 0,
+                                           dwp, dbp, xpad, dyp, self.band, *self._args())
                 if need_w:
                     grad = dwp[0].reshape(self.kp, self.op)[:self.k, :o]
                     L.blobs[0].diff[...] += grad.reshape(kh, kw, L.channels, o).transpose(3, 2, 0, 1)

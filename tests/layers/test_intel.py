@@ -75,6 +75,7 @@ CONVS = [
     (32, 24, 2, 3, 1, 1, 2, 7, 7),      # dilation, vector order at 8 and 16
     (8, 7, 1, 2, 3, 1, 1, 8, 9),        # stride past the kernel, output channels not a block
     (3, 12, 1, 3, 1, 1, 1, 12, 12),     # plain order, enough work to run the images on threads
+    (3, 40, 1, 5, 2, 2, 1, 31, 30),     # direct: outputs over two vectors, rows split at batch 3
 ]
 
 
@@ -87,6 +88,8 @@ def test_blocked_convolution_matches_reference(spec, width):
               f"bias_filler {{ type: 'gaussian' std: 0.3 }} }}")
     x = randn(3, C, H, W, seed=1)
     layer, bottom, top = blocked_layer("Convolution", params, [x], width)
+    # one channel block: the direct kernel (its data gradient is Caffe's algorithm)
+    assert layer.direct == (group == 1 and C <= width and not layer.winograd)
     w, b = layer.blobs[0].data.copy(), layer.blobs[1].data.copy()
     layer.forward(bottom, top)
     want = ref.conv_forward(x, w, b, (p, p), (s, s), (d, d), group)
