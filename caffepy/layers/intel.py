@@ -230,6 +230,7 @@ class BlockedConvolution(Layer):
                        and self.group == 1 and self.channels <= self.width
                        and self.channels * self.kh * self.kw <= nhwc.DIRECT_RULE_TAPS
                        and nhwc._k is not None)
+        self._direct = None
 
     def reshape(self, bottom, top):
         layout = _blocked_bottom(self, bottom[0])
@@ -247,8 +248,13 @@ class BlockedConvolution(Layer):
             self.tile = winograd_tile(self.kh, self.oh, self.ow)
         # a window larger than the padded image (Caffe still gives one output) stays on
         # Caffe's algorithm
-        self.direct_fits = (h + 2 * self.ph >= self.dh * (self.kh - 1) + 1
-                            and w + 2 * self.pw >= self.dw * (self.kw - 1) + 1)
+        fits = (h + 2 * self.ph >= self.dh * (self.kh - 1) + 1
+                and w + 2 * self.pw >= self.dw * (self.kw - 1) + 1)
+        if not (self.direct and fits):
+            self._direct = None
+        elif self._direct is None or (self._direct.h, self._direct.w) != (h, w):
+            from .nhwc import _Direct
+            self._direct = _Direct(self, n, h, w, width=v)
 
     def _args(self):
         return (self.channels, self.num_output, self.kh, self.kw, self.ph, self.pw, self.sh,
@@ -319,66 +325,12 @@ class BlockedConvolution(Layer):
             if need_w:
                 _winograd.weight_grad_add(du[0], gm, self.blobs[0].diff)
 
-    # -- direct (few channels) ------------------------------------------------------------------
-    def _direct_args(self, b, t):
-        """(x as [N, H, W, V], y as [N, floats an image], its pixel stride, lanes a block, block
-        stride) for cext/nhwc_direct.h: the bottom is one channel block."""
-        n, _, h, w, v = b.shape
-        return b.reshape(n, h, w, v), t.reshape(n, -1), v, v, self.oh * self.ow * v
-
-    def _direct_plane(self, bottom):
-        from .nhwc import _k as nk
-        h, w = bottom[0].shape[2:4]
-        return nk.conv_direct_plane(h, w, self.channels, self.kh, self.kw, self.ph, self.pw,
-                                    self.sh, self.sw, self.dh, self.dw)
-
-    def _direct_forward(self, bottom, top):
-        from .nhwc import _k as nk
-        o, (kh, kw), v = self.num_output, (self.kh, self.kw), self.width
-        lanes = blocks(o, v) * v              # the padding lanes are written too (zeros)
-        cdv, _ = nk.direct_widths()
-        k = self.channels * kh * kw
-        wp = _workspace("direct_wp", (k, -(-lanes // cdv) * cdv))
-        wp[...] = 0
-        wp[:, :o] = self.blobs[0].data.transpose(2, 3, 1, 0).reshape(k, o)
-        bp = _workspace("direct_bp", (wp.shape[1],))
-        bp[...] = 0
-        if self.bias_term:
-            bp[:o] = self.blobs[1].data
-        xpad = _workspace("direct_x", (nk.max_threads(), self._direct_plane(bottom)))
-        for b, t in zip(bottom, top):
-            x, y, ys, lanes_b, bs = self._direct_args(b.data, t.data)
-            nk.conv_direct_forward(x, self.channels, wp, bp, y, lanes, ys, lanes_b, bs, xpad,
-                                   kh, kw, self.ph, self.pw, self.sh, self.sw, self.dh, self.dw)
-
-    def _direct_weight_grad(self, bottom, top, need_w, need_b):
-        from .nhwc import _k as nk
-        o, kh, kw, c = self.num_output, self.kh, self.kw, self.channels
-        cdv, cdt = nk.direct_widths()
-        k = c * kh * kw
-        op, kp = -(-o // cdv) * cdv, -(-k // cdt) * cdt
-        threads = nk.max_threads()
-        band = max(1, (1 << 14) // (self.ow * op))
-        dwp = _workspace("direct_dw", (threads, kp * op))
-        dbp = _workspace("direct_db", (threads, op))
-        xpad = _workspace("direct_x", (threads, self._direct_plane(bottom)))
-        dyp = _workspace("direct_dy", (threads, band * self.ow * op))
-        for b, t in zip(bottom, top):
-            x, dy, ys, lanes_b, bs = self._direct_args(b.data, t.diff)
-            nk.conv_direct_weight_grad(x, c, dy, o, ys, lanes_b, bs, dwp, dbp, xpad, dyp, band,
-                                       kh, kw, self.ph, self.pw, self.sh, self.sw, self.dh, self.dw)
-            if need_w:
-                grad = dwp[0].reshape(kp, op)[:k, :o].reshape(kh, kw, c, o).transpose(3, 2, 0, 1)
-                self.blobs[0].diff[...] += grad
-            if need_b:
-                self.blobs[1].diff[...] += dbp[0, :o]
-
     # -- forward / backward --------------------------------------------------------------------
     def forward(self, bottom, top):
         if self.winograd:
             return self._wino_forward(bottom, top)
-        if self.direct and self.direct_fits:
-            return self._direct_forward(bottom, top)
+        if self._direct is not None:
+            return self._direct.forward(bottom, top)
         self._pack_weights()
         bias = self.blobs[1].data if self.bias_term else self._no_bias
         col, ybuf = self._scratch()
@@ -392,9 +344,9 @@ class BlockedConvolution(Layer):
             return
         if self.winograd:
             return self._wino_backward(top, propagate_down, bottom, need_w, need_b)
-        if self.direct and self.direct_fits:
+        if self._direct is not None:
             if need_w or need_b:
-                self._direct_weight_grad(bottom, top, need_w, need_b)
+                self._direct.backward(top, [False] * len(bottom), bottom, need_w, need_b)
             need_w = need_b = False         # the data gradient: Caffe's algorithm, below
             if not any(propagate_down):
                 return

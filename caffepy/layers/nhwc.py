@@ -210,27 +210,40 @@ class _Gemm:
 
 class _Direct:
     """Direct convolution for few input channels (group 1, cext/nhwc_direct.h): the image read
-    in place instead of through im2col, the sums in registers. Its data gradient (rarely wanted:
-    such layers are mostly first layers) is the GEMM algorithm's."""
+    in place instead of through im2col, the sums in registers. Channels-last blobs, or with
+    `width` the blocked layout's (caffepy/layers/intel.py) when the channels fit one block. Its
+    data gradient (rarely wanted: such layers are mostly first layers) is the channels-last
+    GEMM algorithm's; the blocked layer computes that one itself."""
     name = "direct"
 
-    def __init__(self, layer, n, h, w):
+    def __init__(self, layer, n, h, w, width=None):
         L = self.layer = layer
-        self.window = L.window
-        (kh, kw), (ph, pw), _, _ = L.window
+        (kh, kw) = L.window.kernel
         v, t = _k.direct_widths()
+        self.h, self.w, self.width = h, w, width
         self.k = kh * kw * L.channels
-        self.op = -(-L.num_output // v) * v
+        # outputs written a pixel: a block's padding lanes too (their weights and bias are 0)
+        self.lanes = L.num_output if width is None else -(-L.num_output // width) * width
+        self.op = -(-self.lanes // v) * v
         self.kp = -(-self.k // t) * t
         self.plane = _k.conv_direct_plane(h, w, L.channels, *self._args())
         self.band = max(1, (1 << 14) // (L.ow * self.op))     # dy rows widened at once: 64 KB
         self.wp = np.zeros((self.k, self.op), np.float32)
         self.bp = np.zeros(self.op, np.float32)
-        self.gemm = _Gemm(layer, n, h, w)
+        self.gemm = _Gemm(layer, n, h, w) if width is None else None
 
     def _args(self):
-        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.window
+        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.layer.window
         return kh, kw, ph, pw, sh, sw, dh, dw
+
+    def _arrays(self, x, y):
+        """x as [N, H, W, floats a pixel], y as [N, floats an image], and y's addressing (pixel
+        stride, lanes a block, block stride: nhwc_direct.h)."""
+        n, L = len(x), self.layer
+        if self.width is None:
+            return x, y.reshape(n, -1), L.num_output, L.num_output, 0
+        v = self.width
+        return (x.reshape(n, self.h, self.w, v), y.reshape(n, -1), v, v, L.oh * L.ow * v)
 
     def forward(self, bottom, top):
         L = self.layer
@@ -240,25 +253,26 @@ class _Direct:
             self.bp[:o] = L.blobs[1].data
         xpad = _workspace("direct_x", (_k.max_threads(), self.plane))
         for b, t in zip(bottom, top):
-            _k.conv_direct_forward(b.raw_data, L.channels, self.wp, self.bp,
-                                   t.raw_data.reshape(len(t.raw_data), -1), o, o, o, 0, xpad,
-                                   *self._args())
+            x, y, ys, lanes, bs = self._arrays(b.raw_data, t.raw_data)
+            _k.conv_direct_forward(x, L.channels, self.wp, self.bp, y, self.lanes, ys, lanes, bs,
+                                   xpad, *self._args())
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
         o, (kh, kw) = L.num_output, L.window.kernel
         threads = _k.max_threads()
         if need_w or need_b:
-            dwp = _workspace("direct_dw", (threads, self.kp * self.op))
-            dbp = _workspace("direct_db", (threads, self.op))
+            op = -(-o // _k.direct_widths()[0]) * _k.direct_widths()[0]
+            dwp = _workspace("direct_dw", (threads, self.kp * op))
+            dbp = _workspace("direct_db", (threads, op))
             xpad = _workspace("direct_x", (threads, self.plane))
-            dyp = _workspace("direct_dy", (threads, self.band * L.ow * self.op))
+            dyp = _workspace("direct_dy", (threads, self.band * L.ow * op))
             for b, t in zip(bottom, top):
-                _k.conv_direct_weight_grad(b.raw_data, L.channels,
-                                           t.raw_diff.reshape(len(t.raw_diff), -1), o, o, o, 0,
-                                           dwp, dbp, xpad, dyp, self.band, *self._args())
+                x, dy, ys, lanes, bs = self._arrays(b.raw_data, t.raw_diff)
+                _k.conv_direct_weight_grad(x, L.channels, dy, o, ys, lanes, bs, dwp, dbp, xpad,
+                                           dyp, self.band, *self._args())
                 if need_w:
-                    grad = dwp[0].reshape(self.kp, self.op)[:self.k, :o]
+                    grad = dwp[0].reshape(self.kp, op)[:self.k, :o]
                     L.blobs[0].diff[...] += grad.reshape(kh, kw, L.channels, o).transpose(3, 2, 0, 1)
                 if need_b:
                     L.blobs[1].diff[...] += dbp[0, :o]
