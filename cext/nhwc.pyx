@@ -548,12 +548,21 @@ cdef int _direct_threads(const CGeom* g, int T) noexcept nogil:
     return max(1, min(nt, T))
 
 
+cdef enum:
+    # Multiply-adds a band of rows must hold to be a task of its own (~0.1 ms on one core): a
+    # passively waiting thread took ~50 us to wake on a 2-core VM, so splitting the 6.5M of
+    # cifar10_quick conv2 at batch 1 made it slower (benchmarks/bench_threads.py, b1 forward).
+    _BAND_MACS = 1 << 22
+
+
 cdef int _direct_split(const CGeom* g, int nt) noexcept nogil:
     """Tasks per image (bands of output rows): 1 when the batch gives every thread two images,
-    else enough that a small batch still does (a batch of 1 ran on one thread)."""
+    else enough that a small batch still does, as far as each band is worth a thread."""
+    cdef Py_ssize_t image = <Py_ssize_t>g.P * g.O * g.Kg, split
     if nt <= 1 or g.N >= 2 * nt:
         return 1
-    return max(1, min(g.oh, (2 * nt + g.N - 1) // g.N))
+    split = min(<Py_ssize_t>g.oh, (2 * nt + g.N - 1) // g.N, image // _BAND_MACS)
+    return <int>split if split > 1 else 1
 
 
 cdef inline int _band_row(const CGeom* g, int split, int b) noexcept nogil:
@@ -583,6 +592,7 @@ def conv_direct_forward(const float[:, :, :, ::1] x, int C, const float[:, ::1] 
         return
     nt = _direct_threads(&g, T)
     split = _direct_split(&g, nt)
+    nt = <int>min(<Py_ssize_t>nt, g.N * split)
     with nogil:
         for task in prange(<Py_ssize_t>g.N * split, num_threads=nt, schedule="static"):
             tid = threadid()
@@ -623,6 +633,7 @@ def conv_direct_weight_grad(const float[:, :, :, ::1] x, int C, const float[:, :
     cdef int[::1] off = _direct_offsets(&g, Kp)
     nt = _direct_threads(&g, T)
     split = _direct_split(&g, nt)
+    nt = <int>min(<Py_ssize_t>nt, g.N * split)
     with nogil:
         memset(&dwp[0, 0], 0, nt * ws * sizeof(float))
         for t in range(nt):

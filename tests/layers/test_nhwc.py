@@ -241,8 +241,8 @@ def test_passes_by_different_algorithms_give_the_same_numbers(forward, weights, 
 def test_direct_convolution_of_a_small_batch_splits_images_into_row_bands(n):
     """Big enough for several threads (when the machine has them) with fewer images than two
     per thread: each image's output rows are split among tasks, forward and weight gradient."""
-    params = f"convolution_param {{ num_output: 24 kernel_size: 5 pad: 2 {FILL} }}"
-    x = randn(n, 3, 61, 47, seed=11)
+    params = f"convolution_param {{ num_output: 40 kernel_size: 5 pad: 2 {FILL} }}"
+    x = randn(n, 3, 75, 61, seed=11)        # 13.7M multiply-adds an image: 3 bands of >= 4M
     layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
     layer.force_algorithm("direct")
     layer.param_propagate_down = [True, True]
