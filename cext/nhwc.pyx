@@ -543,11 +543,6 @@ cdef int[::1] _direct_offsets(const CGeom* g, int Kp):
     return off
 
 
-cdef int _direct_threads(const CGeom* g, int T) noexcept nogil:
-    cdef int nt = threads_for_macs(<Py_ssize_t>g.N * g.P * g.O * g.Kg)
-    return max(1, min(nt, T))
-
-
 cdef enum:
     # Multiply-adds a band of rows must hold to be a task of its own (~0.1 ms on one core): a
     # passively waiting thread took ~50 us to wake on a 2-core VM, so splitting the 6.5M of
@@ -555,14 +550,16 @@ cdef enum:
     _BAND_MACS = 1 << 22
 
 
-cdef int _direct_split(const CGeom* g, int nt) noexcept nogil:
-    """Tasks per image (bands of output rows): 1 when the batch gives every thread two images,
-    else enough that a small batch still does, as far as each band is worth a thread."""
-    cdef Py_ssize_t image = <Py_ssize_t>g.P * g.O * g.Kg, split
-    if nt <= 1 or g.N >= 2 * nt:
-        return 1
-    split = min(<Py_ssize_t>g.oh, (2 * nt + g.N - 1) // g.N, image // _BAND_MACS)
-    return <int>split if split > 1 else 1
+cdef int _direct_split(const CGeom* g, int T, int* nt) noexcept nogil:
+    """Tasks per image (bands of output rows), and in nt the threads for them (the thread
+    rule's, at most T and the task count): 1 band when the batch gives every thread two
+    images, else enough that a small batch still does, as far as each band is worth a thread."""
+    cdef Py_ssize_t image = <Py_ssize_t>g.P * g.O * g.Kg, split = 1
+    cdef int t = max(1, min(threads_for_macs(g.N * image), T))
+    if t > 1 and g.N < 2 * t:
+        split = max(1, min(<Py_ssize_t>g.oh, (2 * t + g.N - 1) // g.N, image // _BAND_MACS))
+    nt[0] = <int>min(<Py_ssize_t>t, g.N * split)
+    return <int>split
 
 
 cdef inline int _band_row(const CGeom* g, int split, int b) noexcept nogil:
@@ -590,9 +587,7 @@ def conv_direct_forward(const float[:, :, :, ::1] x, int C, const float[:, ::1] 
     cdef int[::1] off = _direct_offsets(&g, g.Kg)
     if g.N == 0:
         return
-    nt = _direct_threads(&g, T)
-    split = _direct_split(&g, nt)
-    nt = <int>min(<Py_ssize_t>nt, g.N * split)
+    split = _direct_split(&g, T, &nt)
     with nogil:
         for task in prange(<Py_ssize_t>g.N * split, num_threads=nt, schedule="static"):
             tid = threadid()
@@ -631,9 +626,7 @@ def conv_direct_weight_grad(const float[:, :, :, ::1] x, int C, const float[:, :
     need(band >= 1 and dyp.shape[1] >= <Py_ssize_t>band * g.ow * Op, "conv_direct_weight_grad",
          "dyp", f"needs shape (>= 1, >= {band} * {g.ow} * {Op})", dims(dyp.shape, 2))
     cdef int[::1] off = _direct_offsets(&g, Kp)
-    nt = _direct_threads(&g, T)
-    split = _direct_split(&g, nt)
-    nt = <int>min(<Py_ssize_t>nt, g.N * split)
+    split = _direct_split(&g, T, &nt)
     with nogil:
         memset(&dwp[0, 0], 0, nt * ws * sizeof(float))
         for t in range(nt):

@@ -212,11 +212,11 @@ class _Direct:
     """Direct convolution for few input channels (group 1, cext/nhwc_direct.h): the image read
     in place instead of through im2col, the sums in registers. Channels-last blobs, or with
     `width` the blocked layout's (caffepy/layers/intel.py) when the channels fit one block. Its
-    data gradient (rarely wanted: such layers are mostly first layers) is the channels-last
-    GEMM algorithm's; the blocked layer computes that one itself."""
+    data gradient (rarely wanted: such layers are mostly first layers) is `gemm`'s, the
+    channels-last GEMM algorithm of the same layer; the blocked layer computes that one itself."""
     name = "direct"
 
-    def __init__(self, layer, n, h, w, width=None):
+    def __init__(self, layer, n, h, w, width=None, gemm=None):
         L = self.layer = layer
         (kh, kw) = L.window.kernel
         v, t = _k.direct_widths()
@@ -225,12 +225,13 @@ class _Direct:
         # outputs written a pixel: a block's padding lanes too (their weights and bias are 0)
         self.lanes = L.num_output if width is None else -(-L.num_output // width) * width
         self.op = -(-self.lanes // v) * v
+        self.op_grad = -(-L.num_output // v) * v      # the weight gradient's: real outputs only
         self.kp = -(-self.k // t) * t
         self.plane = _k.conv_direct_plane(h, w, L.channels, *self._args())
         self.band = max(1, (1 << 14) // (L.ow * self.op))     # dy rows widened at once: 64 KB
         self.wp = np.zeros((self.k, self.op), np.float32)
         self.bp = np.zeros(self.op, np.float32)
-        self.gemm = _Gemm(layer, n, h, w) if width is None else None
+        self.gemm = gemm
 
     def _args(self):
         (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.layer.window
@@ -262,7 +263,7 @@ class _Direct:
         o, (kh, kw) = L.num_output, L.window.kernel
         threads = _k.max_threads()
         if need_w or need_b:
-            op = -(-o // _k.direct_widths()[0]) * _k.direct_widths()[0]
+            op = self.op_grad
             dwp = _workspace("direct_dw", (threads, self.kp * op))
             dbp = _workspace("direct_db", (threads, op))
             xpad = _workspace("direct_x", (threads, self.plane))
@@ -401,7 +402,7 @@ class NHWCConvolution(Convolution):
         found[gemm.name] = gemm
         default = gemm.name
         if self.group == 1 and self.channels * kh * kw <= DIRECT_MAX_TAPS:
-            found["direct"] = _Direct(self, n, h, w)
+            found["direct"] = _Direct(self, n, h, w, gemm=gemm)
             if self.channels * kh * kw <= DIRECT_RULE_TAPS and not gemm.direct:
                 default = "direct"
         if self.group == self.channels == self.num_output and self.group > 1:
