@@ -24,10 +24,12 @@ Backward, with dM = AT^T dY AT per output tile:
 
 The matrices come from `matrices(m, r)` (Toom-Cook on the points 0, +-1, +-2, 1/2, ..., infinity).
 The tile and weight transforms are C in winograd_tiles.h; the GEMMs go to scipy's BLAS.
-Images are processed in chunks, one chunk per OpenMP thread with a single-threaded BLAS, so each
-thread's tile buffers stay near its caches. In the blocked layout, channel lanes past C or O are
-padding: written as zeros, never read as data (as every kernel of caffepy.kernels.intel);
-channels-last, the last block of a pixel is only read and written up to C or O.
+Each OpenMP thread takes an equal share of the images and runs it with a single-threaded BLAS,
+in passes over a few dozen to a few hundred tiles, so that its tile buffers stay in cache
+between the transforms and the GEMMs (scratch_shapes sizes them). In the blocked layout,
+channel lanes past C or O are padding: written as zeros, never read as data (as every kernel of
+caffepy.kernels.intel); channels-last, the last block of a pixel is only read and written up to
+C or O.
 
 The NumPy reference is the NCHW convolution of caffepy/kernels/reference/vision.py on the
 unpacked arrays (tests/layers/test_winograd.py, tests/layers/test_nhwc.py); `matrices` is
@@ -46,6 +48,11 @@ include "blas_threads.pxi"
 
 DEF MAX_A = 8        # largest tile side a = m + r - 1
 DEF MAX_V = 32       # widest channel block
+# A pass over a thread's tile buffers is sized by PASS_BYTES, with at least MIN_ROWS tiles (the
+# GEMMs' rows); see scratch_shapes.
+PASS_BYTES = 2 << 20
+MIN_ROWS = 32
+U_CACHED = 4 << 20
 
 
 def matrices(int m, int r):
@@ -90,8 +97,8 @@ cdef struct WGeom:
     int N, C, Cb, H, W, O, Ob, oh, ow, V
     int m, r, a, ph, pw, group, Cg, Og
     int th, tw                    # tiles per image along y, x
-    int chunk                     # images per chunk
-    Py_ssize_t tiles              # tiles per chunk (rows of every GEMM)
+    int chunk                     # images per task (a thread's unit of work)
+    Py_ssize_t tiles              # tiles per pass over the buffers (rows of every GEMM)
     Py_ssize_t cpad, opad         # channel columns of the V and M buffers (Cb * V, Ob * V)
     Py_ssize_t xn, xb, xp         # x's strides: image, block of V channels, pixel
     Py_ssize_t yn, yb, yp         # y's (and dy's) strides
@@ -141,9 +148,8 @@ cdef WGeom _geom(str kernel, tuple xs, str yname, tuple ys, bint blocked, int V,
     g.th, g.tw = (g.oh + m - 1) // m, (g.ow + m - 1) // m
     g.cpad, g.opad = <Py_ssize_t>g.Cb * g.V, <Py_ssize_t>g.Ob * g.V
     g.tiles = vbuf.shape[2]
-    need(g.tiles % (g.th * g.tw) == 0 and g.tiles > 0, kernel, "vbuf",
-         f"needs whole images of {g.th * g.tw} tiles", f"{g.tiles} tiles")
-    g.chunk = g.tiles // (g.th * g.tw)
+    need(g.tiles > 0, kernel, "vbuf", "needs room for a tile", g.tiles)
+    g.chunk = max(1, (g.N + vbuf.shape[0] - 1) // vbuf.shape[0])
     need_shape(kernel, "at", dims(at.shape, 2), (m, g.a))
     need_shape(kernel, "bt", dims(bt.shape, 2), (g.a, g.a))
     for i in range(g.a):
@@ -160,19 +166,26 @@ cdef WGeom _geom(str kernel, tuple xs, str yname, tuple ys, bint blocked, int V,
 
 
 def scratch_shapes(int threads, int N, int C, int O, int H, int W, int V, int m, int r,
-                   int ph, int pw, int target_rows=512):
-    """Shapes of (vbuf, mbuf) for `threads` threads: chunks of whole images, about
-    `target_rows` tiles each (the GEMMs' row count), at least one chunk per thread when
-    there are enough images."""
+                   int ph, int pw, int group=1, long budget=PASS_BYTES):
+    """Shapes of (vbuf, mbuf) for `threads` threads. Each thread's task is an equal share of
+    the images, whole ones (its data gradient sums overlapping tiles, which no other thread may
+    touch), run in passes of about equal size over its tiles. A pass takes as many tiles as fit
+    `budget` bytes of its buffers (V and M), so that they stay in cache between the transforms
+    and the GEMMs, but at least a quarter of Cg + Og (each GEMM packs an Og x Cg block of U,
+    which its rows must outweigh). Every pass reads all of U, so a U too large to stay in
+    cache (U_CACHED) takes the whole task in one pass."""
     cdef int oh = H + 2 * ph - r + 1, ow = W + 2 * pw - r + 1
     # Python ints below: ceil division with positive operands only
     per_image = max(1, ((oh + m - 1) // m) * ((ow + m - 1) // m))
-    chunk = max(1, min(N, (target_rows + per_image - 1) // per_image))
-    if threads > 1:
-        chunk = max(1, min(chunk, (N + threads - 1) // threads))
     cb, ob = (C + V - 1) // V, (O + V - 1) // V
     a2 = (m + r - 1) ** 2
-    tiles = chunk * per_image
+    group = max(group, 1)
+    rows = max(MIN_ROWS, (C // group + O // group) // 4, budget // (a2 * (cb + ob) * V * 4))
+    if a2 * O * (C // group) * 4 > U_CACHED:
+        rows = N * per_image
+    total = max(1, (N + threads - 1) // threads) * per_image        # a task's tiles
+    passes = (total + rows - 1) // rows
+    tiles = (total + passes - 1) // passes
     return (threads, a2, tiles, cb * V), (threads, a2, tiles, ob * V)
 
 
@@ -192,9 +205,10 @@ cdef extern from "winograd_tiles.h" nogil:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-chunk steps (one thread, single-threaded BLAS). A chunk is images n0 .. n0 + count - 1,
-# tile t of the chunk = (image - n0) * th * tw + ty * tw + tx. Loops run tile by tile with the
-# channel blocks innermost, so the V-float pieces a tile writes into each buffer row are adjacent.
+# Per-pass steps (one thread, single-threaded BLAS). A pass is `count` tiles from tile t0 of
+# image n0 on, counted across the images of a task: tile t = (image - n0) * th * tw + ty * tw + tx,
+# at row t - t0 of the buffers. Loops run tile by tile with the channel blocks innermost, so the
+# V-float pieces a tile writes into each buffer row are adjacent.
 
 cdef inline int _lanes(const WGeom* g, int block, int channels) noexcept nogil:
     """Real channels in `block`: V, but the last block of a channels-last pixel (blocked
@@ -203,88 +217,105 @@ cdef inline int _lanes(const WGeom* g, int block, int channels) noexcept nogil:
     return g.V if g.pad_lanes or nv > g.V else nv
 
 
-cdef void _inputs(const WGeom* g, const float* x, int n0, int count, float* vb,
-                  float* w) noexcept nogil:
-    cdef int n, cb, ty, tx, iy0, ix0, V = g.V
-    cdef Py_ssize_t t, pstride = g.tiles * g.cpad
+cdef inline Py_ssize_t _tile(const WGeom* g, int n0, Py_ssize_t t, int* ty, int* tx) noexcept nogil:
+    """Tile t of a task starting at image n0: its image (returned), row and column."""
+    cdef Py_ssize_t per = <Py_ssize_t>g.th * g.tw, k = t % per
+    ty[0] = <int>(k // g.tw)
+    tx[0] = <int>(k % g.tw)
+    return n0 + t // per
+
+
+cdef void _inputs(const WGeom* g, const float* x, int n0, Py_ssize_t t0, Py_ssize_t count,
+                  float* vb, float* w) noexcept nogil:
+    cdef int cb, ty, tx, V = g.V
+    cdef Py_ssize_t i, pstride = g.tiles * g.cpad
     cdef const float* img
-    for n in range(count):
-        img = x + <Py_ssize_t>(n0 + n) * g.xn
-        for ty in range(g.th):
-            for tx in range(g.tw):
-                t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
-                iy0, ix0 = ty * g.m - g.ph, tx * g.m - g.pw
-                for cb in range(g.Cb):
-                    wg_input(img + cb * g.xb, g.H, g.W, iy0, ix0, g.m, g.a, g.bt, w,
-                             vb + t * g.cpad + cb * V, pstride, V, g.xp, _lanes(g, cb, g.C))
+    for i in range(count):
+        img = x + _tile(g, n0, t0 + i, &ty, &tx) * g.xn
+        for cb in range(g.Cb):
+            wg_input(img + cb * g.xb, g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, g.m, g.a, g.bt,
+                     w, vb + i * g.cpad + cb * V, pstride, V, g.xp, _lanes(g, cb, g.C))
 
 
-cdef void _fwd_chunk(const WGeom* g, const float* x, const float* u, const float* bias,
-                     float* y, int n0, int count, float* vb, float* mb, float* w) noexcept nogil:
-    cdef int p, gr, n, ob, ty, tx, nv, V = g.V, a2 = g.a * g.a
-    cdef Py_ssize_t t, rows = <Py_ssize_t>count * g.th * g.tw
-    cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+cdef void _fwd_pass(const WGeom* g, const float* x, const float* u, const float* bias, float* y,
+                    int n0, Py_ssize_t t0, Py_ssize_t count, float* vb, float* mb,
+                    float* w) noexcept nogil:
+    cdef int p, gr, ob, ty, tx, nv, V = g.V, a2 = g.a * g.a
+    cdef Py_ssize_t i, vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
     cdef float* img
-    _inputs(g, x, n0, count, vb, w)
+    _inputs(g, x, n0, t0, count, vb, w)
     for p in range(a2):
         for gr in range(g.group):
-            gemm_ld(False, True, <int>rows, g.Og, g.Cg, 1.0, vb + p * vstride + gr * g.Cg,
+            gemm_ld(False, True, <int>count, g.Og, g.Cg, 1.0, vb + p * vstride + gr * g.Cg,
                     <int>g.cpad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
                     0.0, mb + p * mstride + gr * g.Og, <int>g.opad)
-    for n in range(count):
-        img = y + <Py_ssize_t>(n0 + n) * g.yn
-        for ty in range(g.th):
-            for tx in range(g.tw):
-                t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
-                for ob in range(g.Ob):
-                    nv = g.O - ob * V
-                    if nv > V:
-                        nv = V
-                    wg_output(mb + t * g.opad + ob * V, mstride, g.m, g.a, g.at, bias + ob * V,
-                              nv, img + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, w, V, g.yp,
-                              g.pad_lanes)
+    for i in range(count):
+        img = y + _tile(g, n0, t0 + i, &ty, &tx) * g.yn
+        for ob in range(g.Ob):
+            nv = g.O - ob * V
+            if nv > V:
+                nv = V
+            wg_output(mb + i * g.opad + ob * V, mstride, g.m, g.a, g.at, bias + ob * V, nv,
+                      img + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, w, V, g.yp, g.pad_lanes)
 
 
-cdef void _bwd_chunk(const WGeom* g, const float* x, const float* u, const float* dy, float* dx,
-                     float* du, int n0, int count, float* vb, float* mb, float* w) noexcept nogil:
-    cdef int p, gr, n, ob, cb, ty, tx, nv, V = g.V, a2 = g.a * g.a
-    cdef Py_ssize_t t, rows = <Py_ssize_t>count * g.th * g.tw
-    cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+cdef void _bwd_pass(const WGeom* g, const float* x, const float* u, const float* dy, float* dx,
+                    float* du, int n0, Py_ssize_t t0, Py_ssize_t count, float* vb, float* mb,
+                    float* w) noexcept nogil:
+    """dU += this pass's share if du, dx += it if dx (zeroed by the task beforehand)."""
+    cdef int p, gr, ob, cb, ty, tx, nv, V = g.V, a2 = g.a * g.a
+    cdef Py_ssize_t i, vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
     cdef const float* dimg
     cdef float* ximg
-    for n in range(count):          # dM = AT^T dY AT, tile by tile
-        dimg = dy + <Py_ssize_t>(n0 + n) * g.yn
-        for ty in range(g.th):
-            for tx in range(g.tw):
-                t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
-                for ob in range(g.Ob):
-                    wg_dy(dimg + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, g.m, g.a, g.am, w,
-                          mb + t * g.opad + ob * V, mstride, V, g.yp, _lanes(g, ob, g.O))
+    for i in range(count):          # dM = AT^T dY AT, tile by tile
+        dimg = dy + _tile(g, n0, t0 + i, &ty, &tx) * g.yn
+        for ob in range(g.Ob):
+            wg_dy(dimg + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, g.m, g.a, g.am, w,
+                  mb + i * g.opad + ob * V, mstride, V, g.yp, _lanes(g, ob, g.O))
     if du != NULL:                  # dU_p += V_p^T dM_p
-        _inputs(g, x, n0, count, vb, w)
+        _inputs(g, x, n0, t0, count, vb, w)
         for p in range(a2):
             for gr in range(g.group):
-                gemm_ld(True, False, g.Og, g.Cg, <int>rows, 1.0, mb + p * mstride + gr * g.Og,
+                gemm_ld(True, False, g.Og, g.Cg, <int>count, 1.0, mb + p * mstride + gr * g.Og,
                         <int>g.opad, vb + p * vstride + gr * g.Cg, <int>g.cpad, 1.0,
                         du + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg)
-    if dx != NULL:                  # dV_p = dM_p U_p^T, then dx = sum of BT^T dV BT
+    if dx != NULL:                  # dV_p = dM_p U_p^T, then dx += sum of BT^T dV BT
         for p in range(a2):
             for gr in range(g.group):
-                gemm_ld(False, False, <int>rows, g.Cg, g.Og, 1.0, mb + p * mstride + gr * g.Og,
+                gemm_ld(False, False, <int>count, g.Cg, g.Og, 1.0, mb + p * mstride + gr * g.Og,
                         <int>g.opad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
                         0.0, vb + p * vstride + gr * g.Cg, <int>g.cpad)
-        memset(dx + <Py_ssize_t>n0 * g.xn, 0, count * g.xn * sizeof(float))
-        for n in range(count):
-            ximg = dx + <Py_ssize_t>(n0 + n) * g.xn
-            for ty in range(g.th):
-                for tx in range(g.tw):
-                    t = (<Py_ssize_t>n * g.th + ty) * g.tw + tx
-                    for cb in range(g.Cb):
-                        nv = g.C - cb * V
-                        if nv > V:
-                            nv = V
-                        wg_dx(vb + t * g.cpad + cb * V, vstride, g.m, g.a, g.bm, nv, ximg + cb * g.xb,
-                              g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, w, V, g.xp)
+        for i in range(count):
+            ximg = dx + _tile(g, n0, t0 + i, &ty, &tx) * g.xn
+            for cb in range(g.Cb):
+                nv = g.C - cb * V
+                if nv > V:
+                    nv = V
+                wg_dx(vb + i * g.cpad + cb * V, vstride, g.m, g.a, g.bm, nv, ximg + cb * g.xb,
+                      g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, w, V, g.xp)
+
+
+cdef void _fwd_task(const WGeom* g, const float* x, const float* u, const float* bias, float* y,
+                    int c, float* vb, float* mb, float* w) noexcept nogil:
+    """Task c: images c * chunk on, in passes of up to g.tiles tiles."""
+    cdef int n0 = c * g.chunk, cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
+    cdef Py_ssize_t total = <Py_ssize_t>cnt * g.th * g.tw
+    cdef Py_ssize_t t0 = 0
+    while t0 < total:
+        _fwd_pass(g, x, u, bias, y, n0, t0, min(g.tiles, total - t0), vb, mb, w)
+        t0 += g.tiles
+
+
+cdef void _bwd_task(const WGeom* g, const float* x, const float* u, const float* dy, float* dx,
+                    float* du, int c, float* vb, float* mb, float* w) noexcept nogil:
+    cdef int n0 = c * g.chunk, cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
+    cdef Py_ssize_t total = <Py_ssize_t>cnt * g.th * g.tw
+    if dx != NULL:
+        memset(dx + <Py_ssize_t>n0 * g.xn, 0, cnt * g.xn * sizeof(float))
+    cdef Py_ssize_t t0 = 0
+    while t0 < total:
+        _bwd_pass(g, x, u, dy, dx, du, n0, t0, min(g.tiles, total - t0), vb, mb, w)
+        t0 += g.tiles
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,8 +367,15 @@ _WORK = np.empty((0, 0), np.float32)
 def _work_buffer(int threads):
     """Per-thread tile memory, kept between calls (no allocation in steady state)."""
     global _WORK
+    cdef Py_ssize_t row = 3 * MAX_A * MAX_A * MAX_V, skip
     if _WORK.shape[0] < threads:
-        _WORK = np.empty((threads, 3 * MAX_A * MAX_A * MAX_V), np.float32)
+        # Cache-line aligned: NumPy puts large arrays 16 bytes past a page boundary, and a work
+        # buffer at that same page offset as the images and tile buffers it copies between
+        # makes loads wait on unrelated stores (4K aliasing): the transforms took up to twice
+        # as long, depending on where the buffer happened to land (measured on Zen 4).
+        raw = np.empty(threads * row + 16, np.float32)
+        skip = (-(raw.ctypes.data % 64) % 64) // 4
+        _WORK = raw[skip:skip + threads * row].reshape(threads, row)
     return _WORK
 
 
@@ -349,50 +387,40 @@ cdef inline Py_ssize_t _work(const WGeom* g) noexcept nogil:
 cdef void _run_forward(const WGeom* g, const float* x, const float* u, const float* bias,
                        float* y, float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
                        float[:, ::1] work) noexcept nogil:
-    cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid
+    cdef int tasks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, tid
     cdef int saved = 0
-    nt = _task_threads(T, chunks, _work(g))
+    nt = _task_threads(T, tasks, _work(g))
     if nt == 1:
-        for c in range(chunks):
-            n0 = c * g.chunk
-            cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-            _fwd_chunk(g, x, u, bias, y, n0, cnt, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0], &work[0, 0])
+        for c in range(tasks):
+            _fwd_task(g, x, u, bias, y, c, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0], &work[0, 0])
     else:
         saved = _blas_get_threads()
         _blas_set_threads(1)
-        for c in prange(chunks, num_threads=nt, schedule="dynamic"):
+        for c in prange(tasks, num_threads=nt, schedule="dynamic"):
             tid = threadid()
-            n0 = c * g.chunk
-            cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-            _fwd_chunk(g, x, u, bias, y, n0, cnt, &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0],
-                       &work[tid, 0])
+            _fwd_task(g, x, u, bias, y, c, &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0], &work[tid, 0])
         _blas_set_threads(saved)
 
 
 cdef void _run_backward(const WGeom* g, const float* x, const float* u, const float* dy,
                         float* dx, float* du, float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
                         float[:, ::1] work) noexcept nogil:
-    cdef int chunks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, n0, cnt, tid, t
+    cdef int tasks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, tid, t
     cdef int saved = 0
     cdef Py_ssize_t us = <Py_ssize_t>g.a * g.a * g.O * g.Cg, i
-    nt = _task_threads(T, chunks, _work(g))
+    nt = _task_threads(T, tasks, _work(g))
     if du != NULL:
         memset(du, 0, nt * us * sizeof(float))
     if nt == 1:
-        for c in range(chunks):
-            n0 = c * g.chunk
-            cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-            _bwd_chunk(g, x, u, dy, dx, du, n0, cnt, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0],
-                       &work[0, 0])
+        for c in range(tasks):
+            _bwd_task(g, x, u, dy, dx, du, c, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0], &work[0, 0])
     else:
         saved = _blas_get_threads()
         _blas_set_threads(1)
-        for c in prange(chunks, num_threads=nt, schedule="dynamic"):
+        for c in prange(tasks, num_threads=nt, schedule="dynamic"):
             tid = threadid()
-            n0 = c * g.chunk
-            cnt = g.N - n0 if g.N - n0 < g.chunk else g.chunk
-            _bwd_chunk(g, x, u, dy, dx, du + tid * us if du != NULL else NULL, n0, cnt,
-                       &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0], &work[tid, 0])
+            _bwd_task(g, x, u, dy, dx, du + tid * us if du != NULL else NULL, c,
+                      &vbuf[tid, 0, 0, 0], &mbuf[tid, 0, 0, 0], &work[tid, 0])
         _blas_set_threads(saved)
         if du != NULL:
             for t in range(1, nt):

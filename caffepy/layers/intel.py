@@ -292,7 +292,8 @@ class BlockedConvolution(Layer):
         u = _workspace("wino_u", ((m + r - 1) ** 2, self.num_output, self.channels // self.group))
         _winograd.weight_transform(self.blobs[0].data, gm, u)
         vshape, mshape = _winograd.scratch_shapes(_k.max_threads(), n, self.channels, self.num_output,
-                                                  h, w, self.width, m, r, self.ph, self.pw)
+                                                  h, w, self.width, m, r, self.ph, self.pw,
+                                                  self.group)
         return at, bt, gm, u, _workspace("wino_v", vshape), _workspace("wino_m", mshape)
 
     def _wino_forward(self, bottom, top):

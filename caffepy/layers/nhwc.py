@@ -336,7 +336,7 @@ class _Winograd:
         self.u_shape = (a * a, L.num_output, L.channels // L.group)
         self.vshape, self.mshape = _winograd.scratch_shapes(_k.max_threads(), n, L.channels,
                                                             L.num_output, h, w, self.v, m, self.r,
-                                                            self.ph, self.pw)
+                                                            self.ph, self.pw, L.group)
 
     def _setup(self):
         L = self.layer

@@ -155,3 +155,41 @@ def test_winograd_gradient_is_numerically_right():
     assert layer.winograd
     # the layer is linear, so a wide step is exact and keeps float32 rounding out of the quotient
     check_gradient(layer, bottom, top, eps=0.5, max_checks=60)
+
+
+@pytest.mark.parametrize("budget", [1, 1 << 40], ids=["short-passes", "one-pass"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_passes_split_and_span_images(budget, threads):
+    """A thread's task (whole images) runs in passes of scratch_shapes' size. With a tiny budget
+    and one thread a pass is 30 tiles (MIN_ROWS, evened out): it ends inside an image (4 x 6 =
+    24 tiles) and runs on into the next. With a huge one it is the whole task. All give the
+    reference's values; the data gradient sums the tiles of one image across passes."""
+    N, C, O, H, W, m, r, pad, width = 5, 20, 36, 14, 22, 4, 3, 1, 8
+    x, w = randn(N, C, H, W, seed=11), randn(O, C, r, r, seed=12)
+    at, g, bt = winograd.matrices(m, r)
+    u = np.empty(((m + r - 1) ** 2, O, C), np.float32)
+    winograd.weight_transform(w, g, u)
+    vshape, mshape = winograd.scratch_shapes(threads, N, C, O, H, W, width, m, r, pad, pad, 1, budget)
+    task_tiles = -(-N // threads) * 4 * 6
+    assert (vshape[2] < task_tiles) == (budget == 1)
+    vbuf, mbuf = np.empty(vshape, np.float32), np.empty(mshape, np.float32)
+    bias = np.zeros(-(-O // width) * width, np.float32)
+    bias[:O] = randn(O, seed=13)
+    xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    y = np.empty((N, H, W, O), np.float32)
+    winograd.conv_forward_nhwc(xl, u, bias, y, vbuf, mbuf, at, bt, width, O, m, r, pad, pad, 1)
+    want = ref.conv_forward(x, w, bias[:O], (pad, pad), (1, 1), (1, 1), 1)
+    np.testing.assert_allclose(y.transpose(0, 3, 1, 2), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+    dy = randn(*want.shape, seed=14)
+    dyl = np.ascontiguousarray(dy.transpose(0, 2, 3, 1))
+    dx = np.full_like(xl, np.nan)                   # overwritten, never read
+    du = np.empty((threads,) + u.shape, np.float32)
+    winograd.conv_backward_nhwc(xl, u, dyl, dx, du, vbuf, mbuf, at, bt, width, O, m, r, pad, pad, 1,
+                                True, True)
+    dw = np.zeros_like(w)
+    winograd.weight_grad_add(du[0], g, dw)
+    want_dw, _, want_dx = ref.conv_backward(dy, x, w, (pad, pad), (1, 1), (1, 1), 1)
+    np.testing.assert_allclose(dx.transpose(0, 3, 1, 2), want_dx, rtol=1e-4,
+                               atol=1e-4 * np.abs(want_dx).max())
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-4 * np.abs(want_dw).max())
