@@ -170,8 +170,10 @@ class _Gemm:
         L = self.layer
         (kh, kw) = L.window.kernel
         g, cg = L.group, L.channels // L.group
-        w = L.blobs[0].data.reshape(g, L.num_output // g, cg, kh, kw)
-        np.copyto(self.wt.reshape(g, kh, kw, cg, -1), w.transpose(0, 3, 4, 2, 1))
+        w = L.blobs[0].data.reshape(g, L.num_output // g, cg, kh * kw)
+        wt = self.wt.reshape(g, kh * kw, cg, -1)
+        for gi in range(g):
+            _k.reverse_axes(w[gi], wt[gi])
 
     def _col(self):
         return _workspace("col", (_k.max_threads(), self.col_floats))
@@ -202,8 +204,10 @@ class _Gemm:
             _k.conv_backward(b.raw_data, self.wt, t.raw_diff, dx, dwt, db, col, *self.args,
                              self.rows, need_x, need_w, need_b)
             if need_w:
-                grad = dwt[0].reshape(g, kh, kw, cg, -1).transpose(0, 4, 3, 1, 2)
-                L.blobs[0].diff.reshape(grad.shape)[...] += grad
+                grad = dwt[0].reshape(g, kh * kw, cg, -1)
+                diff = L.blobs[0].diff.reshape(g, -1, cg, kh * kw)
+                for gi in range(g):
+                    _k.reverse_axes(grad[gi], diff[gi], True)
             if need_b:
                 L.blobs[1].diff[...] += db[0]
 
@@ -249,7 +253,8 @@ class _Direct:
     def forward(self, bottom, top):
         L = self.layer
         o = L.num_output
-        self.wp[:, :o] = L.blobs[0].data.transpose(2, 3, 1, 0).reshape(self.k, o)
+        _k.reverse_axes(L.blobs[0].data.reshape(o, L.channels, -1),
+                        self.wp[:self.k, :o].reshape(-1, L.channels, o))
         if L.bias_term:
             self.bp[:o] = L.blobs[1].data
         xpad = _workspace("direct_x", (_k.max_threads(), self.plane))
@@ -274,7 +279,8 @@ class _Direct:
                                            dyp, self.band, *self._args())
                 if need_w:
                     grad = dwp[0].reshape(self.kp, op)[:self.k, :o]
-                    L.blobs[0].diff[...] += grad.reshape(kh, kw, L.channels, o).transpose(3, 2, 0, 1)
+                    _k.reverse_axes(grad.reshape(kh * kw, L.channels, o),
+                                    L.blobs[0].diff.reshape(o, L.channels, kh * kw), True)
                 if need_b:
                     L.blobs[1].diff[...] += dbp[0, :o]
         if any(propagate_down):
