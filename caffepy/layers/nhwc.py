@@ -10,7 +10,8 @@ saves as ever; the kernels (caffepy.kernels.nhwc) take the arrays as stored.
 The classes are registered `nhwc` variants of their types and subclass the plain ones, whose
 setup (fields, checks, parameter blobs) they keep:
     Convolution   the algorithm per shape by measurement (caffepy/autotune.py): GEMM over the
-                  pixels (pointwise: no im2col; else im2col in runs of kw * C floats), Winograd
+                  pixels (pointwise: no im2col, a strided one takes its pixels first; else
+                  im2col in runs of kw * C floats), Winograd
                   F(m, r) for stride-1 3x3 and 5x5 kernels (cext/winograd.pyx), direct
                   depthwise (group = channels), or direct for few input channels
                   (cext/nhwc_direct.h); `layer.algorithm` names the one chosen
@@ -149,22 +150,36 @@ class NHWCUnpack(Layer):
 # Convolution
 
 class _Gemm:
-    """im2col (none for a pointwise stride-1 convolution) + one GEMM per group and row chunk."""
+    """im2col + one GEMM per group and row chunk; a pointwise convolution needs no im2col: one
+    GEMM over the batch's pixels, threaded by BLAS, after taking every stride-th pixel into a
+    buffer if it is strided (ResNet's projections: im2col's chunks of one 7x7 image each
+    repacked 1024 x 2048 weights per 49 rows)."""
 
     def __init__(self, layer, n, h, w):
         L = layer
         self.layer = L
         (kh, kw), (ph, pw), (sh, sw), (dh, dw) = L.window
+        pointwise = (kh, kw, ph, pw) == (1, 1, 0, 0)
+        self.direct = pointwise and (sh, sw) == (1, 1)
+        self.stride = (sh, sw) if pointwise and not self.direct else None
+        if self.stride:
+            sh = sw = 1
         self.args = (L.num_output, kh, kw, ph, pw, sh, sw, dh, dw, L.group)
-        self.direct = (kh, kw, sh, sw, ph, pw) == (1, 1, 1, 1, 0, 0)
         cg, og = L.channels // L.group, L.num_output // L.group
         self.kg = cg * kh * kw
-        # pointwise: one GEMM over the batch's pixels, threaded by BLAS
-        self.rows = n * L.oh * L.ow if self.direct else _k.conv_rows(L.channels, kh, kw)
-        self.col_floats = 0 if self.direct else _k.conv_col_floats(L.channels, kh, kw, L.oh, L.ow,
-                                                                     self.rows)
-        self.name = "gemm" if self.direct else "im2col+gemm"
+        self.rows = n * L.oh * L.ow if pointwise else _k.conv_rows(L.channels, kh, kw)
+        self.col_floats = 0 if pointwise else _k.conv_col_floats(L.channels, kh, kw, L.oh, L.ow,
+                                                                   self.rows)
+        self.name = "gemm" if self.direct else "strided gemm" if self.stride else "im2col+gemm"
         self.wt = np.empty((L.group, self.kg, og), np.float32)
+
+    def _taken(self, x, name):
+        """The pixels a strided pointwise convolution reads, [N, oh, ow, C] (a workspace)."""
+        L = self.layer
+        sh, sw = self.stride
+        taken = _workspace(name, (len(x), L.oh, L.ow, L.channels))
+        np.copyto(taken, x[:, ::sh, ::sw, :])
+        return taken
 
     def _pack(self):
         L = self.layer
@@ -184,7 +199,8 @@ class _Gemm:
         bias = L.blobs[1].data if L.bias_term else _EMPTY
         col = self._col()
         for b, t in zip(bottom, top):
-            _k.conv_forward(b.raw_data, self.wt, bias, t.raw_data, col, *self.args, self.rows)
+            x = self._taken(b.raw_data, "taken") if self.stride else b.raw_data
+            _k.conv_forward(x, self.wt, bias, t.raw_data, col, *self.args, self.rows)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
@@ -200,9 +216,16 @@ class _Gemm:
             need_x = bool(propagate_down[i])
             if not (need_x or need_w or need_b):
                 continue
-            dx = b.raw_diff if need_x else b.raw_data
-            _k.conv_backward(b.raw_data, self.wt, t.raw_diff, dx, dwt, db, col, *self.args,
+            x = self._taken(b.raw_data, "taken") if self.stride else b.raw_data
+            dx = b.raw_diff if need_x and not self.stride else x
+            if need_x and self.stride:
+                dx = _workspace("taken_diff", x.shape)
+            _k.conv_backward(x, self.wt, t.raw_diff, dx, dwt, db, col, *self.args,
                              self.rows, need_x, need_w, need_b)
+            if need_x and self.stride:
+                sh, sw = self.stride
+                b.raw_diff[...] = 0
+                b.raw_diff[:, ::sh, ::sw, :] = dx
             if need_w:
                 grad = dwt[0].reshape(g, kh * kw, cg, -1)
                 diff = L.blobs[0].diff.reshape(g, -1, cg, kh * kw)

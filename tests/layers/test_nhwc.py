@@ -36,7 +36,9 @@ CONVS = [
     (8, 12, 1, 1, 1, 0, 1, 5, 4, "gemm"),                   # pointwise: no im2col
     (8, 12, 1, 1, 1, 0, 1, 5, 4, "direct"),                 # pointwise, direct
     (6, 4, 2, 1, 1, 0, 1, 3, 4, "gemm"),                    # pointwise, groups
-    (8, 12, 1, 1, 2, 0, 1, 6, 5, "im2col+gemm"),            # pointwise stride 2 (ResNet's branch1)
+    (8, 12, 1, 1, 2, 0, 1, 6, 5, "strided gemm"),           # pointwise stride 2 (ResNet's branch1)
+    (6, 4, 2, 1, 3, 0, 1, 7, 8, "strided gemm"),            # stride 3, groups, pixels left over
+    (8, 12, 1, 1, 2, 1, 1, 6, 5, "im2col+gemm"),            # pointwise with padding: im2col
     (8, 12, 2, 3, 1, 1, 1, 6, 6, "im2col+gemm"),            # groups
     (3, 8, 1, 7, 2, 3, 1, 11, 11, "im2col+gemm"),           # conv1 of ResNet / GoogLeNet
     (6, 4, 1, 3, 1, 2, 2, 7, 7, "im2col+gemm"),             # dilation
@@ -258,6 +260,23 @@ def test_direct_convolution_of_a_small_batch_splits_images_into_row_bands(n):
     layer.backward(top, [False], bottom)
     np.testing.assert_allclose(layer.blobs[0].diff, dw, rtol=1e-4, atol=2e-3)
     np.testing.assert_allclose(layer.blobs[1].diff, db, rtol=1e-4, atol=2e-3)
+
+
+def test_strided_pointwise_convolution_overwrites_the_whole_bottom_diff():
+    """The pixels a stride-2 1x1 convolution skips get a zero gradient, whatever the diff held."""
+    params = f"convolution_param {{ num_output: 6 kernel_size: 1 stride: 2 {FILL} }}"
+    x = randn(2, 5, 7, 6, seed=13)
+    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
+    layer.force_algorithm("strided gemm")
+    w, b = (blob.data.astype(np.float64) for blob in layer.blobs)
+    layer.forward(bottom, top)
+    dy = randn(*top[0].shape, seed=14)
+    _, _, dx = ref.conv_backward(dy.astype(np.float64), x.astype(np.float64), w, (0, 0), (2, 2), (1, 1), 1)
+    top[0].diff[...] = dy
+    bottom[0].diff[...] = np.nan
+    layer.backward(top, [True], bottom)
+    np.testing.assert_allclose(bottom[0].diff, dx, rtol=1e-5, atol=1e-5)
+    assert not bottom[0].diff[:, :, 1::2].any() and not bottom[0].diff[:, :, :, 1::2].any()
 
 
 def test_force_algorithm_names_the_candidates():
