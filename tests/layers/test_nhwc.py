@@ -279,6 +279,13 @@ def test_strided_pointwise_convolution_overwrites_the_whole_bottom_diff():
     assert not bottom[0].diff[:, :, 1::2].any() and not bottom[0].diff[:, :, :, 1::2].any()
 
 
+def test_strided_pointwise_convolution_is_no_direct_candidate():
+    params = f"convolution_param {{ num_output: 4 kernel_size: 1 stride: 2 {FILL} }}"
+    layer, _, _ = setup_layer("Convolution", params, [randn(1, 8, 6, 6)], layout=NHWC)
+    with pytest.raises(LayerError, match=r"no algorithm 'direct' for this shape.*Candidates: strided gemm$"):
+        layer.force_algorithm("direct")
+
+
 def test_force_algorithm_names_the_candidates():
     layer, _, _ = setup_layer("Convolution", f"convolution_param {{ num_output: 4 kernel_size: 1 {FILL} }}",
                               [randn(1, 4, 3, 3)], layout=NHWC)
