@@ -173,11 +173,14 @@ class _Gemm:
         self.name = "gemm" if self.direct else "strided gemm" if self.stride else "im2col+gemm"
         self.wt = np.empty((L.group, self.kg, og), np.float32)
 
-    def _taken(self, x, name):
-        """The pixels a strided pointwise convolution reads, [N, oh, ow, C] (a workspace)."""
+    def _input(self, x):
+        """What the GEMM reads: x, or for a strided pointwise convolution the pixels it reads,
+        [N, oh, ow, C] (a workspace)."""
+        if not self.stride:
+            return x
         L = self.layer
         sh, sw = self.stride
-        taken = _workspace(name, (len(x), L.oh, L.ow, L.channels))
+        taken = _workspace("taken", (len(x), L.oh, L.ow, L.channels))
         np.copyto(taken, x[:, ::sh, ::sw, :])
         return taken
 
@@ -199,8 +202,8 @@ class _Gemm:
         bias = L.blobs[1].data if L.bias_term else _EMPTY
         col = self._col()
         for b, t in zip(bottom, top):
-            x = self._taken(b.raw_data, "taken") if self.stride else b.raw_data
-            _k.conv_forward(x, self.wt, bias, t.raw_data, col, *self.args, self.rows)
+            _k.conv_forward(self._input(b.raw_data), self.wt, bias, t.raw_data, col, *self.args,
+                            self.rows)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
@@ -216,13 +219,13 @@ class _Gemm:
             need_x = bool(propagate_down[i])
             if not (need_x or need_w or need_b):
                 continue
-            x = self._taken(b.raw_data, "taken") if self.stride else b.raw_data
-            dx = b.raw_diff if need_x and not self.stride else x
-            if need_x and self.stride:
-                dx = _workspace("taken_diff", x.shape)
+            x = self._input(b.raw_data)
+            dx = x                  # not written unless need_x
+            if need_x:
+                dx = _workspace("taken_diff", x.shape) if self.stride else b.raw_diff
             _k.conv_backward(x, self.wt, t.raw_diff, dx, dwt, db, col, *self.args,
                              self.rows, need_x, need_w, need_b)
-            if need_x and self.stride:
+            if need_x and self.stride:      # the pixels it skips get no gradient
                 sh, sw = self.stride
                 b.raw_diff[...] = 0
                 b.raw_diff[:, ::sh, ::sw, :] = dx
