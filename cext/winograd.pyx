@@ -48,8 +48,8 @@ include "blas_threads.pxi"
 
 DEF MAX_A = 8        # largest tile side a = m + r - 1
 DEF MAX_V = 32       # widest channel block
-# A pass over a thread's tile buffers is sized by PASS_BYTES, with at least MIN_ROWS tiles (the
-# GEMMs' rows); see scratch_shapes.
+# A pass over a thread's tile buffers (scratch_shapes): PASS_BYTES of them, at least MIN_ROWS
+# tiles (the GEMMs' rows), and the whole task in one pass when U is larger than U_CACHED.
 PASS_BYTES = 2 << 20
 MIN_ROWS = 32
 U_CACHED = 4 << 20
