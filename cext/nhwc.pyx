@@ -117,7 +117,7 @@ def reverse_axes(const float[:, :, :] src, float[:, :, :] dst, bint add=False):
     cdef Py_ssize_t f = sizeof(float)
     cdef Py_ssize_t s0 = src.strides[0] // f, s1 = src.strides[1] // f, s2 = src.strides[2] // f
     cdef Py_ssize_t d0 = dst.strides[0] // f, d1 = dst.strides[1] // f, d2 = dst.strides[2] // f
-    cdef Py_ssize_t ta = (A + _RA - 1) // _RA, tj = (B * S + _RJ - 1) // _RJ, t, a, a0, j0, b, s
+    cdef Py_ssize_t ta = (A + _RA - 1) // _RA, tj = (B * S + _RJ - 1) // _RJ, t, a, a0, j0, j, b, s
     cdef const float* sp = &src[0, 0, 0]
     cdef float* dp = &dst[0, 0, 0]
     cdef bint tiled = s2 == 1 and s1 == S and d2 == 1
@@ -129,15 +129,14 @@ def reverse_axes(const float[:, :, :] src, float[:, :, :] dst, bint add=False):
                 _reverse_tile(sp, s0, S, a0, min(a0 + _RA, A), j0, min(j0 + _RJ, B * S), dp, d0,
                               d1, add)
                 continue
-            for b in range(j0 // S, min(j0 + _RJ, B * S) // S + 1):
-                for s in range(S):
-                    if b * S + s < j0 or b * S + s >= j0 + _RJ or b >= B:
-                        continue
-                    for a in range(a0, min(a0 + _RA, A)):
-                        if add:
-                            dp[s * d0 + b * d1 + a * d2] += sp[a * s0 + b * s1 + s * s2]
-                        else:
-                            dp[s * d0 + b * d1 + a * d2] = sp[a * s0 + b * s1 + s * s2]
+            for j in range(j0, min(j0 + _RJ, B * S)):
+                b = j // S
+                s = j % S
+                for a in range(a0, min(a0 + _RA, A)):
+                    if add:
+                        dp[s * d0 + b * d1 + a * d2] += sp[a * s0 + b * s1 + s * s2]
+                    else:
+                        dp[s * d0 + b * d1 + a * d2] = sp[a * s0 + b * s1 + s * s2]
 
 
 def pack(const float[:, :, :, ::1] x, float[:, :, :, ::1] y):
@@ -176,6 +175,11 @@ def unpack(const float[:, :, :, ::1] y, float[:, :, :, ::1] x):
 # single-threaded BLAS; with one task, or a small problem (the thread rule), the BLAS threads
 # each GEMM instead.
 
+cdef inline int _out_size(int n, int pad, int k, int s, int d) noexcept nogil:
+    """Caffe's output size along one axis: windows of k taps d apart, stride s, over n + 2 pad."""
+    return (n + 2 * pad - (d * (k - 1) + 1)) // s + 1
+
+
 cdef struct CGeom:
     int N, H, W, C, O, oh, ow
     int kh, kw, ph, pw, sh, sw, dh, dw, group
@@ -197,8 +201,7 @@ cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int s
     need(group >= 1 and g.C % group == 0 and O % group == 0, kernel, "group",
          f"must divide {g.C} input and {O} output channels", group)
     g.kh, g.kw, g.ph, g.pw, g.sh, g.sw, g.dh, g.dw, g.group = kh, kw, ph, pw, sh, sw, dh, dw, group
-    g.oh = (g.H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
-    g.ow = (g.W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    g.oh, g.ow = _out_size(g.H, ph, kh, sh, dh), _out_size(g.W, pw, kw, sw, dw)
     need(g.oh >= 1 and g.ow >= 1, kernel, "geometry", f"kernel {kh}x{kw} (dilation {dh}x{dw}, "
          f"pad {ph}x{pw}) does not fit the image", f"{g.H}x{g.W}")
     if y is not None:
@@ -588,9 +591,8 @@ cdef inline int _padded(int n, int pad, int out, int k, int s, int d) noexcept n
 def conv_direct_plane(int H, int W, int C, int kh, int kw, int ph, int pw, int sh, int sw,
                       int dh, int dw):
     """Floats of one thread's padded image (the xpad scratch of the direct kernels)."""
-    cdef int oh = (H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
-    cdef int ow = (W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
-    return <Py_ssize_t>_padded(H, ph, oh, kh, sh, dh) * _padded(W, pw, ow, kw, sw, dw) * C
+    return <Py_ssize_t>_padded(H, ph, _out_size(H, ph, kh, sh, dh), kh, sh, dh) \
+        * _padded(W, pw, _out_size(W, pw, kw, sw, dw), kw, sw, dw) * C
 
 
 cdef int[::1] _direct_offsets(const CGeom* g, int Kp):
@@ -726,8 +728,7 @@ cdef DGeom _dgeom(str kernel, x, y, w, int kh, int kw, int ph, int pw, int sh, i
          and pw >= 0, kernel, "geometry", "kernel, stride and dilation must be >= 1 and pad >= 0",
          f"kernel {kh}x{kw} stride {sh}x{sw} dilation {dh}x{dw} pad {ph}x{pw}")
     g.kh, g.kw, g.ph, g.pw, g.sh, g.sw, g.dh, g.dw = kh, kw, ph, pw, sh, sw, dh, dw
-    g.oh = (g.H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
-    g.ow = (g.W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    g.oh, g.ow = _out_size(g.H, ph, kh, sh, dh), _out_size(g.W, pw, kw, sw, dw)
     need(g.oh >= 1 and g.ow >= 1, kernel, "geometry", f"kernel {kh}x{kw} does not fit the image",
          f"{g.H}x{g.W}")
     need_shape(kernel, "y", tuple(y.shape[:4]), (g.N, g.oh, g.ow, g.C))

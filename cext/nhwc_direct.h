@@ -85,8 +85,8 @@ static inline void cd_get(const float *y, cd_out a, size_t q, int n, float *v)
     }
 }
 
-/* `n` (<= CD_P) pixels, tap 0 of pixel p at base[p]: y[p][oc .. oc + nv) = bias + taps
- * (y: the first pixel's outputs, the others following, O floats apart) */
+/* `n` (<= CD_P) pixels q .. q + n - 1, tap 0 of pixel p at base[p]: their outputs
+ * oc .. oc + nv of y (addressed by `a`) = bias + taps */
 static inline void cd_fwd_block(const float *const *base, int n, const int *restrict off, int K,
                                 const float *restrict wp, int Op, cd_vec b, float *restrict y,
                                 cd_out a, size_t q, int oc, int nv)
@@ -139,9 +139,9 @@ static void cd_forward_rows(const float *restrict xp, int Wp, int C, int sh, int
 }
 
 /* Output rows oy0 .. oy1 - 1 of one image: dwp [Kp][Op] += the taps times dy's outputs
- * 0 .. O - 1 (addressed by `a`), dbp [Op] += their sums. `off` has Kp entries (K rounded up to CD_T; the extra ones are 0,
- * their rows of dwp are scratch). dyp is scratch for `band` output rows of dy widened to Op
- * floats a pixel. */
+ * 0 .. O - 1 (addressed by `a`), dbp [Op] += their sums. `off` has Kp entries (K rounded up
+ * to CD_T; the extra ones are 0, their rows of dwp are scratch). dyp is scratch for `band`
+ * output rows of dy widened to Op floats a pixel. */
 static void cd_weight_grad_rows(const float *restrict xp, int Wp, int C, int sh, int sw,
                                 const int *restrict off, int Kp, const float *restrict dy,
                                 cd_out a, int oy0, int oy1, int ow, int O, int Op, int band,

@@ -210,11 +210,16 @@ cdef extern from "winograd_tiles.h" nogil:
 # at row t - t0 of the buffers. Loops run tile by tile with the channel blocks innermost, so the
 # V-float pieces a tile writes into each buffer row are adjacent.
 
-cdef inline int _lanes(const WGeom* g, int block, int channels) noexcept nogil:
-    """Real channels in `block`: V, but the last block of a channels-last pixel (blocked
-    padding lanes hold zeros and are read as such)."""
+cdef inline int _real(const WGeom* g, int block, int channels) noexcept nogil:
+    """Channels of `block` below `channels`: V, but fewer in the last block."""
     cdef int nv = channels - block * g.V
-    return g.V if g.pad_lanes or nv > g.V else nv
+    return g.V if nv > g.V else nv
+
+
+cdef inline int _lanes(const WGeom* g, int block, int channels) noexcept nogil:
+    """Lanes of `block` to read: its real channels, or all V in the blocked layout (whose
+    padding lanes hold zeros and are read as such)."""
+    return g.V if g.pad_lanes else _real(g, block, channels)
 
 
 cdef inline Py_ssize_t _tile(const WGeom* g, int n0, Py_ssize_t t, int* ty, int* tx) noexcept nogil:
@@ -240,7 +245,7 @@ cdef void _inputs(const WGeom* g, const float* x, int n0, Py_ssize_t t0, Py_ssiz
 cdef void _fwd_pass(const WGeom* g, const float* x, const float* u, const float* bias, float* y,
                     int n0, Py_ssize_t t0, Py_ssize_t count, float* vb, float* mb,
                     float* w) noexcept nogil:
-    cdef int p, gr, ob, ty, tx, nv, V = g.V, a2 = g.a * g.a
+    cdef int p, gr, ob, ty, tx, V = g.V, a2 = g.a * g.a
     cdef Py_ssize_t i, vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
     cdef float* img
     _inputs(g, x, n0, t0, count, vb, w)
@@ -252,18 +257,16 @@ cdef void _fwd_pass(const WGeom* g, const float* x, const float* u, const float*
     for i in range(count):
         img = y + _tile(g, n0, t0 + i, &ty, &tx) * g.yn
         for ob in range(g.Ob):
-            nv = g.O - ob * V
-            if nv > V:
-                nv = V
-            wg_output(mb + i * g.opad + ob * V, mstride, g.m, g.a, g.at, bias + ob * V, nv,
-                      img + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, w, V, g.yp, g.pad_lanes)
+            wg_output(mb + i * g.opad + ob * V, mstride, g.m, g.a, g.at, bias + ob * V,
+                      _real(g, ob, g.O), img + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, w, V,
+                      g.yp, g.pad_lanes)
 
 
 cdef void _bwd_pass(const WGeom* g, const float* x, const float* u, const float* dy, float* dx,
                     float* du, int n0, Py_ssize_t t0, Py_ssize_t count, float* vb, float* mb,
                     float* w) noexcept nogil:
     """dU += this pass's share if du, dx += it if dx (zeroed by the task beforehand)."""
-    cdef int p, gr, ob, cb, ty, tx, nv, V = g.V, a2 = g.a * g.a
+    cdef int p, gr, ob, cb, ty, tx, V = g.V, a2 = g.a * g.a
     cdef Py_ssize_t i, vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
     cdef const float* dimg
     cdef float* ximg
@@ -288,11 +291,8 @@ cdef void _bwd_pass(const WGeom* g, const float* x, const float* u, const float*
         for i in range(count):
             ximg = dx + _tile(g, n0, t0 + i, &ty, &tx) * g.xn
             for cb in range(g.Cb):
-                nv = g.C - cb * V
-                if nv > V:
-                    nv = V
-                wg_dx(vb + i * g.cpad + cb * V, vstride, g.m, g.a, g.bm, nv, ximg + cb * g.xb,
-                      g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, w, V, g.xp)
+                wg_dx(vb + i * g.cpad + cb * V, vstride, g.m, g.a, g.bm, _real(g, cb, g.C),
+                      ximg + cb * g.xb, g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, w, V, g.xp)
 
 
 cdef void _fwd_task(const WGeom* g, const float* x, const float* u, const float* bias, float* y,
