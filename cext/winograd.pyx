@@ -36,6 +36,7 @@ unpacked arrays (tests/layers/test_winograd.py, tests/layers/test_nhwc.py); `mat
 checked against the correlation it computes.
 """
 
+cimport openmp
 from cython.parallel cimport prange, threadid
 from libc.string cimport memcpy, memset
 
@@ -53,6 +54,7 @@ DEF MAX_V = 32       # widest channel block
 PASS_BYTES = 2 << 20
 MIN_ROWS = 32
 U_CACHED = 4 << 20
+SPREAD_BYTES = 32 << 20
 
 
 def matrices(int m, int r):
@@ -166,14 +168,18 @@ cdef WGeom _geom(str kernel, tuple xs, str yname, tuple ys, bint blocked, int V,
 
 
 def scratch_shapes(int threads, int N, int C, int O, int H, int W, int V, int m, int r,
-                   int ph, int pw, int group=1, long budget=PASS_BYTES):
+                   int ph, int pw, int group=1, long budget=PASS_BYTES, spread=None):
     """Shapes of (vbuf, mbuf) for `threads` threads. Each thread's task is an equal share of
     the images, whole ones (its data gradient sums overlapping tiles, which no other thread may
     touch), run in passes of about equal size over its tiles. A pass takes as many tiles as fit
     `budget` bytes of its buffers (V and M), so that they stay in cache between the transforms
     and the GEMMs, but at least a quarter of Cg + Og (each GEMM packs an Og x Cg block of U,
     which its rows must outweigh). Every pass reads all of U, so a U too large to stay in
-    cache (U_CACHED) takes the whole task in one pass."""
+    cache (U_CACHED) takes the whole task in one pass.
+
+    Spread instead (one slice: the whole batch, shared by all threads; `spread` None = the rule)
+    when U is that large and the batch's buffers fit SPREAD_BYTES: each GEMM then reads its U_p
+    once for all the tiles, instead of every thread reading all of U for its thinner GEMMs."""
     cdef int oh = H + 2 * ph - r + 1, ow = W + 2 * pw - r + 1
     # Python ints below: ceil division with positive operands only
     per_image = max(1, ((oh + m - 1) // m) * ((ow + m - 1) // m))
@@ -181,11 +187,17 @@ def scratch_shapes(int threads, int N, int C, int O, int H, int W, int V, int m,
     a2 = (m + r - 1) ** 2
     group = max(group, 1)
     rows = max(MIN_ROWS, (C // group + O // group) // 4, budget // (a2 * (cb + ob) * V * 4))
-    if a2 * O * (C // group) * 4 > U_CACHED:
+    large_u = a2 * O * (C // group) * 4 > U_CACHED
+    if large_u:
         rows = N * per_image
     total = max(1, (N + threads - 1) // threads) * per_image        # a task's tiles
     passes = (total + rows - 1) // rows
     tiles = (total + passes - 1) // passes
+    if spread is None:
+        spread = (threads > 1 and large_u
+                  and N * per_image * a2 * (cb + ob) * V * 4 <= SPREAD_BYTES)
+    if spread:
+        threads, tiles = 1, max(1, N) * per_image
     return (threads, a2, tiles, cb * V), (threads, a2, tiles, ob * V)
 
 
@@ -242,18 +254,23 @@ cdef void _inputs(const WGeom* g, const float* x, int n0, Py_ssize_t t0, Py_ssiz
                      w, vb + i * g.cpad + cb * V, pstride, V, g.xp, _lanes(g, cb, g.C))
 
 
-cdef void _fwd_pass(const WGeom* g, const float* x, const float* u, const float* bias, float* y,
-                    int n0, Py_ssize_t t0, Py_ssize_t count, float* vb, float* mb,
-                    float* w) noexcept nogil:
-    cdef int p, gr, ob, ty, tx, V = g.V, a2 = g.a * g.a
-    cdef Py_ssize_t i, vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+cdef void _fwd_gemms(const WGeom* g, const float* u, Py_ssize_t count, const float* vb,
+                     float* mb, int j0, int j1) noexcept nogil:
+    """M_p = V_p U_p^T for the (position, group) pairs j0 <= j < j1 (j = p * group + gr)."""
+    cdef int j, p, gr
+    cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+    for j in range(j0, j1):
+        p, gr = j // g.group, j % g.group
+        gemm_ld(False, True, <int>count, g.Og, g.Cg, 1.0, vb + p * vstride + gr * g.Cg,
+                <int>g.cpad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
+                0.0, mb + p * mstride + gr * g.Og, <int>g.opad)
+
+
+cdef void _outputs(const WGeom* g, const float* bias, float* y, int n0, Py_ssize_t t0,
+                   Py_ssize_t count, const float* mb, float* w) noexcept nogil:
+    cdef int ob, ty, tx, V = g.V
+    cdef Py_ssize_t i, mstride = g.tiles * g.opad
     cdef float* img
-    _inputs(g, x, n0, t0, count, vb, w)
-    for p in range(a2):
-        for gr in range(g.group):
-            gemm_ld(False, True, <int>count, g.Og, g.Cg, 1.0, vb + p * vstride + gr * g.Cg,
-                    <int>g.cpad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
-                    0.0, mb + p * mstride + gr * g.Og, <int>g.opad)
     for i in range(count):
         img = y + _tile(g, n0, t0 + i, &ty, &tx) * g.yn
         for ob in range(g.Ob):
@@ -262,37 +279,76 @@ cdef void _fwd_pass(const WGeom* g, const float* x, const float* u, const float*
                       g.yp, g.pad_lanes)
 
 
-cdef void _bwd_pass(const WGeom* g, const float* x, const float* u, const float* dy, float* dx,
-                    float* du, int n0, Py_ssize_t t0, Py_ssize_t count, float* vb, float* mb,
+cdef void _fwd_pass(const WGeom* g, const float* x, const float* u, const float* bias, float* y,
+                    int n0, Py_ssize_t t0, Py_ssize_t count, float* vb, float* mb,
                     float* w) noexcept nogil:
-    """dU += this pass's share if du, dx += it if dx (zeroed by the task beforehand)."""
-    cdef int p, gr, ob, cb, ty, tx, V = g.V, a2 = g.a * g.a
-    cdef Py_ssize_t i, vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+    _inputs(g, x, n0, t0, count, vb, w)
+    _fwd_gemms(g, u, count, vb, mb, 0, g.a * g.a * g.group)
+    _outputs(g, bias, y, n0, t0, count, mb, w)
+
+
+cdef void _dms(const WGeom* g, const float* dy, int n0, Py_ssize_t t0, Py_ssize_t count,
+               float* mb, float* w) noexcept nogil:
+    """dM = AT^T dY AT, tile by tile."""
+    cdef int ob, ty, tx, V = g.V
+    cdef Py_ssize_t i, mstride = g.tiles * g.opad
     cdef const float* dimg
-    cdef float* ximg
-    for i in range(count):          # dM = AT^T dY AT, tile by tile
+    for i in range(count):
         dimg = dy + _tile(g, n0, t0 + i, &ty, &tx) * g.yn
         for ob in range(g.Ob):
             wg_dy(dimg + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, g.m, g.a, g.am, w,
                   mb + i * g.opad + ob * V, mstride, V, g.yp, _lanes(g, ob, g.O))
-    if du != NULL:                  # dU_p += V_p^T dM_p
+
+
+cdef void _weight_gemms(const WGeom* g, Py_ssize_t count, const float* vb, const float* mb,
+                        float* du, float beta, int j0, int j1) noexcept nogil:
+    """dU_p = V_p^T dM_p + beta * dU_p for the pairs j0 <= j < j1."""
+    cdef int j, p, gr
+    cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+    for j in range(j0, j1):
+        p, gr = j // g.group, j % g.group
+        gemm_ld(True, False, g.Og, g.Cg, <int>count, 1.0, mb + p * mstride + gr * g.Og,
+                <int>g.opad, vb + p * vstride + gr * g.Cg, <int>g.cpad, beta,
+                du + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg)
+
+
+cdef void _data_gemms(const WGeom* g, const float* u, Py_ssize_t count, const float* mb,
+                      float* vb, int j0, int j1) noexcept nogil:
+    """dV_p = dM_p U_p for the pairs j0 <= j < j1 (into the V buffer)."""
+    cdef int j, p, gr
+    cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+    for j in range(j0, j1):
+        p, gr = j // g.group, j % g.group
+        gemm_ld(False, False, <int>count, g.Cg, g.Og, 1.0, mb + p * mstride + gr * g.Og,
+                <int>g.opad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
+                0.0, vb + p * vstride + gr * g.Cg, <int>g.cpad)
+
+
+cdef void _dxs(const WGeom* g, float* dx, int n0, Py_ssize_t t0, Py_ssize_t count,
+               const float* vb, float* w) noexcept nogil:
+    """dx += BT^T dV BT, tile by tile (tiles overlap: one thread per image at a time)."""
+    cdef int cb, ty, tx, V = g.V
+    cdef Py_ssize_t i, vstride = g.tiles * g.cpad
+    cdef float* ximg
+    for i in range(count):
+        ximg = dx + _tile(g, n0, t0 + i, &ty, &tx) * g.xn
+        for cb in range(g.Cb):
+            wg_dx(vb + i * g.cpad + cb * V, vstride, g.m, g.a, g.bm, _real(g, cb, g.C),
+                  ximg + cb * g.xb, g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, w, V, g.xp)
+
+
+cdef void _bwd_pass(const WGeom* g, const float* x, const float* u, const float* dy, float* dx,
+                    float* du, int n0, Py_ssize_t t0, Py_ssize_t count, float* vb, float* mb,
+                    float* w) noexcept nogil:
+    """dU += this pass's share if du, dx += it if dx (zeroed by the task beforehand)."""
+    cdef int pairs = g.a * g.a * g.group
+    _dms(g, dy, n0, t0, count, mb, w)
+    if du != NULL:
         _inputs(g, x, n0, t0, count, vb, w)
-        for p in range(a2):
-            for gr in range(g.group):
-                gemm_ld(True, False, g.Og, g.Cg, <int>count, 1.0, mb + p * mstride + gr * g.Og,
-                        <int>g.opad, vb + p * vstride + gr * g.Cg, <int>g.cpad, 1.0,
-                        du + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg)
-    if dx != NULL:                  # dV_p = dM_p U_p^T, then dx += sum of BT^T dV BT
-        for p in range(a2):
-            for gr in range(g.group):
-                gemm_ld(False, False, <int>count, g.Cg, g.Og, 1.0, mb + p * mstride + gr * g.Og,
-                        <int>g.opad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
-                        0.0, vb + p * vstride + gr * g.Cg, <int>g.cpad)
-        for i in range(count):
-            ximg = dx + _tile(g, n0, t0 + i, &ty, &tx) * g.xn
-            for cb in range(g.Cb):
-                wg_dx(vb + i * g.cpad + cb * V, vstride, g.m, g.a, g.bm, _real(g, cb, g.C),
-                      ximg + cb * g.xb, g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, w, V, g.xp)
+        _weight_gemms(g, count, vb, mb, du, 1.0, 0, pairs)
+    if dx != NULL:
+        _data_gemms(g, u, count, mb, vb, 0, pairs)
+        _dxs(g, dx, n0, t0, count, vb, w)
 
 
 cdef void _fwd_task(const WGeom* g, const float* x, const float* u, const float* bias, float* y,
@@ -389,6 +445,13 @@ cdef void _run_forward(const WGeom* g, const float* x, const float* u, const flo
                        float[:, ::1] work) noexcept nogil:
     cdef int tasks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, tid
     cdef int saved = 0
+    if _spread(g, T):
+        nt = _task_threads(work.shape[0], g.a * g.a * g.group, _work(g))
+        saved = _blas_get_threads()
+        _blas_set_threads(1)
+        _spread_forward(g, x, u, bias, y, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0], work, nt)
+        _blas_set_threads(saved)
+        return
     nt = _task_threads(T, tasks, _work(g))
     if nt == 1:
         for c in range(tasks):
@@ -408,6 +471,13 @@ cdef void _run_backward(const WGeom* g, const float* x, const float* u, const fl
     cdef int tasks = (g.N + g.chunk - 1) // g.chunk, T = vbuf.shape[0], nt, c, tid, t
     cdef int saved = 0
     cdef Py_ssize_t us = <Py_ssize_t>g.a * g.a * g.O * g.Cg, i
+    if _spread(g, T):
+        nt = _task_threads(work.shape[0], g.a * g.a * g.group, _work(g))
+        saved = _blas_get_threads()
+        _blas_set_threads(1)
+        _spread_backward(g, x, u, dy, dx, du, &vbuf[0, 0, 0, 0], &mbuf[0, 0, 0, 0], work, nt)
+        _blas_set_threads(saved)
+        return
     nt = _task_threads(T, tasks, _work(g))
     if du != NULL:
         memset(du, 0, nt * us * sizeof(float))
@@ -426,6 +496,68 @@ cdef void _run_backward(const WGeom* g, const float* x, const float* u, const fl
             for t in range(1, nt):
                 for i in prange(us, schedule="static", num_threads=threads_for(us)):
                     du[i] += du[t * us + i]
+
+
+# Spread: the whole batch in one pass that all threads share (scratch_shapes decides), for small
+# images, where each thread's share of tiles would make thin GEMMs that all re-read U. The
+# transforms split the tiles among the threads, the GEMMs the (position, group) pairs, each
+# over every tile of the batch; the data gradient splits the images (their tiles overlap).
+
+cdef inline bint _spread(const WGeom* g, int slices) noexcept nogil:
+    return slices == 1 and g.tiles >= <Py_ssize_t>g.N * g.th * g.tw
+
+
+cdef inline Py_ssize_t _piece(const WGeom* g, int nt) noexcept nogil:
+    """Tiles per piece of a transform step: four pieces a thread, for balance."""
+    cdef Py_ssize_t total = <Py_ssize_t>g.N * g.th * g.tw
+    return max(1, (total + 4 * nt - 1) // (4 * nt))
+
+
+cdef void _spread_forward(const WGeom* g, const float* x, const float* u, const float* bias,
+                          float* y, float* vb, float* mb, float[:, ::1] work, int nt) noexcept nogil:
+    cdef Py_ssize_t total = <Py_ssize_t>g.N * g.th * g.tw, piece = _piece(g, nt), k, t0, cnt
+    cdef int j, tid
+    for k in prange((total + piece - 1) // piece, num_threads=nt, schedule="static"):
+        tid = threadid()
+        t0 = k * piece
+        cnt = min(piece, total - t0)
+        _inputs(g, x, 0, t0, cnt, vb + t0 * g.cpad, &work[tid, 0])
+    for j in prange(g.a * g.a * g.group, num_threads=nt, schedule="dynamic"):
+        _fwd_gemms(g, u, total, vb, mb, j, j + 1)
+    for k in prange((total + piece - 1) // piece, num_threads=nt, schedule="static"):
+        tid = threadid()
+        t0 = k * piece
+        cnt = min(piece, total - t0)
+        _outputs(g, bias, y, 0, t0, cnt, mb + t0 * g.opad, &work[tid, 0])
+
+
+cdef void _spread_backward(const WGeom* g, const float* x, const float* u, const float* dy,
+                           float* dx, float* du, float* vb, float* mb, float[:, ::1] work,
+                           int nt) noexcept nogil:
+    """du (one slice, overwritten) and dx (overwritten) as _run_backward's."""
+    cdef Py_ssize_t total = <Py_ssize_t>g.N * g.th * g.tw, piece = _piece(g, nt), k, t0, cnt
+    cdef Py_ssize_t per = <Py_ssize_t>g.th * g.tw
+    cdef int j, tid, n, pairs = g.a * g.a * g.group
+    for k in prange((total + piece - 1) // piece, num_threads=nt, schedule="static"):
+        tid = threadid()
+        t0 = k * piece
+        cnt = min(piece, total - t0)
+        _dms(g, dy, 0, t0, cnt, mb + t0 * g.opad, &work[tid, 0])
+    if du != NULL:
+        for k in prange((total + piece - 1) // piece, num_threads=nt, schedule="static"):
+            tid = threadid()
+            t0 = k * piece
+            cnt = min(piece, total - t0)
+            _inputs(g, x, 0, t0, cnt, vb + t0 * g.cpad, &work[tid, 0])
+        for j in prange(pairs, num_threads=nt, schedule="dynamic"):
+            _weight_gemms(g, total, vb, mb, du, 0.0, j, j + 1)
+    if dx != NULL:
+        for j in prange(pairs, num_threads=nt, schedule="dynamic"):
+            _data_gemms(g, u, total, mb, vb, j, j + 1)
+        for n in prange(g.N, num_threads=nt, schedule="static"):
+            tid = threadid()
+            memset(dx + n * g.xn, 0, g.xn * sizeof(float))
+            _dxs(g, dx, n, 0, per, vb + n * per * g.cpad, &work[tid, 0])
 
 
 cdef _check_forward(str kernel, const WGeom* g, u, bias):
@@ -453,7 +585,7 @@ def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
     cdef WGeom g = _geom("conv_forward", dims(x.shape, 5), "y", dims(y.shape, 5), True, 0, C, O,
                          m, r, ph, pw, group, vbuf, mbuf, at, bt)
     _check_forward("conv_forward", &g, u, bias)
-    cdef float[:, ::1] work = _work_buffer(vbuf.shape[0])
+    cdef float[:, ::1] work = _work_buffer(openmp.omp_get_max_threads())
     if g.N == 0:
         return
     with nogil:
@@ -476,7 +608,7 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
         need_shape("conv_backward", "dx", dims(dx.shape, 5), dims(x.shape, 5))
     cdef float* dup = &du[0, 0, 0, 0] if need_w else NULL
     cdef float* dxp = &dx[0, 0, 0, 0, 0] if need_x else NULL
-    cdef float[:, ::1] work = _work_buffer(vbuf.shape[0])
+    cdef float[:, ::1] work = _work_buffer(openmp.omp_get_max_threads())
     if g.N == 0 or not (need_x or need_w):
         return
     with nogil:
@@ -494,7 +626,7 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const float[:, :, ::1] u,
     cdef WGeom g = _geom("conv_forward_nhwc", dims(x.shape, 4), "y", dims(y.shape, 4), False, V,
                          x.shape[3], O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
     _check_forward("conv_forward_nhwc", &g, u, bias)
-    cdef float[:, ::1] work = _work_buffer(vbuf.shape[0])
+    cdef float[:, ::1] work = _work_buffer(openmp.omp_get_max_threads())
     if g.N == 0:
         return
     with nogil:
@@ -515,7 +647,7 @@ def conv_backward_nhwc(const float[:, :, :, ::1] x, const float[:, :, ::1] u,
         need_shape("conv_backward_nhwc", "dx", dims(dx.shape, 4), dims(x.shape, 4))
     cdef float* dup = &du[0, 0, 0, 0] if need_w else NULL
     cdef float* dxp = &dx[0, 0, 0, 0] if need_x else NULL
-    cdef float[:, ::1] work = _work_buffer(vbuf.shape[0])
+    cdef float[:, ::1] work = _work_buffer(openmp.omp_get_max_threads())
     if g.N == 0 or not (need_x or need_w):
         return
     with nogil:

@@ -55,6 +55,8 @@ CONVS = [
     (16, 24, 2, 3, 1, 0, 1, 6, 6, "winograd F(4,3)"),       # groups, no padding
     (8, 8, 1, 5, 1, 2, 1, 7, 7, "winograd F(2,5)"),
     (8, 12, 1, 5, 1, 2, 1, 6, 7, "winograd F(3,5)"),
+    (8, 8, 1, 3, 1, 1, 1, 11, 12, "winograd F(5,3)"),
+    (8, 12, 1, 5, 1, 2, 1, 9, 8, "winograd F(4,5)"),
 ]
 
 
@@ -188,7 +190,7 @@ def test_every_algorithm_of_a_shape_gives_the_same_numbers():
     x = randn(3, 16, 9, 8, seed=5)
     layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
     assert set(layer.algorithms) == {"im2col+gemm", "direct", "winograd F(2,3)", "winograd F(3,3)",
-                                     "winograd F(4,3)"}
+                                     "winograd F(4,3)", "winograd F(5,3)"}
     w, b = (blob.data.astype(np.float64) for blob in layer.blobs)
     want = ref.conv_forward(x.astype(np.float64), w, b, (1, 1), (1, 1), (1, 1), 1)
     dy = randn(*want.shape, seed=6)

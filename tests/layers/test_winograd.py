@@ -14,7 +14,7 @@ from caffepy.proto import caffe_pb2
 from gradient_checker import check_gradient
 from layer_cases import randn
 
-FLAVOURS = [(2, 3), (3, 3), (4, 3), (2, 5), (3, 5)]
+FLAVOURS = [(2, 3), (3, 3), (4, 3), (5, 3), (6, 3), (2, 5), (3, 5), (4, 5)]
 
 
 @pytest.mark.parametrize("m,r", FLAVOURS)
@@ -29,12 +29,34 @@ def test_matrices_compute_a_tile_correlation(m, r):
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)   # the matrices are float32
 
 
+@pytest.mark.parametrize("m,r", [(m, r) for r, ms in intel.WINOGRAD_TILES.items() for m in ms])
+def test_float32_error_stays_small(m, r):
+    """Every tile the layers may choose, in float32 over 256 channels, within 2e-5 of the float64
+    direct sum (relative to its largest value): larger tiles lose precision fast."""
+    N, C, O, H, pad, width = 2, 256, 16, 13, r // 2, 16
+    rng = np.random.default_rng(r * 10 + m)
+    x = rng.standard_normal((N, C, H, H)).astype(np.float32)
+    w = (rng.standard_normal((O, C, r, r)) * 0.05).astype(np.float32)
+    at, g, bt = winograd.matrices(m, r)
+    u = np.empty(((m + r - 1) ** 2, O, C), np.float32)
+    winograd.weight_transform(w, g, u)
+    vshape, mshape = winograd.scratch_shapes(1, N, C, O, H, H, width, m, r, pad, pad)
+    y = np.empty((N, H, H, O), np.float32)
+    winograd.conv_forward_nhwc(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), u, np.zeros(O, np.float32),
+                               y, np.empty(vshape, np.float32), np.empty(mshape, np.float32), at, bt,
+                               width, O, m, r, pad, pad, 1)
+    want = ref.conv_forward(x.astype(np.float64), w.astype(np.float64), np.zeros(O), (pad, pad),
+                            (1, 1), (1, 1), 1)
+    assert np.abs(y.transpose(0, 3, 1, 2) - want).max() <= 2e-5 * np.abs(want).max()
+
+
 def test_matrices_refuse_a_tile_too_large():
     with pytest.raises(ValueError, match="tile side"):
         winograd.matrices(6, 5)
 
 
-@pytest.mark.parametrize("r,oh,ow,m", [(3, 13, 13, 4), (3, 3, 3, 3), (3, 2, 2, 2), (5, 27, 27, 3), (5, 2, 2, 2)])
+@pytest.mark.parametrize("r,oh,ow,m", [(3, 13, 13, 5), (3, 7, 7, 4), (3, 28, 28, 4), (3, 3, 3, 3),
+                                       (3, 2, 2, 2), (5, 27, 27, 4), (5, 2, 2, 2)])
 def test_tile_choice_minimises_multiplies(r, oh, ow, m):
     assert intel.winograd_tile(r, oh, ow) == m
 
@@ -72,13 +94,15 @@ def _padding_lanes(data, channels):
 
 # (N, C, O, kernel, pad, group, H, W): odd channel counts, groups, edges, small and large images
 SHAPES = [
-    (3, 16, 16, 3, 1, 1, 13, 13),       # AlexNet conv3-like: F(4x4, 3x3)
+    (3, 16, 16, 3, 1, 1, 13, 13),       # AlexNet conv3-like: F(5x5, 3x3)
+    (3, 16, 16, 3, 1, 1, 7, 7),         # F(4x4, 3x3)
     (5, 20, 36, 3, 1, 1, 9, 11),        # channels past a block, images not a whole tile count
     (4, 32, 48, 3, 1, 2, 13, 13),       # groups, AlexNet conv4/5-like
     (2, 16, 24, 3, 0, 1, 8, 7),         # no padding
     (2, 16, 17, 3, 2, 1, 5, 6),         # padding wider than the tile overlap
     (3, 16, 16, 3, 1, 1, 3, 3),         # one tile: F(3x3, 3x3)
-    (2, 32, 32, 5, 2, 2, 14, 13),       # AlexNet conv2-like: F(3x3, 5x5)
+    (2, 32, 32, 5, 2, 2, 14, 13),       # AlexNet conv2-like: F(4x4, 5x5)
+    (2, 16, 16, 5, 2, 1, 9, 9),         # F(3x3, 5x5)
     (2, 16, 16, 5, 2, 1, 2, 2),         # one output tile: F(2x2, 5x5)
 ]
 
@@ -157,39 +181,46 @@ def test_winograd_gradient_is_numerically_right():
     check_gradient(layer, bottom, top, eps=0.5, max_checks=60)
 
 
-@pytest.mark.parametrize("budget", [1, 1 << 40], ids=["short-passes", "one-pass"])
+@pytest.mark.parametrize("budget,spread", [(1, False), (1 << 40, False), (1, True)],
+                         ids=["short-passes", "one-pass", "spread"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_passes_split_and_span_images(budget, threads):
+@pytest.mark.parametrize("group", [1, 2])
+def test_passes_split_and_span_images(budget, spread, threads, group):
     """A thread's task (whole images) runs in passes of scratch_shapes' size. With a tiny budget
     and one thread a pass is 30 tiles (MIN_ROWS, evened out): it ends inside an image (4 x 6 =
-    24 tiles) and runs on into the next. With a huge one it is the whole task. All give the
+    24 tiles) and runs on into the next. With a huge one it is the whole task. Spread, the
+    threads share one pass over the batch (each GEMM over every tile). All give the
     reference's values; the data gradient sums the tiles of one image across passes."""
     N, C, O, H, W, m, r, pad, width = 5, 20, 36, 14, 22, 4, 3, 1, 8
-    x, w = randn(N, C, H, W, seed=11), randn(O, C, r, r, seed=12)
+    x, w = randn(N, C, H, W, seed=11), randn(O, C // group, r, r, seed=12)
     at, g, bt = winograd.matrices(m, r)
-    u = np.empty(((m + r - 1) ** 2, O, C), np.float32)
+    u = np.empty(((m + r - 1) ** 2, O, C // group), np.float32)
     winograd.weight_transform(w, g, u)
-    vshape, mshape = winograd.scratch_shapes(threads, N, C, O, H, W, width, m, r, pad, pad, 1, budget)
+    vshape, mshape = winograd.scratch_shapes(threads, N, C, O, H, W, width, m, r, pad, pad, group, budget,
+                                             spread)
     task_tiles = -(-N // threads) * 4 * 6
-    assert (vshape[2] < task_tiles) == (budget == 1)
+    if spread:
+        assert vshape[0] == 1 and vshape[2] == N * 4 * 6
+    else:
+        assert vshape[0] == threads and (vshape[2] < task_tiles) == (budget == 1)
     vbuf, mbuf = np.empty(vshape, np.float32), np.empty(mshape, np.float32)
     bias = np.zeros(-(-O // width) * width, np.float32)
     bias[:O] = randn(O, seed=13)
     xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
     y = np.empty((N, H, W, O), np.float32)
-    winograd.conv_forward_nhwc(xl, u, bias, y, vbuf, mbuf, at, bt, width, O, m, r, pad, pad, 1)
-    want = ref.conv_forward(x, w, bias[:O], (pad, pad), (1, 1), (1, 1), 1)
+    winograd.conv_forward_nhwc(xl, u, bias, y, vbuf, mbuf, at, bt, width, O, m, r, pad, pad, group)
+    want = ref.conv_forward(x, w, bias[:O], (pad, pad), (1, 1), (1, 1), group)
     np.testing.assert_allclose(y.transpose(0, 3, 1, 2), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
     dy = randn(*want.shape, seed=14)
     dyl = np.ascontiguousarray(dy.transpose(0, 2, 3, 1))
     dx = np.full_like(xl, np.nan)                   # overwritten, never read
-    du = np.empty((threads,) + u.shape, np.float32)
-    winograd.conv_backward_nhwc(xl, u, dyl, dx, du, vbuf, mbuf, at, bt, width, O, m, r, pad, pad, 1,
+    du = np.full((vshape[0],) + u.shape, np.nan, np.float32)        # overwritten
+    winograd.conv_backward_nhwc(xl, u, dyl, dx, du, vbuf, mbuf, at, bt, width, O, m, r, pad, pad, group,
                                 True, True)
     dw = np.zeros_like(w)
     winograd.weight_grad_add(du[0], g, dw)
-    want_dw, _, want_dx = ref.conv_backward(dy, x, w, (pad, pad), (1, 1), (1, 1), 1)
+    want_dw, _, want_dx = ref.conv_backward(dy, x, w, (pad, pad), (1, 1), (1, 1), group)
     np.testing.assert_allclose(dx.transpose(0, 3, 1, 2), want_dx, rtol=1e-4,
                                atol=1e-4 * np.abs(want_dx).max())
     np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-4 * np.abs(want_dw).max())
