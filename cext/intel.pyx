@@ -83,6 +83,39 @@ def unpack(const float[:, :, :, :, ::1] y, float[:, :, :, ::1] x):
                 dst[p] = src[p * V]
 
 
+cdef void _plane_sums(const float* plane, Py_ssize_t HW, int V, double* out) noexcept nogil:
+    """out[v] += sum of plane[:, v] over the HW pixels of a blocked plane (V <= 64). The lanes
+    of 16 pixels at a time add up in a local (thread-private, unaliased) float array."""
+    cdef float acc[64]
+    cdef Py_ssize_t p
+    cdef int v
+    for v in range(V):
+        acc[v] = 0.0
+    for p in range(HW):
+        for v in range(V):
+            acc[v] = acc[v] + plane[p * V + v]
+    for v in range(V):
+        out[v] += acc[v]
+
+
+def channel_sums(const float[:, :, :, :, ::1] x, double[::1] out):
+    """out[cb * V + v] = sum of x[:, cb, :, :, v] (overwritten): a blocked blob's per-channel
+    sums (a bias gradient), padding lanes included. Threads take blocks of channels; a plane
+    sums in float, the planes in float64."""
+    cdef int N = x.shape[0], Cb = x.shape[1], V = x.shape[4], cb, n, v
+    cdef Py_ssize_t HW = <Py_ssize_t>x.shape[2] * x.shape[3]
+    need_shape("channel_sums", "out", dims(out.shape, 1), (Cb * V,))
+    need(V <= 64, "channel_sums", "x", "needs a block width of at most 64", V)
+    out[:] = 0
+    if N * Cb * V * HW == 0:
+        return
+    with nogil:
+        for cb in prange(Cb, schedule="static",
+                         num_threads=threads_for(<Py_ssize_t>N * Cb * HW * V)):
+            for n in range(N):
+                _plane_sums(&x[n, cb, 0, 0, 0], HW, V, &out[cb * V])
+
+
 # ---------------------------------------------------------------------------------------------
 # Convolution: blocked im2col + one sgemm per group, per image.
 #

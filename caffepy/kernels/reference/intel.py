@@ -1,7 +1,8 @@
 """NumPy references of the SIMD-blocked layout of the Intel kernels (cext/intel.pyx,
-caffepy.kernels.intel): pack and unpack. The blocked convolution, pooling and LRN (and the
+caffepy.kernels.intel): pack, unpack and channel_sums. The blocked convolution, pooling and LRN (and the
 Winograd convolution of cext/winograd.pyx) are compared, unpacked, with the NCHW
-references of reference/vision.py and reference/normalization.py.
+references of reference/vision.py and reference/normalization.py; channel_sums is the bias
+gradient of the blocked Winograd convolution.
 """
 import numpy as np
 
@@ -19,3 +20,8 @@ def unpack(y, channels):
     """[N, Cb, H, W, V] -> [N, channels, H, W]: the first `channels` lanes in order."""
     n, cb, h, w, v = y.shape
     return y.transpose(0, 1, 4, 2, 3).reshape(n, cb * v, h, w)[:, :channels]
+
+
+def channel_sums(y):
+    """[N, Cb, H, W, V] -> [Cb * V] float64 sums per lane, padding lanes included."""
+    return y.astype(np.float64).sum(axis=(0, 2, 3)).reshape(-1)
