@@ -1,5 +1,6 @@
-"""The fused BatchNorm + Scale pairs (Net.fusions) against the same pairs run one layer at a
-time, in one process, rounds interleaved: training forward and backward of every pair.
+"""The fused BatchNorm + Scale (+ ReLU) units (Net.fusions) against the same layers with only
+BatchNorm + Scale fused and one layer at a time, in one process, rounds interleaved: training
+forward and backward of every unit.
 
     python benchmarks/bench_fusion.py [--net resnet50] [--batch 16] [--rounds 5]
 """
@@ -32,32 +33,35 @@ def main():
     data.data[...] = np.random.default_rng(0).standard_normal(data.shape, dtype=np.float32)
     fused = dict(net.fusions)
     if not fused:
-        raise SystemExit(f"bench_fusion: {args.net} has no fused pairs")
+        raise SystemExit(f"bench_fusion: {args.net} has no fused units")
+    variants = {"pairs only": {bn: bn + 1 for bn in fused}, "fused": fused, "one by one": {}}
     net.forward_from_to()
     net.backward_from_to()
-    found = {"fused": ([], []), "one by one": ([], [])}
+    found = {name: ([], []) for name in variants}
     for r in range(args.rounds + 1):
-        for name, pairs in (("fused", fused), ("one by one", {})):
-            net.fusions = pairs
+        for name, units in variants.items():
+            net.fusions = units
             forward = backward = 0.0
-            for bn, scale in fused.items():
+            for bn, last in fused.items():
                 t = time.perf_counter()
-                net.forward_from_to(bn, scale)
+                net.forward_from_to(bn, last)
                 forward += time.perf_counter() - t
                 t = time.perf_counter()
-                net.backward_from_to(scale, bn)
+                net.backward_from_to(last, bn)
                 backward += time.perf_counter() - t
             if r:                                  # the first round warms up
                 found[name][0].append(forward)
                 found[name][1].append(backward)
-    print(f"{args.net} b{args.batch}: {len(fused)} BatchNorm + Scale pairs, medians of {args.rounds} "
-          f"interleaved rounds, per training iteration")
+    relus = sum(last - bn == 2 for bn, last in fused.items())
+    print(f"{args.net} b{args.batch}: {len(fused)} BatchNorm + Scale units, {relus} with a ReLU; "
+          f"medians of {args.rounds} interleaved rounds, per training iteration")
+    total = {}
     for name, (forward, backward) in found.items():
         f, b = statistics.median(forward), statistics.median(backward)
+        total[name] = f + b
         print(f"  {name:11s} forward {f * 1e3:6.0f} ms  backward {b * 1e3:6.0f} ms  total {(f + b) * 1e3:6.0f} ms")
-    ratio = (statistics.median(found["one by one"][0]) + statistics.median(found["one by one"][1])) / \
-        (statistics.median(found["fused"][0]) + statistics.median(found["fused"][1]))
-    print(f"  fused is {ratio:.2f}x the layers one by one")
+    print(f"  fused is {total['one by one'] / total['fused']:.2f}x the layers one by one, "
+          f"{total['pairs only'] / total['fused']:.2f}x BatchNorm + Scale fused alone")
 
 
 if __name__ == "__main__":

@@ -207,12 +207,13 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
     log.info(f"Testing for {iterations} iterations.")
     clock = _time.perf_counter
     total_start = clock()
-    # a fused pair (BatchNorm + Scale, Net.fusions) runs and is timed as one, under its first layer
+    # a fused unit (BatchNorm + Scale (+ ReLU), Net.fusions) runs and is timed as one, under its
+    # first layer
     units = net.units()
-    pairs = [(layers[first].name, layers[last].name) for first, last in units if last != first]
-    if pairs:
-        log.info(f"{len(pairs)} fused pair(s), each timed under its first layer's name "
-                 f"(e.g. {pairs[0][0]} + {pairs[0][1]})")
+    fused = [(layers[first].name, layers[last].name) for first, last in units if last != first]
+    if fused:
+        log.info(f"{len(fused)} fused unit(s), each timed under its first layer's name "
+                 f"(e.g. {fused[0][0]} .. {fused[0][1]})")
     for j in range(iterations):
         iter_start = clock()
         for first, last in units:

@@ -264,28 +264,38 @@ class Net:
         self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
         self.fusions = self._find_fusions()
         if self.fusions:
-            log.info(f"Fused {len(self.fusions)} BatchNorm + Scale pair(s) (the fast path; engine: "
-                     f"CAFFE runs them apart)")
+            relus = sum(last - bn == 2 for bn, last in self.fusions.items())
+            log.info(f"Fused {len(self.fusions)} BatchNorm + Scale pair(s), {relus} with the ReLU "
+                     f"after them (the fast path; engine: CAFFE runs them apart)")
 
     def _find_fusions(self):
-        """{BatchNorm index: Scale index} of the pairs that run as one: the fast path's
-        BatchNorm in place, then its Scale in place on the same blob with no conversion between
-        (ResNet's form): one pass over the activations in forward and one reduction in backward
-        instead of two of each. Every blob ends with the values and diffs the layers one by one
-        give it (both work in place, so no intermediate is seen); a run that does not include
-        both layers runs them one by one."""
+        """{BatchNorm index: index of the unit's last layer} of the layers that run as one: the
+        fast path's BatchNorm in place, then its Scale in place on the same blob with no
+        conversion between (ResNet's form), and the ReLU after it if that is in place on the
+        same blob too (with a negative slope of at least 0, so that its output's sign is its
+        input's): one pass over the activations in forward and one reduction in backward
+        instead of two or three of each. Every blob ends with the values and diffs the layers
+        one by one give it (all work in place, so no intermediate is seen); a run that does not
+        include the whole unit runs its layers one by one."""
         found = {}
         for li in range(len(self.layers) - 1):
             bn, scale = self.layers[li], self.layers[li + 1]
             if not (hasattr(bn, "forward_with_scale") and hasattr(scale, "backward_with_bn")):
                 continue
-            if self._conversions[li + 1] or len(self.bottom_vecs[li + 1]) != 1:
-                continue
             x = self.top_vecs[li][0]
-            if self.bottom_vecs[li][0] is x and self.bottom_vecs[li + 1][0] is x \
-                    and self.top_vecs[li + 1][0] is x:
+            if self.bottom_vecs[li][0] is x and self._in_place_on(li + 1, x):
                 found[li] = li + 1
+                relu = self.layers[li + 2] if li + 2 < len(self.layers) else None
+                if relu is not None and relu.type == "ReLU" and getattr(relu, "slope", -1) >= 0 \
+                        and self._in_place_on(li + 2, x):
+                    found[li] = li + 2
         return found
+
+    def _in_place_on(self, li, x):
+        """Layer li has x as its one bottom and one top, with no conversion before it."""
+        return (not self._conversions[li] and len(self.bottom_vecs[li]) == 1
+                and self.bottom_vecs[li][0] is x and len(self.top_vecs[li]) == 1
+                and self.top_vecs[li][0] is x)
 
     def _add_conversion(self, clp):
         """Build and set up one of the layout plan's conversion layers: (layer, bottom, top)."""
@@ -469,24 +479,26 @@ class Net:
         update there)."""
         end = len(self.layers) - 1 if end is None else end
         loss = np.float32(0)
-        done = -1                     # a layer whose forward ran fused with the one before it
+        done = -1                     # the last layer of a fused unit that already ran
         try:
             for li in range(start, end + 1):
-                if before_layer is not None:
+                if before_layer is not None and li > done:
                     before_layer(li)
                 for conversion, b, t, _ in self._conversions[li]:
                     conversion.reshape([b], [t])
                     conversion.forward([b], [t])
                 layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
                 layer.reshape(bottom, top)
-                partner = self.fusions.get(li)
-                if li == done:
+                last = self.fusions.get(li)
+                if li <= done:
                     pass
-                elif partner is not None and partner <= end:
-                    if before_layer is not None:
-                        before_layer(partner)         # its parameters' deferred update first
-                    layer.forward_with_scale(bottom, top, self.layers[partner])
-                    done = partner
+                elif last is not None and last <= end:
+                    if before_layer is not None:      # their parameters' deferred updates first
+                        for other in range(li + 1, last + 1):
+                            before_layer(other)
+                    layer.forward_with_scale(bottom, top, self.layers[li + 1],
+                                             self.layers[last] if last > li + 1 else None)
+                    done = last
                 else:
                     layer.forward(bottom, top)
                 for w, blob in zip(self._top_loss_weights[li], top):
@@ -504,8 +516,8 @@ class Net:
         `every_layer` runs the layers that reach no loss too, as Caffe's `time` does: their
         parameter gradients (lr_mult != 0), never a bottom diff that backward does not need."""
         start = len(self.layers) - 1 if start is None else start
-        fused_back = {scale: bn for bn, scale in self.fusions.items()}
-        done = -1                     # a BatchNorm whose backward ran with its Scale's
+        fused_back = {last: bn for bn, last in self.fusions.items()}
+        done = len(self.layers)       # the first layer of a fused unit that already ran
         for li in range(start, end - 1, -1):
             if not (every_layer or self.layer_need_backward[li]):
                 continue
@@ -514,12 +526,13 @@ class Net:
                 if w:
                     blob.diff[...] = w
             layer, bn = self.layers[li], fused_back.get(li)
-            if li == done:
+            if li >= done:
                 pass
-            elif bn is not None and bn >= end and layer.fused_input is not None:
+            elif bn is not None and bn >= end and self.layers[bn + 1].fused_input is not None:
                 bn_runs = every_layer or self.layer_need_backward[bn]
-                layer.backward_with_bn(top, self.layers[bn], self.bottom_vecs[bn][0],
-                                       bn_runs and self.bottom_need_backward[bn][0])
+                self.layers[bn + 1].backward_with_bn(
+                    top, self.layers[bn], self.bottom_vecs[bn][0],
+                    bn_runs and self.bottom_need_backward[bn][0], layer if li > bn + 1 else None)
                 done = bn
             else:
                 layer.backward(top, self.bottom_need_backward[li], self.bottom_vecs[li])
@@ -531,7 +544,7 @@ class Net:
 
     def units(self):
         """(first, last) layer indices of what runs as one, in net order: (i, i) for a layer,
-        (i, j) for a fused pair (see fusions). Timing layer by layer times these."""
+        (i, j) for a fused unit (see fusions). Timing layer by layer times these."""
         out, li = [], 0
         while li < len(self.layers):
             last = self.fusions.get(li, li)

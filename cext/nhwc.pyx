@@ -1093,10 +1093,33 @@ cdef void _dots_rows(const float* a, const float* b, Py_ssize_t rows, int C, flo
             s2[c] = s2[c] + ar[c] * br[c]
 
 
+cdef extern from "bn_relu_rows.h" nogil:
+    void caffepy_bn_scale_relu_rows(const float* x, float* y, float* xn, long rows, int C,
+                                    const float* sub, const float* mul, const float* gamma,
+                                    const float* beta, float slope)
+    void caffepy_relu_dots_rows(const float* dy, const float* xn, long rows, int C,
+                                const float* gamma, const float* beta, float slope, float* s1,
+                                float* s2)
+    void caffepy_bn_relu_grad_rows(const float* dy, const float* xn, float* dx, long rows, int C,
+                                   const float* p, const float* q, const float* r,
+                                   const float* gamma, const float* beta, float slope)
+
+
+cdef struct Relu:               # a ReLU fused after BatchNorm + Scale: y = relu(xn * gamma + beta)
+    const float* gamma          # NULL: no ReLU
+    const float* beta
+    float slope
+
+
+cdef Relu _NO_RELU = Relu(NULL, NULL, 0)
+
+
 cdef void _reduce(const float* a, const float* b, Py_ssize_t M, int C, const float* shift,
-                  double* out1, double* out2, float* work, double* partial, int T) noexcept nogil:
+                  double* out1, double* out2, float* work, double* partial, int T,
+                  Relu relu) noexcept nogil:
     """out1 = sum over rows of (a - shift) and out2 of (a - shift)^2 (b NULL), or of a and
-    a * b; work [T, 2C] floats, partial [T, 2C] doubles."""
+    a * b, with a through the fused ReLU's gradient if relu.gamma; work [T, 2C] floats,
+    partial [T, 2C] doubles."""
     cdef Py_ssize_t tasks = _row_tasks(M), task, r0
     cdef int nt = threads_for(M * C), tid, c, t
     cdef float* w
@@ -1111,8 +1134,11 @@ cdef void _reduce(const float* a, const float* b, Py_ssize_t M, int C, const flo
         r0 = task * _ROWS
         if b == NULL:
             _moments_rows(a + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C, shift, w, w + C)
-        else:
+        elif relu.gamma == NULL:
             _dots_rows(a + r0 * C, b + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C, w, w + C)
+        else:
+            caffepy_relu_dots_rows(a + r0 * C, b + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C,
+                                   relu.gamma, relu.beta, relu.slope, w, w + C)
         for c in range(2 * C):
             p[c] = p[c] + w[c]
     for c in range(C):
@@ -1144,23 +1170,41 @@ def channel_moments(const float[:, ::1] x, const float[::1] shift, double[::1] s
         return
     with nogil:
         _reduce(&x[0, 0], NULL, M, C, &shift[0], &s1[0], &s2[0], &work[0, 0], &partial[0, 0],
-                work.shape[0])
+                work.shape[0], _NO_RELU)
+
+
+cdef Relu _relu_args(str kernel, relu, int C) except *:
+    """The Relu of an optional (gamma, beta, slope), checked."""
+    cdef Relu r
+    cdef const float[::1] gamma
+    cdef const float[::1] beta
+    r.gamma, r.beta, r.slope = NULL, NULL, 0
+    if relu is None:
+        return r
+    gamma, beta = relu[0], relu[1]
+    need(gamma.shape[0] == C and beta.shape[0] == C, kernel, "relu", f"needs gamma and beta of "
+         f"{C} values", (gamma.shape[0], beta.shape[0]))
+    r.gamma, r.beta, r.slope = &gamma[0], &beta[0], relu[2]
+    return r
 
 
 def channel_dots(const float[:, ::1] a, const float[:, ::1] b, double[::1] sa, double[::1] sab,
-                 float[:, ::1] work, double[:, ::1] partial):
-    """Per channel c of a, b [M, C]: sa[c] = sum of a, sab[c] = sum of a * b (overwritten)."""
+                 float[:, ::1] work, double[:, ::1] partial, relu=None):
+    """Per channel c of a, b [M, C]: sa[c] = sum of a, sab[c] = sum of a * b (overwritten).
+    With relu = (gamma, beta, slope), a is first taken through the gradient of a ReLU of
+    b * gamma + beta with that negative slope (a fused BatchNorm + Scale + ReLU's backward)."""
     cdef Py_ssize_t M = a.shape[0]
     cdef int C = a.shape[1]
     need_shape("channel_dots", "b", dims(b.shape, 2), dims(a.shape, 2))
     need(sa.shape[0] == C and sab.shape[0] == C, "channel_dots", "sa, sab", f"need {C} values",
          (sa.shape[0], sab.shape[0]))
     _scratch_ok("channel_dots", work, partial, C)
+    cdef Relu r = _relu_args("channel_dots", relu, C)
     if C == 0:
         return
     with nogil:
         _reduce(&a[0, 0], &b[0, 0], M, C, NULL, &sa[0], &sab[0], &work[0, 0], &partial[0, 0],
-                work.shape[0])
+                work.shape[0], r)
 
 
 cdef void _affine_rows(const float* x, float* y, float* keep, bint keep_output, Py_ssize_t rows,
@@ -1216,48 +1260,40 @@ def channel_affine(const float[:, ::1] x, const float[::1] sub, const float[::1]
                          keep_output, min(<Py_ssize_t>_ROWS, M - r0), C, sp, &mul[0], ap)
 
 
-cdef void _bn_scale_rows(const float* x, float* y, float* xn, Py_ssize_t rows, int C,
-                         const float* sub, const float* mul, const float* gamma,
-                         const float* beta) noexcept nogil:
-    cdef Py_ssize_t r
-    cdef int c
-    cdef float z
-    for r in range(rows):
-        for c in range(C):
-            z = (x[r * C + c] - sub[c]) * mul[c]
-            xn[r * C + c] = z
-            y[r * C + c] = z * gamma[c] + beta[c]
-
-
 def bn_scale_forward(const float[:, ::1] x, const float[::1] sub, const float[::1] mul,
                      const float[::1] gamma, const float[::1] beta, float[:, ::1] y,
-                     float[:, ::1] xn):
+                     float[:, ::1] xn, relu=None):
     """BatchNorm and the Scale after it in one pass over x [M, C]: per channel c,
-    xn = (x - sub[c]) * mul[c] (kept for the backward) and y = xn * gamma[c] + beta[c].
-    y may be x; xn may not."""
+    xn = (x - sub[c]) * mul[c] (kept for the backward) and y = xn * gamma[c] + beta[c], then
+    y = max(y, 0) + slope * min(y, 0) if relu is a ReLU's negative slope. y may be x; xn may
+    not."""
     cdef Py_ssize_t M = x.shape[0], task, r0
     cdef int C = x.shape[1]
     need_shape("bn_scale_forward", "y", dims(y.shape, 2), dims(x.shape, 2))
     need_shape("bn_scale_forward", "xn", dims(xn.shape, 2), dims(x.shape, 2))
     for name, v in (("sub", sub), ("mul", mul), ("gamma", gamma), ("beta", beta)):
         need(v.shape[0] == C, "bn_scale_forward", name, f"needs {C} values", v.shape[0])
+    cdef float slope = 1.0 if relu is None else relu      # slope 1: the identity, exactly
     if M * C == 0:
         return
     with nogil:
         for task in prange(_row_tasks(M), schedule="static", num_threads=threads_for(M * C)):
             r0 = task * _ROWS
-            _bn_scale_rows(&x[0, 0] + r0 * C, &y[0, 0] + r0 * C, &xn[0, 0] + r0 * C,
-                           min(<Py_ssize_t>_ROWS, M - r0), C, &sub[0], &mul[0], &gamma[0],
-                           &beta[0])
+            caffepy_bn_scale_relu_rows(&x[0, 0] + r0 * C, &y[0, 0] + r0 * C, &xn[0, 0] + r0 * C,
+                                       min(<Py_ssize_t>_ROWS, M - r0), C, &sub[0], &mul[0],
+                                       &gamma[0], &beta[0], slope)
 
 
 cdef void _bn_grad_rows(const float* dy, const float* xn, float* dx, Py_ssize_t rows, int C,
-                        const float* p, const float* q, const float* r) noexcept nogil:
+                        const float* p, const float* q, const float* r, Relu relu) noexcept nogil:
     cdef Py_ssize_t i
     cdef int c
     cdef const float* g
     cdef const float* z
     cdef float* d
+    if relu.gamma != NULL:
+        caffepy_bn_relu_grad_rows(dy, xn, dx, rows, C, p, q, r, relu.gamma, relu.beta, relu.slope)
+        return
     for i in range(rows):
         g = dy + i * C
         z = xn + i * C
@@ -1267,21 +1303,23 @@ cdef void _bn_grad_rows(const float* dy, const float* xn, float* dx, Py_ssize_t 
 
 
 def bn_backward_apply(const float[:, ::1] dy, const float[:, ::1] xn, const float[::1] p,
-                      const float[::1] q, const float[::1] r, float[:, ::1] dx):
-    """dx = p[c] dy + q[c] xn + r[c] per channel (BatchNorm's gradient from its sums; dx may be dy)."""
+                      const float[::1] q, const float[::1] r, float[:, ::1] dx, relu=None):
+    """dx = p[c] dy + q[c] xn + r[c] per channel (BatchNorm's gradient from its sums; dx may be
+    dy), with dy first through a fused ReLU's gradient if relu (as channel_dots)."""
     cdef Py_ssize_t M = dy.shape[0], task, r0
     cdef int C = dy.shape[1]
     need_shape("bn_backward_apply", "xn", dims(xn.shape, 2), dims(dy.shape, 2))
     need_shape("bn_backward_apply", "dx", dims(dx.shape, 2), dims(dy.shape, 2))
     for name, v in (("p", p), ("q", q), ("r", r)):
         need(v.shape[0] == C, "bn_backward_apply", name, f"needs {C} values", v.shape[0])
+    cdef Relu fused = _relu_args("bn_backward_apply", relu, C)
     if M * C == 0:
         return
     with nogil:
         for task in prange(_row_tasks(M), schedule="static", num_threads=threads_for(M * C)):
             r0 = task * _ROWS
             _bn_grad_rows(&dy[0, 0] + r0 * C, &xn[0, 0] + r0 * C, &dx[0, 0] + r0 * C,
-                          min(<Py_ssize_t>_ROWS, M - r0), C, &p[0], &q[0], &r[0])
+                          min(<Py_ssize_t>_ROWS, M - r0), C, &p[0], &q[0], &r[0], fused)
 
 
 # ---------------------------------------------------------------------------------------------

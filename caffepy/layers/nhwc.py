@@ -608,9 +608,10 @@ class NHWCPooling(Pooling):
 # ---------------------------------------------------------------------------------------------
 # Per-channel layers over the [N * H * W, C] matrix of pixels
 
-def _reduce(a, b=None, shift=None):
-    """Per-channel float64 sums of a [M, C]: (sum a, sum a * b), or with `shift` the moments
-    (sum a - shift, sum (a - shift)^2)."""
+def _reduce(a, b=None, shift=None, relu=None):
+    """Per-channel float64 sums of a [M, C]: (sum a, sum a * b) (a through a fused ReLU's
+    gradient if relu: nhwc.channel_dots), or with `shift` the moments (sum a - shift,
+    sum (a - shift)^2)."""
     c = a.shape[1]
     threads = _k.max_threads()
     work = _workspace("reduce_work", (threads, 2 * c))
@@ -619,7 +620,7 @@ def _reduce(a, b=None, shift=None):
     if b is None:
         _k.channel_moments(a, shift, s1, s2, work, partial)
     else:
-        _k.channel_dots(a, b, s1, s2, work, partial)
+        _k.channel_dots(a, b, s1, s2, work, partial, relu)
     return s1, s2
 
 
@@ -684,16 +685,18 @@ class NHWCBatchNorm(BatchNorm):
         self.x_norm = _layer_buffer(self, "_x_norm_buf", x.shape)
         _k.channel_affine(x, mean, inv, _EMPTY, y, self.x_norm, True)
 
-    def forward_with_scale(self, bottom, top, scale):
+    def forward_with_scale(self, bottom, top, scale, relu=None):
         """This layer's forward and that of `scale` (an NHWCScale working in place on this
-        layer's top, see Net.fusions) in one pass: the top gets the Scale's output, the
-        normalized values stay in x_norm for the pair's backward (NHWCScale.backward_with_bn)."""
+        layer's top, see Net.fusions), and of `relu` (a ReLU in place after it) if given, in one
+        pass: the top gets the last one's output, the normalized values stay in x_norm for the
+        backward (NHWCScale.backward_with_bn)."""
         x, y = rows(bottom[0]), rows(top[0])
         mean, inv = self._statistics(x)
         self.x_norm = _layer_buffer(self, "_x_norm_buf", x.shape)
         gamma = scale.blobs[0].data
         beta = scale.blobs[1].data if scale.bias_term else np.zeros_like(gamma)
-        _k.bn_scale_forward(x, mean, inv, gamma, beta, y, self.x_norm)
+        _k.bn_scale_forward(x, mean, inv, gamma, beta, y, self.x_norm,
+                            None if relu is None else relu.slope)
         scale.fused_input = self.x_norm
 
     def backward(self, top, propagate_down, bottom):
@@ -766,34 +769,46 @@ class NHWCScale(_PerChannel, Scale):
             return self._saved_rows[:int(np.prod(shape))].reshape(shape)
         return rows(bottom[0])
 
-    def _param_grads(self, dy, x):
-        """Add the scale and bias gradients; returns the per-channel (sum dy, sum dy * x)."""
-        sums, dots = _reduce(dy, x)
+    def _param_grads(self, dy, x, relu=None):
+        """Add the scale and bias gradients; returns the per-channel (sum dy, sum dy * x), with
+        dy through the gradient of a fused ReLU if relu (its (gamma, beta, slope): the ReLU's
+        input is x * gamma + beta)."""
+        sums, dots = _reduce(dy, x, relu=relu)
         if self.bias_term and param_wanted(self, 1):
             self.blobs[1].diff[...] += sums
         if param_wanted(self, 0):
             self.blobs[0].diff[...] += dots
         return sums, dots
 
-    def backward_with_bn(self, top, bn, bn_bottom, bn_propagate):
+    def backward_with_bn(self, top, bn, bn_bottom, bn_propagate, relu=None):
         """This layer's backward and that of the BatchNorm `bn` whose forward it was fused with
-        (forward_with_scale), from one reduction: with dxn = gamma * dy, BatchNorm's sums are
-        gamma * sum dy and gamma * sum dy * xn. The BatchNorm's bottom diff (if bn_propagate)
-        is written here; the Net then skips bn's own backward."""
+        (forward_with_scale), and of the fused `relu` if given (top is then the ReLU's), from
+        one reduction: with dxn = gamma * dy, BatchNorm's sums are gamma * sum dy and
+        gamma * sum dy * xn; the ReLU's gradient is taken on the way, its input recomputed from
+        xn. The BatchNorm's bottom diff (if bn_propagate) is written here; the Net then skips
+        the other layers' own backward."""
         dy = rows(top[0], diff=True)
         xn = self.fused_input
-        sums, dots = self._param_grads(dy, xn)
+        gamma = self.blobs[0].data
+        fused = None
+        if relu is not None:
+            beta = self.blobs[1].data if self.bias_term else np.zeros_like(gamma)
+            fused = (gamma, beta, relu.slope)
+        sums, dots = self._param_grads(dy, xn, fused)
         if not bn_propagate:
             return
-        p = bn.inv_std.astype(np.float64) * self.blobs[0].data       # d x / d dy: gamma / std
+        p = bn.inv_std.astype(np.float64) * gamma       # d x / d dy: gamma / std
         dx = rows(bn_bottom, diff=True)
         if bn.use_global_stats:
-            _k.channel_affine(dy, np.zeros(len(p), np.float32), p.astype(np.float32), _EMPTY, dx,
-                              _EMPTY2)
+            zero = np.zeros(len(p), np.float32)
+            if fused is None:
+                _k.channel_affine(dy, zero, p.astype(np.float32), _EMPTY, dx, _EMPTY2)
+            else:
+                _k.bn_backward_apply(dy, xn, p.astype(np.float32), zero, zero, dx, fused)
             return
         m = max(dy.shape[0], 1)
         _k.bn_backward_apply(dy, xn, p.astype(np.float32), (-p * dots / m).astype(np.float32),
-                             (-p * sums / m).astype(np.float32), dx)
+                             (-p * sums / m).astype(np.float32), dx, fused)
 
     def backward(self, top, propagate_down, bottom):
         dy = rows(top[0], diff=True)

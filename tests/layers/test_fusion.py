@@ -1,7 +1,8 @@
-"""BatchNorm + Scale run as one on the fast path (Net.fusions, NHWCBatchNorm.forward_with_scale,
-NHWCScale.backward_with_bn): the fused net computes what the same net run layer by layer does
-(tops, parameter gradients, running statistics), in training and with global statistics, and
-a run that stops between the two layers sees each layer as written."""
+"""BatchNorm + Scale (+ ReLU) run as one on the fast path (Net.fusions,
+NHWCBatchNorm.forward_with_scale, NHWCScale.backward_with_bn): the fused net computes what the
+same net run layer by layer does (tops, parameter gradients, running statistics), in training
+and with global statistics, with a plain and a leaky ReLU, and a run that stops inside a unit
+sees each layer as written."""
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
 layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" %(bn)s }
 layer { name: "scale1" type: "Scale" bottom: "conv1" top: "conv1"
   scale_param { bias_term: true filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } } }
-layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" %(relu)s }
 layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
   convolution_param { num_output: 6 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
 layer { name: "bn2" type: "BatchNorm" bottom: "conv2" top: "bn2" %(bn)s }
@@ -29,9 +30,9 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "
 """
 
 
-def _nets(tmp_path, bn=""):
+def _nets(tmp_path, bn="", relu=""):
     path = tmp_path / "net.prototxt"
-    path.write_text(NET % {"bn": bn})
+    path.write_text(NET % {"bn": bn, "relu": relu})
     fused, plain = Net(str(path), caffepy.TRAIN), Net(str(path), caffepy.TRAIN)
     plain.fusions = {}
     rng = np.random.default_rng(3)
@@ -52,16 +53,19 @@ def _close(a, b, what):
     assert float(np.abs(a - b).max()) <= 2e-5 * max(0.1, float(np.abs(b).max())), what
 
 
-@pytest.mark.parametrize("bn", ["", "batch_norm_param { use_global_stats: true }"])
-def test_fused_pairs_compute_the_layers(tmp_path, bn):
-    fused, plain = _nets(tmp_path, bn)
-    names = [fused.layers[i].name for i in sorted(fused.fusions)]
-    assert names == ["bn1"]             # bn2 writes a top of its own: its diff is seen
+@pytest.mark.parametrize("relu", ["", "relu_param { negative_slope: 0.1 }"], ids=["relu", "leaky"])
+@pytest.mark.parametrize("bn", ["", "batch_norm_param { use_global_stats: true }"],
+                         ids=["batch", "global"])
+def test_fused_units_compute_the_layers(tmp_path, bn, relu):
+    fused, plain = _nets(tmp_path, bn, relu)
+    units = {fused.layers[i].name: fused.layers[j].name for i, j in fused.fusions.items()}
+    assert units == {"bn1": "relu1"}    # bn2 writes a top of its own: its diff is seen
     for step in range(2):              # the second step starts from updated running statistics
         for net in (fused, plain):
             net.clear_param_diffs()
         losses = [net.forward_backward() for net in (fused, plain)]
         assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+        assert (fused.blobs["conv1"].data < 0).any() == bool(relu)     # the ReLU's slope ran
         for name in plain.blobs:
             _close(fused.blobs[name].data, plain.blobs[name].data, f"{name} data, step {step}")
             _close(fused.blobs[name].diff, plain.blobs[name].diff, f"{name} diff, step {step}")
@@ -70,6 +74,27 @@ def test_fused_pairs_compute_the_layers(tmp_path, bn):
                 mine = fused.layer_dict[name].blobs[i]
                 _close(mine.data, blob.data, f"{name} blob {i}, step {step}")
                 _close(mine.diff, blob.diff, f"{name} blob {i} diff, step {step}")
+
+
+def test_a_relu_with_a_negative_slope_is_not_fused(tmp_path):
+    fused, _ = _nets(tmp_path, relu="relu_param { negative_slope: -0.5 }")
+    assert {fused.layers[i].name: fused.layers[j].name for i, j in fused.fusions.items()} == \
+        {"bn1": "scale1"}
+
+
+def test_a_run_that_stops_inside_a_unit_runs_its_layers_apart(tmp_path):
+    fused, plain = _nets(tmp_path)
+    relu = [layer.name for layer in fused.layers].index("relu1")
+    for net in (fused, plain):
+        net.forward_from_to(0, relu - 1)    # bn1 and scale1 fused, relu1 not run
+    _close(fused.blobs["conv1"].data, plain.blobs["conv1"].data, "before relu1")
+    assert (fused.blobs["conv1"].data < 0).any()
+    for net in (fused, plain):
+        net.forward_from_to(relu)
+        net.clear_param_diffs()
+        net.backward_from_to(end=relu - 1)  # relu1 and scale1 backward, not bn1
+    _close(fused.layer_dict["scale1"].blobs[0].diff, plain.layer_dict["scale1"].blobs[0].diff,
+           "scale1 gradient")
 
 
 def test_a_run_that_stops_between_the_pair_runs_them_apart(tmp_path):
@@ -91,7 +116,7 @@ def test_a_run_that_stops_between_the_pair_runs_them_apart(tmp_path):
 def test_caffes_algorithms_fuse_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("CAFFEPY_ENGINE", "CAFFE")
     path = tmp_path / "net.prototxt"
-    path.write_text(NET % {"bn": ""})
+    path.write_text(NET % {"bn": "", "relu": ""})
     assert Net(str(path), caffepy.TRAIN).fusions == {}
 
 

@@ -1,0 +1,64 @@
+/* Rows of a BatchNorm + Scale (+ ReLU) run as one (cext/nhwc.pyx), in C: `restrict` on the
+ * buffers no other argument shares, and the ReLU as a C conditional, let GCC vectorize the
+ * loops. In Cython the ReLU's select compiled to a branch (5-30x slower, depending on the
+ * data's signs), and even the loop without it ran 3x slower than this one (3136 x 512: 0.63
+ * against 0.22 ms). Without a ReLU the forward runs with slope 1, the identity.
+ *
+ * The ReLU's input is v = xn * gamma + beta; its gradient passes g where v > 0 and g * slope
+ * elsewhere, with v recomputed from the kept xn the way the forward computed it.
+ */
+
+/* xn = (x - sub) * mul; y = relu(xn * gamma + beta) (slope 1: no ReLU). y may be x. */
+static void caffepy_bn_scale_relu_rows(const float* x, float* y, float* restrict xn, long rows,
+                                       int C, const float* restrict sub,
+                                       const float* restrict mul, const float* restrict gamma,
+                                       const float* restrict beta, float slope) {
+    for (long r = 0; r < rows; r++) {
+        const float* xr = x + r * C;
+        float* yr = y + r * C;
+        float* restrict nr = xn + r * C;
+        for (int c = 0; c < C; c++) {
+            float z = (xr[c] - sub[c]) * mul[c];
+            float v = z * gamma[c] + beta[c];
+            nr[c] = z;
+            yr[c] = v > 0.0f ? v : v * slope;
+        }
+    }
+}
+
+/* s1 = sum of g, s2 = sum of g * xn over the rows (g = dy through the ReLU), per channel. */
+static void caffepy_relu_dots_rows(const float* restrict dy, const float* restrict xn, long rows,
+                                   int C, const float* restrict gamma,
+                                   const float* restrict beta, float slope, float* restrict s1,
+                                   float* restrict s2) {
+    for (int c = 0; c < C; c++) {
+        s1[c] = 0.0f;
+        s2[c] = 0.0f;
+    }
+    for (long r = 0; r < rows; r++) {
+        const float* restrict gr = dy + r * C;
+        const float* restrict nr = xn + r * C;
+        for (int c = 0; c < C; c++) {
+            float g = nr[c] * gamma[c] + beta[c] > 0.0f ? gr[c] : gr[c] * slope;
+            s1[c] += g;
+            s2[c] += g * nr[c];
+        }
+    }
+}
+
+/* dx = p * g + q * xn + r per channel (g = dy through the ReLU). dx may be dy. */
+static void caffepy_bn_relu_grad_rows(const float* dy, const float* restrict xn, float* dx,
+                                      long rows, int C, const float* restrict p,
+                                      const float* restrict q, const float* restrict r,
+                                      const float* restrict gamma, const float* restrict beta,
+                                      float slope) {
+    for (long i = 0; i < rows; i++) {
+        const float* gi = dy + i * C;
+        const float* restrict ni = xn + i * C;
+        float* di = dx + i * C;
+        for (int c = 0; c < C; c++) {
+            float g = ni[c] * gamma[c] + beta[c] > 0.0f ? gi[c] : gi[c] * slope;
+            di[c] = p[c] * g + q[c] * ni[c] + r[c];
+        }
+    }
+}
