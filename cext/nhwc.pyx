@@ -1093,7 +1093,7 @@ cdef void _dots_rows(const float* a, const float* b, Py_ssize_t rows, int C, flo
             s2[c] = s2[c] + ar[c] * br[c]
 
 
-cdef extern from "bn_relu_rows.h" nogil:
+cdef extern from "nhwc_bn_rows.h" nogil:
     void caffepy_bn_scale_relu_rows(const float* x, float* y, float* xn, long rows, int C,
                                     const float* sub, const float* mul, const float* gamma,
                                     const float* beta, float slope)
