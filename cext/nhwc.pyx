@@ -1323,6 +1323,28 @@ def bn_backward_apply(const float[:, ::1] dy, const float[:, ::1] xn, const floa
 
 
 # ---------------------------------------------------------------------------------------------
+# Concat along channels: a run of each pixel's channels, copied pixel by pixel on threads.
+
+def copy_columns(const float[:, ::1] src, int s0, float[:, ::1] dst, int d0, int n):
+    """dst[:, d0:d0 + n] = src[:, s0:s0 + n] (rows: pixels; columns: channels)."""
+    cdef Py_ssize_t M = src.shape[0], r, task, lo, hi, rows
+    need_shape("copy_columns", "dst rows", (dst.shape[0],), (M,))
+    need(0 <= s0 and n >= 0 and s0 + n <= src.shape[1], "copy_columns", "s0, n",
+         f"must lie within src's {src.shape[1]} columns", (s0, n))
+    need(0 <= d0 and d0 + n <= dst.shape[1], "copy_columns", "d0, n",
+         f"must lie within dst's {dst.shape[1]} columns", (d0, n))
+    if M == 0 or n == 0:
+        return
+    rows = max(1, (1 << 14) // n)
+    for task in prange((M + rows - 1) // rows, nogil=True, schedule="static",
+                       num_threads=threads_for(M * n)):
+        lo = task * rows
+        hi = min(lo + rows, M)
+        for r in range(lo, hi):
+            memcpy(&dst[r, d0], &src[r, s0], n * sizeof(float))
+
+
+# ---------------------------------------------------------------------------------------------
 # LRN across channels: per pixel, scale = k + alpha/size * sum of x^2 over the `size` channels
 # centred on c (zero past the ends), y = x * scale^-beta. The backward recomputes the scale:
 #     dx = dy * scale^-beta - 2 alpha beta / size * x * window sum of dy * x * scale^(-beta-1)

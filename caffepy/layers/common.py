@@ -45,13 +45,13 @@ class Split(Layer):
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        diff = bottom[0].raw_diff
+        diff = bottom[0].raw_diff.reshape(-1)       # the tops share the bottom's layout
         if len(top) == 1:
-            diff[...] = top[0].raw_diff
+            kernels.copy(top[0].raw_diff.reshape(-1), diff)
             return
-        np.add(top[0].raw_diff, top[1].raw_diff, out=diff)
+        kernels.add(top[0].raw_diff.reshape(-1), top[1].raw_diff.reshape(-1), diff)
         for t in top[2:]:
-            diff += t.raw_diff
+            kernels.add(diff, t.raw_diff.reshape(-1), diff)
 
 
 @register
@@ -266,7 +266,10 @@ class Eltwise(Layer):
     def forward(self, bottom, top):
         y = top[0].data
         xs = [b.data for b in bottom]
-        if self.op == self.SUM:
+        if self.op == self.SUM and self.coeff == [1.0, 1.0] and _one_layout(bottom + top):
+            kernels.add(bottom[0].raw_data.reshape(-1), bottom[1].raw_data.reshape(-1),
+                        top[0].raw_data.reshape(-1))       # ResNet's shortcut sum, threaded
+        elif self.op == self.SUM:
             if self.coeff[0] == 1 and self.coeff[1] == 1:
                 np.add(xs[0], xs[1], out=y)
                 rest = 2
@@ -297,7 +300,9 @@ class Eltwise(Layer):
                 continue
             dx = b.diff
             if self.op == self.SUM:
-                if self.coeff[i] == 1:
+                if self.coeff[i] == 1 and _one_layout([b, top[0]]):
+                    kernels.copy(top[0].raw_diff.reshape(-1), b.raw_diff.reshape(-1))
+                elif self.coeff[i] == 1:
                     np.copyto(dx, dy)
                 else:
                     np.multiply(dy, np.float32(self.coeff[i]), out=dx)
@@ -312,6 +317,13 @@ class Eltwise(Layer):
                     dx *= dy
             else:
                 np.multiply(dy, self.mask == i, out=dx)
+
+
+def _one_layout(blobs):
+    """The blobs store their values in one layout (so elementwise work can run on them as
+    stored, flat)."""
+    return all(b.layout == blobs[0].layout and b.raw_data.shape == blobs[0].raw_data.shape
+               for b in blobs)
 
 
 def _no_in_place(layer, bottom, top):

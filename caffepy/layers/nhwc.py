@@ -865,15 +865,15 @@ class NHWCConcat(Concat):
         self.runs = list(zip(bounds[:-1], bounds[1:]))
 
     def forward(self, bottom, top):
-        y = top[0].raw_data
+        y = rows(top[0])
         for b, (lo, hi) in zip(bottom, self.runs):
-            y[..., lo:hi] = b.raw_data
+            _k.copy_columns(rows(b), 0, y, int(lo), int(hi - lo))
 
     def backward(self, top, propagate_down, bottom):
-        dy = top[0].raw_diff
+        dy = rows(top[0], diff=True)
         for b, (lo, hi), down in zip(bottom, self.runs, propagate_down):
             if down:
-                b.raw_diff[...] = dy[..., lo:hi]
+                _k.copy_columns(dy, int(lo), rows(b, diff=True), 0, int(hi - lo))
 
 
 @register(variant=NHWC)

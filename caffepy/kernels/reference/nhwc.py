@@ -1,7 +1,8 @@
 """NumPy references of the channels-last layout of the fast path's kernels (cext/nhwc.pyx,
-caffepy.kernels.nhwc): pack, unpack and reverse_axes. The channels-last convolution (GEMM, depthwise, the
-Winograd of cext/winograd.pyx), pooling, BatchNorm, Scale and LRN are compared, unpacked, with
-the NCHW references of reference/vision.py, reference/normalization.py and reference/common.py.
+caffepy.kernels.nhwc): pack, unpack, reverse_axes and copy_columns. The channels-last
+convolution (GEMM, depthwise, the Winograd of cext/winograd.pyx), pooling, BatchNorm, Scale and
+LRN are compared, unpacked, with the NCHW references of reference/vision.py,
+reference/normalization.py and reference/common.py.
 """
 import numpy as np
 
@@ -20,3 +21,10 @@ def reverse_axes(src):
     """[A, B, S] -> [S, B, A]: convolution weights between Caffe's [O, C, kh * kw] and the
     channels-last GEMMs' [kh * kw, C, O]."""
     return np.ascontiguousarray(np.asarray(src).transpose(2, 1, 0))
+
+
+def copy_columns(src, s0, dst, d0, n):
+    """dst with dst[:, d0:d0 + n] = src[:, s0:s0 + n] (the channels-last Concat), a new array."""
+    out = dst.copy()
+    out[:, d0:d0 + n] = src[:, s0:s0 + n]
+    return out
