@@ -89,6 +89,9 @@ CASES = [
          expected=lambda x, layer: ip_ref(x, layer)),
     Case("InnerProduct", f"inner_product_param {{ num_output: 3 transpose: true {GAUSS} }}", [randn(4, 6)],
          expected=lambda x, layer: ip_ref(x, layer, transpose=True)),
+    # few rows against many outputs: the forward computes y^T = W x^T
+    Case("InnerProduct", f"inner_product_param {{ num_output: 9 {GAUSS} }}", [X4[:, :, :2, :2]],
+         expected=lambda x, layer: ip_ref(x, layer)),
     Case("InnerProduct", f"inner_product_param {{ num_output: 3 axis: 2 bias_term: false {GAUSS} }}",
          [randn(2, 3, 4)], expected=lambda x, layer: ip_ref(x, layer, axis=2)),
     Case("InnerProduct", f"inner_product_param {{ num_output: 2 axis: -1 transpose: true {GAUSS} }}",
