@@ -40,8 +40,11 @@ def bench(name, spec, rounds, rng):
     pad = r // 2
     at, g, bt = winograd.matrices(m, r)
     a = m + r - 1
-    u = np.empty((a * a, O, C // group), np.float32)
-    winograd.weight_transform(rng.standard_normal((O, C // group, r, r), dtype=np.float32), g, u)
+    w = rng.standard_normal((O, C // group, r, r), dtype=np.float32)
+    u = np.empty((a * a, O, C // group), np.float32)          # the backward's layout
+    winograd.weight_transform(w, g, u)
+    ut = np.empty((a * a, C, O // group), np.float32)          # the forward's
+    winograd.weight_transform(w, g, ut, group)
     bias = np.zeros(-(-O // v) * v, np.float32)
     if blocked:
         x = rng.standard_normal((N, -(-C // v), H, H, v), dtype=np.float32)
@@ -65,7 +68,7 @@ def bench(name, spec, rounds, rng):
         vb, mb = vmem[:int(np.prod(vs))].reshape(vs), mmem[:int(np.prod(ms))].reshape(ms)
 
         def fwd(vb=vb, mb=mb):
-            forward(x, u, bias, y, vb, mb, at, bt, width, O, m, r, pad, pad, group)
+            forward(x, ut, bias, y, vb, mb, at, bt, width, O, m, r, pad, pad, group)
 
         def bwd(vb=vb, mb=mb):
             backward(x, u, dy, dx, du, vb, mb, at, bt, width, O, m, r, pad, pad, group, True, True)

@@ -254,15 +254,16 @@ cdef void _inputs(const WGeom* g, const float* x, int n0, Py_ssize_t t0, Py_ssiz
                      w, vb + i * g.cpad + cb * V, pstride, V, g.xp, _lanes(g, cb, g.C))
 
 
-cdef void _fwd_gemms(const WGeom* g, const float* u, Py_ssize_t count, const float* vb,
+cdef void _fwd_gemms(const WGeom* g, const float* ut, Py_ssize_t count, const float* vb,
                      float* mb, int j0, int j1) noexcept nogil:
-    """M_p = V_p U_p^T for the (position, group) pairs j0 <= j < j1 (j = p * group + gr)."""
+    """M_p = V_p U_p^T for the (position, group) pairs j0 <= j < j1 (j = p * group + gr), with
+    U in the forward's layout (weight_transform with group): each block read untransposed."""
     cdef int j, p, gr
     cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
     for j in range(j0, j1):
         p, gr = j // g.group, j % g.group
-        gemm_ld(False, True, <int>count, g.Og, g.Cg, 1.0, vb + p * vstride + gr * g.Cg,
-                <int>g.cpad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
+        gemm_ld(False, False, <int>count, g.Og, g.Cg, 1.0, vb + p * vstride + gr * g.Cg,
+                <int>g.cpad, ut + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Og,
                 0.0, mb + p * mstride + gr * g.Og, <int>g.opad)
 
 
@@ -380,6 +381,8 @@ cdef void _bwd_task(const WGeom* g, const float* x, const float* u, const float*
 cdef extern from "winograd_tiles.h" nogil:
     void wg_weights(const float* w, float* u, const float* gm, int O, int Cg, int r, int a,
                     int o0, int o1)
+    void wg_weights_t(const float* w, float* u, const float* gm, int O, int Cg, int r, int a,
+                      int og, int gc0, int gc1)
     void wg_weight_grad(const float* du, float* dw, const float* gm, int O, int Cg, int r, int a,
                         int o0, int o1)
 
@@ -392,15 +395,32 @@ cdef _check_weights(str kernel, str wname, w, str uname, u, gm):
     need_shape(kernel, uname, tuple(u.shape[:3]), (a * a, O, Cg))
 
 
-def weight_transform(const float[:, :, :, ::1] w, const float[:, ::1] gm, float[:, :, ::1] u):
-    """u[i * a + j, o, c] = (G W[o, c] G^T)[i, j]; w is [O, Cg, r, r], gm is G [a, r]."""
-    _check_weights("weight_transform", "w", w, "u", u, gm)
-    cdef int O = w.shape[0], o
+def weight_transform(const float[:, :, :, ::1] w, const float[:, ::1] gm, float[:, :, ::1] u,
+                     int group=0):
+    """u[i * a + j, o, c] = (G W[o, c] G^T)[i, j]; w is [O, Cg, r, r], gm is G [a, r]. With
+    group > 0, the forward's layout: u [a*a, group * Cg, O / group], each group's block
+    transposed: u[i * a + j, g * Cg + c, k] for output o = g * (O / group) + k."""
+    cdef int O = w.shape[0], Cg = w.shape[1], o, og = 0
+    if group > 0:
+        need(O % group == 0, "weight_transform", "group", f"must divide {O} outputs", group)
+        og = O // group
+        need_shape("weight_transform", "u", dims(u.shape, 3),
+                   (gm.shape[0] * gm.shape[0], group * Cg, og))
+        need(w.shape[3] == w.shape[2] and gm.shape[1] == w.shape[2] and 1 <= gm.shape[0] <= MAX_A,
+             "weight_transform", "w, gm", "need square kernels and G [a, r]",
+             (dims(w.shape, 4), dims(gm.shape, 2)))
+    else:
+        _check_weights("weight_transform", "w", w, "u", u, gm)
+    cdef int nt = threads_for(u.shape[0] * u.shape[1] * u.shape[2] * w.shape[2]), gc
     with nogil:
-        for o in prange(O, schedule="static", num_threads=threads_for(u.shape[0] * u.shape[1]
-                                                                       * u.shape[2] * w.shape[2])):
-            wg_weights(&w[0, 0, 0, 0], &u[0, 0, 0], &gm[0, 0], O, w.shape[1], w.shape[2],
-                       gm.shape[0], o, o + 1)
+        if og:
+            for gc in prange(group * Cg, schedule="static", num_threads=nt):
+                wg_weights_t(&w[0, 0, 0, 0], &u[0, 0, 0], &gm[0, 0], O, Cg, w.shape[2],
+                             gm.shape[0], og, gc, gc + 1)
+        else:
+            for o in prange(O, schedule="static", num_threads=nt):
+                wg_weights(&w[0, 0, 0, 0], &u[0, 0, 0], &gm[0, 0], O, Cg, w.shape[2],
+                           gm.shape[0], o, o + 1)
 
 
 def weight_grad_add(const float[:, :, ::1] du, const float[:, ::1] gm, float[:, :, :, ::1] dw):
@@ -561,7 +581,7 @@ cdef void _spread_backward(const WGeom* g, const float* x, const float* u, const
 
 
 cdef _check_forward(str kernel, const WGeom* g, u, bias):
-    need_shape(kernel, "u", tuple(u.shape[:3]), (g.a * g.a, g.O, g.Cg))
+    need_shape(kernel, "u", tuple(u.shape[:3]), (g.a * g.a, g.group * g.Cg, g.Og))
     need_shape(kernel, "bias", tuple(bias.shape[:1]), (g.opad,))
 
 
@@ -577,7 +597,8 @@ def conv_forward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
                  float[:, :, :, ::1] vbuf, float[:, :, :, ::1] mbuf,
                  const float[:, ::1] at, const float[:, ::1] bt,
                  int C, int O, int m, int r, int ph, int pw, int group):
-    """y (blocked, O channels) = conv(x, W) + bias with U = G W G^T given as u[a*a, O, Cg].
+    """y (blocked, O channels) = conv(x, W) + bias with U = G W G^T in the forward's layout,
+    u[a*a, group * Cg, O / group] (weight_transform with group; the backward takes the other).
 
     bias: O values padded to a whole number of blocks (zeros for no bias).
     Scratch vbuf, mbuf as `scratch_shapes` gives them (one slice per thread).

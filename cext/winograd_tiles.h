@@ -223,6 +223,7 @@ static void wg_dx(const float *dv, long pstride, int m, int a, const float *bm, 
  * are read and written WG_CB floats at a time. */
 #define WG_CB 8
 
+/* U = G W G^T for outputs o0 <= o < o1 into u[a*a, O, Cg] (the backward's layout). */
 static void wg_weights(const float *restrict w, float *restrict u, const float *restrict gm,
                        int O, int Cg, int r, int a, int o0, int o1)
 {
@@ -238,6 +239,30 @@ static void wg_weights(const float *restrict w, float *restrict u, const float *
             for (int p = 0; p < a * a; p++)
                 memcpy(u + p * ps + (long)o * Cg + c0, res + p * WG_CB, sizeof(float) * nc);
         }
+}
+
+/* The same U for the input channels gc0 <= gc < gc1 (gc = group * Cg + c) into the forward's
+ * layout u[a*a, O / og * Cg, og]: per group of og outputs its Cg x og block, which the forward's
+ * GEMMs read untransposed (this BLAS runs the small ones faster so). Runs of WG_CB outputs at a
+ * time, so that every store is a contiguous run. */
+static void wg_weights_t(const float *restrict w, float *restrict u, const float *restrict gm,
+                         int O, int Cg, int r, int a, int og, int gc0, int gc1)
+{
+    long ps = (long)O * Cg;
+    float x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB];
+    for (int gc = gc0; gc < gc1; gc++) {
+        int gr = gc / Cg, c = gc % Cg;
+        for (int k0 = 0; k0 < og; k0 += WG_CB) {
+            int nk = og - k0 < WG_CB ? og - k0 : WG_CB;
+            for (int q = 0; q < r * r; q++)
+                for (int v = 0; v < WG_CB; v++)
+                    x[q * WG_CB + v] = v < nk
+                        ? w[(((long)gr * og + k0 + v) * Cg + c) * r * r + q] : 0.f;
+            wg_sandwich(gm, a, r, x, tmp, res, WG_CB);          /* G W G^T */
+            for (int p = 0; p < a * a; p++)
+                memcpy(u + p * ps + (long)gc * og + k0, res + p * WG_CB, sizeof(float) * nk);
+        }
+    }
 }
 
 static void wg_weight_grad(const float *restrict du, float *restrict dw, const float *restrict gm,

@@ -293,12 +293,18 @@ class BlockedConvolution(Layer):
         self.blobs[0].diff.reshape(grad.shape)[...] += grad
 
     # -- Winograd -----------------------------------------------------------------------------
-    def _wino_setup(self, n, h, w):
-        """(matrices, U of the current weights, vbuf, mbuf) for F(tile, kernel)."""
+    def _wino_setup(self, n, h, w, forward):
+        """(matrices, U of the current weights, vbuf, mbuf) for F(tile, kernel); U in the
+        forward's layout or the backward's (cext/winograd.pyx)."""
         m, r = self.tile, self.kh
         at, gm, bt = winograd_matrices(m, r)
-        u = _workspace("wino_u", ((m + r - 1) ** 2, self.num_output, self.channels // self.group))
-        _winograd.weight_transform(self.blobs[0].data, gm, u)
+        a2, o, cg = (m + r - 1) ** 2, self.num_output, self.channels // self.group
+        if forward:
+            u = _workspace("wino_u", (a2, self.group * cg, o // self.group))
+            _winograd.weight_transform(self.blobs[0].data, gm, u, self.group)
+        else:
+            u = _workspace("wino_u", (a2, o, cg))
+            _winograd.weight_transform(self.blobs[0].data, gm, u)
         vshape, mshape = _winograd.scratch_shapes(_k.max_threads(), n, self.channels, self.num_output,
                                                   h, w, self.width, m, r, self.ph, self.pw,
                                                   self.group)
@@ -306,7 +312,7 @@ class BlockedConvolution(Layer):
 
     def _wino_forward(self, bottom, top):
         n, _, h, w, v = bottom[0].shape
-        at, bt, _, u, vbuf, mbuf = self._wino_setup(n, h, w)
+        at, bt, _, u, vbuf, mbuf = self._wino_setup(n, h, w, True)
         bias = _workspace("wino_bias", (blocks(self.num_output, v) * v,))
         bias[...] = 0
         if self.bias_term:
@@ -317,7 +323,7 @@ class BlockedConvolution(Layer):
 
     def _wino_backward(self, top, propagate_down, bottom, need_w, need_b):
         n, _, h, w, v = bottom[0].shape
-        at, bt, gm, u, vbuf, mbuf = self._wino_setup(n, h, w)
+        at, bt, gm, u, vbuf, mbuf = self._wino_setup(n, h, w, False)
         du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else _NO_DU
         m, r, g = self.tile, self.kh, self.group
         for i, (b, t) in enumerate(zip(bottom, top)):

@@ -364,21 +364,26 @@ class _Winograd:
         self.v = block_width()
         self.ph, self.pw = L.window.pad
         a = m + self.r - 1
-        self.u_shape = (a * a, L.num_output, L.channels // L.group)
+        self.u_shape = (a * a, L.num_output, L.channels // L.group)       # the backward's layout
+        self.ut_shape = (a * a, L.channels, L.num_output // L.group)      # the forward's
         self.vshape, self.mshape = _winograd.scratch_shapes(_k.max_threads(), n, L.channels,
                                                             L.num_output, h, w, self.v, m, self.r,
                                                             self.ph, self.pw, L.group)
 
-    def _setup(self):
+    def _setup(self, forward):
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, self.r)
-        u = _workspace("wino_u", self.u_shape)
-        _winograd.weight_transform(L.blobs[0].data, gm, u)
+        if forward:
+            u = _workspace("wino_u", self.ut_shape)
+            _winograd.weight_transform(L.blobs[0].data, gm, u, L.group)
+        else:
+            u = _workspace("wino_u", self.u_shape)
+            _winograd.weight_transform(L.blobs[0].data, gm, u)
         return at, bt, gm, u, _workspace("wino_v", self.vshape), _workspace("wino_m", self.mshape)
 
     def forward(self, bottom, top):
         L = self.layer
-        at, bt, _, u, vbuf, mbuf = self._setup()
+        at, bt, _, u, vbuf, mbuf = self._setup(True)
         bias = _workspace("wino_bias", (self.mshape[3],))
         bias[...] = 0
         if L.bias_term:
@@ -389,7 +394,7 @@ class _Winograd:
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
-        at, bt, gm, u, vbuf, mbuf = self._setup()
+        at, bt, gm, u, vbuf, mbuf = self._setup(False)
         du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else np.zeros((1, 1, 1, 1), np.float32)
         for i, (b, t) in enumerate(zip(bottom, top)):
             need_x = bool(propagate_down[i])

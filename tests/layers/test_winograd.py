@@ -38,8 +38,8 @@ def test_float32_error_stays_small(m, r):
     x = rng.standard_normal((N, C, H, H)).astype(np.float32)
     w = (rng.standard_normal((O, C, r, r)) * 0.05).astype(np.float32)
     at, g, bt = winograd.matrices(m, r)
-    u = np.empty(((m + r - 1) ** 2, O, C), np.float32)
-    winograd.weight_transform(w, g, u)
+    u = np.empty(((m + r - 1) ** 2, C, O), np.float32)        # the forward's layout
+    winograd.weight_transform(w, g, u, 1)
     vshape, mshape = winograd.scratch_shapes(1, N, C, O, H, H, width, m, r, pad, pad)
     y = np.empty((N, H, H, O), np.float32)
     winograd.conv_forward_nhwc(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), u, np.zeros(O, np.float32),
@@ -48,6 +48,22 @@ def test_float32_error_stays_small(m, r):
     want = ref.conv_forward(x.astype(np.float64), w.astype(np.float64), np.zeros(O), (pad, pad),
                             (1, 1), (1, 1), 1)
     assert np.abs(y.transpose(0, 3, 1, 2) - want).max() <= 2e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_weight_transform_layouts_hold_the_same_values(group):
+    """The forward's layout [a*a, group * Cg, Og] is each group's block of the backward's
+    [a*a, O, Cg] transposed."""
+    O, Cg, m, r = 12, 5, 4, 3
+    w = randn(O, Cg, r, r, seed=21)
+    _, g, _ = winograd.matrices(m, r)
+    u = np.empty(((m + r - 1) ** 2, O, Cg), np.float32)
+    ut = np.full(((m + r - 1) ** 2, group * Cg, O // group), np.nan, np.float32)
+    winograd.weight_transform(w, g, u)
+    winograd.weight_transform(w, g, ut, group)
+    og = O // group
+    want = u.reshape(-1, group, og, Cg).transpose(0, 1, 3, 2).reshape(ut.shape)
+    np.testing.assert_array_equal(ut, want)
 
 
 def test_matrices_refuse_a_tile_too_large():
@@ -194,8 +210,10 @@ def test_passes_split_and_span_images(budget, spread, threads, group):
     N, C, O, H, W, m, r, pad, width = 5, 20, 36, 14, 22, 4, 3, 1, 8
     x, w = randn(N, C, H, W, seed=11), randn(O, C // group, r, r, seed=12)
     at, g, bt = winograd.matrices(m, r)
-    u = np.empty(((m + r - 1) ** 2, O, C // group), np.float32)
+    u = np.empty(((m + r - 1) ** 2, O, C // group), np.float32)      # the backward's layout
     winograd.weight_transform(w, g, u)
+    ut = np.empty(((m + r - 1) ** 2, C, O // group), np.float32)     # the forward's
+    winograd.weight_transform(w, g, ut, group)
     vshape, mshape = winograd.scratch_shapes(threads, N, C, O, H, W, width, m, r, pad, pad, group, budget,
                                              spread)
     task_tiles = -(-N // threads) * 4 * 6
@@ -208,7 +226,7 @@ def test_passes_split_and_span_images(budget, spread, threads, group):
     bias[:O] = randn(O, seed=13)
     xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
     y = np.empty((N, H, W, O), np.float32)
-    winograd.conv_forward_nhwc(xl, u, bias, y, vbuf, mbuf, at, bt, width, O, m, r, pad, pad, group)
+    winograd.conv_forward_nhwc(xl, ut, bias, y, vbuf, mbuf, at, bt, width, O, m, r, pad, pad, group)
     want = ref.conv_forward(x, w, bias[:O], (pad, pad), (1, 1), (1, 1), group)
     np.testing.assert_allclose(y.transpose(0, 3, 1, 2), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
