@@ -254,17 +254,29 @@ cdef void _inputs(const WGeom* g, const float* x, int n0, Py_ssize_t t0, Py_ssiz
                      w, vb + i * g.cpad + cb * V, pstride, V, g.xp, _lanes(g, cb, g.C))
 
 
+cdef inline Py_ssize_t _vblock(const WGeom* g, int j) noexcept nogil:
+    """Offset of pair j's block in the V buffer (j = p * group + gr: tile position p, group gr)."""
+    return (j // g.group) * g.tiles * g.cpad + (j % g.group) * g.Cg
+
+
+cdef inline Py_ssize_t _mblock(const WGeom* g, int j) noexcept nogil:
+    """Offset of pair j's block in the M buffer."""
+    return (j // g.group) * g.tiles * g.opad + (j % g.group) * g.Og
+
+
+cdef inline Py_ssize_t _ublock(const WGeom* g, int j) noexcept nogil:
+    """Offset of pair j's Og x Cg block of U, in either layout of weight_transform."""
+    return (<Py_ssize_t>(j // g.group) * g.O + (j % g.group) * g.Og) * g.Cg
+
+
 cdef void _fwd_gemms(const WGeom* g, const float* ut, Py_ssize_t count, const float* vb,
                      float* mb, int j0, int j1) noexcept nogil:
     """M_p = V_p U_p^T for the (position, group) pairs j0 <= j < j1 (j = p * group + gr), with
     U in the forward's layout (weight_transform with group): each block read untransposed."""
-    cdef int j, p, gr
-    cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+    cdef int j
     for j in range(j0, j1):
-        p, gr = j // g.group, j % g.group
-        gemm_ld(False, False, <int>count, g.Og, g.Cg, 1.0, vb + p * vstride + gr * g.Cg,
-                <int>g.cpad, ut + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Og,
-                0.0, mb + p * mstride + gr * g.Og, <int>g.opad)
+        gemm_ld(False, False, <int>count, g.Og, g.Cg, 1.0, vb + _vblock(g, j), <int>g.cpad,
+                ut + _ublock(g, j), g.Og, 0.0, mb + _mblock(g, j), <int>g.opad)
 
 
 cdef void _outputs(const WGeom* g, const float* bias, float* y, int n0, Py_ssize_t t0,
@@ -304,25 +316,19 @@ cdef void _dms(const WGeom* g, const float* dy, int n0, Py_ssize_t t0, Py_ssize_
 cdef void _weight_gemms(const WGeom* g, Py_ssize_t count, const float* vb, const float* mb,
                         float* du, float beta, int j0, int j1) noexcept nogil:
     """dU_p = V_p^T dM_p + beta * dU_p for the pairs j0 <= j < j1."""
-    cdef int j, p, gr
-    cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+    cdef int j
     for j in range(j0, j1):
-        p, gr = j // g.group, j % g.group
-        gemm_ld(True, False, g.Og, g.Cg, <int>count, 1.0, mb + p * mstride + gr * g.Og,
-                <int>g.opad, vb + p * vstride + gr * g.Cg, <int>g.cpad, beta,
-                du + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg)
+        gemm_ld(True, False, g.Og, g.Cg, <int>count, 1.0, mb + _mblock(g, j), <int>g.opad,
+                vb + _vblock(g, j), <int>g.cpad, beta, du + _ublock(g, j), g.Cg)
 
 
 cdef void _data_gemms(const WGeom* g, const float* u, Py_ssize_t count, const float* mb,
                       float* vb, int j0, int j1) noexcept nogil:
     """dV_p = dM_p U_p for the pairs j0 <= j < j1 (into the V buffer)."""
-    cdef int j, p, gr
-    cdef Py_ssize_t vstride = g.tiles * g.cpad, mstride = g.tiles * g.opad
+    cdef int j
     for j in range(j0, j1):
-        p, gr = j // g.group, j % g.group
-        gemm_ld(False, False, <int>count, g.Cg, g.Og, 1.0, mb + p * mstride + gr * g.Og,
-                <int>g.opad, u + (<Py_ssize_t>p * g.O + gr * g.Og) * g.Cg, g.Cg,
-                0.0, vb + p * vstride + gr * g.Cg, <int>g.cpad)
+        gemm_ld(False, False, <int>count, g.Cg, g.Og, 1.0, mb + _mblock(g, j), <int>g.opad,
+                u + _ublock(g, j), g.Cg, 0.0, vb + _vblock(g, j), <int>g.cpad)
 
 
 cdef void _dxs(const WGeom* g, float* dx, int n0, Py_ssize_t t0, Py_ssize_t count,

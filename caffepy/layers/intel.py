@@ -174,6 +174,21 @@ def winograd_matrices(m, r):
     return _winograd.matrices(m, r)
 
 
+def winograd_weights(weights, gm, group, forward, workspace):
+    """U = G W G^T of `weights` [O, Cg, r, r] (gm = G [a, r]) in a workspace ("wino_u"), in the
+    forward's layout [a*a, group * Cg, O / group] or the backward's [a*a, O, Cg]
+    (cext/winograd.pyx); `workspace(name, shape)` is the calling layer family's."""
+    o, cg = weights.shape[:2]
+    a2 = gm.shape[0] ** 2
+    if forward:
+        u = workspace("wino_u", (a2, group * cg, o // group))
+        _winograd.weight_transform(weights, gm, u, group)
+    else:
+        u = workspace("wino_u", (a2, o, cg))
+        _winograd.weight_transform(weights, gm, u)
+    return u
+
+
 def _blocked_bottom(layer, b, index=0):
     if b.layout is None or b.num_axes != 5:
         raise layer.error(f"bottom[{index}]", f"blob '{b.name}' should be blocked", b.shape,
@@ -298,13 +313,7 @@ class BlockedConvolution(Layer):
         forward's layout or the backward's (cext/winograd.pyx)."""
         m, r = self.tile, self.kh
         at, gm, bt = winograd_matrices(m, r)
-        a2, o, cg = (m + r - 1) ** 2, self.num_output, self.channels // self.group
-        if forward:
-            u = _workspace("wino_u", (a2, self.group * cg, o // self.group))
-            _winograd.weight_transform(self.blobs[0].data, gm, u, self.group)
-        else:
-            u = _workspace("wino_u", (a2, o, cg))
-            _winograd.weight_transform(self.blobs[0].data, gm, u)
+        u = winograd_weights(self.blobs[0].data, gm, self.group, forward, _workspace)
         vshape, mshape = _winograd.scratch_shapes(_k.max_threads(), n, self.channels, self.num_output,
                                                   h, w, self.width, m, r, self.ph, self.pw,
                                                   self.group)

@@ -31,7 +31,8 @@ from ..errors import CaffepyError, ShapeError
 from ..layer import NHWC, OWN, Layer, register
 from ..proto import caffe_pb2
 from .common import Bias, Concat, Scale, param_wanted, refuse_concat_fusion
-from .intel import WINOGRAD_TILES, block_width, winograd_matrices, winograd_tile
+from .intel import (WINOGRAD_TILES, block_width, winograd_matrices, winograd_tile,
+                    winograd_weights)
 from .normalization import LRN, BatchNorm
 from .vision import Convolution, Pooling
 
@@ -363,9 +364,6 @@ class _Winograd:
         self.name = f"winograd F({m},{self.r})"
         self.v = block_width()
         self.ph, self.pw = L.window.pad
-        a = m + self.r - 1
-        self.u_shape = (a * a, L.num_output, L.channels // L.group)       # the backward's layout
-        self.ut_shape = (a * a, L.channels, L.num_output // L.group)      # the forward's
         self.vshape, self.mshape = _winograd.scratch_shapes(_k.max_threads(), n, L.channels,
                                                             L.num_output, h, w, self.v, m, self.r,
                                                             self.ph, self.pw, L.group)
@@ -373,12 +371,7 @@ class _Winograd:
     def _setup(self, forward):
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, self.r)
-        if forward:
-            u = _workspace("wino_u", self.ut_shape)
-            _winograd.weight_transform(L.blobs[0].data, gm, u, L.group)
-        else:
-            u = _workspace("wino_u", self.u_shape)
-            _winograd.weight_transform(L.blobs[0].data, gm, u)
+        u = winograd_weights(L.blobs[0].data, gm, L.group, forward, _workspace)
         return at, bt, gm, u, _workspace("wino_v", self.vshape), _workspace("wino_m", self.mshape)
 
     def forward(self, bottom, top):
