@@ -14,38 +14,40 @@
 
 #define WG_INLINE static inline __attribute__((always_inline))
 
-/* dst[r][j] = sum_k L[r][k] src[k][j]  (L: R x K; rows of n floats) */
-WG_INLINE void wg_left(const float *restrict L, int R, int K, const float *restrict src, int n,
-                       float *restrict dst)
-{
-    for (int r = 0; r < R; r++) {
-        float *restrict d = dst + r * n;
-        for (int j = 0; j < n; j++)
-            d[j] = 0.f;
-        for (int k = 0; k < K; k++) {
-            float c = L[r * K + k];
-            if (c != 0.f) {
-                const float *restrict s = src + k * n;
-                for (int j = 0; j < n; j++)
-                    d[j] += c * s[j];
-            }
-        }
-    }
-}
+/* The small products below work on elements of V floats (a pixel's lanes): element (i, j) of
+ * an R x J matrix of them lives at base + (i * J + j) * stride, so a transform can read or write
+ * the tile buffers, one tile position `pstride` apart, in place.
+ *
+ * Lanes go eight at a time in a vector variable when V allows, which GCC keeps in a register
+ * across the sum (in a float array it kept every partial sum in memory, a load and a store per
+ * term); 256 bits is native with AVX2, and Zen 4 splits 512-bit operations anyway. */
+typedef float wg_v8 __attribute__((vector_size(32), aligned(4), may_alias));
 
-/* dst[r][j] = sum_k src[r][k] M[j][k]  (M: J x K; elements of V floats) */
-WG_INLINE void wg_right(const float *restrict src, int R, int K, const float *restrict M, int J,
-                        float *restrict dst, int V)
+/* dst (r, j) = sum_k L[r][k] src (k, j), for r < R, j < J, k < K (L: R x K) */
+WG_INLINE void wg_left(const float *restrict L, int R, int K, int J, const float *restrict src,
+                       long ss, float *restrict dst, long ds, int V)
 {
     for (int r = 0; r < R; r++)
         for (int j = 0; j < J; j++) {
-            float *restrict d = dst + (r * J + j) * V;
+            float *restrict d = dst + (r * J + j) * ds;
+            if (V % 8 == 0) {
+                for (int q = 0; q < V; q += 8) {
+                    wg_v8 acc = {0};
+                    for (int k = 0; k < K; k++) {
+                        float c = L[r * K + k];
+                        if (c != 0.f)
+                            acc += c * *(const wg_v8 *)(src + (k * J + j) * ss + q);
+                    }
+                    *(wg_v8 *)(d + q) = acc;
+                }
+                continue;
+            }
             for (int v = 0; v < V; v++)
                 d[v] = 0.f;
             for (int k = 0; k < K; k++) {
-                float c = M[j * K + k];
+                float c = L[r * K + k];
                 if (c != 0.f) {
-                    const float *restrict s = src + (r * K + k) * V;
+                    const float *restrict s = src + (k * J + j) * ss;
                     for (int v = 0; v < V; v++)
                         d[v] += c * s[v];
                 }
@@ -53,12 +55,45 @@ WG_INLINE void wg_right(const float *restrict src, int R, int K, const float *re
         }
 }
 
-/* dst [R][R][V] = M src M^T for src [K][K][V] and M [R][K]; tmp holds R * K * V floats */
-WG_INLINE void wg_sandwich(const float *restrict M, int R, int K, const float *restrict src,
-                           float *restrict tmp, float *restrict dst, int V)
+/* dst (r, j) = sum_k src (r, k) M[j][k], for r < R, j < J, k < K (M: J x K) */
+WG_INLINE void wg_right(const float *restrict src, int R, int K, long ss, const float *restrict M,
+                        int J, float *restrict dst, long ds, int V)
 {
-    wg_left(M, R, K, src, K * V, tmp);
-    wg_right(tmp, R, K, M, R, dst, V);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) {
+            float *restrict d = dst + (r * J + j) * ds;
+            if (V % 8 == 0) {
+                for (int q = 0; q < V; q += 8) {
+                    wg_v8 acc = {0};
+                    for (int k = 0; k < K; k++) {
+                        float c = M[j * K + k];
+                        if (c != 0.f)
+                            acc += c * *(const wg_v8 *)(src + (r * K + k) * ss + q);
+                    }
+                    *(wg_v8 *)(d + q) = acc;
+                }
+                continue;
+            }
+            for (int v = 0; v < V; v++)
+                d[v] = 0.f;
+            for (int k = 0; k < K; k++) {
+                float c = M[j * K + k];
+                if (c != 0.f) {
+                    const float *restrict s = src + (r * K + k) * ss;
+                    for (int v = 0; v < V; v++)
+                        d[v] += c * s[v];
+                }
+            }
+        }
+}
+
+/* dst [R][R] = M src M^T for src [K][K] (element strides ss, ds) and M [R][K]; tmp holds R * K
+ * elements */
+WG_INLINE void wg_sandwich(const float *restrict M, int R, int K, const float *restrict src,
+                           long ss, float *restrict tmp, float *restrict dst, long ds, int V)
+{
+    wg_left(M, R, K, K, src, ss, tmp, V, V);
+    wg_right(tmp, R, K, V, M, R, dst, ds, V);
 }
 
 /* out[p * pstride] = (BT d BT^T)[p] for the a x a tile of plane x [H][W] (pixel stride ps) at
@@ -67,7 +102,7 @@ WG_INLINE void wg_input_v(const float *restrict x, int H, int W, int iy0, int ix
                           const float *restrict bt, float *restrict w, float *restrict out,
                           long pstride, int V, long ps, int nv)
 {
-    float *restrict d = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
+    float *restrict d = w, *restrict tmp = w + a * a * V;
     int inside = iy0 >= 0 && ix0 >= 0 && iy0 + a <= H && ix0 + a <= W;
     for (int i = 0; i < a; i++) {
         int iy = iy0 + i;
@@ -86,9 +121,7 @@ WG_INLINE void wg_input_v(const float *restrict x, int H, int W, int iy0, int ix
                 memset(e, 0, sizeof(float) * V);
         }
     }
-    wg_sandwich(bt, a, a, d, tmp, res, V);
-    for (int p = 0; p < a * a; p++)
-        memcpy(out + p * pstride, res + p * V, sizeof(float) * V);
+    wg_sandwich(bt, a, a, d, V, tmp, out, pstride, V);
 }
 
 /* The m x m output tile of plane y [oh][ow] (pixel stride ps) at (oy0, ox0) = AT M AT^T + bias,
@@ -99,10 +132,8 @@ WG_INLINE void wg_output_v(const float *restrict mb, long pstride, int m, int a,
                            float *restrict y, int oh, int ow, int oy0, int ox0,
                            float *restrict w, int V, long ps, int pad_lanes)
 {
-    float *restrict mt = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
-    for (int p = 0; p < a * a; p++)
-        memcpy(mt + p * V, mb + p * pstride, sizeof(float) * V);
-    wg_sandwich(at, m, a, mt, tmp, res, V);
+    float *restrict tmp = w, *restrict res = tmp + a * a * V;
+    wg_sandwich(at, m, a, mb, pstride, tmp, res, V, V);
     for (int i = 0; i < m && oy0 + i < oh; i++)
         for (int j = 0; j < m && ox0 + j < ow; j++) {
             float *restrict o = y + ((long)(oy0 + i) * ow + ox0 + j) * ps;
@@ -127,7 +158,7 @@ WG_INLINE void wg_dy_v(const float *restrict dy, int oh, int ow, int oy0, int ox
                        const float *restrict am, float *restrict w, float *restrict out,
                        long pstride, int V, long ps, int nv)
 {
-    float *restrict t = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
+    float *restrict t = w, *restrict tmp = w + a * a * V;
     for (int i = 0; i < m; i++)
         for (int j = 0; j < m; j++) {
             float *restrict e = t + (i * m + j) * V;
@@ -138,9 +169,7 @@ WG_INLINE void wg_dy_v(const float *restrict dy, int oh, int ow, int oy0, int ox
             } else
                 memset(e, 0, sizeof(float) * V);
         }
-    wg_sandwich(am, a, m, t, tmp, res, V);
-    for (int p = 0; p < a * a; p++)
-        memcpy(out + p * pstride, res + p * V, sizeof(float) * V);
+    wg_sandwich(am, a, m, t, V, tmp, out, pstride, V);
 }
 
 /* Plane dx [H][W] (pixel stride ps) at the a x a tile (iy0, ix0), inside the plane, lanes < nv,
@@ -150,10 +179,14 @@ WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const floa
                        float *restrict w, int V, long ps)
 {
     float *restrict t = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
-    for (int p = 0; p < a * a; p++)
-        for (int v = 0; v < V; v++)
-            t[p * V + v] = v < nv ? dv[p * pstride + v] : 0.f;
-    wg_sandwich(bm, a, a, t, tmp, res, V);
+    if (nv == V)
+        wg_sandwich(bm, a, a, dv, pstride, tmp, res, V, V);
+    else {                      /* lanes past nv hold no data: zeros, not whatever is there */
+        for (int p = 0; p < a * a; p++)
+            for (int v = 0; v < V; v++)
+                t[p * V + v] = v < nv ? dv[p * pstride + v] : 0.f;
+        wg_sandwich(bm, a, a, t, V, tmp, res, V, V);
+    }
     for (int i = 0; i < a; i++) {
         int iy = iy0 + i;
         if (iy < 0 || iy >= H)
@@ -188,6 +221,8 @@ WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const floa
     else if (m == 2 && a == 6) { const int m_ = 2, a_ = 6; WG_LANES(call) }              \
     else if (m == 2 && a == 4) { const int m_ = 2, a_ = 4; WG_LANES(call) }              \
     else if (m == 3 && a == 5) { const int m_ = 3, a_ = 5; WG_LANES(call) }              \
+    else if (m == 5 && a == 7) { const int m_ = 5, a_ = 7; WG_LANES(call) }              \
+    else if (m == 4 && a == 8) { const int m_ = 4, a_ = 8; WG_LANES(call) }              \
     else { const int m_ = m, a_ = a; WG_LANES(call) }
 
 static void wg_input(const float *x, int H, int W, int iy0, int ix0, int m, int a,
@@ -235,7 +270,7 @@ static void wg_weights(const float *restrict w, float *restrict u, const float *
             for (int q = 0; q < r * r; q++)
                 for (int v = 0; v < WG_CB; v++)
                     x[q * WG_CB + v] = v < nc ? w[((long)o * Cg + c0 + v) * r * r + q] : 0.f;
-            wg_sandwich(gm, a, r, x, tmp, res, WG_CB);          /* G W G^T */
+            wg_sandwich(gm, a, r, x, WG_CB, tmp, res, WG_CB, WG_CB);          /* G W G^T */
             for (int p = 0; p < a * a; p++)
                 memcpy(u + p * ps + (long)o * Cg + c0, res + p * WG_CB, sizeof(float) * nc);
         }
@@ -258,7 +293,7 @@ static void wg_weights_t(const float *restrict w, float *restrict u, const float
                 for (int v = 0; v < WG_CB; v++)
                     x[q * WG_CB + v] = v < nk
                         ? w[(((long)gr * og + k0 + v) * Cg + c) * r * r + q] : 0.f;
-            wg_sandwich(gm, a, r, x, tmp, res, WG_CB);          /* G W G^T */
+            wg_sandwich(gm, a, r, x, WG_CB, tmp, res, WG_CB, WG_CB);          /* G W G^T */
             for (int p = 0; p < a * a; p++)
                 memcpy(u + p * ps + (long)gc * og + k0, res + p * WG_CB, sizeof(float) * nk);
         }
@@ -279,7 +314,7 @@ static void wg_weight_grad(const float *restrict du, float *restrict dw, const f
             for (int p = 0; p < a * a; p++)
                 for (int v = 0; v < WG_CB; v++)
                     x[p * WG_CB + v] = v < nc ? du[p * ps + (long)o * Cg + c0 + v] : 0.f;
-            wg_sandwich(gt, r, a, x, tmp, res, WG_CB);          /* G^T dU G */
+            wg_sandwich(gt, r, a, x, WG_CB, tmp, res, WG_CB, WG_CB);          /* G^T dU G */
             for (int q = 0; q < r * r; q++)
                 for (int v = 0; v < nc; v++)
                     dw[((long)o * Cg + c0 + v) * r * r + q] += res[q * WG_CB + v];

@@ -189,6 +189,13 @@ def winograd_weights(weights, gm, group, forward, workspace):
     return u
 
 
+def winograd_buffers(vshape, mshape, workspace):
+    """The tile buffers (vbuf, mbuf) of scratch_shapes in a workspace ("wino_v", "wino_m"), their
+    positions spaced by cext/winograd.pyx's scratch_view."""
+    return tuple(_winograd.scratch_view(workspace(name, (_winograd.scratch_floats(shape),)), shape)
+                 for name, shape in (("wino_v", vshape), ("wino_m", mshape)))
+
+
 def _blocked_bottom(layer, b, index=0):
     if b.layout is None or b.num_axes != 5:
         raise layer.error(f"bottom[{index}]", f"blob '{b.name}' should be blocked", b.shape,
@@ -317,7 +324,7 @@ class BlockedConvolution(Layer):
         vshape, mshape = _winograd.scratch_shapes(_k.max_threads(), n, self.channels, self.num_output,
                                                   h, w, self.width, m, r, self.ph, self.pw,
                                                   self.group)
-        return at, bt, gm, u, _workspace("wino_v", vshape), _workspace("wino_m", mshape)
+        return (at, bt, gm, u) + winograd_buffers(vshape, mshape, _workspace)
 
     def _wino_forward(self, bottom, top):
         n, _, h, w, v = bottom[0].shape

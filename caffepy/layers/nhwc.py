@@ -32,7 +32,7 @@ from ..layer import NHWC, OWN, Layer, register
 from ..proto import caffe_pb2
 from .common import Bias, Concat, Scale, param_wanted, refuse_concat_fusion
 from .intel import (WINOGRAD_TILES, block_width, winograd_matrices, winograd_tile,
-                    winograd_weights)
+                    winograd_buffers, winograd_weights)
 from .normalization import LRN, BatchNorm
 from .vision import Convolution, Pooling
 
@@ -372,7 +372,7 @@ class _Winograd:
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, self.r)
         u = winograd_weights(L.blobs[0].data, gm, L.group, forward, _workspace)
-        return at, bt, gm, u, _workspace("wino_v", self.vshape), _workspace("wino_m", self.mshape)
+        return (at, bt, gm, u) + winograd_buffers(self.vshape, self.mshape, _workspace)
 
     def forward(self, bottom, top):
         L = self.layer

@@ -201,12 +201,14 @@ def test_winograd_gradient_is_numerically_right():
                          ids=["short-passes", "one-pass", "spread"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("group", [1, 2])
-def test_passes_split_and_span_images(budget, spread, threads, group):
+@pytest.mark.parametrize("spaced", [False, True], ids=["contiguous", "spaced"])
+def test_passes_split_and_span_images(budget, spread, threads, group, spaced):
     """A thread's task (whole images) runs in passes of scratch_shapes' size. With a tiny budget
     and one thread a pass is 30 tiles (MIN_ROWS, evened out): it ends inside an image (4 x 6 =
     24 tiles) and runs on into the next. With a huge one it is the whole task. Spread, the
     threads share one pass over the batch (each GEMM over every tile). All give the
-    reference's values; the data gradient sums the tiles of one image across passes."""
+    reference's values; the data gradient sums the tiles of one image across passes. Spaced,
+    the buffers are the layers' (scratch_view), with NaN between the tile positions."""
     N, C, O, H, W, m, r, pad, width = 5, 20, 36, 14, 22, 4, 3, 1, 8
     x, w = randn(N, C, H, W, seed=11), randn(O, C // group, r, r, seed=12)
     at, g, bt = winograd.matrices(m, r)
@@ -221,7 +223,12 @@ def test_passes_split_and_span_images(budget, spread, threads, group):
         assert vshape[0] == 1 and vshape[2] == N * 4 * 6
     else:
         assert vshape[0] == threads and (vshape[2] < task_tiles) == (budget == 1)
-    vbuf, mbuf = np.empty(vshape, np.float32), np.empty(mshape, np.float32)
+    if spaced:
+        vbuf, mbuf = (winograd.scratch_view(np.full(winograd.scratch_floats(s), np.nan, np.float32), s)
+                      for s in (vshape, mshape))
+        assert not vbuf.flags.c_contiguous and not mbuf.flags.c_contiguous
+    else:
+        vbuf, mbuf = np.empty(vshape, np.float32), np.empty(mshape, np.float32)
     bias = np.zeros(-(-O // width) * width, np.float32)
     bias[:O] = randn(O, seed=13)
     xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
@@ -242,3 +249,29 @@ def test_passes_split_and_span_images(budget, spread, threads, group):
     np.testing.assert_allclose(dx.transpose(0, 3, 1, 2), want_dx, rtol=1e-4,
                                atol=1e-4 * np.abs(want_dx).max())
     np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-4 * np.abs(want_dw).max())
+
+
+@pytest.mark.parametrize("rows,cols", [(44, 256), (44, 96), (1, 16), (64, 64), (3, 5)])
+def test_tile_positions_are_spaced_off_page_multiples(rows, cols):
+    """Positions one cache line past a multiple of 4 KB: the a*a positions of a tile (a*a <= 64)
+    then fall in different cache sets; a view of the buffer is cache-line aligned."""
+    s = winograd.position_stride(rows, cols)
+    assert rows * cols <= s < rows * cols + 1024 and s % 1024 == 16
+    shape = (2, 64, rows, cols)
+    view = winograd.scratch_view(np.zeros(winograd.scratch_floats(shape), np.float32), shape)
+    assert view.shape == shape and view.strides[1] == 4 * s and view.ctypes.data % 64 == 0
+    with pytest.raises(ValueError, match="scratch_view: raw"):
+        winograd.scratch_view(np.zeros(rows * cols, np.float32), shape)
+
+
+def test_overlapping_tile_positions_are_refused():
+    N, C, O, H, m, r, width = 1, 8, 8, 6, 2, 3, 8
+    at, g, bt = winograd.matrices(m, r)
+    vshape, mshape = winograd.scratch_shapes(1, N, C, O, H, H, width, m, r, 1, 1)
+    raw = np.zeros(vshape[2] * vshape[3] * 2, np.float32)
+    squeezed = np.lib.stride_tricks.as_strided(raw, vshape, (0, 4 * width, 4 * vshape[3], 4))
+    with pytest.raises(ValueError, match="vbuf, mbuf: need contiguous rows"):
+        winograd.conv_forward_nhwc(np.zeros((N, H, H, C), np.float32), np.zeros((16, C, O), np.float32),
+                                   np.zeros(O, np.float32), np.zeros((N, H, H, O), np.float32),
+                                   squeezed, np.zeros(mshape, np.float32), at, bt, width, O, m, r, 1,
+                                   1, 1)
