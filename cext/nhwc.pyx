@@ -22,7 +22,6 @@ reference/normalization.py on the packed arrays (tests/layers/test_nhwc.py).
 from cython.parallel cimport prange, threadid
 cimport openmp
 from libc.float cimport FLT_MAX
-from libc.math cimport powf, sqrtf
 from libc.stdint cimport int32_t
 from libc.string cimport memcpy, memset
 from cpython cimport array
@@ -1345,100 +1344,14 @@ def copy_columns(const float[:, ::1] src, int s0, float[:, ::1] dst, int d0, int
 
 
 # ---------------------------------------------------------------------------------------------
-# LRN across channels: per pixel, scale = k + alpha/size * sum of x^2 over the `size` channels
-# centred on c (zero past the ends), y = x * scale^-beta. The backward recomputes the scale:
-#     dx = dy * scale^-beta - 2 alpha beta / size * x * window sum of dy * x * scale^(-beta-1)
-# A pixel's channels are contiguous: the window sums are `size` shifted loads of a row padded
-# with `pre` zeros on each side, in the task's work memory.
+# LRN across channels: the rows are C (cext/nhwc_lrn_rows.h).
 
-cdef void _window(const float* row, float* acc, int C, int size) noexcept nogil:
-    """acc[c] = row[c] + ... + row[c + size - 1] (row holds pre zeros, C values, pre zeros)."""
-    cdef int c, e
-    if size == 5:
-        for c in range(C):
-            acc[c] = row[c] + row[c + 1] + row[c + 2] + row[c + 3] + row[c + 4]
-        return
-    for c in range(C):
-        acc[c] = row[c]
-    for e in range(1, size):
-        for c in range(C):
-            acc[c] = acc[c] + row[c + e]
-
-
-cdef void _neg_pow(const float* s, float* out, int C, float beta, int kind) noexcept nogil:
-    """out = s^-beta, one loop per power kind so that each vectorizes."""
-    cdef int c
-    cdef float r
-    if kind == _POW_075:
-        for c in range(C):
-            r = sqrtf(s[c])
-            out[c] = 1.0 / (r * sqrtf(r))
-    elif kind == _POW_050:
-        for c in range(C):
-            out[c] = 1.0 / sqrtf(s[c])
-    elif kind == _POW_100:
-        for c in range(C):
-            out[c] = 1.0 / s[c]
-    else:
-        for c in range(C):
-            out[c] = powf(s[c], -beta)
-
-
-cdef void _lrn_fwd_rows(const float* x, float* y, Py_ssize_t rows, int C, int size, float k,
-                        float a, float beta, int kind, float* w) noexcept nogil:
-    cdef int pre = (size - 1) // 2, c
-    cdef Py_ssize_t r
-    cdef float* row = w
-    cdef float* s = w + C + 2 * pre
-    cdef float* pw = s + C
-    cdef const float* xr
-    cdef float* yr
-    for c in range(pre):
-        row[c] = 0.0
-        row[pre + C + c] = 0.0
-    for r in range(rows):
-        xr = x + r * C
-        yr = y + r * C
-        for c in range(C):
-            row[pre + c] = xr[c] * xr[c]
-        _window(row, s, C, size)
-        for c in range(C):
-            s[c] = k + a * s[c]
-        _neg_pow(s, pw, C, beta, kind)
-        for c in range(C):
-            yr[c] = xr[c] * pw[c]
-
-
-cdef void _lrn_bwd_rows(const float* x, const float* dy, float* dx, Py_ssize_t rows, int C,
-                        int size, float k, float a, float beta, int kind, float cache,
-                        float* w) noexcept nogil:
-    cdef int pre = (size - 1) // 2, c
-    cdef Py_ssize_t r
-    cdef float* row = w
-    cdef float* s = w + C + 2 * pre
-    cdef float* pw = s + C
-    cdef const float* xr
-    cdef const float* gr
-    cdef float* dr
-    for c in range(pre):
-        row[c] = 0.0
-        row[pre + C + c] = 0.0
-    for r in range(rows):
-        xr = x + r * C
-        gr = dy + r * C
-        dr = dx + r * C
-        for c in range(C):
-            row[pre + c] = xr[c] * xr[c]
-        _window(row, s, C, size)
-        for c in range(C):
-            s[c] = k + a * s[c]
-        _neg_pow(s, pw, C, beta, kind)
-        # row <- dy * x * scale^(-beta - 1); its window sum is the cross-channel term
-        for c in range(C):
-            row[pre + c] = gr[c] * xr[c] * pw[c] / s[c]
-        _window(row, s, C, size)
-        for c in range(C):
-            dr[c] = gr[c] * pw[c] - cache * xr[c] * s[c]
+cdef extern from "nhwc_lrn_rows.h" nogil:
+    void caffepy_lrn_forward_rows(const float* x, float* y, long rows, int C, int size, float k,
+                                  float a, float beta, int kind, float* w)
+    void caffepy_lrn_backward_rows(const float* x, const float* dy, float* dx, long rows, int C,
+                                   int size, float k, float a, float beta, int kind, float cache,
+                                   float* w)
 
 
 def lrn_work_size(int C, int size):
@@ -1463,8 +1376,9 @@ def lrn_forward(const float[:, ::1] x, float[:, ::1] y, int size, float alpha, f
         for task in prange(_row_tasks(M), schedule="static", num_threads=nt):
             tid = threadid()
             r0 = task * _ROWS
-            _lrn_fwd_rows(&x[0, 0] + r0 * C, &y[0, 0] + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C,
-                          size, k, alpha / size, beta, kind, &work[tid, 0])
+            caffepy_lrn_forward_rows(&x[0, 0] + r0 * C, &y[0, 0] + r0 * C,
+                                     min(<Py_ssize_t>_ROWS, M - r0), C, size, k, alpha / size,
+                                     beta, kind, &work[tid, 0])
 
 
 def lrn_backward(const float[:, ::1] x, const float[:, ::1] dy, float[:, ::1] dx, int size,
@@ -1484,6 +1398,7 @@ def lrn_backward(const float[:, ::1] x, const float[:, ::1] dy, float[:, ::1] dx
         for task in prange(_row_tasks(M), schedule="static", num_threads=nt):
             tid = threadid()
             r0 = task * _ROWS
-            _lrn_bwd_rows(&x[0, 0] + r0 * C, &dy[0, 0] + r0 * C, &dx[0, 0] + r0 * C,
-                          min(<Py_ssize_t>_ROWS, M - r0), C, size, k, alpha / size, beta, kind,
-                          2.0 * alpha * beta / size, &work[tid, 0])
+            caffepy_lrn_backward_rows(&x[0, 0] + r0 * C, &dy[0, 0] + r0 * C,
+                                      &dx[0, 0] + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C,
+                                      size, k, alpha / size, beta, kind,
+                                      2.0 * alpha * beta / size, &work[tid, 0])
