@@ -2,8 +2,9 @@
  * the work buffers do not alias, and without it GCC keeps every sum in memory, scalar).
  *
  * A tile is [rows][cols][V] floats: V channels of one pixel, contiguous. Each transform is one
- * sandwich M X M^T of small matrices in the thread's work memory (3 * a * a * V floats), stored
- * once. The wg_* entry points dispatch on V so the lane loops have a constant trip count.
+ * sandwich M X M^T of small matrices, reading or writing the GEMMs' tile buffers in place, with
+ * the thread's work memory (3 * a * a * V floats) for the rest. The wg_* entry points dispatch
+ * on V and the tile size so the loops have constant trip counts.
  *
  * An image plane is read and written through its pixel stride `ps`: V for the blocked layout
  * (a block's plane [H][W][V]), the channel count for the channels-last one ([H][W][C], the block
