@@ -61,11 +61,12 @@ def bench(name, spec, rounds, rng):
     du = np.empty((threads,) + u.shape, np.float32)
     shapes = {label: winograd.scratch_shapes(threads, N, C, O, H, H, v, m, r, pad, pad, group, budget)
               for label, budget in (("rule", winograd.PASS_BYTES), ("one pass", ONE_PASS))}
-    size = max(int(np.prod(s)) for pair in shapes.values() for s in pair)
+    size = max(winograd.scratch_floats(s) for pair in shapes.values() for s in pair)
     vmem, mmem = np.empty(size, np.float32), np.empty(size, np.float32)
     runs = {}
     for label, (vs, ms) in shapes.items():
-        vb, mb = vmem[:int(np.prod(vs))].reshape(vs), mmem[:int(np.prod(ms))].reshape(ms)
+        # the layers' buffers: tile positions spaced off page multiples (winograd_buffers)
+        vb, mb = winograd.scratch_view(vmem, vs), winograd.scratch_view(mmem, ms)
 
         def fwd(vb=vb, mb=mb):
             forward(x, ut, bias, y, vb, mb, at, bt, width, O, m, r, pad, pad, group)
