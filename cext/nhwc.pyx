@@ -21,7 +21,6 @@ reference/normalization.py on the packed arrays (tests/layers/test_nhwc.py).
 
 from cython.parallel cimport prange, threadid
 cimport openmp
-from libc.float cimport FLT_MAX
 from libc.stdint cimport int32_t
 from libc.string cimport memcpy, memset
 from cpython cimport array
@@ -904,33 +903,9 @@ cdef _check_pool(str kernel, str xname, x, str yname, y, int kh, int kw, int sh,
          kernel, yname, f"has windows past {xname} {tuple(x.shape[:4])}", tuple(y.shape[:4]))
 
 
-cdef void _max_row(const float* x, float* y, int32_t* mask, int H, int W, int C, int ow,
-                   int py, int kh, int kw, int sh, int sw, int ph, int pw) noexcept nogil:
-    cdef int px, h, w, hs, he, ws, we, c
-    cdef int32_t at
-    cdef const float* src
-    cdef float* out
-    cdef int32_t* mk
-    hs = py * sh - ph
-    he = min(hs + kh, H)
-    hs = max(hs, 0)
-    for px in range(ow):
-        ws = px * sw - pw
-        we = min(ws + kw, W)
-        ws = max(ws, 0)
-        out = y + <Py_ssize_t>px * C
-        mk = mask + <Py_ssize_t>px * C
-        for c in range(C):
-            out[c] = -FLT_MAX
-            mk[c] = -1
-        for h in range(hs, he):
-            for w in range(ws, we):
-                src = x + (<Py_ssize_t>h * W + w) * C
-                at = h * W + w
-                # strict '>' keeps the first maximum in row-major order (Caffe's rule)
-                for c in range(C):
-                    mk[c] = at if src[c] > out[c] else mk[c]
-                    out[c] = src[c] if src[c] > out[c] else out[c]
+cdef extern from "nhwc_pool_rows.h" nogil:
+    void caffepy_max_row(const float* x, float* y, int32_t* mask, int H, int W, int C, int ow,
+                         int py, int kh, int kw, int sh, int sw, int ph, int pw)
 
 
 def pool_max_forward(const float[:, :, :, ::1] x, float[:, :, :, ::1] y, int32_t[:, :, :, ::1] mask,
@@ -947,10 +922,10 @@ def pool_max_forward(const float[:, :, :, ::1] x, float[:, :, :, ::1] y, int32_t
         for item in prange(<Py_ssize_t>N * oh, schedule="static",
                            num_threads=threads_for(<Py_ssize_t>N * oh * ow * C * kh * kw)):
             n = item // oh
-            _max_row(&x[0, 0, 0, 0] + n * H * W * C,
-                     &y[0, 0, 0, 0] + (n * oh + item % oh) * ow * C,
-                     &mask[0, 0, 0, 0] + (n * oh + item % oh) * ow * C, H, W, C, ow,
-                     <int>(item % oh), kh, kw, sh, sw, ph, pw)
+            caffepy_max_row(&x[0, 0, 0, 0] + n * H * W * C,
+                            &y[0, 0, 0, 0] + (n * oh + item % oh) * ow * C,
+                            &mask[0, 0, 0, 0] + (n * oh + item % oh) * ow * C, H, W, C, ow,
+                            <int>(item % oh), kh, kw, sh, sw, ph, pw)
 
 
 def pool_max_backward(const float[:, :, :, ::1] dy, const int32_t[:, :, :, ::1] mask,

@@ -339,3 +339,18 @@ def test_kernels_refuse_mismatched_arguments():
     with pytest.raises(ValueError, match=r"channel_affine: mul: needs shape \(8,\)"):
         kernels.channel_affine(x.reshape(16, 8), np.zeros(8, np.float32), np.zeros(3, np.float32),
                                np.zeros(0, np.float32), x.reshape(16, 8), np.zeros((0, 0), np.float32))
+
+
+@pytest.mark.parametrize("channels", [8, 12, 3])
+def test_max_pool_mask_keeps_the_first_maximum(channels):
+    """Ties go to the first window position in row-major order (Caffe's rule), in the runs of
+    eight channels and in the channels after them alike; padding is never the maximum."""
+    x = np.zeros((1, 4, 4, channels), np.float32)
+    x[0, 2, 1:3, :] = 5.0           # a tie at (2, 1) and (2, 2) in the last window, zeros before
+    y = np.empty((1, 2, 2, channels), np.float32)
+    mask = np.empty((1, 2, 2, channels), np.int32)
+    kernels.pool_max_forward(x, y, mask, 3, 3, 2, 2, 1, 1)
+    # windows: rows -1..1 / 1..3, cols -1..1 / 1..3 (padding ignored)
+    np.testing.assert_array_equal(mask[0, :, :, 0], [[0, 1], [9, 9]])
+    np.testing.assert_array_equal(y[0, :, :, 0], [[0, 0], [5, 5]])
+    assert (mask == mask[..., :1]).all() and (y == y[..., :1]).all()
