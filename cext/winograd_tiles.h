@@ -27,61 +27,33 @@
  * of sums across j, for more independent sums, went back to memory (41 ms). */
 typedef float wg_v8 __attribute__((vector_size(32), aligned(4), may_alias));
 
-/* dst (r, j) = sum_k L[r][k] src (k, j), for r < R, j < J, k < K (L: R x K) */
-WG_INLINE void wg_left(const float *restrict L, int R, int K, int J, const float *restrict src,
-                       long ss, float *restrict dst, long ds, int V)
+/* dst (r, j) = sum_k c[r * cr + j * cj + k] * src (r, j, k), for r < R, j < J, k < K, with
+ * src (r, j, k) at src + r * sr + j * sj + k * sk and dst (r, j) at dst + (r * J + j) * ds
+ * (offsets in floats): a left product takes its coefficient row by r, a right one by j. */
+WG_INLINE void wg_product(const float *restrict c, int cr, int cj, int R, int J, int K,
+                          const float *restrict src, long sr, long sj, long sk,
+                          float *restrict dst, long ds, int V)
 {
     for (int r = 0; r < R; r++)
         for (int j = 0; j < J; j++) {
+            const float *restrict cc = c + r * cr + j * cj;
+            const float *restrict s = src + r * sr + j * sj;
             float *restrict d = dst + (r * J + j) * ds;
             if (V % 8 == 0) {
                 for (int q = 0; q < V; q += 8) {
                     wg_v8 acc = {0};
                     for (int k = 0; k < K; k++)
-                        acc += L[r * K + k] * *(const wg_v8 *)(src + (k * J + j) * ss + q);
+                        acc += cc[k] * *(const wg_v8 *)(s + k * sk + q);
                     *(wg_v8 *)(d + q) = acc;
                 }
                 continue;
             }
             for (int v = 0; v < V; v++)
                 d[v] = 0.f;
-            for (int k = 0; k < K; k++) {
-                float c = L[r * K + k];
-                if (c != 0.f) {
-                    const float *restrict s = src + (k * J + j) * ss;
+            for (int k = 0; k < K; k++)
+                if (cc[k] != 0.f)
                     for (int v = 0; v < V; v++)
-                        d[v] += c * s[v];
-                }
-            }
-        }
-}
-
-/* dst (r, j) = sum_k src (r, k) M[j][k], for r < R, j < J, k < K (M: J x K) */
-WG_INLINE void wg_right(const float *restrict src, int R, int K, long ss, const float *restrict M,
-                        int J, float *restrict dst, long ds, int V)
-{
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++) {
-            float *restrict d = dst + (r * J + j) * ds;
-            if (V % 8 == 0) {
-                for (int q = 0; q < V; q += 8) {
-                    wg_v8 acc = {0};
-                    for (int k = 0; k < K; k++)
-                        acc += M[j * K + k] * *(const wg_v8 *)(src + (r * K + k) * ss + q);
-                    *(wg_v8 *)(d + q) = acc;
-                }
-                continue;
-            }
-            for (int v = 0; v < V; v++)
-                d[v] = 0.f;
-            for (int k = 0; k < K; k++) {
-                float c = M[j * K + k];
-                if (c != 0.f) {
-                    const float *restrict s = src + (r * K + k) * ss;
-                    for (int v = 0; v < V; v++)
-                        d[v] += c * s[v];
-                }
-            }
+                        d[v] += cc[k] * s[k * sk + v];
         }
 }
 
@@ -90,8 +62,9 @@ WG_INLINE void wg_right(const float *restrict src, int R, int K, long ss, const 
 WG_INLINE void wg_sandwich(const float *restrict M, int R, int K, const float *restrict src,
                            long ss, float *restrict tmp, float *restrict dst, long ds, int V)
 {
-    wg_left(M, R, K, K, src, ss, tmp, V, V);
-    wg_right(tmp, R, K, V, M, R, dst, ds, V);
+    /* tmp (r, j) = sum_k M[r][k] src (k, j);  dst (r, j) = sum_k tmp (r, k) M[j][k] */
+    wg_product(M, K, 0, R, K, K, src, 0, ss, K * ss, tmp, V, V);
+    wg_product(M, 0, K, R, R, K, tmp, (long)K * V, 0, V, dst, ds, V);
 }
 
 /* e[0 .. V) = the nv floats at src, then zeros; of constant size when nv == V, so GCC inlines
