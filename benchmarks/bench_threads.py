@@ -17,8 +17,9 @@ Cases (benchmarks/prototxt/: BVLC's example nets, Data swapped for constant Dumm
 Contenders, each in its own process: caffepy with default settings (OMP_NUM_THREADS and the
 OpenMP / OpenBLAS variables removed from its environment), caffepy with OMP_NUM_THREADS=1, and
 with --control a second caffepy with OMP_NUM_THREADS=1 (the same
-contender twice: how far apart noise alone puts two figures), with --spinning caffepy with a team of every core that spins between regions as OpenMP does by
-default (GOMP_SPINCOUNT=300000, OPENBLAS_THREAD_TIMEOUT=28: what caffepy.threads turns off). With
+contender twice: how far apart noise alone puts two figures), with --spinning caffepy whose
+threads spin between regions as long as OpenMP's and OpenBLAS's defaults (GOMP_SPINCOUNT=300000,
+ten times caffepy's, and OPENBLAS_THREAD_TIMEOUT=28: what caffepy.threads shortens). With
 CAFFE_BIN, for the LeNet and CIFAR-10 cases, `caffe time -model <net> -iterations K` with its
 default settings and with OPENBLAS_NUM_THREADS=1 (its "Average Forward-Backward", or "Average
 Forward pass" for the forward-only case).

@@ -5,7 +5,7 @@
     net = caffe.Net("deploy.prototxt", "weights.caffemodel", caffe.TEST)
     out = net.forward(data=images)
 """
-# first: the OpenMP and OpenBLAS defaults (passive waiting) before numpy, scipy or a kernel
+# first: the OpenMP and OpenBLAS defaults (short spins) before numpy, scipy or a kernel
 # loads a runtime that reads them (see caffepy.threads)
 from . import threads  # noqa: F401
 # then: shares the cores among MPI ranks before any kernel loads OpenMP (see caffepy.parallel)

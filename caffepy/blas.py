@@ -8,6 +8,6 @@ def gemm_into(a, b, c, beta=0.0):
 
     A compiled kernel (caffepy.kernels.common.gemm) calls scipy's BLAS single-threaded on the
     kernels' own OpenMP threads, sized by the thread rule like every other kernel (cext/blas.pxd):
-    one pool of threads that wait passively, never BLAS's own spinning pool as well.
+    one pool of threads that spin only briefly, never BLAS's own spinning pool as well.
     """
     _kernels.gemm(a, b, c, beta)

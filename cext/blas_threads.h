@@ -1,6 +1,6 @@
 /* OpenBLAS's thread count, for cext/blas.pxd and cext/blas_threads.pxi.
  *
- * caffepy threads its matrix products itself (one thread rule, one pool of passively waiting
+ * caffepy threads its matrix products itself (one thread rule, one pool of briefly spinning
  * threads): every BLAS call of a kernel runs with the BLAS set to one thread, and the count the
  * user had is restored when the kernel is done. Static: each kernel module has its own pair of
  * pointers, bound by blas_threads.pxi when the module loads; NULL when scipy's BLAS is not an

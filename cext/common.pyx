@@ -13,9 +13,15 @@ from cython.parallel cimport prange
 from libc.string cimport memcpy
 
 from blas cimport gemm_ld
-from rules cimport dims, need_shape, threads_for
+from rules cimport caffepy_team_limit, dims, need_shape, threads_for
 
 include "blas_threads.pxi"
+
+
+def team_limit():
+    """The threads a parallel region of this module may have now: OMP_NUM_THREADS (else the
+    cores) less the cores other processes keep busy (rules.h). For tests and benchmarks."""
+    return caffepy_team_limit()
 
 
 def gemm(a, b, float[:, ::1] c, float beta=0.0):

@@ -548,8 +548,8 @@ cdef extern from "nhwc_direct.h" nogil:
     ctypedef struct cd_out:
         int ys, B
         size_t bs
-    void cd_pad(const float* x, int H, int W, int C, int xs, int ph, int pw, int Hp, int Wp,
-                float* xp)
+    void cd_pad(const float* x, int H, int W, int C, int xs, int ph, int pw, int Wp, int r0,
+                int r1, float* xp)
     void cd_forward_rows(const float* xp, int Wp, int C, int sh, int sw, const int* off, int K,
                          const float* wp, const float* bp, int Op, float* y, cd_out a, int oy0,
                          int oy1, int ow, int O)
@@ -605,20 +605,25 @@ cdef int[::1] _direct_offsets(const CGeom* g, int Kp):
 
 
 cdef enum:
-    # Multiply-adds a band of rows must hold to be a task of its own (~0.1 ms on one core): a
-    # passively waiting thread took ~50 us to wake on a 2-core VM, so splitting the 6.5M of
-    # cifar10_quick conv2 at batch 1 made it slower (benchmarks/bench_threads.py, b1 forward).
-    _BAND_MACS = 1 << 22
+    # Multiply-adds a band of rows must hold to be a task of its own (~20 us on one core). When
+    # threads slept at once after a region, waking one took ~50 us on a 2-core VM and bands of
+    # 4M were the least that paid; with the short spin of caffepy/threads.py the team is awake
+    # between a forward's layers, and bands of 1M took cifar10_quick's batch-1 forward from
+    # 0.47 to 0.41 ms (benchmarks/bench_threads.py, b1 forward).
+    _BAND_MACS = 1 << 20
 
 
 cdef int _direct_split(const CGeom* g, int T, int* nt) noexcept nogil:
     """Tasks per image (bands of output rows), and in nt the threads for them (the thread
     rule's, at most T and the task count): 1 band when the batch gives every thread two
-    images, else enough that a small batch still does, as far as each band is worth a thread."""
+    images, else enough that a small batch still does, as far as each band is worth a thread,
+    and a multiple of the threads when the batch is one image (2 threads, 3 bands: no gain)."""
     cdef Py_ssize_t image = <Py_ssize_t>g.P * g.O * g.Kg, split = 1
     cdef int t = max(1, min(threads_for_macs(g.N * image), T))
     if t > 1 and g.N < 2 * t:
         split = max(1, min(<Py_ssize_t>g.oh, (2 * t + g.N - 1) // g.N, image // _BAND_MACS))
+        while split > t and (g.N * split) % t:
+            split -= 1
     nt[0] = <int>min(<Py_ssize_t>t, g.N * split)
     return <int>split
 
@@ -636,7 +641,7 @@ def conv_direct_forward(const float[:, :, :, ::1] x, int C, const float[:, ::1] 
     overwritten. Scratch xpad [T, conv_direct_plane(...)] for T threads."""
     cdef CGeom g = _direct_geom("conv_direct_forward", x, C, y, O, ys, B, bs, kh, kw, ph, pw, sh,
                                 sw, dh, dw)
-    cdef int Op = wp.shape[1], T = xpad.shape[0], nt, tid, split, b
+    cdef int Op = wp.shape[1], T = xpad.shape[0], nt, tid, split, b, oy0, oy1
     cdef int Hp = _padded(g.H, ph, g.oh, kh, sh, dh), Wp = _padded(g.W, pw, g.ow, kw, sw, dw)
     cdef Py_ssize_t plane = <Py_ssize_t>Hp * Wp * C, n, task
     cdef cd_out a
@@ -654,10 +659,12 @@ def conv_direct_forward(const float[:, :, :, ::1] x, int C, const float[:, ::1] 
             tid = threadid()
             n = task // split
             b = <int>(task % split)
-            cd_pad(&x[n, 0, 0, 0], g.H, g.W, C, x.shape[3], ph, pw, Hp, Wp, &xpad[tid, 0])
+            oy0 = _band_row(&g, split, b)
+            oy1 = _band_row(&g, split, b + 1)
+            cd_pad(&x[n, 0, 0, 0], g.H, g.W, C, x.shape[3], ph, pw, Wp, oy0 * sh,
+                   (oy1 - 1) * sh + (kh - 1) * dh + 1, &xpad[tid, 0])
             cd_forward_rows(&xpad[tid, 0], Wp, C, sh, sw, &off[0], g.Kg, &wp[0, 0],
-                            &bp[0], Op, &y[n, 0], a, _band_row(&g, split, b),
-                            _band_row(&g, split, b + 1), g.ow, O)
+                            &bp[0], Op, &y[n, 0], a, oy0, oy1, g.ow, O)
 
 
 def conv_direct_weight_grad(const float[:, :, :, ::1] x, int C, const float[:, ::1] dy, int O,
@@ -672,7 +679,7 @@ def conv_direct_weight_grad(const float[:, :, :, ::1] x, int C, const float[:, :
                                 pw, sh, sw, dh, dw)
     cdef int Op = (O + CD_V - 1) // CD_V * CD_V, Kp = (g.Kg + CD_T - 1) // CD_T * CD_T
     cdef int T = min(xpad.shape[0], min(dwp.shape[0], min(dbp.shape[0], dyp.shape[0]))), nt, tid, t
-    cdef int split, b
+    cdef int split, b, oy0, oy1
     cdef int Hp = _padded(g.H, ph, g.oh, kh, sh, dh), Wp = _padded(g.W, pw, g.ow, kw, sw, dw)
     cdef Py_ssize_t plane = <Py_ssize_t>Hp * Wp * C, n, i, task
     cdef Py_ssize_t ws = <Py_ssize_t>Kp * Op
@@ -696,9 +703,12 @@ def conv_direct_weight_grad(const float[:, :, :, ::1] x, int C, const float[:, :
             tid = threadid()
             n = task // split
             b = <int>(task % split)
-            cd_pad(&x[n, 0, 0, 0], g.H, g.W, C, x.shape[3], ph, pw, Hp, Wp, &xpad[tid, 0])
-            cd_weight_grad_rows(&xpad[tid, 0], Wp, C, sh, sw, &off[0], Kp, &dy[n, 0], a,
-                                _band_row(&g, split, b), _band_row(&g, split, b + 1), g.ow, O,
+            oy0 = _band_row(&g, split, b)
+            oy1 = _band_row(&g, split, b + 1)
+            cd_pad(&x[n, 0, 0, 0], g.H, g.W, C, x.shape[3], ph, pw, Wp, oy0 * sh,
+                   (oy1 - 1) * sh + (kh - 1) * dh + 1, &xpad[tid, 0])
+            cd_weight_grad_rows(&xpad[tid, 0], Wp, C, sh, sw, &off[0], Kp, &dy[n, 0], a, oy0, oy1,
+                                g.ow, O,
                                 Op, band, &dyp[tid, 0], &dwp[tid, 0], &dbp[tid, 0])
         for t in range(1, nt):
             for i in range(ws):

@@ -32,17 +32,22 @@ static inline cd_vec cd_load(const float *p)
     return v;
 }
 
-/* xp [Hp][Wp][C] = the first C floats of each pixel of x [H][W][xs], from row ph and column
- * pw on, inside zeros (Hp >= H + 2ph: Caffe's output size lets the last window run past the
- * padding when the stride does not divide evenly) */
-static void cd_pad(const float *restrict x, int H, int W, int C, int xs, int ph, int pw, int Hp,
-                   int Wp, float *restrict xp)
+/* Rows r0 .. r1 - 1 of xp [Hp][Wp][C], the first C floats of each pixel of x [H][W][xs] from
+ * row ph and column pw on, inside zeros (Hp >= H + 2ph: Caffe's output size lets the last
+ * window run past the padding when the stride does not divide evenly). A band of output rows
+ * pads only the rows it reads (cd_band_rows). */
+static void cd_pad(const float *restrict x, int H, int W, int C, int xs, int ph, int pw, int Wp,
+                   int r0, int r1, float *restrict xp)
 {
     size_t row = (size_t)Wp * C;
-    memset(xp, 0, (size_t)ph * row * sizeof(float));
-    for (int y = 0; y < H; y++) {
-        float *d = xp + (size_t)(y + ph) * row;
-        const float *s = x + (size_t)y * W * xs;
+    for (int r = r0; r < r1; r++) {
+        float *d = xp + (size_t)r * row;
+        const float *s;
+        if (r < ph || r - ph >= H) {
+            memset(d, 0, row * sizeof(float));
+            continue;
+        }
+        s = x + (size_t)(r - ph) * W * xs;
         memset(d, 0, (size_t)pw * C * sizeof(float));
         if (xs == C)
             memcpy(d + (size_t)pw * C, s, (size_t)W * C * sizeof(float));
@@ -51,7 +56,6 @@ static void cd_pad(const float *restrict x, int H, int W, int C, int xs, int ph,
                 memcpy(d + (size_t)(pw + x0) * C, s + (size_t)x0 * xs, C * sizeof(float));
         memset(d + (size_t)(pw + W) * C, 0, (size_t)(Wp - pw - W) * C * sizeof(float));
     }
-    memset(xp + (size_t)(H + ph) * row, 0, (size_t)(Hp - ph - H) * row * sizeof(float));
 }
 
 /* Where output o of pixel q lives (see the top of the file). */

@@ -1,23 +1,26 @@
 /* The machine side of the thread rule (cext/rules.pxd): how many OpenMP threads a parallel
  * region may have now.
  *
- * caffepy_team_limit() is omp_get_max_threads(), capped by the cores that no other runnable
- * thread wants when OpenMP threads wait passively (caffepy's default, caffepy/threads.py): a
- * region waits at its end for its slowest thread, and on a core shared with a busy process
- * that thread runs a fraction of the time (a region of 2 threads on a 2-core machine with one
- * busy process took 9-100x the time of one thread, issue 12). The runnable count is the fourth
- * field of /proc/loadavg ("running/total", the machine's, the reading thread included), read
- * at most every CAFFEPY_LOAD_PERIOD_NS. The count is a snapshot, and a busy machine's processes
- * come and go from the run queue (I/O, page faults, their own regions): the limit is the
- * smallest reading of the last CAFFEPY_LOAD_HOLD_NS, so one reading taken while the others
- * slept does not give a team that must then wait a scheduler slice for its second thread.
- * With spinning threads (OMP_WAIT_POLICY=active, or a
- * GOMP_SPINCOUNT) our own idle threads would count as load, and the user has said the cores are
- * theirs: the limit is then omp_get_max_threads() alone.
+ * caffepy_team_limit() is omp_get_max_threads(), capped by the cores that other processes leave
+ * free: a region waits at its end for its slowest thread, and on a core shared with a busy
+ * process that thread runs a fraction of the time (a region of 2 threads on a 2-core machine
+ * with one busy process took 9-100x the time of one thread, issue 12).
  *
- * Static: each kernel module has its own copy of the state (one read of a tiny file per module
- * per period). Several Python threads may call at once: the state is read and written with
- * relaxed atomics, and a torn update costs at most one extra read.
+ * Other processes' load is their share of the machine's CPU time: /proc/stat's busy time less
+ * this process's own CPU time, over the last CAFFEPY_LOAD_WINDOW_NS, in cores. A core counts as
+ * taken when they use more than CAFFEPY_TAKEN_SHARE of it (busy processes measured 0.85-1.05,
+ * an idle machine's noise at most 0.18 in 200 ms windows: /work/notes-style runs in
+ * benchmarks/bench_threads.py). Our own threads never count, however they wait: caffepy's idle
+ * threads spin briefly after a region (caffepy/threads.py), which a snapshot of the run queue
+ * (/proc/loadavg) would take for other processes' load. Until the first window has passed, the
+ * snapshot is the reading: no thread of ours has spun yet.
+ *
+ * With OMP_WAIT_POLICY=active the user has said the cores are theirs: the limit is then
+ * omp_get_max_threads() alone.
+ *
+ * Static: each kernel module has its own copy of the state (one read of two small files per
+ * module per window). Several Python threads may call at once: the state is read and written
+ * with relaxed atomics, and a torn update costs at most one window's reading.
  */
 #include <fcntl.h>
 #include <omp.h>
@@ -26,31 +29,30 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CAFFEPY_LOAD_PERIOD_NS 20000000LL
-#define CAFFEPY_LOAD_HOLD_NS 250000000LL
+#define CAFFEPY_LOAD_WINDOW_NS 200000000LL
+#define CAFFEPY_TAKEN_SHARE 0.4
 
 static int caffepy_adaptive = -1;      /* -1: not decided yet, then 0 or 1 */
-static long long caffepy_load_read_ns = 0;
+static long long caffepy_window_ns = 0;        /* when the current window began; 0: never */
+static long long caffepy_window_busy_ns = 0;   /* the machine's busy CPU time then */
+static long long caffepy_window_own_ns = 0;    /* this process's CPU time then */
 static int caffepy_free_cores = 0;
-static long long caffepy_low_ns = 0;   /* when caffepy_free_cores last read this low */
 
-static int caffepy_passive_wait(void) {
-    const char* policy = getenv("OMP_WAIT_POLICY");
-    const char* spin = getenv("GOMP_SPINCOUNT");
-    if (spin != NULL && atoll(spin) != 0) return 0;
-    return policy != NULL && strcasecmp(policy, "passive") == 0;
+static int caffepy_read(const char* path, char* buf, int size) {
+    int fd = open(path, O_RDONLY);
+    ssize_t n;
+    if (fd < 0) return 0;
+    n = read(fd, buf, size - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    return (int)n;
 }
 
 /* Runnable threads on the machine, the caller included; 0 when unknown. */
 static int caffepy_runnable(void) {
     char buf[128];
-    int fd = open("/proc/loadavg", O_RDONLY), fields = 0, running = 0;
-    ssize_t n, i;
-    if (fd < 0) return 0;
-    n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return 0;
-    buf[n] = 0;
+    int n = caffepy_read("/proc/loadavg", buf, sizeof buf), fields = 0, running = 0, i;
     for (i = 0; i < n && fields < 3; i++)
         if (buf[i] == ' ') fields++;
     for (; i < n && buf[i] >= '0' && buf[i] <= '9'; i++)
@@ -58,31 +60,64 @@ static int caffepy_runnable(void) {
     return i < n && buf[i] == '/' ? running : 0;
 }
 
+/* The machine's busy CPU time in ns (/proc/stat's first line: user, nice, system, irq and
+ * softirq; guest time is inside user), or -1 when unknown. */
+static long long caffepy_machine_busy_ns(void) {
+    char buf[512];
+    int n = caffepy_read("/proc/stat", buf, sizeof buf), field = 0, i = 3;
+    long long v, busy = 0, tick = sysconf(_SC_CLK_TCK);
+    if (n < 4 || buf[0] != 'c' || buf[1] != 'p' || buf[2] != 'u' || tick <= 0) return -1;
+    while (field < 7) {
+        while (i < n && buf[i] == ' ') i++;
+        if (i >= n || buf[i] < '0' || buf[i] > '9') return -1;
+        for (v = 0; i < n && buf[i] >= '0' && buf[i] <= '9'; i++) v = v * 10 + (buf[i] - '0');
+        if (field != 3 && field != 4) busy += v;     /* not idle, not iowait */
+        field++;
+    }
+    return busy * (1000000000LL / tick);
+}
+
+static long long caffepy_clock_ns(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int caffepy_user_spins(void) {
+    const char* policy = getenv("OMP_WAIT_POLICY");
+    return policy != NULL && strcasecmp(policy, "active") == 0;
+}
+
 static int caffepy_team_limit(void) {
     int max = omp_get_max_threads(), free_cores, adaptive;
-    long long now;
-    struct timespec ts;
+    long long now, start, busy, own;
+    long online;
     if (max <= 1) return 1;
     adaptive = __atomic_load_n(&caffepy_adaptive, __ATOMIC_RELAXED);
     if (adaptive < 0) {
-        adaptive = caffepy_passive_wait();
+        adaptive = !caffepy_user_spins();
         __atomic_store_n(&caffepy_adaptive, adaptive, __ATOMIC_RELAXED);
     }
     if (!adaptive) return max;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    now = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-    if (now - __atomic_load_n(&caffepy_load_read_ns, __ATOMIC_RELAXED) >= CAFFEPY_LOAD_PERIOD_NS) {
-        int running = caffepy_runnable();
-        long online = sysconf(_SC_NPROCESSORS_ONLN);
-        int reading = running > 0 && online > 0 ? (int)(online - (running - 1)) : max;
-        free_cores = __atomic_load_n(&caffepy_free_cores, __ATOMIC_RELAXED);
-        if (reading <= free_cores
-                || now - __atomic_load_n(&caffepy_low_ns, __ATOMIC_RELAXED) >= CAFFEPY_LOAD_HOLD_NS) {
-            free_cores = reading;
-            __atomic_store_n(&caffepy_free_cores, free_cores, __ATOMIC_RELAXED);
-            __atomic_store_n(&caffepy_low_ns, now, __ATOMIC_RELAXED);
+    now = caffepy_clock_ns(CLOCK_MONOTONIC);
+    start = __atomic_load_n(&caffepy_window_ns, __ATOMIC_RELAXED);
+    if (start == 0 || now - start >= CAFFEPY_LOAD_WINDOW_NS) {
+        online = sysconf(_SC_NPROCESSORS_ONLN);
+        busy = caffepy_machine_busy_ns();
+        own = caffepy_clock_ns(CLOCK_PROCESS_CPUTIME_ID);
+        if (start == 0 || busy < 0) {
+            int running = caffepy_runnable();
+            free_cores = running > 0 && online > 0 ? (int)(online - (running - 1)) : max;
+        } else {
+            double others = (double)((busy - caffepy_window_busy_ns)
+                                     - (own - caffepy_window_own_ns)) / (double)(now - start);
+            int taken = others > 0 ? (int)(others + 1.0 - CAFFEPY_TAKEN_SHARE) : 0;
+            free_cores = online > 0 ? (int)(online - taken) : max;
         }
-        __atomic_store_n(&caffepy_load_read_ns, now, __ATOMIC_RELAXED);
+        __atomic_store_n(&caffepy_free_cores, free_cores, __ATOMIC_RELAXED);
+        __atomic_store_n(&caffepy_window_busy_ns, busy, __ATOMIC_RELAXED);
+        __atomic_store_n(&caffepy_window_own_ns, own, __ATOMIC_RELAXED);
+        __atomic_store_n(&caffepy_window_ns, now, __ATOMIC_RELAXED);
     } else {
         free_cores = __atomic_load_n(&caffepy_free_cores, __ATOMIC_RELAXED);
     }

@@ -1,6 +1,7 @@
-"""caffepy.threads: idle OpenMP / OpenBLAS threads wait passively unless the user said otherwise,
-set before any runtime loads (issue 12: spinning threads made batch-1 nets 9-100x slower beside
-a busy process)."""
+"""caffepy.threads: idle OpenMP threads spin briefly and OpenBLAS's sleep at once unless the
+user said otherwise, set before any runtime loads (issue 12: long-spinning threads made batch-1
+nets 9-100x slower beside a busy process), and the thread rule's count of the cores that other
+processes leave free."""
 import os
 import subprocess
 import sys
@@ -10,16 +11,17 @@ import pytest
 from caffepy import threads
 
 
-def test_defaults_are_passive_waits():
+def test_defaults_are_short_spins():
     env = {}
     threads.set_defaults(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
+    assert env == {"GOMP_SPINCOUNT": "30000", "OPENBLAS_THREAD_TIMEOUT": "4"}
 
 
 @pytest.mark.parametrize("user, kept", [
     ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}),
     ({"GOMP_SPINCOUNT": "300000"}, {"GOMP_SPINCOUNT": "300000", "OPENBLAS_THREAD_TIMEOUT": "4"}),
-    ({"GOTO_THREAD_TIMEOUT": "28"}, {"GOTO_THREAD_TIMEOUT": "28", "OMP_WAIT_POLICY": "PASSIVE"}),
+    ({"GOTO_THREAD_TIMEOUT": "28"}, {"GOTO_THREAD_TIMEOUT": "28", "GOMP_SPINCOUNT": "30000"}),
 ])
 def test_what_the_user_set_decides(user, kept):
     env = dict(user)
@@ -32,8 +34,62 @@ def test_importing_caffepy_sets_them():
            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT",
                         "GOTO_THREAD_TIMEOUT")}
     code = ("import os, sys, caffepy; from caffepy.kernels import vision; "
-            "print(os.environ['OMP_WAIT_POLICY'], os.environ['OPENBLAS_THREAD_TIMEOUT'], "
+            "print(os.environ['GOMP_SPINCOUNT'], os.environ['OPENBLAS_THREAD_TIMEOUT'], "
             "'numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
-    assert out == ["PASSIVE", "4", "True"]
+    assert out == ["30000", "4", "True"]
+
+
+# The thread rule's reading of other processes' load (cext/rules.h), in a child process with a
+# team of every core: our own threads, busy in regions and spinning between them, never count;
+# a busy process takes a core; OMP_WAIT_POLICY=active keeps every thread.
+
+TEAM_LIMIT = """
+import time
+import numpy as np
+from caffepy.kernels import common
+a = np.ones(1 << 22, np.float32)
+t = time.monotonic()
+while time.monotonic() - t < 0.7:       # past the first 200 ms window, with regions throughout
+    common.add(a, a, a)
+    a[:] = 1
+print(common.team_limit())
+"""
+
+
+def team_limit(busy, **extra):
+    cores = os.cpu_count()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    env.update(OMP_NUM_THREADS=str(cores), **extra)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        out = subprocess.run([sys.executable, "-c", TEAM_LIMIT], env=env, capture_output=True,
+                             text=True, check=True).stdout
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+    return int(out.split()[-1]), cores
+
+
+needs_two_cores = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")
+
+
+@needs_two_cores
+def test_our_own_threads_are_not_load():
+    limit, cores = team_limit(busy=False)
+    assert limit == cores
+
+
+@needs_two_cores
+def test_a_busy_process_takes_a_core():
+    limit, cores = team_limit(busy=True)
+    assert limit == cores - 1
+
+
+@needs_two_cores
+def test_active_waiting_keeps_every_thread():
+    limit, cores = team_limit(busy=True, OMP_WAIT_POLICY="ACTIVE")
+    assert limit == cores

@@ -241,21 +241,25 @@ def test_passes_by_different_algorithms_give_the_same_numbers(forward, weights, 
         np.testing.assert_allclose(layer.blobs[1].diff, db, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_direct_convolution_of_a_small_batch_splits_images_into_row_bands(n):
+@pytest.mark.parametrize("n, stride, dilation", [(1, 1, 1), (3, 1, 1), (1, 2, 1), (1, 1, 2),
+                                                  (2, 3, 2)])
+def test_direct_convolution_of_a_small_batch_splits_images_into_row_bands(n, stride, dilation):
     """Big enough for several threads (when the machine has them) with fewer images than two
-    per thread: each image's output rows are split among tasks, forward and weight gradient."""
-    params = f"convolution_param {{ num_output: 40 kernel_size: 5 pad: 2 {FILL} }}"
-    x = randn(n, 3, 75, 61, seed=11)        # 13.7M multiply-adds an image: 3 bands of >= 4M
+    per thread: each image's output rows are split among tasks, each padding only the input
+    rows its band reads, forward and weight gradient."""
+    params = (f"convolution_param {{ num_output: 40 kernel_size: 5 pad: 2 stride: {stride} "
+              f"dilation: {dilation} {FILL} }}")
+    x = randn(n, 3, 75, 61, seed=11)        # 1.2-13.7M multiply-adds an image: bands of >= 1M
     layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
     layer.force_algorithm("direct")
     layer.param_propagate_down = [True, True]
     w, b = (blob.data.astype(np.float64) for blob in layer.blobs)
-    want = ref.conv_forward(x.astype(np.float64), w, b, (2, 2), (1, 1), (1, 1), 1)
+    geometry = ((2, 2), (stride, stride), (dilation, dilation))
+    want = ref.conv_forward(x.astype(np.float64), w, b, *geometry, 1)
     layer.forward(bottom, top)
     np.testing.assert_allclose(top[0].data, want, rtol=1e-4, atol=1e-4)
     dy = randn(*want.shape, seed=12)
-    dw, db, _ = ref.conv_backward(dy.astype(np.float64), x.astype(np.float64), w, (2, 2), (1, 1), (1, 1), 1)
+    dw, db, _ = ref.conv_backward(dy.astype(np.float64), x.astype(np.float64), w, *geometry, 1)
     top[0].diff[...] = dy
     for blob in layer.blobs:
         blob.diff[...] = 0
