@@ -744,30 +744,19 @@ cdef DGeom _dgeom(str kernel, x, y, w, int kh, int kw, int ph, int pw, int sh, i
     return g
 
 
-cdef void _dw_fwd_row(const DGeom* g, const float* x, const float* w, const float* bias,
-                      float* y, int oy) noexcept nogil:
-    cdef int ox, i, j, iy, ix, c, C = g.C
-    cdef float* yr
-    cdef const float* xr
-    cdef const float* wr
-    for ox in range(g.ow):
-        yr = y + (<Py_ssize_t>oy * g.ow + ox) * C
-        for c in range(C):
-            yr[c] = bias[c] if bias != NULL else 0.0
-    for i in range(g.kh):
-        iy = oy * g.sh - g.ph + i * g.dh
-        if iy < 0 or iy >= g.H:
-            continue
-        for j in range(g.kw):
-            wr = w + (i * g.kw + j) * C
-            for ox in range(g.ow):
-                ix = ox * g.sw - g.pw + j * g.dw
-                if ix < 0 or ix >= g.W:
-                    continue
-                xr = x + (<Py_ssize_t>iy * g.W + ix) * C
-                yr = y + (<Py_ssize_t>oy * g.ow + ox) * C
-                for c in range(C):
-                    yr[c] = yr[c] + wr[c] * xr[c]
+cdef extern from "nhwc_dw_rows.h" nogil:
+    ctypedef struct dw_geom:
+        int H, W, C, oh, ow, kh, kw, ph, pw, sh, sw, dh, dw
+    void dw_fwd_row(const dw_geom* g, const float* x, const float* w, const float* bias, float* y,
+                    int oy)
+    void dw_dw_row(const dw_geom* g, const float* x, const float* dy, float* dw, float* db, int oy)
+
+
+cdef dw_geom _rows_geom(const DGeom* g) noexcept nogil:
+    cdef dw_geom r
+    r.H, r.W, r.C, r.oh, r.ow = g.H, g.W, g.C, g.oh, g.ow
+    r.kh, r.kw, r.ph, r.pw, r.sh, r.sw, r.dh, r.dw = g.kh, g.kw, g.ph, g.pw, g.sh, g.sw, g.dh, g.dw
+    return r
 
 
 def dw_forward(const float[:, :, :, ::1] x, const float[:, ::1] w, const float[::1] bias,
@@ -775,6 +764,7 @@ def dw_forward(const float[:, :, :, ::1] x, const float[:, ::1] w, const float[:
                int dw):
     """y [N, oh, ow, C] = depthwise conv(x [N, H, W, C], w [kh * kw, C]) + bias (empty: none)."""
     cdef DGeom g = _dgeom("dw_forward", x, y, w, kh, kw, ph, pw, sh, sw, dh, dw)
+    cdef dw_geom rg = _rows_geom(&g)
     need(bias.shape[0] in (0, g.C), "dw_forward", "bias", f"needs {g.C} values or none", bias.shape[0])
     cdef const float* b = &bias[0] if bias.shape[0] else NULL
     cdef Py_ssize_t item, n
@@ -784,8 +774,8 @@ def dw_forward(const float[:, :, :, ::1] x, const float[:, ::1] w, const float[:
         for item in prange(<Py_ssize_t>g.N * g.oh, schedule="static",
                            num_threads=threads_for(<Py_ssize_t>g.N * g.oh * g.ow * g.C * kh * kw)):
             n = item // g.oh
-            _dw_fwd_row(&g, &x[0, 0, 0, 0] + n * g.H * g.W * g.C, &w[0, 0], b,
-                        &y[0, 0, 0, 0] + n * g.oh * g.ow * g.C, <int>(item % g.oh))
+            dw_fwd_row(&rg, &x[0, 0, 0, 0] + n * g.H * g.W * g.C, &w[0, 0], b,
+                       &y[0, 0, 0, 0] + n * g.oh * g.ow * g.C, <int>(item % g.oh))
 
 
 cdef void _dw_dx_row(const DGeom* g, const float* dy, const float* w, float* dx,
@@ -817,33 +807,6 @@ cdef void _dw_dx_row(const DGeom* g, const float* dy, const float* w, float* dx,
                     dr[c] = dr[c] + wr[c] * gr[c]
 
 
-cdef void _dw_dw_row(const DGeom* g, const float* x, const float* dy, float* dw, float* db,
-                     int oy) noexcept nogil:
-    cdef int ox, i, j, iy, ix, c, C = g.C
-    cdef const float* gr
-    cdef const float* xr
-    cdef float* wr
-    if db != NULL:
-        for ox in range(g.ow):
-            gr = dy + (<Py_ssize_t>oy * g.ow + ox) * C
-            for c in range(C):
-                db[c] = db[c] + gr[c]
-    for i in range(g.kh):
-        iy = oy * g.sh - g.ph + i * g.dh
-        if iy < 0 or iy >= g.H:
-            continue
-        for j in range(g.kw):
-            wr = dw + (i * g.kw + j) * C
-            for ox in range(g.ow):
-                ix = ox * g.sw - g.pw + j * g.dw
-                if ix < 0 or ix >= g.W:
-                    continue
-                xr = x + (<Py_ssize_t>iy * g.W + ix) * C
-                gr = dy + (<Py_ssize_t>oy * g.ow + ox) * C
-                for c in range(C):
-                    wr[c] = wr[c] + xr[c] * gr[c]
-
-
 def dw_backward(const float[:, :, :, ::1] x, const float[:, ::1] w,
                 const float[:, :, :, ::1] dy, float[:, :, :, ::1] dx, float[:, :, ::1] dw_acc,
                 float[:, ::1] db, int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw,
@@ -852,6 +815,7 @@ def dw_backward(const float[:, :, :, ::1] x, const float[:, ::1] w,
     [C] = the weight and bias gradients summed over the batch if need_w / need_b (per-thread
     scratch [T, ...]; the caller adds row 0 to its diffs)."""
     cdef DGeom g = _dgeom("dw_backward", x, dy, w, kh, kw, ph, pw, sh, sw, dh, dw)
+    cdef dw_geom rg = _rows_geom(&g)
     cdef int T = max(dw_acc.shape[0], db.shape[0]), t, tid
     if need_x:
         need_shape("dw_backward", "dx", dims(dx.shape, 4), dims(x.shape, 4))
@@ -885,9 +849,9 @@ def dw_backward(const float[:, :, :, ::1] x, const float[:, ::1] w,
             for item in prange(<Py_ssize_t>g.N * g.oh, schedule="static", num_threads=nt):
                 tid = threadid()
                 n = item // g.oh
-                _dw_dw_row(&g, &x[0, 0, 0, 0] + n * xs, &dy[0, 0, 0, 0] + n * ys,
-                           dwp + tid * ws if need_w else NULL,
-                           dbp + tid * g.C if need_b else NULL, <int>(item % g.oh))
+                dw_dw_row(&rg, &x[0, 0, 0, 0] + n * xs, &dy[0, 0, 0, 0] + n * ys,
+                          dwp + tid * ws if need_w else NULL,
+                          dbp + tid * g.C if need_b else NULL, <int>(item % g.oh))
             for t in range(1, nt):
                 if need_w:
                     for i in range(ws):

@@ -8,12 +8,12 @@
  *
  * Other processes' load is their share of the machine's CPU time: /proc/stat's busy time less
  * this process's own CPU time, over the last CAFFEPY_LOAD_WINDOW_NS, in cores. A core counts as
- * taken when they use more than CAFFEPY_TAKEN_SHARE of it (busy processes measured 0.85-1.05,
- * an idle machine's noise at most 0.18 in 200 ms windows: /work/notes-style runs in
- * benchmarks/bench_threads.py). Our own threads never count, however they wait: caffepy's idle
- * threads spin briefly after a region (caffepy/threads.py), which a snapshot of the run queue
- * (/proc/loadavg) would take for other processes' load. Until the first window has passed, the
- * snapshot is the reading: no thread of ours has spun yet.
+ * taken when they use more than CAFFEPY_TAKEN_SHARE of it (sampled every 200 ms while LeNet
+ * trained on 2 cores: one busy process read 0.85-1.05, an idle machine -0.09 to 0.18, the
+ * clock-tick granularity of /proc/stat). Our own threads never count, however they wait:
+ * caffepy's idle threads spin briefly after a region (caffepy/threads.py), which a snapshot of
+ * the run queue (/proc/loadavg) would take for other processes' load. Until the first window
+ * has passed, the snapshot is the reading: no thread of ours has spun yet.
  *
  * With OMP_WAIT_POLICY=active the user has said the cores are theirs: the limit is then
  * omp_get_max_threads() alone.

@@ -48,6 +48,8 @@ CONVS = [
     (2, 5, 1, 3, 2, 2, 2, 9, 8, "direct"),                  # dilation, uneven output
     (8, 8, 8, 3, 1, 1, 1, 6, 6, "depthwise"),               # MobileNet's
     (8, 8, 8, 3, 2, 1, 1, 7, 6, "depthwise"),
+    (13, 13, 13, 3, 1, 1, 1, 5, 6, "depthwise"),            # a vector of channels and 5 more
+    (19, 19, 19, 5, 2, 3, 2, 9, 8, "depthwise"),            # stride, dilation, wide padding
     (8, 8, 8, 3, 1, 1, 1, 6, 6, "im2col+gemm"),             # depthwise as groups
     (16, 16, 1, 3, 1, 1, 1, 7, 6, "winograd F(2,3)"),
     (16, 16, 1, 3, 1, 1, 1, 7, 6, "winograd F(3,3)"),
