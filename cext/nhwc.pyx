@@ -749,6 +749,7 @@ cdef extern from "nhwc_dw_rows.h" nogil:
         int H, W, C, oh, ow, kh, kw, ph, pw, sh, sw, dh, dw
     void dw_fwd_row(const dw_geom* g, const float* x, const float* w, const float* bias, float* y,
                     int oy)
+    void dw_dx_row_s1(const dw_geom* g, const float* dy, const float* w, float* dx, int iy)
     void dw_dw_row(const dw_geom* g, const float* x, const float* dy, float* dw, float* db, int oy)
 
 
@@ -838,8 +839,12 @@ def dw_backward(const float[:, :, :, ::1] x, const float[:, ::1] w,
         if need_x:
             for item in prange(<Py_ssize_t>g.N * g.H, schedule="static", num_threads=nt):
                 n = item // g.H
-                _dw_dx_row(&g, &dy[0, 0, 0, 0] + n * ys, &w[0, 0], &dx[0, 0, 0, 0] + n * xs,
-                           <int>(item % g.H))
+                if sh == 1 and sw == 1:
+                    dw_dx_row_s1(&rg, &dy[0, 0, 0, 0] + n * ys, &w[0, 0],
+                                 &dx[0, 0, 0, 0] + n * xs, <int>(item % g.H))
+                else:
+                    _dw_dx_row(&g, &dy[0, 0, 0, 0] + n * ys, &w[0, 0], &dx[0, 0, 0, 0] + n * xs,
+                               <int>(item % g.H))
         if need_w or need_b:
             for t in range(nt):
                 if need_w:

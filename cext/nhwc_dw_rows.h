@@ -1,21 +1,23 @@
-/* Rows of the channels-last depthwise convolution (cext/nhwc.pyx: dw_forward, and the weight
- * and bias gradients of dw_backward).
+/* Rows of the channels-last depthwise convolution (cext/nhwc.pyx: dw_forward, dw_backward).
  *
- * Each output (forward) or weight-gradient sum is kept in a vector variable over its taps or
- * pixels and stored once. The Cython loops added each product into the output row or the
- * weight gradient in memory, a load and a store per multiply-add (the weight gradient's a chain
- * through one address along the row). MobileNet's conv2_1/dw (16 x 112 x 112 x 32, 2 threads,
- * old and new builds alternating, min ms): forward 5.3-5.6 -> 4.8-5.1, weight and bias
- * gradients 5.7-5.9 -> 4.3-4.9. The data gradient stays in Cython: the same treatment of its
- * gather ran 1.7x slower than the Cython loop (register spills in the threaded loop).
+ * Each output (forward), input gradient (stride 1) and weight-gradient row sum is kept in
+ * vector variables over its taps or pixels and stored once, with four sums (32 channels) in
+ * flight at a time, so the chains of additions overlap. The Cython loops added every product
+ * into the output row or the weight gradient in memory (a load and a store per multiply-add),
+ * and one sum at a time ran at the latency of its chain of adds. MobileNet's conv2_1/dw
+ * (16 x 112 x 112 x 32), old and new builds alternating, min ms on 2 threads: forward 5.7-7.4
+ * -> 2.9-3.4, data gradient 8.1-8.2 -> 3.3-4.5, weight and bias gradients 6.7-7.1 -> 4.5-4.8.
+ * The functions are not inlined: inside the threaded loop GCC spilled their indices to vector
+ * registers (the data gradient ran 1.4x slower). A strided data gradient stays in Cython
+ * (_dw_dx_row: the taps that reach a pixel are no run of i and j then).
  *
  * Pixels are [..][W][C] floats, weights [kh * kw][C]. Eight channels at a time in GCC's vector
  * extension (unaligned: a pixel's channels start anywhere), the rest one by one.
  */
 #include <stddef.h>
 
-/* Vectors of float alias float (GCC), so stores through them never make the compiler reload
- * the int locals and index arrays below (a may_alias type did, and ran 2x slower). */
+/* Vectors of float alias only float (GCC), so a store through one never makes the compiler
+ * reload the geometry and indices (with a may_alias type it did: the forward ran 2x slower). */
 typedef float dw_v8 __attribute__((vector_size(32), aligned(4)));
 
 #define DW_LOAD(p) (*(const dw_v8 *)(p))
@@ -36,7 +38,7 @@ static inline void dw_taps(int start, int step, int n, int limit, int *lo, int *
 
 /* Output row oy of one image: y[oy][ox][c] = bias[c] (or 0) + sum over taps in the image of
  * w[tap][c] * x[tap's pixel][c]. */
-static void dw_fwd_row(const dw_geom *g, const float *restrict x, const float *restrict w,
+static __attribute__((noinline)) void dw_fwd_row(const dw_geom *g, const float *restrict x, const float *restrict w,
                        const float *restrict bias, float *restrict y, int oy)
 {
     const int W = g->W, C = g->C, ow = g->ow, kw = g->kw, sw = g->sw, pw = g->pw, dw = g->dw;
@@ -48,6 +50,30 @@ static void dw_fwd_row(const dw_geom *g, const float *restrict x, const float *r
         const int ix0 = ox * sw - pw;
         int jlo, jhi, c = 0;
         dw_taps(ix0, dw, kw, W, &jlo, &jhi);
+        for (; c + 32 <= C; c += 32) {          /* four sums at once: four chains of adds */
+            dw_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            if (bias) {
+                a0 = DW_LOAD(bias + c);
+                a1 = DW_LOAD(bias + c + 8);
+                a2 = DW_LOAD(bias + c + 16);
+                a3 = DW_LOAD(bias + c + 24);
+            }
+            for (int i = ilo; i < ihi; i++) {
+                const float *xr = x + ((size_t)(iy0 + i * dh) * W + ix0) * C + c;
+                const float *wr = w + (size_t)i * kw * C + c;
+                for (int j = jlo; j < jhi; j++) {
+                    const float *wp = wr + (size_t)j * C, *xp = xr + (size_t)j * dw * C;
+                    a0 += DW_LOAD(wp) * DW_LOAD(xp);
+                    a1 += DW_LOAD(wp + 8) * DW_LOAD(xp + 8);
+                    a2 += DW_LOAD(wp + 16) * DW_LOAD(xp + 16);
+                    a3 += DW_LOAD(wp + 24) * DW_LOAD(xp + 24);
+                }
+            }
+            DW_STORE(yp + c, a0);
+            DW_STORE(yp + c + 8, a1);
+            DW_STORE(yp + c + 16, a2);
+            DW_STORE(yp + c + 24, a3);
+        }
         for (; c + 8 <= C; c += 8) {
             dw_v8 acc = bias ? DW_LOAD(bias + c) : (dw_v8){0};
             for (int i = ilo; i < ihi; i++) {
@@ -69,10 +95,65 @@ static void dw_fwd_row(const dw_geom *g, const float *restrict x, const float *r
     }
 }
 
+/* Input-gradient row iy of one image for stride 1, as a gather (no two rows write one pixel):
+ * dx[iy][ix][c] = sum over the taps (i, j) whose output (iy + ph - i dh, ix + pw - j dw) is
+ * inside dy of w[i * kw + j][c] * dy[that output][c]; overwritten. The taps that reach a pixel
+ * are a run of i and of j, as in the forward. */
+static __attribute__((noinline)) void dw_dx_row_s1(const dw_geom *g, const float *restrict dy, const float *restrict w,
+                         float *restrict dx, int iy)
+{
+    const int W = g->W, C = g->C, ow = g->ow, kw = g->kw, pw = g->pw, dw = g->dw;
+    const int oy0 = iy + g->ph, dh = g->dh;
+    int ilo, ihi;
+    dw_taps(g->oh - 1 - oy0, dh, g->kh, g->oh, &ilo, &ihi);
+    for (int ix = 0; ix < W; ix++) {
+        float *dp = dx + ((size_t)iy * W + ix) * C;
+        const int ox0 = ix + pw;
+        int jlo, jhi, c = 0;
+        dw_taps(ow - 1 - ox0, dw, kw, ow, &jlo, &jhi);
+        for (; c + 32 <= C; c += 32) {          /* four sums at once, as in the forward */
+            dw_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int i = ilo; i < ihi; i++) {
+                const float *gr = dy + (size_t)(oy0 - i * dh) * ow * C + c;
+                const float *wr = w + (size_t)i * kw * C + c;
+                for (int j = jlo; j < jhi; j++) {
+                    const float *wp = wr + (size_t)j * C, *gp = gr + (size_t)(ox0 - j * dw) * C;
+                    a0 += DW_LOAD(wp) * DW_LOAD(gp);
+                    a1 += DW_LOAD(wp + 8) * DW_LOAD(gp + 8);
+                    a2 += DW_LOAD(wp + 16) * DW_LOAD(gp + 16);
+                    a3 += DW_LOAD(wp + 24) * DW_LOAD(gp + 24);
+                }
+            }
+            DW_STORE(dp + c, a0);
+            DW_STORE(dp + c + 8, a1);
+            DW_STORE(dp + c + 16, a2);
+            DW_STORE(dp + c + 24, a3);
+        }
+        for (; c + 8 <= C; c += 8) {
+            dw_v8 acc = {0};
+            for (int i = ilo; i < ihi; i++) {
+                const float *gr = dy + (size_t)(oy0 - i * dh) * ow * C + c;
+                const float *wr = w + (size_t)i * kw * C + c;
+                for (int j = jlo; j < jhi; j++)
+                    acc += DW_LOAD(wr + (size_t)j * C) * DW_LOAD(gr + (size_t)(ox0 - j * dw) * C);
+            }
+            DW_STORE(dp + c, acc);
+        }
+        for (; c < C; c++) {
+            float acc = 0.0f;
+            for (int i = ilo; i < ihi; i++)
+                for (int j = jlo; j < jhi; j++)
+                    acc += w[((size_t)i * kw + j) * C + c]
+                         * dy[((size_t)(oy0 - i * dh) * ow + ox0 - j * dw) * C + c];
+            dp[c] = acc;
+        }
+    }
+}
+
 /* Weight- and bias-gradient sums of output row oy of one image, added to dw [kh * kw][C] and
  * db [C] (either may be NULL): per tap, the products over the row's pixels summed in two
  * vector variables (two chains of additions, not one). */
-static void dw_dw_row(const dw_geom *g, const float *restrict x, const float *restrict dy,
+static __attribute__((noinline)) void dw_dw_row(const dw_geom *g, const float *restrict x, const float *restrict dy,
                       float *restrict dw, float *restrict db, int oy)
 {
     const int C = g->C;

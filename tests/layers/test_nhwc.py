@@ -50,6 +50,8 @@ CONVS = [
     (8, 8, 8, 3, 2, 1, 1, 7, 6, "depthwise"),
     (13, 13, 13, 3, 1, 1, 1, 5, 6, "depthwise"),            # a vector of channels and 5 more
     (19, 19, 19, 5, 2, 3, 2, 9, 8, "depthwise"),            # stride, dilation, wide padding
+    (45, 45, 45, 3, 1, 2, 2, 5, 6, "depthwise"),            # 32 channels at once, 8, then 5
+    (40, 40, 40, 3, 2, 1, 1, 7, 6, "depthwise"),            # and with stride 2
     (8, 8, 8, 3, 1, 1, 1, 6, 6, "im2col+gemm"),             # depthwise as groups
     (16, 16, 1, 3, 1, 1, 1, 7, 6, "winograd F(2,3)"),
     (16, 16, 1, 3, 1, 1, 1, 7, 6, "winograd F(3,3)"),
