@@ -151,8 +151,8 @@ static __attribute__((noinline)) void dw_dx_row_s1(const dw_geom *g, const float
 }
 
 /* Weight- and bias-gradient sums of output row oy of one image, added to dw [kh * kw][C] and
- * db [C] (either may be NULL): per tap, the products over the row's pixels summed in two
- * vector variables (two chains of additions, not one). */
+ * db [C] (either may be NULL): per tap, the products over the row's pixels summed in vector
+ * variables, four chains of additions at once (32 channels, else two for eight). */
 static __attribute__((noinline)) void dw_dw_row(const dw_geom *g, const float *restrict x, const float *restrict dy,
                       float *restrict dw, float *restrict db, int oy)
 {
@@ -195,6 +195,21 @@ static __attribute__((noinline)) void dw_dw_row(const dw_geom *g, const float *r
             float *wr = dw + (size_t)(i * g->kw + j) * C;
             const size_t xs = (size_t)g->sw * C;
             int c = 0;
+            for (; c + 32 <= C; c += 32) {      /* four sums at once, one per eight channels */
+                const float *xp = xr + (size_t)(lo * g->sw + off) * C + c;
+                const float *gp = gr + (size_t)lo * C + c;
+                dw_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int ox = lo; ox < hi; ox++, xp += xs, gp += C) {
+                    a0 += DW_LOAD(xp) * DW_LOAD(gp);
+                    a1 += DW_LOAD(xp + 8) * DW_LOAD(gp + 8);
+                    a2 += DW_LOAD(xp + 16) * DW_LOAD(gp + 16);
+                    a3 += DW_LOAD(xp + 24) * DW_LOAD(gp + 24);
+                }
+                DW_STORE(wr + c, DW_LOAD(wr + c) + a0);
+                DW_STORE(wr + c + 8, DW_LOAD(wr + c + 8) + a1);
+                DW_STORE(wr + c + 16, DW_LOAD(wr + c + 16) + a2);
+                DW_STORE(wr + c + 24, DW_LOAD(wr + c + 24) + a3);
+            }
             for (; c + 8 <= C; c += 8) {
                 const float *xp = xr + (size_t)(lo * g->sw + off) * C + c;
                 const float *gp = gr + (size_t)lo * C + c;
