@@ -723,14 +723,20 @@ def conv_direct_weight_grad(const float[:, :, :, ::1] x, int C, const float[:, :
 # the channels of a pixel. Tasks are output rows (forward, weight gradient) or input rows
 # (data gradient, written as the gather of the transposed convolution, so no two tasks write
 # one pixel). The weight is given as wdw[kh * kw, C] (Caffe's [C, 1, kh, kw] transposed).
+# The rows are C (nhwc_dw_rows.h), but for the strided data gradient's.
 
-cdef struct DGeom:
-    int N, H, W, C, oh, ow, kh, kw, ph, pw, sh, sw, dh, dw
+cdef extern from "nhwc_dw_rows.h" nogil:
+    ctypedef struct dw_geom:
+        int N, H, W, C, oh, ow, kh, kw, ph, pw, sh, sw, dh, dw
+    void dw_fwd_row(const dw_geom* g, const float* x, const float* w, const float* bias, float* y,
+                    int oy)
+    void dw_dx_row_s1(const dw_geom* g, const float* dy, const float* w, float* dx, int iy)
+    void dw_dw_row(const dw_geom* g, const float* x, const float* dy, float* dw, float* db, int oy)
 
 
-cdef DGeom _dgeom(str kernel, x, y, w, int kh, int kw, int ph, int pw, int sh, int sw, int dh,
-                  int dw) except *:
-    cdef DGeom g
+cdef dw_geom _dgeom(str kernel, x, y, w, int kh, int kw, int ph, int pw, int sh, int sw, int dh,
+                    int dw) except *:
+    cdef dw_geom g
     g.N, g.H, g.W, g.C = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
     need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and dh >= 1 and dw >= 1 and ph >= 0
          and pw >= 0, kernel, "geometry", "kernel, stride and dilation must be >= 1 and pad >= 0",
@@ -744,28 +750,11 @@ cdef DGeom _dgeom(str kernel, x, y, w, int kh, int kw, int ph, int pw, int sh, i
     return g
 
 
-cdef extern from "nhwc_dw_rows.h" nogil:
-    ctypedef struct dw_geom:
-        int H, W, C, oh, ow, kh, kw, ph, pw, sh, sw, dh, dw
-    void dw_fwd_row(const dw_geom* g, const float* x, const float* w, const float* bias, float* y,
-                    int oy)
-    void dw_dx_row_s1(const dw_geom* g, const float* dy, const float* w, float* dx, int iy)
-    void dw_dw_row(const dw_geom* g, const float* x, const float* dy, float* dw, float* db, int oy)
-
-
-cdef dw_geom _rows_geom(const DGeom* g) noexcept nogil:
-    cdef dw_geom r
-    r.H, r.W, r.C, r.oh, r.ow = g.H, g.W, g.C, g.oh, g.ow
-    r.kh, r.kw, r.ph, r.pw, r.sh, r.sw, r.dh, r.dw = g.kh, g.kw, g.ph, g.pw, g.sh, g.sw, g.dh, g.dw
-    return r
-
-
 def dw_forward(const float[:, :, :, ::1] x, const float[:, ::1] w, const float[::1] bias,
                float[:, :, :, ::1] y, int kh, int kw, int ph, int pw, int sh, int sw, int dh,
                int dw):
     """y [N, oh, ow, C] = depthwise conv(x [N, H, W, C], w [kh * kw, C]) + bias (empty: none)."""
-    cdef DGeom g = _dgeom("dw_forward", x, y, w, kh, kw, ph, pw, sh, sw, dh, dw)
-    cdef dw_geom rg = _rows_geom(&g)
+    cdef dw_geom g = _dgeom("dw_forward", x, y, w, kh, kw, ph, pw, sh, sw, dh, dw)
     need(bias.shape[0] in (0, g.C), "dw_forward", "bias", f"needs {g.C} values or none", bias.shape[0])
     cdef const float* b = &bias[0] if bias.shape[0] else NULL
     cdef Py_ssize_t item, n
@@ -775,11 +764,11 @@ def dw_forward(const float[:, :, :, ::1] x, const float[:, ::1] w, const float[:
         for item in prange(<Py_ssize_t>g.N * g.oh, schedule="static",
                            num_threads=threads_for(<Py_ssize_t>g.N * g.oh * g.ow * g.C * kh * kw)):
             n = item // g.oh
-            dw_fwd_row(&rg, &x[0, 0, 0, 0] + n * g.H * g.W * g.C, &w[0, 0], b,
+            dw_fwd_row(&g, &x[0, 0, 0, 0] + n * g.H * g.W * g.C, &w[0, 0], b,
                        &y[0, 0, 0, 0] + n * g.oh * g.ow * g.C, <int>(item % g.oh))
 
 
-cdef void _dw_dx_row(const DGeom* g, const float* dy, const float* w, float* dx,
+cdef void _dw_dx_row(const dw_geom* g, const float* dy, const float* w, float* dx,
                      int iy) noexcept nogil:
     cdef int ix, i, j, oy, ox, ty, tx, c, C = g.C
     cdef float* dr
@@ -815,8 +804,7 @@ def dw_backward(const float[:, :, :, ::1] x, const float[:, ::1] w,
     """Gradients of dw_forward: dx (overwritten) if need_x; dw_acc[0] [kh * kw, C] and db[0]
     [C] = the weight and bias gradients summed over the batch if need_w / need_b (per-thread
     scratch [T, ...]; the caller adds row 0 to its diffs)."""
-    cdef DGeom g = _dgeom("dw_backward", x, dy, w, kh, kw, ph, pw, sh, sw, dh, dw)
-    cdef dw_geom rg = _rows_geom(&g)
+    cdef dw_geom g = _dgeom("dw_backward", x, dy, w, kh, kw, ph, pw, sh, sw, dh, dw)
     cdef int T = max(dw_acc.shape[0], db.shape[0]), t, tid
     if need_x:
         need_shape("dw_backward", "dx", dims(dx.shape, 4), dims(x.shape, 4))
@@ -840,7 +828,7 @@ def dw_backward(const float[:, :, :, ::1] x, const float[:, ::1] w,
             for item in prange(<Py_ssize_t>g.N * g.H, schedule="static", num_threads=nt):
                 n = item // g.H
                 if sh == 1 and sw == 1:
-                    dw_dx_row_s1(&rg, &dy[0, 0, 0, 0] + n * ys, &w[0, 0],
+                    dw_dx_row_s1(&g, &dy[0, 0, 0, 0] + n * ys, &w[0, 0],
                                  &dx[0, 0, 0, 0] + n * xs, <int>(item % g.H))
                 else:
                     _dw_dx_row(&g, &dy[0, 0, 0, 0] + n * ys, &w[0, 0], &dx[0, 0, 0, 0] + n * xs,
@@ -854,7 +842,7 @@ def dw_backward(const float[:, :, :, ::1] x, const float[:, ::1] w,
             for item in prange(<Py_ssize_t>g.N * g.oh, schedule="static", num_threads=nt):
                 tid = threadid()
                 n = item // g.oh
-                dw_dw_row(&rg, &x[0, 0, 0, 0] + n * xs, &dy[0, 0, 0, 0] + n * ys,
+                dw_dw_row(&g, &x[0, 0, 0, 0] + n * xs, &dy[0, 0, 0, 0] + n * ys,
                           dwp + tid * ws if need_w else NULL,
                           dbp + tid * g.C if need_b else NULL, <int>(item % g.oh))
             for t in range(1, nt):

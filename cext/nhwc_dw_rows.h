@@ -23,8 +23,10 @@ typedef float dw_v8 __attribute__((vector_size(32), aligned(4)));
 #define DW_LOAD(p) (*(const dw_v8 *)(p))
 #define DW_STORE(p, v) (*(dw_v8 *)(p) = (v))
 
+/* The geometry of a depthwise convolution of N images [H][W][C] into [oh][ow][C] (the rows
+ * read all but N, which nhwc.pyx's loops use). */
 typedef struct {
-    int H, W, C, oh, ow, kh, kw, ph, pw, sh, sw, dh, dw;
+    int N, H, W, C, oh, ow, kh, kw, ph, pw, sh, sw, dh, dw;
 } dw_geom;
 
 /* The taps t, 0 <= t < n, with 0 <= start + t * step < limit: lo <= t < hi. */
