@@ -51,15 +51,19 @@ import time
 import numpy as np
 from caffepy.kernels import common
 a = np.ones(1 << 22, np.float32)
+seen = []
 t = time.monotonic()
-while time.monotonic() - t < 0.7:       # past the first 200 ms window, with regions throughout
+while time.monotonic() - t < 2.0:       # regions throughout; read past the first window
     common.add(a, a, a)
     a[:] = 1
-print(common.team_limit())
+    if time.monotonic() - t > 0.25:
+        seen.append(common.team_limit())
+print(*seen)
 """
 
 
 def team_limit(busy, **extra):
+    """The limits a child with a team of every core reads while it runs regions, and the cores."""
     cores = os.cpu_count()
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
@@ -72,7 +76,11 @@ def team_limit(busy, **extra):
         if spinner is not None:
             spinner.kill()
             spinner.wait()
-    return int(out.split()[-1]), cores
+    return [int(v) for v in out.split()], cores
+
+
+def share(readings, value):
+    return sum(r == value for r in readings) / len(readings)
 
 
 needs_two_cores = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")
@@ -100,17 +108,17 @@ def quiet_machine():
 
 @needs_two_cores
 def test_our_own_threads_are_not_load(quiet_machine):
-    limit, cores = team_limit(busy=False)
-    assert limit == cores
+    readings, cores = team_limit(busy=False)
+    assert share(readings, cores) >= 0.75     # a window's clock-tick noise may read a core taken
 
 
 @needs_two_cores
 def test_a_busy_process_takes_a_core(quiet_machine):
-    limit, cores = team_limit(busy=True)
-    assert limit == cores - 1
+    readings, cores = team_limit(busy=True)
+    assert share(readings, cores - 1) >= 0.75
 
 
 @needs_two_cores
 def test_active_waiting_keeps_every_thread(quiet_machine):
-    limit, cores = team_limit(busy=True, OMP_WAIT_POLICY="ACTIVE")
-    assert limit == cores
+    readings, cores = team_limit(busy=True, OMP_WAIT_POLICY="ACTIVE")
+    assert share(readings, cores) == 1
