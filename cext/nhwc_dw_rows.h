@@ -38,20 +38,32 @@ static inline void dw_taps(int start, int step, int n, int limit, int *lo, int *
     *hi = b < n ? b : n;
 }
 
-/* Output row oy of one image: y[oy][ox][c] = bias[c] (or 0) + sum over taps in the image of
- * w[tap][c] * x[tap's pixel][c]. */
-static __attribute__((noinline)) void dw_fwd_row(const dw_geom *g, const float *restrict x, const float *restrict w,
-                       const float *restrict bias, float *restrict y, int oy)
+/* The taps of dw_taps for a step of either sign. */
+static inline void dw_taps_signed(int start, int step, int n, int limit, int *lo, int *hi)
 {
-    const int W = g->W, C = g->C, ow = g->ow, kw = g->kw, sw = g->sw, pw = g->pw, dw = g->dw;
-    const int iy0 = oy * g->sh - g->ph, dh = g->dh;
+    if (step > 0)
+        dw_taps(start, step, n, limit, lo, hi);
+    else
+        dw_taps(limit - 1 - start, -step, n, limit, lo, hi);
+}
+
+/* The gather both directions share: out[p][c] = bias[c] (or 0) + the sum over taps (i, j) of
+ * w[i * kw + j][c] * src[r0 + i * rs][p * ps + c0 + j * cs][c], over the taps whose source
+ * pixel lies inside src [rows][width][C], for 0 <= p < n; overwritten. The forward reads x with
+ * the taps (rs = dh, cs = dw); the stride-1 data gradient reads dy against them (rs = -dh,
+ * cs = -dw): the taps that reach an input pixel then form a run of i and of j too. */
+static __attribute__((noinline)) void dw_gather_row(
+    const float *restrict src, int rows, int width, int C, const float *restrict w, int kh,
+    int kw, int r0, int rs, int ps, int c0, int cs, const float *restrict bias,
+    float *restrict out, int n)
+{
     int ilo, ihi;
-    dw_taps(iy0, dh, g->kh, g->H, &ilo, &ihi);
-    for (int ox = 0; ox < ow; ox++) {
-        float *yp = y + ((size_t)oy * ow + ox) * C;
-        const int ix0 = ox * sw - pw;
+    dw_taps_signed(r0, rs, kh, rows, &ilo, &ihi);
+    for (int p = 0; p < n; p++) {
+        float *op = out + (size_t)p * C;
+        const int x0 = p * ps + c0;
         int jlo, jhi, c = 0;
-        dw_taps(ix0, dw, kw, W, &jlo, &jhi);
+        dw_taps_signed(x0, cs, kw, width, &jlo, &jhi);
         for (; c + 32 <= C; c += 32) {          /* four sums at once: four chains of adds */
             dw_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             if (bias) {
@@ -61,95 +73,58 @@ static __attribute__((noinline)) void dw_fwd_row(const dw_geom *g, const float *
                 a3 = DW_LOAD(bias + c + 24);
             }
             for (int i = ilo; i < ihi; i++) {
-                const float *xr = x + ((size_t)(iy0 + i * dh) * W + ix0) * C + c;
+                const float *sr = src + (ptrdiff_t)(r0 + i * rs) * width * C + c;
                 const float *wr = w + (size_t)i * kw * C + c;
                 for (int j = jlo; j < jhi; j++) {
-                    const float *wp = wr + (size_t)j * C, *xp = xr + (size_t)j * dw * C;
-                    a0 += DW_LOAD(wp) * DW_LOAD(xp);
-                    a1 += DW_LOAD(wp + 8) * DW_LOAD(xp + 8);
-                    a2 += DW_LOAD(wp + 16) * DW_LOAD(xp + 16);
-                    a3 += DW_LOAD(wp + 24) * DW_LOAD(xp + 24);
+                    const float *wp = wr + (size_t)j * C, *sp = sr + (ptrdiff_t)(x0 + j * cs) * C;
+                    a0 += DW_LOAD(wp) * DW_LOAD(sp);
+                    a1 += DW_LOAD(wp + 8) * DW_LOAD(sp + 8);
+                    a2 += DW_LOAD(wp + 16) * DW_LOAD(sp + 16);
+                    a3 += DW_LOAD(wp + 24) * DW_LOAD(sp + 24);
                 }
             }
-            DW_STORE(yp + c, a0);
-            DW_STORE(yp + c + 8, a1);
-            DW_STORE(yp + c + 16, a2);
-            DW_STORE(yp + c + 24, a3);
+            DW_STORE(op + c, a0);
+            DW_STORE(op + c + 8, a1);
+            DW_STORE(op + c + 16, a2);
+            DW_STORE(op + c + 24, a3);
         }
         for (; c + 8 <= C; c += 8) {
             dw_v8 acc = bias ? DW_LOAD(bias + c) : (dw_v8){0};
             for (int i = ilo; i < ihi; i++) {
-                const float *xr = x + ((size_t)(iy0 + i * dh) * W + ix0) * C + c;
+                const float *sr = src + (ptrdiff_t)(r0 + i * rs) * width * C + c;
                 const float *wr = w + (size_t)i * kw * C + c;
                 for (int j = jlo; j < jhi; j++)
-                    acc += DW_LOAD(wr + (size_t)j * C) * DW_LOAD(xr + (size_t)j * dw * C);
+                    acc += DW_LOAD(wr + (size_t)j * C) * DW_LOAD(sr + (ptrdiff_t)(x0 + j * cs) * C);
             }
-            DW_STORE(yp + c, acc);
+            DW_STORE(op + c, acc);
         }
         for (; c < C; c++) {
             float acc = bias ? bias[c] : 0.0f;
             for (int i = ilo; i < ihi; i++)
                 for (int j = jlo; j < jhi; j++)
                     acc += w[((size_t)i * kw + j) * C + c]
-                         * x[((size_t)(iy0 + i * dh) * W + ix0 + j * dw) * C + c];
-            yp[c] = acc;
+                         * src[((ptrdiff_t)(r0 + i * rs) * width + x0 + j * cs) * C + c];
+            op[c] = acc;
         }
     }
 }
 
+/* Output row oy of one image: y[oy][ox][c] = bias[c] (or 0) + sum over taps in the image of
+ * w[tap][c] * x[tap's pixel][c]. */
+static void dw_fwd_row(const dw_geom *g, const float *x, const float *w, const float *bias,
+                       float *y, int oy)
+{
+    dw_gather_row(x, g->H, g->W, g->C, w, g->kh, g->kw, oy * g->sh - g->ph, g->dh, g->sw,
+                  -g->pw, g->dw, bias, y + (size_t)oy * g->ow * g->C, g->ow);
+}
+
 /* Input-gradient row iy of one image for stride 1, as a gather (no two rows write one pixel):
  * dx[iy][ix][c] = sum over the taps (i, j) whose output (iy + ph - i dh, ix + pw - j dw) is
- * inside dy of w[i * kw + j][c] * dy[that output][c]; overwritten. The taps that reach a pixel
- * are a run of i and of j, as in the forward. */
-static __attribute__((noinline)) void dw_dx_row_s1(const dw_geom *g, const float *restrict dy, const float *restrict w,
-                         float *restrict dx, int iy)
+ * inside dy of w[i * kw + j][c] * dy[that output][c]; overwritten. */
+static void dw_dx_row_s1(const dw_geom *g, const float *dy, const float *w, float *dx, int iy)
 {
-    const int W = g->W, C = g->C, ow = g->ow, kw = g->kw, pw = g->pw, dw = g->dw;
-    const int oy0 = iy + g->ph, dh = g->dh;
-    int ilo, ihi;
-    dw_taps(g->oh - 1 - oy0, dh, g->kh, g->oh, &ilo, &ihi);
-    for (int ix = 0; ix < W; ix++) {
-        float *dp = dx + ((size_t)iy * W + ix) * C;
-        const int ox0 = ix + pw;
-        int jlo, jhi, c = 0;
-        dw_taps(ow - 1 - ox0, dw, kw, ow, &jlo, &jhi);
-        for (; c + 32 <= C; c += 32) {          /* four sums at once, as in the forward */
-            dw_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int i = ilo; i < ihi; i++) {
-                const float *gr = dy + (size_t)(oy0 - i * dh) * ow * C + c;
-                const float *wr = w + (size_t)i * kw * C + c;
-                for (int j = jlo; j < jhi; j++) {
-                    const float *wp = wr + (size_t)j * C, *gp = gr + (size_t)(ox0 - j * dw) * C;
-                    a0 += DW_LOAD(wp) * DW_LOAD(gp);
-                    a1 += DW_LOAD(wp + 8) * DW_LOAD(gp + 8);
-                    a2 += DW_LOAD(wp + 16) * DW_LOAD(gp + 16);
-                    a3 += DW_LOAD(wp + 24) * DW_LOAD(gp + 24);
-                }
-            }
-            DW_STORE(dp + c, a0);
-            DW_STORE(dp + c + 8, a1);
-            DW_STORE(dp + c + 16, a2);
-            DW_STORE(dp + c + 24, a3);
-        }
-        for (; c + 8 <= C; c += 8) {
-            dw_v8 acc = {0};
-            for (int i = ilo; i < ihi; i++) {
-                const float *gr = dy + (size_t)(oy0 - i * dh) * ow * C + c;
-                const float *wr = w + (size_t)i * kw * C + c;
-                for (int j = jlo; j < jhi; j++)
-                    acc += DW_LOAD(wr + (size_t)j * C) * DW_LOAD(gr + (size_t)(ox0 - j * dw) * C);
-            }
-            DW_STORE(dp + c, acc);
-        }
-        for (; c < C; c++) {
-            float acc = 0.0f;
-            for (int i = ilo; i < ihi; i++)
-                for (int j = jlo; j < jhi; j++)
-                    acc += w[((size_t)i * kw + j) * C + c]
-                         * dy[((size_t)(oy0 - i * dh) * ow + ox0 - j * dw) * C + c];
-            dp[c] = acc;
-        }
-    }
+    dw_gather_row(dy, g->oh, g->ow, g->C, w, g->kh, g->kw, iy + g->ph, -g->dh, 1, g->pw, -g->dw,
+                  NULL, dx + (size_t)iy * g->W * g->C, g->W);
 }
 
 /* Weight- and bias-gradient sums of output row oy of one image, added to dw [kh * kw][C] and
