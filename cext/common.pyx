@@ -1,7 +1,7 @@
 # cython: language_level=3
 # distutils: extra_compile_args = -fno-trapping-math
-"""Kernels of the common layers (caffepy/layers/common.py): the matrix product of InnerProduct
-(caffepy.blas.gemm_into), the Scale layer's fused passes over (outer, dim, inner) views, and
+"""Kernels of the common layers (caffepy/layers/common.py): the matrix products of InnerProduct
+(caffepy.blas.gemm_into; skinny_gemm at small batch), the Scale layer's fused passes over (outer, dim, inner) views, and
 threaded whole-blob copies and sums (Eltwise, Split).
 
 Float32 C-contiguous arrays in, buffers the caller allocated out, no GIL. Work is split over
@@ -13,7 +13,12 @@ from cython.parallel cimport prange
 from libc.string cimport memcpy
 
 from blas cimport gemm_ld
-from rules cimport caffepy_team_limit, dims, need_shape, threads_for
+from rules cimport caffepy_team_limit, dims, need, need_shape, threads_for, threads_for_macs
+
+cdef extern from "common_skinny.h" nogil:
+    int SK_W, SK_MR
+    void skinny_rows(int trans_a, int m0, int m1, int N, int K, const float* a, long lda,
+                     const float* b, float* c, int accumulate)
 
 include "blas_threads.pxi"
 
@@ -39,6 +44,34 @@ def gemm(a, b, float[:, ::1] c, float beta=0.0):
     with nogil:
         gemm_ld(ta, tb, M, N, K, 1.0, &sa[0, 0], sa.shape[1], &sb[0, 0], sb.shape[1], beta,
                 &c[0, 0], N)
+
+
+SKINNY_WIDTH = SK_W
+
+
+def skinny_gemm(a, const float[:, ::1] b, float[:, ::1] c):
+    """c = a @ b for a product whose columns are few (InnerProduct's batch): a [M, K] (C- or
+    Fortran-ordered), b [K, N] and c [M, N] packed, N a multiple of SKINNY_WIDTH (pad the
+    batch; a padding column of b only reaches the same column of c). common_skinny.h says why
+    it beats the BLAS there. Threads split c's rows."""
+    cdef bint ta = not a.flags.c_contiguous
+    cdef const float[:, ::1] sa = a.T if ta else a        # as stored: [M, K] or [K, M]
+    cdef int M = a.shape[0], K = a.shape[1], N = b.shape[1], nt, t, step
+    need_shape("skinny_gemm", "b", dims(b.shape, 2), (K, N))
+    need_shape("skinny_gemm", "c", dims(c.shape, 2), (M, N))
+    need(N % SK_W == 0, "skinny_gemm", "b", f"needs a multiple of {SK_W} columns", N)
+    if M == 0 or N == 0:
+        return
+    if K == 0:
+        c[:, :] = 0
+        return
+    nt = threads_for_macs(<Py_ssize_t>M * N * K)
+    step = ((M + nt - 1) // nt + SK_MR - 1) // SK_MR * SK_MR
+    with nogil:
+        for t in prange(nt, num_threads=nt, schedule="static"):
+            if t * step < M:
+                skinny_rows(ta, t * step, min(M, (t + 1) * step), N, K, &sa[0, 0], sa.shape[1],
+                            &b[0, 0], &c[0, 0], 0)
 
 
 cdef inline void _affine(const float* x, float* y, float* saved, Py_ssize_t n, float s, float b,

@@ -5,6 +5,7 @@ import numpy as np
 from ..blas import gemm_into
 from ..errors import ShapeError
 from ..kernels import common as kernels
+from ..kernels import nhwc as nhwc_kernels
 from ..layer import ANY, Layer, canonical_axis, count_from, register
 from ..proto import caffe_pb2
 
@@ -94,17 +95,10 @@ class InnerProduct(Layer):
         x = bottom[0].data.reshape(self.M, self.K)
         y = top[0].data.reshape(self.M, self.num_output)
         w = self.blobs[0].data
-        if self.transpose or 4 * self.M > self.num_output:
-            gemm_into(x, w if self.transpose else w.T, y)
+        if self._skinny():
+            self._by_columns(w, x, y)
         else:
-            # few rows (a small batch) against many outputs: as y^T = W x^T the same product
-            # runs 1.3-2.4x faster in this BLAS (AlexNet's fc6 at b64 37 -> 29 ms, ResNet-50's
-            # fc at b16 1.1 -> 0.5 ms, the transposing copy included)
-            yt = getattr(self, "_yt", None)
-            if yt is None or yt.shape != (self.num_output, self.M):
-                yt = self._yt = np.empty((self.num_output, self.M), np.float32)
-            gemm_into(w, x.T, yt)
-            np.copyto(y, yt.T)
+            gemm_into(x, w if self.transpose else w.T, y)
         if self.bias_term:
             y += self.blobs[1].data
 
@@ -120,7 +114,39 @@ class InnerProduct(Layer):
             self.blobs[1].diff[...] += dy.sum(axis=0)
         if propagate_down[0]:
             w = self.blobs[0].data
-            gemm_into(dy, w.T if self.transpose else w, bottom[0].diff.reshape(self.M, self.K))
+            dx = bottom[0].diff.reshape(self.M, self.K)
+            if self._skinny():
+                self._by_columns(w.T, dy, dx)
+            else:
+                gemm_into(dy, w.T if self.transpose else w, dx)
+
+    def _skinny(self):
+        """A small batch against many outputs and inputs: its products run as skinny_gemm's,
+        from 8 items on (below that the kernel's columns are mostly padding: LeNet's ip1 at b2
+        took 4x the BLAS's time) or whenever W is large enough that reading it is the cost
+        (AlexNet's fc6 at b1 1.6x faster; benchmarks/bench_skinny.py)."""
+        return (not self.transpose and 4 * self.M <= min(self.num_output, self.K)
+                and (self.M >= 8 or self.num_output * self.K >= 1 << 24))
+
+    def _by_columns(self, a, x, y):
+        """y [M, n] = x [M, k] a^T for a [n, k] as y^T = a x^T, one batch item a column
+        (cext/common_skinny.h: AlexNet's fc6 at b64 1.5x the BLAS forward, 1.8x backward)."""
+        xt = self._columns("in", x.shape[1])
+        yt = self._columns("out", y.shape[1])
+        # reverse_axes moves whole cache lines: NumPy's copy of fc6's x.T took 1.6 ms, it 0.2
+        nhwc_kernels.reverse_axes(x[:, None, :], xt[:, None, :self.M])
+        kernels.skinny_gemm(a, xt, yt)
+        nhwc_kernels.reverse_axes(yt[:, None, :self.M], y[:, None, :])
+
+    def _columns(self, role, rows):
+        """A [rows, M padded to the kernel's width] buffer, cached per role and size; its
+        padding columns stay zero."""
+        width = -(-self.M // kernels.SKINNY_WIDTH) * kernels.SKINNY_WIDTH
+        cache = self.__dict__.setdefault("_column_buffers", {})
+        buf = cache.get((role, rows))
+        if buf is None or buf.shape[1] != width:
+            buf = cache[(role, rows)] = np.zeros((rows, width), np.float32)
+        return buf
 
 
 def _legacy_axis(layer, p, legacy, field):

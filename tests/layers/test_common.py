@@ -89,8 +89,11 @@ CASES = [
          expected=lambda x, layer: ip_ref(x, layer)),
     Case("InnerProduct", f"inner_product_param {{ num_output: 3 transpose: true {GAUSS} }}", [randn(4, 6)],
          expected=lambda x, layer: ip_ref(x, layer, transpose=True)),
-    # few rows against many outputs: the forward computes y^T = W x^T
     Case("InnerProduct", f"inner_product_param {{ num_output: 9 {GAUSS} }}", [X4[:, :, :2, :2]],
+         expected=lambda x, layer: ip_ref(x, layer)),
+    # few rows against many outputs and inputs: y^T = W x^T and dx^T = W^T dy^T, a batch item
+    # a column (skinny_gemm), here with padding columns and a tail of rows
+    Case("InnerProduct", f"inner_product_param {{ num_output: 37 {GAUSS} }}", [randn(9, 40)],
          expected=lambda x, layer: ip_ref(x, layer)),
     Case("InnerProduct", f"inner_product_param {{ num_output: 3 axis: 2 bias_term: false {GAUSS} }}",
          [randn(2, 3, 4)], expected=lambda x, layer: ip_ref(x, layer, axis=2)),
