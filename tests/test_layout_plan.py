@@ -250,4 +250,15 @@ def test_time_shows_each_convolutions_algorithm(tmp_path, capsys):
     assert "conv1\tforward:" in err and "conv1\tbackward:" in err
     assert "Algorithm per layer:" in err
     assert "conv1\tdirect (rule)" in err             # 3 input channels: no Winograd
-    assert result["algorithms"] == [("conv1", "direct")]
+    assert result["algorithms"] == [("conv1", "direct"), ("ip", "gemm")]
+
+
+def test_time_shows_which_product_an_inner_product_runs(tmp_path, capsys):
+    """From 8 items on, a batch far smaller than the layer's inputs and outputs runs as
+    skinny_gemm's columns."""
+    path = tmp_path / "fc.prototxt"
+    path.write_text(SMALL.replace("dim: 2 dim: 3", "dim: 8 dim: 3").replace("num_output: 4", "num_output: 40"))
+    log.set_quiet(False)
+    result = actions.time(str(path), iterations=1)
+    assert "ip\tskinny (rule)" in capsys.readouterr().err
+    assert ("ip", "skinny") in result["algorithms"]

@@ -120,6 +120,11 @@ class InnerProduct(Layer):
             else:
                 gemm_into(dy, w.T if self.transpose else w, dx)
 
+    @property
+    def algorithm(self):
+        """Which product runs (listed by the log and `caffepy time`, as the convolutions')."""
+        return None if getattr(self, "M", None) is None else "skinny" if self._skinny() else "gemm"
+
     def _skinny(self):
         """A small batch against many outputs and inputs: its products run as skinny_gemm's,
         from 8 items on (below that the kernel's columns are mostly padding: LeNet's ip1 at b2
