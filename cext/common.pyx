@@ -1,8 +1,8 @@
 # cython: language_level=3
 # distutils: extra_compile_args = -fno-trapping-math
 """Kernels of the common layers (caffepy/layers/common.py): the matrix products of InnerProduct
-(caffepy.blas.gemm_into; skinny_gemm at small batch), the Scale layer's fused passes over (outer, dim, inner) views, and
-threaded whole-blob copies and sums (Eltwise, Split).
+(caffepy.blas.gemm_into; skinny_gemm at small batch), the Scale layer's fused passes over
+(outer, dim, inner) views, and threaded whole-blob copies and sums (Eltwise, Split).
 
 Float32 C-contiguous arrays in, buffers the caller allocated out, no GIL. Work is split over
 OpenMP threads by plane (forward) or by channel (backward, so every thread owns its channels'
