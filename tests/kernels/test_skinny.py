@@ -1,7 +1,7 @@
 """caffepy.kernels.common.skinny_gemm (cext/common_skinny.h), the product InnerProduct runs at
 small batch: against a float64 NumPy product on every row tail of its blocks (6 rows), every
-column width of its vectors, reductions below and past its blocks of 512 steps (read down A's
-columns), A stored either way, and products large enough to split over threads."""
+column width of its vectors, reductions below and past its blocks (512 steps down A's columns,
+256 along its rows), A stored either way, and products large enough to split over threads."""
 import numpy as np
 import pytest
 
@@ -29,9 +29,12 @@ def test_rows_and_columns(M, cols, trans):
 
 
 @pytest.mark.parametrize("trans", [False, True])
-@pytest.mark.parametrize("K", [1, 511, 512, 513, 1500])
-def test_reductions(K, trans):
-    c, want = product(11, 2 * W, K, trans)
+@pytest.mark.parametrize("cols", [2, 5])
+@pytest.mark.parametrize("K", [1, 255, 256, 257, 511, 512, 513, 1500])
+def test_reductions(K, cols, trans):
+    """Blocks of 512 steps down A's columns, and of 256 along its rows when C has several
+    blocks of columns (5 vectors: more than one block at either vector width)."""
+    c, want = product(11, cols * W, K, trans)
     np.testing.assert_allclose(c, want, rtol=1e-4, atol=1e-3)
 
 
