@@ -130,8 +130,9 @@ static void dw_dx_row_s1(const dw_geom *g, const float *dy, const float *w, floa
 /* Weight- and bias-gradient sums of output row oy of one image, added to dw [kh * kw][C] and
  * db [C] (either may be NULL): per tap, the products over the row's pixels summed in vector
  * variables, four chains of additions at once (32 channels, else two for eight). */
-static __attribute__((noinline)) void dw_dw_row(const dw_geom *g, const float *restrict x, const float *restrict dy,
-                      float *restrict dw, float *restrict db, int oy)
+static __attribute__((noinline)) void dw_dw_row(const dw_geom *g, const float *restrict x,
+                                                const float *restrict dy, float *restrict dw,
+                                                float *restrict db, int oy)
 {
     const int C = g->C;
     const float *gr = dy + (size_t)oy * g->ow * C;
@@ -164,11 +165,8 @@ static __attribute__((noinline)) void dw_dw_row(const dw_geom *g, const float *r
         const float *xr = x + (size_t)iy * g->W * C;
         for (int j = 0; j < g->kw; j++) {
             /* the outputs whose tap (i, j) falls inside the row: lo <= ox < hi */
-            int off = j * g->dw - g->pw, lo = 0, hi = g->ow;
-            while (lo < hi && lo * g->sw + off < 0)
-                lo++;
-            while (hi > lo && (hi - 1) * g->sw + off >= g->W)
-                hi--;
+            int off = j * g->dw - g->pw, lo, hi;
+            dw_taps(off, g->sw, g->ow, g->W, &lo, &hi);
             float *wr = dw + (size_t)(i * g->kw + j) * C;
             const size_t xs = (size_t)g->sw * C;
             int c = 0;
