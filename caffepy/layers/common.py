@@ -80,6 +80,7 @@ class InnerProduct(Layer):
         if self.bias_term:
             specs.append(((self.num_output,), p.bias_filler))
         self.init_param_blobs(specs)
+        self._column_buffers = {}          # _columns: (role, rows) -> buffer
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
@@ -147,10 +148,9 @@ class InnerProduct(Layer):
         """A [rows, M padded to the kernel's width] buffer, cached per role and size; its
         padding columns stay zero."""
         width = -(-self.M // kernels.SKINNY_WIDTH) * kernels.SKINNY_WIDTH
-        cache = self.__dict__.setdefault("_column_buffers", {})
-        buf = cache.get((role, rows))
+        buf = self._column_buffers.get((role, rows))
         if buf is None or buf.shape[1] != width:
-            buf = cache[(role, rows)] = np.zeros((rows, width), np.float32)
+            buf = self._column_buffers[(role, rows)] = np.zeros((rows, width), np.float32)
         return buf
 
 
