@@ -12,8 +12,12 @@
  * trained on 2 cores: one busy process read 0.85-1.05, an idle machine -0.09 to 0.18, the
  * clock-tick granularity of /proc/stat). Our own threads never count, however they wait:
  * caffepy's idle threads spin briefly after a region (caffepy/threads.py), which a snapshot of
- * the run queue (/proc/loadavg) would take for other processes' load. Until the first window
- * has passed, the snapshot is the reading: no thread of ours has spun yet.
+ * the run queue (/proc/loadavg) would take for other processes' load. A window older than
+ * CAFFEPY_STALE_NS (the first, or one this module left open while the process did other things)
+ * says what the machine did then, not now: a process that kept a core busy all through a pause
+ * and has just ended would cost us the cores for a window (AlexNet b64: its first iteration
+ * after a 4 s pause beside a memory-streaming process took 1100-1230 ms, 780 ms with every
+ * thread). Such a window gives way to a snapshot: the run queue less our own runnable threads.
  *
  * With OMP_WAIT_POLICY=active the user has said the cores are theirs: the limit is then
  * omp_get_max_threads() alone.
@@ -22,14 +26,18 @@
  * module per window). Several Python threads may call at once: the state is read and written
  * with relaxed atomics, and a torn update costs at most one window's reading.
  */
+#include <dirent.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 #include <strings.h>
 #include <time.h>
 #include <unistd.h>
 
 #define CAFFEPY_LOAD_WINDOW_NS 200000000LL
+#define CAFFEPY_STALE_NS (2 * CAFFEPY_LOAD_WINDOW_NS)
 #define CAFFEPY_TAKEN_SHARE 0.4
 
 static int caffepy_adaptive = -1;      /* -1: not decided yet, then 0 or 1 */
@@ -58,6 +66,49 @@ static int caffepy_runnable(void) {
     for (; i < n && buf[i] >= '0' && buf[i] <= '9'; i++)
         running = running * 10 + (buf[i] - '0');
     return i < n && buf[i] == '/' ? running : 0;
+}
+
+/* This process's threads that are runnable now (state R in /proc/self/task/<tid>/stat), the
+ * caller included; 1 when unknown. */
+static int caffepy_own_runnable(void) {
+    char path[300], buf[512], *end;
+    struct dirent* entry;
+    DIR* dir = opendir("/proc/self/task");
+    int running = 0, n;
+    if (dir == NULL) return 1;
+    while ((entry = readdir(dir)) != NULL) {
+        if (entry->d_name[0] < '0' || entry->d_name[0] > '9') continue;
+        snprintf(path, sizeof path, "/proc/self/task/%s/stat", entry->d_name);
+        n = caffepy_read(path, buf, sizeof buf);
+        end = n > 0 ? strrchr(buf, ')') : NULL;     /* the name may hold spaces and ')' */
+        if (end != NULL && end[1] == ' ' && end[2] == 'R') running++;
+    }
+    closedir(dir);
+    return running > 0 ? running : 1;
+}
+
+/* Other processes' runnable threads now, or -1 when unknown: the least of a few readings
+ * 50 us apart, since a kernel thread runs for a few microseconds now and then (rcu_preempt
+ * was in one reading of five after a process ended) while a busy process stays runnable. A
+ * thread of ours that was spinning after a region may go to sleep between the run queue's
+ * reading and ours (AlexNet's conv1, after a pause, read a core taken that way): a reading
+ * whose count of our threads changed across it is read again. */
+static int caffepy_others_runnable(void) {
+    const struct timespec pause = {0, 50000};
+    int least = -1, reading, before, running, after, tries;
+    for (reading = 0; reading < 3; reading++) {
+        if (reading > 0) nanosleep(&pause, NULL);
+        for (tries = 0; tries < 4; tries++) {
+            before = caffepy_own_runnable();
+            running = caffepy_runnable();
+            after = caffepy_own_runnable();
+            if (before == after) break;
+        }
+        if (running <= 0) return -1;
+        running = running > after ? running - after : 0;
+        if (least < 0 || running < least) least = running;
+    }
+    return least;
 }
 
 /* The machine's busy CPU time in ns (/proc/stat's first line: user, nice, system, irq and
@@ -105,9 +156,9 @@ static int caffepy_team_limit(void) {
         online = sysconf(_SC_NPROCESSORS_ONLN);
         busy = caffepy_machine_busy_ns();
         own = caffepy_clock_ns(CLOCK_PROCESS_CPUTIME_ID);
-        if (start == 0 || busy < 0) {
-            int running = caffepy_runnable();
-            free_cores = running > 0 && online > 0 ? (int)(online - (running - 1)) : max;
+        if (start == 0 || now - start >= CAFFEPY_STALE_NS || busy < 0) {
+            int others = caffepy_others_runnable();
+            free_cores = others >= 0 && online > 0 ? (int)(online - others) : max;
         } else {
             double others = (double)((busy - caffepy_window_busy_ns)
                                      - (own - caffepy_window_own_ns)) / (double)(now - start);

@@ -122,3 +122,44 @@ def test_a_busy_process_takes_a_core(quiet_machine):
 def test_active_waiting_keeps_every_thread(quiet_machine):
     readings, cores = team_limit(busy=True, OMP_WAIT_POLICY="ACTIVE")
     assert share(readings, cores) == 1
+
+
+# After a pause, the first reading describes the machine now, not the pause: a process that kept
+# a core busy while we idled and has just ended leaves every core to us, and one still running
+# takes its core. Each round: regions, a spinner started, a pause, then the reading with the
+# spinner gone ("ended") or still there ("running").
+AFTER_PAUSE = """
+import subprocess, sys, time
+import numpy as np
+from caffepy.kernels import common
+a = np.ones(1 << 22, np.float32)
+seen = {"ended": [], "running": []}
+for _ in range(4):
+    for case in seen:
+        t = time.monotonic()
+        while time.monotonic() - t < 0.1:
+            common.add(a, a, a)
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.6)
+        if case == "ended":
+            spinner.kill()
+            spinner.wait()
+        seen[case].append(common.team_limit())
+        if case == "running":
+            spinner.kill()
+            spinner.wait()
+print(*seen["ended"])
+print(*seen["running"])
+"""
+
+
+@needs_two_cores
+def test_the_reading_after_a_pause_is_of_now(quiet_machine):
+    cores = os.cpu_count()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    env["OMP_NUM_THREADS"] = str(cores)
+    ended, running = subprocess.run([sys.executable, "-c", AFTER_PAUSE], env=env,
+                                    capture_output=True, text=True, check=True).stdout.splitlines()
+    assert share([int(v) for v in ended.split()], cores) >= 0.75
+    assert share([int(v) for v in running.split()], cores - 1) >= 0.75
