@@ -202,6 +202,10 @@ class Layer:
     # which implementation of its type this is, and the bottom layout it takes (see above)
     variant = PLAIN
     layout = NCHW
+    # reshape reads nothing but the bottoms' and tops' shapes and the layer's own settings:
+    # the Net skips it while those shapes stay as its last reshape left them
+    reshape_from_shapes = False
+    _reshaped_at = None
 
     @classmethod
     def wanted(cls, request):

@@ -485,10 +485,10 @@ class Net:
                 if before_layer is not None and li > done:
                     before_layer(li)
                 for conversion, b, t, _ in self._conversions[li]:
-                    conversion.reshape([b], [t])
+                    _reshape(conversion, [b], [t])
                     conversion.forward([b], [t])
                 layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
-                layer.reshape(bottom, top)
+                _reshape(layer, bottom, top)
                 last = self.fusions.get(li)
                 if li <= done:
                     pass
@@ -787,3 +787,15 @@ class Net:
 
     def __repr__(self):
         return f"<Net '{self.name}' with {len(self.layers)} layers>"
+
+
+def _reshape(layer, bottom, top):
+    """layer.reshape, skipped for a layer whose reshape depends on the shapes alone when its
+    bottoms and tops have the shapes they had after its last one."""
+    if not layer.reshape_from_shapes:
+        layer.reshape(bottom, top)
+        return
+    shapes = [b.shape for b in bottom] + [t.shape for t in top]
+    if shapes != layer._reshaped_at:
+        layer.reshape(bottom, top)
+        layer._reshaped_at = [b.shape for b in bottom] + [t.shape for t in top]

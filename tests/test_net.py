@@ -369,3 +369,52 @@ def test_outputs_are_in_name_order_as_caffes_std_set(tmp_path):
     assert caffepy.Net(str(path), caffepy.TRAIN).outputs == ["Zacc", "loss"]
     path.write_text(FAITHFUL_NET)
     assert caffepy.Net(str(path), caffepy.TRAIN).outputs == ["acc", "loss"]
+
+
+# A layer whose reshape reads only shapes (Layer.reshape_from_shapes) is reshaped by the forward
+# only when its bottoms' or tops' shapes differ from what its last reshape left.
+SHAPES_NET = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 9 dim: 9 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" } } }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip"
+        inner_product_param { num_output: 5 weight_filler { type: "gaussian" } } }
+"""
+
+
+def _count_reshapes(net, monkeypatch):
+    calls = {}
+    for layer in net.layers:
+        def counted(bottom, top, layer=layer, original=layer.reshape):
+            calls[layer.name] = calls.get(layer.name, 0) + 1
+            return original(bottom, top)
+        monkeypatch.setattr(layer, "reshape", counted)
+    return calls
+
+
+def test_a_shapes_only_reshape_runs_when_a_shape_changed(monkeypatch):
+    net = Net(net_param(SHAPES_NET), caffepy.TEST)
+    assert all(net.layer_dict[n].reshape_from_shapes for n in ("conv", "pool", "ip"))
+    assert not net.layer_dict["data"].reshape_from_shapes
+    calls = _count_reshapes(net, monkeypatch)
+    for _ in range(3):
+        net.forward()
+    assert calls == {"data": 3, "conv": 1, "pool": 1, "ip": 1}
+    # a new batch size reaches every layer, and the numbers are a fresh net's
+    x = np.random.default_rng(0).standard_normal((5, 3, 9, 9)).astype(np.float32)
+    net.blobs["data"].reshape(*x.shape)
+    net.blobs["data"].data[...] = x
+    out = net.forward()["ip"].copy()
+    assert out.shape == (5, 5) and calls["ip"] == 2
+    fresh = Net(net_param(SHAPES_NET.replace("dim: 2", "dim: 5")), caffepy.TEST)
+    for name in ("conv", "ip"):
+        for mine, theirs in zip(net.params[name], fresh.params[name]):
+            theirs.data[...] = mine.data
+    fresh.blobs["data"].data[...] = x
+    np.testing.assert_allclose(out, fresh.forward()["ip"], rtol=1e-5, atol=1e-6)
+    # a top reshaped from outside is reshaped back
+    net.blobs["pool"].reshape(1, 1, 1, 1)
+    net.forward()
+    assert net.blobs["pool"].shape == (5, 4, 4, 4) and calls["pool"] == 3

@@ -62,6 +62,7 @@ class InnerProduct(Layer):
     inner_product_param { num_output bias_term weight_filler bias_filler axis transpose }.
     blobs: weights [num_output, K] ([K, num_output] when transpose), bias [num_output].
     """
+    reshape_from_shapes = True
     exact_bottoms = 1
     exact_tops = 1
 
@@ -178,6 +179,7 @@ class Concat(Layer):
 
     concat_param { axis (or legacy concat_dim) }
     """
+    reshape_from_shapes = True
     min_bottoms = 1
     exact_tops = 1
 
@@ -276,6 +278,7 @@ class Eltwise(Layer):
     eltwise_param { operation coeff stable_prod_grad }. MAX ties go where Caffe sends them
     (bottom[1] over bottom[0], then the earliest).
     """
+    reshape_from_shapes = True
     min_bottoms = 2
     exact_tops = 1
     layout = ANY

@@ -69,6 +69,7 @@ def blocks(channels, width):
 class IntelPack(Layer):
     """NCHW -> SIMD-blocked (N, ceil(C/V), H, W, V), padding lanes zero. Backward unpacks the
     diff. No parameters; the width V is the CPU's (see block_width)."""
+    reshape_from_shapes = True
     exact_bottoms = exact_tops = 1
     layout = OWN        # a blocked bottom is its reshape's error
 
@@ -102,6 +103,7 @@ class IntelUnpack(Layer):
     """SIMD-blocked -> NCHW (the real channels only). Backward packs the diff (padding lanes
     zero). A 5-axis bottom without a layout record (a blob set from Python) is read as blocked
     with every lane a channel."""
+    reshape_from_shapes = True
     exact_bottoms = exact_tops = 1
     layout = OWN
 
@@ -219,6 +221,7 @@ class BlockedConvolution(Layer):
     of one over pixels; 2.6x fewer multiplies for AlexNet's 13x13 3x3 layers); everything else,
     or any convolution with `engine: CAFFE`, runs Caffe's algorithm: per image, blocked im2col +
     one sgemm per group (cext/intel.pyx). Both agree to float rounding."""
+    reshape_from_shapes = True
     type = "Convolution"
     layout = BLOCKED
     min_bottoms = 1
@@ -410,6 +413,7 @@ class BlockedPooling(Layer):
     """MAX or AVE pooling on blocked blobs, windows and output sizes as Caffe's Pooling
     (pooling_param: pool, kernel_size / kernel_h,w, stride, pad, global_pooling, round_mode,
     avg_include_pad). MAX keeps the argmax (h * W + w) per lane for the backward."""
+    reshape_from_shapes = True
     type = "Pooling"
     layout = BLOCKED
     exact_bottoms = 1
@@ -512,6 +516,7 @@ class BlockedLRN(Layer):
 class BlockedConcat(Layer):
     """Concat of blocked blobs (concat_param.axis / concat_dim). Along channels, bottoms whose
     channel counts fill their blocks are copied block by block; otherwise lane by lane."""
+    reshape_from_shapes = True
     type = "Concat"
     layout = BLOCKED
     min_bottoms = 1

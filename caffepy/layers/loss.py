@@ -135,6 +135,7 @@ class SoftmaxWithLoss(LossLayer):
     at log(FLT_MIN) as Caffe's log(max(prob, FLT_MIN)) is. Computed by
     caffepy.kernels.loss (cext/loss.pyx) when built, else by its NumPy reference
     (caffepy/kernels/reference/loss.py)."""
+    reshape_from_shapes = True
     exact_tops = None
     min_tops, max_tops = 1, 2
 

@@ -98,6 +98,7 @@ def _four_axes(request):
 class NHWCPack(Layer):
     """NCHW -> channels-last; backward the other way. The layout plan inserts it where a
     channels-last region starts (caffepy/layout_plan.py); no parameters."""
+    reshape_from_shapes = True
     exact_bottoms = exact_tops = 1
     layout = OWN
 
@@ -124,6 +125,7 @@ class NHWCPack(Layer):
 @register
 class NHWCUnpack(Layer):
     """Channels-last -> NCHW; backward the other way (where a channels-last region ends)."""
+    reshape_from_shapes = True
     exact_bottoms = exact_tops = 1
     layout = OWN
 

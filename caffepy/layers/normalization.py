@@ -106,6 +106,7 @@ class BatchNorm(Layer):
     The three blobs are statistics, not parameters: their lr_mult is forced to 0 (a
     param spec asking otherwise is an error, as in Caffe). Reads batch_norm_param
     use_global_stats, moving_average_fraction, eps. Runs in place."""
+    reshape_from_shapes = True
     exact_bottoms = exact_tops = 1
 
     def setup(self, bottom, top):

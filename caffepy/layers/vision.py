@@ -33,6 +33,7 @@ def refuse_fusions(layer):
 
 class _ConvBase(Layer):
     """Shared parameter handling of Convolution and Deconvolution."""
+    reshape_from_shapes = True
     min_bottoms = 1
     min_tops = 1
     equal_bottom_top = True
@@ -164,6 +165,7 @@ class Pooling(Layer):
     optional second top); AVE divides by the window clipped to the padded image, or with
     avg_include_pad false by the window clipped to the image.
     """
+    reshape_from_shapes = True
     exact_bottoms = 1
     min_tops = 1
     max_tops = 2
