@@ -117,6 +117,9 @@ CASES = [
          layout=NHWC, expected=pool_expected("MAX", (3, 3), (2, 2), (1, 1)), id="nhwc-max-pad"),
     Case("Pooling", "pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 }", [distinct(2, 5, 5, 4)],
          layout=NHWC, expected=pool_expected("MAX", (3, 3), (1, 1), (1, 1)), id="nhwc-max-s1"),
+    # 75 channels: two runs of 32, one of 8, three alone
+    Case("Pooling", "pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 }", [distinct(2, 75, 5, 6)],
+         layout=NHWC, expected=pool_expected("MAX", (3, 3), (2, 2), (1, 1)), id="nhwc-max-75-channels"),
     Case("Pooling", "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 }", [randn(2, 11, 7, 6)],
          layout=NHWC, expected=pool_expected("AVE", (3, 3), (2, 2), (1, 1)), id="nhwc-ave-pad"),
     Case("Pooling", "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 avg_include_pad: false }",
@@ -349,7 +352,7 @@ def test_kernels_refuse_mismatched_arguments():
                                np.zeros(0, np.float32), x.reshape(16, 8), np.zeros((0, 0), np.float32))
 
 
-@pytest.mark.parametrize("channels", [8, 12, 3])
+@pytest.mark.parametrize("channels", [8, 12, 3, 43])
 def test_max_pool_mask_keeps_the_first_maximum(channels):
     """Ties go to the first window position in row-major order (Caffe's rule), in the runs of
     eight channels and in the channels after them alike; padding is never the maximum."""
