@@ -87,26 +87,21 @@ static int caffepy_own_runnable(void) {
     return running > 0 ? running : 1;
 }
 
-/* Other processes' runnable threads now, or -1 when unknown: the least of a few readings
- * 50 us apart, since a kernel thread runs for a few microseconds now and then (rcu_preempt
- * was in one reading of five after a process ended) while a busy process stays runnable. A
- * thread of ours that was spinning after a region may go to sleep between the run queue's
- * reading and ours (AlexNet's conv1, after a pause, read a core taken that way): a reading
- * whose count of our threads changed across it is read again. */
+/* Other processes' runnable threads now, or -1 when unknown: the run queue less our own
+ * runnable threads, the least of three readings. A reading can only come out too high: a
+ * thread of ours that was spinning after a region and falls asleep between the two reads
+ * (AlexNet's conv1, after a pause, read a core taken that way), or a kernel thread that runs
+ * for a few microseconds (rcu_preempt was in one reading of five after a process ended),
+ * while a busy process is in every reading. Three take ~0.4 ms (the /proc reads), once per
+ * module per pause. */
 static int caffepy_others_runnable(void) {
-    const struct timespec pause = {0, 50000};
-    int least = -1, reading, before, running, after, tries;
+    int least = -1, reading, running, own, others;
     for (reading = 0; reading < 3; reading++) {
-        if (reading > 0) nanosleep(&pause, NULL);
-        for (tries = 0; tries < 4; tries++) {
-            before = caffepy_own_runnable();
-            running = caffepy_runnable();
-            after = caffepy_own_runnable();
-            if (before == after) break;
-        }
+        running = caffepy_runnable();
+        own = caffepy_own_runnable();
         if (running <= 0) return -1;
-        running = running > after ? running - after : 0;
-        if (least < 0 || running < least) least = running;
+        others = running > own ? running - own : 0;
+        if (least < 0 || others < least) least = others;
     }
     return least;
 }
