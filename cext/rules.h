@@ -28,8 +28,8 @@
  */
 #include <dirent.h>
 #include <fcntl.h>
-#include <stdio.h>
 #include <omp.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -92,7 +92,7 @@ static int caffepy_own_runnable(void) {
  * thread of ours that was spinning after a region and falls asleep between the two reads
  * (AlexNet's conv1, after a pause, read a core taken that way), or a kernel thread that runs
  * for a few microseconds (rcu_preempt was in one reading of five after a process ended),
- * while a busy process is in every reading. Three take ~0.4 ms (the /proc reads), once per
+ * while a busy process is in every reading. Three take ~0.3 ms (the /proc reads), once per
  * module per pause. */
 static int caffepy_others_runnable(void) {
     int least = -1, reading, running, own, others;
