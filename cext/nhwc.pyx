@@ -77,6 +77,11 @@ cdef void _transpose_images(const float* src, float* dst, Py_ssize_t N, Py_ssize
             c0 = c0 + _TILE
 
 
+cdef extern from "nhwc_transpose.h" nogil:
+    void caffepy_reverse_runs(const float* buf, long ld, long n, long j0, long j1, long S,
+                              float* dp, long d0, long d1, int add)
+
+
 cdef enum:
     _RA = 16              # reverse_axes: a's per tile (one cache line of dst)
     _RJ = 64              # reverse_axes: (b, s) pairs per tile
@@ -89,18 +94,10 @@ cdef void _reverse_tile(const float* sp, Py_ssize_t s0, Py_ssize_t S, Py_ssize_t
     row pieces into `buf`, then write whole runs of a. Going through `buf` keeps the reads
     sequential: a tile of rows a power-of-two floats apart would share cache sets."""
     cdef float buf[_RA * _RJ]
-    cdef Py_ssize_t a, j, n = a1 - a0
-    cdef float* row
+    cdef Py_ssize_t a, n = a1 - a0
     for a in range(n):
         memcpy(&buf[a * _RJ], sp + (a0 + a) * s0 + j0, (j1 - j0) * sizeof(float))
-    for j in range(j0, j1):
-        row = dp + (j % S) * d0 + (j // S) * d1 + a0
-        if add:
-            for a in range(n):
-                row[a] += buf[a * _RJ + j - j0]
-        else:
-            for a in range(n):
-                row[a] = buf[a * _RJ + j - j0]
+    caffepy_reverse_runs(buf, _RJ, n, j0, j1, S, dp + a0, d0, d1, add)
 
 
 def reverse_axes(const float[:, :, :] src, float[:, :, :] dst, bint add=False):
