@@ -112,6 +112,11 @@ def reverse_axes(const float[:, :, :] src, float[:, :, :] dst, bint add=False):
     cdef Py_ssize_t f = sizeof(float)
     cdef Py_ssize_t s0 = src.strides[0] // f, s1 = src.strides[1] // f, s2 = src.strides[2] // f
     cdef Py_ssize_t d0 = dst.strides[0] // f, d1 = dst.strides[1] // f, d2 = dst.strides[2] // f
+    if A == 1 and S > 1:
+        # a pointwise gradient [1, C, O] -> [O, C, 1]: the tiles below run over a, which here
+        # would write one float per 8 KB; as [C, O, 1] -> [1, O, C] it is the 2-D transpose
+        # it is (2048 x 512: 6.3 -> 0.7 ms)
+        A, B, S, s0, s1, s2, d0, d1, d2 = B, S, 1, s1, s2, 1, 0, d0, d1
     cdef Py_ssize_t ta = (A + _RA - 1) // _RA, tj = (B * S + _RJ - 1) // _RJ, t, a, a0, j0, j, b, s
     cdef const float* sp = &src[0, 0, 0]
     cdef float* dp = &dst[0, 0, 0]

@@ -10,8 +10,10 @@ from caffepy.kernels.reference import nhwc as ref
 RNG = np.random.default_rng(77)
 
 # (A, B, S): ResNet's 2048 x 1024 pointwise weights (power-of-two rows), 3x3 and 7x7 kernels,
-# and sizes that end mid-tile in every axis
-SHAPES = [(2048, 1024, 1), (64, 3, 49), (96, 48, 25), (17, 5, 3), (33, 70, 2), (1, 1, 1)]
+# and sizes that end mid-tile in every axis; a pointwise gradient [1, C, O] (run as a 2-D
+# transpose), whole tiles and not
+SHAPES = [(2048, 1024, 1), (64, 3, 49), (96, 48, 25), (17, 5, 3), (33, 70, 2), (1, 1, 1),
+          (1, 256, 64), (1, 37, 21)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
