@@ -188,6 +188,7 @@ cdef struct CGeom:
     Py_ssize_t rows         # pixels per GEMM: per pass through the column buffer
     int images              # images per task (not direct)
     bint direct
+    bint caffe_order        # wt is [group, Og, Kg] (Caffe's own, for a 1 x 1 kernel), not [group, Kg, Og]
 
 
 cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int sh, int sw,
@@ -357,8 +358,9 @@ cdef void _fwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float*
     """y[rows, O] = a[rows, Ktot] @ wt per group (+ bias)."""
     cdef int gr
     for gr in range(g.group):
-        gemm_ld(False, False, <int>rows, g.Og, g.Kg, 1.0, a + gr * g.Kg, <int>lda,
-                wt + <Py_ssize_t>gr * g.Kg * g.Og, g.Og, 0.0, y + gr * g.Og, g.O)
+        gemm_ld(False, g.caffe_order, <int>rows, g.Og, g.Kg, 1.0, a + gr * g.Kg, <int>lda,
+                wt + <Py_ssize_t>gr * g.Kg * g.Og, g.Kg if g.caffe_order else g.Og, 0.0,
+                y + gr * g.Og, g.O)
     if bias != NULL:
         _add_bias(y, rows, g.O, bias)
 
@@ -389,17 +391,23 @@ cdef void _fwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float
 cdef void _bwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float* wt,
                     const float* dy, Py_ssize_t rows, float* da, Py_ssize_t ldda, float* dwt,
                     float* db) noexcept nogil:
-    """dwt += a^T dy, db += column sums of dy, da = dy wt^T, per group (each when not NULL)."""
+    """dwt += a^T dy, db += column sums of dy, da = dy wt^T, per group (each when not NULL);
+    in Caffe's order, dwt += dy^T a and da = dy wt."""
     cdef int gr
+    cdef Py_ssize_t wo
     if db != NULL:
         _sum_rows(dy, rows, g.O, db)
     for gr in range(g.group):
-        if dwt != NULL:
+        wo = <Py_ssize_t>gr * g.Kg * g.Og
+        if dwt != NULL and g.caffe_order:
+            gemm_ld(True, False, g.Og, g.Kg, <int>rows, 1.0, dy + gr * g.Og, g.O,
+                    a + gr * g.Kg, <int>lda, 1.0, dwt + wo, g.Kg)
+        elif dwt != NULL:
             gemm_ld(True, False, g.Kg, g.Og, <int>rows, 1.0, a + gr * g.Kg, <int>lda,
-                    dy + gr * g.Og, g.O, 1.0, dwt + <Py_ssize_t>gr * g.Kg * g.Og, g.Og)
+                    dy + gr * g.Og, g.O, 1.0, dwt + wo, g.Og)
         if da != NULL:
-            gemm_ld(False, True, <int>rows, g.Kg, g.Og, 1.0, dy + gr * g.Og, g.O,
-                    wt + <Py_ssize_t>gr * g.Kg * g.Og, g.Og, 0.0, da + gr * g.Kg, <int>ldda)
+            gemm_ld(False, not g.caffe_order, <int>rows, g.Kg, g.Og, 1.0, dy + gr * g.Og, g.O,
+                    wt + wo, g.Kg if g.caffe_order else g.Og, 0.0, da + gr * g.Kg, <int>ldda)
 
 
 cdef void _bwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float* wt,
@@ -444,8 +452,14 @@ cdef inline Py_ssize_t _tasks(const CGeom* g) noexcept nogil:
     return (g.N + g.images - 1) // g.images
 
 
-cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
-    need_shape(kernel, "wt", tuple(wt.shape[:3]), (g.group, g.Kg, g.Og))
+cdef _check_conv(str kernel, CGeom* g, wt, col, int T, bint caffe_order):
+    if caffe_order:
+        need(g.kh == 1 and g.kw == 1, kernel, "caffe_order", "needs a 1 x 1 kernel",
+             f"{g.kh}x{g.kw}")
+        need_shape(kernel, "wt", tuple(wt.shape[:3]), (g.group, g.Og, g.Kg))
+    else:
+        need_shape(kernel, "wt", tuple(wt.shape[:3]), (g.group, g.Kg, g.Og))
+    g.caffe_order = caffe_order
     if not g.direct:
         need(col.shape[0] >= T and col.shape[1] >= g.rows * g.Ktot, kernel, "col",
              f"needs shape (>= {T}, >= {g.rows * g.Ktot})", tuple(col.shape[:2]))
@@ -453,12 +467,15 @@ cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
 
 def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const float[::1] bias,
                  float[:, :, :, ::1] y, float[:, ::1] col, int O, int kh, int kw, int ph, int pw,
-                 int sh, int sw, int dh, int dw, int group, Py_ssize_t rows):
+                 int sh, int sw, int dh, int dw, int group, Py_ssize_t rows,
+                 bint caffe_order=False):
     """y [N, oh, ow, O] = conv(x [N, H, W, C], wt) + bias (empty: none); overwritten.
-    Scratch col [T, rows * Ktot] (unused by a direct convolution) for T threads."""
+    Scratch col [T, rows * Ktot] (unused by a direct convolution) for T threads. wt is
+    [group, Kg, Og], or with caffe_order (1 x 1 kernels) [group, Og, Kg]: the weights as Caffe
+    stores them, with no copy."""
     cdef CGeom g = _cgeom("conv_forward", x, y, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows)
     cdef int T = col.shape[0], nt, tid, saved = 0
-    _check_conv("conv_forward", &g, wt, col, T)
+    _check_conv("conv_forward", &g, wt, col, T, caffe_order)
     need(bias.shape[0] in (0, O), "conv_forward", "bias", f"needs {O} values or none", bias.shape[0])
     cdef const float* b = &bias[0] if bias.shape[0] else NULL
     cdef Py_ssize_t tasks = _tasks(&g), task, cs = col.shape[1]
@@ -484,26 +501,33 @@ def conv_backward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt,
                   const float[:, :, :, ::1] dy, float[:, :, :, ::1] dx, float[:, ::1] dwt,
                   float[:, ::1] db, float[:, ::1] col, int O, int kh, int kw, int ph, int pw,
                   int sh, int sw, int dh, int dw, int group, Py_ssize_t rows, bint need_x,
-                  bint need_w, bint need_b):
+                  bint need_w, bint need_b, bint caffe_order=False, float[::1] dw_sum=None):
     """Gradients of conv_forward: dx (overwritten) if need_x; dwt[0] = the gradient of wt
-    [group * Kg * Og] and db[0] = the bias gradient [O] summed over the batch, if need_w /
+    (in wt's order) and db[0] = the bias gradient [O] summed over the batch, if need_w /
     need_b (dwt [T, ...] and db [T, O] are per-thread scratch; the caller adds row 0 to its
-    diffs). col as for conv_forward."""
+    diffs). With dw_sum (a weight diff in wt's order) the weight gradient is added to it
+    instead, dwt[0] unused. col and caffe_order as for conv_forward."""
     cdef CGeom g = _cgeom("conv_backward", x, dy, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows)
     cdef int T = col.shape[0], nt, tid, t, saved = 0
-    _check_conv("conv_backward", &g, wt, col, T)
+    _check_conv("conv_backward", &g, wt, col, T, caffe_order)
     cdef Py_ssize_t ws = <Py_ssize_t>group * g.Kg * g.Og, i
     if need_x:
         need_shape("conv_backward", "dx", dims(dx.shape, 4), dims(x.shape, 4))
     if need_w:
         need(dwt.shape[0] >= T and dwt.shape[1] == ws, "conv_backward", "dwt",
              f"needs shape (>= {T}, {ws})", dims(dwt.shape, 2))
+        if dw_sum is not None:
+            need(dw_sum.shape[0] == ws, "conv_backward", "dw_sum", f"needs {ws} values",
+                 dw_sum.shape[0])
     if need_b:
         need(db.shape[0] >= T and db.shape[1] == O, "conv_backward", "db",
              f"needs shape (>= {T}, {O})", dims(db.shape, 2))
     cdef float* dxp = &dx[0, 0, 0, 0] if need_x else NULL
     cdef float* dwp = &dwt[0, 0] if need_w else NULL
     cdef float* dbp = &db[0, 0] if need_b else NULL
+    cdef float* dw0 = dwp         # thread 0's weight gradient, the sum of the others' too
+    if need_w and dw_sum is not None:
+        dw0 = &dw_sum[0]
     cdef Py_ssize_t tasks = _tasks(&g), task, cs = col.shape[1]
     cdef float* cp = &col[0, 0] if col.shape[1] else NULL
     if g.N == 0 or not (need_x or need_w or need_b):
@@ -511,13 +535,13 @@ def conv_backward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt,
     nt = _task_threads(T, tasks, <Py_ssize_t>g.N * g.P * g.O * g.Kg)
     with nogil:
         for t in range(nt):
-            if need_w:
+            if need_w and (t > 0 or dw0 == dwp):
                 memset(dwp + t * ws, 0, ws * sizeof(float))
             if need_b:
                 memset(dbp + t * O, 0, O * sizeof(float))
         if nt == 1:
             for task in range(tasks):
-                _bwd_task(&g, task, &x[0, 0, 0, 0], &wt[0, 0, 0], &dy[0, 0, 0, 0], dxp, dwp, dbp,
+                _bwd_task(&g, task, &x[0, 0, 0, 0], &wt[0, 0, 0], &dy[0, 0, 0, 0], dxp, dw0, dbp,
                           cp)
         else:
             saved = _blas_get_threads()
@@ -525,13 +549,14 @@ def conv_backward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt,
             for task in prange(tasks, num_threads=nt, schedule="dynamic"):
                 tid = threadid()
                 _bwd_task(&g, task, &x[0, 0, 0, 0], &wt[0, 0, 0], &dy[0, 0, 0, 0], dxp,
-                          dwp + tid * ws if need_w else NULL, dbp + tid * O if need_b else NULL,
+                          (dwp + tid * ws if tid > 0 else dw0) if need_w else NULL,
+                          dbp + tid * O if need_b else NULL,
                           cp + tid * cs if cp != NULL else NULL)
             _blas_set_threads(saved)
             for t in range(1, nt):
                 if need_w:
                     for i in prange(ws, schedule="static", num_threads=threads_for(ws)):
-                        dwp[i] += dwp[t * ws + i]
+                        dw0[i] += dwp[t * ws + i]
                 if need_b:
                     for i in range(O):
                         dbp[i] += dbp[t * O + i]

@@ -175,7 +175,10 @@ class _Gemm:
         self.col_floats = 0 if pointwise else _k.conv_col_floats(L.channels, kh, kw, L.oh, L.ow,
                                                                    self.rows)
         self.name = "gemm" if self.direct else "strided gemm" if self.stride else "im2col+gemm"
-        self.wt = np.empty((L.group, self.kg, og), np.float32)
+        # a 1 x 1 kernel's GEMMs take Caffe's [O, C] weights and diff as they are (transposed
+        # operands); larger ones read weights reordered to the columns' (kh, kw, C) order
+        self.caffe_order = (kh, kw) == (1, 1)
+        self.wt = None if self.caffe_order else np.empty((L.group, self.kg, og), np.float32)
 
     def _input(self, x):
         """What the GEMM reads: x, or for a strided pointwise convolution the pixels it reads,
@@ -188,34 +191,45 @@ class _Gemm:
         np.copyto(taken, x[:, ::sh, ::sw, :])
         return taken
 
-    def _pack(self):
+    def _weights(self, fresh=True):
+        """The weights as the kernels take them, reordered first if `fresh`."""
         L = self.layer
-        (kh, kw) = L.window.kernel
-        g, cg = L.group, L.channels // L.group
-        w = L.blobs[0].data.reshape(g, L.num_output // g, cg, kh * kw)
-        wt = self.wt.reshape(g, kh * kw, cg, -1)
-        for gi in range(g):
-            _k.reverse_axes(w[gi], wt[gi])
+        g = L.group
+        if self.caffe_order:
+            return L.blobs[0].data.reshape(g, L.num_output // g, -1)
+        if fresh:
+            (kh, kw) = L.window.kernel
+            cg = L.channels // g
+            w = L.blobs[0].data.reshape(g, L.num_output // g, cg, kh * kw)
+            wt = self.wt.reshape(g, kh * kw, cg, -1)
+            for gi in range(g):
+                _k.reverse_axes(w[gi], wt[gi])
+        return self.wt
 
     def _col(self):
         return _workspace("col", (_k.max_threads(), self.col_floats))
 
     def forward(self, bottom, top):
         L = self.layer
-        self._pack()
+        wt = self._weights()
         bias = L.blobs[1].data if L.bias_term else _EMPTY
         col = self._col()
         for b, t in zip(bottom, top):
-            _k.conv_forward(self._input(b.raw_data), self.wt, bias, t.raw_data, col, *self.args,
-                            self.rows)
+            _k.conv_forward(self._input(b.raw_data), wt, bias, t.raw_data, col, *self.args,
+                            self.rows, self.caffe_order)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
-        if any(propagate_down):
-            self._pack()            # the forward may have run another algorithm
+        # reordered afresh when they are read: the forward may have run another algorithm
+        wt = self._weights(fresh=any(propagate_down))
         col = self._col()
         threads = col.shape[0]
-        dwt = _workspace("dwt", (threads, self.wt.size)) if need_w else _EMPTY2
+        dwt = _workspace("dwt", (threads, wt.size)) if need_w else _EMPTY2
+        # a 1 x 1 kernel's weight gradient goes straight into the diff (a flat view of it)
+        diff = L.blobs[0].diff
+        dw_sum = None
+        if need_w and self.caffe_order and diff.flags.c_contiguous:
+            dw_sum = diff.reshape(-1)
         db = _workspace("db", (threads, L.num_output)) if need_b else _EMPTY2
         (kh, kw) = L.window.kernel
         g, cg = L.group, L.channels // L.group
@@ -227,13 +241,15 @@ class _Gemm:
             dx = x                  # not written unless need_x
             if need_x:
                 dx = _workspace("taken_diff", x.shape) if self.stride else b.raw_diff
-            _k.conv_backward(x, self.wt, t.raw_diff, dx, dwt, db, col, *self.args,
-                             self.rows, need_x, need_w, need_b)
+            _k.conv_backward(x, wt, t.raw_diff, dx, dwt, db, col, *self.args,
+                             self.rows, need_x, need_w, need_b, self.caffe_order, dw_sum)
             if need_x and self.stride:      # the pixels it skips get no gradient
                 sh, sw = self.stride
                 b.raw_diff[...] = 0
                 b.raw_diff[:, ::sh, ::sw, :] = dx
-            if need_w:
+            if need_w and dw_sum is None and self.caffe_order:
+                L.blobs[0].diff[...] += dwt[0].reshape(L.blobs[0].shape)
+            elif need_w and dw_sum is None:
                 grad = dwt[0].reshape(g, kh * kw, cg, -1)
                 diff = L.blobs[0].diff.reshape(g, -1, cg, kh * kw)
                 for gi in range(g):

@@ -292,6 +292,60 @@ def test_strided_pointwise_convolution_overwrites_the_whole_bottom_diff():
     assert not bottom[0].diff[:, :, 1::2].any() and not bottom[0].diff[:, :, :, 1::2].any()
 
 
+@pytest.mark.parametrize("params, algorithm", [
+    ("kernel_size: 1", "gemm"),
+    ("kernel_size: 1 group: 2", "gemm"),
+    ("kernel_size: 1 stride: 2", "strided gemm"),
+    ("kernel_size: 1 pad: 1", "im2col+gemm"),
+])
+def test_pointwise_weight_diffs_accumulate_in_caffe_order(params, algorithm):
+    """A 1 x 1 kernel's GEMMs read Caffe's weights and add their gradient straight into the
+    diff: what the diff held stays, twice the gradient after two backwards, and a diff that is
+    no flat view (the fallback) gets the same."""
+    params = f"convolution_param {{ num_output: 6 {params} {FILL} }}"
+    x = randn(2, 4, 5, 6, seed=15)
+    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
+    layer.force_algorithm(algorithm)
+    layer.param_propagate_down = [True, True]
+    layer.forward(bottom, top)
+    top[0].diff[...] = randn(*top[0].shape, seed=16)
+    held = [randn(*blob.shape, seed=17 + i) for i, blob in enumerate(layer.blobs)]
+    for blob, start in zip(layer.blobs, held):
+        blob.diff[...] = start
+    layer.backward(top, [True], bottom)
+    once = [blob.diff - start for blob, start in zip(layer.blobs, held)]
+    assert np.abs(once[0]).max() > 0.1
+    layer.backward(top, [False], bottom)
+    for blob, start, grad in zip(layer.blobs, held, once):
+        np.testing.assert_allclose(blob.diff, start + 2 * grad, rtol=1e-5, atol=1e-5)
+    weights = layer.blobs[0]
+    flat = weights._diff
+    weights._diff = np.asfortranarray(flat)     # a layout reshape(-1) would have to copy
+    assert not weights._diff.flags.c_contiguous
+    weights._diff[...] = 0
+    layer.backward(top, [False], bottom)
+    np.testing.assert_allclose(weights._diff, once[0], rtol=1e-5, atol=1e-5)
+    weights._diff = flat
+
+
+def test_pointwise_kernel_adds_each_tasks_weight_gradient_to_the_sum():
+    """conv_backward in Caffe's order with a diff to add to, over many tasks (a small `rows`),
+    so that threads, when the machine has them, each add a part: the same sums as NumPy's."""
+    c, o = 48, 32                           # 6.3M multiply-adds: two threads' worth
+    x, dy = randn(4, 32, 32, c, seed=18), randn(4, 32, 32, o, seed=19)
+    w = randn(1, o, c, seed=20)
+    threads = kernels.max_threads()
+    start = randn(o * c, seed=21)
+    dw_sum, dx = start.copy(), np.full_like(x, np.nan)
+    dwt = np.full((threads, o * c), np.nan, np.float32)
+    kernels.conv_backward(x, w, dy, dx, dwt, np.zeros((0, 0), np.float32),
+                          np.zeros((threads, 0), np.float32), o, 1, 1, 0, 0, 1, 1, 1, 1, 1, 256,
+                          True, True, False, True, dw_sum)
+    x2, dy2 = x.reshape(-1, c).astype(np.float64), dy.reshape(-1, o).astype(np.float64)
+    np.testing.assert_allclose(dw_sum, start + (dy2.T @ x2).ravel(), rtol=1e-4, atol=2e-3)
+    np.testing.assert_allclose(dx.reshape(-1, c), dy2 @ w[0], rtol=1e-4, atol=1e-4)
+
+
 def test_strided_pointwise_convolution_is_no_direct_candidate():
     params = f"convolution_param {{ num_output: 4 kernel_size: 1 stride: 2 {FILL} }}"
     layer, _, _ = setup_layer("Convolution", params, [randn(1, 8, 6, 6)], layout=NHWC)
