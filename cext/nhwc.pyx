@@ -22,7 +22,7 @@ reference/normalization.py on the packed arrays (tests/layers/test_nhwc.py).
 from cython.parallel cimport prange, threadid
 cimport openmp
 from libc.stdint cimport int32_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 from cpython cimport array
 import array
 
@@ -137,6 +137,18 @@ def reverse_axes(const float[:, :, :] src, float[:, :, :] dst, bint add=False):
                         dp[s * d0 + b * d1 + a * d2] += sp[a * s0 + b * s1 + s * s2]
                     else:
                         dp[s * d0 + b * d1 + a * d2] = sp[a * s0 + b * s1 + s * s2]
+
+
+def same_floats(const float[::1] a, const float[::1] b):
+    """Whether a and b hold the same bits: whether weights changed since a copy was kept."""
+    if a.shape[0] != b.shape[0]:
+        return False
+    if a.shape[0] == 0:
+        return True
+    cdef int differ
+    with nogil:
+        differ = memcmp(&a[0], &b[0], a.shape[0] * sizeof(float))
+    return differ == 0
 
 
 def pack(const float[:, :, :, ::1] x, float[:, :, :, ::1] y):

@@ -346,6 +346,24 @@ def test_pointwise_kernel_adds_each_tasks_weight_gradient_to_the_sum():
     np.testing.assert_allclose(dx.reshape(-1, c), dy2 @ w[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("algorithm", ["direct", "im2col+gemm"])
+def test_reordered_weights_follow_a_change_of_one_float(algorithm):
+    """The algorithms that keep reordered weights between forwards redo them when any float
+    of the weights changes, written through an array held from before (as pycaffe code may)."""
+    params = f"convolution_param {{ num_output: 5 kernel_size: 3 pad: 1 {FILL} }}"
+    x = randn(2, 3, 6, 5, seed=23)
+    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
+    layer.force_algorithm(algorithm)
+    held = layer.blobs[0].data
+    for change in (None, (4, 2, 2, 1), (0, 0, 0, 0), None):
+        if change is not None:
+            held[change] += 0.25
+        layer.forward(bottom, top)
+        w, b = (blob.data.astype(np.float64) for blob in layer.blobs)
+        want = ref.conv_forward(x.astype(np.float64), w, b, (1, 1), (1, 1), (1, 1), 1)
+        np.testing.assert_allclose(top[0].data, want, rtol=1e-5, atol=1e-5)
+
+
 def test_strided_pointwise_convolution_is_no_direct_candidate():
     params = f"convolution_param {{ num_output: 4 kernel_size: 1 stride: 2 {FILL} }}"
     layer, _, _ = setup_layer("Convolution", params, [randn(1, 8, 6, 6)], layout=NHWC)
