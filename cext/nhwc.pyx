@@ -151,6 +151,47 @@ def same_floats(const float[::1] a, const float[::1] b):
     return differ == 0
 
 
+def take_pixels(const float[:, :, :, ::1] x, float[:, :, :, ::1] out, int sh, int sw):
+    """out[n, i, j] = x[n, i * sh, j * sw]: the pixels a strided 1 x 1 convolution reads."""
+    cdef Py_ssize_t N = out.shape[0], oh = out.shape[1], ow = out.shape[2], C = out.shape[3]
+    need(sh >= 1 and sw >= 1, "take_pixels", "stride", "must be >= 1", (sh, sw))
+    need_shape("take_pixels", "out", dims(out.shape, 4), (x.shape[0], (x.shape[1] - 1) // sh + 1,
+                                                        (x.shape[2] - 1) // sw + 1, x.shape[3]))
+    cdef Py_ssize_t row, n, i, j
+    if N * oh * ow * C == 0:
+        return
+    with nogil:
+        for row in prange(N * oh, schedule="static", num_threads=threads_for(N * oh * ow * C)):
+            n = row // oh
+            i = row % oh
+            for j in range(ow):
+                memcpy(&out[n, i, j, 0], &x[n, i * sh, j * sw, 0], C * sizeof(float))
+
+
+def put_pixels(const float[:, :, :, ::1] d, float[:, :, :, ::1] dx, int sh, int sw):
+    """dx[n, i * sh, j * sw] = d[n, i, j], every other pixel of dx 0: take_pixels' gradient,
+    each float of dx written once."""
+    cdef Py_ssize_t N = dx.shape[0], H = dx.shape[1], W = dx.shape[2], C = dx.shape[3]
+    cdef Py_ssize_t oh = d.shape[1], ow = d.shape[2]
+    need(sh >= 1 and sw >= 1, "put_pixels", "stride", "must be >= 1", (sh, sw))
+    need_shape("put_pixels", "d", dims(d.shape, 4), (N, (H - 1) // sh + 1, (W - 1) // sw + 1, C))
+    cdef Py_ssize_t row, n, y, x
+    if N * H * W * C == 0:
+        return
+    with nogil:
+        for row in prange(N * H, schedule="static", num_threads=threads_for(N * H * W * C)):
+            n = row // H
+            y = row % H
+            if y % sh or y // sh >= oh:
+                memset(&dx[n, y, 0, 0], 0, W * C * sizeof(float))
+                continue
+            for x in range(W):
+                if x % sw or x // sw >= ow:
+                    memset(&dx[n, y, x, 0], 0, C * sizeof(float))
+                else:
+                    memcpy(&dx[n, y, x, 0], &d[n, y // sh, x // sw, 0], C * sizeof(float))
+
+
 def pack(const float[:, :, :, ::1] x, float[:, :, :, ::1] y):
     """y[n, h, w, c] = x[n, c, h, w] (NCHW -> channels-last; overwritten)."""
     cdef Py_ssize_t N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]

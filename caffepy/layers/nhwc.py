@@ -208,7 +208,7 @@ class _Gemm:
         L = self.layer
         sh, sw = self.stride
         taken = _workspace("taken", (len(x), L.oh, L.ow, L.channels))
-        np.copyto(taken, x[:, ::sh, ::sw, :])
+        _k.take_pixels(x, taken, sh, sw)
         return taken
 
     def _weights(self, fresh=True):
@@ -265,9 +265,7 @@ class _Gemm:
             _k.conv_backward(x, wt, t.raw_diff, dx, dwt, db, col, *self.args,
                              self.rows, need_x, need_w, need_b, self.caffe_order, dw_sum)
             if need_x and self.stride:      # the pixels it skips get no gradient
-                sh, sw = self.stride
-                b.raw_diff[...] = 0
-                b.raw_diff[:, ::sh, ::sw, :] = dx
+                _k.put_pixels(dx, b.raw_diff, *self.stride)
             if need_w and dw_sum is None and self.caffe_order:
                 L.blobs[0].diff[...] += dwt[0].reshape(L.blobs[0].shape)
             elif need_w and dw_sum is None:

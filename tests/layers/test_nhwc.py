@@ -417,6 +417,10 @@ def test_kernels_refuse_mismatched_arguments():
         kernels.conv_direct_weight_grad(x, 8, y, 5, 5, 5, 0, np.zeros((2, 72 * 16), np.float32),
                                         np.zeros((2, 16), np.float32), np.zeros((2, 288), np.float32),
                                         np.zeros((2, 63), np.float32), 1, 3, 3, 1, 1, 1, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"take_pixels: out: needs shape \(1, 2, 2, 8\)"):
+        kernels.take_pixels(x, np.zeros((1, 2, 3, 8), np.float32), 2, 2)
+    with pytest.raises(ValueError, match=r"put_pixels: d: needs shape \(1, 2, 1, 8\)"):
+        kernels.put_pixels(np.zeros((1, 2, 2, 8), np.float32), x, 3, 4)
     with pytest.raises(ValueError, match=r"pack: y: needs shape \(1, 4, 8, 4\)"):
         kernels.pack(x, np.zeros((1, 4, 4, 8), np.float32))
     with pytest.raises(ValueError, match=r"channel_affine: mul: needs shape \(8,\)"):
