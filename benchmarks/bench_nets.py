@@ -20,7 +20,8 @@ forward + backward per iteration, for:
 Every contender runs in its own process (own peak RSS, own OpenMP / BLAS threads, --threads of
 them, default all cores), and the driver runs one round of each in turn, starting with a
 different one each round, so a change in machine load hits all alike: a sample is the mean of
-k iterations (k grows for the small nets), a figure the median over --rounds rounds, `±` half
+k iterations (k grows for the small nets) after one untimed one (as every `caffe time` run
+warms up with one), a figure the median over --rounds rounds, `±` half
 the range of the rounds as a share of the median, and a ratio the median of the per-round
 ratios with their range. caffepy is timed as `caffe time` times (layer by layer), PyTorch as
 loss.backward() after the forward; none clears gradients between iterations (neither does
@@ -184,6 +185,10 @@ def run_worker(args):
         words = line.split()
         if not words or words[0] != "step":
             break
+        # one untimed iteration first, as each `caffe time` run begins with one ("Performing
+        # Forward / Backward"): a worker's first iteration after idling while the others ran
+        # pays for the caches and memory they took, which Caffe's samples never include
+        worker.step(1)
         print("RESULT " + json.dumps(worker.step(int(words[1]))), flush=True)
     print("RESULT " + json.dumps({"base_rss_mb": worker.base_rss}), flush=True)
 
