@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import nets  # noqa: E402
 import torch_net  # noqa: E402
 
+from caffepy import rng  # noqa: E402
 from caffepy.net import TRAIN, Net  # noqa: E402
 
 
@@ -52,7 +53,14 @@ def torch_grads(param, net, x, label, dtype):
 def test_translation_is_the_same_network(name, batch):
     torch.set_num_threads(2)
     param = without_dropout(nets.train_net(name, batch))
-    net = Net(param, TRAIN)
+    # fixed weights: MobileNet's float32 gradients err by 0.05-2% of the largest in either
+    # framework, by the weights drawn (BatchNorm over two images), so unseeded runs compared
+    # two random draws, and one in five or so crossed the bound below
+    rng.seed(0)
+    try:
+        net = Net(param, TRAIN)
+    finally:
+        rng.seed(-1)
     gen = np.random.default_rng(0)
     x = gen.standard_normal(net.blobs["data"].shape, dtype=np.float32)
     label = gen.integers(0, 10, batch).astype(np.float32)
