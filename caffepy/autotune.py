@@ -16,7 +16,8 @@ Switches (environment):
     CAFFEPY_CACHE_DIR=dir   where the cache lives (default $XDG_CACHE_HOME/caffepy, else
                             ~/.cache/caffepy): autotune.json
 
-The cache holds one section per machine (CPU model, vector ISA, threads, kernel version), an
+The cache holds one section per machine (CPU model, vector ISA, threads, the BLAS, kernel
+version), an
 entry per key: the choice and the milliseconds measured. It is read once per process; writes
 re-read it under an exclusive lock (ranks of one node may measure at once), merge, and replace
 the file atomically. A file that does not parse is set aside (warned once) and rebuilt. In a
@@ -30,7 +31,7 @@ import time
 
 from . import device, log
 
-VERSION = 6                  # bump when a kernel change makes old measurements meaningless
+VERSION = 7                  # bump when a kernel change makes old measurements meaningless
 _FILE = "autotune.json"
 _cache = None                # {machine: {key: entry}} as read from disk, this process
 _path_read = None
@@ -51,7 +52,7 @@ def cache_path():
 
 def machine_key(threads):
     isa, _ = device.vector_isa()
-    return f"{device.cpu_model()} | {isa} | {threads} threads | v{VERSION}"
+    return f"{device.cpu_model()} | {isa} | {threads} threads | {device.blas_name()} | v{VERSION}"
 
 
 def _read(path):

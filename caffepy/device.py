@@ -1,4 +1,5 @@
 """`caffepy device_query`: what this machine offers the engine."""
+import functools
 import os
 import platform
 
@@ -39,6 +40,20 @@ def cpu_model():
     return platform.processor() or "unknown"
 
 
+@functools.lru_cache(maxsize=None)
+def blas_name():
+    """The BLAS behind the kernels' matrix products (cext/blas_threads.h picks NumPy's own
+    OpenBLAS when it can, else scipy's), as its build reports it: "numpy: scipy-openblas
+    0.3.31.188.0"; "unknown" when the kernels are not built or the build does not say."""
+    try:
+        from .kernels import common
+        which = common.blas_in_use()
+        config = __import__(which).show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{which}: {config.get('name')} {config.get('version', '')}".strip()
+    except Exception:  # BLAS details are a nicety; never fail on them
+        return "unknown"
+
+
 def threads_in_use():
     env = os.environ.get("OMP_NUM_THREADS")
     return int(env) if env and env.isdigit() else len(os.sched_getaffinity(0))
@@ -50,12 +65,7 @@ def query():
     log.info(f"Cores available to this process: {len(os.sched_getaffinity(0))} (of {os.cpu_count()})")
     log.info(f"Vector ISA: {isa} ({lanes} float32 lanes; IntelPack block width {lanes})")
     log.info(f"Threads in use: {threads_in_use()} (set OMP_NUM_THREADS to change)")
-    try:
-        import numpy as np
-        cfg = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-        log.info(f"BLAS: {cfg.get('name')} {cfg.get('version', '')}")
-    except Exception:  # BLAS details are a nicety; never fail the query on them
-        pass
+    log.info(f"BLAS: {blas_name()}")
     try:
         from mpi4py import MPI
         log.info(f"MPI: {MPI.Get_library_version().splitlines()[0].strip()} "

@@ -1,8 +1,9 @@
 # Row-major single-precision GEMM callable without the GIL, for every kernel module.
 #
 # `from blas cimport gemm` in any cext/*.pyx: the functions are inline, so no runtime
-# module `blas` is imported; the call goes straight to the BLAS that scipy ships
-# (scipy.linalg.cython_blas), which takes Fortran (column-major) arguments.
+# module `blas` is imported; the call goes straight to NumPy's own OpenBLAS when the module's
+# blas_threads.pxi found it, else to the BLAS that scipy ships (scipy.linalg.cython_blas;
+# blas_threads.h says why that order). Both take Fortran (column-major) arguments.
 # A row-major C = op(A) @ op(B) is the column-major C^T = op(B)^T @ op(A)^T, so the
 # operands and the sizes M, N are swapped on the way in; no data is moved.
 #
@@ -10,8 +11,8 @@
 # BLAS to one thread: blas_threads.pxi). Outside one, a product gets threads_for_macs(M*N*K)
 # OpenMP threads, each computing a slice of C with a single-threaded BLAS, so matrix products
 # follow the thread rule of rules.pxd like every other kernel. A module that calls these must
-# include blas_threads.pxi, which binds the BLAS thread setter; without it (or without an
-# OpenBLAS) each product is one BLAS call that threads itself.
+# include blas_threads.pxi, which binds the BLAS and its thread setter; without it (or without
+# an OpenBLAS) each product is one call to scipy's BLAS, which threads itself.
 
 cimport openmp
 from cython.parallel cimport prange
@@ -19,7 +20,13 @@ from scipy.linalg.cython_blas cimport sgemm as _fortran_sgemm
 
 from rules cimport threads_for_macs
 
+ctypedef void (*_sgemm64_fn)(const char*, const char*, const long long*, const long long*,
+                             const long long*, const float*, const float*, const long long*,
+                             const float*, const long long*, const float*, float*,
+                             const long long*) noexcept nogil
+
 cdef extern from "blas_threads.h":
+    _sgemm64_fn caffepy_sgemm64
     int caffepy_blas_serial() noexcept nogil
     void caffepy_blas_restore(int saved) noexcept nogil
     bint caffepy_blas_settable() noexcept nogil
@@ -30,6 +37,10 @@ cdef inline void _sgemm(bint trans_a, bint trans_b, int M, int N, int K, float a
                         int ldc) noexcept nogil:
     cdef char ta = b'T' if trans_a else b'N'
     cdef char tb = b'T' if trans_b else b'N'
+    cdef long long m = M, n = N, k = K, la = lda, lb = ldb, lc = ldc
+    if caffepy_sgemm64 != NULL:
+        caffepy_sgemm64(&tb, &ta, &n, &m, &k, &alpha, B, &lb, A, &la, &beta, C, &lc)
+        return
     _fortran_sgemm(&tb, &ta, &N, &M, &K, &alpha, <float*>B, &ldb, <float*>A, &lda,
                    &beta, C, &ldc)
 

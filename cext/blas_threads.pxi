@@ -7,29 +7,60 @@ from rules cimport threads_for_macs
 
 ctypedef void (*_set_threads_fn)(int) noexcept nogil
 ctypedef int (*_get_threads_fn)() noexcept nogil
+ctypedef void (*_sgemm64_fn)(const char*, const char*, const long long*, const long long*,
+                             const long long*, const float*, const float*, const long long*,
+                             const float*, const long long*, const float*, float*,
+                             const long long*) noexcept nogil
 
 cdef extern from "blas_threads.h":
     _set_threads_fn _blas_set_threads "caffepy_blas_set_threads"
     _get_threads_fn _blas_get_threads "caffepy_blas_get_threads"
+    _sgemm64_fn _blas_sgemm64 "caffepy_sgemm64"
+
+
+cdef size_t _address(lib, str name):
+    import ctypes
+    fn = getattr(lib, name, None)
+    return 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
 
 
 cdef _bind_blas_threads():
-    # The BLAS behind scipy.linalg.cython_blas is a dependency of that extension module, so the
-    # dynamic loader finds its thread setters through the module's own handle.
-    global _blas_set_threads, _blas_get_threads
+    # A BLAS is a dependency of the extension module that links it (NumPy's core, scipy's
+    # cython_blas), so the dynamic loader finds its symbols through that module's own handle.
+    # NumPy's OpenBLAS first, its sgemm and thread count together (blas_threads.h says why).
+    global _blas_set_threads, _blas_get_threads, _blas_sgemm64
     import ctypes
+    from numpy._core import _multiarray_umath
     from scipy.linalg import cython_blas
+    try:
+        lib = ctypes.CDLL(_multiarray_umath.__file__)
+        sgemm = _address(lib, "scipy_sgemm_64_")
+        setter = _address(lib, "scipy_openblas_set_num_threads64_")
+        getter = _address(lib, "scipy_openblas_get_num_threads64_")
+        if sgemm and setter and getter:
+            _blas_sgemm64 = <_sgemm64_fn>sgemm
+            _blas_set_threads = <_set_threads_fn>setter
+            _blas_get_threads = <_get_threads_fn>getter
+            return
+    except OSError:
+        pass
     try:
         lib = ctypes.CDLL(cython_blas.__file__)
     except OSError:
         return
     for prefix in ("scipy_openblas", "openblas"):
-        setter = getattr(lib, prefix + "_set_num_threads", None)
-        getter = getattr(lib, prefix + "_get_num_threads", None)
-        if setter is not None and getter is not None:
-            _blas_set_threads = <_set_threads_fn><size_t>ctypes.cast(setter, ctypes.c_void_p).value
-            _blas_get_threads = <_get_threads_fn><size_t>ctypes.cast(getter, ctypes.c_void_p).value
+        setter = _address(lib, prefix + "_set_num_threads")
+        getter = _address(lib, prefix + "_get_num_threads")
+        if setter and getter:
+            _blas_set_threads = <_set_threads_fn>setter
+            _blas_get_threads = <_get_threads_fn>getter
             return
+
+
+def blas_in_use():
+    """Which BLAS this module's matrix products call: "numpy" (NumPy's own OpenBLAS) or
+    "scipy" (scipy.linalg.cython_blas)."""
+    return "numpy" if _blas_sgemm64 != NULL else "scipy"
 
 
 _bind_blas_threads()
