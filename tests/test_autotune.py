@@ -86,13 +86,18 @@ def test_a_convolution_measures_its_candidates_once_per_shape(cache):
     parts = layer.tuning.split("; ")
     assert [p.split(" ")[:2] for p in parts] == [["forward", "measured"], ["weights", "measured"],
                                                 ["data", "measured"]]
-    assert "direct" in parts[1] and "direct" not in parts[2]      # direct: GEMM's data gradient
     assert set(layer.algos) == {"forward", "weights", "data"}
     assert all(a.name in layer.algorithms for a in layer.algos.values())
     assert set(layer.algorithms) == {"im2col+gemm", "direct", "winograd F(2,3)", "winograd F(3,3)",
                                      "winograd F(4,3)", "winograd F(5,3)"}
     stored = json.loads(cache.read_text())[autotune.machine_key(autotune_threads())]
-    assert {k.rsplit(" ", 1)[1] for k in stored} == {"forward", "weights", "data"}
+    passes = {k.rsplit(" ", 1)[1]: v for k, v in stored.items() if " backward " not in k}
+    assert set(passes) == {"forward", "weights", "data"}
+    # direct: a weight gradient of its own, the GEMM's data gradient
+    assert "direct" in passes["weights"]["ms"] and "direct" not in passes["data"]["ms"]
+    # the gradients chosen apart are measured once more together (_one_backward)
+    apart = passes["weights"]["choice"] != passes["data"]["choice"]
+    assert apart == any(" backward " in k for k in stored)
     before = [b.diff.copy() for b in layer.blobs]
     layer.reshape(bottom, top)              # same shape: no new measurement
     assert layer.tuning.startswith("forward measured ")
@@ -106,3 +111,32 @@ def test_a_convolution_measures_its_candidates_once_per_shape(cache):
 def autotune_threads():
     from caffepy.kernels import nhwc
     return nhwc.max_threads()
+
+
+@pytest.mark.parametrize("backward, together", [("winograd F(4,3)", True), ("apart", False)])
+def test_gradients_chosen_apart_run_together_when_that_is_faster(monkeypatch, backward, together):
+    """Weights by F(5,3) and data by F(4,3), each the fastest alone: then the two gradients are
+    timed together, apart and each by one algorithm, and the fastest of those runs."""
+    picks = {"forward": "winograd F(4,3)", "weights": "winograd F(5,3)", "data": "winograd F(4,3)"}
+    asked = []
+
+    def choose(layer, key, candidates, default, threads):
+        asked.append(key)
+        layer.tuning = "fake"
+        if " backward " in key:
+            assert set(candidates) == {"apart", "winograd F(5,3)", "winograd F(4,3)"}
+            held = [b.diff.copy() for b in layer.blobs]
+            for run in candidates.values():     # each trial runs and leaves the diffs alone
+                run()
+            for b, kept in zip(layer.blobs, held):
+                np.testing.assert_array_equal(b.diff, kept)
+            return backward
+        return picks[key.rsplit(" ", 1)[1]]
+    monkeypatch.setattr(autotune, "choose", choose)
+    params = "convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: 'gaussian' } }"
+    layer, _, _ = setup_layer("Convolution", params, [randn(1, 16, 8, 8)], layout=NHWC)
+    assert asked[-1].endswith("backward winograd F(5,3) + winograd F(4,3)")
+    weights, data = layer.algos["weights"], layer.algos["data"]
+    assert (weights is data) == together
+    assert data.name == "winograd F(4,3)"
+    assert weights.name == ("winograd F(4,3)" if together else "winograd F(5,3)")
