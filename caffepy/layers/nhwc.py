@@ -544,21 +544,14 @@ class NHWCConvolution(Convolution):
         res2 3x3: F(5,3) weights + F(4,3) data, each first by 1%, took 22.6 ms; F(4,3) for both
         16.8). Returns the name to run both with, or None to keep them apart."""
         def both(algo):
-            def run():
-                saved = [b.diff.copy() for b in self.blobs]
-                algo.backward(top, need_x, bottom, True, self.bias_term)
-                for b, kept in zip(self.blobs, saved):
-                    b.diff[...] = kept
-            return run
+            return self._keeping_diffs(
+                lambda: algo.backward(top, need_x, bottom, True, self.bias_term))
 
         def apart():
-            saved = [b.diff.copy() for b in self.blobs]
             found[weights].backward(top, [False] * len(bottom), bottom, True, self.bias_term)
             found[data].backward(top, need_x, bottom, False, False)
-            for b, kept in zip(self.blobs, saved):
-                b.diff[...] = kept
 
-        trials = {"apart": apart}
+        trials = {"apart": self._keeping_diffs(apart)}
         trials.update({a: both(found[a]) for a in (weights, data) if a != "direct"})
         choice = autotune.choose(self, f"{key} backward {weights} + {data}", trials, "apart",
                                  _k.max_threads())
@@ -597,16 +590,19 @@ class NHWCConvolution(Convolution):
         """A function running pass `name` of `algo` for timing (parameter diffs restored)."""
         if name == "forward":
             return lambda: algo.forward(bottom, top)
+        if name == "weights":
+            return self._keeping_diffs(
+                lambda: algo.backward(top, [False] * len(bottom), bottom, True, self.bias_term))
+        return self._keeping_diffs(lambda: algo.backward(top, need_x, bottom, False, False))
 
-        def run():
+    def _keeping_diffs(self, run):
+        """`run` for timing, the parameter diffs put back as they were after it."""
+        def trial():
             saved = [b.diff.copy() for b in self.blobs]
-            if name == "weights":
-                algo.backward(top, [False] * len(bottom), bottom, True, self.bias_term)
-            else:
-                algo.backward(top, need_x, bottom, False, False)
+            run()
             for b, kept in zip(self.blobs, saved):
                 b.diff[...] = kept
-        return run
+        return trial
 
     def forward(self, bottom, top):
         self.algos["forward"].forward(bottom, top)
