@@ -24,15 +24,15 @@ cdef size_t _address(lib, str name):
     return 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
 
 
-cdef _bind_blas_threads():
+cdef _bind_blas():
     # A BLAS is a dependency of the extension module that links it (NumPy's core, scipy's
     # cython_blas), so the dynamic loader finds its symbols through that module's own handle.
     # NumPy's OpenBLAS first, its sgemm and thread count together (blas_threads.h says why).
     global _blas_set_threads, _blas_get_threads, _blas_sgemm64
     import ctypes
-    from numpy._core import _multiarray_umath
     from scipy.linalg import cython_blas
     try:
+        from numpy._core import _multiarray_umath
         lib = ctypes.CDLL(_multiarray_umath.__file__)
         sgemm = _address(lib, "scipy_sgemm_64_")
         setter = _address(lib, "scipy_openblas_set_num_threads64_")
@@ -42,7 +42,7 @@ cdef _bind_blas_threads():
             _blas_set_threads = <_set_threads_fn>setter
             _blas_get_threads = <_get_threads_fn>getter
             return
-    except OSError:
+    except (ImportError, OSError):
         pass
     try:
         lib = ctypes.CDLL(cython_blas.__file__)
@@ -63,7 +63,7 @@ def blas_in_use():
     return "numpy" if _blas_sgemm64 != NULL else "scipy"
 
 
-_bind_blas_threads()
+_bind_blas()
 
 
 cdef inline int _task_threads(int T, Py_ssize_t tasks, Py_ssize_t macs) noexcept nogil:

@@ -245,7 +245,7 @@ cdef struct CGeom:
 
 
 cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int sh, int sw,
-                  int dh, int dw, int group, Py_ssize_t rows) except *:
+                  int dh, int dw, int group, Py_ssize_t rows, bint caffe_order=False) except *:
     cdef CGeom g
     g.N, g.H, g.W, g.C = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
     g.O = O
@@ -274,6 +274,9 @@ cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int s
     else:
         g.images = <int>min(rows // g.P, <Py_ssize_t>max(g.N, 1))
         g.rows = g.images * g.P
+    need(not caffe_order or (kh == 1 and kw == 1), kernel, "caffe_order", "needs a 1 x 1 kernel",
+         f"{kh}x{kw}")
+    g.caffe_order = caffe_order
     return g
 
 
@@ -505,14 +508,11 @@ cdef inline Py_ssize_t _tasks(const CGeom* g) noexcept nogil:
     return (g.N + g.images - 1) // g.images
 
 
-cdef _check_conv(str kernel, CGeom* g, wt, col, int T, bint caffe_order):
-    if caffe_order:
-        need(g.kh == 1 and g.kw == 1, kernel, "caffe_order", "needs a 1 x 1 kernel",
-             f"{g.kh}x{g.kw}")
+cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
+    if g.caffe_order:
         need_shape(kernel, "wt", tuple(wt.shape[:3]), (g.group, g.Og, g.Kg))
     else:
         need_shape(kernel, "wt", tuple(wt.shape[:3]), (g.group, g.Kg, g.Og))
-    g.caffe_order = caffe_order
     if not g.direct:
         need(col.shape[0] >= T and col.shape[1] >= g.rows * g.Ktot, kernel, "col",
              f"needs shape (>= {T}, >= {g.rows * g.Ktot})", tuple(col.shape[:2]))
@@ -526,9 +526,10 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
     Scratch col [T, rows * Ktot] (unused by a direct convolution) for T threads. wt is
     [group, Kg, Og], or with caffe_order (1 x 1 kernels) [group, Og, Kg]: the weights as Caffe
     stores them, with no copy."""
-    cdef CGeom g = _cgeom("conv_forward", x, y, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows)
+    cdef CGeom g = _cgeom("conv_forward", x, y, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows,
+                          caffe_order)
     cdef int T = col.shape[0], nt, tid, saved = 0
-    _check_conv("conv_forward", &g, wt, col, T, caffe_order)
+    _check_conv("conv_forward", &g, wt, col, T)
     need(bias.shape[0] in (0, O), "conv_forward", "bias", f"needs {O} values or none", bias.shape[0])
     cdef const float* b = &bias[0] if bias.shape[0] else NULL
     cdef Py_ssize_t tasks = _tasks(&g), task, cs = col.shape[1]
@@ -560,9 +561,10 @@ def conv_backward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt,
     need_b (dwt [T, ...] and db [T, O] are per-thread scratch; the caller adds row 0 to its
     diffs). With dw_sum (a weight diff in wt's order) the weight gradient is added to it
     instead, dwt[0] unused. col and caffe_order as for conv_forward."""
-    cdef CGeom g = _cgeom("conv_backward", x, dy, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows)
+    cdef CGeom g = _cgeom("conv_backward", x, dy, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows,
+                          caffe_order)
     cdef int T = col.shape[0], nt, tid, t, saved = 0
-    _check_conv("conv_backward", &g, wt, col, T, caffe_order)
+    _check_conv("conv_backward", &g, wt, col, T)
     cdef Py_ssize_t ws = <Py_ssize_t>group * g.Kg * g.Og, i
     if need_x:
         need_shape("conv_backward", "dx", dims(dx.shape, 4), dims(x.shape, 4))

@@ -247,10 +247,9 @@ class _Gemm:
         threads = col.shape[0]
         dwt = _workspace("dwt", (threads, wt.size)) if need_w else _EMPTY2
         # a 1 x 1 kernel's weight gradient goes straight into the diff (a flat view of it)
-        diff = L.blobs[0].diff
         dw_sum = None
-        if need_w and self.caffe_order and diff.flags.c_contiguous:
-            dw_sum = diff.reshape(-1)
+        if need_w and self.caffe_order and L.blobs[0].diff.flags.c_contiguous:
+            dw_sum = L.blobs[0].diff.reshape(-1)
         db = _workspace("db", (threads, L.num_output)) if need_b else _EMPTY2
         (kh, kw) = L.window.kernel
         g, cg = L.group, L.channels // L.group

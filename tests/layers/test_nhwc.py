@@ -417,6 +417,10 @@ def test_kernels_refuse_mismatched_arguments():
         kernels.conv_direct_weight_grad(x, 8, y, 5, 5, 5, 0, np.zeros((2, 72 * 16), np.float32),
                                         np.zeros((2, 16), np.float32), np.zeros((2, 288), np.float32),
                                         np.zeros((2, 63), np.float32), 1, 3, 3, 1, 1, 1, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"conv_forward: caffe_order: needs a 1 x 1 kernel, got 3x3"):
+        kernels.conv_forward(x, np.zeros((1, 5, 72), np.float32), np.zeros(0, np.float32),
+                             np.zeros((1, 2, 2, 5), np.float32), np.zeros((1, 4 * 72), np.float32),
+                             5, 3, 3, 0, 0, 1, 1, 1, 1, 1, 4, True)
     with pytest.raises(ValueError, match=r"take_pixels: out: needs shape \(1, 2, 2, 8\)"):
         kernels.take_pixels(x, np.zeros((1, 2, 3, 8), np.float32), 2, 2)
     with pytest.raises(ValueError, match=r"put_pixels: d: needs shape \(1, 2, 1, 8\)"):
