@@ -402,21 +402,22 @@ def test_kernels_refuse_mismatched_arguments():
         kernels.conv_forward(x, np.zeros((1, 8, 5), np.float32), np.zeros(0, np.float32),
                              np.zeros((1, 4, 4, 6), np.float32), np.zeros((1, 0), np.float32),
                              5, 1, 1, 0, 0, 1, 1, 1, 1, 1, 16)
+    v = kernels.direct_widths()[0]      # outputs per vector: 16 on AVX-512, 8 on AVX2
     # the direct convolution trusts its scratch: one too small is refused, never overrun
     y = np.zeros((1, 80), np.float32)
     with pytest.raises(ValueError, match=r"conv_direct_forward: xpad: needs shape \(>= 1, >= 288\)"):
-        kernels.conv_direct_forward(x, 8, np.zeros((72, 16), np.float32), np.zeros(16, np.float32),
+        kernels.conv_direct_forward(x, 8, np.zeros((72, v), np.float32), np.zeros(v, np.float32),
                                     y, 5, 5, 5, 0, np.zeros((2, 287), np.float32), 3, 3, 1, 1, 1, 1, 1, 1)
     with pytest.raises(ValueError, match=r"conv_direct_forward: y: needs shape \(1, >= 80\)"):
-        kernels.conv_direct_forward(x, 8, np.zeros((72, 16), np.float32), np.zeros(16, np.float32),
+        kernels.conv_direct_forward(x, 8, np.zeros((72, v), np.float32), np.zeros(v, np.float32),
                                     y[:, :79], 5, 5, 5, 0, np.zeros((2, 288), np.float32), 3, 3, 1, 1, 1, 1, 1, 1)
     with pytest.raises(ValueError, match=r"conv_direct_forward: C: must be 1 .. 8"):
-        kernels.conv_direct_forward(x, 9, np.zeros((81, 16), np.float32), np.zeros(16, np.float32),
+        kernels.conv_direct_forward(x, 9, np.zeros((81, v), np.float32), np.zeros(v, np.float32),
                                     y, 5, 5, 5, 0, np.zeros((2, 400), np.float32), 3, 3, 1, 1, 1, 1, 1, 1)
     with pytest.raises(ValueError, match=r"conv_direct_weight_grad: dyp: needs shape"):
-        kernels.conv_direct_weight_grad(x, 8, y, 5, 5, 5, 0, np.zeros((2, 72 * 16), np.float32),
-                                        np.zeros((2, 16), np.float32), np.zeros((2, 288), np.float32),
-                                        np.zeros((2, 63), np.float32), 1, 3, 3, 1, 1, 1, 1, 1, 1)
+        kernels.conv_direct_weight_grad(x, 8, y, 5, 5, 5, 0, np.zeros((2, 72 * v), np.float32),
+                                        np.zeros((2, v), np.float32), np.zeros((2, 288), np.float32),
+                                        np.zeros((2, 4 * v - 1), np.float32), 1, 3, 3, 1, 1, 1, 1, 1, 1)
     with pytest.raises(ValueError, match=r"conv_forward: caffe_order: needs a 1 x 1 kernel, got 3x3"):
         kernels.conv_forward(x, np.zeros((1, 5, 72), np.float32), np.zeros(0, np.float32),
                              np.zeros((1, 2, 2, 5), np.float32), np.zeros((1, 4 * 72), np.float32),
