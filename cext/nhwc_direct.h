@@ -19,16 +19,22 @@
  */
 #include <string.h>
 
-/* One register per vector: with a 16-float vector on AVX2 (two registers each) GCC kept the
- * accumulator blocks on the stack, a load and a store around every FMA (7x slower). */
+/* Register blocks: CD_P pixels (forward) or CD_T taps (weight gradient) by CD_Q vectors of
+ * outputs. One register per vector: with a 16-float vector on AVX2 (two registers each) GCC
+ * kept the accumulators on the stack, a load and a store around every FMA (7x slower). On AVX2
+ * two vectors a block make 12 sums of 16 registers, and each tap's float feeds two FMAs. */
 #ifdef __AVX512F__
 #define CD_V 16     /* outputs per vector */
-#define CD_P 6      /* output pixels per register block of the forward */
+#define CD_Q 1      /* vectors per block */
+#define CD_P 6      /* output pixels per block of the forward */
+#define CD_T 8      /* taps per block of the weight gradient */
 #else
 #define CD_V 8
-#define CD_P 12
+#define CD_Q 2
+#define CD_P 6
+#define CD_T 6
 #endif
-#define CD_T 8      /* taps per register block of the weight gradient */
+#define CD_ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef float cd_vec __attribute__((vector_size(CD_V * sizeof(float))));
 
@@ -96,32 +102,33 @@ static inline void cd_get(const float *y, cd_out a, size_t q, int n, float *v)
     }
 }
 
-/* `n` (<= CD_P) pixels q .. q + n - 1, tap 0 of pixel p at base[p]: their outputs
- * oc .. oc + nv of y (addressed by `a`) = bias + taps */
-static inline void cd_fwd_block(const float *const *base, int n, const int *restrict off, int K,
-                                const float *restrict wp, int Op, cd_vec b, float *restrict y,
-                                cd_out a, size_t q, int oc, int nv)
+/* `n` (<= CD_P) pixels q .. q + n - 1, tap 0 of pixel p at base[p], by `nq` (<= CD_Q)
+ * vectors of outputs from oc: y's outputs oc .. oc + nv (addressed by `a`) = bias + taps.
+ * Inlined where n and nq are constants, so the sums stay in registers. */
+CD_ALWAYS_INLINE void cd_fwd_tile(const float *const *base, int n, int nq,
+                                  const int *restrict off, int K, const float *restrict wp,
+                                  int Op, const float *restrict bp, float *restrict y, cd_out a,
+                                  size_t q, int oc, int nv)
 {
-    cd_vec acc[CD_P];
-    for (int p = 0; p < CD_P; p++)
-        acc[p] = b;
-    if (n == CD_P) {
-        for (int k = 0; k < K; k++) {
-            cd_vec w = cd_load(wp + (size_t)k * Op);
-            int o = off[k];
-            for (int p = 0; p < CD_P; p++)
-                acc[p] += base[p][o] * w;
-        }
-    } else {
-        for (int k = 0; k < K; k++) {
-            cd_vec w = cd_load(wp + (size_t)k * Op);
-            int o = off[k];
-            for (int p = 0; p < n; p++)
-                acc[p] += base[p][o] * w;
+    cd_vec acc[CD_P][CD_Q];
+    for (int p = 0; p < n; p++)
+        for (int j = 0; j < nq; j++)
+            acc[p][j] = cd_load(bp + oc + j * CD_V);
+    for (int k = 0; k < K; k++) {
+        cd_vec w[CD_Q];
+        int o = off[k];
+        for (int j = 0; j < nq; j++)
+            w[j] = cd_load(wp + (size_t)k * Op + oc + j * CD_V);
+        for (int p = 0; p < n; p++) {
+            float x = base[p][o];
+            for (int j = 0; j < nq; j++)
+                acc[p][j] += x * w[j];
         }
     }
     for (int p = 0; p < n; p++)
-        cd_put(y, a, q + p, oc, nv, (const float *)&acc[p]);
+        for (int j = 0; j < nq && j * CD_V < nv; j++)
+            cd_put(y, a, q + p, oc + j * CD_V, nv - j * CD_V < CD_V ? nv - j * CD_V : CD_V,
+                   (const float *)&acc[p][j]);
 }
 
 /* Output rows oy0 .. oy1 - 1 of one image: outputs 0 .. O - 1 of y (addressed by `a`) = the
@@ -135,18 +142,57 @@ static void cd_forward_rows(const float *restrict xp, int Wp, int C, int sh, int
 {
     size_t q0 = (size_t)oy0 * ow, q1 = (size_t)oy1 * ow;
     const float *base[CD_P];
-    for (int oc = 0; oc < O; oc += CD_V) {
-        int nv = O - oc < CD_V ? O - oc : CD_V;
-        cd_vec b = cd_load(bp + oc);
+    for (int oc = 0; oc < O; oc += CD_V * CD_Q) {
+        int nv = O - oc < CD_V * CD_Q ? O - oc : CD_V * CD_Q;
+        int whole = Op - oc >= CD_V * CD_Q;        /* else one vector is left (CD_Q = 2) */
         for (size_t q = q0; q < q1; q += CD_P) {
             int n = q1 - q < CD_P ? (int)(q1 - q) : CD_P;
             for (int p = 0; p < n; p++) {
                 size_t oy = (q + p) / ow, ox = (q + p) % ow;
                 base[p] = xp + (oy * sh * Wp + ox * sw) * C;
             }
-            cd_fwd_block(base, n, off, K, wp + oc, Op, b, y, a, q, oc, nv);
+            if (n == CD_P && whole)
+                cd_fwd_tile(base, CD_P, CD_Q, off, K, wp, Op, bp, y, a, q, oc, nv);
+            else if (n == CD_P)
+                cd_fwd_tile(base, CD_P, 1, off, K, wp, Op, bp, y, a, q, oc, nv);
+            else
+                cd_fwd_tile(base, n, whole ? CD_Q : 1, off, K, wp, Op, bp, y, a, q, oc, nv);
         }
     }
+}
+
+/* dwp's rows for taps off[0 .. CD_T), outputs oc .. oc + nq * CD_V, += those taps of `rows`
+ * output rows from y0 times dy's (widened in dyp). Inlined where nq is a constant. */
+CD_ALWAYS_INLINE void cd_wg_tile(int nq, const float *restrict xp, int Wp, int C, int sh,
+                                 int step, const int *restrict off, const float *restrict dyp,
+                                 int y0, int rows, int ow, int Op, int oc, float *restrict dwp)
+{
+    cd_vec acc[CD_T][CD_Q];
+    for (int t = 0; t < CD_T; t++)
+        for (int j = 0; j < nq; j++)
+            acc[t][j] = (cd_vec){0};
+    for (int r = 0; r < rows; r++) {
+        const float *row = xp + (size_t)(y0 + r) * sh * Wp * C;
+        const float *d = dyp + (size_t)r * ow * Op + oc;
+        for (int ox = 0; ox < ow; ox++) {
+            cd_vec g[CD_Q];
+            for (int j = 0; j < nq; j++)
+                g[j] = cd_load(d + (size_t)ox * Op + j * CD_V);
+            const float *base = row + (size_t)ox * step;
+            for (int t = 0; t < CD_T; t++) {
+                float x = base[off[t]];
+                for (int j = 0; j < nq; j++)
+                    acc[t][j] += x * g[j];
+            }
+        }
+    }
+    for (int t = 0; t < CD_T; t++)
+        for (int j = 0; j < nq; j++) {
+            float *w = dwp + (size_t)t * Op + oc + j * CD_V;
+            cd_vec s = cd_load(w);
+            s += acc[t][j];
+            memcpy(w, &s, sizeof s);
+        }
 }
 
 /* Output rows oy0 .. oy1 - 1 of one image: dwp [Kp][Op] += the taps times dy's outputs
@@ -174,27 +220,15 @@ static void cd_weight_grad_rows(const float *restrict xp, int Wp, int C, int sh,
             cd_vec db = cd_load(dbp + oc);
             db += sb;
             memcpy(dbp + oc, &db, sizeof db);
-            for (int k0 = 0; k0 < Kp; k0 += CD_T) {
-                cd_vec acc[CD_T];
-                for (int t = 0; t < CD_T; t++)
-                    acc[t] = (cd_vec){0};
-                for (int r = 0; r < rows; r++) {
-                    const float *row = xp + (size_t)(y0 + r) * sh * Wp * C;
-                    const float *d = dyp + (size_t)r * ow * Op + oc;
-                    for (int ox = 0; ox < ow; ox++) {
-                        cd_vec g = cd_load(d + (size_t)ox * Op);
-                        const float *base = row + (size_t)ox * step;
-                        for (int t = 0; t < CD_T; t++)
-                            acc[t] += base[off[k0 + t]] * g;
-                    }
-                }
-                for (int t = 0; t < CD_T; t++) {
-                    float *w = dwp + (size_t)(k0 + t) * Op + oc;
-                    cd_vec s = cd_load(w);
-                    s += acc[t];
-                    memcpy(w, &s, sizeof s);
-                }
-            }
         }
+        for (int oc = 0; oc < Op; oc += CD_V * CD_Q)
+            for (int k0 = 0; k0 < Kp; k0 += CD_T) {
+                if (Op - oc >= CD_V * CD_Q)
+                    cd_wg_tile(CD_Q, xp, Wp, C, sh, step, off + k0, dyp, y0, rows, ow, Op, oc,
+                               dwp + (size_t)k0 * Op);
+                else            /* one vector left (CD_Q = 2) */
+                    cd_wg_tile(1, xp, Wp, C, sh, step, off + k0, dyp, y0, rows, ow, Op, oc,
+                               dwp + (size_t)k0 * Op);
+            }
     }
 }
