@@ -4,8 +4,8 @@
  * A first layer (LeNet's conv1: 1 channel, 5x5, 20 outputs) has K = C * kh * kw of 25-75 taps:
  * im2col then copies runs of only kw * C floats, and the GEMM is too thin for BLAS to reach its
  * speed. Here the image is read in place instead (a padded copy, so no tap needs a bounds
- * check), and the sums stay in registers: CD_V outputs of CD_P neighbouring pixels (forward) or
- * CD_V outputs of CD_T taps (weight gradient), each a GCC vector of CD_V floats.
+ * check), and the sums stay in registers: CD_Q vectors of CD_V outputs for CD_P neighbouring
+ * pixels (forward) or for CD_T taps (weight gradient), each a GCC vector of CD_V floats.
  *
  * Tap k of an output pixel is the input float at the pixel's origin + off[k], origin
  * (oy * sh * Wp + ox * sw) * C in the padded image [Hp][Wp][C]. Weights come as wp[K][Op]
