@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -10,6 +11,11 @@ from caffepy import log  # noqa: E402
 # The suite runs the rules' choice of algorithm (caffepy/autotune.py): no measuring, nothing
 # written to the user's cache; tests/test_autotune.py turns measuring on where it is the subject
 os.environ["CAFFEPY_AUTOTUNE"] = "0"
+
+# Ctrl-C as a terminal delivers it, whatever the suite was started from: a shell without job
+# control starts a background job (`make test &`) with SIGINT ignored, which every process the
+# tests start would inherit, and the tests of what SIGINT does would then wait for nothing
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
