@@ -3,14 +3,11 @@
 # when it loads. Loops whose OpenMP threads each call a single-threaded BLAS set the count to
 # 1 around the loop and restore it after (two thread pools at once oversubscribe the cores).
 
+from blas cimport _sgemm64_fn     # the sgemm's type, declared once beside its caller
 from rules cimport threads_for_macs
 
 ctypedef void (*_set_threads_fn)(int) noexcept nogil
 ctypedef int (*_get_threads_fn)() noexcept nogil
-ctypedef void (*_sgemm64_fn)(const char*, const char*, const long long*, const long long*,
-                             const long long*, const float*, const float*, const long long*,
-                             const float*, const long long*, const float*, float*,
-                             const long long*) noexcept nogil
 
 cdef extern from "blas_threads.h":
     _set_threads_fn _blas_set_threads "caffepy_blas_set_threads"

@@ -509,10 +509,8 @@ cdef inline Py_ssize_t _tasks(const CGeom* g) noexcept nogil:
 
 
 cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
-    if g.caffe_order:
-        need_shape(kernel, "wt", tuple(wt.shape[:3]), (g.group, g.Og, g.Kg))
-    else:
-        need_shape(kernel, "wt", tuple(wt.shape[:3]), (g.group, g.Kg, g.Og))
+    need_shape(kernel, "wt", tuple(wt.shape[:3]),
+               (g.group, g.Og, g.Kg) if g.caffe_order else (g.group, g.Kg, g.Og))
     if not g.direct:
         need(col.shape[0] >= T and col.shape[1] >= g.rows * g.Ktot, kernel, "col",
              f"needs shape (>= {T}, >= {g.rows * g.Ktot})", tuple(col.shape[:2]))

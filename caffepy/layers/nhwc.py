@@ -547,8 +547,8 @@ class NHWCConvolution(Convolution):
                 lambda: algo.backward(top, need_x, bottom, True, self.bias_term))
 
         def apart():
-            found[weights].backward(top, [False] * len(bottom), bottom, True, self.bias_term)
-            found[data].backward(top, need_x, bottom, False, False)
+            self._pass(found[weights], "weights", bottom, top, need_x)()
+            self._pass(found[data], "data", bottom, top, need_x)()
 
         trials = {"apart": self._keeping_diffs(apart)}
         trials.update({a: both(found[a]) for a in (weights, data) if a != "direct"})
@@ -587,12 +587,16 @@ class NHWCConvolution(Convolution):
 
     def _trial(self, algo, name, bottom, top, need_x):
         """A function running pass `name` of `algo` for timing (parameter diffs restored)."""
+        run = self._pass(algo, name, bottom, top, need_x)
+        return run if name == "forward" else self._keeping_diffs(run)
+
+    def _pass(self, algo, name, bottom, top, need_x):
+        """A function running pass `name` (one of PASSES) of `algo` alone."""
         if name == "forward":
             return lambda: algo.forward(bottom, top)
         if name == "weights":
-            return self._keeping_diffs(
-                lambda: algo.backward(top, [False] * len(bottom), bottom, True, self.bias_term))
-        return self._keeping_diffs(lambda: algo.backward(top, need_x, bottom, False, False))
+            return lambda: algo.backward(top, [False] * len(bottom), bottom, True, self.bias_term)
+        return lambda: algo.backward(top, need_x, bottom, False, False)
 
     def _keeping_diffs(self, run):
         """`run` for timing, the parameter diffs put back as they were after it."""
