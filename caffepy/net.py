@@ -264,32 +264,75 @@ class Net:
         self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
         self.fusions = self._find_fusions()
         if self.fusions:
-            relus = sum(last - bn == 2 for bn, last in self.fusions.items())
-            log.info(f"Fused {len(self.fusions)} BatchNorm + Scale pair(s), {relus} with the ReLU "
-                     f"after them (the fast path; engine: CAFFE runs them apart)")
+            kinds = [self.layers[first].type for first in self.fusions]
+            relus = sum(last - first == 2 for first, last in self.fusions.items()
+                        if self.layers[first].type == "BatchNorm")
+            log.info(f"Fused {kinds.count('BatchNorm')} BatchNorm + Scale pair(s), {relus} with "
+                     f"the ReLU after them, and {kinds.count('Eltwise')} Eltwise + ReLU pair(s) "
+                     f"(the fast path; engine: CAFFE runs them apart)")
 
     def _find_fusions(self):
-        """{BatchNorm index: index of the unit's last layer} of the layers that run as one: the
-        fast path's BatchNorm in place, then its Scale in place on the same blob with no
-        conversion between (ResNet's form), and the ReLU after it if that is in place on the
-        same blob too (with a negative slope of at least 0, so that its output's sign is its
-        input's): one pass over the activations in forward and one reduction in backward
-        instead of two or three of each. Every blob ends with the values and diffs the layers
-        one by one give it (all work in place, so no intermediate is seen); a run that does not
-        include the whole unit runs its layers one by one."""
+        """{index of a unit's first layer: index of its last} of the layers that run as one:
+        - the fast path's BatchNorm in place, then its Scale in place on the same blob with no
+          conversion between (ResNet's form), and the ReLU after it if that is in place on the
+          same blob too: one pass over the activations in forward and one reduction in
+          backward instead of two or three of each;
+        - an Eltwise SUM of two bottoms (coefficients 1, one layout), the ReLU in place on its
+          top, and the Split after it if the top feeds two layers (ResNet's shortcut): one pass
+          forward (the Split shares the data) and one backward instead of three.
+        The ReLU's negative slope must be at least 0, so that its output's sign is its input's.
+        Every blob ends with the values and diffs the layers one by one give it (all work in
+        place, so no intermediate is seen); a run that does not include the whole unit runs
+        its layers one by one."""
         found = {}
         for li in range(len(self.layers) - 1):
-            bn, scale = self.layers[li], self.layers[li + 1]
-            if not (hasattr(bn, "forward_with_scale") and hasattr(scale, "backward_with_bn")):
-                continue
+            first, second = self.layers[li], self.layers[li + 1]
             x = self.top_vecs[li][0]
-            if self.bottom_vecs[li][0] is x and self._in_place_on(li + 1, x):
+            if hasattr(first, "forward_with_scale") and hasattr(second, "backward_with_bn"):
+                if self.bottom_vecs[li][0] is x and self._in_place_on(li + 1, x):
+                    found[li] = li + 1
+                    if self._relu_in_place(li + 2, x):
+                        found[li] = li + 2
+            elif first.type == "Eltwise" and first.fuses_relu(self.bottom_vecs[li], [x]) \
+                    and self._relu_in_place(li + 1, x):
                 found[li] = li + 1
-                relu = self.layers[li + 2] if li + 2 < len(self.layers) else None
-                if relu is not None and relu.type == "ReLU" and getattr(relu, "slope", -1) >= 0 \
-                        and self._in_place_on(li + 2, x):
-                    found[li] = li + 2
+                split = li + 2
+                if split < len(self.layers) and self.layers[split].type == "Split" \
+                        and not self._conversions[split] and self.bottom_vecs[split] == [x] \
+                        and len(self.top_vecs[split]) == 2:
+                    found[li] = split
         return found
+
+    def _relu_in_place(self, li, x):
+        """Layer li is a ReLU of negative slope >= 0 in place on x."""
+        return (li < len(self.layers) and self.layers[li].type == "ReLU"
+                and getattr(self.layers[li], "slope", -1) >= 0 and self._in_place_on(li, x))
+
+    def _forward_unit(self, first, last):
+        layer, bottom, top = self.layers[first], self.bottom_vecs[first], self.top_vecs[first]
+        if layer.type == "Eltwise":
+            layer.forward_with_relu(bottom, top, self.layers[first + 1])
+        else:
+            layer.forward_with_scale(bottom, top, self.layers[first + 1],
+                                     self.layers[last] if last > first + 1 else None)
+
+    def _backward_unit(self, first, last, every_layer):
+        """Run the unit's backward if it can (a BatchNorm unit needs the forward to have run
+        fused); False if the layers must run one by one."""
+        layer = self.layers[first]
+        if layer.type == "Eltwise":
+            split = self.top_vecs[last] if last == first + 2 else []
+            layer.backward_with_relu(self.top_vecs[first], self.layers[first + 1], split,
+                                     self.bottom_need_backward[first], self.bottom_vecs[first])
+            return True
+        scale = self.layers[first + 1]
+        if scale.fused_input is None:
+            return False
+        bn_runs = every_layer or self.layer_need_backward[first]
+        scale.backward_with_bn(self.top_vecs[last], layer, self.bottom_vecs[first][0],
+                               bn_runs and self.bottom_need_backward[first][0],
+                               self.layers[last] if last > first + 1 else None)
+        return True
 
     def _in_place_on(self, li, x):
         """Layer li has x as its one bottom and one top, with no conversion before it."""
@@ -496,8 +539,7 @@ class Net:
                     if before_layer is not None:      # their parameters' deferred updates first
                         for other in range(li + 1, last + 1):
                             before_layer(other)
-                    layer.forward_with_scale(bottom, top, self.layers[li + 1],
-                                             self.layers[last] if last > li + 1 else None)
+                    self._forward_unit(li, last)
                     done = last
                 else:
                     layer.forward(bottom, top)
@@ -516,7 +558,7 @@ class Net:
         `every_layer` runs the layers that reach no loss too, as Caffe's `time` does: their
         parameter gradients (lr_mult != 0), never a bottom diff that backward does not need."""
         start = len(self.layers) - 1 if start is None else start
-        fused_back = {last: bn for bn, last in self.fusions.items()}
+        fused_back = {last: first for first, last in self.fusions.items()}
         done = len(self.layers)       # the first layer of a fused unit that already ran
         for li in range(start, end - 1, -1):
             if not (every_layer or self.layer_need_backward[li]):
@@ -525,15 +567,11 @@ class Net:
             for w, blob in zip(self._top_loss_weights[li], top):
                 if w:
                     blob.diff[...] = w
-            layer, bn = self.layers[li], fused_back.get(li)
+            layer, first = self.layers[li], fused_back.get(li)
             if li >= done:
                 pass
-            elif bn is not None and bn >= end and self.layers[bn + 1].fused_input is not None:
-                bn_runs = every_layer or self.layer_need_backward[bn]
-                self.layers[bn + 1].backward_with_bn(
-                    top, self.layers[bn], self.bottom_vecs[bn][0],
-                    bn_runs and self.bottom_need_backward[bn][0], layer if li > bn + 1 else None)
-                done = bn
+            elif first is not None and first >= end and self._backward_unit(first, li, every_layer):
+                done = first
             else:
                 layer.backward(top, self.bottom_need_backward[li], self.bottom_vecs[li])
             for conversion, b, t, bi in reversed(self._conversions[li]):

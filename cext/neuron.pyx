@@ -11,9 +11,10 @@ caffepy/kernels/reference/neuron.py.
 
 from cython.parallel cimport prange
 from libc.math cimport floorf
+from libc.string cimport memcpy
 from libc.stdint cimport int32_t
 
-from rules cimport dims, need_shape, threads_for
+from rules cimport dims, need, need_shape, threads_for
 
 DEF CHUNK = 16384
 
@@ -114,6 +115,24 @@ cdef inline void _relu_b(const float* x, const float* g, float* d, Py_ssize_t n,
         d[i] = g[i] if x[i] > 0 else g[i] * slope
 
 
+cdef inline void _sum_relu_f(const float* a, const float* b, float* y, Py_ssize_t n,
+                             float slope) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float v
+    for i in range(n):
+        v = a[i] + b[i]
+        y[i] = v if v > 0 else v * slope
+
+
+cdef inline void _sum_relu_b(const float* y, const float* g0, const float* g1, float* d,
+                             Py_ssize_t n, float slope) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float v
+    for i in range(n):
+        v = g0[i] + g1[i]
+        d[i] = v if y[i] > 0 else v * slope
+
+
 cdef inline void _elu_f(const float* x, float* y, Py_ssize_t n, float alpha) noexcept nogil:
     cdef Py_ssize_t i
     cdef float neg
@@ -208,6 +227,55 @@ def relu_backward(const float[::1] x, const float[::1] dy, float[::1] dx, float 
     for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
         lo = c * CHUNK
         _relu_b(&x[lo], &dy[lo], &dx[lo], min(CHUNK, n - lo), negative_slope)
+
+
+def sum_relu_forward(const float[::1] a, const float[::1] b, float[::1] y, float negative_slope):
+    """y = ReLU(a + b) with the given negative slope (y may be a or b): an Eltwise SUM and the
+    ReLU in place after it, one pass."""
+    cdef Py_ssize_t n = a.shape[0], c, lo
+    _same_size("sum_relu_forward", "b", b.shape[0], n)
+    _same_size("sum_relu_forward", "y", y.shape[0], n)
+    if n == 0:
+        return
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
+        lo = c * CHUNK
+        _sum_relu_f(&a[lo], &b[lo], &y[lo], min(CHUNK, n - lo), negative_slope)
+
+
+def sum_relu_backward(const float[::1] y, const float[::1] g0, g1, float[::1] d, outs,
+                      float negative_slope):
+    """The backward of sum_relu_forward, and of a Split after it: d = (g0 + g1) * (1 if y > 0
+    else negative_slope) (g1 None: g0 alone; d may be g0), then each array of `outs` = d, copied
+    a chunk at a time while the chunk is in cache. y is the forward's output (its sign is the
+    sum's for a slope >= 0)."""
+    cdef Py_ssize_t n = y.shape[0], c, lo, count
+    cdef int k, n_out = len(outs)
+    cdef const float[::1] second
+    cdef float[::1] out
+    cdef const float* gp1 = NULL
+    cdef float* targets[2]
+    _same_size("sum_relu_backward", "g0", g0.shape[0], n)
+    _same_size("sum_relu_backward", "d", d.shape[0], n)
+    need(n_out <= 2, "sum_relu_backward", "outs", "takes at most 2 arrays", n_out)
+    if n == 0:
+        return
+    for k in range(n_out):
+        out = outs[k]
+        _same_size("sum_relu_backward", f"outs[{k}]", out.shape[0], n)
+        targets[k] = &out[0]
+    if g1 is not None:
+        second = g1
+        _same_size("sum_relu_backward", "g1", second.shape[0], n)
+        gp1 = &second[0]
+    for c in prange((n + CHUNK - 1) // CHUNK, nogil=True, schedule="static", num_threads=threads_for(n)):
+        lo = c * CHUNK
+        count = min(CHUNK, n - lo)
+        if gp1 == NULL:
+            _relu_b(&y[lo], &g0[lo], &d[lo], count, negative_slope)
+        else:
+            _sum_relu_b(&y[lo], &g0[lo], gp1 + lo, &d[lo], count, negative_slope)
+        for k in range(n_out):
+            memcpy(targets[k] + lo, &d[lo], count * sizeof(float))
 
 
 def elu_forward(const float[::1] x, float[::1] y, float alpha):

@@ -5,6 +5,7 @@ import numpy as np
 from ..blas import gemm_into
 from ..errors import ShapeError
 from ..kernels import common as kernels
+from ..kernels import neuron as neuron_kernels
 from ..kernels import nhwc as nhwc_kernels
 from ..layer import ANY, Layer, canonical_axis, count_from, register
 from ..proto import caffe_pb2
@@ -361,6 +362,29 @@ class Eltwise(Layer):
                     dx *= dy
             else:
                 np.multiply(dy, self.mask == i, out=dx)
+
+
+    def fuses_relu(self, bottom, top):
+        """Whether a ReLU in place on the top can run with this layer as one unit (Net.fusions):
+        ResNet's shortcut, the SUM of two bottoms with coefficients 1, stored in one layout."""
+        return self.op == self.SUM and self.coeff == [1.0, 1.0] and _one_layout(bottom + top)
+
+    def forward_with_relu(self, bottom, top, relu):
+        """This layer's forward and that of `relu` (in place on the top) in one pass."""
+        neuron_kernels.sum_relu_forward(bottom[0].raw_data.reshape(-1),
+                                        bottom[1].raw_data.reshape(-1),
+                                        top[0].raw_data.reshape(-1), relu.slope)
+
+    def backward_with_relu(self, top, relu, split_tops, propagate_down, bottom):
+        """The backward of `relu` (in place on the top), then of this layer, and first of the
+        Split whose tops are `split_tops` if given (it shares the top's data), in one pass: the
+        top's diff gets the ReLU's gradient of the summed split diffs (or of the top's own
+        diff), and each bottom that wants it a copy (coefficients 1)."""
+        flat = [b.raw_diff.reshape(-1) for b in split_tops]
+        d = top[0].raw_diff.reshape(-1)
+        outs = [b.raw_diff.reshape(-1) for b, down in zip(bottom, propagate_down) if down]
+        neuron_kernels.sum_relu_backward(top[0].raw_data.reshape(-1), flat[0] if flat else d,
+                                         flat[1] if flat else None, d, outs, relu.slope)
 
 
 def _one_layout(blobs):
