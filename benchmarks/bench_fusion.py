@@ -1,6 +1,6 @@
-"""The fused BatchNorm + Scale (+ ReLU) units (Net.fusions) against the same layers with only
-BatchNorm + Scale fused and one layer at a time, in one process, rounds interleaved: training
-forward and backward of every unit.
+"""The fused units (Net.fusions: BatchNorm + Scale (+ ReLU), Eltwise SUM + ReLU (+ Split))
+against the same layers with only their first two fused (the pairs) and one layer at a time, in
+one process, rounds interleaved: training forward and backward of every unit.
 
     python benchmarks/bench_fusion.py [--net resnet50] [--batch 16] [--rounds 5]
 """
@@ -52,8 +52,10 @@ def main():
             if r:                                  # the first round warms up
                 found[name][0].append(forward)
                 found[name][1].append(backward)
-    relus = sum(last - bn == 2 for bn, last in fused.items())
-    print(f"{args.net} b{args.batch}: {len(fused)} BatchNorm + Scale units, {relus} with a ReLU; "
+    kinds = [net.layers[first].type for first in fused]
+    threes = sum(last - first == 2 for first, last in fused.items())
+    print(f"{args.net} b{args.batch}: {kinds.count('BatchNorm')} BatchNorm + Scale units, "
+          f"{kinds.count('Eltwise')} Eltwise + ReLU units, {threes} of them with a third layer; "
           f"medians of {args.rounds} interleaved rounds, per training iteration")
     total = {}
     for name, (forward, backward) in found.items():
@@ -61,7 +63,7 @@ def main():
         total[name] = f + b
         print(f"  {name:11s} forward {f * 1e3:6.0f} ms  backward {b * 1e3:6.0f} ms  total {(f + b) * 1e3:6.0f} ms")
     print(f"  fused is {total['one by one'] / total['fused']:.2f}x the layers one by one, "
-          f"{total['pairs only'] / total['fused']:.2f}x BatchNorm + Scale fused alone")
+          f"{total['pairs only'] / total['fused']:.2f}x the pairs alone")
 
 
 if __name__ == "__main__":

@@ -207,8 +207,8 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
     log.info(f"Testing for {iterations} iterations.")
     clock = _time.perf_counter
     total_start = clock()
-    # a fused unit (BatchNorm + Scale (+ ReLU), Net.fusions) runs and is timed as one, under its
-    # first layer
+    # a fused unit (Net.fusions: BatchNorm + Scale (+ ReLU), Eltwise + ReLU (+ Split)) runs and is
+    # timed as one, under its first layer
     units = net.units()
     fused = [(layers[first].name, layers[last].name) for first, last in units if last != first]
     if fused:

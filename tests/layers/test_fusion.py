@@ -133,3 +133,93 @@ def test_bn_scale_kernel():
     assert np.allclose(x, y)
     with pytest.raises(ValueError, match="gamma"):
         kernels.bn_scale_forward(x, sub, mul, gamma[:4], beta, y, xn)
+
+
+# -- Eltwise SUM + ReLU (+ Split) -----------------------------------------------------------------
+SUM_NET = """force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 3 dim: 4 dim: 5 dim: 6 } shape { dim: 3 } } }
+layer { name: "conv_a" type: "Convolution" bottom: "data" top: "a"
+  convolution_param { num_output: 6 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "conv_b" type: "Convolution" bottom: "data" top: "b"
+  convolution_param { num_output: 6 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "sum1" type: "Eltwise" bottom: "a" bottom: "b" top: "sum1" %(coeff)s }
+layer { name: "relu1" type: "ReLU" bottom: "sum1" top: "sum1" %(relu)s }
+layer { name: "conv_c" type: "Convolution" bottom: "sum1" top: "c"
+  convolution_param { num_output: 6 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "sum2" type: "Eltwise" bottom: "sum1" bottom: "c" top: "sum2" }
+layer { name: "relu2" type: "ReLU" bottom: "sum2" top: "sum2" %(relu)s }
+layer { name: "fc" type: "InnerProduct" bottom: "sum2" top: "fc"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+"""
+
+
+def _sum_nets(tmp_path, relu="", coeff=""):
+    path = tmp_path / "sum.prototxt"
+    path.write_text(SUM_NET % {"relu": relu, "coeff": coeff})
+    fused, plain = Net(str(path), caffepy.TRAIN), Net(str(path), caffepy.TRAIN)
+    plain.fusions = {}
+    for name, layer in fused.layer_dict.items():
+        for mine, theirs in zip(layer.blobs, plain.layer_dict[name].blobs):
+            theirs.data[...] = mine.data
+    for net in (fused, plain):
+        net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal((3, 4, 5, 6))
+        net.blobs["label"].data[...] = [0, 1, 4]
+    return fused, plain
+
+
+def _units(net):
+    return {net.layers[i].name: net.layers[j].name for i, j in net.fusions.items()}
+
+
+def _same_everywhere(fused, plain, what):
+    for name in plain.blobs:
+        np.testing.assert_array_equal(fused.blobs[name].data, plain.blobs[name].data,
+                                      f"{name} data, {what}")
+        np.testing.assert_array_equal(fused.blobs[name].diff, plain.blobs[name].diff,
+                                      f"{name} diff, {what}")
+    for name, layer in plain.layer_dict.items():
+        for i, blob in enumerate(layer.blobs):
+            np.testing.assert_array_equal(fused.layer_dict[name].blobs[i].diff, blob.diff,
+                                          f"{name} blob {i} diff, {what}")
+
+
+@pytest.mark.parametrize("relu", ["", "relu_param { negative_slope: 0.1 }"], ids=["relu", "leaky"])
+def test_sum_units_compute_the_layers(tmp_path, relu):
+    """sum1's top feeds conv_c and sum2, so the Split after relu1 joins its unit; sum2's does
+    not feed two layers. The same float operations in the same order: equal, not close."""
+    fused, plain = _sum_nets(tmp_path, relu)
+    assert _units(fused) == {"sum1": "sum1_relu1_0_split", "sum2": "relu2"}
+    for step in range(2):
+        for net in (fused, plain):
+            net.clear_param_diffs()
+        losses = [net.forward_backward() for net in (fused, plain)]
+        assert losses[0] == losses[1]
+        assert (fused.blobs["sum1"].data < 0).any() == bool(relu)     # the ReLU's slope ran
+        _same_everywhere(fused, plain, f"step {step}")
+
+
+def test_a_sum_with_coefficients_or_a_negative_slope_is_not_fused(tmp_path):
+    fused, _ = _sum_nets(tmp_path, coeff="eltwise_param { coeff: 1 coeff: -1 }")
+    assert _units(fused) == {"sum2": "relu2"}
+    fused, _ = _sum_nets(tmp_path, relu="relu_param { negative_slope: -0.5 }")
+    assert _units(fused) == {}
+
+
+def test_a_run_that_stops_inside_a_sum_unit_runs_its_layers_apart(tmp_path):
+    fused, plain = _sum_nets(tmp_path)
+    names = [layer.name for layer in fused.layers]
+    relu = names.index("relu1")
+    for net in (fused, plain):
+        net.forward_from_to(0, relu - 1)    # sum1 alone: its sum, no ReLU
+    np.testing.assert_array_equal(fused.blobs["sum1"].data, plain.blobs["sum1"].data)
+    assert (fused.blobs["sum1"].data < 0).any()
+    for net in (fused, plain):
+        net.forward_from_to(relu)
+        net.clear_param_diffs()
+        net.backward_from_to(end=relu)      # down to relu1: the Split and the ReLU, not sum1
+    np.testing.assert_array_equal(fused.blobs["sum1"].diff, plain.blobs["sum1"].diff)
+    for net in (fused, plain):
+        net.backward_from_to(relu - 1, 0)   # then sum1 and below, as its own layer
+    _same_everywhere(fused, plain, "split run")

@@ -232,6 +232,32 @@ def test_relu_kernels(slope):
     np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("slope", [0.0, 0.1])
+def test_sum_relu_kernels(slope):
+    """An Eltwise SUM with the ReLU after it (and the Split after that) in one pass: the
+    references of the two layers one after the other."""
+    a, b, g0, g1 = (randn(N, seed=s) for s in (1, 2, 3, 4))
+    y = np.empty_like(a)
+    kernels.sum_relu_forward(a, b, y, slope)
+    np.testing.assert_array_equal(y, ref.relu_forward(a + b, slope))
+    d, da, db = np.empty_like(a), np.empty_like(a), np.empty_like(a)
+    kernels.sum_relu_backward(y, g0, g1, d, [da, db], slope)
+    want = ref.relu_backward(y, g0 + g1, slope)
+    np.testing.assert_array_equal(d, want)
+    np.testing.assert_array_equal(da, want)
+    np.testing.assert_array_equal(db, want)
+    g = g0.copy()
+    kernels.sum_relu_backward(y, g, None, g, [da], slope)    # no Split: the top's diff in place
+    np.testing.assert_array_equal(g, ref.relu_backward(y, g0, slope))
+    np.testing.assert_array_equal(da, g)
+    kernels.sum_relu_forward(a, b, a, slope)                 # in place on a bottom
+    np.testing.assert_array_equal(a, y)
+    with pytest.raises(ValueError, match="outs"):
+        kernels.sum_relu_backward(y, g0, g1, d, [da, db, d], slope)
+    with pytest.raises(ValueError, match="g1"):
+        kernels.sum_relu_backward(y, g0, g1[1:], d, [], slope)
+
+
 def test_elu_sigmoid_tanh_swish_dropout_kernels():
     x, dy = randn(N, seed=1), randn(N, seed=2)
     x64 = x.astype(np.float64)
