@@ -1080,41 +1080,10 @@ def pool_ave_backward(const float[:, :, :, ::1] dy, float[:, :, :, ::1] dx, int 
 # _ROWS pixels; reductions keep float sums per task (one pixel's C channels are one vector
 # operation) and add the tasks up in float64, per thread, then across threads.
 
-cdef void _moments_rows(const float* x, Py_ssize_t rows, int C, const float* shift, float* s1,
-                        float* s2) noexcept nogil:
-    cdef Py_ssize_t r
-    cdef int c
-    cdef float d
-    cdef const float* xr
-    for c in range(C):
-        s1[c] = 0.0
-        s2[c] = 0.0
-    for r in range(rows):
-        xr = x + r * C
-        for c in range(C):
-            d = xr[c] - shift[c]
-            s1[c] = s1[c] + d
-            s2[c] = s2[c] + d * d
-
-
-cdef void _dots_rows(const float* a, const float* b, Py_ssize_t rows, int C, float* s1,
-                     float* s2) noexcept nogil:
-    cdef Py_ssize_t r
-    cdef int c
-    cdef const float* ar
-    cdef const float* br
-    for c in range(C):
-        s1[c] = 0.0
-        s2[c] = 0.0
-    for r in range(rows):
-        ar = a + r * C
-        br = b + r * C
-        for c in range(C):
-            s1[c] = s1[c] + ar[c]
-            s2[c] = s2[c] + ar[c] * br[c]
-
-
 cdef extern from "nhwc_bn_rows.h" nogil:
+    void caffepy_moments_rows(const float* x, long rows, int C, const float* shift, float* s1,
+                              float* s2)
+    void caffepy_dots_rows(const float* a, const float* b, long rows, int C, float* s1, float* s2)
     void caffepy_bn_scale_relu_rows(const float* x, float* y, float* xn, long rows, int C,
                                     const float* sub, const float* mul, const float* gamma,
                                     const float* beta, float slope)
@@ -1154,9 +1123,9 @@ cdef void _reduce(const float* a, const float* b, Py_ssize_t M, int C, const flo
         p = partial + <Py_ssize_t>tid * 2 * C
         r0 = task * _ROWS
         if b == NULL:
-            _moments_rows(a + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C, shift, w, w + C)
+            caffepy_moments_rows(a + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C, shift, w, w + C)
         elif relu.gamma == NULL:
-            _dots_rows(a + r0 * C, b + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C, w, w + C)
+            caffepy_dots_rows(a + r0 * C, b + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C, w, w + C)
         else:
             caffepy_relu_dots_rows(a + r0 * C, b + r0 * C, min(<Py_ssize_t>_ROWS, M - r0), C,
                                    relu.gamma, relu.beta, relu.slope, w, w + C)
