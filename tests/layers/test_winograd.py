@@ -66,6 +66,26 @@ def test_weight_transform_layouts_hold_the_same_values(group):
     np.testing.assert_array_equal(ut, want)
 
 
+@pytest.mark.parametrize("m,r,cg", [(4, 3, 267), (2, 5, 131), (3, 3, 7)])
+def test_weight_transforms_against_their_formulas(m, r, cg):
+    """U = G W G^T per (o, c), and dW += G^T dU G, against NumPy, with input channels over
+    several of the weight gradient's runs of 128 and a part run (267 = 2 * 128 + 11), one run
+    with a part lane block (131), and fewer than a lane block (7)."""
+    O = 3
+    w = randn(O, cg, r, r, seed=22)
+    _, g, _ = winograd.matrices(m, r)
+    a = m + r - 1
+    u = np.empty((a * a, O, cg), np.float32)
+    winograd.weight_transform(w, g, u)
+    want = np.einsum("ik,ockl,jl->ijoc", g, w, g).reshape(a * a, O, cg)
+    np.testing.assert_allclose(u, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    du = randn(a * a, O, cg, seed=23)
+    dw = randn(O, cg, r, r, seed=24)
+    expected = dw + np.einsum("ik,ijoc,jl->ockl", g, du.reshape(a, a, O, cg), g)
+    winograd.weight_grad_add(du, g, dw)
+    np.testing.assert_allclose(dw, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 def test_matrices_refuse_a_tile_too_large():
     with pytest.raises(ValueError, match="tile side"):
         winograd.matrices(6, 5)
