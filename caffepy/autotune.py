@@ -9,7 +9,10 @@ choice is stored so the next run reads it instead of measuring.
     choice = autotune.choose(layer, key, {"gemm": run_gemm, "winograd F(4,3)": run_f43}, "gemm")
 
 Each candidate is a function running the layer's forward (and backward, in training) with that
-algorithm; `default` is the rule's choice, used when measuring is off.
+algorithm; `default` is the rule's choice, used when measuring is off. A trial of a backward
+keeps the layer's parameter diffs (`keeping_diffs`) and gives a gradient to the bottoms the Net
+wants one for (`trial_propagate_down`): a first layer's data wants none, which can change the
+fastest algorithm.
 
 Switches (environment):
     CAFFEPY_AUTOTUNE=0      no measuring, no cache: the rules decide (tests, reproducible CI)
@@ -147,3 +150,20 @@ def choose(layer, key, candidates, default, threads):
     if agreed != choice:
         choice, layer.tuning = agreed, "rank 0's choice"
     return choice
+
+
+def trial_propagate_down(layer, bottom):
+    """The bottoms a trial's backward gives a gradient: those the Net expects to want one."""
+    need = getattr(layer, "bottom_need_backward", None)
+    return list(need) if need is not None and len(need) == len(bottom) else [True] * len(bottom)
+
+
+def keeping_diffs(layer, run):
+    """`run` for timing, the layer's parameter diffs put back as they were after it (Caffe's
+    layers add to them)."""
+    def trial():
+        saved = [b.diff.copy() for b in layer.blobs]
+        run()
+        for b, kept in zip(layer.blobs, saved):
+            b.diff[...] = kept
+    return trial

@@ -216,11 +216,16 @@ class BlockedConvolution(Layer):
     convolution_param: num_output, kernel_size / kernel_h,w, stride, pad, dilation, group,
     bias_term, weight_filler, bias_filler, engine).
 
-    Two algorithms: stride-1 undilated 3x3 and 5x5 kernels with at least 16 channels in and out
-    per group run as Winograd F(m x m, r x r) (cext/winograd.pyx: a*a GEMMs over tiles instead
-    of one over pixels; 2.6x fewer multiplies for AlexNet's 13x13 3x3 layers); everything else,
-    or any convolution with `engine: CAFFE`, runs Caffe's algorithm: per image, blocked im2col +
-    one sgemm per group (cext/intel.pyx). Both agree to float rounding."""
+    Algorithms: Caffe's (per image, blocked im2col + one sgemm per group, cext/intel.pyx) for
+    every shape; Winograd F(m x m, r x r) for stride-1 undilated 3x3 and 5x5 kernels with at
+    least 16 channels in and out per group (cext/winograd.pyx: a*a GEMMs over tiles instead of
+    one over pixels; 2.6x fewer multiplies for AlexNet's 13x13 3x3 layers), one per tile size m;
+    and for a first layer (its channels one block: 13 of AlexNet's conv1's 16 lanes are padding)
+    the channels-last path's direct kernel, which reads only the real channels (its data
+    gradient is Caffe's). The forward and the backward each take the fastest by measurement
+    (caffepy/autotune.py), per shape; with measuring off, Winograd at the tile with the fewest
+    multiplies, else direct, else Caffe's. `engine: CAFFE` runs Caffe's. All agree to float
+    rounding."""
     reshape_from_shapes = True
     type = "Convolution"
     layout = BLOCKED
@@ -256,14 +261,13 @@ class BlockedConvolution(Layer):
                          and self.kh == self.kw and self.kh in WINOGRAD_TILES
                          and (self.sh, self.sw, self.dh, self.dw) == (1, 1, 1, 1)
                          and min(cg, self.num_output // self.group) >= 16 and _winograd is not None)
-        # a first layer (its few channels one block: 13 of AlexNet's conv1's 16 lanes are
-        # padding) runs the channels-last path's direct kernel, which reads only the real ones
         from . import nhwc
         self.direct = (p.engine != caffe_pb2.ConvolutionParameter.CAFFE and not self.winograd
                        and self.group == 1 and self.channels <= self.width
                        and self.channels * self.kh * self.kw <= nhwc.DIRECT_RULE_TAPS
                        and nhwc._k is not None)
         self._direct = None
+        self._tuned_for = None
 
     def reshape(self, bottom, top):
         layout = _blocked_bottom(self, bottom[0])
@@ -277,17 +281,74 @@ class BlockedConvolution(Layer):
                 raise self.error("bottom", "all bottoms need one shape", b.shape, cls=ShapeError)
             t.reshape(n, blocks(self.num_output, v), self.oh, self.ow, v)
             t.layout = Blocked(v, self.num_output)
-        if self.winograd:
-            self.tile = winograd_tile(self.kh, self.oh, self.ow)
-        # a window larger than the padded image (Caffe still gives one output) stays on
-        # Caffe's algorithm
-        fits = (h + 2 * self.ph >= self.dh * (self.kh - 1) + 1
-                and w + 2 * self.pw >= self.dw * (self.kw - 1) + 1)
-        if not (self.direct and fits):
+        if self._tuned_for != bottom[0].shape:
+            self._tuned_for = bottom[0].shape
+            # a window larger than the padded image (Caffe still gives one output) stays on
+            # Caffe's algorithm
+            fits = (h + 2 * self.ph >= self.dh * (self.kh - 1) + 1
+                    and w + 2 * self.pw >= self.dw * (self.kw - 1) + 1)
             self._direct = None
-        elif self._direct is None or (self._direct.h, self._direct.w) != (h, w):
-            from .nhwc import _Direct
-            self._direct = _Direct(self, n, h, w, width=v)
+            if self.direct and fits:
+                from .nhwc import _Direct
+                self._direct = _Direct(self, n, h, w, width=v)
+            self._choose(bottom, top)
+
+    def _candidates(self):
+        """{name: (forward, backward)} of the algorithms for the current shape, and the rule's
+        choice among them."""
+        found = {"im2col+gemm": (self._gemm_forward, self._gemm_backward)}
+        default = "im2col+gemm"
+        if self._direct is not None:
+            found["direct"] = (self._direct.forward, self._direct_backward)
+            default = "direct"
+        if self.winograd:
+            for m in WINOGRAD_TILES[self.kh]:
+                found[f"winograd F({m},{self.kh})"] = (functools.partial(self._wino_forward, m),
+                                                       functools.partial(self._wino_backward, m))
+            default = f"winograd F({winograd_tile(self.kh, self.oh, self.ow)},{self.kh})"
+        return found, default
+
+    def _choose(self, bottom, top):
+        """The forward's algorithm and the backward's (weight, bias and data gradients: Winograd
+        computes them from shared transforms), each by measurement."""
+        from .. import autotune
+        found, default = self._candidates()
+        n, _, h, w, v = bottom[0].shape
+        key = (f"Blocked Convolution {n}x{self.channels}x{h}x{w} v{v} -> {self.num_output} "
+               f"k{self.kh}x{self.kw} s{self.sh}x{self.sw} p{self.ph}x{self.pw} "
+               f"d{self.dh}x{self.dw} g{self.group}{' b' if self.bias_term else ''}")
+        need_x = autotune.trial_propagate_down(self, bottom)
+        trials = {"forward": {a: functools.partial(f, bottom, top) for a, (f, _) in found.items()}}
+        if self.phase == caffe_pb2.TRAIN:
+            trials["backward"] = {
+                a: autotune.keeping_diffs(self, functools.partial(b, top, need_x, bottom, True,
+                                                                  self.bias_term))
+                for a, (_, b) in found.items()}
+        chosen, tunings = {}, {}
+        for name, runs in trials.items():
+            chosen[name] = autotune.choose(self, f"{key} {name}", runs, default, _k.max_threads())
+            tunings[name] = self.tuning
+        chosen.setdefault("backward", chosen["forward"])
+        self.algorithms = found
+        self._use(chosen, tunings)
+
+    def _use(self, chosen, tunings):
+        self.algos = chosen
+        if chosen["forward"] == chosen["backward"]:
+            self.algorithm = chosen["forward"]
+        else:
+            self.algorithm = f"forward {chosen['forward']}, backward {chosen['backward']}"
+        values = set(tunings.values())
+        self.tuning = values.pop() if len(values) == 1 else \
+            "; ".join(f"{name} {t}" for name, t in tunings.items())
+
+    def force_algorithm(self, name):
+        """Run algorithm `name` (a key of `self.algorithms`) forward and backward instead of
+        the chosen ones, until the shape changes: tests and benchmarks."""
+        if name not in self.algorithms:
+            raise self.error("convolution_param", f"no algorithm '{name}' for this shape", name,
+                             hint=f"Candidates: {', '.join(self.algorithms)}")
+        self._use({"forward": name, "backward": name}, {"forward": "forced"})
 
     def _args(self):
         return (self.channels, self.num_output, self.kh, self.kw, self.ph, self.pw, self.sh,
@@ -318,10 +379,10 @@ class BlockedConvolution(Layer):
         self.blobs[0].diff.reshape(grad.shape)[...] += grad
 
     # -- Winograd -----------------------------------------------------------------------------
-    def _wino_setup(self, n, h, w, forward):
-        """(matrices, U of the current weights, vbuf, mbuf) for F(tile, kernel); U in the
+    def _wino_setup(self, m, n, h, w, forward):
+        """(matrices, U of the current weights, vbuf, mbuf) for F(m, kernel); U in the
         forward's layout or the backward's (cext/winograd.pyx)."""
-        m, r = self.tile, self.kh
+        r = self.kh
         at, gm, bt = winograd_matrices(m, r)
         u = winograd_weights(self.blobs[0].data, gm, self.group, forward, _workspace)
         vshape, mshape = _winograd.scratch_shapes(_k.max_threads(), n, self.channels, self.num_output,
@@ -329,22 +390,22 @@ class BlockedConvolution(Layer):
                                                   self.group)
         return (at, bt, gm, u) + winograd_buffers(vshape, mshape, _workspace)
 
-    def _wino_forward(self, bottom, top):
+    def _wino_forward(self, m, bottom, top):
         n, _, h, w, v = bottom[0].shape
-        at, bt, _, u, vbuf, mbuf = self._wino_setup(n, h, w, True)
+        at, bt, _, u, vbuf, mbuf = self._wino_setup(m, n, h, w, True)
         bias = _workspace("wino_bias", (blocks(self.num_output, v) * v,))
         bias[...] = 0
         if self.bias_term:
             bias[:self.num_output] = self.blobs[1].data
         for b, t in zip(bottom, top):
             _winograd.conv_forward(b.data, u, bias, t.data, vbuf, mbuf, at, bt, self.channels,
-                                   self.num_output, self.tile, self.kh, self.ph, self.pw, self.group)
+                                   self.num_output, m, self.kh, self.ph, self.pw, self.group)
 
-    def _wino_backward(self, top, propagate_down, bottom, need_w, need_b):
+    def _wino_backward(self, m, top, propagate_down, bottom, need_w, need_b):
         n, _, h, w, v = bottom[0].shape
-        at, bt, gm, u, vbuf, mbuf = self._wino_setup(n, h, w, False)
+        at, bt, gm, u, vbuf, mbuf = self._wino_setup(m, n, h, w, False)
         du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else _NO_DU
-        m, r, g = self.tile, self.kh, self.group
+        r, g = self.kh, self.group
         for i, (b, t) in enumerate(zip(bottom, top)):
             need_x = bool(propagate_down[i])
             if need_b:
@@ -364,29 +425,30 @@ class BlockedConvolution(Layer):
 
     # -- forward / backward --------------------------------------------------------------------
     def forward(self, bottom, top):
-        if self.winograd:
-            return self._wino_forward(bottom, top)
-        if self._direct is not None:
-            return self._direct.forward(bottom, top)
-        self._pack_weights()
-        bias = self.blobs[1].data if self.bias_term else self._no_bias
-        col, ybuf = self._scratch()
-        for b, t in zip(bottom, top):
-            _k.conv_forward(b.data, self._wt, bias, t.data, col, ybuf, *self._args())
+        self.algorithms[self.algos["forward"]][0](bottom, top)
 
     def backward(self, top, propagate_down, bottom):
         need_w = param_wanted(self, 0)
         need_b = self.bias_term and param_wanted(self, 1)
         if not (need_w or need_b or any(propagate_down)):
             return
-        if self.winograd:
-            return self._wino_backward(top, propagate_down, bottom, need_w, need_b)
-        if self._direct is not None:
-            if need_w or need_b:
-                self._direct.backward(top, [False] * len(bottom), bottom, need_w, need_b)
-            need_w = need_b = False         # the data gradient: Caffe's algorithm, below
-            if not any(propagate_down):
-                return
+        self.algorithms[self.algos["backward"]][1](top, propagate_down, bottom, need_w, need_b)
+
+    def _direct_backward(self, top, propagate_down, bottom, need_w, need_b):
+        """The direct kernel's weight and bias gradients; the data gradient, if wanted, Caffe's."""
+        if need_w or need_b:
+            self._direct.backward(top, [False] * len(bottom), bottom, need_w, need_b)
+        if any(propagate_down):
+            self._gemm_backward(top, propagate_down, bottom, False, False)
+
+    def _gemm_forward(self, bottom, top):
+        self._pack_weights()
+        bias = self.blobs[1].data if self.bias_term else self._no_bias
+        col, ybuf = self._scratch()
+        for b, t in zip(bottom, top):
+            _k.conv_forward(b.data, self._wt, bias, t.data, col, ybuf, *self._args())
+
+    def _gemm_backward(self, top, propagate_down, bottom, need_w, need_b):
         self._pack_weights()
         col, ybuf = self._scratch()
         threads = col.shape[0]

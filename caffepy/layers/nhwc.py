@@ -510,7 +510,7 @@ class NHWCConvolution(Convolution):
         """An algorithm per pass (forward; weight and bias gradients; data gradient), each by
         measurement: the fastest weight gradient is often not the fastest forward's."""
         found, default = self._candidates(n, h, w)
-        need_x = self._trial_propagate_down(bottom)
+        need_x = autotune.trial_propagate_down(self, bottom)
         passes = ["forward"]
         if self.phase == TRAIN:
             passes += ["weights"] + (["data"] if any(need_x) else [])
@@ -543,14 +543,14 @@ class NHWCConvolution(Convolution):
         res2 3x3: F(5,3) weights + F(4,3) data, each first by 1%, took 22.6 ms; F(4,3) for both
         16.8). Returns the name to run both with, or None to keep them apart."""
         def both(algo):
-            return self._keeping_diffs(
-                lambda: algo.backward(top, need_x, bottom, True, self.bias_term))
+            return autotune.keeping_diffs(
+                self, lambda: algo.backward(top, need_x, bottom, True, self.bias_term))
 
         def apart():
             self._pass(found[weights], "weights", bottom, top, need_x)()
             self._pass(found[data], "data", bottom, top, need_x)()
 
-        trials = {"apart": self._keeping_diffs(apart)}
+        trials = {"apart": autotune.keeping_diffs(self, apart)}
         trials.update({a: both(found[a]) for a in (weights, data) if a != "direct"})
         choice = autotune.choose(self, f"{key} backward {weights} + {data}", trials, "apart",
                                  _k.max_threads())
@@ -579,16 +579,10 @@ class NHWCConvolution(Convolution):
                              hint=f"Candidates: {', '.join(self.algorithms)}")
         self._use(dict.fromkeys(PASSES, self.algorithms[name]), {"forward": "forced"})
 
-    def _trial_propagate_down(self, bottom):
-        """The bottoms a trial's backward gives a gradient: those the Net expects to want one
-        (a first layer's data wants none, which can change the fastest algorithm)."""
-        need = self.bottom_need_backward
-        return list(need) if need is not None and len(need) == len(bottom) else [True] * len(bottom)
-
     def _trial(self, algo, name, bottom, top, need_x):
         """A function running pass `name` of `algo` for timing (parameter diffs restored)."""
         run = self._pass(algo, name, bottom, top, need_x)
-        return run if name == "forward" else self._keeping_diffs(run)
+        return run if name == "forward" else autotune.keeping_diffs(self, run)
 
     def _pass(self, algo, name, bottom, top, need_x):
         """A function running pass `name` (one of PASSES) of `algo` alone."""
@@ -597,15 +591,6 @@ class NHWCConvolution(Convolution):
         if name == "weights":
             return lambda: algo.backward(top, [False] * len(bottom), bottom, True, self.bias_term)
         return lambda: algo.backward(top, need_x, bottom, False, False)
-
-    def _keeping_diffs(self, run):
-        """`run` for timing, the parameter diffs put back as they were after it."""
-        def trial():
-            saved = [b.diff.copy() for b in self.blobs]
-            run()
-            for b, kept in zip(self.blobs, saved):
-                b.diff[...] = kept
-        return trial
 
     def forward(self, bottom, top):
         self.algos["forward"].forward(bottom, top)

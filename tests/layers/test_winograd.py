@@ -1,11 +1,15 @@
 """Winograd convolution on the blocked layout (cext/winograd.pyx): the transform matrices, and
 the blocked Convolution layer on its Winograd path against the NCHW reference, forward and
-backward, with a numerical gradient check."""
+backward, with a numerical gradient check; the blocked layer's choice among its algorithms by
+measurement."""
+import json
+
 import numpy as np
 import pytest
 from google.protobuf import text_format
 
 from caffepy.blob import Blob, Blocked
+from caffepy.errors import CaffepyError
 from caffepy.kernels import winograd
 from caffepy.kernels.reference import vision as ref
 from caffepy.layer import BLOCKED, create_layer
@@ -295,3 +299,55 @@ def test_overlapping_tile_positions_are_refused():
                                    np.zeros(O, np.float32), np.zeros((N, H, H, O), np.float32),
                                    squeezed, np.zeros(mshape, np.float32), at, bt, width, O, m, r, 1,
                                    1, 1)
+
+
+@pytest.mark.parametrize("C,k,pad,names", [
+    (16, 3, 1, {"im2col+gemm", "winograd F(2,3)", "winograd F(3,3)", "winograd F(4,3)",
+                "winograd F(5,3)"}),
+    (3, 5, 2, {"im2col+gemm", "direct"}),           # a first layer: its channels one block
+], ids=["winograd", "first-layer"])
+def test_blocked_convolution_measures_its_algorithms(tmp_path, monkeypatch, C, k, pad, names):
+    """With measuring on, the forward and the backward each take the fastest candidate, stored
+    in the cache under the blocked layer's keys; every candidate, forced, gives the reference's
+    values forward and backward (the direct one's data gradient is Caffe's)."""
+    from caffepy import autotune
+    monkeypatch.setenv("CAFFEPY_AUTOTUNE", "1")
+    monkeypatch.setenv("CAFFEPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_cache", None)
+    N, O, H, W, width = 2, 16, 9, 11, 8
+    layer = _layer(C, O, k, pad, 1, width)
+    x = randn(N, C, H, W, seed=31)
+    bottom, top = [_blocked(x, width)], [Blob(name="t")]
+    layer.layer_setup(bottom, top)
+    layer.param_propagate_down = [True, True]
+    assert set(layer.algorithms) == names
+    assert [p.split(" ")[:2] for p in layer.tuning.split("; ")] == [["forward", "measured"],
+                                                                   ["backward", "measured"]]
+    stored = json.loads((tmp_path / "autotune.json").read_text())
+    keys = [key for section in stored.values() for key in section]
+    assert sorted(key.rsplit(" ", 1)[1] for key in keys) == ["backward", "forward"]
+    assert all(key.startswith(f"Blocked Convolution {N}x{C}x{H}x{W} v{width} -> {O} k{k}x{k}")
+               for key in keys)
+    for b in layer.blobs:                   # the trials leave the parameter gradients alone
+        assert not b.diff.any()
+    w, bias = layer.blobs[0].data.copy(), layer.blobs[1].data.copy()
+    want = ref.conv_forward(x, w, bias, (pad, pad), (1, 1), (1, 1), 1)
+    dy = randn(*want.shape, seed=32)
+    dw, db, dx = ref.conv_backward(dy, x, w, (pad, pad), (1, 1), (1, 1), 1)
+    for name in sorted(names):
+        layer.force_algorithm(name)
+        assert layer.algorithm == name
+        layer.forward(bottom, top)
+        np.testing.assert_allclose(_unpack(top[0].data, O), want, rtol=1e-4,
+                                   atol=1e-4 * np.abs(want).max(), err_msg=name)
+        top[0].diff[...] = _blocked(dy, width).data
+        for blob in layer.blobs:
+            blob.diff[...] = 0
+        bottom[0].diff[...] = np.nan
+        layer.backward(top, [True], bottom)
+        for got, expected, what in ((layer.blobs[0].diff, dw, "dw"), (layer.blobs[1].diff, db, "db"),
+                                    (_unpack(bottom[0].diff, C), dx, "dx")):
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(),
+                                       err_msg=f"{name} {what}")
+    with pytest.raises(CaffepyError, match="no algorithm"):
+        layer.force_algorithm("winograd F(9,3)")
