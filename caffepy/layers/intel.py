@@ -294,17 +294,17 @@ class BlockedConvolution(Layer):
             self._choose(bottom, top)
 
     def _candidates(self):
-        """{name: (forward, backward)} of the algorithms for the current shape, and the rule's
-        choice among them."""
-        found = {"im2col+gemm": (self._gemm_forward, self._gemm_backward)}
+        """{name: (forward, backward, Winograd tile m or None)} of the algorithms for the
+        current shape, and the rule's choice among them."""
+        found = {"im2col+gemm": (self._gemm_forward, self._gemm_backward, None)}
         default = "im2col+gemm"
         if self._direct is not None:
-            found["direct"] = (self._direct.forward, self._direct_backward)
+            found["direct"] = (self._direct.forward, self._direct_backward, None)
             default = "direct"
         if self.winograd:
             for m in WINOGRAD_TILES[self.kh]:
                 found[f"winograd F({m},{self.kh})"] = (functools.partial(self._wino_forward, m),
-                                                       functools.partial(self._wino_backward, m))
+                                                       functools.partial(self._wino_backward, m), m)
             default = f"winograd F({winograd_tile(self.kh, self.oh, self.ow)},{self.kh})"
         return found, default
 
@@ -318,12 +318,12 @@ class BlockedConvolution(Layer):
                f"k{self.kh}x{self.kw} s{self.sh}x{self.sw} p{self.ph}x{self.pw} "
                f"d{self.dh}x{self.dw} g{self.group}{' b' if self.bias_term else ''}")
         need_x = autotune.trial_propagate_down(self, bottom)
-        trials = {"forward": {a: functools.partial(f, bottom, top) for a, (f, _) in found.items()}}
+        trials = {"forward": {a: functools.partial(f, bottom, top) for a, (f, _, _) in found.items()}}
         if self.phase == caffe_pb2.TRAIN:
             trials["backward"] = {
                 a: autotune.keeping_diffs(self, functools.partial(b, top, need_x, bottom, True,
                                                                   self.bias_term))
-                for a, (_, b) in found.items()}
+                for a, (_, b, _) in found.items()}
         chosen, tunings = {}, {}
         for name, runs in trials.items():
             chosen[name] = autotune.choose(self, f"{key} {name}", runs, default, _k.max_threads())
@@ -333,7 +333,11 @@ class BlockedConvolution(Layer):
         self._use(chosen, tunings)
 
     def _use(self, chosen, tunings):
+        """Run the algorithms `chosen` ({"forward": name, "backward": name}); `tile` and
+        `backward_tile` say which Winograd tile each runs (None: not Winograd)."""
         self.algos = chosen
+        self.tile = self.algorithms[chosen["forward"]][2]
+        self.backward_tile = self.algorithms[chosen["backward"]][2]
         if chosen["forward"] == chosen["backward"]:
             self.algorithm = chosen["forward"]
         else:
