@@ -125,10 +125,20 @@ CD_ALWAYS_INLINE void cd_fwd_tile(const float *const *base, int n, int nq,
                 acc[p][j] += x * w[j];
         }
     }
-    for (int p = 0; p < n; p++)
-        for (int j = 0; j < nq && j * CD_V < nv; j++)
-            cd_put(y, a, q + p, oc + j * CD_V, nv - j * CD_V < CD_V ? nv - j * CD_V : CD_V,
-                   (const float *)&acc[p][j]);
+    for (int j = 0; j < nq && j * CD_V < nv; j++) {
+        int o = oc + j * CD_V, cnt = nv - j * CD_V < CD_V ? nv - j * CD_V : CD_V;
+        int lane = o % a.B;
+        if (cnt == CD_V && lane + CD_V <= a.B) {
+            /* a whole vector inside one block: its address once a tile, a store a pixel (a
+             * cd_put a pixel, two integer divisions and a memcpy call, took longer than the
+             * sums themselves for a 1x1 layer of 64 channels) */
+            float *dst = y + (size_t)(o / a.B) * a.bs + lane;
+            for (int p = 0; p < n; p++)
+                memcpy(dst + (q + p) * a.ys, &acc[p][j], sizeof(cd_vec));
+        } else
+            for (int p = 0; p < n; p++)
+                cd_put(y, a, q + p, o, cnt, (const float *)&acc[p][j]);
+    }
 }
 
 /* Output rows oy0 .. oy1 - 1 of one image: outputs 0 .. O - 1 of y (addressed by `a`) = the
@@ -142,15 +152,15 @@ static void cd_forward_rows(const float *restrict xp, int Wp, int C, int sh, int
 {
     size_t q0 = (size_t)oy0 * ow, q1 = (size_t)oy1 * ow;
     const float *base[CD_P];
-    for (int oc = 0; oc < O; oc += CD_V * CD_Q) {
-        int nv = O - oc < CD_V * CD_Q ? O - oc : CD_V * CD_Q;
-        int whole = Op - oc >= CD_V * CD_Q;        /* else one vector is left (CD_Q = 2) */
-        for (size_t q = q0; q < q1; q += CD_P) {
-            int n = q1 - q < CD_P ? (int)(q1 - q) : CD_P;
-            for (int p = 0; p < n; p++) {
-                size_t oy = (q + p) / ow, ox = (q + p) % ow;
-                base[p] = xp + (oy * sh * Wp + ox * sw) * C;
-            }
+    for (size_t q = q0; q < q1; q += CD_P) {
+        int n = q1 - q < CD_P ? (int)(q1 - q) : CD_P;
+        for (int p = 0; p < n; p++) {
+            size_t oy = (q + p) / ow, ox = (q + p) % ow;
+            base[p] = xp + (oy * sh * Wp + ox * sw) * C;
+        }
+        for (int oc = 0; oc < O; oc += CD_V * CD_Q) {
+            int nv = O - oc < CD_V * CD_Q ? O - oc : CD_V * CD_Q;
+            int whole = Op - oc >= CD_V * CD_Q;        /* else one vector is left (CD_Q = 2) */
             if (n == CD_P && whole)
                 cd_fwd_tile(base, CD_P, CD_Q, off, K, wp, Op, bp, y, a, q, oc, nv);
             else if (n == CD_P)
