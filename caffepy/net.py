@@ -293,8 +293,8 @@ class Net:
                     found[li] = li + 1
                     if self._relu_in_place(li + 2, x):
                         found[li] = li + 2
-            elif first.type == "Eltwise" and first.fuses_relu(self.bottom_vecs[li], [x]) \
-                    and self._relu_in_place(li + 1, x):
+            elif hasattr(first, "forward_with_relu") \
+                    and first.fuses_relu(self.bottom_vecs[li], [x]) and self._relu_in_place(li + 1, x):
                 found[li] = li + 1
                 split = li + 2
                 if split < len(self.layers) and self.layers[split].type == "Split" \
@@ -310,7 +310,7 @@ class Net:
 
     def _forward_unit(self, first, last):
         layer, bottom, top = self.layers[first], self.bottom_vecs[first], self.top_vecs[first]
-        if layer.type == "Eltwise":
+        if hasattr(layer, "forward_with_relu"):
             layer.forward_with_relu(bottom, top, self.layers[first + 1])
         else:
             layer.forward_with_scale(bottom, top, self.layers[first + 1],
@@ -320,7 +320,7 @@ class Net:
         """Run the unit's backward if it can (a BatchNorm unit needs the forward to have run
         fused); False if the layers must run one by one."""
         layer = self.layers[first]
-        if layer.type == "Eltwise":
+        if hasattr(layer, "backward_with_relu"):
             split = self.top_vecs[last] if last == first + 2 else []
             layer.backward_with_relu(self.top_vecs[first], self.layers[first + 1], split,
                                      self.bottom_need_backward[first], self.bottom_vecs[first])

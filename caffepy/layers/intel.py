@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from .. import geometry
+from .. import autotune, geometry
 from ..blob import Blob, Blocked
 from ..errors import CaffepyError, ShapeError
 from ..layer import BLOCKED, OWN, VIA_NCHW, Layer, register
@@ -311,7 +311,6 @@ class BlockedConvolution(Layer):
     def _choose(self, bottom, top):
         """The forward's algorithm and the backward's (weight, bias and data gradients: Winograd
         computes them from shared transforms), each by measurement."""
-        from .. import autotune
         found, default = self._candidates()
         n, _, h, w, v = bottom[0].shape
         key = (f"Blocked Convolution {n}x{self.channels}x{h}x{w} v{v} -> {self.num_output} "
