@@ -152,6 +152,17 @@ def choose(layer, key, candidates, default, threads):
     return choice
 
 
+def describe(names, tunings):
+    """(algorithm, tuning): how the log and `caffepy time` name a layer's algorithms, from
+    `names` ({pass: algorithm name}, in pass order) and `tunings` ({pass: how it was chosen},
+    for the passes chosen): one name, or one word, when the passes agree, else pass by pass."""
+    tuned = [p for p in names if p in tunings]
+    algos, hows = {names[p] for p in tuned}, set(tunings.values())
+    algorithm = algos.pop() if len(algos) == 1 else ", ".join(f"{p} {names[p]}" for p in tuned)
+    tuning = hows.pop() if len(hows) == 1 else "; ".join(f"{p} {tunings[p]}" for p in tuned)
+    return algorithm, tuning
+
+
 def trial_propagate_down(layer, bottom):
     """The bottoms a trial's backward gives a gradient: those the Net expects to want one."""
     need = getattr(layer, "bottom_need_backward", None)

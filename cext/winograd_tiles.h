@@ -245,18 +245,6 @@ static void wg_dx(const float *dv, long pstride, int m, int a, const float *bm, 
 #define WG_CB 8
 #define WG_RUN 128
 
-/* dst[0 .. WG_CB) = the n <= WG_CB floats at src, then zeros; of constant size when n == WG_CB,
- * so GCC inlines the copy as one vector move. */
-WG_INLINE void wg_take(float *restrict dst, const float *restrict src, int n)
-{
-    if (n == WG_CB) {
-        memcpy(dst, src, sizeof(float) * WG_CB);
-        return;
-    }
-    memcpy(dst, src, sizeof(float) * n);
-    memset(dst + n, 0, sizeof(float) * (WG_CB - n));
-}
-
 /* dst[0 .. n) = src[0 .. n), n <= WG_CB: of constant size in the usual case n == WG_CB, so GCC
  * inlines it as one vector move (a memcpy call per 8 floats took a fifth of the transforms'
  * time: ResNet-50's 512-channel U, 6.8 -> 5.5 ms). */
@@ -327,7 +315,7 @@ static void wg_weight_grad(const float *restrict du, float *restrict dw, const f
             for (int c0 = 0; c0 < n; c0 += WG_CB) {
                 int nc = n - c0 < WG_CB ? n - c0 : WG_CB;
                 for (int p = 0; p < a * a; p++)
-                    wg_take(x + p * WG_CB, run + p * WG_RUN + c0, nc);
+                    wg_lanes(x + p * WG_CB, run + p * WG_RUN + c0, nc, WG_CB);
                 wg_sandwich(gt, r, a, x, WG_CB, tmp, res, WG_CB, WG_CB);      /* G^T dU G */
                 float *restrict d = dw + ((long)o * Cg + c1 + c0) * r * r;
                 for (int v = 0; v < nc; v++)

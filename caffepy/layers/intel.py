@@ -337,13 +337,7 @@ class BlockedConvolution(Layer):
         self.algos = chosen
         self.tile = self.algorithms[chosen["forward"]][2]
         self.backward_tile = self.algorithms[chosen["backward"]][2]
-        if chosen["forward"] == chosen["backward"]:
-            self.algorithm = chosen["forward"]
-        else:
-            self.algorithm = f"forward {chosen['forward']}, backward {chosen['backward']}"
-        values = set(tunings.values())
-        self.tuning = values.pop() if len(values) == 1 else \
-            "; ".join(f"{name} {t}" for name, t in tunings.items())
+        self.algorithm, self.tuning = autotune.describe(chosen, tunings)
 
     def force_algorithm(self, name):
         """Run algorithm `name` (a key of `self.algorithms`) forward and backward instead of

@@ -559,16 +559,8 @@ class NHWCConvolution(Convolution):
     def _use(self, algos, tunings):
         """Run pass -> algorithm `algos`; name them (one name when one algorithm runs them all)."""
         self.algos = algos
-        tuned = [name for name in PASSES if name in tunings]
-        names = {algos[name].name for name in tuned}
-        if len(names) == 1:
-            self.algorithm = names.pop()
-        else:
-            self.algorithm = ", ".join(f"{name} {algos[name].name}" for name in tuned)
-        if len(set(tunings.values())) == 1:
-            self.tuning = next(iter(tunings.values()))
-        else:
-            self.tuning = "; ".join(f"{name} {tunings[name]}" for name in tuned)
+        self.algorithm, self.tuning = autotune.describe(
+            {name: algos[name].name for name in PASSES}, tunings)
 
     def force_algorithm(self, name):
         """Run algorithm `name` (a key of `self.algorithms`, the candidates for the current

@@ -30,9 +30,10 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "
 """
 
 
-def _nets(tmp_path, bn="", relu=""):
-    path = tmp_path / "net.prototxt"
-    path.write_text(NET % {"bn": bn, "relu": relu})
+def _twins(path, text, labels):
+    """The net of `text` twice, its units fused in the first and run one by one in the second,
+    with the same parameters (BatchNorm's statistics positive) and input."""
+    path.write_text(text)
     fused, plain = Net(str(path), caffepy.TRAIN), Net(str(path), caffepy.TRAIN)
     plain.fusions = {}
     rng = np.random.default_rng(3)
@@ -42,9 +43,14 @@ def _nets(tmp_path, bn="", relu=""):
                 mine.data[...] = np.abs(rng.standard_normal(mine.shape)) + 0.5
             theirs.data[...] = mine.data
     for net in (fused, plain):
-        net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal((4, 3, 7, 6))
-        net.blobs["label"].data[...] = [0, 1, 2, 4]
+        data = net.blobs["data"]
+        data.data[...] = np.random.default_rng(0).standard_normal(data.shape)
+        net.blobs["label"].data[...] = labels
     return fused, plain
+
+
+def _nets(tmp_path, bn="", relu=""):
+    return _twins(tmp_path / "net.prototxt", NET % {"bn": bn, "relu": relu}, [0, 1, 2, 4])
 
 
 def _close(a, b, what):
@@ -156,17 +162,7 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "
 
 
 def _sum_nets(tmp_path, relu="", coeff=""):
-    path = tmp_path / "sum.prototxt"
-    path.write_text(SUM_NET % {"relu": relu, "coeff": coeff})
-    fused, plain = Net(str(path), caffepy.TRAIN), Net(str(path), caffepy.TRAIN)
-    plain.fusions = {}
-    for name, layer in fused.layer_dict.items():
-        for mine, theirs in zip(layer.blobs, plain.layer_dict[name].blobs):
-            theirs.data[...] = mine.data
-    for net in (fused, plain):
-        net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal((3, 4, 5, 6))
-        net.blobs["label"].data[...] = [0, 1, 4]
-    return fused, plain
+    return _twins(tmp_path / "sum.prototxt", SUM_NET % {"relu": relu, "coeff": coeff}, [0, 1, 4])
 
 
 def _units(net):
