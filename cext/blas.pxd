@@ -5,7 +5,9 @@
 # blas_threads.pxi found it, else to the BLAS that scipy ships (scipy.linalg.cython_blas;
 # blas_threads.h says why that order). Both take Fortran (column-major) arguments.
 # A row-major C = op(A) @ op(B) is the column-major C^T = op(B)^T @ op(A)^T, so the
-# operands and the sizes M, N are swapped on the way in; no data is moved.
+# operands and the sizes M, N are swapped on the way in; no data is moved. Products with A
+# untransposed that the BLAS runs slowly (caffepy_panels_wanted) go to caffepy's own instead
+# (gemm_panels.h).
 #
 # Threads: inside a parallel region a product runs on the calling thread (the region set the
 # BLAS to one thread: blas_threads.pxi). Outside one, a product gets threads_for_macs(M*N*K)
@@ -25,6 +27,11 @@ ctypedef void (*_sgemm64_fn)(const char*, const char*, const long long*, const l
                              const float*, const long long*, const float*, float*,
                              const long long*) noexcept nogil
 
+cdef extern from "gemm_panels.h" nogil:
+    int caffepy_panel_gemm(int trans_b, int M, int N, int K, float alpha, const float* a,
+                           long lda, const float* b, long ldb, float beta, float* c, long ldc)
+    bint caffepy_panels_wanted(int M, int N, int K)
+
 cdef extern from "blas_threads.h":
     _sgemm64_fn caffepy_sgemm64
     int caffepy_blas_serial() noexcept nogil
@@ -34,10 +41,13 @@ cdef extern from "blas_threads.h":
 
 cdef inline void _sgemm(bint trans_a, bint trans_b, int M, int N, int K, float alpha,
                         const float* A, int lda, const float* B, int ldb, float beta, float* C,
-                        int ldc) noexcept nogil:
+                        int ldc, bint panels) noexcept nogil:
     cdef char ta = b'T' if trans_a else b'N'
     cdef char tb = b'T' if trans_b else b'N'
     cdef long long m = M, n = N, k = K, la = lda, lb = ldb, lc = ldc
+    if panels and not trans_a and caffepy_panels_wanted(M, N, K) \
+            and caffepy_panel_gemm(trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc):
+        return
     if caffepy_sgemm64 != NULL:
         caffepy_sgemm64(&tb, &ta, &n, &m, &k, &alpha, B, &lb, A, &la, &beta, C, &lc)
         return
@@ -47,7 +57,7 @@ cdef inline void _sgemm(bint trans_a, bint trans_b, int M, int N, int K, float a
 
 cdef inline void _sgemm_split(int nt, bint trans_a, bint trans_b, int M, int N, int K,
                               float alpha, const float* A, int lda, const float* B, int ldb,
-                              float beta, float* C, int ldc) noexcept nogil:
+                              float beta, float* C, int ldc, bint panels) noexcept nogil:
     """The product on nt threads, each computing a block of C's columns (or of its rows, when
     C has more rows), blocks a multiple of 16 floats wide."""
     cdef int part, lo, hi, step
@@ -58,7 +68,8 @@ cdef inline void _sgemm_split(int nt, bint trans_a, bint trans_b, int M, int N, 
             hi = N if lo + step > N else lo + step
             if lo < hi:
                 _sgemm(trans_a, trans_b, M, hi - lo, K, alpha, A, lda,
-                       B + (<Py_ssize_t>lo * ldb if trans_b else lo), ldb, beta, C + lo, ldc)
+                       B + (<Py_ssize_t>lo * ldb if trans_b else lo), ldb, beta, C + lo, ldc,
+                       panels)
     else:
         step = (M + nt - 1) // nt
         for part in prange(nt, num_threads=nt, schedule="static"):
@@ -67,7 +78,7 @@ cdef inline void _sgemm_split(int nt, bint trans_a, bint trans_b, int M, int N, 
             if lo < hi:
                 _sgemm(trans_a, trans_b, hi - lo, N, K, alpha,
                        A + (lo if trans_a else <Py_ssize_t>lo * lda), lda, B, ldb, beta,
-                       C + <Py_ssize_t>lo * ldc, ldc)
+                       C + <Py_ssize_t>lo * ldc, ldc, panels)
 
 
 cdef inline void gemm_ld(bint trans_a, bint trans_b, int M, int N, int K,
@@ -77,6 +88,13 @@ cdef inline void gemm_ld(bint trans_a, bint trans_b, int M, int N, int K,
 
     beta == 0 overwrites C without reading it (NaNs in C do not propagate).
     """
+    gemm_ld_by(True, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+
+
+cdef inline void gemm_ld_by(bint panels, bint trans_a, bint trans_b, int M, int N, int K,
+                            float alpha, const float* A, int lda, const float* B, int ldb,
+                            float beta, float* C, int ldc) noexcept nogil:
+    """gemm_ld, with panels False: every product by the BLAS (for tests and benchmarks)."""
     cdef int nt, saved
     if M <= 0 or N <= 0:
         return
@@ -85,14 +103,15 @@ cdef inline void gemm_ld(bint trans_a, bint trans_b, int M, int N, int K,
         _scale_rows(M, N, beta, C, ldc)
         return
     if openmp.omp_in_parallel() or not caffepy_blas_settable():
-        _sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+        _sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, panels)
         return
     nt = threads_for_macs(<Py_ssize_t>M * N * K)
     saved = caffepy_blas_serial()
     if nt > 1:
-        _sgemm_split(nt, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+        _sgemm_split(nt, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc,
+                     panels)
     else:
-        _sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+        _sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, panels)
     caffepy_blas_restore(saved)
 
 

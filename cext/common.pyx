@@ -12,7 +12,7 @@ sums and nothing races). The NumPy references are in caffepy/kernels/reference/c
 from cython.parallel cimport prange
 from libc.string cimport memcpy
 
-from blas cimport gemm_ld
+from blas cimport caffepy_panel_gemm, caffepy_panels_wanted, gemm_ld_by
 from rules cimport caffepy_team_limit, dims, need, need_shape, threads_for, threads_for_macs
 
 cdef extern from "common_skinny.h" nogil:
@@ -29,10 +29,11 @@ def team_limit():
     return caffepy_team_limit()
 
 
-def gemm(a, b, float[:, ::1] c, float beta=0.0):
+def gemm(a, b, float[:, ::1] c, float beta=0.0, bint panels=True):
     """c = a @ b + beta * c for float32 matrices a [M, K], b [K, N] (each C- or Fortran-ordered,
     so a transposed view costs nothing) and c [M, N]; beta 0 overwrites c. Threaded as every
-    product of the kernels (blas.pxd)."""
+    product of the kernels (blas.pxd); panels False runs the BLAS even where the kernels would
+    not (tests and benchmarks)."""
     cdef bint ta = not a.flags.c_contiguous, tb = not b.flags.c_contiguous
     cdef const float[:, ::1] sa = a.T if ta else a        # as stored: [M, K] or [K, M]
     cdef const float[:, ::1] sb = b.T if tb else b
@@ -42,8 +43,31 @@ def gemm(a, b, float[:, ::1] c, float beta=0.0):
     if M == 0 or N == 0:
         return
     with nogil:
-        gemm_ld(ta, tb, M, N, K, 1.0, &sa[0, 0], sa.shape[1], &sb[0, 0], sb.shape[1], beta,
-                &c[0, 0], N)
+        gemm_ld_by(panels, ta, tb, M, N, K, 1.0, &sa[0, 0], sa.shape[1], &sb[0, 0], sb.shape[1],
+                   beta, &c[0, 0], N)
+
+
+def panel_gemm(a, b, float[:, ::1] c, float alpha=1.0, float beta=0.0):
+    """c = alpha * a @ b + beta * c by cext/gemm_panels.h on one thread, whatever the shape (the
+    products that blas.pxd routes there take this path inside gemm): a [M, K] C-ordered, b
+    [K, N] either order. For its tests and benchmarks/bench_gemm.py."""
+    cdef bint tb = not b.flags.c_contiguous
+    cdef const float[:, ::1] sa = a
+    cdef const float[:, ::1] sb = b.T if tb else b
+    cdef int M = a.shape[0], K = a.shape[1], N = b.shape[1], done
+    need_shape("panel_gemm", "b", tuple(b.shape), (K, N))
+    need_shape("panel_gemm", "c", dims(c.shape, 2), (M, N))
+    need(M > 0 and N > 0 and K > 0, "panel_gemm", "a, b", "need no empty side", (M, N, K))
+    with nogil:
+        done = caffepy_panel_gemm(tb, M, N, K, alpha, &sa[0, 0], sa.shape[1], &sb[0, 0],
+                                  sb.shape[1], beta, &c[0, 0], c.shape[1])
+    if not done:
+        raise MemoryError("panel_gemm: no memory for the packed operand")
+
+
+def panels_wanted(int M, int N, int K):
+    """Whether gemm runs C [M, N] = A [M, K] op(B) by panel_gemm's kernel (else by the BLAS)."""
+    return bool(caffepy_panels_wanted(M, N, K))
 
 
 SKINNY_WIDTH = SK_W

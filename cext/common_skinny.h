@@ -8,69 +8,10 @@
  * Each step of the reduction broadcasts SK_MR floats of A (one per row) against a row of
  * SK_Q vectors of B, into SK_MR x SK_Q sums held in registers; B's rows stay in cache while A
  * streams through once. */
-#include <stddef.h>
+#include "gemm_tile.h"
 
-#ifdef __AVX512F__
-#define SK_W 16                 /* floats per vector */
-#define SK_Q 4                  /* vectors per row of the block: 6 x 4 sums of 32 registers */
-#else
-#define SK_W 8
-#define SK_Q 2                  /* 6 x 2 sums of 16 registers */
-#endif
-#define SK_MR 6
 #define SK_KC_STRIDED 512      /* reduction steps per pass when A is read down its columns */
 #define SK_KC_ROWS 256         /* ... and along its rows, when C has several column blocks */
-
-typedef float sk_vec __attribute__((vector_size(SK_W * 4), aligned(4)));
-
-/* C rows [0, R), columns [0, Q * SK_W) (+)= A rows [0, R) x B over k < K; A(i, k) at
- * a[i * ai + k * ak]. Q and R are constants at every call (sk_block's switch). */
-static inline __attribute__((always_inline)) void
-sk_tile(int R, int Q, int K, const float *restrict a, long ai, long ak,
-        const float *restrict b, long ldb, float *restrict c, long ldc, int accumulate)
-{
-    sk_vec acc[SK_MR][SK_Q];
-    for (int r = 0; r < R; r++)
-        for (int q = 0; q < Q; q++)
-            acc[r][q] = (sk_vec){0};
-    for (int k = 0; k < K; k++) {
-        const float *restrict bk = b + k * ldb;
-        sk_vec bv[SK_Q];
-        for (int q = 0; q < Q; q++)
-            bv[q] = *(const sk_vec *)(bk + q * SK_W);
-        for (int r = 0; r < R; r++) {
-            float x = a[r * ai + k * ak];
-            for (int q = 0; q < Q; q++)
-                acc[r][q] += x * bv[q];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int q = 0; q < Q; q++) {
-            sk_vec *o = (sk_vec *)(c + r * ldc + q * SK_W);
-            *o = accumulate ? *o + acc[r][q] : acc[r][q];
-        }
-}
-
-#define SK_ROWS(Q)                                                                       \
-    switch (R) {                                                                         \
-    case 6: sk_tile(6, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;              \
-    case 5: sk_tile(5, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;              \
-    case 4: sk_tile(4, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;              \
-    case 3: sk_tile(3, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;              \
-    case 2: sk_tile(2, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;              \
-    default: sk_tile(1, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;             \
-    }
-
-static void sk_block(int R, int Q, int K, const float *a, long ai, long ak, const float *b,
-                     long ldb, float *c, long ldc, int accumulate)
-{
-    if (Q == SK_Q) { SK_ROWS(SK_Q) }
-#if SK_Q == 4
-    else if (Q == 3) { SK_ROWS(3) }
-    else if (Q == 2) { SK_ROWS(2) }
-#endif
-    else { SK_ROWS(1) }
-}
 
 /* C rows [m0, m1) of the product, m0 a multiple of SK_MR; accumulate adds to C. */
 static void skinny_rows(int trans_a, int m0, int m1, int N, int K, const float *a, long lda,

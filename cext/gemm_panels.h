@@ -1,0 +1,119 @@
+/* Row-major C = alpha A op(B) + beta C on one thread, for the products cext/blas.pxd routes here
+ * instead of to OpenBLAS: A untransposed and read where it lies, B (the smaller operand: weights,
+ * Winograd's U) copied once per call, times alpha, into panels of PG_NW columns, each panel its K
+ * rows of PG_NW floats (zeros past N).
+ *
+ * Why: OpenBLAS also copies A, and with beta 0 first zeroes all of C, a pass that costs most when
+ * K or N is small. ResNet-50's thin 1x1 products at batch 16 on two threads (Zen 3, AVX2;
+ * benchmarks/bench_gemm.py): K 64 x N 256, 50176 rows, 125 GFLOP/s in OpenBLAS against 143
+ * here; K 64 x N 64 127 against 142; 256 x 256 Winograd products of 144 rows 116 against 160.
+ * In ResNet-50 b16 the 1x1 layers at 56 x 56 took 258-264 -> 236-243 ms, at 28 x 28 240-245 ->
+ * 223-228 ms.
+ *
+ * Order: rows of C PG_MB at a time (their A stays in L2), then PG_KC steps of the reduction, then
+ * panel by panel (a panel's steps stay in L1) every SK_MR rows through the register tile. */
+#ifndef CAFFEPY_GEMM_PANELS_H
+#define CAFFEPY_GEMM_PANELS_H
+#include <stdlib.h>
+#include <string.h>
+#include "gemm_tile.h"
+
+#define PG_NW (SK_Q * SK_W)     /* columns of a panel: one row of the register tile */
+#define PG_MB 192               /* rows of C per block */
+#define PG_KC 512               /* reduction steps per pass over a block */
+
+/* The calling thread's packing buffer, grown as needed and kept (OpenMP's threads live on);
+ * NULL when it cannot grow. */
+static float *pg_buffer(size_t floats)
+{
+    static __thread float *buf = NULL;
+    static __thread size_t cap = 0;
+    if (floats > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        cap = buf ? floats : 0;
+    }
+    return buf;
+}
+
+/* bp[p][k][j] = alpha * op(B)[k, p * PG_NW + j], 0 past column N. */
+static void pg_pack(int trans_b, int N, int K, float alpha, const float *restrict b, long ldb,
+                    float *restrict bp)
+{
+    for (int j0 = 0; j0 < N; j0 += PG_NW) {
+        int nj = N - j0 < PG_NW ? N - j0 : PG_NW;
+        float *restrict dst = bp + (long)(j0 / PG_NW) * K * PG_NW;
+        for (int k = 0; k < K; k++, dst += PG_NW) {
+            if (trans_b)
+                for (int j = 0; j < nj; j++)
+                    dst[j] = alpha * b[(long)(j0 + j) * ldb + k];
+            else
+                for (int j = 0; j < nj; j++)
+                    dst[j] = alpha * b[(long)k * ldb + j0 + j];
+            for (int j = nj; j < PG_NW; j++)
+                dst[j] = 0.0f;
+        }
+    }
+}
+
+/* Rows [0, R) of a panel's columns [j0, j0 + nj) of C (+)= the tile's product; a width that is
+ * not whole vectors goes through `spare` (SK_MR x PG_NW floats). */
+static void pg_block(int R, int nj, int K, const float *a, long lda, const float *panel, float *c,
+                     long ldc, int accumulate, float *spare)
+{
+    if (nj % SK_W == 0) {
+        sk_block(R, nj / SK_W, K, a, lda, 1, panel, PG_NW, c, ldc, accumulate);
+        return;
+    }
+    for (int r = 0; r < R; r++) {
+        memset(spare + r * PG_NW, 0, sizeof(float) * PG_NW);
+        if (accumulate)
+            memcpy(spare + r * PG_NW, c + r * ldc, sizeof(float) * nj);
+    }
+    sk_block(R, SK_Q, K, a, lda, 1, panel, PG_NW, spare, PG_NW, accumulate);
+    for (int r = 0; r < R; r++)
+        memcpy(c + r * ldc, spare + r * PG_NW, sizeof(float) * nj);
+}
+
+/* C [M, N] = alpha * A [M, K] op(B) + beta * C, op(B) = B [K, N] or, trans_b, B^T with B
+ * [N, K]; beta 0 writes C without reading it. Returns 0 (nothing done) when the packing buffer
+ * cannot be had. */
+static int caffepy_panel_gemm(int trans_b, int M, int N, int K, float alpha, const float *a,
+                              long lda, const float *b, long ldb, float beta, float *c, long ldc)
+{
+    float spare[SK_MR * PG_NW];
+    float *bp = pg_buffer((size_t)((N + PG_NW - 1) / PG_NW) * K * PG_NW);
+    if (bp == NULL)
+        return 0;
+    pg_pack(trans_b, N, K, alpha, b, ldb, bp);
+    if (beta != 0.0f && beta != 1.0f)
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++)
+                c[(long)i * ldc + j] *= beta;
+    for (int i0 = 0; i0 < M; i0 += PG_MB) {
+        int i1 = M - i0 < PG_MB ? M : i0 + PG_MB;
+        for (int k0 = 0; k0 < K; k0 += PG_KC) {
+            int kn = K - k0 < PG_KC ? K - k0 : PG_KC;
+            int accumulate = k0 > 0 || beta != 0.0f;
+            for (int j0 = 0; j0 < N; j0 += PG_NW) {
+                int nj = N - j0 < PG_NW ? N - j0 : PG_NW;
+                const float *panel = bp + (long)(j0 / PG_NW) * K * PG_NW + (long)k0 * PG_NW;
+                for (int i = i0; i < i1; i += SK_MR)
+                    pg_block(i1 - i < SK_MR ? i1 - i : SK_MR, nj, kn, a + (long)i * lda + k0,
+                             lda, panel, c + (long)i * ldc + j0, ldc, accumulate, spare);
+            }
+        }
+    }
+    return 1;
+}
+
+/* Whether cext/blas.pxd runs C [M, N] = A [M, K] op(B) here rather than in the BLAS: where
+ * benchmarks/bench_gemm.py and ResNet-50 measured it faster (N and K up to 512; at K 1024 the
+ * two ran alike, at 2048 the BLAS 8-12% faster). Not for 512 x 512 (Winograd's U at 7 x 7):
+ * alike alone, but ResNet-50's res5 3x3 layers took 135 -> 143 ms with it. */
+static inline int caffepy_panels_wanted(int M, int N, int K)
+{
+    return M >= 48 && N >= 16 && N <= 512 && K >= 16 && K <= 512 && N * K <= 512 * 256;
+}
+
+#endif

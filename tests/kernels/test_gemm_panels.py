@@ -1,0 +1,64 @@
+"""caffepy's own matrix product (cext/gemm_panels.h), which cext/blas.pxd runs instead of the BLAS
+for thin products: against float64 NumPy at every edge of its blocking (rows past a tile or a
+block, columns past a vector or a panel, reduction steps past a pass), both layouts of B, and
+the scalars; and through gemm, where the rule sends a shape to it, against the BLAS."""
+import numpy as np
+import pytest
+
+from caffepy.kernels import common
+
+W = common.SKINNY_WIDTH                 # floats per vector; a panel is 2 (AVX2) or 4 of them
+MR, MB, KC = 6, 192, 512                # the tile's rows, a block's rows, a pass's steps
+
+
+def _reference(a, b, c0, alpha, beta):
+    return alpha * (a.astype(np.float64) @ b.astype(np.float64)) + beta * c0
+
+
+@pytest.mark.parametrize("m", [1, MR - 1, MR + 1, MB + MR + 1])
+@pytest.mark.parametrize("n", [1, W - 1, W + 3, 2 * W, 4 * W + 5])
+@pytest.mark.parametrize("k", [1, 7, KC + 3])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_edges_against_numpy(m, n, k, trans_b):
+    rng = np.random.default_rng(m * 1000 + n * 10 + k)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    stored = rng.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32)
+    b = stored.T if trans_b else stored
+    c = np.full((m, n), np.nan, np.float32)          # beta 0 never reads C
+    common.panel_gemm(a, b, c)
+    np.testing.assert_allclose(c, _reference(a, b, 0, 1, 0), rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (0.5, -2.0), (-3.0, 0.25)])
+def test_alpha_and_beta(alpha, beta):
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((MB + 10, KC + 20), dtype=np.float32)
+    b = rng.standard_normal((KC + 20, 3 * W + 1), dtype=np.float32)
+    c0 = rng.standard_normal((MB + 10, 3 * W + 1), dtype=np.float32)
+    c = c0.copy()
+    common.panel_gemm(a, b, c, alpha, beta)
+    np.testing.assert_allclose(c, _reference(a, b, c0, alpha, beta), rtol=1e-5, atol=2e-3)
+
+
+@pytest.mark.parametrize("m, n, k, trans_b", [(50176 // 8, 256, 64, True), (3000, 64, 256, False),
+                                              (400, 128, 128, False), (144, 256, 256, True)])
+def test_gemm_routes_thin_products_here_and_matches_the_blas(m, n, k, trans_b):
+    """ResNet-50's kinds of thin products go to the panels (the rule), threaded by gemm's split,
+    and agree with the BLAS on the same threads to float rounding."""
+    assert common.panels_wanted(m, n, k)
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    stored = rng.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32)
+    b = stored.T if trans_b else stored
+    ours, blas = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+    common.gemm(a, b, ours)
+    common.gemm(a, b, blas, panels=False)
+    np.testing.assert_allclose(ours, blas, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    np.testing.assert_allclose(ours, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
+def test_rule_keeps_wide_and_small_products_on_the_blas():
+    assert not common.panels_wanted(2048, 2048, 2048)
+    assert not common.panels_wanted(784, 512, 2048)        # long reductions: the BLAS is faster
+    assert not common.panels_wanted(64, 512, 512)          # res5's Winograd: slower in the net
+    assert not common.panels_wanted(8, 256, 64)            # too few rows to repay the packing
