@@ -202,25 +202,27 @@ def training_flops(net):
     direct: 2 x the multiply-adds of every Convolution and InnerProduct forward, counted as a
     direct convolution, again for the weight gradient, and again for the bottom gradient where
     the bottom needs one (not the first convolution's: its bottom is the data). executed: the
-    same, except that a blocked Winograd layer counts the multiply-adds its a x a GEMMs over
-    tiles really do in each pass (the tile transforms not counted)."""
+    same, except that a pass a Convolution runs by Winograd (its `pass_tiles`, blocked or
+    channels-last) counts the multiply-adds its a x a GEMMs over tiles really do (the tile
+    transforms not counted)."""
     direct = executed = 0
     for i, layer in enumerate(net.layers):
         if layer.type not in ("Convolution", "InnerProduct"):
             continue
-        backward = 1 + (1 if net.bottom_need_backward[i][0] else 0)
+        need_bottom = bool(net.bottom_need_backward[i][0])
         fwd = layer_flops(layer.type, net.top_vecs[i][0].shape, layer.blobs[0].count)
-        direct += fwd * (1 + backward)
+        direct += fwd * (2 + need_bottom)
 
         def run(m):
             """A pass's multiply-adds x 2 with Winograd tile m (None: as direct)."""
             if m is None:
                 return fwd
-            r, top = layer.kh, net.top_vecs[i][0].shape
+            r, top = layer.blobs[0].shape[-1], net.top_vecs[i][0].shape
             tiles = top[0] * -(-layer.oh // m) * -(-layer.ow // m)
             return 2 * (m + r - 1) ** 2 * tiles * layer.blobs[0].count // (r * r)
-        executed += run(getattr(layer, "tile", None)) + \
-            run(getattr(layer, "backward_tile", None)) * backward
+        by_pass = getattr(layer, "pass_tiles", {})
+        executed += run(by_pass.get("forward")) + run(by_pass.get("weights")) + \
+            (run(by_pass.get("data")) if need_bottom else 0)
     return direct, executed
 
 

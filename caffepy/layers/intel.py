@@ -333,10 +333,13 @@ class BlockedConvolution(Layer):
 
     def _use(self, chosen, tunings):
         """Run the algorithms `chosen` ({"forward": name, "backward": name}); `tile` and
-        `backward_tile` say which Winograd tile each runs (None: not Winograd)."""
+        `backward_tile` say which Winograd tile each runs (None: not Winograd), `pass_tiles` the
+        same per pass as the channels-last Convolution's."""
         self.algos = chosen
         self.tile = self.algorithms[chosen["forward"]][2]
         self.backward_tile = self.algorithms[chosen["backward"]][2]
+        self.pass_tiles = {"forward": self.tile, "weights": self.backward_tile,
+                           "data": self.backward_tile}
         self.algorithm, self.tuning = autotune.describe(chosen, tunings)
 
     def force_algorithm(self, name):

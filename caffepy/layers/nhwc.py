@@ -557,8 +557,11 @@ class NHWCConvolution(Convolution):
         return None if choice == "apart" else choice
 
     def _use(self, algos, tunings):
-        """Run pass -> algorithm `algos`; name them (one name when one algorithm runs them all)."""
+        """Run pass -> algorithm `algos`; name them (one name when one algorithm runs them all);
+        `pass_tiles`: pass -> the Winograd tile it runs (None: not Winograd)."""
         self.algos = algos
+        self.pass_tiles = {name: algo.m if isinstance(algo, _Winograd) else None
+                           for name, algo in algos.items()}
         self.algorithm, self.tuning = autotune.describe(
             {name: algos[name].name for name in PASSES}, tunings)
 

@@ -62,10 +62,28 @@ def test_layer_flops_by_hand():
 def test_training_flops_counts_each_pass_by_hand():
     # the first convolution computes no bottom gradient (its bottom is the data): forward and
     # weight gradient; the InnerProduct all three passes
-    net = _net(HEAD + CONV % ("data", "") +
+    # (Caffe's engine: no Winograd, so every pass executes as counted)
+    net = _net(HEAD + CONV % ("data", "engine: CAFFE") +
                "layer { name: 'alias' type: 'Split' bottom: 'conv' top: 'conv_nchw' }" + TAIL)
     direct, executed = nets.training_flops(net)
     assert direct == executed == 2 * CONV_FWD + 3 * IP_FWD
+
+
+def test_training_flops_counts_channels_last_winograd_per_pass():
+    """The channels-last Convolution chooses per pass (forward, weights, data): each Winograd
+    pass counts its tile's products, and the data pass is left out for the first layer."""
+    net = _net(HEAD + CONV % ("data", "") +
+               "layer { name: 'alias' type: 'Split' bottom: 'conv' top: 'conv_nchw' }" + TAIL)
+    conv = next(layer for layer in net.layers if layer.type == "Convolution")
+    if conv.pass_tiles["forward"] is None:
+        pytest.skip("this build has no Winograd kernel")
+
+    def products(m):
+        return 2 * (m + 2) ** 2 * (2 * (-(-6 // m)) ** 2) * 16 * 16     # 2 images of tiles
+    direct, executed = nets.training_flops(net)
+    assert direct == 2 * CONV_FWD + 3 * IP_FWD
+    assert executed == (products(conv.pass_tiles["forward"]) + products(conv.pass_tiles["weights"])
+                        + 3 * IP_FWD)
 
 
 def test_training_flops_counts_winograd_gemms_as_executed():
@@ -134,7 +152,7 @@ def test_caffepy_worker_reports_flops_and_layer_times():
         net, batch, force_caffe, forward_only, iters = "lenet", 2, False, False, 1
     worker = bench_nets.CaffepyWorker(Args)
     info = worker.info()
-    assert info["flops"] == info["executed_flops"] == nets.training_flops(worker.net)[0]
+    assert (info["flops"], info["executed_flops"]) == nets.training_flops(worker.net)
     sample = worker.step(2)
     assert [name for name, *_ in sample["layers"]] == [layer.name for layer in worker.net.layers]
     assert sample["ms"] == pytest.approx(sum(f + b for _, _, f, b in sample["layers"]))
