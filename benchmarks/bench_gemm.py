@@ -53,13 +53,13 @@ def main():
         stored = rng.standard_normal((n, k) if trans else (k, n), dtype=np.float32)
         b = stored.T if trans else stored
         ours, theirs = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
-        t_ours, t_np = alternate([lambda: kernels.gemm(a, b, ours),
+        t_ours, t_blas = alternate([lambda: kernels.gemm(a, b, ours),
                                   lambda: kernels.gemm(a, b, theirs, panels=False)], args.rounds)
         err = float(np.abs(ours - theirs).max() / np.abs(theirs).max())
         flop = 2.0 * m * n * k / 1e6            # per ms: GFLOP/s
         kernel = "panels" if kernels.panels_wanted(m, n, k) else "BLAS"
-        print(f"{what:34s} {m:6d} {n:5d} {k:5d} {flop / t_ours:8.1f} {flop / t_np:8.1f} "
-              f"{t_np / t_ours:6.2f}  {kernel:6s}  {err:.1e}")
+        print(f"{what:34s} {m:6d} {n:5d} {k:5d} {flop / t_ours:8.1f} {flop / t_blas:8.1f} "
+              f"{t_blas / t_ours:6.2f}  {kernel:6s}  {err:.1e}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def gemm(a, b, float[:, ::1] c, float beta=0.0, bint panels=True):
 def panel_gemm(a, b, float[:, ::1] c, float alpha=1.0, float beta=0.0):
     """c = alpha * a @ b + beta * c by cext/gemm_panels.h on one thread, whatever the shape (the
     products that blas.pxd routes there take this path inside gemm): a [M, K] C-ordered, b
-    [K, N] either order. For its tests and benchmarks/bench_gemm.py."""
+    [K, N] either order. For its tests."""
     cdef bint tb = not b.flags.c_contiguous
     cdef const float[:, ::1] sa = a
     cdef const float[:, ::1] sb = b.T if tb else b

@@ -332,14 +332,13 @@ class BlockedConvolution(Layer):
         self._use(chosen, tunings)
 
     def _use(self, chosen, tunings):
-        """Run the algorithms `chosen` ({"forward": name, "backward": name}); `tile` and
-        `backward_tile` say which Winograd tile each runs (None: not Winograd), `pass_tiles` the
-        same per pass as the channels-last Convolution's."""
+        """Run the algorithms `chosen` ({"forward": name, "backward": name}); `pass_tiles`:
+        pass -> the Winograd tile it runs (None: not Winograd), as the channels-last
+        Convolution's (the backward's one algorithm runs both gradients)."""
         self.algos = chosen
-        self.tile = self.algorithms[chosen["forward"]][2]
-        self.backward_tile = self.algorithms[chosen["backward"]][2]
-        self.pass_tiles = {"forward": self.tile, "weights": self.backward_tile,
-                           "data": self.backward_tile}
+        backward = self.algorithms[chosen["backward"]][2]
+        self.pass_tiles = {"forward": self.algorithms[chosen["forward"]][2],
+                           "weights": backward, "data": backward}
         self.algorithm, self.tuning = autotune.describe(chosen, tunings)
 
     def force_algorithm(self, name):

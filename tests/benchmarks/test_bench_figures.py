@@ -96,7 +96,7 @@ def test_training_flops_counts_winograd_gemms_as_executed():
     if not getattr(conv, "winograd", False):
         pytest.skip("this build has no Winograd kernel")
     # 6 x 6 output: F(3 x 3, 3 x 3) tiles (25 products each, 4 per image) are the fewest products
-    assert conv.tile == 3
+    assert conv.pass_tiles["forward"] == 3
     winograd_fwd = 2 * 25 * (2 * 4) * 16 * 16
     direct, executed = nets.training_flops(net)
     assert direct == 2 * CONV_FWD + 3 * IP_FWD
