@@ -106,6 +106,7 @@ cdef struct WGeom:
     Py_ssize_t xn, xb, xp         # x's strides: image, block of V channels, pixel
     Py_ssize_t yn, yb, yp         # y's (and dy's) strides
     bint pad_lanes                # blocked: lanes past O are written as zeros
+    bint fixed                    # at, bt are the tile transforms' tables (wg_fixed)
     float at[MAX_A * MAX_A]       # AT [m, a] and its transpose am [a, m]
     float am[MAX_A * MAX_A]
     float bt[MAX_A * MAX_A]       # BT [a, a] and its transpose bm
@@ -160,6 +161,7 @@ cdef WGeom _geom(str kernel, tuple xs, str yname, tuple ys, bint blocked, int V,
             g.bt[i * g.a + j], g.bm[j * g.a + i] = bt[i, j], bt[i, j]
             if i < m:
                 g.at[i * g.a + j], g.am[j * m + i] = at[i, j], at[i, j]
+    g.fixed = wg_fixed(m, g.a, g.at, g.bt)
     need(vbuf.shape[1] == g.a * g.a and vbuf.shape[3] == g.cpad, kernel, "vbuf",
          f"needs shape (threads, {g.a * g.a}, tiles, {g.cpad})", tuple(vbuf.shape[:4]))
     need(mbuf.shape[0] >= vbuf.shape[0] and tuple(mbuf.shape[1:4]) == (g.a * g.a, g.tiles, g.opad),
@@ -242,14 +244,30 @@ def scratch_view(float[::1] raw, shape):
 
 cdef extern from "winograd_tiles.h" nogil:
     void wg_input(const float* x, int H, int W, int iy0, int ix0, int m, int a, const float* bt,
-                  float* w, float* out, long pstride, int V, long ps, int nv)
-    void wg_output(const float* mb, long pstride, int m, int a, const float* at,
+                  int fixed, float* w, float* out, long pstride, int V, long ps, int nv)
+    void wg_output(const float* mb, long pstride, int m, int a, const float* at, int fixed,
                    const float* bias, int nv, float* y, int oh, int ow, int oy0, int ox0,
                    float* w, int V, long ps, int pad_lanes)
     void wg_dy(const float* dy, int oh, int ow, int oy0, int ox0, int m, int a,
-               const float* am, float* w, float* out, long pstride, int V, long ps, int nv)
-    void wg_dx(const float* dv, long pstride, int m, int a, const float* bm, int nv, float* dx,
-               int H, int W, int iy0, int ix0, float* w, int V, long ps)
+               const float* am, int fixed, float* w, float* out, long pstride, int V, long ps,
+               int nv)
+    void wg_dx(const float* dv, long pstride, int m, int a, const float* bm, int fixed, int nv,
+               float* dx, int H, int W, int iy0, int ix0, float* w, int V, long ps)
+    const float* wg_table_at(int m, int a)
+    const float* wg_table_bt(int a)
+    int wg_fixed(int m, int a, const float* at, const float* bt)
+
+
+def tables(int m, int a):
+    """(AT [m, a], BT [a, a]) the tile transforms hold as compile-time tables for F(m, a - m + 1),
+    or None: the kernels run on them when given these matrices (tests compare them to
+    matrices())."""
+    cdef const float* kat = wg_table_at(m, a)
+    cdef const float* kbt = wg_table_bt(a)
+    if kat == NULL or kbt == NULL:
+        return None
+    return (np.array(<float[:m * a]>kat, np.float32).reshape(m, a),
+            np.array(<float[:a * a]>kbt, np.float32).reshape(a, a))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +305,7 @@ cdef void _inputs(const WGeom* g, const float* x, int n0, Py_ssize_t t0, Py_ssiz
         img = x + _tile(g, n0, t0 + i, &ty, &tx) * g.xn
         for cb in range(g.Cb):
             wg_input(img + cb * g.xb, g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, g.m, g.a, g.bt,
-                     w, vb + i * g.cpad + cb * V, pstride, V, g.xp, _lanes(g, cb, g.C))
+                     g.fixed, w, vb + i * g.cpad + cb * V, pstride, V, g.xp, _lanes(g, cb, g.C))
 
 
 cdef inline Py_ssize_t _vblock(const WGeom* g, int j) noexcept nogil:
@@ -323,7 +341,7 @@ cdef void _outputs(const WGeom* g, const float* bias, float* y, int n0, Py_ssize
     for i in range(count):
         img = y + _tile(g, n0, t0 + i, &ty, &tx) * g.yn
         for ob in range(g.Ob):
-            wg_output(mb + i * g.opad + ob * V, mstride, g.m, g.a, g.at, bias + ob * V,
+            wg_output(mb + i * g.opad + ob * V, mstride, g.m, g.a, g.at, g.fixed, bias + ob * V,
                       _real(g, ob, g.O), img + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, w, V,
                       g.yp, g.pad_lanes)
 
@@ -345,7 +363,7 @@ cdef void _dms(const WGeom* g, const float* dy, int n0, Py_ssize_t t0, Py_ssize_
     for i in range(count):
         dimg = dy + _tile(g, n0, t0 + i, &ty, &tx) * g.yn
         for ob in range(g.Ob):
-            wg_dy(dimg + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, g.m, g.a, g.am, w,
+            wg_dy(dimg + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, g.m, g.a, g.am, g.fixed, w,
                   mb + i * g.opad + ob * V, mstride, V, g.yp, _lanes(g, ob, g.O))
 
 
@@ -376,7 +394,7 @@ cdef void _dxs(const WGeom* g, float* dx, int n0, Py_ssize_t t0, Py_ssize_t coun
     for i in range(count):
         ximg = dx + _tile(g, n0, t0 + i, &ty, &tx) * g.xn
         for cb in range(g.Cb):
-            wg_dx(vb + i * g.cpad + cb * V, vstride, g.m, g.a, g.bm, _real(g, cb, g.C),
+            wg_dx(vb + i * g.cpad + cb * V, vstride, g.m, g.a, g.bm, g.fixed, _real(g, cb, g.C),
                   ximg + cb * g.xb, g.H, g.W, ty * g.m - g.ph, tx * g.m - g.pw, w, V, g.xp)
 
 

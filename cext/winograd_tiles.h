@@ -80,11 +80,112 @@ WG_INLINE void wg_lanes(float *restrict e, const float *restrict src, int nv, in
     memset(e + nv, 0, sizeof(float) * (V - nv));
 }
 
+
+/* As wg_product, for coefficients known at compile time (the tables below, inlined with
+ * constant sizes): the test per term costs nothing there, and drops the zero terms, and GCC
+ * turns the unit ones into adds. Coefficient (r, j, k) is c[r * cr + j * cj + k * ck]. */
+WG_INLINE void wg_product_k(const float *restrict c, int cr, int cj, int ck, int R, int J, int K,
+                            const float *restrict src, long sr, long sj, long sk,
+                            float *restrict dst, long ds, int V)
+{
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int j = 0; j < J; j++) {
+            const float *restrict s = src + r * sr + j * sj;
+            float *restrict d = dst + (r * J + j) * ds;
+            for (int q = 0; q < V; q += 8) {
+                wg_v8 acc = {0};
+#pragma GCC unroll 8
+                for (int k = 0; k < K; k++) {
+                    float ce = c[r * cr + j * cj + k * ck];
+                    if (ce != 0.f)
+                        acc += ce * *(const wg_v8 *)(s + k * sk + q);
+                }
+                *(wg_v8 *)(d + q) = acc;
+            }
+        }
+}
+
+/* wg_sandwich with M [R][K] a table: M[r][k] = M[r * mr + k * mk] (mr = 1, mk = R reads a
+ * K x R table transposed). V a multiple of 8. */
+WG_INLINE void wg_sandwich_k(const float *restrict M, int mr, int mk, int R, int K,
+                             const float *restrict src, long ss, float *restrict tmp,
+                             float *restrict dst, long ds, int V)
+{
+    wg_product_k(M, mr, 0, mk, R, K, K, src, 0, ss, K * ss, tmp, V, V);
+    wg_product_k(M, 0, mr, mk, R, R, K, tmp, (long)K * V, 0, V, dst, ds, V);
+}
+
+/* AT [m][a] and BT [a][a] of matrices() (cext/winograd.pyx) for the tiles WG_DISPATCH names,
+ * as tables the compiler can read: F(4, 3)'s BT has 22 nonzero terms of 36, 8 of them +-1
+ * (the forward of ResNet-50's 64-channel 3x3 layers, 13 -> 10-11 ms). BT depends on the
+ * points only, so on a alone. The kernels use them when the caller's matrices are these
+ * (wg_fixed); tests/layers/test_winograd.py holds them to matrices(). */
+static const float WG_BT4[] = {-1, 0, 1, 0,  0, 1, 1, 0,  0, -1, 1, 0,  0, -1, 0, 1};
+static const float WG_BT5[] = {2, -1, -2, 1, 0,  0, -2, -1, 1, 0,  0, 2, -3, 1, 0,
+                               0, -1, 0, 1, 0,  0, 2, -1, -2, 1};
+static const float WG_BT6[] = {4, 0, -5, 0, 1, 0,  0, -4, -4, 1, 1, 0,  0, 4, -4, -1, 1, 0,
+                               0, -2, -1, 2, 1, 0,  0, 2, -1, -2, 1, 0,  0, 4, 0, -5, 0, 1};
+static const float WG_BT7[] = {-2, 4, 2.5, -5, -0.5, 1, 0,  0, 2, -2, -4.5, 0.5, 1, 0,
+                               0, -2, 6, -3.5, -1.5, 1, 0,  0, 1, -1.5, -2, 1.5, 1, 0,
+                               0, -1, 2.5, 0, -2.5, 1, 0,  0, 4, 0, -5, 0, 1, 0,
+                               0, -2, 4, 2.5, -5, -0.5, 1};
+static const float WG_BT8[] = {-1, 0, 5.25, 0, -5.25, 0, 1, 0,  0, 1, 1, -4.25, -4.25, 1, 1, 0,
+                               0, -1, 1, 4.25, -4.25, -1, 1, 0,  0, 0.5, 0.25, -2.5, -1.25, 2, 1, 0,
+                               0, -0.5, 0.25, 2.5, -1.25, -2, 1, 0,  0, 2, 4, -2.5, -5, 0.5, 1, 0,
+                               0, -2, 4, 2.5, -5, -0.5, 1, 0,  0, -1, 0, 5.25, 0, -5.25, 0, 1};
+static const float WG_AT2_4[] = {1, 1, 1, 0,  0, 1, -1, 1};
+static const float WG_AT3_5[] = {1, 1, 1, 1, 0,  0, 1, -1, 2, 0,  0, 1, 1, 4, 1};
+static const float WG_AT2_6[] = {1, 1, 1, 1, 1, 0,  0, 1, -1, 2, -2, 1};
+static const float WG_AT4_6[] = {1, 1, 1, 1, 1, 0,  0, 1, -1, 2, -2, 0,  0, 1, 1, 4, 4, 0,
+                                 0, 1, -1, 8, -8, 1};
+static const float WG_AT3_7[] = {1, 1, 1, 1, 1, 1, 0,  0, 1, -1, 2, -2, 0.5, 0,
+                                 0, 1, 1, 4, 4, 0.25, 1};
+static const float WG_AT5_7[] = {1, 1, 1, 1, 1, 1, 0,  0, 1, -1, 2, -2, 0.5, 0,
+                                 0, 1, 1, 4, 4, 0.25, 0,  0, 1, -1, 8, -8, 0.125, 0,
+                                 0, 1, 1, 16, 16, 0.0625, 1};
+static const float WG_AT4_8[] = {1, 1, 1, 1, 1, 1, 1, 0,  0, 1, -1, 2, -2, 0.5, -0.5, 0,
+                                 0, 1, 1, 4, 4, 0.25, 0.25, 0,  0, 1, -1, 8, -8, 0.125, -0.125, 1};
+
+static const float *wg_table_at(int m, int a)
+{
+    if (m == 2 && a == 4) return WG_AT2_4;
+    if (m == 3 && a == 5) return WG_AT3_5;
+    if (m == 2 && a == 6) return WG_AT2_6;
+    if (m == 4 && a == 6) return WG_AT4_6;
+    if (m == 3 && a == 7) return WG_AT3_7;
+    if (m == 5 && a == 7) return WG_AT5_7;
+    if (m == 4 && a == 8) return WG_AT4_8;
+    return NULL;
+}
+
+static const float *wg_table_bt(int a)
+{
+    const float *t[] = {WG_BT4, WG_BT5, WG_BT6, WG_BT7, WG_BT8};
+    return a >= 4 && a <= 8 ? t[a - 4] : NULL;
+}
+
+/* Whether AT [m][a] and BT [a][a] are the tables' (then the kernels run on those). */
+static int wg_fixed(int m, int a, const float *at, const float *bt)
+{
+    const float *kat = wg_table_at(m, a), *kbt = wg_table_bt(a);
+    if (kat == NULL || kbt == NULL)
+        return 0;
+    for (int i = 0; i < m * a; i++)
+        if (at[i] != kat[i])
+            return 0;
+    for (int i = 0; i < a * a; i++)
+        if (bt[i] != kbt[i])
+            return 0;
+    return 1;
+}
+
 /* out[p * pstride] = (BT d BT^T)[p] for the a x a tile of plane x [H][W] (pixel stride ps) at
  * (iy0, ix0), zero outside the plane and in lanes >= nv. */
 WG_INLINE void wg_input_v(const float *restrict x, int H, int W, int iy0, int ix0, int a,
-                          const float *restrict bt, float *restrict w, float *restrict out,
-                          long pstride, int V, long ps, int nv)
+                          const float *restrict bt, const float *kbt, float *restrict w,
+                          float *restrict out, long pstride, int V, long ps, int nv)
 {
     float *restrict d = w, *restrict tmp = w + a * a * V;
     int inside = iy0 >= 0 && ix0 >= 0 && iy0 + a <= H && ix0 + a <= W;
@@ -103,19 +204,26 @@ WG_INLINE void wg_input_v(const float *restrict x, int H, int W, int iy0, int ix
                 memset(e, 0, sizeof(float) * V);
         }
     }
-    wg_sandwich(bt, a, a, d, V, tmp, out, pstride, V);
+    if (kbt)
+        wg_sandwich_k(kbt, a, 1, a, a, d, V, tmp, out, pstride, V);
+    else
+        wg_sandwich(bt, a, a, d, V, tmp, out, pstride, V);
 }
 
 /* The m x m output tile of plane y [oh][ow] (pixel stride ps) at (oy0, ox0) = AT M AT^T + bias,
  * the part inside the plane, lanes < nv (and zeros in the others with pad_lanes). M[p] is at
  * mb + p * pstride. */
 WG_INLINE void wg_output_v(const float *restrict mb, long pstride, int m, int a,
-                           const float *restrict at, const float *restrict bias, int nv,
+                           const float *restrict at, const float *kat,
+                           const float *restrict bias, int nv,
                            float *restrict y, int oh, int ow, int oy0, int ox0,
                            float *restrict w, int V, long ps, int pad_lanes)
 {
     float *restrict tmp = w, *restrict res = tmp + a * a * V;
-    wg_sandwich(at, m, a, mb, pstride, tmp, res, V, V);
+    if (kat)
+        wg_sandwich_k(kat, a, 1, m, a, mb, pstride, tmp, res, V, V);
+    else
+        wg_sandwich(at, m, a, mb, pstride, tmp, res, V, V);
     for (int i = 0; i < m && oy0 + i < oh; i++)
         for (int j = 0; j < m && ox0 + j < ow; j++) {
             float *restrict o = y + ((long)(oy0 + i) * ow + ox0 + j) * ps;
@@ -137,8 +245,8 @@ WG_INLINE void wg_output_v(const float *restrict mb, long pstride, int m, int a,
  * gradient plane dy [oh][ow] (pixel stride ps) at (oy0, ox0), zero past the plane and in lanes
  * >= nv. */
 WG_INLINE void wg_dy_v(const float *restrict dy, int oh, int ow, int oy0, int ox0, int m, int a,
-                       const float *restrict am, float *restrict w, float *restrict out,
-                       long pstride, int V, long ps, int nv)
+                       const float *restrict am, const float *kat, float *restrict w,
+                       float *restrict out, long pstride, int V, long ps, int nv)
 {
     float *restrict t = w, *restrict tmp = w + a * a * V;
     for (int i = 0; i < m; i++)
@@ -149,24 +257,32 @@ WG_INLINE void wg_dy_v(const float *restrict dy, int oh, int ow, int oy0, int ox
             else
                 memset(e, 0, sizeof(float) * V);
         }
-    wg_sandwich(am, a, m, t, V, tmp, out, pstride, V);
+    if (kat)                    /* A = AT^T */
+        wg_sandwich_k(kat, 1, a, a, m, t, V, tmp, out, pstride, V);
+    else
+        wg_sandwich(am, a, m, t, V, tmp, out, pstride, V);
 }
 
 /* Plane dx [H][W] (pixel stride ps) at the a x a tile (iy0, ix0), inside the plane, lanes < nv,
  * += B dV B^T, with B = BT^T given as bm; dV[p] at dv + p * pstride, lanes >= nv read as 0. */
 WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const float *restrict bm,
-                       int nv, float *restrict dx, int H, int W, int iy0, int ix0,
+                       const float *kbt, int nv, float *restrict dx, int H, int W, int iy0, int ix0,
                        float *restrict w, int V, long ps)
 {
     float *restrict t = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
-    if (nv == V)
-        wg_sandwich(bm, a, a, dv, pstride, tmp, res, V, V);
-    else {                      /* lanes past nv hold no data: zeros, not whatever is there */
+    const float *src = dv;
+    long ss = pstride;
+    if (nv < V) {               /* lanes past nv hold no data: zeros, not whatever is there */
         for (int p = 0; p < a * a; p++)
             for (int v = 0; v < V; v++)
                 t[p * V + v] = v < nv ? dv[p * pstride + v] : 0.f;
-        wg_sandwich(bm, a, a, t, V, tmp, res, V, V);
+        src = t;
+        ss = V;
     }
+    if (kbt)                    /* B = BT^T */
+        wg_sandwich_k(kbt, 1, a, a, a, src, ss, tmp, res, V, V);
+    else
+        wg_sandwich(bm, a, a, src, ss, tmp, res, V, V);
     for (int i = 0; i < a; i++) {
         int iy = iy0 + i;
         if (iy < 0 || iy >= H)
@@ -195,82 +311,105 @@ WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const floa
     case 16: { const int V_ = 16; call; break; }                                          \
     default: { const int V_ = V; call; break; }                                           \
     }
+/* One tile size: with the tables (kat_, kbt_) when `fixed` and the lanes are whole vectors,
+ * else with the caller's matrices (kat_, kbt_ NULL). */
+#define WG_TILE(mm, aa, KAT, KBT, call)                                                   \
+    if (m == mm && a == aa) {                                                             \
+        const int m_ = mm, a_ = aa;                                                       \
+        if (fixed && V == 8) {                                                            \
+            const int V_ = 8; const float *kat_ = KAT, *kbt_ = KBT; call;                 \
+        } else if (fixed && V == 16) {                                                    \
+            const int V_ = 16; const float *kat_ = KAT, *kbt_ = KBT; call;                \
+        } else {                                                                          \
+            const float *kat_ = NULL, *kbt_ = NULL; WG_LANES(call)                        \
+        }                                                                                 \
+    }
 #define WG_DISPATCH(call)                                                                 \
-    if (m == 4 && a == 6) { const int m_ = 4, a_ = 6; WG_LANES(call) }                   \
-    else if (m == 3 && a == 7) { const int m_ = 3, a_ = 7; WG_LANES(call) }              \
-    else if (m == 2 && a == 6) { const int m_ = 2, a_ = 6; WG_LANES(call) }              \
-    else if (m == 2 && a == 4) { const int m_ = 2, a_ = 4; WG_LANES(call) }              \
-    else if (m == 3 && a == 5) { const int m_ = 3, a_ = 5; WG_LANES(call) }              \
-    else if (m == 5 && a == 7) { const int m_ = 5, a_ = 7; WG_LANES(call) }              \
-    else if (m == 4 && a == 8) { const int m_ = 4, a_ = 8; WG_LANES(call) }              \
-    else { const int m_ = m, a_ = a; WG_LANES(call) }
+    WG_TILE(4, 6, WG_AT4_6, WG_BT6, call)                                                 \
+    else WG_TILE(3, 7, WG_AT3_7, WG_BT7, call)                                            \
+    else WG_TILE(2, 6, WG_AT2_6, WG_BT6, call)                                            \
+    else WG_TILE(2, 4, WG_AT2_4, WG_BT4, call)                                            \
+    else WG_TILE(3, 5, WG_AT3_5, WG_BT5, call)                                            \
+    else WG_TILE(5, 7, WG_AT5_7, WG_BT7, call)                                            \
+    else WG_TILE(4, 8, WG_AT4_8, WG_BT8, call)                                            \
+    else { const int m_ = m, a_ = a; const float *kat_ = NULL, *kbt_ = NULL; WG_LANES(call) }
 
 static void wg_input(const float *x, int H, int W, int iy0, int ix0, int m, int a,
-                     const float *bt, float *w, float *out, long pstride, int V, long ps, int nv)
+                     const float *bt, int fixed, float *w, float *out, long pstride, int V,
+                     long ps, int nv)
 {
-    WG_DISPATCH((void)m_; wg_input_v(x, H, W, iy0, ix0, a_, bt, w, out, pstride, V_, ps, nv))
+    WG_DISPATCH((void)m_; (void)kat_;
+                wg_input_v(x, H, W, iy0, ix0, a_, bt, kbt_, w, out, pstride, V_, ps, nv))
 }
 
-static void wg_output(const float *mb, long pstride, int m, int a, const float *at,
+static void wg_output(const float *mb, long pstride, int m, int a, const float *at, int fixed,
                       const float *bias, int nv, float *y, int oh, int ow, int oy0, int ox0,
                       float *w, int V, long ps, int pad_lanes)
 {
-    WG_DISPATCH(wg_output_v(mb, pstride, m_, a_, at, bias, nv, y, oh, ow, oy0, ox0, w, V_, ps,
-                            pad_lanes))
+    WG_DISPATCH((void)kbt_; wg_output_v(mb, pstride, m_, a_, at, kat_, bias, nv, y, oh, ow, oy0,
+                                        ox0, w, V_, ps, pad_lanes))
 }
 
 static void wg_dy(const float *dy, int oh, int ow, int oy0, int ox0, int m, int a,
-                  const float *am, float *w, float *out, long pstride, int V, long ps, int nv)
+                  const float *am, int fixed, float *w, float *out, long pstride, int V, long ps,
+                  int nv)
 {
-    WG_DISPATCH(wg_dy_v(dy, oh, ow, oy0, ox0, m_, a_, am, w, out, pstride, V_, ps, nv))
+    WG_DISPATCH((void)kbt_; wg_dy_v(dy, oh, ow, oy0, ox0, m_, a_, am, kat_, w, out, pstride, V_,
+                                    ps, nv))
 }
 
-static void wg_dx(const float *dv, long pstride, int m, int a, const float *bm, int nv,
-                  float *dx, int H, int W, int iy0, int ix0, float *w, int V, long ps)
+static void wg_dx(const float *dv, long pstride, int m, int a, const float *bm, int fixed,
+                  int nv, float *dx, int H, int W, int iy0, int ix0, float *w, int V, long ps)
 {
-    WG_DISPATCH((void)m_; wg_dx_v(dv, pstride, a_, bm, nv, dx, H, W, iy0, ix0, w, V_, ps))
+    WG_DISPATCH((void)m_; (void)kat_; wg_dx_v(dv, pstride, a_, bm, kbt_, nv, dx, H, W, iy0, ix0,
+                                              w, V_, ps))
 }
-
 /* Weight transforms between Caffe's W [O][Cg][r][r] and the GEMM layouts of U (a*a positions
  * of O x Cg or Cg x O; output channel o of group g is row g * Og + o): for each (o, c),
  * U = G W G^T, and back, dW += G^T dU G. Rows o0 .. o1 - 1 (or input channels gc0 .. gc1 - 1)
  * only, so OpenMP threads can split them. WG_CB channels at a time, one per lane, so the small
  * products vectorize.
  *
- * The weight gradient reads dU a run of WG_RUN channels of every position at a time, into a
- * local [a*a][WG_RUN] buffer: the positions lie a whole O x Cg apart (1 MB for ResNet-50's 512
- * channels), and 32-byte pieces of a*a of them at a time kept the hardware from streaming
- * (7.3 -> 3.5 ms for those layers' 38 MB dU). The transforms write U WG_CB floats of every
- * position at a time: staged in runs like this, they took longer (5.5 -> 7.8 ms). */
+ * The positions lie a whole O x Cg apart (1 MB for ResNet-50's 512 channels), and 32-byte
+ * pieces of all a*a of them at a time kept the hardware from streaming. So both directions go
+ * through a local [a*a][WG_RUN] buffer, a run of WG_RUN channels of every position: the weight
+ * gradient reads dU so (7.3 -> 3.5 ms for those layers' 38 MB dU), and the transforms write U
+ * so (256 channels, F(5, 3): 1.16 -> 0.7 ms; 512 channels alike, 4.1-4.5 ms). */
 #define WG_CB 8
 #define WG_RUN 128
 
-/* dst[0 .. n) = src[0 .. n), n <= WG_CB: of constant size in the usual case n == WG_CB, so GCC
- * inlines it as one vector move (a memcpy call per 8 floats took a fifth of the transforms'
- * time: ResNet-50's 512-channel U, 6.8 -> 5.5 ms). */
-WG_INLINE void wg_run(float *restrict dst, const float *restrict src, int n)
+/* x[q][v] = src[v * vs + q] for q < nq, lanes v < nv (zeros past them): WG_CB (o, c) pairs'
+ * kernels side by side, one per lane. */
+WG_INLINE void wg_gather(float *restrict x, const float *restrict src, long vs, int nq, int nv)
 {
-    if (n == WG_CB)
-        memcpy(dst, src, sizeof(float) * WG_CB);
-    else
-        memcpy(dst, src, sizeof(float) * n);
+    if (nv >= WG_CB) {
+        for (int q = 0; q < nq; q++)
+            for (int v = 0; v < WG_CB; v++)
+                x[q * WG_CB + v] = src[v * vs + q];
+        return;
+    }
+    for (int q = 0; q < nq; q++)
+        for (int v = 0; v < WG_CB; v++)
+            x[q * WG_CB + v] = v < nv ? src[v * vs + q] : 0.f;
 }
 
 /* U = G W G^T for outputs o0 <= o < o1 into u[a*a, O, Cg] (the backward's layout). */
-static void wg_weights(const float *restrict w, float *restrict u, const float *restrict gm,
-                       int O, int Cg, int r, int a, int o0, int o1)
+WG_INLINE void wg_weights_v(const float *restrict w, float *restrict u, const float *restrict gm,
+                            int O, int Cg, int r, int a, int o0, int o1)
 {
     long ps = (long)O * Cg;
-    float x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB];
+    float x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB], run[8 * 8 * WG_RUN];
     for (int o = o0; o < o1; o++)
-        for (int c0 = 0; c0 < Cg; c0 += WG_CB) {
-            int nc = Cg - c0 < WG_CB ? Cg - c0 : WG_CB;
-            for (int q = 0; q < r * r; q++)
-                for (int v = 0; v < WG_CB; v++)
-                    x[q * WG_CB + v] = v < nc ? w[((long)o * Cg + c0 + v) * r * r + q] : 0.f;
-            wg_sandwich(gm, a, r, x, WG_CB, tmp, res, WG_CB, WG_CB);          /* G W G^T */
+        for (int c1 = 0; c1 < Cg; c1 += WG_RUN) {
+            int n = Cg - c1 < WG_RUN ? Cg - c1 : WG_RUN;
+            for (int c0 = 0; c0 < n; c0 += WG_CB) {
+                wg_gather(x, w + ((long)o * Cg + c1 + c0) * r * r, r * r, r * r, n - c0);
+                wg_sandwich(gm, a, r, x, WG_CB, tmp, res, WG_CB, WG_CB);          /* G W G^T */
+                for (int p = 0; p < a * a; p++)
+                    memcpy(run + p * WG_RUN + c0, res + p * WG_CB, sizeof(float) * WG_CB);
+            }
             for (int p = 0; p < a * a; p++)
-                wg_run(u + p * ps + (long)o * Cg + c0, res + p * WG_CB, nc);
+                memcpy(u + p * ps + (long)o * Cg + c1, run + p * WG_RUN, sizeof(float) * n);
         }
 }
 
@@ -278,28 +417,30 @@ static void wg_weights(const float *restrict w, float *restrict u, const float *
  * layout u[a*a, O / og * Cg, og]: per group of og outputs its Cg x og block, which the forward's
  * GEMMs read untransposed (this BLAS runs the small ones faster so). Runs of WG_CB outputs at a
  * time, so that every store is a contiguous run. */
-static void wg_weights_t(const float *restrict w, float *restrict u, const float *restrict gm,
-                         int O, int Cg, int r, int a, int og, int gc0, int gc1)
+WG_INLINE void wg_weights_t_v(const float *restrict w, float *restrict u, const float *restrict gm,
+                              int O, int Cg, int r, int a, int og, int gc0, int gc1)
 {
-    long ps = (long)O * Cg;
-    float x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB];
+    long ps = (long)O * Cg, vs = (long)Cg * r * r;
+    float x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB], run[8 * 8 * WG_RUN];
     for (int gc = gc0; gc < gc1; gc++) {
         int gr = gc / Cg, c = gc % Cg;
-        for (int k0 = 0; k0 < og; k0 += WG_CB) {
-            int nk = og - k0 < WG_CB ? og - k0 : WG_CB;
-            for (int q = 0; q < r * r; q++)
-                for (int v = 0; v < WG_CB; v++)
-                    x[q * WG_CB + v] = v < nk
-                        ? w[(((long)gr * og + k0 + v) * Cg + c) * r * r + q] : 0.f;
-            wg_sandwich(gm, a, r, x, WG_CB, tmp, res, WG_CB, WG_CB);          /* G W G^T */
+        for (int k1 = 0; k1 < og; k1 += WG_RUN) {
+            int n = og - k1 < WG_RUN ? og - k1 : WG_RUN;
+            for (int k0 = 0; k0 < n; k0 += WG_CB) {
+                const float *src = w + (((long)gr * og + k1 + k0) * Cg + c) * r * r;
+                wg_gather(x, src, vs, r * r, n - k0);
+                wg_sandwich(gm, a, r, x, WG_CB, tmp, res, WG_CB, WG_CB);          /* G W G^T */
+                for (int p = 0; p < a * a; p++)
+                    memcpy(run + p * WG_RUN + k0, res + p * WG_CB, sizeof(float) * WG_CB);
+            }
             for (int p = 0; p < a * a; p++)
-                wg_run(u + p * ps + (long)gc * og + k0, res + p * WG_CB, nk);
+                memcpy(u + p * ps + (long)gc * og + k1, run + p * WG_RUN, sizeof(float) * n);
         }
     }
 }
 
 /* dW += G^T dU G for outputs o0 <= o < o1, dU in u's backward layout [a*a, O, Cg]. */
-static void wg_weight_grad(const float *restrict du, float *restrict dw, const float *restrict gm,
+WG_INLINE void wg_weight_grad_v(const float *restrict du, float *restrict dw, const float *restrict gm,
                            int O, int Cg, int r, int a, int o0, int o1)
 {
     long ps = (long)O * Cg;
@@ -323,4 +464,34 @@ static void wg_weight_grad(const float *restrict du, float *restrict dw, const f
                         d[v * r * r + q] += res[q * WG_CB + v];
             }
         }
+}
+
+/* Entry points of the weight transforms, with constant (a, r) for the usual tiles so that the
+ * small products unroll (with a and r read at run time, ResNet-50's 512-channel U took 5.6 ms). */
+#define WG_KERNEL_DISPATCH(call)                                                          \
+    if (a == 6 && r == 3) { const int a_ = 6, r_ = 3; call; }                             \
+    else if (a == 7 && r == 3) { const int a_ = 7, r_ = 3; call; }                        \
+    else if (a == 4 && r == 3) { const int a_ = 4, r_ = 3; call; }                        \
+    else if (a == 5 && r == 3) { const int a_ = 5, r_ = 3; call; }                        \
+    else if (a == 6 && r == 5) { const int a_ = 6, r_ = 5; call; }                        \
+    else if (a == 7 && r == 5) { const int a_ = 7, r_ = 5; call; }                        \
+    else if (a == 8 && r == 5) { const int a_ = 8, r_ = 5; call; }                        \
+    else { const int a_ = a, r_ = r; call; }
+
+static void wg_weights(const float *w, float *u, const float *gm, int O, int Cg, int r, int a,
+                       int o0, int o1)
+{
+    WG_KERNEL_DISPATCH(wg_weights_v(w, u, gm, O, Cg, r_, a_, o0, o1))
+}
+
+static void wg_weights_t(const float *w, float *u, const float *gm, int O, int Cg, int r, int a,
+                         int og, int gc0, int gc1)
+{
+    WG_KERNEL_DISPATCH(wg_weights_t_v(w, u, gm, O, Cg, r_, a_, og, gc0, gc1))
+}
+
+static void wg_weight_grad(const float *du, float *dw, const float *gm, int O, int Cg, int r,
+                           int a, int o0, int o1)
+{
+    WG_KERNEL_DISPATCH(wg_weight_grad_v(du, dw, gm, O, Cg, r_, a_, o0, o1))
 }

@@ -90,6 +90,62 @@ def test_weight_transforms_against_their_formulas(m, r, cg):
     np.testing.assert_allclose(dw, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("m,r", FLAVOURS)
+def test_tile_tables_are_the_matrices(m, r):
+    """The tile transforms' compile-time tables hold matrices()' values exactly, for every tile
+    a layer may choose (so the layers run on them)."""
+    at, _, bt = winograd.matrices(m, r)
+    tables = winograd.tables(m, m + r - 1)
+    if tables is None:
+        assert m not in intel.WINOGRAD_TILES.get(r, ())
+        return
+    np.testing.assert_array_equal(tables[0], at)
+    np.testing.assert_array_equal(tables[1], bt)
+
+
+def _nhwc_pass(x, w, dy, m, r, width, at, bt, g):
+    """conv_forward_nhwc and conv_backward_nhwc with the matrices given: (y, dx, dW), NCHW."""
+    N, C, H, W = x.shape
+    O = w.shape[0]
+    pad = r // 2
+    u = np.empty(((m + r - 1) ** 2, O, C), np.float32)
+    winograd.weight_transform(w, g, u)
+    ut = np.empty(((m + r - 1) ** 2, C, O), np.float32)
+    winograd.weight_transform(w, g, ut, 1)
+    vshape, mshape = winograd.scratch_shapes(1, N, C, O, H, W, width, m, r, pad, pad)
+    vbuf, mbuf = np.empty(vshape, np.float32), np.empty(mshape, np.float32)
+    xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    y = np.empty((N, H, W, O), np.float32)
+    winograd.conv_forward_nhwc(xl, ut, np.zeros(-(-O // width) * width, np.float32), y, vbuf, mbuf,
+                               at, bt, width, O, m, r, pad, pad, 1)
+    dx, du = np.empty_like(xl), np.empty((1,) + u.shape, np.float32)
+    winograd.conv_backward_nhwc(xl, u, np.ascontiguousarray(dy.transpose(0, 2, 3, 1)), dx, du, vbuf,
+                                mbuf, at, bt, width, O, m, r, pad, pad, 1, True, True)
+    dw = np.zeros_like(w)
+    winograd.weight_grad_add(du[0], g, dw)
+    return y.transpose(0, 3, 1, 2), dx.transpose(0, 3, 1, 2), dw
+
+
+@pytest.mark.parametrize("m,r", [(4, 3), (5, 3), (2, 5)])
+@pytest.mark.parametrize("width", [8, 16])
+def test_tables_and_the_callers_matrices_agree(m, r, width):
+    """Given other valid matrices (AT doubled and BT halved: the same correlation), the
+    kernels run on them instead of the tables, and both give the reference's values, forward
+    and backward, with channels that leave a part lane block."""
+    N, C, O, H, W = 2, width + 3, width + 5, 11, 9
+    x, w = randn(N, C, H, W, seed=41), randn(O, C, r, r, seed=42)
+    dy = randn(N, O, H, W, seed=43)
+    at, g, bt = winograd.matrices(m, r)
+    tabled = _nhwc_pass(x, w, dy, m, r, width, at, bt, g)
+    other = _nhwc_pass(x, w, dy, m, r, width, at * 2, bt * 0.5, g)
+    pad = r // 2
+    want_y = ref.conv_forward(x, w, np.zeros(O), (pad, pad), (1, 1), (1, 1), 1)
+    want_dw, _, want_dx = ref.conv_backward(dy, x, w, (pad, pad), (1, 1), (1, 1), 1)
+    for got in (tabled, other):
+        for value, want in zip(got, (want_y, want_dx, want_dw)):
+            np.testing.assert_allclose(value, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 def test_matrices_refuse_a_tile_too_large():
     with pytest.raises(ValueError, match="tile side"):
         winograd.matrices(6, 5)
