@@ -9,6 +9,7 @@
  * The ReLU's input is v = xn * gamma + beta; its gradient passes g where v > 0 and g * slope
  * elsewhere, with v recomputed from the kept xn the way the forward computed it.
  */
+#include <string.h>
 
 /* xn = (x - sub) * mul; y = relu(xn * gamma + beta) (slope 1: no ReLU). y may be x. */
 static void caffepy_bn_scale_relu_rows(const float* x, float* y, float* restrict xn, long rows,
@@ -28,20 +29,51 @@ static void caffepy_bn_scale_relu_rows(const float* x, float* y, float* restrict
     }
 }
 
+/* The moments keep the sums of BN_CB channels in vector variables over BN_RB rows at a time
+ * (GCC holds them in registers). Summed into the arrays row after row, every vector of sums
+ * took a load and a store per row, and the pass ran at half the speed of memory or less:
+ * 50176 x 64 0.6 -> 0.17 ms, 50176 x 256 2.8 -> 2.25, 3136 x 2048 0.68 -> 0.44. The sums of
+ * products below (two arrays) gained only on narrow rows done so, and lost from 256 channels
+ * on (the blocks broke up the two streams that a long row keeps), so they sum row by row.
+ * Each channel's rows are added in the same order either way, so the sums are the same.
+ * Channels past the last whole block go one at a time. */
+typedef float bn_v8 __attribute__((vector_size(32), aligned(4)));
+#define BN_CB 32
+#define BN_RB 8
+
 /* s1 = sum of (x - shift), s2 = sum of its squares over the rows, per channel (float sums of
  * one task's rows; the caller adds the tasks in float64). In Cython, which cannot say that the
- * sums do not alias x, this loop ran scalar: 1.16 ms over 50176 x 64 against 0.20 here (wider
- * rows are bound by memory either way). */
+ * sums do not alias x, this loop ran scalar. */
 static void caffepy_moments_rows(const float* restrict x, long rows, int C,
                                  const float* restrict shift, float* restrict s1,
                                  float* restrict s2) {
-    for (int c = 0; c < C; c++) {
-        s1[c] = 0.0f;
-        s2[c] = 0.0f;
+    int cv = C / BN_CB * BN_CB;
+    memset(s1, 0, sizeof(float) * C);
+    memset(s2, 0, sizeof(float) * C);
+    for (long r0 = 0; r0 < rows; r0 += BN_RB) {
+        long r1 = r0 + BN_RB < rows ? r0 + BN_RB : rows;
+        for (int c0 = 0; c0 < cv; c0 += BN_CB) {
+            bn_v8 a1[BN_CB / 8], a2[BN_CB / 8], sh[BN_CB / 8];
+            for (int k = 0; k < BN_CB / 8; k++) {
+                a1[k] = *(bn_v8*)(s1 + c0 + 8 * k);
+                a2[k] = *(bn_v8*)(s2 + c0 + 8 * k);
+                sh[k] = *(const bn_v8*)(shift + c0 + 8 * k);
+            }
+            for (long r = r0; r < r1; r++)
+                for (int k = 0; k < BN_CB / 8; k++) {
+                    bn_v8 d = *(const bn_v8*)(x + r * C + c0 + 8 * k) - sh[k];
+                    a1[k] += d;
+                    a2[k] += d * d;
+                }
+            for (int k = 0; k < BN_CB / 8; k++) {
+                *(bn_v8*)(s1 + c0 + 8 * k) = a1[k];
+                *(bn_v8*)(s2 + c0 + 8 * k) = a2[k];
+            }
+        }
     }
     for (long r = 0; r < rows; r++) {
         const float* restrict xr = x + r * C;
-        for (int c = 0; c < C; c++) {
+        for (int c = cv; c < C; c++) {
             float d = xr[c] - shift[c];
             s1[c] += d;
             s2[c] += d * d;
