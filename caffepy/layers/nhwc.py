@@ -173,10 +173,29 @@ class NHWCUnpack(Layer):
 # ---------------------------------------------------------------------------------------------
 # Convolution
 
+# Pixels per task of a pointwise convolution's backward (about; see _Gemm)
+POINTWISE_TASK = 1024
+
+
+def pointwise_backward_rows(pixels, threads):
+    """Rows per task of a pointwise convolution's backward over `pixels` rows: tasks of about
+    POINTWISE_TASK, the same number for each thread, when each thread gets at least one; else
+    the whole batch."""
+    if pixels < threads * POINTWISE_TASK:
+        return pixels
+    tasks = threads * -(-pixels // (threads * POINTWISE_TASK))
+    return -(-pixels // tasks)
+
+
 class _Gemm:
     """im2col + one GEMM per group and row chunk; a pointwise convolution needs no im2col: one
     GEMM over the batch's pixels, threaded by BLAS, after taking every stride-th pixel into a
-    buffer if it is strided (ResNet's projections; 0-12% faster than im2col there)."""
+    buffer if it is strided (ResNet's projections; 0-12% faster than im2col there).
+
+    A pointwise backward runs instead in tasks of about POINTWISE_TASK pixels, one thread
+    each, so that the data gradient's GEMM and the weight gradient's read a task's dy while it
+    is in cache, rather than each GEMM passing over the whole batch (ResNet-50 b16 at 56 x 56,
+    64 -> 256 channels: 25.3 -> 22.6 ms; at 28 x 28 2-4% faster, at 14 x 14 alike)."""
 
     def __init__(self, layer, n, h, w):
         L = layer
@@ -191,6 +210,8 @@ class _Gemm:
         cg, og = L.channels // L.group, L.num_output // L.group
         self.kg = cg * kh * kw
         self.rows = n * L.oh * L.ow if pointwise else _k.conv_rows(L.channels, kh, kw)
+        self.backward_rows = (pointwise_backward_rows(self.rows, _k.max_threads()) if pointwise
+                              else self.rows)
         self.col_floats = 0 if pointwise else _k.conv_col_floats(L.channels, kh, kw, L.oh, L.ow,
                                                                    self.rows)
         self.name = "gemm" if self.direct else "strided gemm" if self.stride else "im2col+gemm"
@@ -262,7 +283,7 @@ class _Gemm:
             if need_x:
                 dx = _workspace("taken_diff", x.shape) if self.stride else b.raw_diff
             _k.conv_backward(x, wt, t.raw_diff, dx, dwt, db, col, *self.args,
-                             self.rows, need_x, need_w, need_b, self.caffe_order, dw_sum)
+                             self.backward_rows, need_x, need_w, need_b, self.caffe_order, dw_sum)
             if need_x and self.stride:      # the pixels it skips get no gradient
                 _k.put_pixels(dx, b.raw_diff, *self.stride)
             if need_w and dw_sum is None and self.caffe_order:

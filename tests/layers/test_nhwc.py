@@ -12,6 +12,7 @@ from caffepy.kernels.reference import nhwc as ref_layout
 from caffepy.kernels.reference import normalization as ref_norm
 from caffepy.kernels.reference import vision as ref
 from caffepy.layer import NHWC, PLAIN
+from caffepy.layers import nhwc as nhwc_layers
 from layer_cases import Case, case_tests, distinct, nhwc_blob, pool_expected, randn, setup_layer
 
 FILL = "weight_filler { type: 'gaussian' std: 0.3 } bias_filler { type: 'gaussian' std: 0.3 }"
@@ -344,6 +345,43 @@ def test_pointwise_kernel_adds_each_tasks_weight_gradient_to_the_sum():
     x2, dy2 = x.reshape(-1, c).astype(np.float64), dy.reshape(-1, o).astype(np.float64)
     np.testing.assert_allclose(dw_sum, start + (dy2.T @ x2).ravel(), rtol=1e-4, atol=2e-3)
     np.testing.assert_allclose(dx.reshape(-1, c), dy2 @ w[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("pixels,threads,rows", [
+    (784, 2, 784),              # fewer than a task a thread: the whole batch
+    (2047, 2, 2047),
+    (2048, 2, 1024), (3136, 2, 784), (50176, 2, 1004), (50177, 2, 1004),
+    (3136, 1, 784), (12544, 4, 784),
+])
+def test_pointwise_backward_tasks_are_even_across_threads(pixels, threads, rows):
+    assert nhwc_layers.pointwise_backward_rows(pixels, threads) == rows
+    tasks = -(-pixels // rows)
+    assert rows == pixels or (tasks % threads == 0 and rows <= nhwc_layers.POINTWISE_TASK)
+
+
+@pytest.mark.parametrize("params, algorithm", [
+    ("kernel_size: 1", "gemm"),
+    ("kernel_size: 1 stride: 2", "strided gemm"),
+])
+def test_pointwise_backward_in_tasks_gives_the_reference_gradients(params, algorithm):
+    """Over enough pixels for several tasks a thread (2 x 96 x 66 = 12672, or the 3168 a stride
+    of 2 takes), the data and weight gradients are the whole batch's."""
+    params = f"convolution_param {{ num_output: 24 {params} {FILL} }}"
+    x = randn(2, 16, 96, 66, seed=25)
+    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
+    layer.force_algorithm(algorithm)
+    layer.param_propagate_down = [True, True]
+    layer.forward(bottom, top)
+    dy = randn(*top[0].shape, seed=26)
+    top[0].diff[...] = dy
+    for blob in layer.blobs:
+        blob.diff[...] = 0
+    layer.backward(top, [True], bottom)
+    s = 2 if "stride" in params else 1
+    want_dw, want_db, want_dx = ref.conv_backward(dy, x, layer.blobs[0].data, (0, 0), (s, s), (1, 1), 1)
+    np.testing.assert_allclose(bottom[0].diff, want_dx, rtol=1e-4, atol=1e-4 * np.abs(want_dx).max())
+    np.testing.assert_allclose(layer.blobs[0].diff, want_dw, rtol=1e-4, atol=1e-4 * np.abs(want_dw).max())
+    np.testing.assert_allclose(layer.blobs[1].diff, want_db, rtol=1e-4, atol=1e-4 * np.abs(want_db).max())
 
 
 @pytest.mark.parametrize("algorithm", ["direct", "im2col+gemm"])
