@@ -80,10 +80,9 @@ WG_INLINE void wg_lanes(float *restrict e, const float *restrict src, int nv, in
     memset(e + nv, 0, sizeof(float) * (V - nv));
 }
 
-
 /* As wg_product, for coefficients known at compile time (the tables below, inlined with
- * constant sizes): the test per term costs nothing there, and drops the zero terms, and GCC
- * turns the unit ones into adds. Coefficient (r, j, k) is c[r * cr + j * cj + k * ck]. */
+ * constant sizes): there the test per term is decided by the compiler, which drops the zero
+ * terms and turns the unit ones into adds. Coefficient (r, j, k) is c[r * cr + j * cj + k * ck]. */
 WG_INLINE void wg_product_k(const float *restrict c, int cr, int cj, int ck, int R, int J, int K,
                             const float *restrict src, long sr, long sj, long sk,
                             float *restrict dst, long ds, int V)
@@ -266,8 +265,8 @@ WG_INLINE void wg_dy_v(const float *restrict dy, int oh, int ow, int oy0, int ox
 /* Plane dx [H][W] (pixel stride ps) at the a x a tile (iy0, ix0), inside the plane, lanes < nv,
  * += B dV B^T, with B = BT^T given as bm; dV[p] at dv + p * pstride, lanes >= nv read as 0. */
 WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const float *restrict bm,
-                       const float *kbt, int nv, float *restrict dx, int H, int W, int iy0, int ix0,
-                       float *restrict w, int V, long ps)
+                       const float *kbt, int nv, float *restrict dx, int H, int W, int iy0,
+                       int ix0, float *restrict w, int V, long ps)
 {
     float *restrict t = w, *restrict tmp = w + a * a * V, *restrict res = tmp + a * a * V;
     const float *src = dv;
@@ -440,8 +439,9 @@ WG_INLINE void wg_weights_t_v(const float *restrict w, float *restrict u, const 
 }
 
 /* dW += G^T dU G for outputs o0 <= o < o1, dU in u's backward layout [a*a, O, Cg]. */
-WG_INLINE void wg_weight_grad_v(const float *restrict du, float *restrict dw, const float *restrict gm,
-                           int O, int Cg, int r, int a, int o0, int o1)
+WG_INLINE void wg_weight_grad_v(const float *restrict du, float *restrict dw,
+                                const float *restrict gm, int O, int Cg, int r, int a, int o0,
+                                int o1)
 {
     long ps = (long)O * Cg;
     float gt[8 * 8], run[8 * 8 * WG_RUN], x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB];

@@ -293,6 +293,17 @@ def test_strided_pointwise_convolution_overwrites_the_whole_bottom_diff():
     assert not bottom[0].diff[:, :, 1::2].any() and not bottom[0].diff[:, :, :, 1::2].any()
 
 
+def _forced_forward(outputs, params, x, algorithm):
+    """A channels-last Convolution of `outputs` (and convolution_param `params`) on x, forced to
+    `algorithm`, wanting both parameter gradients, after one forward: (layer, bottom, top)."""
+    params = f"convolution_param {{ num_output: {outputs} {params} {FILL} }}"
+    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
+    layer.force_algorithm(algorithm)
+    layer.param_propagate_down = [True, True]
+    layer.forward(bottom, top)
+    return layer, bottom, top
+
+
 @pytest.mark.parametrize("params, algorithm", [
     ("kernel_size: 1", "gemm"),
     ("kernel_size: 1 group: 2", "gemm"),
@@ -303,12 +314,7 @@ def test_pointwise_weight_diffs_accumulate_in_caffe_order(params, algorithm):
     """A 1 x 1 kernel's GEMMs read Caffe's weights and add their gradient straight into the
     diff: what the diff held stays, twice the gradient after two backwards, and a diff that is
     no flat view (the fallback) gets the same."""
-    params = f"convolution_param {{ num_output: 6 {params} {FILL} }}"
-    x = randn(2, 4, 5, 6, seed=15)
-    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
-    layer.force_algorithm(algorithm)
-    layer.param_propagate_down = [True, True]
-    layer.forward(bottom, top)
+    layer, bottom, top = _forced_forward(6, params, randn(2, 4, 5, 6, seed=15), algorithm)
     top[0].diff[...] = randn(*top[0].shape, seed=16)
     held = [randn(*blob.shape, seed=17 + i) for i, blob in enumerate(layer.blobs)]
     for blob, start in zip(layer.blobs, held):
@@ -366,12 +372,8 @@ def test_pointwise_backward_tasks_are_even_across_threads(pixels, threads, rows)
 def test_pointwise_backward_in_tasks_gives_the_reference_gradients(params, algorithm):
     """Over enough pixels for several tasks a thread (2 x 96 x 66 = 12672, or the 3168 a stride
     of 2 takes), the data and weight gradients are the whole batch's."""
-    params = f"convolution_param {{ num_output: 24 {params} {FILL} }}"
     x = randn(2, 16, 96, 66, seed=25)
-    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
-    layer.force_algorithm(algorithm)
-    layer.param_propagate_down = [True, True]
-    layer.forward(bottom, top)
+    layer, bottom, top = _forced_forward(24, params, x, algorithm)
     dy = randn(*top[0].shape, seed=26)
     top[0].diff[...] = dy
     for blob in layer.blobs:
