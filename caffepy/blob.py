@@ -188,12 +188,23 @@ class Blob:
         self._raw = self._data = other._data.reshape(self._shape)
 
     def share_diff(self, other):
+        """Make this blob's diff a view of `other`'s (shapes may differ, except between
+        channels-last blobs, which share as they are)."""
         if other.count != self.count:
             raise ShapeError(f"blob '{self.name}': cannot share diff of {other.count} values into {self.count}")
-        self._refuse_layouts(other, "share diff")
         other.diff  # allocate on the owner so both see one buffer
+        if self._layout == CHANNELS_LAST and other._layout == CHANNELS_LAST \
+                and self._shape == other._shape:
+            self._diff_buf = other._diff_buf
+            self._raw_diff, self._diff = other._raw_diff, other._diff
+            return
+        self._refuse_layouts(other, "share diff")
         self._diff_buf = other._diff_buf
         self._raw_diff = self._diff = other._diff.reshape(self._shape)
+
+    def shares_diff(self, other):
+        """Whether the two blobs' diffs are one buffer."""
+        return self._diff_buf is not None and self._diff_buf is other._diff_buf
 
     def _refuse_layouts(self, other, what):
         if self._layout == CHANNELS_LAST or other._layout == CHANNELS_LAST:

@@ -263,6 +263,7 @@ class Net:
         self._share_params(wired)
         self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
         self.fusions = self._find_fusions()
+        self._shortcut_bottoms = self._find_shortcut_bottoms()
         if self.fusions:
             kinds = [self.layers[first].type for first in self.fusions]
             relus = sum(last - first == 2 for first, last in self.fusions.items()
@@ -303,6 +304,32 @@ class Net:
                     found[li] = split
         return found
 
+    def _find_shortcut_bottoms(self):
+        """{first layer of a fused Eltwise SUM unit: its bottom that shares the unit's top diff}.
+
+        Such a bottom is a Split's top that the unit sends a gradient to: the layers give its
+        diff the values of the top's diff (an Eltwise SUM with coefficients 1 hands its top
+        diff to each bottom), and a Split's top has no other writer, so one buffer can hold
+        both, and the unit's backward writes those values once instead of twice (ResNet-50
+        b16: one pass fewer over each of its 16 shortcuts' gradients, and 16 fewer diff
+        buffers). A bottom that is some other layer's top keeps its own diff: that layer may
+        work on it in place. The buffers are joined at the unit's first fused backward (so a
+        net that runs no backward allocates no diff), and again after a reshape gave one of
+        them a buffer of its own."""
+        made_by = {id(t): li for li, tops in enumerate(self.top_vecs) for t in tops}
+        found = {}
+        for first in self.fusions:
+            if not hasattr(self.layers[first], "backward_with_relu"):
+                continue
+            top = self.top_vecs[first][0]
+            for b, down in zip(self.bottom_vecs[first], self.bottom_need_backward[first]):
+                li = made_by.get(id(b))
+                if down and li is not None and self.layers[li].type == "Split" \
+                        and b is not top and b.layout == top.layout:
+                    found[first] = b
+                    break
+        return found
+
     def _relu_in_place(self, li, x):
         """Layer li is a ReLU of negative slope >= 0 in place on x."""
         return (li < len(self.layers) and self.layers[li].type == "ReLU"
@@ -321,6 +348,10 @@ class Net:
         fused); False if the layers must run one by one."""
         layer = self.layers[first]
         if hasattr(layer, "backward_with_relu"):
+            shortcut, top = self._shortcut_bottoms.get(first), self.top_vecs[first][0]
+            if shortcut is not None and not shortcut.shares_diff(top) \
+                    and shortcut.shape == top.shape:
+                shortcut.share_diff(top)
             split = self.top_vecs[last] if last == first + 2 else []
             layer.backward_with_relu(self.top_vecs[first], self.layers[first + 1], split,
                                      self.bottom_need_backward[first], self.bottom_vecs[first])

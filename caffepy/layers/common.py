@@ -345,6 +345,8 @@ class Eltwise(Layer):
                 continue
             dx = b.diff
             if self.op == self.SUM:
+                if b.shares_diff(top[0]) and self.coeff[i] == 1:
+                    continue                    # its diff is the top's (Net shares them)
                 if self.coeff[i] == 1 and _one_layout([b, top[0]]):
                     kernels.copy(top[0].raw_diff.reshape(-1), b.raw_diff.reshape(-1))
                 elif self.coeff[i] == 1:
@@ -379,10 +381,12 @@ class Eltwise(Layer):
         """The backward of `relu` (in place on the top), then of this layer, and first of the
         Split whose tops are `split_tops` if given (it shares the top's data), in one pass: the
         top's diff gets the ReLU's gradient of the summed split diffs (or of the top's own
-        diff), and each bottom that wants it a copy (coefficients 1)."""
+        diff), and each bottom that wants it a copy (coefficients 1), but a bottom whose diff is
+        the top's (Net._find_shortcut_bottoms), which holds it already."""
         flat = [b.raw_diff.reshape(-1) for b in split_tops]
         d = top[0].raw_diff.reshape(-1)
-        outs = [b.raw_diff.reshape(-1) for b, down in zip(bottom, propagate_down) if down]
+        outs = [b.raw_diff.reshape(-1) for b, down in zip(bottom, propagate_down)
+                if down and not b.shares_diff(top[0])]      # a shared one already holds d
         neuron_kernels.sum_relu_backward(top[0].raw_data.reshape(-1), flat[0] if flat else d,
                                          flat[1] if flat else None, d, outs, relu.slope)
 

@@ -219,3 +219,44 @@ def test_a_run_that_stops_inside_a_sum_unit_runs_its_layers_apart(tmp_path):
     for net in (fused, plain):
         net.backward_from_to(relu - 1, 0)   # then sum1 and below, as its own layer
     _same_everywhere(fused, plain, "split run")
+
+
+def test_a_shortcut_split_top_shares_the_sum_diff(tmp_path):
+    """sum2's first bottom is a Split's top: after the first fused backward its diff is sum2's
+    own (the values the Eltwise would copy there), the other bottom's is not, and every blob
+    ends with the values of a net that runs its layers one by one and keeps each diff apart,
+    whether the shared net runs fused or layer by layer."""
+    fused, apart = _sum_nets(tmp_path)
+    apart.fusions = {}                                  # one by one: no diff is joined
+    top = fused.blobs["sum2"]
+    for step in range(2):
+        for net in (fused, apart):
+            net.clear_param_diffs()
+        losses = [net.forward_backward() for net in (fused, apart)]
+        assert losses[0] == losses[1]
+        assert [n for n in fused.blobs if n != "sum2" and fused.blobs[n].shares_diff(top)] == \
+            ["sum1_relu1_0_split_1"]
+        assert not fused.blobs["c"].shares_diff(top)
+        assert not any(a.shares_diff(b) for a in apart.blobs.values()
+                       for b in apart.blobs.values() if a is not b)
+        _same_everywhere(fused, apart, f"step {step}")
+        fused.fusions = {}                              # then the joined net one by one
+
+
+def test_a_reshape_keeps_the_diffs_shared(tmp_path):
+    fused, _ = _sum_nets(tmp_path)
+    fused.forward_backward()
+    fused.blobs["data"].reshape(5, 4, 5, 6)             # a larger batch: new buffers
+    fused.blobs["label"].reshape(5)
+    fused.reshape()
+    fused.forward_backward()
+    assert fused.blobs["sum1_relu1_0_split_1"].shares_diff(fused.blobs["sum2"])
+
+
+def test_no_diff_is_shared_without_a_backward(tmp_path):
+    """A net that runs only forwards shares (and allocates) no diff."""
+    path = tmp_path / "sum.prototxt"
+    path.write_text((SUM_NET % {"relu": "", "coeff": ""}).replace("force_backward: true", ""))
+    net = Net(str(path), caffepy.TEST)
+    net.forward()
+    assert not any(blob.has_diff for blob in net.blobs.values())
