@@ -176,31 +176,24 @@ class Blob:
     def share_data(self, other):
         """Make this blob a view of `other`'s data (Flatten, Reshape, Split); shapes may differ,
         except between channels-last blobs, which share as they are."""
-        if other.count != self.count:
-            raise ShapeError(f"blob '{self.name}': cannot share data of {other.count} values into {self.count}")
-        if self._layout == CHANNELS_LAST and other._layout == CHANNELS_LAST \
-                and self._shape == other._shape:
-            self._data_buf = other._data_buf
-            self._raw, self._data = other._raw, other._data
-            return
-        self._refuse_layouts(other, "share data")
+        self._may_share(other, "data")
         self._data_buf = other._data_buf
-        self._raw = self._data = other._data.reshape(self._shape)
+        self._raw, self._data = self._view(self._data_buf)
 
     def share_diff(self, other):
-        """Make this blob's diff a view of `other`'s (shapes may differ, except between
-        channels-last blobs, which share as they are)."""
-        if other.count != self.count:
-            raise ShapeError(f"blob '{self.name}': cannot share diff of {other.count} values into {self.count}")
+        """Make this blob's diff a view of `other`'s, as share_data."""
+        self._may_share(other, "diff")
         other.diff  # allocate on the owner so both see one buffer
-        if self._layout == CHANNELS_LAST and other._layout == CHANNELS_LAST \
-                and self._shape == other._shape:
-            self._diff_buf = other._diff_buf
-            self._raw_diff, self._diff = other._raw_diff, other._diff
-            return
-        self._refuse_layouts(other, "share diff")
         self._diff_buf = other._diff_buf
-        self._raw_diff = self._diff = other._diff.reshape(self._shape)
+        self._raw_diff, self._diff = self._view(self._diff_buf)
+
+    def _may_share(self, other, what):
+        if other.count != self.count:
+            raise ShapeError(f"blob '{self.name}': cannot share {what} of {other.count} values into "
+                             f"{self.count}")
+        if not (self._layout == CHANNELS_LAST and other._layout == CHANNELS_LAST
+                and self._shape == other._shape):
+            self._refuse_layouts(other, f"share {what}")
 
     def shares_diff(self, other):
         """Whether the two blobs' diffs are one buffer."""
