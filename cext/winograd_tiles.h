@@ -392,49 +392,45 @@ WG_INLINE void wg_gather(float *restrict x, const float *restrict src, long vs, 
             x[q * WG_CB + v] = v < nv ? src[v * vs + q] : 0.f;
 }
 
+/* dst[p * ps + j] = (G W_j G^T)[p] for j < len, W_j the r x r kernel at src + j * vs: one row
+ * of U (an output's input channels, or an input channel's outputs), WG_CB kernels a lane each,
+ * written through a run of WG_RUN of every position. */
+WG_INLINE void wg_weight_row(const float *restrict src, long vs, int len, float *restrict dst,
+                             long ps, const float *restrict gm, int r, int a)
+{
+    float x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB], run[8 * 8 * WG_RUN];
+    for (int j1 = 0; j1 < len; j1 += WG_RUN) {
+        int n = len - j1 < WG_RUN ? len - j1 : WG_RUN;
+        for (int j0 = 0; j0 < n; j0 += WG_CB) {
+            wg_gather(x, src + (j1 + j0) * vs, vs, r * r, n - j0);
+            wg_sandwich(gm, a, r, x, WG_CB, tmp, res, WG_CB, WG_CB);              /* G W G^T */
+            for (int p = 0; p < a * a; p++)
+                memcpy(run + p * WG_RUN + j0, res + p * WG_CB, sizeof(float) * WG_CB);
+        }
+        for (int p = 0; p < a * a; p++)
+            memcpy(dst + p * ps + j1, run + p * WG_RUN, sizeof(float) * n);
+    }
+}
+
 /* U = G W G^T for outputs o0 <= o < o1 into u[a*a, O, Cg] (the backward's layout). */
 WG_INLINE void wg_weights_v(const float *restrict w, float *restrict u, const float *restrict gm,
                             int O, int Cg, int r, int a, int o0, int o1)
 {
-    long ps = (long)O * Cg;
-    float x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB], run[8 * 8 * WG_RUN];
     for (int o = o0; o < o1; o++)
-        for (int c1 = 0; c1 < Cg; c1 += WG_RUN) {
-            int n = Cg - c1 < WG_RUN ? Cg - c1 : WG_RUN;
-            for (int c0 = 0; c0 < n; c0 += WG_CB) {
-                wg_gather(x, w + ((long)o * Cg + c1 + c0) * r * r, r * r, r * r, n - c0);
-                wg_sandwich(gm, a, r, x, WG_CB, tmp, res, WG_CB, WG_CB);          /* G W G^T */
-                for (int p = 0; p < a * a; p++)
-                    memcpy(run + p * WG_RUN + c0, res + p * WG_CB, sizeof(float) * WG_CB);
-            }
-            for (int p = 0; p < a * a; p++)
-                memcpy(u + p * ps + (long)o * Cg + c1, run + p * WG_RUN, sizeof(float) * n);
-        }
+        wg_weight_row(w + (long)o * Cg * r * r, r * r, Cg, u + (long)o * Cg, (long)O * Cg, gm, r,
+                      a);
 }
 
 /* The same U for the input channels gc0 <= gc < gc1 (gc = group * Cg + c) into the forward's
  * layout u[a*a, O / og * Cg, og]: per group of og outputs its Cg x og block, which the forward's
- * GEMMs read untransposed (this BLAS runs the small ones faster so). Runs of WG_CB outputs at a
- * time, so that every store is a contiguous run. */
+ * GEMMs read untransposed (this BLAS runs the small ones faster so). */
 WG_INLINE void wg_weights_t_v(const float *restrict w, float *restrict u, const float *restrict gm,
                               int O, int Cg, int r, int a, int og, int gc0, int gc1)
 {
-    long ps = (long)O * Cg, vs = (long)Cg * r * r;
-    float x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB], run[8 * 8 * WG_RUN];
     for (int gc = gc0; gc < gc1; gc++) {
         int gr = gc / Cg, c = gc % Cg;
-        for (int k1 = 0; k1 < og; k1 += WG_RUN) {
-            int n = og - k1 < WG_RUN ? og - k1 : WG_RUN;
-            for (int k0 = 0; k0 < n; k0 += WG_CB) {
-                const float *src = w + (((long)gr * og + k1 + k0) * Cg + c) * r * r;
-                wg_gather(x, src, vs, r * r, n - k0);
-                wg_sandwich(gm, a, r, x, WG_CB, tmp, res, WG_CB, WG_CB);          /* G W G^T */
-                for (int p = 0; p < a * a; p++)
-                    memcpy(run + p * WG_RUN + k0, res + p * WG_CB, sizeof(float) * WG_CB);
-            }
-            for (int p = 0; p < a * a; p++)
-                memcpy(u + p * ps + (long)gc * og + k1, run + p * WG_RUN, sizeof(float) * n);
-        }
+        wg_weight_row(w + ((long)gr * og * Cg + c) * r * r, (long)Cg * r * r, og,
+                      u + (long)gc * og, (long)O * Cg, gm, r, a);
     }
 }
 
