@@ -11,12 +11,14 @@ OMP_NUM_THREADS=1 gives the one-core figures.
 import argparse
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
+
+from timing import alternate  # noqa: E402
 
 # (layer, outputs, inputs)
 LAYERS = [("AlexNet fc6", 4096, 9216), ("AlexNet fc7", 4096, 4096), ("AlexNet fc8", 1000, 4096),
@@ -24,7 +26,7 @@ LAYERS = [("AlexNet fc6", 4096, 9216), ("AlexNet fc7", 4096, 4096), ("AlexNet fc
 
 
 def compare(kernels, rows, batch, depth, trans, rounds, rng):
-    """Best seconds of skinny_gemm and of the BLAS path for [rows, depth] x [depth, batch]."""
+    """Best ms of skinny_gemm and of the BLAS path for [rows, depth] x [depth, batch]."""
     width = -(-batch // kernels.SKINNY_WIDTH) * kernels.SKINNY_WIDTH
     stored = rng.standard_normal((depth, rows) if trans else (rows, depth), dtype=np.float32)
     a = stored.T if trans else stored
@@ -33,16 +35,10 @@ def compare(kernels, rows, batch, depth, trans, rounds, rng):
     c = np.empty((rows, width), np.float32)
     batch_major = np.ascontiguousarray(b[:, :batch].T)
     c_blas = np.empty((rows, batch), np.float32)
-    runs = {"skinny": (lambda: kernels.skinny_gemm(a, b, c)),
-            "blas": (lambda: kernels.gemm(a, batch_major.T, c_blas))}
-    best = {name: float("inf") for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            t = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - t)
+    skinny, blas = alternate([lambda: kernels.skinny_gemm(a, b, c),
+                              lambda: kernels.gemm(a, batch_major.T, c_blas)], rounds)
     err = float(np.abs(c[:, :batch] - c_blas).max() / max(np.abs(c_blas).max(), 1e-30))
-    return best["skinny"], best["blas"], err
+    return skinny, blas, err
 
 
 def main():
@@ -61,7 +57,7 @@ def main():
             for product, rows, depth, trans in (("forward", outputs, inputs, False),
                                                 ("data grad", inputs, outputs, True)):
                 skinny, blas, err = compare(kernels, rows, batch, depth, trans, args.rounds, rng)
-                flop = 2.0 * rows * batch * depth / 1e9
+                flop = 2.0 * rows * batch * depth / 1e6            # per ms: GFLOP/s
                 print(f"{name:18s} {batch:5d} {product:10s} {flop / skinny:8.1f} {flop / blas:8.1f} "
                       f"{blas / skinny:6.2f}  {err:.1e}")
 
