@@ -88,9 +88,9 @@ class Blob:
             why = memory.problem(count * 4 * buffers, f"blob '{self.name}' ({memory.dims_text(shape)} floats)")
             if why:
                 self._refuse(shape, why)
-            self._data_buf = np.zeros(count, np.float32)
+            self._data_buf = memory.line_zeros(count)
             if self._diff_buf is not None:
-                self._diff_buf = np.zeros(count, np.float32)
+                self._diff_buf = memory.line_zeros(count)
         if self._layout == CHANNELS_LAST and len(shape) != 4:
             self._refuse(shape, f"blob '{self.name}' is channels-last (N, H, W, C) and takes 4 axes, "
                          f"got {memory.dims_text(shape)}")
@@ -155,7 +155,7 @@ class Blob:
                                      f"({memory.dims_text(self._shape)} floats)")
                 if why:
                     self._refuse(self._shape, why)
-                self._diff_buf = np.zeros(self._data_buf.size, np.float32)
+                self._diff_buf = memory.line_zeros(self._data_buf.size)
             self._raw_diff, self._diff = self._view(self._diff_buf)
         return self._diff
 

@@ -10,6 +10,8 @@ cannot fit is refused: there is no cap of our own.
 import math
 import sys
 
+import numpy as np
+
 # Below this an allocation is not worth a look at /proc/meminfo.
 _SMALL = 64 << 20
 
@@ -86,3 +88,25 @@ def size_field(param, shape):
         if d in found:
             return found[d], d
     return None, None
+
+
+# Where arrays the kernels stream through begin: NumPy's large arrays start 16 bytes past a
+# 64-byte line, so half of the kernels' 32-byte stores would straddle two lines.
+LINE = 64
+
+
+def line_zeros(n, dtype=np.float32):
+    """A zeroed 1-D array of n items that starts on a LINE-byte boundary."""
+    return _on_line(np.zeros, n, dtype)
+
+
+def line_empty(n, dtype=np.float32):
+    """As line_zeros, not zeroed."""
+    return _on_line(np.empty, n, dtype)
+
+
+def _on_line(make, n, dtype):
+    size = np.dtype(dtype).itemsize
+    raw = make(n + LINE // size, dtype)
+    skip = (-raw.ctypes.data % LINE) // size
+    return raw[skip:skip + n]

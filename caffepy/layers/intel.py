@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from .. import autotune, geometry
+from .. import autotune, geometry, memory
 from ..blob import Blob, Blocked
 from ..errors import CaffepyError, ShapeError
 from ..layer import BLOCKED, OWN, VIA_NCHW, Layer, register
@@ -141,7 +141,7 @@ def _workspace(name, shape, dtype=np.float32):
     count = int(np.prod(shape))
     buf = _WORKSPACE.get(name)
     if buf is None or buf.size < count:
-        buf = _WORKSPACE[name] = np.empty(max(count, 1), dtype)
+        buf = _WORKSPACE[name] = memory.line_empty(max(count, 1), dtype)
     return buf[:count].reshape(shape)
 
 

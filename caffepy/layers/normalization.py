@@ -5,6 +5,7 @@ Scale layer after it, as in Caffe.
 """
 import numpy as np
 
+from .. import memory
 from ..errors import ShapeError
 from ..kernels.reference import normalization as reference
 from ..kernels.reference.normalization import MODE_BATCH_NORM, MODE_MEAN_ONLY, MODE_MVN
@@ -176,11 +177,11 @@ class BatchNorm(Layer):
 
 def _buffer(layer, attr, shape):
     """A float32 array of `shape` from a buffer the layer keeps between iterations (a fresh
-    100 MB array per forward costs more in page faults than filling it)."""
+    100 MB array per forward costs more in page faults than filling it), on a line boundary."""
     size = int(np.prod(shape))
     buf = getattr(layer, attr, None)
     if buf is None or buf.size < size:
-        buf = np.empty(size, np.float32)
+        buf = memory.line_empty(size)
         setattr(layer, attr, buf)
     return buf[:size].reshape(shape)
 
