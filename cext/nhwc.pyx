@@ -448,20 +448,26 @@ cdef void _bwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float*
                     const float* dy, Py_ssize_t rows, float* da, Py_ssize_t ldda, float* dwt,
                     float* db) noexcept nogil:
     """dwt += a^T dy, db += column sums of dy, da = dy wt^T, per group (each when not NULL);
-    in Caffe's order, dwt += dy^T a and da = dy wt."""
+    in Caffe's order, dwt += dy^T a and da = dy wt. da comes first unless it overwrites a (an
+    im2col buffer): the panel kernel brings dy into cache with its prefetches, where the BLAS's
+    weight product then finds it (ResNet-50 b16's 1x1 backward at 56x56, 64 -> 256 channels:
+    22.5 -> 21.0 ms)."""
     cdef int gr
     cdef Py_ssize_t wo
     if db != NULL:
         _sum_rows(dy, rows, g.O, db)
     for gr in range(g.group):
         wo = <Py_ssize_t>gr * g.Kg * g.Og
+        if da != NULL and da != a:
+            gemm_ld(False, not g.caffe_order, <int>rows, g.Kg, g.Og, 1.0, dy + gr * g.Og, g.O,
+                    wt + wo, g.Kg if g.caffe_order else g.Og, 0.0, da + gr * g.Kg, <int>ldda)
         if dwt != NULL and g.caffe_order:
             gemm_ld(True, False, g.Og, g.Kg, <int>rows, 1.0, dy + gr * g.Og, g.O,
                     a + gr * g.Kg, <int>lda, 1.0, dwt + wo, g.Kg)
         elif dwt != NULL:
             gemm_ld(True, False, g.Kg, g.Og, <int>rows, 1.0, a + gr * g.Kg, <int>lda,
                     dy + gr * g.Og, g.O, 1.0, dwt + wo, g.Og)
-        if da != NULL:
+        if da != NULL and da == a:
             gemm_ld(False, not g.caffe_order, <int>rows, g.Kg, g.Og, 1.0, dy + gr * g.Og, g.O,
                     wt + wo, g.Kg if g.caffe_order else g.Og, 0.0, da + gr * g.Kg, <int>ldda)
 
