@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import caffepy
+from caffepy import memory
 from caffepy.kernels import nhwc as kernels
 from caffepy.net import Net
 
@@ -139,6 +140,26 @@ def test_bn_scale_kernel():
     assert np.allclose(x, y)
     with pytest.raises(ValueError, match="gamma"):
         kernels.bn_scale_forward(x, sub, mul, gamma[:4], beta, y, xn)
+
+
+@pytest.mark.parametrize("slope", [None, 0.0, 0.1])
+def test_bn_scale_kernel_streams_xn_with_the_same_bits(slope):
+    """On a line-aligned xn with whole vectors of channels the kernel takes its streaming path;
+    one float off the line it takes the plain loop: both give the same bits."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((37, 24)).astype(np.float32)
+    sub, mul, gamma, beta = (rng.standard_normal(24).astype(np.float32) for _ in range(4))
+    aligned = memory.line_empty(x.size + 1)
+    outs = []
+    for xn in (aligned[:x.size].reshape(x.shape), aligned[1:].reshape(x.shape)):
+        y = np.empty_like(x)
+        kernels.bn_scale_forward(x, sub, mul, gamma, beta, y, xn, slope)
+        outs.append((y, xn.copy()))
+    (y0, n0), (y1, n1) = outs
+    assert np.array_equal(n0, n1) and np.array_equal(y0, y1)
+    v = n0.astype(np.float64) * gamma + beta
+    want = np.where(v > 0, v, v * (1.0 if slope is None else slope))
+    assert np.allclose(y0, want, rtol=1e-5, atol=1e-5)
 
 
 # -- Eltwise SUM + ReLU (+ Split) -----------------------------------------------------------------
