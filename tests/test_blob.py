@@ -40,4 +40,4 @@ def test_layer_workspaces_and_kept_buffers_start_on_a_line():
         pass
     assert _on_line(nhwc._workspace("test_line", (3, 1001)))
     assert _on_line(intel._workspace("test_line", (5, 17)))
-    assert _on_line(normalization._buffer(Holder(), "_kept", (7, 33)))
+    assert _on_line(normalization.kept_buffer(Holder(), "_kept", (7, 33)))

@@ -35,7 +35,7 @@ from ..proto import caffe_pb2
 from .common import Bias, Concat, Scale, param_wanted, refuse_concat_fusion
 from .intel import (WINOGRAD_TILES, block_width, winograd_matrices, winograd_tile,
                     winograd_buffers, winograd_weights)
-from .normalization import LRN, BatchNorm, _buffer
+from .normalization import LRN, BatchNorm, kept_buffer
 from .vision import Convolution, Pooling
 
 try:
@@ -755,7 +755,7 @@ class NHWCBatchNorm(BatchNorm):
             _k.channel_affine(x, mean, inv, _EMPTY, y, _EMPTY2)
             self.x_norm = None
             return
-        self.x_norm = _buffer(self, "_x_norm_buf", x.shape)
+        self.x_norm = kept_buffer(self, "_x_norm_buf", x.shape)
         _k.channel_affine(x, mean, inv, _EMPTY, y, self.x_norm, True)
 
     def forward_with_scale(self, bottom, top, scale, relu=None):
@@ -765,7 +765,7 @@ class NHWCBatchNorm(BatchNorm):
         backward (NHWCScale.backward_with_bn)."""
         x, y = rows(bottom[0]), rows(top[0])
         mean, inv = self._statistics(x)
-        self.x_norm = _buffer(self, "_x_norm_buf", x.shape)
+        self.x_norm = kept_buffer(self, "_x_norm_buf", x.shape)
         gamma = scale.blobs[0].data
         beta = scale.blobs[1].data if scale.bias_term else np.zeros_like(gamma)
         _k.bn_scale_forward(x, mean, inv, gamma, beta, y, self.x_norm,
@@ -819,7 +819,7 @@ class NHWCScale(_PerChannel, Scale):
 
     def forward(self, bottom, top):
         x, y = rows(bottom[0]), rows(top[0])
-        keep = _buffer(self, "_saved_rows", x.shape) if top[0] is bottom[0] else _EMPTY2
+        keep = kept_buffer(self, "_saved_rows", x.shape) if top[0] is bottom[0] else _EMPTY2
         add = self.blobs[1].data if self.bias_term else np.zeros(x.shape[1], np.float32)
         _k.channel_affine(x, _EMPTY, self.blobs[0].data, add, y, keep)
         self.fused_input = None

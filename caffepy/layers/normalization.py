@@ -156,7 +156,7 @@ class BatchNorm(Layer):
             self.x_norm = None
             return
         # a later in-place layer (Scale) may overwrite top: keep y for the backward
-        self.x_norm = _buffer(self, "_x_norm_buf", self.dims)
+        self.x_norm = kept_buffer(self, "_x_norm_buf", self.dims)
         mean, var, self.inv_std = normalize_forward(x, y, self.x_norm, MODE_BATCH_NORM, self.eps)
         m = x.size // self.dims[1]
         correction = m / (m - 1) if m > 1 else 1.0
@@ -175,7 +175,7 @@ class BatchNorm(Layer):
             normalize_backward(dy, self.x_norm, self.inv_std, self.inv_std, dx)
 
 
-def _buffer(layer, attr, shape):
+def kept_buffer(layer, attr, shape):
     """A float32 array of `shape` from a buffer the layer keeps between iterations (a fresh
     100 MB array per forward costs more in page faults than filling it), on a line boundary."""
     size = int(np.prod(shape))
@@ -242,7 +242,7 @@ class MVN(Layer):
         if not self.normalize_variance:
             normalize_forward(x, y, None, MODE_MEAN_ONLY, 0.0)
             return
-        self.y = _buffer(self, "_y_buf", self.dims)
+        self.y = kept_buffer(self, "_y_buf", self.dims)
         _, var, self.inv = normalize_forward(x, y, self.y, MODE_MVN, self.eps)
         std = np.sqrt(var)
         # a constant row has y = 0: its y term in the backward vanishes instead of 0/0
