@@ -161,8 +161,12 @@ static const float *wg_table_at(int m, int a)
 
 static const float *wg_table_bt(int a)
 {
-    const float *t[] = {WG_BT4, WG_BT5, WG_BT6, WG_BT7, WG_BT8};
-    return a >= 4 && a <= 8 ? t[a - 4] : NULL;
+    if (a == 4) return WG_BT4;
+    if (a == 5) return WG_BT5;
+    if (a == 6) return WG_BT6;
+    if (a == 7) return WG_BT7;
+    if (a == 8) return WG_BT8;
+    return NULL;
 }
 
 /* Whether AT [m][a] and BT [a][a] are the tables' (then the kernels run on those). */
@@ -310,27 +314,30 @@ WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const floa
     case 16: { const int V_ = 16; call; break; }                                          \
     default: { const int V_ = V; call; break; }                                           \
     }
-/* One tile size: with the tables (kat_, kbt_) when `fixed` and the lanes are whole vectors,
- * else with the caller's matrices (kat_, kbt_ NULL). */
-#define WG_TILE(mm, aa, KAT, KBT, call)                                                   \
+/* One tile size: with the tables (kat_, kbt_; wg_table_at / wg_table_bt fold to them for a
+ * constant tile) when `fixed` and the lanes are whole vectors, else with the caller's matrices
+ * (kat_, kbt_ NULL). */
+#define WG_TILE(mm, aa, call)                                                             \
     if (m == mm && a == aa) {                                                             \
         const int m_ = mm, a_ = aa;                                                       \
         if (fixed && V == 8) {                                                            \
-            const int V_ = 8; const float *kat_ = KAT, *kbt_ = KBT; call;                 \
+            const int V_ = 8;                                                             \
+            const float *kat_ = wg_table_at(mm, aa), *kbt_ = wg_table_bt(aa); call;       \
         } else if (fixed && V == 16) {                                                    \
-            const int V_ = 16; const float *kat_ = KAT, *kbt_ = KBT; call;                \
+            const int V_ = 16;                                                            \
+            const float *kat_ = wg_table_at(mm, aa), *kbt_ = wg_table_bt(aa); call;       \
         } else {                                                                          \
             const float *kat_ = NULL, *kbt_ = NULL; WG_LANES(call)                        \
         }                                                                                 \
     }
 #define WG_DISPATCH(call)                                                                 \
-    WG_TILE(4, 6, WG_AT4_6, WG_BT6, call)                                                 \
-    else WG_TILE(3, 7, WG_AT3_7, WG_BT7, call)                                            \
-    else WG_TILE(2, 6, WG_AT2_6, WG_BT6, call)                                            \
-    else WG_TILE(2, 4, WG_AT2_4, WG_BT4, call)                                            \
-    else WG_TILE(3, 5, WG_AT3_5, WG_BT5, call)                                            \
-    else WG_TILE(5, 7, WG_AT5_7, WG_BT7, call)                                            \
-    else WG_TILE(4, 8, WG_AT4_8, WG_BT8, call)                                            \
+    WG_TILE(4, 6, call)                                                                   \
+    else WG_TILE(3, 7, call)                                                              \
+    else WG_TILE(2, 6, call)                                                              \
+    else WG_TILE(2, 4, call)                                                              \
+    else WG_TILE(3, 5, call)                                                              \
+    else WG_TILE(5, 7, call)                                                              \
+    else WG_TILE(4, 8, call)                                                              \
     else { const int m_ = m, a_ = a; const float *kat_ = NULL, *kbt_ = NULL; WG_LANES(call) }
 
 static void wg_input(const float *x, int H, int W, int iy0, int ix0, int m, int a,
