@@ -110,3 +110,14 @@ def _on_line(make, n, dtype):
     raw = make(n + LINE // size, dtype)
     skip = (-raw.ctypes.data % LINE) // size
     return raw[skip:skip + n]
+
+
+def grown(store, key, shape, dtype=np.float32):
+    """A `shape` view of store[key], a line-aligned buffer reused call after call: it grows to
+    the largest shape asked for and never shrinks (a fresh 100 MB array per call costs more in
+    page faults than filling it)."""
+    count = math.prod(shape)          # not np.prod: this runs in every forward (~2 us)
+    buf = store.get(key)
+    if buf is None or buf.size < count:
+        buf = store[key] = line_empty(max(count, 1), dtype)
+    return buf[:count].reshape(shape)

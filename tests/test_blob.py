@@ -41,3 +41,15 @@ def test_layer_workspaces_and_kept_buffers_start_on_a_line():
     assert _on_line(nhwc._workspace("test_line", (3, 1001)))
     assert _on_line(intel._workspace("test_line", (5, 17)))
     assert _on_line(normalization.kept_buffer(Holder(), "_kept", (7, 33)))
+
+
+def test_grown_buffers_are_reused_and_only_grow():
+    store = {}
+    a = memory.grown(store, "w", (4, 8))
+    a[...] = 7
+    b = memory.grown(store, "w", (2, 3))                 # smaller: a view of the same buffer
+    assert b.shape == (2, 3) and np.shares_memory(a, b) and np.all(b == 7)
+    c = memory.grown(store, "w", (10, 10))               # larger: a fresh buffer, kept after
+    assert c.shape == (10, 10) and not np.shares_memory(a, c) and _on_line(c)
+    assert np.shares_memory(memory.grown(store, "w", (4, 8)), c)
+    assert memory.grown(store, "i", (3,), np.int32).dtype == np.int32

@@ -137,12 +137,8 @@ class IntelUnpack(Layer):
 # Shared by the blocked layers
 
 def _workspace(name, shape, dtype=np.float32):
-    """Scratch shared by all blocked layers (they run one at a time): grows, never shrinks."""
-    count = int(np.prod(shape))
-    buf = _WORKSPACE.get(name)
-    if buf is None or buf.size < count:
-        buf = _WORKSPACE[name] = memory.line_empty(max(count, 1), dtype)
-    return buf[:count].reshape(shape)
+    """Scratch shared by all blocked layers (they run one at a time)."""
+    return memory.grown(_WORKSPACE, (name, dtype), shape, dtype)
 
 
 _WORKSPACE = {}

@@ -176,14 +176,9 @@ class BatchNorm(Layer):
 
 
 def kept_buffer(layer, attr, shape):
-    """A float32 array of `shape` from a buffer the layer keeps between iterations (a fresh
-    100 MB array per forward costs more in page faults than filling it), on a line boundary."""
-    size = int(np.prod(shape))
-    buf = getattr(layer, attr, None)
-    if buf is None or buf.size < size:
-        buf = memory.line_empty(size)
-        setattr(layer, attr, buf)
-    return buf[:size].reshape(shape)
+    """A float32 array of `shape` from a buffer the layer keeps between iterations in attribute
+    `attr` (memory.grown)."""
+    return memory.grown(vars(layer), attr, shape)
 
 
 # -- per-channel passes over (N, C, S) views: kernels, or their NumPy references when not built
