@@ -332,26 +332,33 @@ class Net:
         return found
 
     def _find_handoffs(self):
-        """{first layer of a fused Eltwise SUM unit: first layer of the fused BatchNorm unit
-        right before it, whose blob is the Eltwise's other bottom (ResNet's branch2c)}.
+        """{first layer of a fused Eltwise SUM unit: {its bottom: the fused BatchNorm unit
+        (first layer) in place on that bottom}} for the bottoms that no other layer reads
+        (ResNet's branch2c, and branch1 where the shortcut is a projection).
 
-        The Eltwise hands that bottom the gradient of its top unchanged, and the BatchNorm unit,
-        in place on the blob, would overwrite the copy at once. So when both run fused in one
-        backward, the BatchNorm reads the Eltwise top's diff instead, writes its own bottom
-        diff from it, and the copy is never made (ResNet-50 b16: one write of each of its 16
-        block outputs fewer). The blob must have no other reader."""
+        The Eltwise hands such a bottom the gradient of its top unchanged, and the BatchNorm
+        unit would overwrite that copy in place. So when both run fused in one backward, the
+        BatchNorm reads the Eltwise top's diff instead (nothing else writes it before) and
+        writes its own bottom diff from it, and the copy is never made (ResNet-50 b16: 20
+        fewer writes of a block's output)."""
+        bn_of = {id(self.top_vecs[last][0]): bn for bn, last in self.fusions.items()
+                 if hasattr(self.layers[bn], "forward_with_scale")}
         found = {}
-        for bn, bn_last in self.fusions.items():
-            first = bn_last + 1
-            if not (hasattr(self.layers[bn], "forward_with_scale") and first in self.fusions
-                    and hasattr(self.layers[first], "backward_with_relu")):
+        for first in self.fusions:
+            if not hasattr(self.layers[first], "backward_with_relu"):
                 continue
-            x, top = self.top_vecs[bn_last][0], self.top_vecs[first][0]
-            readers = [li for li, bottoms in enumerate(self.bottom_vecs)
-                       if any(b is x for b in bottoms)]
-            if readers == list(range(bn, first + 1)) and x is not top \
-                    and x is not self._shortcut_bottoms.get(first) and x.layout == top.layout:
-                found[first] = bn
+            top, handed = self.top_vecs[first][0], {}
+            for x in self.bottom_vecs[first]:
+                bn = bn_of.get(id(x))
+                if bn is None or x is top or x is self._shortcut_bottoms.get(first) \
+                        or x.layout != top.layout:
+                    continue
+                readers = [li for li, bottoms in enumerate(self.bottom_vecs)
+                           if any(b is x for b in bottoms)]
+                if readers == list(range(bn, self.fusions[bn] + 1)) + [first]:
+                    handed[x] = bn
+            if handed:
+                found[first] = handed
         return found
 
     def _relu_in_place(self, li, x):
@@ -380,11 +387,12 @@ class Net:
                     and shortcut.shape == top.shape:
                 shortcut.share_diff(top)
             down = list(self.bottom_need_backward[first])
-            bn = self._handoffs.get(first)
-            if bn is not None and bn >= end and self._fused_backward_ready(bn, every_layer):
-                x = self.top_vecs[first - 1][0]
-                down = [d and b is not x for d, b in zip(down, self.bottom_vecs[first])]
-                handed[bn] = top
+            for bi, x in enumerate(self.bottom_vecs[first]):
+                bn = self._handoffs.get(first, {}).get(x)
+                if down[bi] and bn is not None and bn >= end \
+                        and self._fused_backward_ready(bn, every_layer):
+                    down[bi] = False
+                    handed[bn] = top
             split = self.top_vecs[last] if last == first + 2 else []
             layer.backward_with_relu(self.top_vecs[first], self.layers[first + 1], split, down,
                                      self.bottom_vecs[first])

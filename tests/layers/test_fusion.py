@@ -283,42 +283,54 @@ def test_no_diff_is_shared_without_a_backward(tmp_path):
     assert not any(blob.has_diff for blob in net.blobs.values())
 
 
-# -- BatchNorm unit right before an Eltwise unit (ResNet's branch2c) --------------------------------
+# -- BatchNorm units whose blob an Eltwise unit sums (ResNet's branch2c, and branch1) ------------
 BLOCK_NET = """force_backward: true
 layer { name: "data" type: "Input" top: "data" top: "label"
   input_param { shape { dim: 3 dim: 4 dim: 5 dim: 6 } shape { dim: 3 } } }
 layer { name: "conv_s" type: "Convolution" bottom: "data" top: "s"
   convolution_param { num_output: 8 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+%(shortcut)s
 layer { name: "conv_b" type: "Convolution" bottom: "s" top: "b"
   convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
 layer { name: "bn_b" type: "BatchNorm" bottom: "b" top: "b" }
 layer { name: "scale_b" type: "Scale" bottom: "b" top: "b"
   scale_param { bias_term: true filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } } }
-layer { name: "sum" type: "Eltwise" bottom: "s" bottom: "b" top: "sum" }
+layer { name: "sum" type: "Eltwise" bottom: "%(sum_bottom)s" bottom: "b" top: "sum" }
 layer { name: "relu" type: "ReLU" bottom: "sum" top: "sum" }
 layer { name: "fc" type: "InnerProduct" bottom: "sum" top: "fc"
   inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.3 } } }
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
 """
+PROJECTION = """layer { name: "conv_p" type: "Convolution" bottom: "s" top: "p"
+  convolution_param { num_output: 8 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn_p" type: "BatchNorm" bottom: "p" top: "p" }
+layer { name: "scale_p" type: "Scale" bottom: "p" top: "p"
+  scale_param { bias_term: true filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } } }"""
+SHORTCUTS = {"identity": {"shortcut": "", "sum_bottom": "s"},
+             "projection": {"shortcut": PROJECTION, "sum_bottom": "p"}}
 
 
-def _block_nets(tmp_path):
+def _block_nets(tmp_path, shortcut):
     """The block net fused twice: with the hand-off (Net._handoffs) and without it."""
-    handing, copying = _twins(tmp_path / "block.prototxt", BLOCK_NET, [0, 1, 4])
+    handing, copying = _twins(tmp_path / "block.prototxt", BLOCK_NET % SHORTCUTS[shortcut],
+                              [0, 1, 4])
     copying.fusions = dict(handing.fusions)
     copying._handoffs = {}
     return handing, copying
 
 
-def test_a_batchnorm_unit_reads_the_sum_diff_instead_of_a_copy(tmp_path, monkeypatch):
-    """The branch's BatchNorm unit takes its top's gradient from the sum's diff, so the sum's
-    backward copies it nowhere (the shortcut shares the sum's diff, the branch is handed it),
-    and every blob and parameter ends with the bits of the net that makes the copy."""
+@pytest.mark.parametrize("shortcut", sorted(SHORTCUTS))
+def test_batchnorm_units_read_the_sum_diff_instead_of_a_copy(tmp_path, monkeypatch, shortcut):
+    """The BatchNorm units of the sum's bottoms take their top's gradient from the sum's diff,
+    so the sum's backward copies it nowhere (an identity shortcut shares the sum's diff), and
+    every blob and parameter ends with the bits of the net that makes the copies."""
     from caffepy.kernels import neuron
-    handing, copying = _block_nets(tmp_path)
-    names = [layer.name for layer in handing.layers]
-    assert _units(handing) == {"bn_b": "scale_b", "sum": "relu"}
-    assert handing._handoffs == {names.index("sum"): names.index("bn_b")}
+    handing, copying = _block_nets(tmp_path, shortcut)
+    index = {layer.name: i for i, layer in enumerate(handing.layers)}
+    handed = {handing.blobs["b"]: index["bn_b"]}
+    if shortcut == "projection":
+        handed[handing.blobs["p"]] = index["bn_p"]
+    assert handing._handoffs == {index["sum"]: handed}
     copies = []
     real = neuron.sum_relu_backward
 
@@ -332,13 +344,14 @@ def test_a_batchnorm_unit_reads_the_sum_diff_instead_of_a_copy(tmp_path, monkeyp
         losses = [net.forward_backward() for net in (handing, copying)]
         assert losses[0] == losses[1]
         _same_everywhere(handing, copying, f"step {step}")
-    assert copies == [0, 1, 0, 1]
+    assert copies == [0, len(handed)] * 2
 
 
-def test_a_run_that_stops_after_the_sum_copies_its_diff(tmp_path):
-    """A backward that ends at the sum leaves the branch's blob the sum's gradient, as the
-    layers one by one do; the BatchNorm unit run later from there gives the same values."""
-    handing, copying = _block_nets(tmp_path)
+@pytest.mark.parametrize("shortcut", sorted(SHORTCUTS))
+def test_a_run_that_stops_after_the_sum_copies_its_diff(tmp_path, shortcut):
+    """A backward that ends at the sum leaves the branches' blobs the sum's gradient, as the
+    layers one by one do; the BatchNorm units run later from there give the same values."""
+    handing, copying = _block_nets(tmp_path, shortcut)
     names = [layer.name for layer in handing.layers]
     for net in (handing, copying):
         net.forward()
@@ -347,4 +360,19 @@ def test_a_run_that_stops_after_the_sum_copies_its_diff(tmp_path):
     np.testing.assert_array_equal(handing.blobs["b"].diff, handing.blobs["sum"].diff)
     for net in (handing, copying):
         net.backward_from_to(names.index("sum") - 1, 0)
+    _same_everywhere(handing, copying, "split run")
+
+
+def test_a_run_that_stops_between_the_branches_copies_to_the_one_left(tmp_path):
+    """A backward from the top down to bn_b hands b its gradient but copies it to p, whose
+    BatchNorm unit runs in a later call."""
+    handing, copying = _block_nets(tmp_path, "projection")
+    names = [layer.name for layer in handing.layers]
+    for net in (handing, copying):
+        net.forward()
+        net.clear_param_diffs()
+        net.backward_from_to(end=names.index("bn_b"))
+    np.testing.assert_array_equal(handing.blobs["p"].diff, handing.blobs["sum"].diff)
+    for net in (handing, copying):
+        net.backward_from_to(names.index("bn_b") - 1, 0)
     _same_everywhere(handing, copying, "split run")
