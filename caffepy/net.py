@@ -264,7 +264,6 @@ class Net:
         self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
         self.fusions = self._find_fusions()
         self._shortcut_bottoms = self._find_shortcut_bottoms()
-        self._handoffs = self._find_handoffs()
         if self.fusions:
             kinds = [self.layers[first].type for first in self.fusions]
             relus = sum(last - first == 2 for first, last in self.fusions.items()
@@ -331,36 +330,6 @@ class Net:
                     break
         return found
 
-    def _find_handoffs(self):
-        """{first layer of a fused Eltwise SUM unit: {its bottom: the fused BatchNorm unit
-        (first layer) in place on that bottom}} for the bottoms that no other layer reads
-        (ResNet's branch2c, and branch1 where the shortcut is a projection).
-
-        The Eltwise hands such a bottom the gradient of its top unchanged, and the BatchNorm
-        unit would overwrite that copy in place. So when both run fused in one backward, the
-        BatchNorm reads the Eltwise top's diff instead (nothing else writes it before) and
-        writes its own bottom diff from it, and the copy is never made (ResNet-50 b16: 20
-        fewer writes of a block's output)."""
-        bn_of = {id(self.top_vecs[last][0]): bn for bn, last in self.fusions.items()
-                 if hasattr(self.layers[bn], "forward_with_scale")}
-        found = {}
-        for first in self.fusions:
-            if not hasattr(self.layers[first], "backward_with_relu"):
-                continue
-            top, handed = self.top_vecs[first][0], {}
-            for x in self.bottom_vecs[first]:
-                bn = bn_of.get(id(x))
-                if bn is None or x is top or x is self._shortcut_bottoms.get(first) \
-                        or x.layout != top.layout:
-                    continue
-                readers = [li for li, bottoms in enumerate(self.bottom_vecs)
-                           if any(b is x for b in bottoms)]
-                if readers == list(range(bn, self.fusions[bn] + 1)) + [first]:
-                    handed[x] = bn
-            if handed:
-                found[first] = handed
-        return found
-
     def _relu_in_place(self, li, x):
         """Layer li is a ReLU of negative slope >= 0 in place on x."""
         return (li < len(self.layers) and self.layers[li].type == "ReLU"
@@ -374,47 +343,27 @@ class Net:
             layer.forward_with_scale(bottom, top, self.layers[first + 1],
                                      self.layers[last] if last > first + 1 else None)
 
-    def _backward_unit(self, first, last, every_layer, end, handed):
+    def _backward_unit(self, first, last, every_layer):
         """Run the unit's backward if it can (a BatchNorm unit needs the forward to have run
-        fused); False if the layers must run one by one. `handed` maps a BatchNorm unit that
-        is to read its top's gradient from another blob (_find_handoffs) to that blob: an
-        Eltwise unit adds to it, a BatchNorm unit takes from it; `end` is the backward's
-        last layer."""
+        fused); False if the layers must run one by one."""
         layer = self.layers[first]
         if hasattr(layer, "backward_with_relu"):
             shortcut, top = self._shortcut_bottoms.get(first), self.top_vecs[first][0]
             if shortcut is not None and not shortcut.shares_diff(top) \
                     and shortcut.shape == top.shape:
                 shortcut.share_diff(top)
-            down = list(self.bottom_need_backward[first])
-            for bi, x in enumerate(self.bottom_vecs[first]):
-                bn = self._handoffs.get(first, {}).get(x)
-                if down[bi] and bn is not None and bn >= end \
-                        and self._fused_backward_ready(bn, every_layer):
-                    down[bi] = False
-                    handed[bn] = top
             split = self.top_vecs[last] if last == first + 2 else []
-            layer.backward_with_relu(self.top_vecs[first], self.layers[first + 1], split, down,
-                                     self.bottom_vecs[first])
+            layer.backward_with_relu(self.top_vecs[first], self.layers[first + 1], split,
+                                     self.bottom_need_backward[first], self.bottom_vecs[first])
             return True
-        source = handed.pop(first, None)
         scale = self.layers[first + 1]
         if scale.fused_input is None:
-            if source is not None:              # not expected (_fused_backward_ready)
-                np.copyto(self.top_vecs[last][0].diff, source.diff)
             return False
         bn_runs = every_layer or self.layer_need_backward[first]
-        scale.backward_with_bn([source] if source is not None else self.top_vecs[last], layer,
-                               self.bottom_vecs[first][0],
+        scale.backward_with_bn(self.top_vecs[last], layer, self.bottom_vecs[first][0],
                                bn_runs and self.bottom_need_backward[first][0],
                                self.layers[last] if last > first + 1 else None)
         return True
-
-    def _fused_backward_ready(self, bn, every_layer):
-        """The BatchNorm unit starting at `bn` will run its fused backward next time round."""
-        last = self.fusions[bn]
-        return self.layers[bn + 1].fused_input is not None \
-            and (every_layer or self.layer_need_backward[last])
 
     def _in_place_on(self, li, x):
         """Layer li has x as its one bottom and one top, with no conversion before it."""
@@ -642,7 +591,6 @@ class Net:
         start = len(self.layers) - 1 if start is None else start
         fused_back = {last: first for first, last in self.fusions.items()}
         done = len(self.layers)       # the first layer of a fused unit that already ran
-        handed = {}
         for li in range(start, end - 1, -1):
             if not (every_layer or self.layer_need_backward[li]):
                 continue
@@ -653,8 +601,7 @@ class Net:
             layer, first = self.layers[li], fused_back.get(li)
             if li >= done:
                 pass
-            elif first is not None and first >= end \
-                    and self._backward_unit(first, li, every_layer, end, handed):
+            elif first is not None and first >= end and self._backward_unit(first, li, every_layer):
                 done = first
             else:
                 layer.backward(top, self.bottom_need_backward[li], self.bottom_vecs[li])
