@@ -147,9 +147,12 @@ _WORKSPACE = {}
 # Winograd output tiles m tried per kernel size r. Float32 stays within ~1e-5 of the direct sum
 # (relative to its largest value) up to tile side m + r - 1 = 8 with the points of matrices():
 # over 256 channels F(4, 3) 7e-6, F(5, 3) 3e-6, F(4, 5) 9e-6 (tests/layers/test_winograd.py
-# holds every flavour to 2e-5). F(6, 3) is left out: it never ran faster than F(4, 3) or F(5, 3), even
-# where it needs fewer multiplies (28x28: 1600 against 1764 a batch element and channel pair,
-# 18% slower).
+# holds every flavour to 2e-5). F(6, 3) is left out: even with constant tables for its
+# transforms (tried 2026-11-28, AVX2) it only matched F(4, 3) where it needs 9% fewer
+# multiplies (ResNet-50 b16's 28x28 and 56x56: forward alike, backward up to 12% slower), and
+# gained 3-9% only on VGG-16 b4's 112x112 and 224x224 layers (18% fewer), too little for the
+# build time and the extra trial per layer. F(7, 3) (side 9, one tile per 14x14 or 7x7 image)
+# errs by 2e-4 over 256 channels with any ninth point tried (4, 1/4, -1/4, 3/2).
 WINOGRAD_TILES = {3: (2, 3, 4, 5), 5: (2, 3, 4)}
 
 
