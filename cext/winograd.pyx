@@ -55,6 +55,8 @@ PASS_BYTES = 2 << 20
 MIN_ROWS = 32
 U_CACHED = 4 << 20
 SPREAD_BYTES = 32 << 20
+# weight_transform writes a U of this size or more past the cache (see there)
+STREAM_U = 8 << 20
 
 
 def matrices(int m, int r):
@@ -440,9 +442,9 @@ cdef void _bwd_task(const WGeom* g, const float* x, const float* u, const float*
 
 cdef extern from "winograd_tiles.h" nogil:
     void wg_weights(const float* w, float* u, const float* gm, int O, int Cg, int r, int a,
-                    int o0, int o1)
+                    int o0, int o1, int stream)
     void wg_weights_t(const float* w, float* u, const float* gm, int O, int Cg, int r, int a,
-                      int og, int gc0, int gc1)
+                      int og, int gc0, int gc1, int stream)
     void wg_weight_grad(const float* du, float* dw, const float* gm, int O, int Cg, int r, int a,
                         int o0, int o1)
 
@@ -456,11 +458,14 @@ cdef _check_weights(str kernel, str wname, w, str uname, u, gm):
 
 
 def weight_transform(const float[:, :, :, ::1] w, const float[:, ::1] gm, float[:, :, ::1] u,
-                     int group=0):
+                     int group=0, int stream=-1):
     """u[i * a + j, o, c] = (G W[o, c] G^T)[i, j]; w is [O, Cg, r, r], gm is G [a, r]. With
     group > 0, the forward's layout: u [a*a, group * Cg, O / group], each group's block
-    transposed: u[i * a + j, g * Cg + c, k] for output o = g * (O / group) + k."""
-    cdef int O = w.shape[0], Cg = w.shape[1], o, og = 0
+    transposed: u[i * a + j, g * Cg + c, k] for output o = g * (O / group) + k.
+
+    stream: write u past the cache (1) or not (0); by default when u is at least STREAM_U
+    bytes."""
+    cdef int O = w.shape[0], Cg = w.shape[1], og = 0, rows, t, lo, hi
     if group > 0:
         need(O % group == 0, "weight_transform", "group", f"must divide {O} outputs", group)
         og = O // group
@@ -471,16 +476,21 @@ def weight_transform(const float[:, :, :, ::1] w, const float[:, ::1] gm, float[
              (dims(w.shape, 4), dims(gm.shape, 2)))
     else:
         _check_weights("weight_transform", "w", w, "u", u, gm)
-    cdef int nt = threads_for(u.shape[0] * u.shape[1] * u.shape[2] * w.shape[2]), gc
+    if stream < 0:
+        stream = <Py_ssize_t>u.shape[0] * u.shape[1] * u.shape[2] * 4 >= STREAM_U
+    cdef int nt = threads_for(u.shape[0] * u.shape[1] * u.shape[2] * w.shape[2])
+    rows = group * Cg if og else O
     with nogil:
-        if og:
-            for gc in prange(group * Cg, schedule="static", num_threads=nt):
+        # one range of rows a thread: each range ends with one fence when streaming
+        for t in prange(nt, schedule="static", num_threads=nt):
+            lo = <int>(<long>rows * t // nt)
+            hi = <int>(<long>rows * (t + 1) // nt)
+            if og:
                 wg_weights_t(&w[0, 0, 0, 0], &u[0, 0, 0], &gm[0, 0], O, Cg, w.shape[2],
-                             gm.shape[0], og, gc, gc + 1)
-        else:
-            for o in prange(O, schedule="static", num_threads=nt):
+                             gm.shape[0], og, lo, hi, stream)
+            else:
                 wg_weights(&w[0, 0, 0, 0], &u[0, 0, 0], &gm[0, 0], O, Cg, w.shape[2],
-                           gm.shape[0], o, o + 1)
+                           gm.shape[0], lo, hi, stream)
 
 
 def weight_grad_add(const float[:, :, ::1] du, const float[:, ::1] gm, float[:, :, :, ::1] dw):

@@ -11,7 +11,11 @@
  * being V channels of each pixel). Only the `nv` real lanes of a block are read or written,
  * except that `pad_lanes` (the blocked layout) writes zeros to the others.
  */
+#include <stdint.h>
 #include <string.h>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 
 #define WG_INLINE static inline __attribute__((always_inline))
 
@@ -399,11 +403,26 @@ WG_INLINE void wg_gather(float *restrict x, const float *restrict src, long vs, 
             x[q * WG_CB + v] = v < nv ? src[v * vs + q] : 0.f;
 }
 
+/* dst[0 .. n) = src[0 .. n); with `stream`, in non-temporal stores where dst is 32-byte aligned
+ * and n whole vectors (the caller fences). */
+WG_INLINE void wg_put(float *restrict dst, const float *restrict src, int n, int stream)
+{
+#ifdef __AVX__
+    if (stream && n % 8 == 0 && (uintptr_t)dst % 32 == 0) {
+        for (int j = 0; j < n; j += 8)
+            _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
+        return;
+    }
+#endif
+    (void)stream;
+    memcpy(dst, src, sizeof(float) * n);
+}
+
 /* dst[p * ps + j] = (G W_j G^T)[p] for j < len, W_j the r x r kernel at src + j * vs: one row
  * of U (an output's input channels, or an input channel's outputs), WG_CB kernels a lane each,
- * written through a run of WG_RUN of every position. */
+ * written through a run of WG_RUN of every position (streamed past the cache with `stream`). */
 WG_INLINE void wg_weight_row(const float *restrict src, long vs, int len, float *restrict dst,
-                             long ps, const float *restrict gm, int r, int a)
+                             long ps, const float *restrict gm, int r, int a, int stream)
 {
     float x[8 * 8 * WG_CB], tmp[8 * 8 * WG_CB], res[8 * 8 * WG_CB], run[8 * 8 * WG_RUN];
     for (int j1 = 0; j1 < len; j1 += WG_RUN) {
@@ -415,29 +434,30 @@ WG_INLINE void wg_weight_row(const float *restrict src, long vs, int len, float 
                 memcpy(run + p * WG_RUN + j0, res + p * WG_CB, sizeof(float) * WG_CB);
         }
         for (int p = 0; p < a * a; p++)
-            memcpy(dst + p * ps + j1, run + p * WG_RUN, sizeof(float) * n);
+            wg_put(dst + p * ps + j1, run + p * WG_RUN, n, stream);
     }
 }
 
 /* U = G W G^T for outputs o0 <= o < o1 into u[a*a, O, Cg] (the backward's layout). */
 WG_INLINE void wg_weights_v(const float *restrict w, float *restrict u, const float *restrict gm,
-                            int O, int Cg, int r, int a, int o0, int o1)
+                            int O, int Cg, int r, int a, int o0, int o1, int stream)
 {
     for (int o = o0; o < o1; o++)
         wg_weight_row(w + (long)o * Cg * r * r, r * r, Cg, u + (long)o * Cg, (long)O * Cg, gm, r,
-                      a);
+                      a, stream);
 }
 
 /* The same U for the input channels gc0 <= gc < gc1 (gc = group * Cg + c) into the forward's
  * layout u[a*a, O / og * Cg, og]: per group of og outputs its Cg x og block, which the forward's
  * GEMMs read untransposed (this BLAS runs the small ones faster so). */
 WG_INLINE void wg_weights_t_v(const float *restrict w, float *restrict u, const float *restrict gm,
-                              int O, int Cg, int r, int a, int og, int gc0, int gc1)
+                              int O, int Cg, int r, int a, int og, int gc0, int gc1,
+                              int stream)
 {
     for (int gc = gc0; gc < gc1; gc++) {
         int gr = gc / Cg, c = gc % Cg;
         wg_weight_row(w + ((long)gr * og * Cg + c) * r * r, (long)Cg * r * r, og,
-                      u + (long)gc * og, (long)O * Cg, gm, r, a);
+                      u + (long)gc * og, (long)O * Cg, gm, r, a, stream);
     }
 }
 
@@ -481,16 +501,26 @@ WG_INLINE void wg_weight_grad_v(const float *restrict du, float *restrict dw,
     else if (a == 8 && r == 5) { const int a_ = 8, r_ = 5; call; }                        \
     else { const int a_ = a, r_ = r; call; }
 
+/* The entry points' `stream` writes U past the cache (then fenced, before the caller's threads
+ * meet): for a U larger than the cache, which the GEMMs read back from memory anyway. */
 static void wg_weights(const float *w, float *u, const float *gm, int O, int Cg, int r, int a,
-                       int o0, int o1)
+                       int o0, int o1, int stream)
 {
-    WG_KERNEL_DISPATCH(wg_weights_v(w, u, gm, O, Cg, r_, a_, o0, o1))
+    WG_KERNEL_DISPATCH(wg_weights_v(w, u, gm, O, Cg, r_, a_, o0, o1, stream))
+#ifdef __AVX__
+    if (stream)
+        _mm_sfence();
+#endif
 }
 
 static void wg_weights_t(const float *w, float *u, const float *gm, int O, int Cg, int r, int a,
-                         int og, int gc0, int gc1)
+                         int og, int gc0, int gc1, int stream)
 {
-    WG_KERNEL_DISPATCH(wg_weights_t_v(w, u, gm, O, Cg, r_, a_, og, gc0, gc1))
+    WG_KERNEL_DISPATCH(wg_weights_t_v(w, u, gm, O, Cg, r_, a_, og, gc0, gc1, stream))
+#ifdef __AVX__
+    if (stream)
+        _mm_sfence();
+#endif
 }
 
 static void wg_weight_grad(const float *du, float *dw, const float *gm, int O, int Cg, int r,

@@ -70,6 +70,44 @@ def test_weight_transform_layouts_hold_the_same_values(group):
     np.testing.assert_array_equal(ut, want)
 
 
+@pytest.mark.parametrize("group", [0, 1, 2])
+@pytest.mark.parametrize("O,Cg", [(64, 48), (24, 267), (12, 5)])
+def test_weight_transform_streamed_holds_the_same_bits(group, O, Cg):
+    """U written past the cache (stream=1, the default from STREAM_U bytes on) holds the bits
+    of the plain stores, in both layouts, whole vectors or not, and on a U that starts off a
+    32-byte boundary (where the streaming path falls back to plain stores)."""
+    from caffepy import memory
+    m, r = 4, 3
+    a2 = (m + r - 1) ** 2
+    w = randn(O, Cg, r, r, seed=25)
+    _, g, _ = winograd.matrices(m, r)
+    shape = (a2, O, Cg) if group == 0 else (a2, group * Cg, O // group)
+    size = a2 * O * Cg
+    for offset in (0, 1):
+        plain = np.full(shape, np.nan, np.float32)
+        winograd.weight_transform(w, g, plain, group, 0)
+        streamed = memory.line_empty(size + 1)[offset:offset + size].reshape(shape)
+        streamed[...] = np.nan
+        winograd.weight_transform(w, g, streamed, group, 1)
+        np.testing.assert_array_equal(streamed, plain)
+    assert np.isfinite(plain).all()
+
+
+def test_weight_transform_default_on_a_large_u_holds_the_same_bits():
+    """A U of STREAM_U bytes or more on a cache line, as the layers' workspaces give it: the
+    default streams it, with the plain stores' bits."""
+    from caffepy import memory
+    O, Cg, m, r = 256, 256, 5, 3
+    w = randn(O, Cg, r, r, seed=26)
+    _, g, _ = winograd.matrices(m, r)
+    plain = np.empty((49, O, Cg), np.float32)
+    assert plain.nbytes >= winograd.STREAM_U
+    winograd.weight_transform(w, g, plain, 0, 0)
+    u = memory.line_empty(plain.size).reshape(plain.shape)
+    winograd.weight_transform(w, g, u)
+    np.testing.assert_array_equal(u, plain)
+
+
 @pytest.mark.parametrize("m,r,cg", [(4, 3, 267), (2, 5, 131), (3, 3, 7)])
 def test_weight_transforms_against_their_formulas(m, r, cg):
     """U = G W G^T per (o, c), and dW += G^T dU G, against NumPy, with input channels over
