@@ -476,9 +476,10 @@ def weight_transform(const float[:, :, :, ::1] w, const float[:, ::1] gm, float[
              (dims(w.shape, 4), dims(gm.shape, 2)))
     else:
         _check_weights("weight_transform", "w", w, "u", u, gm)
+    cdef Py_ssize_t floats = <Py_ssize_t>u.shape[0] * u.shape[1] * u.shape[2]
     if stream < 0:
-        stream = <Py_ssize_t>u.shape[0] * u.shape[1] * u.shape[2] * 4 >= STREAM_U
-    cdef int nt = threads_for(u.shape[0] * u.shape[1] * u.shape[2] * w.shape[2])
+        stream = floats * 4 >= STREAM_U
+    cdef int nt = threads_for(floats * w.shape[2])
     rows = group * Cg if og else O
     with nogil:
         # one range of rows a thread: each range ends with one fence when streaming

@@ -418,6 +418,16 @@ WG_INLINE void wg_put(float *restrict dst, const float *restrict src, int n, int
     memcpy(dst, src, sizeof(float) * n);
 }
 
+/* Orders a thread's wg_put streams before what it does next (its threads then meet). */
+WG_INLINE void wg_fence(int stream)
+{
+#ifdef __AVX__
+    if (stream)
+        _mm_sfence();
+#endif
+    (void)stream;
+}
+
 /* dst[p * ps + j] = (G W_j G^T)[p] for j < len, W_j the r x r kernel at src + j * vs: one row
  * of U (an output's input channels, or an input channel's outputs), WG_CB kernels a lane each,
  * written through a run of WG_RUN of every position (streamed past the cache with `stream`). */
@@ -501,26 +511,20 @@ WG_INLINE void wg_weight_grad_v(const float *restrict du, float *restrict dw,
     else if (a == 8 && r == 5) { const int a_ = 8, r_ = 5; call; }                        \
     else { const int a_ = a, r_ = r; call; }
 
-/* The entry points' `stream` writes U past the cache (then fenced, before the caller's threads
- * meet): for a U larger than the cache, which the GEMMs read back from memory anyway. */
+/* The entry points' `stream` writes U past the cache (wg_put, then wg_fence): for a U larger
+ * than the cache, which the GEMMs read back from memory anyway. */
 static void wg_weights(const float *w, float *u, const float *gm, int O, int Cg, int r, int a,
                        int o0, int o1, int stream)
 {
     WG_KERNEL_DISPATCH(wg_weights_v(w, u, gm, O, Cg, r_, a_, o0, o1, stream))
-#ifdef __AVX__
-    if (stream)
-        _mm_sfence();
-#endif
+    wg_fence(stream);
 }
 
 static void wg_weights_t(const float *w, float *u, const float *gm, int O, int Cg, int r, int a,
                          int og, int gc0, int gc1, int stream)
 {
     WG_KERNEL_DISPATCH(wg_weights_t_v(w, u, gm, O, Cg, r_, a_, og, gc0, gc1, stream))
-#ifdef __AVX__
-    if (stream)
-        _mm_sfence();
-#endif
+    wg_fence(stream);
 }
 
 static void wg_weight_grad(const float *du, float *dw, const float *gm, int O, int Cg, int r,
