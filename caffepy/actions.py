@@ -33,6 +33,7 @@ class SignalHandler:
                         signal.SIGHUP: sighup_effect}
         if mpi:
             self.effects[signal.SIGUSR1] = sighup_effect
+        self.mpi = mpi
         self.pending = []
         self._previous = {}
 
@@ -56,7 +57,11 @@ class SignalHandler:
 
     def __exit__(self, *exc):
         for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
+            # A rank whose run has ended ignores these signals: the launcher passes a
+            # signal on to each rank at its own moment, and the ranks agree to act on it
+            # as soon as one has it, so a rank may stop before its own copy arrives.
+            # Dying of that late copy (SIGUSR1's default) would fail a finished job
+            signal.signal(signum, signal.SIG_IGN if self.mpi else previous)
         self._previous.clear()
         return False
 

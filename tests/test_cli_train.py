@@ -373,3 +373,19 @@ def test_log_has_caffes_lines_and_float_sums(tmp_path, monkeypatch, loud):
     result = caffepy("test", "-model", "net.prototxt", "-weights", "w.caffemodel", "-iterations", "100")
     assert result.exit_code == 0, result.output
     assert result.stderr.rstrip().endswith("] out = 0.900001")
+
+
+def test_a_rank_outlives_a_signal_arriving_after_its_run():
+    """Under MPI the ranks stop together when the first one has a signal; the launcher's
+    copy for a slower rank can come after that rank left the solver, and must not kill it
+    (SIGUSR1's default) or raise KeyboardInterrupt (SIGINT's) in a finished job."""
+    code = ("import os, signal\n"
+            "from caffepy.actions import SignalHandler\n"
+            "with SignalHandler(mpi=True) as h:\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "    assert h.action() == 'snapshot'\n"
+            "for signum in (signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):\n"
+            "    os.kill(os.getpid(), signum)\n"
+            "print('alive')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout == "alive\n", (run.returncode, run.stderr)
