@@ -201,6 +201,7 @@ class Net:
         self._blobs = collections.OrderedDict()   # every blob, the plan's conversions' included
         self.layers = []
         self._layer_names = []
+        self._first_named = {}        # name: index of the first layer of that name
         self.bottom_vecs, self.top_vecs = [], []
         self.bottom_names, self.top_names = collections.OrderedDict(), collections.OrderedDict()
         self.blob_loss_weights = {}
@@ -391,8 +392,6 @@ class Net:
         layer is constructed from `user_lp` (the prototxt's; the blob names differ where the
         layout plan converted a bottom)."""
         available, blob_need_backward = self._available, self._blob_need_backward
-        if lp.name in self._layer_names:
-            raise layer_error(lp, "name", "duplicate layer name", source=self.source)
         bottoms, tops = [], []
         need_backward = False
         bottom_need = []
@@ -450,6 +449,13 @@ class Net:
                               f"{len(specs)} param specs")
         for name in lp.top:
             blob_need_backward[name] = need_backward
+        if lp.name in self._first_named and layer.blobs:
+            # Caffe allows a repeated name (BVLC's mnist_autoencoder has two "loss" layers);
+            # weights, matched by name, then reach only the first of them
+            log.warning(f"{self.source}: layer '{lp.name}' ({layer.type}) has the name of layer "
+                        f"{self._first_named[lp.name]}; weights files and shared test nets fill "
+                        f"only the first layer of a name")
+        self._first_named.setdefault(lp.name, len(self.layers))
         self.layers.append(layer)
         self._layer_names.append(lp.name)
         self.bottom_vecs.append(bottoms)
@@ -540,6 +546,12 @@ class Net:
             (name, layer.blobs) for name, layer in zip(self._layer_names, self.layers) if layer.blobs)
 
     # -- running ---------------------------------------------------------
+    def first_layer(self, name):
+        """The first layer named `name` (None if there is none): the one Caffe gives the
+        weights of that name when copying or sharing them; names may repeat."""
+        li = self._first_named.get(name)
+        return None if li is None else self.layers[li]
+
     def _index(self, name, default):
         if name is None:
             return default
@@ -740,8 +752,8 @@ class Net:
     def share_with(self, other):
         """Caffe's ShareTrainedLayersWith: every layer of `other` that this net also has (by
         name) lends its parameter data to it; the two nets then see one set of weights."""
-        for name, source in other.layer_dict.items():
-            layer = self.layer_dict.get(name)
+        for name, source in zip(other._layer_names, other.layers):
+            layer = self.first_layer(name)
             if layer is None:
                 log.info(f"Ignoring source layer {name}")
                 continue
@@ -791,13 +803,13 @@ class Net:
         layers on purpose), with a warning naming them; but weights that fill no
         layer at all are a mistake (a wrong or empty file) and are refused."""
         from .blobproto import blobproto_to_array
-        wanting = [name for name, layer in self.layer_dict.items() if layer.blobs]
+        wanting = [name for name in self._first_named if self.first_layer(name).blobs]
         loaded = set()
         for lp in source.layer:
-            if lp.name not in self.layer_dict:
+            layer = self.first_layer(lp.name)
+            if layer is None:
                 log.info(f"Ignoring source layer {lp.name}")
                 continue
-            layer = self.layer_dict[lp.name]
             if len(lp.blobs) != len(layer.blobs):
                 raise layer_error(layer, "blobs", f"the file has {len(lp.blobs)} parameter blobs, "
                                   f"the net expects {len(layer.blobs)}", source=path, cls=ShapeError)

@@ -130,6 +130,12 @@ def save(net, path, write_diff=False, arrays=None):
         data = f.create_group("data")
         diff = f.create_group("diff") if write_diff else None
         for li, (name, layer) in enumerate(zip(net._layer_names, net.layers)):
+            if name in data:        # a repeated name (Caffe allows them): one group per name
+                if layer.blobs:
+                    raise CaffepyError(f"{path}: layer {li} '{name}' ({layer.type}) holds weights under "
+                                       f"the name of an earlier layer; HDF5 weights are stored by "
+                                       f"layer name, so rename one of them (or snapshot as binaryproto)")
+                continue
             group = data.create_group(name)
             diff_group = diff.create_group(name) if write_diff else None
             for pi, blob in enumerate(layer.blobs):
@@ -148,8 +154,8 @@ def load(net, path):
     path = os.fspath(path)
     h5py = require_h5py(f"{path}: HDF5 weights")
     owned = _owned(net)
-    index = {name: li for li, name in enumerate(net._layer_names)}
-    wanting = [name for name, layer in zip(net._layer_names, net.layers) if layer.blobs]
+    index = net._first_named         # as Caffe, a name's weights go to its first layer
+    wanting = [name for name, li in index.items() if net.layers[li].blobs]
     loaded = set()
     with open_file(path, "HDF5 weights") as f:
         if "data" not in f or not isinstance(f["data"], h5py.Group):

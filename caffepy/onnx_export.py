@@ -87,8 +87,8 @@ def _plain(net):
             lp.type = "Split"
         _constant_fillers(lp)                  # the weights are copied in below
     twin = Net(param, phase=net.phase, source=net.source)
-    for name, layer in zip(twin._layer_names, twin.layers):
-        for mine, theirs in zip(layer.blobs, net.layer_dict[name].blobs):
+    for layer, original in zip(twin.layers, net.layers):      # the same layers, in order
+        for mine, theirs in zip(layer.blobs, original.blobs):
             mine.data[...] = theirs.data
     return twin
 

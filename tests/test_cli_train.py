@@ -1,6 +1,7 @@
 """`caffepy train / test / time` end to end: Caffe's log lines, snapshots, resume,
 fine-tune, signals, and the exit codes and one-line errors of bad cases."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -278,9 +279,10 @@ def _dummy_data(net, batch):
         layer.ClearField("transform_param")
         p = layer.dummy_data_param
         p.shape.add().dim.extend([batch, c, h, w])
-        p.shape.add().dim.extend([batch])
         p.data_filler.add().CopyFrom(caffe_pb2.FillerParameter(type="gaussian", std=1))
-        p.data_filler.add().CopyFrom(caffe_pb2.FillerParameter(type="constant", value=1))
+        if len(layer.top) > 1:
+            p.shape.add().dim.extend([batch])
+            p.data_filler.add().CopyFrom(caffe_pb2.FillerParameter(type="constant", value=1))
     return net
 
 
@@ -306,6 +308,34 @@ def test_reference_solver_runs_and_its_log_parses(tmp_path, monkeypatch, loud, n
     assert train[0] == "NumIters,Seconds,LearningRate,loss" and len(train) == 5
     assert test[0] == "NumIters,Seconds,LearningRate,accuracy,loss" and len(test) == 4
     assert os.path.exists("ref_iter_4.caffemodel")
+
+
+@pytest.mark.skipif(not os.path.isdir(REFERENCE_MODELS), reason="../shared/reference-models not present")
+def test_reference_autoencoder_trains_with_its_two_loss_layers_and_two_test_stages(tmp_path, monkeypatch,
+                                                                                 loud):
+    """BVLC's mnist_autoencoder: two layers named "loss" (Caffe allows a repeated name) and two
+    test nets chosen by stage; each test net reports both its losses."""
+    monkeypatch.chdir(tmp_path)
+    solver = upgrade.read_solver(os.path.join(REFERENCE_MODELS, "bvlc",
+                                              "mnist__mnist_autoencoder_solver_nesterov.prototxt"))
+    net = upgrade.read_net(os.path.join(REFERENCE_MODELS, "bvlc", "mnist__mnist_autoencoder.prototxt"))
+    prototxt.write_text(_dummy_data(net, 8), "net.prototxt")
+    solver.net = "net.prototxt"
+    solver.max_iter, solver.display, solver.test_interval, solver.snapshot = 4, 1, 2, 0
+    solver.test_iter[:] = [1, 1]
+    solver.snapshot_prefix = "ae"
+    prototxt.write_text(solver, "solver.prototxt")
+    result = caffepy("train", "-solver", "solver.prototxt")
+    assert result.exit_code == 0, result.output
+    for test_net in (0, 1):
+        for i, top in enumerate(("cross_entropy_loss", "l2_error")):
+            assert re.search(rf"Test net output #{i}: {top} = -?[\d.]+", result.stderr.split(
+                f"Testing net (#{test_net})")[-1]), result.stderr[-2000:]
+    assert "Train net output #0: cross_entropy_loss" in result.stderr
+    assert os.path.exists("ae_iter_4.caffemodel")
+    tested = caffepy("test", "-model", "net.prototxt", "-weights", "ae_iter_4.caffemodel", "-iterations", "1",
+                     "-stage", "test-on-test")
+    assert tested.exit_code == 0 and "l2_error = " in tested.stderr, tested.output
 
 
 def test_signal_effects():

@@ -171,6 +171,36 @@ def test_copy_from_shape_mismatch_names_layer_and_both_shapes(tmp_path):
         caffepy.Net(str(big), str(weights), caffepy.TEST)
 
 
+def test_a_repeated_layer_name_builds_and_its_weights_go_to_the_first_layer(tmp_path, capfd):
+    """Caffe builds nets with a repeated layer name (BVLC's mnist_autoencoder has two "loss"
+    layers): copying weights by name fills the first layer of that name; pycaffe's layer_dict
+    holds the last; HDF5 weights, stored by name, refuse a second weighted layer of a name."""
+    prototxt = tmp_path / "twice.prototxt"
+    prototxt.write_text(INPUT + ip("a", "data", "a") + ip("a", "a", "b"))
+    net = caffepy.Net(str(prototxt), caffepy.TEST)
+    assert net._layer_names == ["input", "a", "a"] and net.layer_dict["a"] is net.layers[2]
+    assert net.first_layer("a") is net.layers[1] and net.first_layer("nothing") is None
+    assert "weights files and shared test nets fill only the first layer" in capfd.readouterr().err
+    source = caffe_pb2.NetParameter()
+    for shape in ((3, 5), (3, 3)):
+        lp = source.layer.add(name="a", type="InnerProduct")
+        for dims in (shape, shape[:1]):
+            lp.blobs.add().shape.dim.extend(dims)
+            lp.blobs[-1].data.extend(np.full(int(np.prod(dims)), 7.0, np.float32))
+    first, second = net.layers[1].blobs[0].data.copy(), net.layers[2].blobs[0].data.copy()
+    with pytest.raises(ShapeError, match=r"layer 'a'.*blobs\[0\]"):
+        net.copy_from_param(source)          # as Caffe, both go to the first 'a' (3 x 5): the second misfits
+    del source.layer[1]
+    net.copy_from_param(source)
+    assert (net.layers[1].blobs[0].data == 7).all()
+    np.testing.assert_array_equal(net.layers[2].blobs[0].data, second)
+    assert not (first == 7).all()
+    pytest.importorskip("h5py")
+    with pytest.raises(CaffepyError, match=r"layer 2 'a' \(InnerProduct\) holds weights under the name"):
+        net.save_hdf5(str(tmp_path / "twice.h5"))
+    assert not (tmp_path / "twice.h5").exists()
+
+
 def test_phase_filtering_drops_layers():
     text = INPUT + ip("a", "data", "a") + ip("b", "data", "b", extra="include { phase: TEST }")
     train = Net(net_param(text), caffepy.TRAIN)

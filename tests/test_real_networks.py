@@ -1,7 +1,8 @@
 """Real networks at their published sizes build, run forward and backward, and stay finite.
 
 BVLC's LeNet, CIFAR-10 quick/full, AlexNet and CaffeNet come from /work/shared/reference-models
-(train nets with their Data layers swapped for Input layers); GoogLeNet, ResNet-50, VGG-16,
+(train nets with their Data layers swapped for Input layers), and every other train net there
+runs one step at batch 1; GoogLeNet, ResNet-50, VGG-16,
 ResNeXt-50 and MobileNet v1 are the deploy files of models/zoo (models/zoo/generate.py), run
 with force_backward and a gradient set on "prob". Known facts are checked too: parameter counts
 and the [N, 1000] output.
@@ -85,6 +86,37 @@ def test_bvlc_train_net_forward_backward(name, shape, n_params):
     first = next(iter(net.params.values()))
     assert np.abs(first[0].diff).sum() > 0
     assert all(b.has_diff for b in net.learnable_params)
+
+
+def _reference_train_nets():
+    """Every train net among the reference models (not the solvers, not the deploy nets)."""
+    if not os.path.isdir(REFERENCE_MODELS):
+        return [pytest.param("", marks=pytest.mark.skip(reason="no ../shared/reference-models"))]
+    return [os.path.join(d, f) for d in ("bvlc", "intel")
+            for f in sorted(os.listdir(os.path.join(REFERENCE_MODELS, d)))
+            if f.endswith(".prototxt") and "solver" not in f and "deploy" not in f
+            and f not in ("cifar10__cifar10_quick.prototxt", "mnist__lenet.prototxt")]  # deploy nets
+
+
+@pytest.mark.parametrize("name", _reference_train_nets())
+def test_every_reference_train_net_trains_one_step_at_batch_one(name):
+    """Users bring these files: each TRAIN net builds as written (its data layers swapped for
+    Input, or its DummyData cut to batch 1), runs forward and backward, and stays finite."""
+    rng.seed(3)
+    path = os.path.join(REFERENCE_MODELS, name)
+    shape = (1, 1, 28, 28) if "mnist" in name else (1, 3, 32, 32) if "cifar" in name else (1, 3, 227, 227)
+    param = swap_data_layers(path, shape)
+    for lp in param.layer:
+        for s in lp.dummy_data_param.shape:
+            s.dim[0] = 1
+    net = Net(param, TRAIN)
+    for blob_name, value in (("data", np.random.default_rng(0).uniform(0, 1, shape)), ("label", 0)):
+        if getattr(net.layer_dict.get(blob_name), "type", None) == "Input":
+            net.blobs[blob_name].data[...] = value
+    loss = net.forward_backward()
+    assert np.isfinite(loss) and loss != 0
+    assert_all_finite(net)
+    assert all(np.abs(b.diff).sum() > 0 for b in net.learnable_params[:1])
 
 
 @pytest.mark.parametrize("name, n_params, size", [

@@ -160,10 +160,9 @@ def build_net(solver_net, solver_source, context=SINGLE):
 
 def share_trained_layers(train_net, test_net):
     """Caffe's ShareTrainedLayersWith: a test layer named like a train layer sees its weights."""
-    train_layers = train_net.layer_dict
-    for name, layer in test_net.layer_dict.items():
-        source = train_layers.get(name)
-        if source is None or not layer.blobs:
+    for name, source in zip(train_net._layer_names, train_net.layers):
+        layer = test_net.first_layer(name)
+        if layer is None or not layer.blobs:
             continue
         if len(source.blobs) != len(layer.blobs):
             raise ShapeError(f"{test_net.source}: layer '{name}' ({layer.type}): blobs: the test net has "

@@ -356,12 +356,6 @@ def missing_bottom(c):
 
 
 @case("wiring")
-def duplicate_layer_name(c):
-    p = _bad_net(c, DEPLOY.replace('name: "prob"', 'name: "ip1"'))
-    return time_args(p), [p + ":", "layer 'ip1'", "duplicate"]
-
-
-@case("wiring")
 def top_produced_twice(c):
     p = _bad_net(c, DEPLOY + 'layer { name: "again" type: "Softmax" bottom: "ip1" top: "prob" }\n')
     return time_args(p), [p + ":", "layer 'again'", "'prob'"]
