@@ -140,3 +140,43 @@ def test_gradients_chosen_apart_run_together_when_that_is_faster(monkeypatch, ba
     assert (weights is data) == together
     assert data.name == "winograd F(4,3)"
     assert weights.name == ("winograd F(4,3)" if together else "winograd F(5,3)")
+
+
+def _ip(rows, outputs, inputs, phase=None):
+    from caffepy.net import TRAIN
+    params = f"inner_product_param {{ num_output: {outputs} weight_filler {{ type: 'gaussian' }} }}"
+    return setup_layer("InnerProduct", params, [randn(rows, inputs)], phase=phase or TRAIN)
+
+
+def test_an_inner_product_measures_skinny_against_the_blas_per_pass(cache):
+    """Forward and data gradient each time skinny_gemm and the BLAS (TEST: the forward only);
+    the products give the same numbers whichever runs."""
+    from caffepy.net import TEST
+    layer, bottom, top = _ip(16, 96, 80)
+    stored = json.loads(cache.read_text())[autotune.machine_key(autotune_threads())]
+    for name in ("forward", "data"):
+        assert set(stored[f"InnerProduct 16x80 -> 96 {name}"]["ms"]) == {"skinny", "gemm"}
+    assert "measured skinny " in layer.tuning      # the two passes' timings (one text if alike)
+    x, w, b = bottom[0].data, layer.blobs[0].data, layer.blobs[1].data
+    top[0].diff[...] = randn(16, 96, seed=5)
+    for forward_skinny in (True, False):
+        layer._skinny = {"forward": forward_skinny, "data": not forward_skinny}
+        layer.forward(bottom, top)
+        np.testing.assert_allclose(top[0].data, x @ w.T + b, rtol=1e-5, atol=1e-5)
+        layer.backward(top, [True], bottom)
+        np.testing.assert_allclose(bottom[0].diff, top[0].diff @ w, rtol=1e-5, atol=1e-5)
+    test_layer, _, _ = _ip(16, 96, 72, phase=TEST)
+    assert test_layer.tuning.startswith("measured ") and not any(
+        k.startswith("InnerProduct 16x72 -> 96 data") for k in json.loads(cache.read_text())[
+            autotune.machine_key(autotune_threads())])
+
+
+def test_an_inner_product_rule_runs_skinny_up_to_four_vectors_of_items(cache, monkeypatch):
+    from caffepy.kernels import common
+    monkeypatch.setenv("CAFFEPY_AUTOTUNE", "0")
+    most = 4 * common.SKINNY_WIDTH
+    assert (_ip(most, 8 * most, 8 * most)[0].algorithm, _ip(most + 8, 8 * most, 8 * most)[0].algorithm) \
+        == ("skinny", "gemm")
+    assert _ip(7, 64, 64)[0].algorithm == "gemm"          # below 8 items: mostly padding
+    assert _ip(16, 32, 640)[0].tuning == "only"          # 4 x 16 > 32 outputs: the BLAS alone
+    assert not cache.exists()

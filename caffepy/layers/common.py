@@ -2,6 +2,7 @@
 Bias, Softmax, ArgMax, Tile, Embed, Silence, Reduction, BatchReindex, Filter, Parameter."""
 import numpy as np
 
+from .. import autotune
 from ..blas import gemm_into
 from ..errors import ShapeError
 from ..kernels import common as kernels
@@ -93,12 +94,48 @@ class InnerProduct(Layer):
                              f"shape {_shape(shape)}", cls=ShapeError)
         self.M = count_from(shape, 0, axis)
         top[0].reshape(shape[:axis] + (self.num_output,))
+        if getattr(self, "_chosen_for", None) != self.M:
+            self._chosen_for = self.M
+            self._choose(bottom, top)
+
+    def _choose(self, bottom, top):
+        """skinny_gemm or the BLAS for the forward and for the data gradient, each by
+        measurement where both can run (autotune): which is faster depends on the vector width
+        and the batch. The rule without measuring: skinny up to 4 vectors of batch items. On
+        8-float vectors (Zen 3) skinny_gemm ran the forward 1.1-1.2x and the data gradient
+        0.9-1.1x the BLAS's speed at batch 32, but 0.9-1.0x and 0.8x at 64, and 0.6-0.75x for
+        the data gradient at 100 (AlexNet's fc6-8, the MNIST autoencoder's layers;
+        benchmarks/bench_skinny.py); on 16-float vectors (Zen 4) fc6 at 64 1.5x."""
+        self._skinny = {"forward": False, "data": False}
+        if not self._skinny_fits():
+            self.algorithm, self.tuning = "gemm", "only"
+            return
+        rule = "skinny" if self.M <= 4 * kernels.SKINNY_WIDTH else "gemm"
+        passes = ["forward"]
+        if self.phase == caffe_pb2.TRAIN and autotune.trial_propagate_down(self, bottom)[0]:
+            passes.append("data")
+        key = f"InnerProduct {self.M}x{self.K} -> {self.num_output}"
+        x = bottom[0].data.reshape(self.M, self.K)
+        w = self.blobs[0].data
+        names, tunings = {}, {}
+        for name in passes:
+            if name == "forward":
+                a, src, dst = w, x, top[0].data.reshape(self.M, self.num_output)
+            else:
+                a, src = w.T, top[0].diff.reshape(self.M, self.num_output)
+                dst = bottom[0].diff.reshape(self.M, self.K)
+            trials = {"skinny": lambda: self._by_columns(a, src, dst),
+                      "gemm": lambda: gemm_into(src, a.T, dst)}
+            names[name] = autotune.choose(self, f"{key} {name}", trials, rule, nhwc_kernels.max_threads())
+            tunings[name] = self.tuning
+            self._skinny[name] = names[name] == "skinny"
+        self.algorithm, self.tuning = autotune.describe(names, tunings)
 
     def forward(self, bottom, top):
         x = bottom[0].data.reshape(self.M, self.K)
         y = top[0].data.reshape(self.M, self.num_output)
         w = self.blobs[0].data
-        if self._skinny():
+        if self._skinny["forward"]:
             self._by_columns(w, x, y)
         else:
             gemm_into(x, w if self.transpose else w.T, y)
@@ -118,21 +155,16 @@ class InnerProduct(Layer):
         if propagate_down[0]:
             w = self.blobs[0].data
             dx = bottom[0].diff.reshape(self.M, self.K)
-            if self._skinny():
+            if self._skinny["data"]:
                 self._by_columns(w.T, dy, dx)
             else:
                 gemm_into(dy, w.T if self.transpose else w, dx)
 
-    @property
-    def algorithm(self):
-        """Which product runs (listed by the log and `caffepy time`, as the convolutions')."""
-        return None if getattr(self, "M", None) is None else "skinny" if self._skinny() else "gemm"
-
-    def _skinny(self):
-        """A small batch against many outputs and inputs: its products run as skinny_gemm's,
-        from 8 items on (below that the kernel's columns are mostly padding: LeNet's ip1 at b2
-        took 4x the BLAS's time) or whenever W is large enough that reading it is the cost
-        (AlexNet's fc6 at b1 1.6x faster; benchmarks/bench_skinny.py)."""
+    def _skinny_fits(self):
+        """Whether skinny_gemm may run: a small batch against many outputs and inputs, from 8
+        items on (below that the kernel's columns are mostly padding: LeNet's ip1 at b2 took 4x
+        the BLAS's time) or whenever W is large enough that reading it is the cost (AlexNet's
+        fc6 at b1 1.6x faster; benchmarks/bench_skinny.py)."""
         return (not self.transpose and 4 * self.M <= min(self.num_output, self.K)
                 and (self.M >= 8 or self.num_output * self.K >= 1 << 24))
 
