@@ -23,6 +23,13 @@ cdef extern from "loss_softmax.h":
     int order "caffepy_order"(int b) noexcept nogil
     int bits "caffepy_bits"(float x) noexcept nogil
     float as_float "caffepy_float"(int b) noexcept nogil
+    float log1p_unit "caffepy_log1p_unit"(float e) noexcept nogil
+    float sigmoid_ce_sum "caffepy_sigmoid_ce_sum"(const float* x, const float* t, long n,
+                                                  int use_ignore, long long ignore,
+                                                  long* kept) noexcept nogil
+    void sigmoid_ce_grad "caffepy_sigmoid_ce_grad"(const float* x, const float* t, float scale,
+                                                   float* d, long n, int use_ignore,
+                                                   long long ignore) noexcept nogil
 
 # -log(FLT_MIN): Caffe takes log(max(p, FLT_MIN)), so one term never exceeds this
 cdef double _MAX_TERM = 87.33654475055310898657
@@ -43,6 +50,54 @@ def exp_array(const float[::1] x, float[::1] out):
     need_shape("exp_array", "out", dims(out.shape, 1), dims(x.shape, 1))
     with nogil:
         exp_sum(&x[0], 0.0, &out[0], x.shape[0])
+
+
+def log1p_array(const float[::1] e, float[::1] out):
+    """out = log(1 + e) for e in [0, 1] by the kernels' polynomial; exposed for its test."""
+    cdef Py_ssize_t i
+    need_shape("log1p_array", "out", dims(out.shape, 1), dims(e.shape, 1))
+    with nogil:
+        for i in range(e.shape[0]):
+            out[i] = log1p_unit(e[i])
+
+
+cdef enum:
+    _CHUNK = 4096             # SigmoidCrossEntropyLoss: elements per task
+
+
+def sigmoid_ce_forward(const float[::1] x, const float[::1] t, ignore=None):
+    """(sum, count) over the positions whose target is not `ignore` (an int, or None for
+    all) of max(x, 0) - x t + log(1 + exp(-|x|)): SigmoidCrossEntropyLoss's loss before its
+    normalization, float sums of 4096 terms added in double."""
+    cdef Py_ssize_t n = x.shape[0], chunks = (x.shape[0] + _CHUNK - 1) // _CHUNK, c, lo
+    cdef bint use_ignore = ignore is not None
+    cdef long long ig = ignore if use_ignore else 0
+    cdef double total = 0.0
+    cdef long count = 0, kept
+    need_shape("sigmoid_ce_forward", "t", dims(t.shape, 1), (n,))
+    with nogil:
+        for c in prange(chunks, schedule="static", num_threads=threads_for(n * 16)):
+            lo = c * _CHUNK
+            kept = 0                  # assigned here, so private to each thread
+            total += sigmoid_ce_sum(&x[lo], &t[lo], min(<Py_ssize_t>_CHUNK, n - lo), use_ignore,
+                                    ig, &kept)
+            count += kept
+    return total, count
+
+
+def sigmoid_ce_backward(const float[::1] x, const float[::1] t, float scale, float[::1] diff,
+                        ignore=None):
+    """diff = (sigmoid(x) - t) * scale, 0 where the target is `ignore` (an int, or None)."""
+    cdef Py_ssize_t n = x.shape[0], chunks = (x.shape[0] + _CHUNK - 1) // _CHUNK, c, lo
+    cdef bint use_ignore = ignore is not None
+    cdef long long ig = ignore if use_ignore else 0
+    need_shape("sigmoid_ce_backward", "t", dims(t.shape, 1), (n,))
+    need_shape("sigmoid_ce_backward", "diff", dims(diff.shape, 1), (n,))
+    with nogil:
+        for c in prange(chunks, schedule="static", num_threads=threads_for(n * 16)):
+            lo = c * _CHUNK
+            sigmoid_ce_grad(&x[lo], &t[lo], scale, &diff[lo], min(<Py_ssize_t>_CHUNK, n - lo),
+                            use_ignore, ig)
 
 
 cdef double _rows_forward(const float* x, const int* lab, float* prob, Py_ssize_t C) noexcept nogil:

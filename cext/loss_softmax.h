@@ -1,5 +1,5 @@
-/* The vectorizable pieces of the SoftmaxWithLoss kernels, for cext/loss.pyx: exp without a libm
- * call, row maxima, and sums of exponentials.
+/* The vectorizable pieces of the loss kernels, for cext/loss.pyx: exp and log1p without a libm
+ * call, row maxima, sums of exponentials, and SigmoidCrossEntropyLoss's terms.
  */
 #include <stdint.h>
 #include <string.h>
@@ -77,4 +77,85 @@ static void caffepy_exp_acc(const float* x, const float* m, float* out, float* s
         out[j] = caffepy_exp(x[j] - m[j]);
         s[j] += out[j];
     }
+}
+
+/* log(1 + e) for e in [0, 1], about 1 ulp, e itself kept exact (no rounding of 1 + e): with
+   k = 1 when 1 + e > sqrt 2, log(1 + e) = k ln2 + log(1 + z), z = e or (e - 1) / 2 in
+   [-0.293, 0.415], and log(1 + z) = z - z^2 / 2 + z^3 P(z) with Cephes' logf coefficients. */
+static inline float caffepy_log1p_unit(float e) {
+    int32_t k = -(caffepy_bits(e) > caffepy_bits(0.41421356f));         /* 0 or -1 */
+    float z = caffepy_float((caffepy_bits((e - 1.0f) * 0.5f) & k) | (caffepy_bits(e) & ~k));
+    float z2 = z * z;
+    float p = 7.0376836292e-2f;
+    p = p * z - 1.1514610310e-1f;
+    p = p * z + 1.1676998740e-1f;
+    p = p * z - 1.2420140846e-1f;
+    p = p * z + 1.4249322787e-1f;
+    p = p * z - 1.6668057665e-1f;
+    p = p * z + 2.0000714765e-1f;
+    p = p * z - 2.4999993993e-1f;
+    p = p * z + 3.3333331174e-1f;
+    float n = (float)(-k);
+    float y = p * z * z2 + n * -2.12194440e-4f - 0.5f * z2;
+    return z + y + n * 0.693359375f;
+}
+
+/* One element of SigmoidCrossEntropyLoss, e = exp(-|x|) in (0, 1]: the loss term
+   max(x, 0) - x t + log(1 + e), and sigmoid(x) = (x < 0 ? e : 1) / (1 + e). */
+static inline float caffepy_sigmoid_ce_term(float x, float t, float e) {
+    int32_t neg = caffepy_bits(x) >> 31;
+    return caffepy_float(caffepy_bits(x) & ~neg) - x * t + caffepy_log1p_unit(e);
+}
+
+static inline float caffepy_sigmoid(float x, float e) {
+    int32_t neg = caffepy_bits(x) >> 31;
+    return caffepy_float((caffepy_bits(e) & neg) | (caffepy_bits(1.0f) & ~neg)) / (1.0f + e);
+}
+
+/* |x|'s negation without a float compare */
+static inline float caffepy_minus_abs(float x) {
+    return caffepy_float(caffepy_bits(x) | (int32_t)0x80000000);
+}
+
+/* Whether target t is the ignore label: Caffe compares t cast to int (a target outside the
+   int64 range, or NaN, is never ignored here rather than undefined) */
+static inline int caffepy_ignored(float t, long long ignore) {
+    return t > -9.2e18f && t < 9.2e18f && (long long)t == ignore;
+}
+
+/* The sum of the loss terms of n elements (16 partial sums so the loop vectorizes); with
+   use_ignore, of those whose target is not `ignore`, their number in *kept. */
+static float caffepy_sigmoid_ce_sum(const float* x, const float* t, long n, int use_ignore,
+                                    long long ignore, long* kept) {
+    float acc[16] = {0}, s = 0.0f;
+    long i = 0, l, k = 0;
+    if (use_ignore) {
+        for (; i < n; i++)
+            if (!caffepy_ignored(t[i], ignore)) {
+                s += caffepy_sigmoid_ce_term(x[i], t[i], caffepy_exp(caffepy_minus_abs(x[i])));
+                k++;
+            }
+        *kept = k;
+        return s;
+    }
+    for (; i + 16 <= n; i += 16)
+        for (l = 0; l < 16; l++)
+            acc[l] += caffepy_sigmoid_ce_term(x[i + l], t[i + l],
+                                              caffepy_exp(caffepy_minus_abs(x[i + l])));
+    for (; i < n; i++)
+        s += caffepy_sigmoid_ce_term(x[i], t[i], caffepy_exp(caffepy_minus_abs(x[i])));
+    for (l = 0; l < 16; l++) s += acc[l];
+    *kept = n;
+    return s;
+}
+
+/* d = (sigmoid(x) - t) * scale over n elements, 0 where the target is `ignore` */
+static void caffepy_sigmoid_ce_grad(const float* x, const float* t, float scale, float* d, long n,
+                                    int use_ignore, long long ignore) {
+    for (long i = 0; i < n; i++)
+        d[i] = (caffepy_sigmoid(x[i], caffepy_exp(caffepy_minus_abs(x[i]))) - t[i]) * scale;
+    if (use_ignore)
+        for (long i = 0; i < n; i++)
+            if (caffepy_ignored(t[i], ignore))
+                d[i] = 0.0f;
 }

@@ -202,32 +202,17 @@ class SigmoidCrossEntropyLoss(LossLayer):
         self.outer, self.inner = bottom[0].shape[0], count_from(bottom[0].shape, 1)
 
     def forward(self, bottom, top):
-        x = bottom[0].data.reshape(-1)
-        t = bottom[1].data.reshape(-1)
-        per = np.maximum(x, 0) - x * t + np.log1p(np.exp(-np.abs(x)))
-        if self.ignore_label is not None:
-            self.valid = t.astype(np.int64) != self.ignore_label
-            count = int(self.valid.sum())
-            loss = float(np.sum(per[self.valid], dtype=np.float64))
-        else:
-            self.valid = None
-            count = x.size
-            loss = float(np.sum(per, dtype=np.float64))
+        loss, count = (_kernels or reference).sigmoid_ce_forward(
+            bottom[0].data.reshape(-1), bottom[1].data.reshape(-1), self.ignore_label)
         self.norm = normalizer(self, self.mode, self.outer, self.inner, count)
         top[0].data[...] = loss / self.norm
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        x = bottom[0].data
-        diff = bottom[0].diff
-        # sigmoid as 0.5 tanh(x/2) + 0.5: no overflow for any x
-        np.multiply(np.tanh(0.5 * x), 0.5, out=diff)
-        diff += 0.5
-        diff -= bottom[1].data.reshape(diff.shape)
-        if self.valid is not None:
-            diff *= self.valid.reshape(diff.shape)
-        diff *= self.top_diff(top) / self.norm
+        (_kernels or reference).sigmoid_ce_backward(
+            bottom[0].data.reshape(-1), bottom[1].data.reshape(-1),
+            np.float32(self.top_diff(top) / self.norm), bottom[0].diff.reshape(-1), self.ignore_label)
 
 
 @register

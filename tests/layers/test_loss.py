@@ -437,3 +437,48 @@ def test_softmax_loss_of_nan_scores_is_nan():
     layer, bottom, top = setup_layer("SoftmaxWithLoss", "", [x, np.array([0, 1, 2, 3], np.float32)])
     layer.forward(bottom, top)
     assert np.isnan(top[0].data)
+
+
+@pytest.mark.parametrize("n, params", [
+    (37, ""),                                                   # a tail past the 16 partial sums
+    (100 * 784, ""),                                            # the MNIST autoencoder's, threaded
+    (5000, "loss_param { ignore_label: 1 normalization: VALID }"),
+])
+def test_sigmoid_cross_entropy_kernel_matches_numpy_path(monkeypatch, n, params):
+    from caffepy.layers import loss as loss_module
+    if loss_module._kernels is None:
+        pytest.skip("caffepy.kernels.loss is not built")
+    x = randn(n, seed=70, scale=6.0)
+    x[::13] = np.float32(-120.0)                                # exp(-|x|) below FLT_MIN
+    x[5::13] = np.float32(95.0)
+    x[7] = np.float32(0.0)
+    t = np.random.default_rng(71).uniform(0, 1, n).astype(np.float32)
+    t[::3] = np.round(t[::3])                                   # targets 0 and 1 among them
+    results = []
+    for kernels in (loss_module._kernels, None):
+        monkeypatch.setattr(loss_module, "_kernels", kernels)
+        layer, bottom, top = setup_layer("SigmoidCrossEntropyLoss", params, [x[None], t[None]])
+        layer.forward(bottom, top)
+        top[0].diff[...] = 1.5
+        layer.backward(top, [True, False], bottom)
+        results.append((top[0].data.copy(), bottom[0].diff.copy(), layer.norm))
+    (loss, diff, norm), (ref_loss, ref_diff, ref_norm) = results
+    assert norm == ref_norm
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-6)
+    # sigmoid(x) - t cancels: each path is within an ulp of sigmoid, so compare absolutely
+    np.testing.assert_allclose(diff, ref_diff, rtol=1e-5, atol=4e-7 * 1.5 / norm)
+    if "ignore_label" in params:
+        assert (diff[0][t == 1] == 0).all() and (diff[0][t != 1] != 0).any()
+
+
+def test_kernel_log1p_keeps_small_arguments_exact():
+    """log(1 + e) on [0, 1] within 2 ulp, relative, down to e far below float epsilon."""
+    from caffepy.layers import loss as loss_module
+    if loss_module._kernels is None:
+        pytest.skip("caffepy.kernels.loss is not built")
+    e = np.concatenate([np.linspace(0, 1, 100001), np.geomspace(1e-38, 1e-3, 2000)]).astype(np.float32)
+    out = np.empty_like(e)
+    loss_module._kernels.log1p_array(e, out)
+    want = np.log1p(e.astype(np.float64))
+    ok = want > 0
+    assert np.max(np.abs(out[ok] - want[ok]) / want[ok]) < 2 * 2.0 ** -24 and out[~ok].max() == 0

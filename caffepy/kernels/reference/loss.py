@@ -1,7 +1,7 @@
 """NumPy references of the loss kernels (cext/loss.pyx, caffepy.kernels.loss): SoftmaxWithLoss
 over an (outer, classes, inner) view, with the kernels' signatures (int32 labels, -1 where
-ignored; results written into the caller's arrays). SoftmaxWithLoss runs them when the kernels
-are not built.
+ignored; results written into the caller's arrays), and SigmoidCrossEntropyLoss over flat
+arrays. The layers run them when the kernels are not built.
 """
 import numpy as np
 
@@ -40,3 +40,33 @@ def softmax_loss_backward(prob, labels, scale, diff):
         np.multiply(prob, weight[:, None, :], out=diff)
     rows, cols = np.nonzero(valid)
     diff[rows, labels[rows, cols], cols] -= np.float32(scale)
+
+
+def _kept(t, ignore):
+    """Positions whose target, cast to an integer as Caffe does, is not `ignore` (None: all)."""
+    if ignore is None:
+        return None
+    with np.errstate(invalid="ignore"):
+        inside = np.abs(t) < 9.2e18
+        return ~(inside & (np.where(inside, t, 0).astype(np.int64) == ignore))
+
+
+def sigmoid_ce_forward(x, t, ignore=None):
+    """(sum, count) over the kept positions of max(x, 0) - x t + log(1 + exp(-|x|))."""
+    per = np.maximum(x, 0) - x * t + np.log1p(np.exp(-np.abs(x)))
+    kept = _kept(t, ignore)
+    if kept is None:
+        return float(np.sum(per, dtype=np.float64)), x.size
+    return float(np.sum(per[kept], dtype=np.float64)), int(kept.sum())
+
+
+def sigmoid_ce_backward(x, t, scale, diff, ignore=None):
+    """diff = (sigmoid(x) - t) * scale, 0 where the target is `ignore`."""
+    # sigmoid as 0.5 tanh(x/2) + 0.5: no overflow for any x
+    np.multiply(np.tanh(0.5 * x), 0.5, out=diff)
+    diff += 0.5
+    diff -= t
+    diff *= scale
+    kept = _kept(t, ignore)
+    if kept is not None:
+        diff *= kept
