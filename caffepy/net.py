@@ -289,6 +289,8 @@ class Net:
         found = {}
         for li in range(len(self.layers) - 1):
             first, second = self.layers[li], self.layers[li + 1]
+            if not self.top_vecs[li]:       # a sink (HDF5Output, Silence) starts no unit
+                continue
             x = self.top_vecs[li][0]
             if hasattr(first, "forward_with_scale") and hasattr(second, "backward_with_bn"):
                 if self.bottom_vecs[li][0] is x and self._in_place_on(li + 1, x):

@@ -201,6 +201,18 @@ def test_a_repeated_layer_name_builds_and_its_weights_go_to_the_first_layer(tmp_
     assert not (tmp_path / "twice.h5").exists()
 
 
+def test_a_layer_without_tops_in_the_middle_of_a_net_builds():
+    """A sink (Silence, HDF5Output) followed by other layers: the fusion search once indexed
+    its missing top and crashed with an IndexError."""
+    text = (INPUT + 'layer { name: "quiet" type: "Silence" bottom: "data" }\n'
+            + ip("a", "data", "a") + 'layer { name: "r" type: "ReLU" bottom: "a" top: "a" }\n')
+    net = Net(net_param(text), caffepy.TEST)
+    assert [layer.type for layer in net.layers][-3:] == ["Silence", "InnerProduct", "ReLU"]
+    net.blobs["data"].data[...] = 1.0
+    net.forward_from_to()
+    assert (net.blobs["a"].data >= 0).all()
+
+
 def test_phase_filtering_drops_layers():
     text = INPUT + ip("a", "data", "a") + ip("b", "data", "b", extra="include { phase: TEST }")
     train = Net(net_param(text), caffepy.TRAIN)
