@@ -1,4 +1,5 @@
-"""What `caffepy train`, `test` and `time` do (caffe.cpp's train(), test(), time()).
+"""What `caffepy train`, `test` and `time` do (caffe.cpp's train(), test(), time()), and
+`extract_features` (Caffe's tools/extract_features).
 
 The CLI (cli.py) parses the flags; these functions raise CaffepyError for user
 mistakes and log Caffe's messages, so Caffe's log tools read the output.
@@ -264,3 +265,70 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
 
 
 __all__ = ["train", "test", "time", "SignalHandler"]
+
+
+_FEATURES_COMMIT = 1000          # items per transaction and per progress line, as Caffe's tool
+
+
+def extract_features(weights, model, blob_names, dataset_names, num_mini_batches, db_type="lmdb"):
+    """Caffe's extract_features: run the TEST net `num_mini_batches` times and write each item's
+    values of each blob in `blob_names` (comma-separated) as a Datum of float_data into a new
+    database of `dataset_names` (one per blob), keyed by the item's index in ten digits.
+    Returns the number of items written to each."""
+    from contextlib import ExitStack
+
+    from .data.db import Writer
+    from .errors import DataError
+    from .net import TEST, Net
+
+    blobs, datasets = blob_names.split(","), dataset_names.split(",")
+    if len(blobs) != len(datasets):
+        raise UsageError(f"extract_features: the number of blob names ({len(blobs)}: {blob_names}) and "
+                         f"dataset names ({len(datasets)}: {dataset_names}) must be equal")
+    if num_mini_batches < 0:
+        raise UsageError(f"extract_features: num_mini_batches: must be 0 or more, got {num_mini_batches}")
+    if db_type.lower() != "lmdb":
+        raise UsageError(f"extract_features: db_type: '{db_type}' is not supported; use lmdb")
+    net = Net(model, phase=TEST, weights=weights)
+    for name in blobs:
+        if name not in net.blobs:
+            raise UsageError(f"{model}: unknown feature blob name '{name}' in the network")
+        if net.blobs[name].num_axes > 4:
+            raise UsageError(f"{model}: blob '{name}' has {net.blobs[name].num_axes} axes; a Datum "
+                             f"holds at most 4 (num, channels, height, width)")
+    written = [0] * len(blobs)
+    with ExitStack() as stack:
+        dbs = []
+        for path in datasets:
+            log.info(f"Opening dataset {path}")
+            dbs.append(stack.enter_context(Writer(path, commit_every=_FEATURES_COMMIT)))
+        log.info("Extracting Features")
+        for _ in range(num_mini_batches):
+            net.forward_from_to()
+            for i, (name, db) in enumerate(zip(blobs, dbs)):
+                for value in _feature_datums(net.blobs[name].data):
+                    db.put(f"{written[i]:010d}", value)
+                    written[i] += 1
+                    if written[i] % _FEATURES_COMMIT == 0:
+                        log.info(f"Extracted features of {written[i]} query images for feature blob {name}")
+        for name, count in zip(blobs, written):
+            if count % _FEATURES_COMMIT:
+                log.info(f"Extracted features of {count} query images for feature blob {name}")
+    log.info("Successfully extracted the features!")
+    return written
+
+
+def _feature_datums(values):
+    """The serialized Datum of each item of a blob's values, as Caffe's tool writes them:
+    channels, height and width from the legacy 4-axis shape (1 past the blob's axes), then
+    every value as an unpacked float_data entry (field 6, fixed32), built by NumPy rather than
+    one protobuf call a float (fc7's 4096 floats an item, thousands of items)."""
+    from .data.datum import datum_header
+    shape = tuple(values.shape) + (1,) * (4 - values.ndim)
+    items = values.reshape(shape[0] if values.ndim else 1, -1)
+    header = datum_header(shape[1], shape[2], shape[3])
+    wire = np.empty(items.shape, np.dtype([("tag", "u1"), ("value", "<f4")]))
+    wire["tag"] = 6 << 3 | 5
+    wire["value"] = items
+    for row in wire:
+        yield header + row.tobytes()

@@ -200,6 +200,26 @@ def convert_imageset(root_folder, list_file, db_name, gray, shuffle, backend, re
                            check_size=check_size, encoded=encoded, encode_type=encode_type)
 
 
+@main.command("extract_features")
+@click.argument("pretrained_net_param")
+@click.argument("feature_extraction_proto_file")
+@click.argument("blob_names", metavar="EXTRACT_FEATURE_BLOB_NAME1[,NAME2,...]")
+@click.argument("dataset_names", metavar="SAVE_FEATURE_DATASET_NAME1[,NAME2,...]")
+@click.argument("num_mini_batches", type=int)
+@click.argument("db_type")
+@click.argument("device", metavar="[CPU|GPU]", required=False, type=click.Choice(["CPU", "GPU"]))
+@click.argument("device_id", metavar="[DEVICE_ID]", required=False, type=click.IntRange(min=0))
+def extract_features(pretrained_net_param, feature_extraction_proto_file, blob_names, dataset_names,
+                     num_mini_batches, db_type, device, device_id):
+    """Write the values of blobs of a TEST net (weights from PRETRAINED_NET_PARAM), item by
+    item, into new LMDBs of Datum (Caffe's extract_features; DB_TYPE lmdb)."""
+    from . import actions
+    if device == "GPU":
+        _gpu_notice(str(device_id or 0))
+    actions.extract_features(pretrained_net_param, feature_extraction_proto_file, blob_names,
+                             dataset_names, num_mini_batches, db_type)
+
+
 @main.command("compute_image_mean")
 @click.argument("input_db")
 @click.argument("output_file", required=False)

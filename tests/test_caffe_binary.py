@@ -237,6 +237,49 @@ def test_convert_imageset_records_are_caffes(tmp_path):
         assert records[0] == records[1], flags
 
 
+def test_extract_features_records_are_caffes(tmp_path, monkeypatch):
+    """The same keys, Datum headers and float_data; the bytes too where the arithmetic is the
+    same (InnerProduct, the labels), to float rounding where the algorithm differs (a 3x3
+    convolution)."""
+    import sys
+    import lmdb
+    tool = caffe_tool("extract_features")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from data_helpers import data_net_text, make_db
+    gen = np.random.default_rng(0)
+    make_db(tmp_path / "db", 7, shape=(3, 4, 5),
+            values=[gen.integers(0, 256, (3, 4, 5), dtype=np.uint8) for _ in range(7)])
+    (tmp_path / "net.prototxt").write_text(
+        'name: "f"\n' + data_net_text("db", 3, transform="scale: 0.00390625")
+        + 'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" inner_product_param {'
+          ' num_output: 10 weight_filler { type: "gaussian" std: 0.3 } bias_filler { type: "constant" value: 0.5 } } }'
+          'layer { name: "conv" type: "Convolution" bottom: "data" top: "conv" convolution_param {'
+          ' num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }'
+          'layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }\n')
+    import caffepy as cp
+    monkeypatch.chdir(tmp_path)             # the Data layer's source is relative
+    cp.Net("net.prototxt", cp.TEST).save("w.caffemodel")
+    args = ["w.caffemodel", "net.prototxt", "ip,conv,label"]
+    run([tool, *args, "c_ip,c_conv,c_label", "4", "lmdb"], tmp_path)
+    caffepy("extract_features", *args, "o_ip,o_conv,o_label", "4", "lmdb", cwd=tmp_path)
+    for blob in ("ip", "conv", "label"):
+        records = []
+        for side in ("c", "o"):
+            env = lmdb.open(str(tmp_path / f"{side}_{blob}"), readonly=True, lock=False)
+            with env.begin() as txn:
+                records.append(list(txn.cursor()))
+            env.close()
+        theirs, ours = records
+        assert [k for k, _ in theirs] == [k for k, _ in ours] == [b"%010d" % i for i in range(12)]
+        if blob != "conv":
+            assert theirs == ours, blob
+            continue
+        for (_, a), (_, b) in zip(theirs, ours):
+            a, b = caffe_pb2.Datum.FromString(a), caffe_pb2.Datum.FromString(b)
+            assert (a.channels, a.height, a.width) == (b.channels, b.height, b.width) == (4, 4, 5)
+            np.testing.assert_allclose(b.float_data, a.float_data, rtol=1e-5, atol=1e-6)
+
+
 def test_hdf5_layers_read_and_write_as_caffes(tmp_path):
     with h5py.File(tmp_path / "a.h5", "w") as f:
         f["data"] = np.arange(6.0).reshape(3, 2) / 7

@@ -91,6 +91,14 @@ def datum_to_array(datum, force_color=False, force_gray=False, source=None, key=
     return arr
 
 
+def datum_header(channels, height, width):
+    """The wire bytes of a Datum's channels, height and width fields (1, 2, 3), as protobuf
+    writes them, for callers that append the rest of the message themselves."""
+    datum = caffe_pb2.Datum()
+    datum.channels, datum.height, datum.width = int(channels), int(height), int(width)
+    return datum.SerializeToString()
+
+
 def array_to_datum(arr, label=None):
     """A C x H x W array as a Datum: uint8 arrays to `data`, others to `float_data`."""
     arr = np.asarray(arr)
