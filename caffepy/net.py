@@ -16,6 +16,7 @@ import os
 import types
 
 import numpy as np
+from google.protobuf import text_format
 
 from . import layers as _layers  # noqa: F401  (registers every layer type)
 from . import log, memory, prototxt, upgrade
@@ -82,6 +83,36 @@ def filter_net(net_param, state=None, source=None):
         if layer_included(layer, state, source):
             out.layer.add().CopyFrom(layer)
     return out
+
+
+def _explain_filtered_producers(param, filtered, state, source):
+    """A bottom that no layer of this net state produces, when layers the state left out do
+    (BVLC's mnist_autoencoder reads 'data' from layers of stage test-on-train or test-on-test
+    only): the error names those layers and their rules. Other unknown bottoms are left to
+    insert_splits' error."""
+    made = set()
+    for lp in filtered.layer:
+        for bi, name in enumerate(lp.bottom):
+            if name in made:
+                continue
+            left_out = [o for o in param.layer if name in o.top and not layer_included(o, state)]
+            if not left_out:
+                return
+            stages = ", ".join(f'"{s}"' for s in state.stage) or "none"
+            raise layer_error(lp, "bottom", f"unknown blob '{quote(name)}' (bottom index {bi}): in "
+                              f"phase {caffe_pb2.Phase.Name(state.phase)}, level {state.level}, stage "
+                              f"{stages} no layer produces it; left out: "
+                              + "; ".join(_rules_text(o) for o in left_out),
+                              hint="Choose the net state with --phase, --level or --stage (a solver's "
+                                   "test_state does it for its test nets)", source=source)
+        made.update(lp.top)
+
+
+def _rules_text(layer):
+    """`layer 'x' (Type) with include { ... } or include { ... }` (or its exclude rules)."""
+    kind, rules = ("include", layer.include) if len(layer.include) else ("exclude", layer.exclude)
+    joined = " or ".join(f"{kind} {{ {text_format.MessageToString(r, as_one_line=True)} }}" for r in rules)
+    return f"layer '{quote(layer.name)}' ({quote(layer.type)}) with {joined}"
 
 
 # -- Split layers (Caffe's insert_splits.cpp) -----------------------------------
@@ -188,6 +219,7 @@ class Net:
             if s not in state.stage:
                 state.stage.append(s)
         filtered = filter_net(param, state, self.source)
+        _explain_filtered_producers(param, filtered, state, self.source)
         self._init(filtered)
         if weights:
             for path in str(weights).split(","):

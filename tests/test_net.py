@@ -213,6 +213,19 @@ def test_a_layer_without_tops_in_the_middle_of_a_net_builds():
     assert (net.blobs["a"].data >= 0).all()
 
 
+def test_a_bottom_only_left_out_layers_produce_names_them_and_their_rules():
+    text = ('layer { name: "in" type: "Input" top: "data" input_param { shape { dim: 4 dim: 5 } }'
+            ' include { phase: TEST stage: "a" } }\n' + ip("b", "data", "b"))
+    with pytest.raises(LayerError) as e:
+        Net(net_param(text), caffepy.TEST)
+    assert ("layer 'b' (InnerProduct): bottom: unknown blob 'data' (bottom index 0): in phase TEST, "
+            "level 0, stage none no layer produces it; left out: layer 'in' (Input) with include "
+            '{ phase: TEST stage: "a" }') in str(e.value) and "--stage" in str(e.value)
+    assert Net(net_param(text), caffepy.TEST, stages=["a"]).blobs["b"].shape == (4, 3)
+    with pytest.raises(LayerError, match="no earlier layer produces it"):     # nobody makes it
+        Net(net_param(ip("b", "data", "b")), caffepy.TEST)
+
+
 def test_phase_filtering_drops_layers():
     text = INPUT + ip("a", "data", "a") + ip("b", "data", "b", extra="include { phase: TEST }")
     train = Net(net_param(text), caffepy.TRAIN)
