@@ -264,7 +264,7 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
             "algorithms": [(name, algorithm) for name, algorithm, _ in algorithms]}
 
 
-__all__ = ["train", "test", "time", "SignalHandler"]
+__all__ = ["train", "test", "time", "extract_features", "SignalHandler"]
 
 
 _FEATURES_COMMIT = 1000          # items per transaction and per progress line, as Caffe's tool
@@ -278,7 +278,6 @@ def extract_features(weights, model, blob_names, dataset_names, num_mini_batches
     from contextlib import ExitStack
 
     from .data.db import Writer
-    from .errors import DataError
     from .net import TEST, Net
 
     blobs, datasets = blob_names.split(","), dataset_names.split(",")
