@@ -52,11 +52,11 @@ def test_each_item_of_each_blob_is_a_float_datum_keyed_by_its_index(job):
         pixel = float(i % 5)
         d = caffe_pb2.Datum.FromString(a)
         assert (d.channels, d.height, d.width) == (3, 1, 1) and not d.data and not d.HasField("label")
-        np.testing.assert_allclose(d.float_data, w @ np.full(6, pixel) + b, rtol=1e-6)
+        np.testing.assert_allclose(d.float_data, w @ np.full(6, pixel) + b, rtol=1e-5, atol=1e-6)
         d = caffe_pb2.Datum.FromString(c)
         assert (d.channels, d.height, d.width) == (2, 2, 3)
         np.testing.assert_allclose(np.reshape(d.float_data, (2, 6)), np.broadcast_to(wc * pixel, (2, 6)),
-                                   rtol=1e-6)
+                                   rtol=1e-5, atol=1e-6)
         # the same bytes as protobuf's own serialization of that Datum
         again = caffe_pb2.Datum(channels=2, height=2, width=3)
         again.float_data.extend(d.float_data)
