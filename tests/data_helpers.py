@@ -8,6 +8,15 @@ import numpy as np
 from caffepy.data.datum import array_to_datum
 
 
+def db_records(path):
+    """Every (key as text, value bytes) of the LMDB at `path`, in key order."""
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    with env.begin() as txn:
+        out = [(key.decode(), value) for key, value in txn.cursor()]
+    env.close()
+    return out
+
+
 def make_db(path, n, shape=(1, 2, 3), encoded=False, values=None):
     """An LMDB of n Datum: record i has label i and every pixel = i % 256 (or values[i])."""
     env = lmdb.open(os.fspath(path), map_size=1 << 26)

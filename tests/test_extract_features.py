@@ -2,7 +2,6 @@
 blobs of a TEST net, a Datum of float_data each, into new LMDBs keyed by the item's index."""
 import os
 
-import lmdb
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -11,7 +10,7 @@ import caffepy
 from caffepy import actions, log
 from caffepy.cli import main
 from caffepy.proto import caffe_pb2
-from data_helpers import data_net_text, make_db
+from data_helpers import data_net_text, db_records, make_db
 
 IP = ('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" inner_product_param {'
       ' num_output: 3 weight_filler { type: "gaussian" std: 0.3 } bias_filler { type: "constant" value: 0.5 } } }\n'
@@ -30,14 +29,6 @@ def job(tmp_path, monkeypatch):
     return tmp_path, net
 
 
-def _records(path):
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    with env.begin() as txn:
-        out = [(k.decode(), v) for k, v in txn.cursor()]
-    env.close()
-    return out
-
-
 def test_each_item_of_each_blob_is_a_float_datum_keyed_by_its_index(job):
     tmp_path, net = job
     w, b = net.params["ip"][0].data, net.params["ip"][1].data
@@ -45,7 +36,7 @@ def test_each_item_of_each_blob_is_a_float_datum_keyed_by_its_index(job):
     result = CliRunner().invoke(main, ["extract_features", "w.caffemodel", "net.prototxt", "ip,conv",
                                        "ip_db,conv_db", "3", "lmdb", "CPU"])
     assert result.exit_code == 0, result.output
-    ip, conv = _records(tmp_path / "ip_db"), _records(tmp_path / "conv_db")
+    ip, conv = db_records(tmp_path / "ip_db"), db_records(tmp_path / "conv_db")
     # 3 batches of 2 from 5 records: the Data layer wraps around to record 0
     assert [k for k, _ in ip] == [f"{i:010d}" for i in range(6)] == [k for k, _ in conv]
     for i, ((_, a), (_, c)) in enumerate(zip(ip, conv)):
@@ -97,5 +88,5 @@ def test_gpu_is_noted_and_the_cpu_used(job, capsys):
                                            "1", "lmdb", "GPU", "1"])
     finally:
         log.set_quiet(True)
-    assert result.exit_code == 0 and len(_records(job[0] / "g")) == 2
+    assert result.exit_code == 0 and len(db_records(job[0] / "g")) == 2
     assert "ignoring --gpu 1" in result.output + capsys.readouterr().err

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import cv2
-import lmdb
 import pytest
 
 from caffepy.proto import caffe_pb2
 
+from data_helpers import db_records
 from paths import REPO
 SCRIPT = os.path.join(REPO, "examples", "imagenet", "make_sample.py")
 BIN = os.path.dirname(sys.executable)
@@ -22,14 +22,6 @@ def make_sample(root, *args):
     env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
     return subprocess.run([sys.executable, SCRIPT, "--root", str(root), *args], capture_output=True,
                           text=True, env=env, timeout=600)
-
-
-def records(path):
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    with env.begin() as txn:
-        out = [(key.decode(), value) for key, value in txn.cursor()]
-    env.close()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +43,7 @@ def test_sample_is_imagenet_shaped_at_the_models_paths(sample):
     assert 250 <= min(img.shape[:2]) and max(img.shape[:2]) <= 500 and img.shape[2] == 3
     # what models/*alexnet/train_val.prototxt read: 256 x 256 colour Datums, and the mean
     for db, n in (("ilsvrc12_train_lmdb", 12), ("ilsvrc12_val_lmdb", 6)):
-        recs = records(base / db)
+        recs = db_records(base / db)
         datum = caffe_pb2.Datum.FromString(recs[0][1])
         assert len(recs) == n and (datum.channels, datum.height, datum.width) == (3, 256, 256)
     mean = caffe_pb2.BlobProto.FromString((sample / "data" / "ilsvrc12" / "imagenet_mean.binaryproto").read_bytes())
