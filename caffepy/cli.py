@@ -220,6 +220,29 @@ def extract_features(pretrained_net_param, feature_extraction_proto_file, blob_n
                              dataset_names, num_mini_batches, db_type)
 
 
+@main.command("convert_mnist_data")
+@click.argument("image_file", metavar="INPUT_IMAGE_FILE")
+@click.argument("label_file", metavar="INPUT_LABEL_FILE")
+@click.argument("db_path", metavar="OUTPUT_DB_FILE")
+@click.option("--backend", type=click.Choice(["lmdb"]), default="lmdb", show_default=True,
+              help="The backend for storing the result.")
+def convert_mnist_data(image_file, label_file, db_path, backend):
+    """Convert MNIST's idx image and label files (gunzipped or not) to an LMDB of Datum."""
+    from .data import tools
+    tools.convert_mnist_data(image_file, label_file, db_path, backend)
+
+
+@main.command("convert_cifar_data")
+@click.argument("input_folder")
+@click.argument("output_folder")
+@click.argument("db_type", type=click.Choice(["lmdb"]))
+def convert_cifar_data(input_folder, output_folder, db_type):
+    """Convert CIFAR-10's binary batches (data_batch_1..5.bin, test_batch.bin in INPUT_FOLDER)
+    to OUTPUT_FOLDER/cifar10_train_lmdb and cifar10_test_lmdb."""
+    from .data import tools
+    tools.convert_cifar_data(input_folder, output_folder, db_type)
+
+
 @main.command("compute_image_mean")
 @click.argument("input_db")
 @click.argument("output_file", required=False)

@@ -16,6 +16,7 @@ import pytest
 
 from caffepy.blobproto import array_to_blobproto
 from caffepy.proto import caffe_pb2
+from data_helpers import data_net_text, db_records, make_db
 
 CAFFE_BIN = os.environ.get("CAFFE_BIN", "")
 pytestmark = pytest.mark.skipif(not (CAFFE_BIN and os.access(CAFFE_BIN, os.X_OK)),
@@ -216,7 +217,6 @@ def test_upgraded_text_is_caffes(tmp_path):
 
 def test_convert_imageset_records_are_caffes(tmp_path):
     import cv2
-    import lmdb
     tool = caffe_tool("convert_imageset")
     (tmp_path / "img").mkdir()
     gen = np.random.default_rng(0)
@@ -228,24 +228,31 @@ def test_convert_imageset_records_are_caffes(tmp_path):
                 "convert_imageset", *a, cwd=tmp_path))):
             shutil.rmtree(tmp_path / name, ignore_errors=True)
             program(*flags, "img/", "list.txt", name)
-        records = []
-        for name in ("c", "o"):
-            env = lmdb.open(str(tmp_path / name), readonly=True, lock=False)
-            with env.begin() as txn:
-                records.append(list(txn.cursor()))
-            env.close()
-        assert records[0] == records[1], flags
+        assert db_records(tmp_path / "c") == db_records(tmp_path / "o"), flags
+
+
+def test_convert_mnist_data_records_are_caffes(tmp_path):
+    """Caffe's examples/mnist/convert_mnist_data (built beside tools/ as examples/mnist/)."""
+    tool = os.path.join(os.path.dirname(os.path.dirname(CAFFE_BIN)), "examples", "mnist", "convert_mnist_data")
+    if not os.access(tool, os.X_OK):
+        pytest.skip("no examples/mnist/convert_mnist_data beside CAFFE_BIN's tools/")
+    gen = np.random.default_rng(2)
+    n = 1500                                     # past one 1000-item transaction
+    (tmp_path / "img").write_bytes(np.array([2051, n, 28, 28], ">u4").tobytes()
+                                   + gen.integers(0, 256, (n, 28, 28), dtype=np.uint8).tobytes())
+    (tmp_path / "lab").write_bytes(np.array([2049, n], ">u4").tobytes()
+                                   + gen.integers(0, 10, n, dtype=np.uint8).tobytes())
+    run([tool, "img", "lab", "c"], tmp_path)
+    caffepy("convert_mnist_data", "img", "lab", "o", cwd=tmp_path)
+    theirs = db_records(tmp_path / "c")
+    assert len(theirs) == n and theirs == db_records(tmp_path / "o")
 
 
 def test_extract_features_records_are_caffes(tmp_path, monkeypatch):
     """The same keys, Datum headers and float_data; the bytes too where the arithmetic is the
     same (InnerProduct, the labels), to float rounding where the algorithm differs (a 3x3
     convolution)."""
-    import sys
-    import lmdb
     tool = caffe_tool("extract_features")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from data_helpers import data_net_text, make_db
     gen = np.random.default_rng(0)
     make_db(tmp_path / "db", 7, shape=(3, 4, 5),
             values=[gen.integers(0, 256, (3, 4, 5), dtype=np.uint8) for _ in range(7)])
@@ -263,14 +270,8 @@ def test_extract_features_records_are_caffes(tmp_path, monkeypatch):
     run([tool, *args, "c_ip,c_conv,c_label", "4", "lmdb"], tmp_path)
     caffepy("extract_features", *args, "o_ip,o_conv,o_label", "4", "lmdb", cwd=tmp_path)
     for blob in ("ip", "conv", "label"):
-        records = []
-        for side in ("c", "o"):
-            env = lmdb.open(str(tmp_path / f"{side}_{blob}"), readonly=True, lock=False)
-            with env.begin() as txn:
-                records.append(list(txn.cursor()))
-            env.close()
-        theirs, ours = records
-        assert [k for k, _ in theirs] == [k for k, _ in ours] == [b"%010d" % i for i in range(12)]
+        theirs, ours = db_records(tmp_path / f"c_{blob}"), db_records(tmp_path / f"o_{blob}")
+        assert [k for k, _ in theirs] == [k for k, _ in ours] == [f"{i:010d}" for i in range(12)]
         if blob != "conv":
             assert theirs == ours, blob
             continue

@@ -10,6 +10,10 @@ skipped with a warning and counted at the end.
 
 compute_image_mean: the mean of every Datum of a database, written as a
 1 x C x H x W .binaryproto, plus the per-channel means.
+
+convert_mnist_data and convert_cifar_data (Caffe's examples/mnist and
+examples/cifar10 converters): the datasets' own binary files into LMDBs of raw
+Datum, the keys and records Caffe's converters write.
 """
 import os
 import sys
@@ -163,3 +167,105 @@ def write_mean(mean, path):
     bp.ClearField("shape")
     bp.num, (bp.channels, bp.height, bp.width) = 1, mean.shape
     atomic_write(path, bp.SerializeToString())
+
+
+# -- the MNIST and CIFAR-10 converters (Caffe's examples/mnist, examples/cifar10) --------------
+_MNIST_IMAGES, _MNIST_LABELS = 2051, 2049        # the idx files' magic numbers
+
+
+def _read_binary(path):
+    """The bytes of `path`, gunzipped when they are gzip's (the datasets ship as .gz)."""
+    import gzip
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot read it: {e}") from None
+
+
+def _idx(path, magic, what):
+    """(header numbers after the magic, payload) of an MNIST idx file of `magic`."""
+    data = _read_binary(path)
+    dims = 3 if magic == _MNIST_IMAGES else 1
+    if len(data) < 4 * (1 + dims):
+        raise DataError(f"{path}: {len(data)} bytes: too short for an MNIST {what} file")
+    head = np.frombuffer(data, ">u4", 1 + dims)
+    if head[0] != magic:
+        raise DataError(f"{path}: not an MNIST {what} file (magic number {head[0]}, expected {magic})")
+    return [int(v) for v in head[1:]], data[4 * (1 + dims):]
+
+
+def convert_mnist_data(image_file, label_file, db_path, backend="lmdb"):
+    """MNIST's idx image and label files into a new LMDB: key `%08d` of the item, a Datum of
+    1 x rows x cols raw pixels and the label. Returns the number of items."""
+    if backend != "lmdb":
+        raise DataError(f"{db_path}: backend '{backend}' is not supported; use lmdb")
+    (count, rows, cols), pixels = _idx(image_file, _MNIST_IMAGES, "image")
+    (labels_count,), labels = _idx(label_file, _MNIST_LABELS, "label")
+    if count != labels_count:
+        raise DataError(f"{image_file} holds {count} images but {label_file} {labels_count} labels")
+    size = rows * cols
+    if len(pixels) < count * size or len(labels) < count:
+        raise DataError(f"{image_file if len(pixels) < count * size else label_file}: ends before "
+                        f"its {count} items")
+    from ..proto import caffe_pb2
+    log.info(f"A total of {count} items.")
+    log.info(f"Rows: {rows} Cols: {cols}")
+    datum = caffe_pb2.Datum(channels=1, height=rows, width=cols)
+    with Writer(db_path, commit_every=_COMMIT) as db:
+        for i in range(count):
+            datum.data = pixels[i * size:(i + 1) * size]
+            datum.label = _signed_char(labels[i])
+            db.put(f"{i:08d}", datum.SerializeToString())
+    log.info(f"Processed {count} files.")
+    return count
+
+
+def _signed_char(byte):
+    """A label byte as Caffe's converters read it: a (signed) char."""
+    return byte - 256 if byte > 127 else byte
+
+
+_CIFAR_RECORD = 1 + 3 * 32 * 32                  # a label byte, then 3 x 32 x 32 pixels
+
+
+def convert_cifar_data(input_folder, output_folder, db_type="lmdb"):
+    """CIFAR-10's binary batches into new LMDBs `cifar10_train_<db_type>` (data_batch_1..5.bin,
+    keys `%05d` counted across them) and `cifar10_test_<db_type>` (test_batch.bin) in
+    `output_folder`: each record a Datum of 3 x 32 x 32 raw pixels and its label. Every
+    whole record of a file is read (CIFAR-10's hold 10000). Returns (train, test) counts."""
+    if db_type != "lmdb":
+        raise DataError(f"{output_folder}: db_type '{db_type}' is not supported; use lmdb")
+    files = {"train": [os.path.join(input_folder, f"data_batch_{i}.bin") for i in range(1, 6)],
+             "test": [os.path.join(input_folder, "test_batch.bin")]}
+    batches = {part: [_read_binary(path) for path in paths] for part, paths in files.items()}
+    for part, paths in files.items():
+        for path, data in zip(paths, batches[part]):
+            if not data or len(data) % _CIFAR_RECORD:
+                raise DataError(f"{path}: {len(data)} bytes is not a whole number of CIFAR-10 records "
+                                f"({_CIFAR_RECORD} bytes each)")
+    for part in files:                    # refuse before writing either
+        path = os.path.join(output_folder, f"cifar10_{part}_{db_type}")
+        if os.path.exists(path):
+            raise DataError(f"{path}: database already exists; remove it or choose another folder")
+    from ..proto import caffe_pb2
+    datum = caffe_pb2.Datum(channels=3, height=32, width=32)
+    counts = []
+    for part, title in (("train", "Training"), ("test", "Testing")):
+        log.info(f"Writing {title} data")
+        n = 0
+        with Writer(os.path.join(output_folder, f"cifar10_{part}_{db_type}"), commit_every=_COMMIT) as db:
+            for b, data in enumerate(batches[part]):
+                if part == "train":
+                    log.info(f"Training Batch {b + 1}")
+                for r in range(len(data) // _CIFAR_RECORD):
+                    record = data[r * _CIFAR_RECORD:(r + 1) * _CIFAR_RECORD]
+                    datum.label = _signed_char(record[0])
+                    datum.data = record[1:]
+                    db.put(f"{n:05d}", datum.SerializeToString())
+                    n += 1
+        counts.append(n)
+    return tuple(counts)

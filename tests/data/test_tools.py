@@ -226,3 +226,75 @@ def _umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# -- convert_mnist_data / convert_cifar_data --------------------------------------------------
+def _mnist_files(tmp_path, n=7, rows=4, cols=3, gz=False, magic=(2051, 2049), labels=None):
+    import gzip
+    gen = np.random.default_rng(5)
+    images = gen.integers(0, 256, (n, rows, cols), dtype=np.uint8)
+    labels = gen.integers(0, 10, n, dtype=np.uint8) if labels is None else np.asarray(labels, np.uint8)
+    blobs = {"img": np.array([magic[0], n, rows, cols], ">u4").tobytes() + images.tobytes(),
+             "lab": np.array([magic[1], len(labels)], ">u4").tobytes() + labels.tobytes()}
+    for name, data in blobs.items():
+        (tmp_path / name).write_bytes(gzip.compress(data) if gz else data)
+    return images, labels
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_convert_mnist_data_writes_caffes_keys_and_datums(tmp_path, gz):
+    images, labels = _mnist_files(tmp_path, gz=gz, labels=[0, 9, 3, 200, 1, 2, 5])
+    result = CliRunner().invoke(main, ["convert_mnist_data", str(tmp_path / "img"), str(tmp_path / "lab"),
+                                       str(tmp_path / "db")])
+    assert result.exit_code == 0, result.output
+    records = read_plain(tmp_path / "db")
+    assert [k for k, _ in records] == [f"{i:08d}" for i in range(7)]
+    for (_, d), image, label in zip(records, images, labels):
+        assert (d.channels, d.height, d.width) == (1, 4, 3) and not d.HasField("encoded")
+        assert d.data == image.tobytes() and d.label == (int(label) if label < 128 else int(label) - 256)
+    assert records[3][1].label == -56                                  # a signed char, as Caffe
+
+
+def test_convert_mnist_data_errors(tmp_path):
+    def run(*args):
+        return CliRunner().invoke(main, ["convert_mnist_data", *map(str, args), str(tmp_path / "db")])
+    _mnist_files(tmp_path, magic=(2049, 2049))
+    result = run(tmp_path / "img", tmp_path / "lab")
+    assert result.exit_code == 1 and "not an MNIST image file (magic number 2049, expected 2051)" in result.output
+    _mnist_files(tmp_path, labels=[1, 2])
+    result = run(tmp_path / "img", tmp_path / "lab")
+    assert result.exit_code == 1 and "holds 7 images but" in result.output and "2 labels" in result.output
+    _mnist_files(tmp_path)
+    (tmp_path / "img").write_bytes((tmp_path / "img").read_bytes()[:-5])
+    result = run(tmp_path / "img", tmp_path / "lab")
+    assert result.exit_code == 1 and "ends before its 7 items" in result.output
+    result = run(tmp_path / "nothing", tmp_path / "lab")
+    assert result.exit_code == 1 and "nothing: no such file" in result.output
+    assert not (tmp_path / "db").exists() and "Traceback" not in result.output
+
+
+def test_convert_cifar_data_writes_both_databases_as_caffe(tmp_path):
+    gen = np.random.default_rng(6)
+    (tmp_path / "in").mkdir()
+    expected = {"train": [], "test": []}
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+        records = np.concatenate([gen.integers(0, 10, (3, 1), dtype=np.uint8),
+                                  gen.integers(0, 256, (3, 3072), dtype=np.uint8)], axis=1)
+        (tmp_path / "in" / name).write_bytes(records.tobytes())
+        expected["test" if name == "test_batch.bin" else "train"].extend(records)
+    (tmp_path / "out").mkdir()
+    result = CliRunner().invoke(main, ["convert_cifar_data", str(tmp_path / "in"), str(tmp_path / "out"), "lmdb"])
+    assert result.exit_code == 0, result.output
+    for part in ("train", "test"):
+        records = read_plain(tmp_path / "out" / f"cifar10_{part}_lmdb")
+        assert [k for k, _ in records] == [f"{i:05d}" for i in range(len(expected[part]))]
+        for (_, d), record in zip(records, expected[part]):
+            assert (d.channels, d.height, d.width, d.label) == (3, 32, 32, record[0])
+            assert d.data == record[1:].tobytes()
+    # a second run refuses before writing anything; a torn batch file is refused too
+    result = CliRunner().invoke(main, ["convert_cifar_data", str(tmp_path / "in"), str(tmp_path / "out"), "lmdb"])
+    assert result.exit_code == 1 and "cifar10_train_lmdb: database already exists" in result.output
+    (tmp_path / "in" / "test_batch.bin").write_bytes(b"\0" * 100)
+    result = CliRunner().invoke(main, ["convert_cifar_data", str(tmp_path / "in"), str(tmp_path / "o2"), "lmdb"])
+    assert result.exit_code == 1 and "test_batch.bin: 100 bytes is not a whole number" in result.output
+    assert not (tmp_path / "o2").exists()
