@@ -85,27 +85,9 @@ def filter_net(net_param, state=None, source=None):
     return out
 
 
-def _explain_filtered_producers(param, filtered, state, source):
-    """A bottom that no layer of this net state produces, when layers the state left out do
-    (BVLC's mnist_autoencoder reads 'data' from layers of stage test-on-train or test-on-test
-    only): the error names those layers and their rules. Other unknown bottoms are left to
-    insert_splits' error."""
-    made = set()
-    for lp in filtered.layer:
-        for bi, name in enumerate(lp.bottom):
-            if name in made:
-                continue
-            left_out = [o for o in param.layer if name in o.top and not layer_included(o, state)]
-            if not left_out:
-                return
-            stages = ", ".join(f'"{s}"' for s in state.stage) or "none"
-            raise layer_error(lp, "bottom", f"unknown blob '{quote(name)}' (bottom index {bi}): in "
-                              f"phase {caffe_pb2.Phase.Name(state.phase)}, level {state.level}, stage "
-                              f"{stages} no layer produces it; left out: "
-                              + "; ".join(_rules_text(o) for o in left_out),
-                              hint="Choose the net state with --phase, --level or --stage (a solver's "
-                                   "test_state does it for its test nets)", source=source)
-        made.update(lp.top)
+def _state_text(state):
+    stages = ", ".join(f'"{s}"' for s in state.stage) or "none"
+    return f"phase {caffe_pb2.Phase.Name(state.phase)}, level {state.level}, stage {stages}"
 
 
 def _rules_text(layer):
@@ -124,11 +106,14 @@ def split_blob_name(layer_name, blob_name, top_index, split_index):
     return f"{split_layer_name(layer_name, blob_name, top_index)}_{split_index}"
 
 
-def insert_splits(param, source=None):
+def insert_splits(param, source=None, unfiltered=None):
     """Return a copy of `param` with Split layers wherever a top feeds several bottoms.
 
     A bottom always refers to the most recent layer that produced that name, so an
-    in-place chain (conv -> relu in place -> pool) needs no split.
+    in-place chain (conv -> relu in place -> pool) needs no split. `unfiltered`: the net
+    before filter_net left layers out by `param.state`; the error for an unknown bottom names
+    the left-out layers that produce it (BVLC's mnist_autoencoder reads 'data' from layers of
+    stage test-on-train or test-on-test only).
     """
     last_producer = {}            # blob name -> (layer index, top index)
     consumers = collections.defaultdict(list)   # (layer, top) -> [(layer, bottom index)]
@@ -136,6 +121,14 @@ def insert_splits(param, source=None):
     for li, layer in enumerate(param.layer):
         for bi, name in enumerate(layer.bottom):
             if name not in last_producer:
+                producers = [o for o in (unfiltered.layer if unfiltered else ())
+                             if name in o.top and not layer_included(o, param.state)]
+                if producers:
+                    raise layer_error(layer, "bottom", f"unknown blob '{quote(name)}' (bottom index "
+                                      f"{bi}): in {_state_text(param.state)} no layer produces it; "
+                                      f"left out: " + "; ".join(_rules_text(o) for o in producers),
+                                      hint="Choose the net state with --phase, --level or --stage (a "
+                                           "solver's test_state does it for its test nets)", source=source)
                 raise layer_error(layer, "bottom", f"unknown blob '{quote(name)}' (bottom index {bi}); "
                                   "no earlier layer produces it", source=source)
             consumers[last_producer[name]].append((li, bi))
@@ -219,17 +212,16 @@ class Net:
             if s not in state.stage:
                 state.stage.append(s)
         filtered = filter_net(param, state, self.source)
-        _explain_filtered_producers(param, filtered, state, self.source)
-        self._init(filtered)
+        self._init(filtered, param)
         if weights:
             for path in str(weights).split(","):
                 self.copy_from(path)
 
     # -- construction ----------------------------------------------------
-    def _init(self, param):
+    def _init(self, param, unfiltered=None):
         self.name = param.name
         self.param = param
-        param = insert_splits(param, self.source)
+        param = insert_splits(param, self.source, unfiltered)
         self._blobs = collections.OrderedDict()   # every blob, the plan's conversions' included
         self.layers = []
         self._layer_names = []
