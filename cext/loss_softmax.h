@@ -100,21 +100,23 @@ static inline float caffepy_log1p_unit(float e) {
     return z + y + n * 0.693359375f;
 }
 
-/* One element of SigmoidCrossEntropyLoss, e = exp(-|x|) in (0, 1]: the loss term
-   max(x, 0) - x t + log(1 + e), and sigmoid(x) = (x < 0 ? e : 1) / (1 + e). */
-static inline float caffepy_sigmoid_ce_term(float x, float t, float e) {
-    int32_t neg = caffepy_bits(x) >> 31;
-    return caffepy_float(caffepy_bits(x) & ~neg) - x * t + caffepy_log1p_unit(e);
-}
-
-static inline float caffepy_sigmoid(float x, float e) {
-    int32_t neg = caffepy_bits(x) >> 31;
-    return caffepy_float((caffepy_bits(e) & neg) | (caffepy_bits(1.0f) & ~neg)) / (1.0f + e);
-}
-
 /* |x|'s negation without a float compare */
 static inline float caffepy_minus_abs(float x) {
     return caffepy_float(caffepy_bits(x) | (int32_t)0x80000000);
+}
+
+/* One element of SigmoidCrossEntropyLoss, with e = exp(-|x|) in (0, 1] (no overflow for any
+   x): the loss term max(x, 0) - x t + log(1 + e), and sigmoid(x) = (x < 0 ? e : 1) / (1 + e). */
+static inline float caffepy_sigmoid_ce_term(float x, float t) {
+    int32_t neg = caffepy_bits(x) >> 31;
+    float e = caffepy_exp(caffepy_minus_abs(x));
+    return caffepy_float(caffepy_bits(x) & ~neg) - x * t + caffepy_log1p_unit(e);
+}
+
+static inline float caffepy_sigmoid(float x) {
+    int32_t neg = caffepy_bits(x) >> 31;
+    float e = caffepy_exp(caffepy_minus_abs(x));
+    return caffepy_float((caffepy_bits(e) & neg) | (caffepy_bits(1.0f) & ~neg)) / (1.0f + e);
 }
 
 /* Whether target t is the ignore label: Caffe compares t cast to int (a target outside the
@@ -132,7 +134,7 @@ static float caffepy_sigmoid_ce_sum(const float* x, const float* t, long n, int 
     if (use_ignore) {
         for (; i < n; i++)
             if (!caffepy_ignored(t[i], ignore)) {
-                s += caffepy_sigmoid_ce_term(x[i], t[i], caffepy_exp(caffepy_minus_abs(x[i])));
+                s += caffepy_sigmoid_ce_term(x[i], t[i]);
                 k++;
             }
         *kept = k;
@@ -140,10 +142,9 @@ static float caffepy_sigmoid_ce_sum(const float* x, const float* t, long n, int 
     }
     for (; i + 16 <= n; i += 16)
         for (l = 0; l < 16; l++)
-            acc[l] += caffepy_sigmoid_ce_term(x[i + l], t[i + l],
-                                              caffepy_exp(caffepy_minus_abs(x[i + l])));
+            acc[l] += caffepy_sigmoid_ce_term(x[i + l], t[i + l]);
     for (; i < n; i++)
-        s += caffepy_sigmoid_ce_term(x[i], t[i], caffepy_exp(caffepy_minus_abs(x[i])));
+        s += caffepy_sigmoid_ce_term(x[i], t[i]);
     for (l = 0; l < 16; l++) s += acc[l];
     *kept = n;
     return s;
@@ -153,7 +154,7 @@ static float caffepy_sigmoid_ce_sum(const float* x, const float* t, long n, int 
 static void caffepy_sigmoid_ce_grad(const float* x, const float* t, float scale, float* d, long n,
                                     int use_ignore, long long ignore) {
     for (long i = 0; i < n; i++)
-        d[i] = (caffepy_sigmoid(x[i], caffepy_exp(caffepy_minus_abs(x[i]))) - t[i]) * scale;
+        d[i] = (caffepy_sigmoid(x[i]) - t[i]) * scale;
     if (use_ignore)
         for (long i = 0; i < n; i++)
             if (caffepy_ignored(t[i], ignore))
