@@ -247,8 +247,8 @@ def convert_cifar_data(input_folder, output_folder, db_type="lmdb"):
             if not data or len(data) % _CIFAR_RECORD:
                 raise DataError(f"{path}: {len(data)} bytes is not a whole number of CIFAR-10 records "
                                 f"({_CIFAR_RECORD} bytes each)")
-    for part in files:                    # refuse before writing either
-        path = os.path.join(output_folder, f"cifar10_{part}_{db_type}")
+    outputs = {part: os.path.join(output_folder, f"cifar10_{part}_{db_type}") for part in files}
+    for path in outputs.values():         # refuse before writing either
         if os.path.exists(path):
             raise DataError(f"{path}: database already exists; remove it or choose another folder")
     from ..proto import caffe_pb2
@@ -257,7 +257,7 @@ def convert_cifar_data(input_folder, output_folder, db_type="lmdb"):
     for part, title in (("train", "Training"), ("test", "Testing")):
         log.info(f"Writing {title} data")
         n = 0
-        with Writer(os.path.join(output_folder, f"cifar10_{part}_{db_type}"), commit_every=_COMMIT) as db:
+        with Writer(outputs[part], commit_every=_COMMIT) as db:
             for b, data in enumerate(batches[part]):
                 if part == "train":
                     log.info(f"Training Batch {b + 1}")
