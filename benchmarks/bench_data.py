@@ -31,7 +31,7 @@ from google.protobuf import text_format  # noqa: E402
 from caffepy import log, rng  # noqa: E402
 from caffepy.data import tools  # noqa: E402
 from caffepy.data.datum import datum_to_array, encoded_datum, parse_datum  # noqa: E402
-from caffepy.data.db import Writer  # noqa: E402
+from caffepy.data.db import open_writer  # noqa: E402
 from caffepy.data.transformer import DataTransformer  # noqa: E402
 from caffepy.net import Net  # noqa: E402
 from caffepy.proto import caffe_pb2  # noqa: E402
@@ -51,7 +51,7 @@ def make_images(n, size, seed=0):
 
 
 def build_db(path, jpegs):
-    with Writer(path) as db:
+    with open_writer(path) as db:
         for i, buf in enumerate(jpegs):
             db.put(f"{i:08d}", encoded_datum(buf, i % 1000).SerializeToString())
 
@@ -111,8 +111,8 @@ def main():
             build_db(db, jpegs)
             tools.compute_image_mean(db, mean)
         else:
-            from caffepy.data.db import Reader
-            r = Reader(db)
+            from caffepy.data.db import open_reader
+            r = open_reader(db)
             jpegs = [parse_datum(r.get(i)[1]).data for i in range(min(len(r), 64))]
             r.close()
         kb = np.mean([len(j) for j in jpegs]) / 1024

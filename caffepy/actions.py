@@ -277,7 +277,7 @@ def extract_features(weights, model, blob_names, dataset_names, num_mini_batches
     Returns the number of items written to each."""
     from contextlib import ExitStack
 
-    from .data.db import Writer
+    from .data.db import BACKENDS, open_writer
     from .net import TEST, Net
 
     blobs, datasets = blob_names.split(","), dataset_names.split(",")
@@ -286,8 +286,9 @@ def extract_features(weights, model, blob_names, dataset_names, num_mini_batches
                          f"dataset names ({len(datasets)}: {dataset_names}) must be equal")
     if num_mini_batches < 0:
         raise UsageError(f"extract_features: num_mini_batches: must be 0 or more, got {num_mini_batches}")
-    if db_type.lower() != "lmdb":
-        raise UsageError(f"extract_features: db_type: '{db_type}' is not supported; use lmdb")
+    if db_type.lower() not in BACKENDS:
+        raise UsageError(f"extract_features: db_type: '{db_type}' is not a database type; use lmdb "
+                         f"or leveldb")
     net = Net(model, phase=TEST, weights=weights)
     for name in blobs:
         if name not in net.blobs:
@@ -300,7 +301,7 @@ def extract_features(weights, model, blob_names, dataset_names, num_mini_batches
         dbs = []
         for path in datasets:
             log.info(f"Opening dataset {path}")
-            dbs.append(stack.enter_context(Writer(path, commit_every=_FEATURES_COMMIT)))
+            dbs.append(stack.enter_context(open_writer(path, db_type, _FEATURES_COMMIT)))
         log.info("Extracting Features")
         for _ in range(num_mini_batches):
             net.forward_from_to()

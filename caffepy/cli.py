@@ -184,7 +184,7 @@ def device_query(gpu):
 @click.argument("db_name", metavar="DB_NAME")
 @click.option("--gray/--no-gray", default=False, help="Load images in grayscale.")
 @click.option("--shuffle/--no-shuffle", default=False, help="Randomly shuffle the order of images.")
-@click.option("--backend", type=click.Choice(["lmdb"]), default="lmdb", show_default=True,
+@click.option("--backend", type=click.Choice(["lmdb", "leveldb"]), default="lmdb", show_default=True,
               help="The backend for storing the result.")
 @click.option("--resize_width", default=0, type=click.IntRange(min=0), help="Width images are resized to.")
 @click.option("--resize_height", default=0, type=click.IntRange(min=0), help="Height images are resized to.")
@@ -193,7 +193,7 @@ def device_query(gpu):
 @click.option("--encode_type", default="", help="Image format to encode to (png, jpg); default: the file's own.")
 def convert_imageset(root_folder, list_file, db_name, gray, shuffle, backend, resize_width,
                      resize_height, check_size, encoded, encode_type):
-    """Convert a set of images (LISTFILE lines: `path label`) to an LMDB of Datum."""
+    """Convert a set of images (LISTFILE lines: `path label`) to an LMDB or LevelDB of Datum."""
     from .data import tools
     tools.convert_imageset(root_folder, list_file, db_name, gray=gray, shuffle=shuffle, backend=backend,
                            resize_width=resize_width, resize_height=resize_height,
@@ -212,7 +212,7 @@ def convert_imageset(root_folder, list_file, db_name, gray, shuffle, backend, re
 def extract_features(pretrained_net_param, feature_extraction_proto_file, blob_names, dataset_names,
                      num_mini_batches, db_type, device, device_id):
     """Write the values of blobs of a TEST net (weights from PRETRAINED_NET_PARAM), item by
-    item, into new LMDBs of Datum (Caffe's extract_features; DB_TYPE lmdb)."""
+    item, into new databases of Datum (Caffe's extract_features; DB_TYPE lmdb or leveldb)."""
     from . import actions
     if device == "GPU":
         _gpu_notice(str(device_id or 0))
@@ -224,10 +224,10 @@ def extract_features(pretrained_net_param, feature_extraction_proto_file, blob_n
 @click.argument("image_file", metavar="INPUT_IMAGE_FILE")
 @click.argument("label_file", metavar="INPUT_LABEL_FILE")
 @click.argument("db_path", metavar="OUTPUT_DB_FILE")
-@click.option("--backend", type=click.Choice(["lmdb"]), default="lmdb", show_default=True,
+@click.option("--backend", type=click.Choice(["lmdb", "leveldb"]), default="lmdb", show_default=True,
               help="The backend for storing the result.")
 def convert_mnist_data(image_file, label_file, db_path, backend):
-    """Convert MNIST's idx image and label files (gunzipped or not) to an LMDB of Datum."""
+    """Convert MNIST's idx image and label files (gunzipped or not) to an LMDB or LevelDB of Datum."""
     from .data import tools
     tools.convert_mnist_data(image_file, label_file, db_path, backend)
 
@@ -235,10 +235,10 @@ def convert_mnist_data(image_file, label_file, db_path, backend):
 @main.command("convert_cifar_data")
 @click.argument("input_folder")
 @click.argument("output_folder")
-@click.argument("db_type", type=click.Choice(["lmdb"]))
+@click.argument("db_type", type=click.Choice(["lmdb", "leveldb"]))
 def convert_cifar_data(input_folder, output_folder, db_type):
     """Convert CIFAR-10's binary batches (data_batch_1..5.bin, test_batch.bin in INPUT_FOLDER)
-    to OUTPUT_FOLDER/cifar10_train_lmdb and cifar10_test_lmdb."""
+    to OUTPUT_FOLDER/cifar10_train_DB_TYPE and cifar10_test_DB_TYPE."""
     from .data import tools
     tools.convert_cifar_data(input_folder, output_folder, db_type)
 
@@ -246,11 +246,12 @@ def convert_cifar_data(input_folder, output_folder, db_type):
 @main.command("compute_image_mean")
 @click.argument("input_db")
 @click.argument("output_file", required=False)
-@click.option("--backend", type=click.Choice(["lmdb"]), default="lmdb", show_default=True)
+@click.option("--backend", type=click.Choice(["lmdb", "leveldb"]),
+              help="The kind of INPUT_DB (by default, the kind it is found to be).")
 def compute_image_mean(input_db, output_file, backend):
-    """Compute the mean image of an LMDB of Datum (written as .binaryproto)."""
+    """Compute the mean image of an LMDB or LevelDB of Datum (written as .binaryproto)."""
     from .data import tools
-    tools.compute_image_mean(input_db, output_file)
+    tools.compute_image_mean(input_db, output_file, backend)
 
 
 @main.command("upgrade_net_proto_text")
@@ -339,7 +340,7 @@ def draw_net(input_net_proto_file, output_image_file, rankdir, phase, display_lr
 @click.argument("num_shards", type=click.IntRange(min=1))
 @click.argument("output_prefix", required=False)
 def split_db(input_db, num_shards, output_prefix):
-    """Split an LMDB into N shards for split-DB multi-node training."""
+    """Split an LMDB or LevelDB into N shards (of its kind) for split-DB multi-node training."""
     from .parallel import split_db as splitter
     splitter.split_db(input_db, num_shards, output_prefix)
 

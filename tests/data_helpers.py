@@ -1,15 +1,21 @@
-"""Small LMDBs and images for the data tests."""
+"""Small LMDBs and LevelDBs and images for the data tests, through the plain libraries."""
 import os
 
 import cv2
 import lmdb
 import numpy as np
+import plyvel
 
 from caffepy.data.datum import array_to_datum
 
 
 def db_records(path):
-    """Every (key as text, value bytes) of the LMDB at `path`, in key order."""
+    """Every (key as text, value bytes) of the LMDB or LevelDB at `path`, in key order."""
+    if os.path.exists(os.path.join(path, "CURRENT")):
+        db = plyvel.DB(str(path))
+        out = [(key.decode(), value) for key, value in db]
+        db.close()
+        return out
     env = lmdb.open(str(path), readonly=True, lock=False)
     with env.begin() as txn:
         out = [(key.decode(), value) for key, value in txn.cursor()]
@@ -17,21 +23,46 @@ def db_records(path):
     return out
 
 
-def make_db(path, n, shape=(1, 2, 3), encoded=False, values=None):
-    """An LMDB of n Datum: record i has label i and every pixel = i % 256 (or values[i])."""
+class _LevelDBTxn:
+    """A LevelDB write batch that takes puts as an LMDB transaction does."""
+
+    def __init__(self, path):
+        self.db = plyvel.DB(os.fspath(path), create_if_missing=True)
+        self.batch = self.db.write_batch()
+
+    def put(self, key, value):
+        self.batch.put(key, value)
+
+    def close(self):
+        self.batch.write()
+        self.db.close()
+
+
+def make_db(path, n, shape=(1, 2, 3), encoded=False, values=None, backend="lmdb"):
+    """An LMDB (or LevelDB) of n Datum: record i has label i and every pixel = i % 256 (or
+    values[i])."""
+    if backend == "leveldb":
+        txn = _LevelDBTxn(path)
+        _put_datums(txn, n, shape, encoded, values)
+        txn.close()
+        return os.fspath(path)
     env = lmdb.open(os.fspath(path), map_size=1 << 26)
     with env.begin(write=True) as txn:
-        for i in range(n):
-            arr = np.full(shape, i % 256, np.uint8) if values is None else values[i]
-            if encoded:
-                from caffepy.data.datum import encoded_datum
-                ok, buf = cv2.imencode(".png", arr.transpose(1, 2, 0))
-                datum = encoded_datum(buf.tobytes(), i)
-            else:
-                datum = array_to_datum(arr, i)
-            txn.put(f"{i:08d}".encode(), datum.SerializeToString())
+        _put_datums(txn, n, shape, encoded, values)
     env.close()
     return os.fspath(path)
+
+
+def _put_datums(txn, n, shape, encoded, values):
+    for i in range(n):
+        arr = np.full(shape, i % 256, np.uint8) if values is None else values[i]
+        if encoded:
+            from caffepy.data.datum import encoded_datum
+            ok, buf = cv2.imencode(".png", arr.transpose(1, 2, 0))
+            datum = encoded_datum(buf.tobytes(), i)
+        else:
+            datum = array_to_datum(arr, i)
+        txn.put(f"{i:08d}".encode(), datum.SerializeToString())
 
 
 def put_raw(path, key, value):
@@ -41,8 +72,10 @@ def put_raw(path, key, value):
     env.close()
 
 
-def data_net_text(source, batch_size, extra_data="", transform="", tops=("data", "label")):
+def data_net_text(source, batch_size, extra_data="", transform="", tops=("data", "label"),
+                  backend="LMDB"):
     top_lines = "".join(f'  top: "{t}"\n' for t in tops)
+    backend = f"backend: {backend} " if backend else ""
     return (f'layer {{\n  name: "data"\n  type: "Data"\n{top_lines}'
-            f'  data_param {{ source: "{source}" batch_size: {batch_size} backend: LMDB {extra_data} }}\n'
+            f'  data_param {{ source: "{source}" batch_size: {batch_size} {backend}{extra_data} }}\n'
             f'  transform_param {{ {transform} }}\n}}\n')

@@ -17,9 +17,9 @@ def make_lmdb(path, n=RECORDS, seed=0, shape=(2, 4, 4)):
     """Float Datums whose label is predictable from the pixels; the value of record i
     also encodes i in channel 0, pixel 0 (for the once-per-epoch checks)."""
     from caffepy.data.datum import array_to_datum
-    from caffepy.data.db import Writer
+    from caffepy.data.db import open_writer
     r = np.random.default_rng(seed)
-    with Writer(str(path)) as w:
+    with open_writer(str(path)) as w:
         for i in range(n):
             label = i % CLASSES
             x = r.normal(0, 1, shape).astype(np.float32) + 0.5 * label

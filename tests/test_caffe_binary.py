@@ -248,6 +248,37 @@ def test_convert_mnist_data_records_are_caffes(tmp_path):
     assert len(theirs) == n and theirs == db_records(tmp_path / "o")
 
 
+def test_leveldbs_cross_over(tmp_path, monkeypatch):
+    """Caffe's convert_mnist_data --backend=leveldb writes the records caffepy's writes; Caffe's
+    extract_features, reading caffepy's LevelDB through a Data layer, gets what caffepy gets."""
+    tool = os.path.join(os.path.dirname(os.path.dirname(CAFFE_BIN)), "examples", "mnist", "convert_mnist_data")
+    if not os.access(tool, os.X_OK):
+        pytest.skip("no examples/mnist/convert_mnist_data beside CAFFE_BIN's tools/")
+    gen = np.random.default_rng(3)
+    n = 1200                                     # past one 1000-item write batch
+    (tmp_path / "img").write_bytes(np.array([2051, n, 6, 6], ">u4").tobytes()
+                                   + gen.integers(0, 256, (n, 6, 6), dtype=np.uint8).tobytes())
+    (tmp_path / "lab").write_bytes(np.array([2049, n], ">u4").tobytes()
+                                   + gen.integers(0, 10, n, dtype=np.uint8).tobytes())
+    run([tool, "img", "lab", "c", "--backend=leveldb"], tmp_path)
+    caffepy("convert_mnist_data", "img", "lab", "o", "--backend", "leveldb", cwd=tmp_path)
+    assert os.path.exists(tmp_path / "c" / "CURRENT") and os.path.exists(tmp_path / "o" / "CURRENT")
+    theirs = db_records(tmp_path / "c")
+    assert len(theirs) == n and theirs == db_records(tmp_path / "o")
+    (tmp_path / "net.prototxt").write_text('name: "f"\n' + data_net_text("o", 50, backend="LEVELDB"))
+    import caffepy as cp
+    monkeypatch.chdir(tmp_path)
+    net = cp.Net("net.prototxt", cp.TEST)
+    net.save("w.caffemodel")
+    net.layers[0].close()                   # LevelDB admits one process at a time
+    args = ["w.caffemodel", "net.prototxt", "data,label"]
+    run([caffe_tool("extract_features"), *args, "c_data,c_label", "3", "lmdb"], tmp_path)
+    caffepy("extract_features", *args, "o_data,o_label", "3", "lmdb", cwd=tmp_path)
+    for blob in ("data", "label"):
+        ours = db_records(tmp_path / f"o_{blob}")
+        assert len(ours) == 150 and db_records(tmp_path / f"c_{blob}") == ours, blob
+
+
 def test_extract_features_records_are_caffes(tmp_path, monkeypatch):
     """The same keys, Datum headers and float_data; the bytes too where the arithmetic is the
     same (InnerProduct, the labels), to float rounding where the algorithm differs (a 3x3

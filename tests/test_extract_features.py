@@ -59,7 +59,7 @@ def test_bad_arguments_are_one_line_errors_and_leave_no_database(job):
     run = lambda *args: CliRunner().invoke(main, ["extract_features", "w.caffemodel", "net.prototxt", *args])
     for args, words in [(("ip,conv", "a", "1", "lmdb"), "number of blob names (2"),
                         (("nope", "a", "1", "lmdb"), "unknown feature blob name 'nope'"),
-                        (("ip", "a", "1", "leveldb"), "'leveldb' is not supported"),
+                        (("ip", "a", "1", "hdf5"), "'hdf5' is not a database type"),
                         (("ip", "a", "x", "lmdb"), "'x' is not a valid integer")]:
         result = run(*args)
         assert result.exit_code != 0 and words in result.output and "Traceback" not in result.output, \

@@ -1,20 +1,27 @@
-"""LMDB databases of Datum records, as Caffe writes and reads them.
+"""The databases of Datum records Caffe writes and reads: LMDB and LevelDB.
 
-A database is a directory holding data.mdb and lock.mdb; records are read in
-key order. Readers open it read-only with lock=False, so any number of
-processes (MPI ranks on one machine) read it at once, which is only safe while
-nobody writes to it.
+Both are directories of records read in key order; `open_reader` tells them
+apart by what the directory holds (data.mdb or CURRENT) and `open_writer`
+writes either (`backend` "lmdb" or "leveldb", as Caffe's tools spell it).
 
-LMDB maps data.mdb into memory and trusts what it finds there: a page past
-the end of a truncated file is a SIGBUS that kills the process without a word.
-So readers first check the file against its own header (the meta pages say
-how many pages the data uses); then the part of the map past the end of the
-file is backed by zero pages, and the map reaches 4 GiB past the data, so a
-damaged page whose node claims any size (a 32-bit field) or points anywhere
-near reads zeros instead of faulting; a value longer than the whole file is
-refused before it is copied. Errors LMDB reports itself (pages of the wrong
-type, page numbers past the end) become one DataError naming the file and the
-record.
+LMDB: readers open it read-only with lock=False, so any number of processes
+(MPI ranks on one machine) read it at once, which is only safe while nobody
+writes to it. LMDB maps data.mdb into memory and trusts what it finds there: a
+page past the end of a truncated file is a SIGBUS that kills the process
+without a word. So readers first check the file against its own header (the
+meta pages say how many pages the data uses); then the part of the map past
+the end of the file is backed by zero pages, and the map reaches 4 GiB past the
+data, so a damaged page whose node claims any size (a 32-bit field) or points
+anywhere near reads zeros instead of faulting; a value longer than the whole
+file is refused before it is copied. Errors LMDB reports itself (pages of the
+wrong type, page numbers past the end) become one DataError naming the file
+and the record.
+
+LevelDB (through plyvel, which bundles the reference library with snappy, as
+Caffe links it): one process at a time may open a database (LevelDB locks it),
+so ranks that share one need an LMDB or `caffepy split_db`. It keeps no record
+count: a reader counts the keys when it opens. Damage is checked by LevelDB's
+own block checksums (paranoid checks on) and reported as one DataError.
 
 Writers build the database under a temporary name and rename it when done,
 so a failed run leaves nothing behind; what a killed writer left (its pid is
@@ -32,7 +39,9 @@ import threading
 
 import lmdb
 import numpy as np
+import plyvel
 
+from .. import log
 from ..errors import DataError, quote
 from ..prototxt import remove_stale_temporaries, temporary_affixes
 
@@ -188,18 +197,45 @@ def _release_env(entry):
             entry.env.close()
 
 
-def _check_exists(path):
+BACKENDS = ("lmdb", "leveldb")
+
+
+def backend_of(path):
+    """"lmdb" or "leveldb": the kind of database the directory `path` holds (DataError if none)."""
     if not os.path.exists(path):
         raise DataError(f"{path}: no such database")
-    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "data.mdb")):
-        raise DataError(f"{path}: not an LMDB database (expected a directory holding data.mdb)")
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "data.mdb")):
+            return "lmdb"
+        if os.path.exists(os.path.join(path, "CURRENT")):
+            return "leveldb"
+    raise DataError(f"{path}: not a database (expected an LMDB directory holding data.mdb or a "
+                    f"LevelDB directory holding CURRENT)")
+
+
+def open_reader(path, backend=None, field="backend"):
+    """A reader of the database at `path`, of the kind found there. `backend`, when the user
+    named one, only matters when it is wrong: a warning says which `field` and what was read."""
+    kind = backend_of(os.fspath(path))
+    if backend is not None and backend.lower() != kind:
+        log.warning(f"{os.fspath(path)}: {field} says {backend.upper()}, but the database is "
+                    f"{'an LMDB' if kind == 'lmdb' else 'a LevelDB'}; reading it as one")
+    return LMDBReader(path) if kind == "lmdb" else LevelDBReader(path)
+
+
+def open_writer(path, backend="lmdb", commit_every=1000):
+    """A writer of a new database at `path`: "lmdb" or "leveldb" (any case)."""
+    kind = backend.lower()
+    if kind not in BACKENDS:
+        raise DataError(f"{os.fspath(path)}: unknown database backend '{backend}'; use lmdb or leveldb")
+    return (LMDBWriter if kind == "lmdb" else LevelDBWriter)(path, commit_every)
 
 
 def _key_text(key):
     return quote(key, 100)
 
 
-class Reader:
+class LMDBReader:
     """Read-only access to one LMDB: `len(reader)`, `reader.get(index)` -> (key, value).
 
     Records are addressed by their position in key order. Reading forward in
@@ -209,7 +245,6 @@ class Reader:
 
     def __init__(self, path):
         self.path = os.fspath(path)
-        _check_exists(self.path)
         self._entry = _acquire_env(self.path)
         self.env = self._entry.env
         try:
@@ -315,13 +350,161 @@ class Reader:
             self.env = None
 
 
-class Writer:
-    """Write records into a new LMDB, committing every `commit_every` puts (as Caffe).
+def _leveldb_text(error):
+    """plyvel's message (it carries LevelDB's status as bytes)."""
+    text = error.args[0] if error.args else error
+    return text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+
+
+def _check_current(path):
+    """Refuse a LevelDB whose CURRENT names no manifest before opening it: opening writes LOCK
+    and LOG files into the directory, which a broken database should be spared."""
+    try:
+        with open(os.path.join(path, "CURRENT"), "rb") as f:
+            name = f.read(256).decode(errors="replace").strip()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the LevelDB's CURRENT: {e.strerror}") from None
+    if not name.startswith("MANIFEST-") or not os.path.isfile(os.path.join(path, name)):
+        raise DataError(f"{path}: damaged LevelDB: CURRENT names '{quote(name, 60)}', which is not a "
+                        f"manifest in the directory. Copy or rebuild the database")
+
+
+# LevelDB admits one open handle per database, in a process as across processes: readers in
+# one process (a TRAIN and a TEST net) share one per real path, closed with its last reader.
+_leveldbs = {}
+
+
+class _LevelDB:
+    def __init__(self, path):
+        _check_current(path)
+        try:
+            # paranoid_checks: a damaged block is an error, not a silently skipped record
+            self.db = plyvel.DB(path, create_if_missing=False, paranoid_checks=True, max_open_files=100)
+        except plyvel.IOError as e:
+            if "lock" in _leveldb_text(e).lower():
+                raise DataError(f"{path}: the LevelDB is open in another process, and LevelDB admits "
+                                f"one at a time. Ranks that share a database need an LMDB (`caffepy "
+                                f"convert_imageset --backend lmdb`) or one shard each (`caffepy "
+                                f"split_db`)") from None
+            raise DataError(f"{path}: cannot open the LevelDB: {_leveldb_text(e)}") from None
+        except plyvel.Error as e:
+            raise DataError(f"{path}: damaged LevelDB: {_leveldb_text(e)}. Copy or rebuild the "
+                            f"database") from None
+        self.users = 0
+
+
+class LevelDBReader:
+    """Read-only access to one LevelDB, as LMDBReader: `len(reader)`, `reader.get(index)` ->
+    (key, value), records by position in key order, every key read once when it opens (LevelDB
+    keeps no count). Reading forward walks one iterator; a jump seeks it to the key. All reads
+    see the database as it was when the reader opened (a snapshot)."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self._real = os.path.realpath(self.path)
+        with _envs_lock:
+            entry = _leveldbs.get(self._real)
+            if entry is None:
+                entry = _leveldbs[self._real] = _LevelDB(self.path)
+            entry.users += 1
+        self._entry = entry
+        try:
+            self._snapshot = entry.db.snapshot()
+            self._keys = self._read_keys()
+        except BaseException:
+            self.close()
+            raise
+        self.size = len(self._keys)
+        self._iter = None
+        self._pos = None        # index of the record the iterator returned last
+
+    def __len__(self):
+        return self.size
+
+    def _damaged(self, error, after=None):
+        where = f"after key '{_key_text(after)}': " if after is not None else ""
+        text = _leveldb_text(error) if isinstance(error, plyvel.Error) else error
+        return DataError(f"{self.path}: {where}damaged LevelDB: {text}. Copy or rebuild the database")
+
+    def _raw_iterator(self):
+        # plyvel's plain iterators end quietly at a damaged block; raw ones raise
+        return self._snapshot.raw_iterator(verify_checksums=True)
+
+    def _read_keys(self):
+        keys = []
+        try:
+            it = self._raw_iterator()
+            it.seek_to_first()
+            while it.valid():
+                keys.append(it.key())
+                it.next()
+        except plyvel.Error as e:
+            raise self._damaged(e, after=keys[-1] if keys else None) from None
+        return np.array(keys, dtype=object if not keys else f"S{max(map(len, keys))}")
+
+    def keys(self):
+        return self._keys
+
+    def get(self, index):
+        """(key, value) of the record at position `index` in key order."""
+        if not 0 <= index < self.size:
+            raise IndexError(index)
+        expected = bytes(self._keys[index])
+        try:
+            if self._iter is None or self._pos is None or index != self._pos + 1:
+                if self._iter is None:
+                    self._iter = self._raw_iterator()
+                self._iter.seek(expected)
+            else:
+                self._iter.next()
+            key, value = (self._iter.key(), self._iter.value()) if self._iter.valid() else (None, None)
+        except plyvel.Error as e:
+            self._pos = None
+            raise self._damaged(e, after=self._keys[index - 1] if index else None) from None
+        if key != expected:
+            self._pos = None
+            raise self._damaged(f"record {index} of the {self.size} counted when it opened "
+                                f"(key '{_key_text(expected)}') is missing")
+        self._pos = index
+        return key, value
+
+    def __iter__(self):
+        """Every (key, value) in key order."""
+        key = None
+        try:
+            it = self._raw_iterator()
+            it.seek_to_first()
+            while it.valid():
+                key = it.key()
+                yield key, it.value()
+                it.next()
+        except plyvel.Error as e:
+            raise self._damaged(e, after=key) from None
+
+    def close(self):
+        if self._entry is None:
+            return
+        if getattr(self, "_iter", None) is not None:
+            self._iter.close()
+            self._iter = None
+        if getattr(self, "_snapshot", None) is not None:
+            self._snapshot.close()
+        with _envs_lock:
+            self._entry.users -= 1
+            if self._entry.users == 0:
+                _leveldbs.pop(self._real, None)
+                self._entry.db.close()
+        self._entry = None
+
+
+class _Writer:
+    """Write records into a new database, committing every `commit_every` puts (as Caffe).
 
     The database is built in a temporary directory next to `path` and renamed
     to `path` by `close()`; `abort()` (or leaving a `with` block by an
     exception) removes it, so a failed run leaves no half-written database.
     Temporary directories of `path` that a killed writer left are removed first.
+    Subclasses open the store (`_open`), write a batch (`_write`) and close it (`_close`).
     """
 
     def __init__(self, path, commit_every=1000):
@@ -337,13 +520,11 @@ class Writer:
             os.chmod(self.tmp, 0o744 & ~_UMASK)
         except OSError as e:
             raise DataError(f"{self.path}: cannot create the database: {e.strerror}") from None
-        self.map_size = _INITIAL_MAP_SIZE
+        self.store = None
         try:
-            self.env = lmdb.open(self.tmp, map_size=self.map_size, subdir=True)
-        except BaseException as e:
+            self.store = self._open()
+        except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            if isinstance(e, lmdb.Error):
-                raise DataError(f"{self.path}: cannot create the database: {e}") from None
             raise
         self.commit_every = commit_every
         self._pending = []
@@ -357,26 +538,18 @@ class Writer:
             self.commit()
 
     def commit(self):
-        while self._pending:
-            try:
-                with self.env.begin(write=True) as txn:
-                    for key, value in self._pending:
-                        txn.put(key, value)
-                self._pending = []
-            except lmdb.MapFullError:
-                self.map_size *= 2
-                self.env.set_mapsize(self.map_size)
-            except lmdb.Error as e:
-                raise DataError(f"{self.path}: cannot write the database: {e}") from None
+        if self._pending:
+            self._write(self._pending)
+            self._pending = []
 
     def close(self):
         """Commit what is pending and give the database its name."""
-        if self.env is None:
+        if self.store is None:
             return
         try:
             self.commit()
-            self.env.close()
-            self.env = None
+            self._close()
+            self.store = None
             if os.path.exists(self.path):
                 raise DataError(f"{self.path}: database already exists (created while this one was "
                                 f"written); remove it or choose another name")
@@ -388,9 +561,10 @@ class Writer:
 
     def abort(self):
         """Drop everything written: the temporary database is removed."""
-        if self.env is not None:
-            self.env.close()
-            self.env = None
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self._close()
+            self.store = None
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self):
@@ -401,3 +575,54 @@ class Writer:
             self.close()
         else:
             self.abort()
+
+
+class LMDBWriter(_Writer):
+    """A new LMDB; its map starts at _INITIAL_MAP_SIZE and doubles whenever it is full."""
+
+    def _open(self):
+        self.map_size = _INITIAL_MAP_SIZE
+        try:
+            return lmdb.open(self.tmp, map_size=self.map_size, subdir=True)
+        except lmdb.Error as e:
+            raise DataError(f"{self.path}: cannot create the database: {e}") from None
+
+    def _write(self, records):
+        while True:
+            try:
+                with self.store.begin(write=True) as txn:
+                    for key, value in records:
+                        txn.put(key, value)
+                return
+            except lmdb.MapFullError:
+                self.map_size *= 2
+                self.store.set_mapsize(self.map_size)
+            except lmdb.Error as e:
+                raise DataError(f"{self.path}: cannot write the database: {e}") from None
+
+    def _close(self):
+        self.store.close()
+
+
+class LevelDBWriter(_Writer):
+    """A new LevelDB with the options Caffe's writer sets (64 KiB blocks, a 256 MiB write
+    buffer, 100 open files; snappy, LevelDB's default), one write batch per commit."""
+
+    def _open(self):
+        try:
+            return plyvel.DB(self.tmp, create_if_missing=True, error_if_exists=True,
+                             block_size=64 << 10, write_buffer_size=256 << 20, max_open_files=100,
+                             compression="snappy")
+        except plyvel.Error as e:
+            raise DataError(f"{self.path}: cannot create the database: {e}") from None
+
+    def _write(self, records):
+        try:
+            with self.store.write_batch() as batch:
+                for key, value in records:
+                    batch.put(key, value)
+        except plyvel.Error as e:
+            raise DataError(f"{self.path}: cannot write the database: {e}") from None
+
+    def _close(self):
+        self.store.close()

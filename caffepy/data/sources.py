@@ -1,4 +1,4 @@
-"""Record sources for the prefetcher: an LMDB of Datum, or a list file of images.
+"""Record sources for the prefetcher: a database (LMDB or LevelDB) of Datum, or a list file of images.
 
 A source has `len()`, get(index) -> (key, raw) (cheap, called in record order by
 one thread), decode(key, raw) -> (C x H x W array, label) (the heavy part, called
@@ -12,7 +12,7 @@ import cv2.utils.logging
 from .. import memory
 from ..errors import DataError, quote
 from .datum import datum_to_array, parse_datum
-from .db import Reader
+from .db import open_reader
 
 # Unreadable images are reported by our own warning or error; OpenCV's own
 # "[ WARN:0@...] imread_(...)" or "[ERROR:0@...] ... readHeader" line would
@@ -20,9 +20,11 @@ from .db import Reader
 cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
 
 
-class LMDBSource:
-    def __init__(self, path, force_color=False, force_gray=False):
-        self.reader = Reader(path)
+class DBSource:
+    """The records of a database; `backend`, the layer's `data_param.backend` when it sets one."""
+
+    def __init__(self, path, force_color=False, force_gray=False, backend=None):
+        self.reader = open_reader(path, backend, field="data_param.backend")
         self.path = self.reader.path
         self.force_color, self.force_gray = force_color, force_gray
 

@@ -2,7 +2,7 @@
 
 convert_imageset: each line `<path> <label>` of the list file (label after the
 last space) becomes one Datum under the key `%08d_<path>` (the line number,
-counted over every line, then the path), in a new LMDB. Images are read in
+counted over every line, then the path), in a new LMDB or LevelDB. Images are read in
 colour (BGR) or gray, resized with INTER_LINEAR when both resize sizes are set,
 and stored raw (C x H x W) or, with `encoded`, as the file's own bytes when
 nothing changed them (else re-encoded as `encode_type`). Unreadable images are
@@ -12,8 +12,8 @@ compute_image_mean: the mean of every Datum of a database, written as a
 1 x C x H x W .binaryproto, plus the per-channel means.
 
 convert_mnist_data and convert_cifar_data (Caffe's examples/mnist and
-examples/cifar10 converters): the datasets' own binary files into LMDBs of raw
-Datum, the keys and records Caffe's converters write.
+examples/cifar10 converters): the datasets' own binary files into LMDBs or LevelDBs
+of raw Datum, the keys and records Caffe's converters write.
 """
 import os
 import sys
@@ -25,7 +25,7 @@ import numpy as np
 from .. import log, memory, rng
 from ..errors import DataError, UsageError, quote
 from .datum import datum_to_array, encoded_datum, image_to_datum, parse_datum
-from .db import Reader, Writer
+from .db import open_reader, open_writer
 from .sources import read_image, read_list_file
 
 _COMMIT = 1000
@@ -56,9 +56,8 @@ def _same_format(path, encoding):
 
 def convert_imageset(root_folder, list_file, db_name, gray=False, shuffle=False, backend="lmdb",
                      resize_width=0, resize_height=0, check_size=False, encoded=False, encode_type=""):
-    """Write the images of `list_file` into a new LMDB `db_name`; return the number written."""
-    if backend != "lmdb":
-        raise DataError(f"{db_name}: backend '{backend}' is not supported; use lmdb")
+    """Write the images of `list_file` into a new database `db_name` (`backend` lmdb or leveldb);
+    return the number written."""
     is_color = not gray
     if os.path.exists(db_name):
         raise DataError(f"{db_name}: database already exists; remove it or choose another name")
@@ -78,7 +77,7 @@ def convert_imageset(root_folder, list_file, db_name, gray=False, shuffle=False,
         log.warning("encode_type given without --encoded; storing raw pixels")
     size = None
     written, skipped = 0, 0
-    with Writer(db_name, commit_every=_COMMIT) as db, \
+    with open_writer(db_name, backend, commit_every=_COMMIT) as db, \
             _progress(list(enumerate(entries)), "convert_imageset") as items:
         for line_id, (name, label) in items:
             path = root_folder + name
@@ -124,10 +123,10 @@ def convert_imageset(root_folder, list_file, db_name, gray=False, shuffle=False,
     return written
 
 
-def compute_image_mean(input_db, output_file=None):
-    """The mean image of an LMDB of Datum (C x H x W float32); written as a
+def compute_image_mean(input_db, output_file=None, backend=None):
+    """The mean image of a database (LMDB or LevelDB) of Datum (C x H x W float32); written as a
     1 x C x H x W .binaryproto when `output_file` is given."""
-    reader = Reader(input_db)
+    reader = open_reader(input_db, backend, field="--backend")
     try:
         if len(reader) == 0:
             raise DataError(f"{reader.path}: the database is empty; no mean to compute")
@@ -199,10 +198,8 @@ def _idx(path, magic, what):
 
 
 def convert_mnist_data(image_file, label_file, db_path, backend="lmdb"):
-    """MNIST's idx image and label files into a new LMDB: key `%08d` of the item, a Datum of
+    """MNIST's idx image and label files into a new LMDB or LevelDB (`backend`): key `%08d` of the item, a Datum of
     1 x rows x cols raw pixels and the label. Returns the number of items."""
-    if backend != "lmdb":
-        raise DataError(f"{db_path}: backend '{backend}' is not supported; use lmdb")
     (count, rows, cols), pixels = _idx(image_file, _MNIST_IMAGES, "image")
     (labels_count,), labels = _idx(label_file, _MNIST_LABELS, "label")
     if count != labels_count:
@@ -215,7 +212,7 @@ def convert_mnist_data(image_file, label_file, db_path, backend="lmdb"):
     log.info(f"A total of {count} items.")
     log.info(f"Rows: {rows} Cols: {cols}")
     datum = caffe_pb2.Datum(channels=1, height=rows, width=cols)
-    with Writer(db_path, commit_every=_COMMIT) as db:
+    with open_writer(db_path, backend, commit_every=_COMMIT) as db:
         for i in range(count):
             datum.data = pixels[i * size:(i + 1) * size]
             datum.label = _signed_char(labels[i])
@@ -233,12 +230,10 @@ _CIFAR_RECORD = 1 + 3 * 32 * 32                  # a label byte, then 3 x 32 x 3
 
 
 def convert_cifar_data(input_folder, output_folder, db_type="lmdb"):
-    """CIFAR-10's binary batches into new LMDBs `cifar10_train_<db_type>` (data_batch_1..5.bin,
+    """CIFAR-10's binary batches into new databases (`db_type` lmdb or leveldb) `cifar10_train_<db_type>` (data_batch_1..5.bin,
     keys `%05d` counted across them) and `cifar10_test_<db_type>` (test_batch.bin) in
     `output_folder`: each record a Datum of 3 x 32 x 32 raw pixels and its label. Every
     whole record of a file is read (CIFAR-10's hold 10000). Returns (train, test) counts."""
-    if db_type != "lmdb":
-        raise DataError(f"{output_folder}: db_type '{db_type}' is not supported; use lmdb")
     files = {"train": [os.path.join(input_folder, f"data_batch_{i}.bin") for i in range(1, 6)],
              "test": [os.path.join(input_folder, "test_batch.bin")]}
     batches = {part: [_read_binary(path) for path in paths] for part, paths in files.items()}
@@ -257,7 +252,7 @@ def convert_cifar_data(input_folder, output_folder, db_type="lmdb"):
     for part, title in (("train", "Training"), ("test", "Testing")):
         log.info(f"Writing {title} data")
         n = 0
-        with Writer(outputs[part], commit_every=_COMMIT) as db:
+        with open_writer(outputs[part], db_type, commit_every=_COMMIT) as db:
             for b, data in enumerate(batches[part]):
                 if part == "train":
                     log.info(f"Training Batch {b + 1}")

@@ -1,4 +1,4 @@
-"""Data layers: Input, DummyData, and the readers Data (LMDB), ImageData (list file), MemoryData
+"""Data layers: Input, DummyData, and the readers Data (LMDB or LevelDB), ImageData (list file), MemoryData
 (arrays), WindowData (R-CNN window files)."""
 import weakref
 
@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import fillers, log, memory, rng
 from ..data.prefetch import BatchFiller, Prefetcher, RecordOrder
-from ..data.sources import ImageListSource, LMDBSource
+from ..data.sources import DBSource, ImageListSource
 from ..data import windows
 from ..data.transformer import DataTransformer
 from ..errors import CaffepyError, DataError, SizeError
@@ -267,11 +267,11 @@ def _shutdown(prefetcher, source):
 
 @register
 class Data(_PrefetchingLayer):
-    """Batches of Datum records from an LMDB (data_param), transformed by transform_param.
+    """Batches of Datum records from an LMDB or a LevelDB (data_param), transformed by transform_param.
 
     Tops: data (batch_size x C x H x W, after crop) and optionally label (batch_size).
-    data_param: source, batch_size, rand_skip, backend (LMDB), prefetch, shuffle (Intel),
-    force_encoded_color. Encoded records are decoded by OpenCV in BGR order.
+    data_param: source (read as the kind of database it is; a `backend` naming the other kind
+    gets a warning), batch_size, rand_skip, prefetch, shuffle (Intel), force_encoded_color. Encoded records are decoded by OpenCV in BGR order.
 
     Multi-rank (rank r of N in the layer's run context, `self.context`): a source
     containing `{rank}` names one shard per rank (split-DB: `{rank}` is replaced by the
@@ -288,11 +288,11 @@ class Data(_PrefetchingLayer):
 
     def open_source(self, path):
         p = self.param.data_param
-        if p.HasField("backend") and p.backend != caffe_pb2.DataParameter.LMDB:
-            raise self.error("data_param.backend", "only LMDB databases are supported", "LEVELDB",
-                             hint="convert the data with `caffepy convert_imageset --backend lmdb`")
+        # the database is read as what it is; a backend that says otherwise gets a warning
+        backend = caffe_pb2.DataParameter.DB.Name(p.backend) if p.HasField("backend") else None
         tp = self.param.transform_param
-        return LMDBSource(path, force_color=tp.force_color or p.force_encoded_color, force_gray=tp.force_gray)
+        return DBSource(path, force_color=tp.force_color or p.force_encoded_color, force_gray=tp.force_gray,
+                        backend=backend)
 
     def prefetch_depth(self):
         return self.param.data_param.prefetch

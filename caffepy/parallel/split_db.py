@@ -1,6 +1,7 @@
-"""`caffepy split_db INPUT_DB N [PREFIX]`: one LMDB into N shards for split-DB training.
+"""`caffepy split_db INPUT_DB N [PREFIX]`: one database into N shards for split-DB training.
 
-Shard r is the LMDB `<PREFIX>_<r>` (PREFIX defaults to INPUT_DB) and holds
+Shard r is the database `<PREFIX>_<r>` (PREFIX defaults to INPUT_DB), of the input's kind
+(LMDB or LevelDB), and holds
 records r, r+N, r+2N, ... of the input in key order, under their original
 keys, so a net whose data source is `<PREFIX>_{rank}` reads on rank r exactly
 what the shared-DB interleave would give it, and every record is read once per
@@ -11,7 +12,7 @@ import os
 import shutil
 
 from .. import log
-from ..data.db import Reader, Writer
+from ..data.db import backend_of, open_reader, open_writer
 from ..errors import DataError
 
 _BATCH = 1000          # records per write transaction
@@ -33,12 +34,13 @@ def split_db(input_db, num_shards, output_prefix=None):
                             f"another prefix")
     if not os.path.exists(input_db):
         raise DataError(f"{input_db}: split_db: input database not found")
-    source = Reader(input_db)
+    backend = backend_of(input_db)
+    source = open_reader(input_db)
     outputs = []
     counts = [0] * num_shards
     try:
         for path in paths:      # one by one: an interruption between two still aborts the first
-            outputs.append(Writer(path, commit_every=_BATCH))
+            outputs.append(open_writer(path, backend, commit_every=_BATCH))
         for index, (key, value) in enumerate(source):
             shard = index % num_shards
             outputs[shard].put(key, value)

@@ -1293,13 +1293,16 @@ def missing_lmdb(c):
 @case("lmdb")
 def file_as_lmdb(c):
     db = c.write("db", "not a database")
-    return time_args(_lmdb_net(c, db)), [db, "layer 'data'", "not an LMDB database"]
+    return time_args(_lmdb_net(c, db)), [db, "layer 'data'", "not a database"]
 
 
 @case("lmdb")
-def leveldb_backend(c):
-    p = _bad_net(c, train_val(c.fx.db).replace("backend: LMDB", "backend: LEVELDB"))
-    return time_args(p), [p + ":", "layer 'data'", "backend"]
+def damaged_leveldb(c):
+    db = os.path.join(c.inp, "broken_leveldb")
+    os.makedirs(db, exist_ok=True)
+    with open(os.path.join(db, "CURRENT"), "w") as f:      # names a manifest that is not there
+        f.write("MANIFEST-000009\n")
+    return time_args(_lmdb_net(c, db)), [db, "layer 'data'", "damaged LevelDB"]
 
 
 # =====================================================================================

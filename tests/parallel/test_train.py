@@ -349,8 +349,8 @@ def test_batchnorm_statistics_are_the_mean_over_ranks(tmp_path, db):
     assert float(wn["bn.2"].ravel()[0]) == pytest.approx(float(w1["bn.2"].ravel()[0]))
     # the records rank r reads in iteration k: positions (k * local + j) * ranks + r
     from caffepy.data.datum import datum_to_array, parse_datum
-    from caffepy.data.db import Reader
-    reader = Reader(db)
+    from caffepy.data.db import open_reader
+    reader = open_reader(db)
     records = np.stack([datum_to_array(parse_datum(reader.get(i)[1])) for i in range(RECORDS)]).astype(np.float64)
     m = local * 16
     expected = np.zeros(2)
