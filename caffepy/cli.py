@@ -232,6 +232,19 @@ def convert_mnist_data(image_file, label_file, db_path, backend):
     tools.convert_mnist_data(image_file, label_file, db_path, backend)
 
 
+@main.command("convert_mnist_siamese_data")
+@click.argument("image_file", metavar="INPUT_IMAGE_FILE")
+@click.argument("label_file", metavar="INPUT_LABEL_FILE")
+@click.argument("db_path", metavar="OUTPUT_DB_FILE")
+@click.option("--backend", type=click.Choice(["lmdb", "leveldb"]), default="leveldb", show_default=True,
+              help="The backend for storing the result.")
+def convert_mnist_siamese_data(image_file, label_file, db_path, backend):
+    """Pair MNIST's items at random into 2-channel Datum (label 1: the same digit) for Caffe's
+    siamese example."""
+    from .data import tools
+    tools.convert_mnist_siamese_data(image_file, label_file, db_path, backend)
+
+
 @main.command("convert_cifar_data")
 @click.argument("input_folder")
 @click.argument("output_folder")

@@ -1,9 +1,9 @@
-"""Caffe's image tools: convert_imageset and compute_image_mean.
+"""Caffe's data tools: convert_imageset, compute_image_mean and the dataset converters.
 
 convert_imageset: each line `<path> <label>` of the list file (label after the
 last space) becomes one Datum under the key `%08d_<path>` (the line number,
-counted over every line, then the path), in a new LMDB or LevelDB. Images are read in
-colour (BGR) or gray, resized with INTER_LINEAR when both resize sizes are set,
+counted over every line, then the path), in a new LMDB or LevelDB. Images are read
+in colour (BGR) or gray, resized with INTER_LINEAR when both resize sizes are set,
 and stored raw (C x H x W) or, with `encoded`, as the file's own bytes when
 nothing changed them (else re-encoded as `encode_type`). Unreadable images are
 skipped with a warning and counted at the end.
@@ -11,9 +11,9 @@ skipped with a warning and counted at the end.
 compute_image_mean: the mean of every Datum of a database, written as a
 1 x C x H x W .binaryproto, plus the per-channel means.
 
-convert_mnist_data and convert_cifar_data (Caffe's examples/mnist and
-examples/cifar10 converters): the datasets' own binary files into LMDBs or LevelDBs
-of raw Datum, the keys and records Caffe's converters write.
+convert_mnist_data, convert_mnist_siamese_data and convert_cifar_data (Caffe's
+examples/mnist, examples/siamese and examples/cifar10 converters): the datasets' own binary
+files into LMDBs or LevelDBs of raw Datum, the keys and records Caffe's converters write.
 """
 import os
 import sys
@@ -168,7 +168,7 @@ def write_mean(mean, path):
     atomic_write(path, bp.SerializeToString())
 
 
-# -- the MNIST and CIFAR-10 converters (Caffe's examples/mnist, examples/cifar10) --------------
+# -- the MNIST and CIFAR-10 converters (Caffe's examples/mnist, siamese, cifar10) --------------
 _MNIST_IMAGES, _MNIST_LABELS = 2051, 2049        # the idx files' magic numbers
 
 
@@ -197,20 +197,26 @@ def _idx(path, magic, what):
     return [int(v) for v in head[1:]], data[4 * (1 + dims):]
 
 
-def convert_mnist_data(image_file, label_file, db_path, backend="lmdb"):
-    """MNIST's idx image and label files into a new LMDB or LevelDB (`backend`): key `%08d` of the item, a Datum of
-    1 x rows x cols raw pixels and the label. Returns the number of items."""
+def _mnist(image_file, label_file):
+    """(count, rows, cols, pixels, labels) of MNIST's idx image and label files, checked."""
     (count, rows, cols), pixels = _idx(image_file, _MNIST_IMAGES, "image")
     (labels_count,), labels = _idx(label_file, _MNIST_LABELS, "label")
     if count != labels_count:
         raise DataError(f"{image_file} holds {count} images but {label_file} {labels_count} labels")
-    size = rows * cols
-    if len(pixels) < count * size or len(labels) < count:
-        raise DataError(f"{image_file if len(pixels) < count * size else label_file}: ends before "
-                        f"its {count} items")
-    from ..proto import caffe_pb2
+    if len(pixels) < count * rows * cols or len(labels) < count:
+        raise DataError(f"{image_file if len(pixels) < count * rows * cols else label_file}: ends "
+                        f"before its {count} items")
     log.info(f"A total of {count} items.")
     log.info(f"Rows: {rows} Cols: {cols}")
+    return count, rows, cols, pixels, labels
+
+
+def convert_mnist_data(image_file, label_file, db_path, backend="lmdb"):
+    """MNIST's idx image and label files into a new LMDB or LevelDB (`backend`): key `%08d` of the
+    item, a Datum of 1 x rows x cols raw pixels and the label. Returns the number of items."""
+    count, rows, cols, pixels, labels = _mnist(image_file, label_file)
+    from ..proto import caffe_pb2
+    size = rows * cols
     datum = caffe_pb2.Datum(channels=1, height=rows, width=cols)
     with open_writer(db_path, backend, commit_every=_COMMIT) as db:
         for i in range(count):
@@ -218,6 +224,29 @@ def convert_mnist_data(image_file, label_file, db_path, backend="lmdb"):
             datum.label = _signed_char(labels[i])
             db.put(f"{i:08d}", datum.SerializeToString())
     log.info(f"Processed {count} files.")
+    return count
+
+
+def convert_mnist_siamese_data(image_file, label_file, db_path, backend="leveldb"):
+    """Caffe's examples/siamese converter: as many pairs as items, each of two items drawn at
+    random (with replacement) into a Datum of 2 x rows x cols pixels (the first item's channel,
+    then the second's), label 1 when their labels agree and 0 when not; key `%08d` of the pair.
+    A LevelDB by default, as Caffe's tool writes. Returns the number of pairs."""
+    count, rows, cols, pixels, labels = _mnist(image_file, label_file)
+    if count == 0:
+        raise DataError(f"{image_file}: holds no items to pair")
+    from ..proto import caffe_pb2
+    size = rows * cols
+    images = np.frombuffer(pixels, np.uint8, count * size).reshape(count, size)
+    labels = np.frombuffer(labels, np.uint8, count)
+    pairs = rng.generator().integers(0, count, (count, 2))
+    datum = caffe_pb2.Datum(channels=2, height=rows, width=cols)
+    with open_writer(db_path, backend, commit_every=_COMMIT) as db:
+        for n, (i, j) in enumerate(pairs):
+            datum.data = images[[i, j]].tobytes()
+            datum.label = int(labels[i] == labels[j])
+            db.put(f"{n:08d}", datum.SerializeToString())
+    log.info(f"Processed {count} pairs.")
     return count
 
 

@@ -219,3 +219,68 @@ def test_extract_features_writes_a_leveldb(tmp_path, monkeypatch):
         assert records == db_records(tmp_path / f"{blob}_lmdb") and len(records) == 6
     result = CliRunner().invoke(main, ["extract_features", "w.caffemodel", "net.prototxt", "ip", "x", "1", "rocksdb"])
     assert result.exit_code == 2 and "db_type: 'rocksdb' is not a database type; use lmdb or leveldb" in result.output
+
+
+def _digits(tmp_path, n, seed):
+    """MNIST-shaped idx files of n 6x6 images of 4 classes: a class's pattern plus noise."""
+    gen = np.random.default_rng(seed)
+    labels = gen.integers(0, 4, n, dtype=np.uint8)
+    patterns = gen.integers(0, 256, (4, 6, 6))
+    images = np.clip(patterns[labels] + gen.integers(-20, 21, (n, 6, 6)), 0, 255).astype(np.uint8)
+    (tmp_path / "img").write_bytes(np.array([2051, n, 6, 6], ">u4").tobytes() + images.tobytes())
+    (tmp_path / "lab").write_bytes(np.array([2049, n], ">u4").tobytes() + labels.tobytes())
+    return images, labels
+
+
+def test_convert_mnist_siamese_data_pairs_items_at_random(tmp_path):
+    images, labels = _digits(tmp_path, 300, 0)
+    result = CliRunner().invoke(main, ["convert_mnist_siamese_data", str(tmp_path / "img"),
+                                       str(tmp_path / "lab"), str(tmp_path / "pairs")])
+    assert result.exit_code == 0, result.output
+    assert os.path.exists(tmp_path / "pairs" / "CURRENT")          # a LevelDB, as Caffe's tool
+    records = db_records(tmp_path / "pairs")
+    assert [k for k, _ in records] == [f"{i:08d}" for i in range(300)]
+    flat = images.reshape(300, -1)
+    firsts, same = set(), 0
+    for _, value in records:
+        d = caffe_pb2.Datum.FromString(value)
+        assert (d.channels, d.height, d.width) == (2, 6, 6)
+        pair = np.frombuffer(d.data, np.uint8).reshape(2, -1)
+        i, j = (int(np.flatnonzero((flat == half).all(axis=1))[0]) for half in pair)
+        assert d.label == int(labels[i] == labels[j])
+        firsts.add(i)
+        same += d.label
+    assert len(firsts) > 150 and 40 < same < 120      # random pairs: about a quarter of one class
+
+
+def test_a_siamese_net_trains_on_the_pairs_with_caffes_default_backend(tmp_path, monkeypatch):
+    """BVLC's siamese example in small: its Data layer names no backend (Caffe's default:
+    LEVELDB), Slice splits the pair, two towers share weights by name, ContrastiveLoss."""
+    import caffepy
+    _digits(tmp_path, 400, 1)
+    monkeypatch.chdir(tmp_path)
+    tools.convert_mnist_siamese_data("img", "lab", "pairs")
+    tower = ('layer {{ name: "ip{s}" type: "InnerProduct" bottom: "{b}" top: "feat{s}" '
+             'param {{ name: "w" }} param {{ name: "b" }} inner_product_param {{ num_output: 2 '
+             'weight_filler {{ type: "xavier" }} }} }}\n')
+    (tmp_path / "net.prototxt").write_text(
+        'name: "siamese"\n' + data_net_text("pairs", 32, transform="scale: 0.00390625",
+                                            tops=("pair_data", "sim"), backend=None)
+        + 'layer { name: "slice" type: "Slice" bottom: "pair_data" top: "data" top: "data_p" '
+          'slice_param { slice_dim: 1 slice_point: 1 } }\n'
+        + tower.format(s="", b="data") + tower.format(s="_p", b="data_p")
+        + 'layer { name: "loss" type: "ContrastiveLoss" bottom: "feat" bottom: "feat_p" bottom: "sim" '
+          'top: "loss" contrastive_loss_param { margin: 1 } }\n')
+    (tmp_path / "solver.prototxt").write_text('net: "net.prototxt" base_lr: 0.05 momentum: 0.9 '
+                                              'lr_policy: "fixed" max_iter: 1000 display: 0 '
+                                              'snapshot_after_train: false random_seed: 3\n')
+    solver = caffepy.get_solver("solver.prototxt")
+    assert solver.net.params["ip"][0] is solver.net.params["ip_p"][0]    # one weight blob
+    first = [float(solver.net.forward()["loss"]) for _ in range(10)]    # untrained, 10 batches
+    solver.step(150)
+    last = []
+    for _ in range(10):
+        solver.step(1)
+        last.append(float(solver.net.blobs["loss"].data))
+    assert np.mean(last) < 0.1 * np.mean(first), (first, last)
+    solver.net.layers[0].close()
