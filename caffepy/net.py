@@ -106,6 +106,27 @@ def split_blob_name(layer_name, blob_name, top_index, split_index):
     return f"{split_layer_name(layer_name, blob_name, top_index)}_{split_index}"
 
 
+AUTOMATIC_TOP = "(automatic)"
+
+
+def add_automatic_tops(param):
+    """Caffe's AutoTopBlobs: a loss layer written without a top (BVLC's pascal_finetune example
+    has one) gets an anonymous one, which carries its loss but feeds no layer and is no output of
+    the net. Adds them to `param` (a copy of the user's) and returns their names."""
+    from .layer import LAYERS
+    made = []
+    for lp in param.layer:
+        variants = LAYERS.get(lp.type)
+        cls = next(iter(variants.values())) if variants else None
+        if cls is None or not cls.is_loss:
+            continue
+        while len(lp.top) < max(cls.min_tops or 0, cls.exact_tops or 0):
+            name = AUTOMATIC_TOP if not made else f"{AUTOMATIC_TOP} {len(made) + 1}"
+            lp.top.append(name)
+            made.append(name)
+    return made
+
+
 def insert_splits(param, source=None, unfiltered=None):
     """Return a copy of `param` with Split layers wherever a top feeds several bottoms.
 
@@ -222,6 +243,7 @@ class Net:
         self.name = param.name
         self.param = param
         param = insert_splits(param, self.source, unfiltered)
+        automatic = add_automatic_tops(param)
         self._blobs = collections.OrderedDict()   # every blob, the plan's conversions' included
         self.layers = []
         self._layer_names = []
@@ -265,6 +287,8 @@ class Net:
         if plan.summary():
             log.info(plan.summary())
         del self._blob_need_backward
+        for name in automatic:
+            self._available.pop(name, None)
 
         self._prune_backward(wired, aliases)
         if wired.force_backward:

@@ -473,3 +473,30 @@ def test_a_shapes_only_reshape_runs_when_a_shape_changed(monkeypatch):
     net.blobs["pool"].reshape(1, 1, 1, 1)
     net.forward()
     assert net.blobs["pool"].shape == (5, 4, 4, 4) and calls["pool"] == 3
+
+
+def test_a_loss_layer_without_a_top_gets_caffes_anonymous_one(tmp_path):
+    """Caffe's AutoTopBlobs (BVLC's pascal_finetune example writes SoftmaxWithLoss without a
+    top): the anonymous top carries the loss, which the net returns and trains on, but it is
+    no output of the net and no layer can read it."""
+    labels = ('layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 4 } } }\n')
+    body = INPUT + labels + ip("a", "data", "a")
+    named = Net(net_param(body + 'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "a" '
+                                 'bottom: "label" top: "loss" }'), caffepy.TRAIN)
+    anonymous = Net(net_param(body + 'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "a" '
+                                     'bottom: "label" }'), caffepy.TRAIN)
+    for net in (named, anonymous):
+        net.params["a"][0].data[...] = np.arange(15, dtype=np.float32).reshape(3, 5) / 10
+        net.params["a"][1].data[...] = 0.5
+        net.blobs["data"].data[...] = np.linspace(-1, 1, 20, dtype=np.float32).reshape(4, 5)
+        net.blobs["label"].data[...] = [0, 1, 2, 1]
+    loss = named.forward_from_to()
+    assert loss > 0 and anonymous.forward_from_to() == loss
+    assert anonymous.outputs == [] and anonymous.blob_loss_weights["(automatic)"] == 1
+    named.backward_from_to()
+    anonymous.backward_from_to()
+    np.testing.assert_array_equal(anonymous.params["a"][0].diff, named.params["a"][0].diff)
+    assert anonymous.params["a"][0].diff.any()
+    with pytest.raises(LayerError, match="unknown blob '\\(automatic\\)'"):
+        Net(net_param(body + 'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "a" bottom: "label" }'
+                      'layer { name: "more" type: "Power" bottom: "(automatic)" top: "p" }'), caffepy.TRAIN)
