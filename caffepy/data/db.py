@@ -29,6 +29,7 @@ in the name) is removed when a writer of the same database starts.
 """
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import re
@@ -138,6 +139,16 @@ def _round_up(n, page=mmap.PAGESIZE):
     return -(-n // page) * page
 
 
+@functools.cache
+def _libc_mmap():
+    """libc's mmap through ctypes, made once (a CDLL is cyclic garbage when dropped)."""
+    mmap_ = ctypes.CDLL(None, use_errno=True).mmap
+    mmap_.restype = ctypes.c_void_p
+    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+    return mmap_
+
+
 def _back_with_zeros(data_file, size, map_size):
     """Replace the pages of LMDB's read-only map past the end of the file (which
     fault with SIGBUS) by anonymous zero pages. True when done."""
@@ -147,12 +158,8 @@ def _back_with_zeros(data_file, size, map_size):
     lo, hi = start + _round_up(size), start + _round_up(map_size)
     if lo >= hi:
         return True
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_long]
     fixed = 0x10        # MAP_FIXED (Linux): replace what is mapped there
-    got = libc.mmap(lo, hi - lo, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | fixed, -1, 0)
+    got = _libc_mmap()(lo, hi - lo, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | fixed, -1, 0)
     return got == lo
 
 

@@ -17,6 +17,8 @@ force_gray (the last two apply to encoded images), pad. Intel Caffe's augmentati
 (resize, noise, distortion, expansion, random resize / aspect ratio, crop_h / crop_w,
 emit_constraint, flow) are refused: caffepy does not run them.
 """
+import weakref
+
 import numpy as np
 
 from ..errors import DataError
@@ -38,7 +40,9 @@ class DataTransformer:
     def __init__(self, param, phase, generator=None, layer=None):
         self.param = param
         self.phase = phase
-        self.layer = layer
+        # weak: the prefetch thread holds the transformer, and a strong reference would keep
+        # the layer alive, so its finalizer (which stops that thread) would never run
+        self.layer = weakref.proxy(layer) if layer is not None else None
         self.gen = generator if generator is not None else np.random.default_rng()
         self.scale = float(param.scale)
         self.crop = int(param.crop_size)

@@ -294,16 +294,21 @@ class BlockedConvolution(Layer):
 
     def _candidates(self):
         """{name: (forward, backward, Winograd tile m or None)} of the algorithms for the
-        current shape, and the rule's choice among them."""
-        found = {"im2col+gemm": (self._gemm_forward, self._gemm_backward, None)}
+        current shape, and the rule's choice among them. The passes take the layer first (kept
+        in the layer, bound methods would make a reference cycle that only the cyclic garbage
+        collector frees, and with it the layer's weights and workspaces)."""
+        cls = type(self)
+        found = {"im2col+gemm": (cls._gemm_forward, cls._gemm_backward, None)}
         default = "im2col+gemm"
         if self._direct is not None:
-            found["direct"] = (self._direct.forward, self._direct_backward, None)
+            found["direct"] = (lambda layer, bottom, top: layer._direct.forward(bottom, top),
+                               cls._direct_backward, None)
             default = "direct"
         if self.winograd:
             for m in WINOGRAD_TILES[self.kh]:
-                found[f"winograd F({m},{self.kh})"] = (functools.partial(self._wino_forward, m),
-                                                       functools.partial(self._wino_backward, m), m)
+                found[f"winograd F({m},{self.kh})"] = (
+                    lambda layer, *args, m=m: layer._wino_forward(m, *args),
+                    lambda layer, *args, m=m: layer._wino_backward(m, *args), m)
             default = f"winograd F({winograd_tile(self.kh, self.oh, self.ow)},{self.kh})"
         return found, default
 
@@ -316,10 +321,11 @@ class BlockedConvolution(Layer):
                f"k{self.kh}x{self.kw} s{self.sh}x{self.sw} p{self.ph}x{self.pw} "
                f"d{self.dh}x{self.dw} g{self.group}{' b' if self.bias_term else ''}")
         need_x = autotune.trial_propagate_down(self, bottom)
-        trials = {"forward": {a: functools.partial(f, bottom, top) for a, (f, _, _) in found.items()}}
+        trials = {"forward": {a: functools.partial(f, self, bottom, top)
+                              for a, (f, _, _) in found.items()}}
         if self.phase == caffe_pb2.TRAIN:
             trials["backward"] = {
-                a: autotune.keeping_diffs(self, functools.partial(b, top, need_x, bottom, True,
+                a: autotune.keeping_diffs(self, functools.partial(b, self, top, need_x, bottom, True,
                                                                   self.bias_term))
                 for a, (_, b, _) in found.items()}
         chosen, tunings = {}, {}
@@ -423,14 +429,14 @@ class BlockedConvolution(Layer):
 
     # -- forward / backward --------------------------------------------------------------------
     def forward(self, bottom, top):
-        self.algorithms[self.algos["forward"]][0](bottom, top)
+        self.algorithms[self.algos["forward"]][0](self, bottom, top)
 
     def backward(self, top, propagate_down, bottom):
         need_w = param_wanted(self, 0)
         need_b = self.bias_term and param_wanted(self, 1)
         if not (need_w or need_b or any(propagate_down)):
             return
-        self.algorithms[self.algos["backward"]][1](top, propagate_down, bottom, need_w, need_b)
+        self.algorithms[self.algos["backward"]][1](self, top, propagate_down, bottom, need_w, need_b)
 
     def _direct_backward(self, top, propagate_down, bottom, need_w, need_b):
         """The direct kernel's weight and bias gradients; the data gradient, if wanted, Caffe's."""

@@ -24,6 +24,8 @@ The layout-agnostic plain layers (ReLU and the other neurons, Split, Eltwise, Dr
 run on it as they are. All compute Caffe's numbers up to float rounding.
 """
 
+import weakref
+
 import numpy as np
 
 from .. import autotune, geometry, memory
@@ -182,6 +184,13 @@ def pointwise_backward_rows(pixels, threads):
     return -(-pixels // tasks)
 
 
+def _back_reference(layer):
+    """An algorithm's reference to its layer, which holds the algorithm: weak, so that a layer
+    (its weights and workspaces) is freed when the net lets it go, not at the next cyclic
+    garbage collection (a script building nets in a loop grew by each net's convolutions)."""
+    return weakref.proxy(layer)
+
+
 class _Gemm:
     """im2col + one GEMM per group and row chunk; a pointwise convolution needs no im2col: one
     GEMM over the batch's pixels, threaded by BLAS, after taking every stride-th pixel into a
@@ -194,7 +203,7 @@ class _Gemm:
 
     def __init__(self, layer, n, h, w):
         L = layer
-        self.layer = L
+        self.layer = _back_reference(L)
         (kh, kw), (ph, pw), (sh, sw), (dh, dw) = L.window
         pointwise = (kh, kw, ph, pw) == (1, 1, 0, 0)
         self.direct = pointwise and (sh, sw) == (1, 1)
@@ -301,7 +310,8 @@ class _Direct:
     name = "direct"
 
     def __init__(self, layer, n, h, w, width=None, gemm=None):
-        L = self.layer = layer
+        L = layer
+        self.layer = _back_reference(layer)
         (kh, kw) = L.window.kernel
         v, t = _k.direct_widths()
         self.h, self.w, self.width = h, w, width
@@ -375,7 +385,8 @@ class _Depthwise:
     name = "depthwise"
 
     def __init__(self, layer, n, h, w):
-        L = self.layer = layer
+        L = layer
+        self.layer = _back_reference(layer)
         (kh, kw), (ph, pw), (sh, sw), (dh, dw) = L.window
         self.args = (kh, kw, ph, pw, sh, sw, dh, dw)
         self.w = np.empty((kh * kw, L.channels), np.float32)
@@ -416,7 +427,8 @@ class _Winograd:
     undilated square kernels: a*a GEMMs over tiles instead of one over pixels."""
 
     def __init__(self, layer, n, h, w, m):
-        L = self.layer = layer
+        L = layer
+        self.layer = _back_reference(layer)
         self.m, self.r = m, L.window.kernel[0]
         self.name = f"winograd F({m},{self.r})"
         self.v = block_width()
