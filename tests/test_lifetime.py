@@ -77,5 +77,33 @@ def test_a_dropped_data_net_stops_its_threads_and_closes_its_leveldb(tmp_path):
     text = data_net_text(db, 2, backend="LEVELDB") + BODY
     before = set(threading.enumerate())
     assert cyclic_caffepy_garbage(lambda: Net(param(text), caffepy.TRAIN)) == []
-    assert not [t for t in threading.enumerate() if t not in before and t.name.startswith("caffepy")]
+    for t in threading.enumerate():
+        if t not in before and t.name.startswith("caffepy"):
+            t.join(timeout=10)          # a dropped layer's thread ends by itself, closing its source
+            assert not t.is_alive(), t.name
     plyvel.DB(db).close()            # unlocked: no reader holds it any more
+
+
+def test_a_layer_collected_inside_its_own_prefetch_thread_does_not_deadlock(tmp_path, monkeypatch):
+    """The collector runs a dropped layer's finalizer in whatever thread it interrupts: here the
+    layer's own prefetch thread, inside ThreadPoolExecutor.submit with the pool's lock held.
+    Closing the pool there would wait for that lock forever; the finalizer only asks the thread
+    to stop, and the thread closes the pool and the database as it ends."""
+    monkeypatch.setenv("CAFFEPY_DATA_THREADS", "2")
+    db = make_db(tmp_path / "db", 12, shape=(8, 12, 12), backend="leveldb")
+    net = Net(param(data_net_text(db, 2, backend="LEVELDB") + BODY), caffepy.TRAIN)
+    layer = net.layers[0]
+    pool, finalize = layer.filler._pool, layer._finalizer
+    submit = pool.submit
+
+    def collected_here(*args, **kwargs):
+        with pool._shutdown_lock:
+            finalize()
+        return submit(*args, **kwargs)
+    pool.submit = collected_here
+    thread = layer.prefetcher._thread
+    net.forward()                         # frees a buffer: the thread fills it, through submit
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "the prefetch thread is stuck"
+    assert pool._shutdown
+    plyvel.DB(db).close()

@@ -128,10 +128,20 @@ class _Failure:
 
 
 class Prefetcher:
-    """Runs `filler.fill` on a daemon thread, `depth` batches ahead of `next()`."""
+    """Runs `filler.fill` on a daemon thread, `depth` batches ahead of `next()`.
 
-    def __init__(self, filler, depth=4, name="data"):
+    Closing it stops the thread and closes the filler and `also_close` (the layer's source).
+    `close()` waits for the thread; `request_close()` only asks, and the thread closes them
+    itself as it ends: that is what a layer's finalizer calls, since the garbage collector
+    runs it in whatever thread it interrupts, perhaps one that holds a lock closing would take
+    (the thread's own ThreadPoolExecutor.submit, a database registry), so it must not wait or
+    close anything there."""
+
+    def __init__(self, filler, depth=4, name="data", also_close=()):
         self.filler = filler
+        self._also_close = list(also_close)
+        self._closing = threading.Event()
+        self._released = threading.Lock()       # taken, never waited for, by whoever closes
         self.depth = max(1, int(depth))
         self.wait_seconds = 0.0
         self.batches = 0
@@ -154,6 +164,9 @@ class Prefetcher:
                 self._full.put(buf)
         except BaseException as e:   # handed to the consumer, which raises it
             self._full.put(_Failure(e))
+        finally:
+            if self._closing.is_set():      # request_close() set it before stopping the thread
+                self._release()
 
     def next(self):
         """The next full batch (give it back with `release`)."""
@@ -191,11 +204,27 @@ class Prefetcher:
         self._thread = threading.Thread(target=self._run, name=self._thread.name, daemon=True)
         self._thread.start()
 
-    def close(self):
+    def request_close(self):
+        """Ask the thread to stop and to close what it reads from as it ends; never blocks."""
+        self._closing.set()
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
+
+    def close(self):
+        """Stop the thread (a short join) and close the filler and the sources."""
+        self.request_close()
+        if self._thread is threading.current_thread():
+            return                          # its own ending closes them
+        if self._thread.is_alive():
             self._thread.join(timeout=2.0)
+        if not self._thread.is_alive():
+            self._release()
+
+    def _release(self):
+        if not self._released.acquire(blocking=False):      # closed once, by whoever comes first
+            return
         self.filler.close()
+        for source in self._also_close:
+            source.close()
 
 
 @atexit.register

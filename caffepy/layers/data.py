@@ -179,8 +179,10 @@ class _PrefetchingLayer(Layer):
             raise self.error(f"{self._params_field}.batch_size", why, self.batch_size, cls=SizeError)
         self.filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
         self._consumed = self.filler.position()
-        self.prefetcher = Prefetcher(self.filler, self.prefetch_depth(), self.name)
-        self._finalizer = weakref.finalize(self, _shutdown, self.prefetcher, self.source_db)
+        self.prefetcher = Prefetcher(self.filler, self.prefetch_depth(), self.name,
+                                     also_close=(self.source_db,))
+        # a layer nobody holds stops its thread, which then closes the source (see Prefetcher)
+        self._finalizer = weakref.finalize(self, self.prefetcher.request_close)
         log.info(f"output data size: {','.join(map(str, self.top_shape))}")
         self.reshape(bottom, top)
 
@@ -257,12 +259,8 @@ class _PrefetchingLayer(Layer):
 
     def close(self):
         """Stop the prefetch thread and close the source (also done at exit)."""
-        self._finalizer()
-
-
-def _shutdown(prefetcher, source):
-    prefetcher.close()
-    source.close()
+        self._finalizer.detach()
+        self.prefetcher.close()
 
 
 @register
@@ -271,7 +269,8 @@ class Data(_PrefetchingLayer):
 
     Tops: data (batch_size x C x H x W, after crop) and optionally label (batch_size).
     data_param: source (read as the kind of database it is; a `backend` naming the other kind
-    gets a warning), batch_size, rand_skip, prefetch, shuffle (Intel), force_encoded_color. Encoded records are decoded by OpenCV in BGR order.
+    gets a warning), batch_size, rand_skip, prefetch, shuffle (Intel), force_encoded_color.
+    Encoded records are decoded by OpenCV in BGR order.
 
     Multi-rank (rank r of N in the layer's run context, `self.context`): a source
     containing `{rank}` names one shard per rank (split-DB: `{rank}` is replaced by the
@@ -443,7 +442,7 @@ class WindowData(Layer):
         if why:
             raise self.error("window_data_param.batch_size", why, p.batch_size, cls=SizeError)
         self.prefetcher = Prefetcher(self.filler, 2, self.name)
-        self._finalizer = weakref.finalize(self, _shutdown_prefetcher, self.prefetcher)
+        self._finalizer = weakref.finalize(self, self.prefetcher.request_close)
         log.info(f"output data size: {','.join(map(str, self.top_shape))}")
 
     @property
@@ -464,8 +463,5 @@ class WindowData(Layer):
 
     def close(self):
         """Stop the prefetch thread (also done at exit)."""
-        self._finalizer()
-
-
-def _shutdown_prefetcher(prefetcher):
-    prefetcher.close()
+        self._finalizer.detach()
+        self.prefetcher.close()
