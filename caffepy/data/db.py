@@ -163,11 +163,37 @@ def _back_with_zeros(data_file, size, map_size):
     return got == lo
 
 
-# py-lmdb refuses to open one environment twice in a process, yet a TRAIN and a
-# TEST net (or two layers) may read the same database: readers share one
-# environment per real path, closed with its last reader.
-_envs = {}
-_envs_lock = threading.Lock()
+# A TRAIN and a TEST net (or two layers) may read the same database, yet py-lmdb refuses
+# to open one environment twice in a process and LevelDB one database twice: readers share
+# one open store per real path (an _Env or a _LevelDB), closed with its last reader.
+_shared = {}
+_shared_lock = threading.Lock()
+
+
+def _acquire(path, open_store):
+    """The open store of `path` (`open_store(path)` makes it on first use), one more user."""
+    real = os.path.realpath(path)
+    with _shared_lock:
+        entry = _shared.get(real)
+        if entry is None:
+            entry = _shared[real] = open_store(path)
+            entry.real, entry.users = real, 0
+        entry.users += 1
+        return entry
+
+
+def _release(entry):
+    """One user fewer; the last one closes the store."""
+    with _shared_lock:
+        entry.users -= 1
+        if entry.users == 0:
+            _shared.pop(entry.real, None)
+            entry.close()
+
+
+def _key_array(keys):
+    """Every key, in order, as one NumPy bytes array (compact for millions of keys)."""
+    return np.array(keys, dtype=object if not keys else f"S{max(map(len, keys))}")
 
 
 class _Env:
@@ -183,25 +209,9 @@ class _Env:
             raise DataError(f"{path}: cannot open the database: {e}") from None
         # not on Linux: the header check above still catches a truncated file
         self.shielded = _back_with_zeros(self.data_file, self.size, self.env.info()["map_size"])
-        self.users = 0
 
-
-def _acquire_env(path):
-    real = os.path.realpath(path)
-    with _envs_lock:
-        entry = _envs.get(real)
-        if entry is None:
-            entry = _envs[real] = _Env(path)
-        entry.users += 1
-        return entry
-
-
-def _release_env(entry):
-    with _envs_lock:
-        entry.users -= 1
-        if entry.users == 0:
-            _envs.pop(os.path.realpath(os.path.dirname(entry.data_file)), None)
-            entry.env.close()
+    def close(self):
+        self.env.close()
 
 
 BACKENDS = ("lmdb", "leveldb")
@@ -252,7 +262,7 @@ class LMDBReader:
 
     def __init__(self, path):
         self.path = os.fspath(path)
-        self._entry = _acquire_env(self.path)
+        self._entry = _acquire(self.path, _Env)
         self.env = self._entry.env
         try:
             self.size = self.env.stat()["entries"]
@@ -293,7 +303,7 @@ class LMDBReader:
                         keys.append(key)
             except lmdb.Error as e:
                 raise self._damaged(e, after=keys[-1] if keys else None) from None
-            self._keys = np.array(keys, dtype=object if not keys else f"S{max(map(len, keys))}")
+            self._keys = _key_array(keys)
         return self._keys
 
     # forward steps up to this many walk the cursor instead of looking up the key
@@ -353,7 +363,7 @@ class LMDBReader:
             with contextlib.suppress(AttributeError):
                 self._cursor.close()
                 self._txn.abort()
-            _release_env(self._entry)
+            _release(self._entry)
             self.env = None
 
 
@@ -376,12 +386,9 @@ def _check_current(path):
                         f"manifest in the directory. Copy or rebuild the database")
 
 
-# LevelDB admits one open handle per database, in a process as across processes: readers in
-# one process (a TRAIN and a TEST net) share one per real path, closed with its last reader.
-_leveldbs = {}
-
-
 class _LevelDB:
+    """An open LevelDB (shared by the readers of one process: see _acquire)."""
+
     def __init__(self, path):
         _check_current(path)
         try:
@@ -397,7 +404,9 @@ class _LevelDB:
         except plyvel.Error as e:
             raise DataError(f"{path}: damaged LevelDB: {_leveldb_text(e)}. Copy or rebuild the "
                             f"database") from None
-        self.users = 0
+
+    def close(self):
+        self.db.close()
 
 
 class LevelDBReader:
@@ -408,15 +417,9 @@ class LevelDBReader:
 
     def __init__(self, path):
         self.path = os.fspath(path)
-        self._real = os.path.realpath(self.path)
-        with _envs_lock:
-            entry = _leveldbs.get(self._real)
-            if entry is None:
-                entry = _leveldbs[self._real] = _LevelDB(self.path)
-            entry.users += 1
-        self._entry = entry
+        self._entry = _acquire(self.path, _LevelDB)
         try:
-            self._snapshot = entry.db.snapshot()
+            self._snapshot = self._entry.db.snapshot()
             self._keys = self._read_keys()
         except BaseException:
             self.close()
@@ -447,7 +450,7 @@ class LevelDBReader:
                 it.next()
         except plyvel.Error as e:
             raise self._damaged(e, after=keys[-1] if keys else None) from None
-        return np.array(keys, dtype=object if not keys else f"S{max(map(len, keys))}")
+        return _key_array(keys)
 
     def keys(self):
         return self._keys
@@ -496,11 +499,7 @@ class LevelDBReader:
             self._iter = None
         if getattr(self, "_snapshot", None) is not None:
             self._snapshot.close()
-        with _envs_lock:
-            self._entry.users -= 1
-            if self._entry.users == 0:
-                _leveldbs.pop(self._real, None)
-                self._entry.db.close()
+        _release(self._entry)
         self._entry = None
 
 
