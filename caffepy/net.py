@@ -23,7 +23,7 @@ from . import log, memory, prototxt, upgrade
 from .blob import Blob
 from .context import SINGLE
 from .errors import CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote
-from .layer import create_layer
+from .layer import LAYERS, create_layer
 from .layout_plan import LayoutPlan
 from .proto import caffe_pb2
 
@@ -113,7 +113,6 @@ def add_automatic_tops(param):
     """Caffe's AutoTopBlobs: a loss layer written without a top (BVLC's pascal_finetune example
     has one) gets an anonymous one, which carries its loss but feeds no layer and is no output of
     the net. Adds them to `param` (a copy of the user's) and returns their names."""
-    from .layer import LAYERS
     made = []
     for lp in param.layer:
         variants = LAYERS.get(lp.type)

@@ -307,16 +307,18 @@ class DetectionOutput(Layer):
         boxes, variances = prior[:p * 4].reshape(p, 4), prior[p * 4:2 * p * 4].reshape(p, 4)
         rows = []
         for i in range(n):
+            # the boxes of each location class, decoded once (one for all with share_location)
+            decoded = [decode(boxes, variances, loc[i, :, lc], self.code_type, self.in_target)
+                       .astype(np.float32) for lc in range(self.loc_classes)]
             found = []                # (score, label, index, box)
             for c in range(self.classes):
                 if c == self.background:
                     continue
                 lc = 0 if self.share else c
-                decoded = decode(boxes, variances, loc[i, :, lc], self.code_type,
-                                 self.in_target).astype(np.float32)
                 scores = conf[i, :, c]
-                for k in nms(decoded, scores, self.threshold, self.nms_threshold, self.eta, self.top_k):
-                    found.append((scores[k], c, k, decoded[k]))
+                for k in nms(decoded[lc], scores, self.threshold, self.nms_threshold, self.eta,
+                             self.top_k):
+                    found.append((scores[k], c, k, decoded[lc][k]))
             if self.keep_top_k > -1 and len(found) > self.keep_top_k:
                 best = sorted(range(len(found)), key=lambda j: -found[j][0])[:self.keep_top_k]
                 found = [found[j] for j in best]
