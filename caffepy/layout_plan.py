@@ -131,4 +131,4 @@ class LayoutPlan:
         if not self.converted:
             return None
         return (f"Layout plan: {self.regions} channels-last region(s), {self.converted} "
-                f"conversion layer(s) (engine: CAFFE or CAFFEPY_ENGINE=CAFFE keeps Caffe's NCHW)")
+                f"conversion layer(s) (engine: CAFFE, -engine CAFFE or CAFFEPY_ENGINE=CAFFE keeps Caffe's NCHW)")
