@@ -70,18 +70,25 @@ class SignalHandler:
 
 def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect="stop",
           sighup_effect="snapshot", stall_timeout=None, engine=""):
-    """Train or fine-tune: build the solver, load -weights or restore -snapshot, solve.
+    """Train or fine-tune: build the solver, load -weights or restore -snapshot, solve; for an
+    Intel multi-phase solver file (caffepy/solvers/multiphase.py), each phase in turn.
 
     stall_timeout: seconds without progress on some rank before a multi-rank job is ended
-    (None: the default, 0: never). engine: the -engine flag, which overwrites the solver's."""
+    (None: the default, 0: never). engine: the -engine flag, which overwrites the solver's.
+    Returns the solver (of the last phase)."""
     from . import upgrade
-    from .solvers import Solver
+    from .solvers import Solver, multiphase
 
     if weights and snapshot:
         raise UsageError("give --snapshot or --weights, not both: --snapshot resumes a run, "
                          "--weights starts a new one from trained weights")
     if snapshot:
         _check_snapshot(snapshot)
+    multi = multiphase.read(solver)
+    if multi is not None and snapshot:
+        raise UsageError(f"--snapshot: {solver} is a multi-phase solver (params_pair), whose runs "
+                         f"cannot be resumed; give the phases still to run a solver file of their own "
+                         f"and start it with --weights from the snapshot's .caffemodel")
     mpi = _mpi_if_launched()
     context = SINGLE
     if mpi is not None:
@@ -91,28 +98,39 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
         mpi.supervise()       # from here on this process is the rank (its parent reports its death)
         # the run context, before the Solver builds its nets: data layers pick their records by rank
         context = mpi.init_world(stall_timeout)
-    param = upgrade.read_solver(solver)
-    set_net_engine(param, engine)
-    if snapshot:
-        del param.weights[:]
-    elif weights:
-        del param.weights[:]
-        param.weights.append(weights)
+    params = multiphase.phases(multi, solver) if multi is not None else [upgrade.read_solver(solver)]
+    for param in params:
+        set_net_engine(param, engine)
+    if snapshot or weights:
+        del params[0].weights[:]
+    if weights:
+        params[0].weights.append(weights)
     log.info("Use CPU.")
+    if multi is not None:
+        log.info(f"Running multiphase solver: {len(params)} phases.")
     handler = SignalHandler(sigint_effect, sighup_effect, mpi=mpi is not None)
-    the_solver = Solver(param, source=solver, level=level, stages=stages, context=context)
-    _check_has_loss(the_solver.net)
-    # ---- multi-rank call site: the MPI strategy joins the solver through its hooks ----
-    if mpi is not None:
-        mpi.attach(the_solver)
-    # -------------------------------------------------------------------------------------
-    the_solver.action_fn = handler.action
-    with handler:
-        if snapshot:
-            log.info(f"Resuming from {snapshot}")
-            the_solver.restore(snapshot)
-        log.info("Starting Optimization")
-        the_solver.solve()
+    previous = None
+    for j, param in enumerate(params):
+        if multi is not None:
+            log.info(f"Phase {j}: snapshot_prefix {param.snapshot_prefix}")
+        the_solver = Solver(param, source=solver, level=level, stages=stages, context=context)
+        _check_has_loss(the_solver.net)
+        if previous is not None:
+            the_solver.net.copy_from_param(previous.net.to_proto(), f"the weights phase {j - 1} ended with")
+        # ---- multi-rank call site: the MPI strategy joins the solver through its hooks ----
+        if mpi is not None:
+            mpi.attach(the_solver)
+        # -------------------------------------------------------------------------------------
+        the_solver.action_fn = handler.action
+        with handler:
+            if snapshot:
+                log.info(f"Resuming from {snapshot}")
+                the_solver.restore(snapshot)
+            log.info("Starting Optimization")
+            the_solver.solve()
+        previous = the_solver
+        if the_solver.requested_early_exit:
+            break
     log.info("Optimization Done.")      # caffe.cpp's own line, after the solver's
     if mpi is not None:
         mpi.finish()
