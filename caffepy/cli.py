@@ -245,9 +245,9 @@ def collect(model, weights, level, stage, collect_dir, buffer_filler, engine, gp
 @click.option("--epsilon", type=click.FloatRange(min=0), default=1e-3, show_default=True,
               help="Values further apart than this (and than one float step) differ.")
 @click.option("--fast_compare/--no-fast_compare", default=False,
-              help="Stop counting a blob's differences at --fast_compare_max.")
+              help="List at most --fast_compare_max differing values of a blob in its file.")
 @click.option("--fast_compare_max", type=click.IntRange(min=1), default=50, show_default=True,
-              help="The count --fast_compare stops at.")
+              help="How many values --fast_compare lists.")
 def compare(model, weights, level, stage, collect_dir, buffer_filler, engine, gpu, compare_output_dir,
             epsilon, fast_compare, fast_compare_max):
     """Run what collect ran again, each layer on the inputs collect recorded, and compare every

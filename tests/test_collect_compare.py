@@ -144,3 +144,17 @@ def test_differences_follow_intels_float_rule():
     b = np.array([1.0005, 1.01, np.nextafter(np.float32(1e6), np.float32(2e6)), np.nan, 1.0, 0.0],
                  np.float32)
     assert tool.differences(a, b, 1e-3).tolist() == [False, True, False, False, True, False]
+
+
+def test_fast_compare_lists_at_most_fast_compare_max_values(small):
+    rng.seed(tool.SEED)
+    net = Net("net.prototxt", phase=TRAIN)
+    net.save("a.caffemodel")
+    net.params["ip"][0].data[...] += 1.0
+    net.save("b.caffemodel")
+    assert caffepy("collect", "-model", "net.prototxt", "-weights", "a.caffemodel").exit_code == 0
+    result = caffepy("compare", "-model", "net.prototxt", "-weights", "b.caffemodel", "-fast_compare",
+                     "-fast_compare_max", "3")
+    assert result.exit_code == 1 and "layer 'ip' (InnerProduct) is the first" in result.output
+    listed = [name for name in os.listdir("compare_out") if name.endswith("_param0.txt")]
+    assert len(listed) == 1 and len(open(os.path.join("compare_out", listed[0])).read().splitlines()) == 4
