@@ -31,7 +31,7 @@ import typing
 
 import numpy as np
 
-from . import fillers
+from . import engine, fillers
 from .blob import CHANNELS_LAST, Blob, Blocked
 from .context import SINGLE
 from .errors import CaffepyError, LayerError, ShapeError, layer_error, quote
@@ -121,6 +121,7 @@ def choose(request, variant=None):
         guess = f"did you mean '{lower[close[0]]}'? " if close else ""
         raise layer_error(param, "type", f"unknown layer type '{quote(param.type)}'",
                           hint=f"{guess}Known types: {known}", source=source)
+    engine.layer_engine(param, request.net, source)     # checked whether or not a variant asks
     if variant is not None:
         if variant not in variants:
             raise layer_error(param, "type", f"{param.type} has no '{variant}' implementation",

@@ -682,6 +682,14 @@ class Net:
             li = last + 1
         return out
 
+    def layer_bottoms(self, li):
+        """The blobs holding layer li's bottoms as the prototxt names them: where the layout plan
+        converts a bottom first, the blob it converts from (writing that feeds the layer)."""
+        blobs = list(self.bottom_vecs[li])
+        for _, source, _, bi in self._conversions[li]:
+            blobs[bi] = source
+        return blobs
+
     def forward_backward(self):
         loss = self.forward_from_to()
         self.backward_from_to()

@@ -65,7 +65,8 @@ class Corpus:
         results_file = os.path.join(self.root, "results.json")
         with open(cases_file, "w") as f:
             json.dump(self.jobs, f)
-        env = dict(os.environ, PYTHONPATH=HERE, OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])),
+                   OMP_NUM_THREADS="1")
         proc = subprocess.run([sys.executable, RUNNER, cases_file, results_file], env=env, cwd=self.root,
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -346,6 +346,46 @@ def unknown_filler(c):
     return time_args(p), [p, "conv1", "xaviar"]
 
 
+@case("names", code=2)
+def unknown_engine_flag(c):
+    return time_args(c.fx.deploy, "-engine", "BOGUS_ENGINE"), ["--engine", "unknown engine", "BOGUS_ENGINE"]
+
+
+@case("names", code=2)
+def engine_flag_with_caffes_subengine(c):
+    return time_args(c.fx.deploy, "-engine", "CAFFE:CPU"), ["--engine", "CAFFE takes no subengines"]
+
+
+@case("names")
+def unknown_net_engine(c):
+    p = _bad_net(c, 'engine: "BOGUS_ENGINE"\n' + DEPLOY)
+    return time_args(p), [p + ": engine", "unknown engine", "BOGUS_ENGINE"]
+
+
+@case("names")
+def unknown_layer_engine(c):
+    p = _bad_net(c, DEPLOY.replace('type: "Convolution"', 'type: "Convolution" engine: "MKLDNN:GPU"'))
+    return time_args(p), [p + ":", "layer 'conv1'", "engine", "subengine 'GPU'"]
+
+
+@case("names")
+def gpu_engine_in_a_param(c):
+    p = _bad_net(c, DEPLOY.replace("num_output: 4", "num_output: 4 engine: CUDNN"))
+    return time_args(p), [p + ":", "layer 'conv1'", "convolution_param.engine", "CUDNN"]
+
+
+@case("names")
+def unknown_solver_engine(c):
+    p = c.write("solver.prototxt", solver(c.fx.train_val, 'engine: "BOGUS_ENGINE"'))
+    return ["train", "--solver", p], [p + ": engine", "unknown engine", "BOGUS_ENGINE"]
+
+
+@case("solver_values")
+def multiphase_first_phase_without_solver_params(c):
+    p = c.write("solver.prototxt", "params_pair { batch_size: 4 }\n")
+    return ["train", "--solver", p], [p, "params_pair[0]", "solver_params"]
+
+
 # =====================================================================================
 # wiring: bottoms, tops and counts that do not connect
 
