@@ -315,6 +315,7 @@ class Eltwise(Layer):
     min_bottoms = 2
     exact_tops = 1
     layout = ANY
+    fuses = frozenset({"Eltwise+ReLU(+Split)"})
     PROD, SUM, MAX = caffe_pb2.EltwiseParameter.PROD, caffe_pb2.EltwiseParameter.SUM, \
         caffe_pb2.EltwiseParameter.MAX
 
@@ -399,8 +400,8 @@ class Eltwise(Layer):
 
 
     def fuses_relu(self, bottom, top):
-        """Whether a ReLU in place on the top can run with this layer as one unit (Net.fusions):
-        ResNet's shortcut, the SUM of two bottoms with coefficients 1, stored in one layout."""
+        """Whether a ReLU in place on the top can run with this layer as one unit
+        (caffepy/net_rules.py): ResNet's shortcut, the SUM of two bottoms with coefficients 1, stored in one layout."""
         return self.op == self.SUM and self.coeff == [1.0, 1.0] and _one_layout(bottom + top)
 
     def forward_with_relu(self, bottom, top, relu):
@@ -414,7 +415,7 @@ class Eltwise(Layer):
         Split whose tops are `split_tops` if given (it shares the top's data), in one pass: the
         top's diff gets the ReLU's gradient of the summed split diffs (or of the top's own
         diff), and each bottom that wants it a copy (coefficients 1), but a bottom whose diff is
-        the top's (Net._find_shortcut_bottoms), which holds it already."""
+        the top's (net_rules.EltwiseReLU.shortcut_bottom), which holds it already."""
         flat = [b.raw_diff.reshape(-1) for b in split_tops]
         d = top[0].raw_diff.reshape(-1)
         outs = [b.raw_diff.reshape(-1) for b, down in zip(bottom, propagate_down)

@@ -718,6 +718,7 @@ class NHWCBatchNorm(BatchNorm):
     variance keeps its precision), then y = (x - mean) / sqrt(var + eps)."""
     type = "BatchNorm"
     layout = NHWC
+    fuses = frozenset({"BatchNorm+Scale(+ReLU)"})
 
     @classmethod
     def wanted(cls, request):
@@ -821,6 +822,7 @@ class NHWCScale(_PerChannel, Scale):
     type = "Scale"
     layout = NHWC
     param_field = "scale_param"
+    fuses = frozenset({"BatchNorm+Scale(+ReLU)"})
 
     fused_input = None      # the BatchNorm's x_norm when the last forward was fused with it
 
