@@ -27,11 +27,11 @@ from ..blob import Blob, Blocked
 from ..errors import CaffepyError, ShapeError
 from ..layer import BLOCKED, OWN, VIA_NCHW, Layer, register
 from ..proto import caffe_pb2
-from .common import Scale, param_wanted, refuse_concat_fusion
+from .common import FusedOutput, Scale, param_wanted, refuse_concat_fusion
 from .conv_algorithms import (DIRECT_RULE_TAPS, WINOGRAD_TILES, BlockedGemm, BlockedWinograd, Direct,
                               block_width, kernels_built, winograd_tile)
 from .normalization import LRN, BatchNorm
-from .vision import pool_method, refuse_fusions, scaled_top_diff
+from .vision import pool_method, scaled_top_diff
 
 try:
     from ..kernels import intel as _k
@@ -138,7 +138,8 @@ class BlockedConvolution(Layer):
 
     Blobs and fields exactly as Caffe's Convolution (weights [O, C/group, kh, kw], bias [O];
     convolution_param: num_output, kernel_size / kernel_h,w, stride, pad, dilation, group,
-    bias_term, weight_filler, bias_filler, engine).
+    bias_term, weight_filler, bias_filler, engine; Intel's relu, negative_slope, fusion_type,
+    coeff as the plain Convolution's, common.FusedOutput).
 
     Algorithms: Caffe's (per image, blocked im2col + one sgemm per group, cext/intel.pyx) for
     every shape; Winograd F(m x m, r x r) for stride-1 undilated 3x3 and 5x5 kernels with at
@@ -157,14 +158,18 @@ class BlockedConvolution(Layer):
     min_tops = 1
     equal_bottom_top = True
 
+    def check_blob_counts(self, bottom, top):
+        if not FusedOutput.check_blob_counts(self, bottom, top):
+            super().check_blob_counts(bottom, top)
+
     def setup(self, bottom, top):
         _kernels(self)
         p = self.param.convolution_param
         if p.axis != 1:
             raise self.error("convolution_param.axis", "the blocked layout convolves axis 1", p.axis)
-        refuse_fusions(self)
+        self.fused = FusedOutput.of(self, "convolution_param")
         layout = _blocked_bottom(self, bottom[0])
-        for i, b in enumerate(bottom[1:], 1):
+        for i, b in enumerate(bottom[1:len(top)], 1):
             if _blocked_bottom(self, b, i) != layout or b.shape[1:] != bottom[0].shape[1:]:
                 raise self.error(f"bottom[{i}]", "all bottoms need one shape", b.shape, cls=ShapeError)
         self.window = geometry.conv_window(self)
@@ -199,9 +204,11 @@ class BlockedConvolution(Layer):
                 raise self.error("bottom", "all bottoms need one shape", b.shape, cls=ShapeError)
             t.reshape(n, blocks(self.num_output, v), self.oh, self.ow, v)
             t.layout = Blocked(v, self.num_output)
+        if self.fused is not None:
+            self.fused.reshape(self, bottom, top)
         if self._tuned_for != bottom[0].shape:
             self._tuned_for = bottom[0].shape
-            self._choose(bottom, top)
+            self._choose(bottom[:len(top)], top)
 
     def _candidates(self, n, h, w, v):
         """{name: algorithm (caffepy/layers/conv_algorithms.py)} for the current shape, and the
@@ -268,8 +275,12 @@ class BlockedConvolution(Layer):
 
     def forward(self, bottom, top):
         self.algos["forward"].forward(bottom, top)
+        if self.fused is not None:
+            self.fused.forward(bottom, top)
 
     def backward(self, top, propagate_down, bottom):
+        if self.fused is not None:
+            top, propagate_down, bottom = self.fused.backward(top, propagate_down, bottom)
         need_w = param_wanted(self, 0)
         need_b = self.bias_term and param_wanted(self, 1)
         if not (need_w or need_b or any(propagate_down)):

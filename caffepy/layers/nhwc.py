@@ -145,7 +145,7 @@ class NHWCUnpack(Layer):
 class NHWCConvolution(Convolution):
     """Convolution on channels-last blobs: Caffe's fields and blobs (the plain Convolution's
     setup), the algorithm chosen per shape (see the module docstring; `engine: CAFFE` keeps a
-    layer off this path altogether)."""
+    layer off this path altogether), Intel's fused ReLU and SUM as the plain one's."""
     type = "Convolution"
     layout = NHWC
 
@@ -191,7 +191,8 @@ class NHWCConvolution(Convolution):
 
     def reshape(self, bottom, top):
         first = bottom[0].shape
-        for i, b in enumerate(bottom):
+        inputs = bottom[:len(top)]          # a SUM_FUSION's summand aside
+        for i, b in enumerate(inputs):
             if b.num_axes != 4 or b.shape[1] != self.channels or b.shape != first:
                 raise self.error(f"bottom[{i}]", f"needs shape {first} with {self.channels} channels",
                                  b.shape, cls=ShapeError)
@@ -199,9 +200,11 @@ class NHWCConvolution(Convolution):
         self.oh, self.ow = self.output_size(h, w)
         for t in top:
             nhwc_top(t, (n, self.num_output, self.oh, self.ow))
+        if self.fused is not None:
+            self.fused.reshape(self, bottom, top)
         if self._tuned_for != first:
             self._tuned_for = first
-            self._choose(bottom, top, n, h, w)
+            self._choose(inputs, top, n, h, w)
 
     def _choose(self, bottom, top, n, h, w):
         """An algorithm per pass (forward; weight and bias gradients; data gradient), each by
@@ -286,8 +289,12 @@ class NHWCConvolution(Convolution):
 
     def forward(self, bottom, top):
         self.algos["forward"].forward(bottom, top)
+        if self.fused is not None:
+            self.fused.forward(bottom, top)
 
     def backward(self, top, propagate_down, bottom):
+        if self.fused is not None:
+            top, propagate_down, bottom = self.fused.backward(top, propagate_down, bottom)
         need_w = param_wanted(self, 0)
         need_b = self.bias_term and param_wanted(self, 1)
         weights, data = self.algos["weights"], self.algos["data"]
