@@ -207,6 +207,9 @@ class Layer:
     # the Net skips it while those shapes stay as its last reshape left them
     reshape_from_shapes = False
     _reshaped_at = None
+    # the net-compilation rules (caffepy/net_rules.py, by name) this implementation takes part
+    # in; it then has the methods that rule calls
+    fuses = frozenset()
 
     @classmethod
     def wanted(cls, request):

@@ -285,8 +285,16 @@ def _axis(axis, ndim):
 
 
 # -- vision ---------------------------------------------------------------------------
+def _refuse_fused(c, field):
+    """Intel's fusions (common.FusedOutput) are not exported: the graph would need them apart."""
+    if getattr(c.layer, "fused", None) is not None:
+        raise c.refuse(f"{field}.relu", "Intel's fused ReLU / Eltwise SUM is not exported",
+                       hint="Export the net with a ReLU (and an Eltwise) layer after the layer")
+
+
 @maps("Convolution", "Deconvolution")
 def _conv(c):
+    _refuse_fused(c, "convolution_param")
     p = c.p.convolution_param
     inputs = [c.const(c.blob(i), what) for i, what in zip(range(len(c.layer.blobs)), ("weights", "bias"))]
     kernel, (ph, pw), stride, dilation = geometry.conv_window(c.layer)
@@ -499,6 +507,7 @@ def _bias(c):
 # -- common ---------------------------------------------------------------------------
 @maps("InnerProduct")
 def _inner_product(c):
+    _refuse_fused(c, "inner_product_param")
     L = c.layer
     shape = c.in_shapes[0]
     axis = _axis(c.p.inner_product_param.axis, len(shape))

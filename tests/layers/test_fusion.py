@@ -281,3 +281,51 @@ def test_no_diff_is_shared_without_a_backward(tmp_path):
     net = Net(str(path), caffepy.TEST)
     net.forward()
     assert not any(blob.has_diff for blob in net.blobs.values())
+
+
+# -- the named rules (caffepy/net_rules.py) ---------------------------------------------------------
+def test_each_rule_runs_alone(tmp_path):
+    """A rule finds its own units in a built net, whatever the other rules find."""
+    from caffepy import net_rules
+    fused, _ = _nets(tmp_path)
+    assert [(u.first, u.last) for u in net_rules.BATCHNORM_SCALE.find(fused)] == \
+        sorted(fused.fusions.items())
+    assert net_rules.ELTWISE_RELU.find(fused) == []
+    summed, _ = _sum_nets(tmp_path)
+    assert _units(summed) == {summed.layers[u.first].name: summed.layers[u.last].name
+                              for u in net_rules.ELTWISE_RELU.find(summed)}
+    assert net_rules.BATCHNORM_SCALE.find(summed) == []
+    assert net_rules.compile_net(summed, rules=()) == {}
+
+
+def test_the_log_names_each_rule_and_what_it_matched(tmp_path, capsys):
+    from caffepy import log
+    log.set_quiet(False)
+    _nets(tmp_path)
+    _sum_nets(tmp_path)
+    err = capsys.readouterr().err
+    assert "BatchNorm+Scale(+ReLU): fused 1 BatchNorm + Scale pair(s), 1 with the ReLU after them" in err
+    assert "Eltwise+ReLU(+Split): fused 2 Eltwise + ReLU pair(s), 1 with the Split after them" in err
+
+
+@pytest.mark.parametrize("where", ["net", "layer"])
+def test_engine_caffe_turns_the_rules_off(tmp_path, where):
+    """A net's `engine: "CAFFE"` fuses nothing, not even the layout-agnostic Eltwise + ReLU;
+    a layer's own keeps that layer out of any unit."""
+    text = SUM_NET % {"relu": "", "coeff": ""}
+    if where == "net":
+        text = 'engine: "CAFFE"\n' + text
+    else:
+        text = text.replace('top: "sum2" }', 'top: "sum2" engine: "CAFFE" }')
+    path = tmp_path / "sum.prototxt"
+    path.write_text(text)
+    net = Net(str(path), caffepy.TRAIN)
+    assert _units(net) == ({} if where == "net" else {"sum1": "sum1_relu1_0_split"})
+
+
+def test_every_declared_rule_exists():
+    from caffepy import net_rules
+    from caffepy.layer import LAYERS
+    names = {rule.name for rule in net_rules.RULES}
+    declared = {name for variants in LAYERS.values() for cls in variants.values() for name in cls.fuses}
+    assert declared and declared <= names

@@ -61,7 +61,7 @@ def test_fused_batchnorm_scale_matches_one_rank(tmp_path, db):
     """The Scale's parameters are read by the fused BatchNorm before the Scale's own place in
     the forward: their deferred update must be applied there (Net.forward_from_to)."""
     w1, wn, out1, outn = run_pair(tmp_path, db, 2, bn=True)
-    assert "Fused 1 BatchNorm + Scale pair" in out1.stderr
+    assert "BatchNorm+Scale(+ReLU): fused 1 BatchNorm + Scale pair" in out1.stderr
     assert max_rel_diff(w1, wn) < 1e-5
     init = weights_at_start(tmp_path, db, bn=True)
     assert max_rel_diff({"s": w1["scale1.0"]}, {"s": init["scale1.0"]}) > 1e-3
