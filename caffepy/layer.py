@@ -104,6 +104,7 @@ def create_layer(param, phase, source=None, *, bottoms=(), context=SINGLE, net=N
     cls = choose(Request(param, phase, source, tuple(bottoms), context, net), variant)
     layer = cls(param, phase, source)
     layer.context = context
+    layer.caffe_algorithms = engine.caffe_engine(param, net, source)
     return layer
 
 
@@ -223,6 +224,8 @@ class Layer:
         self.source = source
         self.name = param.name
         self.context = SINGLE       # the run's RunContext; create_layer sets it
+        # Caffe's own algorithms asked for (caffepy.engine); create_layer adds the net's engine
+        self.caffe_algorithms = engine.caffe_engine(param, None, source)
         self.blobs = []
         if len(param.blobs):
             from .blobproto import blobproto_to_array

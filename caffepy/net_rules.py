@@ -12,7 +12,7 @@ A rule is named, runs alone (`rule.find(net)`: its units in a built net), and kn
 it can fuse by their declaration: an implementation lists the rules it takes part in in its
 `fuses` class attribute (caffepy.layer.Layer) and then has that rule's methods. `compile_net`
 runs the rules in order (a layer joins one unit at most) and logs what each matched.
-`engine: CAFFE` (caffepy.layout_plan.caffe_engine: the net's, the environment's, or a layer's
+`engine: CAFFE` (caffepy.engine.caffe_engine: the net's, the environment's, or a layer's
 own) turns them off here, in this one place.
 
 The rules, in the order they run:
@@ -35,7 +35,7 @@ net.blobs would then show in place of Caffe's.
 import typing
 
 from . import log
-from .layout_plan import caffe_engine
+from .engine import caffe_engine
 
 
 class Unit(typing.NamedTuple):

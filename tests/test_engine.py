@@ -104,3 +104,25 @@ def test_unknown_engines_are_one_line_errors_naming_the_place():
     solver.net_param.CopyFrom(_param())
     with pytest.raises(PrototxtError, match=r"^s.prototxt: engine: unknown MKLDNN subengine 'GPU'"):
         solver_train_net_param(solver, "s.prototxt")
+
+
+BLOCKED = """
+name: "blocked"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 16 dim: 8 dim: 8 } } }
+layer { name: "pack" type: "IntelPack" bottom: "data" top: "packed" }
+layer { name: "conv" type: "Convolution" bottom: "packed" top: "conv"
+        convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "unpack" type: "IntelUnpack" bottom: "conv" top: "out" }
+"""
+
+
+@pytest.mark.parametrize("net_engine, layer_engine, winograd", [
+    ("", "", True), ("CAFFE", "", False), ("", "CAFFE", False), ("CAFFE", "MKLDNN", True)])
+def test_blocked_convolution_follows_the_engine_rule(net_engine, layer_engine, winograd):
+    """The explicit blocked region's convolution picks its algorithms by the same rule as every
+    layer: the net's engine reaches it, and a layer's own engine string wins over the net's."""
+    param = text_format.Parse(BLOCKED, caffe_pb2.NetParameter())
+    param.engine = net_engine
+    param.layer[2].engine = layer_engine
+    conv = Net(param, phase=TRAIN).layer_dict["conv"]
+    assert conv.winograd is winograd

@@ -182,11 +182,11 @@ class BlockedConvolution(Layer):
         if self.bias_term:
             specs.append(((self.num_output,), p.bias_filler))
         self.init_param_blobs(specs)
-        self.winograd = (p.engine != caffe_pb2.ConvolutionParameter.CAFFE
+        self.winograd = (not self.caffe_algorithms
                          and self.kh == self.kw and self.kh in WINOGRAD_TILES
                          and (self.sh, self.sw, self.dh, self.dw) == (1, 1, 1, 1)
                          and min(cg, self.num_output // self.group) >= 16 and kernels_built())
-        self.direct = (p.engine != caffe_pb2.ConvolutionParameter.CAFFE and not self.winograd
+        self.direct = (not self.caffe_algorithms and not self.winograd
                        and self.group == 1 and self.channels <= self.width
                        and self.channels * self.kh * self.kw <= DIRECT_RULE_TAPS
                        and kernels_built())
