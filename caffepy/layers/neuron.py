@@ -59,6 +59,13 @@ class ReLU(Neuron):
     """y = max(x, 0) + negative_slope * min(x, 0).  relu_param { negative_slope }"""
 
     def setup(self, bottom, top):
+        if self.param.relu_param.fuse:
+            # Intel's compiler marks a ReLU it fused into the layer before (its forward then
+            # passes its input on); run as a ReLU it would change nothing at slope 0 but apply a
+            # leaky slope twice, and without the fused layer it would not be Intel's identity
+            raise self.error("relu_param.fuse", "is Intel Caffe's internal mark of a ReLU its "
+                             "compiler fused into the layer before; caffepy does not run it", True,
+                             hint="Remove it, and give the layer before relu: true or keep this ReLU")
         self.slope = float(self.param.relu_param.negative_slope)
         # in place with a negative slope, the sign of y no longer tells the sign of x
         self.keeps_input = self.slope < 0
