@@ -183,11 +183,19 @@ def expand(img, p, fill, gen):
     return out
 
 
-def expand_fill(mean_values, channels, dtype):
+def per_channel(values, channels, field, where=""):
+    """`values` (one, or one per channel) as one float per channel."""
+    if len(values) not in (1, channels):
+        raise DataError(f"{where}transform_param.{field}: give 1 value or one per channel ({channels}), "
+                        f"got {len(values)}")
+    return np.broadcast_to(np.asarray(values, np.float64), (channels,))
+
+
+def expand_fill(mean_values, channels, dtype, where=""):
     """The canvas colour of expand_param: mean_value (rounded and clipped for 8-bit images), or 0."""
     if mean_values is None:
         return np.zeros(channels, dtype)
-    values = np.broadcast_to(np.asarray(mean_values, np.float64), (channels,))
+    values = per_channel(mean_values, channels, "mean_value", where)
     if dtype == np.uint8:
         return np.clip(np.rint(values), 0, 255).astype(np.uint8)
     return values.astype(dtype)
@@ -424,8 +432,6 @@ class Augmentations:
             for field in ("saturation_prob", "hue_prob", "random_order_prob"):
                 if getattr(self.distort, field) > 0:
                     raise bad(f"distort_param.{field}", "needs colour (3-channel) images", f"{c} channel(s)")
-        if self.expand and self.mean_values is not None and len(self.mean_values) not in (1, c):
-            raise bad("mean_value", f"give 1 value or one per channel ({c})", len(self.mean_values))
         if self.random_resize and not self.random_resize.min_size and min(h, w) < max(self.crop) \
                 and not self.resize:
             raise bad(self.crop_field, f"larger than the shorter side of the image ({h}x{w}), which "
@@ -450,7 +456,7 @@ class Augmentations:
             _need_uint8(img, "distort_param", where)
             img = distort(img, self.distort, gen)
         if self.expand:
-            img = expand(img, self.expand, expand_fill(self.mean_values, img.shape[2], img.dtype), gen)
+            img = expand(img, self.expand, expand_fill(self.mean_values, img.shape[2], img.dtype, where), gen)
         if self.random_resize:
             p = self.random_resize
             img = random_resize(img, p.min_size, p.max_size, self.inner, gen, where)
@@ -460,7 +466,7 @@ class Augmentations:
             img = self.resize(img, gen)
         if self.noise:
             _need_uint8(img, "noise_param", where)
-            salt = np.broadcast_to(np.asarray(self.noise.saltpepper_param.value, np.float64),
-                                   (img.shape[2],)).astype(np.uint8) if self.noise.saltpepper else None
+            salt = per_channel(self.noise.saltpepper_param.value, img.shape[2], "noise_param.saltpepper_param.value",
+                               where).astype(np.uint8) if self.noise.saltpepper else None
             img = noise(img, self.noise, salt, gen)
         return img
