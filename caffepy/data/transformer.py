@@ -175,7 +175,7 @@ class DataTransformer:
         if self.augment is None:
             return image
         gen = np.random.Generator(np.random.PCG64(int(draw[3]))) if self.augment.random else None
-        return self.augment.apply(image.transpose(1, 2, 0), gen, where).transpose(2, 0, 1)
+        return self.augment.apply(image, gen, where).transpose(2, 0, 1)
 
     # -- the transform ---------------------------------------------------
     def transform(self, image, draw, out, where=""):
