@@ -102,12 +102,12 @@ class DataTransformer:
         self.augment = None
         if any(param.HasField(field) for field in AUGMENTATIONS):
             self.augment = Augmentations(param, (self.crop_h, self.crop_w), self.crop_field, self.crop_text,
-                                         self.mean_values, lambda field, *rest, **kw: self._error(
-                                             f"transform_param.{field}", *rest, **kw))
-            if self.mean is not None and self.augment.varies:
+                                         self.mean_values, self._param_error)
+            if self.mean is not None and (self.augment.varies or self.augment.expand):
                 raise self._error("transform_param.mean_file", "cannot follow images whose size varies "
                                   "(expand_param, random_resize_param, random_aspect_ratio_param)",
-                                  param.mean_file, hint="Give mean_value instead")
+                                  param.mean_file, hint="Give mean_value instead (expand_param's canvas "
+                                  "takes its colour)")
 
     def _error(self, field, problem, value=None, hint=None):
         if self.layer is not None:
@@ -115,6 +115,10 @@ class DataTransformer:
         field = field if field.startswith("transform_param") else f"transform_param.{field}"
         msg = f"{field}: {problem}"
         return DataError(msg + (f", got {value}" if value is not None else "") + (f". {hint}" if hint else ""))
+
+    def _param_error(self, field, problem, value=None, hint=None):
+        """_error for `field` of transform_param, named without the prefix."""
+        return self._error(f"transform_param.{field}", problem, value, hint)
 
     # -- shapes ----------------------------------------------------------
     def check(self, shape, where=""):

@@ -513,6 +513,9 @@ def test_a_mean_file_cannot_follow_a_varying_size(tmp_path):
     write_blobproto(np.zeros((1, 3, 8, 8), np.float32), tmp_path / "m.binaryproto")
     with pytest.raises(DataError, match=r"^transform_param.mean_file: cannot follow images whose size varies"):
         make(f'crop_size: 8 mean_file: "{tmp_path / "m.binaryproto"}" random_resize_param {{ min_size: 8 }}')
+    with pytest.raises(DataError, match=r"^transform_param.mean_file: .*expand_param's canvas takes its colour"):
+        make(f'mean_file: "{tmp_path / "m.binaryproto"}" resize_param {{ height: 8 width: 8 }} '
+             f'expand_param {{ max_expand_ratio: 2 }}')
     # a fixed resize: the mean must be the resized size
     t = make(f'mean_file: "{tmp_path / "m.binaryproto"}" resize_param {{ height: 8 width: 8 }}')
     assert t.check((3, 20, 30)) == (3, 8, 8)
