@@ -360,9 +360,11 @@ class Augmentations:
             p = self.random_resize
             if p.min_size and p.max_size and p.min_size > p.max_size:
                 raise error("random_resize_param.min_size", f"larger than max_size ({p.max_size})", p.min_size)
-            if p.min_size and p.min_size < max(self.crop) and not self.resize:
-                raise error("random_resize_param.min_size", f"smaller than the crop ({max(self.crop)}): "
-                            f"the resized image must cover it", p.min_size)
+            for field in ("min_size", "max_size"):
+                size = getattr(p, field)
+                if size and size < max(self.crop) and not self.resize:
+                    raise error(f"random_resize_param.{field}", f"smaller than the crop ({max(self.crop)}): "
+                                f"the resized image must cover it", size)
         if self.random_aspect:
             p = self.random_aspect
             for field in ("min_area_ratio", "max_area_ratio", "aspect_ratio_change"):

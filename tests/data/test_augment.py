@@ -460,6 +460,8 @@ def test_float_images_resize_but_refuse_8_bit_filters():
      r"random_resize_param.min_size: larger than max_size \(10\), got 20"),
     ("crop_size: 8 random_resize_param { min_size: 6 max_size: 10 }",
      r"random_resize_param.min_size: smaller than the crop \(8\): the resized image must cover it, got 6"),
+    ("crop_size: 8 random_resize_param { max_size: 7 }",
+     r"random_resize_param.max_size: smaller than the crop \(8\): the resized image must cover it, got 7"),
     ("crop_size: 8 random_aspect_ratio_param { min_area_ratio: -0.1 }",
      r"random_aspect_ratio_param.min_area_ratio: must be in \(0, 1\], got -0.1"),
     ("crop_size: 8 random_aspect_ratio_param { min_area_ratio: 0 }",
