@@ -1100,6 +1100,74 @@ def prototxt_as_mean(c):
 
 
 # =====================================================================================
+# augment: Intel Caffe's augmentations in transform_param with values that mean nothing
+
+def augment_net(c, transform):
+    return _bad_net(c, train_val(c.fx.db, transform=transform))
+
+
+@case("augment")
+def negative_area_ratio(c):
+    p = augment_net(c, "crop_size: 24 random_aspect_ratio_param { min_area_ratio: -0.5 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_aspect_ratio_param.min_area_ratio", "-0.5"]
+
+
+@case("augment")
+def area_ratio_min_over_max(c):
+    p = augment_net(c, "crop_size: 24 random_aspect_ratio_param { min_area_ratio: 0.9 max_area_ratio: 0.5 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_aspect_ratio_param.min_area_ratio", "0.9", "0.5"]
+
+
+@case("augment")
+def aspect_ratio_change_above_one(c):
+    p = augment_net(c, "crop_size: 24 random_aspect_ratio_param { aspect_ratio_change: 1.25 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_aspect_ratio_param.aspect_ratio_change", "1.25"]
+
+
+@case("augment")
+def random_resize_min_over_max(c):
+    p = augment_net(c, "crop_size: 24 random_resize_param { min_size: 40 max_size: 30 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_resize_param.min_size", "40", "30"]
+
+
+@case("augment")
+def random_resize_without_crop(c):
+    p = augment_net(c, "random_resize_param { min_size: 40 max_size: 50 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_resize_param", "crop_size"]
+
+
+@case("augment")
+def probability_above_one(c):
+    p = augment_net(c, "distort_param { brightness_prob: 1.5 brightness_delta: 32 }")
+    return time_args(p), [p + ":", "layer 'data'", "distort_param.brightness_prob", "1.5"]
+
+
+@case("augment")
+def crop_larger_than_the_resize(c):
+    p = augment_net(c, "crop_size: 24 resize_param { height: 16 width: 20 }")
+    return time_args(p), [p + ":", "layer 'data'", "crop_size", "16x20", "24"]
+
+
+@case("augment")
+def expand_ratio_not_above_one(c):
+    p = augment_net(c, "crop_size: 24 expand_param { max_expand_ratio: 0.5 }")
+    return time_args(p), [p + ":", "layer 'data'", "expand_param.max_expand_ratio", "0.5"]
+
+
+@case("augment")
+def both_random_resizes(c):
+    p = augment_net(c, "crop_size: 24 random_resize_param { min_size: 32 } "
+                       "random_aspect_ratio_param { min_area_ratio: 0.5 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_aspect_ratio_param", "random_resize_param"]
+
+
+@case("augment")
+def emit_constraint_without_boxes(c):
+    p = augment_net(c, "emit_constraint { emit_type: CENTER }")
+    return time_args(p), [p + ":", "layer 'data'", "emit_constraint"]
+
+
+# =====================================================================================
 # lmdb: damaged databases, read by every command that reads one
 
 def _truncated(c, keep=0.6):
