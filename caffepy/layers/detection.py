@@ -10,6 +10,7 @@ few thousand boxes.
 import numpy as np
 
 from .. import log
+from ..bbox import decode, nms
 from ..layer import Layer, register
 from ..proto import caffe_pb2
 from .common import constant_filler, param_wanted
@@ -204,53 +205,6 @@ class PriorBox(Layer):
 
     def backward(self, top, propagate_down, bottom):
         pass
-
-
-def _area(b):
-    """Areas of normalized boxes [..., 4] (0 for an inverted one)."""
-    w, h = b[..., 2] - b[..., 0], b[..., 3] - b[..., 1]
-    return np.where((w < 0) | (h < 0), 0, w * h)
-
-
-def _overlap(box, others):
-    """Jaccard overlap of one normalized box with each of `others` [K, 4], float32 as SSD."""
-    iw = np.minimum(box[2], others[:, 2]) - np.maximum(box[0], others[:, 0])
-    ih = np.minimum(box[3], others[:, 3]) - np.maximum(box[1], others[:, 1])
-    inter = np.where((iw > 0) & (ih > 0), iw * ih, 0).astype(np.float32)
-    union = (_area(box) + _area(others) - inter).astype(np.float32)
-    return np.where(inter > 0, inter / np.where(union > 0, union, 1), 0)
-
-
-def nms(boxes, scores, threshold, nms_threshold, eta, top_k):
-    """SSD's ApplyNMSFast: the indices kept, best score first. Candidates score above
-    `threshold` (the top_k best of them, ties in index order); each is kept unless it overlaps a
-    kept one by more than the (adaptive, with eta < 1) nms threshold."""
-    candidates = np.flatnonzero(scores > threshold)
-    candidates = candidates[np.argsort(-scores[candidates], kind="stable")]
-    if top_k > -1:
-        candidates = candidates[:top_k]
-    kept, limit = [], nms_threshold
-    for i in candidates:
-        if not kept or (_overlap(boxes[i], boxes[kept]) <= limit).all():
-            kept.append(int(i))
-            if eta < 1 and limit > 0.5:
-                limit *= eta
-    return kept
-
-
-def decode(priors, variances, loc, code_type, encoded_in_target):
-    """Boxes [P, 4] from the location predictions `loc` [P, 4] against the priors (SSD's
-    DecodeBBox for CORNER, CENTER_SIZE and CORNER_SIZE)."""
-    v = np.ones_like(variances) if encoded_in_target else variances
-    pw, ph = priors[:, 2] - priors[:, 0], priors[:, 3] - priors[:, 1]
-    if code_type == CodeType.CORNER:
-        return priors + v * loc
-    if code_type == CodeType.CORNER_SIZE:
-        return priors + v * loc * np.stack([pw, ph, pw, ph], axis=1)
-    cx = v[:, 0] * loc[:, 0] * pw + (priors[:, 0] + priors[:, 2]) / 2
-    cy = v[:, 1] * loc[:, 1] * ph + (priors[:, 1] + priors[:, 3]) / 2
-    w, h = np.exp(v[:, 2] * loc[:, 2]) * pw, np.exp(v[:, 3] * loc[:, 3]) * ph
-    return np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], axis=1)
 
 
 @register
