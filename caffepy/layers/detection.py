@@ -9,11 +9,15 @@ few thousand boxes.
 """
 import numpy as np
 
-from .. import log
+from .. import bbox, log
 from ..bbox import decode, nms
+from ..errors import ShapeError
 from ..layer import Layer, register
 from ..proto import caffe_pb2
 from .common import constant_filler, param_wanted
+from .loss import normalization_mode, normalizer
+
+LossParameter = caffe_pb2.LossParameter
 
 CodeType = caffe_pb2.PriorBoxParameter
 
@@ -285,3 +289,342 @@ class DetectionOutput(Layer):
 
     def backward(self, top, propagate_down, bottom):
         pass
+
+
+MBL = caffe_pb2.MultiBoxLossParameter
+FLT_MIN_LOG = float(-np.log(np.finfo(np.float32).tiny))      # -log(FLT_MIN): Caffe's clamp of -log(prob)
+
+
+def _softmax_rows(x):
+    """(log-probabilities, probabilities) of rows x [R, C], in float64."""
+    x = x.astype(np.float64)
+    shifted = x - x.max(axis=1, keepdims=True)
+    log_sum = np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return shifted - log_sum, np.exp(shifted - log_sum)
+
+
+def _logistic_rows(x, t):
+    """Summed sigmoid cross-entropy of rows x [R, C] against targets t, per row, in float64."""
+    x = x.astype(np.float64)
+    return (np.maximum(x, 0) - x * t + np.log1p(np.exp(-np.abs(x)))).sum(axis=1)
+
+
+@register
+class MultiBoxLoss(Layer):
+    """SSD's training loss. Bottoms: loc predictions [N, priors * loc_classes * 4], conf
+    predictions [N, priors * num_classes] (scores before any softmax), priors [1, 2, priors * 4]
+    (PriorBox's, concatenated), ground truth [1, 1, boxes, 8] (AnnotatedData's label top:
+    item_id, label, instance, xmin, ymin, xmax, ymax, difficult). Top: the loss.
+
+    Per image: the priors (with use_prior_for_matching; else the decoded predictions) are
+    matched to the ground truth, bipartite then per prediction by overlap_threshold
+    (caffepy.bbox.match). The matched priors are positives. Mining picks the negatives:
+    MAX_NEGATIVE takes, among the unmatched priors overlapping every object by less than
+    neg_overlap, the neg_pos_ratio * positives with the largest confidence loss (of the
+    background); HARD_EXAMPLE takes the sample_size priors of largest confidence + location
+    loss, and positives it leaves out stop being positives; with nms_param the candidates
+    first go through NMS on their loss. NONE: every prior counts, unmatched ones as background.
+        loss = (loc_weight * sum_positives loc_loss(pred - encode(gt, prior))
+                + sum_selected conf_loss(scores, label)) / normalizer
+    loc_loss: SMOOTH_L1 (0.5 d^2 below |d| = 1, |d| - 0.5 above) or L2 (0.5 d^2), over the 4
+    coordinates; conf_loss: SOFTMAX (cross-entropy; -log p clamped at -log FLT_MIN) or
+    LOGISTIC (summed sigmoid cross-entropy against one-hot targets). normalizer (loss_param):
+    VALID the positives, FULL N * priors, BATCH_SIZE N, NONE 1, at least 1. code_type and
+    encode_variance_in_target as PriorBox / DetectionOutput decode them; bp_inside holds the
+    gradient of coordinates whose prior (or decoded box) lies outside the image at 0;
+    map_object_to_agnostic trains one object class. The loss of loc (conf) is left out when the
+    layer's propagate_down says false for bottom 0 (1).
+
+    multibox_loss_param: num_classes, share_location, background_label_id, loc_loss_type,
+    conf_loss_type, loc_weight, match_type, overlap_threshold, use_prior_for_matching,
+    use_difficult_gt, mining_type (do_neg_mining, deprecated, must agree), neg_pos_ratio,
+    neg_overlap, code_type, encode_variance_in_target, map_object_to_agnostic,
+    ignore_cross_boundary_bbox, bp_inside, nms_param, sample_size, use_prior_for_nms.
+
+    Under a multi-rank TRAIN run the normalizer is the whole global batch's, divided by the
+    number of ranks (whose gradients are averaged), so N ranks give what one rank with their
+    batches together gives. Where the fork departs from its own formulas caffepy does not:
+    with encode_variance_in_target the gradient carries the variance's 1/v (the fork leaves it
+    out), an unset nms_param.top_k means no limit in mining (the fork's 0 keeps nothing), the
+    LOGISTIC targets are 0 but for the label (the fork starts them at background_label_id),
+    and ties in mining keep the lower prior first (the fork's unstable sort leaves them open).
+    """
+    is_loss = True
+    exact_bottoms = 4
+    exact_tops = 1
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index < 2
+
+    def setup(self, bottom, top):
+        p = self.param.multibox_loss_param
+        f = "multibox_loss_param"
+        if not p.HasField("num_classes"):
+            raise self.error(f"{f}.num_classes", "must be given", "none")
+        if p.num_classes < 1:
+            raise self.error(f"{f}.num_classes", "must be at least 1", p.num_classes)
+        self.p, self.classes, self.share = p, p.num_classes, p.share_location
+        self.loc_classes = 1 if self.share else self.classes
+        self.background = p.background_label_id
+        self.mining = p.mining_type
+        if p.HasField("do_neg_mining"):
+            log.warning(f"layer '{self.name}' (MultiBoxLoss): {f}.do_neg_mining is deprecated; use mining_type")
+            if p.do_neg_mining != (self.mining != MBL.NONE):
+                raise self.error(f"{f}.do_neg_mining", f"disagrees with mining_type {MBL.MiningType.Name(self.mining)}",
+                                 str(p.do_neg_mining).lower())
+        if self.mining != MBL.NONE and not self.share:
+            raise self.error(f"{f}.mining_type", "mining needs share_location: true",
+                             MBL.MiningType.Name(self.mining))
+        if self.mining == MBL.HARD_EXAMPLE and p.sample_size < 1:
+            raise self.error(f"{f}.sample_size", "must be positive for HARD_EXAMPLE mining", p.sample_size)
+        if p.conf_loss_type == MBL.SOFTMAX and not 0 <= self.background < self.classes:
+            raise self.error(f"{f}.background_label_id", f"must be a class in [0, {self.classes}) for SOFTMAX",
+                             self.background)
+        if p.map_object_to_agnostic and self.classes != (2 if self.background >= 0 else 1):
+            raise self.error(f"{f}.num_classes", "must be 2 (1 without a background) with "
+                             "map_object_to_agnostic", self.classes)
+        if p.overlap_threshold < 0 or p.neg_overlap < 0:
+            raise self.error(f"{f}.overlap_threshold", "thresholds must not be negative",
+                             f"{p.overlap_threshold:g}, neg_overlap {p.neg_overlap:g}")
+        down = list(self.param.propagate_down)
+        self.use_loc, self.use_conf = (bool(down[0]), bool(down[1])) if down else (True, True)
+        self.mode = normalization_mode(self)
+        nms = p.nms_param
+        self.mining_nms = p.HasField("nms_param") and nms.nms_threshold > 0
+        self.mining_top_k = nms.top_k if nms.HasField("top_k") else -1
+
+    def reshape(self, bottom, top):
+        n = bottom[0].shape[0] if bottom[0].num_axes else 0
+        priors = bottom[2].count // 8
+        if bottom[2].count != 8 * priors or not priors:
+            raise self.error("bottom[2]", "the priors must be [1, 2, priors * 4] (boxes, then variances)",
+                             bottom[2].shape, cls=ShapeError)
+        for i, per, what in ((0, self.loc_classes * 4, "loc"), (1, self.classes, "conf")):
+            if not bottom[i].num_axes or bottom[i].shape[0] != n or bottom[i].count != n * priors * per:
+                raise self.error(f"bottom[{i}]", f"{what} needs {priors * per} values per image ({priors} "
+                                 f"priors) for {n} images", bottom[i].shape, cls=ShapeError)
+        if bottom[3].count % 8:
+            raise self.error("bottom[3]", "the ground truth rows must have 8 values", bottom[3].shape,
+                             cls=ShapeError)
+        self.n, self.priors = n, priors
+        top[0].reshape(())
+
+    # -- the pieces -----------------------------------------------------------------------------
+    def _ground_truth(self, blob):
+        """Per image: (labels [G] int, boxes [G, 4] float32) of its ground truth, difficult ones
+        left out unless use_difficult_gt; None for an image without any."""
+        rows = blob.data.reshape(-1, 8)
+        rows = rows[rows[:, 0] != -1]
+        if not self.p.use_difficult_gt:
+            rows = rows[rows[:, 7] == 0]
+        items = rows[:, 0].astype(np.int64)
+        labels = rows[:, 1].astype(np.int64)
+        if len(items) and (items.min() < 0 or items.max() >= self.n):
+            raise self.error("bottom[3]", f"item_id out of the batch's range [0, {self.n})",
+                             int(items[(items < 0) | (items >= self.n)][0]))
+        if (labels == self.background).any():
+            raise self.error("bottom[3]", "a ground truth box has the background label", self.background,
+                             hint="The dataset's labels must leave background_label_id to the background")
+        gts = [None] * self.n
+        for i in np.unique(items):
+            mine = items == i
+            gts[i] = (labels[mine], rows[mine, 3:7].astype(np.float32))
+        return gts
+
+    def _match(self, gt, loc_i, priors, variances):
+        """{loc label: (indices [P], overlaps [P])} of one image, the fork's FindMatches
+        (label -1: shared locations)."""
+        p = self.p
+        if gt is None:
+            return {}
+        labels, boxes = gt
+        if p.use_prior_for_matching:
+            idx, ov = bbox.match(boxes, priors, p.match_type, p.overlap_threshold, p.ignore_cross_boundary_bbox)
+            if self.share:
+                return {-1: (idx, ov)}
+            out = {}
+            for c in range(self.loc_classes):
+                if c != self.background:
+                    mine = (idx > -1) & (labels[np.maximum(idx, 0)] == c)
+                    out[c] = (np.where(mine, idx, -1), ov)
+            return out
+        out = {}
+        for c in range(self.loc_classes):
+            label = -1 if self.share else c
+            if label == self.background and not self.share:
+                continue
+            decoded = decode(priors, variances, loc_i[:, c], p.code_type, p.encode_variance_in_target)
+            which = np.arange(len(labels)) if label == -1 else np.flatnonzero(labels == label)
+            idx, ov = bbox.match(boxes[which], decoded, p.match_type, p.overlap_threshold,
+                                 p.ignore_cross_boundary_bbox)
+            out[label] = (np.where(idx > -1, which[np.maximum(idx, 0)], idx), ov)
+        return out
+
+    def _targets(self, gt, idx):
+        """The class each prior of one image is trained toward: its object's (or the agnostic
+        object class), else the background."""
+        if self.p.map_object_to_agnostic:
+            return np.where(idx > -1, self.background + 1, self.background)
+        return np.where(idx > -1, gt[0][np.maximum(idx, 0)], self.background) if gt is not None \
+            else np.full(len(idx), self.background)
+
+    def _conf_losses(self, scores, targets):
+        """Confidence loss of rows [R, C] toward their targets [R] (float64)."""
+        if self.p.conf_loss_type == MBL.SOFTMAX:
+            logp, _ = _softmax_rows(scores)
+            return np.minimum(-logp[np.arange(len(targets)), targets], FLT_MIN_LOG)
+        return _logistic_rows(scores, self._onehot(targets, scores.shape[1]))
+
+    def _onehot(self, targets, classes):
+        t = np.zeros((len(targets), classes))
+        ok = (targets >= 0) & (targets < classes)
+        t[np.flatnonzero(ok), targets[ok]] = 1
+        return t
+
+    def _loc_pairs(self, label, idx, gt, loc_i, priors, variances):
+        """(positions j, predictions [M, 4], targets [M, 4], frozen [M, 4], divide [M, 4]) of one
+        image's positives of loc label `label`: what the location loss compares."""
+        p = self.p
+        j = np.flatnonzero(idx > -1)
+        slot = 0 if self.share else label
+        pred = loc_i[j, slot].astype(np.float32)
+        target = bbox.encode(priors[j], variances[j], gt[1][idx[j]], p.code_type, p.encode_variance_in_target)
+        frozen = np.zeros(pred.shape, bool)
+        if p.bp_inside:
+            match_box = priors[j] if p.use_prior_for_matching else \
+                decode(priors[j], variances[j], pred, p.code_type, p.encode_variance_in_target)
+            frozen = (match_box < 0) | (match_box > 1)
+        divide = variances[j] if p.encode_variance_in_target else np.ones_like(pred)
+        return j, pred, target, frozen, divide
+
+    def _loc_loss(self, d):
+        """Per element location loss and its derivative, d = prediction - target."""
+        if self.p.loc_loss_type == MBL.SMOOTH_L1:
+            small = np.abs(d) < 1
+            return np.where(small, 0.5 * d * d, np.abs(d) - 0.5), np.where(small, d, np.sign(d))
+        return 0.5 * d * d, d
+
+    def _mine(self, matches, gt, conf_i, loc_i, priors, variances):
+        """The fork's MineHardExamples for one image: updates `matches` (HARD_EXAMPLE drops the
+        positives it does not pick) and returns the negatives' prior indices, ascending."""
+        p = self.p
+        if self.mining == MBL.NONE or not matches:
+            return np.zeros(0, np.int64)
+        negatives = []
+        for label in sorted(matches):
+            idx, ov = matches[label]
+            loss = self._conf_losses(conf_i, self._targets(gt, idx))
+            if self.mining == MBL.HARD_EXAMPLE:
+                j, pred, target, frozen, divide = self._loc_pairs(label, idx, gt, loc_i, priors, variances)
+                d = np.where(frozen, 0, (pred - target) / divide)
+                loss = loss.copy()
+                loss[j] += self._loc_loss(d.astype(np.float64))[0].sum(axis=1)
+                eligible = np.arange(len(idx))
+                num_sel = min(p.sample_size, len(eligible))
+            else:
+                eligible = np.flatnonzero((idx == -1) & (ov < np.float32(p.neg_overlap)))
+                num_pos = int((idx > -1).sum())
+                num_sel = min(int(np.float32(num_pos) * np.float32(p.neg_pos_ratio)), len(eligible))
+            if self.mining_nms:
+                boxes = priors[eligible] if p.use_prior_for_nms else decode(
+                    priors, variances, loc_i[:, 0], p.code_type, p.encode_variance_in_target)[eligible]
+                kept = bbox.nms_by_loss(boxes, loss[eligible], p.nms_param.nms_threshold, self.mining_top_k)
+                chosen = eligible[np.asarray(kept[:num_sel], np.int64)]
+            else:
+                chosen = eligible[np.argsort(-loss[eligible], kind="stable")[:num_sel]]
+            selected = np.zeros(len(idx), bool)
+            selected[chosen] = True
+            if self.mining == MBL.HARD_EXAMPLE:      # positives left out stop being positives
+                matches[label] = (np.where((idx > -1) & ~selected, -1, idx), ov)
+            negatives.append(np.flatnonzero(selected & (idx == -1)))
+        return np.concatenate(negatives) if negatives else np.zeros(0, np.int64)
+
+    # -- forward / backward ---------------------------------------------------------------------
+    def forward(self, bottom, top):
+        n, P, C, L = self.n, self.priors, self.classes, self.loc_classes
+        loc = bottom[0].data.reshape(n, P, L, 4)
+        conf = bottom[1].data.reshape(n, P, C)
+        prior = bottom[2].data.reshape(-1)
+        priors, variances = prior[:P * 4].reshape(P, 4), prior[P * 4:].reshape(P, 4)
+        gts = self._ground_truth(bottom[3])
+        self.matches, self.negatives = [], []
+        for i in range(n):
+            matches = self._match(gts[i], loc[i], priors, variances)
+            self.negatives.append(self._mine(matches, gts[i], conf[i], loc[i], priors, variances))
+            self.matches.append(matches)
+        num_matches = sum(int((idx > -1).sum()) for m in self.matches for idx, _ in m.values())
+        self.norm = self._normalizer(n, P, num_matches)
+        # location: every positive of every loc label
+        self.loc_terms = []
+        loc_loss = 0.0
+        for i in range(n):
+            for label in sorted(self.matches[i]):
+                idx, _ = self.matches[i][label]
+                j, pred, target, frozen, divide = self._loc_pairs(label, idx, gts[i], loc[i], priors, variances)
+                d = np.where(frozen, 0, (pred.astype(np.float64) - target) / divide)
+                value, slope = self._loc_loss(d)
+                loc_loss += value.sum()
+                self.loc_terms.append((i, 0 if self.share else label, j, np.where(frozen, 0, slope / divide)))
+        # confidence: positives then negatives (mining), or every prior
+        if self.mining != MBL.NONE:
+            rows, targets = [], []
+            for i in range(n):
+                if gts[i] is None:
+                    continue
+                for label in sorted(self.matches[i]):
+                    idx, _ = self.matches[i][label]
+                    j = np.flatnonzero(idx > -1)
+                    rows.append(i * P + j)
+                    targets.append(self._targets(gts[i], idx)[j])
+                rows.append(i * P + self.negatives[i])
+                targets.append(np.full(len(self.negatives[i]), self.background))
+            self.conf_rows = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
+            self.conf_targets = np.concatenate(targets).astype(np.int64) if targets else np.zeros(0, np.int64)
+        else:
+            self.conf_rows = np.arange(n * P)
+            t = np.full((n, P), self.background, np.int64)
+            for i in range(n):
+                for label in sorted(self.matches[i]):
+                    idx, _ = self.matches[i][label]
+                    t[i, idx > -1] = self._targets(gts[i], idx)[idx > -1]
+            self.conf_targets = t.reshape(-1)
+        scores = conf.reshape(n * P, C)[self.conf_rows]
+        conf_loss = self._conf_losses(scores, self.conf_targets).sum() if len(self.conf_rows) else 0.0
+        total = (self.p.loc_weight * loc_loss if self.use_loc else 0.0) + (conf_loss if self.use_conf else 0.0)
+        top[0].data[...] = np.float32(total / self.norm)
+
+    def _normalizer(self, n, priors, num_matches):
+        count = {LossParameter.VALID: num_matches, LossParameter.FULL: n * priors,
+                 LossParameter.BATCH_SIZE: n}.get(self.mode)
+        ctx = self.context
+        if not (ctx.distributed and self.phase == caffe_pb2.TRAIN):
+            return normalizer(self, self.mode, n, priors, num_matches)
+        # the global batch's normalizer, shared out: the ranks' gradients are averaged
+        if count is None:
+            return normalizer(self, self.mode, n, priors, num_matches) / ctx.size
+        return max(1.0, float(ctx.total(count))) / ctx.size
+
+    def backward(self, top, propagate_down, bottom):
+        scale = float(top[0].diff.reshape(-1)[0]) / self.norm
+        n, P, C = self.n, self.priors, self.classes
+        if propagate_down[0]:
+            diff = bottom[0].diff.reshape(n, P, self.loc_classes, 4)
+            diff[...] = 0
+            for i, slot, j, slope in self.loc_terms:
+                diff[i, j, slot] = slope * (self.p.loc_weight * scale)
+        if propagate_down[1]:
+            diff = bottom[1].diff.reshape(n * P, C)
+            diff[...] = 0
+            if len(self.conf_rows):
+                scores = bottom[1].data.reshape(n * P, C)[self.conf_rows]
+                if self.p.conf_loss_type == MBL.SOFTMAX:
+                    _, prob = _softmax_rows(scores)
+                    prob[np.arange(len(self.conf_targets)), self.conf_targets] -= 1
+                    grad = prob
+                else:
+                    grad = 1 / (1 + np.exp(-scores.astype(np.float64))) - self._onehot(self.conf_targets, C)
+                diff[self.conf_rows] = grad * scale
+        for i in (2, 3):
+            if propagate_down[i]:
+                raise self.error(f"propagate_down[{i}]", "MultiBoxLoss has no gradient for the priors or the "
+                                 "ground truth", "true")
