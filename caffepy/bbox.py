@@ -250,3 +250,43 @@ def average_precision(scores, true_pos, num_pos, version):
             ap += p * abs(r - prev)
         prev = r
     return float(ap)
+
+
+class MeanAP:
+    """The fork's TestDetection over DetectionEvaluate's rows: `add` each batch's rows
+    [K, 5] (image, label, score, tp, fp; image -1: the label's number of objects in score's
+    place), then `result(version)`. Rows with tp = fp = 0 (detections of difficult objects
+    not evaluated) are left out. mAP is the mean over every label that has a count row, of
+    its AP (0 without detections or objects: as the fork, such a label counts in the mean)."""
+
+    def __init__(self):
+        self.num_pos, self.detections = {}, {}
+
+    def add(self, rows):
+        for image, label, score, tp, fp in np.asarray(rows, np.float32).reshape(-1, 5):
+            label = int(label)
+            if int(image) == -1:
+                self.num_pos[label] = self.num_pos.get(label, 0) + int(score)
+            elif int(tp) or int(fp):
+                self.detections.setdefault(label, []).append((float(score), int(tp)))
+
+    def merge(self, other):
+        for label, n in other.num_pos.items():
+            self.num_pos[label] = self.num_pos.get(label, 0) + n
+        for label, found in other.detections.items():
+            self.detections.setdefault(label, []).extend(found)
+
+    def result(self, version):
+        """(mAP, {label: AP}, [labels with objects counted but no detection])."""
+        aps, missing = {}, []
+        for label in sorted(self.num_pos):
+            found = self.detections.get(label)
+            if not found:
+                missing.append(label)
+                continue
+            scores, tp = zip(*found)
+            aps[label] = average_precision(scores, tp, self.num_pos[label], version)
+        total = F(0)
+        for ap in aps.values():
+            total += F(ap)
+        return (float(total / F(len(self.num_pos))) if self.num_pos else 0.0), aps, missing

@@ -177,13 +177,19 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
 @engine_option
 @click.option("--sampling/--no-sampling", default=False,
               help="Intel Caffe's sampling mode: build the net, load the weights, and stop.")
+@click.option("--detection/--no-detection", default=False,
+              help="Score a detection net: its outputs are DetectionEvaluate's rows, turned into mAP "
+                   "(SSD's flag).")
+@click.option("--ap_version", type=click.Choice(["11point", "MaxIntegral", "Integral"]), default="11point",
+              show_default=True, help="With --detection: VOC2007's 11-point AP (what Intel Caffe's tool "
+                                      "prints), VOC2010's MaxIntegral, or the natural Integral.")
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
-def test(model, weights, iterations, level, stage, engine, sampling, gpu):
-    """Score a model: run the TEST phase and average its outputs."""
+def test(model, weights, iterations, level, stage, engine, sampling, detection, ap_version, gpu):
+    """Score a model: run the TEST phase and average its outputs (with -detection: their mAP)."""
     _gpu_notice(gpu)
     from . import actions
     actions.test(model=model, weights=weights, iterations=iterations, level=level, stages=_stages(stage),
-                 engine=engine, sampling=sampling)
+                 engine=engine, sampling=sampling, detection=detection, ap_version=ap_version)
 
 
 @main.command()

@@ -628,3 +628,133 @@ class MultiBoxLoss(Layer):
             if propagate_down[i]:
                 raise self.error(f"propagate_down[{i}]", "MultiBoxLoss has no gradient for the priors or the "
                                  "ground truth", "true")
+
+
+@register
+class DetectionEvaluate(Layer):
+    """SSD's test-time scorer: bottoms detections [1, 1, D, 7] (DetectionOutput's: image,
+    label, score, xmin, ymin, xmax, ymax) and ground truth [1, 1, G, 8] (AnnotatedData's label).
+    Top [1, 1, classes + detections, 5]: first, per label but the background, a row (-1, label,
+    number of objects, -1, -1); then per image, per label, the detections by score (highest
+    first), each (image, label, score, tp, fp): a true positive when its best overlap with an
+    object of its label reaches overlap_threshold and that object was not found before, else a
+    false positive; a detection of a difficult object when evaluate_difficult_gt is false is
+    neither (0, 0) and such objects are not counted. caffepy test -detection and a solver's
+    eval_type: "detection" turn the rows into mAP (caffepy.bbox.MeanAP).
+
+    detection_evaluate_param: num_classes, background_label_id, overlap_threshold,
+    evaluate_difficult_gt, name_size_file (`name height width` lines, one per test image in
+    order: overlaps are then taken over pixel boxes of each image's size, counting both end
+    pixels, after resize_param maps the boxes back), resize_param. Without name_size_file the
+    overlaps are of the normalized boxes. (The fork moves to the next image's size once per
+    image that has detections; caffepy once per image of the batch, counted from the largest
+    image index of its detections and objects.)"""
+    exact_bottoms = 2
+    exact_tops = 1
+    differentiable = False
+
+    def setup(self, bottom, top):
+        p = self.param.detection_evaluate_param
+        f = "detection_evaluate_param"
+        if not p.HasField("num_classes"):
+            raise self.error(f"{f}.num_classes", "must be given", "none")
+        if p.overlap_threshold <= 0:
+            raise self.error(f"{f}.overlap_threshold", "must be positive", p.overlap_threshold)
+        self.classes, self.background = p.num_classes, p.background_label_id
+        self.threshold, self.difficult = np.float32(p.overlap_threshold), p.evaluate_difficult_gt
+        self.sizes = []
+        if p.name_size_file:
+            try:
+                with open(p.name_size_file) as fh:
+                    words = fh.read().split()
+            except OSError as e:
+                raise self.error(f"{f}.name_size_file", f"cannot read it: {e.strerror}", p.name_size_file) from None
+            try:
+                self.sizes = [(int(h), int(w)) for h, w in zip(words[1::3], words[2::3])]
+            except ValueError:
+                raise self.error(f"{f}.name_size_file", "expected 'name height width' lines",
+                                 p.name_size_file) from None
+        self.resize = p.resize_param if p.HasField("resize_param") else None
+        self.count = 0
+
+    def reshape(self, bottom, top):
+        for i, width in ((0, 7), (1, 8)):
+            if bottom[i].num_axes != 4 or bottom[i].shape[:2] != (1, 1) or bottom[i].shape[3] != width:
+                raise self.error(f"bottom[{i}]", f"must be [1, 1, rows, {width}]", bottom[i].shape, cls=ShapeError)
+        det = bottom[0].data.reshape(-1, 7)
+        positive_classes = self.classes - (0 if self.background == -1 else 1)
+        top[0].reshape((1, 1, positive_classes + int((det[:, 1] != -1).sum()), 5))
+
+    def _pixels(self, boxes, size):
+        """Normalized boxes as pixel boxes of an image of `size` (the fork's OutputBBox)."""
+        h, w = size
+        b = np.array(boxes, np.float32)
+        r = self.resize
+        if r is not None and r.resize_mode == caffe_pb2.ResizeParameter.FIT_LARGE_SIZE_AND_PAD:
+            aspect, resized = np.float32(w) / np.float32(h), np.float32(r.width) / np.float32(r.height)
+            if aspect > resized:
+                pad = (np.float32(r.height) - np.float32(r.width) / aspect) / 2 / np.float32(r.height)
+                src = np.array([0, pad, 1, 1 - pad], np.float32)
+            else:
+                pad = (np.float32(r.width) - np.float32(r.height) * aspect) / 2 / np.float32(r.width)
+                src = np.array([pad, 0, 1 - pad, 1], np.float32)
+            b, _ = bbox.project(b, src)
+        if r is not None and r.resize_mode == caffe_pb2.ResizeParameter.FIT_SMALL_SIZE \
+                and r.height_scale and r.width_scale:
+            b = b * np.array([r.width_scale, r.height_scale] * 2, np.float32)
+            return np.clip(b, 0, np.array([w, h, w, h], np.float32))
+        return bbox.clip(b) * np.array([w, h, w, h], np.float32)
+
+    def forward(self, bottom, top):
+        det = bottom[0].data.reshape(-1, 7)
+        gt = bottom[1].data.reshape(-1, 8)
+        end = np.flatnonzero(gt[:, 0] == -1)
+        gt = gt[:end[0]] if len(end) else gt          # the fork stops at the first -1 row
+        det = det[(det[:, 0] != -1) & (det[:, 1] != -1)]     # DetectionOutput's rows for no detection
+        for what, labels in (("detections", det[:, 1]), ("ground truth", gt[:, 1])):
+            if (labels.astype(np.int64) == self.background).any():
+                raise self.error(f"bottom[{0 if what == 'detections' else 1}]",
+                                 f"the {what} hold the background label", self.background)
+        rows = []
+        for c in range(self.classes):
+            if c == self.background:
+                continue
+            mine = gt[:, 1].astype(np.int64) == c
+            n = int(mine.sum()) if self.difficult else int((mine & (gt[:, 7] == 0)).sum())
+            rows.append([-1, c, n, -1, -1])
+        images = sorted(set(det[:, 0].astype(np.int64).tolist()))
+        for image in images:
+            mine = det[det[:, 0].astype(np.int64) == image]
+            objects = gt[gt[:, 0].astype(np.int64) == image]
+            size = self.sizes[(self.count + image) % len(self.sizes)] if self.sizes else None
+            for label in sorted(set(mine[:, 1].astype(np.int64).tolist())):
+                found = mine[mine[:, 1].astype(np.int64) == label]
+                truth = objects[objects[:, 1].astype(np.int64) == label]
+                if not len(truth):
+                    rows += [[image, label, s, 0, 1] for s in found[:, 2]]
+                    continue
+                found = found[np.argsort(-found[:, 2], kind="stable")]
+                boxes, truth_boxes = found[:, 3:7], truth[:, 3:7]
+                if size is not None:
+                    boxes, truth_boxes = self._pixels(boxes, size), self._pixels(truth_boxes, size)
+                overlaps = bbox.jaccard(boxes, truth_boxes, normalized=size is None)
+                visited = np.zeros(len(truth), bool)
+                for k, score in enumerate(found[:, 2]):
+                    j = int(np.argmax(overlaps[k]))
+                    if overlaps[k, j] < self.threshold:
+                        rows.append([image, label, score, 0, 1])
+                    elif not self.difficult and truth[j, 7]:
+                        rows.append([image, label, score, 0, 0])
+                    elif visited[j]:
+                        rows.append([image, label, score, 0, 1])
+                    else:
+                        visited[j] = True
+                        rows.append([image, label, score, 1, 0])
+        if self.sizes:
+            seen = max(images + gt[:, 0].astype(np.int64).tolist(), default=-1) + 1
+            self.count = (self.count + seen) % len(self.sizes)
+        top[0].reshape((1, 1, len(rows), 5))
+        top[0].data[...] = np.asarray(rows, np.float32).reshape(top[0].shape)
+
+    def backward(self, top, propagate_down, bottom):
+        pass
