@@ -104,54 +104,55 @@ class Annotations:
 
 
 # -- batch sampling ------------------------------------------------------------------------------
-def sample_box(sampler, gen):
-    """One box of the unit square at a scale and aspect ratio drawn uniformly from the
-    sampler's ranges (the ratio kept within [scale^2, 1 / scale^2], so the box fits), at a
+def sample_boxes(sampler, n, gen):
+    """n boxes [n, 4] of the unit square, each at a scale and aspect ratio drawn uniformly from
+    the sampler's ranges (the ratio kept within [scale^2, 1 / scale^2], so the box fits), at a
     uniform place."""
-    scale = F(gen.uniform(sampler.min_scale, sampler.max_scale))
-    ratio = F(gen.uniform(sampler.min_aspect_ratio, sampler.max_aspect_ratio))
-    ratio = min(max(ratio, scale * scale), F(1) / (scale * scale))
+    scale = gen.uniform(sampler.min_scale, sampler.max_scale, n).astype(F)
+    ratio = gen.uniform(sampler.min_aspect_ratio, sampler.max_aspect_ratio, n).astype(F)
+    ratio = np.minimum(np.maximum(ratio, scale * scale), F(1) / (scale * scale))
     w, h = scale * np.sqrt(ratio), scale / np.sqrt(ratio)
-    x, y = F(gen.uniform(0, max(F(0), F(1) - w))), F(gen.uniform(0, max(F(0), F(1) - h)))
-    return np.array([x, y, x + w, y + h], F)
+    x = gen.uniform(0, np.maximum(F(0), F(1) - w)).astype(F)
+    y = gen.uniform(0, np.maximum(F(0), F(1) - h)).astype(F)
+    return np.stack([x, y, x + w, y + h], axis=1)
 
 
-def meets(sample, objects, c):
-    """Does some object meet every bound of SampleConstraint c with the sampled box (no
-    bound: any box does)?"""
-    bounds = [(f, getattr(c, f)) for f in ("min_jaccard_overlap", "max_jaccard_overlap", "min_sample_coverage",
-                                           "max_sample_coverage", "min_object_coverage", "max_object_coverage")
-              if c.HasField(f)]
+BOUNDS = ("min_jaccard_overlap", "max_jaccard_overlap", "min_sample_coverage", "max_sample_coverage",
+          "min_object_coverage", "max_object_coverage")
+
+
+def meets(samples, objects, c):
+    """Which sampled boxes [n, 4] have some object that meets every bound of SampleConstraint c
+    with them (no bound: every box does): [n] bool."""
+    samples = np.asarray(samples, F).reshape(-1, 4)
+    bounds = [(f, getattr(c, f)) for f in BOUNDS if c.HasField(f)]
     if not bounds:
-        return True
+        return np.ones(len(samples), bool)
     if not len(objects):
-        return False
-    values = {"jaccard_overlap": bbox.jaccard(sample, objects)[0],
-              "sample_coverage": bbox.coverage(sample, objects)[0],
-              "object_coverage": bbox.coverage(objects, sample)[:, 0]}
-    ok = np.ones(len(objects), bool)
+        return np.zeros(len(samples), bool)
+    values = {"jaccard_overlap": lambda: bbox.jaccard(samples, objects),
+              "sample_coverage": lambda: bbox.coverage(samples, objects),
+              "object_coverage": lambda: bbox.coverage(objects, samples).T}
+    ok = np.ones((len(samples), len(objects)), bool)
     for field, bound in bounds:
-        v = values[field[4:]]
+        v = values[field[4:]]()
         ok &= (v >= F(bound)) if field.startswith("min") else (v <= F(bound))
-    return bool(ok.any())
+    return ok.any(axis=1)
 
 
 def batch_samples(samplers, objects, gen):
     """The fork's GenerateBatchSamples: each sampler (those with use_original_image) draws
-    max_trials boxes, keeping those that meet its constraint, at most max_sample of them."""
-    found_all = []
+    max_trials boxes, keeping those that meet its constraint, the first max_sample of them.
+    (All trials are drawn at once: the boxes kept are the ones the fork's trial-by-trial loop,
+    which stops at max_sample, keeps from the same draws.)"""
+    found = []
     for s in samplers:
-        if not s.use_original_image:
+        if not s.use_original_image or not s.max_trials:
             continue
-        found = 0
-        for _ in range(s.max_trials):
-            if s.HasField("max_sample") and found >= s.max_sample:
-                break
-            box = sample_box(s.sampler, gen)
-            if meets(box, objects, s.sample_constraint):
-                found += 1
-                found_all.append(box)
-    return found_all
+        boxes = sample_boxes(s.sampler, s.max_trials, gen)
+        good = boxes[meets(boxes, objects, s.sample_constraint)]
+        found.extend(good[:s.max_sample] if s.HasField("max_sample") else good)
+    return found
 
 
 def check_samplers(samplers, error):

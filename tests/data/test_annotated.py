@@ -192,11 +192,12 @@ def sampler(text):
 def test_sampled_boxes_keep_scale_aspect_and_constraints():
     gen = np.random.default_rng(0)
     s = sampler("sampler { min_scale: 0.3 max_scale: 0.6 min_aspect_ratio: 0.5 max_aspect_ratio: 2 }")
-    for _ in range(200):
-        b = annotated.sample_box(s.sampler, gen)
-        w, h = b[2] - b[0], b[3] - b[1]
-        assert 0 <= b[0] and b[2] <= 1 + 1e-6 and 0 <= b[1] and b[3] <= 1 + 1e-6
-        assert .3 - 1e-6 <= np.sqrt(w * h) <= .6 + 1e-6 and .5 - 1e-5 <= w / h <= 2 + 1e-5
+    b = annotated.sample_boxes(s.sampler, 500, gen)
+    w, h = b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]
+    assert (0 <= b[:, :2]).all() and (b[:, 2:] <= 1 + 1e-6).all()
+    assert (.3 - 1e-6 <= np.sqrt(w * h)).all() and (np.sqrt(w * h) <= .6 + 1e-6).all()
+    assert (.5 - 1e-5 <= w / h).all() and (w / h <= 2 + 1e-5).all()
+    assert w.min() < .4 and w.max() > .7            # the whole ranges are drawn
     objects = np.float32([[.1, .1, .4, .4], [.6, .6, .9, .9]])
     c = sampler("sampler { min_scale: 0.3 max_scale: 1 } sample_constraint { min_jaccard_overlap: 0.5 } "
                 "max_trials: 200")
@@ -226,7 +227,7 @@ def test_sample_constraints_on_one_object(constraint, want):
     sample = np.float32([.1, .1, .5, .5])
     objects = np.float32([[.1, .1, .4, .4], [.6, .6, .9, .9]])
     c = text_format.Parse(constraint, caffe_pb2.SampleConstraint())
-    assert annotated.meets(sample, objects, c) == want
+    assert annotated.meets(sample, objects, c).tolist() == [want]
 
 
 def test_draws_repeat_resume_and_do_not_depend_on_the_ranks(tmp_path):
