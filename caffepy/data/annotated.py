@@ -36,6 +36,7 @@ it crops), random_aspect_ratio_param moves the boxes with its region (the fork l
 and the fork's JPEG re-encoding of distorted, expanded and cropped images is not done.
 """
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from .. import bbox
 from ..errors import DataError
@@ -48,8 +49,8 @@ from .sources import DBSource
 F = np.float32
 EMIT = caffe_pb2.EmitConstraint
 BBOX = caffe_pb2.AnnotatedDatum.BBOX
-# the columns of a box row, before the batch's item_id is put in front
-LABEL, INSTANCE, XMIN, YMIN, XMAX, YMAX, DIFFICULT = range(7)
+# the box's columns in a row (group_label, instance_id, xmin, ymin, xmax, ymax, difficult)
+XMIN, YMIN, XMAX, YMAX = range(2, 6)
 
 
 class Annotations:
@@ -187,19 +188,14 @@ class AnnotatedDBSource(DBSource):
         a = caffe_pb2.AnnotatedDatum()
         try:
             a.ParseFromString(bytes(raw))
-        except Exception as e:      # protobuf's DecodeError
+        except DecodeError as e:
             raise DataError(f"{self.where(key)}corrupt or truncated AnnotatedDatum record ({len(raw)} bytes): "
                             f"{e}") from None
         return a
 
     def decode(self, key, raw):
         a = self.parse(key, raw)
-        try:
-            image = datum_to_array(a.datum, self.force_color, self.force_gray, self.path, key)
-        except Exception as e:
-            if isinstance(e, DataError):
-                raise
-            raise DataError(f"{self.where(key)}cannot decode the image: {str(e).strip()}") from None
+        image = datum_to_array(a.datum, self.force_color, self.force_gray, self.path, key)
         if not self.boxes:
             return image, a.datum.label
         return image, self.rows(key, a)

@@ -1,7 +1,8 @@
 """SSD's detection layers, as Intel Caffe carries them (its models/intel_optimized_models/ssd
 and benchmark/ssd): Permute, Normalize, PriorBox and DetectionOutput, the layers an SSD deploy
-net runs after its convolutions. Training SSD needs AnnotatedData and MultiBoxLoss, which
-caffepy does not have.
+net runs after its convolutions; MultiBoxLoss, which trains them; DetectionEvaluate, which
+scores DetectionOutput's boxes against the ground truth. (SSD's data layer, AnnotatedData, is
+with the other data layers in data.py; the box arithmetic they share is caffepy/bbox.py.)
 
 The boxes are SSD's normalized ones: (xmin, ymin, xmax, ymax) as fractions of the image, areas
 without the +1 of pixel boxes. The arithmetic is NumPy: these layers run once per batch over a

@@ -26,6 +26,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from caffepy import prototxt, upgrade  # noqa: E402
+from caffepy.errors import CaffepyError  # noqa: E402
 from caffepy.proto import caffe_pb2  # noqa: E402
 
 
@@ -80,6 +81,8 @@ def point_solver(solver_path, data_root, out_dir, root=".", classes=None, batch=
     return the new solver's path. `fields`: solver fields to set (max_iter=..., stepvalue=[...])."""
     os.makedirs(out_dir, exist_ok=True)
     solver = upgrade.read_solver(solver_path)
+    if not solver.train_net:
+        raise SystemExit(f"{solver_path}: names no train_net (SSD's solvers name train_net and test_net)")
     test_net = None
     for kind in ("train_net", "test_net"):
         paths = getattr(solver, kind)
@@ -128,8 +131,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     root = os.environ.get("CAFFEPY_INTEL_CAFFE", ".")
     path = args.model if os.path.exists(args.model) else os.path.join(root, args.model)
-    text = open(path).read()
-    if "train_net" in text or "test_net" in text or "net:" in text.split("layer")[0]:
+    try:        # a solver names its nets; a net file does not parse as a solver
+        solver = upgrade.read_solver(path)
+        is_solver = bool(solver.train_net or solver.net)
+    except CaffepyError:
+        is_solver = False
+    if is_solver:
         dest = point_solver(path, args.data_root, args.out_dir, root, args.classes, args.batch, args.test_batch,
                             max_iter=args.max_iter, test_interval=args.test_interval, display=args.display,
                             snapshot=args.snapshot, base_lr=args.base_lr, stepvalue=args.stepvalue)
