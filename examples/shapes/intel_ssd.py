@@ -6,7 +6,8 @@ examples/shapes/make_shapes.py's LMDBs.
         [--base-lr X] [--stepvalue N ...]
 
 SOLVER_OR_NET is an Intel solver (its train_net and test_net are read, relative to the
-directory caffe runs from: CAFFEPY_INTEL_CAFFE or the current one) or a single net (a TEST-only
+directory caffe runs from: CAFFEPY_INTEL_CAFFE or the current one; else beside the solver, where
+the AlexNet SSD solver's nets are) or a single net (a TEST-only
 net such as ssd_mobilenet/fp32_acc.prototxt). Written to OUT_DIR: the nets with every
 AnnotatedData source pointed at DATA_ROOT/trainval_lmdb (TRAIN) or test_lmdb (TEST), every
 label_map_file at DATA_ROOT/labelmap.prototxt and name_size_file at DATA_ROOT/test_name_size.txt
@@ -87,7 +88,10 @@ def point_solver(solver_path, data_root, out_dir, root=".", classes=None, batch=
     for kind in ("train_net", "test_net"):
         paths = getattr(solver, kind)
         for i, path in enumerate(paths if kind == "test_net" else [paths]):
-            net = upgrade.read_net(os.path.join(root, path))
+            where = os.path.join(root, path)
+            if not os.path.exists(where):   # AlexNet's SSD solver names examples/ssd/...: its nets are beside it
+                where = os.path.join(os.path.dirname(solver_path), os.path.basename(path))
+            net = upgrade.read_net(where)
             net = point_net(net, data_root, classes, batch, test_batch)
             dest = os.path.join(os.path.abspath(out_dir), f"{kind.split('_')[0]}{'' if i == 0 else i}.prototxt")
             prototxt.write_text(net, dest)
