@@ -104,6 +104,7 @@ def create_layer(param, phase, source=None, *, bottoms=(), context=SINGLE, net=N
     cls = choose(Request(param, phase, source, tuple(bottoms), context, net), variant)
     layer = cls(param, phase, source)
     layer.context = context
+    layer.net_param = net
     return layer
 
 
@@ -219,6 +220,9 @@ class Layer:
         self.source = source
         self.name = param.name
         self.context = SINGLE       # the run's RunContext; create_layer sets it
+        # the NetParameter of the net it belongs to (None alone; create_layer sets it), for the
+        # net-wide fields a layer honours (Intel's bn_stats_batch_size)
+        self.net_param = None
         self.blobs = []
         if len(param.blobs):
             from .blobproto import blobproto_to_array

@@ -340,7 +340,9 @@ class Net:
                 continue
             x = self.top_vecs[li][0]
             if hasattr(first, "forward_with_scale") and hasattr(second, "backward_with_bn"):
-                if self.bottom_vecs[li][0] is x and self._in_place_on(li + 1, x):
+                # a BatchNorm's own ReLU (Intel's relu: true) comes before the Scale, the
+                # unit's kernels take one after it only
+                if self.bottom_vecs[li][0] is x and self._in_place_on(li + 1, x) and not first.relu:
                     found[li] = li + 1
                     if self._relu_in_place(li + 2, x):
                         found[li] = li + 2
