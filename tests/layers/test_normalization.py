@@ -337,6 +337,7 @@ def test_lrn_huge_window_uses_the_reference():
 @pytest.mark.parametrize("shape", [(3, 4, 5, 7), (4, 4, 96, 96)])   # below / above threading
 @pytest.mark.parametrize("type_,params,phase", [
     ("BatchNorm", "", TRAIN), ("BatchNorm", "", TEST),
+    ("BatchNorm", "batch_norm_param { stats_batch_size: 1 relu: true }", TRAIN),
     ("MVN", "", TRAIN), ("MVN", "mvn_param { normalize_variance: false across_channels: true }", TRAIN),
 ])
 def test_kernels_match_numpy_path(monkeypatch, type_, params, phase, shape):
