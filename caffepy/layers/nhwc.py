@@ -16,7 +16,8 @@ setup (fields, checks, parameter blobs) they keep:
                   depthwise (group = channels), or direct for few input channels
                   (cext/nhwc_direct.h); `layer.algorithm` names the one chosen
     Pooling       MAX (one top) and AVE, global too
-    BatchNorm     batch statistics (train) and global statistics
+    BatchNorm     batch statistics (train; Intel's statistics groups) and global statistics,
+                  Intel's fused ReLU
     Scale, Bias   a learned per-channel scale (and bias) / bias
     Concat        along channels
     LRN           ACROSS_CHANNELS

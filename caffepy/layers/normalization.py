@@ -1,7 +1,8 @@
 """Normalization layers: LRN, BatchNorm, MVN.
 
 BatchNorm normalizes only; the learned scale and shift of a "batch norm" are a
-Scale layer after it, as in Caffe.
+Scale layer after it, as in Caffe. It also runs Intel Caffe's statistics groups
+(bn_stats_batch_size / stats_batch_size) and fused ReLU.
 """
 import numpy as np
 
