@@ -131,6 +131,57 @@ def test_fused_unit_with_statistics_groups_against_numpy(tmp_path, relu):
     _close(net.blobs["conv1"].diff, np.concatenate(dxs), "data gradient")
 
 
+UNIT_NET = """force_backward: true bn_stats_batch_size: 2
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 3 dim: 3 dim: 2 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 5 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" }
+layer { name: "scale1" type: "Scale" bottom: "conv1" top: "conv1"
+  scale_param { bias_term: true filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } } }
+"""
+
+
+class _Unit:
+    """The fused BatchNorm + Scale of a net as one layer for the gradient checker: its own
+    bottom blob (the unit works in place, the checker perturbs its input), the Scale's
+    parameters."""
+    type, name = "BatchNorm + Scale", "bn1 + scale1"
+
+    def __init__(self, net, first, last):
+        self.net, self.first, self.last = net, first, last
+        self.blobs = net.layers[last].blobs
+        self.param_propagate_down = [True, True]
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward(self, bottom, top):
+        np.copyto(top[0].raw_data, bottom[0].raw_data)
+        self.net.forward_from_to(self.first, self.last)
+
+    def backward(self, top, propagate_down, bottom):
+        self.net.backward_from_to(self.last, self.first)
+        np.copyto(bottom[0].raw_diff, top[0].raw_diff)
+
+
+def test_fused_unit_with_statistics_groups_passes_the_gradient_checker(tmp_path):
+    from caffepy.blob import Blob
+    from gradient_checker import check_gradient
+    path = tmp_path / "unit.prototxt"
+    path.write_text(UNIT_NET)
+    net = Net(str(path), caffepy.TRAIN)
+    names = [layer.name for layer in net.layers]
+    bn, scale = names.index("bn1"), names.index("scale1")
+    assert net.fusions == {bn: scale} and net.layers[bn].groups == 2
+    net.blobs["data"].data[...] = np.random.default_rng(5).standard_normal(net.blobs["data"].shape)
+    net.forward_from_to(0, bn - 1)
+    top = net.blobs["conv1"]
+    bottom = Blob(top.shape, name="x")
+    bottom.layout = top.layout
+    np.copyto(bottom.raw_data, top.raw_data)
+    check_gradient(_Unit(net, bn, scale), [bottom], [top])
+
+
 def test_a_relu_with_a_negative_slope_is_not_fused(tmp_path):
     fused, _ = _nets(tmp_path, relu="relu_param { negative_slope: -0.5 }")
     assert {fused.layers[i].name: fused.layers[j].name for i, j in fused.fusions.items()} == \
