@@ -105,6 +105,7 @@ def create_layer(param, phase, source=None, *, bottoms=(), context=SINGLE, net=N
     layer = cls(param, phase, source)
     layer.context = context
     layer.caffe_algorithms = engine.caffe_engine(param, net, source)
+    layer.net_param = net
     return layer
 
 
@@ -226,6 +227,9 @@ class Layer:
         self.context = SINGLE       # the run's RunContext; create_layer sets it
         # Caffe's own algorithms asked for (caffepy.engine); create_layer adds the net's engine
         self.caffe_algorithms = engine.caffe_engine(param, None, source)
+        # the NetParameter of the net it belongs to (None alone; create_layer sets it), for the
+        # net-wide fields a layer honours (Intel's bn_stats_batch_size)
+        self.net_param = None
         self.blobs = []
         if len(param.blobs):
             from .blobproto import blobproto_to_array
