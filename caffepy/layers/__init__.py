@@ -2,7 +2,7 @@
 
 Find a layer by its prototxt type:  data (Input, DummyData, Data, ImageData, MemoryData,
 WindowData), vision (Convolution, Deconvolution, Pooling, Im2col, Crop, SPP, ROIPooling,
-Reorg), normalization (LRN, BatchNorm, MVN), neuron (ReLU, Sigmoid, Dropout, ...), common
+PSROIPooling, Reorg), normalization (LRN, BatchNorm, MVN), neuron (ReLU, Sigmoid, Dropout, ...), common
 (InnerProduct, Concat, Split, Eltwise, Softmax, BatchReindex, Filter, Parameter, ...),
 recurrent (LSTM, RNN, LSTMUnit), loss (SoftmaxWithLoss, Accuracy, ...), python (Python),
 hdf5 (HDF5Data, HDF5Output), detection (SSD's Permute, Normalize, PriorBox, DetectionOutput),
