@@ -414,7 +414,8 @@ class ROIPooling(Layer):
     coordinates). Top R x C x pooled_h x pooled_w. A region is scaled by spatial_scale and
     rounded to the feature grid (ends inclusive, at least 1 x 1); bin (ph, pw) covers rows
     [floor(ph * h / pooled_h), ceil((ph + 1) * h / pooled_h)) of it, clipped to the map; an
-    empty bin gives 0. Backward routes each bin's diff to its maximum; none to the rois.
+    empty bin gives 0. Backward routes each bin's diff to its maximum; none to the rois. The
+    maxima come from caffepy.kernels.vision.roi_pool_forward.
 
     roi_pooling_param { pooled_h pooled_w (or pooled_size: one or two values) spatial_scale }.
     """
@@ -448,41 +449,30 @@ class ROIPooling(Layer):
                              cls=ShapeError)
         top[0].reshape(rois.shape[0], bottom[0].shape[1], *self.pooled)
 
-    def _bins(self, start, length, pooled, limit):
-        """[start, end) of each of `pooled` bins over `length` cells from `start`, clipped."""
-        size = np.float32(length) / np.float32(pooled)
+    def _bins(self, start, end, pooled, limit):
+        """[start, end) of each of `pooled` bins (R x pooled int32 arrays) over each ROI's cells
+        from `start` to `end` inclusive (at least one), clipped to the map."""
+        size = (np.maximum(end - start + 1, 1).astype(np.float32) / np.float32(pooled))[:, None]
         steps = np.arange(pooled + 1, dtype=np.float32)
-        lo = np.floor(steps[:-1] * size).astype(np.int64) + start
-        hi = np.ceil(steps[1:] * size).astype(np.int64) + start
-        return np.clip(lo, 0, limit), np.clip(hi, 0, limit)
+        lo = np.floor(steps[:-1] * size).astype(np.int64) + start[:, None]
+        hi = np.ceil(steps[1:] * size).astype(np.int64) + start[:, None]
+        return np.clip(lo, 0, limit).astype(np.int32), np.clip(hi, 0, limit).astype(np.int32)
 
     def forward(self, bottom, top):
         x = bottom[0].data
         n, c, h, w = x.shape
         rois = bottom[1].data.reshape(-1, 5)
-        y = top[0].data
         ph_n, pw_n = self.pooled
-        self.argmax = np.full(y.shape, -1, np.int64)
         self.batch = rois[:, 0].astype(np.int64)
         bad = (self.batch < 0) | (self.batch >= n)
         if np.any(bad):
             raise self.error("bottom[1]", f"roi batch indices must lie in [0, {n})", float(rois[bad, 0][0]),
                              cls=ShapeError)
         corners = round_half_away(rois[:, 1:] * self.scale).astype(np.int64)   # x1, y1, x2, y2
-        for r in range(rois.shape[0]):
-            x1, y1, x2, y2 = corners[r]
-            hs, he = self._bins(y1, max(y2 - y1 + 1, 1), ph_n, h)
-            ws, we = self._bins(x1, max(x2 - x1 + 1, 1), pw_n, w)
-            plane = x[self.batch[r]].reshape(c, h * w)
-            for i in range(ph_n):
-                for j in range(pw_n):
-                    if he[i] <= hs[i] or we[j] <= ws[j]:
-                        y[r, :, i, j] = 0
-                        continue
-                    cells = (np.arange(hs[i], he[i])[:, None] * w + np.arange(ws[j], we[j])).ravel()
-                    arg = np.argmax(plane[:, cells], axis=1)      # the first maximum, as Caffe's scan
-                    self.argmax[r, :, i, j] = cells[arg]
-                    y[r, :, i, j] = plane[np.arange(c), cells[arg]]
+        rows = self._bins(corners[:, 1], corners[:, 3], ph_n, h)
+        cols = self._bins(corners[:, 0], corners[:, 2], pw_n, w)
+        self.argmax = np.empty(top[0].shape, np.int32)
+        kv.roi_pool_forward(x, self.batch.astype(np.int32), *rows, *cols, top[0].data, self.argmax)
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[1]:
@@ -490,13 +480,11 @@ class ROIPooling(Layer):
         if not propagate_down[0]:
             return
         dx = bottom[0].diff
-        dx[...] = 0
         n, c, h, w = dx.shape
-        r, _, ph_n, pw_n = top[0].shape
         found = self.argmax >= 0
         plane = (self.batch[:, None, None, None] * c + np.arange(c)[None, :, None, None])
         flat = np.broadcast_to(plane, self.argmax.shape)[found] * (h * w) + self.argmax[found]
-        np.add.at(dx.reshape(-1), flat, top[0].diff[found])
+        dx.reshape(-1)[...] = np.bincount(flat, top[0].diff[found], dx.size)
 
 
 @register
