@@ -65,8 +65,10 @@ def _boxes(cells, biases, side):
     return np.stack([x, y, w, h], axis=-1)
 
 
-def _truths(layer, blob, images, classes):
-    """Per image, the ground-truth boxes as rows (class, x, y, w, h) in the label blob's order."""
+def _truths(layer, blob, images, classes, past_the_batch=False):
+    """Per image, the ground-truth boxes as rows (class, x, y, w, h) in the label blob's order;
+    rows of items past the batch are skipped with `past_the_batch` (EvalDetection: Intel's
+    dummy-data nets give item 1 in a batch of 1), else refused."""
     if blob.count % 8:
         raise layer.error("bottom[1]", "needs AnnotatedData's label rows of 8 values (item, label, "
                           "instance, xmin, ymin, xmax, ymax, difficult)", blob.shape, cls=ShapeError)
@@ -74,7 +76,7 @@ def _truths(layer, blob, images, classes):
     out = [[] for _ in range(images)]
     for row in rows:
         item = int(row[0])
-        if item == -1:
+        if item == -1 or (past_the_batch and item >= images):
             continue
         label = int(row[1]) - 1
         if not 0 <= item < images or not 0 <= label < classes:
@@ -217,7 +219,8 @@ class RegionLoss(LossLayer):
 @register
 class EvalDetection(Layer):
     """YOLO v2's detections scored against the ground truth (Intel Caffe's layer), for mAP.
-    Bottoms: the map, AnnotatedData's labels (module docstring), optionally the image (unused).
+    Bottoms: the map, AnnotatedData's labels (module docstring; rows of items past the batch
+    are skipped, as Intel's layer does), optionally the image (unused).
     Top N x (num_class + side^2 num_object 4): per image, the number of ground-truth boxes of
     each class, then one row (label, score, tp, fp) per detection, the rest 0.
 
@@ -278,7 +281,7 @@ class EvalDetection(Layer):
         cells = _cells(bottom[0], self.num, self.classes, self.side)
         out = top[0].data
         out[...] = 0
-        for b, truths in enumerate(_truths(self, bottom[1], len(cells), self.classes)):
+        for b, truths in enumerate(_truths(self, bottom[1], len(cells), self.classes, past_the_batch=True)):
             truth_labels = truths[:, 0].astype(np.int64)
             out[b, :self.classes] = np.bincount(truth_labels, minlength=self.classes)
             claimed = np.zeros(len(truths), bool)
