@@ -305,13 +305,15 @@ class ProposalTargetLayer(caffe.Layer):
     sampled (up to fg_fraction objects with IoU >= fg_thresh, the rest background with IoU in
     [bg_lo, bg_hi)), each labelled with its best truth's class (0 for background) and, for
     objects, regression targets toward it in that class's four columns (scaled by
-    1 / TARGET_STDS). param_str: num_classes (with the background), seed."""
+    1 / TARGET_STDS), or in columns 4 to 7 of 8 with agnostic (py-R-FCN's TRAIN.AGONISTIC).
+    param_str: num_classes (with the background), agnostic (False), seed."""
 
     def setup(self, bottom, top):
         p = parse_params(self.param_str_)
         self.classes = p["num_classes"]
+        self.columns = 2 if p.get("agnostic") else self.classes
         self.rng = np.random.default_rng(p.get("seed", 0))
-        for t, width in zip(top, (5, 1) + (4 * self.classes,) * 3):
+        for t, width in zip(top, (5, 1) + (4 * self.columns,) * 3):
             t.reshape(1, width, 1, 1)
 
     def reshape(self, bottom, top):
@@ -330,12 +332,13 @@ class ProposalTargetLayer(caffe.Layer):
         bg = self._pick(np.flatnonzero((best < s["bg_hi"]) & (best >= s["bg_lo"])), s["rois"] - len(fg))
         keep = np.concatenate([fg, bg]).astype(np.int64)
         labels = np.zeros(len(keep))
-        targets = np.zeros((len(keep), 4 * self.classes))
+        targets = np.zeros((len(keep), 4 * self.columns))
         weights = np.zeros_like(targets)
         if len(fg):
             labels[:len(fg)] = gt[which[fg], 4]
             deltas = encode(rois[fg], gt[which[fg], :4]) / TARGET_STDS
             for r, (c, d) in enumerate(zip(labels[:len(fg)].astype(int), deltas)):
+                c = 1 if self.columns == 2 else c
                 targets[r, 4 * c:4 * c + 4] = d
                 weights[r, 4 * c:4 * c + 4] = 1
         out = [np.hstack([np.zeros((len(keep), 1)), rois[keep]]), labels[:, None], targets, weights, weights]

@@ -26,14 +26,15 @@ import rcnn_layers as R  # noqa: E402
 LOSSES = ("rpn_cls_loss", "rpn_loss_bbox", "loss_cls", "loss_bbox")
 
 
-def prepare(work, root, layers=None, iters=2000, base_lr=0.01, seed=0):
-    """Write work/train.prototxt (reading the set at `root`, the Python layers from the modules
-    `layers` names: {"anchor_target": ..., "proposal": ..., "proposal_target": ...}, ours by
-    default) and work/solver.prototxt; return the solver's path."""
+def prepare(work, root, layers=None, iters=2000, base_lr=0.01, seed=0, net="train.prototxt"):
+    """Write work/train.prototxt (`net` of this directory, reading the set at `root`, the Python
+    layers from the modules `layers` names: {"anchor_target": ..., "proposal": ...,
+    "proposal_target": ...}, ours by default) and work/solver.prototxt; return the solver's
+    path."""
     os.makedirs(work, exist_ok=True)
     layers = {"anchor_target": "rcnn_layers", "proposal": "rcnn_layers", "proposal_target": "rcnn_layers",
               **(layers or {})}
-    with open(os.path.join(HERE, "train.prototxt")) as f:
+    with open(os.path.join(HERE, net)) as f:
         text = f.read().replace("'root': 'examples/shapes/data'", f"'root': '{root}', 'seed': {seed}")
     for key, kind in (("anchor_target", "AnchorTargetLayer"), ("proposal", "ProposalLayer"),
                       ("proposal_target", "ProposalTargetLayer")):
