@@ -20,24 +20,21 @@ import pytest
 
 from paths import REPO
 
+from caffepy.data.shapes import write_shapes
+
 EXAMPLE = os.path.join(REPO, "examples", "faster_rcnn")
 sys.path.insert(0, EXAMPLE)
-
-import rcnn_layers as R  # noqa: E402
-import train_and_eval as T  # noqa: E402
-from caffepy.data.shapes import write_shapes  # noqa: E402
+R = T = None
 
 
 @pytest.fixture(autouse=True)
-def pycaffe_name():
-    """The example binds `caffe` to caffepy: undo it after each test."""
-    saved = {k: v for k, v in sys.modules.items() if k == "caffe" or k.startswith("caffe.")}
-    meta = list(sys.meta_path)
-    yield
-    for k in [k for k in sys.modules if k == "caffe" or k.startswith("caffe.")]:
-        del sys.modules[k]
-    sys.modules.update(saved)
-    sys.meta_path[:] = meta
+def example():
+    """The example's modules, imported in a test (their `import caffe` binds the name, which
+    conftest undoes after each test)."""
+    global R, T
+    import rcnn_layers
+    import train_and_eval
+    R, T = rcnn_layers, train_and_eval
 
 
 def test_anchors_are_faster_rcnns():

@@ -208,20 +208,6 @@ def test_an_error_inside_the_users_module_is_reported(tmp_path, monkeypatch):
         make_layer("Python", 'python_param { module: "broken_layers_for_test" layer: "A" }')
 
 
-@pytest.fixture
-def pycaffe_name():
-    """Lets a test bind `caffe` to caffepy (as loading a Python layer does) and undoes it."""
-    saved = {k: v for k, v in sys.modules.items() if k == "caffe" or k.startswith("caffe.")}
-    meta = list(sys.meta_path)
-    for k in saved:
-        del sys.modules[k]
-    yield
-    for k in [k for k in sys.modules if k == "caffe" or k.startswith("caffe.")]:
-        del sys.modules[k]
-    sys.modules.update(saved)
-    sys.meta_path[:] = meta
-
-
 # py-faster-rcnn's shape of a layer: `import caffe`, param_str_, str(self.phase) as a key,
 # tops sized in setup and resized in forward, an empty reshape
 FASTER_RCNN_STYLE = """
@@ -278,7 +264,7 @@ def _style_net(layer, param_str, tail=""):
 
 
 @pytest.fixture
-def style_module(tmp_path, monkeypatch, pycaffe_name):
+def style_module(tmp_path, monkeypatch):
     (tmp_path / "faster_rcnn_style_layers.py").write_text(FASTER_RCNN_STYLE)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "faster_rcnn_style_layers", raising=False)
