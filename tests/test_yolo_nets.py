@@ -180,12 +180,10 @@ def yolo_map(rows, classes):
 
 
 @pytest.fixture
-def shapes(tmp_path):
+def example_path():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "examples", "faster_rcnn"))
-    root = str(tmp_path / "shapes")
-    write_shapes(root, trainval=64, test=16)
-    yield root
+    yield
     sys.path.pop(0)
 
 
@@ -202,16 +200,28 @@ def _train(root, iters):
     return solver, np.array(losses)
 
 
-def test_small_yolov2_loss_falls_on_shapes(shapes):
-    solver, losses = _train(shapes, 60)
+def _test_map(root, weights_from, images):
+    net = caffepy.Net(small_yolo(root, "test", 8), caffepy.TEST)
+    net.share_with(weights_from)
+    return yolo_map(np.concatenate([net.forward()["eval_det"] for _ in range(images // 8)]), 4)
+
+
+def test_small_yolov2_loss_falls_on_shapes(tmp_path, example_path):
+    root = str(tmp_path / "shapes")
+    write_shapes(root, trainval=64, test=0)
+    solver, losses = _train(root, 60)
     assert np.isfinite(losses).all()
     assert losses[-10:].mean() < 0.5 * losses[:10].mean(), (losses[:10].mean(), losses[-10:].mean())
 
 
 @pytest.mark.slow
-def test_small_yolov2_learns_to_detect_shapes(shapes):
-    solver, losses = _train(shapes, 1500)
-    test = caffepy.Net(small_yolo(shapes, "test", 8), caffepy.TEST)
-    test.share_with(solver.net)
-    rows = np.concatenate([test.forward()["eval_det"] for _ in range(2)])
-    assert yolo_map(rows, 4) > 0.3
+def test_small_yolov2_learns_to_detect_shapes(tmp_path, example_path):
+    """Measured here: RegionLoss 20.8 -> about 2 over 1500 iterations of 8 images; test mAP
+    (32 images) 0.003 untrained, 0.36 trained (the loss is still noisy at 1500)."""
+    root = str(tmp_path / "shapes")
+    write_shapes(root, trainval=256, test=32)
+    solver, losses = _train(root, 1500)
+    before = _test_map(root, caffepy.Net(small_yolo(root, "trainval", 8), caffepy.TRAIN), 32)
+    after = _test_map(root, solver.net, 32)
+    assert losses[-100:].mean() < 0.3 * losses[:100].mean()
+    assert after > 0.25 and after > before + 0.2, (before, after)
