@@ -67,10 +67,10 @@ def test_rfcn_with_online_hard_example_mining_trains_on_shapes(tmp_path):
     Eltwise, BoxAnnotatorOHEM keeping 32 of the 64 ROIs for the losses that train."""
     root = str(tmp_path / "shapes")
     write_shapes(root, trainval=24, test=0)
-    solver, losses = T.train(T.prepare(str(tmp_path), root, iters=150, net="train_rfcn_ohem.prototxt"), 150)
-    # the head's losses are over the hardest ROIs, so they fall slowly by design (2.23 -> 1.64
-    # in 300 iterations here); the RPN's fall fast
-    _losses_fall(losses, 30, 0.92)
+    solver, losses = T.train(T.prepare(str(tmp_path), root, iters=300, net="train_rfcn_ohem.prototxt"), 300)
+    # the head's losses are over the hardest ROIs, so they fall slowly by design (2.23 -> 1.71
+    # in 300 iterations here, 2.08 in the first 150); the RPN's fall fast
+    _losses_fall(losses, 30, 0.85)
     assert losses[-30:, 0].mean() < 0.5 * losses[:30, 0].mean()
     net = solver.net
     labels, kept = net.blobs["labels"].data.reshape(-1), net.blobs["labels_ohem"].data.reshape(-1)
