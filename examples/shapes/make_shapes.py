@@ -9,8 +9,9 @@ writes under --root JPEGImages/, Annotations/ (VOC's xml), ImageSets/Main/{train
 the list files trainval.txt and test.txt (`JPEGImages/<id>.jpg Annotations/<id>.xml`, what
 `caffepy convert_annoset` reads), test_name_size.txt and labelmap.prototxt (SSD's LabelMap:
 background 0, then the classes); with --lmdb also trainval_lmdb and test_lmdb (convert_annoset,
-encoded, as Intel Caffe's data/VOC0712/create_data.sh). The same seed gives the same files; image i does not depend on
-how many were asked for. Use --size 300 for SSD300. The generator is caffepy.data.shapes.
+encoded, as Intel Caffe's data/VOC0712/create_data.sh). The same seed gives the same files;
+image i does not depend on how many were asked for. Use --size 300 for SSD300. The generator is
+caffepy.data.shapes.
 """
 import argparse
 import os
