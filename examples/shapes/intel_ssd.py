@@ -3,7 +3,7 @@ examples/shapes/make_shapes.py's LMDBs.
 
     python examples/shapes/intel_ssd.py SOLVER_OR_NET DATA_ROOT OUT_DIR [--classes N]
         [--batch B] [--test-batch B] [--max-iter N] [--test-interval N] [--display N]
-        [--base-lr X] [--stepvalue N ...]
+        [--base-lr X] [--type SOLVER_TYPE] [--stepvalue N ...]
 
 SOLVER_OR_NET is an Intel solver (its train_net and test_net are read, relative to the
 directory caffe runs from: CAFFEPY_INTEL_CAFFE or the current one; else beside the solver, where
@@ -131,6 +131,7 @@ def main(argv=None):
     p.add_argument("--display", type=int)
     p.add_argument("--snapshot", type=int)
     p.add_argument("--base-lr", type=float)
+    p.add_argument("--type", help="the solver type (SGD, Adam, ...)")
     p.add_argument("--stepvalue", type=int, nargs="*")
     args = p.parse_args(argv)
     root = os.environ.get("CAFFEPY_INTEL_CAFFE", ".")
@@ -143,7 +144,8 @@ def main(argv=None):
     if is_solver:
         dest = point_solver(path, args.data_root, args.out_dir, root, args.classes, args.batch, args.test_batch,
                             max_iter=args.max_iter, test_interval=args.test_interval, display=args.display,
-                            snapshot=args.snapshot, base_lr=args.base_lr, stepvalue=args.stepvalue)
+                            snapshot=args.snapshot, base_lr=args.base_lr, type=args.type,
+                            stepvalue=args.stepvalue)
     else:
         os.makedirs(args.out_dir, exist_ok=True)
         net = point_net(upgrade.read_net(path), args.data_root, args.classes, args.batch, args.test_batch)
