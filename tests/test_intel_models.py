@@ -27,7 +27,7 @@ import pytest
 
 from caffepy import upgrade as U
 from caffepy.errors import CaffepyError
-from caffepy.net import Net
+from caffepy.net import Net, filter_net, net_state
 from caffepy.proto import caffe_pb2
 
 from paths import REFERENCE_MODELS
@@ -91,7 +91,7 @@ PENDING = {
     "engine": "cli",
 }
 
-RESULTS = {}       # (id, phase) -> ("ran", seconds) | ("refused", reason) | ("pending", helper) | ("failed", text)
+RESULTS = {}       # (id, phase name) -> (kind, why, seconds); see sweep()
 
 
 # -- the synthetic net ---------------------------------------------------------------------------
@@ -234,7 +234,6 @@ def synthetic_net(net):
 def _unproduced(net, phase, stages):
     """A bottom no layer of the phase produces (the net is not one of that phase: a deploy net
     whose Reshape is TEST-only, a train.prototxt whose data layer is TRAIN-only), else None."""
-    from caffepy.net import filter_net, net_state
     made = set()
     for lp in filter_net(net, net_state(phase, 0, stages)).layer:
         for name in lp.bottom:
@@ -331,12 +330,28 @@ def test_net_runs_a_step_or_is_refused_for_another_issue(name, phase, summary, p
     path = CORPUS[name]
     key = (name, caffe_pb2.Phase.Name(phase))
     start = time.perf_counter()
+    try:
+        kind, what = sweep(path, phase)
+    except Exception as e:
+        RESULTS[key] = ("failed", f"{type(e).__name__}: {e}", time.perf_counter() - start)
+        raise
+    RESULTS[key] = (kind, what, time.perf_counter() - start)
+    if kind == "other phase":
+        pytest.skip(f"not a {key[1]} net: {what}")
+    if kind == "pending":
+        pytest.xfail(f"needs {what}, work under way in issue #35")
+    assert kind in ("ran", "refused", "left"), what
+
+
+def sweep(path, phase):
+    """What the sweep makes of the net at `path` in `phase`: (kind, what), kind one of "ran",
+    "other phase", "refused", "left", "pending", "failed"; `what` says why. A CaffepyError
+    that is not one line naming the file, and any other exception, propagate."""
     param = synthetic_net(U.read_net(path))
     stages = _stages(param, phase)
     missing = _unproduced(param, phase, stages)
     if missing:
-        RESULTS[key] = ("other phase", missing)
-        pytest.skip(f"not a {key[1]} net: {missing}")
+        return "other phase", missing
     try:
         net = Net(param, phase=phase, stages=stages, source=path)
         _global_stats(net)
@@ -346,22 +361,14 @@ def test_net_runs_a_step_or_is_refused_for_another_issue(name, phase, summary, p
         assert "\n" not in message and message.startswith(path), message
         reason = refusal_reason(message)
         if reason in OTHER_ISSUES:
-            RESULTS[key] = ("refused", f"{reason} ({OTHER_ISSUES[reason]})")
-            return
+            return "refused", f"{reason} ({OTHER_ISSUES[reason]})"
         if reason in LEFT:
-            RESULTS[key] = ("left", f"{reason}: {LEFT[reason][1]}")
-            return
+            return "left", f"{reason}: {LEFT[reason][1]}"
         if reason in PENDING:
-            RESULTS[key] = ("pending", f"{reason} ({PENDING[reason]})")
-            pytest.xfail(f"needs {reason}, helper {PENDING[reason]} of issue #35: {message}")
-        RESULTS[key] = ("failed", message)
-        raise
-    except Exception as e:
-        RESULTS[key] = ("failed", f"{type(e).__name__}: {e}")
-        raise
+            return "pending", f"{reason} ({PENDING[reason]})"
+        return "failed", message
     bad = _finite(net, loss)
-    RESULTS[key] = ("ran", time.perf_counter() - start) if not bad else ("failed", f"not finite: {bad[:5]}")
-    assert not bad, bad
+    return ("failed", f"not finite: {bad[:5]}") if bad else ("ran", "")
 
 
 @pytest.fixture(scope="module")
@@ -379,15 +386,15 @@ def summary(request):
 def _print_summary(seconds):
     write = print
     kinds = {}
-    for (name, phase), (kind, what) in sorted(RESULTS.items()):
-        kinds.setdefault(kind, []).append((name, phase, what))
+    for (name, phase), (kind, what, took) in sorted(RESULTS.items()):
+        kinds.setdefault(kind, []).append((name, phase, what, took))
     write("")
     write(f"Intel/BVLC net sweep: {len(RESULTS)} net-phases in {seconds:.0f} s")
     write(f"  built and ran one step: {len(kinds.get('ran', []))}")
     write(f"  not a net of that phase (skipped): {len(kinds.get('other phase', []))}")
     for kind in ("refused", "left", "pending"):
         reasons = {}
-        for _, _, what in kinds.get(kind, []):
+        for _, _, what, _ in kinds.get(kind, []):
             reasons[what] = reasons.get(what, 0) + 1
         title = {"refused": "refused for another issue", "left": "refused, left out on purpose",
                  "pending": "pending other #35 helpers (xfail)"}[kind]
@@ -395,7 +402,7 @@ def _print_summary(seconds):
         for what, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
             write(f"    {n:4d}  {what}")
     write(f"  failed: {len(kinds.get('failed', []))}")
-    for name, phase, what in kinds.get("failed", []):
+    for name, phase, what, _ in kinds.get("failed", []):
         write(f"    {name} {phase}: {what[:300]}")
-    slowest = sorted(kinds.get("ran", []), key=lambda r: -r[2])[:10]
-    write("  slowest: " + ", ".join(f"{name} {phase} {t:.1f} s" for name, phase, t in slowest))
+    slowest = sorted((r for rows in kinds.values() for r in rows), key=lambda r: -r[3])[:10]
+    write("  slowest: " + ", ".join(f"{name} {phase} {t:.1f} s" for name, phase, _, t in slowest))
