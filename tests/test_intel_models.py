@@ -88,7 +88,7 @@ PENDING = {
     "loss_param.label_smoothing": "bnstats",
     "convolution_param.relu": "fusions", "convolution_param.fusion_type": "fusions",
     "inner_product_param.relu": "fusions", "concat_param.per_fla_fuse": "fusions",
-    "engine": "cli",
+    "engine": "cli",            # the layer's engine or its *_param's
 }
 
 RESULTS = {}       # (id, phase name) -> (kind, why, seconds); see sweep()
@@ -277,6 +277,8 @@ def refusal_reason(message):
     for key, (pattern, _) in LEFT.items():
         if re.match(pattern, f"{field}: {problem}"):
             return key
+    if field.split(".")[-1] == "engine":
+        return "engine"
     for prefix in PENDING:
         if field.startswith(prefix):
             return prefix
@@ -406,3 +408,44 @@ def _print_summary(seconds):
         write(f"    {name} {phase}: {what[:300]}")
     slowest = sorted((r for rows in kinds.values() for r in rows), key=lambda r: -r[3])[:10]
     write("  slowest: " + ", ".join(f"{name} {phase} {t:.1f} s" for name, phase, _, t in slowest))
+
+
+# -- the sweep's own rules -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("message,reason", [
+    ("layer 'l' (MultiBoxLoss): type: unknown layer type 'MultiBoxLoss'. Known types: AbsVal", "MultiBoxLoss"),
+    ("layer 'p' (Python): python_param.module: cannot import module, got 'rpn.proposal_layer'. Put rpn.py",
+     "Python rpn.proposal_layer"),
+    ("layer 'c' (Convolution): quantization_param: Intel Caffe's int8 (reduced-precision) inference is not "
+     "supported", "quantization_param"),
+    ("layer 'c' (Convolution): bottom: needs a 4-axis (N, C, H, W) blob, got (1, 1, 128, 128, 64)", "3-D convolution"),
+    ("layer 'd' (Data): transform_param.random_aspect_ratio_param: is an Intel Caffe augmentation", "transform_param."),
+    ("layer 'c' (Convolution): convolution_param.engine: unknown engine, got BOGUS", "engine"),
+    # anything else fails the sweep
+    ("layer 'x' (Frobnicate): type: unknown layer type 'Frobnicate'. Known types: AbsVal", None),
+    ("layer 'p' (Python): python_param.module: cannot import module, got 'pyloss'. Put pyloss.py", None),
+    ("layer 'c' (Convolution): bottom: needs a 4-axis (N, C, H, W) blob, got (1, 128)", None),
+    ("layer 'c' (Convolution): blobs[0] filler: unknown filler type 'gabor'", None),
+])
+def test_refusals_map_to_their_issue_or_fail(message, reason):
+    assert refusal_reason(f"/m/net.prototxt: {message}") == reason
+
+
+def test_synthetic_net_replaces_data_layers_and_cuts_batches():
+    from caffepy.prototxt import parse_text
+    net = parse_text(caffe_pb2.NetParameter(), """
+        bn_stats_batch_size: 32
+        layer { name: "d" type: "Data" top: "data" top: "label" include { phase: TRAIN }
+          transform_param { crop_size: 227 } data_param { source: "ilsvrc12_train_lmdb" batch_size: 256 } }
+        layer { name: "m" type: "Data" top: "data" top: "label" include { phase: TEST }
+          data_param { source: "examples/mnist/mnist_test_lmdb" batch_size: 100 } }
+        layer { name: "z" type: "Input" top: "z" input_param { shape { dim: 64 dim: 100 } } }
+        layer { name: "r" type: "Reshape" bottom: "z" top: "r" reshape_param { shape { dim: 64 dim: 100 dim: 1 dim: 1 } } }
+        layer { name: "bn" type: "BatchNorm" bottom: "r" top: "r" batch_norm_param { stats_batch_size: 2 } }""")
+    out = synthetic_net(net)
+    shapes = [[tuple(s.dim) for s in lp.dummy_data_param.shape] for lp in out.layer[:3]]
+    assert [lp.type for lp in out.layer[:3]] == ["DummyData"] * 3
+    assert shapes == [[(BATCH, 3, 227, 227), (BATCH,)], [(BATCH, 1, 28, 28), (BATCH,)], [(BATCH, 100)]]
+    assert [r.phase for r in out.layer[0].include] == [caffe_pb2.TRAIN]
+    assert list(out.layer[3].reshape_param.shape.dim) == [BATCH, 100, 1, 1]
+    assert out.bn_stats_batch_size == 1 and out.layer[4].batch_norm_param.stats_batch_size == 2
