@@ -55,8 +55,24 @@ for _label, _root, _subdirs in [("reference", REFERENCE_MODELS, ["bvlc", "intel"
         for _path in _nets(_root, _subdirs):
             CORPUS[f"{_label}/{os.path.relpath(_path, _root)}"] = _path
 
-# Nets whose step takes more than about 10 s here (2 cores): run with -m slow
+# Nets (paths in their tree) whose step took 10 s or more on 2 busy cores: run with -m slow
 SLOW = {
+    "examples/LRCN_activity_recognition/train_test_lstm_RGB.prototxt",
+    "examples/LRCN_activity_recognition/train_test_singleFrame_RGB.prototxt",
+    "models/default_vgg_16/train_val.prototxt",
+    "models/default_vgg_19/train_val.prototxt",
+    "models/intel_optimized_models/benchmark/vgg16/deploy.prototxt",
+    "models/intel_optimized_models/benchmark/vgg16/train_val.prototxt",
+    "models/intel_optimized_models/benchmark/vgg16/train_val_dummydata.prototxt",
+    "models/intel_optimized_models/multinode/alexnet_4nodes/train_val.prototxt",
+    "models/intel_optimized_models/multinode/vgg_16_16nodes_1k_batch/train_val.prototxt",
+    "models/intel_optimized_models/multinode/vgg_16_16nodes_1k_batch/train_val_ip_grad_compress.prototxt",
+    "models/intel_optimized_models/multinode/vgg_16_32nodes_2k_batch/train_val.prototxt",
+    "models/intel_optimized_models/multinode/vgg_16_64nodes_4k_batch/train_val.prototxt",
+    "models/intel_optimized_models/multinode/vgg_16_8nodes_512_batch/train_val.prototxt",
+    "models/intel_optimized_models/multinode/vgg_16_8nodes_512_batch/train_val_ip_grad_compress.prototxt",
+    "models/intel_optimized_models/ssd/VGGNet/coco/SSD_300x300/deploy.prototxt",
+    "models/intel_optimized_models/ssd/VGGNet/coco/SSD_300x300_webcam/test.prototxt",
 }
 
 # Refusals that belong to other issues: a net refused for one of these passes. Keys: a layer
@@ -326,7 +342,7 @@ def python_layers(name, monkeypatch):
 
 @pytest.mark.skipif(not CORPUS, reason="no reference models and no CAFFEPY_INTEL_CAFFE / CAFFEPY_BVLC_CAFFE tree")
 @pytest.mark.parametrize("phase", [caffe_pb2.TRAIN, caffe_pb2.TEST], ids=["TRAIN", "TEST"])
-@pytest.mark.parametrize("name", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k
+@pytest.mark.parametrize("name", [pytest.param(k, id=k, marks=pytest.mark.slow if k.split("/", 1)[1] in SLOW else ())
                                   for k in CORPUS])
 def test_net_runs_a_step_or_is_refused_for_another_issue(name, phase, summary, python_layers):
     path = CORPUS[name]
