@@ -11,6 +11,7 @@ import numpy as np
 
 from . import log
 from .context import SINGLE
+from .engine import set_net_engine
 from .errors import SolverError, UsageError
 from .log import fmt
 
@@ -68,19 +69,26 @@ class SignalHandler:
 
 
 def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect="stop",
-          sighup_effect="snapshot", stall_timeout=None):
-    """Train or fine-tune: build the solver, load -weights or restore -snapshot, solve.
+          sighup_effect="snapshot", stall_timeout=None, engine=""):
+    """Train or fine-tune: build the solver, load -weights or restore -snapshot, solve; for an
+    Intel multi-phase solver file (caffepy/solvers/multiphase.py), each phase in turn.
 
     stall_timeout: seconds without progress on some rank before a multi-rank job is ended
-    (None: the default, 0: never)."""
+    (None: the default, 0: never). engine: the -engine flag, which overwrites the solver's.
+    Returns the solver (of the last phase)."""
     from . import upgrade
-    from .solvers import Solver
+    from .solvers import Solver, multiphase
 
     if weights and snapshot:
         raise UsageError("give --snapshot or --weights, not both: --snapshot resumes a run, "
                          "--weights starts a new one from trained weights")
     if snapshot:
         _check_snapshot(snapshot)
+    multi = multiphase.read(solver)
+    if multi is not None and snapshot:
+        raise UsageError(f"--snapshot: {solver} is a multi-phase solver (params_pair), whose runs "
+                         f"cannot be resumed; give the phases still to run a solver file of their own "
+                         f"and start it with --weights from the snapshot's .caffemodel")
     mpi = _mpi_if_launched()
     context = SINGLE
     if mpi is not None:
@@ -90,27 +98,39 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
         mpi.supervise()       # from here on this process is the rank (its parent reports its death)
         # the run context, before the Solver builds its nets: data layers pick their records by rank
         context = mpi.init_world(stall_timeout)
-    param = upgrade.read_solver(solver)
-    if snapshot:
-        del param.weights[:]
-    elif weights:
-        del param.weights[:]
-        param.weights.append(weights)
+    params = multiphase.phases(multi, solver) if multi is not None else [upgrade.read_solver(solver)]
+    for param in params:
+        set_net_engine(param, engine)
+    if snapshot or weights:
+        del params[0].weights[:]
+    if weights:
+        params[0].weights.append(weights)
     log.info("Use CPU.")
+    if multi is not None:
+        log.info(f"Running multiphase solver: {len(params)} phases.")
     handler = SignalHandler(sigint_effect, sighup_effect, mpi=mpi is not None)
-    the_solver = Solver(param, source=solver, level=level, stages=stages, context=context)
-    _check_has_loss(the_solver.net)
-    # ---- multi-rank call site: the MPI strategy joins the solver through its hooks ----
-    if mpi is not None:
-        mpi.attach(the_solver)
-    # -------------------------------------------------------------------------------------
-    the_solver.action_fn = handler.action
-    with handler:
-        if snapshot:
-            log.info(f"Resuming from {snapshot}")
-            the_solver.restore(snapshot)
-        log.info("Starting Optimization")
-        the_solver.solve()
+    previous = None
+    for j, param in enumerate(params):
+        if multi is not None:
+            log.info(f"Phase {j}: snapshot_prefix {param.snapshot_prefix}")
+        the_solver = Solver(param, source=solver, level=level, stages=stages, context=context)
+        _check_has_loss(the_solver.net)
+        if previous is not None:
+            the_solver.net.copy_from_param(previous.net.to_proto(), f"the weights phase {j - 1} ended with")
+        # ---- multi-rank call site: the MPI strategy joins the solver through its hooks ----
+        if mpi is not None:
+            mpi.attach(the_solver)
+        # -------------------------------------------------------------------------------------
+        the_solver.action_fn = handler.action
+        with handler:
+            if snapshot:
+                log.info(f"Resuming from {snapshot}")
+                the_solver.restore(snapshot)
+            log.info("Starting Optimization")
+            the_solver.solve()
+        previous = the_solver
+        if the_solver.requested_early_exit:
+            break
     log.info("Optimization Done.")      # caffe.cpp's own line, after the solver's
     if mpi is not None:
         mpi.finish()
@@ -152,14 +172,28 @@ def _mpi_if_launched():
     return mpi if mpi.launched() else None
 
 
-def test(model, weights=None, iterations=50, level=0, stages=()):
-    """Score a model: run the TEST phase `iterations` times, log each batch and the averages."""
-    from .net import TEST, Net
+def net_with_engine(model, engine="", **kwargs):
+    """Net(model, **kwargs), with the -engine flag as the net's engine when it names one
+    (Intel's Net constructor: the flag overwrites the file's)."""
+    from . import upgrade
+    from .net import Net
+
+    param = upgrade.read_net(model)
+    set_net_engine(param, engine)
+    return Net(param, source=model, **kwargs)
+
+
+def test(model, weights=None, iterations=50, level=0, stages=(), engine="", sampling=False):
+    """Score a model: run the TEST phase `iterations` times, log each batch and the averages.
+    `sampling` (Intel's): build the net and load the weights, nothing more."""
+    from .net import TEST
 
     if not weights:
         raise UsageError("test: --weights: needed to score a model, got none. "
                          "Give --weights model.caffemodel")
-    net = Net(model, phase=TEST, weights=weights, level=level, stages=list(stages))
+    net = net_with_engine(model, engine, phase=TEST, weights=weights, level=level, stages=list(stages))
+    if sampling:
+        return []
     log.info(f"Running for {iterations} iterations.")
     # float sums, as caffe.cpp's test(): its averages print as Caffe's do
     f32 = np.float32
@@ -187,21 +221,25 @@ def test(model, weights=None, iterations=50, level=0, stages=()):
     return results
 
 
-def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
+def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=(), forward_only=False,
+         engine=""):
     """Benchmark as Caffe's `time`: one warm-up pass, then per-layer forward and backward times.
     Every layer's backward runs, in either phase and on a deploy net too (parameter gradients
-    included), since Caffe's tool calls each layer's Backward whether or not a loss needs it."""
-    from .net import TEST, TRAIN, Net
+    included), since Caffe's tool calls each layer's Backward whether or not a loss needs it.
+    `forward_only` (Intel's flag) times the forward pass alone and prints no backward lines."""
+    from .net import TEST, TRAIN
 
     if str(phase).upper() not in ("TRAIN", "TEST"):
         raise UsageError(f"time: --phase: must be TRAIN or TEST, got '{phase}'")
     phase_value = TRAIN if str(phase).upper() == "TRAIN" else TEST
-    net = Net(model, phase=phase_value, weights=weights or None, level=level, stages=list(stages))
+    net = net_with_engine(model, engine, phase=phase_value, weights=weights or None, level=level,
+                          stages=list(stages))
     log.info("Performing Forward")
     initial_loss = net.forward_from_to()
     log.info(f"Initial loss: {fmt(initial_loss)}")
-    log.info("Performing Backward")
-    net.backward_from_to()
+    if not forward_only:
+        log.info("Performing Backward")
+        net.backward_from_to()
     layers = net.layers
     n = len(layers)
     forward_s = [0.0] * n
@@ -227,6 +265,9 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
             net.forward_from_to(first, last)
             forward_s[first] += clock() - t
         forward_total += clock() - iter_start
+        if forward_only:
+            log.info(f"Iteration: {j + 1} forward time: {fmt((clock() - iter_start) * 1e3)} ms.")
+            continue
         back_start = clock()
         for first, last in reversed(units):
             t = clock()
@@ -238,10 +279,12 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
     log.info("Average time per layer: ")
     for i, layer in enumerate(layers):
         log.info(f"{layer.name:>10}\tforward: {fmt(forward_s[i] * 1e3 / iterations)} ms.")
-        log.info(f"{layer.name:>10}\tbackward: {fmt(backward_s[i] * 1e3 / iterations)} ms.")
+        if not forward_only:
+            log.info(f"{layer.name:>10}\tbackward: {fmt(backward_s[i] * 1e3 / iterations)} ms.")
     log.info(f"Average Forward pass: {fmt(forward_total * 1e3 / iterations)} ms.")
-    log.info(f"Average Backward pass: {fmt(backward_total * 1e3 / iterations)} ms.")
-    log.info(f"Average Forward-Backward: {fmt(total * 1e3 / iterations)} ms.")
+    if not forward_only:
+        log.info(f"Average Backward pass: {fmt(backward_total * 1e3 / iterations)} ms.")
+        log.info(f"Average Forward-Backward: {fmt(total * 1e3 / iterations)} ms.")
     log.info(f"Total Time: {fmt(total * 1e3)} ms.")
     # how each layer with a choice of algorithms computes (caffepy/autotune.py): beyond Caffe
     algorithms = [(layer.name, layer.algorithm, getattr(layer, "tuning", "rule"))
@@ -257,9 +300,10 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=()):
                  f"{share * 100:.1f}% of the forward pass")
     log.info("*** Benchmark ends ***")
     return {"forward_ms": forward_total * 1e3 / iterations,
-            "backward_ms": backward_total * 1e3 / iterations,
+            "backward_ms": None if forward_only else backward_total * 1e3 / iterations,
             "total_ms": total * 1e3,
-            "layers": [(layer.name, forward_s[i] * 1e3 / iterations, backward_s[i] * 1e3 / iterations)
+            "layers": [(layer.name, forward_s[i] * 1e3 / iterations,
+                        None if forward_only else backward_s[i] * 1e3 / iterations)
                        for i, layer in enumerate(layers)],
             "algorithms": [(name, algorithm) for name, algorithm, _ in algorithms]}
 

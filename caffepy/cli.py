@@ -1,8 +1,11 @@
 """The `caffepy` command: Caffe's subcommands and flags, argument handling and exit codes only.
 
 Caffe's gflags spellings work too: `-solver x` and `-solver=x` are read as
-`--solver x`, and boolean flags accept `-gray=true` / `-gray=false`; `-help`,
-`help` and a bare `caffepy` print the usage.
+`--solver x`, and boolean flags accept `-gray=true` / `-gray=false` / `-nogray`;
+`-help`, `help` and a bare `caffepy` print the usage. Caffe's gflags are global:
+each of its actions (train, test, time, collect, compare, device_query) takes
+every flag of Caffe's and Intel Caffe's tools/caffe.cpp, checks its type, and
+ignores with a warning those that mean nothing for it (hidden from --help).
 Known errors (CaffepyError) print one line and exit 1 (usage errors, click's
 too, 2);
 Ctrl-C (SIGINT; `train` handles it itself once training runs, see
@@ -10,11 +13,13 @@ Ctrl-C (SIGINT; `train` handles it itself once training runs, see
 process SIGINT ended, once the command has removed what it was writing;
 anything else is a bug and keeps its traceback.
 """
+import functools
 import re
 
 import click
+from click.core import ParameterSource
 
-from . import log
+from . import engine, log
 from .errors import CaffepyError, one_line
 
 _GPU_HELP = ("Caffe's GPU ids ('0', '0,1' or 'all'): accepted so Caffe's scripts run, and ignored "
@@ -32,7 +37,9 @@ def gflags_to_click(args, bool_flags):
             out.append(arg)
             continue
         name, value = m.group(1), m.group(3)
-        if name in bool_flags and value is not None:
+        if value is None and name.startswith("no") and name[2:] in bool_flags:
+            out.append(f"--no-{name[2:]}")      # gflags' -noflag
+        elif name in bool_flags and value is not None:
             truth = value.lower()
             if truth in ("true", "1", "yes", "t", "y"):
                 out.append(f"--{name}")
@@ -99,13 +106,33 @@ def main():
       train           train or fine-tune a model
       test            score a model
       time            benchmark model execution time
+      collect         write every layer's blobs of one iteration, one file each
+      compare         run that iteration again and find the first layer that differs
       device_query    show CPU and MPI details
+    Caffe's flags are global: each of these takes them all and ignores, with a
+    warning, those that mean nothing for it.
     """
     log.configure(program="caffepy", also_to_stderr=True)
 
 
 def _stages(values):
     return [s for v in values for s in v.split(",") if s]
+
+
+def _engine_flag(ctx, param, value):
+    if value is None:
+        return ""
+    wrong = engine.problem(value)
+    if wrong:
+        raise click.BadParameter(f"{wrong}, got '{value}'. Accepted: {engine.ACCEPTED}", ctx=ctx,
+                                 param=param)
+    return value.strip()
+
+
+_ENGINE_HELP = ("Intel Caffe's engine for the net's layers that name none: CAFFE (Caffe's algorithms), "
+                "MKLDNN[:CPU] or MKL2017 (caffepy's fast path), DEFAULT. It overrides the net's and the "
+                "solver's engine; a layer's own engine still wins (see the README).")
+engine_option = click.option("--engine", metavar="ENGINE", callback=_engine_flag, help=_ENGINE_HELP)
 
 
 # -- caffe's four commands -----------------------------------------------------
@@ -124,16 +151,20 @@ def _stages(values):
               metavar="SECONDS",
               help="Under MPI: when a rank makes no progress for this long (stopped, hung, its host "
                    "lost), end the job with a line naming it and where the others waited; 0: never.")
+@engine_option
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
-def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, stall_timeout, gpu):
-    """Train or fine-tune a model (mpirun -n N for several ranks)."""
+def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, stall_timeout, engine,
+          gpu):
+    """Train or fine-tune a model (mpirun -n N for several ranks). SOLVER may be an Intel Caffe
+    multi-phase file (params_pair { solver_params { ... } batch_size: N } ...)."""
     if weights and snapshot:
         raise click.UsageError("give --snapshot or --weights, not both: --snapshot resumes a run, "
                                "--weights starts a new one from trained weights")
     _gpu_notice(gpu)
     from . import actions
     actions.train(solver=solver, weights=weights, snapshot=snapshot, level=level, stages=_stages(stage),
-                  sigint_effect=sigint_effect, sighup_effect=sighup_effect, stall_timeout=stall_timeout)
+                  sigint_effect=sigint_effect, sighup_effect=sighup_effect, stall_timeout=stall_timeout,
+                  engine=engine)
 
 
 @main.command()
@@ -143,12 +174,16 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
               help="The number of iterations to run.")
 @click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
 @click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
+@engine_option
+@click.option("--sampling/--no-sampling", default=False,
+              help="Intel Caffe's sampling mode: build the net, load the weights, and stop.")
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
-def test(model, weights, iterations, level, stage, gpu):
+def test(model, weights, iterations, level, stage, engine, sampling, gpu):
     """Score a model: run the TEST phase and average its outputs."""
     _gpu_notice(gpu)
     from . import actions
-    actions.test(model=model, weights=weights, iterations=iterations, level=level, stages=_stages(stage))
+    actions.test(model=model, weights=weights, iterations=iterations, level=level, stages=_stages(stage),
+                 engine=engine, sampling=sampling)
 
 
 @main.command()
@@ -160,13 +195,69 @@ def test(model, weights, iterations, level, stage, gpu):
               show_default=True, help="Network phase.")
 @click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
 @click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
+@click.option("--forward_only/--no-forward_only", default=False,
+              help="Time the forward pass only (Intel Caffe's flag).")
+@engine_option
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
-def time(model, weights, iterations, phase, level, stage, gpu):
+def time(model, weights, iterations, phase, level, stage, forward_only, engine, gpu):
     """Benchmark model execution time, layer by layer."""
     _gpu_notice(gpu)
     from . import actions
     actions.time(model=model, weights=weights, iterations=iterations, phase=phase.upper(), level=level,
-                 stages=_stages(stage))
+                 stages=_stages(stage), forward_only=forward_only, engine=engine)
+
+
+def _collect_options(f):
+    for option in reversed([
+            click.option("--model", required=True, metavar="FILE",
+                         help="The model definition protocol buffer text file (run in the TRAIN phase)."),
+            click.option("--weights", metavar="FILES",
+                         help="Optional .caffemodel file(s) to load (else the fillers, seeded alike in "
+                              "every run)."),
+            click.option("--level", default=0, type=int, help="Net level, for include/exclude rules."),
+            click.option("--stage", multiple=True, help="Net stage(s), comma-separated."),
+            click.option("--collect_dir", default="collect_out", show_default=True, metavar="DIR",
+                         help="Where collect writes the blobs, and compare reads them."),
+            click.option("--buffer_filler", type=float, default=float("nan"), show_default="nan",
+                         help="The value every diff holds before the forward pass."),
+            engine_option,
+            click.option("--gpu", metavar="IDS", help=_GPU_HELP)]):
+        f = option(f)
+    return f
+
+
+@main.command()
+@_collect_options
+def collect(model, weights, level, stage, collect_dir, buffer_filler, engine, gpu):
+    """Run one forward and backward pass and write every layer's blobs (bottoms and tops,
+    their diffs, parameters and their gradients) into --collect_dir, one .npy file each,
+    listed in index.txt (Intel Caffe's collect)."""
+    _gpu_notice(gpu)
+    from . import compare as tool
+    tool.collect(model, collect_dir, weights=weights, level=level, stages=_stages(stage), engine=engine,
+                 buffer_filler=buffer_filler)
+
+
+@main.command()
+@_collect_options
+@click.option("--compare_output_dir", default="compare_out", show_default=True, metavar="DIR",
+              help="Where the report and the differing values of each blob go.")
+@click.option("--epsilon", type=click.FloatRange(min=0), default=1e-3, show_default=True,
+              help="Values further apart than this (and than one float step) differ.")
+@click.option("--fast_compare/--no-fast_compare", default=False,
+              help="List at most --fast_compare_max differing values of a blob in its file.")
+@click.option("--fast_compare_max", type=click.IntRange(min=1), default=50, show_default=True,
+              help="How many values --fast_compare lists.")
+def compare(model, weights, level, stage, collect_dir, buffer_filler, engine, gpu, compare_output_dir,
+            epsilon, fast_compare, fast_compare_max):
+    """Run what collect ran again, each layer on the inputs collect recorded, and compare every
+    blob with --collect_dir's: prints each layer's largest difference and the first layer that
+    differs beyond --epsilon; exits 1 if one does (Intel Caffe's compare)."""
+    _gpu_notice(gpu)
+    from . import compare as tool
+    tool.compare(model, collect_dir, compare_output_dir, weights=weights, level=level,
+                 stages=_stages(stage), engine=engine, buffer_filler=buffer_filler, epsilon=epsilon,
+                 fast_compare_max=fast_compare_max if fast_compare else None)
 
 
 @main.command("device_query")
@@ -356,6 +447,46 @@ def split_db(input_db, num_shards, output_prefix):
     """Split an LMDB or LevelDB into N shards (of its kind) for split-DB multi-node training."""
     from .parallel import split_db as splitter
     splitter.split_db(input_db, num_shards, output_prefix)
+
+
+# Every flag of Caffe's and Intel Caffe's tools/caffe.cpp, with its gflags type. gflags are global:
+# `caffe test -phase TRAIN` runs and the action reads only the flags it needs.
+CAFFE_FLAGS = {"gpu": str, "solver": str, "model": str, "phase": str, "level": int, "stage": str,
+               "snapshot": str, "weights": str, "iterations": int, "sigint_effect": str,
+               "sighup_effect": str, "forward_only": bool, "engine": str, "collect_dir": str,
+               "compare_output_dir": str, "epsilon": float, "detection": bool, "fast_compare": bool,
+               "sampling": bool, "fast_compare_max": int, "buffer_filler": float, "n_group": int,
+               "n_server": int}
+
+
+def take_every_caffe_flag(command):
+    """Give `command` the Caffe flags it lacks, hidden, type-checked, and ignored with a warning."""
+    own = {p.name for p in command.params}
+    extra = [name for name in CAFFE_FLAGS if name not in own]
+    for name in extra:
+        kind = CAFFE_FLAGS[name]
+        if kind is bool:
+            option = click.Option([f"--{name}/--no-{name}"], default=False, hidden=True)
+        else:
+            option = click.Option([f"--{name}"], type=kind, hidden=True)
+        command.params.append(option)
+    run = command.callback
+
+    @functools.wraps(run)
+    def without_extra(**kwargs):
+        ctx = click.get_current_context()
+        for name in extra:
+            value = kwargs.pop(name)
+            if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE:
+                shown = ("" if value else "=false") if CAFFE_FLAGS[name] is bool else f" {value}"
+                log.warning(f"caffepy {command.name}: -{name}{shown} means nothing for {command.name}; "
+                            f"ignored, as Caffe does")
+        return run(**kwargs)
+    command.callback = without_extra
+
+
+for _command in (train, test, time, collect, compare, device_query):
+    take_every_caffe_flag(_command)
 
 
 def _gpu_notice(gpu):

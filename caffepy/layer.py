@@ -31,7 +31,7 @@ import typing
 
 import numpy as np
 
-from . import fillers
+from . import engine, fillers
 from .blob import CHANNELS_LAST, Blob, Blocked
 from .context import SINGLE
 from .errors import CaffepyError, LayerError, ShapeError, layer_error, quote
@@ -104,6 +104,8 @@ def create_layer(param, phase, source=None, *, bottoms=(), context=SINGLE, net=N
     cls = choose(Request(param, phase, source, tuple(bottoms), context, net), variant)
     layer = cls(param, phase, source)
     layer.context = context
+    layer.caffe_algorithms = engine.caffe_engine(param, net, source)
+    layer.net_param = net
     return layer
 
 
@@ -121,6 +123,7 @@ def choose(request, variant=None):
         guess = f"did you mean '{lower[close[0]]}'? " if close else ""
         raise layer_error(param, "type", f"unknown layer type '{quote(param.type)}'",
                           hint=f"{guess}Known types: {known}", source=source)
+    engine.layer_engine(param, request.net, source)     # checked whether or not a variant asks
     if variant is not None:
         if variant not in variants:
             raise layer_error(param, "type", f"{param.type} has no '{variant}' implementation",
@@ -206,6 +209,9 @@ class Layer:
     # the Net skips it while those shapes stay as its last reshape left them
     reshape_from_shapes = False
     _reshaped_at = None
+    # the net-compilation rules (caffepy/net_rules.py, by name) this implementation takes part
+    # in; it then has the methods that rule calls
+    fuses = frozenset()
 
     @classmethod
     def wanted(cls, request):
@@ -219,6 +225,11 @@ class Layer:
         self.source = source
         self.name = param.name
         self.context = SINGLE       # the run's RunContext; create_layer sets it
+        # Caffe's own algorithms asked for (caffepy.engine); create_layer adds the net's engine
+        self.caffe_algorithms = engine.caffe_engine(param, None, source)
+        # the NetParameter of the net it belongs to (None alone; create_layer sets it), for the
+        # net-wide fields a layer honours (Intel's bn_stats_batch_size)
+        self.net_param = None
         self.blobs = []
         if len(param.blobs):
             from .blobproto import blobproto_to_array

@@ -21,50 +21,14 @@ converted one, and later layers read that (`current`). The blobs keep Caffe's na
 and values (a channels-last blob shows N, C, H, W views), so pycaffe code, snapshots, `caffepy
 time` and the log see the net the prototxt describes.
 
-The switch to Caffe's algorithms (plain NCHW, im2col + GEMM, no Winograd) is Intel Caffe's
-`engine` field, read by `caffe_engine`:
-    per layer     `engine: "CAFFE"` in the layer, or `engine: CAFFE` in its *_param
-    per net       `engine: "CAFFE"` in the NetParameter (a solver's `engine` sets its nets')
-    everywhere    CAFFEPY_ENGINE=CAFFE in the environment
-Any other engine string ("", "MKLDNN", "MKL2017", ...) means caffepy's default: the fast path.
+Which layers run Caffe's algorithms (plain NCHW, im2col + GEMM, no Winograd) instead is
+Intel Caffe's `engine` rule, decided in caffepy/engine.py.
 """
-import os
-
-from .errors import CaffepyError
+from .engine import caffe_engine, net_engine
 from .layer import BLOCKED, LAYERS, NCHW, NHWC, OWN, PLAIN, Request, layout_of, takes_layout
 from .proto import caffe_pb2
 
 PACK = {NHWC: "NHWCPack", NCHW: "NHWCUnpack"}      # conversion layer type into each layout
-
-_ENGINE_CAFFE = 1           # the `Engine` enum's CAFFE in every *_param of caffe.proto
-
-
-def _engine_env():
-    value = os.environ.get("CAFFEPY_ENGINE", "").strip().upper()
-    if value not in ("", "DEFAULT", "CAFFE"):
-        raise CaffepyError(f"CAFFEPY_ENGINE: must be CAFFE or DEFAULT, got '{value}'")
-    return value
-
-
-def _is_caffe(engine):
-    return engine.strip().upper().split(":")[0] == "CAFFE"
-
-
-def caffe_engine(layer_param=None, net_param=None):
-    """Whether Caffe's own algorithms are asked for: everywhere (CAFFEPY_ENGINE), for the net
-    (NetParameter.engine), or for this layer (its `engine` string or a *_param's enum). A
-    layer's own engine string wins over the net's."""
-    if _engine_env() == "CAFFE":
-        return True
-    if layer_param is not None:
-        if layer_param.engine:
-            return _is_caffe(layer_param.engine)
-        for field, value in layer_param.ListFields():
-            if field.message_type is not None and field.name.endswith("_param") \
-                    and not field.is_repeated and "engine" in value.DESCRIPTOR.fields_by_name \
-                    and value.engine == _ENGINE_CAFFE:
-                return True
-    return net_param is not None and _is_caffe(net_param.engine)
 
 
 class LayoutPlan:
@@ -75,7 +39,7 @@ class LayoutPlan:
 
     def __init__(self, net_param, layers, phase, context, source=None):
         self.net_param, self.phase, self.context, self.source = net_param, phase, context, source
-        self.enabled = not caffe_engine(None, net_param)
+        net_engine(net_param, source)       # checked once, whatever the layers name
         self._current = {}       # user blob name -> the blob the net holds it in now
         self._names = {name for lp in layers for name in list(lp.top) + list(lp.bottom)}
         self._made = set()       # the blob names the plan made (its conversions' tops)
@@ -100,13 +64,13 @@ class LayoutPlan:
 
     def _target(self, lp, bottoms):
         """The layout `lp`'s bottoms should be in, or None to leave them as they are."""
-        if not bottoms or not self.enabled:
+        if not bottoms:
             return None
         kinds = {layout_of(b) for b in bottoms}
         variants = LAYERS.get(lp.type)
         if BLOCKED in kinds or variants is None:
             return None           # the explicit Intel form, or an unknown type (its own error)
-        if variants[PLAIN].layout == OWN or caffe_engine(lp, self.net_param):
+        if variants[PLAIN].layout == OWN or caffe_engine(lp, self.net_param, self.source):
             return NCHW
         request = Request(lp, self.phase, self.source, tuple(bottoms), self.context, self.net_param)
         if all(b.num_axes == 4 for b in bottoms) and takes_layout(request, NHWC):
@@ -167,4 +131,4 @@ class LayoutPlan:
         if not self.converted:
             return None
         return (f"Layout plan: {self.regions} channels-last region(s), {self.converted} "
-                f"conversion layer(s) (engine: CAFFE or CAFFEPY_ENGINE=CAFFE keeps Caffe's NCHW)")
+                f"conversion layer(s) (engine: CAFFE, -engine CAFFE or CAFFEPY_ENGINE=CAFFE keeps Caffe's NCHW)")

@@ -19,7 +19,7 @@ import numpy as np
 from google.protobuf import text_format
 
 from . import layers as _layers  # noqa: F401  (registers every layer type)
-from . import log, memory, prototxt, upgrade
+from . import log, memory, net_rules, prototxt, upgrade
 from .blob import Blob
 from .context import SINGLE
 from .errors import CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote
@@ -310,116 +310,10 @@ class Net:
             (name, self.blob_loss_weights.get(plan.current(name), 0.0)) for name in self.blobs)
         self._share_params(wired)
         self.layer_dict = collections.OrderedDict(zip(self._layer_names, self.layers))
-        self.fusions = self._find_fusions()
-        self._shortcut_bottoms = self._find_shortcut_bottoms()
-        if self.fusions:
-            kinds = [self.layers[first].type for first in self.fusions]
-            relus = sum(last - first == 2 for first, last in self.fusions.items()
-                        if self.layers[first].type == "BatchNorm")
-            log.info(f"Fused {kinds.count('BatchNorm')} BatchNorm + Scale pair(s), {relus} with "
-                     f"the ReLU after them, and {kinds.count('Eltwise')} Eltwise + ReLU pair(s) "
-                     f"(the fast path; engine: CAFFE runs them apart)")
-
-    def _find_fusions(self):
-        """{index of a unit's first layer: index of its last} of the layers that run as one:
-        - the fast path's BatchNorm in place, then its Scale in place on the same blob with no
-          conversion between (ResNet's form), and the ReLU after it if that is in place on the
-          same blob too: one pass over the activations in forward and one reduction in
-          backward instead of two or three of each;
-        - an Eltwise SUM of two bottoms (coefficients 1, one layout), the ReLU in place on its
-          top, and the Split after it if the top feeds two layers (ResNet's shortcut): one pass
-          forward (the Split shares the data) and one backward instead of three.
-        The ReLU's negative slope must be at least 0, so that its output's sign is its input's.
-        Every blob ends with the values and diffs the layers one by one give it (all work in
-        place, so no intermediate is seen); a run that does not include the whole unit runs
-        its layers one by one."""
-        found = {}
-        for li in range(len(self.layers) - 1):
-            first, second = self.layers[li], self.layers[li + 1]
-            if not self.top_vecs[li]:       # a sink (HDF5Output, Silence) starts no unit
-                continue
-            x = self.top_vecs[li][0]
-            if hasattr(first, "forward_with_scale") and hasattr(second, "backward_with_bn"):
-                if self.bottom_vecs[li][0] is x and self._in_place_on(li + 1, x):
-                    found[li] = li + 1
-                    if self._relu_in_place(li + 2, x):
-                        found[li] = li + 2
-            elif hasattr(first, "forward_with_relu") \
-                    and first.fuses_relu(self.bottom_vecs[li], [x]) and self._relu_in_place(li + 1, x):
-                found[li] = li + 1
-                split = li + 2
-                if split < len(self.layers) and self.layers[split].type == "Split" \
-                        and not self._conversions[split] and self.bottom_vecs[split] == [x] \
-                        and len(self.top_vecs[split]) == 2:
-                    found[li] = split
-        return found
-
-    def _find_shortcut_bottoms(self):
-        """{first layer of a fused Eltwise SUM unit: its bottom that shares the unit's top diff}.
-
-        Such a bottom is a Split's top that the unit sends a gradient to: the layers give its
-        diff the values of the top's diff (an Eltwise SUM with coefficients 1 hands its top
-        diff to each bottom), and a Split's top has no other writer, so one buffer can hold
-        both, and the unit's backward writes those values once instead of twice (ResNet-50
-        b16: one pass fewer over each of its 16 shortcuts' gradients, and 16 fewer diff
-        buffers). A bottom that is some other layer's top keeps its own diff: that layer may
-        work on it in place. The buffers are joined at the unit's first fused backward (so a
-        net that runs no backward allocates no diff), and again after a reshape gave one of
-        them a buffer of its own."""
-        made_by = {id(t): li for li, tops in enumerate(self.top_vecs) for t in tops}
-        found = {}
-        for first in self.fusions:
-            if not hasattr(self.layers[first], "backward_with_relu"):
-                continue
-            top = self.top_vecs[first][0]
-            for b, down in zip(self.bottom_vecs[first], self.bottom_need_backward[first]):
-                li = made_by.get(id(b))
-                if down and li is not None and self.layers[li].type == "Split" \
-                        and b is not top and b.layout == top.layout:
-                    found[first] = b
-                    break
-        return found
-
-    def _relu_in_place(self, li, x):
-        """Layer li is a ReLU of negative slope >= 0 in place on x."""
-        return (li < len(self.layers) and self.layers[li].type == "ReLU"
-                and getattr(self.layers[li], "slope", -1) >= 0 and self._in_place_on(li, x))
-
-    def _forward_unit(self, first, last):
-        layer, bottom, top = self.layers[first], self.bottom_vecs[first], self.top_vecs[first]
-        if hasattr(layer, "forward_with_relu"):
-            layer.forward_with_relu(bottom, top, self.layers[first + 1])
-        else:
-            layer.forward_with_scale(bottom, top, self.layers[first + 1],
-                                     self.layers[last] if last > first + 1 else None)
-
-    def _backward_unit(self, first, last, every_layer):
-        """Run the unit's backward if it can (a BatchNorm unit needs the forward to have run
-        fused); False if the layers must run one by one."""
-        layer = self.layers[first]
-        if hasattr(layer, "backward_with_relu"):
-            shortcut, top = self._shortcut_bottoms.get(first), self.top_vecs[first][0]
-            if shortcut is not None and not shortcut.shares_diff(top) \
-                    and shortcut.shape == top.shape:
-                shortcut.share_diff(top)
-            split = self.top_vecs[last] if last == first + 2 else []
-            layer.backward_with_relu(self.top_vecs[first], self.layers[first + 1], split,
-                                     self.bottom_need_backward[first], self.bottom_vecs[first])
-            return True
-        scale = self.layers[first + 1]
-        if scale.fused_input is None:
-            return False
-        bn_runs = every_layer or self.layer_need_backward[first]
-        scale.backward_with_bn(self.top_vecs[last], layer, self.bottom_vecs[first][0],
-                               bn_runs and self.bottom_need_backward[first][0],
-                               self.layers[last] if last > first + 1 else None)
-        return True
-
-    def _in_place_on(self, li, x):
-        """Layer li has x as its one bottom and one top, with no conversion before it."""
-        return (not self._conversions[li] and len(self.bottom_vecs[li]) == 1
-                and self.bottom_vecs[li][0] is x and len(self.top_vecs[li]) == 1
-                and self.top_vecs[li][0] is x)
+        # the net-compilation rules' units (caffepy/net_rules.py); `fusions` says which run
+        # fused (tests and benchmarks narrow it), `_units` how
+        self._units = net_rules.compile_net(self)
+        self.fusions = {first: unit.last for first, unit in self._units.items()}
 
     def _add_conversion(self, clp):
         """Build and set up one of the layout plan's conversion layers: (layer, bottom, top)."""
@@ -631,7 +525,8 @@ class Net:
                     if before_layer is not None:      # their parameters' deferred updates first
                         for other in range(li + 1, last + 1):
                             before_layer(other)
-                    self._forward_unit(li, last)
+                    unit = self._units[li]
+                    unit.rule.forward(self, unit, last)
                     done = last
                 else:
                     layer.forward(bottom, top)
@@ -662,7 +557,8 @@ class Net:
             layer, first = self.layers[li], fused_back.get(li)
             if li >= done:
                 pass
-            elif first is not None and first >= end and self._backward_unit(first, li, every_layer):
+            elif first is not None and first >= end \
+                    and self._units[first].rule.backward(self, self._units[first], li, every_layer):
                 done = first
             else:
                 layer.backward(top, self.bottom_need_backward[li], self.bottom_vecs[li])
@@ -681,6 +577,14 @@ class Net:
             out.append((li, last))
             li = last + 1
         return out
+
+    def layer_bottoms(self, li):
+        """The blobs holding layer li's bottoms as the prototxt names them: where the layout plan
+        converts a bottom first, the blob it converts from (writing that feeds the layer)."""
+        blobs = list(self.bottom_vecs[li])
+        for _, source, _, bi in self._conversions[li]:
+            blobs[bi] = source
+        return blobs
 
     def forward_backward(self):
         loss = self.forward_from_to()
@@ -854,7 +758,7 @@ class Net:
         from .blobproto import blobproto_to_array
         wanting = [name for name in self._first_named if self.first_layer(name).blobs]
         loaded = set()
-        for lp in source.layer:
+        for lp in self._split_merged_scales(source, path):
             layer = self.first_layer(lp.name)
             if layer is None:
                 log.info(f"Ignoring source layer {lp.name}")
@@ -884,6 +788,49 @@ class Net:
         if missed:
             log.warning(f"{path}: no weights for layer(s) {quote(', '.join(missed))} of {self.source}; "
                         f"they keep their initial values")
+
+    def _split_merged_scales(self, source, path):
+        """The layers of `source`, with Intel Caffe's merged BatchNorms given back their Scale.
+
+        Intel's MKL2017 / MKLDNN engines fold the Scale after a BatchNorm into it (its compiler's
+        RemoveScale rule), so their caffemodels hold a BatchNorm of 4 or 5 blobs (mean, variance,
+        factor, then the Scale's scale and shift) and no Scale layer. Caffe's BatchNorm keeps 3: the
+        last ones go to the Scale that takes the BatchNorm's top in this net."""
+        from .blobproto import array_to_blobproto
+        named = {lp.name for lp in source.layer if len(lp.blobs)}
+        for lp in source.layer:
+            layer = self.first_layer(lp.name)
+            if layer is None or layer.type != "BatchNorm" or len(lp.blobs) not in (4, 5) \
+                    or len(layer.blobs) != 3:
+                yield lp
+                continue
+            scale = self._scale_after(self._first_named[lp.name])
+            if scale is None or scale.name in named or len(lp.blobs) - 3 > len(scale.blobs):
+                raise layer_error(layer, "blobs", f"the file has {len(lp.blobs)} parameter blobs (Intel "
+                                  f"Caffe's BatchNorm with its Scale folded in), the net expects 3",
+                                  source=path, cls=ShapeError,
+                                  hint="Put a Scale layer (bias_term: true) in place after the BatchNorm "
+                                       "to take the scale and shift, as Intel's prototxts have")
+            head = caffe_pb2.LayerParameter(name=lp.name, type=lp.type)
+            head.blobs.extend(lp.blobs[:3])
+            tail = caffe_pb2.LayerParameter(name=scale.name, type="Scale")
+            tail.blobs.extend(lp.blobs[3:])
+            if len(scale.blobs) > len(tail.blobs):         # Intel's bias_term: false: no shift
+                tail.blobs.add().CopyFrom(array_to_blobproto(np.zeros(scale.blobs[1].shape, np.float32)))
+            log.info(f"{path}: layer '{lp.name}' holds Intel Caffe's merged Scale; its scale and shift "
+                     f"go to layer '{scale.name}'")
+            yield head
+            yield tail
+
+    def _scale_after(self, li):
+        """The Scale layer with one bottom that reads layer li's first top, if the next layer
+        reading that top is one."""
+        top = self.top_vecs[li][0] if self.top_vecs[li] else None
+        for lj in range(li + 1, len(self.layers)):
+            if any(b is top for b in self.bottom_vecs[lj]):
+                layer = self.layers[lj]
+                return layer if layer.type == "Scale" and len(self.bottom_vecs[lj]) == 1 else None
+        return None
 
     def to_proto(self, write_diff=False, arrays=None):
         """Caffe's Net::ToProto: every layer as the net runs it (Split layers and renamed

@@ -285,8 +285,16 @@ def _axis(axis, ndim):
 
 
 # -- vision ---------------------------------------------------------------------------
+def _refuse_fused(c, field):
+    """Intel's fusions (common.FusedOutput) are not exported: the graph would need them apart."""
+    if getattr(c.layer, "fused", None) is not None:
+        raise c.refuse(f"{field}.relu", "Intel's fused ReLU / Eltwise SUM is not exported",
+                       hint="Export the net with a ReLU (and an Eltwise) layer after the layer")
+
+
 @maps("Convolution", "Deconvolution")
 def _conv(c):
+    _refuse_fused(c, "convolution_param")
     p = c.p.convolution_param
     inputs = [c.const(c.blob(i), what) for i, what in zip(range(len(c.layer.blobs)), ("weights", "bias"))]
     kernel, (ph, pw), stride, dilation = geometry.conv_window(c.layer)
@@ -461,9 +469,12 @@ def _batch_norm(c):
     factor = 0.0 if factor == 0 else 1.0 / factor
     mean = c.blob(0) * np.float32(factor)
     var = (c.blob(1).astype(np.float64) * np.float32(factor)).astype(np.float32)
-    c.out("BatchNormalization", [c.x[0], c.const(np.ones(channels), "gamma"),
-                                 c.const(np.zeros(channels), "beta"), c.const(mean, "mean"),
-                                 c.const(var, "var")], epsilon=L.eps)
+    inputs = [c.x[0], c.const(np.ones(channels), "gamma"), c.const(np.zeros(channels), "beta"),
+              c.const(mean, "mean"), c.const(var, "var")]
+    if not L.relu:
+        c.out("BatchNormalization", inputs, epsilon=L.eps)
+        return
+    c.out("Relu", c.node("BatchNormalization", inputs, epsilon=L.eps))      # Intel's fused relu
 
 
 def _broadcast(c, field, blob_shape):
@@ -499,6 +510,7 @@ def _bias(c):
 # -- common ---------------------------------------------------------------------------
 @maps("InnerProduct")
 def _inner_product(c):
+    _refuse_fused(c, "inner_product_param")
     L = c.layer
     shape = c.in_shapes[0]
     axis = _axis(c.p.inner_product_param.axis, len(shape))

@@ -65,7 +65,10 @@ class Corpus:
         results_file = os.path.join(self.root, "results.json")
         with open(cases_file, "w") as f:
             json.dump(self.jobs, f)
-        env = dict(os.environ, PYTHONPATH=HERE, OMP_NUM_THREADS="1")
+        # this tree's caffepy first (the venv's may be another checkout's), then the caller's path
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), HERE,
+                                                                         os.environ.get("PYTHONPATH")])),
+                   OMP_NUM_THREADS="1")
         proc = subprocess.run([sys.executable, RUNNER, cases_file, results_file], env=env, cwd=self.root,
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -141,7 +144,7 @@ def test_bad_input(corpus, batch, case):
 def test_corpus_covers_every_category_and_leaves_fixtures_alone(corpus, batch):
     counts = {cat: sum(1 for c in CASES if c.category == cat) for cat in categories()}
     assert set(counts) == {"syntax", "names", "wiring", "sizes", "caffemodel", "solverstate", "mean",
-                           "lmdb", "tools", "solver_values", "signals"}
+                           "lmdb", "tools", "solver_values", "signals", "augment"}
     assert all(n >= 5 for n in counts.values()), counts
     assert listing(corpus.fx.root) == corpus.fixtures_before
     assert len({c.name for c in CASES}) == len(CASES)

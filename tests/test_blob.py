@@ -6,7 +6,7 @@ import pytest
 
 from caffepy import memory
 from caffepy.blob import CHANNELS_LAST, Blob
-from caffepy.layers import intel, nhwc, normalization
+from caffepy.layers import conv_algorithms, nhwc, normalization
 
 
 def _on_line(a):
@@ -39,7 +39,7 @@ def test_layer_workspaces_and_kept_buffers_start_on_a_line():
     class Holder:
         pass
     assert _on_line(nhwc._workspace("test_line", (3, 1001)))
-    assert _on_line(intel._workspace("test_line", (5, 17)))
+    assert _on_line(conv_algorithms._workspace("test_line", (5, 17)))
     assert _on_line(normalization.kept_buffer(Holder(), "_kept", (7, 33)))
 
 

@@ -10,12 +10,9 @@ from google.protobuf import text_format
 
 from caffepy import actions, log, upgrade
 from caffepy.blob import CHANNELS_LAST
-from caffepy.errors import CaffepyError
 from caffepy.layer import NHWC
-from caffepy.layout_plan import caffe_engine
 from caffepy.net import TEST, TRAIN, Net
 from caffepy.proto import caffe_pb2
-from caffepy.solvers.nets import solver_test_net_params, solver_train_net_param
 
 ZOO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "zoo")
 
@@ -72,30 +69,6 @@ def test_engine_caffe_keeps_caffes_layout(how, monkeypatch):
         net = _net(SMALL.replace("num_output: 8", "num_output: 8 engine: CAFFE"))
     assert all(layout is None for layout in _layouts(net).values())
     assert type(net.layers[1]).__name__ == "Convolution"
-
-
-def test_engine_strings():
-    lp = caffe_pb2.LayerParameter(engine="MKLDNN")
-    assert not caffe_engine(lp, caffe_pb2.NetParameter(engine="CAFFE"))   # the layer's own wins
-    assert caffe_engine(caffe_pb2.LayerParameter(), caffe_pb2.NetParameter(engine="caffe"))
-    assert caffe_engine(caffe_pb2.LayerParameter(engine="CAFFE:DLA"))
-    assert not caffe_engine(caffe_pb2.LayerParameter(), caffe_pb2.NetParameter())
-
-
-def test_a_bad_engine_environment_value_is_one_line(monkeypatch):
-    monkeypatch.setenv("CAFFEPY_ENGINE", "fast")
-    with pytest.raises(CaffepyError, match="CAFFEPY_ENGINE: must be CAFFE or DEFAULT, got 'FAST'"):
-        _net()
-
-
-def test_a_solvers_engine_reaches_its_nets():
-    solver = caffe_pb2.SolverParameter()
-    text_format.Parse('engine: "CAFFE" test_iter: 1 test_interval: 1', solver)
-    solver.net_param.CopyFrom(text_format.Parse(SMALL, caffe_pb2.NetParameter()))
-    assert solver_train_net_param(solver).param.engine == "CAFFE"
-    assert solver_test_net_params(solver)[0].param.engine == "CAFFE"
-    solver.net_param.engine = "MKLDNN"                 # the net's own wins
-    assert solver_train_net_param(solver).param.engine == "MKLDNN"
 
 
 def _copy_params(src, dst):

@@ -153,6 +153,7 @@ CASES = {
     "softmax_axis2": layer("Softmax", "softmax_param { axis: -2 }"),
     "batchnorm_scale": layer("BatchNorm", top="data", name="bn")
     + layer("Scale", "scale_param { bias_term: true }", bottom="data", top="data", name="scale"),
+    "batchnorm_relu": layer("BatchNorm", "batch_norm_param { relu: true }", top="data", name="bn"),
     "scale_axis2": layer("Scale", "scale_param { axis: 2 num_axes: 2 }"),
     "bias": layer("Bias"),
     "flatten": layer("Flatten", "flatten_param { axis: 1 end_axis: 2 }"),
@@ -316,9 +317,11 @@ def test_mask_top_train_phase_and_fused_relu_are_refused():
     net = make_net(input_layer((2, 3)) + layer("BatchNorm"), phase=caffepy.TRAIN)
     with pytest.raises(CaffepyError, match=r"\(BatchNorm\): batch_norm_param.use_global_stats: batch "):
         onnx_export.export(net)
-    # Intel's fused ReLU: caffepy does not run it, so no net with one reaches the exporter
-    with pytest.raises(CaffepyError, match=r"convolution_param.relu: fused ReLU \(Intel Caffe\) is not supported"):
-        one_layer(layer("Convolution", "convolution_param { num_output: 2 kernel_size: 1 relu: true }"))
+    # Intel's fused ReLU: computed by caffepy, not exported
+    net, _ = one_layer(layer("Convolution", "convolution_param { num_output: 2 kernel_size: 1 relu: true }"))
+    with pytest.raises(CaffepyError, match=r"convolution_param.relu: Intel's fused ReLU / Eltwise SUM is not "
+                                           r"exported\. Export the net with a ReLU"):
+        onnx_export.export(net)
 
 
 def test_missing_onnx_names_what_to_install(monkeypatch):

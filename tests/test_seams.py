@@ -60,3 +60,38 @@ def test_hooks_declares_every_point_the_solver_calls():
     declared = {name for name, value in vars(Hooks).items() if callable(value) and not name.startswith("_")}
     assert called == declared
     assert issubclass(DataParallel, Hooks)
+
+
+def private_names_from_siblings(source):
+    """The `_private` names a module of caffepy/layers takes from another one: imported by name
+    (`from .nhwc import _Direct`) or read off an imported sibling (`from . import nhwc`;
+    `nhwc._k`). Compiled kernel modules (`from ..kernels import nhwc as _k`) are not siblings."""
+    tree = ast.parse(source)
+    siblings, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            for alias in node.names:
+                if node.module is None:
+                    siblings.add(alias.asname or alias.name)
+                elif alias.name.startswith("_"):
+                    found.append(f"{node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in siblings and node.attr.startswith("_"):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_the_private_name_check_sees_both_forms():
+    assert private_names_from_siblings("from .nhwc import _Direct, rows") == ["nhwc._Direct"]
+    assert private_names_from_siblings("from . import nhwc\nnhwc._k.max_threads()") == ["nhwc._k"]
+    assert private_names_from_siblings("from ..kernels import nhwc as _k\n_k.pack()") == []
+
+
+def test_layer_modules_take_no_private_names_from_each_other():
+    """One algorithm family, one module (STYLE.md): the convolution algorithms that the
+    channels-last and the blocked layers share live in layers/conv_algorithms.py, and neither
+    layout's module reaches into the other's (nor any layer module into another's)."""
+    for path in sorted((ROOT / "layers").glob("*.py")):
+        found = private_names_from_siblings(path.read_text())
+        assert not found, f"{path.relative_to(ROOT.parent)} takes {found}"

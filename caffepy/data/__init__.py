@@ -5,7 +5,9 @@ and Caffe's image tools (convert_imageset, compute_image_mean).
     db.py           LMDB Reader (read-only, lock=False, checked against its header) and Writer
                     (built under a temporary name)
     sources.py      record sources for the prefetcher: LMDB, image list file
-    transformer.py  crop, mirror, mean, scale in Caffe's order
+    transformer.py  crop, mirror, mean, scale in Caffe's order, after Intel's augmentations
+    augment.py      Intel Caffe's augmentations (distort, expand, random resize / aspect ratio,
+                    resize, noise) on one image, with OpenCV
     prefetch.py     RecordOrder (epochs, shuffle, ranks), BatchFiller, Prefetcher
     tools.py        convert_imageset, compute_image_mean
 

@@ -1,4 +1,5 @@
-"""transform_param: crop, mirror, mean subtraction and scaling of one C x H x W image.
+"""transform_param: Intel Caffe's augmentations, then crop, mirror, mean subtraction and
+scaling of one C x H x W image.
 
 Caffe's order, per output pixel (c, h, w) of a crop at (h_off, w_off):
     top[c, h, w'] = (image[c, h_off + h, w_off + w] - mean[c, h_off + h, w_off + w]) * scale
@@ -6,16 +7,28 @@ where w' = crop_w - 1 - w when the image is mirrored, else w; `mean` is the
 mean_file image (cropped at the same offsets as the image) or mean_value[c].
 Crops are random in TRAIN (h_off uniform in [0, H - crop]) and centred in TEST
 ((H - crop) / 2); with `mirror` every image is flipped with probability 1/2 in
-both phases, as Caffe does.
+both phases, as Caffe does. crop_size crops a square; Intel's crop_h and crop_w (set
+together, without crop_size) a crop_h x crop_w rectangle (Intel Caffe declares them but
+never reads them).
+
+Before the crop, Intel Caffe's augmentations (caffepy/data/augment.py, which gives their
+order and where caffepy departs from Intel's code): distort_param, expand_param,
+random_resize_param or random_aspect_ratio_param, resize_param, noise_param. They run in
+TEST as in TRAIN: what the TEST phase changes is the crop, centred; a TEST transform is
+deterministic when it asks for nothing random (Intel's recipes: random_resize_param with
+min_size = max_size, no mirror). The random ones need a crop, which gives every image one
+size; the top's shape is the crop's, or resize_param's height x width without a crop (for
+FIT_SMALL_SIZE, what the first record resizes to).
 
 With Intel Caffe's `pad` the output gets a border of zeros `pad` wide on every side
 (the first convolution's padding, moved into the data layer); with mean_value, values are
-then rounded to the nearest integer, as Intel Caffe does (its int8 input path).
+then rounded to the nearest integer, as Intel Caffe does (its int8 input path). With
+Intel's `flow` (optical-flow images, x flow in channel 2) a mirrored image's channel 2
+becomes 255 - value, before the mean.
 
-Proto fields: scale, mirror, crop_size, mean_file, mean_value, force_color,
-force_gray (the last two apply to encoded images), pad. Intel Caffe's augmentations
-(resize, noise, distortion, expansion, random resize / aspect ratio, crop_h / crop_w,
-emit_constraint, flow) are refused: caffepy does not run them.
+Proto fields: scale, mirror, crop_size, crop_h, crop_w, mean_file, mean_value, force_color,
+force_gray (the last two apply to encoded images), pad, flow and the augmentations above.
+emit_constraint is refused: it filters annotated boxes (SSD's AnnotatedData, detection).
 """
 import weakref
 
@@ -23,11 +36,8 @@ import numpy as np
 
 from ..errors import DataError
 from ..proto import caffe_pb2
-
-
-# Intel Caffe's TransformationParameter fields caffepy does not run (bgr2rgb is ImageData's)
-NOT_RUN = ("resize_param", "noise_param", "emit_constraint", "crop_h", "crop_w", "distort_param",
-           "expand_param", "random_resize_param", "random_aspect_ratio_param", "flow")
+from .augment import FIELDS as AUGMENTATIONS
+from .augment import Augmentations
 
 
 class DataTransformer:
@@ -45,13 +55,23 @@ class DataTransformer:
         self.layer = weakref.proxy(layer) if layer is not None else None
         self.gen = generator if generator is not None else np.random.default_rng()
         self.scale = float(param.scale)
-        self.crop = int(param.crop_size)
         self.mirror = bool(param.mirror)
         self.pad = int(param.pad)
-        for field in NOT_RUN:
-            if param.HasField(field):
-                raise self._error(f"transform_param.{field}", "is an Intel Caffe augmentation caffepy "
-                                  "does not run", hint="Remove it (caffepy would train without it)")
+        self.flow = bool(param.flow)
+        if param.HasField("emit_constraint"):
+            raise self._error("transform_param.emit_constraint", "filters annotated boxes (SSD's "
+                              "AnnotatedData), which caffepy does not read", hint="Remove it")
+        self.crop_h = self.crop_w = int(param.crop_size)
+        self.crop_field, self.crop_text = "crop_size", str(self.crop_h)
+        if param.crop_h or param.crop_w:
+            if param.crop_size:
+                raise self._error("transform_param.crop_h", "give crop_size or crop_h and crop_w, not both",
+                                  f"crop_size {param.crop_size}, crop_h {param.crop_h}, crop_w {param.crop_w}")
+            if not (param.crop_h and param.crop_w):
+                raise self._error("transform_param.crop_h", "set crop_h and crop_w together",
+                                  f"{param.crop_h}x{param.crop_w}")
+            self.crop_h, self.crop_w = int(param.crop_h), int(param.crop_w)
+            self.crop_field, self.crop_text = "crop_h", f"{self.crop_h}x{self.crop_w}"
         if self.pad and param.mean_file:
             raise self._error("transform_param.pad", "cannot be combined with mean_file (Intel Caffe "
                               "misaligns the mean then)", self.pad, hint="Give mean_value instead")
@@ -79,6 +99,15 @@ class DataTransformer:
             self.mean = np.ascontiguousarray(mean, np.float32)
         elif len(param.mean_value):
             self.mean_values = np.asarray(param.mean_value, np.float32)
+        self.augment = None
+        if any(param.HasField(field) for field in AUGMENTATIONS):
+            self.augment = Augmentations(param, (self.crop_h, self.crop_w), self.crop_field, self.crop_text,
+                                         self.mean_values, self._param_error)
+            if self.mean is not None and (self.augment.varies or self.augment.expand):
+                raise self._error("transform_param.mean_file", "cannot follow images whose size varies "
+                                  "(expand_param, random_resize_param, random_aspect_ratio_param)",
+                                  param.mean_file, hint="Give mean_value instead (expand_param's canvas "
+                                  "takes its colour)")
 
     def _error(self, field, problem, value=None, hint=None):
         if self.layer is not None:
@@ -87,51 +116,82 @@ class DataTransformer:
         msg = f"{field}: {problem}"
         return DataError(msg + (f", got {value}" if value is not None else "") + (f". {hint}" if hint else ""))
 
+    def _param_error(self, field, problem, value=None, hint=None):
+        """_error for `field` of transform_param, named without the prefix."""
+        return self._error(f"transform_param.{field}", problem, value, hint)
+
     # -- shapes ----------------------------------------------------------
     def check(self, shape, where=""):
-        """Check an input C x H x W shape against crop and mean; return the output shape."""
+        """Check an input C x H x W shape against the augmentations, crop and mean; return
+        the output shape."""
+        if self.augment is not None:
+            shape = self.augment.check(shape, where)
+        return self._output_shape(shape, where)
+
+    def _output_shape(self, shape, where):
+        """The output shape for the C x H x W that reaches the crop (H, W None: it varies)."""
         c, h, w = shape
-        if self.crop and (self.crop > h or self.crop > w):
-            raise DataError(f"{where}transform_param.crop_size: larger than the image ({h}x{w}), got "
-                            f"{self.crop}")
+        if h is not None and self.crop_h and (self.crop_h > h or self.crop_w > w):
+            raise DataError(f"{where}transform_param.{self.crop_field}: larger than the image ({h}x{w}"
+                            f"{' after the augmentations' if self.augment is not None else ''}), got "
+                            f"{self.crop_text}")
         if self.mean is not None and self.mean.shape != (c, h, w):
             raise DataError(f"{where}transform_param.mean_file: the mean is "
-                            f"{'x'.join(map(str, self.mean.shape))} but the image is {c}x{h}x{w} "
+                            f"{'x'.join(map(str, self.mean.shape))} but the image is {c}x{h}x{w}"
+                            f"{' after the augmentations' if self.augment is not None else ''} "
                             f"(mean file '{self.param.mean_file}')")
         if self.mean_values is not None and len(self.mean_values) not in (1, c):
             raise DataError(f"{where}transform_param.mean_value: give 1 value or one per channel ({c}), "
                             f"got {len(self.mean_values)}")
-        h, w = (self.crop, self.crop) if self.crop else (h, w)
+        if self.flow and c < 3:
+            raise DataError(f"{where}transform_param.flow: needs the x flow in channel 2, got {c} "
+                            f"channel(s)")
+        h, w = (self.crop_h, self.crop_w) if self.crop_h else (h, w)
         return c, h + 2 * self.pad, w + 2 * self.pad
 
     # -- randomness ------------------------------------------------------
     def draw(self, n):
-        """Random numbers for n images: columns (mirror coin, crop h, crop w).
+        """Random numbers for n images: columns (mirror coin, crop h, crop w), and the seed
+        of the image's own generator when an augmentation is random.
 
         Drawn apart from the transform so one thread draws in record order
         while several threads transform: results do not depend on the threads.
         """
-        if not (self.mirror or (self.crop and self.phase == caffe_pb2.TRAIN)):
+        if self.augment is not None and self.augment.random:
+            return self.gen.integers(0, 1 << 62, size=(n, 4), dtype=np.int64)
+        if not (self.mirror or (self.crop_h and self.phase == caffe_pb2.TRAIN)):
             return np.zeros((n, 3), np.int64)
         return self.gen.integers(0, 1 << 62, size=(n, 3), dtype=np.int64)
 
     def offsets(self, shape, draw):
-        """(h_off, w_off, mirrored) for an image of `shape` given its draw row."""
+        """(h_off, w_off, mirrored) for an image of `shape` (as it reaches the crop) given
+        its draw row."""
         _, h, w = shape
         do_mirror = self.mirror and bool(draw[0] & 1)
-        if not self.crop:
+        if not self.crop_h:
             return 0, 0, do_mirror
         if self.phase == caffe_pb2.TRAIN:
-            return int(draw[1] % (h - self.crop + 1)), int(draw[2] % (w - self.crop + 1)), do_mirror
-        return (h - self.crop) // 2, (w - self.crop) // 2, do_mirror
+            return int(draw[1] % (h - self.crop_h + 1)), int(draw[2] % (w - self.crop_w + 1)), do_mirror
+        return (h - self.crop_h) // 2, (w - self.crop_w) // 2, do_mirror
+
+    def augmented(self, image, draw, where=""):
+        """The C x H x W image after Intel's augmentations (the image itself without any)."""
+        if self.augment is None:
+            return image
+        gen = np.random.Generator(np.random.PCG64(int(draw[3]))) if self.augment.random else None
+        return self.augment.apply(image, gen, where).transpose(2, 0, 1)
 
     # -- the transform ---------------------------------------------------
     def transform(self, image, draw, out, where=""):
         """Write the transformed C x H x W `image` (uint8 or float) into `out` (float32).
 
-        Only NumPy ufuncs on whole arrays, so the work runs without the GIL.
+        NumPy ufuncs on whole arrays and OpenCV, so the work runs without the GIL.
         """
-        shape = self.check(image.shape, where)
+        if self.augment is not None:
+            image = self.augmented(image, draw, where)
+            shape = self._output_shape(image.shape, where)
+        else:
+            shape = self.check(image.shape, where)
         if out.shape != shape:
             raise DataError(f"{where}image of shape {'x'.join(map(str, image.shape))} does not give the "
                             f"{'x'.join(map(str, out.shape))} of the first record (records must share one "
@@ -150,6 +210,8 @@ class DataTransformer:
             mean = self.mean_values[:, None, None] if len(self.mean_values) > 1 else self.mean_values[0]
         else:
             mean = None
+        if mirrored and self.flow:      # the x flow changes sign with the image
+            src = np.concatenate([src[:2], 255 - src[2:3], src[3:]])
         if mirrored:
             src = src[:, :, ::-1]
             if self.mean is not None:

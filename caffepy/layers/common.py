@@ -4,6 +4,7 @@ import numpy as np
 
 from .. import autotune
 from ..blas import gemm_into
+from ..blob import Blob
 from ..errors import ShapeError
 from ..kernels import common as kernels
 from ..kernels import neuron as neuron_kernels
@@ -24,6 +25,124 @@ def _shape(s):
 def constant_filler(value):
     """A FillerParameter for the constant `value` (Caffe's defaults where a filler is unset)."""
     return caffe_pb2.FillerParameter(type="constant", value=value)
+
+
+class FusedOutput:
+    """Intel Caffe's fusions into a Convolution (convolution_param) or an InnerProduct
+    (inner_product_param), applied to the layer's own output y = W x + b:
+        fusion_type: SUM_FUSION   y = coeff[1] * y + coeff[0] * bottom[1]   (a Convolution)
+        relu: true                y = max(y, 0) + negative_slope * min(y, 0), after the sum
+    Intel's ConvSumFusion rule makes the first from a convolution, the Eltwise SUM after it and
+    the ReLU after that: the Eltwise's other bottom becomes the convolution's second bottom (the
+    summand) and the ReLU's top its top. `coeff` is empty (both 1) or two values: the summand's,
+    then the convolution's, as Intel's int8 engine scales them (its float engine ignores them).
+
+    The backward takes the ReLU's gradient from the output (whose sign is its input's for a
+    negative_slope of at least 0), hands the summand coeff[0] times it and the layer's own
+    backward coeff[1] times it through tops of its own (`grads`), so the top diffs stay as the
+    net gave them."""
+
+    @classmethod
+    def of(cls, layer, field):
+        """The fused output `layer`'s `field` (its *_param) asks for, or None when it asks for
+        none; the fields are checked."""
+        p = getattr(layer.param, field)
+        summed = field == "convolution_param" and p.fusion_type == p.SUM_FUSION
+        if field == "convolution_param" and len(p.coeff) and not summed:
+            raise layer.error("convolution_param.coeff", "weighs the summand of fusion_type: "
+                              "SUM_FUSION, which is not set", list(p.coeff))
+        if not (p.relu or summed):
+            return None
+        return cls(layer, field, p, summed)
+
+    @staticmethod
+    def sum_fusion(param):
+        return param.convolution_param.fusion_type == caffe_pb2.ConvolutionParameter.SUM_FUSION
+
+    @classmethod
+    def check_blob_counts(cls, layer, bottom, top):
+        """A SUM_FUSION convolution's blobs: the input and the summand, one top. False for any
+        other layer (its class's counts apply)."""
+        if not cls.sum_fusion(layer.param):
+            return False
+        if len(bottom) != 2 or len(top) != 1:
+            raise layer.error("convolution_param.fusion_type", "SUM_FUSION takes two bottoms (the "
+                              "input and the summand) and one top",
+                              f"{len(bottom)} bottom(s), {len(top)} top(s)")
+        return True
+
+    def __init__(self, layer, field, p, summed):
+        self.relu, self.slope, self.summed = bool(p.relu), float(p.negative_slope), summed
+        if self.relu and self.slope < 0:
+            raise layer.error(f"{field}.negative_slope", "a fused ReLU takes a slope of at least 0 "
+                              "(its gradient is read from the output's sign)", self.slope,
+                              hint="Use a ReLU layer after the layer")
+        coeff = [float(c) for c in p.coeff] if summed else []
+        if coeff and len(coeff) != 2:
+            raise layer.error(f"{field}.coeff", "needs two values (the summand's, the "
+                              "convolution's) or none", coeff)
+        self.coeff = coeff or [1.0, 1.0]
+        self.layer_name = layer.name
+        self.grads = []
+
+    def inputs(self, bottom):
+        """The bottoms the layer's own computation reads (all but the summand)."""
+        return bottom[:1] if self.summed else bottom
+
+    def reshape(self, layer, bottom, top):
+        """Check the summand against the top, and shape the tops the gradients go through."""
+        if self.summed and bottom[1].shape != top[0].shape:
+            raise layer.error("bottom[1]", f"the summand of SUM_FUSION needs the top's shape "
+                              f"{_shape(top[0].shape)}", _shape(bottom[1].shape), cls=ShapeError)
+        if self.summed and bottom[1].layout != top[0].layout:
+            raise layer.error("bottom[1]", "the summand of SUM_FUSION needs the top's layout",
+                              bottom[1].layout, cls=ShapeError)
+        while len(self.grads) < len(top):
+            self.grads.append(Blob(name=f"{self.layer_name} fused gradient"))
+        for g, t in zip(self.grads, top):
+            g.layout = None
+            g.reshape(t.shape)
+            g.layout = t.layout
+            g.share_data(t)
+
+    def forward(self, bottom, top):
+        y = top[0].raw_data.reshape(-1)
+        if self.summed:
+            s = bottom[1].raw_data.reshape(-1)
+            c0, c1 = self.coeff
+            if (c0, c1) == (1.0, 1.0) and self.relu:
+                neuron_kernels.sum_relu_forward(y, s, y, self.slope)
+                return
+            if (c0, c1) == (1.0, 1.0):
+                kernels.add(y, s, y)
+                return
+            y *= np.float32(c1)
+            y += np.float32(c0) * s
+        if self.relu:
+            for t in top:
+                y = t.raw_data.reshape(-1)
+                neuron_kernels.relu_forward(y, y, self.slope)
+
+    def backward(self, top, propagate_down, bottom):
+        """The summand's diff (if wanted); returns the (tops, propagate_down, bottoms) the
+        layer's own backward takes: tops whose diffs are the gradients at its output."""
+        c0, c1 = self.coeff
+        inner = self.inputs(bottom)
+        if not self.relu and c1 == 1.0:
+            grads = top
+        else:
+            grads = self.grads[:len(top)]
+            for t, g in zip(top, grads):
+                if self.relu:
+                    neuron_kernels.relu_backward(t.raw_data.reshape(-1), t.raw_diff.reshape(-1),
+                                                 g.raw_diff.reshape(-1), self.slope)
+                else:
+                    np.copyto(g.raw_diff, t.raw_diff)
+        if self.summed and propagate_down[1]:
+            np.multiply(grads[0].raw_diff, np.float32(c0), out=bottom[1].raw_diff)
+        if c1 != 1.0:
+            grads[0].raw_diff[...] *= np.float32(c1)
+        return grads, propagate_down[:len(inner)], inner
 
 
 @register
@@ -61,8 +180,8 @@ class Split(Layer):
 class InnerProduct(Layer):
     """y = x W^T + b over x flattened from `axis` on (W^T stored as-is when `transpose`).
 
-    inner_product_param { num_output bias_term weight_filler bias_filler axis transpose }.
-    blobs: weights [num_output, K] ([K, num_output] when transpose), bias [num_output].
+    inner_product_param { num_output bias_term weight_filler bias_filler axis transpose }, and
+    Intel's fused ReLU { relu negative_slope } (FusedOutput). blobs: weights [num_output, K] ([K, num_output] when transpose), bias [num_output].
     """
     reshape_from_shapes = True
     exact_bottoms = 1
@@ -70,9 +189,7 @@ class InnerProduct(Layer):
 
     def setup(self, bottom, top):
         p = self.param.inner_product_param
-        if p.relu:
-            raise self.error("inner_product_param.relu", "fused ReLU (Intel Caffe) is not supported", True,
-                             hint="Use a ReLU layer after the InnerProduct")
+        self.fused = FusedOutput.of(self, "inner_product_param")
         if p.num_output <= 0:
             raise self.error("inner_product_param.num_output", "must be positive", p.num_output)
         self.num_output, self.bias_term, self.transpose = p.num_output, p.bias_term, p.transpose
@@ -94,6 +211,8 @@ class InnerProduct(Layer):
                              f"shape {_shape(shape)}", cls=ShapeError)
         self.M = count_from(shape, 0, axis)
         top[0].reshape(shape[:axis] + (self.num_output,))
+        if self.fused is not None:
+            self.fused.reshape(self, bottom, top)
         if getattr(self, "_chosen_for", None) != self.M:
             self._chosen_for = self.M
             self._choose(bottom, top)
@@ -141,8 +260,12 @@ class InnerProduct(Layer):
             gemm_into(x, w if self.transpose else w.T, y)
         if self.bias_term:
             y += self.blobs[1].data
+        if self.fused is not None:
+            self.fused.forward(bottom, top)
 
     def backward(self, top, propagate_down, bottom):
+        if self.fused is not None:
+            top, propagate_down, bottom = self.fused.backward(top, propagate_down, bottom)
         dy = top[0].diff.reshape(self.M, self.num_output)
         x = bottom[0].data.reshape(self.M, self.K)
         if param_wanted(self, 0):
@@ -315,6 +438,7 @@ class Eltwise(Layer):
     min_bottoms = 2
     exact_tops = 1
     layout = ANY
+    fuses = frozenset({"Eltwise+ReLU(+Split)"})
     PROD, SUM, MAX = caffe_pb2.EltwiseParameter.PROD, caffe_pb2.EltwiseParameter.SUM, \
         caffe_pb2.EltwiseParameter.MAX
 
@@ -399,8 +523,8 @@ class Eltwise(Layer):
 
 
     def fuses_relu(self, bottom, top):
-        """Whether a ReLU in place on the top can run with this layer as one unit (Net.fusions):
-        ResNet's shortcut, the SUM of two bottoms with coefficients 1, stored in one layout."""
+        """Whether a ReLU in place on the top can run with this layer as one unit
+        (caffepy/net_rules.py): ResNet's shortcut, the SUM of two bottoms with coefficients 1, stored in one layout."""
         return self.op == self.SUM and self.coeff == [1.0, 1.0] and _one_layout(bottom + top)
 
     def forward_with_relu(self, bottom, top, relu):
@@ -414,7 +538,7 @@ class Eltwise(Layer):
         Split whose tops are `split_tops` if given (it shares the top's data), in one pass: the
         top's diff gets the ReLU's gradient of the summed split diffs (or of the top's own
         diff), and each bottom that wants it a copy (coefficients 1), but a bottom whose diff is
-        the top's (Net._find_shortcut_bottoms), which holds it already."""
+        the top's (net_rules.EltwiseReLU.shortcut_bottom), which holds it already."""
         flat = [b.raw_diff.reshape(-1) for b in split_tops]
         d = top[0].raw_diff.reshape(-1)
         outs = [b.raw_diff.reshape(-1) for b, down in zip(bottom, propagate_down)

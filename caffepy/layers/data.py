@@ -8,7 +8,7 @@ from .. import fillers, log, memory, rng
 from ..data.prefetch import BatchFiller, Prefetcher, RecordOrder
 from ..data.sources import DBSource, ImageListSource
 from ..data import windows
-from ..data.transformer import DataTransformer
+from ..data.transformer import AUGMENTATIONS, DataTransformer
 from ..errors import CaffepyError, DataError, SizeError
 from ..layer import Layer, register
 from ..proto import caffe_pb2
@@ -422,6 +422,11 @@ class WindowData(Layer):
                  f"background < {p.bg_threshold:g}, foreground fraction {p.fg_fraction:g}")
         for label, count in windows.label_histogram(fg, bg).items():
             log.info(f"class {label} has {count} samples")
+        for field in AUGMENTATIONS + ("crop_h", "crop_w", "flow"):
+            if tp.HasField(field):
+                raise self.error(f"transform_param.{field}", "is not read by WindowData, which samples and "
+                                 "warps its own windows (Intel Caffe's augmentations run in Data and ImageData)",
+                                 hint="Remove it")
         transformer = DataTransformer(tp, self.phase, layer=self)     # reads and checks the mean
         mean = transformer.mean if transformer.mean is not None else transformer.mean_values
         if transformer.mean is not None and min(transformer.mean.shape[1:]) < tp.crop_size:

@@ -19,24 +19,24 @@ same numbers as their NCHW versions (up to float rounding), windows and output s
 caffepy.geometry as the plain ones.
 """
 import functools
-import os
 
 import numpy as np
 
-from .. import autotune, geometry, memory
+from .. import autotune, geometry
 from ..blob import Blob, Blocked
 from ..errors import CaffepyError, ShapeError
 from ..layer import BLOCKED, OWN, VIA_NCHW, Layer, register
 from ..proto import caffe_pb2
-from .common import Scale, param_wanted, refuse_concat_fusion
+from .common import FusedOutput, Scale, param_wanted, refuse_concat_fusion
+from .conv_algorithms import (DIRECT_RULE_TAPS, WINOGRAD_TILES, BlockedGemm, BlockedWinograd, Direct,
+                              block_width, kernels_built, winograd_tile)
 from .normalization import LRN, BatchNorm
-from .vision import pool_method, refuse_fusions, scaled_top_diff
+from .vision import pool_method, scaled_top_diff
 
 try:
     from ..kernels import intel as _k
-    from ..kernels import winograd as _winograd
 except ImportError:     # reported when a blocked layer is built, not at import
-    _k = _winograd = None
+    _k = None
 
 
 def _kernels(layer):
@@ -45,17 +45,6 @@ def _kernels(layer):
                           "not built", hint="Run `make install` or `python setup.py build_ext --inplace`",
                           cls=CaffepyError)
     return _k
-
-
-def block_width():
-    """V: CAFFEPY_BLOCK_WIDTH if set, else the float32 lanes of this CPU's widest vector unit."""
-    env = os.environ.get("CAFFEPY_BLOCK_WIDTH")
-    if env:
-        if not env.isdigit() or int(env) not in (4, 8, 16, 32):
-            raise CaffepyError(f"CAFFEPY_BLOCK_WIDTH: must be 4, 8, 16 or 32, got '{env}'")
-        return int(env)
-    from ..device import vector_isa
-    return vector_isa()[1]
 
 
 def blocks(channels, width):
@@ -134,68 +123,7 @@ class IntelUnpack(Layer):
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared by the blocked layers
-
-def _workspace(name, shape, dtype=np.float32):
-    """Scratch shared by all blocked layers (they run one at a time)."""
-    return memory.grown(_WORKSPACE, (name, dtype), shape, dtype)
-
-
-_WORKSPACE = {}
-
-
-# Winograd output tiles m tried per kernel size r. Float32 stays within ~1e-5 of the direct sum
-# (relative to its largest value) up to tile side m + r - 1 = 8 with the points of matrices():
-# over 256 channels F(4, 3) 7e-6, F(5, 3) 3e-6, F(4, 5) 9e-6 (tests/layers/test_winograd.py
-# holds every flavour to 2e-5). F(6, 3) is left out: even with constant tables for its
-# transforms (tried 2026-11-28, AVX2) it only matched F(4, 3) where it needs 9% fewer
-# multiplies (ResNet-50 b16's 28x28 and 56x56: forward alike, backward up to 12% slower), and
-# gained 3-9% only on VGG-16 b4's 112x112 and 224x224 layers (18% fewer), too little for the
-# build time and the extra trial per layer. F(7, 3) (side 9, one tile per 14x14 or 7x7 image)
-# errs by 2e-4 over 256 channels with any ninth point tried (4, 1/4, -1/4, 3/2).
-WINOGRAD_TILES = {3: (2, 3, 4, 5), 5: (2, 3, 4)}
-
-
-def winograd_products(m, r, oh, ow):
-    """Multiplies per channel pair of F(m, r) over an oh x ow output, partial tiles padded."""
-    return (m + r - 1) ** 2 * -(-oh // m) * -(-ow // m)
-
-
-def winograd_tile(r, oh, ow):
-    """The output tile m for an r x r kernel with the fewest GEMM multiplies over an oh x ow
-    output (the smaller m on a tie)."""
-    return min(WINOGRAD_TILES[r], key=lambda m: (winograd_products(m, r, oh, ow), m))
-
-
-_NO_DU, _NO_DX = np.zeros((1,) * 4, np.float32), np.zeros((1,) * 5, np.float32)
-
-
-@functools.lru_cache(maxsize=None)
-def winograd_matrices(m, r):
-    return _winograd.matrices(m, r)
-
-
-def winograd_weights(weights, gm, group, forward, workspace):
-    """U = G W G^T of `weights` [O, Cg, r, r] (gm = G [a, r]) in a workspace ("wino_u"), in the
-    forward's layout [a*a, group * Cg, O / group] or the backward's [a*a, O, Cg]
-    (cext/winograd.pyx); `workspace(name, shape)` is the calling layer family's."""
-    o, cg = weights.shape[:2]
-    a2 = gm.shape[0] ** 2
-    if forward:
-        u = workspace("wino_u", (a2, group * cg, o // group))
-        _winograd.weight_transform(weights, gm, u, group)
-    else:
-        u = workspace("wino_u", (a2, o, cg))
-        _winograd.weight_transform(weights, gm, u)
-    return u
-
-
-def winograd_buffers(vshape, mshape, workspace):
-    """The tile buffers (vbuf, mbuf) of scratch_shapes in a workspace ("wino_v", "wino_m"), their
-    positions spaced by cext/winograd.pyx's scratch_view."""
-    return tuple(_winograd.scratch_view(workspace(name, (_winograd.scratch_floats(shape),)), shape)
-                 for name, shape in (("wino_v", vshape), ("wino_m", mshape)))
-
+# Convolution
 
 def _blocked_bottom(layer, b, index=0):
     if b.layout is None or b.num_axes != 5:
@@ -204,16 +132,14 @@ def _blocked_bottom(layer, b, index=0):
     return b.layout
 
 
-# ---------------------------------------------------------------------------------------------
-# Convolution
-
 @register(variant=BLOCKED)
 class BlockedConvolution(Layer):
     """Convolution on blocked blobs: y[o] = sum over the group's channels and taps of W * x + b.
 
     Blobs and fields exactly as Caffe's Convolution (weights [O, C/group, kh, kw], bias [O];
     convolution_param: num_output, kernel_size / kernel_h,w, stride, pad, dilation, group,
-    bias_term, weight_filler, bias_filler, engine).
+    bias_term, weight_filler, bias_filler, engine; Intel's relu, negative_slope, fusion_type,
+    coeff as the plain Convolution's, common.FusedOutput).
 
     Algorithms: Caffe's (per image, blocked im2col + one sgemm per group, cext/intel.pyx) for
     every shape; Winograd F(m x m, r x r) for stride-1 undilated 3x3 and 5x5 kernels with at
@@ -224,7 +150,7 @@ class BlockedConvolution(Layer):
     gradient is Caffe's). The forward and the backward each take the fastest by measurement
     (caffepy/autotune.py), per shape; with measuring off, Winograd at the tile with the fewest
     multiplies, else direct, else Caffe's. `engine: CAFFE` runs Caffe's. All agree to float
-    rounding."""
+    rounding. The algorithms live in caffepy/layers/conv_algorithms.py."""
     reshape_from_shapes = True
     type = "Convolution"
     layout = BLOCKED
@@ -232,14 +158,18 @@ class BlockedConvolution(Layer):
     min_tops = 1
     equal_bottom_top = True
 
+    def check_blob_counts(self, bottom, top):
+        if not FusedOutput.check_blob_counts(self, bottom, top):
+            super().check_blob_counts(bottom, top)
+
     def setup(self, bottom, top):
         _kernels(self)
         p = self.param.convolution_param
         if p.axis != 1:
             raise self.error("convolution_param.axis", "the blocked layout convolves axis 1", p.axis)
-        refuse_fusions(self)
+        self.fused = FusedOutput.of(self, "convolution_param")
         layout = _blocked_bottom(self, bottom[0])
-        for i, b in enumerate(bottom[1:], 1):
+        for i, b in enumerate(bottom[1:len(top)], 1):
             if _blocked_bottom(self, b, i) != layout or b.shape[1:] != bottom[0].shape[1:]:
                 raise self.error(f"bottom[{i}]", "all bottoms need one shape", b.shape, cls=ShapeError)
         self.window = geometry.conv_window(self)
@@ -252,20 +182,14 @@ class BlockedConvolution(Layer):
         if self.bias_term:
             specs.append(((self.num_output,), p.bias_filler))
         self.init_param_blobs(specs)
-        self.vec = _k.conv_uses_vec_order(self.channels, self.group, self.width)
-        kg = cg * self.kh * self.kw
-        self._wt = np.empty((self.group, kg, self.num_output // self.group), np.float32)
-        self._no_bias = np.zeros(0, np.float32)
-        self.winograd = (p.engine != caffe_pb2.ConvolutionParameter.CAFFE
+        self.winograd = (not self.caffe_algorithms
                          and self.kh == self.kw and self.kh in WINOGRAD_TILES
                          and (self.sh, self.sw, self.dh, self.dw) == (1, 1, 1, 1)
-                         and min(cg, self.num_output // self.group) >= 16 and _winograd is not None)
-        from . import nhwc
-        self.direct = (p.engine != caffe_pb2.ConvolutionParameter.CAFFE and not self.winograd
+                         and min(cg, self.num_output // self.group) >= 16 and kernels_built())
+        self.direct = (not self.caffe_algorithms and not self.winograd
                        and self.group == 1 and self.channels <= self.width
-                       and self.channels * self.kh * self.kw <= nhwc.DIRECT_RULE_TAPS
-                       and nhwc._k is not None)
-        self._direct = None
+                       and self.channels * self.kh * self.kw <= DIRECT_RULE_TAPS
+                       and kernels_built())
         self._tuned_for = None
 
     def reshape(self, bottom, top):
@@ -280,54 +204,48 @@ class BlockedConvolution(Layer):
                 raise self.error("bottom", "all bottoms need one shape", b.shape, cls=ShapeError)
             t.reshape(n, blocks(self.num_output, v), self.oh, self.ow, v)
             t.layout = Blocked(v, self.num_output)
+        if self.fused is not None:
+            self.fused.reshape(self, bottom, top)
         if self._tuned_for != bottom[0].shape:
             self._tuned_for = bottom[0].shape
-            # a window larger than the padded image (Caffe still gives one output) stays on
-            # Caffe's algorithm
-            fits = (h + 2 * self.ph >= self.dh * (self.kh - 1) + 1
-                    and w + 2 * self.pw >= self.dw * (self.kw - 1) + 1)
-            self._direct = None
-            if self.direct and fits:
-                from .nhwc import _Direct
-                self._direct = _Direct(self, n, h, w, width=v)
-            self._choose(bottom, top)
+            self._choose(bottom[:len(top)], top)
 
-    def _candidates(self):
-        """{name: (forward, backward, Winograd tile m or None)} of the algorithms for the
-        current shape, and the rule's choice among them. The passes take the layer first (kept
-        in the layer, bound methods would make a reference cycle that only the cyclic garbage
-        collector frees, and with it the layer's weights and workspaces)."""
-        cls = type(self)
-        found = {"im2col+gemm": (cls._gemm_forward, cls._gemm_backward, None)}
-        default = "im2col+gemm"
-        if self._direct is not None:
-            found["direct"] = (lambda layer, bottom, top: layer._direct.forward(bottom, top),
-                               cls._direct_backward, None)
+    def _candidates(self, n, h, w, v):
+        """{name: algorithm (caffepy/layers/conv_algorithms.py)} for the current shape, and the
+        rule's choice among them."""
+        gemm = BlockedGemm(self)
+        found = {gemm.name: gemm}
+        default = gemm.name
+        # a window larger than the padded image (Caffe still gives one output) stays on
+        # Caffe's algorithm
+        fits = (h + 2 * self.ph >= self.dh * (self.kh - 1) + 1
+                and w + 2 * self.pw >= self.dw * (self.kw - 1) + 1)
+        if self.direct and fits:
+            found["direct"] = Direct(self, n, h, w, gemm, width=v)
             default = "direct"
         if self.winograd:
             for m in WINOGRAD_TILES[self.kh]:
-                found[f"winograd F({m},{self.kh})"] = (
-                    lambda layer, *args, m=m: layer._wino_forward(m, *args),
-                    lambda layer, *args, m=m: layer._wino_backward(m, *args), m)
+                algo = BlockedWinograd(self, m)
+                found[algo.name] = algo
             default = f"winograd F({winograd_tile(self.kh, self.oh, self.ow)},{self.kh})"
         return found, default
 
     def _choose(self, bottom, top):
         """The forward's algorithm and the backward's (weight, bias and data gradients: Winograd
         computes them from shared transforms), each by measurement."""
-        found, default = self._candidates()
         n, _, h, w, v = bottom[0].shape
+        found, default = self._candidates(n, h, w, v)
         key = (f"Blocked Convolution {n}x{self.channels}x{h}x{w} v{v} -> {self.num_output} "
                f"k{self.kh}x{self.kw} s{self.sh}x{self.sw} p{self.ph}x{self.pw} "
                f"d{self.dh}x{self.dw} g{self.group}{' b' if self.bias_term else ''}")
         need_x = autotune.trial_propagate_down(self, bottom)
-        trials = {"forward": {a: functools.partial(f, self, bottom, top)
-                              for a, (f, _, _) in found.items()}}
+        trials = {"forward": {a: functools.partial(algo.forward, bottom, top)
+                              for a, algo in found.items()}}
         if self.phase == caffe_pb2.TRAIN:
             trials["backward"] = {
-                a: autotune.keeping_diffs(self, functools.partial(b, self, top, need_x, bottom, True,
-                                                                  self.bias_term))
-                for a, (_, b, _) in found.items()}
+                a: autotune.keeping_diffs(self, functools.partial(algo.backward, top, need_x, bottom,
+                                                                  True, self.bias_term))
+                for a, algo in found.items()}
         chosen, tunings = {}, {}
         for name, runs in trials.items():
             chosen[name] = autotune.choose(self, f"{key} {name}", runs, default, _k.max_threads())
@@ -340,10 +258,11 @@ class BlockedConvolution(Layer):
         """Run the algorithms `chosen` ({"forward": name, "backward": name}); `pass_tiles`:
         pass -> the Winograd tile it runs (None: not Winograd), as the channels-last
         Convolution's (the backward's one algorithm runs both gradients)."""
-        self.algos = chosen
-        backward = self.algorithms[chosen["backward"]][2]
-        self.pass_tiles = {"forward": self.algorithms[chosen["forward"]][2],
-                           "weights": backward, "data": backward}
+        self.algos = {name: self.algorithms[a] for name, a in chosen.items()}
+        tiles = {name: algo.m if isinstance(algo, BlockedWinograd) else None
+                 for name, algo in self.algos.items()}
+        self.pass_tiles = {"forward": tiles["forward"], "weights": tiles["backward"],
+                           "data": tiles["backward"]}
         self.algorithm, self.tuning = autotune.describe(chosen, tunings)
 
     def force_algorithm(self, name):
@@ -354,121 +273,19 @@ class BlockedConvolution(Layer):
                              hint=f"Candidates: {', '.join(self.algorithms)}")
         self._use({"forward": name, "backward": name}, {"forward": "forced"})
 
-    def _args(self):
-        return (self.channels, self.num_output, self.kh, self.kw, self.ph, self.pw, self.sh,
-                self.sw, self.dh, self.dw, self.group)
-
-    def _scratch(self):
-        threads = _k.max_threads()
-        p, k = self.oh * self.ow, self.channels * self.kh * self.kw
-        return (_workspace("col", (threads, p, k)), _workspace("ybuf", (threads, p, self.num_output)))
-
-    def _pack_weights(self):
-        g, o, cg, kh, kw = self.group, self.num_output, self.channels // self.group, self.kh, self.kw
-        w = self.blobs[0].data
-        if self.vec:
-            v = self.width
-            src = w.reshape(g, o // g, cg // v, v, kh, kw).transpose(0, 2, 4, 5, 3, 1)
-        else:
-            src = w.reshape(g, o // g, cg * kh * kw).transpose(0, 2, 1)
-        np.copyto(self._wt.reshape(src.shape), src)
-
-    def _add_weight_diff(self, dwt):
-        g, o, cg, kh, kw = self.group, self.num_output, self.channels // self.group, self.kh, self.kw
-        if self.vec:
-            v = self.width
-            grad = dwt.reshape(g, cg // v, kh, kw, v, o // g).transpose(0, 5, 1, 4, 2, 3)
-        else:
-            grad = dwt.transpose(0, 2, 1)
-        self.blobs[0].diff.reshape(grad.shape)[...] += grad
-
-    # -- Winograd -----------------------------------------------------------------------------
-    def _wino_setup(self, m, n, h, w, forward):
-        """(matrices, U of the current weights, vbuf, mbuf) for F(m, kernel); U in the
-        forward's layout or the backward's (cext/winograd.pyx)."""
-        r = self.kh
-        at, gm, bt = winograd_matrices(m, r)
-        u = winograd_weights(self.blobs[0].data, gm, self.group, forward, _workspace)
-        vshape, mshape = _winograd.scratch_shapes(_k.max_threads(), n, self.channels, self.num_output,
-                                                  h, w, self.width, m, r, self.ph, self.pw,
-                                                  self.group)
-        return (at, bt, gm, u) + winograd_buffers(vshape, mshape, _workspace)
-
-    def _wino_forward(self, m, bottom, top):
-        n, _, h, w, v = bottom[0].shape
-        at, bt, _, u, vbuf, mbuf = self._wino_setup(m, n, h, w, True)
-        bias = _workspace("wino_bias", (blocks(self.num_output, v) * v,))
-        bias[...] = 0
-        if self.bias_term:
-            bias[:self.num_output] = self.blobs[1].data
-        for b, t in zip(bottom, top):
-            _winograd.conv_forward(b.data, u, bias, t.data, vbuf, mbuf, at, bt, self.channels,
-                                   self.num_output, m, self.kh, self.ph, self.pw, self.group)
-
-    def _wino_backward(self, m, top, propagate_down, bottom, need_w, need_b):
-        n, _, h, w, v = bottom[0].shape
-        at, bt, gm, u, vbuf, mbuf = self._wino_setup(m, n, h, w, False)
-        du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else _NO_DU
-        r, g = self.kh, self.group
-        for i, (b, t) in enumerate(zip(bottom, top)):
-            need_x = bool(propagate_down[i])
-            if need_b:
-                # a kernel: NumPy's reduce over the middle axes took 18.6 ms for AlexNet's conv2
-                # at b64, and a product with ones through NumPy's BLAS left that BLAS's threads
-                # spinning, which slowed the layers after it
-                db = _workspace("wino_db", (t.shape[1] * v,), np.float64)
-                _k.channel_sums(t.diff, db)
-                self.blobs[1].diff[...] += db[:self.num_output]
-            if not (need_x or need_w):
-                continue
-            _winograd.conv_backward(b.data, u, t.diff, b.diff if need_x else _NO_DX, du, vbuf, mbuf,
-                                    at, bt, self.channels, self.num_output, m, r, self.ph, self.pw,
-                                    g, need_x, need_w)
-            if need_w:
-                _winograd.weight_grad_add(du[0], gm, self.blobs[0].diff)
-
-    # -- forward / backward --------------------------------------------------------------------
     def forward(self, bottom, top):
-        self.algorithms[self.algos["forward"]][0](self, bottom, top)
+        self.algos["forward"].forward(bottom, top)
+        if self.fused is not None:
+            self.fused.forward(bottom, top)
 
     def backward(self, top, propagate_down, bottom):
+        if self.fused is not None:
+            top, propagate_down, bottom = self.fused.backward(top, propagate_down, bottom)
         need_w = param_wanted(self, 0)
         need_b = self.bias_term and param_wanted(self, 1)
         if not (need_w or need_b or any(propagate_down)):
             return
-        self.algorithms[self.algos["backward"]][1](self, top, propagate_down, bottom, need_w, need_b)
-
-    def _direct_backward(self, top, propagate_down, bottom, need_w, need_b):
-        """The direct kernel's weight and bias gradients; the data gradient, if wanted, Caffe's."""
-        if need_w or need_b:
-            self._direct.backward(top, [False] * len(bottom), bottom, need_w, need_b)
-        if any(propagate_down):
-            self._gemm_backward(top, propagate_down, bottom, False, False)
-
-    def _gemm_forward(self, bottom, top):
-        self._pack_weights()
-        bias = self.blobs[1].data if self.bias_term else self._no_bias
-        col, ybuf = self._scratch()
-        for b, t in zip(bottom, top):
-            _k.conv_forward(b.data, self._wt, bias, t.data, col, ybuf, *self._args())
-
-    def _gemm_backward(self, top, propagate_down, bottom, need_w, need_b):
-        self._pack_weights()
-        col, ybuf = self._scratch()
-        threads = col.shape[0]
-        dwt = _workspace("dwt", (threads,) + self._wt.shape) if need_w else np.zeros((1, 1, 1, 1), np.float32)
-        db = _workspace("db", (threads, self.num_output)) if need_b else np.zeros((1, 1), np.float32)
-        empty = np.zeros((1, 1, 1, 1, 1), np.float32)
-        for i, (b, t) in enumerate(zip(bottom, top)):
-            need_x = bool(propagate_down[i])
-            if not (need_x or need_w or need_b):
-                continue
-            _k.conv_backward(b.data, self._wt, t.diff, b.diff if need_x else empty, dwt, db, col,
-                             ybuf, *self._args(), need_x, need_w, need_b)
-            if need_w:
-                self._add_weight_diff(dwt[0])
-            if need_b:
-                self.blobs[1].diff[...] += db[0]
+        self.algos["backward"].backward(top, propagate_down, bottom, need_w, need_b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -695,7 +512,7 @@ class _ViaPlain(Layer):
 
     def setup(self, bottom, top):
         _kernels(self)
-        self.inner.context = self.context
+        self.inner.context, self.inner.net_param = self.context, self.net_param
         for i, b in enumerate(bottom):
             _blocked_bottom(self, b, i)
         self.width = bottom[0].layout.width
@@ -706,6 +523,7 @@ class _ViaPlain(Layer):
             self._top.append(self._bottom[same[0]] if same else Blob(name=t.name))
         self._shape_inner(bottom)
         self.inner.layer_setup(self._bottom, self._top)
+        self.param_propagate_down = list(self.inner.param_propagate_down)
 
     def _shape_inner(self, bottom):
         for b, ib in zip(bottom, self._bottom):

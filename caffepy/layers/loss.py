@@ -29,15 +29,16 @@ class LossLayer(Layer):
     is_loss = True
     exact_bottoms = 2
     exact_tops = 1
+    smooths_labels = False          # reads loss_param.label_smoothing (Intel: SoftmaxWithLoss)
 
     def allow_force_backward(self, bottom_index):
         return bottom_index != 1
 
     def layer_setup(self, bottom, top):
         smoothing = self.param.loss_param.label_smoothing
-        if smoothing:
-            raise self.error("loss_param.label_smoothing", "is not supported (an Intel Caffe "
-                             "extension)", smoothing, hint="Remove it to train with hard labels")
+        if smoothing and not self.smooths_labels:
+            raise self.error("loss_param.label_smoothing", "applies to SoftmaxWithLoss only (Intel "
+                             "Caffe reads it there alone)", smoothing, hint="Remove it")
         super().layer_setup(bottom, top)
 
     def reshape(self, bottom, top):
@@ -129,8 +130,16 @@ class SoftmaxWithLoss(LossLayer):
     """Softmax over `softmax_param.axis` then the multinomial logistic loss:
         loss = -sum_{valid (i,j)} log softmax(x)[i, label_ij, j] / normalizer
     d loss / dx = (prob - onehot(label)) * top_diff / normalizer, 0 where ignored.
+    Intel Caffe's label smoothing s (loss_param.label_smoothing, in [0, 1)) changes the
+    backward only, as Intel's does: with D = classes * inner (Intel's `dim`; the classes when
+    the class axis is the last), each valid position's gradient is that of the cross-entropy
+    against the target a = 1 - s at the label and b = s / D at every other class,
+        d loss / dx = ((a + (D - 1) b) prob - target) * top_diff / normalizer,
+    while the loss top stays the hard-label loss above (what Intel's log shows, and what
+    the plateau lr policy reads). Ignored positions and the normalizer are as without it.
     Reads softmax_param.axis, loss_param.ignore_label, loss_param.normalization
-    (VALID default; legacy `normalize`). Optional top[1]: the probabilities.
+    (VALID default; legacy `normalize`), loss_param.label_smoothing. Optional top[1]: the
+    probabilities.
     The log comes from log-softmax (no log of an underflowed probability), clamped
     at log(FLT_MIN) as Caffe's log(max(prob, FLT_MIN)) is. Computed by
     caffepy.kernels.loss (cext/loss.pyx) when built, else by its NumPy reference
@@ -138,16 +147,26 @@ class SoftmaxWithLoss(LossLayer):
     reshape_from_shapes = True
     exact_tops = None
     min_tops, max_tops = 1, 2
+    smooths_labels = True
 
     def setup(self, bottom, top):
         lp = self.param.loss_param
         self.ignore_label = lp.ignore_label if lp.HasField("ignore_label") else None
         self.mode = normalization_mode(self)
+        self.smoothing = lp.label_smoothing
+        if not 0 <= self.smoothing < 1:
+            raise self.error("loss_param.label_smoothing", "must be in [0, 1)", self.smoothing)
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self.outer, self.classes, self.inner, self.axis = split_at_axis(
             self, bottom[0].shape, self.param.softmax_param.axis, "softmax_param.axis")
+        # the backward's (ratio, hit, miss) in float32, as Intel computes them
+        self.targets = (1.0, 1.0, 0.0)
+        if self.smoothing:
+            s, dim = np.float32(self.smoothing), self.classes * self.inner
+            hit, miss = np.float32(1) - s, s / np.float32(dim)
+            self.targets = (hit + np.float32(dim - 1) * miss, hit, miss)
         if self.outer * self.inner != bottom[1].count:
             raise self.error("bottom[1]", f"number of labels must match number of predictions "
                              f"({self.outer * self.inner} for prediction shape {bottom[0].shape} and "
@@ -177,7 +196,7 @@ class SoftmaxWithLoss(LossLayer):
             return
         scale = self.top_diff(top) / normalizer(self, self.mode, self.outer, self.inner, self.count)
         diff = bottom[0].diff.reshape(self.outer, self.classes, self.inner)
-        (_kernels or reference).softmax_loss_backward(self.prob, self.labels, scale, diff)
+        (_kernels or reference).softmax_loss_backward(self.prob, self.labels, scale, diff, *self.targets)
 
 
 @register

@@ -10,6 +10,7 @@ before an in-place forward overwrites it.
 import numpy as np
 
 from .. import rng
+from ..blob import CHANNELS_LAST
 from ..kernels import neuron as kernels
 from ..layer import ANY, Layer, register
 from ..proto import caffe_pb2
@@ -58,6 +59,13 @@ class ReLU(Neuron):
     """y = max(x, 0) + negative_slope * min(x, 0).  relu_param { negative_slope }"""
 
     def setup(self, bottom, top):
+        if self.param.relu_param.fuse:
+            # Intel's compiler marks a ReLU it fused into the layer before (its forward then
+            # passes its input on); run as a ReLU it would change nothing at slope 0 but apply a
+            # leaky slope twice, and without the fused layer it would not be Intel's identity
+            raise self.error("relu_param.fuse", "is Intel Caffe's internal mark of a ReLU its "
+                             "compiler fused into the layer before; caffepy does not run it", True,
+                             hint="Remove it, and give the layer before relu: true or keep this ReLU")
         self.slope = float(self.param.relu_param.negative_slope)
         # in place with a negative slope, the sign of y no longer tells the sign of x
         self.keeps_input = self.slope < 0
@@ -316,7 +324,9 @@ class Threshold(Neuron):
 class Dropout(Neuron):
     """TRAIN: y = x * mask / (1 - ratio), mask ~ Bernoulli(1 - ratio); TEST: y = x.
 
-    dropout_param { dropout_ratio }. The mask comes from caffepy.rng, so a seeded run repeats.
+    dropout_param { dropout_ratio }. The mask comes from caffepy.rng, drawn in Caffe's (N, C, H,
+    W) order whatever the blob's layout, so a seeded run drops the same values on the fast path
+    and with engine CAFFE (and `caffepy compare` can set one against the other).
     """
 
     def setup(self, bottom, top):
@@ -327,16 +337,25 @@ class Dropout(Neuron):
         self.train = self.phase == caffe_pb2.TRAIN
         self._mask = np.zeros(0, np.float32)
 
+    def forward(self, bottom, top):
+        if self.train:
+            x = bottom[0]
+            if self._mask.size < x.count:
+                self._mask = np.empty(x.count, np.float32)
+            mask = self._mask[: x.count]
+            if x.layout == CHANNELS_LAST:
+                n, c, h, w = x.shape
+                mask.reshape(n, h, w, c)[...] = rng.generator().random((n, c, h, w), np.float32).transpose(0, 2, 3, 1)
+            else:
+                rng.generator().random(out=mask, dtype=np.float32)
+        super().forward(bottom, top)
+
     def compute(self, x, y):
         if not self.train:
             if not np.may_share_memory(x, y):
                 np.copyto(y, x)
             return
-        if self._mask.size < x.size:
-            self._mask = np.empty(x.size, np.float32)
-        mask = self._mask[: x.size]
-        rng.generator().random(out=mask, dtype=np.float32)
-        kernels.dropout_forward(x, mask, y, self.ratio, self.scale)
+        kernels.dropout_forward(x, self._mask[: x.size], y, self.ratio, self.scale)
 
     def gradient(self, x, y, dy, dx):
         if self.train:

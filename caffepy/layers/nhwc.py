@@ -14,18 +14,17 @@ setup (fields, checks, parameter blobs) they keep:
                   im2col in runs of kw * C floats), Winograd
                   F(m, r) for stride-1 3x3 and 5x5 kernels (cext/winograd.pyx), direct
                   depthwise (group = channels), or direct for few input channels
-                  (cext/nhwc_direct.h); `layer.algorithm` names the one chosen
+                  (cext/nhwc_direct.h), all in caffepy/layers/conv_algorithms.py;
+                  `layer.algorithm` names the one chosen
     Pooling       MAX (one top) and AVE, global too
-    BatchNorm     batch statistics (train) and global statistics
+    BatchNorm     batch statistics (train; Intel's statistics groups) and global statistics,
+                  Intel's fused ReLU
     Scale, Bias   a learned per-channel scale (and bias) / bias
     Concat        along channels
     LRN           ACROSS_CHANNELS
 The layout-agnostic plain layers (ReLU and the other neurons, Split, Eltwise, Dropout, Silence)
 run on it as they are. All compute Caffe's numbers up to float rounding.
 """
-
-import weakref
-
 import numpy as np
 
 from .. import autotune, geometry, memory
@@ -34,26 +33,18 @@ from ..errors import CaffepyError, ShapeError
 from ..layer import NHWC, OWN, Layer, register
 from ..proto import caffe_pb2
 from .common import Bias, Concat, Scale, param_wanted, refuse_concat_fusion
-from .intel import (WINOGRAD_TILES, block_width, winograd_matrices, winograd_tile,
-                    winograd_buffers, winograd_weights)
+from .conv_algorithms import (DIRECT_MAX_TAPS, DIRECT_RULE_TAPS, WINOGRAD_TILES, Depthwise, Direct,
+                              Gemm, Winograd, channel_sums, kernels_built, winograd_tile)
 from .normalization import LRN, BatchNorm, kept_buffer
 from .vision import Convolution, Pooling
 
 try:
     from ..kernels import nhwc as _k
-    from ..kernels import winograd as _winograd
 except ImportError:     # reported when a channels-last layer is built, not at import
-    _k = _winograd = None
+    _k = None
 
 TRAIN = caffe_pb2.TRAIN
 PASSES = ("forward", "weights", "data")     # what a Convolution chooses an algorithm for
-# A direct convolution is a candidate up to this many taps (input channels x kernel area), the
-# rule's choice up to DIRECT_RULE_TAPS: the first layers of LeNet (25), CIFAR-10 (75) and
-# ImageNet nets (147 for 7x7, 363 for 11x11), which im2col serves badly. Beyond that, and for
-# pointwise convolutions (a plain GEMM's forward), its weight gradient still often wins
-# (measured: 3x3 over 64 channels; 1x1 256 -> 64), so it stays a candidate.
-DIRECT_MAX_TAPS = 1200
-DIRECT_RULE_TAPS = 400
 _EMPTY = np.zeros(0, np.float32)
 _EMPTY2 = np.zeros((0, 0), np.float32)
 
@@ -71,25 +62,6 @@ def _workspace(name, shape, dtype=np.float32):
 
 
 _WORKSPACE = {}
-
-
-class _Reordered:
-    """Weights reordered for a kernel, redone only when the weights' floats change: a small
-    net's forward spent a tenth of its time reordering weights that do not change between
-    forwards (cifar10_quick b1: conv3's 64 x 32 x 5 x 5 took 20 us, the compare takes 4). A
-    compare of whole contents, since pycaffe code writes `.data` arrays without a signal."""
-
-    def __init__(self):
-        self.seen = None
-
-    def stale(self, weights):
-        """Whether `weights` (a layer's blob data) differ from those of the last `done`."""
-        return self.seen is None or not _k.same_floats(weights.reshape(-1), self.seen)
-
-    def done(self, weights):
-        if self.seen is None or self.seen.size != weights.size:
-            self.seen = np.empty(weights.size, np.float32)
-        np.copyto(self.seen, weights.reshape(-1))
 
 
 def nhwc_top(top, shape):
@@ -170,313 +142,11 @@ class NHWCUnpack(Layer):
 # ---------------------------------------------------------------------------------------------
 # Convolution
 
-# Pixels per task of a pointwise convolution's backward (about; see _Gemm)
-POINTWISE_TASK = 1024
-
-
-def pointwise_backward_rows(pixels, threads):
-    """Rows per task of a pointwise convolution's backward over `pixels` rows: tasks of about
-    POINTWISE_TASK, the same number for each thread, when each thread gets at least one; else
-    the whole batch."""
-    if pixels < threads * POINTWISE_TASK:
-        return pixels
-    tasks = threads * -(-pixels // (threads * POINTWISE_TASK))
-    return -(-pixels // tasks)
-
-
-def _back_reference(layer):
-    """An algorithm's reference to its layer, which holds the algorithm: weak, so that a layer
-    (its weights and workspaces) is freed when the net lets it go, not at the next cyclic
-    garbage collection (a script building nets in a loop grew by each net's convolutions)."""
-    return weakref.proxy(layer)
-
-
-class _Gemm:
-    """im2col + one GEMM per group and row chunk; a pointwise convolution needs no im2col: one
-    GEMM over the batch's pixels, threaded by BLAS, after taking every stride-th pixel into a
-    buffer if it is strided (ResNet's projections; 0-12% faster than im2col there).
-
-    A pointwise backward runs instead in tasks of about POINTWISE_TASK pixels, one thread
-    each, so that the data gradient's GEMM and the weight gradient's read a task's dy while it
-    is in cache, rather than each GEMM passing over the whole batch (ResNet-50 b16 at 56 x 56,
-    64 -> 256 channels: 25.3 -> 22.6 ms; at 28 x 28 2-4% faster, at 14 x 14 alike)."""
-
-    def __init__(self, layer, n, h, w):
-        L = layer
-        self.layer = _back_reference(L)
-        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = L.window
-        pointwise = (kh, kw, ph, pw) == (1, 1, 0, 0)
-        self.direct = pointwise and (sh, sw) == (1, 1)
-        self.stride = (sh, sw) if pointwise and not self.direct else None
-        if self.stride:
-            sh = sw = 1
-        self.args = (L.num_output, kh, kw, ph, pw, sh, sw, dh, dw, L.group)
-        cg, og = L.channels // L.group, L.num_output // L.group
-        self.kg = cg * kh * kw
-        self.rows = n * L.oh * L.ow if pointwise else _k.conv_rows(L.channels, kh, kw)
-        self.backward_rows = (pointwise_backward_rows(self.rows, _k.max_threads()) if pointwise
-                              else self.rows)
-        self.col_floats = 0 if pointwise else _k.conv_col_floats(L.channels, kh, kw, L.oh, L.ow,
-                                                                   self.rows)
-        self.name = "gemm" if self.direct else "strided gemm" if self.stride else "im2col+gemm"
-        # a 1 x 1 kernel's GEMMs take Caffe's [O, C] weights and diff as they are (transposed
-        # operands); larger ones read weights reordered to the columns' (kh, kw, C) order
-        self.caffe_order = (kh, kw) == (1, 1)
-        self.wt = None if self.caffe_order else np.empty((L.group, self.kg, og), np.float32)
-        self.reordered = _Reordered()
-
-    def _input(self, x):
-        """What the GEMM reads: x, or for a strided pointwise convolution the pixels it reads,
-        [N, oh, ow, C] (a workspace)."""
-        if not self.stride:
-            return x
-        L = self.layer
-        sh, sw = self.stride
-        taken = _workspace("taken", (len(x), L.oh, L.ow, L.channels))
-        _k.take_pixels(x, taken, sh, sw)
-        return taken
-
-    def _weights(self, fresh=True):
-        """The weights as the kernels take them, reordered first if `fresh`."""
-        L = self.layer
-        g = L.group
-        if self.caffe_order:
-            return L.blobs[0].data.reshape(g, L.num_output // g, -1)
-        if fresh and self.reordered.stale(L.blobs[0].data):
-            (kh, kw) = L.window.kernel
-            cg = L.channels // g
-            w = L.blobs[0].data.reshape(g, L.num_output // g, cg, kh * kw)
-            wt = self.wt.reshape(g, kh * kw, cg, -1)
-            for gi in range(g):
-                _k.reverse_axes(w[gi], wt[gi])
-            self.reordered.done(L.blobs[0].data)
-        return self.wt
-
-    def _col(self):
-        return _workspace("col", (_k.max_threads(), self.col_floats))
-
-    def forward(self, bottom, top):
-        L = self.layer
-        wt = self._weights()
-        bias = L.blobs[1].data if L.bias_term else _EMPTY
-        col = self._col()
-        for b, t in zip(bottom, top):
-            _k.conv_forward(self._input(b.raw_data), wt, bias, t.raw_data, col, *self.args,
-                            self.rows, self.caffe_order)
-
-    def backward(self, top, propagate_down, bottom, need_w, need_b):
-        L = self.layer
-        # reordered afresh when they are read: the forward may have run another algorithm
-        wt = self._weights(fresh=any(propagate_down))
-        col = self._col()
-        threads = col.shape[0]
-        dwt = _workspace("dwt", (threads, wt.size)) if need_w else _EMPTY2
-        # a 1 x 1 kernel's weight gradient goes straight into the diff (a flat view of it)
-        dw_sum = None
-        if need_w and self.caffe_order and L.blobs[0].diff.flags.c_contiguous:
-            dw_sum = L.blobs[0].diff.reshape(-1)
-        db = _workspace("db", (threads, L.num_output)) if need_b else _EMPTY2
-        (kh, kw) = L.window.kernel
-        g, cg = L.group, L.channels // L.group
-        for i, (b, t) in enumerate(zip(bottom, top)):
-            need_x = bool(propagate_down[i])
-            if not (need_x or need_w or need_b):
-                continue
-            x = self._input(b.raw_data)
-            dx = x                  # not written unless need_x
-            if need_x:
-                dx = _workspace("taken_diff", x.shape) if self.stride else b.raw_diff
-            _k.conv_backward(x, wt, t.raw_diff, dx, dwt, db, col, *self.args,
-                             self.backward_rows, need_x, need_w, need_b, self.caffe_order, dw_sum)
-            if need_x and self.stride:      # the pixels it skips get no gradient
-                _k.put_pixels(dx, b.raw_diff, *self.stride)
-            if need_w and dw_sum is None and self.caffe_order:
-                L.blobs[0].diff[...] += dwt[0].reshape(L.blobs[0].shape)
-            elif need_w and dw_sum is None:
-                grad = dwt[0].reshape(g, kh * kw, cg, -1)
-                diff = L.blobs[0].diff.reshape(g, -1, cg, kh * kw)
-                for gi in range(g):
-                    _k.reverse_axes(grad[gi], diff[gi], True)
-            if need_b:
-                L.blobs[1].diff[...] += db[0]
-
-
-class _Direct:
-    """Direct convolution for few input channels (group 1, cext/nhwc_direct.h): the image read
-    in place instead of through im2col, the sums in registers. Channels-last blobs, or with
-    `width` the blocked layout's (caffepy/layers/intel.py) when the channels fit one block. Its
-    data gradient (rarely wanted: such layers are mostly first layers) is `gemm`'s, the
-    channels-last GEMM algorithm of the same layer; the blocked layer computes that one itself."""
-    name = "direct"
-
-    def __init__(self, layer, n, h, w, width=None, gemm=None):
-        L = layer
-        self.layer = _back_reference(layer)
-        (kh, kw) = L.window.kernel
-        v, t = _k.direct_widths()
-        self.h, self.w, self.width = h, w, width
-        self.k = kh * kw * L.channels
-        # outputs written a pixel: a block's padding lanes too (their weights and bias are 0)
-        self.lanes = L.num_output if width is None else -(-L.num_output // width) * width
-        self.op = -(-self.lanes // v) * v
-        self.op_grad = -(-L.num_output // v) * v      # the weight gradient's: real outputs only
-        self.kp = -(-self.k // t) * t
-        self.plane = _k.conv_direct_plane(h, w, L.channels, *self._args())
-        self.band = max(1, (1 << 14) // (L.ow * self.op))     # dy rows widened at once: 64 KB
-        self.wp = np.zeros((self.k, self.op), np.float32)
-        self.reordered = _Reordered()
-        self.bp = np.zeros(self.op, np.float32)
-        self.gemm = gemm
-
-    def _args(self):
-        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.layer.window
-        return kh, kw, ph, pw, sh, sw, dh, dw
-
-    def _arrays(self, x, y):
-        """x as [N, H, W, floats a pixel], y as [N, floats an image], and y's addressing (pixel
-        stride, lanes a block, block stride: nhwc_direct.h)."""
-        n, L = len(x), self.layer
-        if self.width is None:
-            return x, y.reshape(n, -1), L.num_output, L.num_output, 0
-        v = self.width
-        return (x.reshape(n, self.h, self.w, v), y.reshape(n, -1), v, v, L.oh * L.ow * v)
-
-    def forward(self, bottom, top):
-        L = self.layer
-        o = L.num_output
-        if self.reordered.stale(L.blobs[0].data):
-            _k.reverse_axes(L.blobs[0].data.reshape(o, L.channels, -1),
-                            self.wp[:self.k, :o].reshape(-1, L.channels, o))
-            self.reordered.done(L.blobs[0].data)
-        if L.bias_term:
-            self.bp[:o] = L.blobs[1].data
-        xpad = _workspace("direct_x", (_k.max_threads(), self.plane))
-        for b, t in zip(bottom, top):
-            x, y, ys, lanes, bs = self._arrays(b.raw_data, t.raw_data)
-            _k.conv_direct_forward(x, L.channels, self.wp, self.bp, y, self.lanes, ys, lanes, bs,
-                                   xpad, *self._args())
-
-    def backward(self, top, propagate_down, bottom, need_w, need_b):
-        L = self.layer
-        o, (kh, kw) = L.num_output, L.window.kernel
-        threads = _k.max_threads()
-        if need_w or need_b:
-            op = self.op_grad
-            dwp = _workspace("direct_dw", (threads, self.kp * op))
-            dbp = _workspace("direct_db", (threads, op))
-            xpad = _workspace("direct_x", (threads, self.plane))
-            dyp = _workspace("direct_dy", (threads, self.band * L.ow * op))
-            for b, t in zip(bottom, top):
-                x, dy, ys, lanes, bs = self._arrays(b.raw_data, t.raw_diff)
-                _k.conv_direct_weight_grad(x, L.channels, dy, o, ys, lanes, bs, dwp, dbp, xpad,
-                                           dyp, self.band, *self._args())
-                if need_w:
-                    grad = dwp[0].reshape(self.kp, op)[:self.k, :o]
-                    _k.reverse_axes(grad.reshape(kh * kw, L.channels, o),
-                                    L.blobs[0].diff.reshape(o, L.channels, kh * kw), True)
-                if need_b:
-                    L.blobs[1].diff[...] += dbp[0, :o]
-        if any(propagate_down):
-            self.gemm.backward(top, propagate_down, bottom, False, False)
-
-
-class _Depthwise:
-    """Direct depthwise convolution (group = channels = outputs), vectorized over channels."""
-    name = "depthwise"
-
-    def __init__(self, layer, n, h, w):
-        L = layer
-        self.layer = _back_reference(layer)
-        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = L.window
-        self.args = (kh, kw, ph, pw, sh, sw, dh, dw)
-        self.w = np.empty((kh * kw, L.channels), np.float32)
-
-    def _pack(self):
-        L = self.layer
-        np.copyto(self.w, L.blobs[0].data.reshape(L.channels, -1).T)
-
-    def forward(self, bottom, top):
-        L = self.layer
-        self._pack()
-        bias = L.blobs[1].data if L.bias_term else _EMPTY
-        for b, t in zip(bottom, top):
-            _k.dw_forward(b.raw_data, self.w, bias, t.raw_data, *self.args)
-
-    def backward(self, top, propagate_down, bottom, need_w, need_b):
-        L = self.layer
-        if any(propagate_down):
-            self._pack()            # the forward may have run another algorithm
-        threads = _k.max_threads()
-        dw = _workspace("dw_acc", (threads,) + self.w.shape)
-        db = _workspace("dw_db", (threads, L.channels))
-        for i, (b, t) in enumerate(zip(bottom, top)):
-            need_x = bool(propagate_down[i])
-            if not (need_x or need_w or need_b):
-                continue
-            dx = b.raw_diff if need_x else b.raw_data
-            _k.dw_backward(b.raw_data, self.w, t.raw_diff, dx, dw, db, *self.args, need_x, need_w,
-                           need_b)
-            if need_w:
-                L.blobs[0].diff.reshape(L.channels, -1)[...] += dw[0].T
-            if need_b:
-                L.blobs[1].diff[...] += db[0]
-
-
-class _Winograd:
-    """Winograd F(m x m, r x r) on the channels-last layout (cext/winograd.pyx), for stride-1
-    undilated square kernels: a*a GEMMs over tiles instead of one over pixels."""
-
-    def __init__(self, layer, n, h, w, m):
-        L = layer
-        self.layer = _back_reference(layer)
-        self.m, self.r = m, L.window.kernel[0]
-        self.name = f"winograd F({m},{self.r})"
-        self.v = block_width()
-        self.ph, self.pw = L.window.pad
-        self.vshape, self.mshape = _winograd.scratch_shapes(_k.max_threads(), n, L.channels,
-                                                            L.num_output, h, w, self.v, m, self.r,
-                                                            self.ph, self.pw, L.group)
-
-    def _setup(self, forward):
-        L = self.layer
-        at, gm, bt = winograd_matrices(self.m, self.r)
-        u = winograd_weights(L.blobs[0].data, gm, L.group, forward, _workspace)
-        return (at, bt, gm, u) + winograd_buffers(self.vshape, self.mshape, _workspace)
-
-    def forward(self, bottom, top):
-        L = self.layer
-        at, bt, _, u, vbuf, mbuf = self._setup(True)
-        bias = _workspace("wino_bias", (self.mshape[3],))
-        bias[...] = 0
-        if L.bias_term:
-            bias[:L.num_output] = L.blobs[1].data
-        for b, t in zip(bottom, top):
-            _winograd.conv_forward_nhwc(b.raw_data, u, bias, t.raw_data, vbuf, mbuf, at, bt, self.v,
-                                        L.num_output, self.m, self.r, self.ph, self.pw, L.group)
-
-    def backward(self, top, propagate_down, bottom, need_w, need_b):
-        L = self.layer
-        at, bt, gm, u, vbuf, mbuf = self._setup(False)
-        du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else np.zeros((1, 1, 1, 1), np.float32)
-        for i, (b, t) in enumerate(zip(bottom, top)):
-            need_x = bool(propagate_down[i])
-            if need_b:
-                L.blobs[1].diff[...] += _channel_sums(rows(t, diff=True))
-            if not (need_x or need_w):
-                continue
-            dx = b.raw_diff if need_x else b.raw_data
-            _winograd.conv_backward_nhwc(b.raw_data, u, t.raw_diff, dx, du, vbuf, mbuf, at, bt,
-                                         self.v, L.num_output, self.m, self.r, self.ph, self.pw,
-                                         L.group, need_x, need_w)
-            if need_w:
-                _winograd.weight_grad_add(du[0], gm, L.blobs[0].diff)
-
-
 @register(variant=NHWC)
 class NHWCConvolution(Convolution):
     """Convolution on channels-last blobs: Caffe's fields and blobs (the plain Convolution's
     setup), the algorithm chosen per shape (see the module docstring; `engine: CAFFE` keeps a
-    layer off this path altogether)."""
+    layer off this path altogether), Intel's fused ReLU and SUM as the plain one's."""
     type = "Convolution"
     layout = NHWC
 
@@ -496,7 +166,7 @@ class NHWCConvolution(Convolution):
         (kh, kw), _, stride, dilation = self.window
         cg, og = self.channels // self.group, self.num_output // self.group
         found = {}
-        gemm = _Gemm(self, n, h, w)
+        gemm = Gemm(self, n, h, w)
         found[gemm.name] = gemm
         default = gemm.name
         # not for a strided pointwise convolution: alone, direct and the strided GEMM run alike
@@ -505,16 +175,16 @@ class NHWCConvolution(Convolution):
         # than the strided GEMM (res4a_branch2a 9.3 vs 5.8 ms, res5a_branch1 50.3 vs 19.4 ms).
         # The cause is not found; the GEMM is the steadier.
         if self.group == 1 and self.channels * kh * kw <= DIRECT_MAX_TAPS and not gemm.stride:
-            found["direct"] = _Direct(self, n, h, w, gemm=gemm)
+            found["direct"] = Direct(self, n, h, w, gemm)
             if self.channels * kh * kw <= DIRECT_RULE_TAPS and not gemm.direct:
                 default = "direct"
         if self.group == self.channels == self.num_output and self.group > 1:
-            found["depthwise"] = _Depthwise(self, n, h, w)
+            found["depthwise"] = Depthwise(self, n, h, w)
             default = "depthwise"
         if kh == kw and kh in WINOGRAD_TILES and stride == (1, 1) and dilation == (1, 1) \
-                and min(cg, og) >= 4 and _winograd is not None:
+                and min(cg, og) >= 4 and kernels_built():
             for m in WINOGRAD_TILES[kh]:
-                algo = _Winograd(self, n, h, w, m)
+                algo = Winograd(self, n, h, w, m)
                 found[algo.name] = algo
             if min(cg, og) >= 16:
                 default = f"winograd F({winograd_tile(kh, self.oh, self.ow)},{kh})"
@@ -522,7 +192,8 @@ class NHWCConvolution(Convolution):
 
     def reshape(self, bottom, top):
         first = bottom[0].shape
-        for i, b in enumerate(bottom):
+        inputs = bottom[:len(top)]          # a SUM_FUSION's summand aside
+        for i, b in enumerate(inputs):
             if b.num_axes != 4 or b.shape[1] != self.channels or b.shape != first:
                 raise self.error(f"bottom[{i}]", f"needs shape {first} with {self.channels} channels",
                                  b.shape, cls=ShapeError)
@@ -530,9 +201,11 @@ class NHWCConvolution(Convolution):
         self.oh, self.ow = self.output_size(h, w)
         for t in top:
             nhwc_top(t, (n, self.num_output, self.oh, self.ow))
+        if self.fused is not None:
+            self.fused.reshape(self, bottom, top)
         if self._tuned_for != first:
             self._tuned_for = first
-            self._choose(bottom, top, n, h, w)
+            self._choose(inputs, top, n, h, w)
 
     def _choose(self, bottom, top, n, h, w):
         """An algorithm per pass (forward; weight and bias gradients; data gradient), each by
@@ -588,7 +261,7 @@ class NHWCConvolution(Convolution):
         """Run pass -> algorithm `algos`; name them (one name when one algorithm runs them all);
         `pass_tiles`: pass -> the Winograd tile it runs (None: not Winograd)."""
         self.algos = algos
-        self.pass_tiles = {name: algo.m if isinstance(algo, _Winograd) else None
+        self.pass_tiles = {name: algo.m if isinstance(algo, Winograd) else None
                            for name, algo in algos.items()}
         self.algorithm, self.tuning = autotune.describe(
             {name: algos[name].name for name in PASSES}, tunings)
@@ -617,8 +290,12 @@ class NHWCConvolution(Convolution):
 
     def forward(self, bottom, top):
         self.algos["forward"].forward(bottom, top)
+        if self.fused is not None:
+            self.fused.forward(bottom, top)
 
     def backward(self, top, propagate_down, bottom):
+        if self.fused is not None:
+            top, propagate_down, bottom = self.fused.backward(top, propagate_down, bottom)
         need_w = param_wanted(self, 0)
         need_b = self.bias_term and param_wanted(self, 1)
         weights, data = self.algos["weights"], self.algos["data"]
@@ -704,20 +381,15 @@ def _reduce(a, b=None, shift=None, relu=None):
     return s1, s2
 
 
-def _channel_sums(a):
-    """Per-channel float64 sums of a [M, C], threaded: NumPy's sum(axis=0, dtype=float64) took
-    6.8 ms over GoogLeNet's 50176 x 192 bias gradient, this 2.5 (its sums of products with
-    itself come free: the pass is bound by memory)."""
-    return _reduce(a, a)[0]
-
-
 @register(variant=NHWC)
 class NHWCBatchNorm(BatchNorm):
-    """BatchNorm on channels-last blobs (the plain layer's fields, blobs and statistics
-    updates): batch moments in one pass from a shift (the first pixel's values, so the
-    variance keeps its precision), then y = (x - mean) / sqrt(var + eps)."""
+    """BatchNorm on channels-last blobs (the plain layer's fields, blobs, statistics groups,
+    updates and fused ReLU): batch moments of each group (a run of its images' pixels) in one
+    pass from a shift (the group's first pixel's values, so the variance keeps its precision),
+    then y = (x - mean) / sqrt(var + eps), and max(y, 0) with relu."""
     type = "BatchNorm"
     layout = NHWC
+    fuses = frozenset({"BatchNorm+Scale(+ReLU)"})
 
     @classmethod
     def wanted(cls, request):
@@ -733,65 +405,90 @@ class NHWCBatchNorm(BatchNorm):
             nhwc_top(top[0], bottom[0].shape)
 
     def _statistics(self, x):
-        """The mean and 1/std to normalize x [M, C] with (float32), the running statistics
-        updated when they come from the batch."""
+        """Per group, the mean and 1/std to normalize x [M, C] with ([G, C] float32; one row
+        from the stored statistics), the running statistics updated when they come from the
+        batch; also kept as self.inv_std."""
         if self.use_global_stats:
-            factor = float(self.blobs[2].data[0])
-            factor = 0.0 if factor == 0 else 1.0 / factor
-            mean = (self.blobs[0].data * np.float32(factor)).astype(np.float32)
-            var = self.blobs[1].data.astype(np.float64) * np.float32(factor)
-            self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
-            return mean, self.inv_std
-        m, c = x.shape
-        shift = x[0].copy() if m else np.zeros(c, np.float32)
-        s1, s2 = _reduce(x, shift=shift)
-        d = s1 / max(m, 1)
-        mean = shift + d
-        var = np.maximum(s2 / max(m, 1) - d * d, 0.0)
-        self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
-        correction = m / (m - 1) if m > 1 else 1.0
-        self.blobs[2].data[...] = self.blobs[2].data * self.maf + 1.0
-        self.blobs[0].data[...] = mean + self.maf * self.blobs[0].data
-        self.blobs[1].data[...] = correction * var + self.maf * self.blobs[1].data
-        return mean.astype(np.float32), self.inv_std
+            mean, inv = self.global_statistics()
+            self.inv_std = inv[None]
+            return mean[None], self.inv_std
+        c = x.shape[1]
+        means = np.empty((self.groups, c), np.float32)
+        self.inv_std = np.empty((self.groups, c), np.float32)
+        for g, r in enumerate(self.group_rows()):
+            xg = x[r]
+            m = xg.shape[0]
+            shift = xg[0].copy() if m else np.zeros(c, np.float32)
+            s1, s2 = _reduce(xg, shift=shift)
+            d = s1 / max(m, 1)
+            mean = shift + d
+            var = np.maximum(s2 / max(m, 1) - d * d, 0.0)
+            self.inv_std[g] = 1.0 / np.sqrt(var + self.eps)
+            means[g] = mean
+            self.update_statistics(mean, var, m)
+        return means, self.inv_std
+
+    def _relu_args(self):
+        """The kernels' fused ReLU (gamma, beta, slope) that is this layer's own: max(xn, 0)."""
+        c = self.dims[1]
+        return np.ones(c, np.float32), np.zeros(c, np.float32), 0.0
+
+    def group_rows(self):
+        """The statistics groups as row slices of the [N * H * W, C] pixels (one slice of all
+        of them with global statistics): row g of inv_std belongs to slice g."""
+        return [slice(None)] if self.use_global_stats else self.group_slices(self.dims[2])
 
     def forward(self, bottom, top):
         x, y = rows(bottom[0]), rows(top[0])
-        mean, inv = self._statistics(x)
-        if self.use_global_stats:
-            _k.channel_affine(x, mean, inv, _EMPTY, y, _EMPTY2)
+        means, inv = self._statistics(x)
+        if self.use_global_stats and not self.relu:
+            _k.channel_affine(x, means[0], inv[0], _EMPTY, y, _EMPTY2)
             self.x_norm = None
             return
         self.x_norm = kept_buffer(self, "_x_norm_buf", x.shape)
-        _k.channel_affine(x, mean, inv, _EMPTY, y, self.x_norm, True)
+        for g, r in enumerate(self.group_rows()):
+            if self.relu:
+                ones, zeros, slope = self._relu_args()
+                _k.bn_scale_forward(x[r], means[g], inv[g], ones, zeros, y[r], self.x_norm[r], slope)
+            else:
+                _k.channel_affine(x[r], means[g], inv[g], _EMPTY, y[r], self.x_norm[r], True)
 
     def forward_with_scale(self, bottom, top, scale, relu=None):
         """This layer's forward and that of `scale` (an NHWCScale working in place on this
         layer's top, see Net.fusions), and of `relu` (a ReLU in place after it) if given, in one
-        pass: the top gets the last one's output, the normalized values stay in x_norm for the
-        backward (NHWCScale.backward_with_bn)."""
+        pass per statistics group: the top gets the last one's output, the normalized values
+        stay in x_norm for the backward (NHWCScale.backward_with_bn). Not for a layer with its
+        own ReLU (the Net does not fuse it): that one comes before the Scale."""
         x, y = rows(bottom[0]), rows(top[0])
-        mean, inv = self._statistics(x)
+        means, inv = self._statistics(x)
         self.x_norm = kept_buffer(self, "_x_norm_buf", x.shape)
         gamma = scale.blobs[0].data
         beta = scale.blobs[1].data if scale.bias_term else np.zeros_like(gamma)
-        _k.bn_scale_forward(x, mean, inv, gamma, beta, y, self.x_norm,
-                            None if relu is None else relu.slope)
+        for g, r in enumerate(self.group_rows()):
+            _k.bn_scale_forward(x[r], means[g], inv[g], gamma, beta, y[r], self.x_norm[r],
+                                None if relu is None else relu.slope)
         scale.fused_input = self.x_norm
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
         dy, dx = rows(top[0], diff=True), rows(bottom[0], diff=True)
-        inv = self.inv_std
+        relu = self._relu_args() if self.relu else None
         if self.use_global_stats:
-            _k.channel_affine(dy, np.zeros_like(inv), inv, _EMPTY, dx, _EMPTY2)
+            inv = self.inv_std[0]
+            zero = np.zeros_like(inv)
+            if relu is None:
+                _k.channel_affine(dy, zero, inv, _EMPTY, dx, _EMPTY2)
+            else:
+                _k.bn_backward_apply(dy, self.x_norm, inv, zero, zero, dx, relu)
             return
-        m = max(dy.shape[0], 1)
-        sa, sab = _reduce(dy, self.x_norm)
-        q = (-inv * sab / m).astype(np.float32)
-        r = (-inv * sa / m).astype(np.float32)
-        _k.bn_backward_apply(dy, self.x_norm, inv, q, r, dx)
+        for g, r in enumerate(self.group_rows()):
+            inv = self.inv_std[g]
+            m = max(dy[r].shape[0], 1)
+            sa, sab = _reduce(dy[r], self.x_norm[r], relu=relu)
+            q = (-inv * sab / m).astype(np.float32)
+            b = (-inv * sa / m).astype(np.float32)
+            _k.bn_backward_apply(dy[r], self.x_norm[r], inv, q, b, dx[r], relu)
 
 
 class _PerChannel:
@@ -821,6 +518,7 @@ class NHWCScale(_PerChannel, Scale):
     type = "Scale"
     layout = NHWC
     param_field = "scale_param"
+    fuses = frozenset({"BatchNorm+Scale(+ReLU)"})
 
     fused_input = None      # the BatchNorm's x_norm when the last forward was fused with it
 
@@ -839,24 +537,21 @@ class NHWCScale(_PerChannel, Scale):
             return self._saved_rows[:int(np.prod(shape))].reshape(shape)
         return rows(bottom[0])
 
-    def _param_grads(self, dy, x, relu=None):
-        """Add the scale and bias gradients; returns the per-channel (sum dy, sum dy * x), with
-        dy through the gradient of a fused ReLU if relu (its (gamma, beta, slope): the ReLU's
-        input is x * gamma + beta)."""
-        sums, dots = _reduce(dy, x, relu=relu)
+    def _param_grads(self, sums, dots):
+        """Add the scale and bias gradients from the per-channel sums of dy and of dy * x."""
         if self.bias_term and param_wanted(self, 1):
             self.blobs[1].diff[...] += sums
         if param_wanted(self, 0):
             self.blobs[0].diff[...] += dots
-        return sums, dots
 
     def backward_with_bn(self, top, bn, bn_bottom, bn_propagate, relu=None):
         """This layer's backward and that of the BatchNorm `bn` whose forward it was fused with
         (forward_with_scale), and of the fused `relu` if given (top is then the ReLU's), from
-        one reduction: with dxn = gamma * dy, BatchNorm's sums are gamma * sum dy and
-        gamma * sum dy * xn; the ReLU's gradient is taken on the way, its input recomputed from
-        xn. The BatchNorm's bottom diff (if bn_propagate) is written here; the Net then skips
-        the other layers' own backward."""
+        one reduction per statistics group: with dxn = gamma * dy, BatchNorm's sums are
+        gamma * sum dy and gamma * sum dy * xn; the Scale's gradients are those sums over the
+        groups; the ReLU's gradient is taken on the way, its input recomputed from xn. The
+        BatchNorm's bottom diff (if bn_propagate) is written here; the Net then skips the
+        other layers' own backward."""
         dy = rows(top[0], diff=True)
         xn = self.fused_input
         gamma = self.blobs[0].data
@@ -864,28 +559,33 @@ class NHWCScale(_PerChannel, Scale):
         if relu is not None:
             beta = self.blobs[1].data if self.bias_term else np.zeros_like(gamma)
             fused = (gamma, beta, relu.slope)
-        sums, dots = self._param_grads(dy, xn, fused)
+        groups = bn.group_rows()
+        reduced = [_reduce(dy[r], xn[r], relu=fused) for r in groups]
+        self._param_grads(sum(s for s, _ in reduced), sum(d for _, d in reduced))
         if not bn_propagate:
             return
-        p = bn.inv_std.astype(np.float64) * gamma       # d x / d dy: gamma / std
         dx = rows(bn_bottom, diff=True)
         if bn.use_global_stats:
+            p = (bn.inv_std[0].astype(np.float64) * gamma).astype(np.float32)
             zero = np.zeros(len(p), np.float32)
             if fused is None:
-                _k.channel_affine(dy, zero, p.astype(np.float32), _EMPTY, dx, _EMPTY2)
+                _k.channel_affine(dy, zero, p, _EMPTY, dx, _EMPTY2)
             else:
-                _k.bn_backward_apply(dy, xn, p.astype(np.float32), zero, zero, dx, fused)
+                _k.bn_backward_apply(dy, xn, p, zero, zero, dx, fused)
             return
-        m = max(dy.shape[0], 1)
-        _k.bn_backward_apply(dy, xn, p.astype(np.float32), (-p * dots / m).astype(np.float32),
-                             (-p * sums / m).astype(np.float32), dx, fused)
+        for r, (sums, dots), inv in zip(groups, reduced, bn.inv_std):
+            p = inv.astype(np.float64) * gamma       # d x / d dy: gamma / std
+            m = max(dy[r].shape[0], 1)
+            _k.bn_backward_apply(dy[r], xn[r], p.astype(np.float32),
+                                 (-p * dots / m).astype(np.float32),
+                                 (-p * sums / m).astype(np.float32), dx[r], fused)
 
     def backward(self, top, propagate_down, bottom):
         dy = rows(top[0], diff=True)
         want_scale = param_wanted(self, 0)
         want_bias = self.bias_term and param_wanted(self, 1)
         if want_scale or want_bias:
-            self._param_grads(dy, self._input(top, bottom, dy.shape))
+            self._param_grads(*_reduce(dy, self._input(top, bottom, dy.shape)))
         if propagate_down[0]:
             scale = self.blobs[0].data
             _k.channel_affine(dy, np.zeros_like(scale), scale, _EMPTY, rows(bottom[0], diff=True), _EMPTY2)
@@ -906,7 +606,7 @@ class NHWCBias(_PerChannel, Bias):
     def backward(self, top, propagate_down, bottom):
         dy = rows(top[0], diff=True)
         if param_wanted(self, 0):
-            self.blobs[0].diff[...] += _channel_sums(dy)
+            self.blobs[0].diff[...] += channel_sums(dy)
         if propagate_down[0] and bottom[0] is not top[0]:
             np.copyto(rows(bottom[0], diff=True), dy)
 

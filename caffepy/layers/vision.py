@@ -13,33 +13,43 @@ from ..errors import ShapeError
 from ..kernels import vision as kv
 from ..layer import Layer, canonical_axis, count_from, register
 from ..proto import caffe_pb2
-from .common import param_wanted
+from .common import FusedOutput, param_wanted
 
 _NO_BUFFER = np.zeros(0, np.float32)
 
 
 def refuse_fusions(layer):
-    """Intel Caffe's fusions in convolution_param (a ReLU or an Eltwise SUM done by the
-    convolution) change results and are not run: refused on every path."""
+    """Intel Caffe's fusions in convolution_param (a ReLU or an Eltwise SUM done by the layer)
+    belong to Convolution (FusedOutput); a Deconvolution is refused them."""
     p = layer.param.convolution_param
     if p.relu:
-        raise layer.error("convolution_param.relu", "fused ReLU (Intel Caffe) is not supported", True,
-                          hint="Use a ReLU layer after the convolution")
+        raise layer.error("convolution_param.relu", f"a fused ReLU is run by Convolution, not "
+                          f"{layer.type}", True, hint=f"Use a ReLU layer after the {layer.type}")
     if p.fusion_type != p.NONE_FUSION or len(p.coeff):
-        raise layer.error("convolution_param.fusion_type", "fused Eltwise SUM (Intel Caffe) is not "
-                          "supported", p.FusionType.Name(p.fusion_type),
-                          hint="Use an Eltwise layer after the convolution")
+        raise layer.error("convolution_param.fusion_type", f"a fused Eltwise SUM is run by "
+                          f"Convolution, not {layer.type}", p.FusionType.Name(p.fusion_type),
+                          hint=f"Use an Eltwise layer after the {layer.type}")
 
 
 class _ConvBase(Layer):
     """Shared parameter handling of Convolution and Deconvolution."""
+    takes_fusions = False       # Intel's fused ReLU and Eltwise SUM (Convolution only)
     reshape_from_shapes = True
     min_bottoms = 1
     min_tops = 1
     equal_bottom_top = True
 
+    fused = None                # Convolution's FusedOutput (Intel's relu, fusion_type)
+
+    def check_blob_counts(self, bottom, top):
+        if not (self.takes_fusions and FusedOutput.check_blob_counts(self, bottom, top)):
+            super().check_blob_counts(bottom, top)
+
     def setup(self, bottom, top):
-        refuse_fusions(self)
+        if self.takes_fusions:
+            self.fused = FusedOutput.of(self, "convolution_param")
+        else:
+            refuse_fusions(self)
         p = self.param.convolution_param
         if p.axis not in (1, -3) and not (p.axis < 0 and p.axis + bottom[0].num_axes == 1):
             raise self.error("convolution_param.axis", "caffepy supports the channel axis 1", p.axis)
@@ -63,7 +73,7 @@ class _ConvBase(Layer):
 
     def reshape(self, bottom, top):
         first = bottom[0].shape
-        for i, b in enumerate(bottom):
+        for i, b in enumerate(bottom[:len(top)]):
             if b.num_axes != 4 or b.shape[1] != self.channels or b.shape != first:
                 raise self.error(f"bottom[{i}]", f"needs shape {first} with {self.channels} channels",
                                  b.shape, cls=ShapeError)
@@ -71,6 +81,8 @@ class _ConvBase(Layer):
         oh, ow = self.output_size(h, w)
         for t in top:
             t.reshape(n, self.top_channels(), oh, ow)
+        if self.fused is not None:
+            self.fused.reshape(self, bottom, top)
         need = self.workspace(h, w, oh, ow)
         if self.col_buffer.size < need:
             self.col_buffer = np.zeros(need, np.float32)
@@ -93,8 +105,10 @@ class Convolution(_ConvBase):
     """top = W (*) bottom + b, with groups, padding, stride and dilation.
 
     convolution_param: num_output, kernel_size | kernel_h/w, pad | pad_h/w, stride | stride_h/w,
-    dilation, group, bias_term, weight_filler, bias_filler.
+    dilation, group, bias_term, weight_filler, bias_filler, and Intel's fusions: relu,
+    negative_slope, fusion_type, coeff (common.FusedOutput: then bottom[1] is the summand).
     """
+    takes_fusions = True
 
     def weight_shape(self, kh, kw):
         return (self.num_output, self.channels // self.group, kh, kw)
@@ -110,8 +124,12 @@ class Convolution(_ConvBase):
         for b, t in zip(bottom, top):
             kv.conv_forward(b.data, self.blobs[0].data, self._bias(), t.data, self.col_buffer,
                             *self.conv_args())
+        if self.fused is not None:
+            self.fused.forward(bottom, top)
 
     def backward(self, top, propagate_down, bottom):
+        if self.fused is not None:
+            top, propagate_down, bottom = self.fused.backward(top, propagate_down, bottom)
         wdiff, bdiff = self.param_diffs()
         for t, down, b in zip(top, propagate_down, bottom):
             kv.conv_backward(t.diff, b.data, self.blobs[0].data, wdiff, bdiff,

@@ -139,6 +139,8 @@ class ModelParallelInnerProduct(InnerProduct):
             raise self.error("bottom", f"input size from axis {axis} must be {self.K} (the "
                              "weights' K)", K, cls=ShapeError)
         top[0].reshape(tuple(shape[:axis]) + (self.num_output,))
+        if self.fused is not None:
+            self.fused.reshape(self, bottom, top)
         if outer == self.outer:
             return
         self.outer = outer
@@ -177,9 +179,13 @@ class ModelParallelInnerProduct(InnerProduct):
         y = top[0].data.reshape(self.outer, self.num_output)
         for block, offset, count in zip(self._blocks(), self.offsets, self.counts):
             y[:, offset:offset + count] = block
+        if self.fused is not None:
+            self.fused.forward(bottom, top)
 
     def backward(self, top, propagate_down, bottom):
         from mpi4py import MPI
+        if self.fused is not None:
+            top, propagate_down, bottom = self.fused.backward(top, propagate_down, bottom)
         dy = top[0].diff.reshape(self.outer, self.num_output)
         for block, offset, count in zip(self._blocks(), self.offsets, self.counts):
             block[...] = dy[:, offset:offset + count]

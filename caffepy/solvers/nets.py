@@ -12,6 +12,7 @@ import os
 
 from .. import log
 from ..context import SINGLE
+from ..engine import set_net_engine
 from ..errors import PrototxtError, ShapeError
 from ..net import Net
 from ..proto import caffe_pb2
@@ -35,12 +36,6 @@ def _read_solver_net(path, field, source):
         raise PrototxtError(f"{source}: {field}: cannot open '{path}' (paths are relative to the "
                             f"current directory, {os.getcwd()})")
     return read_net(path)
-
-
-def _engine(solver, param):
-    """Intel Caffe's rule: the solver's `engine` is its nets' unless a net names its own."""
-    if solver.engine and not param.engine:
-        param.engine = solver.engine
 
 
 def solver_train_net_param(solver, source="<solver>", level=None, stages=()):
@@ -73,7 +68,7 @@ def solver_train_net_param(solver, source="<solver>", level=None, stages=()):
     state.MergeFrom(param.state)
     state.MergeFrom(train_state)
     param.state.CopyFrom(state)
-    _engine(solver, param)
+    set_net_engine(param, solver.engine, f"{source}: engine")
     return SolverNet(param, state, origin)
 
 
@@ -117,7 +112,7 @@ def solver_test_net_params(solver, source="<solver>"):
         if len(solver.test_state):
             state.MergeFrom(solver.test_state[i])
         param.state.CopyFrom(state)
-        _engine(solver, param)
+        set_net_engine(param, solver.engine, f"{source}: engine")
         out.append(SolverNet(param, state, origin))
     return out
 

@@ -346,6 +346,46 @@ def unknown_filler(c):
     return time_args(p), [p, "conv1", "xaviar"]
 
 
+@case("names", code=2)
+def unknown_engine_flag(c):
+    return time_args(c.fx.deploy, "-engine", "BOGUS_ENGINE"), ["--engine", "unknown engine", "BOGUS_ENGINE"]
+
+
+@case("names", code=2)
+def engine_flag_with_caffes_subengine(c):
+    return time_args(c.fx.deploy, "-engine", "CAFFE:CPU"), ["--engine", "CAFFE takes no subengines"]
+
+
+@case("names")
+def unknown_net_engine(c):
+    p = _bad_net(c, 'engine: "BOGUS_ENGINE"\n' + DEPLOY)
+    return time_args(p), [p + ": engine", "unknown engine", "BOGUS_ENGINE"]
+
+
+@case("names")
+def unknown_layer_engine(c):
+    p = _bad_net(c, DEPLOY.replace('type: "Convolution"', 'type: "Convolution" engine: "MKLDNN:GPU"'))
+    return time_args(p), [p + ":", "layer 'conv1'", "engine", "subengine 'GPU'"]
+
+
+@case("names")
+def gpu_engine_in_a_param(c):
+    p = _bad_net(c, DEPLOY.replace("num_output: 4", "num_output: 4 engine: CUDNN"))
+    return time_args(p), [p + ":", "layer 'conv1'", "convolution_param.engine", "CUDNN"]
+
+
+@case("names")
+def unknown_solver_engine(c):
+    p = c.write("solver.prototxt", solver(c.fx.train_val, 'engine: "BOGUS_ENGINE"'))
+    return ["train", "--solver", p], [p + ": engine", "unknown engine", "BOGUS_ENGINE"]
+
+
+@case("solver_values")
+def multiphase_first_phase_without_solver_params(c):
+    p = c.write("solver.prototxt", "params_pair { batch_size: 4 }\n")
+    return ["train", "--solver", p], [p, "params_pair[0]", "solver_params"]
+
+
 # =====================================================================================
 # wiring: bottoms, tops and counts that do not connect
 
@@ -392,6 +432,27 @@ def include_and_exclude(c):
 def concat_mismatch(c):
     p = _bad_net(c, DEPLOY + 'layer { name: "cat" type: "Concat" bottom: "conv1" bottom: "ip1" top: "cat" }\n')
     return time_args(p), [p + ":", "layer 'cat'"]
+
+
+_BN = 'layer { name: "bn1" type: "BatchNorm" bottom: "ip1" top: "bn1" %s }\n'
+
+
+@case("wiring")
+def bn_stats_batch_size_not_dividing_the_batch(c):
+    p = _bad_net(c, "bn_stats_batch_size: 3\n" + DEPLOY + _BN % "")
+    return time_args(p), [p + ":", "layer 'bn1'", "NetParameter.bn_stats_batch_size", "(2,", "got 3"]
+
+
+@case("wiring")
+def stats_batch_size_not_dividing_the_batch(c):
+    p = _bad_net(c, DEPLOY + _BN % "batch_norm_param { stats_batch_size: 4 }")
+    return time_args(p), [p + ":", "layer 'bn1'", "batch_norm_param.stats_batch_size", "(2,", "got 4"]
+
+
+@case("wiring")
+def label_smoothing_of_one(c):
+    p = _bad_net(c, train_val(c.fx.db).replace('top: "loss"', 'top: "loss" loss_param { label_smoothing: 1 }'))
+    return time_args(p), [p + ":", "layer 'loss'", "loss_param.label_smoothing", "[0, 1)", "got 1"]
 
 
 @case("wiring")
@@ -1057,6 +1118,74 @@ def missing_mean(c):
 def prototxt_as_mean(c):
     p = mean_net(c, c.fx.deploy)
     return time_args(p), [p + ":", "layer 'data'", "mean_file", c.fx.deploy]
+
+
+# =====================================================================================
+# augment: Intel Caffe's augmentations in transform_param with values that mean nothing
+
+def augment_net(c, transform):
+    return _bad_net(c, train_val(c.fx.db, transform=transform))
+
+
+@case("augment")
+def negative_area_ratio(c):
+    p = augment_net(c, "crop_size: 24 random_aspect_ratio_param { min_area_ratio: -0.5 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_aspect_ratio_param.min_area_ratio", "-0.5"]
+
+
+@case("augment")
+def area_ratio_min_over_max(c):
+    p = augment_net(c, "crop_size: 24 random_aspect_ratio_param { min_area_ratio: 0.9 max_area_ratio: 0.5 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_aspect_ratio_param.min_area_ratio", "0.9", "0.5"]
+
+
+@case("augment")
+def aspect_ratio_change_above_one(c):
+    p = augment_net(c, "crop_size: 24 random_aspect_ratio_param { aspect_ratio_change: 1.25 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_aspect_ratio_param.aspect_ratio_change", "1.25"]
+
+
+@case("augment")
+def random_resize_min_over_max(c):
+    p = augment_net(c, "crop_size: 24 random_resize_param { min_size: 40 max_size: 30 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_resize_param.min_size", "40", "30"]
+
+
+@case("augment")
+def random_resize_without_crop(c):
+    p = augment_net(c, "random_resize_param { min_size: 40 max_size: 50 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_resize_param", "crop_size"]
+
+
+@case("augment")
+def probability_above_one(c):
+    p = augment_net(c, "distort_param { brightness_prob: 1.5 brightness_delta: 32 }")
+    return time_args(p), [p + ":", "layer 'data'", "distort_param.brightness_prob", "1.5"]
+
+
+@case("augment")
+def crop_larger_than_the_resize(c):
+    p = augment_net(c, "crop_size: 24 resize_param { height: 16 width: 20 }")
+    return time_args(p), [p + ":", "layer 'data'", "crop_size", "16x20", "24"]
+
+
+@case("augment")
+def expand_ratio_not_above_one(c):
+    p = augment_net(c, "crop_size: 24 expand_param { max_expand_ratio: 0.5 }")
+    return time_args(p), [p + ":", "layer 'data'", "expand_param.max_expand_ratio", "0.5"]
+
+
+@case("augment")
+def both_random_resizes(c):
+    p = augment_net(c, "crop_size: 24 random_resize_param { min_size: 32 } "
+                       "random_aspect_ratio_param { min_area_ratio: 0.5 }")
+    return time_args(p), [p + ":", "layer 'data'", "random_aspect_ratio_param", "random_resize_param"]
+
+
+@case("augment")
+def emit_constraint_without_boxes(c):
+    p = augment_net(c, "emit_constraint { emit_type: CENTER }")
+    return time_args(p), [p + ":", "layer 'data'", "emit_constraint"]
 
 
 # =====================================================================================

@@ -127,16 +127,10 @@ def test_intel_pad_with_mean_value_rounds_as_intel_caffe():
     assert out[0, 0].tolist() == [0, 0, 0, 0]
 
 
-@pytest.mark.parametrize("text,field", [
-    ("random_resize_param { min_size: 256 max_size: 256 }", "random_resize_param"),
-    ("random_aspect_ratio_param { min_area_ratio: 0.1 }", "random_aspect_ratio_param"),
-    ("distort_param { brightness_prob: 0.5 }", "distort_param"),
-    ("crop_h: 10", "crop_h"),
-])
-def test_intel_augmentations_are_refused_not_ignored(text, field):
-    with pytest.raises(DataError, match=rf"^transform_param.{field}: is an Intel Caffe "
-                                        r"augmentation caffepy does not run"):
-        make(text)
+def test_emit_constraint_is_refused_not_ignored():
+    """It filters SSD's annotated boxes; the augmentations themselves: tests/data/test_augment.py."""
+    with pytest.raises(DataError, match=r"^transform_param.emit_constraint: filters annotated boxes"):
+        make("emit_constraint { emit_type: CENTER }")
 
 
 def test_intel_pad_with_a_mean_file_is_refused(tmp_path):

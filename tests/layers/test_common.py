@@ -498,8 +498,9 @@ def test_parameter_top_is_the_blob_and_backward_accumulates():
 
 # -- Intel Caffe fields refused when a net is built ----------------------------------------------
 @pytest.mark.parametrize("type_,params,bottoms,match", [
-    ("InnerProduct", "inner_product_param { num_output: 2 relu: true }", [randn(2, 3)],
-     r"layer 'layer' \(InnerProduct\): inner_product_param.relu: fused ReLU \(Intel Caffe\) is not supported"),
+    ("InnerProduct", "inner_product_param { num_output: 2 relu: true negative_slope: -1 }", [randn(2, 3)],
+     r"layer 'layer' \(InnerProduct\): inner_product_param.negative_slope: a fused ReLU takes a slope of at "
+     r"least 0"),
     ("Concat", "concat_param { per_fla_fuse: true }", [randn(2, 3), randn(2, 3)],
      r"concat_param.per_fla_fuse: the fused Permute \+ Flatten .* is not supported"),
     ("Reshape", "reshape_param { pixelshuffler: 2 }", [randn(1, 4, 2, 2)],

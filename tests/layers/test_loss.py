@@ -298,9 +298,139 @@ def test_accuracy_top_k_above_classes_is_an_error():
         setup_layer("Accuracy", "accuracy_param { top_k: 6 }", [X45, labels(4, 5)])
 
 
-def test_label_smoothing_is_refused():
-    with pytest.raises(LayerError, match=r"loss_param.label_smoothing: is not supported.*got 0.1"):
-        setup_layer("SoftmaxWithLoss", "loss_param { label_smoothing: 0.1 }", [X45, labels(4, 5)])
+# -- Intel Caffe's label smoothing (SoftmaxWithLoss) --------------------------------------------
+def smoothed_gradient_ref(x, lab, smoothing, axis=1, ignore=None, mode="VALID", top_diff=1.0):
+    """Intel's SoftmaxWithLoss backward with label_smoothing s, in float64 from its formula:
+    dim = classes * inner, a = 1 - s, b = s / dim; per valid position the gradient is
+    (a + (dim - 1) b) p - b, plus b - a at the label; 0 where ignored; times
+    top_diff / normalizer."""
+    rows, outer, inner = _rows(x, axis)
+    classes = x.shape[axis]
+    dim = classes * inner
+    a, b = 1.0 - smoothing, smoothing / dim
+    out, count = np.zeros_like(rows), 0
+    for i, (r, l) in enumerate(zip(rows, lab.reshape(-1).astype(int))):
+        if ignore is not None and l == ignore:
+            continue
+        out[i] = (a + (dim - 1) * b) * softmax_ref(r, 0) - b
+        out[i, l] += b - a
+        count += 1
+    out *= top_diff / _norm(mode, outer, inner, count)
+    shape = np.moveaxis(x, axis, -1).shape
+    return np.moveaxis(out.reshape(shape), -1, axis)
+
+
+@pytest.mark.parametrize("x,lab,params,axis,ignore,mode", [
+    (X45, labels(4, 5), "", 1, None, "VALID"),
+    (randn(6, 10, seed=6), labels(6, 10, seed=7, ignore=3, ignore_every=2), "loss_param { ignore_label: 3 }",
+     1, 3, "VALID"),
+    (X_SP, labels((2, 3, 2), 4, seed=5, ignore=1), "loss_param { ignore_label: 1 normalization: FULL }",
+     1, 1, "FULL"),
+    (randn(3, 4, 6, seed=8), labels((3, 4), 6, seed=9), "softmax_param { axis: 2 } "
+     "loss_param { normalization: BATCH_SIZE }", 2, None, "BATCH_SIZE"),
+], ids=["classes", "ignore", "spatial", "axis2"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "numpy"])
+def test_label_smoothing_against_intels_formula(monkeypatch, x, lab, params, axis, ignore, mode, compiled):
+    """The gradient is Intel's smoothed one; the loss top stays the hard-label loss (Intel's
+    forward does not read label_smoothing)."""
+    from caffepy.layers import loss as loss_module
+    if not compiled:
+        monkeypatch.setattr(loss_module, "_kernels", None)
+    smoothed = params.replace("loss_param {", "loss_param { label_smoothing: 0.2") if "loss_param" in params \
+        else params + " loss_param { label_smoothing: 0.2 }"
+    layer, bottom, top = setup_layer("SoftmaxWithLoss", smoothed, [x, lab])
+    layer.forward(bottom, top)
+    want_loss = softmax_loss_ref(axis, ignore, mode)(x.astype(np.float64), lab)[0]
+    assert float(top[0].data) == pytest.approx(float(want_loss), rel=1e-5)
+    top[0].diff[...] = 1.5
+    layer.backward(top, [True, False], bottom)
+    want = smoothed_gradient_ref(x.astype(np.float64), lab, 0.2, axis, ignore, mode, 1.5)
+    np.testing.assert_allclose(bottom[0].diff, want, rtol=1e-5, atol=1e-7)
+    hard = setup_layer("SoftmaxWithLoss", params, [x, lab])
+    hard[0].forward(hard[1], hard[2])
+    hard[2][0].diff[...] = 1.5
+    hard[0].backward(hard[2], [True, False], hard[1])
+    assert not np.allclose(bottom[0].diff, hard[1][0].diff, rtol=1e-3)
+
+
+def _smoothed_objective_layer(params, bottoms):
+    """SoftmaxWithLoss whose forward reports the objective Intel's smoothed gradient belongs
+    to (one label per item): -sum (a log p_label + b sum of the other log p) / normalizer, so
+    that the gradient checker differentiates it; the backward is the layer's own."""
+    from caffepy.layers.loss import SoftmaxWithLoss, normalizer
+
+    class Objective(SoftmaxWithLoss):
+        def forward(self, bottom, top):
+            super().forward(bottom, top)
+            x = bottom[0].data.astype(np.float64)
+            logp = x - x.max(axis=1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+            b = self.smoothing / self.classes
+            total = 0.0
+            for row, label in zip(logp, self.labels.reshape(-1)):
+                if label >= 0:
+                    total -= (1 - self.smoothing - b) * row[label] + b * row.sum()
+            top[0].data[...] = total / normalizer(self, self.mode, self.outer, self.inner, self.count)
+
+    layer, bottom, top = setup_layer("SoftmaxWithLoss", params, bottoms)
+    mine = Objective(layer.param, layer.phase)
+    mine.layer_setup(bottom, top)
+    return mine, bottom, top
+
+
+@pytest.mark.parametrize("params,lab", [
+    ("loss_param { label_smoothing: 0.1 }", labels(4, 5)),
+    ("loss_param { label_smoothing: 0.3 ignore_label: 2 normalization: BATCH_SIZE }", labels(4, 5, ignore=2)),
+])
+def test_label_smoothing_gradient_check(params, lab):
+    from gradient_checker import check_gradient
+    layer, bottom, top = _smoothed_objective_layer(params, [X45, lab])
+    check_gradient(layer, bottom, top, check_bottom=[0], eps=1e-2, threshold=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(7, 13), (2, 5, 20, 17)])
+def test_label_smoothing_zero_gives_todays_bits(monkeypatch, shape):
+    """label_smoothing: 0 (and unset) runs the hard-label backward, float for float: the
+    kernel's and the NumPy path's (prob - onehot) * scale as they were computed before."""
+    from caffepy.layers import loss as loss_module
+    x = randn(*shape, seed=62, scale=3.0)
+    lab = labels(shape[:1] + shape[2:], shape[1], seed=63, ignore=255)
+    for kernels in (loss_module._kernels, None):
+        monkeypatch.setattr(loss_module, "_kernels", kernels)
+        diffs = []
+        for params in ("loss_param { ignore_label: 255 }",
+                       "loss_param { ignore_label: 255 label_smoothing: 0 }"):
+            layer, bottom, top = setup_layer("SoftmaxWithLoss", params, [x, lab])
+            layer.forward(bottom, top)
+            top[0].diff[...] = 0.7
+            layer.backward(top, [True, False], bottom)
+            diffs.append(bottom[0].diff.copy())
+        prob, lab32 = layer.prob, layer.labels
+        scale = np.float32(float(np.float32(0.7)) / loss_module.normalizer(
+            layer, layer.mode, layer.outer, layer.inner, layer.count))
+        weight = np.where(lab32 >= 0, scale, np.float32(0))[:, None, :]
+        if kernels is not None and layer.inner > 1:     # the kernel's order there
+            onehot = (lab32[:, None, :] == np.arange(prob.shape[1])[None, :, None]).astype(np.float32)
+            want = (prob - onehot) * weight
+        else:
+            want = prob * weight
+            rows, cols = np.nonzero(lab32 >= 0)
+            want[rows, lab32[rows, cols], cols] -= scale
+        for d in diffs:
+            np.testing.assert_array_equal(d.reshape(want.shape), want)
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1", "1.5", "nan"])
+def test_label_smoothing_outside_zero_one_is_refused(value):
+    with pytest.raises(LayerError, match=r"layer 'layer' \(SoftmaxWithLoss\): loss_param.label_smoothing: "
+                                         r"must be in \[0, 1\), got"):
+        setup_layer("SoftmaxWithLoss", f"loss_param {{ label_smoothing: {value} }}", [X45, labels(4, 5)])
+
+
+def test_label_smoothing_is_refused_by_the_other_losses():
+    with pytest.raises(LayerError, match=r"\(EuclideanLoss\): loss_param.label_smoothing: applies to "
+                                         r"SoftmaxWithLoss only .*got 0.1"):
+        setup_layer("EuclideanLoss", "loss_param { label_smoothing: 0.1 }", [X45, randn(4, 5)])
 
 
 def test_pre_fixed_normalization():
@@ -393,6 +523,8 @@ def test_in_a_net_loss_weights_and_statistics_blobs():
     ((3, 4, 6), "softmax_param { axis: 2 } loss_param { ignore_label: 1 }"),
     ((1, 4, 300000), "loss_param { ignore_label: 255 }"),      # above the threading threshold
     ((1100, 1000), ""),
+    ((1100, 1000), "loss_param { label_smoothing: 0.1 }"),
+    ((2, 5, 20, 17), "loss_param { ignore_label: 255 label_smoothing: 0.2 }"),
 ])
 def test_softmax_loss_kernel_matches_numpy_path(monkeypatch, shape, params):
     from caffepy.layers import loss as loss_module

@@ -6,7 +6,7 @@ from caffepy.blob import Blob
 from caffepy.errors import LayerError
 from caffepy.kernels import neuron as kernels
 from caffepy.kernels.reference import neuron as ref
-from layer_cases import TEST, TRAIN, Case, case_tests, make_layer, randn
+from layer_cases import TEST, TRAIN, Case, case_tests, make_layer, randn, setup_layer
 
 
 def sigmoid(x):
@@ -431,3 +431,10 @@ def test_forward_and_backward_match_torch(type_, params, op):
     ty.backward(torch.from_numpy(dy.astype(np.float64)))
     np.testing.assert_allclose(top[0].data, ty.detach().numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(bottom[0].diff, tx.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_relu_fuse_mark_is_refused_in_one_line():
+    """relu_param.fuse is Intel's compiler's mark (its ReLU then passes data on unchanged):
+    refused, never run as a second ReLU."""
+    with pytest.raises(LayerError, match=r"relu_param.fuse: .*Intel Caffe's internal mark"):
+        setup_layer("ReLU", "relu_param { fuse: true }", [randn(2, 3)])

@@ -12,7 +12,7 @@ from caffepy.kernels.reference import nhwc as ref_layout
 from caffepy.kernels.reference import normalization as ref_norm
 from caffepy.kernels.reference import vision as ref
 from caffepy.layer import NHWC, PLAIN
-from caffepy.layers import nhwc as nhwc_layers
+from caffepy.layers import conv_algorithms
 from layer_cases import Case, case_tests, distinct, nhwc_blob, pool_expected, randn, setup_layer
 
 FILL = "weight_filler { type: 'gaussian' std: 0.3 } bias_filler { type: 'gaussian' std: 0.3 }"
@@ -360,9 +360,9 @@ def test_pointwise_kernel_adds_each_tasks_weight_gradient_to_the_sum():
     (3136, 1, 784), (12544, 4, 784),
 ])
 def test_pointwise_backward_tasks_are_even_across_threads(pixels, threads, rows):
-    assert nhwc_layers.pointwise_backward_rows(pixels, threads) == rows
+    assert conv_algorithms.pointwise_backward_rows(pixels, threads) == rows
     tasks = -(-pixels // rows)
-    assert rows == pixels or (tasks % threads == 0 and rows <= nhwc_layers.POINTWISE_TASK)
+    assert rows == pixels or (tasks % threads == 0 and rows <= conv_algorithms.POINTWISE_TASK)
 
 
 @pytest.mark.parametrize("params, algorithm", [

@@ -13,7 +13,7 @@ from caffepy.errors import CaffepyError
 from caffepy.kernels import winograd
 from caffepy.kernels.reference import vision as ref
 from caffepy.layer import BLOCKED, create_layer
-from caffepy.layers import intel
+from caffepy.layers import conv_algorithms, intel
 from caffepy.proto import caffe_pb2
 from gradient_checker import check_gradient
 from layer_cases import randn
@@ -33,7 +33,7 @@ def test_matrices_compute_a_tile_correlation(m, r):
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)   # the matrices are float32
 
 
-@pytest.mark.parametrize("m,r", [(m, r) for r, ms in intel.WINOGRAD_TILES.items() for m in ms])
+@pytest.mark.parametrize("m,r", [(m, r) for r, ms in conv_algorithms.WINOGRAD_TILES.items() for m in ms])
 def test_float32_error_stays_small(m, r):
     """Every tile the layers may choose, in float32 over 256 channels, within 2e-5 of the float64
     direct sum (relative to its largest value): larger tiles lose precision fast."""
@@ -135,7 +135,7 @@ def test_tile_tables_are_the_matrices(m, r):
     at, _, bt = winograd.matrices(m, r)
     tables = winograd.tables(m, m + r - 1)
     if tables is None:
-        assert m not in intel.WINOGRAD_TILES.get(r, ())
+        assert m not in conv_algorithms.WINOGRAD_TILES.get(r, ())
         return
     np.testing.assert_array_equal(tables[0], at)
     np.testing.assert_array_equal(tables[1], bt)
@@ -192,7 +192,7 @@ def test_matrices_refuse_a_tile_too_large():
 @pytest.mark.parametrize("r,oh,ow,m", [(3, 13, 13, 5), (3, 7, 7, 4), (3, 28, 28, 4), (3, 3, 3, 3),
                                        (3, 2, 2, 2), (5, 27, 27, 4), (5, 2, 2, 2)])
 def test_tile_choice_minimises_multiplies(r, oh, ow, m):
-    assert intel.winograd_tile(r, oh, ow) == m
+    assert conv_algorithms.winograd_tile(r, oh, ow) == m
 
 
 def _layer(C, O, k, pad, group, width, engine="DEFAULT", bias=True):

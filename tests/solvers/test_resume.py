@@ -53,6 +53,33 @@ def images(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def jpeg_db(tmp_path_factory):
+    from caffepy.data.datum import encoded_datum
+    from caffepy.data.db import open_writer
+    path = tmp_path_factory.mktemp("jpeg") / "train_lmdb"
+    with open_writer(str(path)) as w:
+        for i in range(RECORDS):
+            img = np.random.default_rng(i).integers(0, 256, (10 + i % 3, 12, 3), dtype=np.uint8)
+            w.put(f"{i:08d}", encoded_datum(cv2.imencode(".jpg", img)[1].tobytes(), i).SerializeToString())
+    return str(path)
+
+
+# Intel's ResNet-50 recipe (TRAIN: random aspect ratio, TEST: shorter side to 256), at crop 6
+RECIPE_TRAIN = ("crop_size: 6 mirror: true mean_value: 104 mean_value: 117 mean_value: 123 scale: 0.00390625 "
+                "random_aspect_ratio_param { min_area_ratio: 0.08 max_area_ratio: 1 aspect_ratio_change: 0.75 "
+                "resize_param { interp_mode: CUBIC } }")
+RECIPE_TEST = ("crop_size: 6 mean_value: 104 mean_value: 117 mean_value: 123 scale: 0.00390625 "
+               "random_resize_param { min_size: 7 max_size: 7 resize_param { interp_mode: CUBIC } }")
+# every other random augmentation
+AUGMENTED = ("crop_size: 6 mirror: true scale: 0.00390625 mean_value: 110 "
+             "distort_param { brightness_prob: 0.5 brightness_delta: 32 contrast_prob: 0.5 contrast_lower: 0.5 "
+             "contrast_upper: 1.5 hue_prob: 0.5 hue_delta: 18 random_order_prob: 0.3 } "
+             "expand_param { prob: 0.5 max_expand_ratio: 1.5 } "
+             "random_resize_param { min_size: 6 max_size: 9 resize_param { interp_mode: LINEAR interp_mode: AREA } } "
+             "noise_param { saltpepper: true saltpepper_param { fraction: 0.05 value: 0 } }")
+
+
 def data_layer(db, data="", transform="scale: 0.00390625"):
     return (f'layer {{ name: "data" type: "Data" top: "data" top: "label"\n'
             f'  data_param {{ source: "{db}" batch_size: 3 backend: LMDB {data} }}\n'
@@ -134,6 +161,22 @@ def test_resumed_lmdb_run_equals_the_uninterrupted_one(tmp_path, db, data, trans
 
 def test_resumed_image_data_run_equals_the_uninterrupted_one(tmp_path, images):
     want, got = resume_matches(tmp_path, image_layer(images, "shuffle: true", "scale: 0.00390625 mirror: true crop_size: 6"))
+    assert identical(want, got)
+
+
+@pytest.mark.parametrize("source, transform", [("db", RECIPE_TRAIN), ("jpeg_db", RECIPE_TRAIN),
+                                               ("jpeg_db", AUGMENTED)],
+                         ids=["raw_recipe", "jpeg_recipe", "jpeg_augmented"])
+def test_intel_augmentations_resume_exactly(tmp_path, request, source, transform):
+    """Intel's augmentations draw each image's numbers from a seed the layer's generator
+    gives it, so the generator state in the snapshot is all they need. A TEST net with the
+    recipe's test transform runs every 4 iterations."""
+    db = request.getfixturevalue(source)
+    layer = data_layer(db, "shuffle: true", transform).replace("top: \"label\"\n", "top: \"label\"\n"
+                                                                "  include { phase: TRAIN }\n", 1)
+    layer += data_layer(db, "", RECIPE_TEST).replace("top: \"label\"\n", "top: \"label\"\n"
+                                                    "  include { phase: TEST }\n", 1)
+    want, got = resume_matches(tmp_path, layer, "random_seed: 7 test_iter: 2 test_interval: 4")
     assert identical(want, got)
 
 
@@ -258,14 +301,17 @@ def train_cli(job, ranks, *args, timeout=300):
 
 @pytest.mark.mpi
 @pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in the venv")
-@pytest.mark.parametrize("split", [False, True], ids=["shared_db", "split_db"])
-def test_two_ranks_resume_exactly(tmp_path, db, split):
+@pytest.mark.parametrize("split, transform", [(False, "scale: 0.00390625 mirror: true crop_size: 6"),
+                                              (True, "scale: 0.00390625 mirror: true crop_size: 6"),
+                                              (False, RECIPE_TRAIN)],
+                         ids=["shared_db", "split_db", "shared_db_intel_recipe"])
+def test_two_ranks_resume_exactly(tmp_path, db, split, transform):
     source = db
     if split:
         from caffepy.parallel.split_db import split_db
         split_db(db, 2, str(tmp_path / "shard"))
         source = str(tmp_path / "shard_{rank}")
-    job = write_run(tmp_path / "job", data_layer(source, "shuffle: true", "scale: 0.00390625 mirror: true crop_size: 6"))
+    job = write_run(tmp_path / "job", data_layer(source, "shuffle: true", transform))
     out = train_cli(job, 2)
     assert out.returncode == 0, out.stderr[-3000:]
     want = model(job / "out/run_iter_12.caffemodel")

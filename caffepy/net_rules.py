@@ -1,0 +1,206 @@
+"""Net compilation: the named rules that run groups of a built net's layers as one unit.
+
+Intel Caffe's Net::CompileNet rewrites the NetParameter with a list of named passes before it
+builds the net (RemoveScale, ConvReluFusion, FuseBnRelu, ConvSumFusion, ...). caffepy keeps the
+net the prototxt describes (its layers, blobs and values, which pycaffe code, snapshots and
+`caffepy time` see) and compiles the built net instead: each rule finds runs of consecutive
+layers, a unit, that it can run as one (one pass over the activations instead of two or three)
+with every blob ending as the layers one by one leave it. `Net.fusions` maps each unit's first
+layer to its last; a run that does not cover a whole unit runs its layers one by one.
+
+A rule is named, runs alone (`rule.find(net)`: its units in a built net), and knows the layers
+it can fuse by their declaration: an implementation lists the rules it takes part in in its
+`fuses` class attribute (caffepy.layer.Layer) and then has that rule's methods. `compile_net`
+runs the rules in order (a layer joins one unit at most) and logs what each matched.
+`engine: CAFFE` (caffepy.engine.caffe_engine: the net's, the environment's, or a layer's
+own) turns them off here, in this one place.
+
+The rules, in the order they run:
+    BatchNorm+Scale(+ReLU)  the fast path's BatchNorm in place, its Scale in place on the same
+                            blob, and the ReLU in place after them if there is one (ResNet's
+                            form; Intel's RemoveScale and FuseBnRelu)
+    Eltwise+ReLU(+Split)    an Eltwise SUM of two bottoms with coefficients 1, the ReLU in place
+                            on its top, and the Split after it if the top feeds two layers
+                            (ResNet's shortcut)
+A ReLU joins a unit only with a negative slope of at least 0 (its output's sign is then its
+input's, which the fused backwards read).
+
+Intel's ConvReluFusion, FuseFCRelu and ConvSumFusion have no rule here, though caffepy computes
+the fields they write (common.FusedOutput): its fused ReLU and sum run as their own pass after
+the convolution's output is written, as the ReLU and Eltwise layers do, so a rule would save no
+pass (conv 64 -> 64 3x3 over 16 x 28 x 28 with its ReLU, one TRAIN iteration: 71.9 ms apart,
+75.6 fused), and ConvSumFusion would give the convolution's top blob the sum's values, which
+net.blobs would then show in place of Caffe's.
+"""
+import typing
+
+from . import log
+from .engine import caffe_engine
+
+
+class Unit(typing.NamedTuple):
+    """Layers first..last of a net, run as one by `rule`; `shortcut`: for an Eltwise unit, its
+    bottom that shares the top's diff (EltwiseReLU.shortcut_bottom), else None."""
+    rule: object
+    first: int
+    last: int
+    shortcut: object = None
+
+
+def takes_part(net, li, rule, layer_type):
+    """Layer li is a `layer_type` whose implementation declares `rule` and that runs caffepy's
+    algorithms (not `engine: CAFFE`)."""
+    layer = net.layers[li]
+    return (layer.type == layer_type and rule.name in type(layer).fuses
+            and not caffe_engine(layer.param, net.param))
+
+
+def in_place_on(net, li, x):
+    """Layer li has x as its one bottom and one top, with no layout conversion before it."""
+    return (li < len(net.layers) and not net._conversions[li] and len(net.bottom_vecs[li]) == 1
+            and net.bottom_vecs[li][0] is x and len(net.top_vecs[li]) == 1
+            and net.top_vecs[li][0] is x)
+
+
+def relu_in_place(net, li, x):
+    """Layer li is a ReLU of negative slope >= 0 in place on x, running caffepy's algorithms."""
+    return (in_place_on(net, li, x) and net.layers[li].type == "ReLU"
+            and net.layers[li].slope >= 0 and not caffe_engine(net.layers[li].param, net.param))
+
+
+class BatchNormScale:
+    """BatchNorm in place, then Scale in place on the same blob (+ the ReLU in place after):
+    one pass over the activations in forward (NHWCBatchNorm.forward_with_scale) and one
+    reduction in backward (NHWCScale.backward_with_bn) instead of two or three of each."""
+    name = "BatchNorm+Scale(+ReLU)"
+
+    def find(self, net):
+        units = []
+        for li in range(len(net.layers) - 1):
+            if not (net.top_vecs[li] and takes_part(net, li, self, "BatchNorm")
+                    and takes_part(net, li + 1, self, "Scale")):
+                continue
+            x = net.top_vecs[li][0]
+            # a BatchNorm's own ReLU (Intel's relu: true) comes before the Scale; the unit's
+            # kernels take one after it only
+            if net.bottom_vecs[li][0] is x and in_place_on(net, li + 1, x) and not net.layers[li].relu:
+                units.append(Unit(self, li, li + 2 if relu_in_place(net, li + 2, x) else li + 1))
+        return units
+
+    @staticmethod
+    def describe(units):
+        relus = sum(u.last - u.first == 2 for u in units)
+        return f"fused {len(units)} BatchNorm + Scale pair(s), {relus} with the ReLU after them"
+
+    @staticmethod
+    def forward(net, unit, last):
+        first = unit.first
+        net.layers[first].forward_with_scale(net.bottom_vecs[first], net.top_vecs[first],
+                                             net.layers[first + 1],
+                                             net.layers[last] if last > first + 1 else None)
+
+    @staticmethod
+    def backward(net, unit, last, every_layer):
+        """False when the layers must run one by one: the forward did not run fused."""
+        first = unit.first
+        scale = net.layers[first + 1]
+        if scale.fused_input is None:
+            return False
+        bn_runs = every_layer or net.layer_need_backward[first]
+        scale.backward_with_bn(net.top_vecs[last], net.layers[first], net.bottom_vecs[first][0],
+                               bn_runs and net.bottom_need_backward[first][0],
+                               net.layers[last] if last > first + 1 else None)
+        return True
+
+
+class EltwiseReLU:
+    """Eltwise SUM of two bottoms (coefficients 1, one layout), the ReLU in place on its top,
+    and the Split after it if the top feeds two layers: one pass forward (the Split shares the
+    data) and one backward instead of three (Eltwise.forward_with_relu, backward_with_relu)."""
+    name = "Eltwise+ReLU(+Split)"
+
+    def find(self, net):
+        units = []
+        for li in range(len(net.layers) - 1):
+            if not (net.top_vecs[li] and takes_part(net, li, self, "Eltwise")):
+                continue
+            x = net.top_vecs[li][0]
+            if not (net.layers[li].fuses_relu(net.bottom_vecs[li], [x])
+                    and relu_in_place(net, li + 1, x)):
+                continue
+            last, split = li + 1, li + 2
+            if split < len(net.layers) and net.layers[split].type == "Split" \
+                    and not net._conversions[split] and net.bottom_vecs[split] == [x] \
+                    and len(net.top_vecs[split]) == 2:
+                last = split
+            units.append(Unit(self, li, last, self.shortcut_bottom(net, li)))
+        return units
+
+    @staticmethod
+    def shortcut_bottom(net, first):
+        """The unit's bottom that shares its top's diff, or None.
+
+        Such a bottom is a Split's top that the unit sends a gradient to: the layers give its
+        diff the values of the top's diff (an Eltwise SUM with coefficients 1 hands its top
+        diff to each bottom), and a Split's top has no other writer, so one buffer can hold
+        both, and the unit's backward writes those values once instead of twice (ResNet-50
+        b16: one pass fewer over each of its 16 shortcuts' gradients, and 16 fewer diff
+        buffers). A bottom that is some other layer's top keeps its own diff: that layer may
+        work on it in place. The buffers are joined at the unit's first fused backward (so a
+        net that runs no backward allocates no diff), and again after a reshape gave one of
+        them a buffer of its own."""
+        top = net.top_vecs[first][0]
+        for b, down in zip(net.bottom_vecs[first], net.bottom_need_backward[first]):
+            li = next((i for i, tops in enumerate(net.top_vecs) if any(t is b for t in tops)), None)
+            if down and li is not None and net.layers[li].type == "Split" \
+                    and b is not top and b.layout == top.layout:
+                return b
+        return None
+
+    @staticmethod
+    def describe(units):
+        splits = sum(u.last - u.first == 2 for u in units)
+        return f"fused {len(units)} Eltwise + ReLU pair(s), {splits} with the Split after them"
+
+    @staticmethod
+    def forward(net, unit, last):
+        first = unit.first
+        net.layers[first].forward_with_relu(net.bottom_vecs[first], net.top_vecs[first],
+                                            net.layers[first + 1])
+
+    @staticmethod
+    def backward(net, unit, last, every_layer):
+        first, shortcut = unit.first, unit.shortcut
+        top = net.top_vecs[first][0]
+        if shortcut is not None and not shortcut.shares_diff(top) and shortcut.shape == top.shape:
+            shortcut.share_diff(top)
+        split = net.top_vecs[last] if last == first + 2 else []
+        net.layers[first].backward_with_relu(net.top_vecs[first], net.layers[first + 1], split,
+                                             net.bottom_need_backward[first],
+                                             net.bottom_vecs[first])
+        return True
+
+
+BATCHNORM_SCALE = BatchNormScale()
+ELTWISE_RELU = EltwiseReLU()
+RULES = (BATCHNORM_SCALE, ELTWISE_RELU)
+
+
+def compile_net(net, rules=RULES):
+    """{first layer index: Unit} of the units `rules` find in the built `net`, in order (a
+    layer joins the first unit that claims it); none under `engine: CAFFE`. Logs one line
+    naming each rule that matched and what it matched."""
+    if caffe_engine(None, net.param):
+        return {}
+    units, taken, applied = {}, set(), []
+    for rule in rules:
+        found = [u for u in rule.find(net) if taken.isdisjoint(range(u.first, u.last + 1))]
+        for u in found:
+            units[u.first] = u
+            taken.update(range(u.first, u.last + 1))
+        if found:
+            applied.append(f"{rule.name}: {rule.describe(found)}")
+    if applied:
+        log.info("Net compilation rules (engine: CAFFE runs the layers apart): "
+                 + "; ".join(applied))
+    return dict(sorted(units.items()))
