@@ -6,13 +6,14 @@ and of a BVLC Caffe tree named by CAFFEPY_BVLC_CAFFE. Each net is built in TRAIN
 with its data layers replaced by DummyData of the shapes they would produce (`synthetic_net`),
 and runs one forward and one backward; every blob's data and diff, every parameter gradient
 and the loss must be finite. A net passes too when it is refused in one line (a CaffepyError)
-naming a layer type or field that another issue owns (OTHER_ISSUES); any other refusal, and
-any other exception, fails. A refusal for work under way elsewhere in issue #35 is an xfail
-naming the helper (PENDING): remove its entry once that work has merged.
+naming a layer type or field that another issue owns (OTHER_ISSUES), or that is left out on
+purpose (LEFT: 3-D convolution); any other refusal, and any other exception, fails. A net
+whose layers need blobs that no layer of a phase makes (a deploy net in TRAIN, a train net in
+TEST) is skipped in that phase, as Caffe would refuse it.
 
-    CAFFEPY_INTEL_CAFFE=/work/intel-caffe python -m pytest tests/test_intel_models.py -rx
+    CAFFEPY_INTEL_CAFFE=/work/intel-caffe python -m pytest tests/test_intel_models.py [-m slow]
 
-prints the counts at the end (ran, refused for another issue by reason, pending, failed).
+prints the counts at the end (ran, skipped, refused by reason, failed).
 """
 import ast
 import glob
@@ -95,16 +96,6 @@ LEFT = {
     "3-D convolution": (r"bottom: needs a 4-axis \(N, C, H, W\) blob, got \(\d+, \d+, \d+, \d+, \d+\)$",
                         "Intel's VNet, whose Reshape layers fix its volume at 128x128x64: its 5x5x5 "
                         "convolutions over 32 channels there would need 16 GB im2col buffers"),
-}
-
-# Refusals for work other helpers of issue #35 are doing now (field prefix -> helper)
-PENDING = {
-    "transform_param.": "augment",
-    "batch_norm_param.stats_batch_size": "bnstats", "batch_norm_param.relu": "bnstats",
-    "loss_param.label_smoothing": "bnstats",
-    "convolution_param.relu": "fusions", "convolution_param.fusion_type": "fusions",
-    "inner_product_param.relu": "fusions", "concat_param.per_fla_fuse": "fusions",
-    "engine": "cli",            # the layer's engine or its *_param's
 }
 
 RESULTS = {}       # (id, phase name) -> (kind, why, seconds); see sweep()
@@ -277,7 +268,7 @@ LINE = re.compile(r"layer '(?P<name>[^']*)' \((?P<type>[^)]*)\): (?P<field>[^:]+
 
 
 def refusal_reason(message):
-    """The key of OTHER_ISSUES or PENDING a one-line refusal names, else None."""
+    """The key of OTHER_ISSUES or LEFT a one-line refusal names, else None."""
     m = LINE.search(message)
     if not m:
         return None
@@ -293,11 +284,6 @@ def refusal_reason(message):
     for key, (pattern, _) in LEFT.items():
         if re.match(pattern, f"{field}: {problem}"):
             return key
-    if field.split(".")[-1] == "engine":
-        return "engine"
-    for prefix in PENDING:
-        if field.startswith(prefix):
-            return prefix
     return None
 
 
@@ -380,14 +366,12 @@ def test_net_runs_a_step_or_is_refused_for_another_issue(name, phase, summary, p
     RESULTS[key] = (kind, what, time.perf_counter() - start)
     if kind == "other phase":
         pytest.skip(f"not a {key[1]} net: {what}")
-    if kind == "pending":
-        pytest.xfail(f"needs {what}, work under way in issue #35")
     assert kind in ("ran", "refused", "left"), what
 
 
 def sweep(path, phase):
     """What the sweep makes of the net at `path` in `phase`: (kind, what), kind one of "ran",
-    "other phase", "refused", "left", "pending", "failed"; `what` says why. A CaffepyError
+    "other phase", "refused", "left", "failed"; `what` says why. A CaffepyError
     that is not one line naming the file, and any other exception, propagate."""
     param = synthetic_net(U.read_net(path))
     stages = _stages(param, phase)
@@ -406,8 +390,6 @@ def sweep(path, phase):
             return "refused", f"{reason} ({OTHER_ISSUES[reason]})"
         if reason in LEFT:
             return "left", f"{reason}: {LEFT[reason][1]}"
-        if reason in PENDING:
-            return "pending", f"{reason} ({PENDING[reason]})"
         return "failed", message
     bad = _finite(net, loss)
     return ("failed", f"not finite: {bad[:5]}") if bad else ("ran", "")
@@ -434,12 +416,11 @@ def _print_summary(seconds):
     write(f"Intel/BVLC net sweep: {len(RESULTS)} net-phases in {seconds:.0f} s")
     write(f"  built and ran one step: {len(kinds.get('ran', []))}")
     write(f"  not a net of that phase (skipped): {len(kinds.get('other phase', []))}")
-    for kind in ("refused", "left", "pending"):
+    for kind in ("refused", "left"):
         reasons = {}
         for _, _, what, _ in kinds.get(kind, []):
             reasons[what] = reasons.get(what, 0) + 1
-        title = {"refused": "refused for another issue", "left": "refused, left out on purpose",
-                 "pending": "pending other #35 helpers (xfail)"}[kind]
+        title = {"refused": "refused for another issue", "left": "refused, left out on purpose"}[kind]
         write(f"  {title}: {len(kinds.get(kind, []))}")
         for what, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
             write(f"    {n:4d}  {what}")
@@ -459,9 +440,8 @@ def _print_summary(seconds):
     ("layer 'c' (Convolution): quantization_param: Intel Caffe's int8 (reduced-precision) inference is not "
      "supported", "quantization_param"),
     ("layer 'c' (Convolution): bottom: needs a 4-axis (N, C, H, W) blob, got (1, 1, 128, 128, 64)", "3-D convolution"),
-    ("layer 'd' (Data): transform_param.random_aspect_ratio_param: is an Intel Caffe augmentation", "transform_param."),
-    ("layer 'c' (Convolution): convolution_param.engine: unknown engine, got BOGUS", "engine"),
     # anything else fails the sweep
+    ("layer 'c' (Convolution): convolution_param.engine: unknown engine, got BOGUS", None),
     ("layer 'x' (Frobnicate): type: unknown layer type 'Frobnicate'. Known types: AbsVal", None),
     ("layer 'p' (Python): python_param.module: cannot import module, got 'pyloss'. Put pyloss.py", None),
     ("layer 'c' (Convolution): bottom: needs a 4-axis (N, C, H, W) blob, got (1, 128)", None),

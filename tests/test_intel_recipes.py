@@ -6,9 +6,9 @@ and solver as shipped but for the data, the batch, the iterations and the learni
 (tests/recipe_helpers.py says exactly what changes and why), and its loss must be finite at the
 first two iterations and fall over the run (slow: VGG-16 iterations take seconds).
 
-Recipes that need work other helpers of issue #35 do now, or another issue, are xfail with the
-feature named (PENDING): the run must fail naming that feature, or the test fails. Remove an
-entry when that work has merged.
+Recipes that need work of another issue are xfail with the feature named (PENDING: SSD's training
+layers, issue #36): the run must fail naming that feature, or the test fails. Remove the entry
+when that work has merged.
 
 `test_small_recipe_trains` is the CI version that needs no Intel tree: our own small recipe
 (tests/recipes/tiny_resnet: the same features at a small scale) under mpiexec -n 2.
@@ -33,13 +33,7 @@ class PendingFeature(AssertionError):
 
 
 # recipe (a prefix of its name) -> (words its failure must hold, what is missing and who brings it)
-_AUGMENT_BNSTATS = ("random_aspect_ratio_param",
-                    "transform_param.random_aspect_ratio_param (TRAIN) and random_resize_param (TEST), "
-                    "helper `augment` of issue #35; bn_stats_batch_size, helper `bnstats`")
 PENDING = {
-    "default_resnet50_": _AUGMENT_BNSTATS,
-    "resnet50_": _AUGMENT_BNSTATS,
-    "googlenet_v3_": _AUGMENT_BNSTATS,
     "ssd_": ("AnnotatedData", "AnnotatedData and MultiBoxLoss: SSD training, issue #36"),
 }
 
