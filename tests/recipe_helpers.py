@@ -46,6 +46,7 @@ INTEL_TREE = os.environ.get("CAFFEPY_INTEL_CAFFE")
 MULTINODE = os.path.join(INTEL_TREE or "", "models", "intel_optimized_models", "multinode")
 CAFFEPY = os.path.join(os.path.dirname(sys.executable), "caffepy")
 SMALL = os.path.join(TESTS, "recipes", "tiny_resnet")       # our own recipe, for CI
+SMALL_SOLVERS = ("solver", "solver_lars")
 
 ITERS = 8
 BATCH = 2          # per rank
@@ -93,21 +94,22 @@ def _net_path(solver_path, field):
     return os.path.join(os.path.dirname(solver_path), os.path.basename(field))
 
 
-def prepare_net(path, out, db, mean, batch):
-    """The net at `path` reading `db` in batches of `batch`, written to `out` (see the module's
-    docstring)."""
+def prepare_net(path, out, db, mean, batch=None):
+    """The net at `path` reading `db` in batches of `batch` (None: its own), written to `out`
+    (see the module's docstring)."""
     net = U.read_net(path)
     for lp in net.layer:
         for field in ("data_param", "image_data_param"):
             if lp.HasField(field):
                 getattr(lp, field).source = db
-                getattr(lp, field).batch_size = batch
+                if batch:
+                    getattr(lp, field).batch_size = batch
         if lp.transform_param.mean_file:
             lp.transform_param.mean_file = mean
         stats = lp.batch_norm_param
-        if stats.stats_batch_size > batch:
+        if batch and stats.stats_batch_size > batch:
             stats.stats_batch_size = batch
-    if net.bn_stats_batch_size > batch:
+    if batch and net.bn_stats_batch_size > batch:
         net.bn_stats_batch_size = batch
     P.write_text(net, out)
     return str(out)
@@ -144,6 +146,16 @@ def prepare(solver_path, work, db, mean, iters=ITERS, batch=BATCH, global_batch=
     solver.random_seed = 1
     P.write_text(solver, work / "solver.prototxt")
     return work / "solver.prototxt"
+
+
+def prepare_small(name, work, db, mean):
+    """Our small recipe's solver `name` (SMALL_SOLVERS) as shipped, its LMDBs `db` and `mean`,
+    in `work`."""
+    solver = U.read_solver(os.path.join(SMALL, f"{name}.prototxt"))
+    solver.net = prepare_net(os.path.join(REPO, solver.net), work / "train_val.prototxt", db, mean)
+    solver.snapshot_prefix = str(work / "tiny_resnet")
+    P.write_text(solver, work / "solver.prototxt")
+    return work / "solver.prototxt", solver
 
 
 def train(solver, ranks=RANKS, timeout=1800, cwd=None):

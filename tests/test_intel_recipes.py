@@ -11,19 +11,16 @@ layers, issue #36): the run must fail naming that feature, or the test fails. Re
 when that work has merged.
 
 `test_small_recipe_trains` is the CI version that needs no Intel tree: our own small recipe
-(tests/recipes/tiny_resnet: the same features at a small scale) under mpiexec -n 2.
+(tests/recipes/tiny_resnet: the same features at a small scale, two solvers) under mpiexec -n 2.
 """
 import os
 import re
 
 import pytest
 
-from caffepy import prototxt as P
-from caffepy import upgrade as U
-
 from mpi_helpers import MPIEXEC
-from paths import REPO
-from recipe_helpers import BATCH, GLOBAL_BATCH, RECIPES, SMALL, check_trains, make_imagenet, prepare, prepare_net, train
+from recipe_helpers import (GLOBAL_BATCH, RECIPES, SMALL_SOLVERS, check_trains, make_imagenet, prepare, prepare_small,
+                            train)
 
 pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in the venv")
 
@@ -65,20 +62,29 @@ def test_intel_recipe_trains(name, imagenet, tmp_path):
     print(f"{name}: loss " + " ".join(f"{seen[i]:.3f}" for i in sorted(seen)))
 
 
-def test_small_recipe_trains(imagenet, tmp_path):
-    """Our recipe in the shape of Intel's ResNet-50 ones (tests/recipes/tiny_resnet: ImageNet data
-    and transform, BatchNorm + Scale, Eltwise shortcuts, multistep with warm-up) trains as shipped
-    under mpiexec -n 2, its LMDBs pointed at the generated set: a batch of 2 per rank, the
-    global batch of 4 is the whole set at each iteration."""
-    db, mean = imagenet
-    solver = U.read_solver(os.path.join(SMALL, "solver.prototxt"))
-    solver.net = prepare_net(os.path.join(REPO, solver.net), tmp_path / "train_val.prototxt", db, mean, BATCH)
-    solver.snapshot_prefix = str(tmp_path / "tiny_resnet")
-    P.write_text(solver, tmp_path / "solver.prototxt")
-    out = train(tmp_path / "solver.prototxt", timeout=300)
+# Our small recipe's solvers: the rate at each iteration (warm-up over 4, then the policy) and the
+# iterations that test
+SCHEDULES = {
+    # warm-up from 0.02 to 0.2, then 0.1x at iterations 10 and 14; tests at 4 + 8k (test_offset)
+    "solver": ({0: 0.02, 1: 0.065, 2: 0.11, 3: 0.155, 4: 0.2, 9: 0.2, 10: 0.02, 13: 0.02, 14: 0.002,
+                15: 0.002}, [4, 12]),
+    # LARS: warm-up from 0.05 to 0.5, then poly (power 2) over 16 iterations: 0.5 (1 - i / 16)^2
+    "solver_lars": ({0: 0.05, 2: 0.275, 4: 0.28125, 8: 0.125, 12: 0.03125, 15: 0.001953125}, [16]),
+}
+
+
+@pytest.mark.parametrize("name", SMALL_SOLVERS)
+def test_small_recipe_trains(name, imagenet, tmp_path):
+    """Our recipe in the shape of Intel's ResNet-50 and Inception-v3 ones (tests/recipes/tiny_resnet:
+    ImageNet data with their augmentations, BatchNorm statistics groups, BatchNorm + Scale, Eltwise
+    shortcuts, label smoothing), with the schedules of their solvers (warm-up, multistep,
+    test_offset; LARS, poly, average_loss), trains as shipped under mpiexec -n 2, its LMDBs pointed
+    at the generated set."""
+    solver_path, solver = prepare_small(name, tmp_path, *imagenet)
+    out = train(solver_path, timeout=300)
     check_trains(out, solver.max_iter)
-    assert "local batch 2, global batch 4" in out.stderr
-    # warm-up from 0.02 to 0.2 over 4 iterations, then 0.1x at iterations 10 and 14
+    assert "local batch 4, global batch 8" in out.stderr
     rates = {int(i): float(v) for i, v in re.findall(r"Iteration (\d+), lr = (\S+)", out.stderr)}
-    want = {0: 0.02, 1: 0.065, 2: 0.11, 3: 0.155, 4: 0.2, 9: 0.2, 10: 0.02, 13: 0.02, 14: 0.002, 15: 0.002}
+    want, tests = SCHEDULES[name]
     assert {i: rates[i] for i in want} == pytest.approx(want, rel=1e-5)
+    assert [int(i) for i in re.findall(r"Iteration (\d+), Testing net", out.stderr)] == tests

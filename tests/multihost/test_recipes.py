@@ -7,11 +7,9 @@ import sys
 
 import pytest
 
-from caffepy import prototxt as P
-from caffepy import upgrade as U
 from multihost.testbed import TestBed, unavailable
 from paths import REPO
-from recipe_helpers import BATCH, GLOBAL_BATCH, RECIPES, SMALL, check_trains, make_imagenet, prepare, prepare_net
+from recipe_helpers import GLOBAL_BATCH, RECIPES, check_trains, make_imagenet, prepare, prepare_small
 
 pytestmark = pytest.mark.multihost
 
@@ -35,12 +33,8 @@ def across_two_hosts(solver, timeout):
 
 
 def test_small_recipe_trains_across_hosts(imagenet, tmp_path):
-    db, mean = imagenet
-    solver = U.read_solver(os.path.join(SMALL, "solver.prototxt"))
-    solver.net = prepare_net(os.path.join(REPO, solver.net), tmp_path / "train_val.prototxt", db, mean, BATCH)
-    solver.snapshot_prefix = str(tmp_path / "tiny_resnet")
-    P.write_text(solver, tmp_path / "solver.prototxt")
-    out = across_two_hosts(tmp_path / "solver.prototxt", 300)
+    solver_path, solver = prepare_small("solver", tmp_path, *imagenet)
+    out = across_two_hosts(solver_path, 300)
     check_trains(out, solver.max_iter)
     assert "algorithm: ring (2 ranks" in out.stderr
 
