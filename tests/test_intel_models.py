@@ -6,8 +6,9 @@ and of a BVLC Caffe tree named by CAFFEPY_BVLC_CAFFE. Each net is built in TRAIN
 with its data layers replaced by DummyData of the shapes they would produce (`synthetic_net`),
 and runs one forward and one backward; every blob's data and diff, every parameter gradient
 and the loss must be finite. A net passes too when it is refused in one line (a CaffepyError)
-naming a layer type or field that another issue owns (OTHER_ISSUES), or that is left out on
-purpose (LEFT: 3-D convolution); any other refusal, and any other exception, fails. A net
+naming a layer type or field that another issue owns or a Python layer that is not caffepy's
+(OTHER_ISSUES), or that is left out on purpose (LEFT: 3-D convolution); any other refusal, and
+any other exception, fails. A net
 whose layers need blobs that no layer of a phase makes (a deploy net in TRAIN, a train net in
 TEST) is skipped in that phase, as Caffe would refuse it.
 
@@ -74,21 +75,27 @@ SLOW = {
     "models/intel_optimized_models/multinode/vgg_16_8nodes_512_batch/train_val_ip_grad_compress.prototxt",
     "models/intel_optimized_models/ssd/VGGNet/coco/SSD_300x300/deploy.prototxt",
     "models/intel_optimized_models/ssd/VGGNet/coco/SSD_300x300_webcam/test.prototxt",
+    "models/intel_optimized_models/faster-rcnn/pascal_voc/VGG16/fast_rcnn/train.prototxt",
+    "models/intel_optimized_models/faster-rcnn/coco/VGG16/fast_rcnn/train.prototxt",
+    "models/intel_optimized_models/yolo/yolov2_train.prototxt",
+    "models/intel_optimized_models/yolo/yolov2_train_RELU.prototxt",
+    "models/intel_optimized_models/yolo/yolov2_test.prototxt",
+    "models/intel_optimized_models/yolo/yolov2_test_RELU.prototxt",
 }
 
 # Refusals that belong to other issues: a net refused for one of these passes. Keys: a layer
 # type caffepy does not know, a LayerParameter field, or "Python <module>". (The sweep replaces
 # the data layers, AnnotatedData and VideoData of issue #36 among them.)
+PY_FASTER_RCNN = "py-faster-rcnn's lib, which its users put on their path (tests/test_faster_rcnn.py runs it)"
 OTHER_ISSUES = {
-    # issue #36: detection training and evaluation
+    # issue #36: SSD's training and evaluation
     "MultiBoxLoss": "#36", "DetectionEvaluate": "#36",
-    "SmoothL1Loss": "#36", "PSROIPooling": "#36", "SmoothL1LossOHEM": "#36",
-    "SoftmaxWithLossOHEM": "#36", "BoxAnnotatorOHEM": "#36", "RegionLoss": "#36",
-    "EvalDetection": "#36",
-    "Python rpn.anchor_target_layer": "#36", "Python rpn.proposal_layer": "#36",
-    "Python rpn.proposal_target_layer": "#36",
     # issue #40: int8
     "quantization_param": "#40",
+    # not caffepy's: the Python layers of py-faster-rcnn's lib/rpn (Python 2 code; Intel's tree
+    # carries a copy under examples/faster-rcnn/lib)
+    "Python rpn.anchor_target_layer": PY_FASTER_RCNN, "Python rpn.proposal_layer": PY_FASTER_RCNN,
+    "Python rpn.proposal_target_layer": PY_FASTER_RCNN, "Python rpn.debug_layer": PY_FASTER_RCNN,
 }
 
 # Refusals of work left out on purpose: key -> (pattern of the refusal's field and problem, why)
@@ -162,7 +169,7 @@ def _data_tops(lp):
         return [(shapes[t], GAUSSIAN if t == "data" else ZEROS) for t in tops]
     data = ((BATCH,) + _item_shape(lp), GAUSSIAN)
     if lp.type == "AnnotatedData":
-        label = ((1, 1, 1, 8), ZEROS)     # one ground-truth box: [item, label, instance, box, difficult]
+        label = ((1, 1, 1, 8), ZEROS)     # one ground-truth box: sweep() writes GROUND_TRUTH there
     else:
         label = ((BATCH,), ZEROS)
     return [data, label][:len(tops)]
@@ -312,6 +319,20 @@ def _global_stats(net):
             layer.blobs[2].data[...] = 1
 
 
+# One ground-truth box as AnnotatedData writes it: [item, label, instance, xmin, ymin, xmax, ymax,
+# difficult] (label 0 is the background, which detection losses refuse as a box's label)
+GROUND_TRUTH = [0, 1, 0, 0.1, 0.2, 0.6, 0.7, 0]
+
+
+def _ground_truth(net, param):
+    """The label tops of the layers that replaced AnnotatedData hold GROUND_TRUTH (DummyData
+    fills a constant top once, so it stays)."""
+    for lp in param.layer:
+        if lp.type == "DummyData" and len(lp.top) > 1 and list(lp.dummy_data_param.shape[1].dim) == [1, 1, 1, 8]:
+            if lp.top[1] in net.blobs:
+                net.blobs[lp.top[1]].data[...] = np.reshape(GROUND_TRUTH, (1, 1, 1, 8))
+
+
 # A filler draws at most this many values of a blob; the rest repeat them (see quick_fillers)
 FILLER_SAMPLE = 1 << 20
 
@@ -381,6 +402,7 @@ def sweep(path, phase):
     try:
         net = Net(param, phase=phase, stages=stages, source=path)
         _global_stats(net)
+        _ground_truth(net, param)
         loss = net.forward_backward()
     except CaffepyError as e:
         message = str(e)
