@@ -6,9 +6,11 @@ and of a BVLC Caffe tree named by CAFFEPY_BVLC_CAFFE. Each net is built in TRAIN
 with its data layers replaced by DummyData of the shapes they would produce (`synthetic_net`),
 and runs one forward and one backward; every blob's data and diff, every parameter gradient
 and the loss must be finite. A net passes too when it is refused in one line (a CaffepyError)
-naming a layer type or field that another issue owns or a Python layer that is not caffepy's
-(OTHER_ISSUES), or that is left out on purpose (LEFT: 3-D convolution); any other refusal, and
-any other exception, fails. A net
+naming a layer type or field that another issue owns (OTHER_ISSUES), or that is left out on
+purpose (LEFT: 3-D convolution); any other refusal, and any other exception, fails.
+py-faster-rcnn's rpn Python layers (its lib, Python 2 code its users put on their path) are
+played by examples/faster_rcnn's layers of the same interfaces (RPN_STAND_INS), and its train
+nets run in TRAIN only. A net
 whose layers need blobs that no layer of a phase makes (a deploy net in TRAIN, a train net in
 TEST) is skipped in that phase, as Caffe would refuse it.
 
@@ -23,6 +25,7 @@ import os
 import re
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -32,7 +35,7 @@ from caffepy.errors import CaffepyError
 from caffepy.net import Net, filter_net, net_state
 from caffepy.proto import caffe_pb2
 
-from paths import REFERENCE_MODELS
+from paths import REFERENCE_MODELS, REPO
 
 INTEL_TREE = os.environ.get("CAFFEPY_INTEL_CAFFE")
 BVLC_TREE = os.environ.get("CAFFEPY_BVLC_CAFFE")
@@ -76,6 +79,10 @@ SLOW = {
     "models/intel_optimized_models/ssd/VGGNet/coco/SSD_300x300/deploy.prototxt",
     "models/intel_optimized_models/ssd/VGGNet/coco/SSD_300x300_webcam/test.prototxt",
     "models/intel_optimized_models/faster-rcnn/pascal_voc/VGG16/fast_rcnn/train.prototxt",
+    "models/intel_optimized_models/benchmark/rfcn/deploy.prototxt",
+    "models/intel_optimized_models/benchmark/faster-rcnn/deploy.prototxt",
+    "examples/model_optimization/models/Fast-RCNN/pascal_voc/VGG16-X2/faster_rcnn_end2end/train.prototxt",
+    "examples/model_optimization/models/Fast-RCNN/pascal_voc/VGG16-X4/faster_rcnn_end2end/train.prototxt",
     "models/intel_optimized_models/faster-rcnn/coco/VGG16/fast_rcnn/train.prototxt",
     "models/intel_optimized_models/yolo/yolov2_train.prototxt",
     "models/intel_optimized_models/yolo/yolov2_train_RELU.prototxt",
@@ -86,16 +93,11 @@ SLOW = {
 # Refusals that belong to other issues: a net refused for one of these passes. Keys: a layer
 # type caffepy does not know, a LayerParameter field, or "Python <module>". (The sweep replaces
 # the data layers, AnnotatedData and VideoData of issue #36 among them.)
-PY_FASTER_RCNN = "py-faster-rcnn's lib, which its users put on their path (tests/test_faster_rcnn.py runs it)"
 OTHER_ISSUES = {
     # issue #36: SSD's training and evaluation
     "MultiBoxLoss": "#36", "DetectionEvaluate": "#36",
     # issue #40: int8
     "quantization_param": "#40",
-    # not caffepy's: the Python layers of py-faster-rcnn's lib/rpn (Python 2 code; Intel's tree
-    # carries a copy under examples/faster-rcnn/lib)
-    "Python rpn.anchor_target_layer": PY_FASTER_RCNN, "Python rpn.proposal_layer": PY_FASTER_RCNN,
-    "Python rpn.proposal_target_layer": PY_FASTER_RCNN, "Python rpn.debug_layer": PY_FASTER_RCNN,
 }
 
 # Refusals of work left out on purpose: key -> (pattern of the refusal's field and problem, why)
@@ -257,6 +259,16 @@ def _unproduced(net, phase, stages):
     return None
 
 
+def _training_only(net, phase):
+    """py-faster-rcnn's train nets in TEST: their anchor and proposal target layers draw
+    training samples and have no TEST settings (its train nets name no phase, but only its
+    training runs them), else None."""
+    for lp in net.layer:
+        if phase == caffe_pb2.TEST and lp.type == "Python" and lp.python_param.module in TRAINING_ONLY:
+            return f"layer '{lp.name}' ({lp.python_param.module}) samples training targets"
+    return None
+
+
 def _stages(net, phase):
     """The stages a TEST net runs with: those of its first data layer's TEST rule (as a
     solver's test_state names them: LRCN's and mnist_autoencoder's "test-on-test")."""
@@ -324,13 +336,27 @@ def _global_stats(net):
 GROUND_TRUTH = [0, 1, 0, 0.1, 0.2, 0.6, 0.7, 0]
 
 
+# py-faster-rcnn's RoIDataLayer: the image's (height, width, scale) and one box (x1, y1, x2, y2, class)
+IM_INFO = [224, 224, 1]
+GT_BOXES = [16, 32, 150, 200, 1]
+
+
 def _ground_truth(net, param):
-    """The label tops of the layers that replaced AnnotatedData hold GROUND_TRUTH (DummyData
-    fills a constant top once, so it stays)."""
+    """The label tops of the layers that replaced AnnotatedData hold GROUND_TRUTH, and those
+    that replaced a RoIDataLayer IM_INFO and GT_BOXES (DummyData fills a constant top once, so
+    they stay)."""
     for lp in param.layer:
-        if lp.type == "DummyData" and len(lp.top) > 1 and list(lp.dummy_data_param.shape[1].dim) == [1, 1, 1, 8]:
-            if lp.top[1] in net.blobs:
-                net.blobs[lp.top[1]].data[...] = np.reshape(GROUND_TRUTH, (1, 1, 1, 8))
+        if lp.type != "DummyData":
+            continue
+        for top, shape in zip(lp.top, lp.dummy_data_param.shape):
+            if top not in net.blobs:
+                continue
+            if list(shape.dim) == [1, 1, 1, 8]:
+                net.blobs[top].data[...] = np.reshape(GROUND_TRUTH, (1, 1, 1, 8))
+            elif top == "im_info" and list(shape.dim) == [1, 3]:
+                net.blobs[top].data[...] = [IM_INFO]
+            elif top == "gt_boxes" and list(shape.dim) == [1, 5]:
+                net.blobs[top].data[...] = [GT_BOXES]
 
 
 # A filler draws at most this many values of a blob; the rest repeat them (see quick_fillers)
@@ -357,8 +383,16 @@ def quick_fillers(monkeypatch):
     monkeypatch.setattr(fillers, "fill", fill)
 
 
+TRAINING_ONLY = {"rpn.anchor_target_layer", "rpn.proposal_target_layer"}
+
 # Python layer modules the trees ship, and where (their `import caffe` gets caffepy)
 PYTHON_MODULES = {"pyloss": os.path.join("examples", "pycaffe", "layers")}
+
+
+# py-faster-rcnn's lib/rpn layers (Python 2 code its users put on their path) -> the layers of
+# examples/faster_rcnn/rcnn_layers.py, which have their interfaces and stand in for them
+RPN_STAND_INS = {"rpn.anchor_target_layer": "AnchorTargetLayer", "rpn.proposal_layer": "ProposalLayer",
+                 "rpn.proposal_target_layer": "ProposalTargetLayer"}
 
 
 @pytest.fixture
@@ -369,6 +403,13 @@ def python_layers(name, monkeypatch):
         for where in PYTHON_MODULES.values():
             monkeypatch.syspath_prepend(os.path.join(root, where))
         monkeypatch.setitem(sys.modules, "caffe", caffepy)
+        monkeypatch.syspath_prepend(os.path.join(REPO, "examples", "faster_rcnn"))
+        import rcnn_layers
+        monkeypatch.setitem(sys.modules, "rpn", types.ModuleType("rpn"))
+        for module, cls in RPN_STAND_INS.items():
+            stand_in = types.ModuleType(module)
+            setattr(stand_in, cls, getattr(rcnn_layers, cls))
+            monkeypatch.setitem(sys.modules, module, stand_in)
 
 
 @pytest.mark.skipif(not CORPUS, reason="no reference models and no CAFFEPY_INTEL_CAFFE / CAFFEPY_BVLC_CAFFE tree")
@@ -396,7 +437,7 @@ def sweep(path, phase):
     that is not one line naming the file, and any other exception, propagate."""
     param = synthetic_net(U.read_net(path))
     stages = _stages(param, phase)
-    missing = _unproduced(param, phase, stages)
+    missing = _unproduced(param, phase, stages) or _training_only(param, phase)
     if missing:
         return "other phase", missing
     try:
@@ -457,8 +498,7 @@ def _print_summary(seconds):
 
 @pytest.mark.parametrize("message,reason", [
     ("layer 'l' (MultiBoxLoss): type: unknown layer type 'MultiBoxLoss'. Known types: AbsVal", "MultiBoxLoss"),
-    ("layer 'p' (Python): python_param.module: cannot import module, got 'rpn.proposal_layer'. Put rpn.py",
-     "Python rpn.proposal_layer"),
+
     ("layer 'c' (Convolution): quantization_param: Intel Caffe's int8 (reduced-precision) inference is not "
      "supported", "quantization_param"),
     ("layer 'c' (Convolution): bottom: needs a 4-axis (N, C, H, W) blob, got (1, 1, 128, 128, 64)", "3-D convolution"),
@@ -466,6 +506,7 @@ def _print_summary(seconds):
     ("layer 'c' (Convolution): convolution_param.engine: unknown engine, got BOGUS", None),
     ("layer 'x' (Frobnicate): type: unknown layer type 'Frobnicate'. Known types: AbsVal", None),
     ("layer 'p' (Python): python_param.module: cannot import module, got 'pyloss'. Put pyloss.py", None),
+    ("layer 'p' (Python): python_param.module: cannot import module, got 'rpn.proposal_layer'. Put rpn.py", None),
     ("layer 'c' (Convolution): bottom: needs a 4-axis (N, C, H, W) blob, got (1, 128)", None),
     ("layer 'c' (Convolution): blobs[0] filler: unknown filler type 'gabor'", None),
 ])
