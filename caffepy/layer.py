@@ -26,6 +26,7 @@ run on. A new implementation is a class with a `wanted` and a `@register(variant
 only asks; the layer keeps the run context it was built for in `layer.context`.
 """
 import difflib
+import enum
 import math
 import typing
 
@@ -56,6 +57,17 @@ def layout_of(blob):
     if blob.layout is None:
         return NCHW
     return BLOCKED if isinstance(blob.layout, Blocked) else NHWC
+
+class Phase(enum.IntEnum):
+    """caffe_pb2's phases as pycaffe shows them (caffepy.TRAIN, caffepy.TEST): TRAIN prints as
+    TRAIN (py-faster-rcnn's layers look their settings up by str(self.phase)) and equals
+    caffe_pb2.TRAIN (0)."""
+    TRAIN = 0
+    TEST = 1
+
+    def __str__(self):
+        return self.name
+
 
 LAYERS = {}          # prototxt type -> {variant name: class}, the plain implementation first
 
@@ -105,6 +117,7 @@ def create_layer(param, phase, source=None, *, bottoms=(), context=SINGLE, net=N
     layer = cls(param, phase, source)
     layer.context = context
     layer.caffe_algorithms = engine.caffe_engine(param, net, source)
+    layer.net_param = net
     return layer
 
 
@@ -226,6 +239,9 @@ class Layer:
         self.context = SINGLE       # the run's RunContext; create_layer sets it
         # Caffe's own algorithms asked for (caffepy.engine); create_layer adds the net's engine
         self.caffe_algorithms = engine.caffe_engine(param, None, source)
+        # the NetParameter of the net it belongs to (None alone; create_layer sets it), for the
+        # net-wide fields a layer honours (Intel's bn_stats_batch_size)
+        self.net_param = None
         self.blobs = []
         if len(param.blobs):
             from .blobproto import blobproto_to_array

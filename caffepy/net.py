@@ -22,13 +22,14 @@ from . import layers as _layers  # noqa: F401  (registers every layer type)
 from . import log, memory, net_rules, prototxt, upgrade
 from .blob import Blob
 from .context import SINGLE
-from .errors import CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote
-from .layer import LAYERS, create_layer
+from .errors import (CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote,
+                     raised_in_python_layer)
+from .layer import LAYERS, Phase, create_layer
 from .layout_plan import LayoutPlan
 from .proto import caffe_pb2
 
-TRAIN = caffe_pb2.TRAIN
-TEST = caffe_pb2.TEST
+TRAIN = Phase.TRAIN
+TEST = Phase.TEST
 
 
 # -- NetState filtering (Caffe's Net::FilterNet / Net::StateMeetsRule) ---------
@@ -415,6 +416,8 @@ class Net:
         except SizeError as e:
             raise _size_error(layer, e) from None
         except (ValueError, IndexError) as e:
+            if raised_in_python_layer(e):
+                raise           # the user's code: its own traceback (errors.python_layer_report)
             raise layer.error("setup", str(e), cls=ShapeError) from None
         except MemoryError:
             free = memory.available()
@@ -758,7 +761,7 @@ class Net:
         from .blobproto import blobproto_to_array
         wanting = [name for name in self._first_named if self.first_layer(name).blobs]
         loaded = set()
-        for lp in source.layer:
+        for lp in self._split_merged_scales(source, path):
             layer = self.first_layer(lp.name)
             if layer is None:
                 log.info(f"Ignoring source layer {lp.name}")
@@ -788,6 +791,49 @@ class Net:
         if missed:
             log.warning(f"{path}: no weights for layer(s) {quote(', '.join(missed))} of {self.source}; "
                         f"they keep their initial values")
+
+    def _split_merged_scales(self, source, path):
+        """The layers of `source`, with Intel Caffe's merged BatchNorms given back their Scale.
+
+        Intel's MKL2017 / MKLDNN engines fold the Scale after a BatchNorm into it (its compiler's
+        RemoveScale rule), so their caffemodels hold a BatchNorm of 4 or 5 blobs (mean, variance,
+        factor, then the Scale's scale and shift) and no Scale layer. Caffe's BatchNorm keeps 3: the
+        last ones go to the Scale that takes the BatchNorm's top in this net."""
+        from .blobproto import array_to_blobproto
+        named = {lp.name for lp in source.layer if len(lp.blobs)}
+        for lp in source.layer:
+            layer = self.first_layer(lp.name)
+            if layer is None or layer.type != "BatchNorm" or len(lp.blobs) not in (4, 5) \
+                    or len(layer.blobs) != 3:
+                yield lp
+                continue
+            scale = self._scale_after(self._first_named[lp.name])
+            if scale is None or scale.name in named or len(lp.blobs) - 3 > len(scale.blobs):
+                raise layer_error(layer, "blobs", f"the file has {len(lp.blobs)} parameter blobs (Intel "
+                                  f"Caffe's BatchNorm with its Scale folded in), the net expects 3",
+                                  source=path, cls=ShapeError,
+                                  hint="Put a Scale layer (bias_term: true) in place after the BatchNorm "
+                                       "to take the scale and shift, as Intel's prototxts have")
+            head = caffe_pb2.LayerParameter(name=lp.name, type=lp.type)
+            head.blobs.extend(lp.blobs[:3])
+            tail = caffe_pb2.LayerParameter(name=scale.name, type="Scale")
+            tail.blobs.extend(lp.blobs[3:])
+            if len(scale.blobs) > len(tail.blobs):         # Intel's bias_term: false: no shift
+                tail.blobs.add().CopyFrom(array_to_blobproto(np.zeros(scale.blobs[1].shape, np.float32)))
+            log.info(f"{path}: layer '{lp.name}' holds Intel Caffe's merged Scale; its scale and shift "
+                     f"go to layer '{scale.name}'")
+            yield head
+            yield tail
+
+    def _scale_after(self, li):
+        """The Scale layer with one bottom that reads layer li's first top, if the next layer
+        reading that top is one."""
+        top = self.top_vecs[li][0] if self.top_vecs[li] else None
+        for lj in range(li + 1, len(self.layers)):
+            if any(b is top for b in self.bottom_vecs[lj]):
+                layer = self.layers[lj]
+                return layer if layer.type == "Scale" and len(self.bottom_vecs[lj]) == 1 else None
+        return None
 
     def to_proto(self, write_diff=False, arrays=None):
         """Caffe's Net::ToProto: every layer as the net runs it (Split layers and renamed

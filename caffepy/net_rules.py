@@ -81,7 +81,9 @@ class BatchNormScale:
                     and takes_part(net, li + 1, self, "Scale")):
                 continue
             x = net.top_vecs[li][0]
-            if net.bottom_vecs[li][0] is x and in_place_on(net, li + 1, x):
+            # a BatchNorm's own ReLU (Intel's relu: true) comes before the Scale; the unit's
+            # kernels take one after it only
+            if net.bottom_vecs[li][0] is x and in_place_on(net, li + 1, x) and not net.layers[li].relu:
                 units.append(Unit(self, li, li + 2 if relu_in_place(net, li + 2, x) else li + 1))
         return units
 

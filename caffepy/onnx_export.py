@@ -469,9 +469,12 @@ def _batch_norm(c):
     factor = 0.0 if factor == 0 else 1.0 / factor
     mean = c.blob(0) * np.float32(factor)
     var = (c.blob(1).astype(np.float64) * np.float32(factor)).astype(np.float32)
-    c.out("BatchNormalization", [c.x[0], c.const(np.ones(channels), "gamma"),
-                                 c.const(np.zeros(channels), "beta"), c.const(mean, "mean"),
-                                 c.const(var, "var")], epsilon=L.eps)
+    inputs = [c.x[0], c.const(np.ones(channels), "gamma"), c.const(np.zeros(channels), "beta"),
+              c.const(mean, "mean"), c.const(var, "var")]
+    if not L.relu:
+        c.out("BatchNormalization", inputs, epsilon=L.eps)
+        return
+    c.out("Relu", c.node("BatchNormalization", inputs, epsilon=L.eps))      # Intel's fused relu
 
 
 def _broadcast(c, field, blob_shape):

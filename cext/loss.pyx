@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Kernels of the loss layers (caffepy/layers/loss.py): SoftmaxWithLoss over an
 (outer, classes, inner) view: softmax, the summed -log p[label] and the backward
-(p - onehot) * scale, each in one sweep of the data.
+(p - onehot) * scale (or its label-smoothed form), each in one sweep of the data.
 
 Labels come in validated as int32 with -1 for positions that are ignored. exp is a
 vectorizable polynomial (loss_softmax.h) instead of libm's scalar expf. The NumPy references
@@ -172,8 +172,10 @@ def softmax_loss_forward(const float[:, :, ::1] x, const int[:, ::1] labels, flo
 
 
 def softmax_loss_backward(const float[:, :, ::1] prob, const int[:, ::1] labels, float scale,
-                          float[:, :, ::1] diff):
-    """diff = (prob - onehot(label)) * scale, 0 at ignored (-1) positions."""
+                          float[:, :, ::1] diff, float ratio=1.0, float hit=1.0, float miss=0.0):
+    """diff = (ratio * prob - target) * scale with target = hit at the label's class and miss
+    at the others (Intel's label smoothing; the defaults give (prob - onehot(label)) * scale
+    bit for bit), 0 at ignored (-1) positions."""
     cdef Py_ssize_t outer = prob.shape[0], C = prob.shape[1], inner = prob.shape[2]
     cdef Py_ssize_t r, c, j
     cdef int nt = threads_for(outer * C * inner)
@@ -193,9 +195,9 @@ def softmax_loss_backward(const float[:, :, ::1] prob, const int[:, ::1] labels,
                 d = &diff[r, 0, 0]
                 sv = scale * <float>(lab[0] >= 0)
                 for c in range(C):
-                    d[c] = p[c] * sv
+                    d[c] = (p[c] * ratio - miss) * sv
                 if lab[0] >= 0:
-                    d[lab[0]] -= scale
+                    d[lab[0]] -= (hit - miss) * scale
         else:
             for r in prange(outer * C, schedule="static", num_threads=nt):
                 c = r % C
@@ -203,4 +205,4 @@ def softmax_loss_backward(const float[:, :, ::1] prob, const int[:, ::1] labels,
                 p = &prob[0, 0, 0] + r * inner
                 d = &diff[0, 0, 0] + r * inner
                 for j in range(inner):
-                    d[j] = (p[j] - <float>(lab[j] == c)) * (scale * <float>(lab[j] >= 0))
+                    d[j] = (p[j] * ratio - (hit if lab[j] == c else miss)) * (scale * <float>(lab[j] >= 0))

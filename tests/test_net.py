@@ -500,3 +500,54 @@ def test_a_loss_layer_without_a_top_gets_caffes_anonymous_one(tmp_path):
     with pytest.raises(LayerError, match="unknown blob '\\(automatic\\)'"):
         Net(net_param(body + 'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "a" bottom: "label" }'
                       'layer { name: "more" type: "Power" bottom: "(automatic)" top: "p" }'), caffepy.TRAIN)
+
+
+BN_SCALE = """
+layer { name: "input" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 4 dim: 4 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 3 kernel_size: 1 } }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
+layer { name: "sc" type: "Scale" bottom: "conv" top: "conv" scale_param { bias_term: %s } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+"""
+
+
+def _intel_merged_weights(net, with_shift):
+    """A caffemodel as Intel's MKL engines write it: the BatchNorm holds mean, variance, factor,
+    scale[, shift] and no Scale layer."""
+    source = net.to_proto()
+    del source.layer[:]
+    for name, n in (("conv", 2), ("bn", 3)):
+        lp = source.layer.add(name=name, type=net.layer_dict[name].type)
+        for i in range(n):
+            lp.blobs.add().CopyFrom(caffe_pb2.BlobProto())
+            shape = net.layer_dict[name].blobs[i].shape
+            lp.blobs[i].shape.dim.extend(shape)
+            lp.blobs[i].data.extend(np.arange(1, 1 + int(np.prod(shape)), dtype=np.float32))
+    extra = ([2.0, 3.0, 4.0], [0.5, -0.5, 1.5]) if with_shift else ([2.0, 3.0, 4.0],)
+    for values in extra:
+        b = source.layer[1].blobs.add()
+        b.shape.dim.append(3)
+        b.data.extend(values)
+    return source
+
+
+@pytest.mark.parametrize("with_shift", [True, False])
+def test_intel_batchnorm_with_its_scale_folded_in_loads_into_batchnorm_and_scale(with_shift):
+    net = Net(net_param(BN_SCALE % "true"), phase=caffepy.TEST)
+    net.copy_from_param(_intel_merged_weights(net, with_shift))
+    bn, sc = net.layer_dict["bn"], net.layer_dict["sc"]
+    np.testing.assert_array_equal(bn.blobs[2].data, [1.0])
+    np.testing.assert_array_equal(bn.blobs[1].data, [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(sc.blobs[0].data, [2.0, 3.0, 4.0])
+    np.testing.assert_array_equal(sc.blobs[1].data, [0.5, -0.5, 1.5] if with_shift else [0, 0, 0])
+
+
+def test_intel_merged_batchnorm_without_a_scale_to_take_it_is_one_line():
+    text = BN_SCALE.replace('layer { name: "sc" type: "Scale" bottom: "conv" top: "conv" '
+                            'scale_param { bias_term: %s } }\n', "")
+    net = Net(net_param(text), phase=caffepy.TEST)
+    weights = _intel_merged_weights(Net(net_param(BN_SCALE % "true"), phase=caffepy.TEST), True)
+    with pytest.raises(ShapeError, match=r"layer 'bn' \(BatchNorm\): blobs: the file has 5 parameter blobs "
+                                         r"\(Intel Caffe's BatchNorm with its Scale folded in\).*Put a Scale"):
+        net.copy_from_param(weights)

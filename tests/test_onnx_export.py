@@ -153,6 +153,7 @@ CASES = {
     "softmax_axis2": layer("Softmax", "softmax_param { axis: -2 }"),
     "batchnorm_scale": layer("BatchNorm", top="data", name="bn")
     + layer("Scale", "scale_param { bias_term: true }", bottom="data", top="data", name="scale"),
+    "batchnorm_relu": layer("BatchNorm", "batch_norm_param { relu: true }", top="data", name="bn"),
     "scale_axis2": layer("Scale", "scale_param { axis: 2 num_axes: 2 }"),
     "bias": layer("Bias"),
     "flatten": layer("Flatten", "flatten_param { axis: 1 end_axis: 2 }"),

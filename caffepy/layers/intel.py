@@ -512,7 +512,7 @@ class _ViaPlain(Layer):
 
     def setup(self, bottom, top):
         _kernels(self)
-        self.inner.context = self.context
+        self.inner.context, self.inner.net_param = self.context, self.net_param
         for i, b in enumerate(bottom):
             _blocked_bottom(self, b, i)
         self.width = bottom[0].layout.width
@@ -523,6 +523,7 @@ class _ViaPlain(Layer):
             self._top.append(self._bottom[same[0]] if same else Blob(name=t.name))
         self._shape_inner(bottom)
         self.inner.layer_setup(self._bottom, self._top)
+        self.param_propagate_down = list(self.inner.param_propagate_down)
 
     def _shape_inner(self, bottom):
         for b, ib in zip(bottom, self._bottom):

@@ -17,7 +17,8 @@ setup (fields, checks, parameter blobs) they keep:
                   (cext/nhwc_direct.h), all in caffepy/layers/conv_algorithms.py;
                   `layer.algorithm` names the one chosen
     Pooling       MAX (one top) and AVE, global too
-    BatchNorm     batch statistics (train) and global statistics
+    BatchNorm     batch statistics (train; Intel's statistics groups) and global statistics,
+                  Intel's fused ReLU
     Scale, Bias   a learned per-channel scale (and bias) / bias
     Concat        along channels
     LRN           ACROSS_CHANNELS
@@ -382,9 +383,10 @@ def _reduce(a, b=None, shift=None, relu=None):
 
 @register(variant=NHWC)
 class NHWCBatchNorm(BatchNorm):
-    """BatchNorm on channels-last blobs (the plain layer's fields, blobs and statistics
-    updates): batch moments in one pass from a shift (the first pixel's values, so the
-    variance keeps its precision), then y = (x - mean) / sqrt(var + eps)."""
+    """BatchNorm on channels-last blobs (the plain layer's fields, blobs, statistics groups,
+    updates and fused ReLU): batch moments of each group (a run of its images' pixels) in one
+    pass from a shift (the group's first pixel's values, so the variance keeps its precision),
+    then y = (x - mean) / sqrt(var + eps), and max(y, 0) with relu."""
     type = "BatchNorm"
     layout = NHWC
     fuses = frozenset({"BatchNorm+Scale(+ReLU)"})
@@ -403,65 +405,90 @@ class NHWCBatchNorm(BatchNorm):
             nhwc_top(top[0], bottom[0].shape)
 
     def _statistics(self, x):
-        """The mean and 1/std to normalize x [M, C] with (float32), the running statistics
-        updated when they come from the batch."""
+        """Per group, the mean and 1/std to normalize x [M, C] with ([G, C] float32; one row
+        from the stored statistics), the running statistics updated when they come from the
+        batch; also kept as self.inv_std."""
         if self.use_global_stats:
-            factor = float(self.blobs[2].data[0])
-            factor = 0.0 if factor == 0 else 1.0 / factor
-            mean = (self.blobs[0].data * np.float32(factor)).astype(np.float32)
-            var = self.blobs[1].data.astype(np.float64) * np.float32(factor)
-            self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
-            return mean, self.inv_std
-        m, c = x.shape
-        shift = x[0].copy() if m else np.zeros(c, np.float32)
-        s1, s2 = _reduce(x, shift=shift)
-        d = s1 / max(m, 1)
-        mean = shift + d
-        var = np.maximum(s2 / max(m, 1) - d * d, 0.0)
-        self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
-        correction = m / (m - 1) if m > 1 else 1.0
-        self.blobs[2].data[...] = self.blobs[2].data * self.maf + 1.0
-        self.blobs[0].data[...] = mean + self.maf * self.blobs[0].data
-        self.blobs[1].data[...] = correction * var + self.maf * self.blobs[1].data
-        return mean.astype(np.float32), self.inv_std
+            mean, inv = self.global_statistics()
+            self.inv_std = inv[None]
+            return mean[None], self.inv_std
+        c = x.shape[1]
+        means = np.empty((self.groups, c), np.float32)
+        self.inv_std = np.empty((self.groups, c), np.float32)
+        for g, r in enumerate(self.group_rows()):
+            xg = x[r]
+            m = xg.shape[0]
+            shift = xg[0].copy() if m else np.zeros(c, np.float32)
+            s1, s2 = _reduce(xg, shift=shift)
+            d = s1 / max(m, 1)
+            mean = shift + d
+            var = np.maximum(s2 / max(m, 1) - d * d, 0.0)
+            self.inv_std[g] = 1.0 / np.sqrt(var + self.eps)
+            means[g] = mean
+            self.update_statistics(mean, var, m)
+        return means, self.inv_std
+
+    def _relu_args(self):
+        """The kernels' fused ReLU (gamma, beta, slope) that is this layer's own: max(xn, 0)."""
+        c = self.dims[1]
+        return np.ones(c, np.float32), np.zeros(c, np.float32), 0.0
+
+    def group_rows(self):
+        """The statistics groups as row slices of the [N * H * W, C] pixels (one slice of all
+        of them with global statistics): row g of inv_std belongs to slice g."""
+        return [slice(None)] if self.use_global_stats else self.group_slices(self.dims[2])
 
     def forward(self, bottom, top):
         x, y = rows(bottom[0]), rows(top[0])
-        mean, inv = self._statistics(x)
-        if self.use_global_stats:
-            _k.channel_affine(x, mean, inv, _EMPTY, y, _EMPTY2)
+        means, inv = self._statistics(x)
+        if self.use_global_stats and not self.relu:
+            _k.channel_affine(x, means[0], inv[0], _EMPTY, y, _EMPTY2)
             self.x_norm = None
             return
         self.x_norm = kept_buffer(self, "_x_norm_buf", x.shape)
-        _k.channel_affine(x, mean, inv, _EMPTY, y, self.x_norm, True)
+        for g, r in enumerate(self.group_rows()):
+            if self.relu:
+                ones, zeros, slope = self._relu_args()
+                _k.bn_scale_forward(x[r], means[g], inv[g], ones, zeros, y[r], self.x_norm[r], slope)
+            else:
+                _k.channel_affine(x[r], means[g], inv[g], _EMPTY, y[r], self.x_norm[r], True)
 
     def forward_with_scale(self, bottom, top, scale, relu=None):
         """This layer's forward and that of `scale` (an NHWCScale working in place on this
         layer's top, see Net.fusions), and of `relu` (a ReLU in place after it) if given, in one
-        pass: the top gets the last one's output, the normalized values stay in x_norm for the
-        backward (NHWCScale.backward_with_bn)."""
+        pass per statistics group: the top gets the last one's output, the normalized values
+        stay in x_norm for the backward (NHWCScale.backward_with_bn). Not for a layer with its
+        own ReLU (the Net does not fuse it): that one comes before the Scale."""
         x, y = rows(bottom[0]), rows(top[0])
-        mean, inv = self._statistics(x)
+        means, inv = self._statistics(x)
         self.x_norm = kept_buffer(self, "_x_norm_buf", x.shape)
         gamma = scale.blobs[0].data
         beta = scale.blobs[1].data if scale.bias_term else np.zeros_like(gamma)
-        _k.bn_scale_forward(x, mean, inv, gamma, beta, y, self.x_norm,
-                            None if relu is None else relu.slope)
+        for g, r in enumerate(self.group_rows()):
+            _k.bn_scale_forward(x[r], means[g], inv[g], gamma, beta, y[r], self.x_norm[r],
+                                None if relu is None else relu.slope)
         scale.fused_input = self.x_norm
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
         dy, dx = rows(top[0], diff=True), rows(bottom[0], diff=True)
-        inv = self.inv_std
+        relu = self._relu_args() if self.relu else None
         if self.use_global_stats:
-            _k.channel_affine(dy, np.zeros_like(inv), inv, _EMPTY, dx, _EMPTY2)
+            inv = self.inv_std[0]
+            zero = np.zeros_like(inv)
+            if relu is None:
+                _k.channel_affine(dy, zero, inv, _EMPTY, dx, _EMPTY2)
+            else:
+                _k.bn_backward_apply(dy, self.x_norm, inv, zero, zero, dx, relu)
             return
-        m = max(dy.shape[0], 1)
-        sa, sab = _reduce(dy, self.x_norm)
-        q = (-inv * sab / m).astype(np.float32)
-        r = (-inv * sa / m).astype(np.float32)
-        _k.bn_backward_apply(dy, self.x_norm, inv, q, r, dx)
+        for g, r in enumerate(self.group_rows()):
+            inv = self.inv_std[g]
+            m = max(dy[r].shape[0], 1)
+            sa, sab = _reduce(dy[r], self.x_norm[r], relu=relu)
+            q = (-inv * sab / m).astype(np.float32)
+            b = (-inv * sa / m).astype(np.float32)
+            _k.bn_backward_apply(dy[r], self.x_norm[r], inv, q, b, dx[r], relu)
 
 
 class _PerChannel:
@@ -510,24 +537,21 @@ class NHWCScale(_PerChannel, Scale):
             return self._saved_rows[:int(np.prod(shape))].reshape(shape)
         return rows(bottom[0])
 
-    def _param_grads(self, dy, x, relu=None):
-        """Add the scale and bias gradients; returns the per-channel (sum dy, sum dy * x), with
-        dy through the gradient of a fused ReLU if relu (its (gamma, beta, slope): the ReLU's
-        input is x * gamma + beta)."""
-        sums, dots = _reduce(dy, x, relu=relu)
+    def _param_grads(self, sums, dots):
+        """Add the scale and bias gradients from the per-channel sums of dy and of dy * x."""
         if self.bias_term and param_wanted(self, 1):
             self.blobs[1].diff[...] += sums
         if param_wanted(self, 0):
             self.blobs[0].diff[...] += dots
-        return sums, dots
 
     def backward_with_bn(self, top, bn, bn_bottom, bn_propagate, relu=None):
         """This layer's backward and that of the BatchNorm `bn` whose forward it was fused with
         (forward_with_scale), and of the fused `relu` if given (top is then the ReLU's), from
-        one reduction: with dxn = gamma * dy, BatchNorm's sums are gamma * sum dy and
-        gamma * sum dy * xn; the ReLU's gradient is taken on the way, its input recomputed from
-        xn. The BatchNorm's bottom diff (if bn_propagate) is written here; the Net then skips
-        the other layers' own backward."""
+        one reduction per statistics group: with dxn = gamma * dy, BatchNorm's sums are
+        gamma * sum dy and gamma * sum dy * xn; the Scale's gradients are those sums over the
+        groups; the ReLU's gradient is taken on the way, its input recomputed from xn. The
+        BatchNorm's bottom diff (if bn_propagate) is written here; the Net then skips the
+        other layers' own backward."""
         dy = rows(top[0], diff=True)
         xn = self.fused_input
         gamma = self.blobs[0].data
@@ -535,28 +559,33 @@ class NHWCScale(_PerChannel, Scale):
         if relu is not None:
             beta = self.blobs[1].data if self.bias_term else np.zeros_like(gamma)
             fused = (gamma, beta, relu.slope)
-        sums, dots = self._param_grads(dy, xn, fused)
+        groups = bn.group_rows()
+        reduced = [_reduce(dy[r], xn[r], relu=fused) for r in groups]
+        self._param_grads(sum(s for s, _ in reduced), sum(d for _, d in reduced))
         if not bn_propagate:
             return
-        p = bn.inv_std.astype(np.float64) * gamma       # d x / d dy: gamma / std
         dx = rows(bn_bottom, diff=True)
         if bn.use_global_stats:
+            p = (bn.inv_std[0].astype(np.float64) * gamma).astype(np.float32)
             zero = np.zeros(len(p), np.float32)
             if fused is None:
-                _k.channel_affine(dy, zero, p.astype(np.float32), _EMPTY, dx, _EMPTY2)
+                _k.channel_affine(dy, zero, p, _EMPTY, dx, _EMPTY2)
             else:
-                _k.bn_backward_apply(dy, xn, p.astype(np.float32), zero, zero, dx, fused)
+                _k.bn_backward_apply(dy, xn, p, zero, zero, dx, fused)
             return
-        m = max(dy.shape[0], 1)
-        _k.bn_backward_apply(dy, xn, p.astype(np.float32), (-p * dots / m).astype(np.float32),
-                             (-p * sums / m).astype(np.float32), dx, fused)
+        for r, (sums, dots), inv in zip(groups, reduced, bn.inv_std):
+            p = inv.astype(np.float64) * gamma       # d x / d dy: gamma / std
+            m = max(dy[r].shape[0], 1)
+            _k.bn_backward_apply(dy[r], xn[r], p.astype(np.float32),
+                                 (-p * dots / m).astype(np.float32),
+                                 (-p * sums / m).astype(np.float32), dx[r], fused)
 
     def backward(self, top, propagate_down, bottom):
         dy = rows(top[0], diff=True)
         want_scale = param_wanted(self, 0)
         want_bias = self.bias_term and param_wanted(self, 1)
         if want_scale or want_bias:
-            self._param_grads(dy, self._input(top, bottom, dy.shape))
+            self._param_grads(*_reduce(dy, self._input(top, bottom, dy.shape)))
         if propagate_down[0]:
             scale = self.blobs[0].data
             _k.channel_affine(dy, np.zeros_like(scale), scale, _EMPTY, rows(bottom[0], diff=True), _EMPTY2)

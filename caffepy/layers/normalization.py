@@ -1,7 +1,8 @@
 """Normalization layers: LRN, BatchNorm, MVN.
 
 BatchNorm normalizes only; the learned scale and shift of a "batch norm" are a
-Scale layer after it, as in Caffe.
+Scale layer after it, as in Caffe. It also runs Intel Caffe's statistics groups
+(bn_stats_batch_size / stats_batch_size) and fused ReLU.
 """
 import numpy as np
 
@@ -94,19 +95,26 @@ def _channel_view(layer, blob):
 
 @register
 class BatchNorm(Layer):
-    """Per-channel batch normalization, y = (x - mean) / sqrt(var + eps).
-    TRAIN (use_global_stats false): mean and var (biased) of the batch over N and space;
-    the running statistics are updated as Caffe does:
+    """Per-channel batch normalization, y = (x - mean) / sqrt(var + eps), then
+    y = max(y, 0) with Intel's fused `relu` (its gradient passes where y > 0).
+    TRAIN (use_global_stats false): mean and var (biased) over N and space, by statistics
+    groups when a group size G is set (Intel Caffe): the batch is cut into N / G runs of G
+    consecutive items, each normalized with its own mean and var. G comes from the net's
+    `bn_stats_batch_size` when the NetParameter sets it (for every BatchNorm, over the
+    layer's own field, as Intel's Net applies it), else from stats_batch_size; 0 is the whole
+    batch, and G must divide N. The running statistics take one update per group, in batch
+    order, as Caffe's is for the batch:
         blobs[2] = maf * blobs[2] + 1
         blobs[0] = mean + maf * blobs[0]
-        blobs[1] = m/(m-1) * var + maf * blobs[1]     (m = values per channel)
+        blobs[1] = m/(m-1) * var + maf * blobs[1]     (m = values per channel of a group)
     use_global_stats (default in TEST): mean = blobs[0]/blobs[2], var = blobs[1]/blobs[2]
-    (0 when blobs[2] is 0). Backward:
-        batch stats:  dx = (dy - mean(dy) - y mean(dy y)) / sqrt(var + eps)
+    (0 when blobs[2] is 0), groups unused. Backward, dy through the ReLU's gradient first:
+        batch stats:  dx = (dy - mean(dy) - y mean(dy y)) / sqrt(var + eps)   (per group)
         global stats: dx = dy / sqrt(var + eps)
     The three blobs are statistics, not parameters: their lr_mult is forced to 0 (a
     param spec asking otherwise is an error, as in Caffe). Reads batch_norm_param
-    use_global_stats, moving_average_fraction, eps. Runs in place."""
+    use_global_stats, moving_average_fraction, eps, stats_batch_size, relu, and
+    NetParameter.bn_stats_batch_size. Runs in place."""
     reshape_from_shapes = True
     exact_bottoms = exact_tops = 1
 
@@ -116,13 +124,12 @@ class BatchNorm(Layer):
             else self.phase == caffe_pb2.TEST
         self.maf = float(p.moving_average_fraction)
         self.eps = float(p.eps)
-        # Intel MKL-DNN engine extensions that change the result: refused, not ignored
-        if p.relu:
-            raise self.error("batch_norm_param.relu", "is not supported (Intel MKL-DNN fusion)",
-                             "true", hint="Put a ReLU layer after the BatchNorm")
-        if p.stats_batch_size:
-            raise self.error("batch_norm_param.stats_batch_size", "is not supported (Intel "
-                             "MKL-DNN per-sub-batch statistics)", p.stats_batch_size)
+        self.relu = p.relu
+        net = self.net_param
+        if net is not None and net.HasField("bn_stats_batch_size"):
+            self.group, self.group_field = net.bn_stats_batch_size, "NetParameter.bn_stats_batch_size"
+        else:
+            self.group, self.group_field = p.stats_batch_size, "batch_norm_param.stats_batch_size"
         _, channels, _ = _channel_view(self, bottom[0])
         zero = caffe_pb2.FillerParameter(type="constant", value=0.0)
         self.init_param_blobs([((channels,), zero), ((channels,), zero), ((1,), zero)])
@@ -141,38 +148,74 @@ class BatchNorm(Layer):
             raise self.error("bottom[0]", f"has {channels} channels, the statistics blobs "
                              f"{self.blobs[0].count}", bottom[0].shape, cls=ShapeError)
         self.dims = (num, channels, spatial)
+        self.groups = 1
+        if self.group and not self.use_global_stats:
+            if num % self.group:
+                raise self.error(self.group_field, f"must divide the batch size ({num}, bottom[0]'s "
+                                 "first axis)", self.group,
+                                 hint="Give a divisor of the batch, or 0 for whole-batch statistics")
+            self.groups = num // self.group
         top[0].reshape(bottom[0].shape)
 
-    def forward(self, bottom, top):
-        x = bottom[0].data.reshape(self.dims)
-        y = top[0].data.reshape(self.dims)
-        if self.use_global_stats:
-            factor = float(self.blobs[2].data[0])
-            factor = 0.0 if factor == 0 else 1.0 / factor
-            mean = self.blobs[0].data * np.float32(factor)
-            var = self.blobs[1].data.astype(np.float64) * np.float32(factor)
-            self.inv_std = (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
-            channel_affine(x, mean, self.inv_std, y)
-            self.x_norm = None
-            return
-        # a later in-place layer (Scale) may overwrite top: keep y for the backward
-        self.x_norm = kept_buffer(self, "_x_norm_buf", self.dims)
-        mean, var, self.inv_std = normalize_forward(x, y, self.x_norm, MODE_BATCH_NORM, self.eps)
-        m = x.size // self.dims[1]
+    def group_slices(self, per_item=1):
+        """The statistics groups as slices of the first axis of an array with `per_item` rows
+        for each item of the batch (1 for an N, C, S view; H * W for channels-last pixels)."""
+        rows = self.dims[0] // self.groups * per_item if self.groups else 0
+        return [slice(g * rows, (g + 1) * rows) for g in range(self.groups)]
+
+    def update_statistics(self, mean, var, m):
+        """One group's moving-average update (mean, biased var over m values per channel)."""
         correction = m / (m - 1) if m > 1 else 1.0
         self.blobs[2].data[...] = self.blobs[2].data * self.maf + 1.0
         self.blobs[0].data[...] = mean + self.maf * self.blobs[0].data
         self.blobs[1].data[...] = correction * var + self.maf * self.blobs[1].data
+
+    def global_statistics(self):
+        """mean (float32) and inv_std = 1 / sqrt(var + eps) from the stored statistics."""
+        factor = float(self.blobs[2].data[0])
+        factor = 0.0 if factor == 0 else 1.0 / factor
+        mean = (self.blobs[0].data * np.float32(factor)).astype(np.float32)
+        var = self.blobs[1].data.astype(np.float64) * np.float32(factor)
+        return mean, (1.0 / np.sqrt(var + self.eps)).astype(np.float32)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(self.dims)
+        y = top[0].data.reshape(self.dims)
+        # a later in-place layer (Scale) may overwrite top: keep y (before the ReLU) for the
+        # backward
+        if self.use_global_stats:
+            mean, self.inv_std = self.global_statistics()
+            channel_affine(x, mean, self.inv_std, y)
+            self.x_norm = None
+            if self.relu:
+                self.x_norm = kept_buffer(self, "_x_norm_buf", self.dims)
+                np.copyto(self.x_norm, y)
+                np.maximum(y, 0, out=y)
+            return
+        self.x_norm = kept_buffer(self, "_x_norm_buf", self.dims)
+        self.inv_std = np.empty((self.groups, self.dims[1]), np.float32)
+        m = self.dims[0] // max(self.groups, 1) * self.dims[2]
+        for g, rows in enumerate(self.group_slices()):
+            mean, var, self.inv_std[g] = normalize_forward(x[rows], y[rows], self.x_norm[rows],
+                                                           MODE_BATCH_NORM, self.eps)
+            self.update_statistics(mean, var, m)
+        if self.relu:
+            np.maximum(y, 0, out=y)
 
     def backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
         dy = top[0].diff.reshape(self.dims)
         dx = bottom[0].diff.reshape(self.dims)
+        if self.relu:
+            masked = kept_buffer(self, "_dy_buf", self.dims)
+            np.multiply(dy, self.x_norm > 0, out=masked)
+            dy = masked
         if self.use_global_stats:
             channel_affine(dy, np.zeros_like(self.inv_std), self.inv_std, dx)
-        else:
-            normalize_backward(dy, self.x_norm, self.inv_std, self.inv_std, dx)
+            return
+        for g, rows in enumerate(self.group_slices()):
+            normalize_backward(dy[rows], self.x_norm[rows], self.inv_std[g], self.inv_std[g], dx[rows])
 
 
 def kept_buffer(layer, attr, shape):

@@ -434,6 +434,27 @@ def concat_mismatch(c):
     return time_args(p), [p + ":", "layer 'cat'"]
 
 
+_BN = 'layer { name: "bn1" type: "BatchNorm" bottom: "ip1" top: "bn1" %s }\n'
+
+
+@case("wiring")
+def bn_stats_batch_size_not_dividing_the_batch(c):
+    p = _bad_net(c, "bn_stats_batch_size: 3\n" + DEPLOY + _BN % "")
+    return time_args(p), [p + ":", "layer 'bn1'", "NetParameter.bn_stats_batch_size", "(2,", "got 3"]
+
+
+@case("wiring")
+def stats_batch_size_not_dividing_the_batch(c):
+    p = _bad_net(c, DEPLOY + _BN % "batch_norm_param { stats_batch_size: 4 }")
+    return time_args(p), [p + ":", "layer 'bn1'", "batch_norm_param.stats_batch_size", "(2,", "got 4"]
+
+
+@case("wiring")
+def label_smoothing_of_one(c):
+    p = _bad_net(c, train_val(c.fx.db).replace('top: "loss"', 'top: "loss" loss_param { label_smoothing: 1 }'))
+    return time_args(p), [p + ":", "layer 'loss'", "loss_param.label_smoothing", "[0, 1)", "got 1"]
+
+
 @case("wiring")
 def eltwise_mismatch(c):
     p = _bad_net(c, DEPLOY + 'layer { name: "sum" type: "Eltwise" bottom: "conv1" bottom: "ip1" top: "sum" }\n')

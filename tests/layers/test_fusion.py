@@ -61,8 +61,9 @@ def _close(a, b, what):
 
 
 @pytest.mark.parametrize("relu", ["", "relu_param { negative_slope: 0.1 }"], ids=["relu", "leaky"])
-@pytest.mark.parametrize("bn", ["", "batch_norm_param { use_global_stats: true }"],
-                         ids=["batch", "global"])
+@pytest.mark.parametrize("bn", ["", "batch_norm_param { use_global_stats: true }",
+                                "batch_norm_param { stats_batch_size: 2 }"],
+                         ids=["batch", "global", "groups"])
 def test_fused_units_compute_the_layers(tmp_path, bn, relu):
     fused, plain = _nets(tmp_path, bn, relu)
     units = {fused.layers[i].name: fused.layers[j].name for i, j in fused.fusions.items()}
@@ -81,6 +82,104 @@ def test_fused_units_compute_the_layers(tmp_path, bn, relu):
                 mine = fused.layer_dict[name].blobs[i]
                 _close(mine.data, blob.data, f"{name} blob {i}, step {step}")
                 _close(mine.diff, blob.diff, f"{name} blob {i} diff, step {step}")
+
+
+@pytest.mark.parametrize("relu", ["", "relu_param { negative_slope: 0.1 }"], ids=["relu", "leaky"])
+def test_fused_unit_with_statistics_groups_against_numpy(tmp_path, relu):
+    """bn1 + scale1 + relu1 with groups of 2 images (Intel's bn_stats_batch_size) against the
+    formulas in float64: the unit's top, the three statistics blobs, the Scale's gradients and
+    the data gradient, each group normalized and differentiated on its own."""
+    text = "bn_stats_batch_size: 2\n" + NET % {"bn": "batch_norm_param { moving_average_fraction: 0.9 }",
+                                               "relu": relu}
+    net, _ = _twins(tmp_path / "net.prototxt", text, [0, 1, 2, 4])
+    names = [layer.name for layer in net.layers]
+    bn, r = names.index("bn1"), names.index("relu1")
+    assert net.fusions[bn] == r
+    stats0 = [b.data.astype(np.float64) for b in net.layers[bn].blobs]
+    net.forward_from_to(0, bn - 1)
+    x = net.blobs["conv1"].data.astype(np.float64)
+    net.forward_from_to(bn)
+    net.clear_param_diffs()
+    net.backward_from_to(end=r + 1)
+    dy = net.blobs["conv1"].diff.astype(np.float64)         # the unit's top diff
+    net.backward_from_to(r, bn)
+    scale = net.layer_dict["scale1"]
+    gamma, beta = (b.data.astype(np.float64).reshape(1, -1, 1, 1) for b in scale.blobs)
+    slope = 0.1 if relu else 0.0
+    ys, dxs, dgamma, dbeta = [], [], 0.0, 0.0
+    mean_sum, var_sum, factor = stats0[0], stats0[1], stats0[2][0]
+    for g in (slice(0, 2), slice(2, 4)):
+        xg = x[g]
+        mean, var = xg.mean(axis=(0, 2, 3), keepdims=True), xg.var(axis=(0, 2, 3), keepdims=True)
+        m = xg.size // xg.shape[1]
+        factor = 0.9 * factor + 1
+        mean_sum = mean.ravel() + 0.9 * mean_sum
+        var_sum = var.ravel() * m / (m - 1) + 0.9 * var_sum
+        xn = (xg - mean) / np.sqrt(var + 1e-5)
+        v = gamma * xn + beta
+        ys.append(np.where(v > 0, v, slope * v))
+        dv = np.where(v > 0, dy[g], slope * dy[g])
+        dgamma, dbeta = dgamma + (dv * xn).sum(axis=(0, 2, 3)), dbeta + dv.sum(axis=(0, 2, 3))
+        dxn = dv * gamma
+        dxs.append((dxn - dxn.mean(axis=(0, 2, 3), keepdims=True)
+                    - xn * (dxn * xn).mean(axis=(0, 2, 3), keepdims=True)) / np.sqrt(var + 1e-5))
+    _close(net.blobs["conv1"].data, np.concatenate(ys), "unit top")
+    for blob, want in zip(net.layers[bn].blobs, (mean_sum, var_sum, [factor])):
+        _close(blob.data, np.asarray(want), "statistics")
+    _close(scale.blobs[0].diff, dgamma, "scale gradient")
+    _close(scale.blobs[1].diff, dbeta, "bias gradient")
+    _close(net.blobs["conv1"].diff, np.concatenate(dxs), "data gradient")
+
+
+UNIT_NET = """force_backward: true bn_stats_batch_size: 2
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 3 dim: 3 dim: 2 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 5 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" }
+layer { name: "scale1" type: "Scale" bottom: "conv1" top: "conv1"
+  scale_param { bias_term: true filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } } }
+"""
+
+
+class _Unit:
+    """The fused BatchNorm + Scale of a net as one layer for the gradient checker: its own
+    bottom blob (the unit works in place, the checker perturbs its input), the Scale's
+    parameters."""
+    type, name = "BatchNorm + Scale", "bn1 + scale1"
+
+    def __init__(self, net, first, last):
+        self.net, self.first, self.last = net, first, last
+        self.blobs = net.layers[last].blobs
+        self.param_propagate_down = [True, True]
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward(self, bottom, top):
+        np.copyto(top[0].raw_data, bottom[0].raw_data)
+        self.net.forward_from_to(self.first, self.last)
+
+    def backward(self, top, propagate_down, bottom):
+        self.net.backward_from_to(self.last, self.first)
+        np.copyto(bottom[0].raw_diff, top[0].raw_diff)
+
+
+def test_fused_unit_with_statistics_groups_passes_the_gradient_checker(tmp_path):
+    from caffepy.blob import Blob
+    from gradient_checker import check_gradient
+    path = tmp_path / "unit.prototxt"
+    path.write_text(UNIT_NET)
+    net = Net(str(path), caffepy.TRAIN)
+    names = [layer.name for layer in net.layers]
+    bn, scale = names.index("bn1"), names.index("scale1")
+    assert net.fusions == {bn: scale} and net.layers[bn].groups == 2
+    net.blobs["data"].data[...] = np.random.default_rng(5).standard_normal(net.blobs["data"].shape)
+    net.forward_from_to(0, bn - 1)
+    top = net.blobs["conv1"]
+    bottom = Blob(top.shape, name="x")
+    bottom.layout = top.layout
+    np.copyto(bottom.raw_data, top.raw_data)
+    check_gradient(_Unit(net, bn, scale), [bottom], [top])
 
 
 def test_a_relu_with_a_negative_slope_is_not_fused(tmp_path):

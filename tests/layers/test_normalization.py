@@ -1,8 +1,11 @@
-"""LRN, BatchNorm and MVN against float64 loop references written from Caffe's formulas."""
+"""LRN, BatchNorm and MVN against float64 loop references written from Caffe's formulas;
+BatchNorm's Intel Caffe extensions (statistics groups, the fused ReLU) on each of its paths:
+plain, channels-last, blocked."""
 import numpy as np
 import pytest
 
 from caffepy.errors import LayerError, ShapeError
+from caffepy.layer import BLOCKED, NHWC, VIA_NCHW
 from layer_cases import TEST, TRAIN, Case, case_tests, make_layer, randn, setup_layer
 
 
@@ -63,6 +66,44 @@ def _lrn_cases():
     return out
 
 
+def grouped_bn_ref(group, eps=1e-5, relu=False):
+    """Intel Caffe's statistics groups: each run of `group` items normalized by its own mean
+    and biased variance (0: the whole batch), then max(y, 0) with relu."""
+    def ref(x):
+        size = group or x.shape[0]
+        out = np.concatenate([batch_norm_ref(eps)(x[i:i + size])[0] for i in range(0, x.shape[0], size)])
+        return [np.maximum(out, 0) if relu else out]
+    return ref
+
+
+def grouped_statistics(x, group, maf, blobs=None):
+    """The three statistics blobs after a forward over x (float64), one update per group in
+    batch order, starting from `blobs` (zeros by default)."""
+    c = x.shape[1]
+    mean_sum, var_sum, factor = blobs or (np.zeros(c), np.zeros(c), 0.0)
+    for i in range(0, x.shape[0], group):
+        rows = np.moveaxis(x[i:i + group].astype(np.float64), 1, 0).reshape(c, -1)
+        m = rows.shape[1]
+        factor = maf * factor + 1.0
+        mean_sum = rows.mean(axis=1) + maf * mean_sum
+        var_sum = rows.var(axis=1) * m / (m - 1) + maf * var_sum
+    return mean_sum, var_sum, factor
+
+
+def away_from_zero(n, c, s, group, seed, margin=0.3):
+    """(n, c, s) values whose normalized values in each group of `group` items are at least
+    about `margin` from 0: per group and channel, pairs v, -v (|v| >= margin) around an offset.
+    A fused ReLU's kink then lies between the gradient checker's steps."""
+    r = np.random.default_rng(seed)
+    x = np.empty((n // group, c, group * s), np.float32)
+    half = group * s // 2
+    for g in range(n // group):
+        for ch in range(c):
+            v = r.uniform(margin, 2.0, half) * r.choice([-1.0, 1.0], half)
+            x[g, ch] = r.permutation(np.concatenate([v, -v])) + 3.0 * ch - 2.0
+    return np.ascontiguousarray(x.reshape(n // group, c, group, s).transpose(0, 2, 1, 3)).reshape(n, c, s)
+
+
 def _set_stats(mean, var, factor):
     def init(layer):
         layer.blobs[0].data[...] = mean
@@ -73,6 +114,36 @@ def _set_stats(mean, var, factor):
 
 BN_X = randn(4, 3, 2, 3, seed=20, scale=2.0) + np.array([1.0, -2.0, 0.5], np.float32).reshape(1, 3, 1, 1)
 STATS_MEAN, STATS_VAR = np.array([2.0, -1.0, 4.0], np.float32), np.array([8.0, 2.0, 0.5], np.float32)
+
+GLOBAL_RELU_X = (STATS_MEAN / 2).reshape(1, 3, 1, 1) + away_from_zero(4, 3, 6, 4, seed=41).reshape(4, 3, 2, 3)
+
+
+def _global_relu(x):
+    y = (x - (STATS_MEAN / 2).reshape(1, 3, 1, 1)) / np.sqrt((STATS_VAR / 2).reshape(1, 3, 1, 1) + 1e-5)
+    return [np.maximum(y, 0)]
+
+
+def _intel_batch_norm_cases():
+    """Statistics groups and the fused ReLU on every path of BatchNorm (for a ReLU, inputs whose
+    normalized values keep away from its kink)."""
+    out = []
+    for layout, variant, tag in ((None, None, ""), (NHWC, None, "[nhwc]"), (BLOCKED, VIA_NCHW, "[blocked]")):
+        def case(params, x, expected, name, **kw):
+            out.append(Case("BatchNorm", params, [x], expected=expected, layout=layout, variant=variant,
+                            id=f"BatchNorm{tag}:{name}", **kw))
+        case("batch_norm_param { stats_batch_size: 2 }", BN_X, grouped_bn_ref(2), "groups-of-2")
+        case("batch_norm_param { stats_batch_size: 1 moving_average_fraction: 0.5 }", BN_X,
+             grouped_bn_ref(1), "groups-of-1")
+        case("batch_norm_param { stats_batch_size: 4 }", BN_X, grouped_bn_ref(0), "one-group")
+        case("batch_norm_param { relu: true }", away_from_zero(4, 3, 6, 4, seed=42).reshape(4, 3, 2, 3),
+             grouped_bn_ref(0, relu=True), "relu")
+        case("batch_norm_param { relu: true stats_batch_size: 2 }",
+             away_from_zero(6, 3, 4, 2, seed=43).reshape(6, 3, 2, 2), grouped_bn_ref(2, relu=True),
+             "relu-groups")
+        case("batch_norm_param { relu: true use_global_stats: true stats_batch_size: 3 }", GLOBAL_RELU_X,
+             _global_relu, "relu-global", init=_set_stats(STATS_MEAN, STATS_VAR, 2.0))
+    return out
+
 
 CASES = [
     *_lrn_cases(),
@@ -87,6 +158,7 @@ CASES = [
     Case("BatchNorm", "", [BN_X], phase=TEST, init=_set_stats(STATS_MEAN, STATS_VAR, 0.0),
          id="BatchNorm:test-zero-factor",
          expected=lambda x: [x / np.sqrt(1e-5)], grad=False),
+    *_intel_batch_norm_cases(),
     Case("MVN", "", [randn(2, 3, 4, 5, seed=30, scale=3.0) + 1.0], expected=mvn_ref()),
     Case("MVN", "mvn_param { across_channels: true }", [randn(2, 3, 4, 2, seed=31)],
          expected=mvn_ref(across_channels=True)),
@@ -162,13 +234,6 @@ def test_batch_norm_in_place_matches_out_of_place():
     blob.diff[...] = dy
     inplace.backward([blob], [True], [blob])
     np.testing.assert_allclose(blob.diff, want_dx, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("params,field", [("relu: true", "relu"),
-                                          ("stats_batch_size: 2", "stats_batch_size")])
-def test_batch_norm_refuses_intel_extensions(params, field):
-    with pytest.raises(LayerError, match=f"batch_norm_param.{field}: is not supported"):
-        setup_layer("BatchNorm", f"batch_norm_param {{ {params} }}", [BN_X])
 
 
 def test_batch_norm_default_stats_by_phase():
@@ -272,6 +337,7 @@ def test_lrn_huge_window_uses_the_reference():
 @pytest.mark.parametrize("shape", [(3, 4, 5, 7), (4, 4, 96, 96)])   # below / above threading
 @pytest.mark.parametrize("type_,params,phase", [
     ("BatchNorm", "", TRAIN), ("BatchNorm", "", TEST),
+    ("BatchNorm", "batch_norm_param { stats_batch_size: 1 relu: true }", TRAIN),
     ("MVN", "", TRAIN), ("MVN", "mvn_param { normalize_variance: false across_channels: true }", TRAIN),
 ])
 def test_kernels_match_numpy_path(monkeypatch, type_, params, phase, shape):
@@ -295,3 +361,173 @@ def test_kernels_match_numpy_path(monkeypatch, type_, params, phase, shape):
     np.testing.assert_allclose(dx1, dx2, rtol=1e-4, atol=1e-5)
     for p, q in zip(b1, b2):
         np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
+# -- Intel Caffe's statistics groups and fused ReLU ------------------------------------------
+@pytest.mark.parametrize("layout,variant", [(None, None), (NHWC, None), (BLOCKED, VIA_NCHW)],
+                         ids=["plain", "nhwc", "blocked"])
+def test_batch_norm_groups_update_the_statistics_once_per_group(layout, variant):
+    x1, x2 = randn(6, 3, 2, 3, seed=44, scale=2.0) + 1.0, randn(6, 3, 2, 3, seed=45)
+    layer, bottom, top = setup_layer("BatchNorm", "batch_norm_param { stats_batch_size: 2 "
+                                     "moving_average_fraction: 0.9 }", [x1], layout=layout, variant=variant)
+    layer.reshape(bottom, top)
+    layer.forward(bottom, top)
+    want = grouped_statistics(x1, 2, 0.9)
+    for blob, w in zip(layer.blobs, want):
+        np.testing.assert_allclose(blob.data, np.reshape(w, blob.shape), rtol=1e-5, atol=1e-6)
+    bottom2 = setup_layer("BatchNorm", "", [x2], layout=layout, variant=variant)[1]
+    layer.forward(bottom2, top)
+    want = grouped_statistics(x2, 2, 0.9, want)
+    assert layer.blobs[2].data[0] == pytest.approx(want[2], rel=1e-6)   # 6 updates, not 2
+    for blob, w in zip(layer.blobs, want):
+        np.testing.assert_allclose(blob.data, np.reshape(w, blob.shape), rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_groups_give_their_gradient():
+    """The data gradient of groups against the NumPy formula applied to each group."""
+    x, dy = randn(4, 3, 2, 3, seed=46, scale=2.0), randn(4, 3, 2, 3, seed=47)
+    layer, bottom, top = setup_layer("BatchNorm", "batch_norm_param { stats_batch_size: 2 }", [x])
+    layer.forward(bottom, top)
+    top[0].diff[...] = dy
+    layer.backward(top, [True], bottom)
+    want = []
+    for g in (slice(0, 2), slice(2, 4)):
+        xg, dg = x[g].astype(np.float64), dy[g].astype(np.float64)
+        mean, var = xg.mean(axis=(0, 2, 3), keepdims=True), xg.var(axis=(0, 2, 3), keepdims=True)
+        y = (xg - mean) / np.sqrt(var + 1e-5)
+        want.append((dg - dg.mean(axis=(0, 2, 3), keepdims=True)
+                     - y * (dg * y).mean(axis=(0, 2, 3), keepdims=True)) / np.sqrt(var + 1e-5))
+    np.testing.assert_allclose(bottom[0].diff, np.concatenate(want), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout,variant", [(None, None), (NHWC, None), (BLOCKED, VIA_NCHW)],
+                         ids=["plain", "nhwc", "blocked"])
+def test_batch_norm_group_that_does_not_divide_the_batch(layout, variant):
+    with pytest.raises(LayerError, match=r"layer 'layer' \(BatchNorm\): batch_norm_param.stats_batch_size: "
+                                         r"must divide the batch size \(4, bottom\[0\]'s first axis\), got 3\. "
+                                         r"Give a divisor"):
+        setup_layer("BatchNorm", "batch_norm_param { stats_batch_size: 3 }", [BN_X], layout=layout,
+                    variant=variant)
+
+
+def test_batch_norm_global_statistics_use_no_groups():
+    """As in Intel Caffe: with the stored statistics (TEST by default) the group size is not
+    read, so it need not divide the batch."""
+    layer, bottom, top = setup_layer("BatchNorm", "batch_norm_param { stats_batch_size: 3 }", [BN_X],
+                                     phase=TEST)
+    assert layer.groups == 1
+    assert setup_layer("BatchNorm", "batch_norm_param { stats_batch_size: 2 }", [BN_X])[0].groups == 2
+
+
+GROUPS_NET = """name: "groups" %(net)s
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 3 dim: 5 dim: 4 } } }
+layer { name: "bn0" type: "BatchNorm" bottom: "data" top: "bn0" }
+layer { name: "conv1" type: "Convolution" bottom: "bn0" top: "conv1"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" }
+layer { name: "scale1" type: "Scale" bottom: "conv1" top: "conv1" scale_param { bias_term: true } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "bn2" type: "BatchNorm" bottom: "conv1" top: "bn2" %(layer)s }
+layer { name: "pack" type: "IntelPack" bottom: "bn2" top: "packed" }
+layer { name: "bn3" type: "BatchNorm" bottom: "packed" top: "packed" }
+layer { name: "unpack" type: "IntelUnpack" bottom: "packed" top: "out" }
+"""
+
+
+def _groups_net(tmp_path, net="", layer=""):
+    import caffepy
+    from caffepy.net import Net
+    path = tmp_path / "net.prototxt"
+    path.write_text(GROUPS_NET % {"net": net, "layer": layer})
+    return Net(str(path), caffepy.TRAIN)
+
+
+def _group_sizes(net):
+    """{BatchNorm name: (its implementation, items per statistics group)}."""
+    out = {}
+    for layer in net.layers:
+        if layer.type == "BatchNorm":
+            inner = getattr(layer, "inner", layer)
+            out[layer.name] = (layer.variant, inner.dims[0] // inner.groups)
+    return out
+
+
+def test_net_bn_stats_batch_size_reaches_every_batch_norm(tmp_path):
+    net = _groups_net(tmp_path, "bn_stats_batch_size: 2", "batch_norm_param { stats_batch_size: 4 }")
+    assert _group_sizes(net) == {"bn0": ("plain", 2), "bn1": ("nhwc", 2), "bn2": ("nhwc", 2),
+                                 "bn3": (VIA_NCHW, 2)}
+    assert [net.layers[i].name for i in net.fusions] == ["bn1"]       # the fused unit too
+    net.forward()
+    np.testing.assert_allclose(net.blobs["bn0"].data,
+                               grouped_bn_ref(2)(net.blobs["data"].data.astype(np.float64))[0],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_the_layer_form_applies_without_the_net_form(tmp_path):
+    net = _groups_net(tmp_path, layer="batch_norm_param { stats_batch_size: 2 }")
+    assert _group_sizes(net) == {"bn0": ("plain", 4), "bn1": ("nhwc", 4), "bn2": ("nhwc", 2),
+                                 "bn3": (VIA_NCHW, 4)}
+
+
+def test_the_net_form_set_to_zero_overrides_the_layer_form(tmp_path):
+    """Intel's Net writes the net's value into every BatchNorm whenever the field is present,
+    0 (the whole batch) included."""
+    net = _groups_net(tmp_path, "bn_stats_batch_size: 0", "batch_norm_param { stats_batch_size: 2 }")
+    assert _group_sizes(net)["bn2"] == ("nhwc", 4)
+
+
+def test_net_form_that_does_not_divide_the_batch_names_the_field_and_the_layer(tmp_path):
+    with pytest.raises(LayerError, match=r"net.prototxt: layer 'bn0' \(BatchNorm\): NetParameter."
+                                         r"bn_stats_batch_size: must divide the batch size \(4, "
+                                         r"bottom\[0\]'s first axis\), got 3\."):
+        _groups_net(tmp_path, "bn_stats_batch_size: 3")
+
+
+RELU_NET = """name: "relu" %(net)s
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 3 dim: 5 dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 6 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 }
+    bias_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1"
+  batch_norm_param { stats_batch_size: 2 %(relu)s } }
+%(relu_layer)s
+layer { name: "scale1" type: "Scale" bottom: "conv1" top: "conv1" scale_param { bias_term: true
+  filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+  convolution_param { num_output: 5 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+"""
+
+
+@pytest.mark.parametrize("engine", ["", 'engine: "CAFFE"'], ids=["fast", "caffe"])
+def test_batch_norm_relu_computes_batch_norm_then_relu(tmp_path, engine):
+    """relu: true against the same net with a ReLU layer after the BatchNorm: tops, gradients
+    and statistics; with a Scale in place after it (the BatchNorm + Scale unit is not formed:
+    its ReLU would come after the Scale)."""
+    import caffepy
+    from caffepy.net import Net
+    nets = []
+    for relu, relu_layer in (("relu: true", ""),
+                             ("", 'layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }')):
+        path = tmp_path / f"net{len(nets)}.prototxt"
+        path.write_text(RELU_NET % {"net": engine, "relu": relu, "relu_layer": relu_layer})
+        net = Net(str(path), caffepy.TRAIN)
+        net.blobs["data"].data[...] = randn(4, 3, 5, 4, seed=48)
+        for name in ("conv1", "scale1", "conv2"):
+            for mine, first in zip(net.layer_dict[name].blobs, nets[0].layer_dict[name].blobs if nets else ()):
+                mine.data[...] = first.data
+        nets.append(net)
+    fused, apart = nets
+    assert fused.fusions == {}
+    assert fused.layer_dict["bn1"].variant == ("plain" if engine else "nhwc")
+    for net in nets:
+        net.forward()
+        net.blobs["conv2"].diff[...] = randn(*net.blobs["conv2"].shape, seed=49)
+        net.backward()
+    assert (fused.blobs["conv1"].data < 0).any()       # the Scale after the ReLU ran
+    for name in ("conv1", "conv2"):
+        np.testing.assert_allclose(fused.blobs[name].data, apart.blobs[name].data, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fused.blobs["data"].diff, apart.blobs["data"].diff, rtol=1e-4, atol=1e-6)
+    for name in ("conv1", "bn1", "scale1"):
+        for mine, theirs in zip(fused.layer_dict[name].blobs, apart.layer_dict[name].blobs):
+            np.testing.assert_allclose(mine.data, theirs.data, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(mine.diff, theirs.diff, rtol=1e-4, atol=1e-5)

@@ -408,3 +408,66 @@ def test_display_reports_the_ranks_and_names_a_straggler(tmp_path, db, ranks, sl
             assert float(working) >= 0.15 > float(fastest_working)
             # the others waited for it most of each iteration
             assert float(others) > 100 * (ranks - 1) / ranks * 0.5
+
+
+def _groups_job(tmp_path, name, db, batch, groups):
+    """Conv (4 x 4 pixels; no bias: its gradient through a BatchNorm is rounding noise) ->
+    BatchNorm with batch statistics, Scale, ReLU (a fused unit on the fast path) -> classifier;
+    `groups`: the net's bn_stats_batch_size line."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "net.prototxt").write_text(f"""name: "groups" {groups}
+layer {{ name: "data" type: "Data" top: "data" top: "label"
+  data_param {{ source: "{db}" batch_size: {batch} backend: LMDB }} }}
+layer {{ name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param {{ num_output: 6 kernel_size: 3 pad: 1 bias_term: false
+    weight_filler {{ type: "gaussian" std: 0.3 }} }} }}
+layer {{ name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" batch_norm_param {{ moving_average_fraction: 0.9 }} }}
+layer {{ name: "scale1" type: "Scale" bottom: "conv1" top: "conv1" scale_param {{ bias_term: true }} }}
+layer {{ name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }}
+layer {{ name: "fc2" type: "InnerProduct" bottom: "conv1" top: "fc2"
+  inner_product_param {{ num_output: 4 weight_filler {{ type: "gaussian" std: 0.1 }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "fc2" bottom: "label" top: "loss" }}
+""")
+    (d / "solver.prototxt").write_text(solver_text(d / "net.prototxt", d / "snap", ITERS))
+    return d
+
+
+def _ranks_in_order(db, path, ranks, local):
+    """`db` rewritten so that one rank reading it in order gets, in each batch of ranks * local
+    records, rank 0's local batch of the shared-DB interleave, then rank 1's, ...: record
+    (k * local + j) * ranks + r of `db` goes to position k * ranks * local + r * local + j."""
+    from caffepy.data.db import open_reader, open_writer
+    reader = open_reader(db)
+    n = len(reader)
+    order = [(k * local + j) * ranks + r for k in range(n // (ranks * local))
+             for r in range(ranks) for j in range(local)]
+    with open_writer(str(path)) as w:
+        for pos, i in enumerate(order):
+            w.put(f"{pos:08d}", reader.get(i)[1])
+    return str(path)
+
+
+def test_statistics_groups_on_ranks_match_one_rank_with_the_ranks_batches(tmp_path, db):
+    """bn_stats_batch_size 3 on 2 ranks of local batch 6 trains as 1 rank of batch 12 whose
+    batches are the ranks' local batches one after the other (the groups lie within each
+    rank's batch, so both runs normalize the same groups of images). The running statistics
+    differ by design: each rank takes one update per group of its own batch (2 per iteration,
+    4 on one rank), and the snapshot holds their mean over the ranks."""
+    ranks, local, group = 2, BATCH // 2, 3
+    ordered = _ranks_in_order(db, tmp_path / "ordered_lmdb", ranks, local)
+    single = _groups_job(tmp_path, "single", ordered, BATCH, f"bn_stats_batch_size: {group}")
+    multi = _groups_job(tmp_path, "multi", db, local, f"bn_stats_batch_size: {group}")
+    whole = _groups_job(tmp_path, "whole", ordered, BATCH, "")
+    outs = [train(single), train(multi, ranks), train(whole)]
+    for out in outs:
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert "fused 1 BatchNorm + Scale pair(s), 1 with the ReLU" in outs[1].stderr
+    w1, wn, w0 = (weights(job / f"snap_iter_{ITERS}.caffemodel") for job in (single, multi, whole))
+    learned = [k for k in w1 if not k.startswith("bn1.")]
+    assert max_rel_diff({k: w1[k] for k in learned}, {k: wn[k] for k in learned}) < 1e-5
+    # the groups changed the training: whole-batch statistics give other weights
+    assert max_rel_diff({k: w1[k] for k in learned}, {k: w0[k] for k in learned}) > 1e-3
+    updates = lambda n: sum(0.9 ** i for i in range(n))       # noqa: E731
+    assert float(w1["bn1.2"].ravel()[0]) == pytest.approx(updates(ITERS * BATCH // group), rel=1e-5)
+    assert float(wn["bn1.2"].ravel()[0]) == pytest.approx(updates(ITERS * local // group), rel=1e-5)

@@ -30,16 +30,19 @@ def softmax_loss_forward(x, labels, prob):
     return -float(np.sum(np.maximum(log_p, LOG_FLT_MIN)[valid]))
 
 
-def softmax_loss_backward(prob, labels, scale, diff):
-    """diff = (prob - onehot(label)) * scale, 0 at ignored (-1) positions."""
+def softmax_loss_backward(prob, labels, scale, diff, ratio=1.0, hit=1.0, miss=0.0):
+    """diff = (ratio * prob - target) * scale, target = hit at the label's class and miss at
+    the others (the defaults: (prob - onehot(label)) * scale), 0 at ignored (-1) positions."""
     valid = labels >= 0
+    np.multiply(prob, np.float32(ratio), out=diff)
+    if miss:
+        diff -= np.float32(miss)
     if valid.all():
-        np.multiply(prob, np.float32(scale), out=diff)
+        diff *= np.float32(scale)
     else:
-        weight = np.where(valid, np.float32(scale), np.float32(0))
-        np.multiply(prob, weight[:, None, :], out=diff)
+        diff *= np.where(valid, np.float32(scale), np.float32(0))[:, None, :]
     rows, cols = np.nonzero(valid)
-    diff[rows, labels[rows, cols], cols] -= np.float32(scale)
+    diff[rows, labels[rows, cols], cols] -= (np.float32(hit) - np.float32(miss)) * np.float32(scale)
 
 
 def _kept(t, ignore):
