@@ -49,6 +49,10 @@ from ..solvers.solver import ACTIONS, Hooks
 from . import watchdog
 from .allreduce import GradientReducer
 from .model_parallel import model_parallel_names
+from .ring import Poller
+
+# Longest sleep between tests of a small collective the main thread waits in (see _collective)
+_COLLECTIVE_POLL_CAP = 1e-3
 
 
 def make_strategy(solver, world):
@@ -127,6 +131,19 @@ class DataParallel(Hooks):
         finally:
             setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
 
+    def _collective(self, place, start):
+        """Run the non-blocking collective that `start()` posts and wait for it at `place`,
+        sleeping between tests (20 us, doubling up to 1 ms). MPICH's blocking calls poll the
+        network in a loop: the rank that reached the loss average first spun a core until the
+        others arrived, a core taken from the late rank's backward (ranks sharing a machine)
+        or from its own allreduce thread, whose ring also ran slower beside the spinning call
+        (4.6 s against 4.2 s for AlexNet's gradients across two emulated hosts)."""
+        with self._waiting(place):
+            request = start()
+            poller = Poller(_COLLECTIVE_POLL_CAP)
+            while not request.Test():
+                poller.idle()
+
     def communication_wait(self):
         """Seconds the main thread waited for communication so far."""
         return self.gradient_wait
@@ -201,8 +218,8 @@ class DataParallel(Hooks):
 
     def reduce_scores(self, solver, values):
         buf = np.ascontiguousarray(values, np.float64)
-        with self._waiting(f"the output sums of iteration {solver.iter}"):
-            self.comm.Allreduce(_in_place(), buf)
+        self._collective(f"the output sums of iteration {solver.iter}",
+                         lambda: self.comm.Iallreduce(_in_place(), buf))
         return buf
 
     def on_display(self, solver):
@@ -213,8 +230,8 @@ class DataParallel(Hooks):
             return
         mine = np.array([now[0] - last[0], now[2] - last[2], now[3] - last[3]], np.float64)
         every = np.empty((self.world.size, 3), np.float64)
-        with self._waiting(f"the rank timings of iteration {solver.iter}"):
-            self.comm.Allgather(mine, every)
+        self._collective(f"the rank timings of iteration {solver.iter}",
+                         lambda: self.comm.Iallgather(mine, every))
         batch = _global_batch(solver.net)
         images = None if batch is None else batch * solver.param.iter_size * self.world.size
         log.info(rank_report(solver.iter, every, iterations, images))
@@ -232,8 +249,8 @@ class DataParallel(Hooks):
         scale = np.float32(1.0 / self.world.size)
         for i in self.statistics if indices is None else indices:
             data = solver.net.learnable_params[i].data
-            with self._waiting(f"the BatchNorm statistics average of iteration {solver.iter}"):
-                self.comm.Allreduce(_in_place(), data)
+            self._collective(f"the BatchNorm statistics average of iteration {solver.iter}",
+                             lambda: self.comm.Iallreduce(_in_place(), data))
             data *= scale
 
     def agree_action(self, solver, request):
@@ -245,8 +262,8 @@ class DataParallel(Hooks):
             self._seen[ACTIONS.index(request)] += 1
         agreed = self._seen.copy()
         from mpi4py import MPI
-        with self._waiting(f"the signal agreement of iteration {solver.iter}"):
-            self.comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
+        self._collective(f"the signal agreement of iteration {solver.iter}",
+                         lambda: self.comm.Iallreduce(MPI.IN_PLACE, agreed, op=MPI.MAX))
         new = [k for k in range(1, len(ACTIONS)) if agreed[k] > self._acted[k]]
         self._acted = np.maximum(self._acted, agreed)
         watchdog.at(f"forward of iteration {solver.iter}")
@@ -254,8 +271,8 @@ class DataParallel(Hooks):
 
     def reduce_loss(self, solver, loss):
         buf = np.array([loss], np.float64)
-        with self._waiting(f"the loss average of iteration {solver.iter}"):
-            self.comm.Allreduce(_in_place(), buf)
+        self._collective(f"the loss average of iteration {solver.iter}",
+                         lambda: self.comm.Iallreduce(_in_place(), buf))
         return float(buf[0]) / self.world.size
 
     def sumsq(self, solver, param_index, array):
@@ -264,8 +281,8 @@ class DataParallel(Hooks):
         if param_index not in self.split:
             return local
         buf = np.array([local], np.float64)
-        with self._waiting(f"the gradient norm sum of iteration {solver.iter}"):
-            self.comm.Allreduce(_in_place(), buf)
+        self._collective(f"the gradient norm sum of iteration {solver.iter}",
+                         lambda: self.comm.Iallreduce(_in_place(), buf))
         return float(buf[0])
 
     # -- pieces ---------------------------------------------------------
