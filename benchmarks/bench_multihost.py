@@ -185,7 +185,8 @@ def worker(args):
 # (CAFFEPY_MPI_PROGRESS=none), the default (no variable) the real run; one MPI Allreduce of
 # the gradients' bytes between the hosts is what the overlap must hide.
 _ITERATION = re.compile(r"\] Iteration (\d+) \([\d.e+-]+ iter/s, ([\d.e+-]+)s/(\d+) iters\)")
-_COMM_WAIT = re.compile(r"\] Iteration \d+, \d+ ranks: .* waiting ([\d.]+)% of the time for communication")
+_WAITS = re.compile(r"\] Iteration \d+, \d+ ranks: .* waiting ([\d.]+)% of the time for communication, "
+                    r"([\d.]+)% for other ranks")
 _GRADIENTS = re.compile(r"Allreduce: ([\d.]+) MB of gradients in \d+ buckets, progress: (\w+), "
                         r"algorithm: (.*)$", re.M)
 
@@ -256,7 +257,7 @@ def measure_cli(args, hosts, batch, me):
     iters = skip + max(args.iters, 3) * args.display
     env = dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     modes = cli_modes(args.per_host)
-    found = {name: {"iter": [], "comm_wait": [], "algorithm": None} for name, _ in modes}
+    found = {name: {"iter": [], "waits": [], "algorithm": None} for name, _ in modes}
     nbytes = None
     with tempfile.TemporaryDirectory(prefix="bench_multihost_cli_") as tmp, TestBed(hosts, rate=args.rate) as bed:
         solver = write_cli_job(tmp, batch, iters, args.display)
@@ -271,7 +272,7 @@ def measure_cli(args, hosts, batch, me):
                     raise SystemExit(f"bench_multihost: `caffepy train` ({name}) failed (exit {out.returncode})")
                 f = found[name]
                 f["iter"] += times
-                f["comm_wait"] += [float(x) for x in _COMM_WAIT.findall(log)[skip // args.display:]]
+                f["waits"] += [(float(a), float(b)) for a, b in _WAITS.findall(log)[skip // args.display:]]
                 m = _GRADIENTS.search(log)
                 nbytes, f["algorithm"] = float(m.group(1)) * 1e6, f"progress {m.group(2)}, {m.group(3)}"
         # between the hosts: one rank per host, as a leader-only exchange would
@@ -302,8 +303,9 @@ def report_cli(args, c, others):
         tn = statistics.median(m["iter"])
         hidden, text = verdict(tn - t1, c["allreduce"], spread)
         shown = hidden if name == "default" else shown
-        wait = (f"; the ranks waited {statistics.median(m['comm_wait']):.1f}% of it for communication"
-                if m["comm_wait"] else "")
+        wait = (f"; the ranks waited {statistics.median(w[0] for w in m['waits']):.1f}% of it for "
+                f"communication, {statistics.median(w[1] for w in m['waits']):.1f}% for each other"
+                if m["waits"] else "")
         print(f"t_{ranks}ranks {name:9s} {tn:6.2f} s  {m['algorithm']}; median of {len(m['iter'])} "
               f"iterations; cost {tn - t1:+.2f} s  {text}{wait}")
     print(f"  (iteration spread up to {spread:.2f} s; hidden = 1 - (t_{ranks}ranks - t_1rank) / t_allreduce; "
