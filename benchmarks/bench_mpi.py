@@ -47,14 +47,14 @@ MODES = ("none", "blocking", "thread", "test", "wait", "blocking:mpi", "thread:m
 
 
 # -- worker side (one process per rank) ------------------------------------------
-def build_solver(batch, path, context):
+def dummy_net(batch, path):
+    """The TRAIN net of `path` with its Data layer replaced by DummyData of local batch `batch`
+    (a NetParameter)."""
     sys.path.insert(0, REPO)
     from google.protobuf import text_format
 
     from caffepy import upgrade
     from caffepy.net import TRAIN, filter_net, net_state
-    from caffepy.proto import caffe_pb2
-    from caffepy.solvers import Solver
 
     net = filter_net(upgrade.read_net(path), net_state(TRAIN, 0, []))
     data = net.layer[0]
@@ -63,10 +63,20 @@ def build_solver(batch, path, context):
     text_format.Parse(f"""name: "data" type: "DummyData" top: "data" top: "label"
         dummy_data_param {{ shape {{ dim: {batch} dim: 3 dim: 227 dim: 227 }} shape {{ dim: {batch} }}
           data_filler {{ type: "gaussian" std: 1 }} data_filler {{ type: "constant" value: 0 }} }}""", data)
-    sp = caffe_pb2.SolverParameter(base_lr=1e-4, momentum=0.9, weight_decay=5e-4, lr_policy="fixed",
-                                   max_iter=10 ** 9, display=0, snapshot=0, random_seed=1,
-                                   snapshot_after_train=False, solver_mode=caffe_pb2.SolverParameter.CPU)
-    sp.net_param.CopyFrom(net)
+    return net
+
+
+SOLVER = dict(base_lr=1e-4, momentum=0.9, weight_decay=5e-4, lr_policy="fixed", snapshot=0, random_seed=1,
+              snapshot_after_train=False)
+
+
+def build_solver(batch, path, context):
+    from caffepy.proto import caffe_pb2
+    from caffepy.solvers import Solver
+
+    sp = caffe_pb2.SolverParameter(max_iter=10 ** 9, display=0, solver_mode=caffe_pb2.SolverParameter.CPU,
+                                   **SOLVER)
+    sp.net_param.CopyFrom(dummy_net(batch, path))
     return Solver(sp, source="bench_mpi", context=context)
 
 

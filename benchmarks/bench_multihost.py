@@ -4,7 +4,16 @@ model checked against it (`make bench-multihost`).
 K emulated hosts (tests/multihost/testbed.py: network namespaces, links shaped with tc
 tbf), one rank each, one thread each (OMP_NUM_THREADS=1), MPI over TCP. AlexNet
 (models/mpi_intel_alexnet/train_val_shared_db.prototxt, data parallel) with DummyData at
-a local batch chosen so that one iteration takes about --target seconds. Prints:
+a local batch chosen so that one iteration takes about --target seconds.
+
+First the command users run (--view cli): `mpiexec ... caffepy train --solver s.prototxt`
+(display every --display iterations), once with CAFFEPY_MPI_PROGRESS=none (no
+communication) and once as is (the default progress), rounds interleaved, each
+iteration's time read from the display lines; and one MPI Allreduce of the gradients'
+bytes between the hosts. hidden = 1 - (t_default - t_none) / t_allreduce.
+
+Then the harness (--view harness: solver.step in-process, one process per rank through
+every mode), which also feeds the scaling model. Prints:
 
   link        latency and bandwidth from each rank to the next (ring.Link, as the reducer
               measures it), and the ring's CPU cost per byte sent
@@ -28,12 +37,14 @@ is flagged as noise, never printed as a result. `blocking` hides nothing by
 construction: its figure is the run's error bar.
 
     python benchmarks/bench_multihost.py [--hosts 2] [--rate 500mbit] [--batch N | --target 5]
+    python benchmarks/bench_multihost.py --view cli --batch 256 --display 20 --iters 2  # the CLI alone
     python benchmarks/bench_multihost.py --validate --save m.json   # 2 then 4 hosts, the projection
     python benchmarks/bench_multihost.py --load m.json   # the report again from saved measurements
 """
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -166,6 +177,140 @@ def worker(args):
     if world.rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
     mpi.finish()
+
+
+# -- the command users run ------------------------------------------------------------
+# `mpiexec ... caffepy train --solver s.prototxt` across the emulated hosts, timed from its
+# own display lines: the figure a user sees. `none` gives the compute-only iteration
+# (CAFFEPY_MPI_PROGRESS=none), the default (no variable) the real run; one MPI Allreduce of
+# the gradients' bytes between the hosts is what the overlap must hide.
+_ITERATION = re.compile(r"\] Iteration (\d+) \([\d.e+-]+ iter/s, ([\d.e+-]+)s/(\d+) iters\)")
+_WAITS = re.compile(r"\] Iteration \d+, \d+ ranks: .* waiting ([\d.]+)% of the time for communication, "
+                    r"([\d.]+)% for other ranks")
+_GRADIENTS = re.compile(r"Allreduce: ([\d.]+) MB of gradients in \d+ buckets, progress: (\w+), "
+                        r"algorithm: (.*)$", re.M)
+
+
+def write_cli_job(directory, batch, iters, display):
+    """AlexNet with DummyData at local batch `batch` (as the harness's) and a solver running
+    `iters` iterations with a display line every `display`; returns the solver's path."""
+    from bench_mpi import NET, SOLVER, dummy_net
+    from google.protobuf import text_format
+
+    from caffepy.proto import caffe_pb2
+    os.makedirs(directory, exist_ok=True)
+    net = os.path.join(directory, "net.prototxt")
+    with open(net, "w") as f:
+        f.write(text_format.MessageToString(dummy_net(batch, NET)))
+    solver = caffe_pb2.SolverParameter(net=net, max_iter=iters, display=display,
+                                       solver_mode=caffe_pb2.SolverParameter.CPU, **SOLVER)
+    path = os.path.join(directory, "solver.prototxt")
+    with open(path, "w") as f:
+        f.write(text_format.MessageToString(solver))
+    return path
+
+
+def _caffepy():
+    installed = os.path.join(os.path.dirname(sys.executable), "caffepy")
+    return [installed] if os.path.exists(installed) else [sys.executable, "-m", "caffepy.cli"]
+
+
+def cli_iterations(log, skip):
+    """Seconds per iteration from a train log's display lines, those up to iteration `skip`
+    left out (start-up, the first buckets, the link measurement)."""
+    return [float(seconds) / int(n) for it, seconds, n in _ITERATION.findall(log) if int(it) > skip]
+
+
+def allreduce_worker(args):
+    """One MPI Allreduce of --floats floats between the ranks, timed --iters times; prints
+    the fastest (the slowest rank's time of each)."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    grads = np.ones(args.floats, np.float32)
+    times = []
+    for _ in range(args.iters):
+        comm.Barrier()
+        t = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
+        times.append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+    if comm.Get_rank() == 0:
+        print("RESULT " + json.dumps({"allreduce": min(times), "all": times}), flush=True)
+
+
+def cli_modes(per_host):
+    """[(name, environment)] of the CLI runs: the compute-only baseline, the default, and with
+    several ranks per host the flat ring over every rank (no shared-memory stage)."""
+    modes = [("none", {"CAFFEPY_MPI_PROGRESS": "none"}), ("default", {})]
+    if per_host > 1:
+        modes.append(("flat ring", {"CAFFEPY_MPI_ALLREDUCE": "ring"}))
+    return modes
+
+
+def measure_cli(args, hosts, batch, me):
+    """Run `caffepy train` per mode, modes interleaved over --rounds; returns the figures."""
+    import tempfile
+
+    from tests.multihost.testbed import TestBed
+    for var in ("CAFFEPY_MPI_PROGRESS", "CAFFEPY_MPI_ALLREDUCE"):
+        os.environ.pop(var, None)                       # the defaults are what users run
+    skip = max(args.warmup, 2)
+    iters = skip + max(args.iters, 3) * args.display
+    env = dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    modes = cli_modes(args.per_host)
+    found = {name: {"iter": [], "waits": [], "algorithm": None} for name, _ in modes}
+    nbytes = None
+    with tempfile.TemporaryDirectory(prefix="bench_multihost_cli_") as tmp, TestBed(hosts, rate=args.rate) as bed:
+        solver = write_cli_job(tmp, batch, iters, args.display)
+        for _ in range(args.rounds):
+            for name, extra in modes:
+                out = bed.run(_caffepy() + ["train", "--solver", solver], args.per_host, env=dict(env, **extra),
+                              cwd=tmp)
+                log = out.stdout + out.stderr
+                times = cli_iterations(log, skip)
+                if out.returncode != 0 or not times:
+                    sys.stderr.write(log[-5000:])
+                    raise SystemExit(f"bench_multihost: `caffepy train` ({name}) failed (exit {out.returncode})")
+                f = found[name]
+                f["iter"] += times
+                f["waits"] += [(float(a), float(b)) for a, b in _WAITS.findall(log)[skip // args.display:]]
+                m = _GRADIENTS.search(log)
+                nbytes, f["algorithm"] = float(m.group(1)) * 1e6, f"progress {m.group(2)}, {m.group(3)}"
+        # between the hosts: one rank per host, as a leader-only exchange would
+        cmd = [sys.executable, me, "--allreduce-worker", "--floats", str(int(nbytes // 4)), "--iters", "3"]
+        allreduce = _result(bed.run(cmd, env=env), "the allreduce")["allreduce"]
+    return {"hosts": hosts, "per_host": args.per_host, "batch": batch, "display": args.display,
+            "modes": found, "allreduce": allreduce, "bytes": nbytes}
+
+
+def report_cli(args, c, others):
+    """Print the CLI view; returns the default's hidden share (None: noise)."""
+    modes = c["modes"]
+    t1 = statistics.median(modes["none"]["iter"])
+    spread = max(max(m["iter"]) - min(m["iter"]) for m in modes.values())
+    ranks = c["hosts"] * c["per_host"]
+    print(f"\n`mpiexec ... caffepy train` on {c['hosts']} emulated hosts, {c['per_host']} rank(s) x 1 thread "
+          f"each, local batch {c['batch']}, display {c['display']}, links shaped to {args.rate}"
+          + ("" if others is None else f"; other processes kept {others:.2f} of {os.cpu_count()} cores "
+             f"busy during it"))
+    print(f"t_allreduce  {c['allreduce']:6.2f} s  one MPI Allreduce of the {c['bytes'] / 1e6:.1f} MB of "
+          f"gradients between the hosts (one rank each)")
+    print(f"t_1rank      {t1:6.2f} s  CAFFEPY_MPI_PROGRESS=none (no communication, ranks side by side); "
+          f"median of {len(modes['none']['iter'])} iterations")
+    shown = None
+    for name, m in modes.items():
+        if name == "none":
+            continue
+        tn = statistics.median(m["iter"])
+        hidden, text = verdict(tn - t1, c["allreduce"], spread)
+        shown = hidden if name == "default" else shown
+        wait = (f"; the ranks waited {statistics.median(w[0] for w in m['waits']):.1f}% of it for "
+                f"communication, {statistics.median(w[1] for w in m['waits']):.1f}% for each other"
+                if m["waits"] else "")
+        print(f"t_{ranks}ranks {name:9s} {tn:6.2f} s  {m['algorithm']}; median of {len(m['iter'])} "
+              f"iterations; cost {tn - t1:+.2f} s  {text}{wait}")
+    print(f"  (iteration spread up to {spread:.2f} s; hidden = 1 - (t_{ranks}ranks - t_1rank) / t_allreduce; "
+          f"target for the default >= 90%)")
+    return shown
 
 
 # -- driver ---------------------------------------------------------------------------
@@ -379,11 +524,20 @@ def main():
                     help="2 hosts, then 4 at the same local batch, then the projection")
     ap.add_argument("--save", help="write the raw measurements to this JSON file")
     ap.add_argument("--load", help="no run: report (model check, projection) from a --save file")
+    ap.add_argument("--display", type=int, default=1, help="the CLI run's display interval")
+    ap.add_argument("--per-host", type=int, default=1,
+                    help="ranks per emulated host in the CLI view (> 1: also the flat ring)")
+    ap.add_argument("--view", default="cli,harness",
+                    help="cli: time `mpiexec ... caffepy train`; harness: solver.step in-process (both: cli first)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--allreduce-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--floats", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.allreduce_worker:
+        return allreduce_worker(args)
     if args.calibrate:
         return calibrate(args)
     if "none" not in args.modes.split(","):
@@ -394,10 +548,12 @@ def main():
             saved = json.load(f)
         for key in ("rate", "rounds", "iters"):
             setattr(args, key, saved[key])
-        runs = saved["runs"]
+        runs, cli = saved["runs"], saved.get("cli")
         print(f"measurements of {saved['when']} (load average {saved['load']:.2f} before)")
+        if cli:
+            report_cli(args, cli, cli.get("others"))
     else:
-        runs = measure(args)
+        runs, cli = measure(args)
     all_checks, inputs = [], None
     for run in runs:
         checks, found = report(args, run["result"], run["batch"], run["hybrid"], run.get("others"))
@@ -455,19 +611,31 @@ def measure(args):
     load = os.getloadavg()[0]
     print(f"load average before: {load:.2f} on {os.cpu_count()} cores", flush=True)
     batch = args.batch or choose_batch(me, args.target)
-    runs = []
-    for hosts in ((2, 4) if args.validate else (args.hosts,)):
+    views = args.view.split(",")
+    runs, cli = [], None
+
+    def save():
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load,
+                           "rate": args.rate, "rounds": args.rounds, "iters": args.iters, "runs": runs,
+                           "cli": cli}, f)
+    if "cli" in views:
+        busy, ours, wall = _machine_busy(), _children_cpu(), time.perf_counter()
+        cli = measure_cli(args, args.hosts, batch, me)
+        cli["others"] = max(0.0, ((_machine_busy() - busy) - (_children_cpu() - ours)) / (time.perf_counter() - wall))
+        report_cli(args, cli, cli["others"])
+        sys.stdout.flush()
+        save()
+    for hosts in ((2, 4) if args.validate else (args.hosts,)) if "harness" in views else ():
         busy, ours, wall = _machine_busy(), _children_cpu(), time.perf_counter()
         r, hybrid = run_hosts(args, hosts, batch, me)
         # cores kept busy by other processes during the run: the machine's busy time less
         # what this run's processes (launchers, ranks) used
         others = ((_machine_busy() - busy) - (_children_cpu() - ours)) / (time.perf_counter() - wall)
         runs.append({"result": r, "batch": batch, "hybrid": hybrid, "others": max(0.0, others)})
-        if args.save:
-            with open(args.save, "w") as f:
-                json.dump({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load,
-                           "rate": args.rate, "rounds": args.rounds, "iters": args.iters, "runs": runs}, f)
-    return runs
+        save()
+    return runs, cli
 
 if __name__ == "__main__":
     main()

@@ -111,7 +111,7 @@ class ModelParallelInnerProduct(InnerProduct):
         self.rows = slice(self.offsets[self.rank], self.offsets[self.rank] + self.m)
         self.split = self.m == self.num_output
         self.outer = None
-        self.exchange_seconds = 0.0     # wall time in this layer's MPI exchanges (benchmarks)
+        self.exchange_seconds = 0.0     # wall time in its MPI exchanges (the display line on ranks)
 
     def keep_own_rows(self):
         """Keep this rank's rows of the weights and bias only (once; every rank must hold the

@@ -26,18 +26,33 @@ i.e. for the mean exactly the global batch's (equal local batches), for the
 variance the mean of the ranks' variances (each around its own batch mean;
 Caffe has no rule across processes).
 
+At each display rank 0 logs a line about the ranks since the last display
+(`rank_report`): the job's images/s, the slowest rank and how long it worked per
+iteration, and the share of the time the ranks waited for communication (the
+gradients, and a hybrid's activation exchanges) and for each other (the small
+collectives where a fast rank waits for the slowest). A straggler is the rank
+that works longest, since every other rank waits for it.
+
 Both are solver Hooks (caffepy.solvers.solver.Hooks): they join the loop only
 at the points the solver publishes.
 """
+import contextlib
+import time
+
 import numpy as np
 
 from .. import log
 from ..blob import Blob
 from ..layer import MODEL_PARALLEL
+from ..log import fmt
 from ..solvers.solver import ACTIONS, Hooks
 from . import watchdog
 from .allreduce import GradientReducer
 from .model_parallel import model_parallel_names
+from .ring import Poller
+
+# Longest sleep between tests of a small collective the main thread waits in (see _collective)
+_COLLECTIVE_POLL_CAP = 1e-3
 
 
 def make_strategy(solver, world):
@@ -99,6 +114,42 @@ class DataParallel(Hooks):
         self._last_layer = None
         self._seen = np.zeros(len(ACTIONS), np.int64)    # signal requests received here
         self._acted = np.zeros(len(ACTIONS), np.int64)   # requests acted on (agreed)
+        # seconds the main thread waited: for the gradients, and for the other ranks in the
+        # small collectives (loss, outputs, signals, statistics, norms)
+        self.gradient_wait = 0.0
+        self.rank_wait = 0.0
+        self._shown = None           # the clock at the last display (_clock)
+
+    @contextlib.contextmanager
+    def _waiting(self, place, counter="rank_wait"):
+        """The main thread waits for the others at `place` (the watchdog knows); the time is
+        added to `counter`."""
+        start = time.perf_counter()
+        try:
+            with watchdog.waiting(place):
+                yield
+        finally:
+            setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
+
+    def _collective(self, place, start):
+        """Run the non-blocking collective that `start()` posts and wait for it at `place`,
+        sleeping between tests (20 us, doubling up to 1 ms). MPICH's blocking calls poll the
+        network in a loop: the rank that reached the loss average first spun a core until the
+        others arrived, a core taken from the late rank's backward (ranks sharing a machine)
+        or from its own allreduce thread, whose ring also ran slower beside the spinning call
+        (4.6 s against 4.2 s for AlexNet's gradients across two emulated hosts)."""
+        with self._waiting(place):
+            request = start()
+            poller = Poller(_COLLECTIVE_POLL_CAP)
+            while not request.Test():
+                poller.idle()
+
+    def communication_wait(self):
+        """Seconds the main thread waited for communication so far."""
+        return self.gradient_wait
+
+    def _clock(self, solver):
+        return time.perf_counter(), solver.iter, self.communication_wait(), self.rank_wait
 
     # -- hooks ----------------------------------------------------------
     def on_start(self, solver):
@@ -117,6 +168,7 @@ class DataParallel(Hooks):
         log.info(f"Allreduce: {self.reducer.nbytes / 1e6:.1f} MB of gradients in "
                  f"{len(self.reducer.buckets)} buckets, progress: {self.reducer.progress}, "
                  f"algorithm: {self.reducer.describe()}")
+        self._shown = self._clock(solver)
 
     def set_progress(self, progress, solver, algorithm=None):
         """(Re)build the gradient reducer with a progress mode (allreduce.PROGRESS_MODES) and
@@ -147,7 +199,7 @@ class DataParallel(Hooks):
             self.reducer.issue_all()          # the solver awaits each bucket when it needs it
             self._pending = self._reduced
         else:
-            with watchdog.waiting(f"the gradient allreduce of iteration {solver.iter}"):
+            with self._waiting(f"the gradient allreduce of iteration {solver.iter}", "gradient_wait"):
                 self.reducer.finish()
             self._pending = ()
         self._passes = 0
@@ -160,15 +212,29 @@ class DataParallel(Hooks):
 
     def await_gradients(self, solver, indices):
         blobs = [solver.net.learnable_params[i] for i in indices]
-        with watchdog.waiting(f"the gradient allreduce of iteration {solver.iter}"):
+        with self._waiting(f"the gradient allreduce of iteration {solver.iter}", "gradient_wait"):
             self.reducer.wait(blobs)
         watchdog.at(f"forward of iteration {solver.iter}")
 
     def reduce_scores(self, solver, values):
         buf = np.ascontiguousarray(values, np.float64)
-        with watchdog.waiting(f"the output sums of iteration {solver.iter}"):
-            self.comm.Allreduce(_in_place(), buf)
+        self._collective(f"the output sums of iteration {solver.iter}",
+                         lambda: self.comm.Iallreduce(_in_place(), buf))
         return buf
+
+    def on_display(self, solver):
+        now = self._clock(solver)
+        last, self._shown = self._shown, now
+        iterations = now[1] - last[1]
+        if iterations <= 0:            # the first display: nothing to report yet
+            return
+        mine = np.array([now[0] - last[0], now[2] - last[2], now[3] - last[3]], np.float64)
+        every = np.empty((self.world.size, 3), np.float64)
+        self._collective(f"the rank timings of iteration {solver.iter}",
+                         lambda: self.comm.Iallgather(mine, every))
+        batch = _global_batch(solver.net)
+        images = None if batch is None else batch * solver.param.iter_size * self.world.size
+        log.info(rank_report(solver.iter, every, iterations, images))
 
     def before_test(self, solver):
         self.average_statistics(solver)
@@ -183,8 +249,8 @@ class DataParallel(Hooks):
         scale = np.float32(1.0 / self.world.size)
         for i in self.statistics if indices is None else indices:
             data = solver.net.learnable_params[i].data
-            with watchdog.waiting(f"the BatchNorm statistics average of iteration {solver.iter}"):
-                self.comm.Allreduce(_in_place(), data)
+            self._collective(f"the BatchNorm statistics average of iteration {solver.iter}",
+                             lambda: self.comm.Iallreduce(_in_place(), data))
             data *= scale
 
     def agree_action(self, solver, request):
@@ -196,8 +262,8 @@ class DataParallel(Hooks):
             self._seen[ACTIONS.index(request)] += 1
         agreed = self._seen.copy()
         from mpi4py import MPI
-        with watchdog.waiting(f"the signal agreement of iteration {solver.iter}"):
-            self.comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
+        self._collective(f"the signal agreement of iteration {solver.iter}",
+                         lambda: self.comm.Iallreduce(MPI.IN_PLACE, agreed, op=MPI.MAX))
         new = [k for k in range(1, len(ACTIONS)) if agreed[k] > self._acted[k]]
         self._acted = np.maximum(self._acted, agreed)
         watchdog.at(f"forward of iteration {solver.iter}")
@@ -205,8 +271,8 @@ class DataParallel(Hooks):
 
     def reduce_loss(self, solver, loss):
         buf = np.array([loss], np.float64)
-        with watchdog.waiting(f"the loss average of iteration {solver.iter}"):
-            self.comm.Allreduce(_in_place(), buf)
+        self._collective(f"the loss average of iteration {solver.iter}",
+                         lambda: self.comm.Iallreduce(_in_place(), buf))
         return float(buf[0]) / self.world.size
 
     def sumsq(self, solver, param_index, array):
@@ -215,8 +281,8 @@ class DataParallel(Hooks):
         if param_index not in self.split:
             return local
         buf = np.array([local], np.float64)
-        with watchdog.waiting(f"the gradient norm sum of iteration {solver.iter}"):
-            self.comm.Allreduce(_in_place(), buf)
+        self._collective(f"the gradient norm sum of iteration {solver.iter}",
+                         lambda: self.comm.Iallreduce(_in_place(), buf))
         return float(buf[0])
 
     # -- pieces ---------------------------------------------------------
@@ -243,6 +309,23 @@ class DataParallel(Hooks):
 def _in_place():
     from mpi4py import MPI
     return MPI.IN_PLACE
+
+
+def rank_report(iteration, timings, iterations, images=None):
+    """The display line about the ranks. timings: one row per rank of the seconds since the
+    last display (wall, waiting for communication, waiting for the other ranks) over
+    `iterations` iterations; images: the job's images per iteration (None: unknown)."""
+    timings = np.asarray(timings, np.float64)
+    wall = np.maximum(timings[:, 0], 1e-9)
+    working = (wall - timings[:, 1] - timings[:, 2]) / iterations
+    slowest, fastest = int(np.argmax(working)), int(np.argmin(working))
+    rate = (f"{images * iterations / wall[0]:.1f} images/s" if images
+            else f"{fmt(iterations / wall[0])} iter/s")
+    communication = 100 * float(np.mean(timings[:, 1] / wall))
+    others = 100 * float(np.mean(timings[:, 2] / wall))
+    return (f"Iteration {iteration}, {len(timings)} ranks: {rate}, slowest rank {slowest} "
+            f"({working[slowest]:.3g} s/iter working; fastest rank {fastest} {working[fastest]:.3g}), "
+            f"waiting {communication:.1f}% of the time for communication, {others:.1f}% for other ranks")
 
 
 class Hybrid(DataParallel):
@@ -275,6 +358,10 @@ class Hybrid(DataParallel):
             log.info(f"Layer {layer.name}: model parallel, {layer.m} of {layer.num_output} "
                      f"outputs on this rank")
         self._share_test_rows(solver)
+
+    def communication_wait(self):
+        # the split layers' exchanges: each layer needs its exchange's result to go on
+        return super().communication_wait() + sum(layer.exchange_seconds for layer in self.layers)
 
     def before_update(self, solver):
         super().before_update(solver)

@@ -62,6 +62,10 @@ class Hooks:
         """Every rank: the backward of train-net layer `layer_index` (one with parameters) is
         done. Called in each of the iter_size passes; the gradients are final in the last."""
 
+    def on_display(self, solver):
+        """Every rank, at a display iteration, after the solver's lines for it: a hook may log
+        lines of its own (rank 0 writes them) about the iterations since the last display."""
+
     def before_update(self, solver):
         """Every rank: forward and backward are done; lr, clipping, regularization and the
         update rule come next. The parameter diffs are what the update will use, except
@@ -318,6 +322,8 @@ class Solver:
                 timer = time.perf_counter()
                 iterations_last = self.iter
                 self._display_outputs()
+                for fn in self._hooks("on_display"):
+                    fn(self)
             for fn in self._hooks("before_update"):
                 fn(self)
             self.apply_update()

@@ -178,3 +178,23 @@ def test_layer_benchmark_times_every_variant_of_a_row(capsys, monkeypatch):
     assert names == list(LAYERS["ReLU"]), out
     assert "plain *" in out
     assert np.isfinite(float(lines[0][85:94]))
+
+
+def test_multihost_cli_view_reads_the_train_log():
+    """bench_multihost's CLI view takes its iteration times from the solver's display lines,
+    the waits from the rank report (strategies.rank_report) and the allreduce from the line
+    the strategy logs at start; a display of D iterations counts D times."""
+    import bench_multihost
+
+    from caffepy.parallel.strategies import rank_report
+    report = rank_report(5, [[10.0, 1.0, 0.5], [10.0, 2.0, 0.0]], 2, images=128)
+    log = "\n".join([
+        "I1129 06:24:08.241546 1 strategies.py:168] Allreduce: 243.9 MB of gradients in 8 buckets, "
+        "progress: thread, algorithm: ring (2 ranks, 2.4 MB pieces)",
+        "I1129 06:24:09.000000 1 solver.py:315] Iteration 2 (0.2 iter/s, 5.0s/1 iters), loss = 6.9",
+        "I1129 06:24:14.000000 1 solver.py:315] Iteration 3 (0.25 iter/s, 8.0s/2 iters), loss = 6.9",
+        f"I1129 06:24:14.000001 1 strategies.py:237] {report}"])
+    assert bench_multihost.cli_iterations(log, 2) == [4.0]
+    assert bench_multihost._WAITS.findall(log) == [("15.0", "2.5")]
+    assert bench_multihost._GRADIENTS.search(log).groups() == ("243.9", "thread", "ring (2 ranks, 2.4 MB pieces)")
+    assert [name for name, _ in bench_multihost.cli_modes(2)] == ["none", "default", "flat ring"]

@@ -187,6 +187,81 @@ def test_shm_fence_sleeps_while_waiting(tmp_path):
     assert "waited" in out.stdout
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "shm"])
+def test_allreduce_thread_does_not_preempt_the_compute(tmp_path, algorithm):
+    """The allreduce thread runs under SCHED_BATCH (its wake-ups must not preempt the compute
+    thread), the main thread under the normal policy."""
+    out = mpirun(2, f"""
+        import os
+        import numpy as np
+        from caffepy.blob import Blob
+        from caffepy.parallel import mpi, world
+        from caffepy.parallel.allreduce import GradientReducer
+        mpi.init_world()
+        blob = Blob((1000,))
+        blob.diff[...] = world.rank
+        reducer = GradientReducer(world.comm, [(blob, 0)], progress="thread", algorithm="{algorithm}")
+        reducer.finish()                      # the thread has started and reduced a bucket
+        assert np.all(blob.diff == 0.5)
+        assert os.sched_getscheduler(reducer._thread.native_id) == os.SCHED_BATCH
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        print("ok", reducer.describe())
+        reducer.close()
+        mpi.finish()
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count(f"ok {algorithm}") == 2, out.stdout
+
+
+def test_strategy_waits_for_a_late_rank_without_spinning(tmp_path):
+    """The main thread's small collectives (loss, signals, output sums, the rank report)
+    wait for a late rank on sleeps: MPICH's blocking calls would spin a core meanwhile,
+    the core the late rank's backward or this rank's allreduce thread needs."""
+    out = mpirun(2, """
+        import time
+        import numpy as np
+        from google.protobuf import text_format
+        from caffepy.parallel import mpi, world
+        from caffepy.proto import caffe_pb2
+        from caffepy.solvers import Solver
+        mpi.init_world()
+        param = text_format.Parse('''
+            base_lr: 0.01 lr_policy: "fixed" max_iter: 2 display: 1 solver_mode: CPU random_seed: 1
+            net_param { name: "tiny"
+              layer { name: "data" type: "DummyData" top: "data" top: "label"
+                dummy_data_param { shape { dim: 4 dim: 3 } shape { dim: 4 }
+                  data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 0 } } }
+              layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc"
+                inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.1 } } }
+              layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" } }
+        ''', caffe_pb2.SolverParameter())
+        solver = Solver(param, source="tiny", context=world)
+        strategy = mpi.attach(solver)
+        solver.step(1)                         # the reducer, the first display's clock
+        calls = {"loss": lambda: strategy.reduce_loss(solver, 1.0 + world.rank),
+                 "signals": lambda: strategy.agree_action(solver, "none"),
+                 "outputs": lambda: strategy.reduce_scores(solver, np.ones(3)),
+                 "report": lambda: strategy.on_display(solver)}
+        for name, call in calls.items():
+            if world.rank == 1:
+                time.sleep(1.0)
+            cpu, wall = time.thread_time(), time.perf_counter()
+            result = call()
+            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+            if name == "loss":
+                assert result == 1.5
+            if name == "outputs":
+                assert list(result) == [2, 2, 2]
+            if world.rank == 0:
+                print(f"{name}: waited {wall:.2f} s using {cpu:.2f} s of CPU")
+                assert wall > 0.7 and cpu < 0.1 * wall, name     # spinning: 0.2 (loaded machine) to 1.0
+        strategy.close()
+        mpi.finish()
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("waited") == 4, out.stdout
+
+
 RING = """
     import numpy as np
     from caffepy.parallel import mpi, world

@@ -7,7 +7,7 @@ from caffepy.blob import Blob
 from caffepy.errors import ParallelError
 from caffepy.net import TRAIN, Net
 from caffepy.parallel.allreduce import GradientReducer
-from caffepy.parallel.strategies import model_parallel_layers
+from caffepy.parallel.strategies import model_parallel_layers, rank_report
 from caffepy.proto import caffe_pb2
 
 
@@ -75,3 +75,13 @@ def test_buckets_follow_backward_order():
     # 7 floats (layer 3) wait for the 5000 (own bucket); 2000 alone; 30 + 10 packed
     assert order == [[4], [3], [1], [2, 0]]
     assert [b.ready_layer for b in buckets] == [3, 2, 1, 0]
+
+
+def test_rank_report_names_the_rank_that_works_longest():
+    # rank 2 worked 0.9 s an iteration; the others waited for it in the small collectives
+    timings = [[10, 0.5, 5.0], [10, 0.5, 4.5], [10, 0.5, 0.5], [10, 0.5, 4.8]]
+    assert rank_report(40, timings, 10, images=256) == (
+        "Iteration 40, 4 ranks: 256.0 images/s, slowest rank 2 (0.9 s/iter working; fastest rank 0 0.45), "
+        "waiting 5.0% of the time for communication, 37.0% for other ranks")
+    # no data layer to count images by
+    assert rank_report(40, timings, 10).startswith("Iteration 40, 4 ranks: 1 iter/s, slowest rank 2 ")

@@ -362,6 +362,54 @@ def test_batchnorm_statistics_are_the_mean_over_ranks(tmp_path, db):
     assert not np.allclose(w1["bn.1"].ravel(), expected, rtol=1e-3)    # not the global variance
 
 
+# A layer that makes one rank a straggler: param_str names the rank (hydra's PMI_RANK)
+SLOW_LAYER = '''
+import os
+import time
+
+import caffepy
+
+
+class Slow(caffepy.Layer):
+    def forward(self, bottom, top):
+        if os.environ.get("PMI_RANK") == self.param_str:
+            time.sleep(0.15)
+'''
+
+RANK_LINE = re.compile(r"\] Iteration (\d+), (\d+) ranks: ([\d.]+) images/s, slowest rank (\d+) \(([\d.e-]+) s/iter "
+                       r"working; fastest rank (\d+) ([\d.e-]+)\), waiting ([\d.]+)% of the time for "
+                       r"communication, ([\d.]+)% for other ranks")
+
+
+@pytest.mark.parametrize("ranks,slow", [(2, None), (3, 2)])
+def test_display_reports_the_ranks_and_names_a_straggler(tmp_path, db, ranks, slow):
+    job = write_job(tmp_path, "job", db, BATCH // ranks, 8)
+    (job / "solver.prototxt").write_text((job / "solver.prototxt").read_text().replace("display: 1", "display: 2"))
+    if slow is not None:
+        (job / "slow.py").write_text(SLOW_LAYER)
+        with open(job / "net.prototxt", "a") as f:
+            f.write(f'layer {{ name: "slow" type: "Python" bottom: "label" '
+                    f'python_param {{ module: "slow" layer: "Slow" param_str: "{slow}" }} }}\n')
+    out = train(job, ranks)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [m.groups() for m in RANK_LINE.finditer(out.stderr)]
+    # one after each display but the first (nothing to report yet); the solver's line before it
+    assert [int(g[0]) for g in lines] == [2, 4, 6], out.stderr[-3000:]
+    solver_rates = [float(r) for r in re.findall(r"\] Iteration [246] \(([\d.e+-]+) iter/s", out.stderr)]
+    for (_, n, images, slowest, working, fastest, fastest_working, communication, others), rate in zip(
+            lines, solver_rates):
+        assert int(n) == ranks
+        # the same span as the solver's line, timed on rank 0 a few calls later
+        assert 0.5 < float(images) / (rate * BATCH) < 2
+        assert float(working) >= float(fastest_working) >= 0
+        assert 0 <= float(communication) <= 100 and 0 <= float(others) <= 100
+        if slow is not None:
+            assert int(slowest) == slow and int(fastest) != slow
+            assert float(working) >= 0.15 > float(fastest_working)
+            # the others waited for it most of each iteration
+            assert float(others) > 100 * (ranks - 1) / ranks * 0.5
+
+
 def _groups_job(tmp_path, name, db, batch, groups):
     """Conv (4 x 4 pixels; no bias: its gradient through a BatchNorm is rounding noise) ->
     BatchNorm with batch statistics, Scale, ReLU (a fused unit on the fast path) -> classifier;
