@@ -2,7 +2,7 @@
 Bias, Softmax, ArgMax, Tile, Embed, Silence, Reduction, BatchReindex, Filter, Parameter."""
 import numpy as np
 
-from .. import autotune
+from .. import autotune, quantization
 from ..blas import gemm_into
 from ..blob import Blob
 from ..errors import ShapeError
@@ -201,6 +201,9 @@ class InnerProduct(Layer):
             specs.append(((self.num_output,), p.bias_filler))
         self.init_param_blobs(specs)
         self._column_buffers = {}          # _columns: (role, rows) -> buffer
+        # run by net_rules.Int8Unit; the layer's own forward stays float32
+        self.int8 = quantization.Int8(self) if quantization.quantized(
+            self.param, self.phase, self.net_param, self.source) else None
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape

@@ -27,7 +27,7 @@ run on it as they are. All compute Caffe's numbers up to float rounding.
 """
 import numpy as np
 
-from .. import autotune, geometry, memory
+from .. import autotune, geometry, memory, quantization
 from ..blob import CHANNELS_LAST
 from ..errors import CaffepyError, ShapeError
 from ..layer import NHWC, OWN, Layer, register
@@ -152,7 +152,10 @@ class NHWCConvolution(Convolution):
 
     @classmethod
     def wanted(cls, request):
-        return _four_axes(request) and request.param.convolution_param.axis in (1, -3)
+        # int8 layers run in NCHW (caffepy/quantization.py)
+        return (_four_axes(request) and request.param.convolution_param.axis in (1, -3)
+                and not quantization.quantized(request.param, request.phase, request.net,
+                                               request.source))
 
     def setup(self, bottom, top):
         _kernels(self)

@@ -506,8 +506,8 @@ def test_parameter_top_is_the_blob_and_backward_accumulates():
     ("Reshape", "reshape_param { pixelshuffler: 2 }", [randn(1, 4, 2, 2)],
      r"reshape_param.pixelshuffler: the pixel shuffle \(Intel Caffe\) is not supported, got 2"),
     ("ReLU", "quantization_param { bw_layer_in: 8 is_negative_input: true }", [randn(2, 3)],
-     r"layer 'layer' \(ReLU\): quantization_param: Intel Caffe's int8 \(reduced-precision\) inference is "
-     r"not supported\. Remove quantization_param to run the layer in float32"),
+     r"layer 'layer' \(ReLU\): quantization_param: Intel Caffe's int8 inference quantizes Convolution "
+     r"and InnerProduct only, got ReLU\. Remove quantization_param from this layer"),
 ])
 def test_intel_fields_caffepy_does_not_run_are_refused(type_, params, bottoms, match):
     with pytest.raises(LayerError, match=match):
