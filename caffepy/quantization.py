@@ -164,8 +164,9 @@ class Int8:
         sp = np.broadcast_to(spec.scale_params, (n,)).astype(f32)
         w2 = np.ascontiguousarray(w.reshape(n, -1), f32)
         k = kernels()
-        self.wq = np.empty((n, k.padded(w2.shape[1])), np.int16)
-        k.quantize_weights(w2, spec.scale_params, self.wq)
+        wq = np.empty((n, k.padded(w2.shape[1])), np.int16)
+        k.quantize_weights(w2, spec.scale_params, wq)
+        self.wq = k.conv_weights(wq[:, :w2.shape[1]].reshape(w.shape)) if w.ndim == 4 else wq
         in_scale = (spec.scale_in * sp).astype(f32)
         zero = sp == 0
         self.mult = np.where(zero, spec.scale_out, spec.scale_out / np.where(zero, 1, in_scale)).astype(f32)

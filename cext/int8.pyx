@@ -26,11 +26,11 @@ cdef extern from "int8_gemm.h" nogil:
         long so, sp
     int i8_isa_available()
     void i8_conv_image(int isa, int threads, const float *x, int C, int H, int W, int G, int Mg,
-                       int K, int Kp, int kh, int kw, int ph, int pw, int sh, int sw, int dh,
-                       int dw, int OH, int OW, float scale, float lo, float hi, const int16_t *w,
-                       int16_t *q, int16_t *b, int32_t *c, const i8_epilogue *e)
+                       int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
+                       int OW, float scale, float lo, float hi, const int16_t *w, int32_t *q,
+                       int32_t *b, int32_t *c, const i8_epilogue *e)
     void i8_inner_product(int isa, int threads, const float *x, int M, int K, int N, int Kp,
-                          float scale, float lo, float hi, const int16_t *w, int16_t *b,
+                          float scale, float lo, float hi, const int16_t *w, int32_t *b,
                           int32_t *c, const i8_epilogue *e)
 
 NR, MR = I8_NR, I8_MR
@@ -52,6 +52,16 @@ cdef int _isa(str isa) except -1:
 def padded(int k):
     """The weights' row length for k products: even (pairs)."""
     return k + (k & 1)
+
+
+def conv_weights(wq):
+    """Quantized convolution weights [O, C / group, kh, kw] in the kernels' order: row o holds
+    k = (kernel row, kernel column, channel) with the channels padded to even (a pair is two
+    channels of one pixel)."""
+    o, cg, kh, kw = wq.shape
+    out = np.zeros((o, kh, kw, padded(cg)), np.int16)
+    out[..., :cg] = np.transpose(wq, (0, 2, 3, 1))
+    return out.reshape(o, -1)
 
 
 def columns(long p):
@@ -106,7 +116,7 @@ def conv_forward(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int
                  float sum_scale, bint relu, float slope, bint quantize, float lo, float hi,
                  float inv_scale_out, str isa):
     """top = the int8 convolution of x (see int8_gemm.h): x quantized with scale_in into
-    [lo_in, hi_in], weights w [O][padded(C / group * kh * kw)] already quantized, int32 sums
+    [lo_in, hi_in], weights w [O][...] quantized and ordered by conv_weights, int32 sums
     plus bias (or None), then per output y = sum * mult[o] (+ summand * sum_scale) (ReLU of
     slope) (rounded and saturated to [lo, hi] when quantize) times inv_scale_out. summand: None
     or float32 of top's shape."""
@@ -114,11 +124,11 @@ def conv_forward(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int
     cdef int O = w.shape[0], G = group, kh = kernel[0], kw = kernel[1]
     cdef int ph = pad[0], pw = pad[1], sh = stride[0], sw = stride[1]
     cdef int dh = dilation[0], dw = dilation[1], OH = top.shape[2], OW = top.shape[3]
-    cdef int K = C // G * kh * kw, Kp = padded(K), Mg = O // G, i, threads
+    cdef int Cp = (C // G + 1) // 2, J = kh * kw * Cp, K = C // G * kh * kw, Mg = O // G, i, threads
     cdef long P = <long>OH * OW, Np = columns(P), HW = <long>H * W
     cdef int which = _isa(isa)
     need(C % G == 0 and O % G == 0, "conv_forward", "group", f"must divide {C} and {O}", G)
-    need_shape("conv_forward", "w", dims(w.shape, 2), (O, Kp))
+    need_shape("conv_forward", "w", dims(w.shape, 2), (O, 2 * J))
     need_shape("conv_forward", "top", dims(top.shape, 4), (N, O, OH, OW))
     need_shape("conv_forward", "mult", dims(mult.shape, 1), (O,))
     if bias is not None:
@@ -130,11 +140,10 @@ def conv_forward(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int
     threads = threads_for_macs(<Py_ssize_t>O * K * P)
     if threads < 1:
         threads = 1
-    q = np.empty(C * HW, np.int16)
-    b = np.empty(G * (Kp // 2) * Np * 2, np.int16)
+    q = np.empty(G * Cp * HW, np.int32)
+    b = np.empty(G * J * Np, np.int32)
     c = np.empty(threads * max(Mg, I8_MR) * I8_NR, np.int32)
-    cdef int16_t[::1] qv = q, bv = b
-    cdef int32_t[::1] cv = c
+    cdef int32_t[::1] qv = q, bv = b, cv = c
     cdef i8_epilogue e
     cdef float[::1] flat = np.asarray(top).reshape(-1)
     for i in range(N):
@@ -142,9 +151,9 @@ def conv_forward(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int
                       sum_scale, relu, slope, quantize, lo, hi, inv_scale_out,
                       flat[i * O * P:(i + 1) * O * P], P, 1)
         with nogil:
-            i8_conv_image(which, threads, &x[i, 0, 0, 0], C, H, W, G, Mg, K, Kp, kh, kw, ph, pw,
-                          sh, sw, dh, dw, OH, OW, scale_in, lo_in, hi_in, &w[0, 0], &qv[0],
-                          &bv[0], &cv[0], &e)
+            i8_conv_image(which, threads, &x[i, 0, 0, 0], C, H, W, G, Mg, kh, kw, ph, pw, sh,
+                          sw, dh, dw, OH, OW, scale_in, lo_in, hi_in, &w[0, 0], &qv[0], &bv[0],
+                          &cv[0], &e)
 
 
 def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[::1] bias,
@@ -163,10 +172,9 @@ def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[
     threads = threads_for_macs(<Py_ssize_t>M * N * K)
     if threads < 1:
         threads = 1
-    b = np.empty((Kp // 2) * Np * 2, np.int16)
+    b = np.empty((Kp // 2) * Np, np.int32)
     c = np.empty(threads * I8_MR * I8_NR, np.int32)
-    cdef int16_t[::1] bv = b
-    cdef int32_t[::1] cv = c
+    cdef int32_t[::1] bv = b, cv = c
     cdef float[::1] flat = np.asarray(top).reshape(-1)
     cdef i8_epilogue e = _epilogue(bias, mult, None, 0, relu, slope, quantize, lo, hi,
                                    inv_scale_out, flat, 1, N)

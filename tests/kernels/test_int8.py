@@ -74,7 +74,8 @@ CONVS = [  # (N, C, H, W, O, group, kernel, pad, stride, dilation)
     (2, 3, 9, 7, 5, 1, (3, 3), (1, 1), (1, 1), (1, 1)),
     (1, 4, 8, 8, 6, 2, (3, 2), (0, 1), (2, 1), (1, 1)),
     (1, 6, 7, 7, 6, 6, (3, 3), (1, 1), (1, 1), (1, 1)),          # depthwise
-    (2, 5, 10, 9, 20, 1, (1, 1), (0, 0), (1, 1), (1, 1)),        # odd K, 20 rows
+    (2, 5, 10, 9, 20, 1, (1, 1), (0, 0), (1, 1), (1, 1)),        # odd channels, 20 rows
+    (1, 6, 5, 5, 4, 2, (1, 1), (0, 0), (1, 1), (1, 1)),          # odd channels per group
     (1, 3, 11, 11, 4, 1, (3, 3), (2, 2), (1, 1), (2, 2)),        # dilated
     (1, 17, 6, 6, 7, 1, (7, 7), (3, 3), (2, 2), (1, 1)),         # K 833 > one k block
 ]
@@ -101,7 +102,7 @@ def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, 
                 quantize_out=quantize, lo=lo, hi=hi, inv_scale_out=np.float32(1 / 9.5))
     want = ref.conv_forward(x, wq, bias, mult, summand, g, kernel, pad, stride, dilation, **args)
     top = np.empty_like(want)
-    k.conv_forward(x, _weights(wq.reshape(o, -1)), bias, mult, top, summand, g, kernel, pad,
+    k.conv_forward(x, k.conv_weights(wq), bias, mult, top, summand, g, kernel, pad,
                    stride, dilation, 60.0, lo_in, hi_in, 9.5, relu, 0.0, quantize, lo, hi,
                    np.float32(1 / 9.5), isa)
     np.testing.assert_array_equal(top, want)
