@@ -269,6 +269,31 @@ static inline float i8_finish(int32_t acc, int row, long idx, const i8_epilogue 
     return y * e->inv_scale_out;
 }
 
+#ifdef __AVX2__
+/* i8_finish of 16 consecutive outputs from idx, the same operations in the same order. */
+static inline void i8_finish16_avx2(const int32_t *acc, int row, long idx, const i8_epilogue *e)
+{
+    const __m256 mult = _mm256_set1_ps(e->mult[row]), inv = _mm256_set1_ps(e->inv_scale_out);
+    const __m256i bias = _mm256_set1_epi32(e->bias ? e->bias[row] : 0);
+    for (int h = 0; h < 2; h++) {
+        __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(
+            _mm256_loadu_si256((const __m256i *)(acc + 8 * h)), bias)), mult);
+        if (e->summand)
+            y = _mm256_add_ps(y, _mm256_mul_ps(_mm256_loadu_ps(e->summand + idx + 8 * h),
+                                               _mm256_set1_ps(e->sum_scale)));
+        if (e->relu)
+            y = _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_set1_ps(e->slope)), y,
+                                 _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ));
+        if (e->quantize) {
+            y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(e->lo)), _mm256_set1_ps(e->hi));
+            y = _mm256_add_ps(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                              _mm256_setzero_ps());
+        }
+        _mm256_storeu_ps(e->out + idx + 8 * h, _mm256_mul_ps(y, inv));
+    }
+}
+#endif
+
 /* Rows [0, M) x columns [n0, n0 + 16) of a . b, finished into e->out: one column tile, its
  * int32 sums in c (M x 16, the caller's scratch). Rows are e's rows from row0. */
 static void i8_column_tile(int isa, int M, int Kp, const int16_t *a, const int16_t *b, long Np,
@@ -292,6 +317,12 @@ static void i8_column_tile(int isa, int M, int Kp, const int16_t *a, const int16
     long nn = P - n0 < I8_NR ? P - n0 : I8_NR;
     for (int m = 0; m < M; m++) {
         int row = row0 + m;
+#ifdef __AVX2__
+        if (isa && nn == I8_NR && e->sp == 1) {
+            i8_finish16_avx2(c + (long)m * I8_NR, row, row * e->so + n0, e);
+            continue;
+        }
+#endif
         for (long n = 0; n < nn; n++) {
             long idx = row * e->so + (n0 + n) * e->sp;
             e->out[idx] = i8_finish(c[(long)m * I8_NR + n], row, idx, e);
