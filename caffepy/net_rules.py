@@ -78,9 +78,10 @@ def relu_in_place(net, li, x):
 class Int8Unit:
     """A quantized Convolution (+ BatchNorm in place (+ Scale in place)) (+ Eltwise SUM) (+ ReLU
     in place), or a quantized InnerProduct (+ ReLU in place): Intel Caffe's RemoveBNScale,
-    ConvReluFusion, ConvSumFusion and FuseFCRelu as its int8 layers run them. The Eltwise joins
-    only when its other bottom comes from a unit with an 8-bit top (Intel runs the convolution
-    in float32 otherwise, and so does caffepy: the Eltwise is left out and runs on its own)."""
+    ConvReluFusion, ConvSumFusion and FuseFCRelu as its int8 layers run them. An Eltwise SUM
+    after the convolution joins when its other bottom comes from a unit with an 8-bit top;
+    otherwise Intel runs the fused convolution in float32, and so does caffepy (no unit: the
+    layers run apart in float32)."""
     name = "Int8 convolution"
 
     def find(self, net):
@@ -102,6 +103,8 @@ class Int8Unit:
                 if summed is not None:
                     last += 1
                     x = net.top_vecs[last][0]
+                elif self._sum_of(net, last + 1, x):
+                    continue        # Intel fuses the sum and, its summand float32, runs float32
             # any negative_slope: Intel's fused ReLU takes it (the top is then s8)
             if not own and self._layer(net, last + 1, "ReLU", x) \
                     and not caffe_engine(net.layers[last + 1].param, net.param):
@@ -114,17 +117,22 @@ class Int8Unit:
         return in_place_on(net, li, x) and net.layers[li].type == layer_type
 
     @staticmethod
+    def _sum_of(net, li, x):
+        """Layer li is an Eltwise SUM (coefficients 1) of x and another blob."""
+        if li >= len(net.layers) or net._conversions[li] or net.layers[li].type != "Eltwise":
+            return False
+        p = net.layers[li].param.eltwise_param
+        bottoms = net.bottom_vecs[li]
+        return (p.operation == p.SUM and len(bottoms) == 2 and all(c == 1 for c in p.coeff)
+                and sum(b is x for b in bottoms) == 1 and net.top_vecs[li][0] is not x)
+
+    @staticmethod
     def _summand(net, li, x, units):
         """The other bottom of an Eltwise SUM (coefficients 1) at li over x, when the unit that
         writes it has an 8-bit top; else None."""
-        if li >= len(net.layers) or net._conversions[li] or net.layers[li].type != "Eltwise":
+        if not Int8Unit._sum_of(net, li, x):
             return None
-        p = net.layers[li].param.eltwise_param
         bottoms = net.bottom_vecs[li]
-        if (p.operation != p.SUM or len(bottoms) != 2 or any(c != 1 for c in p.coeff)
-                or not any(b is x for b in bottoms) or all(b is x for b in bottoms)
-                or net.top_vecs[li][0] is x):
-            return None
         other = bottoms[1] if bottoms[0] is x else bottoms[0]
         writer = Int8Unit._writer(net, other, li)
         for u in units:

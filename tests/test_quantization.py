@@ -169,19 +169,19 @@ def test_weights_written_through_pycaffe_are_requantized():
     np.testing.assert_allclose(net.blobs["fc"].data, before + 1.0, atol=0.02)
 
 
-def test_summand_from_a_float_layer_is_not_fused():
-    # the shortcut is the float input: Intel runs such a convolution in float32 and so the
-    # Eltwise stays apart; the body's own top is its s8 output then
+def test_a_summand_from_a_float_layer_keeps_the_convolution_float():
+    # Intel fuses the Eltwise into the convolution and, its other bottom float32, runs it in
+    # float32: no int8 unit here
     text = ('layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 4 dim: 5 dim: 5 } } }\n'
             + _conv("body", "data", 4, 3, _q(S_DATA, S_SUM, SP2, neg=True))
             + 'layer { name: "sum" type: "Eltwise" bottom: "data" bottom: "body" top: "sum" }\n')
     net = _net(text)
-    assert [(net.layers[i].name, net.layers[j].name) for i, j in net.fusions.items()] == [("body", "body")]
+    assert not net.fusions and net.layer_dict["body"].int8 is not None
+    plain = _net(text.replace('name: "body"', 'name: "body" engine: "CAFFE"'))
+    _same_weights(net, plain)
     net.forward()
-    levels = net.blobs["body"].data * np.float32(S_SUM)
-    assert np.abs(levels - np.rint(levels)).max() < 1e-3 and levels.min() >= -128
-    body = net.blobs["body"].data
-    np.testing.assert_allclose(net.blobs["sum"].data, body + net.blobs["data"].data, rtol=1e-6)
+    plain.forward()
+    np.testing.assert_allclose(net.blobs["sum"].data, plain.blobs["sum"].data, rtol=1e-5, atol=1e-5)
 
 
 def test_isa_paths_agree(monkeypatch):
