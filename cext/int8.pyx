@@ -29,6 +29,10 @@ cdef extern from "int8_gemm.h" nogil:
                        int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                        int OW, float scale, float lo, float hi, const int16_t *w, int32_t *q,
                        int32_t *b, int32_t *c, const i8_epilogue *e)
+    void i8_depthwise_image(int isa, int threads, const float *x, int C, int H, int W, int kh,
+                            int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH, int OW,
+                            float scale, float lo, float hi, const int16_t *w, int32_t *q,
+                            int32_t *acc, const i8_epilogue *e)
     void i8_inner_product(int isa, int threads, const float *x, int M, int K, int N, int Kp,
                           float scale, float lo, float hi, const int16_t *w, int32_t *b,
                           int32_t *c, const i8_epilogue *e)
@@ -140,6 +144,14 @@ def conv_forward(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int
     threads = threads_for_macs(<Py_ssize_t>O * K * P)
     if threads < 1:
         threads = 1
+    cdef bint depthwise = G == C and O == C
+    if depthwise:
+        q32 = np.empty(C * HW, np.int32)
+        acc = np.empty(threads * OW, np.int32)
+        _depthwise(x, w, bias, mult, top, summand, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW,
+                   scale_in, lo_in, hi_in, sum_scale, relu, slope, quantize, lo, hi,
+                   inv_scale_out, which, threads, q32, acc)
+        return
     q = np.empty(G * Cp * HW, np.int32)
     b = np.empty(G * J * Np, np.int32)
     c = np.empty(threads * max(Mg, I8_MR) * I8_NR, np.int32)
@@ -154,6 +166,26 @@ def conv_forward(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int
             i8_conv_image(which, threads, &x[i, 0, 0, 0], C, H, W, G, Mg, kh, kw, ph, pw, sh,
                           sw, dh, dw, OH, OW, scale_in, lo_in, hi_in, &w[0, 0], &qv[0], &bv[0],
                           &cv[0], &e)
+
+
+cdef _depthwise(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int32_t[::1] bias,
+                const float[::1] mult, float[:, :, :, ::1] top, summand, int kh, int kw, int ph,
+                int pw, int sh, int sw, int dh, int dw, int OH, int OW, float scale_in,
+                float lo_in, float hi_in, float sum_scale, bint relu, float slope, bint quantize,
+                float lo, float hi, float inv_scale_out, int which, int threads,
+                int32_t[::1] q, int32_t[::1] acc):
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3], i
+    cdef long P = <long>OH * OW
+    cdef i8_epilogue e
+    cdef float[::1] flat = np.asarray(top).reshape(-1)
+    for i in range(N):
+        e = _epilogue(bias, mult, None if summand is None else np.asarray(summand[i]).reshape(-1),
+                      sum_scale, relu, slope, quantize, lo, hi, inv_scale_out,
+                      flat[i * C * P:(i + 1) * C * P], P, 1)
+        with nogil:
+            i8_depthwise_image(which, threads, &x[i, 0, 0, 0], C, H, W, kh, kw, ph, pw, sh, sw,
+                               dh, dw, OH, OW, scale_in, lo_in, hi_in, &w[0, 0], &q[0], &acc[0],
+                               &e)
 
 
 def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[::1] bias,

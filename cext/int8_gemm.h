@@ -367,6 +367,73 @@ static void i8_conv_image(int isa, int threads, const float *x, int C, int H, in
     }
 }
 
+/* One image of a depthwise convolution (a group per channel, one input and one output channel
+ * each): x [C][H][W] floats in; q (C * H * W int32) and acc (threads x OW int32) scratch;
+ * e->out [C][P]. Weights as conv_weights orders them: w [C][2 kh kw], the tap (i, j) at
+ * 2 (i kw + j). A direct sum per output row: as a GEMM, one row per group wasted the tile. */
+static void i8_quantize_ints(const float *x, long n, float scale, float lo, float hi, int32_t *q)
+{
+    long i = 0;
+#ifdef __AVX2__
+    const __m256 s = _mm256_set1_ps(scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_cvtps_epi32(_mm256_min_ps(
+            _mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), l), h)));
+#endif
+    for (; i < n; i++)
+        q[i] = i8_quantize(x[i], scale, lo, hi);
+}
+
+static void i8_depthwise_image(int isa, int threads, const float *x, int C, int H, int W, int kh,
+                               int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
+                               int OW, float scale, float lo, float hi, const int16_t *w,
+                               int32_t *q, int32_t *acc, const i8_epilogue *e)
+{
+    long HW = (long)H * W, P = (long)OH * OW;
+    int Kp = 2 * kh * kw;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long c = 0; c < C; c++) {
+        int32_t *plane = q + c * HW;
+        i8_quantize_ints(x + c * HW, HW, scale, lo, hi, plane);
+        int32_t *a = acc + (long)omp_get_thread_num() * OW;
+        for (int oh = 0; oh < OH; oh++) {
+            for (int ow = 0; ow < OW; ow++)
+                a[ow] = 0;
+            for (int i = 0; i < kh; i++) {
+                int y = oh * sh - ph + i * dh;
+                if (y < 0 || y >= H)
+                    continue;
+                const int32_t *line = plane + (long)y * W;
+                for (int j = 0; j < kw; j++) {
+                    int32_t wv = w[c * Kp + 2 * (i * kw + j)];
+                    int x0 = j * dw - pw;
+                    /* the columns whose input x = ow sw + x0 lies in [0, W) */
+                    int first = x0 >= 0 ? 0 : (-x0 + sw - 1) / sw;
+                    int last = W - 1 - x0 < 0 ? -1 : (W - 1 - x0) / sw;
+                    if (last > OW - 1)
+                        last = OW - 1;
+                    if (sw == 1)            /* contiguous: vectorized */
+                        for (int ow = first; ow <= last; ow++)
+                            a[ow] += wv * line[ow + x0];
+                    else
+                        for (int ow = first; ow <= last; ow++)
+                            a[ow] += wv * line[ow * sw + x0];
+                }
+            }
+            long idx = c * e->so + (long)oh * OW;
+            int ow = 0;
+#ifdef __AVX2__
+            if (isa && e->sp == 1)
+                for (; ow + I8_NR <= OW; ow += I8_NR)
+                    i8_finish16_avx2(a + ow, (int)c, idx + ow, e);
+#endif
+            for (; ow < OW; ow++)
+                e->out[idx + ow] = i8_finish(a[ow], (int)c, idx + ow, e);
+        }
+    }
+    (void)P;
+}
+
 /* An inner product: x [M][K] floats in; b (Np / 16 x Kp / 2 x 16 int32) and c (threads x 6 x
  * 16 int32) scratch; e->out [M][N] (so 1, sp N). Weights w [N][Kp]. */
 static void i8_inner_product(int isa, int threads, const float *x, int M, int K, int N, int Kp,
