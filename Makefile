@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-quick bench-full bench-layers bench-threads bench-mpi bench-multihost proto clean
+.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-quick bench-full bench-layers bench-threads bench-int8 bench-mpi bench-multihost proto clean
 
 install: $(STAMP)
 
@@ -92,6 +92,11 @@ bench-layers: install $(TORCH)
 # the digits demo's net and AlexNet b4; with CAFFE_BIN=/path/to/caffe, BVLC Caffe's `caffe time` too
 bench-threads: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_threads.py
+
+# int8 (quantization_param) against float32: Intel's int8 ResNet-50, MobileNet v1, Inception-v3
+# forward at batch 1 and 16 (CAFFEPY_INTEL_CAFFE names an Intel Caffe tree with models/)
+bench-int8: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_int8.py $(BENCH_ARGS)
 
 bench-mpi: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_mpi.py

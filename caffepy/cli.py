@@ -486,6 +486,30 @@ def plot_log(logfile, output_png):
     logtools.plot_log(logfile, output_png)
 
 
+@main.command()
+@click.option("--model", required=True, metavar="FILE",
+              help="The float32 net (its TEST phase and data layer give the batches).")
+@click.option("--weights", required=True, metavar="FILES", help="Its .caffemodel file(s).")
+@click.option("--output", required=True, metavar="FILE", help="Where to write the int8 net.")
+@click.option("--sampling_iterations", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Batches measured for the scales (Intel's -s).")
+@click.option("--iterations", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Held-out batches that score the int8 net (Intel's -i).")
+@click.option("--accuracy_loss", default=0.01, show_default=True, type=click.FloatRange(min=0),
+              help="The accuracy the int8 net may lose; beyond it, layers stay float32 (Intel's -l).")
+@click.option("--weights_channel", type=click.Choice(["single", "multiple"]), default="single",
+              show_default=True, help="One weight scale per layer or per output channel (Intel's -c).")
+@click.option("--first_conv/--no-first_conv", default=False,
+              help="Quantize the first convolution too (Intel's -1st).")
+@click.option("--fc_int8/--no-fc_int8", default=False, help="Quantize InnerProduct layers too (Intel's -fc).")
+def calibrate(model, weights, output, sampling_iterations, iterations, accuracy_loss,
+              weights_channel, first_conv, fc_int8):
+    """Write the net with quantization_param, as Intel Caffe's calibrator does."""
+    from . import calibrate as cal
+    cal.calibrate(model, weights, output, sampling_iterations, iterations, accuracy_loss,
+                  weights_channel, first_conv, fc_int8)
+
+
 @main.command("export_onnx")
 @click.argument("net", metavar="NET.prototxt")
 @click.argument("weights", metavar="WEIGHTS.caffemodel")

@@ -64,6 +64,9 @@ def query():
     log.info(f"Device: CPU ({cpu_model()})")
     log.info(f"Cores available to this process: {len(os.sched_getaffinity(0))} (of {os.cpu_count()})")
     log.info(f"Vector ISA: {isa} ({lanes} float32 lanes; IntelPack block width {lanes})")
+    from . import quantization
+    log.info(f"int8 kernels (quantization_param): {quantization.isa()} (exact int32 sums; no "
+             f"VNNI path yet: CPUs with AVX-512 VNNI or AVX-VNNI run the AVX2 kernels)")
     log.info(f"Threads in use: {threads_in_use()} (set OMP_NUM_THREADS to change)")
     log.info(f"BLAS: {blas_name()}")
     try:

@@ -71,13 +71,9 @@ class Phase(enum.IntEnum):
 
 LAYERS = {}          # prototxt type -> {variant name: class}, the plain implementation first
 
-# LayerParameter fields that no implementation runs and that change results: a layer that
-# sets one is refused when the net is built, never run without it. Fields of one type's
-# parameters are refused by that type's setup.
-NOT_RUN = {
-    "quantization_param": ("Intel Caffe's int8 (reduced-precision) inference is not supported",
-                           "Remove quantization_param to run the layer in float32"),
-}
+# The types that read quantization_param (caffepy/quantization.py: Intel's int8 layers); on
+# another type the field is refused when the net is built, never ignored.
+QUANTIZED_TYPES = ("Convolution", "InnerProduct")
 
 
 def register(cls=None, *, variant=PLAIN):
@@ -124,9 +120,10 @@ def create_layer(param, phase, source=None, *, bottoms=(), context=SINGLE, net=N
 def choose(request, variant=None):
     """The class `create_layer` builds for `request` (see the module docstring)."""
     param, source = request.param, request.source
-    for field, (problem, hint) in NOT_RUN.items():
-        if param.HasField(field):
-            raise layer_error(param, field, problem, hint=hint, source=source)
+    if param.HasField("quantization_param") and param.type not in QUANTIZED_TYPES:
+        raise layer_error(param, "quantization_param", "Intel Caffe's int8 inference quantizes "
+                          "Convolution and InnerProduct only", param.type, source=source,
+                          hint="Remove quantization_param from this layer")
     variants = LAYERS.get(param.type)
     if variants is None:
         known = ", ".join(sorted(LAYERS))

@@ -16,6 +16,13 @@ runs the rules in order (a layer joins one unit at most) and logs what each matc
 own) turns them off here, in this one place.
 
 The rules, in the order they run:
+    Int8 convolution        a Convolution or InnerProduct with quantization_param (TEST), with
+                            the BatchNorm (+ Scale) in place after a convolution folded into
+                            its weights, the Eltwise SUM of two bottoms after that, and the
+                            ReLU in place after them, run on 8-bit integers as Intel Caffe's
+                            compiled net runs them (caffepy/quantization.py); the blobs inside
+                            the unit (a convolution's own top before the Eltwise) are not
+                            written, and its layers run one by one compute in float32
     BatchNorm+Scale(+ReLU)  the fast path's BatchNorm in place, its Scale in place on the same
                             blob, and the ReLU in place after them if there is one (ResNet's
                             form; Intel's RemoveScale and FuseBnRelu)
@@ -66,6 +73,127 @@ def relu_in_place(net, li, x):
     """Layer li is a ReLU of negative slope >= 0 in place on x, running caffepy's algorithms."""
     return (in_place_on(net, li, x) and net.layers[li].type == "ReLU"
             and net.layers[li].slope >= 0 and not caffe_engine(net.layers[li].param, net.param))
+
+
+class Int8Unit:
+    """A quantized Convolution (+ BatchNorm in place (+ Scale in place)) (+ Eltwise SUM) (+ ReLU
+    in place), or a quantized InnerProduct (+ ReLU in place): Intel Caffe's RemoveBNScale,
+    ConvReluFusion, ConvSumFusion and FuseFCRelu as its int8 layers run them. An Eltwise SUM
+    after the convolution joins when its other bottom comes from a unit with an 8-bit top;
+    otherwise Intel runs the fused convolution in float32, and so does caffepy (no unit: the
+    layers run apart in float32)."""
+    name = "Int8 convolution"
+
+    def find(self, net):
+        units = []
+        for li, layer in enumerate(net.layers):
+            if getattr(layer, "int8", None) is None:
+                continue
+            last = li
+            x = net.top_vecs[li][0]
+            conv = layer.type == "Convolution"
+            own = layer.fused is not None          # Intel's relu / SUM_FUSION set in the prototxt
+            if conv and not own and self._layer(net, last + 1, "BatchNorm", x) \
+                    and net.layers[last + 1].use_global_stats and not net.layers[last + 1].relu:
+                last += 1
+                if self._layer(net, last + 1, "Scale", x) and len(net.bottom_vecs[last + 1]) == 1:
+                    last += 1
+            if conv and not own:
+                summed = self._summand(net, last + 1, x, units)
+                if summed is not None:
+                    last += 1
+                    x = net.top_vecs[last][0]
+                elif self._sum_of(net, last + 1, x):
+                    continue        # Intel fuses the sum and, its summand float32, runs float32
+            # any negative_slope: Intel's fused ReLU takes it (the top is then s8)
+            if not own and self._layer(net, last + 1, "ReLU", x) \
+                    and not caffe_engine(net.layers[last + 1].param, net.param):
+                last += 1
+            units.append(Unit(self, li, last))
+        return units
+
+    @staticmethod
+    def _layer(net, li, layer_type, x):
+        return in_place_on(net, li, x) and net.layers[li].type == layer_type
+
+    @staticmethod
+    def _sum_of(net, li, x):
+        """Layer li is an Eltwise SUM (coefficients 1) of x and another blob."""
+        if li >= len(net.layers) or net._conversions[li] or net.layers[li].type != "Eltwise":
+            return False
+        p = net.layers[li].param.eltwise_param
+        bottoms = net.bottom_vecs[li]
+        return (p.operation == p.SUM and len(bottoms) == 2 and all(c == 1 for c in p.coeff)
+                and sum(b is x for b in bottoms) == 1 and net.top_vecs[li][0] is not x)
+
+    @staticmethod
+    def _summand(net, li, x, units):
+        """The other bottom of an Eltwise SUM (coefficients 1) at li over x, when the unit that
+        writes it has an 8-bit top; else None."""
+        if not Int8Unit._sum_of(net, li, x):
+            return None
+        bottoms = net.bottom_vecs[li]
+        other = bottoms[1] if bottoms[0] is x else bottoms[0]
+        writer = Int8Unit._writer(net, other, li)
+        for u in units:
+            if u.first <= writer <= u.last and writer == u.last:
+                if net.layers[u.first].int8.spec.bits_out == 8:
+                    return other
+        return None
+
+    @staticmethod
+    def _writer(net, blob, before):
+        """The last layer before `before` that writes `blob`, through Split layers."""
+        for li in range(before - 1, -1, -1):
+            if any(t is blob for t in net.top_vecs[li]):
+                if net.layers[li].type == "Split":
+                    return Int8Unit._writer(net, net.bottom_vecs[li][0], li)
+                return li
+        return -1
+
+    @staticmethod
+    def describe(units):
+        from . import quantization
+        return f"{len(units)} layer(s) on 8-bit integers ({quantization.isa()})"
+
+    @staticmethod
+    def forward(net, unit, last):
+        first = unit.first
+        layer = net.layers[first]
+        fold = None
+        relu, slope, summand = False, 0.0, None
+        for li in range(first + 1, last + 1):
+            other = net.layers[li]
+            if other.type == "BatchNorm":
+                fold = (other, None)
+            elif other.type == "Scale":
+                fold = (fold[0], other)
+            elif other.type == "Eltwise":
+                x = net.top_vecs[li - 1][0]
+                b = net.bottom_vecs[li]
+                summand = b[1] if b[0] is x else b[0]
+            elif other.type == "ReLU":
+                relu, slope = True, float(other.slope)
+        top = net.top_vecs[last][0]
+        bottom = net.bottom_vecs[first]
+        if layer.type == "InnerProduct":
+            if layer.fused is not None:
+                relu, slope = layer.fused.relu, layer.fused.slope
+            layer.int8.inner_product_forward(bottom[0].data.reshape(layer.M, layer.K),
+                                             top.data.reshape(layer.M, layer.num_output), relu, slope)
+            return
+        coeff = (1, 1)
+        if layer.fused is not None:
+            relu, slope = layer.fused.relu, layer.fused.slope
+            if layer.fused.summed:
+                summand = bottom[1]
+                coeff = layer.fused.coeff
+        layer.int8.conv_forward(bottom[0].data, top.data,
+                                None if summand is None else summand.data, relu, slope, fold, coeff)
+
+    @staticmethod
+    def backward(net, unit, last, every_layer):
+        return False
 
 
 class BatchNormScale:
@@ -183,7 +311,8 @@ class EltwiseReLU:
 
 BATCHNORM_SCALE = BatchNormScale()
 ELTWISE_RELU = EltwiseReLU()
-RULES = (BATCHNORM_SCALE, ELTWISE_RELU)
+INT8 = Int8Unit()
+RULES = (INT8, BATCHNORM_SCALE, ELTWISE_RELU)
 
 
 def compile_net(net, rules=RULES):

@@ -2,8 +2,8 @@
 test pass on synthetic data (when a copy of them is at hand), and a small YOLO v2 of ours
 (Reorg passthrough, RegionLoss, EvalDetection) learns the generated shapes set.
 
-Intel's nets are looked for (files named *yolov2*.prototxt but the int8 ones, whose
-quantization caffepy refuses in one line) under the directories of
+Intel's nets are looked for (files named *yolov2*.prototxt but the int8 ones, which
+tests/test_intel_int8_nets.py runs) under the directories of
 CAFFEPY_REFERENCE_MODELS and ../shared/reference-models: e.g. an export of Intel Caffe's
 models/ (models/intel_optimized_models/yolo). Their AnnotatedData layers read an LMDB of VOC;
 here they become Input layers fed a random image and two boxes, and DummyData batches shrink

@@ -2,7 +2,7 @@
 Bias, Softmax, ArgMax, Tile, Embed, Silence, Reduction, BatchReindex, Filter, Parameter."""
 import numpy as np
 
-from .. import autotune
+from .. import autotune, quantization
 from ..blas import gemm_into
 from ..blob import Blob
 from ..errors import ShapeError
@@ -201,6 +201,9 @@ class InnerProduct(Layer):
             specs.append(((self.num_output,), p.bias_filler))
         self.init_param_blobs(specs)
         self._column_buffers = {}          # _columns: (role, rows) -> buffer
+        # run by net_rules.Int8Unit; the layer's own forward stays float32
+        self.int8 = quantization.Int8(self) if quantization.quantized(
+            self.param, self.phase, self.net_param, self.source) else None
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
@@ -322,7 +325,8 @@ def _legacy_axis(layer, p, legacy, field):
 
 
 def refuse_concat_fusion(layer):
-    """Intel's per_fla_fuse (the bottoms' Permute + Flatten done by the concat) is not run."""
+    """Intel's per_fla_fuse (the bottoms' Permute + Flatten done by the concat) runs in the plain
+    Concat alone; the layout-specific ones are not chosen for it or refuse it."""
     if layer.param.concat_param.per_fla_fuse:
         raise layer.error("concat_param.per_fla_fuse", "the fused Permute + Flatten (Intel Caffe int8 "
                           "SSD) is not supported", True, hint="Use Permute and Flatten layers before "
@@ -333,19 +337,30 @@ def refuse_concat_fusion(layer):
 class Concat(Layer):
     """Join the bottoms along `axis`; all other dimensions must agree.
 
-    concat_param { axis (or legacy concat_dim) }
+    concat_param { axis (or legacy concat_dim), per_fla_fuse }. Intel's per_fla_fuse on axis 1
+    (its int8 SSD nets feed the heads' convolutions straight in) joins each bottom as
+    Permute (0, 2, 3, 1) + Flatten would give it: the top is (N, sum of C*H*W, 1, 1), each
+    bottom's values in H, W, C order; bottoms need agree on N alone. On other axes Intel ignores it.
     """
     reshape_from_shapes = True
     min_bottoms = 1
     exact_tops = 1
 
     def setup(self, bottom, top):
-        refuse_concat_fusion(self)
         self._axis = _legacy_axis(self, self.param.concat_param, "concat_dim", "concat_param")
 
     def reshape(self, bottom, top):
         first = bottom[0].shape
         self.axis = canonical_axis(self, self._axis, len(first), "concat_param.axis")
+        self.channels_last = self.param.concat_param.per_fla_fuse and self.axis == 1
+        if self.channels_last:
+            for i, b in enumerate(bottom):
+                if len(b.shape) != len(first) or b.shape[0] != first[0]:
+                    raise self.error(f"bottom[{i}]", f"per_fla_fuse needs {len(first)} axes and "
+                                     f"bottom[0]'s {first[0]} items", _shape(b.shape), cls=ShapeError)
+            total = sum(int(np.prod(b.shape[1:])) for b in bottom)
+            top[0].reshape((first[0], total) + (1,) * (len(first) - 2))
+            return
         total = 0
         for i, b in enumerate(bottom):
             s = b.shape
@@ -357,9 +372,23 @@ class Concat(Layer):
         top[0].reshape(first[:self.axis] + (total,) + first[self.axis + 1:])
 
     def forward(self, bottom, top):
+        if self.channels_last:
+            n = top[0].shape[0]
+            np.concatenate([np.moveaxis(b.data, 1, -1).reshape(n, -1) for b in bottom], axis=1,
+                           out=top[0].data.reshape(n, -1))
+            return
         np.concatenate([b.data for b in bottom], axis=self.axis, out=top[0].data)
 
     def backward(self, top, propagate_down, bottom):
+        if self.channels_last:
+            diff, lo = top[0].diff.reshape(top[0].shape[0], -1), 0
+            for b, down in zip(bottom, propagate_down):
+                hi = lo + b.count // b.shape[0]
+                if down:
+                    last = (b.shape[0],) + b.shape[2:] + (b.shape[1],)
+                    b.diff[...] = np.moveaxis(diff[:, lo:hi].reshape(last), -1, 1)
+                lo = hi
+            return
         lo = 0
         index = [slice(None)] * top[0].num_axes
         for b, down in zip(bottom, propagate_down):

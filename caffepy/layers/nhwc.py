@@ -27,12 +27,12 @@ run on it as they are. All compute Caffe's numbers up to float rounding.
 """
 import numpy as np
 
-from .. import autotune, geometry, memory
+from .. import autotune, geometry, memory, quantization
 from ..blob import CHANNELS_LAST
 from ..errors import CaffepyError, ShapeError
 from ..layer import NHWC, OWN, Layer, register
 from ..proto import caffe_pb2
-from .common import Bias, Concat, Scale, param_wanted, refuse_concat_fusion
+from .common import Bias, Concat, Scale, param_wanted
 from .conv_algorithms import (DIRECT_MAX_TAPS, DIRECT_RULE_TAPS, WINOGRAD_TILES, Depthwise, Direct,
                               Gemm, Winograd, channel_sums, kernels_built, winograd_tile)
 from .normalization import LRN, BatchNorm, kept_buffer
@@ -152,7 +152,10 @@ class NHWCConvolution(Convolution):
 
     @classmethod
     def wanted(cls, request):
-        return _four_axes(request) and request.param.convolution_param.axis in (1, -3)
+        # int8 layers run in NCHW (caffepy/quantization.py)
+        return (_four_axes(request) and request.param.convolution_param.axis in (1, -3)
+                and not quantization.quantized(request.param, request.phase, request.net,
+                                               request.source))
 
     def setup(self, bottom, top):
         _kernels(self)
@@ -622,11 +625,7 @@ class NHWCConcat(Concat):
     def wanted(cls, request):
         p = request.param.concat_param
         axis = p.concat_dim if p.HasField("concat_dim") and not p.HasField("axis") else p.axis
-        return _four_axes(request) and axis in (1, -3)
-
-    def setup(self, bottom, top):
-        refuse_concat_fusion(self)
-        super().setup(bottom, top)
+        return _four_axes(request) and axis in (1, -3) and not p.per_fla_fuse
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)

@@ -8,7 +8,7 @@ caffepy.geometry, which the blocked versions (layers/intel.py) read too.
 """
 import numpy as np
 
-from .. import geometry
+from .. import geometry, quantization
 from ..errors import ShapeError
 from ..kernels import vision as kv
 from ..layer import Layer, canonical_axis, count_from, register
@@ -109,6 +109,12 @@ class Convolution(_ConvBase):
     negative_slope, fusion_type, coeff (common.FusedOutput: then bottom[1] is the summand).
     """
     takes_fusions = True
+
+    def setup(self, bottom, top):
+        super().setup(bottom, top)
+        # run by net_rules.Int8Unit; the layer's own forward stays float32
+        self.int8 = quantization.Int8(self) if quantization.quantized(
+            self.param, self.phase, self.net_param, self.source) else None
 
     def weight_shape(self, kh, kw):
         return (self.num_output, self.channels // self.group, kh, kw)

@@ -113,6 +113,14 @@ CASES = [
          expected=lambda *xs: [np.concatenate(xs, axis=1)]),
     Case("Concat", "concat_param { concat_dim: 0 }", [randn(2, 3), randn(1, 3, seed=1)],
          expected=lambda *xs: [np.concatenate(xs, axis=0)]),
+    # Intel's per_fla_fuse: each bottom as Permute (0, 2, 3, 1) + Flatten, joined on axis 1
+    Case("Concat", "concat_param { axis: 1 per_fla_fuse: true }",
+         [randn(2, 3, 2, 2), randn(2, 2, 1, 3, seed=1)],
+         expected=lambda *xs: [np.concatenate([x.transpose(0, 2, 3, 1).reshape(2, -1) for x in xs],
+                                              axis=1).reshape(2, 18, 1, 1)]),
+    # on another axis Intel ignores it
+    Case("Concat", "concat_param { axis: 2 per_fla_fuse: true }", [randn(2, 3, 2), randn(2, 3, 1, seed=1)],
+         expected=lambda *xs: [np.concatenate(xs, axis=2)]),
     Case("Slice", "slice_param { slice_point: 1 slice_point: 4 }", [randn(2, 6, 3)], n_top=3,
          expected=lambda x: [x[:, :1], x[:, 1:4], x[:, 4:]]),
     Case("Slice", "slice_param { axis: -1 }", [randn(2, 3, 6)], n_top=2,
@@ -501,13 +509,11 @@ def test_parameter_top_is_the_blob_and_backward_accumulates():
     ("InnerProduct", "inner_product_param { num_output: 2 relu: true negative_slope: -1 }", [randn(2, 3)],
      r"layer 'layer' \(InnerProduct\): inner_product_param.negative_slope: a fused ReLU takes a slope of at "
      r"least 0"),
-    ("Concat", "concat_param { per_fla_fuse: true }", [randn(2, 3), randn(2, 3)],
-     r"concat_param.per_fla_fuse: the fused Permute \+ Flatten .* is not supported"),
     ("Reshape", "reshape_param { pixelshuffler: 2 }", [randn(1, 4, 2, 2)],
      r"reshape_param.pixelshuffler: the pixel shuffle \(Intel Caffe\) is not supported, got 2"),
     ("ReLU", "quantization_param { bw_layer_in: 8 is_negative_input: true }", [randn(2, 3)],
-     r"layer 'layer' \(ReLU\): quantization_param: Intel Caffe's int8 \(reduced-precision\) inference is "
-     r"not supported\. Remove quantization_param to run the layer in float32"),
+     r"layer 'layer' \(ReLU\): quantization_param: Intel Caffe's int8 inference quantizes Convolution "
+     r"and InnerProduct only, got ReLU\. Remove quantization_param from this layer"),
 ])
 def test_intel_fields_caffepy_does_not_run_are_refused(type_, params, bottoms, match):
     with pytest.raises(LayerError, match=match):

@@ -1,0 +1,210 @@
+"""`caffepy calibrate`: Intel Caffe's scripts/calibrator.py, a float32 net + its weights -> the
+same net with `quantization_param` on its convolutions, as that script writes it.
+
+The net's own TEST data layer gives the batches: the first `sampling_iterations` measure, per
+convolution (and InnerProduct with `fc_int8`), the largest |input| and |output| (the output of
+the unit Intel's compiled net makes of it: after the BatchNorm, Scale, Eltwise SUM and ReLU it
+folds in; caffepy/net_rules.Int8Unit) and each output channel's largest |weight| (BatchNorm and
+Scale folded in); then
+    scale_in     = 255 / max|input|  (127 and is_negative_input when an input was negative)
+    scale_out    = 255 / max|output| after a ReLU, else 127 / max|output|
+    scale_params = 127 / max|w| per output channel (weights_channel: multiple) or of the layer
+                   (single, Intel's default); 0 for weights all 0
+    bw_layer_in, bw_layer_out, bw_params = 8; bw_layer_out 32 and scale_out 1 for a layer no
+    quantized layer reads (Intel's force-fp32 step: the top goes to float32 layers)
+The first convolution stays float32 unless `first_conv` (Intel's -1st). The next `iterations`
+batches, held out, score the float32 and the int8 nets (every Accuracy layer's top, and how
+often their top-1 agree); while the int8 net loses more than `accuracy_loss`, the first
+quantized layer goes back to float32 (Intel's tuning step, which its script leaves disabled).
+Where caffepy differs: an input is unsigned when no sampled value was negative (Intel reads
+it from the net: a convolution's input is unsigned when the convolutions before it end with a
+ReLU), and Intel's concat scale unification is not done.
+"""
+import numpy as np
+from google.protobuf import text_format
+
+from . import log
+from .errors import CaffepyError, UsageError
+from .net import TEST, Net
+from .quantization import fold_batchnorm  # noqa: F401 (tests fold as calibrate does)
+from .upgrade import read_net
+
+U8_MAX, S8_MAX = 255.0, 127.0
+
+
+def _in_place(net, li, x, layer_type):
+    return (li < len(net.layers) and net.layers[li].type == layer_type
+            and len(net.bottom_vecs[li]) == 1 and net.bottom_vecs[li][0] is x
+            and net.top_vecs[li] and net.top_vecs[li][0] is x)
+
+
+def unit(net, li):
+    """(BatchNorm or None, Scale or None, the unit's output blob, whether it ends with a ReLU of
+    slope 0) of the layer at li as Intel's compiled net folds it."""
+    x = net.top_vecs[li][0]
+    bn = scale = None
+    j = li + 1
+    if net.layers[li].type == "Convolution" and _in_place(net, j, x, "BatchNorm"):
+        bn, j = net.layers[j], j + 1
+        if _in_place(net, j, x, "Scale"):
+            scale, j = net.layers[j], j + 1
+    if net.layers[li].type == "Convolution" and j < len(net.layers) \
+            and net.layers[j].type == "Eltwise" and len(net.bottom_vecs[j]) == 2 \
+            and any(b is x for b in net.bottom_vecs[j]):
+        p = net.layers[j].param.eltwise_param
+        if p.operation == p.SUM and all(c == 1 for c in p.coeff):
+            x, j = net.top_vecs[j][0], j + 1
+    relu = _in_place(net, j, x, "ReLU") and float(net.layers[j].slope) == 0
+    return bn, scale, x, relu
+
+
+def _candidates(net, first_conv, fc_int8):
+    found, seen_conv = [], False
+    for li, layer in enumerate(net.layers):
+        if layer.type == "Convolution" and net.bottom_vecs[li][0].num_axes == 4:
+            if seen_conv or first_conv:
+                found.append(li)
+            seen_conv = True
+        elif layer.type == "InnerProduct" and fc_int8:
+            found.append(li)
+    return found
+
+
+def _data_layers(net):
+    """The index of the last layer that reads nothing (the data layers)."""
+    last = -1
+    for li, bottoms in enumerate(net.bottom_vecs):
+        if not bottoms:
+            last = li
+    return last
+
+
+def _readers(net, blob):
+    """Indices of the layers reading `blob`, through Split and Pooling layers (which carry the
+    8-bit values on in Intel's net)."""
+    out = []
+    for li, bottoms in enumerate(net.bottom_vecs):
+        converted = [b for _, b, _, _ in net._conversions[li]]    # a layout plan's copy
+        if any(b is blob for b in bottoms + converted):
+            if net.layers[li].type in ("Split", "Pooling"):
+                for t in net.top_vecs[li]:
+                    out += _readers(net, t)
+            else:
+                out.append(li)
+    return out
+
+
+def measure(net, candidates, iterations):
+    """{layer index: (max|input|, any input negative, max|unit output|, per-channel max|w|)}."""
+    stats = {li: [0.0, False, 0.0] for li in candidates}
+    for _ in range(iterations):
+        net.forward()
+        for li in candidates:
+            x = net.bottom_vecs[li][0].data
+            out = unit(net, li)[2].data
+            s = stats[li]
+            s[0] = max(s[0], float(np.abs(x).max()))
+            s[1] = s[1] or bool((x < 0).any())
+            s[2] = max(s[2], float(np.abs(out).max()))
+    result = {}
+    for li in candidates:
+        layer = net.layers[li]
+        w = layer.blobs[0].data
+        bn, scale, _, _ = unit(net, li)
+        if bn is not None:
+            w, _ = fold_batchnorm(w, layer.blobs[1].data if layer.bias_term else None, bn, scale)
+        wmax = np.abs(w.reshape(w.shape[0], -1)).max(axis=1)
+        result[li] = (*stats[li], wmax)
+    return result
+
+
+def quantize_param(param, net, stats, weights_channel):
+    """A copy of the NetParameter `param` with the quantization_param of `stats`' layers."""
+    out = type(param)()
+    out.CopyFrom(param)
+    by_name = {lp.name: lp for lp in out.layer}
+    quantized = set(stats)
+    for li, (max_in, negative, max_out, wmax) in stats.items():
+        name = net.layers[li].name
+        if name not in by_name:
+            raise CaffepyError(f"calibrate: layer '{name}' is not in the model file")
+        q = by_name[name].quantization_param
+        q.Clear()
+        q.bw_layer_in = q.bw_layer_out = q.bw_params = 8
+        q.scale_in.append((S8_MAX if negative else U8_MAX) / max_in if max_in > 0 else 1.0)
+        relu, end = unit(net, li)[3], unit(net, li)[2]
+        if any(r in quantized for r in _readers(net, end)):
+            q.scale_out.append((U8_MAX if relu else S8_MAX) / max_out if max_out > 0 else 1.0)
+        else:
+            q.bw_layer_out = 32
+            q.scale_out.append(1.0)
+        if weights_channel == "single":
+            wmax = np.array([wmax.max()])
+        q.scale_params.extend([S8_MAX / float(m) if m > 0 else 0.0 for m in wmax])
+        if negative:
+            q.is_negative_input = True
+    return out
+
+
+def score(net, iterations, skip):
+    """Per Accuracy top, the mean over `iterations` batches after `skip` batches of the data
+    layers, and the top-1 predictions (of each Accuracy layer's first bottom)."""
+    data_end = _data_layers(net)
+    for _ in range(skip):
+        net.forward_from_to(0, data_end)
+    tops = [(net.top_vecs[li][0], net.bottom_vecs[li][0]) for li, layer in enumerate(net.layers)
+            if layer.type == "Accuracy"]
+    if not tops:
+        raise UsageError("calibrate: --model: needs an Accuracy layer in its TEST phase to measure "
+                         "the int8 net's loss, got none")
+    values, predictions = np.zeros(len(tops)), []
+    for _ in range(iterations):
+        net.forward()
+        values += [float(t.data.reshape(-1)[0]) for t, _ in tops]
+        scores = tops[0][1].data
+        predictions.append(scores.reshape(scores.shape[0], -1).argmax(axis=1))
+    return values / iterations, np.concatenate(predictions)
+
+
+def calibrate(model, weights, output, sampling_iterations=10, iterations=10, accuracy_loss=0.01,
+              weights_channel="single", first_conv=False, fc_int8=False):
+    """Write `output`: `model` with quantization_param (see the module docstring). Returns
+    (float32 accuracies, int8 accuracies, top-1 agreement, names of the quantized layers)."""
+    if weights_channel not in ("single", "multiple"):
+        raise UsageError(f"calibrate: --weights_channel: must be single or multiple, got "
+                         f"'{weights_channel}'")
+    param = read_net(model)
+    if any(lp.HasField("quantization_param") for lp in param.layer):
+        raise UsageError(f"calibrate: --model: {model} is quantized already (quantization_param); "
+                         f"give the float32 net")
+    net = Net(param, phase=TEST, weights=weights, source=model)
+    candidates = _candidates(net, first_conv, fc_int8)
+    if not candidates:
+        raise UsageError(f"calibrate: --model: {model} has no convolution to quantize")
+    log.info(f"Calibrating {len(candidates)} layer(s) on {sampling_iterations} batch(es)")
+    stats = measure(net, candidates, sampling_iterations)
+    float_net = Net(param, phase=TEST, weights=weights, source=model)
+    base, base_top1 = score(float_net, iterations, sampling_iterations)
+    log.info(f"float32 on {iterations} held-out batch(es): accuracy {_fmt(base)}")
+    while True:
+        quantized = quantize_param(param, net, stats, weights_channel)
+        int8_net = Net(quantized, phase=TEST, weights=weights, source=output)
+        acc, top1 = score(int8_net, iterations, sampling_iterations)
+        agree = float((top1 == base_top1).mean())
+        names = [net.layers[li].name for li in stats]
+        log.info(f"int8 ({len(names)} layer(s)): accuracy {_fmt(acc)}, top-1 agreement "
+                 f"{100 * agree:.2f}%")
+        if base[0] - acc[0] <= accuracy_loss or len(stats) == 1:
+            break
+        first = min(stats)
+        log.info(f"loss {base[0] - acc[0]:.4f} > {accuracy_loss}: layer '{net.layers[first].name}' "
+                 f"stays float32")
+        del stats[first]
+    with open(output, "w") as f:
+        f.write(text_format.MessageToString(quantized))
+    log.info(f"Wrote {output}")
+    return base, acc, agree, names
+
+
+def _fmt(values):
+    return ", ".join(f"{v:.4f}" for v in values)

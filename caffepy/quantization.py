@@ -1,0 +1,214 @@
+"""Intel Caffe's int8 inference: `quantization_param` on a Convolution or an InnerProduct.
+
+Intel Caffe (its MKL-DNN layers, TEST phase only) runs such a layer on 8-bit integers after its
+net compilation folded the BatchNorm and Scale after a convolution into its weights and fused
+the ReLU, and the Eltwise SUM (+ ReLU) of ResNet's shortcut, into it. caffepy runs the same as
+one unit of layers (net_rules.Int8Unit), in NCHW:
+
+    xq   = saturate(rint(x * scale_in))         u8 [0, 255], or s8 [-128, 127] when
+                                                is_negative_input; scale 1 when force_u8_input
+    Wq   = saturate_s8(rint(W' * sp[o]))        W', b': the weights with BatchNorm and Scale
+    bq   = rint(b' * scale_in * sp[o])  (int32)  folded in as Intel does (float32)
+    acc  = sum xq * Wq + bq                     exact, in int32
+    y    = float32(acc) * scale_out / (scale_in * sp[o])     (sp[o] = 0: y = acc * scale_out,
+                                                              bq = rint(b'))
+    y   += summand * scale_out                  an Eltwise SUM folded in (Intel: the summand's
+                                                8-bit value times scale_out / its scale)
+    y    = ReLU(y) (negative_slope)             a ReLU folded in
+    top  = saturate(rint(y)) / scale_out        bw_layer_out 8: u8 after a ReLU of slope 0,
+                                                else s8; bw_layer_out 32: top = y / scale_out
+sp = scale_params: one value, or one per output channel. Ties round to even (rint, MKL-DNN's
+round_nearest); saturation clamps before rounding. Layers without quantization_param, TRAIN
+nets and `engine: CAFFE` run float32 (Intel's other engines ignore the field). Where results
+may differ from Intel's: the summand is taken as float (Intel multiplies its 8-bit value by
+scale_out / its scale: the same product up to float32 rounding), the bias is added in int32
+(Intel adds it in float32, which rounds sums beyond 2^24), a requantization between two
+layers' scales goes through float32 (x / s1 * s2, Intel's reorder: x * (s2 / s1)), and the
+layers between quantized ones (pooling, concat, an unfused Eltwise) run in float32 on the
+dequantized values, where Intel's 8-bit average pooling rounds its means to integers.
+"""
+import math
+
+import numpy as np
+
+from .engine import caffe_engine
+from .proto import caffe_pb2
+
+U8 = (0.0, 255.0)
+S8 = (-128.0, 127.0)
+INT32_FLOAT_MAX = 2147483520.0      # the largest float32 below 2^31
+_kernels = None
+
+
+def kernels():
+    """caffepy.kernels.int8, imported when first needed."""
+    global _kernels
+    if _kernels is None:
+        from .kernels import int8
+        _kernels = int8
+    return _kernels
+
+
+def isa():
+    """The ISA the int8 kernels run here ('avx2' or 'generic'); CAFFEPY_INT8_ISA=generic
+    forces the portable C (the same integers)."""
+    import os
+    best = kernels().best_isa()
+    wanted = os.environ.get("CAFFEPY_INT8_ISA", "")
+    return "generic" if wanted == "generic" else best
+
+
+def quantized(layer_param, phase, net_param=None, source=None):
+    """Whether a layer runs in int8: a Convolution or InnerProduct with quantization_param in a
+    TEST net, running caffepy's algorithms."""
+    return (layer_param.type in ("Convolution", "InnerProduct")
+            and layer_param.HasField("quantization_param") and phase == caffe_pb2.TEST
+            and not caffe_engine(layer_param, net_param, source))
+
+
+class Spec:
+    """A layer's quantization_param, checked (Intel Caffe's DYNAMIC_FIXED_POINT with scales):
+    scale_in and scale_out one positive value each, scale_params one or one per output channel
+    (each positive, or 0 for a channel of zero weights as Intel's calibrator writes it),
+    bw_layer_in and bw_params 8, bw_layer_out 8 or 32; the fl_* (Ristretto's fixed point
+    lengths) are not read by Intel's int8 layers and are refused."""
+
+    def __init__(self, layer, num_output):
+        q = layer.param.quantization_param
+        field = "quantization_param."
+        for name in ("fl_layer_in", "fl_layer_out", "fl_params"):
+            if len(getattr(q, name)):
+                raise layer.error(field + name, "fixed point lengths are not supported (Intel's "
+                                  "int8 layers read the scales)", list(getattr(q, name)),
+                                  hint="Give scale_in, scale_out and scale_params")
+        for name, allowed in (("bw_layer_in", (8,)), ("bw_params", (8,)), ("bw_layer_out", (8, 32))):
+            value = getattr(q, name)
+            if value not in allowed:
+                bits = " or ".join(map(str, allowed))
+                raise layer.error(field + name, f"Intel Caffe's int8 layers take {bits} bits",
+                                  value)
+        for name in ("scale_in", "scale_out"):
+            values = list(getattr(q, name))
+            if len(values) != 1:
+                raise layer.error(field + name, "needs exactly one value", values)
+            if not (math.isfinite(values[0]) and values[0] > 0):
+                raise layer.error(field + name, "must be positive and finite", values[0])
+        sp = list(q.scale_params)
+        if len(sp) not in (1, num_output):
+            raise layer.error(field + "scale_params", f"needs 1 value or one per output channel "
+                              f"({num_output})", f"{len(sp)} values")
+        bad = [v for v in sp if not (math.isfinite(v) and v >= 0)]
+        if bad:
+            raise layer.error(field + "scale_params", "must be positive and finite (0 for a "
+                              "channel of zero weights)", bad[0])
+        self.scale_in = np.float32(q.scale_in[0])
+        self.scale_out = np.float32(q.scale_out[0])
+        self.scale_params = np.asarray(sp, np.float32)
+        self.signed_input = q.is_negative_input
+        self.force_u8 = q.force_u8_input
+        self.bits_out = q.bw_layer_out
+
+
+def fold_batchnorm(weights, bias, bn, scale):
+    """Intel's folding of a BatchNorm (and the Scale after it, or None) into the convolution
+    before it, in float32 as Intel computes it: alpha = s / sqrt(var + eps), W' = W alpha,
+    b' = b alpha + (beta - mean alpha), with mean and var the stored sums over blobs[2] (a
+    factor 0 taken as 1)."""
+    f32 = np.float32
+    factor = f32(bn.blobs[2].data.reshape(-1)[0])
+    factor = f32(1) if factor == 0 else f32(1) / factor
+    mean, var = bn.blobs[0].data.reshape(-1), bn.blobs[1].data.reshape(-1)
+    c = weights.shape[0]
+    s = scale.blobs[0].data.reshape(-1) if scale is not None else np.ones(c, f32)
+    beta = (scale.blobs[1].data.reshape(-1) if scale is not None and scale.bias_term
+            else np.zeros(c, f32))
+    alpha = s / np.sqrt(var * factor + f32(bn.eps))
+    b = np.zeros(c, f32) if bias is None else bias
+    folded_bias = b * alpha + (beta - mean * factor * alpha)
+    return weights * alpha.reshape((c,) + (1,) * (weights.ndim - 1)), folded_bias.astype(f32)
+
+
+def _same(array, seen):
+    """Whether a weights array holds the floats a copy kept (pycaffe code writes `.data` arrays
+    without a signal, so the quantized weights are checked against the floats each forward)."""
+    from .kernels import nhwc
+    return array.size == seen.size and nhwc.same_floats(
+        np.ascontiguousarray(array, np.float32).reshape(-1), seen)
+
+
+class Int8:
+    """The int8 computation of one Convolution or InnerProduct: its checked Spec, the weights
+    quantized (redone when any float they come from changes), and the forward."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.spec = Spec(layer, layer.num_output)
+        self._seen = None
+        self.wq = self.bias_q = self.mult = None
+        self.isa = isa()
+
+    def _prepare(self, sources, fold):
+        """Quantize the weights from `sources` (the float arrays they depend on) unless those
+        are what the last call saw."""
+        if self._seen is not None and len(self._seen) == len(sources) and all(
+                _same(a, b) for a, b in zip(sources, self._seen)):
+            return
+        L, spec, f32 = self.layer, self.spec, np.float32
+        w = L.blobs[0].data
+        b = L.blobs[1].data if L.bias_term else None
+        if getattr(L, "transpose", False):
+            w = w.T
+        if fold is not None:
+            w, b = fold_batchnorm(w, b, *fold)
+        n = w.shape[0]
+        sp = np.broadcast_to(spec.scale_params, (n,)).astype(f32)
+        w2 = np.ascontiguousarray(w.reshape(n, -1), f32)
+        k = kernels()
+        wq = np.empty((n, k.padded(w2.shape[1])), np.int16)
+        k.quantize_weights(w2, spec.scale_params, wq)
+        self.wq = k.conv_weights(wq[:, :w2.shape[1]].reshape(w.shape)) if w.ndim == 4 else wq
+        in_scale = (spec.scale_in * sp).astype(f32)
+        zero = sp == 0
+        self.mult = np.where(zero, spec.scale_out, spec.scale_out / np.where(zero, 1, in_scale)).astype(f32)
+        if b is None:
+            self.bias_q = None
+        else:
+            bias_scale = np.where(zero, f32(1), in_scale).astype(f32)
+            scaled = np.clip(b.astype(f32) * bias_scale, -INT32_FLOAT_MAX, INT32_FLOAT_MAX)
+            self.bias_q = np.rint(scaled).astype(np.int32)
+        self._seen = [np.array(a, np.float32, copy=True).reshape(-1) for a in sources]
+
+    def _ranges(self, relu, slope):
+        spec = self.spec
+        lo_in, hi_in = S8 if spec.signed_input else U8
+        lo, hi = U8 if relu and slope == 0 else S8
+        scale = np.float32(1) if spec.force_u8 else spec.scale_in
+        return scale, lo_in, hi_in, lo, hi, spec.bits_out == 8, np.float32(1.0 / float(spec.scale_out))
+
+    def sources(self, fold):
+        L = self.layer
+        arrays = [b.data for b in L.blobs]
+        if fold is not None:
+            bn, scale = fold
+            arrays += [b.data for b in bn.blobs] + ([b.data for b in scale.blobs] if scale else [])
+        return arrays
+
+    def conv_forward(self, x, top, summand=None, relu=False, slope=0.0, fold=None, coeff=(1, 1)):
+        """top (float32 NCHW) = the int8 convolution of x (float32 NCHW); summand (float32 of
+        top's shape) added as an Eltwise SUM would; fold = (BatchNorm, Scale or None)."""
+        L = self.layer
+        self._prepare(self.sources(fold), fold)
+        scale, lo_in, hi_in, lo, hi, quantize, inv = self._ranges(relu, slope)
+        mult = self.mult if coeff[1] == 1 else (self.mult * np.float32(coeff[1])).astype(np.float32)
+        sum_scale = np.float32(self.spec.scale_out * np.float32(coeff[0]))
+        kernels().conv_forward(x, self.wq, self.bias_q, mult, top, summand, L.group, L.kernel,
+                               L.pad, L.stride, L.dilation, scale, lo_in, hi_in, sum_scale, relu,
+                               slope, quantize, lo, hi, inv, self.isa)
+
+    def inner_product_forward(self, x, top, relu=False, slope=0.0):
+        """top [M, N] = the int8 inner product of x [M, K]."""
+        self._prepare(self.sources(None), None)
+        scale, lo_in, hi_in, lo, hi, quantize, inv = self._ranges(relu, slope)
+        kernels().inner_product(x, self.wq, self.bias_q, self.mult, top, scale, lo_in, hi_in,
+                                relu, slope, quantize, lo, hi, inv, self.isa)
+

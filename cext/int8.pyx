@@ -1,0 +1,215 @@
+# cython: language_level=3
+"""Kernels of Intel Caffe's int8 inference (caffepy/quantization.py): the convolution and the
+inner product on 8-bit integers with int32 sums (cext/int8_gemm.h), and the quantization of
+weights. Exact integer arithmetic: every ISA gives the same integers, and the float32 epilogue
+runs the same operations in the same order, so the paths agree to the bit. The NumPy
+references are in caffepy/kernels/reference/int8.py.
+"""
+import numpy as np
+
+from libc.stdint cimport int16_t, int32_t
+from rules cimport dims, need, need_shape, threads_for_macs
+
+cdef extern from "int8_gemm.h" nogil:
+    int I8_NR, I8_MR
+    ctypedef struct i8_epilogue:
+        const int32_t *bias
+        const float *mult
+        const float *summand
+        float sum_scale
+        int relu
+        float slope
+        int quantize
+        float lo, hi
+        float inv_scale_out
+        float *out
+        long so, sp
+    int i8_isa_available()
+    void i8_conv_image(int isa, int threads, const float *x, int C, int H, int W, int G, int Mg,
+                       int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
+                       int OW, float scale, float lo, float hi, const int16_t *w, int32_t *q,
+                       int32_t *b, int32_t *c, const i8_epilogue *e)
+    void i8_depthwise_image(int isa, int threads, const float *x, int C, int H, int W, int kh,
+                            int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH, int OW,
+                            float scale, float lo, float hi, const int16_t *w, int32_t *q,
+                            int32_t *acc, const i8_epilogue *e)
+    void i8_inner_product(int isa, int threads, const float *x, int M, int K, int N, int Kp,
+                          float scale, float lo, float hi, const int16_t *w, int32_t *b,
+                          int32_t *c, const i8_epilogue *e)
+
+NR, MR = I8_NR, I8_MR
+ISAS = ("generic", "avx2")
+
+
+def best_isa():
+    """The fastest ISA the int8 kernels can run here: 'avx2' when the module was built for it
+    and the CPU has it, else 'generic' (portable C)."""
+    return ISAS[i8_isa_available()]
+
+
+cdef int _isa(str isa) except -1:
+    need(isa in ISAS, "int8", "isa", f"must be one of {ISAS}", isa)
+    need(isa == "generic" or i8_isa_available(), "int8", "isa", "not available here", isa)
+    return ISAS.index(isa)
+
+
+def padded(int k):
+    """The weights' row length for k products: even (pairs)."""
+    return k + (k & 1)
+
+
+def conv_weights(wq):
+    """Quantized convolution weights [O, C / group, kh, kw] in the kernels' order: row o holds
+    k = (kernel row, kernel column, channel) with the channels padded to even (a pair is two
+    channels of one pixel)."""
+    o, cg, kh, kw = wq.shape
+    out = np.zeros((o, kh, kw, padded(cg)), np.int16)
+    out[..., :cg] = np.transpose(wq, (0, 2, 3, 1))
+    return out.reshape(o, -1)
+
+
+def columns(long p):
+    """The right-hand side's column count for p columns (whole register tiles)."""
+    return (p + I8_NR - 1) // I8_NR * I8_NR
+
+
+def quantize_weights(const float[:, ::1] w, const float[::1] scales, int16_t[:, ::1] out):
+    """out[o, k] = saturate_s8(rint(w[o, k] * scales[o or 0])), zero past w's columns (out has
+    padded(K) of them)."""
+    cdef Py_ssize_t O = w.shape[0], K = w.shape[1], o, k
+    cdef bint one = scales.shape[0] == 1
+    cdef float s, v
+    need(one or scales.shape[0] == O, "quantize_weights", "scales", f"needs 1 or {O}", scales.shape[0])
+    need_shape("quantize_weights", "out", dims(out.shape, 2), (O, padded(K)))
+    with nogil:
+        for o in range(O):
+            s = scales[0] if one else scales[o]
+            for k in range(K):
+                v = w[o, k] * s
+                v = -128.0 if not v > -128.0 else v
+                v = 127.0 if v > 127.0 else v
+                out[o, k] = <int16_t>_rint(v)
+            for k in range(K, out.shape[1]):
+                out[o, k] = 0
+
+
+cdef extern from "math.h" nogil:
+    float _rint "rintf"(float)
+
+
+cdef i8_epilogue _epilogue(const int32_t[::1] bias, const float[::1] mult, summand,
+                           float sum_scale, bint relu, float slope, bint quantize, float lo,
+                           float hi, float inv_scale_out, float[::1] out, long so, long sp):
+    cdef i8_epilogue e
+    cdef const float[::1] s
+    e.bias = &bias[0] if bias is not None else NULL
+    e.mult = &mult[0]
+    e.summand = NULL
+    if summand is not None:
+        s = summand
+        e.summand = &s[0]
+    e.sum_scale, e.relu, e.slope = sum_scale, relu, slope
+    e.quantize, e.lo, e.hi, e.inv_scale_out = quantize, lo, hi, inv_scale_out
+    e.out, e.so, e.sp = &out[0], so, sp
+    return e
+
+
+def conv_forward(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int32_t[::1] bias,
+                 const float[::1] mult, float[:, :, :, ::1] top, summand, int group,
+                 kernel, pad, stride, dilation, float scale_in, float lo_in, float hi_in,
+                 float sum_scale, bint relu, float slope, bint quantize, float lo, float hi,
+                 float inv_scale_out, str isa):
+    """top = the int8 convolution of x (see int8_gemm.h): x quantized with scale_in into
+    [lo_in, hi_in], weights w [O][...] quantized and ordered by conv_weights, int32 sums
+    plus bias (or None), then per output y = sum * mult[o] (+ summand * sum_scale) (ReLU of
+    slope) (rounded and saturated to [lo, hi] when quantize) times inv_scale_out. summand: None
+    or float32 of top's shape."""
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3]
+    cdef int O = w.shape[0], G = group, kh = kernel[0], kw = kernel[1]
+    cdef int ph = pad[0], pw = pad[1], sh = stride[0], sw = stride[1]
+    cdef int dh = dilation[0], dw = dilation[1], OH = top.shape[2], OW = top.shape[3]
+    cdef int Cp = (C // G + 1) // 2, J = kh * kw * Cp, K = C // G * kh * kw, Mg = O // G, i, threads
+    cdef long P = <long>OH * OW, Np = columns(P), HW = <long>H * W
+    cdef int which = _isa(isa)
+    need(C % G == 0 and O % G == 0, "conv_forward", "group", f"must divide {C} and {O}", G)
+    need_shape("conv_forward", "w", dims(w.shape, 2), (O, 2 * J))
+    need_shape("conv_forward", "top", dims(top.shape, 4), (N, O, OH, OW))
+    need_shape("conv_forward", "mult", dims(mult.shape, 1), (O,))
+    if bias is not None:
+        need_shape("conv_forward", "bias", dims(bias.shape, 1), (O,))
+    cdef const float[:, :, :, ::1] s4
+    if summand is not None:
+        s4 = summand
+        need_shape("conv_forward", "summand", dims(s4.shape, 4), (N, O, OH, OW))
+    threads = threads_for_macs(<Py_ssize_t>O * K * P)
+    if threads < 1:
+        threads = 1
+    cdef bint depthwise = G == C and O == C
+    if depthwise:
+        q32 = np.empty(C * HW, np.int32)
+        acc = np.empty(threads * OW, np.int32)
+        _depthwise(x, w, bias, mult, top, summand, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW,
+                   scale_in, lo_in, hi_in, sum_scale, relu, slope, quantize, lo, hi,
+                   inv_scale_out, which, threads, q32, acc)
+        return
+    q = np.empty(G * Cp * HW, np.int32)
+    b = np.empty(G * J * Np, np.int32)
+    c = np.empty(threads * max(Mg, I8_MR) * I8_NR, np.int32)
+    cdef int32_t[::1] qv = q, bv = b, cv = c
+    cdef i8_epilogue e
+    cdef float[::1] flat = np.asarray(top).reshape(-1)
+    for i in range(N):
+        e = _epilogue(bias, mult, None if summand is None else np.asarray(summand[i]).reshape(-1),
+                      sum_scale, relu, slope, quantize, lo, hi, inv_scale_out,
+                      flat[i * O * P:(i + 1) * O * P], P, 1)
+        with nogil:
+            i8_conv_image(which, threads, &x[i, 0, 0, 0], C, H, W, G, Mg, kh, kw, ph, pw, sh,
+                          sw, dh, dw, OH, OW, scale_in, lo_in, hi_in, &w[0, 0], &qv[0], &bv[0],
+                          &cv[0], &e)
+
+
+cdef _depthwise(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int32_t[::1] bias,
+                const float[::1] mult, float[:, :, :, ::1] top, summand, int kh, int kw, int ph,
+                int pw, int sh, int sw, int dh, int dw, int OH, int OW, float scale_in,
+                float lo_in, float hi_in, float sum_scale, bint relu, float slope, bint quantize,
+                float lo, float hi, float inv_scale_out, int which, int threads,
+                int32_t[::1] q, int32_t[::1] acc):
+    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3], i
+    cdef long P = <long>OH * OW
+    cdef i8_epilogue e
+    cdef float[::1] flat = np.asarray(top).reshape(-1)
+    for i in range(N):
+        e = _epilogue(bias, mult, None if summand is None else np.asarray(summand[i]).reshape(-1),
+                      sum_scale, relu, slope, quantize, lo, hi, inv_scale_out,
+                      flat[i * C * P:(i + 1) * C * P], P, 1)
+        with nogil:
+            i8_depthwise_image(which, threads, &x[i, 0, 0, 0], C, H, W, kh, kw, ph, pw, sh, sw,
+                               dh, dw, OH, OW, scale_in, lo_in, hi_in, &w[0, 0], &q[0], &acc[0],
+                               &e)
+
+
+def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[::1] bias,
+                  const float[::1] mult, float[:, ::1] top, float scale_in, float lo_in,
+                  float hi_in, bint relu, float slope, bint quantize, float lo, float hi,
+                  float inv_scale_out, str isa):
+    """top [M, N] = the int8 inner product of x [M, K] with w [N][padded(K)], as conv_forward."""
+    cdef int M = x.shape[0], K = x.shape[1], N = w.shape[0], Kp = padded(K), threads
+    cdef long Np = columns(M)
+    cdef int which = _isa(isa)
+    need_shape("inner_product", "w", dims(w.shape, 2), (N, Kp))
+    need_shape("inner_product", "top", dims(top.shape, 2), (M, N))
+    need_shape("inner_product", "mult", dims(mult.shape, 1), (N,))
+    if bias is not None:
+        need_shape("inner_product", "bias", dims(bias.shape, 1), (N,))
+    threads = threads_for_macs(<Py_ssize_t>M * N * K)
+    if threads < 1:
+        threads = 1
+    b = np.empty((Kp // 2) * Np, np.int32)
+    c = np.empty(threads * I8_MR * I8_NR, np.int32)
+    cdef int32_t[::1] bv = b, cv = c
+    cdef float[::1] flat = np.asarray(top).reshape(-1)
+    cdef i8_epilogue e = _epilogue(bias, mult, None, 0, relu, slope, quantize, lo, hi,
+                                   inv_scale_out, flat, 1, N)
+    with nogil:
+        i8_inner_product(which, threads, &x[0, 0], M, K, N, Kp, scale_in, lo_in, hi_in, &w[0, 0],
+                         &bv[0], &cv[0], &e)

@@ -1,0 +1,126 @@
+"""The int8 kernels (cext/int8.pyx) against hand-worked cases and the NumPy reference
+(caffepy/kernels/reference/int8.py): the same bits on every ISA."""
+import numpy as np
+import pytest
+
+from caffepy.kernels import int8 as k
+from caffepy.kernels.reference import int8 as ref
+
+ISAS = ["generic"] + (["avx2"] if k.best_isa() == "avx2" else [])
+U8, S8 = (0.0, 255.0), (-128.0, 127.0)
+
+
+def _weights(wq):
+    """Integer weights [O, K] as the kernels hold them (rows padded to even)."""
+    wq = np.asarray(wq, np.int16)
+    out = np.zeros((wq.shape[0], k.padded(wq.shape[1])), np.int16)
+    out[:, :wq.shape[1]] = wq
+    return out
+
+
+def _ip(x, wq, bias, mult, relu, quantize, inv, isa, lo_in=0.0, hi_in=255.0, scale_in=2.0):
+    top = np.empty((x.shape[0], wq.shape[0]), np.float32)
+    lo, hi = U8 if relu else S8
+    k.inner_product(np.asarray(x, np.float32), _weights(wq), bias, np.asarray(mult, np.float32),
+                    top, scale_in, lo_in, hi_in, relu, 0.0, quantize, lo, hi, inv, isa)
+    return top
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_inner_product_by_hand(isa):
+    # x = [1.25, 1.75] at scale_in 2: 2.5 and 3.5 round to even, 2 and 4. Weights at scale 10:
+    # [0.5, -0.25] -> [5, -2] (-2.5 to even), [-1, 0] -> [-10, 0], [20, 20] -> saturated [127, 127];
+    # bias 0.3 at 2 * 10 -> 6. mult = scale_out 4 / (2 * 10) = 0.2, top = integer / 4.
+    x = np.array([[1.25, 1.75]], np.float32)
+    w = np.array([[0.5, -0.25], [-1.0, 0.0], [20.0, 20.0]], np.float32)
+    wq = np.empty((3, 2), np.int16)
+    k.quantize_weights(w, np.array([10.0], np.float32), wq)
+    assert wq.tolist() == [[5, -2], [-10, 0], [127, 127]]
+    bias = np.array([6, 0, 0], np.int32)
+    mult = [0.2, 0.2, 0.2]
+    # sums: 2*5 + 4*-2 + 6 = 8 -> 1.6 -> 2; -20 -> -4; 6 * 127 = 762 -> 152.4 -> s8 127, u8 152
+    signed = _ip(x, wq, bias, mult, relu=False, quantize=True, inv=0.25, isa=isa)
+    assert signed.tolist() == [[0.5, -1.0, 31.75]]
+    unsigned = _ip(x, wq, bias, mult, relu=True, quantize=True, inv=0.25, isa=isa)
+    assert unsigned.tolist() == [[0.5, 0.0, 38.0]]
+    wide = _ip(x, wq, bias, mult, relu=False, quantize=False, inv=0.25, isa=isa)  # bw_layer_out 32
+    # the float32 epilogue: sums times float32(0.2), times 1 / scale_out
+    np.testing.assert_array_equal(wide, np.float32([[8, -20, 762]]) * np.float32(0.2) * np.float32(0.25))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_input_saturates_and_signed_input_keeps_negatives(isa):
+    x = np.array([[-3.0, 200.0]], np.float32)           # at scale 2: -6 and 400
+    wq = np.array([[1, 1]], np.int16)
+    got_u8 = _ip(x, wq, None, [1.0], False, False, 1.0, isa)
+    assert got_u8.tolist() == [[255.0]]                  # 0 + 255
+    got_s8 = _ip(x, wq, None, [1.0], False, False, 1.0, isa, lo_in=-128.0, hi_in=127.0)
+    assert got_s8.tolist() == [[121.0]]                  # -6 + 127
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_extreme_products_do_not_saturate(isa):
+    # 255 x -128 over 4608 products (ResNet's 3 x 3 x 512): vpmaddubsw's int16 pair sums would
+    # saturate at 32767; the int32 sums are exact
+    K = 4608
+    x = np.full((3, K), 1000.0, np.float32)
+    wq = np.stack([np.full(K, -128), np.full(K, 127), np.tile([127, -128], K // 2)]).astype(np.int16)
+    got = _ip(x, wq, None, [1.0] * 3, False, False, 1.0, isa)
+    want = np.float32([255 * -128 * K, 255 * 127 * K, 255 * -1 * K // 2])
+    np.testing.assert_array_equal(got, np.tile(want, (3, 1)))
+
+
+CONVS = [  # (N, C, H, W, O, group, kernel, pad, stride, dilation)
+    (2, 3, 9, 7, 5, 1, (3, 3), (1, 1), (1, 1), (1, 1)),
+    (1, 4, 8, 8, 6, 2, (3, 2), (0, 1), (2, 1), (1, 1)),
+    (1, 6, 7, 7, 6, 6, (3, 3), (1, 1), (1, 1), (1, 1)),          # depthwise
+    (2, 5, 9, 8, 5, 5, (3, 3), (1, 1), (2, 2), (1, 1)),          # depthwise, stride 2
+    (1, 3, 21, 19, 3, 3, (3, 3), (2, 2), (1, 1), (2, 2)),        # depthwise, dilated, 16+ wide
+    (2, 5, 10, 9, 20, 1, (1, 1), (0, 0), (1, 1), (1, 1)),        # odd channels, 20 rows
+    (1, 6, 5, 5, 4, 2, (1, 1), (0, 0), (1, 1), (1, 1)),          # odd channels per group
+    (1, 3, 11, 11, 4, 1, (3, 3), (2, 2), (1, 1), (2, 2)),        # dilated
+    (1, 17, 6, 6, 7, 1, (7, 7), (3, 3), (2, 2), (1, 1)),         # K 833 > one k block
+]
+
+
+@pytest.mark.parametrize("shape", CONVS)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("relu,summed,quantize,signed_in", [
+    (True, False, True, False), (False, True, True, True), (True, True, False, False),
+    (False, False, True, False)])
+def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, signed_in):
+    n, c, h, w, o, g, kernel, pad, stride, dilation = shape
+    rng = np.random.default_rng(7)
+    x = rng.normal(0, 1, (n, c, h, w)).astype(np.float32)
+    wq = rng.integers(-128, 128, (o, c // g) + kernel).astype(np.int16)
+    bias = rng.integers(-5000, 5000, o).astype(np.int32)
+    mult = rng.uniform(0.001, 0.01, o).astype(np.float32)
+    oh = (h + 2 * pad[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * pad[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    summand = rng.normal(0, 2, (n, o, oh, ow)).astype(np.float32) if summed else None
+    lo_in, hi_in = S8 if signed_in else U8
+    lo, hi = U8 if relu else S8
+    args = dict(scale_in=60.0, lo_in=lo_in, hi_in=hi_in, sum_scale=9.5, relu=relu, slope=0.0 if relu else 0.0,
+                quantize_out=quantize, lo=lo, hi=hi, inv_scale_out=np.float32(1 / 9.5))
+    want = ref.conv_forward(x, wq, bias, mult, summand, g, kernel, pad, stride, dilation, **args)
+    top = np.empty_like(want)
+    k.conv_forward(x, k.conv_weights(wq), bias, mult, top, summand, g, kernel, pad,
+                   stride, dilation, 60.0, lo_in, hi_in, 9.5, relu, 0.0, quantize, lo, hi,
+                   np.float32(1 / 9.5), isa)
+    np.testing.assert_array_equal(top, want)
+
+
+def test_negative_slope_and_ties_to_even():
+    # sums -3 and 5 at mult 0.5: -1.5 * slope 1 -> rint(-1.5) = -2; 2.5 -> 2 (ties to even)
+    x = np.array([[1.0]], np.float32)
+    wq = np.array([[-3], [5]], np.int16)
+    top = np.empty((1, 2), np.float32)
+    k.inner_product(x, _weights(wq), None, np.float32([0.5, 0.5]), top, 1.0, 0.0, 255.0, True,
+                    1.0, True, -128.0, 127.0, 1.0, "generic")
+    assert top.tolist() == [[-2.0, 2.0]]
+
+
+def test_unknown_isa_is_refused():
+    with pytest.raises(ValueError, match="int8: isa: must be one of"):
+        _ip(np.ones((1, 2), np.float32), np.ones((1, 2), np.int16), None, [1.0], False, False, 1.0,
+            "vnni")

@@ -1,0 +1,95 @@
+"""`caffepy calibrate` (caffepy/calibrate.py): the scales Intel's calibrator writes, measured on
+the net's own batches, and the int8 net it writes runs and keeps the float net's top-1."""
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import caffepy
+from caffepy import calibrate
+from caffepy.errors import CaffepyError
+from caffepy.net import Net
+from caffepy.proto import caffe_pb2
+from caffepy.upgrade import read_net
+
+NET = """name: "small"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 4 dim: 3 dim: 8 dim: 8 } shape { dim: 4 }
+                     data_filler { type: "constant" value: 0.5 } data_filler { type: "constant" value: 2 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 6 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 }
+                      bias_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+  convolution_param { num_output: 5 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 }
+                      bias_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "conv2" top: "conv2" }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "pool" type: "Pooling" bottom: "conv2" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv3" type: "Convolution" bottom: "pool" top: "conv3"
+  convolution_param { num_output: 4 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "conv3" top: "fc"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "accuracy" type: "Accuracy" bottom: "fc" bottom: "label" top: "accuracy" }
+"""
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "small.prototxt"
+    path.write_text(NET)
+    net = Net(str(path), caffepy.TEST)
+    bn = net.layer_dict["bn2"]
+    bn.blobs[0].data[...] = np.linspace(-0.2, 0.3, 5)
+    bn.blobs[1].data[...] = np.linspace(0.5, 2.0, 5)
+    bn.blobs[2].data[...] = 1
+    weights = tmp_path / "small.caffemodel"
+    net.save(str(weights))
+    return path, weights, net
+
+
+def test_scales_are_intels(model, tmp_path):
+    path, weights, net = model
+    out = tmp_path / "int8.prototxt"
+    base, acc, agree, names = calibrate.calibrate(str(path), str(weights), str(out), 2, 2,
+                                                  weights_channel="multiple")
+    assert names == ["conv2", "conv3"]            # the first convolution stays float32
+    net.forward()                                 # the float32 score is the net's own
+    assert base[0] == pytest.approx(float(net.blobs["accuracy"].data)) and 0 <= agree <= 1
+    q = {lp.name: lp.quantization_param for lp in read_net(str(out)).layer
+         if lp.HasField("quantization_param")}
+    net.forward()
+    conv1, conv2 = net.blobs["conv1"].data, net.blobs["conv2"].data    # after their ReLUs
+    w, _ = calibrate.fold_batchnorm(net.layer_dict["conv2"].blobs[0].data,
+                                    net.layer_dict["conv2"].blobs[1].data, net.layer_dict["bn2"], None)
+    c2 = q["conv2"]
+    assert (c2.bw_layer_in, c2.bw_layer_out, c2.bw_params) == (8, 8, 8)
+    assert not c2.is_negative_input                                     # a ReLU's output
+    np.testing.assert_allclose(c2.scale_in, [255 / np.abs(conv1).max()], rtol=1e-6)
+    np.testing.assert_allclose(c2.scale_out, [255 / np.abs(conv2).max()], rtol=1e-6)
+    np.testing.assert_allclose(c2.scale_params, 127 / np.abs(w.reshape(5, -1)).max(axis=1), rtol=1e-6)
+    c3 = q["conv3"]                  # read by the float32 InnerProduct: a float32 top
+    assert c3.bw_layer_out == 32 and list(c3.scale_out) == [1.0]
+    assert len(c3.scale_params) == 4
+    int8 = Net(str(out), caffepy.TEST, weights=str(weights))
+    assert {int8.layers[i].name for i in int8.fusions} >= {"conv2", "conv3"}
+
+
+def test_single_weight_scale_and_fc(model, tmp_path):
+    path, weights, net = model
+    out = tmp_path / "int8.prototxt"
+    *_, names = calibrate.calibrate(str(path), str(weights), str(out), 1, 1, first_conv=True,
+                                    fc_int8=True)
+    assert names == ["conv1", "conv2", "conv3", "fc"]
+    q = {lp.name: lp.quantization_param for lp in read_net(str(out)).layer
+         if lp.HasField("quantization_param")}
+    assert all(len(p.scale_params) == 1 for p in q.values())
+    assert q["conv3"].bw_layer_out == 8             # the InnerProduct reads it in int8 now
+
+
+def test_a_quantized_model_is_refused(model, tmp_path):
+    path, weights, _ = model
+    out = tmp_path / "int8.prototxt"
+    calibrate.calibrate(str(path), str(weights), str(out), 1, 1)
+    with pytest.raises(CaffepyError, match=r"^calibrate: --model: .*int8.prototxt is quantized "
+                                           r"already \(quantization_param\); give the float32 net$"):
+        calibrate.calibrate(str(out), str(weights), str(tmp_path / "again.prototxt"), 1, 1)

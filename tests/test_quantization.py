@@ -1,0 +1,232 @@
+"""Intel Caffe's int8 inference in whole nets (caffepy/quantization.py, net_rules.Int8Unit):
+quantization_param read, checked and run as Intel's compiled TEST net runs it, against a NumPy
+reference written from the formulas (caffepy/kernels/reference/int8.py)."""
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import caffepy
+from caffepy import quantization
+from caffepy.errors import CaffepyError
+from caffepy.kernels.reference import int8 as ref
+from caffepy.net import Net
+from caffepy.proto import caffe_pb2
+
+Q = "quantization_param {{ bw_layer_in: 8 bw_layer_out: {out} bw_params: 8 scale_in: {si} " \
+    "scale_out: {so} {sp} {neg} }}"
+
+
+def _q(si, so, sp, out=8, neg=False):
+    sps = " ".join(f"scale_params: {v}" for v in np.atleast_1d(sp))
+    return Q.format(out=out, si=si, so=so, sp=sps, neg="is_negative_input: true" if neg else "")
+
+
+def _conv(name, bottom, n, k, q, top=None):
+    return (f'layer {{ name: "{name}" type: "Convolution" bottom: "{bottom}" top: "{top or name}" '
+            f'convolution_param {{ num_output: {n} kernel_size: {k} pad: {k // 2} '
+            f'weight_filler {{ type: "gaussian" std: 0.3 }} bias_filler {{ type: "gaussian" std: 0.2 }} }} '
+            f'{q} }}\n')
+
+
+def _bn_scale(name, blob):
+    return (f'layer {{ name: "bn_{name}" type: "BatchNorm" bottom: "{blob}" top: "{blob}" }}\n'
+            f'layer {{ name: "sc_{name}" type: "Scale" bottom: "{blob}" top: "{blob}" '
+            f'scale_param {{ bias_term: true }} }}\n')
+
+
+def _relu(name, blob):
+    return f'layer {{ name: "{name}" type: "ReLU" bottom: "{blob}" top: "{blob}" }}\n'
+
+
+# scales as a calibrator would pick them for these weights and inputs (max |value| -> 127/255)
+S_DATA, S_C1, S_SUM, S_POOL = 40.0, 30.0, 12.0, 40.0
+SP1, SP2 = [60.0, 80.0, 70.0, 90.0], 75.0
+
+
+def block_net(out_bits=32, engine=""):
+    """A ResNet block: conv1 (s8 input) + BN + Scale + ReLU; a 1x1 shortcut and a 3x3 body,
+    each + BN + Scale, summed by an Eltwise, ReLU; global average pooling; an int8 classifier."""
+    return (f'name: "block" {engine}\n'
+            'layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } } }\n'
+            + _conv("conv1", "data", 4, 3, _q(S_DATA, S_C1, SP1, neg=True)) + _bn_scale("1", "conv1")
+            + _relu("relu1", "conv1")
+            + _conv("short", "conv1", 4, 1, _q(S_C1, S_SUM, SP2)) + _bn_scale("short", "short")
+            + _conv("body", "conv1", 4, 3, _q(S_C1, S_SUM, SP1)) + _bn_scale("body", "body")
+            + 'layer { name: "sum" type: "Eltwise" bottom: "short" bottom: "body" top: "sum" }\n'
+            + _relu("relu2", "sum")
+            + 'layer { name: "pool" type: "Pooling" bottom: "sum" top: "pool" pooling_param { pool: AVE global_pooling: true } }\n'
+            + 'layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc" inner_product_param { num_output: 3 '
+              'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } } '
+            + _q(S_POOL, 1.0, 100.0, out=out_bits) + ' }\n')
+
+
+def _net(text, phase=caffepy.TEST, tmp_path=None):
+    p = caffe_pb2.NetParameter()
+    text_format.Parse(text, p)
+    net = Net(p, phase)
+    rng = np.random.default_rng(3)
+    for name, layer in net.layer_dict.items():
+        if layer.type == "BatchNorm":
+            c = layer.blobs[0].count
+            layer.blobs[0].data[...] = rng.normal(0, 0.2, c) * 2      # sums over factor 2
+            layer.blobs[1].data[...] = rng.uniform(0.5, 1.5, c) * 2
+            layer.blobs[2].data[...] = 2
+        elif layer.type == "Scale":
+            layer.blobs[0].data[...] = rng.uniform(0.5, 1.5, layer.blobs[0].count)
+            layer.blobs[1].data[...] = rng.normal(0, 0.1, layer.blobs[1].count)
+    net.blobs["data"].data[...] = rng.normal(0, 1, net.blobs["data"].shape)
+    return net
+
+
+def _folded(net, conv):
+    """Intel's folding, written out: alpha = s / sqrt(var + eps)."""
+    L = net.layer_dict[conv]
+    bn = net.layer_dict["bn_1" if conv == "conv1" else f"bn_{conv}"]
+    sc = net.layer_dict["sc_1" if conv == "conv1" else f"sc_{conv}"]
+    f = np.float32(1) / bn.blobs[2].data[0]
+    alpha = sc.blobs[0].data / np.sqrt(bn.blobs[1].data * f + np.float32(bn.eps))
+    w = L.blobs[0].data * alpha[:, None, None, None]
+    b = L.blobs[1].data * alpha + (sc.blobs[1].data - bn.blobs[0].data * f * alpha)
+    return w, b
+
+
+def _ref_conv(net, conv, x, si, so, sp, relu, summand=None, signed=False):
+    w, b = _folded(net, conv)
+    sp = np.broadcast_to(np.float32(sp), (w.shape[0],))
+    wq = ref.quantize_weights(w.reshape(w.shape[0], -1), sp).reshape(w.shape)
+    bq = np.rint(b * (np.float32(si) * sp)).astype(np.int64)
+    mult = np.float32(so) / (np.float32(si) * sp)
+    k = w.shape[2]
+    lo_in, hi_in = (-128, 127) if signed else (0, 255)
+    lo, hi = (0, 255) if relu else (-128, 127)
+    return ref.conv_forward(x, wq, bq, mult, summand, 1, (k, k), (k // 2,) * 2, (1, 1), (1, 1),
+                            si, lo_in, hi_in, np.float32(so), relu, 0.0, True, lo, hi,
+                            np.float32(1.0 / np.float32(so)))
+
+
+@pytest.mark.parametrize("out_bits", [8, 32])
+def test_block_runs_as_intel_compiles_it(out_bits):
+    net = _net(block_net(out_bits))
+    assert {net.layers[i].name: net.layers[j].name for i, j in net.fusions.items()
+            if net._units[i].rule.name == "Int8 convolution"} == {
+        "conv1": "relu1", "short": "sc_short", "body": "relu2", "fc": "fc"}
+    net.forward()
+    x = net.blobs["data"].data
+    c1 = _ref_conv(net, "conv1", x, S_DATA, S_C1, SP1, relu=True, signed=True)
+    np.testing.assert_array_equal(net.blobs["conv1"].data, c1)
+    levels = c1 * np.float32(S_C1)             # u8 levels over scale_out
+    assert not np.signbit(c1).any() and np.abs(levels - np.rint(levels)).max() < 1e-3
+    short = _ref_conv(net, "short", c1, S_C1, S_SUM, SP2, relu=False)
+    np.testing.assert_array_equal(net.blobs["short"].data, short)
+    total = _ref_conv(net, "body", c1, S_C1, S_SUM, SP1, relu=True, summand=short)
+    np.testing.assert_array_equal(net.blobs["sum"].data, total)
+    pool = total.mean(axis=(2, 3))
+    np.testing.assert_allclose(net.blobs["pool"].data.reshape(2, 4), pool, rtol=1e-6)
+    fc = net.layer_dict["fc"]
+    wq = ref.quantize_weights(fc.blobs[0].data, [100.0])
+    bq = np.rint(fc.blobs[1].data * np.float32(S_POOL * 100.0)).astype(np.int64)
+    want = ref.inner_product(net.blobs["pool"].data.reshape(2, 4), wq, bq,
+                             np.full(3, np.float32(1.0) / np.float32(S_POOL * 100.0)), S_POOL,
+                             0, 255, False, 0.0, out_bits == 8, -128, 127, 1.0)
+    np.testing.assert_array_equal(net.blobs["fc"].data, want)
+
+
+def _same_weights(net, other):
+    for name, layer in net.layer_dict.items():
+        for a, b in zip(layer.blobs, other.layer_dict[name].blobs):
+            b.data[...] = a.data
+
+
+def test_int8_stays_near_float32():
+    int8 = _net(block_net())
+    plain = _net(block_net(engine='engine: "CAFFE"'))
+    _same_weights(int8, plain)
+    assert not plain.fusions
+    int8.forward()
+    plain.forward()
+    for name in ("conv1", "sum"):
+        a, b = int8.blobs[name].data, plain.blobs[name].data
+        assert np.abs(a - b).max() < 0.05 * np.abs(b).max(), name
+    assert not np.array_equal(int8.blobs["sum"].data, plain.blobs["sum"].data)
+
+
+def test_train_nets_ignore_quantization_param():
+    train = _net(block_net(), caffepy.TRAIN)
+    plain = _net(block_net(engine='engine: "CAFFE"'), caffepy.TRAIN)
+    _same_weights(train, plain)
+    assert all(getattr(layer, "int8", None) is None for layer in train.layers)
+    train.forward()
+    plain.forward()
+    np.testing.assert_allclose(train.blobs["fc"].data, plain.blobs["fc"].data, rtol=1e-4, atol=1e-5)
+
+
+def test_weights_written_through_pycaffe_are_requantized():
+    net = _net(block_net())
+    net.forward()
+    before = net.blobs["fc"].data.copy()
+    net.params["fc"][1].data[...] += 1.0
+    net.forward()
+    np.testing.assert_allclose(net.blobs["fc"].data, before + 1.0, atol=0.02)
+
+
+def test_a_summand_from_a_float_layer_keeps_the_convolution_float():
+    # Intel fuses the Eltwise into the convolution and, its other bottom float32, runs it in
+    # float32: no int8 unit here
+    text = ('layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 4 dim: 5 dim: 5 } } }\n'
+            + _conv("body", "data", 4, 3, _q(S_DATA, S_SUM, SP2, neg=True))
+            + 'layer { name: "sum" type: "Eltwise" bottom: "data" bottom: "body" top: "sum" }\n')
+    net = _net(text)
+    assert not net.fusions and net.layer_dict["body"].int8 is not None
+    plain = _net(text.replace('name: "body"', 'name: "body" engine: "CAFFE"'))
+    _same_weights(net, plain)
+    net.forward()
+    plain.forward()
+    np.testing.assert_allclose(net.blobs["sum"].data, plain.blobs["sum"].data, rtol=1e-5, atol=1e-5)
+
+
+def test_isa_paths_agree(monkeypatch):
+    if quantization.kernels().best_isa() != "avx2":
+        pytest.skip("only the generic int8 kernels are built here")
+    fast = _net(block_net(8))
+    monkeypatch.setenv("CAFFEPY_INT8_ISA", "generic")
+    slow = _net(block_net(8))
+    assert fast.layer_dict["body"].int8.isa == "avx2" and slow.layer_dict["body"].int8.isa == "generic"
+    _same_weights(fast, slow)
+    fast.forward()
+    slow.forward()
+    for name in fast.blobs:
+        np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)
+
+
+BASE = {"bw_layer_in": [8], "bw_layer_out": [8], "bw_params": [8], "scale_in": [1],
+        "scale_out": [1], "scale_params": [1]}
+BAD = [
+    ({"scale_in": [0]}, "quantization_param.scale_in: must be positive and finite, got 0.0"),
+    ({"scale_out": [-2]}, "quantization_param.scale_out: must be positive and finite, got -2.0"),
+    ({"scale_params": [-1]}, "quantization_param.scale_params: must be positive and finite (0 for "
+                             "a channel of zero weights), got -1.0"),
+    ({"bw_layer_in": [16]}, "quantization_param.bw_layer_in: Intel Caffe's int8 layers take 8 "
+                            "bits, got 16"),
+    ({"bw_layer_out": [16]}, "quantization_param.bw_layer_out: Intel Caffe's int8 layers take 8 "
+                             "or 32 bits, got 16"),
+    ({"bw_params": [4]}, "quantization_param.bw_params: Intel Caffe's int8 layers take 8 bits, "
+                         "got 4"),
+    ({"scale_params": [2, 3]}, "quantization_param.scale_params: needs 1 value or one per output "
+                               "channel (4), got 2 values"),
+    ({"scale_in": [1, 2]}, "quantization_param.scale_in: needs exactly one value, got [1.0, 2.0]"),
+    ({"scale_out": []}, "quantization_param.scale_out: needs exactly one value, got []"),
+    ({"fl_params": [3]}, "quantization_param.fl_params: fixed point lengths are not supported"),
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD)
+def test_bad_quantization_param_is_one_line(fields, message):
+    q = " ".join(f"{k}: {v}" for k, vs in {**BASE, **fields}.items() for v in vs)
+    text = ('layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 2 dim: 3 dim: 3 } } }\n'
+            + _conv("conv", "data", 4, 1, f"quantization_param {{ {q} }}"))
+    p = caffe_pb2.NetParameter()
+    text_format.Parse(text, p)
+    with pytest.raises(CaffepyError) as e:
+        Net(p, caffepy.TEST)
+    assert str(e.value).startswith("<net>: layer 'conv' (Convolution): " + message)
+    assert "\n" not in str(e.value)
