@@ -80,6 +80,7 @@ SLOW = {
     "models/intel_optimized_models/ssd/VGGNet/coco/SSD_300x300_webcam/test.prototxt",
     "models/intel_optimized_models/faster-rcnn/pascal_voc/VGG16/fast_rcnn/train.prototxt",
     "models/intel_optimized_models/benchmark/rfcn/deploy.prototxt",
+    "models/intel_optimized_models/benchmark/ssd/train_val_dummydata.prototxt",
     "models/intel_optimized_models/benchmark/faster-rcnn/deploy.prototxt",
     "examples/model_optimization/models/Fast-RCNN/pascal_voc/VGG16-X2/faster_rcnn_end2end/train.prototxt",
     "examples/model_optimization/models/Fast-RCNN/pascal_voc/VGG16-X4/faster_rcnn_end2end/train.prototxt",
@@ -227,6 +228,13 @@ def synthetic_net(net):
                 copy.CopyFrom(lp)
                 for s, shape in zip(copy.dummy_data_param.shape, cut):
                     s.dim[:] = shape
+                if cut != shapes:
+                    # a label top drawn uniformly (Intel's SSD benchmark: 1 to 10) is read as
+                    # item indices by a detection loss: keep them within the cut batch
+                    for filler in copy.dummy_data_param.data_filler[1:]:
+                        if filler.type == "uniform" and filler.max >= BATCH:
+                            filler.max = BATCH - 1
+                            filler.min = min(filler.min, filler.max)
                 lp = copy
         out.layer.add().CopyFrom(lp)
         dims = out.layer[-1].reshape_param.shape.dim
@@ -234,6 +242,8 @@ def synthetic_net(net):
             dims[1] = 1                                         # one clip
         elif lp.type == "Reshape" and dims and dims[0] in batches:
             dims[0] = BATCH                                     # DCGAN's generator
+        # the test set's image sizes (a file of the data set, as the replaced sources are)
+        out.layer[-1].detection_evaluate_param.ClearField("name_size_file")
         stats = out.layer[-1].batch_norm_param
         if stats.stats_batch_size and BATCH % stats.stats_batch_size:
             stats.stats_batch_size = 1

@@ -6,9 +6,10 @@ and solver as shipped but for the data, the batch, the iterations and the learni
 (tests/recipe_helpers.py says exactly what changes and why), and its loss must be finite at the
 first two iterations and fall over the run (slow: VGG-16 iterations take seconds).
 
-Recipes that need work of another issue are xfail with the feature named (PENDING: SSD's training
-layers, issue #36): the run must fail naming that feature, or the test fails. Remove the entry
-when that work has merged.
+Recipes that need work not done yet are xfail with it named (PENDING): the run must fail naming
+it, or the test fails. Remove the entry when that work has merged. SSD's layers have (issue
+#36); what is missing is the data: prepare() gives every recipe the ImageNet-shaped LMDB, and
+the SSD recipe's AnnotatedData needs an annotated (VOC-shaped) LMDB and its label map.
 
 `test_small_recipe_trains` is the CI version that needs no Intel tree: our own small recipe
 (tests/recipes/tiny_resnet: the same features at a small scale, two solvers) under mpiexec -n 2.
@@ -31,7 +32,7 @@ class PendingFeature(AssertionError):
 
 # recipe (a prefix of its name) -> (words its failure must hold, what is missing and who brings it)
 PENDING = {
-    "ssd_": ("AnnotatedData", "AnnotatedData and MultiBoxLoss: SSD training, issue #36"),
+    "ssd_": ("AnnotatedData", "an annotated LMDB and label map, which recipe_helpers does not generate yet"),
 }
 
 
