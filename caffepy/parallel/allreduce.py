@@ -36,8 +36,7 @@ How a bucket is reduced (`algorithm`, CAFFEPY_MPI_ALLREDUCE, default `shm`):
 
 How communication progresses while backward computes (`progress`):
     thread   a dedicated thread reduces the queued buckets (MPI_THREAD_MULTIPLE;
-             MPI, NumPy and the compute kernels release the GIL), scheduled as SCHED_BATCH
-             so that its frequent short wake-ups do not preempt the compute
+             MPI, NumPy and the compute kernels release the GIL)
     test     non-blocking Iallreduce, poked with Testall after every layer
              (MPICH advances non-blocking collectives only inside MPI calls)
     wait     non-blocking Iallreduce, left alone until finish()
@@ -280,23 +279,6 @@ class NodeWindow:
             self.cross.Free()
 
 
-def _batch_scheduling():
-    """Put the calling thread under SCHED_BATCH (Linux; elsewhere nothing): the scheduler no
-    longer lets its wake-ups preempt a running thread. The allreduce thread sleeps and wakes
-    some 2,000 times an iteration (AlexNet across two emulated hosts) to test its requests;
-    under the normal policy most wake-ups preempted the compute thread on a busy core, which
-    then lost its caches: about 1,800 involuntary switches an iteration on the main thread
-    against 950 without communication, and 0.5 s more of its CPU. Under SCHED_BATCH 1,020,
-    and the CPU of a run without communication."""
-    policy = getattr(os, "SCHED_BATCH", None)
-    if policy is None:
-        return
-    try:
-        os.sched_setscheduler(0, policy, os.sched_param(0))      # 0: this thread
-    except OSError:
-        pass
-
-
 def _shm_free_bytes():
     """Free bytes where MPICH maps shared windows (a container's /dev/shm is often 64 MB)."""
     try:
@@ -461,7 +443,6 @@ class GradientReducer:
     def _run(self):
         """The thread, buckets one after another (shm, mpi: the ranks must take them in the
         same order)."""
-        _batch_scheduling()
         while True:
             bucket = self._queue.get()
             if bucket is None:
@@ -483,7 +464,6 @@ class GradientReducer:
         priorities are the same on every rank, so whatever the ranks have queued, the most
         urgent bucket queued everywhere moves: no rank waits for a message another never
         posts."""
-        _batch_scheduling()
         active = []                          # [(bucket, transfer)], most urgent first
         poller = Poller(self.ring.poll_cap)
         while True:

@@ -187,32 +187,6 @@ def test_shm_fence_sleeps_while_waiting(tmp_path):
     assert "waited" in out.stdout
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "shm"])
-def test_allreduce_thread_does_not_preempt_the_compute(tmp_path, algorithm):
-    """The allreduce thread runs under SCHED_BATCH (its wake-ups must not preempt the compute
-    thread), the main thread under the normal policy."""
-    out = mpirun(2, f"""
-        import os
-        import numpy as np
-        from caffepy.blob import Blob
-        from caffepy.parallel import mpi, world
-        from caffepy.parallel.allreduce import GradientReducer
-        mpi.init_world()
-        blob = Blob((1000,))
-        blob.diff[...] = world.rank
-        reducer = GradientReducer(world.comm, [(blob, 0)], progress="thread", algorithm="{algorithm}")
-        reducer.finish()                      # the thread has started and reduced a bucket
-        assert np.all(blob.diff == 0.5)
-        assert os.sched_getscheduler(reducer._thread.native_id) == os.SCHED_BATCH
-        assert os.sched_getscheduler(0) == os.SCHED_OTHER
-        print("ok", reducer.describe())
-        reducer.close()
-        mpi.finish()
-    """, tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count(f"ok {algorithm}") == 2, out.stdout
-
-
 def test_strategy_waits_for_a_late_rank_without_spinning(tmp_path):
     """The main thread's small collectives (loss, signals, output sums, the rank report)
     wait for a late rank on sleeps: MPICH's blocking calls would spin a core meanwhile,
