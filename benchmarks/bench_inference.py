@@ -179,8 +179,10 @@ def main():
     from caffepy import log
     log.set_quiet(True)
     threads = len(os.sched_getaffinity(0))
-    command = " ".join([os.path.relpath(sys.executable, os.getcwd()) if sys.executable.startswith(os.getcwd())
-                        else sys.executable] + sys.argv)
+    python = sys.executable
+    if python.startswith(os.getcwd()):
+        python = os.path.relpath(python)
+    command = " ".join([python] + sys.argv)
     load_start = os.getloadavg()
     print(f"machine: {machine()}")
     print(f"load average at the start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}",
@@ -206,8 +208,8 @@ def main():
         cells.append(", ".join(f"{e:.0e}" for e in res["errors"].values()))
         cells.append(f"{res['first_ms']:.0f} ms")
         print("| " + " | ".join(cells) + " |")
-    print(f"\nmedian of {args.runs} forwards each after {args.warmup} warm-up, contenders interleaved "
-          f"in one process, {threads} threads; a ratio above 1: caffepy faster")
+    print(f"\nmedian of {args.runs} forwards each after {args.warmup} warm-up, contenders "
+          f"interleaved in one process, {threads} threads; a ratio above 1: caffepy faster")
     precision = rows[0][2]["default_precision"]
     if precision:
         print(f"OpenVINO's default inference precision on this CPU: {precision}")

@@ -19,7 +19,8 @@ The rules, in the order they run:
     Convolution+BatchNorm(+Scale)(+ReLU)
                             TEST nets only: a convolution, the BatchNorm with global statistics
                             in place on its top, the Scale in place after it if there is one,
-                            and the ReLU in place after them if there is one, applied by the
+                            and the ReLU in place after them if there is one (or a ReLU in
+                            place on its top alone), applied by the
                             convolution's GEMM to each output row as it writes it, or folded
                             into its weights and bias (inference only; Intel's compiler has no
                             such rule: its MKL-DNN engines fold BatchNorm and Scale into one)
@@ -96,7 +97,8 @@ def folding_enabled():
 class ConvBatchNorm:
     """In a TEST net: Convolution, then the BatchNorm (global statistics, no ReLU of its own)
     in place on its top, the Scale in place after it if any, and the ReLU in place after them if
-    any, run by the convolution (NHWCConvolution.forward_folded): a GEMM algorithm applies them
+    any (or the ReLU alone: GoogLeNet's, AlexNet's), run by the convolution
+    (NHWCConvolution.forward_folded): a GEMM algorithm applies them
     in its epilogue, on the rows it has just written (no pass over the output of their own);
     another algorithm computes with them folded into its weights and bias where that pays
     (fold_pays; its ReLU then runs as a pass), else the layers run as the BatchNorm+Scale rule
@@ -113,6 +115,9 @@ class ConvBatchNorm:
                     and len(net.bottom_vecs[li]) == 1 and len(net.top_vecs[li]) == 1):
                 continue
             y = net.top_vecs[li][0]
+            if relu_in_place(net, li + 1, y):           # no BatchNorm: the ReLU alone
+                units.append(Unit(self, li, li + 1))
+                continue
             if not (in_place_on(net, li + 1, y) and takes_part(net, li + 1, self, "BatchNorm")
                     and net.layers[li + 1].use_global_stats and not net.layers[li + 1].relu):
                 continue
@@ -126,16 +131,16 @@ class ConvBatchNorm:
 
     @staticmethod
     def describe(units):
-        return (f"{len(units)} convolution(s) with the BatchNorm (and Scale, ReLU) after them "
-                f"folded in")
+        return f"{len(units)} convolution(s) with the BatchNorm, Scale or ReLU after them"
 
     @staticmethod
     def parts(net, unit, last):
-        """The unit's (BatchNorm, Scale or None, ReLU or None)."""
+        """The unit's (BatchNorm or None, Scale or None, ReLU or None)."""
         layers = net.layers[unit.first + 1:last + 1]
+        bn = layers[0] if layers[0].type == "BatchNorm" else None
         scale = next((la for la in layers if la.type == "Scale"), None)
         relu = layers[-1] if layers[-1].type == "ReLU" else None
-        return layers[0], scale, relu
+        return bn, scale, relu
 
     @staticmethod
     def fold_pays(conv, y, scale, relu):
@@ -155,6 +160,10 @@ class ConvBatchNorm:
         first = unit.first
         conv, y = net.layers[first], net.top_vecs[first][0]
         bn, scale, relu = cls.parts(net, unit, last)
+        if bn is None and not conv.has_epilogue():
+            conv.forward(net.bottom_vecs[first], net.top_vecs[first])
+            relu.forward(net.bottom_vecs[last], net.top_vecs[last])
+            return
         if conv.has_epilogue() or cls.fold_pays(conv, y, scale, relu):
             if not conv.forward_folded(net.bottom_vecs[first], net.top_vecs[first], bn, scale,
                                        relu is not None):

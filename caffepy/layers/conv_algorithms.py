@@ -215,6 +215,10 @@ class Gemm:
         self.rows = n * L.oh * L.ow if pointwise else _k.conv_rows(L.channels, kh, kw)
         self.backward_rows = (pointwise_backward_rows(self.rows, _k.max_threads()) if pointwise
                               else self.rows)
+        # with an epilogue, a pointwise forward runs in the backward's tasks too: each thread
+        # applies it to the rows its own GEMM has just written, while they are in cache,
+        # rather than the calling thread to the whole output after a GEMM the BLAS split
+        self.epilogue_rows = self.backward_rows
         self.col_floats = 0 if pointwise else _k.conv_col_floats(L.channels, kh, kw, L.oh, L.ow,
                                                                    self.rows)
         self.name = "gemm" if self.direct else "strided gemm" if self.stride else "im2col+gemm"
@@ -268,9 +272,10 @@ class Gemm:
         wt = self._weights(weights=weights)
         bias = _EMPTY if bias is None else bias
         col = self._col()
+        rows = self.rows if epilogue is None else self.epilogue_rows
         for b, t in zip(bottom, top):
             _k.conv_forward(self._input(b.raw_data), wt, bias, t.raw_data, col, *self.args,
-                            self.rows, self.caffe_order, scale, relu)
+                            rows, self.caffe_order, scale, relu)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer

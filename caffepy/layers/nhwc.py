@@ -295,17 +295,20 @@ class NHWCConvolution(Convolution):
             self.fused.forward(bottom, top)
 
     def forward_folded(self, bottom, top, bn, scale=None, relu=False):
-        """This layer's forward with the BatchNorm `bn` (global statistics, in place on the top),
-        the Scale `scale` after it (in place too, or None) and, with `relu`, a ReLU after them,
-        as a TEST net's unit runs it (caffepy/net_rules.py). An algorithm with an epilogue
-        (has_epilogue) applies them per output channel to the rows its GEMMs just wrote;
-        another computes with the BatchNorm and Scale folded into its weights and bias, and
-        the ReLU is left to the caller (returns False; True when it ran)."""
+        """This layer's forward with the BatchNorm `bn` (global statistics, in place on the top;
+        None: none), the Scale `scale` after it (in place too, or None) and, with `relu`, a
+        ReLU after them, as a TEST net's unit runs it (caffepy/net_rules.py). An algorithm with
+        an epilogue (has_epilogue) applies them per output channel to the rows its GEMMs just
+        wrote; another computes with the BatchNorm and Scale folded into its weights and bias,
+        and the ReLU is left to the caller (returns False; True when it ran)."""
         algo = self.algos["forward"]
         if self.has_epilogue():
-            if self._affine is None:
-                self._affine = Folded(weights=False)
-            s, t = self._affine.params(self, bn, scale)
+            if bn is None:
+                s, t = None, self.blobs[1].data if self.bias_term else None
+            else:
+                if self._affine is None:
+                    self._affine = Folded(weights=False)
+                s, t = self._affine.params(self, bn, scale)
             algo.forward(bottom, top, epilogue=(s, t, relu))
             return True
         if self._folded is None:

@@ -1,7 +1,8 @@
 """caffepy.kernels.nhwc.conv_forward's epilogue (a TEST net's BatchNorm, Scale and ReLU after a
 convolution, caffepy/net_rules.py): y = conv(x, W) * scale + bias, then max(y, 0), against the
 NumPy reference convolution, for the pointwise GEMM over the batch (Caffe's weight order) and
-im2col's (the weights reordered, several row chunks an image), with scratch for one thread or two."""
+im2col's (the weights reordered, several row chunks an image), with one thread's scratch or
+two's."""
 import numpy as np
 import pytest
 
@@ -9,7 +10,7 @@ from caffepy.kernels import nhwc
 from caffepy.kernels.reference import vision as ref
 
 
-@pytest.mark.parametrize("k, pad, rows, threads", [(1, 0, 0, 1), (1, 0, 0, 2), (3, 1, 16, 1),
+@pytest.mark.parametrize("k, pad, rows, threads", [(1, 0, 0, 1), (1, 0, 16, 2), (3, 1, 16, 1),
                                                    (3, 1, 16, 2)])
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("with_scale", [False, True])
@@ -30,7 +31,7 @@ def test_epilogue_against_the_reference(k, pad, rows, threads, relu, with_scale)
     caffe_order = k == 1
     if caffe_order:
         wt = weights.reshape(1, o, c)
-        rows = n * h * w
+        rows = rows or n * h * w            # the whole batch's pixels at once, or in tasks
         col = np.zeros((threads, 0), np.float32)
     else:
         wt = np.ascontiguousarray(weights.transpose(2, 3, 1, 0).reshape(1, k * k * c, o))

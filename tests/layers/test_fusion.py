@@ -451,6 +451,13 @@ layer { name: "conv4" type: "Convolution" bottom: "conv3" top: "conv4"
   convolution_param { num_output: 5 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
 layer { name: "bn4" type: "BatchNorm" bottom: "conv4" top: "bn4" }
 layer { name: "scale4" type: "Scale" bottom: "bn4" top: "bn4" scale_param { bias_term: true } }
+layer { name: "conv5" type: "Convolution" bottom: "bn4" top: "conv5"
+  convolution_param { num_output: 4 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 }
+  bias_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu5" type: "ReLU" bottom: "conv5" top: "conv5" }
+layer { name: "conv6" type: "Convolution" bottom: "conv5" top: "conv6"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu6" type: "ReLU" bottom: "conv6" top: "conv6" }
 """
 
 
@@ -497,8 +504,10 @@ def _same_blobs(folded, plain, what):
 
 def test_folding_finds_in_place_chains_of_test_nets_only(tmp_path, monkeypatch):
     folded, plain = _fold_twins(tmp_path, monkeypatch)
-    # bn4 writes a top of its own (the convolution's output stays readable): not folded
-    assert _fold_units(folded) == {"conv1": "relu1", "conv2": "relu2", "conv3": "bn3"}
+    # bn4 writes a top of its own (the convolution's output stays readable): not folded;
+    # conv5 and conv6 have a ReLU alone (GoogLeNet's form)
+    assert _fold_units(folded) == {"conv1": "relu1", "conv2": "relu2", "conv3": "bn3",
+                                   "conv5": "relu5", "conv6": "relu6"}
     assert _fold_units(plain) == {}
     (tmp_path / "train.prototxt").write_text(FOLD_NET)
     assert _fold_units(Net(str(tmp_path / "train.prototxt"), caffepy.TRAIN)) == {}
@@ -512,10 +521,12 @@ def test_folded_units_compute_the_layers(tmp_path, monkeypatch, pays):
     folded, plain = _fold_twins(tmp_path, monkeypatch, pays)
     assert folded.layer_dict["conv2"].has_epilogue()
     assert not folded.layer_dict["conv1"].has_epilogue()
+    assert folded.layer_dict["conv5"].has_epilogue()
     folded.forward()
     plain.forward()
     _same_blobs(folded, plain, "forward")
-    assert (plain.blobs["conv2"].data == 0).any()           # the ReLU cut something
+    for name in ("conv2", "conv5", "conv6"):
+        assert (plain.blobs[name].data == 0).any(), name    # the ReLU cut something
 
 
 def test_every_algorithm_folds(tmp_path, monkeypatch):
@@ -548,12 +559,12 @@ def test_a_backward_through_folded_units_runs_the_layers(tmp_path, monkeypatch):
     folded, plain = _fold_twins(tmp_path, monkeypatch)
     for net in (folded, plain):
         net.forward()
-        net.blobs["bn4"].diff[...] = np.linspace(-1, 1, net.blobs["bn4"].count).reshape(
-            net.blobs["bn4"].shape)
+        net.blobs["conv6"].diff[...] = np.linspace(-1, 1, net.blobs["conv6"].count).reshape(
+            net.blobs["conv6"].shape)
         net.backward()
     got, want = folded.blobs["data"].diff, plain.blobs["data"].diff
     assert float(np.abs(got - want).max()) <= 1e-5 * float(np.abs(want).max())
-    for name in ("conv1", "conv2", "scale1"):
+    for name in ("conv1", "conv2", "scale1", "conv5"):
         for mine, theirs in zip(folded.params[name], plain.params[name]):
             assert float(np.abs(mine.diff - theirs.diff).max()) <= 1e-5 * max(
                 1.0, float(np.abs(theirs.diff).max())), name
