@@ -11,7 +11,9 @@ INFERENCE_PRECISION_HINT f32, PERFORMANCE_HINT LATENCY) run that file. The outpu
 against caffepy's (max |difference| over max |value|). Then `--runs` rounds after `--warmup`
 untimed ones, each round one forward of each contender in turn (the order rotating), all in this
 process: a figure is the median of its forwards, a ratio the contender's median over caffepy's
-(above 1: caffepy is faster). caffepy runs `net.forward()` as a user calls it.
+(above 1: caffepy is faster). caffepy runs `net.forward()` as a user calls it. Its first
+forward (building the net included) reads the algorithm choices of the autotune cache as it
+stands: CAFFEPY_CACHE_DIR=$(mktemp -d) times a first run on this machine, measuring included.
 
 ONNX Runtime and OpenVINO are test-time references, never caffepy dependencies: ONNX Runtime
 comes with the test extra; OpenVINO goes outside the venv, in .benchdeps/openvino (`make
