@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-quick bench-full bench-layers bench-threads bench-int8 bench-mpi bench-multihost proto clean
+.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-quick bench-full bench-layers bench-inference bench-threads bench-int8 bench-mpi bench-multihost proto clean
 
 install: $(STAMP)
 
@@ -87,6 +87,23 @@ bench-full: install $(TORCH)
 # Single layers, every implementation of each, beside PyTorch's (benchmarks/bench_layers.py)
 bench-layers: install $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_layers.py $(BENCH_ARGS)
+
+# Deployment: the TEST net's forward in caffepy, ONNX Runtime (the test extra) and OpenVINO f32
+# on the ONNX file caffepy exports, GoogLeNet / AlexNet / ResNet-50 at batch 1 and 16
+# (BENCH_ARGS='--nets all' adds MobileNet and VGG-16). OpenVINO is a benchmark-time reference:
+# it goes into .benchdeps/openvino (pip --target), never into the venv. OpenBLAS's kernel
+# overrides are unset for every contender alike.
+OPENVINO := .benchdeps/openvino/.installed
+
+$(OPENVINO): $(STAMP)
+	mkdir -p $(dir $(OPENVINO))
+	$(PY) -m pip install -q --target $(dir $(OPENVINO)) openvino==2026.4.1 \
+		|| echo "openvino unavailable: the table leaves it out"
+	touch $(OPENVINO)
+
+bench-inference: install $(EXTRAS) $(OPENVINO)
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PATH="$(CURDIR)/$(VENV)/bin:$$PATH" \
+		$(PY) benchmarks/bench_inference.py $(BENCH_ARGS)
 
 # Default threads vs one thread (idle, and beside a busy process it starts) on LeNet, CIFAR-10,
 # the digits demo's net and AlexNet b4; with CAFFE_BIN=/path/to/caffe, BVLC Caffe's `caffe time` too

@@ -136,6 +136,29 @@ def train_net(name, batch=None):
     return out
 
 
+# the deploy net of each (the TEST phase as a user deploys it): models/ path, or None for the
+# TRAIN source filtered to TEST
+DEPLOY = {
+    "alexnet": "intel_alexnet/deploy.prototxt",
+    "resnet50": "zoo/resnet50_deploy.prototxt",
+    "googlenet": "zoo/googlenet_deploy.prototxt",
+    "vgg16": "zoo/vgg16_deploy.prototxt",
+    "mobilenet": "zoo/mobilenet_v1_deploy.prototxt",
+}
+
+
+def test_net(name, batch):
+    """The deploy net `name` in its TEST phase with an Input `data` of `batch` images; AlexNet
+    as BVLC's deploy net (models/intel_alexnet's without IntelPack / IntelUnpack)."""
+    from caffepy.net import filter_net, net_state
+    from caffepy.proto import caffe_pb2
+    out = filter_net(_read(DEPLOY[name]), net_state(caffe_pb2.TEST))
+    for lp in out.layer:
+        if lp.type == "Input" and "data" in lp.top:
+            lp.input_param.shape[0].dim[0] = batch
+    return plain(out) if name == "alexnet" else out
+
+
 def _data_shape(lp):
     if lp.type == "Input":
         return list(lp.input_param.shape[0].dim)

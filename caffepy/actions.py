@@ -9,7 +9,7 @@ import time as _time
 
 import numpy as np
 
-from . import log
+from . import device, log
 from .context import SINGLE
 from .engine import set_net_engine
 from .errors import SolverError, UsageError
@@ -257,6 +257,8 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=(), 
     if str(phase).upper() not in ("TRAIN", "TEST"):
         raise UsageError(f"time: --phase: must be TRAIN or TEST, got '{phase}'")
     phase_value = TRAIN if str(phase).upper() == "TRAIN" else TEST
+    log.info(device.engine_line())
+    device.warn_forced_blas_kernel()
     net = net_with_engine(model, engine, phase=phase_value, weights=weights or None, level=level,
                           stages=list(stages))
     log.info("Performing Forward")

@@ -23,6 +23,14 @@ The rules, in the order they run:
                             compiled net runs them (caffepy/quantization.py); the blobs inside
                             the unit (a convolution's own top before the Eltwise) are not
                             written, and its layers run one by one compute in float32
+    Convolution+BatchNorm(+Scale)(+ReLU)
+                            TEST nets only: a convolution, the BatchNorm with global statistics
+                            in place on its top, the Scale in place after it if there is one,
+                            and the ReLU in place after them if there is one (or a ReLU in
+                            place on its top alone), applied by the
+                            convolution's GEMM to each output row as it writes it, or folded
+                            into its weights and bias (inference only; Intel's compiler has no
+                            such rule: its MKL-DNN engines fold BatchNorm and Scale into one)
     BatchNorm+Scale(+ReLU)  the fast path's BatchNorm in place, its Scale in place on the same
                             blob, and the ReLU in place after them if there is one (ResNet's
                             form; Intel's RemoveScale and FuseBnRelu)
@@ -32,6 +40,16 @@ The rules, in the order they run:
 A ReLU joins a unit only with a negative slope of at least 0 (its output's sign is then its
 input's, which the fused backwards read).
 
+Folding keeps every blob a user reads: the unit's layers all work in place on the
+convolution's top, whose last value (the ReLU's, or the Scale's) is the one a net run layer by
+layer leaves there too; what no longer exists after a folded forward is only the layers'
+internal state (the convolution's output before the BatchNorm, which an in-place chain
+overwrites anyway). The values differ from the layers' by float rounding (1e-5 of the largest
+value at most: tests/layers/test_fusion.py). A backward through a folded unit (a TEST net's
+gradients, pycaffe's net.backward) runs the unit's layers' forwards again one by one first,
+then their backwards: right, at the cost of that forward.
+`CAFFEPY_FOLD=0` (or `engine: CAFFE`) turns folding off; the other rules still run.
+
 Intel's ConvReluFusion, FuseFCRelu and ConvSumFusion have no rule here, though caffepy computes
 the fields they write (common.FusedOutput): its fused ReLU and sum run as their own pass after
 the convolution's output is written, as the ReLU and Eltwise layers do, so a rule would save no
@@ -39,10 +57,12 @@ pass (conv 64 -> 64 3x3 over 16 x 28 x 28 with its ReLU, one TRAIN iteration: 71
 75.6 fused), and ConvSumFusion would give the convolution's top blob the sum's values, which
 net.blobs would then show in place of Caffe's.
 """
+import os
 import typing
 
 from . import log
 from .engine import caffe_engine
+from .proto import caffe_pb2
 
 
 class Unit(typing.NamedTuple):
@@ -196,6 +216,104 @@ class Int8Unit:
         return False
 
 
+def folding_enabled():
+    """CAFFEPY_FOLD: unset or 1 folds a TEST net's BatchNorm and Scale into its convolutions,
+    0 runs them as layers."""
+    return os.environ.get("CAFFEPY_FOLD", "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+class ConvBatchNorm:
+    """In a TEST net: Convolution, then the BatchNorm (global statistics, no ReLU of its own)
+    in place on its top, the Scale in place after it if any, and the ReLU in place after them if
+    any (or the ReLU alone: GoogLeNet's, AlexNet's), run by the convolution
+    (NHWCConvolution.forward_folded): a GEMM algorithm applies them
+    in its epilogue, on the rows it has just written (no pass over the output of their own);
+    another algorithm computes with them folded into its weights and bias where that pays
+    (fold_pays; its ReLU then runs as a pass), else the layers run as the BatchNorm+Scale rule
+    runs them."""
+    name = "Convolution+BatchNorm(+Scale)(+ReLU)"
+
+    def find(self, net):
+        if net.phase != caffe_pb2.TEST or not folding_enabled():
+            return []
+        units = []
+        for li in range(len(net.layers) - 1):
+            conv = net.layers[li]
+            if not (takes_part(net, li, self, "Convolution") and conv.fused is None
+                    and len(net.bottom_vecs[li]) == 1 and len(net.top_vecs[li]) == 1):
+                continue
+            y = net.top_vecs[li][0]
+            if relu_in_place(net, li + 1, y):           # no BatchNorm: the ReLU alone
+                units.append(Unit(self, li, li + 1))
+                continue
+            if not (in_place_on(net, li + 1, y) and takes_part(net, li + 1, self, "BatchNorm")
+                    and net.layers[li + 1].use_global_stats and not net.layers[li + 1].relu):
+                continue
+            last = li + 1
+            if in_place_on(net, last + 1, y) and takes_part(net, last + 1, self, "Scale"):
+                last += 1
+            if relu_in_place(net, last + 1, y):
+                last += 1
+            units.append(Unit(self, li, last))
+        return units
+
+    @staticmethod
+    def describe(units):
+        return f"{len(units)} convolution(s) with the BatchNorm, Scale or ReLU after them"
+
+    @staticmethod
+    def parts(net, unit, last):
+        """The unit's (BatchNorm or None, Scale or None, ReLU or None)."""
+        layers = net.layers[unit.first + 1:last + 1]
+        bn = layers[0] if layers[0].type == "BatchNorm" else None
+        scale = next((la for la in layers if la.type == "Scale"), None)
+        relu = layers[-1] if layers[-1].type == "ReLU" else None
+        return bn, scale, relu
+
+    @staticmethod
+    def fold_pays(conv, y, scale, relu):
+        """Whether folding into the weights (for an algorithm with no epilogue) moves fewer
+        floats than the layers' pass: it compares the convolution's weights with those it
+        folded (two reads of them, every forward), and saves the pass over the output y but
+        for its ReLU. At batch 1 the deep layers of ResNet-50 have more weights than outputs
+        (res4's 3x3: 590K weights, 50K outputs): those run apart."""
+        folded = 2 * conv.blobs[0].count + (2 * y.count if relu is not None else 0)
+        # the BatchNorm+Scale(+ReLU) pass reads y, writes it and the normalized values; a
+        # BatchNorm alone reads and writes y, and its ReLU again
+        apart = 3 * y.count if scale is not None else (4 if relu is not None else 2) * y.count
+        return folded < apart
+
+    @classmethod
+    def forward(cls, net, unit, last):
+        first = unit.first
+        conv, y = net.layers[first], net.top_vecs[first][0]
+        bn, scale, relu = cls.parts(net, unit, last)
+        if bn is None and not conv.has_epilogue():
+            conv.forward(net.bottom_vecs[first], net.top_vecs[first])
+            relu.forward(net.bottom_vecs[last], net.top_vecs[last])
+            return
+        if conv.has_epilogue() or cls.fold_pays(conv, y, scale, relu):
+            if not conv.forward_folded(net.bottom_vecs[first], net.top_vecs[first], bn, scale,
+                                       relu is not None):
+                relu.forward(net.bottom_vecs[last], net.top_vecs[last])
+            return
+        conv.forward(net.bottom_vecs[first], net.top_vecs[first])
+        if scale is not None:
+            bn.forward_with_scale(net.bottom_vecs[first + 1], net.top_vecs[first + 1], scale, relu)
+            return
+        bn.forward(net.bottom_vecs[first + 1], net.top_vecs[first + 1])
+        if relu is not None:
+            relu.forward(net.bottom_vecs[last], net.top_vecs[last])
+
+    @staticmethod
+    def backward(net, unit, last, every_layer):
+        """The layers' forwards again one by one (their backwards read what those keep), then
+        False: the Net runs their backwards one by one."""
+        for li in range(unit.first, last + 1):
+            net.layers[li].forward(net.bottom_vecs[li], net.top_vecs[li])
+        return False
+
+
 class BatchNormScale:
     """BatchNorm in place, then Scale in place on the same blob (+ the ReLU in place after):
     one pass over the activations in forward (NHWCBatchNorm.forward_with_scale) and one
@@ -312,7 +430,8 @@ class EltwiseReLU:
 BATCHNORM_SCALE = BatchNormScale()
 ELTWISE_RELU = EltwiseReLU()
 INT8 = Int8Unit()
-RULES = (INT8, BATCHNORM_SCALE, ELTWISE_RELU)
+CONV_BATCHNORM = ConvBatchNorm()
+RULES = (INT8, CONV_BATCHNORM, BATCHNORM_SCALE, ELTWISE_RELU)
 
 
 def compile_net(net, rules=RULES):

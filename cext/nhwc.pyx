@@ -242,11 +242,15 @@ cdef struct CGeom:
     int images              # images per task (not direct)
     bint direct
     bint caffe_order        # wt is [group, Og, Kg] (Caffe's own, for a 1 x 1 kernel), not [group, Kg, Og]
+    const float* scale      # the forward's epilogue: y * scale[o] (NULL: none) + bias[o], then
+    bint relu               # max(y, 0) if relu
 
 
 cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int sh, int sw,
                   int dh, int dw, int group, Py_ssize_t rows, bint caffe_order=False) except *:
     cdef CGeom g
+    g.relu = False
+    g.scale = NULL
     g.N, g.H, g.W, g.C = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
     g.O = O
     need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and dh >= 1 and dw >= 1 and ph >= 0
@@ -388,14 +392,27 @@ cdef void _col2im(const float* col, const CGeom* g, Py_ssize_t p0, Py_ssize_t p1
                         dst[gr * Cg + t] += src[t]
 
 
-cdef void _add_bias(float* y, Py_ssize_t rows, int O, const float* bias) noexcept nogil:
+cdef void _epilogue(float* y, Py_ssize_t rows, int O, const float* scale, const float* bias,
+                    bint relu) noexcept nogil:
+    """y = y * scale (NULL: 1) + bias (NULL: 0), then max(y, 0) if relu, per output channel:
+    on the rows the GEMM has just left in cache (a TEST net's BatchNorm, Scale and ReLU after
+    the convolution cost no pass of their own). The tests are outside the loops (-O3 unswitches
+    them), so each case vectorizes."""
     cdef Py_ssize_t r
     cdef int o
+    cdef float v
     cdef float* yr
     for r in range(rows):
         yr = y + r * O
         for o in range(O):
-            yr[o] = yr[o] + bias[o]
+            v = yr[o]
+            if scale != NULL:
+                v = v * scale[o]
+            if bias != NULL:
+                v = v + bias[o]
+            if relu:
+                v = max(v, 0.0)
+            yr[o] = v
 
 
 cdef void _sum_rows(const float* y, Py_ssize_t rows, int O, float* acc) noexcept nogil:
@@ -411,14 +428,14 @@ cdef void _sum_rows(const float* y, Py_ssize_t rows, int O, float* acc) noexcept
 
 cdef void _fwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float* wt,
                     const float* bias, float* y, Py_ssize_t rows) noexcept nogil:
-    """y[rows, O] = a[rows, Ktot] @ wt per group (+ bias)."""
+    """y[rows, O] = a[rows, Ktot] @ wt per group, then the epilogue (_epilogue)."""
     cdef int gr
     for gr in range(g.group):
         gemm_ld(False, g.caffe_order, <int>rows, g.Og, g.Kg, 1.0, a + gr * g.Kg, <int>lda,
                 wt + <Py_ssize_t>gr * g.Kg * g.Og, g.Kg if g.caffe_order else g.Og, 0.0,
                 y + gr * g.Og, g.O)
-    if bias != NULL:
-        _add_bias(y, rows, g.O, bias)
+    if bias != NULL or g.scale != NULL or g.relu:
+        _epilogue(y, rows, g.O, g.scale, bias, g.relu)
 
 
 cdef void _fwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float* wt,
@@ -532,13 +549,19 @@ cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
 def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const float[::1] bias,
                  float[:, :, :, ::1] y, float[:, ::1] col, int O, int kh, int kw, int ph, int pw,
                  int sh, int sw, int dh, int dw, int group, Py_ssize_t rows,
-                 bint caffe_order=False):
-    """y [N, oh, ow, O] = conv(x [N, H, W, C], wt) + bias (empty: none); overwritten.
+                 bint caffe_order=False, const float[::1] scale=None, bint relu=False):
+    """y [N, oh, ow, O] = conv(x [N, H, W, C], wt) * scale (None: 1) + bias (empty: none),
+    max(y, 0) of that with relu (scale and relu: a TEST net's BatchNorm, Scale and ReLU after
+    the convolution, caffepy/net_rules.py); overwritten.
     Scratch col [T, rows * Ktot] (unused by a direct convolution) for T threads. wt is
     [group, Kg, Og], or with caffe_order (1 x 1 kernels) [group, Og, Kg]: the weights as Caffe
     stores them, with no copy."""
     cdef CGeom g = _cgeom("conv_forward", x, y, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows,
                           caffe_order)
+    g.relu = relu
+    if scale is not None:
+        need(scale.shape[0] == O, "conv_forward", "scale", f"needs {O} values", scale.shape[0])
+        g.scale = &scale[0]
     cdef int T = col.shape[0], nt, tid, saved = 0
     _check_conv("conv_forward", &g, wt, col, T)
     need(bias.shape[0] in (0, O), "conv_forward", "bias", f"needs {O} values or none", bias.shape[0])

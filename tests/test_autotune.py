@@ -180,3 +180,22 @@ def test_an_inner_product_rule_runs_skinny_up_to_four_vectors_of_items(cache, mo
     assert _ip(7, 64, 64)[0].algorithm == "gemm"          # below 8 items: mostly padding
     assert _ip(16, 32, 640)[0].tuning == "only"          # 4 x 16 > 32 outputs: the BLAS alone
     assert not cache.exists()
+
+
+def test_a_clear_loser_is_measured_once(monkeypatch):
+    """The first round's leader keeps the others within PRUNE[0] of it, each later round's
+    within PRUNE[1]: a candidate 25 times slower runs once, one 1.5 times slower twice, the
+    leader and one as fast every round (on a clock the candidates advance by their cost)."""
+    now, calls = [0.0], []
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: now[0])
+
+    def runner(name, seconds):
+        def run():
+            calls.append(name)
+            now[0] += seconds
+        return run
+
+    costs = {"slow": 0.25, "fast": 0.01, "same": 0.01, "half": 0.015}
+    best = autotune.measure({name: runner(name, t) for name, t in costs.items()}, rounds=3)
+    assert best == pytest.approx(costs)
+    assert [calls.count(name) for name in costs] == [1, 4, 4, 2]

@@ -1,4 +1,5 @@
 """The CLI surface: gflags spellings, help, usage errors and exit codes."""
+import os
 import re
 import subprocess
 import sys
@@ -62,6 +63,35 @@ def test_device_query_describes_cpu():
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "Vector ISA:" in proc.stderr and "Threads in use:" in proc.stderr and "MPI:" in proc.stderr
+
+
+def _device_query(**env):
+    environ = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    environ.update(env)
+    proc = subprocess.run([sys.executable, "-m", "caffepy.cli", "device_query"], capture_output=True,
+                          text=True, timeout=60, env=environ)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def test_device_query_names_the_blas_kernel_and_warns_once_when_one_is_forced():
+    from caffepy import device
+    kernel = device.blas_kernel()
+    if kernel is None:
+        pytest.skip(f"the BLAS ({device.blas_name()}) does not name its kernel")
+    assert f"BLAS: {device.blas_name()}, {kernel} kernel" in _device_query()
+    assert "OPENBLAS_CORETYPE" not in _device_query()
+    isa = device.vector_isa()[0]
+    if isa == "SSE":
+        pytest.skip("no older kernel to force on an SSE CPU")
+    err = _device_query(OPENBLAS_CORETYPE="Nehalem")
+    assert "Nehalem kernel (OPENBLAS_CORETYPE=Nehalem)" in err
+    warnings = [line for line in err.splitlines() if line.startswith("W")]
+    assert len(warnings) == 1 and f"Nehalem kernel (SSE) on this {isa} CPU" in warnings[0]
+    # a kernel as new as the CPU's: named, not warned about
+    same = {"AVX": "Sandybridge", "AVX2+FMA": "Haswell", "AVX-512": "SkylakeX"}[isa]
+    err = _device_query(OPENBLAS_CORETYPE=same)
+    assert f"{same} kernel" in err and not [l for l in err.splitlines() if l.startswith("W")]
 
 
 def test_missing_model_file_is_one_line_error(tmp_path):

@@ -12,9 +12,11 @@ measures them under, stay with the layer; what each algorithm computes lives her
                     channels fit one block)
 
 An algorithm is built for a layer and a bottom shape, keeps a weak reference to its layer,
-and has a `name`, `forward(bottom, top)` and `backward(top, propagate_down, bottom, need_w,
-need_b)` (bottom diffs overwritten, parameter diffs accumulated, as Caffe). All compute
-Caffe's numbers up to float rounding.
+and has a `name`, `forward(bottom, top, params=None)` and `backward(top, propagate_down,
+bottom, need_w, need_b)` (bottom diffs overwritten, parameter diffs accumulated, as Caffe).
+The forward computes with the layer's blobs, or with `params` = (weights in the blob's shape,
+bias [O] or None) in their place: a TEST net's weights with the BatchNorm after them folded in
+(caffepy/net_rules.py). All compute Caffe's numbers up to float rounding.
 """
 import functools
 import os
@@ -86,6 +88,13 @@ class Reordered:
         if self.seen is None or self.seen.size != weights.size:
             self.seen = np.empty(weights.size, np.float32)
         np.copyto(self.seen, weights.reshape(-1))
+
+
+def forward_params(layer, params):
+    """(weights, bias or None) a forward computes with: `params`, else the layer's blobs."""
+    if params is not None:
+        return params
+    return layer.blobs[0].data, (layer.blobs[1].data if layer.bias_term else None)
 
 
 def channel_sums(a):
@@ -206,6 +215,10 @@ class Gemm:
         self.rows = n * L.oh * L.ow if pointwise else _k.conv_rows(L.channels, kh, kw)
         self.backward_rows = (pointwise_backward_rows(self.rows, _k.max_threads()) if pointwise
                               else self.rows)
+        # with an epilogue, a pointwise forward runs in the backward's tasks too: each thread
+        # applies it to the rows its own GEMM has just written, while they are in cache,
+        # rather than the calling thread to the whole output after a GEMM the BLAS split
+        self.epilogue_rows = self.backward_rows
         self.col_floats = 0 if pointwise else _k.conv_col_floats(L.channels, kh, kw, L.oh, L.ow,
                                                                    self.rows)
         self.name = "gemm" if self.direct else "strided gemm" if self.stride else "im2col+gemm"
@@ -226,33 +239,43 @@ class Gemm:
         _k.take_pixels(x, taken, sh, sw)
         return taken
 
-    def _weights(self, fresh=True):
-        """The weights as the kernels take them, reordered first if `fresh`."""
+    def _weights(self, fresh=True, weights=None):
+        """The weights (the layer's, or `weights` in their shape) as the kernels take them,
+        reordered first if `fresh`."""
         L = self.layer
         g = L.group
+        weights = L.blobs[0].data if weights is None else weights
         if self.caffe_order:
-            return L.blobs[0].data.reshape(g, L.num_output // g, -1)
-        if fresh and self.reordered.stale(L.blobs[0].data):
+            return weights.reshape(g, L.num_output // g, -1)
+        if fresh and self.reordered.stale(weights):
             (kh, kw) = L.window.kernel
             cg = L.channels // g
-            w = L.blobs[0].data.reshape(g, L.num_output // g, cg, kh * kw)
+            w = weights.reshape(g, L.num_output // g, cg, kh * kw)
             wt = self.wt.reshape(g, kh * kw, cg, -1)
             for gi in range(g):
                 _k.reverse_axes(w[gi], wt[gi])
-            self.reordered.done(L.blobs[0].data)
+            self.reordered.done(weights)
         return self.wt
 
     def _col(self):
         return _workspace("col", (_k.max_threads(), self.col_floats))
 
-    def forward(self, bottom, top):
-        L = self.layer
-        wt = self._weights()
-        bias = L.blobs[1].data if L.bias_term else _EMPTY
+    # the forward takes an `epilogue` (scale [O], bias [O], relu): y * scale + bias in place
+    # of the layer's bias, then max(y, 0) if relu, on the rows each GEMM has just written
+    epilogue = True
+
+    def forward(self, bottom, top, params=None, epilogue=None):
+        weights, bias = forward_params(self.layer, params)
+        scale, relu = None, False
+        if epilogue is not None:
+            scale, bias, relu = epilogue
+        wt = self._weights(weights=weights)
+        bias = _EMPTY if bias is None else bias
         col = self._col()
+        rows = self.rows if epilogue is None else self.epilogue_rows
         for b, t in zip(bottom, top):
             _k.conv_forward(self._input(b.raw_data), wt, bias, t.raw_data, col, *self.args,
-                            self.rows, self.caffe_order)
+                            rows, self.caffe_order, scale, relu)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
@@ -331,15 +354,15 @@ class Direct:
         v = self.width
         return (x.reshape(n, self.h, self.w, v), y.reshape(n, -1), v, v, L.oh * L.ow * v)
 
-    def forward(self, bottom, top):
+    def forward(self, bottom, top, params=None):
         L = self.layer
         o = L.num_output
-        if self.reordered.stale(L.blobs[0].data):
-            _k.reverse_axes(L.blobs[0].data.reshape(o, L.channels, -1),
+        weights, bias = forward_params(L, params)
+        if self.reordered.stale(weights):
+            _k.reverse_axes(weights.reshape(o, L.channels, -1),
                             self.wp[:self.k, :o].reshape(-1, L.channels, o))
-            self.reordered.done(L.blobs[0].data)
-        if L.bias_term:
-            self.bp[:o] = L.blobs[1].data
+            self.reordered.done(weights)
+        self.bp[:o] = 0 if bias is None else bias
         xpad = _workspace("direct_x", (_k.max_threads(), self.plane))
         for b, t in zip(bottom, top):
             x, y, ys, lanes, bs = self._arrays(b.raw_data, t.raw_data)
@@ -381,14 +404,15 @@ class Depthwise:
         self.args = (kh, kw, ph, pw, sh, sw, dh, dw)
         self.w = np.empty((kh * kw, L.channels), np.float32)
 
-    def _pack(self):
+    def _pack(self, weights=None):
         L = self.layer
-        np.copyto(self.w, L.blobs[0].data.reshape(L.channels, -1).T)
+        weights = L.blobs[0].data if weights is None else weights
+        np.copyto(self.w, weights.reshape(L.channels, -1).T)
 
-    def forward(self, bottom, top):
-        L = self.layer
-        self._pack()
-        bias = L.blobs[1].data if L.bias_term else _EMPTY
+    def forward(self, bottom, top, params=None):
+        weights, bias = forward_params(self.layer, params)
+        self._pack(weights)
+        bias = _EMPTY if bias is None else bias
         for b, t in zip(bottom, top):
             _k.dw_forward(b.raw_data, self.w, bias, t.raw_data, *self.args)
 
@@ -427,19 +451,21 @@ class Winograd:
                                                             L.num_output, h, w, self.v, m, self.r,
                                                             self.ph, self.pw, L.group)
 
-    def _setup(self, forward):
+    def _setup(self, forward, weights=None):
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, self.r)
-        u = winograd_weights(L.blobs[0].data, gm, L.group, forward, _workspace)
+        weights = L.blobs[0].data if weights is None else weights
+        u = winograd_weights(weights, gm, L.group, forward, _workspace)
         return (at, bt, gm, u) + winograd_buffers(self.vshape, self.mshape, _workspace)
 
-    def forward(self, bottom, top):
+    def forward(self, bottom, top, params=None):
         L = self.layer
-        at, bt, _, u, vbuf, mbuf = self._setup(True)
+        weights, given = forward_params(L, params)
+        at, bt, _, u, vbuf, mbuf = self._setup(True, weights)
         bias = _workspace("wino_bias", (self.mshape[3],))
         bias[...] = 0
-        if L.bias_term:
-            bias[:L.num_output] = L.blobs[1].data
+        if given is not None:
+            bias[:L.num_output] = given
         for b, t in zip(bottom, top):
             _winograd.conv_forward_nhwc(b.raw_data, u, bias, t.raw_data, vbuf, mbuf, at, bt, self.v,
                                         L.num_output, self.m, self.r, self.ph, self.pw, L.group)

@@ -149,6 +149,7 @@ class NHWCConvolution(Convolution):
     layer off this path altogether), Intel's fused ReLU and SUM as the plain one's."""
     type = "Convolution"
     layout = NHWC
+    fuses = frozenset({"Convolution+BatchNorm(+Scale)(+ReLU)"})
 
     @classmethod
     def wanted(cls, request):
@@ -296,6 +297,35 @@ class NHWCConvolution(Convolution):
         if self.fused is not None:
             self.fused.forward(bottom, top)
 
+    def forward_folded(self, bottom, top, bn, scale=None, relu=False):
+        """This layer's forward with the BatchNorm `bn` (global statistics, in place on the top;
+        None: none), the Scale `scale` after it (in place too, or None) and, with `relu`, a
+        ReLU after them, as a TEST net's unit runs it (caffepy/net_rules.py). An algorithm with
+        an epilogue (has_epilogue) applies them per output channel to the rows its GEMMs just
+        wrote; another computes with the BatchNorm and Scale folded into its weights and bias,
+        and the ReLU is left to the caller (returns False; True when it ran)."""
+        algo = self.algos["forward"]
+        if self.has_epilogue():
+            if bn is None:
+                s, t = None, self.blobs[1].data if self.bias_term else None
+            else:
+                if self._affine is None:
+                    self._affine = Folded(weights=False)
+                s, t = self._affine.params(self, bn, scale)
+            algo.forward(bottom, top, epilogue=(s, t, relu))
+            return True
+        if self._folded is None:
+            self._folded = Folded(weights=True)
+        algo.forward(bottom, top, self._folded.params(self, bn, scale))
+        return not relu
+
+    def has_epilogue(self):
+        """Whether the forward's algorithm applies a per-channel scale, bias and ReLU to its
+        output as it writes it (Gemm)."""
+        return getattr(self.algos["forward"], "epilogue", False)
+
+    _folded = _affine = None
+
     def backward(self, top, propagate_down, bottom):
         if self.fused is not None:
             top, propagate_down, bottom = self.fused.backward(top, propagate_down, bottom)
@@ -309,6 +339,65 @@ class NHWCConvolution(Convolution):
             weights.backward(top, [False] * len(bottom), bottom, need_w, need_b)
         if any(propagate_down):
             data.backward(top, propagate_down, bottom, False, False)
+
+
+def batchnorm_affine(bias, mean, var, eps, gamma=None, beta=None):
+    """(s, t) float32 per channel such that conv * s + t is a convolution's output (bias: its
+    bias, or None) through y = (x - mean) / sqrt(var + eps) (BatchNorm, its statistics already
+    divided by their factor) and y * gamma + beta (Scale; None: 1 and 0): s = gamma /
+    sqrt(var + eps), t = (bias - mean) * s + beta; in float64, rounded once. Also the float64 s."""
+    s = 1.0 / np.sqrt(np.asarray(var, np.float64) + eps)
+    if gamma is not None:
+        s = s * gamma
+    t = -np.asarray(mean, np.float64) if bias is None else bias - np.asarray(mean, np.float64)
+    t = t * s + (0.0 if beta is None else beta)
+    return s.astype(np.float32), t.astype(np.float32), s
+
+
+def fold_batchnorm(weights, bias, mean, var, eps, gamma=None, beta=None):
+    """(weights, bias) of one convolution computing what the convolution (weights, bias) then
+    the BatchNorm and Scale of batchnorm_affine compute: W'[o] = W[o] * s[o], b' = t."""
+    _, t, s = batchnorm_affine(bias, mean, var, eps, gamma, beta)
+    w = weights.astype(np.float64) * s.reshape((-1,) + (1,) * (weights.ndim - 1))
+    return w.astype(np.float32), t
+
+
+class Folded:
+    """A convolution's BatchNorm and Scale (a TEST net's unit) as its algorithm takes them:
+    folded into the weights and bias (`weights`: fold_batchnorm), or as the per-channel (s, t)
+    of an epilogue (batchnorm_affine), recomputed when an array they come from changes:
+    compared whole on every forward, as conv_algorithms.Reordered does, since pycaffe code
+    writes `.data` arrays without a signal (the weights only when they are folded).
+    """
+
+    def __init__(self, weights):
+        self.weights = weights
+        self.seen = None
+        self.folded = None
+
+    def params(self, conv, bn, scale):
+        gamma = beta = None
+        if scale is not None:
+            gamma = scale.blobs[0].data
+            beta = scale.blobs[1].data if scale.bias_term else None
+        bias = conv.blobs[1].data if conv.bias_term else None
+        sources = [bias, bn.blobs[0].data, bn.blobs[1].data, bn.blobs[2].data, gamma, beta]
+        if self.weights:
+            sources.append(conv.blobs[0].data)
+        flat = [None if a is None else a.reshape(-1) for a in sources]
+        if self.seen is None or self.seen[0] != bn.eps or not all(
+                (a is None) == (b is None) and (a is None or _k.same_floats(a, b))
+                for a, b in zip(flat, self.seen[1:])):
+            factor = float(bn.blobs[2].data[0])
+            factor = 0.0 if factor == 0 else 1.0 / factor
+            stats = (bn.blobs[0].data.astype(np.float64) * factor,
+                     bn.blobs[1].data.astype(np.float64) * factor, bn.eps, gamma, beta)
+            if self.weights:
+                self.folded = fold_batchnorm(conv.blobs[0].data, bias, *stats)
+            else:
+                self.folded = batchnorm_affine(bias, *stats)[:2]
+            self.seen = [bn.eps] + [None if a is None else a.copy() for a in flat]
+        return self.folded
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +481,7 @@ class NHWCBatchNorm(BatchNorm):
     then y = (x - mean) / sqrt(var + eps), and max(y, 0) with relu."""
     type = "BatchNorm"
     layout = NHWC
-    fuses = frozenset({"BatchNorm+Scale(+ReLU)"})
+    fuses = frozenset({"BatchNorm+Scale(+ReLU)", "Convolution+BatchNorm(+Scale)(+ReLU)"})
 
     @classmethod
     def wanted(cls, request):
@@ -521,7 +610,7 @@ class NHWCScale(_PerChannel, Scale):
     type = "Scale"
     layout = NHWC
     param_field = "scale_param"
-    fuses = frozenset({"BatchNorm+Scale(+ReLU)"})
+    fuses = frozenset({"BatchNorm+Scale(+ReLU)", "Convolution+BatchNorm(+Scale)(+ReLU)"})
 
     fused_input = None      # the BatchNorm's x_norm when the last forward was fused with it
 

@@ -198,3 +198,21 @@ def test_multihost_cli_view_reads_the_train_log():
     assert bench_multihost._WAITS.findall(log) == [("15.0", "2.5")]
     assert bench_multihost._GRADIENTS.search(log).groups() == ("243.9", "thread", "ring (2 ranks, 2.4 MB pieces)")
     assert [name for name, _ in bench_multihost.cli_modes(2)] == ["none", "default", "flat ring"]
+
+
+@pytest.mark.parametrize("name", sorted(nets.DEPLOY))
+def test_deploy_nets_take_the_batch_and_keep_the_test_phase(name):
+    """bench_inference's nets: an Input `data` of the batch asked for, no training-only layer
+    (data layers, losses), and AlexNet without Intel's pack / unpack layers."""
+    param = nets.test_net(name, 3)
+    inputs = [lp for lp in param.layer if lp.type == "Input"]
+    assert [list(lp.input_param.shape[0].dim)[0] for lp in inputs] == [3]
+    types = {lp.type for lp in param.layer}
+    assert not types & {"Data", "SoftmaxWithLoss", "Accuracy", "IntelPack", "IntelUnpack"}
+
+
+def test_inference_agreement_is_relative_to_the_largest_value():
+    import bench_inference
+    want = np.array([[0.5, -2.0], [1.0, 0.0]], np.float32)
+    assert bench_inference.agreement(want, want.ravel()) == 0
+    assert bench_inference.agreement(want, want + np.float32(0.02)) == pytest.approx(0.01)

@@ -428,3 +428,161 @@ def test_every_declared_rule_exists():
     names = {rule.name for rule in net_rules.RULES}
     declared = {name for variants in LAYERS.values() for cls in variants.values() for name in cls.fuses}
     assert declared and declared <= names
+
+
+# -- Convolution + BatchNorm (+ Scale) (+ ReLU) folded in TEST nets -------------------------------
+FOLD_NET = """force_backward: true
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 7 dim: 6 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" }
+layer { name: "scale1" type: "Scale" bottom: "conv1" top: "conv1" scale_param { bias_term: true } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+  convolution_param { num_output: 8 kernel_size: 1 bias_term: false weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "conv2" top: "conv2" }
+layer { name: "scale2" type: "Scale" bottom: "conv2" top: "conv2" }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "conv3" type: "Convolution" bottom: "conv2" top: "conv3"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 }
+  bias_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn3" type: "BatchNorm" bottom: "conv3" top: "conv3" }
+layer { name: "conv4" type: "Convolution" bottom: "conv3" top: "conv4"
+  convolution_param { num_output: 5 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn4" type: "BatchNorm" bottom: "conv4" top: "bn4" }
+layer { name: "scale4" type: "Scale" bottom: "bn4" top: "bn4" scale_param { bias_term: true } }
+layer { name: "conv5" type: "Convolution" bottom: "bn4" top: "conv5"
+  convolution_param { num_output: 4 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 }
+  bias_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu5" type: "ReLU" bottom: "conv5" top: "conv5" }
+layer { name: "conv6" type: "Convolution" bottom: "conv5" top: "conv6"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu6" type: "ReLU" bottom: "conv6" top: "conv6" }
+"""
+
+
+def _fold_twins(tmp_path, monkeypatch, pays=True):
+    """FOLD_NET in the TEST phase twice, folded (`pays`: whether a unit whose algorithm has no
+    epilogue folds its weights or runs its layers, whatever the cost model says) and with
+    CAFFEPY_FOLD=0, same parameters (BatchNorm statistics with a factor that is not 1,
+    variances > 0) and input."""
+    from caffepy import net_rules
+    path = tmp_path / "fold.prototxt"
+    path.write_text(FOLD_NET)
+    monkeypatch.setattr(net_rules.ConvBatchNorm, "fold_pays", staticmethod(lambda *a: pays))
+    folded = Net(str(path), caffepy.TEST)
+    monkeypatch.setenv("CAFFEPY_FOLD", "0")
+    plain = Net(str(path), caffepy.TEST)
+    monkeypatch.delenv("CAFFEPY_FOLD")
+    rng = np.random.default_rng(5)
+    for name, layer in folded.layer_dict.items():
+        for i, (mine, theirs) in enumerate(zip(layer.blobs, plain.layer_dict[name].blobs)):
+            if layer.type == "BatchNorm":
+                mine.data[...] = [rng.normal(0, 1, mine.shape), rng.uniform(0.5, 2, mine.shape),
+                                  [0.8]][i]
+            elif layer.type == "Scale" or (layer.type == "Convolution" and i == 1):
+                mine.data[...] = rng.normal(0, 0.7, mine.shape)
+            theirs.data[...] = mine.data
+    x = rng.standard_normal(folded.blobs["data"].shape)
+    for net in (folded, plain):
+        net.blobs["data"].data[...] = x
+    return folded, plain
+
+
+def _fold_units(net):
+    return {net.layers[u.first].name: net.layers[u.last].name for u in net._units.values()
+            if u.rule.name.startswith("Convolution")}
+
+
+def _same_blobs(folded, plain, what):
+    """Folding rounds the products differently: within 1e-5 of each blob's largest value."""
+    for name in plain.blobs:
+        got, want = folded.blobs[name].data, plain.blobs[name].data
+        assert float(np.abs(got - want).max()) <= 1e-5 * max(1.0, float(np.abs(want).max())), \
+            f"{what}: {name}"
+
+
+def test_folding_finds_in_place_chains_of_test_nets_only(tmp_path, monkeypatch):
+    folded, plain = _fold_twins(tmp_path, monkeypatch)
+    # bn4 writes a top of its own (the convolution's output stays readable): not folded;
+    # conv5 and conv6 have a ReLU alone (GoogLeNet's form)
+    assert _fold_units(folded) == {"conv1": "relu1", "conv2": "relu2", "conv3": "bn3",
+                                   "conv5": "relu5", "conv6": "relu6"}
+    assert _fold_units(plain) == {}
+    (tmp_path / "train.prototxt").write_text(FOLD_NET)
+    assert _fold_units(Net(str(tmp_path / "train.prototxt"), caffepy.TRAIN)) == {}
+
+
+@pytest.mark.parametrize("pays", [True, False], ids=["folded", "apart"])
+def test_folded_units_compute_the_layers(tmp_path, monkeypatch, pays):
+    """Every blob as the layers leave it: the 1 x 1 convolution (GEMM) applies its BatchNorm,
+    Scale and ReLU in its epilogue; the 3 x 3 over 3 channels (direct) folds them into its
+    weights, then runs the ReLU, or runs the layers (the cost model's two answers)."""
+    folded, plain = _fold_twins(tmp_path, monkeypatch, pays)
+    assert folded.layer_dict["conv2"].has_epilogue()
+    assert not folded.layer_dict["conv1"].has_epilogue()
+    assert folded.layer_dict["conv5"].has_epilogue()
+    folded.forward()
+    plain.forward()
+    _same_blobs(folded, plain, "forward")
+    for name in ("conv2", "conv5", "conv6"):
+        assert (plain.blobs[name].data == 0).any(), name    # the ReLU cut something
+
+
+def test_every_algorithm_folds(tmp_path, monkeypatch):
+    folded, plain = _fold_twins(tmp_path, monkeypatch)
+    folded.forward()
+    conv = folded.layer_dict["conv3"]
+    names = list(conv.algorithms)
+    assert any(name.startswith("winograd") for name in names) and "im2col+gemm" in names
+    plain.forward()
+    for name in names:
+        conv.force_algorithm(name)
+        folded.forward()
+        _same_blobs(folded, plain, name)
+
+
+def test_changed_weights_and_statistics_are_folded_again(tmp_path, monkeypatch):
+    folded, plain = _fold_twins(tmp_path, monkeypatch)
+    folded.forward()
+    for net in (folded, plain):
+        net.params["conv2"][0].data[0, 0] += 1.0        # pycaffe writes with no signal
+        net.params["bn1"][1].data[3] *= 4.0
+        net.params["scale2"][0].data[1] = -2.0
+        net.forward()
+    _same_blobs(folded, plain, "after the writes")
+
+
+def test_a_backward_through_folded_units_runs_the_layers(tmp_path, monkeypatch):
+    """A TEST net's gradients (pycaffe's net.backward: saliency, deep dream) as the layers
+    give them: the unit's layers run their forwards again, then their backwards."""
+    folded, plain = _fold_twins(tmp_path, monkeypatch)
+    for net in (folded, plain):
+        net.forward()
+        net.blobs["conv6"].diff[...] = np.linspace(-1, 1, net.blobs["conv6"].count).reshape(
+            net.blobs["conv6"].shape)
+        net.backward()
+    got, want = folded.blobs["data"].diff, plain.blobs["data"].diff
+    assert float(np.abs(got - want).max()) <= 1e-5 * float(np.abs(want).max())
+    for name in ("conv1", "conv2", "scale1", "conv5"):
+        for mine, theirs in zip(folded.params[name], plain.params[name]):
+            assert float(np.abs(mine.diff - theirs.diff).max()) <= 1e-5 * max(
+                1.0, float(np.abs(theirs.diff).max())), name
+
+
+def test_the_cost_model_folds_where_the_outputs_outweigh_the_weights():
+    """Folding into the weights rereads them every forward to see whether they changed, and
+    saves a pass over the outputs: ResNet-50's res2 3x3 at batch 1 folds, res4's does not, but
+    does at batch 64."""
+    from caffepy.blob import Blob
+    from caffepy.net_rules import ConvBatchNorm
+
+    class Conv:
+        def __init__(self, o, c, k):
+            self.blobs = [Blob((o, c, k, k))]
+
+    res2, res4 = Conv(64, 64, 3), Conv(256, 256, 3)
+    scale, relu = object(), object()
+    assert ConvBatchNorm.fold_pays(res2, Blob((1, 64, 56, 56)), scale, relu)
+    assert not ConvBatchNorm.fold_pays(res4, Blob((1, 256, 14, 14)), scale, relu)
+    assert ConvBatchNorm.fold_pays(res4, Blob((64, 256, 14, 14)), scale, relu)

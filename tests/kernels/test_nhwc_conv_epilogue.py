@@ -1,0 +1,52 @@
+"""caffepy.kernels.nhwc.conv_forward's epilogue (a TEST net's BatchNorm, Scale and ReLU after a
+convolution, caffepy/net_rules.py): y = conv(x, W) * scale + bias, then max(y, 0), against the
+NumPy reference convolution, for the pointwise GEMM over the batch (Caffe's weight order) and
+im2col's (the weights reordered, several row chunks an image), with one thread's scratch or
+two's."""
+import numpy as np
+import pytest
+
+from caffepy.kernels import nhwc
+from caffepy.kernels.reference import vision as ref
+
+
+@pytest.mark.parametrize("k, pad, rows, threads", [(1, 0, 0, 1), (1, 0, 16, 2), (3, 1, 16, 1),
+                                                   (3, 1, 16, 2)])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_epilogue_against_the_reference(k, pad, rows, threads, relu, with_scale):
+    rng = np.random.default_rng(7)
+    n, c, h, w, o = 2, 5, 6, 7, 6
+    x = rng.standard_normal((n, c, h, w), dtype=np.float32)
+    weights = rng.standard_normal((o, c, k, k), dtype=np.float32)
+    scale = rng.standard_normal(o, dtype=np.float32) if with_scale else None
+    bias = rng.standard_normal(o, dtype=np.float32)
+    want = ref.conv_forward(x, weights, None, pad=(pad, pad)).astype(np.float64)
+    if scale is not None:
+        want *= scale[None, :, None, None]
+    want += bias[None, :, None, None]
+    if relu:
+        want = np.maximum(want, 0)
+    xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    caffe_order = k == 1
+    if caffe_order:
+        wt = weights.reshape(1, o, c)
+        rows = rows or n * h * w            # the whole batch's pixels at once, or in tasks
+        col = np.zeros((threads, 0), np.float32)
+    else:
+        wt = np.ascontiguousarray(weights.transpose(2, 3, 1, 0).reshape(1, k * k * c, o))
+        col = np.zeros((threads, nhwc.conv_col_floats(c, k, k, h, w, rows)), np.float32)
+    y = np.full((n, h, w, o), np.nan, np.float32)
+    nhwc.conv_forward(xl, wt, bias, y, col, o, k, k, pad, pad, 1, 1, 1, 1, 1, rows, caffe_order,
+                      scale, relu)
+    np.testing.assert_allclose(y.transpose(0, 3, 1, 2), want, rtol=1e-5, atol=1e-5)
+    if relu:
+        assert (y == 0).any() and (y >= 0).all()
+
+
+def test_a_scale_of_the_wrong_length_is_refused():
+    x = np.zeros((1, 2, 2, 3), np.float32)
+    with pytest.raises(ValueError, match="conv_forward: scale: needs 4 values"):
+        nhwc.conv_forward(x, np.zeros((1, 4, 3), np.float32), np.zeros(0, np.float32),
+                          np.zeros((1, 2, 2, 4), np.float32), np.zeros((1, 0), np.float32),
+                          4, 1, 1, 0, 0, 1, 1, 1, 1, 1, 4, True, np.zeros(3, np.float32))
