@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-quick bench-full bench-layers bench-threads bench-mpi bench-multihost proto clean
+.PHONY: install extras demo imagenet-sample test test-all test-pycaffe test-multihost bench bench-quick bench-full bench-layers bench-threads bench-mpi bench-multihost proto clean
 
 install: $(STAMP)
 
@@ -63,6 +63,12 @@ test: install $(EXTRAS) $(TORCH)
 # Includes the slow end-to-end runs
 test-all: install $(EXTRAS) $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m ''
+
+# BVLC Caffe's own pycaffe suite (python/caffe/test) against caffepy as `caffe`, read at test time
+# from a BVLC checkout: make test-pycaffe CAFFEPY_BVLC_CAFFE=/path/to/caffe (a work tree or a git
+# directory); skipped, with the reason, without one
+test-pycaffe: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -rs tests/test_pycaffe_suite.py
 
 # Ranks across emulated hosts (network namespaces + veth, root needed; skipped with the
 # reason where the machine does not allow it). Not in `make test`: CI runs both.
