@@ -449,6 +449,81 @@ def split_db(input_db, num_shards, output_prefix):
     splitter.split_db(input_db, num_shards, output_prefix)
 
 
+# -- Caffe's python/ and tools/extra/ scripts (classify.py, detect.py, summarize.py,
+#    plot_training_log.py, resize_and_crop_images.py): their arguments, their spellings ---------------
+_GPU_SWITCH_HELP = "Accepted for Caffe's scripts and ignored with a warning: caffepy runs on the CPU."
+
+
+def _script_options(f):
+    """The preprocessing flags classify.py and detect.py share, with their defaults."""
+    from .classifier import IMAGENET_MEAN, REFERENCE_DEPLOY, REFERENCE_WEIGHTS
+    for option in reversed([
+            click.option("--model_def", default=REFERENCE_DEPLOY, show_default=True, metavar="FILE",
+                         help="Model definition file (the default: from a Caffe tree's root)."),
+            click.option("--pretrained_model", default=REFERENCE_WEIGHTS, show_default=True, metavar="FILE",
+                         help="Trained model weights file."),
+            click.option("--gpu", is_flag=True, help=_GPU_SWITCH_HELP),
+            click.option("--mean_file", default=IMAGENET_MEAN, show_default=True, metavar="FILE",
+                         help="Data set image mean: a .npy of K x H x W or K values, or a .binaryproto; "
+                              "'' for no mean subtraction."),
+            click.option("--input_scale", type=float, help="Multiply input features by this scale to "
+                                                            "finish preprocessing."),
+            click.option("--raw_scale", type=float, default=255.0, show_default=True,
+                         help="Multiply raw input by this scale before preprocessing."),
+            click.option("--channel_swap", default="2,1,0", show_default=True,
+                         help="Order to permute input channels; the default converts RGB to BGR, "
+                              "Caffe's order.")]):
+        f = option(f)
+    return f
+
+
+def _gpu_switch(gpu):
+    if gpu:
+        log.warning("caffepy runs on the CPU; ignoring --gpu")
+
+
+@main.command()
+@click.argument("input_file")
+@click.argument("output_file")
+@_script_options
+@click.option("--center_only", is_flag=True,
+              help="Predict from the centre crop alone instead of averaging ten crops (the default).")
+@click.option("--images_dim", default="256,256", show_default=True,
+              help="Canonical 'height,width' the images are resized to before cropping.")
+@click.option("--ext", default="jpg", show_default=True,
+              help="Image file extension to take as input when INPUT_FILE is a folder.")
+def classify(input_file, output_file, model_def, pretrained_model, gpu, mean_file, input_scale, raw_scale,
+             channel_swap, center_only, images_dim, ext):
+    """Classify INPUT_FILE (an image, a folder of them, or a .npy of H x W x K images) and save the
+    N x classes predictions to OUTPUT_FILE (.npy), as Caffe's python/classify.py."""
+    _gpu_switch(gpu)
+    from . import classifier
+    classifier.classify(input_file, output_file, model_def, pretrained_model, center_only=center_only,
+                        images_dim=images_dim, mean_file=mean_file, input_scale=input_scale,
+                        raw_scale=raw_scale, channel_swap=channel_swap, ext=ext)
+
+
+@main.command()
+@click.argument("input_file")
+@click.argument("output_file")
+@_script_options
+@click.option("--crop_mode", type=click.Choice(["list", "selective_search"]), default="selective_search",
+              show_default=True, help="How to get the windows: a .csv's list, or Selective Search's "
+                                      "proposals for the images a .txt lists.")
+@click.option("--context_pad", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Pixels of surrounding context to take around each window.")
+def detect(input_file, output_file, model_def, pretrained_model, gpu, mean_file, input_scale, raw_scale,
+           channel_swap, crop_mode, context_pad):
+    """Classify windows of images, as Caffe's python/detect.py: INPUT_FILE is a .csv of windows
+    (header filename, xmin, ymin, xmax, ymax) or a .txt of image files; OUTPUT_FILE's extension
+    chooses .csv, .h5 or .npy."""
+    _gpu_switch(gpu)
+    from . import detector
+    detector.detect(input_file, output_file, model_def, pretrained_model, crop_mode=crop_mode,
+                    mean_file=mean_file, input_scale=input_scale, raw_scale=raw_scale,
+                    channel_swap=channel_swap, context_pad=context_pad)
+
+
 # Every flag of Caffe's and Intel Caffe's tools/caffe.cpp, with its gflags type. gflags are global:
 # `caffe test -phase TRAIN` runs and the action reads only the flags it needs.
 CAFFE_FLAGS = {"gpu": str, "solver": str, "model": str, "phase": str, "level": int, "stage": str,
