@@ -28,12 +28,13 @@ SIGNAL_EFFECTS = click.Choice(["stop", "snapshot", "none"])
 _FLAG = re.compile(r"^-{1,2}([A-Za-z][A-Za-z0-9_]*)(=(.*))?$")
 
 
-def gflags_to_click(args, bool_flags):
-    """Rewrite gflags spellings to click's: -name -> --name, -flag=false -> --no-flag."""
+def gflags_to_click(args, bool_flags, short_flags=()):
+    """Rewrite gflags spellings to click's: -name -> --name, -flag=false -> --no-flag. A
+    command's own one-letter options (`short_flags`, e.g. summarize's -w) stay as they are."""
     out = []
     for arg in args:
         m = _FLAG.match(arg)
-        if not m or arg in ("-h",):
+        if not m or arg in ("-h",) or arg in short_flags:
             out.append(arg)
             continue
         name, value = m.group(1), m.group(3)
@@ -73,7 +74,9 @@ class CaffeGroup(click.Group):
     def resolve_command(self, ctx, args):
         cmd_name, cmd, rest = super().resolve_command(ctx, args)
         bool_flags = {o.name for o in cmd.params if isinstance(o, click.Option) and o.is_flag}
-        return cmd_name, cmd, gflags_to_click(rest, bool_flags)
+        short_flags = {f for o in cmd.params if isinstance(o, click.Option) for f in o.opts
+                       if len(f) == 2 and f[0] == "-"}
+        return cmd_name, cmd, gflags_to_click(rest, bool_flags, short_flags)
 
     def invoke(self, ctx):
         try:
@@ -522,6 +525,22 @@ def detect(input_file, output_file, model_def, pretrained_model, gpu, mean_file,
     detector.detect(input_file, output_file, model_def, pretrained_model, crop_mode=crop_mode,
                     mean_file=mean_file, input_scale=input_scale, raw_scale=raw_scale,
                     channel_swap=channel_swap, context_pad=context_pad)
+
+
+@main.command()
+@click.argument("filename", metavar="NET.prototxt")
+@click.option("-w", "--max-width", "max_width", type=click.IntRange(min=1), default=30, show_default=True,
+              help="Maximum field width.")
+@click.option("--phase", type=click.Choice(["TRAIN", "TEST"], case_sensitive=False), default="TEST",
+              show_default=True, help="The phase whose layers are listed (and built, for the sizes).")
+@click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
+@click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
+def summarize(filename, max_width, phase, level, stage):
+    """Print a concise summary of a net, as Caffe's tools/extra/summarize.py: each layer's name,
+    type, param specs, bottoms -> tops and window, then its top shapes, parameters, forward
+    FLOPs and memory, and the totals (the sizes need the net built: its data sources present)."""
+    from . import summarize as tool
+    tool.summarize(filename, phase=phase.upper(), level=level, stages=_stages(stage), max_width=max_width)
 
 
 # Every flag of Caffe's and Intel Caffe's tools/caffe.cpp, with its gflags type. gflags are global:

@@ -18,6 +18,7 @@ glog's environment switches are honoured, for the CLI and the Python API alike:
 Unlike glog, nothing is written to /tmp when GLOG_log_dir is unset: every message goes to stderr.
 The switches are read at the first message; `configure()` reads them again.
 """
+import contextlib
 import datetime
 import getpass
 import os
@@ -48,6 +49,17 @@ def set_quiet(quiet):
     """Silence INFO lines (used by tests and the Python API)."""
     global _quiet
     _quiet = quiet
+
+
+@contextlib.contextmanager
+def quieted():
+    """No INFO lines in the block (a tool building a net only to look at it)."""
+    global _quiet
+    before, _quiet = _quiet, True
+    try:
+        yield
+    finally:
+        _quiet = before
 
 
 def rank_prefix():
