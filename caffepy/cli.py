@@ -403,12 +403,32 @@ def parse_log(logfile, output_dir, delimiter):
 
 
 @main.command("plot_log")
-@click.argument("logfile")
-@click.argument("output_png")
-def plot_log(logfile, output_png):
-    """Plot loss, accuracy and learning rate against iterations (needs matplotlib)."""
+@click.argument("args", nargs=-1, metavar="CHART_TYPE OUT.png LOG [LOG...] | LOG OUT.png")
+def plot_log(args):
+    """Plot training logs (needs matplotlib). With a chart type, as Caffe's
+    tools/extra/plot_training_log.py: that chart of every LOG on one figure, each labelled with
+    its file name. Without one, caffepy's overview of one LOG: train outputs, test outputs and
+    the learning rate against iterations.
+
+    \b
+    Chart types (Caffe's numbers, logtools.CHART_TYPES):
+        0: Test accuracy  vs. Iters
+        1: Test accuracy  vs. Seconds
+        2: Test loss  vs. Iters
+        3: Test loss  vs. Seconds
+        4: Train learning rate  vs. Iters
+        5: Train learning rate  vs. Seconds
+        6: Train loss  vs. Iters
+        7: Train loss  vs. Seconds
+    """
     from . import logtools
-    logtools.plot_log(logfile, output_png)
+    if len(args) >= 3 and re.fullmatch(r"-?\d+", args[0]):
+        logtools.plot_chart(int(args[0]), args[1], list(args[2:]))
+    elif len(args) == 2:
+        logtools.plot_log(args[0], args[1])
+    else:
+        raise click.UsageError("give CHART_TYPE OUT.png LOG [LOG...] (Caffe's plot_training_log.py) or "
+                               "LOG OUT.png (the overview)")
 
 
 @main.command("export_onnx")
