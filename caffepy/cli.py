@@ -563,6 +563,28 @@ def summarize(filename, max_width, phase, level, stage):
     tool.summarize(filename, phase=phase.upper(), level=level, stages=_stages(stage), max_width=max_width)
 
 
+@main.command("resize_and_crop_images")
+@click.option("--input_folder", default="", metavar="DIR",
+              help="The folder that holds the input images (in subfolders, e.g. by synset).")
+@click.option("--output_folder", required=True, metavar="DIR",
+              help="The folder the resized and cropped images go to, at the same relative paths.")
+@click.option("--output_side_length", type=int, default=256, show_default=True,
+              help="Side length of the output images.")
+@click.option("--input", "input_list", metavar="FILE",
+              help="A file of image paths relative to --input_folder, one a line (a trailing label is "
+                   "ignored); without it, every image under --input_folder.")
+@click.option("--image_lib", type=click.Choice(["opencv"], case_sensitive=False), default="opencv",
+              show_default=True, help="Caffe's choice of library; caffepy resizes with OpenCV.")
+@click.option("--num_clients", type=click.IntRange(min=1), metavar="N",
+              help="Images done at once (Caffe's mapreduce clients); default: one per core.")
+def resize_and_crop_images(input_folder, output_folder, output_side_length, input_list, image_lib,
+                           num_clients):
+    """Scale each image so its short side is --output_side_length, then keep its centre square
+    (Caffe's tools/extra/resize_and_crop_images.py, without its mapreduce)."""
+    from .data import tools
+    tools.resize_and_crop_images(input_folder, output_folder, output_side_length, input_list, num_clients)
+
+
 # Every flag of Caffe's and Intel Caffe's tools/caffe.cpp, with its gflags type. gflags are global:
 # `caffe test -phase TRAIN` runs and the action reads only the flags it needs.
 CAFFE_FLAGS = {"gpu": str, "solver": str, "model": str, "phase": str, "level": int, "stage": str,

@@ -14,6 +14,9 @@ compute_image_mean: the mean of every Datum of a database, written as a
 convert_mnist_data, convert_mnist_siamese_data and convert_cifar_data (Caffe's
 examples/mnist, examples/siamese and examples/cifar10 converters): the datasets' own binary
 files into LMDBs or LevelDBs of raw Datum, the keys and records Caffe's converters write.
+
+resize_and_crop_images (Caffe's tools/extra script, its mapreduce replaced by threads): each
+image scaled so its short side is the output side, then its centre square.
 """
 import os
 import sys
@@ -31,10 +34,10 @@ from .sources import read_image, read_list_file
 _COMMIT = 1000
 
 
-def _progress(items, label):
+def _progress(items, label, length=None):
     """click's progress bar on a terminal, a plain iterator elsewhere (logs, pipes)."""
     if sys.stderr.isatty():
-        return click.progressbar(items, label=label, file=sys.stderr)
+        return click.progressbar(items, length=length, label=label, file=sys.stderr)
     return _Plain(items)
 
 
@@ -293,3 +296,90 @@ def convert_cifar_data(input_folder, output_folder, db_type="lmdb"):
                     n += 1
         counts.append(n)
     return tuple(counts)
+
+
+# -- Caffe's tools/extra/resize_and_crop_images.py, without its mapreduce --------------------------
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+
+
+def _listed_images(input_folder, input_list):
+    """The images to do, relative to input_folder: the list file's lines (a path, with or without
+    a trailing integer label, input_folder's prefix dropped as Caffe's mapper drops it), or every
+    image file under input_folder."""
+    if input_list is None:
+        names = []
+        for root, dirs, files in os.walk(input_folder):
+            dirs.sort()
+            names.extend(os.path.relpath(os.path.join(root, f), input_folder) for f in sorted(files)
+                         if f.lower().endswith(IMAGE_EXTENSIONS))
+        return names
+    try:
+        with open(input_list) as f:
+            lines = [line.strip() for line in f]
+    except OSError as e:
+        raise DataError(f"{input_list}: cannot read the image list: {e.strerror}") from None
+    names = []
+    for line in filter(None, lines):
+        if input_folder and line.startswith(input_folder):
+            line = line[len(input_folder):].lstrip("/")
+        path, _, label = line.rpartition(" ")
+        names.append(path.strip() if path.strip() and label.lstrip("-").isdigit() else line)
+    return names
+
+
+def resize_and_crop_image(image, side):
+    """Scale the short side to `side` (the long one in proportion, rounded down) with
+    INTER_LINEAR, then take the centre `side` x `side` square (Caffe's OpenCV path)."""
+    height, width = image.shape[:2]
+    new_height = side * height // width if height > width else side
+    new_width = side if height > width else side * width // height
+    resized = cv2.resize(image, (new_width, new_height))
+    top, left = (new_height - side) // 2, (new_width - side) // 2
+    return resized[top:top + side, left:left + side]
+
+
+def resize_and_crop_images(input_folder, output_folder, output_side_length=256, input_list=None,
+                           num_clients=None):
+    """Write every image (input_list's, or all under input_folder) as a centre square of
+    output_side_length pixels under output_folder, at the same relative path and in the same
+    format; `num_clients` threads (default: one per core). Unreadable images are skipped with a
+    warning, as Caffe's mapper skips them. Returns the number written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..prototxt import atomic_write
+    if output_side_length < 1:
+        raise UsageError(f"--output_side_length: must be positive, got {output_side_length}")
+    if input_list is None and not os.path.isdir(input_folder):
+        raise DataError(f"{input_folder}: no such folder (--input_folder), and no --input list")
+    names = _listed_images(input_folder, input_list)
+    log.info(f"A total of {len(names)} images.")
+
+    def one(name):
+        source = os.path.join(input_folder, name)
+        image = cv2.imread(source)
+        if image is None:
+            return f"Could not open or find file {source}"
+        ok, encoded = cv2.imencode(os.path.splitext(name)[1] or ".jpg",
+                                   resize_and_crop_image(image, output_side_length))
+        if not ok:
+            return f"{source}: cannot encode the image as '{os.path.splitext(name)[1]}'"
+        target = os.path.join(output_folder, name)
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        atomic_write(target, encoded.tobytes())
+        return None
+
+    written = skipped = 0
+    with ThreadPoolExecutor(num_clients or os.cpu_count()) as pool, \
+            _progress(pool.map(one, names), "resize_and_crop_images", len(names)) as results:
+        for problem in results:
+            if problem:
+                log.warning(problem)
+                skipped += 1
+            else:
+                written += 1
+                if written % _COMMIT == 0:
+                    log.info(f"Processed {written} files.")
+    log.info(f"Processed {written} files.")
+    if skipped:
+        log.warning(f"Skipped {skipped} of {len(names)} images that could not be read")
+    return written
