@@ -347,7 +347,8 @@ def extract_features(weights, model, blob_names, dataset_names, num_mini_batches
             log.info(f"Opening dataset {path}")
             dbs.append(stack.enter_context(open_writer(path, db_type, _FEATURES_COMMIT)))
         log.info("Extracting Features")
-        for _ in range(num_mini_batches):
+        batches = stack.enter_context(log.progress(range(num_mini_batches), "extract_features"))
+        for _ in batches:
             net.forward_from_to()
             for i, (name, db) in enumerate(zip(blobs, dbs)):
                 for value in _feature_datums(net.blobs[name].data):

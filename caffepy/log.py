@@ -33,6 +33,7 @@ _size = 1
 _quiet = False
 _settings = None
 _files = {}          # severity -> open log file
+_bar = None          # the progress bar showing on stderr's terminal, if any
 
 
 def fmt(x):
@@ -60,6 +61,33 @@ def quieted():
         yield
     finally:
         _quiet = before
+
+
+class _Progress:
+    def __init__(self, items, label, length):
+        import click
+        self.bar = click.progressbar(items, length=length, label=label, file=sys.stderr)
+
+    def __enter__(self):
+        global _bar
+        items = self.bar.__enter__()
+        _bar = self.bar
+        return items
+
+    def __exit__(self, *exc):
+        global _bar
+        _bar = None
+        return self.bar.__exit__(*exc)
+
+
+def progress(items, label, length=None):
+    """`with progress(items, label) as items:` a long tool's loop. On a terminal (stderr, rank 0,
+    INFO lines shown) a bar counts the items, the log lines written meanwhile printed above it;
+    elsewhere (a log file, a pipe) the items alone: the tool's own periodic lines say how far it got,
+    as Caffe's do. `length` for items that have no len()."""
+    if _rank == 0 and not _quiet and sys.stderr.isatty():
+        return _Progress(items, label, length)
+    return contextlib.nullcontext(items)
 
 
 def rank_prefix():
@@ -157,8 +185,13 @@ def _emit(severity, msg, depth):
                 f.flush()
         to_files = bool(s["dir"])
     if not to_files or s["also"] or severity >= s["threshold"]:
+        if _bar is not None:
+            sys.stderr.write("\r\033[K")       # the line goes above the bar, which is drawn again
         sys.stderr.write(line)
         sys.stderr.flush()
+        if _bar is not None:
+            _bar._last_line = None       # click skips drawing a line it drew last: draw it again
+            _bar.render_progress()
 
 
 def info(msg, everyone=False):

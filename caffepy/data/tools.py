@@ -19,9 +19,7 @@ resize_and_crop_images (Caffe's tools/extra script, its mapreduce replaced by th
 image scaled so its short side is the output side, then its centre square.
 """
 import os
-import sys
 
-import click
 import cv2
 import numpy as np
 
@@ -32,24 +30,6 @@ from .db import open_reader, open_writer
 from .sources import read_image, read_list_file
 
 _COMMIT = 1000
-
-
-def _progress(items, label, length=None):
-    """click's progress bar on a terminal, a plain iterator elsewhere (logs, pipes)."""
-    if sys.stderr.isatty():
-        return click.progressbar(items, length=length, label=label, file=sys.stderr)
-    return _Plain(items)
-
-
-class _Plain:
-    def __init__(self, items):
-        self.items = items
-
-    def __enter__(self):
-        return self.items
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _same_format(path, encoding):
@@ -81,7 +61,7 @@ def convert_imageset(root_folder, list_file, db_name, gray=False, shuffle=False,
     size = None
     written, skipped = 0, 0
     with open_writer(db_name, backend, commit_every=_COMMIT) as db, \
-            _progress(list(enumerate(entries)), "convert_imageset") as items:
+            log.progress(list(enumerate(entries)), "convert_imageset") as items:
         for line_id, (name, label) in items:
             path = root_folder + name
             img = read_image(path, resize_height, resize_width, is_color)
@@ -134,7 +114,7 @@ def compute_image_mean(input_db, output_file=None, backend=None):
         if len(reader) == 0:
             raise DataError(f"{reader.path}: the database is empty; no mean to compute")
         total, first, count = None, None, 0
-        with _progress(reader, "compute_image_mean") as records:
+        with log.progress(reader, "compute_image_mean") as records:
             for key, value in records:
                 image = datum_to_array(parse_datum(value, reader.path, key), source=reader.path, key=key)
                 if total is None:
@@ -370,7 +350,7 @@ def resize_and_crop_images(input_folder, output_folder, output_side_length=256, 
 
     written = skipped = 0
     with ThreadPoolExecutor(num_clients or os.cpu_count()) as pool, \
-            _progress(pool.map(one, names), "resize_and_crop_images", len(names)) as results:
+            log.progress(pool.map(one, names), "resize_and_crop_images", len(names)) as results:
         for problem in results:
             if problem:
                 log.warning(problem)
