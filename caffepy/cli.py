@@ -155,9 +155,15 @@ engine_option = click.option("--engine", metavar="ENGINE", callback=_engine_flag
               help="Under MPI: when a rank makes no progress for this long (stopped, hung, its host "
                    "lost), end the job with a line naming it and where the others waited; 0: never.")
 @engine_option
+@click.option("--tensorboard", metavar="DIR",
+              help="Write TensorBoard event files here: losses, outputs, learning rate, speed, test "
+                   "scores (needs the tensorboard extra; `tensorboard --logdir DIR` shows them).")
+@click.option("--tensorboard_histograms", type=click.IntRange(min=0), default=0, metavar="K",
+              help="With --tensorboard: histograms of every weight and gradient every K iterations "
+                   "(0: none).")
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
 def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, stall_timeout, engine,
-          gpu):
+          tensorboard, tensorboard_histograms, gpu):
     """Train or fine-tune a model (mpirun -n N for several ranks). SOLVER may be an Intel Caffe
     multi-phase file (params_pair { solver_params { ... } batch_size: N } ...)."""
     if weights and snapshot:
@@ -165,9 +171,11 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
                                "--weights starts a new one from trained weights")
     _gpu_notice(gpu)
     from . import actions
+    if tensorboard_histograms and not tensorboard:
+        raise click.UsageError("--tensorboard_histograms needs --tensorboard DIR")
     actions.train(solver=solver, weights=weights, snapshot=snapshot, level=level, stages=_stages(stage),
                   sigint_effect=sigint_effect, sighup_effect=sighup_effect, stall_timeout=stall_timeout,
-                  engine=engine)
+                  engine=engine, tensorboard=tensorboard, histogram_interval=tensorboard_histograms)
 
 
 @main.command()

@@ -34,6 +34,7 @@ import numpy as np
 from .. import log
 from ..blob import Blob
 from ..layer import MODEL_PARALLEL
+from ..solvers.nets import local_batch
 from ..solvers.solver import ACTIONS, Hooks
 from . import watchdog
 from .allreduce import GradientReducer
@@ -63,13 +64,6 @@ def _ready_layers(net):
         for blob in layer.blobs:
             lowest.setdefault(id(blob), li)
     return [lowest[id(blob)] for blob in net.learnable_params]
-
-
-def _global_batch(net):
-    for bottom, top in zip(net.bottom_vecs, net.top_vecs):
-        if not bottom and top and top[0].num_axes:
-            return top[0].shape[0]
-    return None
 
 
 def _running_statistics(net):
@@ -108,7 +102,7 @@ class DataParallel(Hooks):
         net = solver.net
         if self.reducer is None:
             self.set_progress(None, solver)
-        batch = _global_batch(net)
+        batch = local_batch(net)
         if batch is not None:
             log.info(f"{self.name} over {self.world.size} ranks: local batch {batch}, "
                      f"global batch {self.world.size * batch}")
