@@ -10,11 +10,12 @@ install: $(STAMP)
 
 # What caffepy itself needs, no more: `make demo` waits for this alone. The kernels compile one
 # job per core (setup.py); the build requirements go into the venv itself, so rebuilds after a
-# .pyx edit take seconds
+# .pyx edit take seconds. --no-compile: Python compiles a module when it is first imported
+# rather than pip compiling all of numpy's and scipy's up front (two thirds of pip's CPU time)
 $(STAMP): pyproject.toml setup.py $(wildcard cext/*.pyx cext/*.pxd cext/*.pxi cext/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check 'setuptools>=70' wheel 'cython>=3.1' 'numpy>=2.0' 'scipy>=1.11'
-	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e .
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile 'setuptools>=70' wheel 'cython>=3.1' 'numpy>=2.0' 'scipy>=1.11'
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-build-isolation -e .
 	touch $(STAMP)
 
 # Requirements of optional extras, read from the installed caffepy's metadata (pyproject.toml's
@@ -34,7 +35,7 @@ export EXTRA_REQUIREMENTS
 TESTDEPS := $(VENV)/.testdeps
 
 $(TESTDEPS): $(STAMP)
-	$(PY) -c "$$EXTRA_REQUIREMENTS" test | xargs $(PY) -m pip install -q --disable-pip-version-check
+	$(PY) -c "$$EXTRA_REQUIREMENTS" test | xargs $(PY) -m pip install -q --disable-pip-version-check --no-compile
 	touch $(TESTDEPS)
 
 # The optional extras by name (pip install 'caffepy[draw,hdf5,plot,onnx,tensorboard]'): pydot
@@ -46,7 +47,7 @@ EXTRAS := $(VENV)/.extras
 extras: $(EXTRAS)
 
 $(EXTRAS): $(STAMP)
-	$(PY) -c "$$EXTRA_REQUIREMENTS" draw hdf5 plot onnx tensorboard | xargs $(PY) -m pip install -q --disable-pip-version-check
+	$(PY) -c "$$EXTRA_REQUIREMENTS" draw hdf5 plot onnx tensorboard | xargs $(PY) -m pip install -q --disable-pip-version-check --no-compile
 	touch $(EXTRAS)
 
 # The embedded default: digits -> LMDB -> train LeNet -> test accuracy
