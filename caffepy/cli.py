@@ -7,7 +7,8 @@ each of its actions (train, test, time, collect, compare, device_query) takes
 every flag of Caffe's and Intel Caffe's tools/caffe.cpp, checks its type, and
 ignores with a warning those that mean nothing for it (hidden from --help).
 Known errors (CaffepyError) print one line and exit 1 (usage errors, click's
-too, 2);
+too, 2); an exception from a Python layer's own code prints the layer's name and
+that code's traceback and exits 1;
 Ctrl-C (SIGINT; `train` handles it itself once training runs, see
 --sigint_effect) prints one line and exits 130, as the shell reports a
 process SIGINT ended, once the command has removed what it was writing;
@@ -20,7 +21,7 @@ import click
 from click.core import ParameterSource
 
 from . import engine, log
-from .errors import CaffepyError, one_line
+from .errors import CaffepyError, one_line, python_layer_report
 
 _GPU_HELP = ("Caffe's GPU ids ('0', '0,1' or 'all'): accepted so Caffe's scripts run, and ignored "
              "with a warning; caffepy runs on the CPU.")
@@ -91,6 +92,12 @@ class CaffeGroup(click.Group):
             click.echo(f"caffepy: error: {log.rank_prefix()}{where}: {problem}'{where} -help' shows the usage",
                        err=True)
             ctx.exit(e.exit_code)
+        except Exception as e:
+            report = python_layer_report(e)     # the user's layer code: its own traceback
+            if report is None:
+                raise
+            click.echo(f"caffepy: error: {log.rank_prefix()}{report}", err=True)
+            ctx.exit(1)
         except KeyboardInterrupt:
             name = ctx.invoked_subcommand or "caffepy"
             click.echo(f"caffepy: error: {log.rank_prefix()}{name}: interrupted (SIGINT); "

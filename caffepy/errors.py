@@ -4,6 +4,8 @@ The CLI prints `str(error)` on one line and exits 1 (usage errors 2); anything
 outside this family is a bug and keeps its traceback.
 Message shape: `<file>: layer '<name>' (<Type>): <field>: <problem>, got <value>[. <hint>]`.
 """
+import traceback
+
 from google.protobuf.message import Message
 
 
@@ -104,3 +106,34 @@ def layer_error(layer, field, problem, value=None, hint=None, cls=LayerError, so
     if hint:
         msg += f". {hint}"
     return cls(msg)
+
+
+# -- a Python layer's own exception ---------------------------------------------------------
+_PYTHON_LAYER = "_caffepy_python_layer"
+
+
+def mark_python_layer_error(exc, where, tb):
+    """Record on `exc` (raised by a Python layer's code: the user's) the layer it came from and
+    its traceback from the user's frame on; the note shows where in any traceback print."""
+    if getattr(exc, _PYTHON_LAYER, None) is None:
+        setattr(exc, _PYTHON_LAYER, (where, tb))
+        if hasattr(exc, "add_note"):        # Python 3.11+
+            exc.add_note(f"(raised in {where})")
+
+
+def raised_in_python_layer(exc):
+    return getattr(exc, _PYTHON_LAYER, None) is not None
+
+
+def python_layer_report(exc):
+    """For an exception a Python layer raised: the layer's name, then the traceback of the
+    layer's code, as the command line prints it; None for any other exception."""
+    mark = getattr(exc, _PYTHON_LAYER, None)
+    if mark is None:
+        return None
+    where, tb = mark
+    report = traceback.TracebackException(type(exc), exc, tb)
+    if getattr(report, "__notes__", None):
+        report.__notes__ = [n for n in report.__notes__ if n != f"(raised in {where})"] or None
+    return (f"{where}: raised {type(exc).__name__} (the traceback of the layer's code follows)\n"
+            + "".join(report.format(chain=False)).rstrip("\n"))

@@ -26,6 +26,7 @@ run on. A new implementation is a class with a `wanted` and a `@register(variant
 only asks; the layer keeps the run context it was built for in `layer.context`.
 """
 import difflib
+import enum
 import math
 import typing
 
@@ -56,6 +57,17 @@ def layout_of(blob):
     if blob.layout is None:
         return NCHW
     return BLOCKED if isinstance(blob.layout, Blocked) else NHWC
+
+class Phase(enum.IntEnum):
+    """caffe_pb2's phases as pycaffe shows them (caffepy.TRAIN, caffepy.TEST): TRAIN prints as
+    TRAIN (py-faster-rcnn's layers look their settings up by str(self.phase)) and equals
+    caffe_pb2.TRAIN (0)."""
+    TRAIN = 0
+    TEST = 1
+
+    def __str__(self):
+        return self.name
+
 
 LAYERS = {}          # prototxt type -> {variant name: class}, the plain implementation first
 

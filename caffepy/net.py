@@ -22,13 +22,14 @@ from . import layers as _layers  # noqa: F401  (registers every layer type)
 from . import log, memory, net_rules, prototxt, upgrade
 from .blob import Blob
 from .context import SINGLE
-from .errors import CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote
-from .layer import LAYERS, create_layer
+from .errors import (CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote,
+                     raised_in_python_layer)
+from .layer import LAYERS, Phase, create_layer
 from .layout_plan import LayoutPlan
 from .proto import caffe_pb2
 
-TRAIN = caffe_pb2.TRAIN
-TEST = caffe_pb2.TEST
+TRAIN = Phase.TRAIN
+TEST = Phase.TEST
 
 
 # -- NetState filtering (Caffe's Net::FilterNet / Net::StateMeetsRule) ---------
@@ -415,6 +416,8 @@ class Net:
         except SizeError as e:
             raise _size_error(layer, e) from None
         except (ValueError, IndexError) as e:
+            if raised_in_python_layer(e):
+                raise           # the user's code: its own traceback (errors.python_layer_report)
             raise layer.error("setup", str(e), cls=ShapeError) from None
         except MemoryError:
             free = memory.available()

@@ -1,6 +1,6 @@
 # cython: language_level=3
 """Kernels of the vision layers (caffepy/layers/vision.py): im2col/col2im for Im2col and the
-convolutions, Convolution and Deconvolution (im2col + sgemm), Pooling (MAX, AVE).
+convolutions, Convolution and Deconvolution (im2col + sgemm), Pooling (MAX, AVE), ROIPooling.
 
 Every kernel takes float32 C-contiguous arrays (int32 for the max-pooling mask), writes into
 buffers the caller allocated, and runs without the GIL. Shapes are read from the arrays; the
@@ -650,3 +650,55 @@ cdef void _ave_unpool_plane(const float* dy, float* dx, int H, int W, int oh, in
                 xr = dx + h * W
                 for w in range(max(ws, 0), min(we, W)):
                     xr[w] += g
+
+
+# ---------------------------------------------------------------------------------------------
+# ROIPooling (Fast R-CNN): max over each region of interest's bins
+
+def roi_pool_forward(const float[:, :, :, ::1] bottom, const int32_t[::1] batch,
+                     const int32_t[:, ::1] hstart, const int32_t[:, ::1] hend,
+                     const int32_t[:, ::1] wstart, const int32_t[:, ::1] wend,
+                     float[:, :, :, ::1] top, int32_t[:, :, :, ::1] argmax):
+    """top[r, c, i, j] = max of plane (batch[r], c) over rows [hstart[r, i], hend[r, i]) and
+    columns [wstart[r, j], wend[r, j]); argmax = h * W + w of the first maximum in row-major
+    order (Caffe's scan). An empty bin gives 0 and argmax -1. The bins are the caller's, within
+    the map; batch indices in [0, N). Both outputs overwritten."""
+    cdef int N = bottom.shape[0], C = bottom.shape[1], H = bottom.shape[2], W = bottom.shape[3]
+    cdef int R = top.shape[0], PH = top.shape[2], PW = top.shape[3]
+    need(top.shape[1] == C and dims(argmax.shape, 4) == dims(top.shape, 4), "roi_pool_forward", "top",
+         f"does not fit bottom {dims(bottom.shape, 4)} and argmax {dims(argmax.shape, 4)}", dims(top.shape, 4))
+    need(batch.shape[0] == R and dims(hstart.shape, 2) == (R, PH) and dims(hend.shape, 2) == (R, PH)
+         and dims(wstart.shape, 2) == (R, PW) and dims(wend.shape, 2) == (R, PW), "roi_pool_forward", "bins",
+         f"need R x {PH} rows and R x {PW} columns for {R} rois",
+         (dims(hstart.shape, 2), dims(wstart.shape, 2)))
+    cdef Py_ssize_t planes = <Py_ssize_t>R * C, pl
+    cdef int r, c, i, j, h, w, arg
+    cdef float m, v
+    cdef const float* x
+    for r in range(R):
+        need(0 <= batch[r] < N, "roi_pool_forward", "batch", f"must lie in [0, {N})", batch[r])
+        for i in range(PH):
+            need(0 <= hstart[r, i] and hend[r, i] <= H, "roi_pool_forward", "hstart/hend",
+                 f"must lie in [0, {H}]", (hstart[r, i], hend[r, i]))
+        for j in range(PW):
+            need(0 <= wstart[r, j] and wend[r, j] <= W, "roi_pool_forward", "wstart/wend",
+                 f"must lie in [0, {W}]", (wstart[r, j], wend[r, j]))
+    if planes == 0:
+        return
+    with nogil:
+        for pl in prange(planes, schedule="static", num_threads=threads_for(planes * PH * PW * 4)):
+            r = <int>(pl // C)
+            c = <int>(pl % C)
+            x = &bottom[batch[r], c, 0, 0]
+            for i in range(PH):
+                for j in range(PW):
+                    arg = -1
+                    m = 0
+                    for h in range(hstart[r, i], hend[r, i]):
+                        for w in range(wstart[r, j], wend[r, j]):
+                            v = x[h * W + w]
+                            if arg < 0 or v > m:
+                                m = v
+                                arg = h * W + w
+                    top[r, c, i, j] = m
+                    argmax[r, c, i, j] = arg

@@ -23,3 +23,16 @@ def _quiet_log():
     log.set_quiet(True)
     yield
     log.set_quiet(False)
+
+
+@pytest.fixture(autouse=True)
+def _pycaffe_name_restored():
+    """Loading a Python layer binds `caffe` to caffepy in the process (caffepy/pycaffe_name.py):
+    each test ends with the binding it started with."""
+    saved = {k: v for k, v in sys.modules.items() if k == "caffe" or k.startswith("caffe.")}
+    meta = list(sys.meta_path)
+    yield
+    for k in [k for k in sys.modules if k == "caffe" or k.startswith("caffe.")]:
+        del sys.modules[k]
+    sys.modules.update(saved)
+    sys.meta_path[:] = meta

@@ -10,6 +10,7 @@ and Caffe's image tools (convert_imageset, compute_image_mean).
                     resize, noise) on one image, with OpenCV
     prefetch.py     RecordOrder (epochs, shuffle, ranks), BatchFiller, Prefetcher
     tools.py        convert_imageset, compute_image_mean
+    shapes.py       a generated detection set in VOC's layout (examples/shapes/make_shapes.py)
 
 The layers themselves (Data, ImageData, MemoryData) live in caffepy/layers/data.py.
 Multi-rank reading: a data_param.source containing `{rank}` is one shard per rank

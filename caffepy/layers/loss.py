@@ -1,5 +1,7 @@
 """Loss layers: SoftmaxWithLoss, SigmoidCrossEntropyLoss, EuclideanLoss, HingeLoss,
-ContrastiveLoss, InfogainLoss, MultinomialLogisticLoss; and Accuracy (not a loss).
+ContrastiveLoss, InfogainLoss, MultinomialLogisticLoss, SmoothL1Loss (Fast R-CNN); R-FCN's
+online hard example mining (SoftmaxWithLossOHEM, SmoothL1LossOHEM and BoxAnnotatorOHEM, which
+is no loss but picks what the losses train on); and Accuracy (not a loss).
 
 Every loss writes a scalar top (shape (), Caffe's 0-axis blob) that the Net weighs
 by `loss_weight` (1 by default for the first top). Backward scales by the top diff,
@@ -476,6 +478,214 @@ class MultinomialLogisticLoss(LossLayer):
         rows = np.arange(self.num)
         picked = np.maximum(p[rows, self.labels], np.float32(LOG_THRESHOLD))
         diff[rows, self.labels] = -(self.top_diff(top) / self.num) / picked
+
+
+# -- Fast R-CNN and R-FCN --------------------------------------------------------------
+def smooth_l1(d, sigma2=1.0):
+    """Fast R-CNN's smooth L1 of d (float64) and its derivative: 0.5 sigma^2 d^2 within
+    |d| < 1 / sigma^2, |d| - 0.5 / sigma^2 outside (the two meet with equal slope)."""
+    inside = np.abs(d) < 1.0 / sigma2
+    value = np.where(inside, 0.5 * sigma2 * d * d, np.abs(d) - 0.5 / sigma2)
+    slope = np.where(inside, sigma2 * d, np.sign(d))
+    return value, slope
+
+
+def _legacy_nchw(shape):
+    """(num, channels, spatial) of a blob as Caffe's 4-D accessors see it."""
+    return shape[0], shape[1] if len(shape) > 1 else 1, count_from(shape, 2)
+
+
+class _RegressionLoss(LossLayer):
+    """What SmoothL1Loss and SmoothL1LossOHEM share: bottoms x, t and weights, each with the
+    values of x per item; gradients to x and t (force_backward allowed, as Intel's layers
+    do), none to the weights."""
+    exact_bottoms = None
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index < 2
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        n, per = bottom[0].shape[0], count_from(bottom[0].shape, 1)
+        for i, b in enumerate(bottom[1:], 1):
+            if not b.num_axes or b.shape[0] != n or count_from(b.shape, 1) != per:
+                raise self.error(f"bottom[{i}]", f"needs the {n} x {per} values of bottom[0] "
+                                 f"{bottom[0].shape}", b.shape, cls=ShapeError)
+
+    def _deltas(self, bottom, weight=None):
+        d = bottom[0].data.astype(np.float64) - bottom[1].data.reshape(bottom[0].shape)
+        return d if weight is None else d * weight.data.reshape(bottom[0].shape)
+
+    def _backward_into(self, bottom, propagate_down, grad):
+        for i, sign in ((0, 1.0), (1, -1.0)):
+            if propagate_down[i]:
+                bottom[i].diff[...] = (sign * grad).reshape(bottom[i].shape)
+
+
+@register
+class SmoothL1Loss(_RegressionLoss):
+    """Fast R-CNN's box regression loss (Intel Caffe's layer; py-faster-rcnn's RPN and head):
+        d = w_in (x - t),  loss = sum w_out smooth_l1(d; sigma) / N
+    with smooth_l1 as above and N = bottom[0].shape[0] (1 with loss_param.normalization NONE;
+    Intel's layer reads no other mode, nor do we). Bottoms: x, t, and optionally the inside
+    and outside weights w_in, w_out (both or neither), each with x's values per item.
+    d loss / dx = w_in w_out smooth_l1'(d) top_diff / N, the opposite to t.
+    smooth_l1_loss_param { sigma (1) }."""
+    min_bottoms, max_bottoms = 2, 4
+
+    def setup(self, bottom, top):
+        if len(bottom) == 3:
+            raise self.error("bottom", "takes the inside and outside weights together (4 bottoms) or "
+                             "neither (2)", len(bottom))
+        self.sigma2 = float(self.param.smooth_l1_loss_param.sigma) ** 2
+        if self.sigma2 == 0:
+            raise self.error("smooth_l1_loss_param.sigma", "must not be 0", 0.0)
+
+    def _normalizer(self, bottom):
+        none = self.param.loss_param.normalization == LossParameter.NONE
+        return 1.0 if none else max(1.0, float(bottom[0].shape[0]))
+
+    def forward(self, bottom, top):
+        weighted = len(bottom) == 4
+        value, self.slope = smooth_l1(self._deltas(bottom, bottom[2] if weighted else None), self.sigma2)
+        if weighted:
+            w_in = bottom[2].data.reshape(bottom[0].shape)
+            w_out = bottom[3].data.reshape(bottom[0].shape)
+            value = value * w_out
+            self.slope = self.slope * w_in * w_out
+        top[0].data[...] = value.sum() / self._normalizer(bottom)
+
+    def backward(self, top, propagate_down, bottom):
+        self._backward_into(bottom, propagate_down, self.slope * (self.top_diff(top) / self._normalizer(bottom)))
+
+
+@register
+class SmoothL1LossOHEM(_RegressionLoss):
+    """R-FCN's smooth L1 (sigma 1) with a per-item loss for hard example mining (Intel Caffe's
+    layer): d = w (x - t), loss = sum smooth_l1(d) / normalizer. Bottoms: x, t, optional
+    weights w, each with x's values per item. top[1] (optional): each position's loss summed
+    over the channels, N x 1 x spatial (Caffe's N x 1 x H x W), unnormalized; no gradient
+    flows from it. normalization (loss_param): FULL and VALID divide by N x spatial,
+    BATCH_SIZE by N, PRE_FIXED by pre_fixed_normalizer, NONE by 1 (legacy `normalize`
+    true = VALID); floored at 1.
+    d loss / dx = w smooth_l1'(d) top_diff / normalizer: the exact gradient. (Intel's backward
+    leaves out the factor w, which is the same for the 0 / 1 weights R-FCN's prototxts give.)"""
+    min_bottoms, max_bottoms = 2, 3
+    exact_tops = None
+    min_tops, max_tops = 1, 2
+
+    def setup(self, bottom, top):
+        self.mode = normalization_mode(self)
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        self.num, self.channels, self.spatial = _legacy_nchw(bottom[0].shape)
+        if len(top) > 1:
+            top[1].reshape((self.num, 1) + tuple(bottom[0].shape[2:]) if bottom[0].num_axes > 2
+                           else (self.num, 1, 1, 1))
+
+    def forward(self, bottom, top):
+        weight = bottom[2] if len(bottom) == 3 else None
+        value, self.slope = smooth_l1(self._deltas(bottom, weight))
+        if weight is not None:
+            self.slope = self.slope * weight.data.reshape(bottom[0].shape)
+        # VALID counts every position: no label marks one ignored here
+        self.norm = normalizer(self, self.mode, self.num, self.spatial, -1)
+        top[0].data[...] = value.sum() / self.norm
+        if len(top) > 1:
+            top[1].data[...] = value.reshape(self.num, self.channels, self.spatial).sum(axis=1) \
+                .reshape(top[1].shape)
+
+    def backward(self, top, propagate_down, bottom):
+        self._backward_into(bottom, propagate_down, self.slope * (self.top_diff(top) / self.norm))
+
+
+@register
+class SoftmaxWithLossOHEM(SoftmaxWithLoss):
+    """SoftmaxWithLoss (same loss, gradient and loss_param fields) with R-FCN's per-item loss
+    for hard example mining (Intel Caffe's layer). top[1] (optional): the probabilities;
+    top[2] (optional): each label's -log(max(p[label], FLT_MIN)), 0 where ignored, shaped
+    as the labels; no gradient flows from them. (Intel's CPU layer fills top[1] only when
+    there are two tops; here it always holds the probabilities.)"""
+    max_tops = 3
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        if len(top) > 2:
+            top[2].reshape(bottom[1].shape)
+
+    def forward(self, bottom, top):
+        super().forward(bottom, top)
+        if len(top) > 2:
+            valid = self.labels >= 0
+            picked = gather_classes(self.prob, np.where(valid, self.labels, 0))
+            per = -np.log(np.maximum(picked, np.finfo(np.float32).tiny))
+            top[2].data[...] = np.where(valid, per, 0).reshape(top[2].shape)
+
+
+@register
+class BoxAnnotatorOHEM(Layer):
+    """R-FCN's online hard example mining (Intel Caffe's layer): keep, in each image, the
+    roi_per_img regions of interest with the highest loss; the others get ignore_label and
+    zero box-regression weights, so the losses downstream train on the hard ones only.
+
+    Bottoms: rois R x 5 (batch index, x1, y1, x2, y2; Caffe's R x 5 x H x W in general, the
+    index read per position), the per-ROI loss (R x 1 x H x W: typically the sum of
+    SoftmaxWithLossOHEM's and SmoothL1LossOHEM's per-item tops), the labels, and the box
+    regression weights (R x B x H x W). Tops: the labels with ignore_label except on the
+    kept ROIs, and the weights zeroed except on them. ROIs go by loss, highest first (ties
+    in index order: Intel's sort leaves their order unspecified). No gradient.
+    box_annotator_ohem_param { roi_per_img (required, > 0) ignore_label (-1) }."""
+    exact_bottoms = 4
+    exact_tops = 2
+    differentiable = False
+
+    def allow_force_backward(self, bottom_index):
+        return False
+
+    def setup(self, bottom, top):
+        p = self.param.box_annotator_ohem_param
+        if not p.HasField("roi_per_img") or p.roi_per_img <= 0:
+            raise self.error("box_annotator_ohem_param.roi_per_img", "is required and must be positive",
+                             p.roi_per_img)
+        self.roi_per_img, self.ignore_label = int(p.roi_per_img), p.ignore_label
+
+    def reshape(self, bottom, top):
+        rois = bottom[0]
+        if rois.num_axes < 2 or rois.shape[1] != 5:
+            raise self.error("bottom[0]", "rois must be R x 5 (batch index, x1, y1, x2, y2)", rois.shape,
+                             cls=ShapeError)
+        self.num, _, self.spatial = _legacy_nchw(rois.shape)
+        for i, what in ((1, "per-ROI loss"), (2, "labels")):
+            if bottom[i].count != self.num * self.spatial or bottom[i].shape[0] != self.num:
+                raise self.error(f"bottom[{i}]", f"the {what} need one value per ROI ({self.num} x 1 x "
+                                 f"{self.spatial})", bottom[i].shape, cls=ShapeError)
+        weights = bottom[3]
+        if weights.num_axes < 2 or weights.shape[0] != self.num or count_from(weights.shape, 2) != self.spatial:
+            raise self.error("bottom[3]", f"the box regression weights need {self.num} x B x {self.spatial} "
+                             f"values", weights.shape, cls=ShapeError)
+        top[0].reshape(bottom[1].shape)
+        top[1].reshape(weights.shape)
+
+    def forward(self, bottom, top):
+        n, s = self.num, self.spatial
+        images = bottom[0].data.reshape(n, 5, s)[:, 0, :].reshape(-1).astype(np.int64)
+        loss = bottom[1].data.reshape(-1)
+        order = np.argsort(-loss, kind="stable")
+        kept = np.zeros(n * s, bool)
+        left = {}
+        for index in order:
+            image = images[index]
+            if left.setdefault(image, self.roi_per_img) > 0:
+                left[image] -= 1
+                kept[index] = True
+        labels = bottom[2].data.reshape(-1)
+        top[0].data.reshape(-1)[...] = np.where(kept, labels, np.float32(self.ignore_label))
+        weights = bottom[3].data.reshape(n, -1, s)
+        top[1].data.reshape(n, -1, s)[...] = weights * kept.reshape(n, 1, s)
+
+    def backward(self, top, propagate_down, bottom):
+        pass
 
 
 @register

@@ -4,21 +4,30 @@
             python_param { module: "my_layers" layer: "Double" param_str: "{'k': 2}" } }
 
 `module` is imported from sys.path or the current directory; `layer` names a class in it
-that subclasses caffepy.Layer (pycaffe's caffe.Layer) and defines setup / reshape / forward /
-backward(top, propagate_down, bottom); any of them may be left out, as pycaffe's base class
-allows (a layer may define only setup; a forward left out is reported when the net runs it).
-Before setup it gets `self.param_str` and `self.phase`, and `self.blobs.add_blob(*shape)`
-creates a learnable blob, as in pycaffe.
+that subclasses caffepy.Layer (pycaffe's caffe.Layer: `import caffe` gives caffepy, see
+caffepy/pycaffe_name.py) and defines setup / reshape / forward / backward(top,
+propagate_down, bottom); any of them may be left out, as pycaffe's base class allows (a
+layer may define only setup; a forward left out is reported when the net runs it). Tops may
+be reshaped in reshape or in forward (py-faster-rcnn's layers size theirs there). Before
+setup it gets `self.param_str` (and `self.param_str_`, the older pycaffe's name that
+py-faster-rcnn reads) and `self.phase` (caffe.TRAIN or caffe.TEST: str() gives 'TRAIN' or
+'TEST'), and `self.blobs.add_blob(*shape)` creates a learnable blob, as in pycaffe.
 python_param { module layer param_str share_in_parallel (ignored: one process per rank) }.
+
+Errors: a module that cannot be imported (or raises while imported) and a class that is not
+there are one line naming the layer and the module. An exception from the layer's own code is
+the user's: it propagates unchanged (type, message, traceback) with a note naming the layer,
+and the command line prints the layer's name, then its traceback (errors.python_layer_report).
 """
 import functools
 import importlib
 import os
 import sys
 
+from .. import pycaffe_name
 from ..blob import Blob
-from ..errors import layer_error
-from ..layer import Layer, register
+from ..errors import CaffepyError, layer_error, mark_python_layer_error
+from ..layer import Layer, Phase, register
 
 
 class BlobVec(list):
@@ -41,6 +50,7 @@ class _Where:
 
 def _import(name):
     """Import `name` from sys.path, then from the current directory."""
+    pycaffe_name.claim()
     cwd = os.getcwd()
     added = cwd not in sys.path and "" not in sys.path
     if added:
@@ -66,9 +76,8 @@ def _user_class(param, source):
             raise layer_error(where, "python_param.module", "cannot import module", f"'{p.module}'",
                               f"Put {p.module.split('.')[0]}.py in the current directory ({os.getcwd()}) "
                               f"or on PYTHONPATH") from None
-        hint = "caffepy is pycaffe's API: write `import caffepy as caffe`" if e.name == "caffe" else None
         raise layer_error(where, "python_param.module", f"importing '{p.module}' failed",
-                          f"ModuleNotFoundError: {e}", hint) from e
+                          f"ModuleNotFoundError: {e}") from e
     except Exception as e:   # the user's module is user input: report its error on one line
         text = " ".join(str(e).split())
         raise layer_error(where, "python_param.module", f"importing '{p.module}' failed",
@@ -80,9 +89,15 @@ def _user_class(param, source):
         raise layer_error(where, "python_param.layer", f"module '{p.module}' has no class", f"'{p.layer}'",
                           f"Layer classes there: {', '.join(known) or 'none'}")
     if not (isinstance(cls, type) and issubclass(cls, Layer)):
+        other = pycaffe_name.foreign_caffe()
+        if other and isinstance(cls, type):
+            raise layer_error(where, "python_param.layer", f"subclasses the caffe.Layer of another Caffe "
+                              f"({other}, imported before caffepy loaded this layer), which caffepy cannot run",
+                              f"'{p.layer}' in '{p.module}'", "Import caffepy's `caffe` instead: do not import "
+                              "that Caffe in the same process (or put it off PYTHONPATH)")
         raise layer_error(where, "python_param.layer", "must name a subclass of caffepy.Layer (caffe.Layer)",
                           f"'{p.layer}' in '{p.module}'")
-    return _with_defaults(cls)
+    return _runnable(cls)
 
 
 class _Defaults:
@@ -98,14 +113,33 @@ class _Defaults:
                           f"'{p.layer}' in '{p.module}'")
 
 
+def _reporting(method, name):
+    """`method` of a user's class, its own exceptions marked with the layer that raised them."""
+    @functools.wraps(method)
+    def run(self, *args):
+        try:
+            return method(self, *args)
+        except CaffepyError:
+            raise           # caffepy's own (a blob reshaped wrongly): one line already
+        except Exception as e:
+            mark_python_layer_error(e, f"{self.source + ': ' if self.source else ''}layer '{self.name}' "
+                                       f"(Python {type(self).__module__}.{type(self).__qualname__}): {name}",
+                                    e.__traceback__.tb_next)
+            raise
+    return run
+
+
 @functools.lru_cache(maxsize=None)
-def _with_defaults(cls):
-    missing = {name: getattr(_Defaults, name) for name in ("reshape", "forward")
-               if getattr(cls, name) is getattr(Layer, name)}
-    if not missing:
-        return cls
-    return type(cls.__name__, (cls,), {**missing, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+def _runnable(cls):
+    """The user's class as the Net runs it: the base class's reshape and forward where it left
+    them out, each method's exceptions marked (the class's name and isinstance unchanged)."""
+    body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    for name in ("setup", "reshape", "forward", "backward"):
+        method = getattr(cls, name)
+        if method is getattr(Layer, name):
+            method = getattr(_Defaults, name, method)
+        body[name] = _reporting(method, name)
+    return type(cls.__name__, (cls,), body)
 
 
 @register
@@ -115,8 +149,8 @@ class Python(Layer):
     def __new__(cls, param, phase=0, source=None):
         user_cls = _user_class(param, source)
         layer = user_cls(param, phase, source)
-        layer.param_str = param.python_param.param_str
-        layer.phase = phase
+        layer.param_str = layer.param_str_ = param.python_param.param_str
+        layer.phase = Phase(phase)
         layer.blobs = BlobVec(param.name, layer.blobs)
         if layer.type is None:
             layer.type = "Python"     # for messages that name the type of a layer object

@@ -1,5 +1,5 @@
 """Vision layers: Convolution, Deconvolution, Pooling, Im2col, Crop, SPP (spatial pyramid
-pooling), and Intel Caffe's ROIPooling (Fast R-CNN) and Reorg (YOLO v2).
+pooling), and Intel Caffe's ROIPooling (Fast R-CNN), PSROIPooling (R-FCN) and Reorg (YOLO v2).
 
 The arithmetic lives in caffepy.kernels.vision (im2col + sgemm without the GIL,
 OpenMP over images); these classes read parameters, check shapes and own buffers.
@@ -414,7 +414,8 @@ class ROIPooling(Layer):
     coordinates). Top R x C x pooled_h x pooled_w. A region is scaled by spatial_scale and
     rounded to the feature grid (ends inclusive, at least 1 x 1); bin (ph, pw) covers rows
     [floor(ph * h / pooled_h), ceil((ph + 1) * h / pooled_h)) of it, clipped to the map; an
-    empty bin gives 0. Backward routes each bin's diff to its maximum; none to the rois.
+    empty bin gives 0. Backward routes each bin's diff to its maximum; none to the rois. The
+    maxima come from caffepy.kernels.vision.roi_pool_forward.
 
     roi_pooling_param { pooled_h pooled_w (or pooled_size: one or two values) spatial_scale }.
     """
@@ -448,41 +449,30 @@ class ROIPooling(Layer):
                              cls=ShapeError)
         top[0].reshape(rois.shape[0], bottom[0].shape[1], *self.pooled)
 
-    def _bins(self, start, length, pooled, limit):
-        """[start, end) of each of `pooled` bins over `length` cells from `start`, clipped."""
-        size = np.float32(length) / np.float32(pooled)
+    def _bins(self, start, end, pooled, limit):
+        """[start, end) of each of `pooled` bins (R x pooled int32 arrays) over each ROI's cells
+        from `start` to `end` inclusive (at least one), clipped to the map."""
+        size = (np.maximum(end - start + 1, 1).astype(np.float32) / np.float32(pooled))[:, None]
         steps = np.arange(pooled + 1, dtype=np.float32)
-        lo = np.floor(steps[:-1] * size).astype(np.int64) + start
-        hi = np.ceil(steps[1:] * size).astype(np.int64) + start
-        return np.clip(lo, 0, limit), np.clip(hi, 0, limit)
+        lo = np.floor(steps[:-1] * size).astype(np.int64) + start[:, None]
+        hi = np.ceil(steps[1:] * size).astype(np.int64) + start[:, None]
+        return np.clip(lo, 0, limit).astype(np.int32), np.clip(hi, 0, limit).astype(np.int32)
 
     def forward(self, bottom, top):
         x = bottom[0].data
         n, c, h, w = x.shape
         rois = bottom[1].data.reshape(-1, 5)
-        y = top[0].data
         ph_n, pw_n = self.pooled
-        self.argmax = np.full(y.shape, -1, np.int64)
         self.batch = rois[:, 0].astype(np.int64)
         bad = (self.batch < 0) | (self.batch >= n)
         if np.any(bad):
             raise self.error("bottom[1]", f"roi batch indices must lie in [0, {n})", float(rois[bad, 0][0]),
                              cls=ShapeError)
         corners = round_half_away(rois[:, 1:] * self.scale).astype(np.int64)   # x1, y1, x2, y2
-        for r in range(rois.shape[0]):
-            x1, y1, x2, y2 = corners[r]
-            hs, he = self._bins(y1, max(y2 - y1 + 1, 1), ph_n, h)
-            ws, we = self._bins(x1, max(x2 - x1 + 1, 1), pw_n, w)
-            plane = x[self.batch[r]].reshape(c, h * w)
-            for i in range(ph_n):
-                for j in range(pw_n):
-                    if he[i] <= hs[i] or we[j] <= ws[j]:
-                        y[r, :, i, j] = 0
-                        continue
-                    cells = (np.arange(hs[i], he[i])[:, None] * w + np.arange(ws[j], we[j])).ravel()
-                    arg = np.argmax(plane[:, cells], axis=1)      # the first maximum, as Caffe's scan
-                    self.argmax[r, :, i, j] = cells[arg]
-                    y[r, :, i, j] = plane[np.arange(c), cells[arg]]
+        rows = self._bins(corners[:, 1], corners[:, 3], ph_n, h)
+        cols = self._bins(corners[:, 0], corners[:, 2], pw_n, w)
+        self.argmax = np.empty(top[0].shape, np.int32)
+        kv.roi_pool_forward(x, self.batch.astype(np.int32), *rows, *cols, top[0].data, self.argmax)
 
     def backward(self, top, propagate_down, bottom):
         if propagate_down[1]:
@@ -490,13 +480,118 @@ class ROIPooling(Layer):
         if not propagate_down[0]:
             return
         dx = bottom[0].diff
-        dx[...] = 0
         n, c, h, w = dx.shape
-        r, _, ph_n, pw_n = top[0].shape
         found = self.argmax >= 0
         plane = (self.batch[:, None, None, None] * c + np.arange(c)[None, :, None, None])
         flat = np.broadcast_to(plane, self.argmax.shape)[found] * (h * w) + self.argmax[found]
-        np.add.at(dx.reshape(-1), flat, top[0].diff[found])
+        dx.reshape(-1)[...] = np.bincount(flat, top[0].diff[found], dx.size)
+
+
+@register
+class PSROIPooling(Layer):
+    """R-FCN's position-sensitive ROI pooling (Intel Caffe's layer): average pooling of each
+    region of interest into a k x k grid (k = group_size) where each bin reads its own
+    channel of the score maps.
+
+    Bottoms: score maps N x (output_dim k^2) x H x W, rois R x 5 (batch index, x1, y1, x2, y2
+    in input-image coordinates). Top R x output_dim x k x k: bin (i, j) of output channel c
+    averages input channel (c k + i) k + j over the bin's cells. The ROI's corners are rounded
+    (halves away from zero), its ends moved one pixel out, then scaled by spatial_scale and not
+    rounded again; it is at least 0.1 wide and high; bin i covers rows [floor(y1 + i h / k),
+    ceil(y1 + (i + 1) h / k)) clipped to the map (float32 arithmetic, as Intel's); an empty bin
+    gives 0. Backward spreads each bin's diff evenly over its cells; none to the rois.
+
+    The sums come from a summed-area table of the maps (float64), so a bin costs four reads
+    whatever its size. psroi_pooling_param { spatial_scale output_dim group_size } (required).
+    """
+    exact_bottoms = 2
+    exact_tops = 1
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index == 0
+
+    def setup(self, bottom, top):
+        p = self.param.psroi_pooling_param
+        for field in ("spatial_scale", "output_dim", "group_size"):
+            if not p.HasField(field):
+                raise self.error(f"psroi_pooling_param.{field}", "is required", "none")
+        if p.output_dim <= 0 or p.group_size <= 0:
+            field = "output_dim" if p.output_dim <= 0 else "group_size"
+            raise self.error(f"psroi_pooling_param.{field}", "must be positive", getattr(p, field))
+        self.dim, self.k = int(p.output_dim), int(p.group_size)
+        self.scale = np.float32(p.spatial_scale)
+
+    def reshape(self, bottom, top):
+        x, rois = bottom
+        need = self.dim * self.k * self.k
+        if x.num_axes != 4 or x.shape[1] != need:
+            raise self.error("bottom[0]", f"needs N x {need} x H x W score maps (output_dim {self.dim} x "
+                             f"group_size {self.k}^2 channels)", x.shape, cls=ShapeError)
+        if rois.num_axes < 2 or count_from(rois.shape, 1) != 5:
+            raise self.error("bottom[1]", "rois must be R x 5 (batch index, x1, y1, x2, y2)", rois.shape,
+                             cls=ShapeError)
+        top[0].reshape(rois.shape[0], self.dim, self.k, self.k)
+
+    def _bins(self, rois, h, w):
+        """[start, end) rows and columns of every bin: four R x k int arrays."""
+        corners = round_half_away(rois[:, 1:]).astype(np.float32)
+        start = corners[:, :2] * self.scale
+        end = (corners[:, 2:] + np.float32(1)) * self.scale
+        size = np.maximum(end - start, np.float32(0.1)) / np.float32(self.k)     # (R, [x, y])
+        steps = np.arange(self.k + 1, dtype=np.float32)
+        edges = steps[None, :, None] * size[:, None, :] + start[:, None, :]         # (R, k + 1, 2)
+        lo = np.floor(edges[:, :-1]).astype(np.int64)
+        hi = np.ceil(edges[:, 1:]).astype(np.int64)
+        return (np.clip(lo[..., 1], 0, h), np.clip(hi[..., 1], 0, h),
+                np.clip(lo[..., 0], 0, w), np.clip(hi[..., 0], 0, w))
+
+    def _corners(self, bottom):
+        """Flat indices into an N x C x (H + 1) x (W + 1) table of each bin's four corners
+        (each R x output_dim x k x k), and the bins' areas (0 when empty)."""
+        n, c, h, w = bottom[0].shape
+        rois = bottom[1].data.reshape(-1, 5)
+        batch = rois[:, 0].astype(np.int64)
+        bad = (batch < 0) | (batch >= n)
+        if np.any(bad):
+            raise self.error("bottom[1]", f"roi batch indices must lie in [0, {n})", float(rois[bad, 0][0]),
+                             cls=ShapeError)
+        hs, he, ws, we = self._bins(rois, h, w)
+        k = self.k
+        channel = (np.arange(self.dim)[:, None, None] * k + np.arange(k)[:, None]) * k + np.arange(k)
+        plane = (batch[:, None, None, None] * c + channel[None]) * (h + 1)
+        rows = [r[:, None, :, None] for r in (hs, he)]
+        cols = [q[:, None, None, :] for q in (ws, we)]
+        corner = [[(plane + r) * (w + 1) + q for q in cols] for r in rows]
+        area = np.maximum(he - hs, 0)[:, None, :, None] * np.maximum(we - ws, 0)[:, None, None, :]
+        return corner, np.broadcast_to(area, (len(rois), self.dim, k, k))
+
+    def forward(self, bottom, top):
+        n, c, h, w = bottom[0].shape
+        table = np.zeros((n, c, h + 1, w + 1))
+        np.cumsum(np.cumsum(bottom[0].data, axis=2, dtype=np.float64), axis=3, out=table[:, :, 1:, 1:])
+        flat = table.reshape(-1)
+        self._saved = self._corners(bottom)          # the backward's bins are the forward's
+        (top_left, top_right), (bottom_left, bottom_right) = self._saved[0]
+        area = self._saved[1]
+        total = flat[bottom_right] - flat[bottom_left] - flat[top_right] + flat[top_left]
+        top[0].data[...] = np.where(area > 0, total / np.maximum(area, 1), 0)
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[1]:
+            bottom[1].diff[...] = 0
+        if not propagate_down[0]:
+            return
+        n, c, h, w = bottom[0].shape
+        (top_left, top_right), (bottom_left, bottom_right) = self._saved[0]
+        area = self._saved[1]
+        share = np.where(area > 0, top[0].diff / np.maximum(area, 1), 0).reshape(-1)
+        # each bin adds its share to a rectangle: four signed corners, summed up both axes
+        size = n * c * (h + 1) * (w + 1)
+        spread = (np.bincount(top_left.reshape(-1), share, size) - np.bincount(top_right.reshape(-1), share, size)
+                  - np.bincount(bottom_left.reshape(-1), share, size)
+                  + np.bincount(bottom_right.reshape(-1), share, size))
+        spread = spread.reshape(n, c, h + 1, w + 1).cumsum(axis=2).cumsum(axis=3)
+        bottom[0].diff[...] = spread[:, :, :h, :w]
 
 
 @register

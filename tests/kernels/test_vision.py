@@ -277,3 +277,24 @@ def test_pool_rejects_windows_past_the_image():
         vision.ave_pool_forward(rand(1, 1, 5, 5), nans(1, 1, 4, 4), 2, 2, 2, 2, 1, 1)
     with pytest.raises(ValueError, match="pad"):
         vision.ave_pool_forward(rand(1, 1, 5, 5), nans(1, 1, 3, 3), 2, 2, 2, 2, 2, 2)
+
+
+def test_roi_pool_matches_the_reference_ties_and_empty_bins():
+    gen = np.random.default_rng(5)
+    x = np.round(gen.standard_normal((2, 3, 7, 9)), 1).astype(np.float32)     # rounded: ties
+    batch = np.array([0, 1, 1], np.int32)
+    hs = np.array([[0, 2], [3, 3], [6, 7]], np.int32)
+    he = np.array([[2, 5], [7, 3], [7, 7]], np.int32)        # (1, 1) and (2, 1) are empty
+    ws = np.array([[0, 4, 8], [1, 1, 2], [0, 3, 6]], np.int32)
+    we = np.array([[4, 8, 9], [2, 3, 9], [3, 6, 9]], np.int32)
+    top = np.empty((3, 3, 2, 3), np.float32)
+    argmax = np.empty((3, 3, 2, 3), np.int32)
+    vision.roi_pool_forward(x, batch, hs, he, ws, we, top, argmax)
+    want_top, want_arg = ref.roi_pool_forward(x, batch, hs, he, ws, we)
+    np.testing.assert_array_equal(argmax, want_arg)
+    np.testing.assert_array_equal(top, want_top.astype(np.float32))
+    assert (argmax[1, :, 1] == -1).all() and (top[1, :, 1] == 0).all()
+    with pytest.raises(ValueError, match=r"roi_pool_forward: batch: must lie in \[0, 2\), got 2"):
+        vision.roi_pool_forward(x, np.array([0, 2, 1], np.int32), hs, he, ws, we, top, argmax)
+    with pytest.raises(ValueError, match=r"roi_pool_forward: hstart/hend: must lie in \[0, 7\]"):
+        vision.roi_pool_forward(x, batch, hs, he + 1, ws, we, top, argmax)

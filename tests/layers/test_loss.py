@@ -130,6 +130,86 @@ def away_from(x, points, gap=0.1):
     return x
 
 
+def smooth_l1_ref(sigma=1.0, normalizer=None):
+    """Fast R-CNN's loss element by element: d = w_in (x - t), 0.5 (sigma d)^2 inside
+    |d| < 1 / sigma^2, |d| - 0.5 / sigma^2 outside, times w_out, summed; over N or `normalizer`."""
+    def ref(x, t, w_in=None, w_out=None):
+        total = 0.0
+        for i, (xi, ti) in enumerate(zip(x.reshape(-1), t.reshape(-1))):
+            d = (xi - ti) * (1.0 if w_in is None else w_in.reshape(-1)[i])
+            f = 0.5 * sigma * sigma * d * d if abs(d) < 1.0 / sigma ** 2 else abs(d) - 0.5 / sigma ** 2
+            total += f * (1.0 if w_out is None else w_out.reshape(-1)[i])
+        return [np.array(total / (x.shape[0] if normalizer is None else normalizer))]
+    return ref
+
+
+def smooth_l1_ohem_ref(normalizer):
+    """R-FCN's OHEM smooth L1 (sigma 1): the loss over `normalizer(x)`, and each position's loss
+    summed over the channels (N x 1 x spatial)."""
+    def ref(x, t, w=None):
+        n, c = x.shape[0], x.shape[1]
+        per = np.zeros((n, 1) + x.shape[2:] if x.ndim > 2 else (n, 1, 1, 1))
+        flat_per = per.reshape(n, -1)
+        for i in range(n):
+            for ch in range(c):
+                for s in range(flat_per.shape[1]):
+                    idx = (i * c + ch) * flat_per.shape[1] + s
+                    d = (x.reshape(-1)[idx] - t.reshape(-1)[idx]) * (1.0 if w is None else w.reshape(-1)[idx])
+                    flat_per[i, s] += 0.5 * d * d if abs(d) < 1 else abs(d) - 0.5
+        return [np.array(per.sum() / normalizer(x)), per]
+    return ref
+
+
+def softmax_ohem_ref(ignore=None):
+    """SoftmaxWithLoss's loss and probabilities, then -log p[label] per label (0 where ignored)."""
+    def ref(x, lab):
+        prob = softmax_ref(x)
+        per = np.zeros(lab.shape)
+        for i, l in enumerate(lab.reshape(-1).astype(int)):
+            if ignore is None or l != ignore:
+                per.reshape(-1)[i] = -np.log(max(prob[i, l], np.finfo(np.float32).tiny))
+        return softmax_loss_ref(1, ignore)(x, lab) + [prob, per]
+    return ref
+
+
+def box_annotator_ref(roi_per_img, ignore):
+    """Keep each image's roi_per_img highest-loss ROIs (ties: lower index first)."""
+    def ref(rois, loss, lab, weights):
+        order = sorted(range(len(rois)), key=lambda i: (-loss.reshape(-1)[i], i))
+        left, out_lab, out_w = {}, np.full(lab.shape, float(ignore)), np.zeros(weights.shape)
+        for i in order:
+            image = int(rois[i, 0])
+            left.setdefault(image, roi_per_img)
+            if left[image] > 0:
+                left[image] -= 1
+                out_lab.reshape(-1)[i] = lab.reshape(-1)[i]
+                out_w[i] = weights[i]
+        return [out_lab, out_w]
+    return ref
+
+
+def regression_inputs(n, c, sigma, seed, tail=()):
+    """x, t, w_in, w_out with every |w_in (x - t)| at least 0.05 from the smooth L1's seam at
+    1 / sigma^2 (its second derivative jumps there: no central difference agrees across it)."""
+    gen = np.random.default_rng(seed)
+    t = gen.standard_normal((n, c) + tail).astype(np.float32)
+    w_in = gen.choice([0.0, 1.0, 2.0], size=t.shape).astype(np.float32)
+    d = away_from(gen.standard_normal(t.shape) * 0.5, [-1 / sigma ** 2, 1 / sigma ** 2], 0.05)
+    x = (t + d / np.where(w_in == 0, 1, w_in)).astype(np.float32)
+    w_out = gen.uniform(0.2, 1.5, t.shape).astype(np.float32)
+    return x, t, w_in, w_out
+
+
+SL1 = regression_inputs(4, 8, 3.0, seed=40)
+SL1_PLAIN = regression_inputs(3, 6, 1.0, seed=41)
+SL1_MAPS = regression_inputs(1, 8, 1.0, seed=42, tail=(3, 2))
+OHEM = regression_inputs(5, 8, 1.0, seed=43)
+OHEM_W = (OHEM[2] > 0).astype(np.float32)        # R-FCN's 0 / 1 weights
+ROIS5 = np.array([[0, 1, 1, 5, 5], [1, 2, 2, 6, 6], [0, 0, 0, 3, 3], [1, 4, 4, 9, 9], [0, 2, 2, 8, 8],
+                  [1, 1, 0, 3, 3], [0, 5, 5, 7, 7]], np.float32)
+ROI_LOSS = np.array([0.5, 2.0, 0.5, 0.1, 3.0, 2.0, 0.5], np.float32).reshape(7, 1, 1, 1)
+
+
 X45 = randn(4, 5, seed=3, scale=2.0)
 X_SP = randn(2, 4, 3, 2, seed=4, scale=2.0)
 H5 = np.abs(randn(1, 1, 5, 5, seed=8)) + 0.1
@@ -215,6 +295,35 @@ CASES = [
     # log is strongly curved near small p: a smaller step for the central difference
     Case("MultinomialLogisticLoss", "", [PROBS, labels((6, 1, 1, 1), 5, seed=27)], check_bottom=[0], eps=1e-3,
          expected=lambda p, l: [np.array(-np.mean(np.log(p[np.arange(6), l.reshape(-1).astype(int)])))]),
+
+    Case("SmoothL1Loss", "smooth_l1_loss_param { sigma: 3 }", list(SL1), check_bottom=[0, 1],
+         expected=smooth_l1_ref(3.0), id="SmoothL1Loss:sigma3-weights"),
+    Case("SmoothL1Loss", "", list(SL1_PLAIN[:2]), check_bottom=[0, 1], expected=smooth_l1_ref(),
+         id="SmoothL1Loss:plain"),
+    Case("SmoothL1Loss", "loss_param { normalization: NONE }", list(SL1_MAPS), check_bottom=[0, 1],
+         expected=smooth_l1_ref(1.0, 1.0), id="SmoothL1Loss:maps-none"),
+    Case("SmoothL1LossOHEM", "", [OHEM[0], OHEM[1], OHEM_W], n_top=2, grad=False,
+         expected=smooth_l1_ohem_ref(lambda x: x.shape[0]), id="SmoothL1LossOHEM:per-roi"),
+    Case("SmoothL1LossOHEM", "loss_param { normalization: PRE_FIXED pre_fixed_normalizer: 128 }",
+         [OHEM[0], OHEM[1], OHEM_W], check_bottom=[0, 1],
+         expected=lambda *b: smooth_l1_ohem_ref(lambda x: 128.0)(*b)[:1], id="SmoothL1LossOHEM:pre-fixed"),
+    # the exact gradient with weights that are not 0 or 1 (see the layer's docstring)
+    Case("SmoothL1LossOHEM", "loss_param { normalization: BATCH_SIZE }", list(OHEM[:3]), check_bottom=[0, 1],
+         expected=lambda *b: smooth_l1_ohem_ref(lambda x: x.shape[0])(*b)[:1], id="SmoothL1LossOHEM:weights"),
+    Case("SmoothL1LossOHEM", "", list(SL1_MAPS[:2]), n_top=2, check_bottom=[0, 1], grad=False,
+         expected=smooth_l1_ohem_ref(lambda x: x.shape[0] * 6), id="SmoothL1LossOHEM:maps-valid"),
+    Case("SmoothL1LossOHEM", "loss_param { normalization: NONE }", list(SL1_MAPS[:2]), check_bottom=[0, 1],
+         expected=lambda *b: smooth_l1_ohem_ref(lambda x: 1.0)(*b)[:1], id="SmoothL1LossOHEM:none"),
+    Case("SoftmaxWithLossOHEM", "loss_param { ignore_label: -1 }", [X45, labels((4, 1, 1, 1), 5, ignore=-1)],
+         n_top=3, grad=False, expected=softmax_ohem_ref(-1), id="SoftmaxWithLossOHEM:tops"),
+    Case("SoftmaxWithLossOHEM", "loss_param { ignore_label: -1 }", [X45, labels((4, 1, 1, 1), 5, ignore=-1)],
+         check_bottom=[0], expected=lambda x, l: softmax_ohem_ref(-1)(x, l)[:1], id="SoftmaxWithLossOHEM:loss"),
+    Case("BoxAnnotatorOHEM", "box_annotator_ohem_param { roi_per_img: 2 ignore_label: -1 }",
+         [ROIS5, ROI_LOSS, labels((7, 1, 1, 1), 3, seed=44), randn(7, 12, 1, 1, seed=45)], n_top=2,
+         grad=False, expected=box_annotator_ref(2, -1), id="BoxAnnotatorOHEM"),
+    Case("BoxAnnotatorOHEM", "box_annotator_ohem_param { roi_per_img: 5 ignore_label: 255 }",
+         [ROIS5.reshape(7, 5), ROI_LOSS.reshape(7), labels(7, 3, seed=46), randn(7, 8, seed=47)], n_top=2,
+         grad=False, expected=box_annotator_ref(5, 255), id="BoxAnnotatorOHEM:flat"),
 
     Case("Accuracy", "", [X45, labels(4, 5, seed=28)], grad=False, expected=accuracy_ref()),
     Case("Accuracy", "accuracy_param { top_k: 2 }", [TIES, np.array([2, 0, 3, 1], np.float32)], grad=False,
@@ -614,3 +723,35 @@ def test_kernel_log1p_keeps_small_arguments_exact():
     want = np.log1p(e.astype(np.float64))
     ok = want > 0
     assert np.max(np.abs(out[ok] - want[ok]) / want[ok]) < 2 * 2.0 ** -24 and out[~ok].max() == 0
+
+
+def test_box_annotator_keeps_each_images_hardest_rois():
+    lab = np.arange(1, 8, dtype=np.float32).reshape(7, 1, 1, 1)
+    layer, bottom, top = setup_layer("BoxAnnotatorOHEM", "box_annotator_ohem_param { roi_per_img: 2 }",
+                                     [ROIS5, ROI_LOSS, lab, np.ones((7, 4, 1, 1), np.float32)], n_top=2)
+    layer.forward(bottom, top)
+    # image 0 has ROIs 0, 2, 4, 6 (losses 0.5, 0.5, 3, 0.5): 4, then 0 of the tied three;
+    # image 1 has 1, 3, 5 (2, 0.1, 2): 1 and 5
+    np.testing.assert_array_equal(top[0].data.reshape(-1), [1, 2, -1, -1, 5, 6, -1])
+    np.testing.assert_array_equal(top[1].data[:, :, 0, 0].sum(axis=1), [4, 4, 0, 0, 4, 4, 0])
+
+
+@pytest.mark.parametrize("type_,params,bottoms,match", [
+    ("SmoothL1Loss", "", [randn(2, 4), randn(2, 4), randn(2, 4)],
+     r"bottom: takes the inside and outside weights together \(4 bottoms\) or neither \(2\), got 3"),
+    ("SmoothL1Loss", "", [randn(2, 4), randn(2, 4), randn(2, 4), randn(2, 3)],
+     r"bottom\[3\]: needs the 2 x 4 values of bottom\[0\] \(2, 4\), got \(2, 3\)"),
+    ("SmoothL1Loss", "smooth_l1_loss_param { sigma: 0 }", [randn(2, 4), randn(2, 4)],
+     r"smooth_l1_loss_param.sigma: must not be 0"),
+    ("SmoothL1LossOHEM", "", [randn(2, 4), randn(2, 4, 1, 1), randn(3, 4)],
+     r"bottom\[2\]: needs the 2 x 4 values"),
+    ("BoxAnnotatorOHEM", "", [ROIS5, ROI_LOSS, ROI_LOSS, ROI_LOSS],
+     r"box_annotator_ohem_param.roi_per_img: is required and must be positive, got 0"),
+    ("BoxAnnotatorOHEM", "box_annotator_ohem_param { roi_per_img: 1 }", [randn(7, 4), ROI_LOSS, ROI_LOSS, ROI_LOSS],
+     r"bottom\[0\]: rois must be R x 5 \(batch index, x1, y1, x2, y2\), got \(7, 4\)"),
+    ("BoxAnnotatorOHEM", "box_annotator_ohem_param { roi_per_img: 1 }", [ROIS5, randn(6), ROI_LOSS, ROI_LOSS],
+     r"bottom\[1\]: the per-ROI loss need one value per ROI \(7 x 1 x 1\), got \(6,\)"),
+])
+def test_fast_rcnn_and_ohem_input_errors(type_, params, bottoms, match):
+    with pytest.raises(LayerError, match=match):
+        setup_layer(type_, params, bottoms, n_top=2 if type_ == "BoxAnnotatorOHEM" else 1)

@@ -125,6 +125,35 @@ def reorg_loops(x, stride, forward):
     return out
 
 
+def psroi_expected(dim, k, scale):
+    """R-FCN's position-sensitive average pooling, bin by bin, in float32 as Intel computes it."""
+    f32 = np.float32
+
+    def expected(x, rois):
+        n, c, h, w = x.shape
+        out = np.zeros((len(rois), dim, k, k))
+        for r, (b, x1, y1, x2, y2) in enumerate(rois):
+            sx, sy = f32(c_round(x1)) * f32(scale), f32(c_round(y1)) * f32(scale)
+            ex, ey = f32(c_round(x2) + 1) * f32(scale), f32(c_round(y2) + 1) * f32(scale)
+            bh, bw = max(ey - sy, f32(0.1)) / f32(k), max(ex - sx, f32(0.1)) / f32(k)
+            for ct in range(dim):
+                for i in range(k):
+                    for j in range(k):
+                        hs = min(max(math.floor(f32(i) * bh + sy), 0), h)
+                        he = min(max(math.ceil(f32(i + 1) * bh + sy), 0), h)
+                        ws = min(max(math.floor(f32(j) * bw + sx), 0), w)
+                        we = min(max(math.ceil(f32(j + 1) * bw + sx), 0), w)
+                        if he > hs and we > ws:
+                            out[r, ct, i, j] = x[int(b), (ct * k + i) * k + j, hs:he, ws:we].mean()
+        return [out]
+    return expected
+
+
+# the last ROI lies past the 6 x 7 map (all bins empty); the third is one pixel
+PSROIS = np.array([[0, 0, 0, 9, 7], [1, 3, 2, 13, 11], [1, 5, 5, 5, 5], [0, 2.5, 1.5, 6.4, 12.6],
+                   [0, 30, 30, 40, 40]], np.float32)
+
+
 ROIS = np.array([[0, 0, 0, 10, 8], [1, 5, 3, 19, 15], [1, 6, 6, 7, 7], [0, 13, 9, 40, 30]], np.float32)
 
 CASES = [
@@ -183,6 +212,11 @@ CASES = [
     Case("ROIPooling", "roi_pooling_param { pooled_size: 3 spatial_scale: 0.25 }",
          [distinct(2, 2, 6, 7), ROIS], expected=roi_pool_expected(3, 3, 0.25), check_bottom=[0],
          id="roi-pooling-pooled-size"),
+    Case("PSROIPooling", "psroi_pooling_param { spatial_scale: 0.5 output_dim: 2 group_size: 3 }",
+         [randn(2, 18, 6, 7), PSROIS], expected=psroi_expected(2, 3, 0.5), check_bottom=[0], id="psroi-pooling"),
+    Case("PSROIPooling", "psroi_pooling_param { spatial_scale: 0.25 output_dim: 3 group_size: 2 }",
+         [randn(2, 12, 5, 4, seed=3), PSROIS], expected=psroi_expected(3, 2, 0.25), check_bottom=[0],
+         id="psroi-pooling-k2"),
     Case("Reorg", "reorg_param { stride: 2 }", [randn(2, 8, 4, 6)],
          expected=lambda x: [reorg_loops(x, 2, True).reshape(2, 32, 2, 3)], id="reorg"),
     Case("Reorg", "reorg_param { stride: 2 reverse: true }", [randn(2, 8, 4, 6)],
@@ -275,3 +309,28 @@ def test_blocked_convolution_checks_the_fusions_with_the_same_words():
                                         r"takes two bottoms \(the input and the summand\) and one top"):
         setup_layer("Convolution", "convolution_param { num_output: 8 kernel_size: 1 fusion_type: SUM_FUSION }",
                     [randn(1, 8, 4, 4)], layout="blocked")
+
+
+def test_psroi_pooling_averages_each_bins_own_channel_and_checks_its_inputs():
+    # channel (c k + i) k + j holds the value 100 c + 10 i + j everywhere: each bin shows its index
+    k, dim = 2, 2
+    x = np.zeros((1, dim * k * k, 4, 4), np.float32)
+    for c in range(dim):
+        for i in range(k):
+            for j in range(k):
+                x[0, (c * k + i) * k + j] = 100 * c + 10 * i + j
+    layer, bottom, top = setup_layer("PSROIPooling", "psroi_pooling_param { spatial_scale: 1 output_dim: 2 group_size: 2 }",
+                                     [x, np.array([[0, 0, 0, 3, 3]], np.float32)])
+    layer.forward(bottom, top)
+    np.testing.assert_array_equal(top[0].data[0], [[[0, 1], [10, 11]], [[100, 101], [110, 111]]])
+    top[0].diff[...] = 4
+    layer.backward(top, [True, False], bottom)
+    # each 2 x 2 bin spreads its diff over its 4 cells of its own channel
+    assert np.all(bottom[0].diff.sum(axis=(2, 3)) == 4) and bottom[0].diff.max() == 1
+    with pytest.raises(Exception, match=r"bottom\[0\]: needs N x 8 x H x W score maps \(output_dim 2 x group_size "
+                                        r"2\^2 channels\), got \(1, 6, 4, 4\)"):
+        setup_layer("PSROIPooling", "psroi_pooling_param { spatial_scale: 1 output_dim: 2 group_size: 2 }",
+                    [x[:, :6], np.array([[0, 0, 0, 3, 3]], np.float32)])
+    with pytest.raises(Exception, match=r"psroi_pooling_param.group_size: is required"):
+        setup_layer("PSROIPooling", "psroi_pooling_param { spatial_scale: 1 output_dim: 2 }",
+                    [x, np.array([[0, 0, 0, 3, 3]], np.float32)])

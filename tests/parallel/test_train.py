@@ -414,7 +414,7 @@ def test_statistics_groups_on_ranks_match_one_rank_with_the_ranks_batches(tmp_pa
     outs = [train(single), train(multi, ranks), train(whole)]
     for out in outs:
         assert out.returncode == 0, out.stderr[-3000:]
-    assert "Fused 1 BatchNorm + Scale pair(s), 1 with the ReLU" in outs[1].stderr
+    assert "fused 1 BatchNorm + Scale pair(s), 1 with the ReLU" in outs[1].stderr
     w1, wn, w0 = (weights(job / f"snap_iter_{ITERS}.caffemodel") for job in (single, multi, whole))
     learned = [k for k in w1 if not k.startswith("bn1.")]
     assert max_rel_diff({k: w1[k] for k in learned}, {k: wn[k] for k in learned}) < 1e-5

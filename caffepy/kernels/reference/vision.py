@@ -1,5 +1,5 @@
 """NumPy references of the vision kernels (cext/vision.pyx, caffepy.kernels.vision): im2col,
-col2im, convolution, deconvolution, MAX and AVE pooling.
+col2im, convolution, deconvolution, MAX and AVE pooling, ROI pooling.
 
 Written for clarity, not speed: direct sums over kernel taps and windows in float64, sharing
 no code with the kernels (no im2col inside the convolution reference). Each function returns
@@ -176,3 +176,23 @@ def ave_pool_backward(top_diff, H, W, kh, kw, sh, sw, ph, pw):
     for py, px, rows, cols, count in _windows(H, W, oh, ow, kh, kw, sh, sw, ph, pw):
         bottom_diff[:, :, rows, cols] += (dy[:, :, py, px] / count)[:, :, None, None]
     return bottom_diff
+
+
+def roi_pool_forward(bottom, batch, hstart, hend, wstart, wend):
+    """(top, argmax) of ROI max pooling over the given bins: the first maximum in row-major
+    order, argmax h * W + w; an empty bin gives 0 and -1."""
+    N, C, H, W = bottom.shape
+    R, PH, PW = len(batch), hstart.shape[1], wstart.shape[1]
+    top = np.zeros((R, C, PH, PW))
+    argmax = np.full((R, C, PH, PW), -1, np.int64)
+    for r in range(R):
+        plane = bottom[batch[r]].reshape(C, H * W)
+        for i in range(PH):
+            for j in range(PW):
+                cells = (np.arange(hstart[r, i], hend[r, i])[:, None] * W
+                         + np.arange(wstart[r, j], wend[r, j])).ravel()
+                if len(cells):
+                    arg = cells[np.argmax(plane[:, cells], axis=1)]
+                    argmax[r, :, i, j] = arg
+                    top[r, :, i, j] = plane[np.arange(C), arg]
+    return top, argmax
