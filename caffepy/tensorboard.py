@@ -17,9 +17,11 @@ What is recorded, at the iteration of Caffe's log line that shows it (rank 0 wri
     speed/items_per_second      display over its iterations; items of the global batch
     test/<output>               each test: every "Test net output" (test<i>/ for test net i > 0)
     test/total_loss             with test_compute_loss: the "Test loss" line
-    <tag>                       whatever hooks before this one add to the display's `scalars`
-                                (Hooks.on_display: under MPI the slowest rank and the
-                                communication wait, where caffepy.parallel measures them)
+    <tag>                       each display: whatever any hook puts in the display's
+                                `scalars` dict in its on_display, under the tag it chose (the
+                                writer records in Hooks.record_display, after every on_display,
+                                so the order hooks were attached in does not matter). Under
+                                MPI the strategy's per-rank figures go there, under mpi/
     weights/<layer>/<k>         every `histogram_interval` iterations (0: never): each
     gradients/<layer>/<k>       parameter blob's values and its gradient before the update
 """
@@ -66,7 +68,7 @@ class TensorBoardWriter(Hooks):
         self.histogram_interval = histogram_interval
         self.writer = _summary_writer(logdir)
 
-    def on_display(self, solver, stats):
+    def record_display(self, solver, stats):
         it = stats["iteration"]
         scalars = {"train/smoothed_loss": stats["loss"], "train/learning_rate": stats["learning_rate"]}
         scalars.update((f"train/{name}", value) for name, value in stats["outputs"])

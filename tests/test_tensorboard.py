@@ -121,6 +121,26 @@ def test_gradient_histograms_see_the_gradient_before_the_update(run_dir):
     assert np.abs(seen[4]).sum() > 0
 
 
+def test_scalars_hooks_add_at_display_are_recorded_whatever_the_hook_order(run_dir):
+    """A hook attached after the writer (as a user of the Python API may attach an MPI strategy)
+    still has its display figures recorded, under its tags, at the display's iteration."""
+
+    class RankFigures(Hooks):
+        def on_display(self, solver, stats):
+            stats["scalars"]["mpi/slowest_rank"] = solver.iter % 3
+            stats["scalars"]["mpi/communication_wait_fraction"] = 0.25 + solver.iter / 100
+
+    solver = caffe.get_solver("solver.prototxt")
+    writer = caffe.tensorboard.attach(solver, str(run_dir / "runs"))
+    solver.hooks.append(RankFigures())
+    solver.step(7)
+    writer.close()
+    events = read_events(run_dir / "runs")
+    assert scalars(events, "mpi/slowest_rank") == [(0, 0), (2, 2), (4, 1), (6, 0)]
+    assert scalars(events, "mpi/communication_wait_fraction") == [
+        (it, pytest.approx(0.25 + it / 100)) for it in (0, 2, 4, 6)]
+
+
 def test_train_command_writes_events(run_dir):
     result = CliRunner().invoke(main, ["train", "--solver", "solver.prototxt", "--tensorboard", "tb",
                                        "--tensorboard_histograms", "8"])

@@ -114,10 +114,15 @@ class Hooks:
         output of several values gives `name/k` for each), `learning_rate`, and when
         iterations were timed since the previous display `seconds_per_iter` and
         `items_per_second` (items of the global batch, iter_size passes included). Its
-        `scalars` {tag: value} is where a hook adds figures of its own for the hooks after it
-        (a TensorBoard writer records them): under MPI, the slowest rank's seconds per
-        iteration and the time spent waiting for communication belong there, as
-        `mpi/slowest_rank_seconds_per_iter`, `mpi/slowest_rank` and `mpi/wait_seconds_per_iter`."""
+        `scalars` {tag: value} is where a hook adds figures of its own, whatever its place in
+        the list: record_display sees them all. Under MPI the strategy's per-rank figures
+        belong there, under `mpi/` (e.g. `mpi/slowest_rank`, `mpi/slowest_rank_seconds_per_iter`,
+        `mpi/communication_wait_fraction`)."""
+
+    def record_display(self, solver, stats):
+        """Every rank, after every hook's on_display for the iteration: `stats` is complete,
+        `scalars` holding what any hook added. For hooks that record the figures (the
+        TensorBoard writer), so that the order hooks were attached in does not matter."""
 
     def on_test(self, solver, index, outputs, loss):
         """Every rank, after test net `index` is scored: `outputs` [(name, mean)] as the
@@ -352,6 +357,8 @@ class Solver:
             if shown is not None:
                 shown["learning_rate"] = self.rate
                 for fn in self._hooks("on_display"):
+                    fn(self, shown)
+                for fn in self._hooks("record_display"):
                     fn(self, shown)
             self.iter += 1
             request = self.get_requested_action()
