@@ -8,15 +8,40 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
+PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile
+
 # What caffepy itself needs, no more: `make demo` waits for this alone. The kernels compile one
 # job per core (setup.py); the build requirements go into the venv itself, so rebuilds after a
 # .pyx edit take seconds. --no-compile: Python compiles a module when it is first imported
-# rather than pip compiling all of numpy's and scipy's up front (two thirds of pip's CPU time)
+# rather than pip compiling all of numpy's and scipy's up front (two thirds of pip's CPU time).
+# caffepy's other requirements (OpenCV, MPICH, ...) download and install in the background
+# meanwhile, none of them needed to build; `pip check` then confirms nothing is missing
 $(STAMP): pyproject.toml setup.py $(wildcard cext/*.pyx cext/*.pxd cext/*.pxi cext/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile 'setuptools>=70' wheel 'cython>=3.1' 'numpy>=2.0' 'scipy>=1.11'
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-build-isolation -e .
+	$(PY) -c "$$RUNTIME_REQUIREMENTS" > $(VENV)/.runtime-requirements
+	set -e; nodeps=; \
+	if [ -s $(VENV)/.runtime-requirements ]; then \
+	  $(PIP) --no-deps -r $(VENV)/.runtime-requirements & deps=$$!; nodeps=--no-deps; \
+	fi; \
+	$(PIP) 'setuptools>=70' wheel 'cython>=3.1' 'numpy>=2.0' 'scipy>=1.11'; \
+	$(PIP) --no-build-isolation $$nodeps -e .; \
+	if [ -n "$$nodeps" ]; then wait $$deps; fi
+	$(PY) -m pip check
 	touch $(STAMP)
+
+# caffepy's requirements but numpy and scipy (the build's own), from pyproject.toml; tomllib is
+# Python 3.11's: on 3.10 none, and pip installs them with caffepy, one after the other
+define RUNTIME_REQUIREMENTS
+import re
+try:
+    import tomllib
+except ImportError:
+    raise SystemExit
+for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    if not re.match(r"(numpy|scipy)\b", r):
+        print(r)
+endef
+export RUNTIME_REQUIREMENTS
 
 # Requirements of optional extras, read from the installed caffepy's metadata (pyproject.toml's
 # optional-dependencies) and installed alone: reinstalling caffepy would recompile every kernel.
