@@ -60,7 +60,7 @@ export EXTRA_REQUIREMENTS
 TESTDEPS := $(VENV)/.testdeps
 
 $(TESTDEPS): $(STAMP)
-	$(PY) -c "$$EXTRA_REQUIREMENTS" test | xargs $(PY) -m pip install -q --disable-pip-version-check --no-compile
+	$(PY) -c "$$EXTRA_REQUIREMENTS" test | xargs $(PIP)
 	touch $(TESTDEPS)
 
 # The optional extras by name (pip install 'caffepy[draw,hdf5,plot,onnx,tensorboard]'): pydot
@@ -72,7 +72,7 @@ EXTRAS := $(VENV)/.extras
 extras: $(EXTRAS)
 
 $(EXTRAS): $(STAMP)
-	$(PY) -c "$$EXTRA_REQUIREMENTS" draw hdf5 plot onnx tensorboard | xargs $(PY) -m pip install -q --disable-pip-version-check --no-compile
+	$(PY) -c "$$EXTRA_REQUIREMENTS" draw hdf5 plot onnx tensorboard | xargs $(PIP)
 	touch $(EXTRAS)
 
 # The embedded default: digits -> LMDB -> train LeNet -> test accuracy
@@ -89,7 +89,7 @@ imagenet-sample: install
 TORCH := $(VENV)/.torch
 
 $(TORCH): $(STAMP)
-	$(PY) -m pip install -q torch==2.13.0 || echo "torch unavailable: torch-reference tests will skip"
+	$(PIP) torch==2.13.0 || echo "torch unavailable: torch-reference tests will skip"
 	touch $(TORCH)
 
 # the extras too, so their tests run rather than skip
