@@ -196,9 +196,11 @@ def net_with_engine(model, engine="", **kwargs):
     return Net(param, source=model, **kwargs)
 
 
-def test(model, weights=None, iterations=50, level=0, stages=(), engine="", sampling=False):
+def test(model, weights=None, iterations=50, level=0, stages=(), engine="", sampling=False, detection=False,
+         ap_version="11point"):
     """Score a model: run the TEST phase `iterations` times, log each batch and the averages.
-    `sampling` (Intel's): build the net and load the weights, nothing more."""
+    `sampling` (Intel's): build the net and load the weights, nothing more. `detection` (SSD's):
+    the outputs are DetectionEvaluate's rows; log and return each output's mAP."""
     from .net import TEST
 
     if not weights:
@@ -208,6 +210,8 @@ def test(model, weights=None, iterations=50, level=0, stages=(), engine="", samp
     if sampling:
         return []
     log.info(f"Running for {iterations} iterations.")
+    if detection:
+        return _test_detection(net, iterations, ap_version)
     # float sums, as caffe.cpp's test(): its averages print as Caffe's do
     f32 = np.float32
     names, scores = [], None
@@ -231,6 +235,27 @@ def test(model, weights=None, iterations=50, level=0, stages=(), engine="", samp
         extra = f" (* {fmt(weight)} = {fmt(f32(weight) * mean)} loss)" if weight else ""
         log.info(f"{name} = {fmt(mean)}{extra}")
         results.append((name, float(mean)))
+    return results
+
+
+def _test_detection(net, iterations, ap_version):
+    """SSD's test_detection: every output of every batch holds DetectionEvaluate's rows."""
+    from .bbox import MeanAP
+    found = [MeanAP() for _ in net.outputs]
+    for _ in range(iterations):
+        net.forward_from_to()
+        for acc, name in zip(found, net.outputs):
+            if net.blobs[name].shape[-1:] != (5,):
+                raise UsageError(f"test: --detection: output '{name}' is not DetectionEvaluate's "
+                                 f"[1, 1, rows, 5], got shape {net.blobs[name].shape}")
+            acc.add(net.blobs[name].data)
+    results = []
+    for i, (name, acc) in enumerate(zip(net.outputs, found)):
+        m_ap, _, missing = acc.result(ap_version)
+        for label in missing:
+            log.warning(f"Missing true_pos for label: {label}")
+        log.info(f"    Test net output #{i}: {name} = {fmt(m_ap)}")
+        results.append((name, m_ap))
     return results
 
 

@@ -195,13 +195,19 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
 @engine_option
 @click.option("--sampling/--no-sampling", default=False,
               help="Intel Caffe's sampling mode: build the net, load the weights, and stop.")
+@click.option("--detection/--no-detection", default=False,
+              help="Score a detection net: its outputs are DetectionEvaluate's rows, turned into mAP "
+                   "(SSD's flag).")
+@click.option("--ap_version", type=click.Choice(["11point", "MaxIntegral", "Integral"]), default="11point",
+              show_default=True, help="With --detection: VOC2007's 11-point AP (what Intel Caffe's tool "
+                                      "prints), VOC2010's MaxIntegral, or the natural Integral.")
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
-def test(model, weights, iterations, level, stage, engine, sampling, gpu):
-    """Score a model: run the TEST phase and average its outputs."""
+def test(model, weights, iterations, level, stage, engine, sampling, detection, ap_version, gpu):
+    """Score a model: run the TEST phase and average its outputs (with -detection: their mAP)."""
     _gpu_notice(gpu)
     from . import actions
     actions.test(model=model, weights=weights, iterations=iterations, level=level, stages=_stages(stage),
-                 engine=engine, sampling=sampling)
+                 engine=engine, sampling=sampling, detection=detection, ap_version=ap_version)
 
 
 @main.command()
@@ -307,6 +313,71 @@ def convert_imageset(root_folder, list_file, db_name, gray, shuffle, backend, re
     tools.convert_imageset(root_folder, list_file, db_name, gray=gray, shuffle=shuffle, backend=backend,
                            resize_width=resize_width, resize_height=resize_height,
                            check_size=check_size, encoded=encoded, encode_type=encode_type)
+
+
+@main.command("convert_annoset")
+@click.argument("root_folder", metavar="ROOTFOLDER/")
+@click.argument("list_file", metavar="LISTFILE")
+@click.argument("db_name", metavar="DB_NAME")
+@click.option("--anno_type", type=click.Choice(["classification", "detection"]), default="classification",
+              show_default=True, help="classification: LISTFILE lines `image label`; detection: `image "
+                                      "annotation_file` (boxes).")
+@click.option("--label_type", type=click.Choice(["xml", "json", "txt"]), default="xml", show_default=True,
+              help="The annotation files' format: VOC xml, the fork's COCO json, or `label xmin ymin xmax "
+                   "ymax` lines.")
+@click.option("--label_map_file", default="", metavar="FILE",
+              help="The LabelMap prototxt that turns annotation names into labels (detection).")
+@click.option("--check_label/--no-check_label", default=False, help="Refuse a label map that gives a name twice.")
+@click.option("--min_dim", default=0, type=click.IntRange(min=0),
+              help="Resize (keeping the aspect ratio) so the shorter side is at least this.")
+@click.option("--max_dim", default=0, type=click.IntRange(min=0),
+              help="Resize (keeping the aspect ratio) so the longer side is at most this.")
+@click.option("--resize_width", default=0, type=click.IntRange(min=0), help="Width images are resized to.")
+@click.option("--resize_height", default=0, type=click.IntRange(min=0), help="Height images are resized to.")
+@click.option("--backend", type=click.Choice(["lmdb", "leveldb"]), default="lmdb", show_default=True,
+              help="The backend for storing the result.")
+@click.option("--shuffle/--no-shuffle", default=False, help="Randomly shuffle the order of images.")
+@click.option("--check_size/--no-check_size", default=False, help="Check that all the images have the same size.")
+@click.option("--encoded/--no-encoded", default=False, help="Store the encoded image in the datum.")
+@click.option("--encode_type", default="", help="Image format to encode to (png, jpg); default: the file's own.")
+@click.option("--gray/--no-gray", default=False, help="Load images in grayscale.")
+def convert_annoset(root_folder, list_file, db_name, anno_type, label_type, label_map_file, check_label,
+                    min_dim, max_dim, resize_width, resize_height, backend, shuffle, check_size, encoded,
+                    encode_type, gray):
+    """Convert images and their annotations to an LMDB or LevelDB of AnnotatedDatum (SSD's
+    convert_annoset)."""
+    from .data import annoset
+    annoset.convert_annoset(root_folder, list_file, db_name, anno_type=anno_type, label_type=label_type,
+                            label_map_file=label_map_file, check_label=check_label, min_dim=min_dim,
+                            max_dim=max_dim, resize_height=resize_height, resize_width=resize_width,
+                            backend=backend, shuffle=shuffle, check_size=check_size, encode_type=encode_type,
+                            encoded=encoded, gray=gray)
+
+
+@main.command("create_label_map")
+@click.argument("map_file", metavar="MAPFILE")
+@click.argument("out_file", metavar="OUTFILE")
+@click.option("--include_background/--no-include_background", default=False,
+              help="Make none_of_the_above (display name background) label 0.")
+@click.option("--delimiter", default=" ", show_default=True,
+              help="The characters that separate a line's fields (name [label [display_name]]).")
+def create_label_map(map_file, out_file, include_background, delimiter):
+    """Write a LabelMap prototxt from a file of label names (SSD's create_label_map)."""
+    from .data import annoset
+    annoset.create_label_map(map_file, out_file, include_background, delimiter)
+
+
+@main.command("get_image_size")
+@click.argument("root_folder", metavar="ROOTFOLDER/")
+@click.argument("list_file", metavar="LISTFILE")
+@click.argument("out_file", metavar="OUTFILE")
+@click.option("--name_id_file", default="", metavar="FILE",
+              help="`name id` lines: write each image's id instead of its name.")
+def get_image_size(root_folder, list_file, out_file, name_id_file):
+    """Write `name height width` for each image of LISTFILE (SSD's get_image_size; what
+    DetectionEvaluate's name_size_file reads)."""
+    from .data import annoset
+    annoset.get_image_size(root_folder, list_file, out_file, name_id_file)
 
 
 @main.command("extract_features")

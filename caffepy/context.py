@@ -1,7 +1,7 @@
 """The run context: what a run tells the nets, layers and solvers it builds about itself.
 
 Layers and solvers learn their rank, the number of ranks, the run's seed and how to agree on a
-value across ranks from here, never by importing caffepy.parallel. A single process uses
+value (or add one up) across ranks from here, never by importing caffepy.parallel. A single process uses
 `SINGLE`; a multi-rank run (caffepy.parallel.mpi.init_world) makes one around its communicator
 and hands it to the Solver (`Solver(..., context=world)`), which hands it to its train net and
 every layer in it. The test nets get the context the Solver's `test_context` names (the run's:
@@ -24,6 +24,13 @@ class RunContext:
         if self.comm is None or self.size == 1:
             return value
         return self.comm.bcast(value, root=root)
+
+    def total(self, value):
+        """The sum of `value` (a number) over the ranks, on every rank. Every rank calls it at
+        the same point."""
+        if self.comm is None or self.size == 1:
+            return value
+        return self.comm.allreduce(value)
 
     def gather(self, value, root=0):
         """`root` gets every rank's value (a picklable Python object) in rank order; the

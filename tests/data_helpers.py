@@ -79,3 +79,38 @@ def data_net_text(source, batch_size, extra_data="", transform="", tops=("data",
     return (f'layer {{\n  name: "data"\n  type: "Data"\n{top_lines}'
             f'  data_param {{ source: "{source}" batch_size: {batch_size} {backend}{extra_data} }}\n'
             f'  transform_param {{ {transform} }}\n}}\n')
+
+
+def annotated_datum(image, objects, encoded=True, typed=True, label=-1):
+    """An AnnotatedDatum of an H x W x C uint8 image (PNG bytes when encoded) and its objects:
+    [(label, (xmin, ymin, xmax, ymax) normalized, difficult)], grouped by label in the order
+    labels first appear (as convert_annoset groups them)."""
+    from caffepy.data.datum import encoded_datum, image_to_datum
+    from caffepy.proto import caffe_pb2
+    a = caffe_pb2.AnnotatedDatum()
+    if encoded:
+        ok, buf = cv2.imencode(".png", image)
+        a.datum.CopyFrom(encoded_datum(buf.tobytes(), label))
+    else:
+        a.datum.CopyFrom(image_to_datum(image, label))
+    if typed:
+        a.type = caffe_pb2.AnnotatedDatum.BBOX
+    groups = {}
+    for lab, box, difficult in objects:
+        if lab not in groups:
+            groups[lab] = a.annotation_group.add(group_label=lab)
+        g = groups[lab]
+        an = g.annotation.add(instance_id=len(g.annotation))
+        an.bbox.xmin, an.bbox.ymin, an.bbox.xmax, an.bbox.ymax = box
+        an.bbox.difficult = bool(difficult)
+    return a
+
+
+def make_annotated_db(path, records):
+    """An LMDB of AnnotatedDatum records (keys 00000000, 00000001, ...)."""
+    env = lmdb.open(os.fspath(path), map_size=1 << 28)
+    with env.begin(write=True) as txn:
+        for i, a in enumerate(records):
+            txn.put(f"{i:08d}".encode(), a.SerializeToString())
+    env.close()
+    return os.fspath(path)

@@ -144,7 +144,7 @@ def test_bad_input(corpus, batch, case):
 def test_corpus_covers_every_category_and_leaves_fixtures_alone(corpus, batch):
     counts = {cat: sum(1 for c in CASES if c.category == cat) for cat in categories()}
     assert set(counts) == {"syntax", "names", "wiring", "sizes", "caffemodel", "solverstate", "mean",
-                           "lmdb", "tools", "solver_values", "signals", "augment"}
+                           "lmdb", "tools", "solver_values", "signals", "augment", "detection"}
     assert all(n >= 5 for n in counts.values()), counts
     assert listing(corpus.fx.root) == corpus.fixtures_before
     assert len({c.name for c in CASES}) == len(CASES)

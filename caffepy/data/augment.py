@@ -158,21 +158,23 @@ def aspect_region(h, w, p, gen):
 
 def random_aspect_ratio(img, p, resize, crop_h, crop_w, gen):
     """A random region (aspect_region) resized to the crop; after max_attempt misses, the
-    whole image with its shorter side resized to the crop's longer side."""
+    whole image with its shorter side resized to the crop's longer side. (image, region as
+    (y, x, rows, cols) or None)."""
     h, w = img.shape[:2]
     region = aspect_region(h, w, p, gen)
     if region is None:
-        return resize(img, gen, *shorter_side(h, w, max(crop_h, crop_w)))
+        return resize(img, gen, *shorter_side(h, w, max(crop_h, crop_w))), None
     y, x, rows, cols = region
-    return resize(img[y:y + rows, x:x + cols], gen, crop_h, crop_w)
+    return resize(img[y:y + rows, x:x + cols], gen, crop_h, crop_w), region
 
 
 # -- expansion --------------------------------------------------------------------------------------
 def expand(img, p, fill, gen):
     """With probability `prob`, the image at a random place on a canvas `ratio` times as
-    tall and as wide (ratio uniform in [1, max_expand_ratio]) filled with `fill` per channel."""
+    tall and as wide (ratio uniform in [1, max_expand_ratio]) filled with `fill` per channel.
+    (image, its (top, left) on the canvas, or None when not expanded)."""
     if gen.random() > p.prob or abs(p.max_expand_ratio - 1) < 1e-2:
-        return img
+        return img, None
     ratio = F(gen.uniform(1, p.max_expand_ratio))
     h, w, c = img.shape
     rows, cols = int(F(h) * ratio), int(F(w) * ratio)
@@ -180,7 +182,19 @@ def expand(img, p, fill, gen):
     out = np.empty((rows, cols, c), img.dtype)
     out[...] = fill
     out[top:top + h, left:left + w] = img
-    return out
+    return out, (top, left)
+
+
+def crop_box(img, box):
+    """The part of an image a normalized box (clipped to [0, 1]) covers, in whole pixels as the
+    fork's CropImage takes it (offsets and sizes truncated, at least one pixel): (the part, the
+    normalized box of the pixels taken)."""
+    h, w = img.shape[:2]
+    x0, y0, x1, y1 = (F(v) for v in np.clip(np.asarray(box, F), 0, 1))
+    left, top = int(x0 * F(w)), int(y0 * F(h))
+    cols, rows = max(1, int(x1 * F(w) - x0 * F(w))), max(1, int(y1 * F(h) - y0 * F(h)))
+    taken = np.array([left / F(w), top / F(h), (left + cols) / F(w), (top + rows) / F(h)], F)
+    return img[top:top + rows, left:left + cols], taken
 
 
 def per_channel(values, channels, field, where=""):
@@ -451,9 +465,13 @@ class Augmentations:
                 return (c,) + self.resize.size(h, w)
         return (c, None, None) if self.varies else (c, h, w)
 
-    def apply(self, image, gen, where=""):
+    def apply(self, image, gen, where="", boxes=None, sample=None):
         """The augmented H x W x C image (uint8, or float32 from float data or convert_to_lab)
-        of a C x H x W `image`."""
+        of a C x H x W `image`.
+
+        For AnnotatedData: `boxes` (caffepy.data.annotated.Annotations) follow the image
+        through every step that moves its pixels; `sample(boxes, gen)` (the batch samplers)
+        runs after the expansion and gives the normalized box to crop to, or None."""
         img = image.transpose(1, 2, 0)
         if not img.flags.c_contiguous:      # a raw Datum: OpenCV interleaves 20x faster than NumPy
             img = _hwc(cv2.merge([np.ascontiguousarray(channel) for channel in image]))
@@ -461,13 +479,29 @@ class Augmentations:
             _need_uint8(img, "distort_param", where)
             img = distort(img, self.distort, gen)
         if self.expand:
-            img = expand(img, self.expand, expand_fill(self.mean_values, img.shape[2], img.dtype, where), gen)
+            h, w = img.shape[:2]
+            img, placed = expand(img, self.expand, expand_fill(self.mean_values, img.shape[2], img.dtype, where),
+                                 gen)
+            if boxes is not None and placed is not None:
+                (top, left), (rows, cols) = placed, img.shape[:2]
+                boxes.reframe(np.array([-left / F(w), -top / F(h), (cols - left) / F(w), (rows - top) / F(h)], F))
+        if sample is not None:
+            box = sample(boxes, gen)
+            if box is not None:
+                img, taken = crop_box(img, box)
+                boxes.reframe(taken)
         if self.random_resize:
             p = self.random_resize
             img = random_resize(img, p.min_size, p.max_size, self.inner, gen, where)
         elif self.random_aspect:
-            img = random_aspect_ratio(img, self.random_aspect, self.inner, *self.crop, gen)
+            h, w = img.shape[:2]
+            img, region = random_aspect_ratio(img, self.random_aspect, self.inner, *self.crop, gen)
+            if boxes is not None and region is not None:
+                y, x, rows, cols = region
+                boxes.reframe(np.array([x / F(w), y / F(h), (x + cols) / F(w), (y + rows) / F(h)], F))
         if self.resize:
+            if boxes is not None:
+                boxes.fit(self.resize, *img.shape[:2])
             img = self.resize(img, gen)
         if self.noise:
             _need_uint8(img, "noise_param", where)

@@ -61,9 +61,14 @@ class RecordOrder:
             self._epoch = epoch
         return self._perm
 
+    def position(self, i):
+        """The global stream position of this rank's i-th read (the ranks' reads together
+        count 0, 1, 2, ...)."""
+        return self.skip + i * self.ranks + self.rank
+
     def index(self, i):
         """Record index of this rank's i-th read."""
-        epoch, pos = divmod(self.skip + i * self.ranks + self.rank, self.size)
+        epoch, pos = divmod(self.position(i), self.size)
         return int(self.permutation(epoch)[pos]) if self.shuffle else pos
 
 

@@ -16,6 +16,9 @@ writes, under `root`:
     test_name_size.txt              `<id> <height> <width>` per test image (get_image_size's)
     labelmap.prototxt               SSD's LabelMap: background 0, then the classes 1..n
 
+and `write_lmdbs(root)` converts the two splits to <root>/trainval_lmdb and test_lmdb with
+convert_annoset, encoded, as Intel Caffe's data/VOC0712/create_data.sh does for VOC.
+
 Image i of a seed is the same whatever the number of images asked for (each image draws from
 its own generator, seeded by (seed, i)), so a bigger set extends a smaller one. An object more
 than half hidden by the ones drawn over it is marked difficult, as VOC marks the objects it
@@ -182,3 +185,17 @@ def write_shapes(root, trainval=48, test=16, size=96, seed=0, classes=CLASSES, m
     with open(os.path.join(root, "labelmap.prototxt"), "w") as f:
         f.write(labelmap_text(classes))
     return splits
+
+
+def write_lmdbs(root, splits=("trainval", "test"), backend="lmdb"):
+    """convert_annoset (detection, VOC xml, JPEG bytes kept) of each split's list file into
+    <root>/<split>_<backend>; return {split: path}."""
+    from .annoset import convert_annoset
+    root = os.fspath(root)
+    out = {}
+    for split in splits:
+        out[split] = os.path.join(root, f"{split}_{backend}")
+        convert_annoset(root + os.sep, os.path.join(root, split + ".txt"), out[split], anno_type="detection",
+                        label_map_file=os.path.join(root, "labelmap.prototxt"), check_label=True,
+                        backend=backend, encoded=True, encode_type="jpg")
+    return out

@@ -37,6 +37,34 @@ def _same_format(path, encoding):
     return ext == encoding or (encoding == "jpg" and ext == "jpeg")
 
 
+def image_datum(path, img, label, encoded, encode_type, is_color, resized):
+    """The Datum of image file `path`, read as `img` (H x W x C): raw pixels, or with `encoded`
+    the file's own bytes when nothing changed them (no resize, its own channel count, the
+    format asked for: `encode_type`, else the file's extension), else `img` encoded anew."""
+    if not encoded:
+        return image_to_datum(img, label)
+    enc = encode_type or os.path.splitext(path)[1].lower().lstrip(".")
+    if (img.shape[2] == 3) == is_color and not resized and _same_format(path, enc):
+        with open(path, "rb") as f:
+            return encoded_datum(f.read(), label)
+    try:
+        ok, buf = cv2.imencode("." + enc, img)
+    except cv2.error:
+        ok = False
+    if not ok:
+        raise DataError(f"{path}: cannot encode the image as '{enc}'")
+    return encoded_datum(buf.tobytes(), label)
+
+
+def same_size(size, img, db_name, key):
+    """--check_size: the C x H x W of the first image, checked against `img`'s."""
+    this = (img.shape[2],) + img.shape[:2]
+    if size is not None and this != size:
+        raise DataError(f"{db_name}: key '{key}': image size {'x'.join(map(str, this))} "
+                        f"differs from the first image's {'x'.join(map(str, size))} (--check_size)")
+    return this
+
+
 def convert_imageset(root_folder, list_file, db_name, gray=False, shuffle=False, backend="lmdb",
                      resize_width=0, resize_height=0, check_size=False, encoded=False, encode_type=""):
     """Write the images of `list_file` into a new database `db_name` (`backend` lmdb or leveldb);
@@ -70,31 +98,10 @@ def convert_imageset(root_folder, list_file, db_name, gray=False, shuffle=False,
                 skipped += 1
                 continue
             key = f"{line_id:08d}_{name}"
-            if encoded:
-                enc = encode_type or os.path.splitext(name)[1].lower().lstrip(".")
-                unchanged = (img.shape[2] == 3) == is_color and not (resize_height or resize_width)
-                if unchanged and _same_format(name, enc):
-                    with open(path, "rb") as f:
-                        datum = encoded_datum(f.read(), label)
-                else:
-                    try:
-                        ok, buf = cv2.imencode("." + enc, img)
-                    except cv2.error:
-                        ok = False
-                    if not ok:
-                        raise DataError(f"{path}: cannot encode the image as '{enc}'")
-                    datum = encoded_datum(buf.tobytes(), label)
-            else:
-                datum = image_to_datum(img, label)
+            datum = image_datum(path, img, label, encoded, encode_type, is_color,
+                                resized=bool(resize_height or resize_width))
             if check_size:
-                this = datum_to_array(datum).shape if encoded else (datum.channels, datum.height,
-                                                                     datum.width)
-                if size is None:
-                    size = this
-                elif this != size:
-                    raise DataError(f"{db_name}: key '{key}': image size {'x'.join(map(str, this))} "
-                                    f"differs from the first image's {'x'.join(map(str, size))} "
-                                    f"(--check_size)")
+                size = same_size(size, img, db_name, key)
             db.put(key, datum.SerializeToString())
             written += 1
             if written % _COMMIT == 0:

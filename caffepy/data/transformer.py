@@ -28,7 +28,8 @@ becomes 255 - value, before the mean.
 
 Proto fields: scale, mirror, crop_size, crop_h, crop_w, mean_file, mean_value, force_color,
 force_gray (the last two apply to encoded images), pad, flow and the augmentations above.
-emit_constraint is refused: it filters annotated boxes (SSD's AnnotatedData, detection).
+emit_constraint (which boxes survive a crop) is read by AnnotatedData alone
+(caffepy/data/annotated.py); the other layers, which have no boxes, refuse it.
 """
 import weakref
 
@@ -47,7 +48,7 @@ class DataTransformer:
     one from caffepy.rng so a run with a fixed random_seed is repeatable).
     """
 
-    def __init__(self, param, phase, generator=None, layer=None):
+    def __init__(self, param, phase, generator=None, layer=None, boxes=False):
         self.param = param
         self.phase = phase
         # weak: the prefetch thread holds the transformer, and a strong reference would keep
@@ -58,9 +59,9 @@ class DataTransformer:
         self.mirror = bool(param.mirror)
         self.pad = int(param.pad)
         self.flow = bool(param.flow)
-        if param.HasField("emit_constraint"):
-            raise self._error("transform_param.emit_constraint", "filters annotated boxes (SSD's "
-                              "AnnotatedData), which caffepy does not read", hint="Remove it")
+        if param.HasField("emit_constraint") and not boxes:
+            raise self._error("transform_param.emit_constraint", "filters the boxes of a crop, and only "
+                              "AnnotatedData has boxes", hint="Remove it")
         self.crop_h = self.crop_w = int(param.crop_size)
         self.crop_field, self.crop_text = "crop_size", str(self.crop_h)
         if param.crop_h or param.crop_w:
@@ -189,9 +190,12 @@ class DataTransformer:
         """
         if self.augment is not None:
             image = self.augmented(image, draw, where)
-            shape = self._output_shape(image.shape, where)
-        else:
-            shape = self.check(image.shape, where)
+        return self.finish(image, draw, out, where)
+
+    def finish(self, image, draw, out, where=""):
+        """The crop (at offsets(image.shape, draw)), pad, mirror, mean and scale of a C x H x W
+        image the augmentations are done with, written into `out`."""
+        shape = self._output_shape(image.shape, where)
         if out.shape != shape:
             raise DataError(f"{where}image of shape {'x'.join(map(str, image.shape))} does not give the "
                             f"{'x'.join(map(str, out.shape))} of the first record (records must share one "

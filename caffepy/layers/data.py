@@ -1,10 +1,13 @@
-"""Data layers: Input, DummyData, and the readers Data (LMDB or LevelDB), ImageData (list file), MemoryData
-(arrays), WindowData (R-CNN window files)."""
+"""Data layers: Input, DummyData, and the readers Data (LMDB or LevelDB), AnnotatedData (SSD's boxed
+records), ImageData (list file), MemoryData (arrays), WindowData (R-CNN window files)."""
 import weakref
 
 import numpy as np
 
 from .. import fillers, log, memory, rng
+from ..data.annotated import (AnnotatedBatchFiller, AnnotatedDBSource, AnnotatedTransformer, check_samplers,
+                              crops)
+from ..data.augment import RP
 from ..data.prefetch import BatchFiller, Prefetcher, RecordOrder
 from ..data.sources import DBSource, ImageListSource
 from ..data import windows
@@ -157,8 +160,7 @@ class _PrefetchingLayer(Layer):
         self._order_args = (len(self.source_db), rank, ranks, bool(p.shuffle))
         order = RecordOrder(*self._order_args, base, skip)
         tp = _transform_param(self, p)
-        self.transformer = DataTransformer(tp, self.phase, np.random.default_rng([base, 2, context.rank]),
-                                           layer=self)
+        self.transformer = self.make_transformer(tp, np.random.default_rng([base, 2, context.rank]))
         try:
             key, raw = self.source_db.get(order.index(0))
             image, _ = self.source_db.decode(key, raw)
@@ -177,7 +179,7 @@ class _PrefetchingLayer(Layer):
                              f"{buffers} batches of {memory.dims_text(self.top_shape)} floats")
         if why:
             raise self.error(f"{self._params_field}.batch_size", why, self.batch_size, cls=SizeError)
-        self.filler = BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
+        self.filler = self.make_filler(order, shape, base)
         self._consumed = self.filler.position()
         self.prefetcher = Prefetcher(self.filler, self.prefetch_depth(), self.name,
                                      also_close=(self.source_db,))
@@ -185,6 +187,12 @@ class _PrefetchingLayer(Layer):
         self._finalizer = weakref.finalize(self, self.prefetcher.request_close)
         log.info(f"output data size: {','.join(map(str, self.top_shape))}")
         self.reshape(bottom, top)
+
+    def make_transformer(self, tp, generator):
+        return DataTransformer(tp, self.phase, generator, layer=self)
+
+    def make_filler(self, order, shape, seed):
+        return BatchFiller(self.source_db, self.transformer, order, self.batch_size, shape)
 
     def prefetch_depth(self):
         return 4
@@ -295,6 +303,84 @@ class Data(_PrefetchingLayer):
 
     def prefetch_depth(self):
         return self.param.data_param.prefetch
+
+
+@register
+class AnnotatedData(Data):
+    """SSD's data layer: batches of AnnotatedDatum records (caffepy convert_annoset) from an LMDB
+    or LevelDB, each image and its boxes carried together through transform_param and the batch
+    samplers (caffepy/data/annotated.py gives the order and the rules).
+
+    Tops: data (batch_size x C x H x W) and optionally label: [1, 1, boxes, 8], one row per box
+    of the batch (item_id, group_label, instance_id, xmin, ymin, xmax, ymax, difficult; boxes
+    normalized to the output image), one row of -1 when there is none; or [batch_size] labels
+    for records without an annotation type (annotated_data_param.anno_type gives one to all).
+    annotated_data_param: batch_sampler { sampler { min_scale max_scale min_aspect_ratio
+    max_aspect_ratio } sample_constraint { min/max_jaccard_overlap, min/max_sample_coverage,
+    min/max_object_coverage } max_sample max_trials use_original_image }, label_map_file (its
+    labels: every record's labels must be among them), anno_type. data_param as Data's
+    (source, batch_size, rand_skip, shuffle, prefetch, backend); transform_param as Data's,
+    plus emit_constraint. Multi-rank reading as Data's; each image's random draws come from
+    its place in the record stream, so N ranks give what one rank with N times the batch does.
+    """
+
+    def open_source(self, path):
+        p, ap = self.param.data_param, self.param.annotated_data_param
+        labels = None
+        if ap.label_map_file:
+            from ..data.annoset import read_label_map
+            try:
+                labels = {item.label for item in read_label_map(ap.label_map_file).item}
+            except DataError as e:
+                raise self.error("annotated_data_param.label_map_file", str(e), cls=DataError) from None
+        backend = caffe_pb2.DataParameter.DB.Name(p.backend) if p.HasField("backend") else None
+        tp = self.param.transform_param
+        source = AnnotatedDBSource(path, force_color=tp.force_color or p.force_encoded_color,
+                                   force_gray=tp.force_gray, backend=backend, labels=labels,
+                                   label_map_file=ap.label_map_file)
+        if len(source):
+            key, raw = source.get(0)
+            first = source.parse(key, raw)
+            source.boxes = first.HasField("type") or ap.HasField("anno_type")
+            if first.HasField("type") and ap.HasField("anno_type"):
+                log.warning(f"layer '{self.name}' (AnnotatedData): annotated_data_param.anno_type replaces the "
+                            f"type stored in the records")
+        return source
+
+    def make_transformer(self, tp, generator):
+        samplers = self.param.annotated_data_param.batch_sampler
+        check_samplers(samplers, self.error)
+        fixed = tp.HasField("resize_param") and tp.resize_param.resize_mode != RP.FIT_SMALL_SIZE
+        if crops(samplers) and not fixed:
+            raise self.error("annotated_data_param.batch_sampler", "crops the images to varying sizes",
+                             hint="Give transform_param a resize_param of WARP or FIT_LARGE_SIZE_AND_PAD mode "
+                                  "to bring them to one size, as SSD's nets do")
+        return DataTransformer(tp, self.phase, generator, layer=self, boxes=True)
+
+    def make_filler(self, order, shape, seed):
+        transform = AnnotatedTransformer(self.transformer, self.param.annotated_data_param.batch_sampler)
+        return AnnotatedBatchFiller(self.source_db, transform, order, self.batch_size, shape, seed)
+
+    def reshape(self, bottom, top):
+        top[0].reshape(self.top_shape)
+        if len(top) > 1 and not self.source_db.boxes:
+            top[1].reshape(self.batch_size)
+        elif len(top) > 1 and top[1].shape[-1:] != (8,):     # forward gives each batch its own
+            top[1].reshape((1, 1, 1, 8))
+
+    def forward(self, bottom, top):
+        try:
+            buf = self.prefetcher.next()
+        except DataError as e:
+            raise self.error("data_param.source", str(e), cls=DataError) from None
+        try:
+            top[0].data[...] = buf["data"]
+            if len(top) > 1:
+                top[1].reshape(buf["label"].shape)
+                top[1].data[...] = buf["label"]
+            self._consumed = buf["position"]
+        finally:
+            self.prefetcher.release(buf)
 
 
 @register

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from .. import log, rng, upgrade
+from .. import bbox, log, rng, upgrade
 from ..context import SINGLE
 from ..errors import CaffepyError, SolverError
 from ..log import fmt
@@ -237,6 +237,11 @@ class Solver:
         for i, n in enumerate(p.test_iter):
             if n < 0:
                 raise SolverError(f"{src}: test_iter[{i}]: must be >= 0, got {n}")
+        if p.eval_type not in ("classification", "detection"):
+            raise SolverError(f"{src}: eval_type: must be classification or detection, got '{p.eval_type}'")
+        if p.eval_type == "detection" and p.ap_version not in bbox.AP_VERSIONS:
+            raise SolverError(f"{src}: ap_version: must be one of {', '.join(bbox.AP_VERSIONS)}, "
+                              f"got '{p.ap_version}'")
 
     def share_weights(self, net):
         """pycaffe's Solver.share_weights: `net` sees the train net's weights (by layer name)."""
@@ -558,7 +563,9 @@ class Solver:
         net = self.test_nets[index]
         n = p.test_iter[index]
         rank, ranks = self.test_context.rank, self.test_context.size
+        detection = p.eval_type == "detection"
         scores = np.zeros(len(self._outputs(net)), F32)
+        found = [bbox.MeanAP() for _ in net.outputs] if detection else None
         loss = F32(0)
         for batch in range(rank, rank + ranks * -(-n // ranks), ranks):
             # a signal's request is agreed on by every rank, as during training
@@ -575,9 +582,16 @@ class Solver:
             if batch < n:
                 if p.test_compute_loss:
                     loss += F32(batch_loss)
-                scores += self._outputs(net)
+                if detection:
+                    for acc, name in zip(found, net.outputs):
+                        acc.add(net.blobs[name].data)
+                else:
+                    scores += self._outputs(net)
         if self.requested_early_exit:
             log.info("Test interrupted.")
+            return
+        if detection:
+            self._test_detection(index, net, found, loss, n)
             return
         totals = self._reduce_scores(np.concatenate([scores, np.array([loss], F32)]))
         scores, loss = totals[:-1], totals[-1]
@@ -598,6 +612,34 @@ class Solver:
         self.test_scores[index] = results
         for fn in self._hooks("on_test"):
             fn(self, index, results, float(loss / F32(n)) if p.test_compute_loss and n else None)
+
+    def _test_detection(self, index, net, found, loss, n):
+        """Caffe's TestDetection: each output's DetectionEvaluate rows, gathered from every rank,
+        scored as mAP with the solver's ap_version."""
+        p = self.param
+        totals = self._reduce_scores(np.array([loss], F32))
+        if p.test_compute_loss and n:
+            log.info(f"Test loss: {fmt(totals[0] / F32(n))}")
+        gathered = self.test_context.gather(found)
+        results = None
+        if gathered is not None and self.test_context.rank == 0:
+            for other in gathered[1:]:
+                for acc, more in zip(found, other):
+                    acc.merge(more)
+            results = []
+            for i, (name, acc) in enumerate(zip(net.outputs, found)):
+                m_ap, aps, missing = acc.result(p.ap_version)
+                for label in missing:
+                    log.warning(f"Missing true_pos for label: {label}")
+                if p.show_per_class_result:
+                    for label, ap in aps.items():
+                        log.info(f"class{label}: {fmt(ap)}")
+                log.info(f"    Test net output #{i}: {name} = {fmt(m_ap)}")
+                results.append((name, m_ap))
+        results = self.test_context.agree(results)
+        while len(self.test_scores) <= index:
+            self.test_scores.append([])
+        self.test_scores[index] = results
 
     # -- snapshots ------------------------------------------------------------
     def snapshot(self):

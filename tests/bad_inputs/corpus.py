@@ -1189,6 +1189,88 @@ def emit_constraint_without_boxes(c):
 
 
 # =====================================================================================
+# detection: SSD's annotated records, label maps and annotation files
+
+def _annotated_db(c, boxes, name="anno_lmdb"):
+    """An LMDB of two AnnotatedDatum records (8 x 8 images): a good one, then one whose
+    boxes are `boxes` [(label, (xmin, ymin, xmax, ymax))]."""
+    from data_helpers import annotated_datum, make_annotated_db
+    img = np.zeros((8, 8, 3), np.uint8)
+    return make_annotated_db(os.path.join(c.inp, name), [
+        annotated_datum(img, [(1, (.1, .1, .5, .5), False)]),
+        annotated_datum(img, [(lab, box, False) for lab, box in boxes])])
+
+
+def _annotated_net(c, db, extra=""):
+    return _bad_net(c, f"""name: "ssd"
+layer {{ name: "data" type: "AnnotatedData" top: "data" top: "label"
+  data_param {{ source: "{db}" batch_size: 2 }} annotated_data_param {{ {extra} }} }}
+layer {{ name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param {{ num_output: 2 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "silence" type: "Silence" bottom: "label" }}
+""")
+
+
+@case("detection")
+def annotated_box_outside_the_image(c):
+    db = _annotated_db(c, [(1, (.2, .1, 1.4, .5))])
+    p = _annotated_net(c, db)
+    return time_args(p), [p + ":", "layer 'data'", db, "key '00000001'", "lies outside the image", "1.4"]
+
+
+@case("detection")
+def annotated_box_inverted(c):
+    db = _annotated_db(c, [(2, (.6, .1, .3, .5))])
+    p = _annotated_net(c, db)
+    return time_args(p), [p + ":", "layer 'data'", db, "key '00000001'", "inverted", "0.6, 0.1, 0.3, 0.5"]
+
+
+@case("detection")
+def annotated_label_missing_from_the_label_map(c):
+    db = _annotated_db(c, [(7, (.1, .1, .3, .5))])
+    lm = c.write("labelmap.prototxt", 'item { name: "bg" label: 0 } item { name: "a" label: 1 }\n')
+    p = _annotated_net(c, db, f'label_map_file: "{lm}"')
+    return time_args(p), [p + ":", "layer 'data'", db, "key '00000001'", "label 7", lm]
+
+
+@case("detection")
+def annotated_batch_sampler_without_a_resize(c):
+    db = _annotated_db(c, [(1, (.1, .1, .3, .5))])
+    p = _annotated_net(c, db, "batch_sampler { sampler { min_scale: 0.3 } max_trials: 5 }")
+    return time_args(p), [p + ":", "layer 'data'", "annotated_data_param.batch_sampler", "resize_param"]
+
+
+def _voc(c, objects, size=(8, 8)):
+    cv2.imwrite(os.path.join(c.inp, "a.jpg"), np.zeros((size[1], size[0], 3), np.uint8))
+    obj = "".join(f"<object><name>{n}</name><bndbox><xmin>{b[0]}</xmin><ymin>{b[1]}</ymin><xmax>{b[2]}</xmax>"
+                  f"<ymax>{b[3]}</ymax></bndbox></object>" for n, b in objects)
+    xml = c.write("a.xml", f"<annotation><size><width>{size[0]}</width><height>{size[1]}</height></size>"
+                           f"{obj}</annotation>")
+    lst = c.write("list.txt", "a.jpg a.xml\n")
+    lm = c.write("labelmap.prototxt", 'item { name: "none_of_the_above" label: 0 } item { name: "dog" label: 1 }\n')
+    return ["convert_annoset", "--anno_type", "detection", "--label_map_file", lm, c.inp + os.sep, lst,
+            "out_lmdb"], xml
+
+
+@case("detection")
+def annoset_name_missing_from_the_label_map(c):
+    args, xml = _voc(c, [("dog", (1, 1, 4, 4)), ("cat", (2, 2, 5, 5))])
+    return args, [xml, "object 2 ('cat')", "not in the label map", "dog"]
+
+
+@case("detection")
+def annoset_box_outside_the_image(c):
+    args, xml = _voc(c, [("dog", (1, 1, 12, 4))])
+    return args, [xml, "object 1 ('dog')", "outside the 8x8 image", "1, 1, 12, 4"]
+
+
+@case("detection")
+def annoset_box_inverted(c):
+    args, xml = _voc(c, [("dog", (5, 1, 2, 4))])
+    return args, [xml, "object 1 ('dog')", "inverted", "5, 1, 2, 4"]
+
+
+# =====================================================================================
 # lmdb: damaged databases, read by every command that reads one
 
 def _truncated(c, keep=0.6):

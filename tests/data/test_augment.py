@@ -320,7 +320,7 @@ def test_expand_ratio_is_uniform_and_the_canvas_is_the_mean():
     g = np.random.default_rng(10)
     ratios, tops = [], []
     for _ in range(2000):
-        out = augment.expand(img, p, fill, g)
+        out = augment.expand(img, p, fill, g)[0]
         if out is img:
             continue
         rows, cols = out.shape[:2]
@@ -347,7 +347,7 @@ def test_expand_through_the_transformer_crops_from_the_canvas():
     t = make("crop_size: 20 mean_value: 50 expand_param { prob: 1 max_expand_ratio: 2 }", TEST)
     img = photo(20, 24, seed=11)
     for draw in t.draw(5) + np.arange(5)[:, None]:
-        canvas = augment.expand(img, t.param.expand_param, np.full(3, 50, np.uint8), image_gen(draw))
+        canvas = augment.expand(img, t.param.expand_param, np.full(3, 50, np.uint8), image_gen(draw))[0]
         h, w = canvas.shape[:2]
         top, left = (h - 20) // 2, (w - 20) // 2
         np.testing.assert_array_equal(t(chw(img), draw), finish(canvas[top:top + 20, left:left + 20], False,

@@ -11,6 +11,7 @@ from google.protobuf import text_format
 
 from caffepy.data.shapes import CLASSES, make_image, write_shapes
 from caffepy.proto import caffe_pb2
+from data_helpers import db_records
 from paths import REPO
 
 
@@ -102,13 +103,15 @@ def test_difficult_marks_objects_mostly_hidden_by_later_ones():
 def test_example_script(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(REPO, "examples", "shapes", "make_shapes.py"),
                           "--root", str(tmp_path / "s"), "--trainval", "3", "--test", "1",
-                          "--size", "32", "--classes", "circle,square"],
+                          "--size", "32", "--classes", "circle,square", "--lmdb"],
                          capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "3 trainval + 1 test images of 32x32, 2 classes" in out.stdout
     names = {o.findtext("name") for f in (tmp_path / "s" / "Annotations").iterdir()
              for o in ET.parse(f).getroot().findall("object")}
     assert names <= {"circle", "square"}
+    assert "trainval_lmdb: 3 AnnotatedDatum records" in out.stdout
+    assert len(db_records(tmp_path / "s" / "test_lmdb")) == 1
     bad = subprocess.run([sys.executable, os.path.join(REPO, "examples", "shapes", "make_shapes.py"),
                           "--root", str(tmp_path / "t"), "--classes", "hexagon"],
                          capture_output=True, text=True)

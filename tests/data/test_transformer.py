@@ -127,9 +127,11 @@ def test_intel_pad_with_mean_value_rounds_as_intel_caffe():
     assert out[0, 0].tolist() == [0, 0, 0, 0]
 
 
-def test_emit_constraint_is_refused_not_ignored():
-    """It filters SSD's annotated boxes; the augmentations themselves: tests/data/test_augment.py."""
-    with pytest.raises(DataError, match=r"^transform_param.emit_constraint: filters annotated boxes"):
+def test_emit_constraint_is_refused_not_ignored_without_boxes():
+    """It filters SSD's annotated boxes (AnnotatedData: tests/data/test_annotated.py); the
+    augmentations themselves: tests/data/test_augment.py."""
+    with pytest.raises(DataError, match=r"^transform_param.emit_constraint: filters the boxes of a crop, and "
+                                        r"only AnnotatedData has boxes. Remove it"):
         make("emit_constraint { emit_type: CENTER }")
 
 
