@@ -71,6 +71,130 @@ def _bilinear(p, shape, g):
     return np.broadcast_to(np.outer(w1, w1), shape)
 
 
+# Intel Caffe's "gabor" filler: a fixed bank of Gabor filters for a first convolution over color
+# images, defined for four nets' first layers. Kernel i's value at (y, x), both spaced evenly over
+# [-1, 1], is
+#     lam * exp(-(x^2 + y^2) / (2 sigma^2)) * cos(omega * (x cos(theta) - y sin(theta)) + phi)
+# times (r, g, b) for the three input channels. The parameters of each kernel follow.
+_GABOR_DEFAULT = dict(lam=1.0, sigma=0.6, omega=np.pi, phi=0.0, theta=0.0, rgb=(1.0, 1.0, 1.0))
+
+
+def _gabor_cifar(i, k):
+    pi, span = np.pi, np.pi * (k - 1) / 2
+    q = dict(_GABOR_DEFAULT, lam=0.5)
+    if i < 8:
+        q.update(omega=span, theta=i * pi / 8)
+    elif i < 14:
+        q.update(omega=span / 2, theta=((i - 2) % 6) * pi / 6 + pi / 12)
+    elif i < 16:
+        q.update(sigma=0.75, omega=span / 8, phi=(i % 2) * pi, rgb=(1, -1, 1))
+    else:
+        q.update(omega=span / 4, theta=(i % 4) * pi / 2 + pi / 4 + pi / 8, phi=pi / 2)
+    if i >= 30:
+        q.update(theta=(i % 2) * pi / 2 + pi / 4 + pi / 8, rgb=(1, 1, 0))
+    elif i >= 28:
+        q.update(theta=(i % 2) * pi / 2 + pi / 4 - pi / 8, rgb=(-1, 1, -1))
+    elif i >= 24:
+        q.update(rgb=(-1, 1, 1))
+    elif i >= 20:
+        q.update(rgb=(1, 0, -1))
+    return q
+
+
+def _gabor_googlenet(i, k):
+    pi, span = np.pi, np.pi * (k - 1) / 2
+    q = dict(_GABOR_DEFAULT)
+    if i < 32:
+        frequency = i % 8
+        q.update(lam=1 / (1 + frequency / 8), sigma=0.4 + 0.2 * frequency / 8,
+                 omega=span / (1 + frequency / 2), phi=(i % 2) * pi + pi * 12 / 32, theta=(i // 8) * pi / 4)
+    elif i < 40:
+        q.update(sigma=0.45, lam=0.5, omega=span, theta=(i % 8) * pi / 8, phi=pi)
+    elif i < 46:
+        size = (i - 1) % 3
+        q.update(lam=1 / (1 + size / 2), sigma=1 / (2.5 - size / 2), omega=pi / 4,
+                 phi=((i - 1) // 3) * pi, rgb=(0.25, -1, 1))
+    elif i < 48:
+        q.update(lam=2 / 3, sigma=1, omega=span / 12, theta=(i % 8) * pi + pi / 8, phi=pi / 2,
+                 rgb=(1, 0.1, -0.5))
+    elif i < 56:
+        q.update(lam=2 / 3, sigma=1, omega=span / 12, theta=(i % 8) * pi / 4 + pi / 32, phi=pi / 2,
+                 rgb=(-0.5, 0.1, 1))
+    elif i < 60:
+        q.update(lam=1, sigma=1, omega=span / 12, theta=(i % 8) * pi / 2 + pi / 8, phi=pi / 2,
+                 rgb=(0.25, -1, 1))
+    else:
+        q.update(lam=2 / 3, sigma=1, omega=span / 12, theta=(i % 8) * pi / 2 + pi / 8, phi=pi / 2,
+                 rgb=(-1, -1, 1))
+    return q
+
+
+def _gabor_vgg(i, k):
+    return dict(_gabor_googlenet(i, k), sigma=1.0)
+
+
+def _gabor_alexnet(i, k):
+    pi, span = np.pi, np.pi * (k - 1) / 2
+    q = dict(_GABOR_DEFAULT)
+    lam = 1 / 3
+    if i < 48:
+        frequency = i % 8
+        q.update(lam=lam / (1 + frequency / 8), sigma=0.5 + 0.2 * frequency / 8,
+                 omega=span / (1 + frequency / 2), phi=(i % 2) * pi + pi * 12 / 32, theta=(i // 8) * pi / 6)
+    elif i < 56:
+        size = i % 4
+        q.update(lam=lam / (1 + size / 2), sigma=1 / (2.5 - size / 2), omega=pi / 4, phi=(i // 4) * pi,
+                 rgb=(0.25, -1, 1))
+    elif i < 60:
+        q.update(lam=lam / 1.5, sigma=0.75, omega=span / 8, theta=(i % 4) * pi / 2 + pi / 8, phi=pi / 2,
+                 rgb=(-1, 1, -0.5))
+    elif i < 64:
+        q.update(lam=lam / 3, sigma=2, omega=span / 8, theta=(i % 4) * pi / 2 + pi / 8, phi=pi / 2,
+                 rgb=(1, -0.5, -0.75))
+    elif i < 72:
+        q.update(lam=lam / 1.5, sigma=0.75, omega=span / 4, theta=(i % 8) * pi / 4 + pi / 32, phi=pi / 2,
+                 rgb=(1, 0.1, -0.75))
+    elif i < 80:
+        q.update(lam=lam / 1.5, sigma=1, omega=span / 12, theta=(i % 8) * pi / 4 + pi / 32, phi=pi / 2,
+                 rgb=(-0.5, 0.1, 1))
+    elif i < 88:
+        q.update(lam=lam / 2.5, sigma=1, omega=span / 8, theta=(i % 8) * pi / 4 + pi / 32, phi=pi / 2,
+                 rgb=(-1, -1, 1))
+    elif i < 92:
+        q.update(lam=lam, omega=span / 16, theta=(i % 4) * pi / 2 + pi / 16, phi=pi / 2)
+    else:
+        q.update(lam=lam / 4, sigma=0.75, omega=span / 4, theta=(i % 8) * pi / 4 + pi / 32, phi=pi / 2,
+                 rgb=(-1, -1, 1))
+    return q
+
+
+# (kernels, size) -> the parameters of kernel i
+GABOR_BANKS = {(32, 5): _gabor_cifar, (64, 7): _gabor_googlenet, (64, 3): _gabor_vgg,
+               (96, 11): _gabor_alexnet}
+
+
+def _gabor(p, shape, g):
+    if len(shape) != 4 or shape[1] != 3 or shape[2] != shape[3]:
+        raise CaffepyError(f"gabor filler: needs a kernels x 3 x k x k blob (a convolution over color "
+                           f"images with a square kernel), got shape {tuple(shape)}")
+    bank = GABOR_BANKS.get((shape[0], shape[3]))
+    if bank is None:
+        known = ", ".join(f"{n} of {k}x{k}" for n, k in GABOR_BANKS)
+        raise CaffepyError(f"gabor filler: no Gabor bank for {shape[0]} kernels of {shape[3]}x{shape[3]}; "
+                           f"Intel Caffe defines {known}")
+    if p.sparse >= 0:
+        raise CaffepyError(f"gabor filler: sparse is not supported, got {p.sparse}")
+    k = shape[3]
+    y, x = np.meshgrid(np.linspace(-1, 1, k), np.linspace(-1, 1, k), indexing="ij")
+    out = np.empty(shape)
+    for i in range(shape[0]):
+        q = bank(i, k)
+        along = x * np.cos(q["theta"]) - y * np.sin(q["theta"])
+        value = q["lam"] * np.exp(-(x * x + y * y) / (2 * q["sigma"] ** 2)) * np.cos(along * q["omega"] + q["phi"])
+        out[i] = np.multiply.outer(np.asarray(q["rgb"], np.float64), value)
+    return out
+
+
 FILLERS = {
     "constant": _constant,
     "uniform": _uniform,
@@ -79,6 +203,7 @@ FILLERS = {
     "xavier": _xavier,
     "msra": _msra,
     "bilinear": _bilinear,
+    "gabor": _gabor,
 }
 
 

@@ -114,3 +114,33 @@ def make_annotated_db(path, records):
             txn.put(f"{i:08d}".encode(), a.SerializeToString())
     env.close()
     return os.fspath(path)
+
+
+def _sample_images():
+    """examples/imagenet/make_sample.py, whose `image` draws a class's photo-sized JPEG."""
+    import importlib.util
+    from paths import REPO
+    spec = importlib.util.spec_from_file_location(
+        "make_sample", os.path.join(REPO, "examples", "imagenet", "make_sample.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_imagenet_lmdb(path, n, classes, size=256, seed=0):
+    """An ImageNet-shaped LMDB as `caffepy convert_imageset --resize_height/width=size` makes:
+    n JPEG-encoded color Datum (record i of class i % classes, make_sample's coloured shapes on
+    noise) of size x size; returns (path, their mean as a 1 x 3 x size x size array)."""
+    from caffepy.data.datum import encoded_datum
+    draw = _sample_images().image
+    gen = np.random.default_rng(seed)
+    total = np.zeros((size, size, 3))
+    env = lmdb.open(os.fspath(path), map_size=1 << 28)
+    with env.begin(write=True) as txn:
+        for i in range(n):
+            img = cv2.resize(draw(gen, i % classes, classes), (size, size), interpolation=cv2.INTER_LINEAR)
+            ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 90])
+            total += cv2.imdecode(buf, cv2.IMREAD_COLOR)
+            txn.put(f"{i:08d}".encode(), encoded_datum(buf.tobytes(), i % classes).SerializeToString())
+    env.close()
+    return os.fspath(path), (total / n).transpose(2, 0, 1)[None].astype(np.float32)

@@ -46,6 +46,17 @@ def test_anchors_are_faster_rcnns():
     np.testing.assert_array_equal(R.generate_anchors(), np.array(matlab) - 1)
 
 
+@pytest.mark.parametrize("text,want", [
+    ("'num_classes': 21", {"num_classes": 21}),
+    ("{'feat_stride': 8, 'scales': [1, 2, 3]}", {"feat_stride": 8, "scales": [1, 2, 3]}),
+    # py-faster-rcnn's COCO nets: one entry a line, YAML's tuple tag
+    ("'feat_stride': 16 \n'scales': !!python/tuple [4, 8, 16, 32]", {"feat_stride": 16, "scales": [4, 8, 16, 32]}),
+    ("", {}),
+])
+def test_param_str_reads_as_py_faster_rcnn_writes_it(text, want):
+    assert R.parse_params(text) == want
+
+
 def _losses_fall(losses, window, ratio):
     first, last = losses[:window].sum(axis=1).mean(), losses[-window:].sum(axis=1).mean()
     assert np.isfinite(losses).all()

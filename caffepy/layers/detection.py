@@ -223,8 +223,10 @@ class DetectionOutput(Layer):
     detection_output_param { num_classes, share_location, background_label_id, nms_param
     { nms_threshold, top_k, eta }, code_type, variance_encoded_in_target, keep_top_k,
     confidence_threshold }. save_output_param (the detections written to files) is ignored,
-    with a warning."""
-    exact_bottoms = 3
+    with a warning. A fourth bottom (Intel Caffe: the images, for `visualize`, which draws the
+    detections in a window) is read by nothing; `visualize` is ignored with a warning."""
+    min_bottoms = 3
+    max_bottoms = 4
     exact_tops = 1
     differentiable = False
 
@@ -236,6 +238,9 @@ class DetectionOutput(Layer):
         if p.save_output_param.output_directory:
             log.warning(f"layer '{self.name}' (DetectionOutput): {field}.save_output_param: caffepy "
                         f"does not write detections to files; they are in the layer's top")
+        if p.visualize:
+            log.warning(f"layer '{self.name}' (DetectionOutput): {field}.visualize: caffepy does not "
+                        f"draw detections; they are in the layer's top")
         nms = p.nms_param
         if nms.nms_threshold < 0:
             raise self.error(f"{field}.nms_param.nms_threshold", "must not be negative", nms.nms_threshold)

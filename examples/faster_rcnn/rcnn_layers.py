@@ -20,6 +20,7 @@ Sampling draws from a generator seeded by 'seed' in param_str (default 0): runs 
 """
 import ast
 import os
+import re
 import xml.etree.ElementTree as ET
 
 import cv2
@@ -39,9 +40,14 @@ PIXEL_MEANS = np.array([102.9801, 115.9465, 122.7717], np.float32)     # BGR, py
 
 
 def parse_params(text):
-    """py-faster-rcnn's param_str (a YAML mapping, braces optional) as a dict."""
-    text = text.strip()
-    return ast.literal_eval(text if text.startswith("{") else "{" + text + "}") if text else {}
+    """py-faster-rcnn's param_str (a YAML mapping, braces optional, its entries separated by
+    commas or line breaks, YAML's !!python/tuple tag on a list, as py-faster-rcnn's COCO nets
+    write it) as a dict."""
+    text = re.sub(r"!!python/tuple\s*", "", text).strip()
+    if text.startswith("{") and text.endswith("}"):
+        text = text[1:-1]
+    entries = [line.strip().rstrip(",") for line in text.splitlines()]
+    return ast.literal_eval("{" + ", ".join(e for e in entries if e) + "}")
 
 
 # -- box arithmetic (Faster R-CNN's: pixel boxes, widths with the +1) ----------------------

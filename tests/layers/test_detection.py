@@ -153,6 +153,28 @@ def test_detection_output_with_a_location_per_class():
     np.testing.assert_allclose(out[:, 3:], [PRIORS[0], PRIORS[0] + VARIANCES * 0.1], rtol=1e-6)
 
 
+def test_detection_output_takes_intels_image_bottom_and_ignores_visualize(capsys):
+    """Intel Caffe's webcam SSD gives DetectionOutput the images as a fourth bottom, to draw the
+    detections (visualize); caffepy draws nothing, and the detections are the same."""
+    from caffepy import log
+    loc = np.zeros((3, 4))
+    conf = [[0.1, 0.7, 0.2], [0.1, 0.6, 0.3], [0.2, 0.3, 0.8]]
+    prior = np.concatenate([PRIORS.reshape(-1), np.tile(VARIANCES, 3)]).reshape(1, 2, 12)
+    three = detect(loc, conf, "")
+    log.set_quiet(False)
+    try:
+        layer, bottom, top = setup_layer(
+            "DetectionOutput", "detection_output_param { num_classes: 3 visualize: true visualize_threshold: 0.6 }",
+            [np.asarray(loc, np.float32).reshape(1, -1), np.asarray(conf, np.float32).reshape(1, -1), prior,
+             np.zeros((1, 3, 8, 8), np.float32)])
+    finally:
+        log.set_quiet(True)
+    assert "detection_output_param.visualize: caffepy does not draw detections" in capsys.readouterr().err
+    layer.reshape(bottom, top)
+    layer.forward(bottom, top)
+    np.testing.assert_array_equal(top[0].data.reshape(-1, 7), three)
+
+
 SSD = """name: "ssd_small"
 input: "data" input_shape { dim: 2 dim: 3 dim: 32 dim: 32 }
 layer { name: "conv" type: "Convolution" bottom: "data" top: "conv" convolution_param { num_output: 8
