@@ -4,39 +4,75 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install extras demo imagenet-sample test test-all test-multihost bench bench-quick bench-full bench-layers bench-inference bench-threads bench-int8 bench-mpi bench-multihost proto clean
+.PHONY: install extras demo imagenet-sample test test-all test-pycaffe test-multihost bench bench-quick bench-full bench-layers bench-inference bench-threads bench-int8 bench-mpi bench-multihost proto clean
 
 install: $(STAMP)
 
+PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile
+
+# What caffepy itself needs, no more: `make demo` waits for this alone. The kernels compile one
+# job per core (setup.py); the build requirements go into the venv itself, so rebuilds after a
+# .pyx edit take seconds. --no-compile: Python compiles a module when it is first imported
+# rather than pip compiling all of numpy's and scipy's up front (two thirds of pip's CPU time).
+# caffepy's other requirements (OpenCV, MPICH, ...) download and install in the background
+# meanwhile, none of them needed to build; `pip check` then confirms nothing is missing
 $(STAMP): pyproject.toml setup.py $(wildcard cext/*.pyx cext/*.pxd cext/*.pxi cext/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# build requirements into the venv itself: rebuilds after a .pyx edit then take seconds
-	$(PY) -m pip install -q 'setuptools>=70' wheel 'cython>=3.0' 'numpy>=2.0' 'scipy>=1.11'
-	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	$(PY) -c "$$RUNTIME_REQUIREMENTS" > $(VENV)/.runtime-requirements
+	set -e; nodeps=; \
+	if [ -s $(VENV)/.runtime-requirements ]; then \
+	  $(PIP) --no-deps -r $(VENV)/.runtime-requirements & deps=$$!; nodeps=--no-deps; \
+	fi; \
+	$(PIP) 'setuptools>=70' wheel 'cython>=3.1' 'numpy>=2.0' 'scipy>=1.11'; \
+	$(PIP) --no-build-isolation $$nodeps -e .; \
+	if [ -n "$$nodeps" ]; then wait $$deps; fi
+	$(PY) -m pip check
 	touch $(STAMP)
 
-# The optional extras by name (pip install 'caffepy[draw,hdf5,plot,onnx]'): pydot for
-# caffe.draw.get_pydot_graph, h5py for HDF5 layers and snapshots, matplotlib for plot_log,
-# onnx for export_onnx.
-# Drawing nets also needs Graphviz's `dot` program: apt-get install graphviz.
-# Their requirements are read from the installed caffepy's metadata (pyproject.toml's
-# optional-dependencies) and installed alone: reinstalling caffepy would recompile every kernel.
-EXTRAS := $(VENV)/.extras
+# caffepy's requirements but numpy and scipy (the build's own), from pyproject.toml; tomllib is
+# Python 3.11's: on 3.10 none, and pip installs them with caffepy, one after the other
+define RUNTIME_REQUIREMENTS
+import re
+try:
+    import tomllib
+except ImportError:
+    raise SystemExit
+for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    if not re.match(r"(numpy|scipy)\b", r):
+        print(r)
+endef
+export RUNTIME_REQUIREMENTS
 
+# Requirements of optional extras, read from the installed caffepy's metadata (pyproject.toml's
+# optional-dependencies) and installed alone: reinstalling caffepy would recompile every kernel.
+# Usage: $(PY) -c "$$EXTRA_REQUIREMENTS" extra [extra ...]
 define EXTRA_REQUIREMENTS
-import importlib.metadata as m
+import importlib.metadata as m, sys
 for r in m.requires("caffepy"):
     spec, _, marker = r.partition(";")
-    if any(f'extra == "{e}"' in marker for e in ("draw", "hdf5", "plot", "onnx")):
+    if any(f'extra == "{e}"' in marker for e in sys.argv[1:]):
         print(spec.strip())
 endef
 export EXTRA_REQUIREMENTS
 
+# The test extra (pytest; onnx and onnxruntime for the export checks; six for BVLC's suite): only
+# for the test targets
+TESTDEPS := $(VENV)/.testdeps
+
+$(TESTDEPS): $(STAMP)
+	$(PY) -c "$$EXTRA_REQUIREMENTS" test | xargs $(PIP)
+	touch $(TESTDEPS)
+
+# The optional extras by name (pip install 'caffepy[draw,hdf5,plot,onnx,tensorboard]'): pydot
+# for caffe.draw.get_pydot_graph, h5py for HDF5 layers and snapshots, matplotlib for plot_log,
+# onnx for export_onnx, tensorboardX for train --tensorboard.
+# Drawing nets also needs Graphviz's `dot` program: apt-get install graphviz.
+EXTRAS := $(VENV)/.extras
+
 extras: $(EXTRAS)
 
 $(EXTRAS): $(STAMP)
-	$(PY) -c "$$EXTRA_REQUIREMENTS" | xargs $(PY) -m pip install -q
+	$(PY) -c "$$EXTRA_REQUIREMENTS" draw hdf5 plot onnx tensorboard | xargs $(PIP)
 	touch $(EXTRAS)
 
 # The embedded default: digits -> LMDB -> train LeNet -> test accuracy
@@ -53,20 +89,26 @@ imagenet-sample: install
 TORCH := $(VENV)/.torch
 
 $(TORCH): $(STAMP)
-	$(PY) -m pip install -q torch==2.13.0 || echo "torch unavailable: torch-reference tests will skip"
+	$(PIP) torch==2.13.0 || echo "torch unavailable: torch-reference tests will skip"
 	touch $(TORCH)
 
 # the extras too, so their tests run rather than skip
-test: install $(EXTRAS) $(TORCH)
+test: install $(TESTDEPS) $(EXTRAS) $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
 
 # Includes the slow end-to-end runs
-test-all: install $(EXTRAS) $(TORCH)
+test-all: install $(TESTDEPS) $(EXTRAS) $(TORCH)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m ''
+
+# BVLC Caffe's own pycaffe suite (python/caffe/test) against caffepy as `caffe`, read at test time
+# from a BVLC checkout: make test-pycaffe CAFFEPY_BVLC_CAFFE=/path/to/caffe (a work tree or a git
+# directory); skipped, with the reason, without one
+test-pycaffe: install $(TESTDEPS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -rs tests/test_pycaffe_suite.py
 
 # Ranks across emulated hosts (network namespaces + veth, root needed; skipped with the
 # reason where the machine does not allow it). Not in `make test`: CI runs both.
-test-multihost: install
+test-multihost: install $(TESTDEPS)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -m multihost tests/multihost
 
 # The training table, net by net: caffepy, PyTorch (torch, a test-time reference) and BVLC
@@ -130,4 +172,4 @@ proto: install
 
 # The stamp too: the next target rebuilds the kernels it removes
 clean:
-	rm -rf build *.egg-info caffepy/kernels/*.so cext/*.c $(STAMP)
+	rm -rf build *.egg-info caffepy/kernels/*.so cext/*.c $(STAMP) $(TESTDEPS)

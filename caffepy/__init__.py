@@ -23,6 +23,7 @@ from .net_spec import NetSpec, layers, params, to_proto  # noqa: F401,E402
 from .classifier import Classifier  # noqa: E402
 from .detector import Detector  # noqa: E402
 from . import coord_map, draw  # noqa: F401,E402  (pycaffe's caffe.coord_map, caffe.draw)
+from . import tensorboard  # noqa: F401,E402  (caffe.tensorboard.attach(solver, logdir))
 
 __version__ = "0.1.0"
 

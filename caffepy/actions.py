@@ -4,6 +4,7 @@
 The CLI (cli.py) parses the flags; these functions raise CaffepyError for user
 mistakes and log Caffe's messages, so Caffe's log tools read the output.
 """
+import os
 import signal
 import time as _time
 
@@ -69,13 +70,15 @@ class SignalHandler:
 
 
 def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect="stop",
-          sighup_effect="snapshot", stall_timeout=None, engine=""):
+          sighup_effect="snapshot", stall_timeout=None, engine="", tensorboard=None, histogram_interval=0):
     """Train or fine-tune: build the solver, load -weights or restore -snapshot, solve; for an
     Intel multi-phase solver file (caffepy/solvers/multiphase.py), each phase in turn.
 
     stall_timeout: seconds without progress on some rank before a multi-rank job is ended
     (None: the default, 0: never). engine: the -engine flag, which overwrites the solver's.
-    Returns the solver (of the last phase)."""
+    tensorboard: a directory for TensorBoard event files (caffepy/tensorboard.py; a phase of a
+    multi-phase run in its own phase_<j> under it), with weight and gradient histograms every
+    histogram_interval iterations (0: none). Returns the solver (of the last phase)."""
     from . import upgrade
     from .solvers import Solver, multiphase
 
@@ -121,13 +124,23 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
         if mpi is not None:
             mpi.attach(the_solver)
         # -------------------------------------------------------------------------------------
+        # after the strategy: it adds its figures to a display's before the writer records them
+        writer = None
+        if tensorboard:
+            from . import tensorboard as board
+            logdir = os.path.join(tensorboard, f"phase_{j}") if multi is not None else tensorboard
+            writer = board.attach(the_solver, logdir, histogram_interval)
         the_solver.action_fn = handler.action
-        with handler:
-            if snapshot:
-                log.info(f"Resuming from {snapshot}")
-                the_solver.restore(snapshot)
-            log.info("Starting Optimization")
-            the_solver.solve()
+        try:
+            with handler:
+                if snapshot:
+                    log.info(f"Resuming from {snapshot}")
+                    the_solver.restore(snapshot)
+                log.info("Starting Optimization")
+                the_solver.solve()
+        finally:
+            if writer is not None:
+                writer.close()
         previous = the_solver
         if the_solver.requested_early_exit:
             break
@@ -374,7 +387,8 @@ def extract_features(weights, model, blob_names, dataset_names, num_mini_batches
             log.info(f"Opening dataset {path}")
             dbs.append(stack.enter_context(open_writer(path, db_type, _FEATURES_COMMIT)))
         log.info("Extracting Features")
-        for _ in range(num_mini_batches):
+        batches = stack.enter_context(log.progress(range(num_mini_batches), "extract_features"))
+        for _ in batches:
             net.forward_from_to()
             for i, (name, db) in enumerate(zip(blobs, dbs)):
                 for value in _feature_datums(net.blobs[name].data):

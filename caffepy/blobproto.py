@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from . import memory
-from .errors import PrototxtError, quote
+from .errors import BlobValuesError, quote
 from .proto import caffe_pb2
 
 # Wire tags (field_number << 3 | wire type 2 = length-delimited) of the
@@ -79,18 +79,16 @@ def array_to_blobproto(arr, diff=None, double=False, legacy_shape=False):
 
 def blob_shape(bp):
     """The shape a BlobProto declares: legacy num/channels/height/width if any
-    of them is set (as Caffe's Blob::FromProto decides), else `shape.dim`; None
-    when it declares none (an old blob that is only a list of values)."""
+    of them is set (as Caffe's Blob::FromProto decides), else `shape.dim`. A
+    blob that declares neither has no axes, one value (Caffe and pycaffe both
+    read it as a scalar)."""
     if bp.HasField("num") or bp.HasField("channels") or bp.HasField("height") or bp.HasField("width"):
         return (bp.num, bp.channels, bp.height, bp.width)
-    if not bp.HasField("shape"):
-        return None
     return tuple(bp.shape.dim)
 
 
 def blobproto_to_array(bp, return_diff=False, source=None, where="blob"):
-    """The values of a BlobProto as an array of its declared shape (a flat array
-    when it declares none, as pycaffe returns it).
+    """The values of a BlobProto as an array of its declared shape.
 
     Reads `data` (float32) or, when only doubles are stored, `double_data`
     (float64); `return_diff` reads the diff fields instead. Errors name
@@ -103,14 +101,13 @@ def blobproto_to_array(bp, return_diff=False, source=None, where="blob"):
         values, dtype = getattr(bp, double), np.float64
     shape = blob_shape(bp)
     prefix = f"{source}: {where}" if source else where
-    if shape is None:
-        return np.array(values, dtype=dtype)
     if any(d < 0 for d in shape):
-        raise PrototxtError(f"{prefix}: shape: negative dimension, got {quote(list(shape))}")
+        raise BlobValuesError(f"{prefix}: shape: negative dimension, got {quote(list(shape))}")
     count = memory.count(shape)     # exact: a product of int64 dims may overflow 64 bits
     if len(values) != count:
-        raise PrototxtError(f"{prefix}: {single}: has {len(values)} values, its shape "
-                            f"{quote(list(shape))} needs {count}")
+        hint = "" if shape else " (no num/channels/height/width and no shape: a scalar, as in Caffe)"
+        raise BlobValuesError(f"{prefix}: {single}: has {len(values)} values, its shape "
+                              f"{quote(list(shape))} needs {count}{hint}")
     return np.array(values, dtype=dtype).reshape(shape)
 
 

@@ -29,12 +29,13 @@ SIGNAL_EFFECTS = click.Choice(["stop", "snapshot", "none"])
 _FLAG = re.compile(r"^-{1,2}([A-Za-z][A-Za-z0-9_]*)(=(.*))?$")
 
 
-def gflags_to_click(args, bool_flags):
-    """Rewrite gflags spellings to click's: -name -> --name, -flag=false -> --no-flag."""
+def gflags_to_click(args, bool_flags, short_flags=()):
+    """Rewrite gflags spellings to click's: -name -> --name, -flag=false -> --no-flag. A
+    command's own one-letter options (`short_flags`, e.g. summarize's -w) stay as they are."""
     out = []
     for arg in args:
         m = _FLAG.match(arg)
-        if not m or arg in ("-h",):
+        if not m or arg in ("-h",) or arg in short_flags:
             out.append(arg)
             continue
         name, value = m.group(1), m.group(3)
@@ -74,7 +75,9 @@ class CaffeGroup(click.Group):
     def resolve_command(self, ctx, args):
         cmd_name, cmd, rest = super().resolve_command(ctx, args)
         bool_flags = {o.name for o in cmd.params if isinstance(o, click.Option) and o.is_flag}
-        return cmd_name, cmd, gflags_to_click(rest, bool_flags)
+        short_flags = {f for o in cmd.params if isinstance(o, click.Option) for f in o.opts
+                       if len(f) == 2 and f[0] == "-"}
+        return cmd_name, cmd, gflags_to_click(rest, bool_flags, short_flags)
 
     def invoke(self, ctx):
         try:
@@ -159,9 +162,15 @@ engine_option = click.option("--engine", metavar="ENGINE", callback=_engine_flag
               help="Under MPI: when a rank makes no progress for this long (stopped, hung, its host "
                    "lost), end the job with a line naming it and where the others waited; 0: never.")
 @engine_option
+@click.option("--tensorboard", metavar="DIR",
+              help="Write TensorBoard event files here: losses, outputs, learning rate, speed, test "
+                   "scores (needs the tensorboard extra; `tensorboard --logdir DIR` shows them).")
+@click.option("--tensorboard_histograms", type=click.IntRange(min=0), default=0, metavar="K",
+              help="With --tensorboard: histograms of every weight and gradient every K iterations "
+                   "(0: none).")
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
 def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, stall_timeout, engine,
-          gpu):
+          tensorboard, tensorboard_histograms, gpu):
     """Train or fine-tune a model (mpirun -n N for several ranks). SOLVER may be an Intel Caffe
     multi-phase file (params_pair { solver_params { ... } batch_size: N } ...)."""
     if weights and snapshot:
@@ -169,9 +178,11 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
                                "--weights starts a new one from trained weights")
     _gpu_notice(gpu)
     from . import actions
+    if tensorboard_histograms and not tensorboard:
+        raise click.UsageError("--tensorboard_histograms needs --tensorboard DIR")
     actions.train(solver=solver, weights=weights, snapshot=snapshot, level=level, stages=_stages(stage),
                   sigint_effect=sigint_effect, sighup_effect=sighup_effect, stall_timeout=stall_timeout,
-                  engine=engine)
+                  engine=engine, tensorboard=tensorboard, histogram_interval=tensorboard_histograms)
 
 
 @main.command()
@@ -478,12 +489,32 @@ def parse_log(logfile, output_dir, delimiter):
 
 
 @main.command("plot_log")
-@click.argument("logfile")
-@click.argument("output_png")
-def plot_log(logfile, output_png):
-    """Plot loss, accuracy and learning rate against iterations (needs matplotlib)."""
+@click.argument("args", nargs=-1, metavar="CHART_TYPE OUT.png LOG [LOG...] | LOG OUT.png")
+def plot_log(args):
+    """Plot training logs (needs matplotlib). With a chart type, as Caffe's
+    tools/extra/plot_training_log.py: that chart of every LOG on one figure, each labelled with
+    its file name. Without one, caffepy's overview of one LOG: train outputs, test outputs and
+    the learning rate against iterations.
+
+    \b
+    Chart types (Caffe's numbers, logtools.CHART_TYPES):
+        0: Test accuracy  vs. Iters
+        1: Test accuracy  vs. Seconds
+        2: Test loss  vs. Iters
+        3: Test loss  vs. Seconds
+        4: Train learning rate  vs. Iters
+        5: Train learning rate  vs. Seconds
+        6: Train loss  vs. Iters
+        7: Train loss  vs. Seconds
+    """
     from . import logtools
-    logtools.plot_log(logfile, output_png)
+    if len(args) >= 3 and re.fullmatch(r"-?\d+", args[0]):
+        logtools.plot_chart(int(args[0]), args[1], list(args[2:]))
+    elif len(args) == 2:
+        logtools.plot_log(args[0], args[1])
+    else:
+        raise click.UsageError("give CHART_TYPE OUT.png LOG [LOG...] (Caffe's plot_training_log.py) or "
+                               "LOG OUT.png (the overview)")
 
 
 @main.command()
@@ -549,6 +580,119 @@ def split_db(input_db, num_shards, output_prefix):
     """Split an LMDB or LevelDB into N shards (of its kind) for split-DB multi-node training."""
     from .parallel import split_db as splitter
     splitter.split_db(input_db, num_shards, output_prefix)
+
+
+# -- Caffe's python/ and tools/extra/ scripts (classify.py, detect.py, summarize.py,
+#    plot_training_log.py, resize_and_crop_images.py): their arguments, their spellings ---------------
+_GPU_SWITCH_HELP = "Accepted for Caffe's scripts and ignored with a warning: caffepy runs on the CPU."
+
+
+def _script_options(f):
+    """The preprocessing flags classify.py and detect.py share, with their defaults."""
+    from .classifier import IMAGENET_MEAN, REFERENCE_DEPLOY, REFERENCE_WEIGHTS
+    for option in reversed([
+            click.option("--model_def", default=REFERENCE_DEPLOY, show_default=True, metavar="FILE",
+                         help="Model definition file (the default: from a Caffe tree's root)."),
+            click.option("--pretrained_model", default=REFERENCE_WEIGHTS, show_default=True, metavar="FILE",
+                         help="Trained model weights file."),
+            click.option("--gpu", is_flag=True, help=_GPU_SWITCH_HELP),
+            click.option("--mean_file", default=IMAGENET_MEAN, show_default=True, metavar="FILE",
+                         help="Data set image mean: a .npy of K x H x W or K values, or a .binaryproto; "
+                              "'' for no mean subtraction."),
+            click.option("--input_scale", type=float, help="Multiply input features by this scale to "
+                                                            "finish preprocessing."),
+            click.option("--raw_scale", type=float, default=255.0, show_default=True,
+                         help="Multiply raw input by this scale before preprocessing."),
+            click.option("--channel_swap", default="2,1,0", show_default=True,
+                         help="Order to permute input channels; the default converts RGB to BGR, "
+                              "Caffe's order.")]):
+        f = option(f)
+    return f
+
+
+def _gpu_switch(gpu):
+    if gpu:
+        log.warning("caffepy runs on the CPU; ignoring --gpu")
+
+
+@main.command()
+@click.argument("input_file")
+@click.argument("output_file")
+@_script_options
+@click.option("--center_only", is_flag=True,
+              help="Predict from the centre crop alone instead of averaging ten crops (the default).")
+@click.option("--images_dim", default="256,256", show_default=True,
+              help="Canonical 'height,width' the images are resized to before cropping.")
+@click.option("--ext", default="jpg", show_default=True,
+              help="Image file extension to take as input when INPUT_FILE is a folder.")
+def classify(input_file, output_file, model_def, pretrained_model, gpu, mean_file, input_scale, raw_scale,
+             channel_swap, center_only, images_dim, ext):
+    """Classify INPUT_FILE (an image, a folder of them, or a .npy of H x W x K images) and save the
+    N x classes predictions to OUTPUT_FILE (.npy), as Caffe's python/classify.py."""
+    _gpu_switch(gpu)
+    from . import classifier
+    classifier.classify(input_file, output_file, model_def, pretrained_model, center_only=center_only,
+                        images_dim=images_dim, mean_file=mean_file, input_scale=input_scale,
+                        raw_scale=raw_scale, channel_swap=channel_swap, ext=ext)
+
+
+@main.command()
+@click.argument("input_file")
+@click.argument("output_file")
+@_script_options
+@click.option("--crop_mode", type=click.Choice(["list", "selective_search"]), default="selective_search",
+              show_default=True, help="How to get the windows: a .csv's list, or Selective Search's "
+                                      "proposals for the images a .txt lists.")
+@click.option("--context_pad", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Pixels of surrounding context to take around each window.")
+def detect(input_file, output_file, model_def, pretrained_model, gpu, mean_file, input_scale, raw_scale,
+           channel_swap, crop_mode, context_pad):
+    """Classify windows of images, as Caffe's python/detect.py: INPUT_FILE is a .csv of windows
+    (header filename, xmin, ymin, xmax, ymax) or a .txt of image files; OUTPUT_FILE's extension
+    chooses .csv, .h5 or .npy."""
+    _gpu_switch(gpu)
+    from . import detector
+    detector.detect(input_file, output_file, model_def, pretrained_model, crop_mode=crop_mode,
+                    mean_file=mean_file, input_scale=input_scale, raw_scale=raw_scale,
+                    channel_swap=channel_swap, context_pad=context_pad)
+
+
+@main.command()
+@click.argument("filename", metavar="NET.prototxt")
+@click.option("-w", "--max-width", "max_width", type=click.IntRange(min=1), default=30, show_default=True,
+              help="Maximum field width.")
+@click.option("--phase", type=click.Choice(["TRAIN", "TEST"], case_sensitive=False), default="TEST",
+              show_default=True, help="The phase whose layers are listed (and built, for the sizes).")
+@click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
+@click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
+def summarize(filename, max_width, phase, level, stage):
+    """Print a concise summary of a net, as Caffe's tools/extra/summarize.py: each layer's name,
+    type, param specs, bottoms -> tops and window, then its top shapes, parameters, forward
+    FLOPs and memory, and the totals (the sizes need the net built: its data sources present)."""
+    from . import summarize as tool
+    tool.summarize(filename, phase=phase.upper(), level=level, stages=_stages(stage), max_width=max_width)
+
+
+@main.command("resize_and_crop_images")
+@click.option("--input_folder", default="", metavar="DIR",
+              help="The folder that holds the input images (in subfolders, e.g. by synset).")
+@click.option("--output_folder", required=True, metavar="DIR",
+              help="The folder the resized and cropped images go to, at the same relative paths.")
+@click.option("--output_side_length", type=int, default=256, show_default=True,
+              help="Side length of the output images.")
+@click.option("--input", "input_list", metavar="FILE",
+              help="A file of image paths relative to --input_folder, one a line (a trailing label is "
+                   "ignored); without it, every image under --input_folder.")
+@click.option("--image_lib", type=click.Choice(["opencv"], case_sensitive=False), default="opencv",
+              show_default=True, help="Caffe's choice of library; caffepy resizes with OpenCV.")
+@click.option("--num_clients", type=click.IntRange(min=1), metavar="N",
+              help="Images done at once (Caffe's mapreduce clients); default: one per core.")
+def resize_and_crop_images(input_folder, output_folder, output_side_length, input_list, image_lib,
+                           num_clients):
+    """Scale each image so its short side is --output_side_length, then keep its centre square
+    (Caffe's tools/extra/resize_and_crop_images.py, without its mapreduce)."""
+    from .data import tools
+    tools.resize_and_crop_images(input_folder, output_folder, output_side_length, input_list, num_clients)
 
 
 # Every flag of Caffe's and Intel Caffe's tools/caffe.cpp, with its gflags type. gflags are global:

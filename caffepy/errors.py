@@ -25,6 +25,11 @@ class PrototxtError(CaffepyError):
     """A prototxt or binary proto file that cannot be read or is invalid."""
 
 
+class BlobValuesError(PrototxtError, ValueError):
+    """A BlobProto whose values do not fit its shape (a ValueError too, as pycaffe's
+    blobproto_to_array raises)."""
+
+
 class LayerError(CaffepyError):
     """A layer whose parameters or bottoms are invalid (names the layer)."""
 

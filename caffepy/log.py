@@ -18,6 +18,7 @@ glog's environment switches are honoured, for the CLI and the Python API alike:
 Unlike glog, nothing is written to /tmp when GLOG_log_dir is unset: every message goes to stderr.
 The switches are read at the first message; `configure()` reads them again.
 """
+import contextlib
 import datetime
 import getpass
 import os
@@ -32,6 +33,7 @@ _size = 1
 _quiet = False
 _settings = None
 _files = {}          # severity -> open log file
+_bar = None          # the progress bar showing on stderr's terminal, if any
 
 
 def fmt(x):
@@ -48,6 +50,44 @@ def set_quiet(quiet):
     """Silence INFO lines (used by tests and the Python API)."""
     global _quiet
     _quiet = quiet
+
+
+@contextlib.contextmanager
+def quieted():
+    """No INFO lines in the block (a tool building a net only to look at it)."""
+    global _quiet
+    before, _quiet = _quiet, True
+    try:
+        yield
+    finally:
+        _quiet = before
+
+
+class _Progress:
+    def __init__(self, items, label, length):
+        import click
+        self.bar = click.progressbar(items, length=length, label=label, file=sys.stderr)
+
+    def __enter__(self):
+        global _bar
+        items = self.bar.__enter__()
+        _bar = self.bar
+        return items
+
+    def __exit__(self, *exc):
+        global _bar
+        _bar = None
+        return self.bar.__exit__(*exc)
+
+
+def progress(items, label, length=None):
+    """`with progress(items, label) as items:` a long tool's loop. On a terminal (stderr, rank 0,
+    INFO lines shown) a bar counts the items, the log lines written meanwhile printed above it;
+    elsewhere (a log file, a pipe) the items alone: the tool's own periodic lines say how far it got,
+    as Caffe's do. `length` for items that have no len()."""
+    if _rank == 0 and not _quiet and sys.stderr.isatty():
+        return _Progress(items, label, length)
+    return contextlib.nullcontext(items)
 
 
 def rank_prefix():
@@ -145,8 +185,13 @@ def _emit(severity, msg, depth):
                 f.flush()
         to_files = bool(s["dir"])
     if not to_files or s["also"] or severity >= s["threshold"]:
+        if _bar is not None:
+            sys.stderr.write("\r\033[K")       # the line goes above the bar, which is drawn again
         sys.stderr.write(line)
         sys.stderr.flush()
+        if _bar is not None:
+            _bar._last_line = None       # click skips drawing a line it drew last: draw it again
+            _bar.render_progress()
 
 
 def info(msg, everyone=False):

@@ -1,4 +1,5 @@
-"""Training-log tools: Caffe's parse_log (LOG.train / LOG.test tables) and a plot.
+"""Training-log tools: Caffe's parse_log (LOG.train / LOG.test tables), the eight charts of
+Caffe's plot_training_log.py (several logs on one), and caffepy's one-log overview plot.
 
 A table row per iteration: NumIters, Seconds (since the "Solving" line),
 LearningRate (the last "lr = " seen, as Caffe's parser does), then one column
@@ -43,9 +44,9 @@ def _read_lines(logfile):
         raise CaffepyError(f"{logfile}: cannot read the log: {e.strerror}") from None
 
 
-def parse_log(logfile):
-    """Parse a caffe/caffepy training log into (train_rows, test_rows): lists of
-    OrderedDicts with NumIters, Seconds, LearningRate and one key per output."""
+def _timeline(logfile):
+    """(iteration, seconds, line) for each line from the first that names an iteration on:
+    seconds since the "Solving" line (else the first stamped line), as Caffe's extract_seconds."""
     lines = _read_lines(logfile)
     year = datetime.datetime.fromtimestamp(os.path.getmtime(logfile)).year
     start = None
@@ -59,10 +60,7 @@ def parse_log(logfile):
             start = _stamp(line, year)
             if start is not None:
                 break
-    train_rows, test_rows = [], []
-    train_row = test_row = None
     iteration = -1
-    rate = float("nan")
     previous = start
     for line in lines:
         m = _ITERATION.search(line)
@@ -78,6 +76,16 @@ def parse_log(logfile):
         if stamp is not None:
             previous = stamp
         seconds = (previous - start).total_seconds() if previous is not None and start is not None else 0.0
+        yield iteration, seconds, line
+
+
+def parse_log(logfile):
+    """Parse a caffe/caffepy training log into (train_rows, test_rows): lists of
+    OrderedDicts with NumIters, Seconds, LearningRate and one key per output."""
+    train_rows, test_rows = [], []
+    train_row = test_row = None
+    rate = float("nan")
+    for iteration, seconds, line in _timeline(logfile):
         m = _LEARNING_RATE.search(line)
         if m:
             rate = float(m.group(1))
@@ -141,8 +149,7 @@ def parse_log_command(logfile, output_dir, delimiter=","):
     return base + ".train", base + ".test"
 
 
-def plot_log(logfile, png):
-    """Draw training loss, test outputs and the learning rate against iterations."""
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -150,6 +157,26 @@ def plot_log(logfile, png):
     except ImportError:
         raise CaffepyError("plot_log: needs matplotlib, which is not installed. "
                            "Install it with: pip install matplotlib (or pip install 'caffepy[plot]')") from None
+    return plt
+
+
+def _save_figure(plt, fig, png):
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, format=os.path.splitext(png)[1].lstrip(".").lower() or "png")
+    except ValueError as e:
+        raise CaffepyError(f"{png}: cannot write: {e}") from None
+    finally:
+        plt.close(fig)
+    from .prototxt import atomic_write
+    atomic_write(png, image.getvalue())
+    return png
+
+
+def plot_log(logfile, png):
+    """Draw training loss, test outputs and the learning rate against iterations (caffepy's
+    overview of one log; plot_chart draws Caffe's charts)."""
+    plt = _pyplot()
     train_rows, test_rows = parse_log(logfile)
     if not train_rows and not test_rows:
         raise CaffepyError(f"{logfile}: no 'Train net output' or 'Test net output' lines to plot; "
@@ -171,13 +198,79 @@ def plot_log(logfile, png):
     axes[2].grid(True, alpha=0.3)
     fig.suptitle(os.path.basename(logfile))
     fig.tight_layout()
-    image = io.BytesIO()
-    try:
-        fig.savefig(image, format=os.path.splitext(png)[1].lstrip(".").lower() or "png")
-    except ValueError as e:
-        raise CaffepyError(f"{png}: cannot write: {e}") from None
-    finally:
-        plt.close(fig)
-    from .prototxt import atomic_write
-    atomic_write(png, image.getvalue())
-    return png
+    return _save_figure(plt, fig, png)
+
+
+# -- Caffe's tools/extra/plot_training_log.py: eight charts, several logs on one ---------------------
+# Every y field against every x field, numbered in the script's order (its fields sorted by name)
+SEPARATOR = "  vs. "
+CHART_TYPES = [f"{y}{SEPARATOR}{x}" for y in ("Test accuracy", "Test loss", "Train learning rate", "Train loss")
+               for x in ("Iters", "Seconds")]
+_DISPLAY_LOSS = re.compile(r"Iteration (\d+)(?: \([^)]*\))?, loss = ([-+.\deE]+|nan|inf|-inf)")
+_RATE_LINE = re.compile(r"Iteration (\d+), lr = ([-+.\deE]+|nan|inf|-inf)")
+
+
+def chart_types_text(indent="    "):
+    return "\n".join(f"{indent}{i}: {name}" for i, name in enumerate(CHART_TYPES))
+
+
+def _test_column(logfile, rows, word, position):
+    """The test output a chart of `word` plots: the one named so, else the first whose name holds
+    it, else Caffe's parse_log.sh's choice, output #`position` (with a warning)."""
+    names = [k for k in (rows[0] if rows else {}) if k not in ("NumIters", "Seconds", "LearningRate")]
+    for name in [n for n in names if n == word] + [n for n in names if word in n]:
+        return name
+    if len(names) > position:
+        log.warning(f"{logfile}: no test output named '{word}'; plotting output #{position}, "
+                    f"'{names[position]}', as Caffe's parse_log.sh does")
+        return names[position]
+    raise CaffepyError(f"{logfile}: no 'Test net output' lines for a {word} chart"
+                       + (f" (its test outputs: {', '.join(names)})" if names else ""))
+
+
+def chart_series(logfile, chart_type):
+    """The (x, y) values chart `chart_type` draws for one log: test outputs from the test rows;
+    the train loss from the display lines ("Iteration N (...), loss = X", the smoothed total) and
+    the learning rate from the "Iteration N, lr = X" lines, as parse_log.sh reads them."""
+    y_field, x_field = CHART_TYPES[chart_type].split(SEPARATOR)
+    at = 0 if x_field == "Iters" else 1
+    if y_field.startswith("Test"):
+        _, rows = parse_log(logfile)
+        word, position = ("accuracy", 0) if y_field == "Test accuracy" else ("loss", 1)
+        name = _test_column(logfile, rows, word, position)
+        points = [((r["NumIters"], r["Seconds"])[at], r[name]) for r in rows if name in r]
+    else:
+        regex = _RATE_LINE if y_field == "Train learning rate" else _DISPLAY_LOSS
+        points = []
+        for iteration, seconds, line in _timeline(logfile):
+            m = regex.search(line)
+            if m:
+                points.append(((int(m.group(1)), seconds)[at], float(m.group(2))))
+        if not points:
+            raise CaffepyError(f"{logfile}: no '{'lr' if regex is _RATE_LINE else 'loss'} = ' display lines "
+                               f"for a {y_field.lower()} chart; is this a training log?")
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_chart(chart_type, png, logfiles):
+    """Caffe's plot_training_log.py: chart `chart_type` (0-7, CHART_TYPES) of every log in
+    `logfiles` on one figure, each labelled with its file name less `.log`."""
+    if not 0 <= chart_type < len(CHART_TYPES):
+        raise CaffepyError(f"plot_log: chart_type: must be 0 to {len(CHART_TYPES) - 1}, got {chart_type}. "
+                           f"Chart types:\n{chart_types_text()}")
+    series = [(path, *chart_series(path, chart_type)) for path in logfiles]
+    plt = _pyplot()
+    y_field, x_field = CHART_TYPES[chart_type].split(SEPARATOR)
+    fig, ax = plt.subplots(figsize=(8, 6))
+    markers = "os^vDx+*"
+    for i, (path, xs, ys) in enumerate(series):
+        name = os.path.basename(path)
+        label = name[:-len(".log")] if name.endswith(".log") else name
+        ax.plot(xs, ys, label=label, marker=markers[i % len(markers)], markevery=max(1, len(xs) // 40),
+                linewidth=0.75)
+    loud = "loss" in y_field or "learning rate" in y_field
+    ax.legend(loc="upper right" if loud else "lower right", ncol=1)
+    ax.set_title(CHART_TYPES[chart_type])
+    ax.set_xlabel(x_field)
+    ax.set_ylabel(y_field)
+    return _save_figure(plt, fig, png)

@@ -27,7 +27,7 @@ import importlib
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from .errors import ArgumentTypeError, LayerError, layer_error
+from .errors import ArgumentTypeError, LayerError, layer_error, quote
 from .proto import caffe_pb2
 
 # layer types whose parameters live in another type's sub-message
@@ -152,11 +152,14 @@ class Function:
         self.type_name = type_name
         for i, inp in enumerate(inputs):
             if not isinstance(inp, Top):
-                hint = ("; a layer with ntop > 1 returns a tuple of tops: pick one with [i]"
-                        if isinstance(inp, tuple) else "")
-                raise ArgumentTypeError(f"NetSpec: layer of type '{type_name}': bottom {i}: must be a top "
-                                        f"made by another layer (L.<Type>(...)), got {inp!r} (type is "
-                                        f"{type(inp)}){hint}")
+                # pycaffe's exact words (its own test suite matches them); the hint rides in a
+                # note, which tracebacks print
+                error = ArgumentTypeError(f"{type_name} input {i} is not a Top (type is {type(inp)})")
+                if hasattr(error, "add_note"):        # Python 3.11+
+                    tuple_hint = "; a layer with ntop > 1 returns a tuple of tops: pick one with [i]"
+                    error.add_note(f"a bottom is a top made by another layer (L.<Type>(...)), got "
+                                   f"{quote(repr(inp))}{tuple_hint if isinstance(inp, tuple) else ''}")
+                raise error
         self.inputs = list(inputs)
         self.params = dict(params)
         self.ntop = self.params.pop("ntop", 1)

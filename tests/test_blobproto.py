@@ -48,23 +48,27 @@ def test_legacy_four_axis_form():
     assert blob_shape(bp) == (2, 1, 2, 3)
 
 
-def test_a_blob_with_no_shape_at_all_is_a_flat_array():
-    # old blobs that are only a list of values (no num/channels/height/width, no shape)
+def test_a_blob_with_no_shape_at_all_is_a_scalar():
+    # no num/channels/height/width and no shape: zero axes, one value (Caffe's Blob::FromProto
+    # and pycaffe's blobproto_to_array agree); any other count is pycaffe's ValueError
     bp = caffe_pb2.BlobProto()
-    bp.data.extend([1, 2, 3, 4, 5])
-    assert blob_shape(bp) is None
+    bp.data.append(123)
+    assert blob_shape(bp) == ()
     arr = blobproto_to_array(bp)
-    assert arr.shape == (5,) and arr.dtype == np.float32
-    np.testing.assert_array_equal(arr, [1, 2, 3, 4, 5])
-    bp.diff.extend([-1, -2, -3, -4, -5])
-    np.testing.assert_array_equal(blobproto_to_array(bp, return_diff=True), [-1, -2, -3, -4, -5])
-    assert blobproto_to_array(caffe_pb2.BlobProto()).shape == (0,)
+    assert arr.shape == () and arr.dtype == np.float32 and arr == 123
+    bp.data.extend([1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"^blob: data: has 5 values, its shape \[\] needs 1 \(no num/channels"):
+        blobproto_to_array(bp)
+    with pytest.raises(PrototxtError):
+        blobproto_to_array(caffe_pb2.BlobProto())
     # one legacy dimension set makes it 4-D (the unset ones are 0, as Caffe reads them)
     bp.channels = 5
-    with pytest.raises(PrototxtError, match=r"has 5 values, its shape \[0, 5, 0, 0\] needs 0"):
+    with pytest.raises(PrototxtError, match=r"has 5 values, its shape \[0, 5, 0, 0\] needs 0$"):
         blobproto_to_array(bp)
     bp.num, bp.height, bp.width = 1, 1, 1
     assert blobproto_to_array(bp).shape == (1, 5, 1, 1)
+    bp.diff.extend([-1, -2, -3, -4, -5])
+    np.testing.assert_array_equal(blobproto_to_array(bp, return_diff=True).ravel(), [-1, -2, -3, -4, -5])
 
 
 def test_legacy_shape_writer_pads_leading_axes():

@@ -152,3 +152,126 @@ def test_selective_search_needs_its_package(model):
     deploy, weights, _ = model()
     with pytest.raises(CaffepyError, match="needs the selective_search_ijcv_with_python package"):
         caffe.Detector(deploy, weights).detect_selective_search(["a.jpg"])
+
+
+# -- caffepy classify / detect: BVLC's python/classify.py and detect.py ------------------------------
+
+def run(*args):
+    from click.testing import CliRunner
+    from caffepy.cli import main
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_classify_command_on_a_folder_matches_the_ten_crop_reference(model, tmp_path):
+    deploy, weights, (w, b) = model()
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(5)
+    # classify.py globs *.jpg by default; --ext picks another; the images go in name order
+    pixels = [write_image(folder / f"{name}.png", rng.random((12, 15, 3))) for name in ("b", "a", "c")]
+    write_image(folder / "ignored.bmp", rng.random((12, 15, 3)))
+    np.save(tmp_path / "mean.npy", MEAN)
+    out = tmp_path / "predictions.npy"
+    result = run("classify", folder, out, "--model_def", deploy, "--pretrained_model", weights,
+                 "--images_dim", "9,11", "--mean_file", tmp_path / "mean.npy", "--input_scale", 0.5, "--ext", "png")
+    assert result.exit_code == 0, result.output
+    resized = [cv2.resize(p.astype(np.float32), (11, 9), interpolation=cv2.INTER_LINEAR) for p in pixels]
+    expected = np.stack([reference_scores(ten_crops(r, 4, 5), w, b).mean(0) for r in (resized[1], resized[0], resized[2])])
+    np.testing.assert_allclose(np.load(out), expected, rtol=1e-4, atol=1e-6)
+    # one image, the centre crop, no mean, gflags' spelling of the switch
+    result = run("classify", folder / "a.png", tmp_path / "one", "--model_def", deploy, "--pretrained_model",
+                 weights, "--images_dim", "4,5", "--mean_file", "", "-center_only", "--raw_scale", 255)
+    assert result.exit_code == 0, result.output
+    scaled = cv2.resize(pixels[1].astype(np.float32), (5, 4), interpolation=cv2.INTER_LINEAR)
+    z = (scaled.transpose(2, 0, 1)[[2, 1, 0]] * 255).reshape(1, -1) @ w.T + b
+    np.testing.assert_allclose(np.load(tmp_path / "one.npy"), np.exp(z) / np.exp(z).sum(), rtol=1e-4, atol=1e-6)
+
+
+def test_classify_takes_a_mean_image_of_another_size_per_channel(model, tmp_path):
+    # pycaffe's ImageNet mean is 256 x 256 for 227 x 227 crops: classify uses its channel means
+    deploy, weights, (w, b) = model()
+    image = write_image(tmp_path / "x.png", np.random.default_rng(1).random((4, 5, 3)))
+    mean = np.broadcast_to(MEAN[:, None, None], (3, 7, 7)).copy()
+    mean[:, 0, 0] += 70       # moves each channel's mean by 70 / 49
+    np.save(tmp_path / "big_mean.npy", mean)
+    got = caffe.classifier.classify(str(tmp_path / "x.png"), str(tmp_path / "o.npy"), deploy, weights,
+                                    center_only=True, images_dim="4,5", mean_file=str(tmp_path / "big_mean.npy"))
+    x = image.transpose(2, 0, 1)[[2, 1, 0]] * 255 - (MEAN + 70 / 49)[:, None, None]
+    z = x.reshape(1, -1) @ w.T + b
+    np.testing.assert_allclose(got, np.exp(z - z.max()) / np.exp(z - z.max()).sum(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--images_dim", "256"], "--images_dim: needs 'height,width', got '256'"),
+    (["--channel_swap", "2,1,x"], "--channel_swap: needs comma-separated integers, got '2,1,x'"),
+    ([], "--mean_file: cannot read the mean: No such file or directory, got "
+         "'python/caffe/imagenet/ilsvrc_2012_mean.npy'. python/caffe/imagenet/ilsvrc_2012_mean.npy is "
+         "pycaffe's ImageNet mean"),
+])
+def test_classify_mistakes_are_one_line(model, tmp_path, args, message):
+    deploy, weights, _ = model()
+    result = run("classify", tmp_path, tmp_path / "o.npy", "--model_def", deploy, "--pretrained_model", weights, *args)
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+@pytest.fixture
+def windows_csv(model, tmp_path):
+    deploy, weights, params = model(batch=2, h=4, w=5)
+    rng = np.random.default_rng(3)
+    one = write_image(tmp_path / "one.png", rng.random((12, 14, 3)))
+    two = write_image(tmp_path / "two.png", rng.random((10, 10, 3)))
+    # detect.py's header order (xmin before ymin); rows of one image need not be adjacent
+    (tmp_path / "windows.csv").write_text(
+        "filename,xmin,ymin,xmax,ymax\n"
+        f"{tmp_path}/one.png,0,0,5,4\n{tmp_path}/two.png,5,5,10,10\n{tmp_path}/one.png,3,2,13,10\n")
+    crops = [one[0:4, 0:5], one[2:10, 3:13], two[5:10, 5:10]]
+    warped = [cv2.resize(c.astype(np.float32), (5, 4), interpolation=cv2.INTER_LINEAR) for c in crops]
+    return deploy, weights, reference_scores(warped, *params, input_scale=1)
+
+
+@pytest.mark.parametrize("ext", ["csv", "npy", "h5"])
+def test_detect_command_writes_each_window_and_its_scores(windows_csv, tmp_path, ext):
+    deploy, weights, expected = windows_csv
+    if ext == "h5":
+        h5py = pytest.importorskip("h5py")
+    np.save(tmp_path / "mean.npy", np.broadcast_to(MEAN[:, None, None], (3, 6, 6)))   # detect.py averages it
+    out = tmp_path / f"dets.{ext}"
+    result = run("detect", tmp_path / "windows.csv", out, "--model_def", deploy, "--pretrained_model", weights,
+                 "--crop_mode", "list", "--context_pad", 0, "--mean_file", tmp_path / "mean.npy")
+    assert result.exit_code == 0, result.output
+    names = [f"{tmp_path}/one.png"] * 2 + [f"{tmp_path}/two.png"]     # grouped by image, first seen first
+    windows = [[0, 0, 4, 5], [2, 3, 10, 13], [5, 5, 10, 10]]           # ymin, xmin, ymax, xmax
+    if ext == "csv":
+        lines = out.read_text().splitlines()
+        assert lines[0] == "filename,ymin,xmin,ymax,xmax,class0,class1,class2,class3,class4"
+        rows = [line.split(",") for line in lines[1:]]
+        assert [r[0] for r in rows] == names and [[float(v) for v in r[1:5]] for r in rows] == windows
+        scores = np.array([[float(v) for v in r[5:]] for r in rows])
+    elif ext == "npy":
+        table = np.load(out)
+        assert table["filename"].tolist() == names and table["window"].tolist() == windows
+        scores = table["prediction"]
+    else:
+        with h5py.File(out) as f:
+            assert [n.decode() for n in f["filename"][:]] == names and f["window"][:].tolist() == windows
+            assert f["window"].attrs["columns"] == "ymin,xmin,ymax,xmax"
+            scores = f["prediction"][:]
+    np.testing.assert_allclose(scores, expected[[0, 1, 2]], rtol=1e-4, atol=1e-5)
+
+
+def test_detect_mistakes_are_one_line(windows_csv, tmp_path):
+    deploy, weights, _ = windows_csv
+    common = ["--model_def", deploy, "--pretrained_model", weights, "--mean_file", ""]
+    result = run("detect", tmp_path / "windows.csv", tmp_path / "o.csv", *common)
+    assert result.exit_code == 1 and "needs the selective_search_ijcv_with_python package" not in result.output
+    assert "a .txt of image files (--crop_mode selective_search)" in result.output
+    (tmp_path / "bad.csv").write_text("filename,x0,ymin,xmax,ymax\na.png,1,2,3,4\n")
+    result = run("detect", tmp_path / "bad.csv", tmp_path / "o.csv", "--crop_mode", "list", *common)
+    assert result.exit_code == 1 and "bad.csv: line 1: the header needs the columns filename, xmin, ymin, " \
+                                     "xmax, ymax; missing xmin" in result.output
+    result = run("detect", tmp_path / "windows.csv", tmp_path / "o.txt", "--crop_mode", "list", *common)
+    assert result.exit_code == 1 and "the extension chooses the format (.csv, .h5 or .npy)" in result.output
+    # detect.py's default context_pad, 16, is for 227-pixel inputs
+    result = run("detect", tmp_path / "windows.csv", tmp_path / "o.csv", "--crop_mode", "list", *common)
+    assert result.exit_code == 1 and "Detector: context_pad: a border of 16 pixels on each side leaves no room " \
+                                     "for the window in the 5-pixel input, got 16" in result.output

@@ -156,3 +156,56 @@ def test_cli_minloglevel_and_logtostderr(tmp_path):
                GLOG_log_dir=tmp_path)
     assert proc.returncode == 0 and "Vector ISA:" in proc.stderr
     assert glog_files(tmp_path, "caffepy") == {}
+
+
+class Terminal:
+    """A stderr that says it is a terminal and keeps what is written."""
+
+    def __init__(self, tty=True):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, text):
+        self.text += text
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_bar_on_a_terminal_log_lines_everywhere(glog, monkeypatch, tty):
+    glog()
+    err = Terminal(tty)
+    monkeypatch.setattr(sys, "stderr", err)
+    seen = []
+    with log.progress(range(4), "convert_imageset") as items:
+        for i in items:
+            seen.append(i)
+            if i == 1:
+                log.info("Processed 2 files.")
+    assert seen == [0, 1, 2, 3]
+    assert "] Processed 2 files.\n" in err.text        # Caffe's line, terminal or not
+    if tty:
+        # the log line erases the bar's line, then the bar is drawn again where it was, below it
+        before, after = err.text.split("] Processed 2 files.\n")
+        assert before.startswith("\r\033[?25lconvert_imageset  [") and "\r\033[KI" in before
+        assert before.rsplit("\r", 2)[-2].endswith("25%")
+        assert after.split("\r")[1].endswith("25%") and err.text.rstrip().endswith("100%\033[?25h")
+    else:
+        assert "convert_imageset" not in err.text and "\r" not in err.text
+
+
+def test_no_progress_bar_when_quiet_or_on_other_ranks(glog, monkeypatch):
+    glog()
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    log.set_quiet(True)
+    with log.progress([1, 2], "x") as items:
+        assert list(items) == [1, 2]
+    log.set_quiet(False)
+    monkeypatch.setattr(log, "_rank", 1)
+    with log.progress([1, 2], "x") as items:
+        assert list(items) == [1, 2]
+    assert err.text == ""

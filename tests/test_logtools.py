@@ -108,3 +108,74 @@ def test_plot_log_draws_a_png(caffe_log, tmp_path):
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(out) > 1000
+
+
+# -- Caffe's plot_training_log.py: eight chart types, several logs -----------------------------------
+
+def test_chart_types_are_caffes_numbers():
+    assert logtools.CHART_TYPES == [
+        "Test accuracy  vs. Iters", "Test accuracy  vs. Seconds", "Test loss  vs. Iters", "Test loss  vs. Seconds",
+        "Train learning rate  vs. Iters", "Train learning rate  vs. Seconds", "Train loss  vs. Iters",
+        "Train loss  vs. Seconds"]
+    # the command's help lists them
+    help_text = CliRunner().invoke(main, ["plot_log", "--help"]).output
+    assert logtools.chart_types_text("      ") in help_text
+
+
+@pytest.mark.parametrize("chart, xs, ys", [
+    (0, [0, 200], [0.0912, 0.98]),
+    (1, [1.0, 7.0], [0.0912, 0.98]),
+    (2, [0, 200], [2.30937, 0.05]),
+    (3, [1.0, 7.0], [2.30937, 0.05]),
+    # parse_log.sh's train table: the "lr = " lines, and the display's smoothed total loss
+    (4, [0, 100, 200], [0.01, 0.001, 1e-04]),
+    (5, [1.1, 3.1, 5.1], [0.01, 0.001, 1e-04]),
+    (6, [0, 100, 200], [2.31482, 0.21, 0.1]),
+    (7, [1.1, 3.1, 5.1], [2.31482, 0.21, 0.1]),
+])
+def test_each_chart_reads_what_caffes_parser_reads(caffe_log, chart, xs, ys):
+    assert logtools.chart_series(str(caffe_log), chart) == (xs, ys)
+
+
+def test_test_outputs_by_name_else_by_caffes_positions(tmp_path):
+    path = tmp_path / "named.log"
+    path.write_text(CAFFE_LOG.replace("#0: accuracy", "#0: top-1").replace("#1: loss", "#1: xent"))
+    # no output named accuracy or loss: output #0 and #1, as parse_log.sh takes them
+    assert logtools.chart_series(str(path), 0)[1] == [0.0912, 0.98]
+    assert logtools.chart_series(str(path), 2)[1] == [2.30937, 0.05]
+    path.write_text(CAFFE_LOG.replace("#0: accuracy", "#0: loss_a").replace("#1: loss", "#1: top1_accuracy"))
+    assert logtools.chart_series(str(path), 0)[1] == [2.30937, 0.05]       # by name, wherever it is
+    assert logtools.chart_series(str(path), 2)[1] == [0.0912, 0.98]
+
+
+def test_several_logs_on_one_chart(caffe_log, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    other = tmp_path / "faster.log"
+    other.write_text(CAFFE_LOG.replace("loss = 0.21", "loss = 0.11"))
+    drawn = {}
+
+    def keep(plt, fig, png):
+        ax = fig.axes[0]
+        drawn.update(title=ax.get_title(), x=ax.get_xlabel(), y=ax.get_ylabel(),
+                     labels=[t.get_text() for t in ax.get_legend().get_texts()],
+                     lines=[(list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()])
+        return real(plt, fig, png)
+    real = logtools._save_figure
+    monkeypatch.setattr(logtools, "_save_figure", keep)
+    out = tmp_path / "loss.png"
+    result = CliRunner().invoke(main, ["plot_log", "6", str(out), str(caffe_log), str(other)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn == dict(title="Train loss  vs. Iters", x="Iters", y="Train loss", labels=["lenet", "faster"],
+                         lines=[([0, 100, 200], [2.31482, 0.21, 0.1]), ([0, 100, 200], [2.31482, 0.11, 0.1])])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["8", "o.png", "LOG"], "plot_log: chart_type: must be 0 to 7, got 8. Chart types:"),
+    (["1"], "give CHART_TYPE OUT.png LOG [LOG...]"),
+    (["0", "o.png", "none.log"], "none.log: cannot read the log"),
+])
+def test_plot_log_mistakes(caffe_log, tmp_path, args, message):
+    args = [str(caffe_log) if a == "LOG" else str(tmp_path / a) if a.endswith(".log") else a for a in args]
+    result = CliRunner().invoke(main, ["plot_log", *args])
+    assert result.exit_code in (1, 2) and message in result.output, result.output

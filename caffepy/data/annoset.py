@@ -37,7 +37,7 @@ from ..errors import DataError, UsageError
 from ..proto import caffe_pb2
 from .db import open_writer
 from .sources import read_image
-from .tools import _COMMIT, _progress, image_datum, same_size
+from .tools import _COMMIT, image_datum, same_size
 
 ANNO_TYPES = ("classification", "detection")
 LABEL_TYPES = ("xml", "json", "txt")
@@ -334,7 +334,7 @@ def convert_annoset(root_folder, list_file, db_name, anno_type="classification",
     resized = bool(min_dim or max_dim or (resize_height and resize_width))
     size, written, skipped = None, 0, 0
     with open_writer(db_name, backend, commit_every=_COMMIT) as db, \
-            _progress(list(enumerate(entries)), "convert_annoset") as items:
+            log.progress(list(enumerate(entries)), "convert_annoset") as items:
         for line_id, (name, second) in items:
             path = root_folder + name
             read = read_resized(path, resize_height, resize_width, min_dim, max_dim, is_color)

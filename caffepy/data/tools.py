@@ -14,11 +14,12 @@ compute_image_mean: the mean of every Datum of a database, written as a
 convert_mnist_data, convert_mnist_siamese_data and convert_cifar_data (Caffe's
 examples/mnist, examples/siamese and examples/cifar10 converters): the datasets' own binary
 files into LMDBs or LevelDBs of raw Datum, the keys and records Caffe's converters write.
+
+resize_and_crop_images (Caffe's tools/extra script, its mapreduce replaced by threads): each
+image scaled so its short side is the output side, then its centre square.
 """
 import os
-import sys
 
-import click
 import cv2
 import numpy as np
 
@@ -29,24 +30,6 @@ from .db import open_reader, open_writer
 from .sources import read_image, read_list_file
 
 _COMMIT = 1000
-
-
-def _progress(items, label):
-    """click's progress bar on a terminal, a plain iterator elsewhere (logs, pipes)."""
-    if sys.stderr.isatty():
-        return click.progressbar(items, label=label, file=sys.stderr)
-    return _Plain(items)
-
-
-class _Plain:
-    def __init__(self, items):
-        self.items = items
-
-    def __enter__(self):
-        return self.items
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _same_format(path, encoding):
@@ -106,7 +89,7 @@ def convert_imageset(root_folder, list_file, db_name, gray=False, shuffle=False,
     size = None
     written, skipped = 0, 0
     with open_writer(db_name, backend, commit_every=_COMMIT) as db, \
-            _progress(list(enumerate(entries)), "convert_imageset") as items:
+            log.progress(list(enumerate(entries)), "convert_imageset") as items:
         for line_id, (name, label) in items:
             path = root_folder + name
             img = read_image(path, resize_height, resize_width, is_color)
@@ -138,7 +121,7 @@ def compute_image_mean(input_db, output_file=None, backend=None):
         if len(reader) == 0:
             raise DataError(f"{reader.path}: the database is empty; no mean to compute")
         total, first, count = None, None, 0
-        with _progress(reader, "compute_image_mean") as records:
+        with log.progress(reader, "compute_image_mean") as records:
             for key, value in records:
                 image = datum_to_array(parse_datum(value, reader.path, key), source=reader.path, key=key)
                 if total is None:
@@ -300,3 +283,90 @@ def convert_cifar_data(input_folder, output_folder, db_type="lmdb"):
                     n += 1
         counts.append(n)
     return tuple(counts)
+
+
+# -- Caffe's tools/extra/resize_and_crop_images.py, without its mapreduce --------------------------
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+
+
+def _listed_images(input_folder, input_list):
+    """The images to do, relative to input_folder: the list file's lines (a path, with or without
+    a trailing integer label, input_folder's prefix dropped as Caffe's mapper drops it), or every
+    image file under input_folder."""
+    if input_list is None:
+        names = []
+        for root, dirs, files in os.walk(input_folder):
+            dirs.sort()
+            names.extend(os.path.relpath(os.path.join(root, f), input_folder) for f in sorted(files)
+                         if f.lower().endswith(IMAGE_EXTENSIONS))
+        return names
+    try:
+        with open(input_list) as f:
+            lines = [line.strip() for line in f]
+    except OSError as e:
+        raise DataError(f"{input_list}: cannot read the image list: {e.strerror}") from None
+    names = []
+    for line in filter(None, lines):
+        if input_folder and line.startswith(input_folder):
+            line = line[len(input_folder):].lstrip("/")
+        path, _, label = line.rpartition(" ")
+        names.append(path.strip() if path.strip() and label.lstrip("-").isdigit() else line)
+    return names
+
+
+def resize_and_crop_image(image, side):
+    """Scale the short side to `side` (the long one in proportion, rounded down) with
+    INTER_LINEAR, then take the centre `side` x `side` square (Caffe's OpenCV path)."""
+    height, width = image.shape[:2]
+    new_height = side * height // width if height > width else side
+    new_width = side if height > width else side * width // height
+    resized = cv2.resize(image, (new_width, new_height))
+    top, left = (new_height - side) // 2, (new_width - side) // 2
+    return resized[top:top + side, left:left + side]
+
+
+def resize_and_crop_images(input_folder, output_folder, output_side_length=256, input_list=None,
+                           num_clients=None):
+    """Write every image (input_list's, or all under input_folder) as a centre square of
+    output_side_length pixels under output_folder, at the same relative path and in the same
+    format; `num_clients` threads (default: one per core). Unreadable images are skipped with a
+    warning, as Caffe's mapper skips them. Returns the number written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..prototxt import atomic_write
+    if output_side_length < 1:
+        raise UsageError(f"--output_side_length: must be positive, got {output_side_length}")
+    if input_list is None and not os.path.isdir(input_folder):
+        raise DataError(f"{input_folder}: no such folder (--input_folder), and no --input list")
+    names = _listed_images(input_folder, input_list)
+    log.info(f"A total of {len(names)} images.")
+
+    def one(name):
+        source = os.path.join(input_folder, name)
+        image = cv2.imread(source)
+        if image is None:
+            return f"Could not open or find file {source}"
+        ok, encoded = cv2.imencode(os.path.splitext(name)[1] or ".jpg",
+                                   resize_and_crop_image(image, output_side_length))
+        if not ok:
+            return f"{source}: cannot encode the image as '{os.path.splitext(name)[1]}'"
+        target = os.path.join(output_folder, name)
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        atomic_write(target, encoded.tobytes())
+        return None
+
+    written = skipped = 0
+    with ThreadPoolExecutor(num_clients or os.cpu_count()) as pool, \
+            log.progress(pool.map(one, names), "resize_and_crop_images", len(names)) as results:
+        for problem in results:
+            if problem:
+                log.warning(problem)
+                skipped += 1
+            else:
+                written += 1
+                if written % _COMMIT == 0:
+                    log.info(f"Processed {written} files.")
+    log.info(f"Processed {written} files.")
+    if skipped:
+        log.warning(f"Skipped {skipped} of {len(names)} images that could not be read")
+    return written

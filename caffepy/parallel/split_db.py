@@ -41,10 +41,11 @@ def split_db(input_db, num_shards, output_prefix=None):
     try:
         for path in paths:      # one by one: an interruption between two still aborts the first
             outputs.append(open_writer(path, backend, commit_every=_BATCH))
-        for index, (key, value) in enumerate(source):
-            shard = index % num_shards
-            outputs[shard].put(key, value)
-            counts[shard] += 1
+        with log.progress(source, "split_db", len(source)) as records:
+            for index, (key, value) in enumerate(records):
+                shard = index % num_shards
+                outputs[shard].put(key, value)
+                counts[shard] += 1
         for writer in outputs:
             writer.close()
     except BaseException:

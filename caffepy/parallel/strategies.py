@@ -45,6 +45,7 @@ from .. import log
 from ..blob import Blob
 from ..layer import MODEL_PARALLEL
 from ..log import fmt
+from ..solvers.nets import local_batch
 from ..solvers.solver import ACTIONS, Hooks
 from . import watchdog
 from .allreduce import GradientReducer
@@ -78,13 +79,6 @@ def _ready_layers(net):
         for blob in layer.blobs:
             lowest.setdefault(id(blob), li)
     return [lowest[id(blob)] for blob in net.learnable_params]
-
-
-def _global_batch(net):
-    for bottom, top in zip(net.bottom_vecs, net.top_vecs):
-        if not bottom and top and top[0].num_axes:
-            return top[0].shape[0]
-    return None
 
 
 def _running_statistics(net):
@@ -159,7 +153,7 @@ class DataParallel(Hooks):
         net = solver.net
         if self.reducer is None:
             self.set_progress(None, solver)
-        batch = _global_batch(net)
+        batch = local_batch(net)
         if batch is not None:
             log.info(f"{self.name} over {self.world.size} ranks: local batch {batch}, "
                      f"global batch {self.world.size * batch}")
@@ -222,7 +216,7 @@ class DataParallel(Hooks):
                          lambda: self.comm.Iallreduce(_in_place(), buf))
         return buf
 
-    def on_display(self, solver):
+    def on_display(self, solver, stats):
         now = self._clock(solver)
         last, self._shown = self._shown, now
         iterations = now[1] - last[1]
@@ -232,9 +226,10 @@ class DataParallel(Hooks):
         every = np.empty((self.world.size, 3), np.float64)
         self._collective(f"the rank timings of iteration {solver.iter}",
                          lambda: self.comm.Iallgather(mine, every))
-        batch = _global_batch(solver.net)
+        batch = local_batch(solver.net)
         images = None if batch is None else batch * solver.param.iter_size * self.world.size
         log.info(rank_report(solver.iter, every, iterations, images))
+        stats["scalars"].update(rank_scalars(every, iterations))
 
     def before_test(self, solver):
         self.average_statistics(solver)
@@ -311,13 +306,31 @@ def _in_place():
     return MPI.IN_PLACE
 
 
+def _rank_figures(timings, iterations):
+    """(wall seconds per rank, working seconds an iteration per rank) of rank_report's timings."""
+    timings = np.asarray(timings, np.float64)
+    wall = np.maximum(timings[:, 0], 1e-9)
+    return wall, (wall - timings[:, 1] - timings[:, 2]) / iterations
+
+
+def rank_scalars(timings, iterations):
+    """rank_report's figures as display scalars (TensorBoard's mpi/ tags)."""
+    timings = np.asarray(timings, np.float64)
+    wall, working = _rank_figures(timings, iterations)
+    slowest = int(np.argmax(working))
+    return {"mpi/slowest_rank": slowest,
+            "mpi/slowest_rank_seconds_per_iter": float(working[slowest]),
+            "mpi/fastest_rank_seconds_per_iter": float(working.min()),
+            "mpi/communication_wait_fraction": float(np.mean(timings[:, 1] / wall)),
+            "mpi/rank_wait_fraction": float(np.mean(timings[:, 2] / wall))}
+
+
 def rank_report(iteration, timings, iterations, images=None):
     """The display line about the ranks. timings: one row per rank of the seconds since the
     last display (wall, waiting for communication, waiting for the other ranks) over
     `iterations` iterations; images: the job's images per iteration (None: unknown)."""
     timings = np.asarray(timings, np.float64)
-    wall = np.maximum(timings[:, 0], 1e-9)
-    working = (wall - timings[:, 1] - timings[:, 2]) / iterations
+    wall, working = _rank_figures(timings, iterations)
     slowest, fastest = int(np.argmax(working)), int(np.argmin(working))
     rate = (f"{images * iterations / wall[0]:.1f} images/s" if images
             else f"{fmt(iterations / wall[0])} iter/s")

@@ -153,6 +153,15 @@ def build_net(solver_net, solver_source, context=SINGLE):
                context=context)
 
 
+def local_batch(net):
+    """The batch of a net's data: the first axis of the first top of its first layer without
+    bottoms (a data or Input layer), or None."""
+    for bottom, top in zip(net.bottom_vecs, net.top_vecs):
+        if not bottom and top and top[0].num_axes:
+            return top[0].shape[0]
+    return None
+
+
 def share_trained_layers(train_net, test_net):
     """Caffe's ShareTrainedLayersWith: a test layer named like a train layer sees its weights."""
     for name, source in zip(train_net._layer_names, train_net.layers):

@@ -62,10 +62,6 @@ class Hooks:
         """Every rank: the backward of train-net layer `layer_index` (one with parameters) is
         done. Called in each of the iter_size passes; the gradients are final in the last."""
 
-    def on_display(self, solver):
-        """Every rank, at a display iteration, after the solver's lines for it: a hook may log
-        lines of its own (rank 0 writes them) about the iterations since the last display."""
-
     def before_update(self, solver):
         """Every rank: forward and backward are done; lr, clipping, regularization and the
         update rule come next. The parameter diffs are what the update will use, except
@@ -111,6 +107,38 @@ class Hooks:
         """Every rank, when the test phase is due (every parameter updated), before the test
         nets run: make their weights and statistics what the test should see."""
 
+    def on_display(self, solver, stats):
+        """Every rank, at each display iteration, once its update's learning rate is known:
+        `stats` holds what the display lines show, `iteration`, `loss` (the smoothed loss),
+        `outputs` [(name, value)] (the train net's outputs, their mean over the ranks; an
+        output of several values gives `name/k` for each), `learning_rate`, and when
+        iterations were timed since the previous display `seconds_per_iter` and
+        `items_per_second` (items of the global batch, iter_size passes included). Its
+        `scalars` {tag: value} is where a hook adds figures of its own, whatever its place in
+        the list: record_display sees them all. A hook may log lines of its own here too
+        (rank 0 writes them) about the iterations since the last display. Under MPI the strategy's per-rank figures
+        belong there, under `mpi/` (e.g. `mpi/slowest_rank`, `mpi/slowest_rank_seconds_per_iter`,
+        `mpi/communication_wait_fraction`)."""
+
+    def record_display(self, solver, stats):
+        """Every rank, after every hook's on_display for the iteration: `stats` is complete,
+        `scalars` holding what any hook added. For hooks that record the figures (the
+        TensorBoard writer), so that the order hooks were attached in does not matter."""
+
+    def on_test(self, solver, index, outputs, loss):
+        """Every rank, after test net `index` is scored: `outputs` [(name, mean)] as the
+        "Test net output" lines print them; `loss` the "Test loss" line's value, or None."""
+
+    def gradients_wanted(self, solver):
+        """Every rank, before each update: whether on_gradients should see this iteration's
+        gradients (the solver then waits for any still being reduced)."""
+        return False
+
+    def on_gradients(self, solver):
+        """When a hook wanted them: the parameter diffs hold this iteration's final gradients
+        (summed over the iter_size passes, averaged over the ranks), before clipping,
+        regularization and the update rule."""
+
     def gather(self, solver, index, array):
         """Every rank, for a snapshot: the whole of `array` (learnable parameter `index`'s data,
         diff or one of its update-rule history arrays) on rank 0, which writes the files;
@@ -152,6 +180,7 @@ class Solver:
         self.smoothed_loss = 0.0
         self.losses = []
         self.last_snapshot = None
+        self.rate = None             # the learning rate of the last update
         self.test_scores = []
         self._started = False
         self._snapshot_iter = None
@@ -313,20 +342,30 @@ class Solver:
             if not math.isfinite(loss):
                 raise self._nonfinite_error(loss)
             self._update_smoothed_loss(loss, start_iter)
+            shown = None
             if display:
                 self._check_weights_finite()
                 lapse = _seconds_since(timer)
-                per_s = F32(self.iter - iterations_last) / (lapse or F32(1))
+                timed = self.iter - iterations_last
+                per_s = F32(timed) / (lapse or F32(1))
                 log.info(f"Iteration {self.iter} ({fmt(per_s)} iter/s, {fmt(lapse)}s/{p.display} iters), "
                          f"loss = {fmt(self.smoothed_loss)}")
                 timer = time.perf_counter()
                 iterations_last = self.iter
-                self._display_outputs()
-                for fn in self._hooks("on_display"):
-                    fn(self)
+                shown = dict(iteration=self.iter, loss=self.smoothed_loss, outputs=self._display_outputs(),
+                             scalars={})
+                if timed and lapse:
+                    shown["seconds_per_iter"] = float(lapse) / timed
+                    shown["items_per_second"] = self._items_per_iter() * timed / float(lapse)
             for fn in self._hooks("before_update"):
                 fn(self)
             self.apply_update()
+            if shown is not None:
+                shown["learning_rate"] = self.rate
+                for fn in self._hooks("on_display"):
+                    fn(self, shown)
+                for fn in self._hooks("record_display"):
+                    fn(self, shown)
             self.iter += 1
             request = self.get_requested_action()
             if (p.snapshot and self.iter % p.snapshot == 0) or request in ("snapshot", "snapshot_stop"):
@@ -354,19 +393,27 @@ class Solver:
         self.smoothed_loss = float(smoothed)
 
     def _display_outputs(self):
-        """The train net's outputs of this iteration's last pass: on N ranks their mean over
-        the ranks (the global batch's figures, as the loss line's)."""
+        """Log the train net's outputs of this iteration's last pass: on N ranks their mean over
+        the ranks (the global batch's figures, as the loss line's). Returns [(name, value)]."""
         net = self.net
         values = self._outputs(net)
         values = self._reduce_scores(values) / F32(self.context.size)
         index = 0
+        shown = []
         for name in net.outputs:
             weight = net.blob_loss_weights.get(name, 0.0)
-            for _ in range(net.blobs[name].count):
+            count = net.blobs[name].count
+            for k in range(count):
                 value = values[index]
                 extra = f" (* {fmt(weight)} = {fmt(F32(weight) * value)} loss)" if weight else ""
                 log.info(f"    Train net output #{index}: {name} = {fmt(float(value))}{extra}")
+                shown.append((name if count == 1 else f"{name}/{k}", float(value)))
                 index += 1
+        return shown
+
+    def _items_per_iter(self):
+        """Items one iteration trains on over every rank: the train net's batch x iter_size x ranks."""
+        return (nets.local_batch(self.net) or 0) * self.param.iter_size * self.context.size
 
     @staticmethod
     def _outputs(net):
@@ -427,15 +474,19 @@ class Solver:
         for the parameters whose gradients are final; those the hooks still complete
         (Hooks.pending_gradients) are updated when they are needed (_before_layer)."""
         p = self.param
-        rate = self.learning_rate()
+        rate = self.rate = self.learning_rate()
         if p.display and self.iter % p.display == 0:
             log.info(f"Iteration {self.iter}, lr = {fmt(rate)}")
         pending = set()
         for fn in self._hooks("pending_gradients"):
             pending.update(fn(self))
-        if pending and (p.disabled_update or p.clip_gradients >= 0):
-            self._await(sorted(pending))        # the clipping norm needs every gradient
+        wanted = any(fn(self) for fn in self._hooks("gradients_wanted"))
+        if pending and (p.disabled_update or p.clip_gradients >= 0 or wanted):
+            self._await(sorted(pending))        # the clipping norm (or a hook) needs every gradient
             pending = set()
+        if wanted:
+            for fn in self._hooks("on_gradients"):
+                fn(self)
         if p.disabled_update:
             return
         now = None
@@ -560,6 +611,8 @@ class Solver:
         while len(self.test_scores) <= index:
             self.test_scores.append([])
         self.test_scores[index] = results
+        for fn in self._hooks("on_test"):
+            fn(self, index, results, float(loss / F32(n)) if p.test_compute_loss and n else None)
 
     def _test_detection(self, index, net, found, loss, n):
         """Caffe's TestDetection: each output's DetectionEvaluate rows, gathered from every rank,

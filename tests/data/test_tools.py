@@ -298,3 +298,46 @@ def test_convert_cifar_data_writes_both_databases_as_caffe(tmp_path):
     result = CliRunner().invoke(main, ["convert_cifar_data", str(tmp_path / "in"), str(tmp_path / "o2"), "lmdb"])
     assert result.exit_code == 1 and "test_batch.bin: 100 bytes is not a whole number" in result.output
     assert not (tmp_path / "o2").exists()
+
+
+# -- resize_and_crop_images: Caffe's tools/extra script ----------------------------------------------
+
+def test_resize_and_crop_scales_the_short_side_then_takes_the_centre():
+    # a 40 x 100 image in five vertical bands of 20 columns: side 16 scales it to 16 x 40
+    # (40 = 16 * 100 // 40) and keeps columns 12..27, the middle band and a little of each side
+    bands = np.repeat(np.arange(5, dtype=np.uint8) * 50, 20)[None, :, None].repeat(40, 0).repeat(3, 2)
+    out = tools.resize_and_crop_image(bands, 16)
+    expected = cv2.resize(bands, (40, 16), interpolation=cv2.INTER_LINEAR)[:, 12:28]
+    assert out.shape == (16, 16, 3)
+    np.testing.assert_array_equal(out, expected)
+    assert (out[:, 4:12] == 100).all()        # the middle band fills the centre
+    # tall images crop rows; Python 2's integer division rounds the long side down
+    tall = np.zeros((101, 30, 3), np.uint8)
+    tall[50] = 255
+    assert tools.resize_and_crop_image(tall, 10).shape == (10, 10, 3)
+    assert tools.resize_and_crop_image(tall, 10)[4:6].max() > 0
+
+
+def test_resize_and_crop_images_command(images, tmp_path):
+    root = str(tmp_path / "img")
+    cv2.imwrite(os.path.join(root, "wide.jpg"), np.full((30, 60, 3), 128, np.uint8))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["resize_and_crop_images", f"--input_folder={root}",
+                                       f"--output_folder={out}", "--output_side_length=4"])
+    assert result.exit_code == 0, result.output
+    written = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
+    assert written == [f"sub/a{i}.png" for i in range(5)] + ["wide.jpg"]
+    for name in written:
+        assert cv2.imread(str(out / name)).shape == (4, 4, 3)
+    source = cv2.imread(os.path.join(root, "sub/a3.png"))          # 6 x 7: 4 x 4 (4 * 7 // 6 = 4)
+    np.testing.assert_array_equal(cv2.imread(str(out / "sub/a3.png")), tools.resize_and_crop_image(source, 4))
+    # a list (convert_imageset's, labels and a missing file too): only its images, the missing one warned
+    listed = tmp_path / "listed"
+    result = CliRunner().invoke(main, ["resize_and_crop_images", "--input_folder", root, "--output_folder",
+                                       str(listed), "--input", str(tmp_path / "list.txt"), "--num_clients", "2"])
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(listed / "sub")) == [f"a{i}.png" for i in range(5)]
+    assert "Skipped 1 of" in result.output and "missing.png" in result.output
+    result = CliRunner().invoke(main, ["resize_and_crop_images", "--output_folder", str(listed),
+                                       "--image_lib", "pil"])
+    assert result.exit_code == 2

@@ -215,7 +215,7 @@ def test_strategy_waits_for_a_late_rank_without_spinning(tmp_path):
         calls = {"loss": lambda: strategy.reduce_loss(solver, 1.0 + world.rank),
                  "signals": lambda: strategy.agree_action(solver, "none"),
                  "outputs": lambda: strategy.reduce_scores(solver, np.ones(3)),
-                 "report": lambda: strategy.on_display(solver)}
+                 "report": lambda: strategy.on_display(solver, {"scalars": {}})}
         for name, call in calls.items():
             if world.rank == 1:
                 time.sleep(1.0)

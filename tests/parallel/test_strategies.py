@@ -7,7 +7,7 @@ from caffepy.blob import Blob
 from caffepy.errors import ParallelError
 from caffepy.net import TRAIN, Net
 from caffepy.parallel.allreduce import GradientReducer
-from caffepy.parallel.strategies import model_parallel_layers, rank_report
+from caffepy.parallel.strategies import model_parallel_layers, rank_report, rank_scalars
 from caffepy.proto import caffe_pb2
 
 
@@ -85,3 +85,8 @@ def test_rank_report_names_the_rank_that_works_longest():
         "waiting 5.0% of the time for communication, 37.0% for other ranks")
     # no data layer to count images by
     assert rank_report(40, timings, 10).startswith("Iteration 40, 4 ranks: 1 iter/s, slowest rank 2 ")
+    # the same figures as TensorBoard scalars
+    assert rank_scalars(timings, 10) == pytest.approx({
+        "mpi/slowest_rank": 2, "mpi/slowest_rank_seconds_per_iter": 0.9,
+        "mpi/fastest_rank_seconds_per_iter": 0.45, "mpi/communication_wait_fraction": 0.05,
+        "mpi/rank_wait_fraction": 0.37})
