@@ -324,15 +324,21 @@ class AnnotatedData(Data):
     its place in the record stream, so N ranks give what one rank with N times the batch does.
     """
 
-    def open_source(self, path):
-        p, ap = self.param.data_param, self.param.annotated_data_param
-        labels = None
+    def setup(self, bottom, top):
+        # read before the source opens: its errors would be reported as the source's
+        ap = self.param.annotated_data_param
+        self.labels = None
         if ap.label_map_file:
             from ..data.annoset import read_label_map
             try:
-                labels = {item.label for item in read_label_map(ap.label_map_file).item}
+                self.labels = {item.label for item in read_label_map(ap.label_map_file).item}
             except DataError as e:
                 raise self.error("annotated_data_param.label_map_file", str(e), cls=DataError) from None
+        super().setup(bottom, top)
+
+    def open_source(self, path):
+        p, ap = self.param.data_param, self.param.annotated_data_param
+        labels = self.labels
         backend = caffe_pb2.DataParameter.DB.Name(p.backend) if p.HasField("backend") else None
         tp = self.param.transform_param
         source = AnnotatedDBSource(path, force_color=tp.force_color or p.force_encoded_color,

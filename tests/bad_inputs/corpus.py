@@ -1234,6 +1234,16 @@ def annotated_label_missing_from_the_label_map(c):
 
 
 @case("detection")
+def annotated_label_map_file_missing(c):
+    db = _annotated_db(c, [(1, (.1, .1, .3, .5))])
+    lm = os.path.join(c.inp, "no_labelmap.prototxt")
+    p = _annotated_net(c, db, f'label_map_file: "{lm}"')
+    # the label map's own field, not data_param.source's (the source is fine)
+    return time_args(p), [p + ":", "layer 'data'", "annotated_data_param.label_map_file:", lm,
+                          "cannot read the label map"]
+
+
+@case("detection")
 def annotated_batch_sampler_without_a_resize(c):
     db = _annotated_db(c, [(1, (.1, .1, .3, .5))])
     p = _annotated_net(c, db, "batch_sampler { sampler { min_scale: 0.3 } max_trials: 5 }")
