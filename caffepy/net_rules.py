@@ -213,6 +213,12 @@ class Int8Unit:
 
     @staticmethod
     def backward(net, unit, last, every_layer):
+        """Integer rounding has no gradient: a backward (pycaffe's net.backward on a TEST net;
+        Intel's int8 layers have none) gives the unit's float32 layers' gradient at the inputs
+        the int8 forward gave it. Their forwards run again one by one first, since their
+        backwards read what those keep, so afterwards the unit's tops hold float32 values."""
+        for li in range(unit.first, last + 1):
+            net.layers[li].forward(net.bottom_vecs[li], net.top_vecs[li])
         return False
 
 

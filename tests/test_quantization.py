@@ -150,6 +150,27 @@ def test_int8_stays_near_float32():
     assert not np.array_equal(int8.blobs["sum"].data, plain.blobs["sum"].data)
 
 
+def test_backward_through_int8_units_gives_the_float32_gradients():
+    """pycaffe's net.backward on an int8 TEST net (Intel's int8 layers have no backward):
+    rounding has no gradient, so each unit gives its float32 layers' gradient."""
+    int8 = _net(block_net(engine="force_backward: true"))
+    plain = _net(block_net(engine='engine: "CAFFE" force_backward: true'))
+    _same_weights(int8, plain)
+    int8.forward()
+    plain.forward()
+    assert not np.array_equal(int8.blobs["sum"].data, plain.blobs["sum"].data)
+    diff = np.random.default_rng(5).normal(0, 1, int8.blobs["fc"].shape).astype(np.float32)
+    for net in (int8, plain):
+        net.blobs["fc"].diff[...] = diff
+        net.backward()
+    # each unit's gradient is the float32 layers' at the inputs the int8 forward gave it (a
+    # summand from another unit included), so ReLU masks near 0 can differ from a float32 net's
+    for name in ("conv1", "short", "body", "fc"):
+        a, b = (n.layer_dict[name].blobs[0].diff.ravel().astype(np.float64) for n in (int8, plain))
+        assert np.isfinite(a).all() and np.abs(b).max() > 0, name
+        assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.95, name
+
+
 def test_train_nets_ignore_quantization_param():
     train = _net(block_net(), caffepy.TRAIN)
     plain = _net(block_net(engine='engine: "CAFFE"'), caffepy.TRAIN)
