@@ -215,11 +215,16 @@ class Int8Unit:
     def backward(net, unit, last, every_layer):
         """Integer rounding has no gradient: a backward (pycaffe's net.backward on a TEST net;
         Intel's int8 layers have none) gives the unit's float32 layers' gradient at the inputs
-        the int8 forward gave it. Their forwards run again one by one first, since their
-        backwards read what those keep, so afterwards the unit's tops hold float32 values."""
-        for li in range(unit.first, last + 1):
-            net.layers[li].forward(net.bottom_vecs[li], net.top_vecs[li])
-        return False
+        the int8 forward gave it (rerun_layers: afterwards the unit's tops hold float32 values)."""
+        return rerun_layers(net, unit, last)
+
+
+def rerun_layers(net, unit, last):
+    """A unit whose forward skips its layers' own: their forwards again one by one (their
+    backwards read what those keep), then False: the Net runs their backwards one by one."""
+    for li in range(unit.first, last + 1):
+        net.layers[li].forward(net.bottom_vecs[li], net.top_vecs[li])
+    return False
 
 
 def folding_enabled():
@@ -313,11 +318,7 @@ class ConvBatchNorm:
 
     @staticmethod
     def backward(net, unit, last, every_layer):
-        """The layers' forwards again one by one (their backwards read what those keep), then
-        False: the Net runs their backwards one by one."""
-        for li in range(unit.first, last + 1):
-            net.layers[li].forward(net.bottom_vecs[li], net.top_vecs[li])
-        return False
+        return rerun_layers(net, unit, last)
 
 
 class BatchNormScale:
