@@ -21,16 +21,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from google.protobuf import text_format  # noqa: E402
-
-from caffepy import log, rng  # noqa: E402
+from caffepy import log  # noqa: E402
 from caffepy.data.shapes import write_lmdbs, write_shapes  # noqa: E402
-from caffepy.net import Net  # noqa: E402
 from caffepy.proto import caffe_pb2  # noqa: E402
+from timing import data_layer_rate  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEAN = "mean_value: 104 mean_value: 117 mean_value: 123"
@@ -50,21 +47,10 @@ RECIPES = {"SSD300 TRAIN": (caffe_pb2.TRAIN, TRAIN, SAMPLERS), "SSD300 TEST": (c
 
 
 def throughput(db, phase, transform, samplers, threads, batch, batches):
-    os.environ["CAFFEPY_DATA_THREADS"] = str(threads)
     text = (f'layer {{ name: "data" type: "AnnotatedData" top: "data" top: "label" '
             f'transform_param {{ {transform} }} data_param {{ source: "{db}" batch_size: {batch} }} '
             f'annotated_data_param {{ {samplers} }} }}')
-    rng.seed(1)
-    net = Net(text_format.Parse(text, caffe_pb2.NetParameter()), phase=phase)
-    layer = net.layers[0]
-    try:
-        net.forward()                                   # thread start-up, first batch
-        start = time.perf_counter()
-        for _ in range(batches):
-            net.forward()
-        return batches * batch / (time.perf_counter() - start)
-    finally:
-        layer.close()
+    return data_layer_rate(text, phase, threads, batch, batches)
 
 
 def wait_share(data_root, iterations=30):

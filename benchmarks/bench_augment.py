@@ -29,12 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from google.protobuf import text_format  # noqa: E402
 
 from bench_data import build_db, make_images  # noqa: E402
-from caffepy import log, rng  # noqa: E402
+from caffepy import log  # noqa: E402
 from caffepy.data.datum import array_to_datum, datum_to_array, decode_image, parse_datum  # noqa: E402
 from caffepy.data.db import open_reader, open_writer  # noqa: E402
 from caffepy.data.transformer import DataTransformer  # noqa: E402
-from caffepy.net import Net  # noqa: E402
 from caffepy.proto import caffe_pb2  # noqa: E402
+from timing import data_layer_rate  # noqa: E402
 
 MEAN = "mean_value: 104 mean_value: 117 mean_value: 123"
 TRANSFORMS = {
@@ -73,20 +73,9 @@ def per_image(db, phase, transform, reps=100):
 
 
 def throughput(db, phase, transform, threads, batch, batches):
-    os.environ["CAFFEPY_DATA_THREADS"] = str(threads)
     text = (f'layer {{ name: "data" type: "Data" top: "data" top: "label" transform_param {{ {transform} }} '
             f'data_param {{ source: "{db}" batch_size: {batch} backend: LMDB }} }}')
-    rng.seed(1)
-    net = Net(text_format.Parse(text, caffe_pb2.NetParameter()), phase=phase)
-    layer = net.layers[0]
-    try:
-        net.forward()                                   # thread start-up, first batch
-        start = time.perf_counter()
-        for _ in range(batches):
-            net.forward()
-        return batches * batch / (time.perf_counter() - start)
-    finally:
-        layer.close()
+    return data_layer_rate(text, phase, threads, batch, batches)
 
 
 def main():

@@ -51,3 +51,24 @@ def alternate(fns, reps, setups=None, summary=min):
             else:
                 fn()
     return [t.wall for t in timers]
+
+
+def data_layer_rate(layer_text, phase, threads, batch, batches):
+    """Images/s of one data layer (prototxt text) running its prefetch with `threads` decode
+    threads, forward as fast as it goes, after one untimed batch (thread start-up)."""
+    import os
+    from google.protobuf import text_format
+    from caffepy import rng
+    from caffepy.net import Net
+    from caffepy.proto import caffe_pb2
+    os.environ["CAFFEPY_DATA_THREADS"] = str(threads)
+    rng.seed(1)
+    net = Net(text_format.Parse(layer_text, caffe_pb2.NetParameter()), phase=phase)
+    try:
+        net.forward()
+        start = time.perf_counter()
+        for _ in range(batches):
+            net.forward()
+        return batches * batch / (time.perf_counter() - start)
+    finally:
+        net.layers[0].close()

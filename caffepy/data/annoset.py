@@ -32,12 +32,11 @@ import cv2
 import numpy as np
 from google.protobuf import text_format
 
-from .. import log, rng
+from .. import log
 from ..errors import DataError, UsageError
 from ..proto import caffe_pb2
-from .db import open_writer
 from .sources import read_image
-from .tools import _COMMIT, image_datum, same_size
+from .tools import image_datum, write_records
 
 ANNO_TYPES = ("classification", "detection")
 LABEL_TYPES = ("xml", "json", "txt")
@@ -321,50 +320,30 @@ def convert_annoset(root_folder, list_file, db_name, anno_type="classification",
                              f"become labels)")
         names = name_to_label(read_label_map(label_map_file), check_label, label_map_file)
     entries = read_list(list_file, anno_type)
-    if shuffle:
-        log.info("Shuffling data")
-        order = rng.generator().permutation(len(entries))
-        entries = [entries[i] for i in order]
-    log.info(f"A total of {len(entries)} images.")
     encode_type = encode_type.lower().lstrip(".")
     if encode_type and not encoded:
         log.info("encode_type specified, assuming encoded=true.")
         encoded = True
     is_color = not gray
     resized = bool(min_dim or max_dim or (resize_height and resize_width))
-    size, written, skipped = None, 0, 0
-    with open_writer(db_name, backend, commit_every=_COMMIT) as db, \
-            log.progress(list(enumerate(entries)), "convert_annoset") as items:
-        for line_id, (name, second) in items:
-            path = root_folder + name
-            read = read_resized(path, resize_height, resize_width, min_dim, max_dim, is_color)
-            if read is None:
-                log.warning(f"Could not open or find file {path}; skipped")
-                skipped += 1
-                continue
-            img, height, width = read
-            anno_datum = caffe_pb2.AnnotatedDatum()
-            if anno_type == "classification":
-                anno_datum.datum.CopyFrom(image_datum(path, img, second, encoded, encode_type, is_color,
-                                                      resized))
-            else:
-                anno_datum.datum.CopyFrom(image_datum(path, img, -1, encoded, encode_type, is_color, resized))
-                anno_datum.type = caffe_pb2.AnnotatedDatum.BBOX
-                anno_path = root_folder + second
-                if os.path.exists(anno_path):    # an image without its file: no boxes, as the fork
-                    READERS[label_type](anno_path, height, width, names, anno_datum)
-            key = f"{line_id:08d}_{name}"
-            if check_size:
-                size = same_size(size, img, db_name, key)
-            db.put(key, anno_datum.SerializeToString())
-            written += 1
-            if written % _COMMIT == 0:
-                log.info(f"Processed {written} files.")
-    if written % _COMMIT:
-        log.info(f"Processed {written} files.")
-    if skipped:
-        log.warning(f"Skipped {skipped} of {len(entries)} images that could not be read")
-    return written
+
+    def record(path, second):
+        read = read_resized(path, resize_height, resize_width, min_dim, max_dim, is_color)
+        if read is None:
+            return None
+        img, height, width = read
+        anno_datum = caffe_pb2.AnnotatedDatum()
+        label = second if anno_type == "classification" else -1
+        anno_datum.datum.CopyFrom(image_datum(path, img, label, encoded, encode_type, is_color, resized))
+        if anno_type != "classification":
+            anno_datum.type = caffe_pb2.AnnotatedDatum.BBOX
+            anno_path = root_folder + second
+            if os.path.exists(anno_path):    # an image without its file: no boxes, as the fork
+                READERS[label_type](anno_path, height, width, names, anno_datum)
+        return img, anno_datum.SerializeToString()
+
+    return write_records(db_name, backend, entries, root_folder, record, check_size, shuffle,
+                         "convert_annoset")
 
 
 def get_image_size(root_folder, list_file, out_file, name_id_file=""):

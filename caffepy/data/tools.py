@@ -78,31 +78,46 @@ def convert_imageset(root_folder, list_file, db_name, gray=False, shuffle=False,
         if why:
             raise UsageError(f"--resize_height, --resize_width: {why}, got {resize_height} x {resize_width}")
     entries = read_list_file(list_file)
+    encode_type = encode_type.lower().lstrip(".")
+    if encode_type and not encoded:
+        log.warning("encode_type given without --encoded; storing raw pixels")
+    resized = bool(resize_height or resize_width)
+
+    def record(path, label):
+        img = read_image(path, resize_height, resize_width, is_color)
+        if img is None:
+            return None
+        return img, image_datum(path, img, label, encoded, encode_type, is_color, resized).SerializeToString()
+
+    return write_records(db_name, backend, entries, root_folder, record, check_size, shuffle,
+                         "convert_imageset")
+
+
+def write_records(db_name, backend, entries, root_folder, record, check_size, shuffle, tool):
+    """The loop convert_imageset and convert_annoset share: each (name, second) entry of a list
+    file becomes the record `record(root_folder + name, second)` gives ((image, bytes), or None
+    when the image cannot be read: skipped with a warning) under the key `%08d_<name>`, with
+    Caffe's progress lines; return the number written."""
     if shuffle:
         log.info("Shuffling data")
         order = rng.generator().permutation(len(entries))
         entries = [entries[i] for i in order]
     log.info(f"A total of {len(entries)} images.")
-    encode_type = encode_type.lower().lstrip(".")
-    if encode_type and not encoded:
-        log.warning("encode_type given without --encoded; storing raw pixels")
-    size = None
-    written, skipped = 0, 0
+    size, written, skipped = None, 0, 0
     with open_writer(db_name, backend, commit_every=_COMMIT) as db, \
-            log.progress(list(enumerate(entries)), "convert_imageset") as items:
-        for line_id, (name, label) in items:
+            log.progress(list(enumerate(entries)), tool) as items:
+        for line_id, (name, second) in items:
             path = root_folder + name
-            img = read_image(path, resize_height, resize_width, is_color)
-            if img is None:
-                log.warning(f"Could not open or find file {path}")
+            made = record(path, second)
+            if made is None:
+                log.warning(f"Could not open or find file {path}; skipped")
                 skipped += 1
                 continue
+            img, value = made
             key = f"{line_id:08d}_{name}"
-            datum = image_datum(path, img, label, encoded, encode_type, is_color,
-                                resized=bool(resize_height or resize_width))
             if check_size:
                 size = same_size(size, img, db_name, key)
-            db.put(key, datum.SerializeToString())
+            db.put(key, value)
             written += 1
             if written % _COMMIT == 0:
                 log.info(f"Processed {written} files.")
