@@ -42,6 +42,18 @@ def set_device(device_id):
     """Accepted for pycaffe scripts; there is one CPU device."""
 
 
+def set_precision(name):
+    """Run the nets built from now on in float32 ('f32', the default) or bf16 ('bf16':
+    Convolution and InnerProduct; needs CAFFEPY_BF16=emulate, see caffepy/precision.py)."""
+    from . import precision
+    precision.set_precision(name, where=f"set_precision('{name}')")
+
+
+def get_precision():
+    from . import precision
+    return precision.current()
+
+
 def set_random_seed(seed):
     rng.seed(seed)
 

@@ -145,6 +145,28 @@ _ENGINE_HELP = ("Intel Caffe's engine for the net's layers that name none: CAFFE
 engine_option = click.option("--engine", metavar="ENGINE", callback=_engine_flag, help=_ENGINE_HELP)
 
 
+# -- the -precision flag of train, test and time (caffepy/precision.py) ---------------------------
+def _precision_flag(ctx, param, value):
+    from . import precision
+    wrong = precision.problem(value)
+    if wrong:
+        raise click.BadParameter(f"{wrong} '{value}'; accepted: {precision.ACCEPTED}", ctx=ctx,
+                                 param=param)
+    return value.strip().lower()
+
+
+precision_option = click.option(
+    "--precision", default="f32", show_default=True, metavar="PRECISION", callback=_precision_flag,
+    help="f32, or bf16: Convolution and InnerProduct in bfloat16 (bf16-rounded inputs and weights, "
+         "float32 sums; training keeps float32 master weights). caffepy has no bf16 kernels yet: bf16 "
+         "runs only emulated, with CAFFEPY_BF16=emulate set, slower than f32, to measure its accuracy.")
+
+
+def _use_precision(value):
+    from . import precision
+    precision.set_precision(value)
+
+
 # -- caffe's four commands -----------------------------------------------------
 @main.command()
 @click.option("--solver", required=True, metavar="FILE", help="The solver definition protocol buffer text file.")
@@ -162,6 +184,7 @@ engine_option = click.option("--engine", metavar="ENGINE", callback=_engine_flag
               help="Under MPI: when a rank makes no progress for this long (stopped, hung, its host "
                    "lost), end the job with a line naming it and where the others waited; 0: never.")
 @engine_option
+@precision_option
 @click.option("--tensorboard", metavar="DIR",
               help="Write TensorBoard event files here: losses, outputs, learning rate, speed, test "
                    "scores (needs the tensorboard extra; `tensorboard --logdir DIR` shows them).")
@@ -170,7 +193,7 @@ engine_option = click.option("--engine", metavar="ENGINE", callback=_engine_flag
                    "(0: none).")
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
 def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, stall_timeout, engine,
-          tensorboard, tensorboard_histograms, gpu):
+          precision, tensorboard, tensorboard_histograms, gpu):
     """Train or fine-tune a model (mpirun -n N for several ranks). SOLVER may be an Intel Caffe
     multi-phase file (params_pair { solver_params { ... } batch_size: N } ...)."""
     if weights and snapshot:
@@ -180,6 +203,7 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
     from . import actions
     if tensorboard_histograms and not tensorboard:
         raise click.UsageError("--tensorboard_histograms needs --tensorboard DIR")
+    _use_precision(precision)
     actions.train(solver=solver, weights=weights, snapshot=snapshot, level=level, stages=_stages(stage),
                   sigint_effect=sigint_effect, sighup_effect=sighup_effect, stall_timeout=stall_timeout,
                   engine=engine, tensorboard=tensorboard, histogram_interval=tensorboard_histograms)
@@ -193,6 +217,7 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
 @click.option("--level", default=0, type=int, help="Net level, for include/exclude rules.")
 @click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
 @engine_option
+@precision_option
 @click.option("--sampling/--no-sampling", default=False,
               help="Intel Caffe's sampling mode: build the net, load the weights, and stop.")
 @click.option("--detection/--no-detection", default=False,
@@ -202,9 +227,10 @@ def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect,
               show_default=True, help="With --detection: VOC2007's 11-point AP (what Intel Caffe's tool "
                                       "prints), VOC2010's MaxIntegral, or the natural Integral.")
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
-def test(model, weights, iterations, level, stage, engine, sampling, detection, ap_version, gpu):
+def test(model, weights, iterations, level, stage, engine, precision, sampling, detection, ap_version, gpu):
     """Score a model: run the TEST phase and average its outputs (with -detection: their mAP)."""
     _gpu_notice(gpu)
+    _use_precision(precision)
     from . import actions
     actions.test(model=model, weights=weights, iterations=iterations, level=level, stages=_stages(stage),
                  engine=engine, sampling=sampling, detection=detection, ap_version=ap_version)
@@ -222,10 +248,12 @@ def test(model, weights, iterations, level, stage, engine, sampling, detection, 
 @click.option("--forward_only/--no-forward_only", default=False,
               help="Time the forward pass only (Intel Caffe's flag).")
 @engine_option
+@precision_option
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
-def time(model, weights, iterations, phase, level, stage, forward_only, engine, gpu):
+def time(model, weights, iterations, phase, level, stage, forward_only, engine, precision, gpu):
     """Benchmark model execution time, layer by layer."""
     _gpu_notice(gpu)
+    _use_precision(precision)
     from . import actions
     actions.time(model=model, weights=weights, iterations=iterations, phase=phase.upper(), level=level,
                  stages=_stages(stage), forward_only=forward_only, engine=engine)

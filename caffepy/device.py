@@ -132,6 +132,8 @@ def query():
     from . import quantization
     log.info(f"int8 kernels (quantization_param): {quantization.isa()} (exact int32 sums; no "
              f"VNNI path yet: CPUs with AVX-512 VNNI or AVX-VNNI run the AVX2 kernels)")
+    from . import precision
+    log.info(f"bf16 (-precision bf16): {precision.availability()}")
     log.info(f"Threads in use: {threads_in_use()} (set OMP_NUM_THREADS to change)")
     log.info(f"BLAS: {blas_line()}")
     warn_forced_blas_kernel()

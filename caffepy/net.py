@@ -19,7 +19,7 @@ import numpy as np
 from google.protobuf import text_format
 
 from . import layers as _layers  # noqa: F401  (registers every layer type)
-from . import log, memory, net_rules, prototxt, upgrade
+from . import log, memory, net_rules, precision, prototxt, upgrade
 from .blob import Blob
 from .context import SINGLE
 from .errors import (CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote,
@@ -315,6 +315,8 @@ class Net:
         # fused (tests and benchmarks narrow it), `_units` how
         self._units = net_rules.compile_net(self)
         self.fusions = {first: unit.last for first, unit in self._units.items()}
+        if precision.current() != precision.F32:
+            log.info(precision.summary(self.layers))
 
     def _add_conversion(self, clp):
         """Build and set up one of the layout plan's conversion layers: (layer, bottom, top)."""

@@ -27,7 +27,7 @@ run on it as they are. All compute Caffe's numbers up to float rounding.
 """
 import numpy as np
 
-from .. import autotune, geometry, memory, quantization
+from .. import autotune, geometry, memory, precision, quantization
 from ..blob import CHANNELS_LAST
 from ..errors import CaffepyError, ShapeError
 from ..layer import NHWC, OWN, Layer, register
@@ -153,10 +153,11 @@ class NHWCConvolution(Convolution):
 
     @classmethod
     def wanted(cls, request):
-        # int8 layers run in NCHW (caffepy/quantization.py)
+        # int8 layers run in NCHW (caffepy/quantization.py), and so do bf16 ones (layers/bf16.py)
         return (_four_axes(request) and request.param.convolution_param.axis in (1, -3)
                 and not quantization.quantized(request.param, request.phase, request.net,
-                                               request.source))
+                                               request.source)
+                and precision.current() != precision.BF16)
 
     def setup(self, bottom, top):
         _kernels(self)
