@@ -124,13 +124,14 @@ class Case:
     def __init__(self, type_, params="", bottoms=(), expected=None, phase=TRAIN, n_top=1,
                  check_bottom=None, check_params=True, grad=True, eps=1e-2, threshold=1e-3,
                  kink=None, kink_range=-1.0, init=None, atol=1e-5, rtol=1e-4, id=None, max_checks=150,
-                 layout=None, variant=None, context=None):
+                 layout=None, variant=None, context=None, top_weights=None):
         self.type, self.params, self.bottoms = type_, params, [np.asarray(b) for b in bottoms]
         self.expected, self.phase, self.n_top = expected, phase, n_top
         self.check_bottom, self.check_params, self.grad = check_bottom, check_params, grad
         self.eps, self.threshold, self.kink, self.kink_range = eps, threshold, kink, kink_range
         self.init, self.atol, self.rtol, self.max_checks = init, atol, rtol, max_checks
         self.layout, self.context = layout, context
+        self.top_weights = top_weights      # top -> the checker's top weights (default: random)
         self.variant = variant or (layout if layout in (BLOCKED, NHWC) else PLAIN)
         tag = "" if self.variant == PLAIN else f"[{self.variant}]"
         self.id = id or f"{type_}{tag}:{params.strip()[:40]}"
@@ -170,7 +171,7 @@ class Case:
         layer, bottom, top = self.build()
         check_gradient(layer, bottom, top, self.check_bottom, self.check_params, self.eps,
                        self.threshold, self.kink, self.kink_range, max_checks=self.max_checks,
-                       top_weights=_lane_weights(top))
+                       top_weights=self.top_weights(top) if self.top_weights else _lane_weights(top))
 
     def __repr__(self):
         return self.id
