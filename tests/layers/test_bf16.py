@@ -18,6 +18,7 @@ gradient is approximate).
 import numpy as np
 import pytest
 
+from caffepy.kernels.reference.bf16 import round_bf16 as reference_bf16
 from layer_cases import Case, case_tests, randn, setup_layer
 
 GAUSS = 'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 }'
@@ -30,21 +31,6 @@ def bf16_top_weights(top):
 
 
 GRAD = dict(eps=1.0, threshold=2e-2, top_weights=bf16_top_weights)
-
-
-def reference_bf16(x):
-    """Round to the nearest bf16, ties to even, by comparing distances in float64 (not the
-    carry trick caffepy.precision uses): the candidates are x truncated to 16 bits and the next
-    bf16 away from zero. Finite inputs only."""
-    x = np.asarray(x, np.float32)
-    u = x.view(np.uint32).astype(np.uint64)
-    down = (u & 0xFFFF0000).astype(np.uint32)
-    up = (down.astype(np.uint64) + 0x10000).astype(np.uint32)
-    lo, hi = down.view(np.float32).astype(np.float64), up.view(np.float32).astype(np.float64)
-    exact = x.astype(np.float64)
-    d_lo, d_hi = np.abs(exact - lo), np.abs(hi - exact)
-    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & ((down >> 16) & 1 == 1))
-    return np.where(take_hi, up, down).view(np.float32)
 
 
 def conv64(x, w, b, pad=(0, 0), stride=(1, 1), dil=(1, 1), group=1):
