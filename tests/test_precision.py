@@ -119,7 +119,8 @@ def _net():
 
 def test_a_bf16_net_runs_its_convolutions_and_inner_products_in_bf16(emulate):
     f32 = _net()
-    precision.set_precision("bf16")
+    caffepy.set_precision("BF16")
+    assert caffepy.get_precision() == "bf16"
     bf16 = _net()
     assert {layer.name: layer.variant for layer in bf16.layers if layer.type in precision.TYPES} == \
         {"conv": "bf16", "ip": "bf16"}

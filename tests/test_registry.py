@@ -107,3 +107,17 @@ def test_the_net_only_asks_the_factory():
                     assert not (isinstance(target, ast.Attribute)
                                 and target.attr in ("forward", "backward", "reshape")), \
                         f"{path.name}:{node.lineno} assigns a layer's {target.attr}"
+
+
+def test_bf16_gives_way_to_the_model_parallel_inner_product(monkeypatch):
+    from caffepy import precision
+    monkeypatch.setenv("CAFFEPY_BF16", "emulate")
+    precision.set_precision("bf16")
+    try:
+        two = RunContext(rank=0, size=2)
+        marked = create_layer(layer_param("InnerProduct", MARKED), 0, context=two)
+        unmarked = create_layer(layer_param("InnerProduct", "inner_product_param { num_output: 4 }"), 0,
+                                context=two)
+    finally:
+        precision.set_precision("f32")
+    assert (marked.variant, unmarked.variant) == (MODEL_PARALLEL, BF16)

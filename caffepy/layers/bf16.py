@@ -2,7 +2,8 @@
 and why it is emulated).
 
 The factory picks them for every Convolution and InnerProduct of a net built while the
-precision is bf16, except the int8 layers (quantization_param in a TEST net stay int8). They
+precision is bf16, except the int8 layers (quantization_param in a TEST net stay int8) and
+the model-parallel InnerProduct (caffepy/parallel/model_parallel.py), which stay as they are. They
 run on NCHW blobs, so a bf16 net plans no channels-last region (layers/nhwc.py's Convolution is
 not wanted under bf16) and its other layers run their plain float32 implementations.
 
@@ -19,7 +20,7 @@ import numpy as np
 from .. import precision, quantization
 from ..blas import gemm_into
 from ..kernels import vision as kv
-from ..layer import register
+from ..layer import BLOCKED, LAYERS, NHWC, PLAIN, register
 from .common import InnerProduct, param_wanted
 from .vision import Convolution
 
@@ -27,8 +28,15 @@ ALGORITHM = "bf16 emulated: bf16-rounded operands, float32 GEMM"
 
 
 def _wanted(request):
-    return precision.current() == precision.BF16 and not quantization.quantized(
-        request.param, request.phase, request.net, request.source)
+    """Under bf16, unless the layer is int8 or another variant for plain blobs wants it (the
+    model-parallel InnerProduct: its split of the weights across ranks matters more; it runs
+    float32, and the net's `Precision per layer:` line says so)."""
+    if precision.current() != precision.BF16 or quantization.quantized(
+            request.param, request.phase, request.net, request.source):
+        return False
+    others = [cls for variant, cls in LAYERS[request.param.type].items()
+              if variant not in (PLAIN, precision.BF16) and cls.layout not in (BLOCKED, NHWC)]
+    return not any(cls.wanted(request) for cls in others)
 
 
 class _Rounded:
