@@ -1,6 +1,7 @@
 """bf16's accuracy goals (benchmarks/bench_bf16.py) on the held-out digits: bf16 inference loses
 at most 0.5 points of top-1 against float32 and agrees with its top-1 on at least 99% of the
-digits; bf16 training of the small ResNet reaches the float32 run's top-1 within 0.5 points.
+digits; bf16 training of the small ResNet reaches the float32 runs' top-1 within 0.5 points
+(the mean over three seeds).
 LeNet (a short float32 run) is the fast case; the CIFAR-style net and the ResNet are slow."""
 import os
 import sys
@@ -47,9 +48,14 @@ def test_inference_in_bf16_keeps_float32s_accuracy(name, digits):
 
 @pytest.mark.slow
 def test_resnet_trained_in_bf16_reaches_float32s_accuracy(digits):
+    """Over three seeds (the mean): one run against another differs by the seed far more than by
+    the precision (float32 alone: 95.6 to 99.0 over these seeds; bench_bf16.py's figures)."""
     y = digits[3]
-    f32 = bench_bf16.train("resnet", digits, "f32")
-    bf16 = bench_bf16.train("resnet", digits, "bf16")
-    top32 = 100 * (bench_bf16.predict("resnet", f32, digits, "f32") == y).mean()
-    top16 = 100 * (bench_bf16.predict("resnet", bf16, digits, "bf16") == y).mean()
-    assert top32 - top16 <= 0.5, f"bf16-trained top-1 {top16:.2f} against float32-trained {top32:.2f}"
+    top32, top16 = [], []
+    for seed in bench_bf16.SEEDS:
+        f32 = bench_bf16.train("resnet", digits, "f32", seed=seed)
+        bf16 = bench_bf16.train("resnet", digits, "bf16", seed=seed)
+        top32.append(100 * (bench_bf16.predict("resnet", f32, digits, "f32") == y).mean())
+        top16.append(100 * (bench_bf16.predict("resnet", bf16, digits, "bf16") == y).mean())
+    mean32, mean16 = sum(top32) / len(top32), sum(top16) / len(top16)
+    assert mean32 - mean16 <= 0.5, f"bf16-trained top-1 {top16} against float32-trained {top32}"
