@@ -1,0 +1,413 @@
+"""The scaling model (scaling_model.py) against measured iterations, then the published
+1024-CPU point, then caffepy's projection.
+
+Measures, per layout (emulated hosts x ranks per host on tests/multihost/testbed.py, and
+local mpiexec ranks), with a small net (DummyData, two convolutions and a 4096x1024 inner
+product: 17 MB of gradients) so that 8 emulated hosts fit on this machine's 2 cores:
+    per-rank compute    each rank's compute-only iteration (progress none), ranks released
+                        together by a barrier every iteration, all ranks computing at once
+                        (every emulated host shares these 2 cores: the compute time is the
+                        one they get side by side, as in the issue's "none" row); their
+                        spread is the straggler input, the slowest rank per iteration what
+                        the order statistics must predict
+    link                latency and ring bandwidth (ring.Link), the ring's CPU seconds per
+                        byte sent (a whole-stack figure: TCP through the veths, the sums,
+                        the polls), buckets and layer times (their proportions)
+    modes               iteration times with `blocking` (no overlap) and `thread` (the
+                        default), the slowest rank's, modes interleaved over rounds
+and on this machine alone the CPU cost per byte of the reduction's arithmetic and copies.
+
+    python benchmarks/bench_scaling_model.py --save m.json       # measure (root), then report
+    python benchmarks/bench_scaling_model.py --load m.json       # the report again
+    python benchmarks/bench_scaling_model.py --reproduce         # the published point only
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+LAYOUTS = ((2, 1), (4, 1), (8, 1), (2, 2))         # (emulated hosts, ranks per host)
+TOLERANCE = 0.15
+
+SMALL_NET = """name: "small"
+layer {{ name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param {{ shape {{ dim: {batch} dim: 3 dim: 32 dim: 32 }} shape {{ dim: {batch} }}
+    data_filler {{ type: "gaussian" std: 1 }} data_filler {{ type: "constant" value: 0 }} }} }}
+layer {{ name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param {{ num_output: 32 kernel_size: 5 pad: 2 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }}
+layer {{ name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+  pooling_param {{ pool: MAX kernel_size: 2 stride: 2 }} }}
+layer {{ name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+  convolution_param {{ num_output: 64 kernel_size: 5 pad: 2 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }}
+layer {{ name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
+  pooling_param {{ pool: MAX kernel_size: 2 stride: 2 }} }}
+layer {{ name: "fc1" type: "InnerProduct" bottom: "pool2" top: "fc1"
+  inner_product_param {{ num_output: 1024 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "relu3" type: "ReLU" bottom: "fc1" top: "fc1" }}
+layer {{ name: "fc2" type: "InnerProduct" bottom: "fc1" top: "fc2"
+  inner_product_param {{ num_output: 10 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "fc2" bottom: "label" top: "loss" }}
+"""
+
+
+def build_small_solver(batch, context):
+    from google.protobuf import text_format
+
+    from bench_mpi import SOLVER
+    from caffepy.proto import caffe_pb2
+    from caffepy.solvers import Solver
+    sp = caffe_pb2.SolverParameter(max_iter=10 ** 9, display=0, solver_mode=caffe_pb2.SolverParameter.CPU,
+                                   **SOLVER)
+    text_format.Parse(SMALL_NET.format(batch=batch), sp.net_param)
+    return Solver(sp, source="bench_scaling_model", context=context)
+
+
+# -- worker side (one process per rank) ---------------------------------------------------
+def _cpu_seconds(fn):
+    t, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def synchronized_compute(solver, comm, warmup, iters):
+    """[iteration][rank] seconds of compute of `iters` iterations (after `warmup`) run in one
+    step(n), every rank released by a barrier at the end of each (before the update: the
+    point where the communicating modes' ranks meet)."""
+    from caffepy.solvers.solver import Hooks
+    rows, mark = [], [0.0]
+
+    class Sync(Hooks):
+        def agree_action(self, solver, request):
+            mine = time.perf_counter() - mark[0]
+            comm.Barrier()
+            mark[0] = time.perf_counter()
+            rows.append(comm.allgather(mine))
+            return request
+
+    hook = Sync()
+    comm.Barrier()
+    mark[0] = time.perf_counter()
+    solver.hooks.append(hook)
+    try:
+        solver.step(warmup + iters)
+    finally:
+        solver.hooks.remove(hook)
+    return rows[warmup:]
+
+
+def worker(args):
+    from bench_mpi import timed_steps
+    from bench_multihost import layer_times
+
+    from caffepy import log
+    log.set_quiet(True)
+    from mpi4py import MPI
+
+    from caffepy.parallel import mpi, world
+    from caffepy.parallel.ring import Link, Ring
+    mpi.init_world(stall_timeout=0)
+    comm = world.comm
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    result = {"ranks": world.size, "per_host": node.Get_size(), "cores": os.cpu_count(), "batch": args.batch}
+    # the link between hosts: leaders only (rank order puts a host's ranks together)
+    leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, comm.Get_rank())
+    link = None
+    if leaders != MPI.COMM_NULL:
+        hosts = leaders.Get_size()
+        link = Link.measure(leaders, probe_bytes=8 << 20) if hosts > 1 else None
+    link = comm.bcast((link.latency, link.bandwidth) if link is not None else None, root=0)
+    result["hosts"] = world.size // result["per_host"]
+    result["latency"], result["bandwidth"] = link if link else (0.0, float("inf"))
+
+    solver = build_small_solver(args.batch, world)
+    strategy = mpi.attach(solver)
+    timed_steps(solver, 1)                              # on_start: broadcast, buckets
+    reducer = strategy.reducer
+    result["buckets"] = [(4 * b.count, b.ready_layer) for b in reducer.buckets]
+    result["bytes"] = reducer.nbytes
+    result["algorithm"] = reducer.describe()
+    fwd, bwd = layer_times(solver.net, reps=3)
+    result["forward"] = np.max(comm.allgather(fwd), axis=0).tolist()
+    result["backward"] = np.max(comm.allgather(bwd), axis=0).tolist()
+
+    # the ring's whole-stack CPU per byte sent, among the leaders (one rank per host)
+    if leaders != MPI.COMM_NULL and leaders.Get_size() > 1:
+        grads = np.ones(reducer.nbytes // 4, np.float32)
+        ring = Ring(leaders.Dup(), max(1 << 18, int(min(16 << 20, max(1 << 20, 0.04 * link[1])))) // 4)
+        runs = []
+        for _ in range(3):
+            leaders.Barrier()
+            wall, cpu = _cpu_seconds(lambda: ring.allreduce(grads, None))
+            runs.append((leaders.allreduce(wall, op=MPI.MAX), leaders.allreduce(cpu, op=MPI.MAX)))
+        ring.comm.Free()
+        wall, cpu = min(runs)
+        sent = 2 * (leaders.Get_size() - 1) / leaders.Get_size() * reducer.nbytes
+        result["ring_wall"], result["ring_cpu_per_byte"] = wall, cpu / sent
+    result.update(comm.bcast({k: result[k] for k in ("ring_wall", "ring_cpu_per_byte") if k in result}, root=0))
+
+    modes = ["none", "blocking", "thread"]
+    compute = []                   # [iteration][rank] seconds of compute, released together
+    found = {m: [] for m in modes[1:]}
+    for _ in range(args.rounds):
+        for mode in modes:
+            strategy.set_progress(mode, solver, None)
+            if mode == "none":
+                compute += synchronized_compute(solver, comm, args.warmup, args.iters)
+                continue
+            result.setdefault("algorithms", {})[mode] = strategy.reducer.describe()
+            times = timed_steps(solver, args.warmup + args.iters, strategy.reducer, skip=args.warmup)[0]
+            found[mode] += [comm.allreduce(t, op=MPI.MAX) for t in times]
+    result["compute"] = compute
+    result["modes"] = found
+    strategy.close()
+    if world.rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    mpi.finish()
+
+
+# -- driver -------------------------------------------------------------------------------
+def _env():
+    return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+
+
+def _result(out, what):
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    sys.stderr.write(out.stdout[-3000:] + out.stderr[-5000:])
+    raise SystemExit(f"bench_scaling_model: {what} failed (exit {out.returncode})")
+
+
+def worker_argv(args, batch):
+    return [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(batch), "--iters",
+            str(args.iters), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+
+
+def measure(args):
+    from tests.multihost.testbed import TestBed, unavailable
+    runs = []
+    reason = unavailable()
+    for hosts, per_host in args.layouts:
+        if reason:
+            print(f"skipped {hosts} x {per_host}: {reason}")
+            continue
+        t = time.perf_counter()
+        with TestBed(hosts, rate=args.rate) as bed:
+            r = _result(bed.run(worker_argv(args, args.batch), per_host, env=_env()), f"{hosts} x {per_host}")
+        r.update(where=f"{hosts} emulated hosts x {per_host}", load=os.getloadavg()[0])
+        runs.append(r)
+        print(f"measured {r['where']} in {time.perf_counter() - t:.0f} s (load {r['load']:.2f})", flush=True)
+    # local ranks, one per core, shared memory between them: a straggler figure without a test bed
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    out = subprocess.run([mpiexec, "-n", "2"] + worker_argv(args, args.batch), capture_output=True, text=True,
+                         env=_env())
+    r = _result(out, "local mpiexec -n 2")
+    r.update(where="local mpiexec, 2 ranks", load=os.getloadavg()[0], local=True)
+    runs.append(r)
+    return runs
+
+
+# -- the report ------------------------------------------------------------------------------
+def measure_memory(megabytes=64, reps=5):
+    """(seconds per byte added, seconds per byte copied) on this machine: the ring's sums
+    (ring._add_scaled, 256 KB at a time) and a copy, over buffers larger than the caches,
+    the fastest of `reps`."""
+    from caffepy.parallel.ring import _add_scaled
+    n = megabytes << 18
+    a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+
+    def best(fn):
+        runs = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t)
+        return min(runs) / (4 * n)
+    return best(lambda: _add_scaled(a, b, None)), best(lambda: np.copyto(a, b))
+
+
+def _spread(xs):
+    return f"median {statistics.median(xs):.3f} s (min {min(xs):.3f}, max {max(xs):.3f}, {len(xs)} iterations)"
+
+
+def layout_model(r, memory, shape):
+    """The model's inputs for one measured layout: layer times scaled to the ranks' mean
+    compute, the link, the ring's CPU per byte, the straggler fit."""
+    import scaling_model as sm
+    fit = sm.fit_stragglers(r["compute"])
+    mu = fit["mean"]
+    fwd, bwd = r["forward"], r["backward"]
+    total = sum(fwd) + sum(bwd)
+    rest = mu - total
+    if rest < 0:                 # layers timed one by one: keep their proportions
+        fwd, bwd, rest = [x * mu / total for x in fwd], [x * mu / total for x in bwd], 0.0
+    link = dict(latency=r["latency"], bandwidth=r["bandwidth"], cpu_per_byte=r.get("ring_cpu_per_byte", 0.0),
+                stolen=max(1.0, r["ranks"] / r["cores"]), algorithm="ring", per_host=r["per_host"],
+                memory=tuple(memory))
+    shape = fit["shape"] if fit["ranks"] > 2 else shape
+    return fit, shape, (fwd, bwd, rest, [tuple(b) for b in r["buckets"]], r["ranks"]), link
+
+
+def pooled_shape(runs):
+    """The shape whose Kolmogorov-Smirnov distances, averaged over layouts of more than 2
+    ranks, are smaller (with 2 ranks the residuals about their mean are symmetric by
+    construction and say nothing of the shape)."""
+    import scaling_model as sm
+    fits = [sm.fit_stragglers(r["compute"]) for r in runs if r["ranks"] > 2]
+    if not fits:
+        return "normal", None
+    ks = {shape: statistics.mean(f[shape]["ks"] for f in fits) for shape in ("normal", "lognormal")}
+    return min(ks, key=ks.get), ks
+
+
+def report(saved):
+    import scaling_model as sm
+    print(f"measured {saved['when']}; machine load before: {saved['uptime']}")
+    print(f"                          after:  {saved.get('uptime_after', '?')}")
+    add, copy = saved["memory"]
+    print(f"CPU cost per byte on this machine: {add * 1e9:.3f} ns per byte added (the ring's sums), "
+          f"{copy * 1e9:.3f} ns per byte copied")
+    runs = saved["runs"]
+    shape, ks = pooled_shape(runs)
+    if ks:
+        print(f"straggler shape: {shape} (Kolmogorov-Smirnov distance of the within-iteration residuals "
+              f"from a normal, mean over layouts of > 2 ranks: normal {ks['normal']:.3f}, "
+              f"log-normal {ks['lognormal']:.3f})")
+    checks = []
+    for r in runs:
+        fit, sh, (fwd, bwd, rest, buckets, n), link = layout_model(r, (add, copy), shape)
+        mu = fit["mean"]
+        print(f"\n{r['where']} ({r['algorithm']}; {n} ranks on {r['cores']} cores, local batch {r['batch']}, "
+              f"{r['bytes'] / 1e6:.1f} MB of gradients in {len(buckets)} buckets; load {r['load']:.1f})")
+        print(f"  rank compute (barrier each iteration, all ranks at once): mean {mu:.3f} s, spread within an "
+              f"iteration sigma {fit['normal']['sd'] * 1e3:.1f} ms = {fit['cv']:.1%} (log-normal s {fit['cv_log']:.3f})"
+              + (f", KS normal {fit['normal']['ks']:.3f} / log-normal {fit['lognormal']['ks']:.3f}"
+                 if fit["normal"]["ks"] is not None else ""))
+        excess = sm.expected_max(n, mu, fit["normal"]["sd"], sh) - mu
+        print(f"  slowest rank over the mean: measured {fit['excess'] * 1e3:+.1f} ms, order statistics "
+              f"({sh}, E[max of {n}]) {excess * 1e3:+.1f} ms")
+        slowest = [max(row) for row in r["compute"]]
+        predicted = sm.straggler_factor(n, fit["cv"], sh) * mu
+        checks.append((r["where"], "compute", predicted, statistics.median(slowest)))
+        if r.get("local"):
+            print(f"  compute-only iteration (the slowest rank): {_spread(slowest)}")
+            continue
+        hosts = n // r["per_host"]
+        ring_pred = sm.ring_seconds(r["bytes"], hosts, r["latency"], r["bandwidth"], 0.0)
+        print(f"  link between hosts: latency {r['latency'] * 1e6:.0f} us, bandwidth {r['bandwidth'] / 1e6:.1f} MB/s; "
+              f"ring of {r['bytes'] / 1e6:.1f} MB over {hosts} hosts: measured {r['ring_wall']:.3f} s, alpha-beta "
+              f"{ring_pred:.3f} s ({ring_pred / r['ring_wall'] - 1:+.0%}); its CPU {r['ring_cpu_per_byte'] * 1e9:.2f} ns "
+              f"per byte sent (TCP through the veths, sums, polls)")
+        print(f"  compute-only iteration (the slowest rank): {_spread(slowest)}")
+        for mode in ("blocking", "thread"):
+            measured = r["modes"][mode]
+            p = sm.predict(fwd, bwd, rest, buckets, n, fit["cv"], sh, mode=mode, **link)
+            checks.append((r["where"], mode, p, statistics.median(measured)))
+            print(f"  {mode:9s} {_spread(measured)}")
+    print("\nmodel check (predicted against the median measured iteration):")
+    worst = 0.0
+    for where, what, p, m in checks:
+        error = p / m - 1
+        counted = what != "compute" or "local" not in where
+        worst = max(worst, abs(error)) if what != "compute" else worst
+        flag = "" if abs(error) <= TOLERANCE else f"  OUTSIDE {TOLERANCE:.0%}"
+        print(f"  {where:32s} {what:9s} predicted {p:6.3f} s, measured {m:6.3f} s ({error:+6.1%}){flag}"
+              + ("" if counted else ""))
+    print(f"  worst error over the communicating modes: {worst:.1%} ({'within' if worst <= TOLERANCE else 'OUTSIDE'} "
+          f"{TOLERANCE:.0%})")
+    local = [r for r in runs if r.get("local")]
+    source = local[0] if local else runs[0]
+    fit = sm.fit_stragglers(source["compute"])
+    measured = {"when": saved["when"], "cv": fit["cv"], "shape": shape, "memory": (add, copy),
+                "where": source["where"]}
+    reproduce(measured, [(r["where"], sm.fit_stragglers(r["compute"])["cv"]) for r in runs])
+    return 0
+
+
+def reproduce(measured, other_cvs=()):
+    """Print You et al.'s point by the model, its inputs and their sensitivity."""
+    import scaling_model as sm
+    if measured["cv"] is None:
+        raise SystemExit("bench_scaling_model: no measured straggler spread yet (run with --save first)")
+    cv, shape, memory = measured["cv"], measured["shape"], tuple(measured["memory"])
+    print(f"\nThe published point: You et al., ResNet-50 on 1024 Skylake CPUs, 73% efficiency (~750x one CPU)")
+    for key, (value, source) in sm.YOU_ET_AL.items():
+        print(f"  {key:13s} {value!s:18s} {source}")
+    print(f"  {'stragglers':13s} cv {cv:.1%}, {shape:9s}  measured: {measured['where']} ({measured['when']}), the "
+          f"per-iteration spread of rank compute times within an iteration")
+    print(f"  {'memory':13s} {memory[0] * 1e9:.2f}/{memory[1] * 1e9:.2f} ns/B      measured on this machine (add / copy); "
+          f"the fabric's per byte CPU = half an add + a copy per byte sent")
+    base = sm.published_point(cv, shape, memory)
+    print(f"  => compute {base['t_compute']:.3f} s an iteration, slowest of 1024 x{base['straggler_factor']:.3f}, "
+          f"the 161 allreduces {base['t_comm'] * 1e3:.0f} ms in all (mostly hidden): iteration "
+          f"{base['t_iter']:.3f} s, efficiency {base['efficiency']:.1%} (without stragglers "
+          f"{base['efficiency_without_stragglers']:.1%}); published 73%: "
+          f"{(base['efficiency'] - 0.73) * 100:+.1f} points "
+          f"({'within' if abs(base['efficiency'] - 0.73) <= 0.10 else 'NOT within'} 10)")
+    print("  sensitivity (each input alone; efficiency at 1024 CPUs):")
+    rows = [("latency x2", {"latency": 2 * sm.YOU_ET_AL["latency"][0]}, cv, shape),
+            ("latency / 2", {"latency": sm.YOU_ET_AL["latency"][0] / 2}, cv, shape),
+            ("bandwidth / 2", {"bandwidth": sm.YOU_ET_AL["bandwidth"][0] / 2}, cv, shape),
+            ("images/s x2", {"images_per_s": 2 * sm.YOU_ET_AL["images_per_s"][0]}, cv, shape),
+            ("images/s / 2", {"images_per_s": sm.YOU_ET_AL["images_per_s"][0] / 2}, cv, shape),
+            ("ring allreduce", {"algorithm": "ring"}, cv, shape),
+            ("1 rank per node", {"per_host": 1}, cv, shape),
+            ("straggler cv x2", {}, 2 * cv, shape),
+            ("straggler cv / 2", {}, cv / 2, shape),
+            ("normal, not log-normal" if shape == "lognormal" else "log-normal, not normal", {}, cv,
+             "normal" if shape == "lognormal" else "lognormal")]
+    rows += [(f"cv of {where}", {}, c, shape) for where, c in other_cvs]
+    for label, overrides, c, sh in rows:
+        e = sm.published_point(c, sh, memory, overrides)["efficiency"]
+        print(f"    {label:40s} {e:6.1%} ({(e - base['efficiency']) * 100:+5.1f})")
+    return base
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=64, help="local batch of the small net")
+    ap.add_argument("--rate", default="500mbit", help="each emulated host's link, as tc says it")
+    ap.add_argument("--iters", type=int, default=8, help="timed iterations per mode and round")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layouts", default=",".join(f"{h}x{p}" for h, p in LAYOUTS),
+                    help="emulated hosts x ranks per host, comma separated")
+    ap.add_argument("--save", help="write the raw measurements here")
+    ap.add_argument("--load", help="report from a --save file, no run")
+    ap.add_argument("--reproduce", action="store_true", help="only the published point and the projection")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    args.layouts = [tuple(int(x) for x in s.split("x")) for s in args.layouts.split(",") if s]
+    if args.reproduce:
+        import scaling_model
+        return reproduce(scaling_model.MEASURED_HERE)
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+    else:
+        uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        print(f"before: {uptime}", flush=True)
+        saved = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": uptime,
+                 "rate": args.rate, "memory": measure_memory(), "runs": measure(args)}
+        saved["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump(saved, f)
+    return report(saved)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
