@@ -106,6 +106,54 @@ def synchronized_compute(solver, comm, warmup, iters):
     return rows[warmup:]
 
 
+def contention(net, cross, nbytes, piece, allreduces=4):
+    """What compute and the ring between hosts do to each other when they run at once (as
+    with the `thread` progress), measured: the seconds of a compute iteration (forward and
+    backward, no solver hooks: no collective) and of a ring allreduce of `nbytes`, each
+    alone, then together (the ring `allreduces` times in a thread, compute looping until it
+    ends). Every rank at once; the ring among `cross` (ranks of the same local rank)."""
+    import threading
+
+    from caffepy.parallel.ring import Ring
+
+    def step():
+        net.forward_from_to()
+        net.backward_from_to()
+    ring = Ring(cross.Dup(), piece // 4)
+    buf = np.ones(nbytes // 4, np.float32)
+    out = {"compute_alone": [], "ring_alone": [], "compute_busy": [], "ring_busy": []}
+    for _ in range(2):
+        cross.Barrier()
+        for _ in range(2):
+            t = time.perf_counter()
+            step()
+            out["compute_alone"].append(time.perf_counter() - t)
+        cross.Barrier()
+        for _ in range(2):
+            t = time.perf_counter()
+            ring.allreduce(buf, None)
+            out["ring_alone"].append(time.perf_counter() - t)
+        done = threading.Event()
+
+        def loop():
+            for _ in range(allreduces):
+                t = time.perf_counter()
+                ring.allreduce(buf, None)
+                out["ring_busy"].append(time.perf_counter() - t)
+            done.set()
+        cross.Barrier()
+        thread = threading.Thread(target=loop)
+        thread.start()
+        while not done.is_set():
+            t = time.perf_counter()
+            step()
+            if not done.is_set():
+                out["compute_busy"].append(time.perf_counter() - t)
+        thread.join()
+    ring.comm.Free()
+    return {k: statistics.median(v) if v else None for k, v in out.items()}
+
+
 def worker(args):
     from bench_mpi import timed_steps
     from bench_multihost import layer_times
@@ -125,7 +173,7 @@ def worker(args):
     link = None
     if leaders != MPI.COMM_NULL:
         hosts = leaders.Get_size()
-        link = Link.measure(leaders, probe_bytes=8 << 20) if hosts > 1 else None
+        link = Link.measure(leaders, probe_bytes=16 << 20) if hosts > 1 else None
     link = comm.bcast((link.latency, link.bandwidth) if link is not None else None, root=0)
     result["hosts"] = world.size // result["per_host"]
     result["latency"], result["bandwidth"] = link if link else (0.0, float("inf"))
@@ -155,6 +203,14 @@ def worker(args):
         sent = 2 * (leaders.Get_size() - 1) / leaders.Get_size() * reducer.nbytes
         result["ring_wall"], result["ring_cpu_per_byte"] = wall, cpu / sent
     result.update(comm.bcast({k: result[k] for k in ("ring_wall", "ring_cpu_per_byte") if k in result}, root=0))
+
+    if result["hosts"] > 1:
+        cross = comm.Split(node.Get_rank(), comm.Get_rank())
+        piece = max(1 << 20, int(0.04 * result["bandwidth"]))
+        found = contention(solver.net, cross, reducer.nbytes // result["per_host"], piece)
+        result["contention"] = {k: comm.allreduce(v, op=MPI.MAX) for k, v in sorted(found.items())
+                                if v is not None}
+        cross.Free()
 
     modes = ["none", "blocking", "thread"]
     compute = []                   # [iteration][rank] seconds of compute, released together
@@ -255,6 +311,10 @@ def layout_model(r, memory, shape):
     link = dict(latency=r["latency"], bandwidth=r["bandwidth"], cpu_per_byte=r.get("ring_cpu_per_byte", 0.0),
                 stolen=max(1.0, r["ranks"] / r["cores"]), algorithm="ring", per_host=r["per_host"],
                 memory=tuple(memory))
+    c = r.get("contention")
+    if c:
+        link["contention"] = (max(1.0, c["compute_busy"] / c["compute_alone"]),
+                              max(1.0, c["ring_busy"] / c["ring_alone"]))
     shape = fit["shape"] if fit["ranks"] > 2 else shape
     return fit, shape, (fwd, bwd, rest, [tuple(b) for b in r["buckets"]], r["ranks"]), link
 
@@ -309,6 +369,11 @@ def report(saved):
               f"ring of {r['bytes'] / 1e6:.1f} MB over {hosts} hosts: measured {r['ring_wall']:.3f} s, alpha-beta "
               f"{ring_pred:.3f} s ({ring_pred / r['ring_wall'] - 1:+.0%}); its CPU {r['ring_cpu_per_byte'] * 1e9:.2f} ns "
               f"per byte sent (TCP through the veths, sums, polls)")
+        if "contention" in link:
+            c = r["contention"]
+            print(f"  contention (compute and the ring at once, each against alone): compute {c['compute_alone']:.3f} -> "
+                  f"{c['compute_busy']:.3f} s (x{link['contention'][0]:.2f}), ring {c['ring_alone']:.3f} -> "
+                  f"{c['ring_busy']:.3f} s (x{link['contention'][1]:.2f})")
         print(f"  compute-only iteration (the slowest rank): {_spread(slowest)}")
         for mode in ("blocking", "thread"):
             measured = r["modes"][mode]
@@ -332,6 +397,8 @@ def report(saved):
     measured = {"when": saved["when"], "cv": fit["cv"], "shape": shape, "memory": (add, copy),
                 "where": source["where"]}
     reproduce(measured, [(r["where"], sm.fit_stragglers(r["compute"])["cv"]) for r in runs])
+    if saved.get("rates"):
+        project(measured, saved["rates"])
     return 0
 
 
@@ -374,6 +441,72 @@ def reproduce(measured, other_cvs=()):
     return base
 
 
+# -- caffepy at scale ------------------------------------------------------------------------
+def measure_caffepy_rates(reps=2):
+    """{net: FLOP/s per core of CPU time} of caffepy's training iteration on this machine
+    (ResNet-50 at batch 4 from models/zoo, AlexNet at batch 16 from models/mpi_intel_alexnet,
+    one warm-up). CPU time, not wall time: on a shared machine it counts the work, not the
+    waiting."""
+    import scaling_model as sm
+    from bench_fastpath import caffepy_worker
+    from bench_mpi import NET, build_solver
+
+    from caffepy import log
+    from caffepy.context import SINGLE
+    log.set_quiet(True)
+    if not os.path.exists(os.path.join(REPO, "models", "zoo", "resnet50_deploy.prototxt")):
+        subprocess.run([sys.executable, os.path.join(REPO, "models", "zoo", "generate.py")], check=True,
+                       capture_output=True)
+    rates = {}
+    resnet, _ = caffepy_worker("resnet50", 4)
+    alexnet = build_solver(16, NET, SINGLE)
+    for name, step, batch, layers in (("ResNet-50", resnet, 4, sm.resnet50_layers()),
+                                      ("AlexNet", lambda: alexnet.step(1), 16, sm.alexnet_layers())):
+        step()
+        cpu = []
+        for _ in range(reps):
+            c = time.process_time()
+            step()
+            cpu.append(time.process_time() - c)
+        flops = 3 * batch * sum(f for _, _, f, _ in layers)
+        rates[name] = flops / min(cpu)
+    return rates
+
+
+NODE_CORES = 48                   # a 2-socket Xeon Platinum 8160 node, as You et al.'s
+FABRICS = ((100e9, 1.5e-6, "100 Gb/s Omni-Path"), (10e9, 10e-6, "10 Gb/s Ethernet"))
+
+
+def project(measured, rates):
+    """caffepy's efficiency at 64 and 1024 nodes by the same model and inputs."""
+    import scaling_model as sm
+    cv, shape, memory = measured["cv"], measured["shape"], tuple(measured["memory"])
+    print("\nProjection of caffepy (the model above, its straggler spread and memory costs):")
+    print(f"  assumption: each node is 2 sockets x 24 cores (as You et al.'s), one rank per socket (shared-memory "
+          f"stage, then caffepy's ring between nodes in 4 MB buckets, overlapped as `thread`); local batch 32 "
+          f"per rank, weak scaling")
+    print(f"  assumption: a core there computes at the FLOP rate caffepy's training reaches per core of CPU time "
+          f"here: " + ", ".join(f"{n} {r / 1e9:.1f} GFLOP/s" for n, r in rates.items()) + " (AVX-512 "
+          f"there, AVX2 here: if 2x faster there, communication weighs 2x more)")
+    print("  assumption: a non-blocking fat tree, every link at its rate; caffepy's CPU per byte sent = half an add "
+          "and a copy as measured here, taken from 1 of 24 cores")
+    for fabric_bw, fabric_lat, fabric in FABRICS:
+        for name, layers in (("AlexNet", sm.alexnet_layers()), ("ResNet-50", sm.resnet50_layers())):
+            per_rank = rates[name] * NODE_CORES / 2
+            t_compute = 32 * 3 * sum(f for _, _, f, _ in layers) / per_rank
+            fwd, bwd, buckets = sm.net_inputs(layers, t_compute, per_message=False)
+            row = []
+            for nodes in (64, 1024):
+                n = 2 * nodes
+                link = dict(latency=fabric_lat, bandwidth=fabric_bw / 8, cpu_per_byte=0.5 * memory[0] + memory[1],
+                            stolen=1 / 24, algorithm="ring", per_host=2, memory=memory)
+                t = sm.predict(fwd, bwd, 0.0, buckets, n, cv, shape, **link)
+                flat = sm.iteration_time(fwd, bwd, 0.0, buckets, n, **link)
+                row.append(f"{nodes:5d} nodes {t:7.3f} s/iter, {sm.efficiency(t_compute, t):6.1%} "
+                           f"(no stragglers {sm.efficiency(t_compute, flat):6.1%})")
+            print(f"  {fabric:19s} {name:9s} compute {t_compute:6.3f} s: " + "; ".join(row))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=64, help="local batch of the small net")
@@ -393,7 +526,8 @@ def main():
     args.layouts = [tuple(int(x) for x in s.split("x")) for s in args.layouts.split(",") if s]
     if args.reproduce:
         import scaling_model
-        return reproduce(scaling_model.MEASURED_HERE)
+        reproduce(scaling_model.MEASURED_HERE)
+        return project(scaling_model.MEASURED_HERE, measure_caffepy_rates())
     if args.load:
         with open(args.load) as f:
             saved = json.load(f)
@@ -401,7 +535,8 @@ def main():
         uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
         print(f"before: {uptime}", flush=True)
         saved = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": uptime,
-                 "rate": args.rate, "memory": measure_memory(), "runs": measure(args)}
+                 "rate": args.rate, "memory": measure_memory(), "runs": measure(args),
+                 "rates": measure_caffepy_rates()}
         saved["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
         if args.save:
             with open(args.save, "w") as f:

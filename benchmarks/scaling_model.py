@@ -168,9 +168,13 @@ def allreduce_cost(nbytes, ranks, latency, bandwidth, cpu_per_byte, algorithm="r
 # -- one iteration -------------------------------------------------------------------------
 def iteration_time(forward, backward, rest, buckets, ranks, latency, bandwidth, cpu_per_byte,
                    stolen=1.0, mode="thread", iterations=4, algorithm="ring", per_host=1,
-                   memory=(0.0, 0.0)):
+                   memory=(0.0, 0.0), contention=None):
     """Seconds per iteration in steady state (see the module's docstring), no stragglers
-    (stretch the compute with straggler_factor first)."""
+    (stretch the compute with straggler_factor first).
+
+    contention: (compute, link), measured slowdowns of compute while the link works and of
+    the link while compute runs (each's time together over its time alone), in place of the
+    CPU accounting of `cpu_per_byte` x `stolen` (which only slows compute)."""
     if mode == "none" or ranks == 1:
         return sum(forward) + sum(backward) + rest
     costs = [allreduce_cost(nbytes, ranks, latency, bandwidth, cpu_per_byte, algorithm, per_host, memory)
@@ -195,35 +199,36 @@ def iteration_time(forward, backward, rest, buckets, ranks, latency, bandwidth, 
     def urgent():
         return min(queued, key=lambda j: (buckets[j][1], j))
 
-    def run_link(until):
-        """Advance the link from t to `until`."""
+    def advance(k, seconds, speed):
+        """The link works on bucket k for `seconds` at `speed` (link seconds per second)."""
         nonlocal t
-        while queued and t < until:
-            k = urgent()
-            step = min(remaining[k], until - t)
-            remaining[k] -= step
-            t += step
-            if remaining[k] <= 1e-12:
-                remaining[k] = 0.0
-                queued.remove(k)
-        t = max(t, until)
+        remaining[k] -= seconds * speed
+        t += seconds
+        if remaining[k] <= 1e-12:
+            remaining[k] = 0.0
+            queued.remove(k)
 
     def compute(work):
-        """Run `work` seconds of compute, slowed by the link's CPU use while it sends."""
+        """Run `work` seconds of compute beside the link, each slowing the other."""
         nonlocal t
         while work > 1e-12:
             if not queued:
                 t += work
                 return
             k = urgent()
-            rate = max(0.05, 1.0 - stolen * busy_cpu[k])
-            step = min(remaining[k], work / rate)
-            run_link(t + step)
+            if contention is None:
+                rate, speed = max(0.05, 1.0 - stolen * busy_cpu[k]), 1.0
+            else:
+                rate, speed = 1.0 / contention[0], 1.0 / contention[1]
+            step = min(remaining[k] / speed, work / rate)
+            advance(k, step, speed)
             work -= step * rate
 
     def wait_for(ks):
+        """Compute waits: the link runs alone, at full speed."""
         while any(remaining[k] > 0 for k in ks):
-            run_link(t + remaining[urgent()])
+            k = urgent()
+            advance(k, remaining[k], 1.0)
 
     for _ in range(iterations):
         starts.append(t)
