@@ -416,7 +416,9 @@ def reproduce(measured, other_cvs=()):
     print(f"  {'memory':13s} {memory[0] * 1e9:.2f}/{memory[1] * 1e9:.2f} ns/B      measured on this machine (add / copy); "
           f"the fabric's per byte CPU = half an add + a copy per byte sent")
     base = sm.published_point(cv, shape, memory)
-    print(f"  => compute {base['t_compute']:.3f} s an iteration, slowest of 1024 x{base['straggler_factor']:.3f}, "
+    print(f"  => processors' spread sigma {base['processor_cv']:.1%}, with the measured {cv:.1%}: {base['cv']:.1%}; "
+          f"compute {base['t_compute']:.3f} s an iteration on one CPU, {base['t_rank']:.3f} s on a rank's 22 cores, "
+          f"slowest of 1024 x{base['straggler_factor']:.3f}, "
           f"the 161 allreduces {base['t_comm'] * 1e3:.0f} ms in all (mostly hidden): iteration "
           f"{base['t_iter']:.3f} s, efficiency {base['efficiency']:.1%} (without stragglers "
           f"{base['efficiency_without_stragglers']:.1%}); published 73%: "
@@ -430,8 +432,14 @@ def reproduce(measured, other_cvs=()):
             ("images/s / 2", {"images_per_s": sm.YOU_ET_AL["images_per_s"][0] / 2}, cv, shape),
             ("ring allreduce", {"algorithm": "ring"}, cv, shape),
             ("1 rank per node", {"per_host": 1}, cv, shape),
-            ("straggler cv x2", {}, 2 * cv, shape),
-            ("straggler cv / 2", {}, cv / 2, shape),
+            ("no MLSL servers (24 compute cores)", {"mlsl_servers": 0}, cv, shape),
+            ("measured cv x2", {}, 2 * cv, shape),
+            ("measured cv / 2", {}, cv / 2, shape),
+            ("processors' range x2 (40%)", {"processor_range": 0.4}, cv, shape),
+            ("processors' range / 2 (10%)", {"processor_range": 0.1}, cv, shape),
+            ("no processor spread", {"processor_range": 0.0}, cv, shape),
+            ("range over 500 processors", {"processor_population": 500}, cv, shape),
+            ("range over 5000 processors", {"processor_population": 5000}, cv, shape),
             ("normal, not log-normal" if shape == "lognormal" else "log-normal, not normal", {}, cv,
              "normal" if shape == "lognormal" else "lognormal")]
     rows += [(f"cv of {where}", {}, c, shape) for where, c in other_cvs]

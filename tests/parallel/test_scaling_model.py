@@ -139,5 +139,23 @@ def test_the_published_point_is_reproduced_within_10_points_from_the_stated_inpu
     m = sm.MEASURED_HERE
     result = sm.published_point(m["cv"], m["shape"], m["memory"])
     assert abs(result["efficiency"] - 0.73) <= 0.10, result
-    # and it is the stragglers that cost it: without them the fabric alone loses little
-    assert result["efficiency_without_stragglers"] > 0.95
+    # what costs it: the 2 of 24 cores MLSL's servers take, then the slowest of 1024; the
+    # fabric itself little
+    assert result["efficiency_without_stragglers"] == pytest.approx(22 / 24, abs=0.01)
+    assert result["straggler_factor"] > 1.05
+
+
+def test_measured_contention_slows_compute_and_the_link_while_both_run():
+    # compute 1.25x slower (rate 0.8) and the link 2x slower while both run; alone, each at
+    # full speed. fc's bucket (1 s of link) crosses during conv's backward: 2 s of wall in
+    # which 1.6 s of conv's 2 s are computed, then 0.4 s alone. conv's bucket (0.5 s of
+    # link) leaves then: the rest (0.4 s of work, 0.5 s of wall) and data's forward (0.1,
+    # 0.125) move it 0.3125 s; conv's forward waits for the other 0.1875 s, link alone.
+    buckets = [(1e6, 2), (0.5e6, 1)]
+    link = dict(latency=0.0, bandwidth=1e6, cpu_per_byte=0.0)
+    free = sm.iteration_time(FWD, BWD, REST, buckets, 2, **link)
+    slowed = sm.iteration_time(FWD, BWD, REST, buckets, 2, contention=(1.25, 2.0), **link)
+    assert free == pytest.approx(COMPUTE)
+    forward = 0.125 + 0.1875 + 1.0 + 0.5
+    backward = 1.0 + 2.0 + 0.4
+    assert slowed == pytest.approx(forward + backward + 0.5)
