@@ -315,6 +315,14 @@ def layout_model(r, memory, shape):
     if c:
         link["contention"] = (max(1.0, c["compute_busy"] / c["compute_alone"]),
                               max(1.0, c["ring_busy"] / c["ring_alone"]))
+        # the bandwidth the ring gets out of a host's link: the median of its allreduces of
+        # the gradients alone (per_host rings of 1/per_host of them at once), less latencies
+        hosts, per_host = r["ranks"] // r["per_host"], r["per_host"]
+        moving = c["ring_alone"] - 2 * (hosts - 1) * r["latency"]
+        if moving <= 0:
+            raise SystemExit(f"bench_scaling_model: {r['where']}: the ring's {c['ring_alone']:.3f} s is less than "
+                             f"its latencies: the measurements contradict each other")
+        link["bandwidth"] = per_host * sm.ring_bytes_sent(r["bytes"] / per_host, hosts) / moving
     shape = fit["shape"] if fit["ranks"] > 2 else shape
     return fit, shape, (fwd, bwd, rest, [tuple(b) for b in r["buckets"]], r["ranks"]), link
 
@@ -365,10 +373,11 @@ def report(saved):
             continue
         hosts = n // r["per_host"]
         ring_pred = sm.ring_seconds(r["bytes"], hosts, r["latency"], r["bandwidth"], 0.0)
-        print(f"  link between hosts: latency {r['latency'] * 1e6:.0f} us, bandwidth {r['bandwidth'] / 1e6:.1f} MB/s; "
-              f"ring of {r['bytes'] / 1e6:.1f} MB over {hosts} hosts: measured {r['ring_wall']:.3f} s, alpha-beta "
-              f"{ring_pred:.3f} s ({ring_pred / r['ring_wall'] - 1:+.0%}); its CPU {r['ring_cpu_per_byte'] * 1e9:.2f} ns "
-              f"per byte sent (TCP through the veths, sums, polls)")
+        print(f"  link between hosts (ping-pong, ring shift): latency {r['latency'] * 1e6:.0f} us, bandwidth "
+              f"{r['bandwidth'] / 1e6:.1f} MB/s; a ring of {r['bytes'] / 1e6:.1f} MB over {hosts} hosts: fastest "
+              f"{r['ring_wall']:.3f} s, alpha-beta from these {ring_pred:.3f} s ({ring_pred / r['ring_wall'] - 1:+.0%}); "
+              f"its CPU {r['ring_cpu_per_byte'] * 1e9:.2f} ns per byte sent (TCP through the veths, sums, polls); "
+              f"the model takes the ring's median bandwidth, {link['bandwidth'] / 1e6:.1f} MB/s a host")
         if "contention" in link:
             c = r["contention"]
             print(f"  contention (compute and the ring at once, each against alone): compute {c['compute_alone']:.3f} -> "
@@ -380,6 +389,10 @@ def report(saved):
             p = sm.predict(fwd, bwd, rest, buckets, n, fit["cv"], sh, mode=mode, **link)
             checks.append((r["where"], mode, p, statistics.median(measured)))
             print(f"  {mode:9s} {_spread(measured)}")
+        if "contention" in link:
+            alone = dict(link, contention=None)
+            print(f"  (thread without the measured contention, CPU accounting only: predicted "
+                  f"{sm.predict(fwd, bwd, rest, buckets, n, fit['cv'], sh, **alone):.3f} s)")
     print("\nmodel check (predicted against the median measured iteration):")
     worst = 0.0
     for where, what, p, m in checks:
