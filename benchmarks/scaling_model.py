@@ -379,6 +379,13 @@ MEASURED_HERE = {"when": "2026-11-29 08:59 UTC", "cv": 0.0119, "shape": "lognorm
                  "memory": (0.425e-9, 0.423e-9), "where": "local mpiexec, 2 ranks"}
 
 
+def processor_spread(spread_range=YOU_ET_AL["processor_range"][0],
+                     population=YOU_ET_AL["processor_population"][0]):
+    """sigma / mean of processor speeds whose range over `population` processors is
+    `spread_range`; it adds to the per-iteration spread in quadrature (independent)."""
+    return spread_range / (2 * expected_max_standard_normal(population))
+
+
 def published_point(cv, shape, memory, overrides=None):
     """Efficiency of You et al.'s ResNet-50 at 1024 CPUs by the model: a dict of the figures.
 
@@ -398,8 +405,7 @@ def published_point(cv, shape, memory, overrides=None):
                 stolen=0.0 if p["mlsl_servers"] else 1.0 / p["cores"], algorithm=p["algorithm"],
                 per_host=p["per_host"], memory=memory)
     n = p["ranks"]
-    # the per-iteration spread and the processors' own, independent: their variances add
-    processor_cv = p["processor_range"] / (2 * expected_max_standard_normal(p["processor_population"]))
+    processor_cv = processor_spread(p["processor_range"], p["processor_population"])
     cv = math.hypot(cv, processor_cv)
     factor = straggler_factor(n, cv, shape)
     t_comm = sum(allreduce_cost(s, n, p["latency"], p["bandwidth"], cpu_per_byte, p["algorithm"],
