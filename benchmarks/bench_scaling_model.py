@@ -10,12 +10,17 @@ product: 17 MB of gradients) so that 8 emulated hosts fit on this machine's 2 co
                         one they get side by side, as in the issue's "none" row); their
                         spread is the straggler input, the slowest rank per iteration what
                         the order statistics must predict
-    link                latency and ring bandwidth (ring.Link), the ring's CPU seconds per
-                        byte sent (a whole-stack figure: TCP through the veths, the sums,
-                        the polls), buckets and layer times (their proportions)
+    link                latency and bandwidth between hosts (ring.Link: ping-pong, ring
+                        shift), the ring's CPU seconds per byte sent (a whole-stack figure:
+                        TCP through the veths, the sums, the polls), buckets and layer times
+                        (their proportions)
+    contention          compute and a ring allreduce of the gradients in a thread at once,
+                        each timed against alone (the ring alone gives the model its bandwidth)
     modes               iteration times with `blocking` (no overlap) and `thread` (the
                         default), the slowest rank's, modes interleaved over rounds
-and on this machine alone the CPU cost per byte of the reduction's arithmetic and copies.
+and on this machine alone the CPU cost per byte of the reduction's arithmetic and copies and
+caffepy's FLOP rate per CPU second on ResNet-50 and AlexNet (for the projection). Nothing is
+fitted to the iterations the model predicts; each layout's inputs come from its own run.
 
     python benchmarks/bench_scaling_model.py --save m.json       # measure (root), then report
     python benchmarks/bench_scaling_model.py --load m.json       # the report again
@@ -193,7 +198,7 @@ def worker(args):
     # the ring's whole-stack CPU per byte sent, among the leaders (one rank per host)
     if leaders != MPI.COMM_NULL and leaders.Get_size() > 1:
         grads = np.ones(reducer.nbytes // 4, np.float32)
-        ring = Ring(leaders.Dup(), max(1 << 18, int(min(16 << 20, max(1 << 20, 0.04 * link[1])))) // 4)
+        ring = Ring(leaders.Dup(), Link(*link).piece_bytes() // 4)
         runs = []
         for _ in range(3):
             leaders.Barrier()
@@ -207,8 +212,7 @@ def worker(args):
 
     if result["hosts"] > 1:
         cross = comm.Split(node.Get_rank(), comm.Get_rank())
-        piece = max(1 << 20, int(0.04 * result["bandwidth"]))
-        found = contention(solver.net, cross, reducer.nbytes // result["per_host"], piece)
+        found = contention(solver.net, cross, reducer.nbytes // result["per_host"], Link(*link).piece_bytes())
         result["contention"] = {k: comm.allreduce(v, op=MPI.MAX) for k, v in sorted(found.items())
                                 if v is not None}
         cross.Free()

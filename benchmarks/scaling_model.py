@@ -336,14 +336,17 @@ def net_inputs(layers, t_compute, per_message=True, bucket_bytes=4 << 20):
 # Every input with its source. "derived" figures follow from published ones by the arithmetic
 # shown; "assumed" ones could not be checked here and their sensitivity is printed.
 YOU_ET_AL = {
-    "ranks": (1024, "You et al., ICPP 2018 (arXiv 1709.05011): 1024 Intel Xeon Platinum 8160 CPUs"),
+    "ranks": (1024, "You et al. (arXiv 1709.05011; ICPP 2018): 1024 CPUs, Intel Xeon Platinum 8160 (the "
+                    "ICPP abstract's processor); the 73% and ~750x are the issue's reading of the paper, "
+                    "not checked here"),
     "per_host": (2, "one rank per socket: TACC Stampede2's SKX nodes are 2-socket 8160 nodes "
                     "(assumed from the system's description; Intel's multinode recipes run one "
                     "rank per socket)"),
     "batch": (32, "derived: global batch 32K (the paper's LARS batch) / 1024 CPUs"),
-    "images_per_s": (53.4, "derived: 90 epochs x 1,281,167 images in 48 min on 1024 CPUs (arXiv "
-                           "v2 title: 'ResNet-50 in 48 Minutes') is 40,000 images/s; at the "
-                           "paper's ~750x speed-up over one CPU, one CPU trains 53.4 images/s"),
+    "images_per_s": (53.4, "derived: 90 epochs x 1,281,167 images in 48 min on 1024 CPUs (an arXiv "
+                           "version's title: 'ImageNet Training by CPU: AlexNet in 11 Minutes and "
+                           "ResNet-50 in 48 Minutes') is 40,036 images/s; at ~750x one CPU, one CPU "
+                           "trains 53.4 images/s"),
     "bandwidth": (12.5e9, "Intel Omni-Path 100 Gb/s: 12.5 GB/s each way (product sheet)"),
     "latency": (1.5e-6, "assumed: about 1 us MPI latency on Omni-Path plus a fat tree's 5 switch "
                         "hops (the 48-port OPA ASIC's 5-hop configurations, Intel's switch sheet) "
