@@ -26,16 +26,20 @@ What an iteration of N ranks costs beyond one rank's compute:
     overlap      a bucket leaves when backward has passed its lowest layer; the link serves one
                  bucket at a time, the most urgent (lowest layer) first; the next forward waits
                  at a layer for that layer's buckets only (caffepy's `thread` progress and
-                 Intel Caffe's FW_OVERLAP_OPT alike). While the link works it takes CPU from
-                 compute: c_sent B seconds per second, times `stolen` (1 when every core
-                 computes, as on the test bed where ranks outnumber cores; 1/cores when the
-                 communication gets one core's slice of a many-core node).
+                 Intel Caffe's FW_OVERLAP_OPT alike). While both run they slow each other:
+                 by measured factors (`contention`: each one's time beside the other over its
+                 time alone) or, unmeasured, by CPU accounting: the link takes c_sent B CPU
+                 seconds per second from compute, times `stolen` (1 when every core computes;
+                 1/cores when the communication gets one core's slice of a many-core node).
+                 Pieces within a ring step are pipelined (caffepy keeps 2 in flight): their
+                 latencies are not counted, only the step's.
     modes        none (compute only), blocking (every bucket after backward, compute idle),
                  thread (the overlap above).
 The iteration time is the period of the simulated loop once it repeats (the fourth
 iteration of a run that starts idle). Nothing in here is fitted to iteration times: the
 inputs come from measurements (benchmarks/bench_scaling_model.py) or stated published
-figures (YOU_ET_AL).
+figures (YOU_ET_AL, with the processors' own speed spread and the nets' layer tables for
+the published point and the projection).
 """
 import math
 
