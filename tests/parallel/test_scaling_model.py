@@ -133,6 +133,13 @@ def test_the_nets_parameter_counts():
     fwd, bwd, buckets = sm.net_inputs(sm.resnet50_layers(), 0.6)
     assert sum(fwd) + sum(bwd) == pytest.approx(0.6)
     assert len(buckets) == 161 and sum(s for s, _ in buckets) == pytest.approx(4 * 25557032)
+    # caffepy's buckets: backward order, at least 4 MB each but the last, every byte once;
+    # a bucket is ready at the lowest layer it holds
+    _, _, caffepy = sm.net_inputs(sm.resnet50_layers(), 0.6, per_message=False)
+    assert sum(s for s, _ in caffepy) == pytest.approx(4 * 25557032)
+    assert all(s >= 4 << 20 for s, _ in caffepy[:-1])
+    assert [layer for _, layer in caffepy] == sorted((layer for _, layer in caffepy), reverse=True)
+    assert caffepy[-1][1] == 0
 
 
 def test_the_published_point_is_reproduced_within_10_points_from_the_stated_inputs():
