@@ -166,9 +166,11 @@ bench-mpi: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_mpi.py
 
 # 2 then 4 emulated hosts, 500 Mbit/s links: how much of the gradient allreduce hides, the
-# scaling model against the measured iterations, then its projection (root needed)
+# scaling model against the measured iterations; then the model with stragglers and topology
+# at 2, 4, 8 hosts and 2 x 2 ranks, You et al.'s 1024-CPU point, the projection (root needed)
 bench-multihost: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_multihost.py --validate --hybrid
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_scaling_model.py
 
 # Regenerate caffepy/proto/caffe_pb2.py after editing caffe.proto
 proto: install
