@@ -191,7 +191,7 @@ _FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "S
               "SIGTSTP")
 
 
-def supervise():
+def supervise(linger=0.0):
     """Fork: the child returns and becomes the rank; the parent, the process the launcher
     started and watches, passes signals on to it and exits as it does, and when the child
     dies of a signal (kill -9, the out-of-memory killer) prints the line naming the rank
@@ -199,7 +199,13 @@ def supervise():
 
     Only under PMI launchers (PMI_RANK set: MPICH hydra, Intel MPI, Slurm's PMI), whose
     MPI start-up a forked child inherits; CAFFEPY_MPI_SUPERVISE=0 turns it off. Call
-    before MPI starts and before any thread exists."""
+    before MPI starts and before any thread exists.
+
+    linger > 0: after its rank was killed the parent waits up to that many seconds before
+    dying of the same signal. Launchers (MPICH hydra) SIGKILL every other rank as soon as
+    one is killed or exits non-zero, so the survivors could save nothing; meanwhile their
+    watchdog finds the rank lost, writes the emergency snapshot and aborts the job
+    (failsafe.py), which ends this process too."""
     if (not launched() or os.environ.get("PMI_RANK") is None
             or os.environ.get("CAFFEPY_MPI_SUPERVISE", "1") == "0"):
         return
@@ -222,9 +228,15 @@ def supervise():
         rank = launcher_rank()
         how = ("was killed by SIGKILL (by hand, by the out-of-memory killer or by the batch system)"
                if signum == signal.SIGKILL else f"died of {signal.Signals(signum).name}")
+        then = ("the other ranks save the last iteration every rank finished, then end" if linger > 0
+                else "the MPI launcher ends the other ranks")
         sys.stderr.write(f"[rank {rank}] caffepy rank {rank} (pid {child}@{socket.gethostname()}) {how}; "
-                         f"the MPI launcher ends the other ranks\n")
+                         f"{then}\n")
         sys.stderr.flush()
+        if linger > 0:
+            for name in _FORWARDED:
+                signal.signal(getattr(signal, name), signal.SIG_DFL)
+            time.sleep(linger)
         # die of the same signal: launchers end the job when a rank is killed, while they
         # wait for the others when one merely exits non-zero
         if signum not in (signal.SIGKILL, signal.SIGSTOP):
