@@ -78,7 +78,7 @@ class CaffeGroup(click.Group):
         short_flags = {f for o in cmd.params if isinstance(o, click.Option) for f in o.opts
                        if len(f) == 2 and f[0] == "-"}
         args = gflags_to_click(rest, bool_flags, short_flags)
-        ctx.meta["caffepy.args"] = args       # train --restart runs the command again with them
+        ctx.meta["caffepy.args"] = list(args)      # train --restart runs the command again with them
         return cmd_name, cmd, args
 
     def invoke(self, ctx):

@@ -163,16 +163,18 @@ class Keeper(Hooks):
                 log.error(f"no emergency snapshot: the update rule held the parameters for more than "
                           f"{LOCK_WAIT:g} s")
                 return None
-            # kept: the main thread must not change the parameters any more (the job ends)
-            state = self.consistent_state()
-            who = ", ".join(f"rank {r}" for r in lost)
-            if state is None:
-                log.info(f"Emergency snapshot: no iteration finished since the start ({who} lost); "
-                         f"nothing to save", everyone=True)
-                return None
-            record, data, states = state
-            self.written = write_emergency(solver, record, data, states, who)
-            return self.written
+            try:
+                state = self.consistent_state()
+                who = ", ".join(f"rank {r}" for r in lost)
+                if state is None:
+                    log.info(f"Emergency snapshot: no iteration finished since the start ({who} lost); "
+                             f"nothing to save", everyone=True)
+                    return None
+                record, data, states = state
+                self.written = write_emergency(solver, record, data, states, who)
+                return self.written
+            finally:
+                solver.update_lock.release()
         except Exception as e:            # the abort line must still come
             log.error(f"no emergency snapshot: {type(e).__name__}: {e}")
             return None

@@ -8,12 +8,16 @@ import subprocess
 import sys
 import time
 
+import errno
+import threading
+import types
+
 import numpy as np
 import pytest
 
 from mpi_helpers import MPIEXEC, REPO, make_lmdb, max_rel_diff, train, weights, write_job
 
-pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in the venv")
+needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in the venv")
 
 LOCAL_BATCH = 4
 ENV = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
@@ -41,12 +45,11 @@ def _read_until(proc, pattern, seen, timeout=90):
     raise AssertionError(f"no line matching {pattern!r}: " + "".join(seen[-30:]))
 
 
-def _kill_rank_midway(job, ranks, victim, at_iteration, launcher=(), extra=()):
-    """Start `caffepy train` on `ranks` ranks, SIGKILL rank `victim` once iteration
-    `at_iteration` is displayed; returns (exit code, everything it printed)."""
-    cmd = [*launcher] if launcher else [MPIEXEC, "-n", str(ranks)]
-    proc = subprocess.Popen(cmd + _cli("train", "--solver", str(job / "solver.prototxt"), "--stall_timeout",
-                                       "20", *extra),
+def _kill_rank_midway(job, ranks, victim, at_iteration, command=None):
+    """Start `caffepy train` on `ranks` ranks (or `command`), SIGKILL rank `victim` once
+    iteration `at_iteration` is displayed; returns (exit code, everything it printed, its pid)."""
+    command = command or [MPIEXEC, "-n", str(ranks)] + _cli("train")
+    proc = subprocess.Popen(command + ["--solver", str(job / "solver.prototxt"), "--stall_timeout", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=job,
                             start_new_session=True)
     seen = []
@@ -62,6 +65,8 @@ def _kill_rank_midway(job, ranks, victim, at_iteration, launcher=(), extra=()):
     return proc.returncode, "".join(seen) + err + out, pid
 
 
+@needs_mpiexec
+@pytest.mark.slow
 def test_killed_rank_leaves_a_snapshot_that_resumes_on_fewer_ranks(tmp_path, db):
     job = write_job(tmp_path, "killed", db, LOCAL_BATCH, 100000, "snapshot: 0\n")
     code, text, pid = _kill_rank_midway(job, 3, 1, 12)
@@ -91,10 +96,12 @@ def test_killed_rank_leaves_a_snapshot_that_resumes_on_fewer_ranks(tmp_path, db)
     assert max_rel_diff(finals[0], emergency) > 1e-4          # training went on
 
 
+@needs_mpiexec
+@pytest.mark.slow
 def test_restart_relaunches_from_the_emergency_snapshot(tmp_path, db):
     job = write_job(tmp_path, "restart", db, LOCAL_BATCH, 40, "snapshot: 0\n")
     code, text, pid = _kill_rank_midway(
-        job, 2, 1, 10, launcher=_cli("train", "--restart", "2", "--launcher", f"{MPIEXEC} -n 2"))
+        job, 2, 1, 10, command=_cli("train", "--restart", "2", "--launcher", f"{MPIEXEC} -n 2"))
     # the supervisor's restart, then the relaunched job to its end
     m = re.search(r"Restart 1 of 2: the job ended with exit code \d+; relaunching it from "
                   r"(\S+_iter_(\d+)\.solverstate) \(iteration (\d+)\)", text)
@@ -121,3 +128,94 @@ def test_restart_with_nothing_to_restart_from(tmp_path, db):
     assert out.stderr.strip().splitlines()[-1] == (
         f"caffepy: error: --restart: the job failed (exit code 1) and left no snapshot to restart from "
         f"({job}/snap_iter_*.solverstate)")
+
+
+# -- the Keeper alone, in one process: a partial iteration, a full disk ---------------
+class _Reducer:
+    """The strategy's reducer as the Keeper sees it: whether every gradient has arrived."""
+
+    def __init__(self):
+        self.progress = "thread"
+        self.arrived = threading.Event()
+        self.buckets = [types.SimpleNamespace(done=self.arrived)]
+
+
+def _kept_solver(tmp_path, db, iterations):
+    from caffepy.parallel.failsafe import Keeper
+    from caffepy.solvers import Solver
+    job = write_job(tmp_path, "kept", db, LOCAL_BATCH, 100, "snapshot: 0\n")
+    solver = Solver(str(job / "solver.prototxt"))
+    strategy = types.SimpleNamespace(reducer=_Reducer())
+    strategy.reducer.arrived.set()
+    keeper = Keeper(solver, strategy)
+    solver.hooks.append(keeper)
+    solver.step(iterations)
+    return job, solver, keeper, strategy.reducer
+
+
+def _state(solver):
+    return ([b.data.copy() for b in solver.net.learnable_params],
+            [[h.copy() for h in solver.rule.state(i)] for i in range(len(solver.net.learnable_params))])
+
+
+def _half_an_update(solver, reducer):
+    """Iteration solver.iter's forward, backward and the update of its first two parameters,
+    while the rest of its gradients are still travelling."""
+    solver.net.clear_param_diffs()
+    solver.net.forward_from_to()
+    solver.net.backward_from_to()
+    rate = solver.learning_rate()
+    reducer.arrived.clear()
+    solver._update(rate, solver.iter, [0, 1])
+    return rate
+
+
+def test_a_partial_iteration_gives_the_one_before(tmp_path, db):
+    """Parameters updated while gradients still travel are kept as they were: the snapshot is
+    of the last whole iteration; once every parameter has its update, of that one."""
+    from caffepy.solvers import snapshot as snap
+    job, solver, keeper, reducer = _kept_solver(tmp_path, db, 3)
+    data3, history3 = _state(solver)
+    normal = solver.snapshot()                     # what an uninterrupted run writes after iteration 2
+    rate = _half_an_update(solver, reducer)
+    assert not np.array_equal(solver.net.learnable_params[0].data, data3[0])
+    record, data, states = keeper.consistent_state()
+    assert record.iter == 3
+    for i in range(len(data3)):
+        np.testing.assert_array_equal(data[i], data3[i])
+        for h, h3 in zip(states[i], history3[i]):
+            np.testing.assert_array_equal(h, h3)
+    for path in normal:
+        os.rename(path, path + ".normal")
+    written = keeper.emergency([1])
+    assert written == normal
+    assert open(normal[0], "rb").read() == open(normal[0] + ".normal", "rb").read()
+    kept, ref = snap.read_solver_state(normal[1]), snap.read_solver_state(normal[1] + ".normal")
+    assert list(kept.history) == list(ref.history) and kept.iter == ref.iter == 3
+    assert snap.saved_run_state(kept, "kept") == snap.saved_run_state(ref, "ref")
+    # the rest of the gradients arrive, every parameter is updated: iteration 3 is finished
+    reducer.arrived.set()
+    solver._update(rate, solver.iter, list(range(2, len(data3))))
+    record, data, states = keeper.consistent_state()
+    assert record.iter == 4
+    assert all(data[i] is b.data for i, b in enumerate(solver.net.learnable_params))
+
+
+def test_a_full_disk_leaves_no_half_snapshot(tmp_path, db, monkeypatch, capsys):
+    """ENOSPC on the second file: one line, and neither file (nor a temporary) is left."""
+    from caffepy import prototxt
+    job, solver, keeper, reducer = _kept_solver(tmp_path, db, 2)
+    _half_an_update(solver, reducer)
+    replace = os.replace
+
+    def full(src, dst):
+        if str(dst).endswith(".solverstate"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        replace(src, dst)
+    monkeypatch.setattr(prototxt.os, "replace", full)
+    assert keeper.emergency([2]) is None
+    assert sorted(p.name for p in job.iterdir()) == ["net.prototxt", "solver.prototxt"]
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("E")]
+    assert len(errors) == 1
+    assert errors[0].endswith(f"Emergency snapshot of iteration 2 failed: {job}/snap_iter_2.solverstate: cannot "
+                              f"write: No space left on device; nothing was written")
