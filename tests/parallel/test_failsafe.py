@@ -65,35 +65,71 @@ def _kill_rank_midway(job, ranks, victim, at_iteration, command=None):
     return proc.returncode, "".join(seen) + err + out, pid
 
 
+_KILLED = {}
+
+
+@pytest.fixture
+def killed(tmp_path_factory, db):
+    """Rank 1 of 3 killed mid-run; the same 3 ranks run uninterrupted to the emergency
+    snapshot's iteration k; the emergency snapshot resumed on 2 ranks for 4 iterations."""
+    if not _KILLED:
+        root = tmp_path_factory.mktemp("killed")
+        job = write_job(root, "killed", db, LOCAL_BATCH, 100000, "snapshot: 0\n")
+        code, text, pid = _kill_rank_midway(job, 3, 1, 12)
+        m = re.search(r"Emergency snapshot of iteration (\d+), the last one every rank finished "
+                      r"\(rank 1 lost\)", text)
+        assert m, text[-3000:]
+        k = int(m.group(1))
+        ref = write_job(root, "ref", db, LOCAL_BATCH, k)
+        out = train(ref, 3)
+        assert out.returncode == 0, out.stderr[-3000:]
+        cont = write_job(root, "from_emergency", db, LOCAL_BATCH, k + 4)
+        resumed = train(cont, 2, args=["--snapshot", str(job / f"snap_iter_{k}.solverstate")])
+        _KILLED.update(root=root, job=job, code=code, text=text, pid=pid, k=k, ref=ref, cont=cont,
+                       resumed=resumed)
+    return types.SimpleNamespace(**_KILLED)
+
+
+@needs_mpiexec
+def test_killed_rank_leaves_the_snapshot_an_uninterrupted_run_writes(killed):
+    from caffepy.solvers import snapshot as snap
+    job, k = killed.job, killed.k
+    assert killed.code != 0
+    assert re.search(rf"\[rank 0\] lost: rank 1 \(pid {killed.pid}@\S+: its process ended \(killed or "
+                     rf"crashed\)\); ranks? [0-9, -]+ (waited in|at) .*; aborting all 3 ranks", killed.text), \
+        killed.text[-3000:]
+    assert (f"Emergency snapshot written: {job}/snap_iter_{k}.caffemodel, {job}/snap_iter_{k}.solverstate"
+            in killed.text)
+    assert k >= 12
+    emergency = weights(job / f"snap_iter_{k}.caffemodel")
+    assert max_rel_diff(weights(killed.ref / f"snap_iter_{k}.caffemodel"), emergency) < 1e-5
+    ours = snap.read_solver_state(job / f"snap_iter_{k}.solverstate")
+    theirs = snap.read_solver_state(killed.ref / f"snap_iter_{k}.solverstate")
+    assert ours.iter == theirs.iter == k and ours.current_step == theirs.current_step
+    from caffepy.blobproto import blobproto_to_array
+    for a, b in zip(ours.history, theirs.history, strict=True):
+        np.testing.assert_allclose(blobproto_to_array(a), blobproto_to_array(b), rtol=1e-5, atol=1e-7)
+    # the writer's read positions stand for every rank's (they read in step)
+    run = snap.saved_run_state(ours, "emergency")["ranks"]
+    assert len(run) == 3 and run[0] == snap.saved_run_state(theirs, "ref")["ranks"][0]
+    # it loads, and the 2 ranks left go on with the record stream
+    out = killed.resumed
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"Iteration {k} (" in out.stderr and "Iteration 0 (" not in out.stderr
+    assert "continues the record stream where the snapshot's 3 ranks had read it together" in out.stderr
+
+
 @needs_mpiexec
 @pytest.mark.slow
-def test_killed_rank_leaves_a_snapshot_that_resumes_on_fewer_ranks(tmp_path, db):
-    job = write_job(tmp_path, "killed", db, LOCAL_BATCH, 100000, "snapshot: 0\n")
-    code, text, pid = _kill_rank_midway(job, 3, 1, 12)
-    assert code != 0
-    assert re.search(rf"\[rank 0\] lost: rank 1 \(pid {pid}@\S+: its process ended \(killed or crashed\)\); "
-                     rf"ranks? [0-9, -]+ (waited in|at) .*; aborting all 3 ranks", text), text[-3000:]
-    k = int(re.search(r"Emergency snapshot of iteration (\d+), the last one every rank finished "
-                      r"\(rank 1 lost\)", text).group(1))
-    assert f"Emergency snapshot written: {job}/snap_iter_{k}.caffemodel, {job}/snap_iter_{k}.solverstate" in text
-    assert k >= 12
-    # the same 3 ranks, run uninterrupted to iteration k: the same snapshot
-    ref = write_job(tmp_path, "ref", db, LOCAL_BATCH, k)
-    out = train(ref, 3)
+def test_the_emergency_snapshot_resumed_on_fewer_ranks_continues_the_loss_curve(killed, db):
+    """Same weights as the uninterrupted run that went from 3 ranks to 2 at that iteration."""
+    k = killed.k
+    cont = write_job(killed.root, "from_ref", db, LOCAL_BATCH, k + 4)
+    out = train(cont, 2, args=["--snapshot", str(killed.ref / f"snap_iter_{k}.solverstate")])
     assert out.returncode == 0, out.stderr[-3000:]
-    emergency = weights(job / f"snap_iter_{k}.caffemodel")
-    assert max_rel_diff(weights(ref / f"snap_iter_{k}.caffemodel"), emergency) < 1e-5
-    # both resumed on the 2 ranks left: the same weights (momentum and data stream included)
-    finals = []
-    for name, state in (("from_emergency", job), ("from_ref", ref)):
-        cont = write_job(tmp_path, name, db, LOCAL_BATCH, k + 4)
-        out = train(cont, 2, args=["--snapshot", str(state / f"snap_iter_{k}.solverstate")])
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert f"Iteration {k} (" in out.stderr and "Iteration 0 (" not in out.stderr
-        assert "continues the record stream where the snapshot's 3 ranks had read it together" in out.stderr
-        finals.append(weights(cont / f"snap_iter_{k + 4}.caffemodel"))
-    assert max_rel_diff(*finals) < 1e-5
-    assert max_rel_diff(finals[0], emergency) > 1e-4          # training went on
+    final = weights(killed.cont / f"snap_iter_{k + 4}.caffemodel")
+    assert max_rel_diff(weights(cont / f"snap_iter_{k + 4}.caffemodel"), final) < 1e-5
+    assert max_rel_diff(final, weights(killed.job / f"snap_iter_{k}.caffemodel")) > 1e-4   # it trained on
 
 
 @needs_mpiexec
