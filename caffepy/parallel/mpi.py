@@ -201,11 +201,14 @@ def supervise(linger=0.0):
     MPI start-up a forked child inherits; CAFFEPY_MPI_SUPERVISE=0 turns it off. Call
     before MPI starts and before any thread exists.
 
-    linger > 0: after its rank was killed the parent waits up to that many seconds before
-    dying of the same signal. Launchers (MPICH hydra) SIGKILL every other rank as soon as
-    one is killed or exits non-zero, so the survivors could save nothing; meanwhile their
-    watchdog finds the rank lost, writes the emergency snapshot and aborts the job
-    (failsafe.py), which ends this process too."""
+    linger > 0: after its rank was killed, when the launcher started other ranks on this
+    host, the parent waits up to that many seconds before dying of the same signal.
+    Launchers (MPICH hydra) SIGKILL every other rank as soon as one is killed or exits
+    non-zero, so the survivors could save nothing; meanwhile the watchdog of a rank on this
+    host finds the process gone, writes the emergency snapshot and aborts the job
+    (failsafe.py), which ends this process too. A rank alone on its host is not waited
+    for: ranks elsewhere would only find it silent after --stall_timeout (and MPICH's UCX
+    transport crashes a rank whose TCP peer died), so the launcher ends the job at once."""
     if (not launched() or os.environ.get("PMI_RANK") is None
             or os.environ.get("CAFFEPY_MPI_SUPERVISE", "1") == "0"):
         return
@@ -228,12 +231,12 @@ def supervise(linger=0.0):
         rank = launcher_rank()
         how = ("was killed by SIGKILL (by hand, by the out-of-memory killer or by the batch system)"
                if signum == signal.SIGKILL else f"died of {signal.Signals(signum).name}")
-        then = ("the other ranks save the last iteration every rank finished, then end" if linger > 0
-                else "the MPI launcher ends the other ranks")
+        then = ("the other ranks save the last iteration every rank finished, then end"
+                if linger > 0 and _local_peers() else "the MPI launcher ends the other ranks")
         sys.stderr.write(f"[rank {rank}] caffepy rank {rank} (pid {child}@{socket.gethostname()}) {how}; "
                          f"{then}\n")
         sys.stderr.flush()
-        if linger > 0:
+        if linger > 0 and _local_peers():
             for name in _FORWARDED:
                 signal.signal(getattr(signal, name), signal.SIG_DFL)
             time.sleep(linger)
@@ -244,6 +247,15 @@ def supervise(linger=0.0):
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)
     os._exit(os.WEXITSTATUS(status))
+
+
+def _local_peers():
+    """Whether the launcher started other ranks on this host (who find a killed rank at once)."""
+    for var in _LOCAL_SIZE_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value) > 1
+    return False
 
 
 def _pass_on(child, signum):

@@ -12,8 +12,8 @@ place nor used CPU in its main thread outside a wait (stuck reading a file, say)
 A rank that waits for the others is not stalled by waiting. Rank 0 then prints one
 line naming the stalled rank(s) and where the others were waiting, and aborts
 every rank; when rank 0 itself goes silent, rank 1 does (rank r > 1 a little later,
-in case rank 1 went too). A rank on the same host whose process has ended (killed,
-crashed) is lost at once, at the next round.
+in case rank 1 went too). A rank whose process has ended (killed, crashed) is lost at
+once, at the next round, for the lowest live rank of its host, which ends the job.
 
 Before aborting, the rank that found the loss calls `before_abort(lost ranks)` when
 set: the emergency snapshot of failsafe.py, written from this thread.
@@ -122,6 +122,15 @@ class Watchdog:
         except (OSError, IndexError):
             return True
 
+    def _local_losses(self):
+        """The ranks of this host whose process ended, when this rank is the one to act on
+        them (one writer): the lowest rank of the host still alive."""
+        host = socket.gethostname()
+        mine = [r for r, (h, _) in enumerate(self.peers) if h == host]
+        gone = [r for r in mine if r != self.rank and self._gone(r)]
+        live = [r for r in mine if r not in gone]
+        return gone if gone and min(live) == self.rank else []
+
     def _abort(self, lost, line):
         if before_abort is not None:
             before_abort(lost)
@@ -180,15 +189,16 @@ class Watchdog:
                 summary, heard = message, time.monotonic()
                 inbox = self._receives[0] = comm.irecv(source=0, tag=_SUMMARY)
             silent = time.monotonic() - heard
-            gone = self._gone(0)
+            gone = self._local_losses()
             if silent > patience or gone:
+                lost = gone or [0]
                 # the others as rank 0 last saw them
                 others = "; ".join(f"{_ranks(rs)} {'waited in' if waits else 'at'} {place}"
                                    for (place, waits), ranks in summary.items()
-                                   for rs in [[r for r in ranks if r not in (0, self.rank)]] if rs)
-                why = _GONE if gone else f"nothing heard from it for {silent:.0f} s: stopped, hung or unreachable"
-                self._abort([0], self._line([0], {0: why}, f"{others}; " if others else "", self.place,
-                                            self.waits))
+                                   for rs in [[r for r in ranks if r not in lost and r != self.rank]] if rs)
+                why = {r: _GONE for r in gone} or {0: f"nothing heard from it for {silent:.0f} s: stopped, hung "
+                                                      f"or unreachable"}
+                self._abort(lost, self._line(lost, why, f"{others}; " if others else "", self.place, self.waits))
                 return
 
     def _root(self):
@@ -220,11 +230,11 @@ class Watchdog:
                 if moves != old[2] or (not waits and not old[1] and cpu - old[3] > 0.01 * self.interval):
                     moved[r] = now
                 state[r] = new
-            stalled = {}
+            stalled = {r: _GONE for r in self._local_losses()}
             for r in range(size):
-                if r and self._gone(r):
-                    stalled[r] = _GONE
-                elif now - heard[r] > self.timeout:
+                if r in stalled:
+                    continue
+                if now - heard[r] > self.timeout:
                     stalled[r] = (f"nothing heard from it for {now - heard[r]:.0f} s: stopped, hung or "
                                   f"unreachable; last at {state[r][0]}")
                 elif now - moved[r] > self.timeout and not state[r][1]:
