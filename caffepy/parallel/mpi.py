@@ -16,7 +16,8 @@ same way from an atexit handler.
 A rank killed outright (kill -9, the out-of-memory killer): under a PMI launcher
 (MPICH hydra, Intel MPI, Slurm's PMI) `supervise()` forks before MPI starts, and
 the parent, the process the launcher watches, prints `[rank N] ... was killed by
-SIGKILL` when its child, the rank itself, dies of a signal; the launcher then
+SIGKILL` when its child, the rank itself, dies of a signal; while a rank on its
+host writes the emergency snapshot (failsafe.py) it waits, then the launcher
 ends the job. Ranks the launcher stops with SIGTERM print one line saying so.
 A rank that stops making progress (SIGSTOP, a hung file system, a lost host) is
 found by the stall watchdog (watchdog.py, `--stall_timeout`).
