@@ -102,7 +102,10 @@ class Keeper(Hooks):
         reducer = getattr(self.strategy, "reducer", None)
         if reducer is None or reducer.progress != "thread":
             return True               # the other modes wait for every gradient before updating
-        return all(bucket.done.is_set() for bucket in reducer.buckets)
+        buckets = getattr(reducer, "buckets", None)
+        if buckets is None:
+            return False              # a reducer that does not say: keep a copy
+        return all(bucket.done.is_set() for bucket in buckets)
 
     def before_apply(self, solver, indices, iteration):
         if iteration != self.iteration:
@@ -111,7 +114,7 @@ class Keeper(Hooks):
             self.records[iteration] = types.SimpleNamespace(
                 iter=iteration + 1, current_step=solver.current_step,
                 minimum_loss=solver.plateau.minimum_loss, iter_last_event=solver.plateau.iter_last_event,
-                run=solver._run_state(), generator=rng.get_state())
+                run=solver.run_state(), generator=rng.get_state())
             self.iteration, self.updated, self.saved = iteration, set(), {}
         indices = range(self.count) if indices is None else indices
         if not self._gradients_final():

@@ -668,14 +668,14 @@ class Solver:
         for i, blob in enumerate(self.net.learnable_params):
             arrays[blob] = (self._gather(i, blob.data), self._gather(i, blob.diff) if write_diff else None)
             states.append([self._gather(i, h) for h in self.rule.state(i)])
-        ranks = self.context.gather(self._run_state())
+        ranks = self.context.gather(self.run_state())
         if self.is_root:
             self.last_snapshot = snapshot.write(self.param, self.iter, self.net, states, self.current_step,
                                                 self.plateau, arrays, run_state={"ranks": ranks})
         self._snapshot_iter = self.iter
         return self.last_snapshot
 
-    def _run_state(self):
+    def run_state(self):
         """This rank's part of a snapshot's run state: its random generator and where the
         train net's data layers stand (the test nets start over on resume, as in Caffe)."""
         layers = {}
