@@ -44,8 +44,6 @@ import re
 import shlex
 import subprocess
 import sys
-import threading
-import time
 import types
 
 import numpy as np
