@@ -98,7 +98,9 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
         from .parallel import watchdog
         if stall_timeout is None:
             stall_timeout = watchdog.DEFAULT_TIMEOUT
-        mpi.supervise()       # from here on this process is the rank (its parent reports its death)
+        # from here on this process is the rank (its parent reports its death, and waits while
+        # the others write the emergency snapshot)
+        mpi.supervise(linger=stall_timeout + 60 if stall_timeout > 0 else 0)
         # the run context, before the Solver builds its nets: data layers pick their records by rank
         context = mpi.init_world(stall_timeout)
     params = multiphase.phases(multi, solver) if multi is not None else [upgrade.read_solver(solver)]
@@ -122,7 +124,10 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
             the_solver.net.copy_from_param(previous.net.to_proto(), f"the weights phase {j - 1} ended with")
         # ---- multi-rank call site: the MPI strategy joins the solver through its hooks ----
         if mpi is not None:
-            mpi.attach(the_solver)
+            strategy = mpi.attach(the_solver)
+            if strategy is not None and stall_timeout > 0:
+                from .parallel import failsafe
+                failsafe.keep(the_solver, strategy)
         # -------------------------------------------------------------------------------------
         # after the strategy: it adds its figures to a display's before the writer records them
         writer = None

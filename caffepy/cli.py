@@ -77,7 +77,9 @@ class CaffeGroup(click.Group):
         bool_flags = {o.name for o in cmd.params if isinstance(o, click.Option) and o.is_flag}
         short_flags = {f for o in cmd.params if isinstance(o, click.Option) for f in o.opts
                        if len(f) == 2 and f[0] == "-"}
-        return cmd_name, cmd, gflags_to_click(rest, bool_flags, short_flags)
+        args = gflags_to_click(rest, bool_flags, short_flags)
+        ctx.meta["caffepy.args"] = list(args)      # train --restart runs the command again with them
+        return cmd_name, cmd, args
 
     def invoke(self, ctx):
         try:
@@ -191,14 +193,28 @@ def _use_precision(value):
 @click.option("--tensorboard_histograms", type=click.IntRange(min=0), default=0, metavar="K",
               help="With --tensorboard: histograms of every weight and gradient every K iterations "
                    "(0: none).")
+@click.option("--restart", type=click.IntRange(min=0), metavar="N",
+              help="Supervise the job (run outside of mpiexec, with --launcher): when it fails, run it "
+                   "again from the newest snapshot (a lost rank's emergency snapshot), up to N times.")
+@click.option("--launcher", metavar="COMMAND",
+              help="With --restart: the command that starts the ranks, e.g. 'mpiexec -n 4 -f hosts' "
+                   "(default: one process).")
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
 def train(solver, weights, snapshot, level, stage, sigint_effect, sighup_effect, stall_timeout, engine,
-          precision, tensorboard, tensorboard_histograms, gpu):
+          precision, tensorboard, tensorboard_histograms, restart, launcher, gpu):
     """Train or fine-tune a model (mpirun -n N for several ranks). SOLVER may be an Intel Caffe
     multi-phase file (params_pair { solver_params { ... } batch_size: N } ...)."""
     if weights and snapshot:
         raise click.UsageError("give --snapshot or --weights, not both: --snapshot resumes a run, "
                                "--weights starts a new one from trained weights")
+    if launcher is not None and restart is None:
+        raise click.UsageError("--launcher goes with --restart N (the supervisor runs it); without it "
+                               "run the launcher yourself: mpiexec -n 4 caffepy train ...")
+    if restart is not None:
+        from .parallel import failsafe
+        code = failsafe.supervise_restarts(restart, launcher, solver,
+                                           click.get_current_context().meta.get("caffepy.args", []))
+        click.get_current_context().exit(code)
     _gpu_notice(gpu)
     from . import actions
     if tensorboard_histograms and not tensorboard:

@@ -16,7 +16,8 @@ same way from an atexit handler.
 A rank killed outright (kill -9, the out-of-memory killer): under a PMI launcher
 (MPICH hydra, Intel MPI, Slurm's PMI) `supervise()` forks before MPI starts, and
 the parent, the process the launcher watches, prints `[rank N] ... was killed by
-SIGKILL` when its child, the rank itself, dies of a signal; the launcher then
+SIGKILL` when its child, the rank itself, dies of a signal; while a rank on its
+host writes the emergency snapshot (failsafe.py) it waits, then the launcher
 ends the job. Ranks the launcher stops with SIGTERM print one line saying so.
 A rank that stops making progress (SIGSTOP, a hung file system, a lost host) is
 found by the stall watchdog (watchdog.py, `--stall_timeout`).
@@ -191,7 +192,7 @@ _FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "S
               "SIGTSTP")
 
 
-def supervise():
+def supervise(linger=0.0):
     """Fork: the child returns and becomes the rank; the parent, the process the launcher
     started and watches, passes signals on to it and exits as it does, and when the child
     dies of a signal (kill -9, the out-of-memory killer) prints the line naming the rank
@@ -199,7 +200,16 @@ def supervise():
 
     Only under PMI launchers (PMI_RANK set: MPICH hydra, Intel MPI, Slurm's PMI), whose
     MPI start-up a forked child inherits; CAFFEPY_MPI_SUPERVISE=0 turns it off. Call
-    before MPI starts and before any thread exists."""
+    before MPI starts and before any thread exists.
+
+    linger > 0: after its rank was killed, when the launcher started other ranks on this
+    host, the parent waits up to that many seconds before dying of the same signal.
+    Launchers (MPICH hydra) SIGKILL every other rank as soon as one is killed or exits
+    non-zero, so the survivors could save nothing; meanwhile the watchdog of a rank on this
+    host finds the process gone, writes the emergency snapshot and aborts the job
+    (failsafe.py), which ends this process too. A rank alone on its host is not waited
+    for: ranks elsewhere would only find it silent after --stall_timeout (and MPICH's UCX
+    transport crashes a rank whose TCP peer died), so the launcher ends the job at once."""
     if (not launched() or os.environ.get("PMI_RANK") is None
             or os.environ.get("CAFFEPY_MPI_SUPERVISE", "1") == "0"):
         return
@@ -222,9 +232,15 @@ def supervise():
         rank = launcher_rank()
         how = ("was killed by SIGKILL (by hand, by the out-of-memory killer or by the batch system)"
                if signum == signal.SIGKILL else f"died of {signal.Signals(signum).name}")
+        then = ("the other ranks save the last iteration every rank finished, then end"
+                if linger > 0 and _local_peers() else "the MPI launcher ends the other ranks")
         sys.stderr.write(f"[rank {rank}] caffepy rank {rank} (pid {child}@{socket.gethostname()}) {how}; "
-                         f"the MPI launcher ends the other ranks\n")
+                         f"{then}\n")
         sys.stderr.flush()
+        if linger > 0 and _local_peers():
+            for name in _FORWARDED:
+                signal.signal(getattr(signal, name), signal.SIG_DFL)
+            time.sleep(linger)
         # die of the same signal: launchers end the job when a rank is killed, while they
         # wait for the others when one merely exits non-zero
         if signum not in (signal.SIGKILL, signal.SIGSTOP):
@@ -232,6 +248,15 @@ def supervise():
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)
     os._exit(os.WEXITSTATUS(status))
+
+
+def _local_peers():
+    """Whether the launcher started other ranks on this host (who find a killed rank at once)."""
+    for var in _LOCAL_SIZE_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value) > 1
+    return False
 
 
 def _pass_on(child, signum):

@@ -12,12 +12,17 @@ place nor used CPU in its main thread outside a wait (stuck reading a file, say)
 A rank that waits for the others is not stalled by waiting. Rank 0 then prints one
 line naming the stalled rank(s) and where the others were waiting, and aborts
 every rank; when rank 0 itself goes silent, rank 1 does (rank r > 1 a little later,
-in case rank 1 went too).
+in case rank 1 went too). A rank whose process has ended (killed, crashed) is lost at
+once, at the next round, for the lowest live rank of its host, which ends the job.
+
+Before aborting, the rank that found the loss calls `before_abort(lost ranks)` when
+set: the emergency snapshot of failsafe.py, written from this thread.
 
 Needs MPI_THREAD_MULTIPLE: the thread calls MPI while the main thread may sit in a
 collective. `start` says so and returns None when MPI granted less.
 """
 import contextlib
+import socket
 import threading
 import time
 
@@ -27,6 +32,8 @@ DEFAULT_TIMEOUT = 300.0
 _STATE, _SUMMARY = 1, 2          # message tags on the watchdog's communicator
 
 _current = None
+before_abort = None          # before_abort(lost ranks), on the rank that found them
+_GONE = "its process ended (killed or crashed)"
 
 
 def at(place):
@@ -104,6 +111,31 @@ class Watchdog:
         self.place, self.waits = place, waits
         self.moves += 1
 
+    def _gone(self, rank):
+        """Whether `rank`, on this host, has no live process any more."""
+        host, pid = self.peers[rank] if rank < len(self.peers) else (None, None)
+        if host != socket.gethostname():
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except (OSError, IndexError):
+            return True
+
+    def _local_losses(self):
+        """The ranks of this host whose process ended, when this rank is the one to act on
+        them (one writer): the lowest rank of the host still alive."""
+        host = socket.gethostname()
+        mine = [r for r, (h, _) in enumerate(self.peers) if h == host]
+        gone = [r for r in mine if r != self.rank and self._gone(r)]
+        live = [r for r in mine if r not in gone]
+        return gone if gone and min(live) == self.rank else []
+
+    def _abort(self, lost, line):
+        if before_abort is not None:
+            before_abort(lost)
+        self.abort(line)
+
     def _cpu(self):
         try:
             return time.clock_gettime(time.pthread_getcpuclockid(self._main))
@@ -157,14 +189,16 @@ class Watchdog:
                 summary, heard = message, time.monotonic()
                 inbox = self._receives[0] = comm.irecv(source=0, tag=_SUMMARY)
             silent = time.monotonic() - heard
-            if silent > patience:
+            gone = self._local_losses()
+            if silent > patience or gone:
+                lost = gone or [0]
                 # the others as rank 0 last saw them
                 others = "; ".join(f"{_ranks(rs)} {'waited in' if waits else 'at'} {place}"
                                    for (place, waits), ranks in summary.items()
-                                   for rs in [[r for r in ranks if r not in (0, self.rank)]] if rs)
-                self.abort(self._line([0], {0: f"nothing heard from it for {silent:.0f} s: stopped, "
-                                                f"hung or unreachable"},
-                                      f"{others}; " if others else "", self.place, self.waits))
+                                   for rs in [[r for r in ranks if r not in lost and r != self.rank]] if rs)
+                why = {r: _GONE for r in gone} or {0: f"nothing heard from it for {silent:.0f} s: stopped, hung "
+                                                      f"or unreachable"}
+                self._abort(lost, self._line(lost, why, f"{others}; " if others else "", self.place, self.waits))
                 return
 
     def _root(self):
@@ -196,8 +230,10 @@ class Watchdog:
                 if moves != old[2] or (not waits and not old[1] and cpu - old[3] > 0.01 * self.interval):
                     moved[r] = now
                 state[r] = new
-            stalled = {}
+            stalled = {r: _GONE for r in self._local_losses()}
             for r in range(size):
+                if r in stalled:
+                    continue
                 if now - heard[r] > self.timeout:
                     stalled[r] = (f"nothing heard from it for {now - heard[r]:.0f} s: stopped, hung or "
                                   f"unreachable; last at {state[r][0]}")
@@ -212,7 +248,8 @@ class Watchdog:
             if stalled:
                 others = "; ".join(f"{_ranks(ranks)} {'waited in' if waits else 'at'} {place}"
                                    for (place, waits), ranks in groups.items())
-                self.abort(self._line(sorted(stalled), stalled, f"{others}; " if others else "", None, None))
+                self._abort(sorted(stalled), self._line(sorted(stalled), stalled, f"{others}; " if others else "",
+                                                        None, None))
                 return
             sends = [q for q in sends if not q.Test()]
             if len(sends) < 64 * size:
@@ -227,5 +264,7 @@ class Watchdog:
         mine = ""
         if own_place is not None:
             mine = f"rank {self.rank} {'waited in' if own_waits else 'at'} {own_place}; "
+        if all(why[r] == _GONE for r in culprits):
+            return f"lost: {', '.join(who)}; {others}{mine}aborting all {self.size} ranks"
         return (f"stall: {', '.join(who)} did not arrive within --stall_timeout {self.timeout:g} s; "
                 f"{others}{mine}aborting all {self.size} ranks")

@@ -136,16 +136,19 @@ def saved_order(states):
     return [arrays[k] for k in range(len(states[0]) if states else 0) for arrays in states]
 
 
-def write(param, it, net, states, current_step, plateau, arrays=None, run_state=None):
+def write(param, it, net, states, current_step, plateau, arrays=None, run_state=None, generator=None):
     """Solver::Snapshot: the weights, then the solver state, in param.snapshot_format;
     returns their paths.
 
     `states[i]`: the history arrays of learnable parameter i (the rule's `state(i)`);
     `arrays`: {parameter Blob: (data, diff)} written instead of the net's own (the whole
     arrays of parameters split across ranks; Net.to_proto); `run_state`: what goes into
-    RUN_STATE_FIELD."""
+    RUN_STATE_FIELD; `generator`: the random generator state for RNG_STATE_FIELD (None: the
+    generator's state now)."""
+    if generator is None:
+        generator = rng.get_state()
     if is_hdf5(param):
-        return _write_hdf5(param, it, net, states, current_step, plateau, arrays, run_state)
+        return _write_hdf5(param, it, net, states, current_step, plateau, arrays, run_state, generator)
     model = filename(param.snapshot_prefix, it, ".caffemodel")
     log.info(f"Snapshotting to binary proto file {model}")
     write_binary(net.to_proto(write_diff=param.snapshot_diff, arrays=arrays), model)
@@ -153,7 +156,7 @@ def write(param, it, net, states, current_step, plateau, arrays=None, run_state=
                                   minimum_loss=plateau.minimum_loss, iter_last_event=plateau.iter_last_event)
     for h in saved_order(states):
         state.history.append(array_to_blobproto(h))
-    state.MergeFromString(_extension_bytes(RNG_STATE_FIELD, json.dumps(rng.get_state()).encode()))
+    state.MergeFromString(_extension_bytes(RNG_STATE_FIELD, json.dumps(generator).encode()))
     if run_state is not None:
         state.MergeFromString(_extension_bytes(RUN_STATE_FIELD, json.dumps(run_state).encode()))
     path = filename(param.snapshot_prefix, it, ".solverstate")
@@ -162,7 +165,7 @@ def write(param, it, net, states, current_step, plateau, arrays=None, run_state=
     return model, path
 
 
-def _write_hdf5(param, it, net, states, current_step, plateau, arrays, run_state):
+def _write_hdf5(param, it, net, states, current_step, plateau, arrays, run_state, generator):
     """Solver::SnapshotToHDF5 and SGDSolver::SnapshotSolverStateToHDF5."""
     model = filename(param.snapshot_prefix, it, ".caffemodel.h5")
     log.info(f"Snapshotting to HDF5 file {model}")
@@ -179,7 +182,7 @@ def _write_hdf5(param, it, net, states, current_step, plateau, arrays, run_state
         group = f.create_group("history")
         for i, h in enumerate(saved_order(states)):
             group.create_dataset(str(i), data=np.asarray(h, np.float32))
-        net_hdf5.save_string(f, EXTENSION_DATASETS[RNG_STATE_FIELD], json.dumps(rng.get_state()))
+        net_hdf5.save_string(f, EXTENSION_DATASETS[RNG_STATE_FIELD], json.dumps(generator))
         if run_state is not None:
             net_hdf5.save_string(f, EXTENSION_DATASETS[RUN_STATE_FIELD], json.dumps(run_state))
     return model, path

@@ -23,6 +23,7 @@ Timer does.
 """
 import math
 import os
+import threading
 import time
 
 import numpy as np
@@ -139,6 +140,12 @@ class Hooks:
         (summed over the iter_size passes, averaged over the ranks), before clipping,
         regularization and the update rule."""
 
+    def before_apply(self, solver, indices, iteration):
+        """Every rank, holding `solver.update_lock`, right before the update rule of iteration
+        `iteration` changes learnable parameters `indices` (None: all of them) and their
+        history; the iteration's learning rate (and current_step) are known. Called once per
+        parameter and iteration, in one or several groups (Hooks.pending_gradients)."""
+
     def gather(self, solver, index, array):
         """Every rank, for a snapshot: the whole of `array` (learnable parameter `index`'s data,
         diff or one of its update-rule history arrays) on rank 0, which writes the files;
@@ -193,6 +200,9 @@ class Solver:
         self.test_context = context
         self._deferred = {}         # layer index -> [learnable-param index]: updates not applied yet
         self._deferred_step = None  # (rate, iteration) of those updates
+        # held while the update rule changes parameters: another thread that takes it sees
+        # each parameter either before or after its update (caffepy.parallel.failsafe)
+        self.update_lock = threading.Lock()
         self._check()
         snapshot.default_prefix(param, self.source)
         if self.is_root:
@@ -498,8 +508,11 @@ class Solver:
         self._update(rate, self.iter, now)
 
     def _update(self, rate, it, indices=None):
-        updates.apply_update(self.param, self.net, self.rule, rate, it, self.sumsq,
-                             updates.kernels() if self.use_kernels else None, indices)
+        with self.update_lock:
+            for fn in self._hooks("before_apply"):
+                fn(self, indices, it)
+            updates.apply_update(self.param, self.net, self.rule, rate, it, self.sumsq,
+                                 updates.kernels() if self.use_kernels else None, indices)
 
     def _await(self, indices):
         for fn in self._hooks("await_gradients"):
@@ -655,14 +668,14 @@ class Solver:
         for i, blob in enumerate(self.net.learnable_params):
             arrays[blob] = (self._gather(i, blob.data), self._gather(i, blob.diff) if write_diff else None)
             states.append([self._gather(i, h) for h in self.rule.state(i)])
-        ranks = self.context.gather(self._run_state())
+        ranks = self.context.gather(self.run_state())
         if self.is_root:
             self.last_snapshot = snapshot.write(self.param, self.iter, self.net, states, self.current_step,
                                                 self.plateau, arrays, run_state={"ranks": ranks})
         self._snapshot_iter = self.iter
         return self.last_snapshot
 
-    def _run_state(self):
+    def run_state(self):
         """This rank's part of a snapshot's run state: its random generator and where the
         train net's data layers stand (the test nets start over on resume, as in Caffe)."""
         layers = {}

@@ -1,7 +1,7 @@
 """Training across emulated hosts (tests/multihost/testbed.py): ranks in separate network
 namespaces with their own hostnames, MPI over TCP on a veth link. N ranks equal 1 rank
 (data parallel, hybrid); a stopped rank ends the job with a line naming it (--stall_timeout);
-a killed rank is named.
+a killed rank is named, and one beside another on its host leaves an emergency snapshot.
 
 Run with `make test-multihost` (root and `ip netns` needed; skipped with the reason elsewhere)."""
 import os
@@ -158,6 +158,29 @@ def test_killed_rank_is_named(tmp_path, db, can_emulate):
     assert (f"[rank 1] caffepy rank 1 (pid {pids[1]}@emu-host1) was killed by SIGKILL (by hand, by the "
             f"out-of-memory killer or by the batch system); the MPI launcher ends the other ranks") in out, \
         out[-3000:]
+
+
+def test_killed_rank_beside_another_leaves_an_emergency_snapshot(tmp_path, db, can_emulate):
+    """2 hosts x 2 ranks, rank 3 killed: rank 2, on its host, saves the last iteration every rank
+    finished and ends the job naming it; the snapshot resumes on the 3 ranks left."""
+    job = write_job(tmp_path, "emergency", db, BATCH // 4, 100000, "snapshot: 0\n")
+    with TestBed(2) as bed:
+        proc = bed.popen(caffepy_train(job, "--stall_timeout", "30"), ranks_per_host=2, env=ENV, cwd=job,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        ranks = _read_until(proc.stdout, r"MPI ranks: (.*)")
+        victim = int(re.search(r"3=pid (\d+)@emu-host1", ranks).group(1))
+        _read_until(proc.stdout, r"Iteration 20 \(")
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    k = int(re.search(r"\[rank 2\] Emergency snapshot of iteration (\d+), the last one every rank finished "
+                      r"\(rank 3 lost\)", out).group(1))
+    assert re.search(rf"\[rank 2\] lost: rank 3 \(pid {victim}@emu-host1: its process ended \(killed or "
+                     rf"crashed\)\)", out), out[-3000:]
+    cont = write_job(tmp_path, "resumed", db, BATCH // 4, k + 2)
+    resumed = train(cont, 3, args=["--snapshot", str(job / f"snap_iter_{k}.solverstate")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Iteration {k} (" in resumed.stderr and (cont / f"snap_iter_{k + 2}.caffemodel").exists()
 
 
 def test_sigusr1_to_the_launcher_snapshots_and_continues(tmp_path, db, can_emulate):
