@@ -153,10 +153,10 @@ class NHWCConvolution(Convolution):
 
     @classmethod
     def wanted(cls, request):
-        # int8 layers run in NCHW (caffepy/quantization.py)
         return (_four_axes(request) and request.param.convolution_param.axis in (1, -3)
-                and not quantization.quantized(request.param, request.phase, request.net,
-                                               request.source))
+                and (not quantization.quantized(request.param, request.phase, request.net,
+                                                request.source)
+                     or quantization.channels_last(request.param, request.bottoms[0].shape[1])))
 
     def setup(self, bottom, top):
         _kernels(self)
