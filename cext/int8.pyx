@@ -305,7 +305,7 @@ def depthwise_nhwc(const float[:, :, :, ::1] x, const float[:, ::1] w, const int
     if threads < 1:
         threads = 1
     qf = _scratch(np.float32, <long>N * H * W * C)
-    accs = _scratch(np.float32, threads * C, 1)
+    accs = _scratch(np.float32, threads * OW * C, 1)
     iaccs = _scratch(np.int32, threads * C, 2)
     cdef float[::1] qv = qf, av = accs
     cdef int32_t[::1] iv = iaccs

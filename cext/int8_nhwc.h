@@ -19,6 +19,7 @@
 #ifndef CAFFEPY_INT8_NHWC_H
 #define CAFFEPY_INT8_NHWC_H
 #include "int8_gemm.h"
+#include "nhwc_dw_rows.h"
 
 #define I8N_MR 6
 #define I8N_NR 16
@@ -200,44 +201,42 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
 }
 
 /* Depthwise: x[N][H][W][C] -> e->out [N][OH][OW][C]; w [kh kw][C] (the quantized weights as
- * floats); qf scratch N H W C floats (the quantized input as floats); acc scratch threads x C
- * floats. Exact below 512 taps (see the top of this file). */
+ * floats); qf scratch N H W C floats (the quantized input as floats); rows scratch threads x
+ * OW x C floats, iacc threads x C int32. The sums are the float depthwise kernel's
+ * (nhwc_dw_rows.h), exact below 512 taps (see the top of this file). */
 static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, int W, int C,
                           int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                           int OW, float scale, float lo, float hi, const float *w, float *qf,
-                          float *accs, int32_t *iaccs, const i8_epilogue *e)
+                          float *rows, int32_t *iaccs, const i8_epilogue *e)
 {
-    long pixels = (long)N * H * W, M = (long)N * OH * OW;
+    long pixels = (long)N * H * W;
     #pragma omp parallel num_threads(threads)
     {
+        int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        long i = pixels * C * me / nt, n = pixels * C * (me + 1) / nt;
+#ifdef __AVX2__
+        const __m256 s = _mm256_set1_ps(scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(qf + i, _mm256_round_ps(_mm256_min_ps(_mm256_max_ps(
+                _mm256_mul_ps(_mm256_loadu_ps(x + i), s), l), h),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+        for (; i < n; i++)      /* fminf / fmaxf would be calls (their NaN rules) */
+            qf[i] = (float)i8_quantize(x[i], scale, lo, hi);
+        #pragma omp barrier
+        float *row = rows + (long)me * OW * C;
+        int32_t *iacc = iaccs + (long)me * C;
         #pragma omp for schedule(static)
-        for (long i = 0; i < pixels * C; i++)
-            qf[i] = rintf(fminf(fmaxf(x[i] * scale, lo), hi));
-        float *acc = accs + (long)omp_get_thread_num() * C;
-        int32_t *iacc = iaccs + (long)omp_get_thread_num() * C;
-        #pragma omp for schedule(static)
-        for (long p = 0; p < M; p++) {
-            int n = (int)(p / ((long)OH * OW)), rest = (int)(p % ((long)OH * OW));
-            int oh = rest / OW, ow = rest % OW;
-            for (int c = 0; c < C; c++)
-                acc[c] = 0;
-            for (int i = 0; i < kh; i++) {
-                int y = oh * sh - ph + i * dh;
-                if (y < 0 || y >= H)
-                    continue;
-                for (int j = 0; j < kw; j++) {
-                    int xx = ow * sw - pw + j * dw;
-                    if (xx < 0 || xx >= W)
-                        continue;
-                    const float *in = qf + (((long)n * H + y) * W + xx) * C;
-                    const float *wt = w + (long)(i * kw + j) * C;
-                    for (int c = 0; c < C; c++)
-                        acc[c] += in[c] * wt[c];
-                }
+        for (long item = 0; item < (long)N * OH; item++) {
+            long img = item / OH;
+            int oy = (int)(item % OH);
+            dw_gather_row(qf + img * H * W * C, H, W, C, w, kh, kw, oy * sh - ph, dh, sw, -pw,
+                          dw, NULL, row, OW);
+            for (int ox = 0; ox < OW; ox++) {
+                for (int c = 0; c < C; c++)
+                    iacc[c] = (int32_t)row[(long)ox * C + c];
+                i8n_finish(isa, iacc, item * OW + ox, 0, C, C, e);
             }
-            for (int c = 0; c < C; c++)
-                iacc[c] = (int32_t)acc[c];
-            i8n_finish(isa, iacc, p, 0, C, C, e);
         }
     }
 }
