@@ -221,12 +221,19 @@ def test(model, weights, iterations, level, stage, engine, sampling, detection, 
 @click.option("--stage", multiple=True, help="Net stage(s), comma-separated.")
 @click.option("--forward_only/--no-forward_only", default=False,
               help="Time the forward pass only (Intel Caffe's flag).")
+@click.option("--precision", type=click.Choice(["f32", "all"], case_sensitive=False), default="f32",
+              show_default=True, help="all: then time the TEST forward in f32, int8 (the net's "
+              "quantization_param) and bf16 side by side.")
 @engine_option
 @click.option("--gpu", metavar="IDS", help=_GPU_HELP)
-def time(model, weights, iterations, phase, level, stage, forward_only, engine, gpu):
+def time(model, weights, iterations, phase, level, stage, forward_only, precision, engine, gpu):
     """Benchmark model execution time, layer by layer."""
     _gpu_notice(gpu)
     from . import actions
+    if precision.lower() == "all":
+        actions.time_precisions(model=model, weights=weights, iterations=min(iterations, 10),
+                                level=level, stages=_stages(stage), engine=engine)
+        return
     actions.time(model=model, weights=weights, iterations=iterations, phase=phase.upper(), level=level,
                  stages=_stages(stage), forward_only=forward_only, engine=engine)
 

@@ -21,6 +21,10 @@
 #include "int8_gemm.h"
 #include "nhwc_dw_rows.h"
 
+/* as int8_gemm.h: no fused multiply-add in the epilogue (i8_finish inlined here too) */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
 #define I8N_MR 6
 #define I8N_NR 16
 #define I8N_BLOCK_BYTES (192 * 1024)    /* the weights of a block of column tiles: in L2 */
@@ -240,4 +244,5 @@ static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, in
         }
     }
 }
+#pragma GCC pop_options
 #endif
