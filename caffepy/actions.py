@@ -201,6 +201,51 @@ def net_with_engine(model, engine="", **kwargs):
     return Net(param, source=model, **kwargs)
 
 
+def time_precisions(model, weights=None, iterations=10, level=0, stages=(), engine=""):
+    """`caffepy time --precision all`: the TEST net's forward in each precision side by side,
+    runs alternating (best of `iterations` each): f32 (quantization_param removed), int8 (the
+    prototxt's quantization_param: caffepy calibrate writes it), and bf16, which caffepy does
+    not run (a line says so, and whether the CPU has AVX512_BF16 / AMX). Returns {name: ms}."""
+    from . import quantization, upgrade
+    from .net import TEST, Net
+
+    def build(quantized):
+        param = upgrade.read_net(model)
+        set_net_engine(param, engine)
+        if not quantized:
+            for lp in param.layer:
+                lp.ClearField("quantization_param")
+        return Net(param, source=model, phase=TEST, weights=weights or None, level=level,
+                   stages=list(stages))
+
+    has_int8 = any(lp.HasField("quantization_param") for lp in upgrade.read_net(model).layer)
+    nets = {"f32": build(False)}
+    if has_int8:
+        nets["int8"] = build(True)
+    best = {name: float("inf") for name in nets}
+    for name, net in nets.items():
+        net.forward_from_to()                   # warm-up: algorithm choice, quantized weights
+    for _ in range(iterations):
+        for name, net in nets.items():
+            t = _time.perf_counter()
+            net.forward_from_to()
+            best[name] = min(best[name], _time.perf_counter() - t)
+    ms = {name: v * 1e3 for name, v in best.items()}
+    log.info(f"Forward by precision (TEST net, best of {iterations}, runs alternating):")
+    log.info(f"    f32: {fmt(ms['f32'])} ms")
+    if has_int8:
+        log.info(f"   int8: {fmt(ms['int8'])} ms ({ms['f32'] / ms['int8']:.2f}x f32; "
+                 f"{quantization.isa()} kernels)")
+    else:
+        log.info("   int8: the net has no quantization_param (caffepy calibrate writes one)")
+    flags = device.cpu_flags()
+    has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    log.info("   bf16: not run: caffepy has no bf16 kernels" + (
+        " (this CPU has AVX512_BF16 / AMX)" if has_bf16 else " (and this CPU has no AVX512_BF16 "
+        "or AMX)"))
+    return ms
+
+
 def test(model, weights=None, iterations=50, level=0, stages=(), engine="", sampling=False, detection=False,
          ap_version="11point"):
     """Score a model: run the TEST phase `iterations` times, log each batch and the averages.

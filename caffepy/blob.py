@@ -54,6 +54,7 @@ class Blob:
         self._diff_buf = None
         self._shape = None
         self._layout = None       # None: plain (NCHW); Blocked; CHANNELS_LAST (see the docstring)
+        self._stamp = [0]         # the data's version, one per buffer (shared with share_data)
         self.reshape(shape)
 
     @property
@@ -108,6 +109,7 @@ class Blob:
         return raw, raw
 
     def _views(self):
+        self._stamp[0] += 1
         self._raw, self._data = self._view(self._data_buf)
         self._raw_diff = self._diff = None
         if self._diff_buf is not None:
@@ -145,7 +147,16 @@ class Blob:
     # -- storage ---------------------------------------------------------
     @property
     def data(self):
+        self._stamp[0] += 1
         return self._data
+
+    @property
+    def version(self):
+        """A count that grows each time the data is handed out (data, raw_data) or reallocated:
+        a cache derived from the values (quantized weights) is current while it is unchanged.
+        A write through an array fetched before the cache was made is not seen (as Intel
+        Caffe's TEST nets reorder their weights once)."""
+        return self._stamp[0]
 
     @property
     def diff(self):
@@ -162,6 +173,7 @@ class Blob:
     @property
     def raw_data(self):
         """The data as stored (C-contiguous): `data` itself but for a channels-last blob."""
+        self._stamp[0] += 1
         return self._raw
 
     @property
@@ -178,6 +190,8 @@ class Blob:
         except between channels-last blobs, which share as they are."""
         self._may_share(other, "data")
         self._data_buf = other._data_buf
+        self._stamp = other._stamp
+        self._stamp[0] += 1
         self._raw, self._data = self._view(self._data_buf)
 
     def share_diff(self, other):

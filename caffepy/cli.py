@@ -150,6 +150,8 @@ engine_option = click.option("--engine", metavar="ENGINE", callback=_engine_flag
 # -- the -precision flag of train, test and time (caffepy/precision.py) ---------------------------
 def _precision_flag(ctx, param, value):
     from . import precision
+    if value.strip().lower() == "all" and ctx.command.name == "time":
+        return "all"
     wrong = precision.problem(value)
     if wrong:
         raise click.BadParameter(f"{wrong} '{value}'; accepted: {precision.ACCEPTED}", ctx=ctx,
@@ -161,7 +163,9 @@ precision_option = click.option(
     "--precision", default="f32", show_default=True, metavar="PRECISION", callback=_precision_flag,
     help="f32, or bf16: Convolution and InnerProduct in bfloat16 (bf16-rounded inputs and weights, "
          "float32 sums; training keeps float32 master weights). caffepy has no bf16 kernels yet: bf16 "
-         "runs only emulated, with CAFFEPY_BF16=emulate set, slower than f32, to measure its accuracy.")
+         "runs only emulated, with CAFFEPY_BF16=emulate set, slower than f32, to measure its accuracy. "
+         "time takes all too: the TEST forward in f32 and int8 (the net's quantization_param) side by "
+         "side, and where bf16 stands.")
 
 
 def _use_precision(value):
@@ -269,8 +273,12 @@ def test(model, weights, iterations, level, stage, engine, precision, sampling, 
 def time(model, weights, iterations, phase, level, stage, forward_only, engine, precision, gpu):
     """Benchmark model execution time, layer by layer."""
     _gpu_notice(gpu)
-    _use_precision(precision)
     from . import actions
+    if precision == "all":
+        actions.time_precisions(model=model, weights=weights, iterations=min(iterations, 10),
+                                level=level, stages=_stages(stage), engine=engine)
+        return
+    _use_precision(precision)
     actions.time(model=model, weights=weights, iterations=iterations, phase=phase.upper(), level=level,
                  stages=_stages(stage), forward_only=forward_only, engine=engine)
 

@@ -60,7 +60,10 @@ net.blobs would then show in place of Caffe's.
 import os
 import typing
 
+import numpy as np
+
 from . import log
+from .blob import CHANNELS_LAST
 from .engine import caffe_engine
 from .proto import caffe_pb2
 
@@ -123,7 +126,7 @@ class Int8Unit:
                 if summed is not None:
                     last += 1
                     x = net.top_vecs[last][0]
-                elif self._sum_of(net, last + 1, x):
+                elif self._sum_of(net, last + 1, x, any_layout=True):
                     continue        # Intel fuses the sum and, its summand float32, runs float32
             # any negative_slope: Intel's fused ReLU takes it (the top is then s8)
             if not own and self._layer(net, last + 1, "ReLU", x) \
@@ -137,9 +140,11 @@ class Int8Unit:
         return in_place_on(net, li, x) and net.layers[li].type == layer_type
 
     @staticmethod
-    def _sum_of(net, li, x):
-        """Layer li is an Eltwise SUM (coefficients 1) of x and another blob."""
-        if li >= len(net.layers) or net._conversions[li] or net.layers[li].type != "Eltwise":
+    def _sum_of(net, li, x, any_layout=False):
+        """Layer li is an Eltwise SUM (coefficients 1) of x and another blob (converted to
+        another layout first only with any_layout: a unit cannot take such a sum in)."""
+        if li >= len(net.layers) or (net._conversions[li] and not any_layout) \
+                or net.layers[li].type != "Eltwise":
             return False
         p = net.layers[li].param.eltwise_param
         bottoms = net.bottom_vecs[li]
@@ -208,8 +213,12 @@ class Int8Unit:
             if layer.fused.summed:
                 summand = bottom[1]
                 coeff = layer.fused.coeff
-        layer.int8.conv_forward(bottom[0].data, top.data,
-                                None if summand is None else summand.data, relu, slope, fold, coeff)
+        if layer.int8.channels_last:
+            x, y = bottom[0].raw_data, top.raw_data
+            s = None if summand is None else channels_last(summand)
+        else:
+            x, y, s = bottom[0].data, top.data, None if summand is None else summand.data
+        layer.int8.conv_forward(x, y, s, relu, slope, fold, coeff)
 
     @staticmethod
     def backward(net, unit, last, every_layer):
@@ -217,6 +226,13 @@ class Int8Unit:
         Intel's int8 layers have none) gives the unit's float32 layers' gradient at the inputs
         the int8 forward gave it (rerun_layers: afterwards the unit's tops hold float32 values)."""
         return rerun_layers(net, unit, last)
+
+
+def channels_last(blob):
+    """A 4-axis blob's values in (N, H, W, C) order, as stored when it is channels-last."""
+    if blob.layout == CHANNELS_LAST:
+        return blob.raw_data
+    return np.ascontiguousarray(blob.data.transpose(0, 2, 3, 1))
 
 
 def rerun_layers(net, unit, last):

@@ -27,6 +27,7 @@ layers' scales goes through float32 (x / s1 * s2, Intel's reorder: x * (s2 / s1)
 layers between quantized ones (pooling, concat, an unfused Eltwise) run in float32 on the
 dequantized values, where Intel's 8-bit average pooling rounds its means to integers.
 """
+import functools
 import math
 
 import numpy as np
@@ -64,6 +65,13 @@ def quantized(layer_param, phase, net_param=None, source=None):
     return (layer_param.type in ("Convolution", "InnerProduct")
             and layer_param.HasField("quantization_param") and phase == caffe_pb2.TEST
             and not caffe_engine(layer_param, net_param, source))
+
+
+def channels_last(layer_param, channels):
+    """Whether a quantized convolution has a channels-last int8 kernel (cext/int8_nhwc.h): one
+    group, or a group per channel (depthwise); other grouped ones run in NCHW."""
+    p = layer_param.convolution_param
+    return p.group == 1 or p.group == channels == p.num_output
 
 
 class Spec:
@@ -128,14 +136,6 @@ def fold_batchnorm(weights, bias, bn, scale):
     return weights * alpha.reshape((c,) + (1,) * (weights.ndim - 1)), folded_bias.astype(f32)
 
 
-def _same(array, seen):
-    """Whether a weights array holds the floats a copy kept (pycaffe code writes `.data` arrays
-    without a signal, so the quantized weights are checked against the floats each forward)."""
-    from .kernels import nhwc
-    return array.size == seen.size and nhwc.same_floats(
-        np.ascontiguousarray(array, np.float32).reshape(-1), seen)
-
-
 class Int8:
     """The int8 computation of one Convolution or InnerProduct: its checked Spec, the weights
     quantized (redone when any float they come from changes), and the forward."""
@@ -146,12 +146,15 @@ class Int8:
         self._seen = None
         self.wq = self.bias_q = self.mult = None
         self.isa = isa()
+        # the channels-last Convolution (caffepy/layers/nhwc.py) runs the int8_nhwc.h kernels
+        self.channels_last = getattr(layer, "layout", None) == "nhwc"
 
     def _prepare(self, sources, fold):
-        """Quantize the weights from `sources` (the float arrays they depend on) unless those
-        are what the last call saw."""
-        if self._seen is not None and len(self._seen) == len(sources) and all(
-                _same(a, b) for a, b in zip(sources, self._seen)):
+        """Quantize the weights from `sources` (the blobs they depend on) unless none of those
+        was handed out since the last call (Blob.version: comparing the floats themselves
+        each forward read every weight twice)."""
+        seen = [(id(b), b.version) for b in sources]
+        if seen == self._seen:
             return
         L, spec, f32 = self.layer, self.spec, np.float32
         w = L.blobs[0].data
@@ -167,6 +170,9 @@ class Int8:
         wq = np.empty((n, k.padded(w2.shape[1])), np.int16)
         k.quantize_weights(w2, spec.scale_params, wq)
         self.wq = k.conv_weights(wq[:, :w2.shape[1]].reshape(w.shape)) if w.ndim == 4 else wq
+        if w.ndim == 4 and self.channels_last:
+            self.wq = (k.depthwise_nhwc_weights(self.wq, *L.kernel) if L.group > 1
+                       else k.nhwc_weights(self.wq))
         in_scale = (spec.scale_in * sp).astype(f32)
         zero = sp == 0
         self.mult = np.where(zero, spec.scale_out, spec.scale_out / np.where(zero, 1, in_scale)).astype(f32)
@@ -176,7 +182,7 @@ class Int8:
             bias_scale = np.where(zero, f32(1), in_scale).astype(f32)
             scaled = np.clip(b.astype(f32) * bias_scale, -INT32_FLOAT_MAX, INT32_FLOAT_MAX)
             self.bias_q = np.rint(scaled).astype(np.int32)
-        self._seen = [np.array(a, np.float32, copy=True).reshape(-1) for a in sources]
+        self._seen = [(id(b), b.version) for b in sources]
 
     def _ranges(self, relu, slope):
         spec = self.spec
@@ -187,23 +193,30 @@ class Int8:
 
     def sources(self, fold):
         L = self.layer
-        arrays = [b.data for b in L.blobs]
+        blobs = list(L.blobs)
         if fold is not None:
             bn, scale = fold
-            arrays += [b.data for b in bn.blobs] + ([b.data for b in scale.blobs] if scale else [])
-        return arrays
+            blobs += list(bn.blobs) + (list(scale.blobs) if scale else [])
+        return blobs
 
     def conv_forward(self, x, top, summand=None, relu=False, slope=0.0, fold=None, coeff=(1, 1)):
-        """top (float32 NCHW) = the int8 convolution of x (float32 NCHW); summand (float32 of
-        top's shape) added as an Eltwise SUM would; fold = (BatchNorm, Scale or None)."""
+        """top (float32, NCHW, or NHWC for the channels-last layer) = the int8 convolution of x
+        (float32, the same layout); summand (float32 of top's shape) added as an Eltwise SUM
+        would; fold = (BatchNorm, Scale or None)."""
         L = self.layer
         self._prepare(self.sources(fold), fold)
         scale, lo_in, hi_in, lo, hi, quantize, inv = self._ranges(relu, slope)
         mult = self.mult if coeff[1] == 1 else (self.mult * np.float32(coeff[1])).astype(np.float32)
         sum_scale = np.float32(self.spec.scale_out * np.float32(coeff[0]))
-        kernels().conv_forward(x, self.wq, self.bias_q, mult, top, summand, L.group, L.kernel,
-                               L.pad, L.stride, L.dilation, scale, lo_in, hi_in, sum_scale, relu,
-                               slope, quantize, lo, hi, inv, self.isa)
+        k = kernels()
+        if not self.channels_last:
+            run = functools.partial(k.conv_forward, group=L.group)
+        else:
+            run = k.depthwise_nhwc if L.group > 1 else k.conv_forward_nhwc
+        run(x, self.wq, self.bias_q, mult, top, summand, kernel=L.kernel, pad=L.pad,
+            stride=L.stride, dilation=L.dilation, scale_in=scale, lo_in=lo_in, hi_in=hi_in,
+            sum_scale=sum_scale, relu=relu, slope=slope, quantize=quantize, lo=lo, hi=hi,
+            inv_scale_out=inv, isa=self.isa)
 
     def inner_product_forward(self, x, top, relu=False, slope=0.0):
         """top [M, N] = the int8 inner product of x [M, K]."""

@@ -8,7 +8,7 @@ references are in caffepy/kernels/reference/int8.py.
 import numpy as np
 
 from libc.stdint cimport int16_t, int32_t
-from rules cimport dims, need, need_shape, threads_for_macs
+from rules cimport dims, need, need_shape, threads_for, threads_for_macs
 
 cdef extern from "int8_gemm.h" nogil:
     int I8_NR, I8_MR
@@ -36,6 +36,16 @@ cdef extern from "int8_gemm.h" nogil:
     void i8_inner_product(int isa, int threads, const float *x, int M, int K, int N, int Kp,
                           float scale, float lo, float hi, const int16_t *w, int32_t *b,
                           int32_t *c, const i8_epilogue *e)
+
+cdef extern from "int8_nhwc.h" nogil:
+    void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
+                  int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
+                  int OW, float scale, float lo, float hi, const int16_t *w, int16_t *q,
+                  const i8_epilogue *e)
+    void i8n_depthwise(int isa, int threads, const float *x, int N, int H, int W, int C,
+                       int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
+                       int OW, float scale, float lo, float hi, const float *w, float *qf,
+                       float *accs, int32_t *iaccs, const i8_epilogue *e)
 
 NR, MR = I8_NR, I8_MR
 ISAS = ("generic", "avx2")
@@ -213,3 +223,106 @@ def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[
     with nogil:
         i8_inner_product(which, threads, &x[0, 0], M, K, N, Kp, scale_in, lo_in, hi_in, &w[0, 0],
                          &bv[0], &cv[0], &e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Channels-last (cext/int8_nhwc.h): the same integers and epilogue as above, to the bit.
+
+def nhwc_weights(wq):
+    """conv_weights' rows [O][2 J] as the channels-last kernel's column tiles
+    [ceil(O / 16)][J][16][2] (zero past O)."""
+    o, kp = wq.shape
+    o16 = (o + 15) // 16 * 16
+    out = np.zeros((o16, kp), np.int16)
+    out[:o] = wq
+    return np.ascontiguousarray(out.reshape(o16 // 16, 16, kp // 2, 2).transpose(0, 2, 1, 3))
+
+
+def depthwise_nhwc_weights(wq, int kh, int kw):
+    """conv_weights' rows [C][2 kh kw] of a depthwise convolution as floats [kh kw][C]."""
+    return np.ascontiguousarray(np.asarray(wq)[:, 0::2][:, :kh * kw].T.astype(np.float32))
+
+
+def conv_forward_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, ::1] w,
+                      const int32_t[::1] bias, const float[::1] mult, float[:, :, :, ::1] top,
+                      summand, kernel, pad, stride, dilation, float scale_in, float lo_in,
+                      float hi_in, float sum_scale, bint relu, float slope, bint quantize,
+                      float lo, float hi, float inv_scale_out, str isa):
+    """conv_forward (group 1) on channels-last arrays: x [N][H][W][C], top [N][OH][OW][O],
+    summand None or top's shape; w from nhwc_weights."""
+    cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
+    cdef int OH = top.shape[1], OW = top.shape[2], O = top.shape[3]
+    cdef int kh = kernel[0], kw = kernel[1], Cp = (C + 1) // 2
+    cdef int ph = pad[0], pw = pad[1], sh = stride[0], sw = stride[1]
+    cdef int dh = dilation[0], dw = dilation[1]
+    cdef int which = _isa(isa), threads
+    need_shape("conv_forward_nhwc", "w", dims(w.shape, 4), ((O + 15) // 16, kh * kw * Cp, 16, 2))
+    need_shape("conv_forward_nhwc", "mult", dims(mult.shape, 1), (O,))
+    if bias is not None:
+        need_shape("conv_forward_nhwc", "bias", dims(bias.shape, 1), (O,))
+    cdef const float[:, :, :, ::1] s4
+    cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
+                                   np.asarray(summand).reshape(-1), sum_scale, relu, slope,
+                                   quantize, lo, hi, inv_scale_out,
+                                   np.asarray(top).reshape(-1), 0, 1)
+    if summand is not None:
+        s4 = summand
+        need_shape("conv_forward_nhwc", "summand", dims(s4.shape, 4), (N, OH, OW, O))
+    threads = threads_for_macs(<Py_ssize_t>O * C * kh * kw * N * OH * OW)
+    if threads < 1:
+        threads = 1
+    q = _scratch(np.int16, (<long>N * H * W + 1) * 2 * Cp)
+    cdef int16_t[::1] qv = q
+    with nogil:
+        i8n_conv(which, threads, &x[0, 0, 0, 0], N, H, W, C, O, kh, kw, ph, pw, sh, sw,
+                 dh, dw, OH, OW, scale_in, lo_in, hi_in,
+                 &w[0, 0, 0, 0], &qv[0], &e)
+
+
+def depthwise_nhwc(const float[:, :, :, ::1] x, const float[:, ::1] w, const int32_t[::1] bias,
+                   const float[::1] mult, float[:, :, :, ::1] top, summand, kernel, pad, stride,
+                   dilation, float scale_in, float lo_in, float hi_in, float sum_scale, bint relu,
+                   float slope, bint quantize, float lo, float hi, float inv_scale_out, str isa):
+    """conv_forward of a depthwise convolution on channels-last arrays; w from
+    depthwise_nhwc_weights."""
+    cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
+    cdef int OH = top.shape[1], OW = top.shape[2], kh = kernel[0], kw = kernel[1]
+    cdef int ph = pad[0], pw = pad[1], sh = stride[0], sw = stride[1]
+    cdef int dh = dilation[0], dw = dilation[1]
+    cdef int which = _isa(isa), threads
+    need(kh * kw < 512, "depthwise_nhwc", "kernel", "needs fewer than 512 taps", kh * kw)
+    need_shape("depthwise_nhwc", "w", dims(w.shape, 2), (kh * kw, C))
+    need_shape("depthwise_nhwc", "top", dims(top.shape, 4), (N, OH, OW, C))
+    cdef const float[:, :, :, ::1] s4
+    if summand is not None:
+        s4 = summand
+        need_shape("depthwise_nhwc", "summand", dims(s4.shape, 4), (N, OH, OW, C))
+    cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
+                                   np.asarray(summand).reshape(-1), sum_scale, relu, slope,
+                                   quantize, lo, hi, inv_scale_out,
+                                   np.asarray(top).reshape(-1), 0, 1)
+    threads = threads_for(<Py_ssize_t>N * OH * OW * C * kh * kw)
+    if threads < 1:
+        threads = 1
+    qf = _scratch(np.float32, <long>N * H * W * C)
+    accs = _scratch(np.float32, threads * OW * C, 1)
+    iaccs = _scratch(np.int32, threads * C, 2)
+    cdef float[::1] qv = qf, av = accs
+    cdef int32_t[::1] iv = iaccs
+    with nogil:
+        i8n_depthwise(which, threads, &x[0, 0, 0, 0], N, H, W, C, kh, kw, ph, pw, sh, sw,
+                      dh, dw, OH, OW, scale_in, lo_in,
+                      hi_in, &w[0, 0], &qv[0], &av[0], &iv[0], &e)
+
+
+_SCRATCH = {}
+
+
+def _scratch(dtype, long n, int slot=0):
+    """A flat scratch array of at least n items, kept between calls (the layers run one at a
+    time; a fresh array per call cost page faults on every forward)."""
+    key = (np.dtype(dtype).str, slot)
+    a = _SCRATCH.get(key)
+    if a is None or a.shape[0] < n:
+        a = _SCRATCH[key] = np.empty(max(n, 1), dtype)
+    return a[:max(n, 1)]

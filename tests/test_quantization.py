@@ -1,6 +1,8 @@
 """Intel Caffe's int8 inference in whole nets (caffepy/quantization.py, net_rules.Int8Unit):
 quantization_param read, checked and run as Intel's compiled TEST net runs it, against a NumPy
 reference written from the formulas (caffepy/kernels/reference/int8.py)."""
+import re
+
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -251,3 +253,30 @@ def test_bad_quantization_param_is_one_line(fields, message):
         Net(p, caffepy.TEST)
     assert str(e.value).startswith("<net>: layer 'conv' (Convolution): " + message)
     assert "\n" not in str(e.value)
+
+
+def test_weights_are_quantized_again_only_after_their_blobs_are_handed_out():
+    net = _net(block_net())
+    net.forward()
+    body = net.layer_dict["body"].int8
+    first = body.wq
+    net.forward()
+    assert body.wq is first                     # nothing handed out: the cached integers
+    net.layer_dict["bn_body"].blobs[0].data     # a folded BatchNorm's mean, fetched (writable)
+    net.forward()
+    assert body.wq is not first
+
+
+def test_time_precision_all_puts_f32_and_int8_side_by_side(tmp_path, capfd):
+    from caffepy import actions, log
+    log.set_quiet(False)        # the lines are the command's output (the suite runs quiet)
+    model = tmp_path / "block.prototxt"
+    model.write_text(block_net())
+    ms = actions.time_precisions(str(model), iterations=1)
+    assert set(ms) == {"f32", "int8"} and all(v > 0 for v in ms.values())
+    err = capfd.readouterr().err
+    assert "int8:" in err and "x f32" in err and "bf16: not run" in err
+    plain = tmp_path / "plain.prototxt"
+    plain.write_text(re.sub(r"quantization_param \{[^}]*\}", "", block_net()))
+    assert set(actions.time_precisions(str(plain), iterations=1)) == {"f32"}
+    assert "the net has no quantization_param" in capfd.readouterr().err

@@ -153,11 +153,13 @@ class NHWCConvolution(Convolution):
 
     @classmethod
     def wanted(cls, request):
-        # int8 layers run in NCHW (caffepy/quantization.py), and so do bf16 ones (layers/bf16.py)
+        # int8 layers join the channels-last region where their kernels have it (quantization.py);
+        # bf16 ones run in NCHW (layers/bf16.py)
         return (_four_axes(request) and request.param.convolution_param.axis in (1, -3)
-                and not quantization.quantized(request.param, request.phase, request.net,
-                                               request.source)
-                and precision.current() != precision.BF16)
+                and precision.current() != precision.BF16
+                and (not quantization.quantized(request.param, request.phase, request.net,
+                                                request.source)
+                     or quantization.channels_last(request.param, request.bottoms[0].shape[1])))
 
     def setup(self, bottom, top):
         _kernels(self)

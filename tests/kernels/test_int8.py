@@ -1,5 +1,7 @@
 """The int8 kernels (cext/int8.pyx) against hand-worked cases and the NumPy reference
 (caffepy/kernels/reference/int8.py): the same bits on every ISA."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -108,6 +110,40 @@ def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, 
                    stride, dilation, 60.0, lo_in, hi_in, 9.5, relu, 0.0, quantize, lo, hi,
                    np.float32(1 / 9.5), isa)
     np.testing.assert_array_equal(top, want)
+    if g not in (1, c):
+        return                  # grouped convolutions have no channels-last int8 kernel
+    # the channels-last kernels (int8_nhwc.h): the same bits
+    nhwc = np.ascontiguousarray(want.transpose(0, 2, 3, 1))
+    got = np.empty_like(nhwc)
+    last = (lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 2, 3, 1)))
+    wc = k.conv_weights(wq)
+    run = (functools.partial(k.depthwise_nhwc, last(x), k.depthwise_nhwc_weights(wc, *kernel))
+           if g > 1 else functools.partial(k.conv_forward_nhwc, last(x), k.nhwc_weights(wc)))
+    run(bias, mult, got, last(summand), kernel, pad, stride, dilation, 60.0, lo_in, hi_in, 9.5,
+        relu, 0.0, quantize, lo, hi, np.float32(1 / 9.5), isa)
+    np.testing.assert_array_equal(got, nhwc)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_channels_last_extreme_sums_stay_exact(isa):
+    # 255 x -128 over 3 x 3 x 512 taps in the implicit GEMM, and the depthwise float sums at
+    # their largest (9 products of 255 x -128: exact in float32 below 2^24)
+    for c, g in ((512, 1), (16, 16)):
+        x = np.full((1, 3, 3, c), 1000.0, np.float32)
+        o = 17 if g == 1 else c
+        wq = np.full((o, c // g, 3, 3), -128, np.int16)
+        wq[1::2] = 127
+        wc = k.conv_weights(wq)
+        top = np.empty((1, 1, 1, o), np.float32)
+        args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, 0.0, 255.0, 1.0, False, 0.0, False, -128.0,
+                127.0, 1.0, isa)
+        if g == 1:
+            k.conv_forward_nhwc(x, k.nhwc_weights(wc), None, np.ones(o, np.float32), top, None, *args)
+        else:
+            k.depthwise_nhwc(x, k.depthwise_nhwc_weights(wc, 3, 3), None, np.ones(o, np.float32),
+                             top, None, *args)
+        want = np.where(np.arange(o) % 2, 255 * 127, 255 * -128) * 9 * (c // g)
+        np.testing.assert_array_equal(top.reshape(-1), want.astype(np.float32))
 
 
 def test_negative_slope_and_ties_to_even():

@@ -1,0 +1,248 @@
+/* Intel Caffe's int8 convolution on channels-last blobs (the fast path's layout): the same
+ * integers and the same float32 epilogue as int8_gemm.h, so both layouts agree to the bit.
+ *
+ * An implicit GEMM with the output pixels as rows and the output channels as columns: the
+ * activations are quantized once into q[pixel][2 Cp] int16 (a pixel's channels, padded to an
+ * even count, so a pair of channels is one int32), and each of a tile's 6 pixel rows reads, for
+ * each kernel tap, the pixel under that tap in place (a row of zeros outside the image): no
+ * im2col, and a 1x1 convolution reads its input as it lies. The weights are packed once into
+ * column tiles of 16 output channels, w[O16 / 16][taps * Cp][16][2] (pairs k = (tap, channel
+ * pair), as conv_weights orders them), so a tile's pairs for one k are one 64-byte line.
+ * Products: vpmaddwd on int16 pairs into int32 (see int8_gemm.h: no int16 saturation). The
+ * output's 16 columns are contiguous channels of one pixel: the epilogue's per-channel bias
+ * and multiplier are vector loads.
+ *
+ * Depthwise (a group per channel): every product u8 x s8 is an integer of at most 2^15 in
+ * magnitude and a pixel sums kh * kw of them, so below 512 taps each partial sum is an integer
+ * under 2^24, which float32 holds exactly: the sums run as float multiply-adds on the
+ * quantized values (exact, in any order) and give the int32 sums the integer kernels give. */
+#ifndef CAFFEPY_INT8_NHWC_H
+#define CAFFEPY_INT8_NHWC_H
+#include "int8_gemm.h"
+#include "nhwc_dw_rows.h"
+
+/* as int8_gemm.h: no fused multiply-add in the epilogue (i8_finish inlined here too) */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+#define I8N_MR 6
+#define I8N_NR 16
+#define I8N_BLOCK_BYTES (192 * 1024)    /* the weights of a block of column tiles: in L2 */
+
+/* q[p][0 .. 2 Cp) = the int16 quantized x[p][0 .. C), zero past C; rows p in [p0, p1). */
+static void i8n_quantize_rows(const float *x, long p0, long p1, int C, float scale, float lo,
+                              float hi, int16_t *q)
+{
+    int Cp2 = 2 * ((C + 1) / 2);
+    if (C == Cp2) {                 /* one flat run */
+        long i = p0 * C, n = p1 * C;
+#ifdef __AVX2__
+        const __m256 s = _mm256_set1_ps(scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+        for (; i + 16 <= n; i += 16) {
+            __m256i a = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
+                _mm256_mul_ps(_mm256_loadu_ps(x + i), s), l), h));
+            __m256i b = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
+                _mm256_mul_ps(_mm256_loadu_ps(x + i + 8), s), l), h));
+            /* values in [-128, 255]: packs does not saturate; it interleaves 128-bit lanes */
+            _mm256_storeu_si256((__m256i *)(q + i),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8));
+        }
+#endif
+        for (; i < n; i++)
+            q[i] = i8_quantize(x[i], scale, lo, hi);
+        return;
+    }
+    for (long p = p0; p < p1; p++) {
+        for (int c = 0; c < C; c++)
+            q[p * Cp2 + c] = i8_quantize(x[p * C + c], scale, lo, hi);
+        q[p * Cp2 + C] = 0;
+    }
+}
+
+/* c[r][0 .. 16) = sum over taps t and pairs j < Cp of rows[t][r][j] . b(t Cp + j, 0 .. 16),
+ * r < 6 (rows of the absent pixels of a last tile point at zeros). */
+static void i8n_tile_c(int taps, int Cp, const int32_t *const *rows, const int16_t *b, int32_t *c)
+{
+    for (int n = 0; n < I8N_MR * I8N_NR; n++)
+        c[n] = 0;
+    for (int t = 0; t < taps; t++)
+        for (int r = 0; r < I8N_MR; r++) {
+            const int16_t *a = (const int16_t *)rows[t * I8N_MR + r];
+            const int16_t *bt = b + (long)t * Cp * 32;
+            for (int j = 0; j < Cp; j++)
+                for (int n = 0; n < I8N_NR; n++)
+                    c[r * I8N_NR + n] += (int32_t)a[2 * j] * bt[j * 32 + 2 * n]
+                                         + (int32_t)a[2 * j + 1] * bt[j * 32 + 2 * n + 1];
+        }
+}
+
+#ifdef __AVX2__
+static void i8n_tile_avx2(int taps, int Cp, const int32_t *const *rows, const int16_t *b,
+                          int32_t *c)
+{
+#define I8N_ACC(r) __m256i c##r##0 = _mm256_setzero_si256(), c##r##1 = _mm256_setzero_si256();
+    I8N_ACC(0) I8N_ACC(1) I8N_ACC(2) I8N_ACC(3) I8N_ACC(4) I8N_ACC(5)
+#undef I8N_ACC
+    for (int t = 0; t < taps; t++) {
+        const int32_t *a0 = rows[t * 6], *a1 = rows[t * 6 + 1], *a2 = rows[t * 6 + 2],
+                      *a3 = rows[t * 6 + 3], *a4 = rows[t * 6 + 4], *a5 = rows[t * 6 + 5];
+        const int16_t *bt = b + (long)t * Cp * 32;
+        for (int j = 0; j < Cp; j++) {
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)(bt + j * 32));
+            __m256i b1 = _mm256_loadu_si256((const __m256i *)(bt + j * 32 + 16));
+#define I8N_ROW(r)                                                                      \
+            {                                                                           \
+                __m256i av = _mm256_set1_epi32(a##r[j]);                                \
+                c##r##0 = _mm256_add_epi32(c##r##0, _mm256_madd_epi16(av, b0));         \
+                c##r##1 = _mm256_add_epi32(c##r##1, _mm256_madd_epi16(av, b1));         \
+            }
+            I8N_ROW(0) I8N_ROW(1) I8N_ROW(2) I8N_ROW(3) I8N_ROW(4) I8N_ROW(5)
+#undef I8N_ROW
+        }
+    }
+#define I8N_STORE(r)                                                                    \
+    _mm256_storeu_si256((__m256i *)(c + r * 16), c##r##0);                              \
+    _mm256_storeu_si256((__m256i *)(c + r * 16 + 8), c##r##1);
+    I8N_STORE(0) I8N_STORE(1) I8N_STORE(2) I8N_STORE(3) I8N_STORE(4) I8N_STORE(5)
+#undef I8N_STORE
+}
+
+/* i8_finish of 8 consecutive channels o0.. of one pixel (idx: the first's), the same
+ * operations in the same order with the per-channel bias and multiplier as vectors. */
+static inline void i8n_finish8_avx2(__m256i acc, int o0, long idx, const i8_epilogue *e)
+{
+    __m256i bias = e->bias ? _mm256_loadu_si256((const __m256i *)(e->bias + o0))
+                           : _mm256_setzero_si256();
+    __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc, bias)),
+                             _mm256_loadu_ps(e->mult + o0));
+    if (e->summand)
+        y = _mm256_add_ps(y, _mm256_mul_ps(_mm256_loadu_ps(e->summand + idx),
+                                           _mm256_set1_ps(e->sum_scale)));
+    if (e->relu)
+        y = _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_set1_ps(e->slope)), y,
+                             _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ));
+    if (e->quantize) {
+        y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(e->lo)), _mm256_set1_ps(e->hi));
+        y = _mm256_add_ps(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                          _mm256_setzero_ps());
+    }
+    _mm256_storeu_ps(e->out + idx, _mm256_mul_ps(y, _mm256_set1_ps(e->inv_scale_out)));
+}
+#endif
+
+/* The outputs of pixel p, channels [o0, o0 + n), from their int32 sums (e->out [P][O]). */
+static inline void i8n_finish(int isa, const int32_t *acc, long p, int o0, int n, int O,
+                              const i8_epilogue *e)
+{
+    long idx = p * O + o0;
+    int k = 0;
+#ifdef __AVX2__
+    if (isa)
+        for (; k + 8 <= n; k += 8)
+            i8n_finish8_avx2(_mm256_loadu_si256((const __m256i *)(acc + k)), o0 + k, idx + k, e);
+#endif
+    for (; k < n; k++)
+        e->out[idx + k] = i8_finish(acc[k], o0 + k, idx + k, e);
+}
+
+/* N images x[N][H][W][C] (floats) -> e->out [N][OH][OW][O]; weights w packed as above
+ * (taps = kh kw, Cp = (C + 1) / 2); q scratch of (N H W + 1) * 2 Cp int16 (the last row:
+ * zeros). One OpenMP region. */
+static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
+                     int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
+                     int OW, float scale, float lo, float hi, const int16_t *w, int16_t *q,
+                     const i8_epilogue *e)
+{
+    int Cp = (C + 1) / 2, taps = kh * kw, tilesO = (O + I8N_NR - 1) / I8N_NR;
+    long pixels = (long)N * H * W, M = (long)N * OH * OW, mt = (M + I8N_MR - 1) / I8N_MR;
+    long tile_bytes = (long)taps * Cp * 64;
+    int block = (int)(I8N_BLOCK_BYTES / tile_bytes);
+    block = block < 1 ? 1 : block;
+    const int32_t *zeros = (const int32_t *)(q + pixels * 2 * Cp);
+    const int32_t *qi = (const int32_t *)q;
+    #pragma omp parallel num_threads(threads)
+    {
+        int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        long p0 = pixels * me / nt, p1 = pixels * (me + 1) / nt;
+        i8n_quantize_rows(x, p0, p1, C, scale, lo, hi, q);
+        #pragma omp single
+        memset(q + pixels * 2 * Cp, 0, (size_t)Cp * 4);
+        /* implicit barrier */
+        const int32_t *rows[taps * I8N_MR];
+        int32_t c[I8N_MR * I8N_NR];
+        for (int t0 = 0; t0 < tilesO; t0 += block) {
+            int t1 = t0 + block < tilesO ? t0 + block : tilesO;
+            #pragma omp for schedule(static) nowait
+            for (long m = 0; m < mt; m++) {
+                for (int r = 0; r < I8N_MR; r++) {
+                    long p = m * I8N_MR + r;
+                    int n = (int)(p / ((long)OH * OW)), rest = (int)(p % ((long)OH * OW));
+                    int oh = rest / OW, ow = rest % OW;
+                    for (int i = 0; i < kh; i++)
+                        for (int j = 0; j < kw; j++) {
+                            int y = oh * sh - ph + i * dh, xx = ow * sw - pw + j * dw;
+                            rows[(i * kw + j) * I8N_MR + r] =
+                                (p < M && y >= 0 && y < H && xx >= 0 && xx < W)
+                                ? qi + (((long)n * H + y) * W + xx) * Cp : zeros;
+                        }
+                }
+                int R = M - m * I8N_MR < I8N_MR ? (int)(M - m * I8N_MR) : I8N_MR;
+                for (int t = t0; t < t1; t++) {
+                    const int16_t *wt = w + (long)t * taps * Cp * 32;
+#ifdef __AVX2__
+                    if (isa)
+                        i8n_tile_avx2(taps, Cp, rows, wt, c);
+                    else
+#endif
+                        i8n_tile_c(taps, Cp, rows, wt, c);
+                    int n = O - t * I8N_NR < I8N_NR ? O - t * I8N_NR : I8N_NR;
+                    for (int r = 0; r < R; r++)
+                        i8n_finish(isa, c + r * I8N_NR, m * I8N_MR + r, t * I8N_NR, n, O, e);
+                }
+            }
+        }
+    }
+}
+
+/* Depthwise: x[N][H][W][C] -> e->out [N][OH][OW][C]; w [kh kw][C] (the quantized weights as
+ * floats); qf scratch N H W C floats (the quantized input as floats); rows scratch threads x
+ * OW x C floats, iacc threads x C int32. The sums are the float depthwise kernel's
+ * (nhwc_dw_rows.h), exact below 512 taps (see the top of this file). */
+static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, int W, int C,
+                          int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
+                          int OW, float scale, float lo, float hi, const float *w, float *qf,
+                          float *rows, int32_t *iaccs, const i8_epilogue *e)
+{
+    long pixels = (long)N * H * W;
+    #pragma omp parallel num_threads(threads)
+    {
+        int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        long i = pixels * C * me / nt, n = pixels * C * (me + 1) / nt;
+#ifdef __AVX2__
+        const __m256 s = _mm256_set1_ps(scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(qf + i, _mm256_round_ps(_mm256_min_ps(_mm256_max_ps(
+                _mm256_mul_ps(_mm256_loadu_ps(x + i), s), l), h),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+        for (; i < n; i++)      /* fminf / fmaxf would be calls (their NaN rules) */
+            qf[i] = (float)i8_quantize(x[i], scale, lo, hi);
+        #pragma omp barrier
+        float *row = rows + (long)me * OW * C;
+        int32_t *iacc = iaccs + (long)me * C;
+        #pragma omp for schedule(static)
+        for (long item = 0; item < (long)N * OH; item++) {
+            long img = item / OH;
+            int oy = (int)(item % OH);
+            dw_gather_row(qf + img * H * W * C, H, W, C, w, kh, kw, oy * sh - ph, dh, sw, -pw,
+                          dw, NULL, row, OW);
+            for (int ox = 0; ox < OW; ox++) {
+                for (int c = 0; c < C; c++)
+                    iacc[c] = (int32_t)row[(long)ox * C + c];
+                i8n_finish(isa, iacc, item * OW + ox, 0, C, C, e);
+            }
+        }
+    }
+}
+#pragma GCC pop_options
+#endif
