@@ -261,6 +261,55 @@ def test_ring_averages_to_the_same_bits_everywhere(tmp_path, ranks):
     assert out.stdout.count("ok") == ranks
 
 
+RING_BF16 = """
+    import numpy as np
+    from caffepy.parallel import mpi, world
+    from caffepy.parallel.ring import Ring
+    mpi.init_world()
+    ring = Ring(world.comm.Dup(), piece_floats=1000, wire="bfloat16")
+    for n in (0, 1, 17, 5000, 123457):
+        x = np.random.RandomState(world.rank).randn(n).astype(np.float32) * 1e-3
+        exact = sum(np.random.RandomState(r).randn(n).astype(np.float64) * 1e-3
+                    for r in range(world.size)) / world.size
+        buf = x.copy()
+        ring.allreduce(buf, 1.0 / world.size, tag=n % 7)
+        assert not np.any(buf.view(np.uint32) & 0xFFFF)     # bfloat16 values: what crossed the wire
+        # each partial sum is rounded once on the wire (8 bits of mantissa), the sums are float32
+        np.testing.assert_allclose(buf, exact, rtol=0, atol=world.size * 2 ** -8 * np.abs(x).max(initial=0) + 1e-12)
+        copies = world.comm.allgather(buf.tobytes())
+        assert all(c == copies[0] for c in copies)           # the same bits on every rank
+    print(f"ok {world.rank}")
+    mpi.finish()
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ring_bfloat16_wire_sums_in_float32(tmp_path, ranks):
+    out = mpirun(ranks, RING_BF16, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("ok") == ranks
+
+
+def test_bfloat16_rounds_to_nearest():
+    import numpy as np
+
+    from caffepy.parallel.ring import _add_bf16_scaled, _from_bf16, _to_bf16
+    x = np.array([1.0, 1 + 2 ** -8, 1 + 2 ** -9, 1 + 3 * 2 ** -9, -(1 + 3 * 2 ** -9), 0.1, -7e-5,
+                  0.0, -0.0, np.inf, np.finfo(np.float32).max], np.float32)
+    bits = np.empty(x.size, np.uint16)
+    _to_bf16(x, bits)
+    back = np.empty(x.size, np.float32)
+    _from_bf16(bits, back)
+    # the reference: 8 significant bits, half way rounded away from zero (1 + 2^-8 -> 1 + 2^-7)
+    m, e = np.frexp(x[:7].astype(np.float64))
+    np.testing.assert_array_equal(back[:7], np.ldexp(np.sign(m) * np.floor(np.abs(m) * 256 + 0.5) / 256, e))
+    # signed zeros kept; the largest float32 is past bfloat16's largest: inf
+    assert back[7:].tolist() == [0.0, 0.0, np.inf, np.inf] and np.signbit(back[8])
+    out = np.full(3, 1.0, np.float32)
+    _add_bf16_scaled(out, bits[:3], np.float32(0.5), True)      # (1 + b) / 2, then rounded
+    assert out.tolist() == [1.0, 1 + 2 ** -7, 1.0]
+
+
 def test_ring_waits_without_spinning(tmp_path):
     """A rank far ahead of the other waits for it on sleeps, not on a core."""
     out = mpirun(2, """
