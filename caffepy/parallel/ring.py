@@ -31,8 +31,6 @@ import numpy as np
 ALIGN = 16                       # floats: pieces start on 64-byte cache lines
 _SUM_CHUNK = 1 << 16             # floats added and scaled at a time (256 KB, in L2)
 WIRE_TYPES = ("float32", "bfloat16")
-_BF16_HALF = np.uint32(0x8000)   # added before dropping the low 16 bits: round to nearest
-_BF16_HIGH = np.uint32(0xFFFF0000)
 
 
 def _add_scaled(out, piece, scale):
@@ -42,40 +40,6 @@ def _add_scaled(out, piece, scale):
         np.add(o, piece[start:start + _SUM_CHUNK], out=o)
         if scale is not None:
             o *= scale
-
-
-def _to_bf16(src, out):
-    """bfloat16 bits (uint16) of float32 `src`, rounded to nearest (ties away from zero)."""
-    bits = src.view(np.uint32)
-    tmp = np.empty(min(_SUM_CHUNK, src.size), np.uint32)
-    for start in range(0, src.size, _SUM_CHUNK):
-        end = min(start + _SUM_CHUNK, src.size)
-        t = tmp[:end - start]
-        np.add(bits[start:end], _BF16_HALF, out=t)
-        np.right_shift(t, 16, out=out[start:end], casting="unsafe")
-
-
-def _from_bf16(src, out):
-    """float32 `out` from bfloat16 bits `src` (exact)."""
-    np.left_shift(src, 16, out=out.view(np.uint32), dtype=np.uint32, casting="unsafe")
-
-
-def _add_bf16_scaled(out, piece, scale, round_result):
-    """out += float32(piece) (bfloat16 bits), then out *= scale (None: no scaling); with
-    round_result, out is then rounded to bfloat16 values in place (the owner of a
-    segment keeps what the others will receive)."""
-    tmp = np.empty(min(_SUM_CHUNK, out.size), np.float32)
-    for start in range(0, out.size, _SUM_CHUNK):
-        end = min(start + _SUM_CHUNK, out.size)
-        o, t = out[start:end], tmp[:end - start]
-        _from_bf16(piece[start:end], t)
-        np.add(o, t, out=o)
-        if scale is not None:
-            o *= scale
-        if round_result:
-            bits, tbits = o.view(np.uint32), t.view(np.uint32)
-            np.add(bits, _BF16_HALF, out=tbits)
-            np.bitwise_and(tbits, _BF16_HIGH, out=bits)
 
 
 class Poller:
@@ -109,6 +73,9 @@ class Ring:
         # bfloat16: every message carries the top 16 bits of each float (half the bytes);
         # sums stay float32 (each rank adds what arrives to its float32 copy)
         self.compress = wire == "bfloat16"
+        if self.compress:
+            from ..kernels import parallel as kernels
+            self.kernels = kernels
         self.MPI = MPI
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -215,7 +182,7 @@ class Transfer:
                 scratch, packed = ring.buffer(), ring.buffer()
                 target = [scratch.view(np.uint16)[:rhi - rlo], MPI.UINT16_T]
                 source = packed.view(np.uint16)[:shi - slo]
-                _to_bf16(self.buf[slo:shi], source)
+                ring.kernels.to_bf16(self.buf[slo:shi], source)
                 source = [source, MPI.UINT16_T]
             else:
                 if kind == "copy":
@@ -242,9 +209,10 @@ class Transfer:
             if self.ring.compress:
                 arrived = scratch.view(np.uint16)[:rhi - rlo]
                 if kind == "copy":
-                    _from_bf16(arrived, self.buf[rlo:rhi])
+                    self.ring.kernels.from_bf16(arrived, self.buf[rlo:rhi])
                 else:
-                    _add_bf16_scaled(self.buf[rlo:rhi], arrived, scale, kind == "add_scale")
+                    self.ring.kernels.add_bf16(self.buf[rlo:rhi], arrived, 1.0 if scale is None else scale,
+                                               kind == "add_scale")
                 self.ring.give_back(packed)
             elif kind != "copy":
                 _add_scaled(self.buf[rlo:rhi], scratch[:rhi - rlo], scale)

@@ -291,23 +291,36 @@ def test_ring_bfloat16_wire_sums_in_float32(tmp_path, ranks):
 
 
 def test_bfloat16_rounds_to_nearest():
+    """The wire's kernels (cext/parallel.pyx) against their NumPy references, and the
+    references against rounding to 8 significant bits."""
     import numpy as np
 
-    from caffepy.parallel.ring import _add_bf16_scaled, _from_bf16, _to_bf16
+    from caffepy.kernels import parallel as k
+    from caffepy.kernels.reference import parallel as ref
     x = np.array([1.0, 1 + 2 ** -8, 1 + 2 ** -9, 1 + 3 * 2 ** -9, -(1 + 3 * 2 ** -9), 0.1, -7e-5,
                   0.0, -0.0, np.inf, np.finfo(np.float32).max], np.float32)
-    bits = np.empty(x.size, np.uint16)
-    _to_bf16(x, bits)
-    back = np.empty(x.size, np.float32)
-    _from_bf16(bits, back)
-    # the reference: 8 significant bits, half way rounded away from zero (1 + 2^-8 -> 1 + 2^-7)
+    bits = ref.to_bf16(x)
+    back = ref.from_bf16(bits)
+    # half way rounds away from zero (1 + 2^-8 -> 1 + 2^-7)
     m, e = np.frexp(x[:7].astype(np.float64))
     np.testing.assert_array_equal(back[:7], np.ldexp(np.sign(m) * np.floor(np.abs(m) * 256 + 0.5) / 256, e))
     # signed zeros kept; the largest float32 is past bfloat16's largest: inf
     assert back[7:].tolist() == [0.0, 0.0, np.inf, np.inf] and np.signbit(back[8])
-    out = np.full(3, 1.0, np.float32)
-    _add_bf16_scaled(out, bits[:3], np.float32(0.5), True)      # (1 + b) / 2, then rounded
-    assert out.tolist() == [1.0, 1 + 2 ** -7, 1.0]
+    assert ref.add_bf16(np.ones(3, np.float32), bits[:3], 0.5, True).tolist() == [1.0, 1 + 2 ** -7, 1.0]
+
+    r = np.random.RandomState(0)
+    x = np.concatenate([x, (r.randn(1000) * 10.0 ** r.randint(-30, 30, 1000)).astype(np.float32)])
+    got = np.empty(x.size, np.uint16)
+    k.to_bf16(x, got)
+    np.testing.assert_array_equal(got, ref.to_bf16(x))
+    up = np.empty(x.size, np.float32)
+    k.from_bf16(got, up)
+    np.testing.assert_array_equal(up, ref.from_bf16(got))
+    base = (r.randn(x.size) * 1e-3).astype(np.float32)
+    for scale, rounded in ((1.0, False), (0.25, False), (1 / 3, True)):
+        out = base.copy()
+        k.add_bf16(out, got, scale, rounded)
+        np.testing.assert_array_equal(out, ref.add_bf16(base, got, scale, rounded))
 
 
 def test_ring_waits_without_spinning(tmp_path):
