@@ -267,7 +267,7 @@ def measure_cli(args, hosts, batch, me, per_host=1):
     env = dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     modes = cli_modes(per_host, args.wire and per_host == 1)
     batch = max(1, batch // per_host)
-    found = {name: {"iter": [], "waits": [], "algorithm": None} for name, _ in modes}
+    found = {name: {"iter": [], "rounds": [], "waits": [], "algorithm": None} for name, _ in modes}
     nbytes = None
     with tempfile.TemporaryDirectory(prefix="bench_multihost_cli_") as tmp, TestBed(hosts, rate=args.rate) as bed:
         solver = write_cli_job(tmp, batch, iters, args.display)
@@ -282,6 +282,7 @@ def measure_cli(args, hosts, batch, me, per_host=1):
                     raise SystemExit(f"bench_multihost: `caffepy train` ({name}) failed (exit {out.returncode})")
                 f = found[name]
                 f["iter"] += times
+                f["rounds"].append(statistics.median(times))
                 f["waits"] += [(float(a), float(b)) for a, b in _WAITS.findall(log)[skip // args.display:]]
                 m = _GRADIENTS.search(log)
                 nbytes, f["algorithm"] = float(m.group(1)) * 1e6, f"progress {m.group(2)}, {m.group(3)}"
@@ -318,6 +319,12 @@ def report_cli(args, c, others):
                 if m["waits"] else "")
         print(f"t_{ranks}ranks {name:9s} {tn:6.2f} s  {m['algorithm']}; median of {len(m['iter'])} "
               f"iterations; cost {tn - t1:+.2f} s  {text}{wait}")
+        if len(m.get("rounds", ())) > 1:
+            # each round's run beside the baseline run just before it: on a shared machine the
+            # load drifts between rounds more than within one
+            ratio = statistics.median(a / b for a, b in zip(m["rounds"], modes["none"]["rounds"]))
+            _, text = verdict((ratio - 1) * t1, c["allreduce"], spread)
+            print(f"  {'':9s} {ratio:6.3f} x  the baseline, median of the rounds' ratios: {text}")
     print(f"  (iteration spread up to {spread:.2f} s; hidden = 1 - (t_{ranks}ranks - t_1rank) / t_allreduce; "
           f"target for the default >= 90%)")
     return shown
