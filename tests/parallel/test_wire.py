@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mpi_helpers import MPIEXEC, REPO, max_rel_diff, weights
+from mpi_helpers import MPIEXEC, REPO, make_lmdb, max_rel_diff, train, weights, write_job
 
 pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in the venv")
 
@@ -78,3 +78,23 @@ def test_bfloat16_wire_trains_like_float32(tmp_path, digits):
     assert loss32[-1] < 0.5 and loss16[-1] < 0.5
     assert abs(loss16[-1] - loss32[-1]) < 0.05 + 0.25 * loss32[-1]
     assert abs(acc16 - acc32) <= 0.02                    # 6 of the 296 test digits
+
+
+def test_bfloat16_wire_between_emulated_hosts_and_refused_with_mpi(tmp_path):
+    """4 ranks as 2 hosts of 2 (shared memory within a host, the bfloat16 ring between): close
+    to 1 rank, not equal; with MPI's Allreduce (no bfloat16 sum) one line says why not."""
+    db = make_lmdb(tmp_path / "db")
+    single = write_job(tmp_path, "single", db, 12, 4)
+    assert train(single).returncode == 0
+    multi = write_job(tmp_path, "multi", db, 3, 4)
+    out = train(multi, 4, env={"CAFFEPY_MPI_RANKS_PER_NODE": "2", "CAFFEPY_MPI_WIRE_TYPE": "bfloat16"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "algorithm: shm (2 ranks per host, 2 hosts, bfloat16 on the wire)" in out.stderr
+    diff = max_rel_diff(weights(single / "snap_iter_4.caffemodel"), weights(multi / "snap_iter_4.caffemodel"))
+    assert 1e-5 < diff < 0.05, diff
+    refused = write_job(tmp_path, "refused", db, 6, 2)
+    out = train(refused, 2, env={"CAFFEPY_MPI_ALLREDUCE": "mpi", "CAFFEPY_MPI_WIRE_TYPE": "bfloat16"})
+    assert out.returncode == 1
+    assert ("CAFFEPY_MPI_WIRE_TYPE: bfloat16 needs the ring or shm allreduce, got algorithm mpi (progress "
+            "thread)") in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
