@@ -104,11 +104,14 @@ def worker(args):
 
     from caffepy import log
     log.set_quiet(True)
+    from caffepy.parallel import mpi, world
+    # MPI started the way `caffepy train` starts it (mpi.TRANSPORT_DEFAULTS): importing
+    # mpi4py.MPI first started it with UCX's own 64 KB receive segments, so until now this
+    # harness timed another transport than the command it stands for
+    mpi.init_world(stall_timeout=0)
     from mpi4py import MPI
 
-    from caffepy.parallel import mpi, world
     from caffepy.parallel.ring import Link, Ring
-    mpi.init_world(stall_timeout=0)
     comm = world.comm
     result = {"hosts": comm.allgather(os.uname().nodename), "cores": os.cpu_count()}
     link = Link.measure(comm, probe_bytes=32 << 20)
@@ -228,6 +231,8 @@ def cli_iterations(log, skip):
 def allreduce_worker(args):
     """One MPI Allreduce of --floats floats between the ranks, timed --iters times; prints
     the fastest (the slowest rank's time of each)."""
+    from caffepy.parallel import mpi
+    mpi.transport_defaults()                  # as `caffepy train` starts MPI
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     grads = np.ones(args.floats, np.float32)

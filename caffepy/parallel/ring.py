@@ -231,17 +231,21 @@ class Transfer:
                     self.ring.give_back(buffer)
 
 
-def _rx_segment_bytes():
-    """UCX's TCP receive segment (one per socket per MPI call), from the environment."""
-    import os
-    text = os.environ.get("UCX_TCP_RX_SEG_SIZE", "64K").strip().upper().rstrip("B")
+# Bytes one MPI call reads from a socket: UCX's TCP receive segment as MPI started with it
+# (mpi.init_world sets it; UCX's own default until then)
+rx_segment_bytes = 64 << 10
+
+
+def parse_bytes(text, default):
+    """'1M', '64K', '65536' -> bytes, as UCX spells sizes; `default` when it cannot tell."""
+    text = (text or "").strip().upper().rstrip("B")
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     try:
         if text[-1:] in units:
             return int(float(text[:-1]) * units[text[-1]])
         return int(text)
     except ValueError:
-        return 64 << 10
+        return default
 
 
 class Link:
@@ -288,10 +292,11 @@ class Link:
 
     def poll_cap(self):
         """Longest sleep between tests: half the time the link takes to fill the receive
-        segment one test drains (UCX_TCP_RX_SEG_SIZE, 1 MB from mpi.py; 20 us - 10 ms).
+        segment one test drains (rx_segment_bytes: UCX_TCP_RX_SEG_SIZE, 1 MB from mpi.py;
+        20 us - 10 ms).
         Each wake-up preempts a compute thread: with a 64 KB cap AlexNet's ring woke its
         thread about 1,700 times an iteration on 2 emulated hosts."""
-        return min(10e-3, max(20e-6, 0.5 * _rx_segment_bytes() / self.bandwidth))
+        return min(10e-3, max(20e-6, 0.5 * rx_segment_bytes / self.bandwidth))
 
     def __repr__(self):
         return f"latency {self.latency * 1e6:.0f} us, bandwidth {self.bandwidth / 1e6:.1f} MB/s"

@@ -53,19 +53,23 @@ def test_world_under_mpiexec(tmp_path):
     assert sorted(re.findall(r"rank \d+ of \d+", out.stdout)) == [f"rank {r} of 3" for r in range(3)]
 
 
-@pytest.mark.parametrize("user", [None, "256K"])
-def test_transport_defaults_set_before_mpi_unless_the_user_did(tmp_path, user):
-    out = mpirun(2, """
+@pytest.mark.parametrize("user,early", [(None, False), ("256K", False), (None, True)])
+def test_transport_defaults_set_before_mpi_unless_the_user_did(tmp_path, user, early):
+    """The ring sizes its sleeps for the receive segment MPI started with: the default's, the
+    user's, or UCX's own 64 KB when the caller started MPI first (importing mpi4py.MPI)."""
+    out = mpirun(2, f"""
         import os
-        from caffepy.parallel import mpi, world
+        {"from mpi4py import MPI" if early else ""}
+        from caffepy.parallel import mpi, ring, world
         mpi.init_world()
-        seen = world.comm.gather(os.environ.get("UCX_TCP_RX_SEG_SIZE"))
+        seen = world.comm.gather((os.environ.get("UCX_TCP_RX_SEG_SIZE"), ring.rx_segment_bytes))
         if world.rank == 0:             # one line: the launcher may interleave the ranks' lines
-            print("seg", *seen)
+            print("seg", *[f"{{v}}={{b}}" for v, b in seen])
         mpi.finish()
     """, tmp_path, env={"UCX_TCP_RX_SEG_SIZE": user} if user else None)
     assert out.returncode == 0, out.stderr
-    assert re.findall(r"seg (\S+) (\S+)", out.stdout) == [(user or "1M",) * 2]
+    expect = {None: "1M=1048576", "256K": "256K=262144"}[user] if not early else "None=65536"
+    assert re.findall(r"seg (\S+) (\S+)", out.stdout) == [(expect,) * 2]
 
 
 REDUCER = """
