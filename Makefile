@@ -165,11 +165,13 @@ bench-bf16: install
 bench-mpi: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_mpi.py
 
-# 2 then 4 emulated hosts, 500 Mbit/s links: how much of the gradient allreduce hides, the
-# scaling model against the measured iterations; then the model with stragglers and topology
-# at 2, 4, 8 hosts and 2 x 2 ranks, You et al.'s 1024-CPU point, the projection (root needed)
+# 2 emulated hosts, 500 Mbit/s links: how much of the gradient allreduce `mpiexec caffepy train`
+# hides (1 rank per host, float32 and bfloat16 wires; 2 ranks per host, hierarchical and flat
+# ring), then the in-process harness at 2 and 4 hosts, the scaling model against the measured
+# iterations; then the model with stragglers and topology at 2, 4, 8 hosts and 2 x 2 ranks,
+# You et al.'s 1024-CPU point and the projection (root needed)
 bench-multihost: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_multihost.py --validate --hybrid
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_multihost.py --per-host 1,2 --wire --validate --hybrid
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_scaling_model.py
 
 # Regenerate caffepy/proto/caffe_pb2.py after editing caffe.proto

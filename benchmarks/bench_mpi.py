@@ -184,8 +184,8 @@ def _max():
 def bandwidth(args):
     sys.path.insert(0, REPO)
     from caffepy.parallel import mpi, world
+    mpi.init_world()                 # before mpi4py.MPI: it starts MPI with the train command's transport
     from mpi4py import MPI
-    mpi.init_world()
     comm = world.comm
     buf = np.ones(args.count, np.float32)
     comm.Allreduce(MPI.IN_PLACE, buf)
@@ -253,8 +253,8 @@ def option_worker(args):
     """One option of the table: wall and CPU seconds of one reduction of AlexNet's gradients."""
     sys.path.insert(0, REPO)
     from caffepy.parallel import mpi, world
+    mpi.init_world()                 # before mpi4py.MPI: it starts MPI with the train command's transport
     from mpi4py import MPI
-    mpi.init_world()
     comm, variant = world.comm, args.option
     n = sum(ALEXNET_SIZES)
     buf = np.random.default_rng(world.rank).random(n, dtype=np.float32)

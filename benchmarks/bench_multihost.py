@@ -10,7 +10,10 @@ First the command users run (--view cli): `mpiexec ... caffepy train --solver s.
 (display every --display iterations), once with CAFFEPY_MPI_PROGRESS=none (no
 communication) and once as is (the default progress), rounds interleaved, each
 iteration's time read from the display lines; and one MPI Allreduce of the gradients'
-bytes between the hosts. hidden = 1 - (t_default - t_none) / t_allreduce.
+bytes between the hosts. hidden = 1 - (t_default - t_none) / t_allreduce. With
+--per-host 1,2 also 2 ranks per host (each at half the local batch): the default
+(shared memory within a host, then a ring of one rank per host) against the flat ring
+over every rank; with --wire also the bfloat16 wire (CAFFEPY_MPI_WIRE_TYPE=bfloat16).
 
 Then the harness (--view harness: solver.step in-process, one process per rank through
 every mode), which also feeds the scaling model. Prints:
@@ -38,6 +41,7 @@ construction: its figure is the run's error bar.
 
     python benchmarks/bench_multihost.py [--hosts 2] [--rate 500mbit] [--batch N | --target 5]
     python benchmarks/bench_multihost.py --view cli --batch 256 --display 20 --iters 2  # the CLI alone
+    python benchmarks/bench_multihost.py --view cli --batch 256 --per-host 1,2 --wire   # layouts, wire
     python benchmarks/bench_multihost.py --validate --save m.json   # 2 then 4 hosts, the projection
     python benchmarks/bench_multihost.py --load m.json   # the report again from saved measurements
 """
@@ -100,11 +104,14 @@ def worker(args):
 
     from caffepy import log
     log.set_quiet(True)
+    from caffepy.parallel import mpi, world
+    # MPI started the way `caffepy train` starts it (mpi.TRANSPORT_DEFAULTS): importing
+    # mpi4py.MPI first started it with UCX's own 64 KB receive segments, so until now this
+    # harness timed another transport than the command it stands for
+    mpi.init_world(stall_timeout=0)
     from mpi4py import MPI
 
-    from caffepy.parallel import mpi, world
     from caffepy.parallel.ring import Link, Ring
-    mpi.init_world(stall_timeout=0)
     comm = world.comm
     result = {"hosts": comm.allgather(os.uname().nodename), "cores": os.cpu_count()}
     link = Link.measure(comm, probe_bytes=32 << 20)
@@ -224,6 +231,8 @@ def cli_iterations(log, skip):
 def allreduce_worker(args):
     """One MPI Allreduce of --floats floats between the ranks, timed --iters times; prints
     the fastest (the slowest rank's time of each)."""
+    from caffepy.parallel import mpi
+    mpi.transport_defaults()                  # as `caffepy train` starts MPI
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     grads = np.ones(args.floats, np.float32)
@@ -237,33 +246,39 @@ def allreduce_worker(args):
         print("RESULT " + json.dumps({"allreduce": min(times), "all": times}), flush=True)
 
 
-def cli_modes(per_host):
-    """[(name, environment)] of the CLI runs: the compute-only baseline, the default, and with
-    several ranks per host the flat ring over every rank (no shared-memory stage)."""
+def cli_modes(per_host, wire=False):
+    """[(name, environment)] of the CLI runs: the compute-only baseline, the default, with
+    several ranks per host the flat ring over every rank (no shared-memory stage), and with
+    `wire` the default with bfloat16 gradients on the wire."""
     modes = [("none", {"CAFFEPY_MPI_PROGRESS": "none"}), ("default", {})]
     if per_host > 1:
         modes.append(("flat ring", {"CAFFEPY_MPI_ALLREDUCE": "ring"}))
+    if wire:
+        modes.append(("bfloat16", {"CAFFEPY_MPI_WIRE_TYPE": "bfloat16"}))
     return modes
 
 
-def measure_cli(args, hosts, batch, me):
-    """Run `caffepy train` per mode, modes interleaved over --rounds; returns the figures."""
+def measure_cli(args, hosts, batch, me, per_host=1):
+    """Run `caffepy train` per mode, modes interleaved over --rounds; returns the figures.
+    With several ranks per host each rank's local batch is batch / per_host: a host does
+    the same work in every layout."""
     import tempfile
 
     from tests.multihost.testbed import TestBed
-    for var in ("CAFFEPY_MPI_PROGRESS", "CAFFEPY_MPI_ALLREDUCE"):
+    for var in ("CAFFEPY_MPI_PROGRESS", "CAFFEPY_MPI_ALLREDUCE", "CAFFEPY_MPI_WIRE_TYPE"):
         os.environ.pop(var, None)                       # the defaults are what users run
     skip = max(args.warmup, 2)
     iters = skip + max(args.iters, 3) * args.display
     env = dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    modes = cli_modes(args.per_host)
-    found = {name: {"iter": [], "waits": [], "algorithm": None} for name, _ in modes}
+    modes = cli_modes(per_host, args.wire and per_host == 1)
+    batch = max(1, batch // per_host)
+    found = {name: {"iter": [], "rounds": [], "waits": [], "algorithm": None} for name, _ in modes}
     nbytes = None
     with tempfile.TemporaryDirectory(prefix="bench_multihost_cli_") as tmp, TestBed(hosts, rate=args.rate) as bed:
         solver = write_cli_job(tmp, batch, iters, args.display)
         for _ in range(args.rounds):
             for name, extra in modes:
-                out = bed.run(_caffepy() + ["train", "--solver", solver], args.per_host, env=dict(env, **extra),
+                out = bed.run(_caffepy() + ["train", "--solver", solver], per_host, env=dict(env, **extra),
                               cwd=tmp)
                 log = out.stdout + out.stderr
                 times = cli_iterations(log, skip)
@@ -272,13 +287,14 @@ def measure_cli(args, hosts, batch, me):
                     raise SystemExit(f"bench_multihost: `caffepy train` ({name}) failed (exit {out.returncode})")
                 f = found[name]
                 f["iter"] += times
+                f["rounds"].append(statistics.median(times))
                 f["waits"] += [(float(a), float(b)) for a, b in _WAITS.findall(log)[skip // args.display:]]
                 m = _GRADIENTS.search(log)
                 nbytes, f["algorithm"] = float(m.group(1)) * 1e6, f"progress {m.group(2)}, {m.group(3)}"
         # between the hosts: one rank per host, as a leader-only exchange would
         cmd = [sys.executable, me, "--allreduce-worker", "--floats", str(int(nbytes // 4)), "--iters", "3"]
         allreduce = _result(bed.run(cmd, env=env), "the allreduce")["allreduce"]
-    return {"hosts": hosts, "per_host": args.per_host, "batch": batch, "display": args.display,
+    return {"hosts": hosts, "per_host": per_host, "batch": batch, "display": args.display,
             "modes": found, "allreduce": allreduce, "bytes": nbytes}
 
 
@@ -308,6 +324,12 @@ def report_cli(args, c, others):
                 if m["waits"] else "")
         print(f"t_{ranks}ranks {name:9s} {tn:6.2f} s  {m['algorithm']}; median of {len(m['iter'])} "
               f"iterations; cost {tn - t1:+.2f} s  {text}{wait}")
+        if len(m.get("rounds", ())) > 1:
+            # each round's run beside the baseline run just before it: on a shared machine the
+            # load drifts between rounds more than within one
+            ratio = statistics.median(a / b for a, b in zip(m["rounds"], modes["none"]["rounds"]))
+            _, text = verdict((ratio - 1) * t1, c["allreduce"], spread)
+            print(f"  {'':9s} {ratio:6.3f} x  the baseline, median of the rounds' ratios: {text}")
     print(f"  (iteration spread up to {spread:.2f} s; hidden = 1 - (t_{ranks}ranks - t_1rank) / t_allreduce; "
           f"target for the default >= 90%)")
     return shown
@@ -488,8 +510,11 @@ def main():
     ap.add_argument("--save", help="write the raw measurements to this JSON file")
     ap.add_argument("--load", help="no run: report (model check, projection) from a --save file")
     ap.add_argument("--display", type=int, default=1, help="the CLI run's display interval")
-    ap.add_argument("--per-host", type=int, default=1,
-                    help="ranks per emulated host in the CLI view (> 1: also the flat ring)")
+    ap.add_argument("--per-host", default="1",
+                    help="ranks per emulated host in the CLI view, comma-separated layouts (> 1: also the "
+                         "flat ring; the local batch divided by it)")
+    ap.add_argument("--wire", action="store_true",
+                    help="CLI view with 1 rank per host: also CAFFEPY_MPI_WIRE_TYPE=bfloat16")
     ap.add_argument("--view", default="cli,harness",
                     help="cli: time `mpiexec ... caffepy train`; harness: solver.step in-process (both: cli first)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -511,12 +536,12 @@ def main():
             saved = json.load(f)
         for key in ("rate", "rounds", "iters"):
             setattr(args, key, saved[key])
-        runs, cli = saved["runs"], saved.get("cli")
+        runs, clis = saved["runs"], saved.get("cli") or []
         print(f"measurements of {saved['when']} (load average {saved['load']:.2f} before)")
-        if cli:
+        for cli in clis if isinstance(clis, list) else [clis]:
             report_cli(args, cli, cli.get("others"))
     else:
-        runs, cli = measure(args)
+        runs, _ = measure(args)
     all_checks, inputs = [], None
     for run in runs:
         checks, found = report(args, run["result"], run["batch"], run["hybrid"], run.get("others"))
@@ -575,19 +600,20 @@ def measure(args):
     print(f"load average before: {load:.2f} on {os.cpu_count()} cores", flush=True)
     batch = args.batch or choose_batch(me, args.target)
     views = args.view.split(",")
-    runs, cli = [], None
+    runs, clis = [], []
 
     def save():
         if args.save:
             with open(args.save, "w") as f:
                 json.dump({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load,
                            "rate": args.rate, "rounds": args.rounds, "iters": args.iters, "runs": runs,
-                           "cli": cli}, f)
-    if "cli" in views:
+                           "cli": clis}, f)
+    for per_host in [int(p) for p in args.per_host.split(",")] if "cli" in views else ():
         busy, ours, wall = _machine_busy(), _children_cpu(), time.perf_counter()
-        cli = measure_cli(args, args.hosts, batch, me)
+        cli = measure_cli(args, args.hosts, batch, me, per_host)
         cli["others"] = max(0.0, ((_machine_busy() - busy) - (_children_cpu() - ours)) / (time.perf_counter() - wall))
         report_cli(args, cli, cli["others"])
+        clis.append(cli)
         sys.stdout.flush()
         save()
     for hosts in ((2, 4) if args.validate else (args.hosts,)) if "harness" in views else ():
@@ -598,7 +624,8 @@ def measure(args):
         others = ((_machine_busy() - busy) - (_children_cpu() - ours)) / (time.perf_counter() - wall)
         runs.append({"result": r, "batch": batch, "hybrid": hybrid, "others": max(0.0, others)})
         save()
-    return runs, cli
+    return runs, clis
+
 
 if __name__ == "__main__":
     main()

@@ -46,6 +46,11 @@ The default comes from CAFFEPY_MPI_PROGRESS, else `thread` (see
 benchmarks/bench_multihost.py and bench_mpi.py for the measurements behind these
 choices). Buffer-based (uppercase) MPI calls on float32 arrays only: nothing is
 pickled.
+
+What travels between hosts (`wire`, CAFFEPY_MPI_WIRE_TYPE, opt-in): `float32` (the
+default), or `bfloat16`: the ring's messages carry each float's top 16 bits, rounded
+(half the bytes), and every sum is still done in float32 (ring.py). Needs the ring
+(or shm's ring between hosts); MPI's own Allreduce has no bfloat16 sum.
 """
 import os
 import queue
@@ -54,7 +59,7 @@ import time
 
 import numpy as np
 
-from .ring import Link, Poller, Ring
+from .ring import WIRE_TYPES, Link, Poller, Ring
 
 PROGRESS_MODES = ("thread", "test", "wait", "blocking", "none")
 ALGORITHMS = ("shm", "ring", "mpi")
@@ -80,6 +85,10 @@ def default_progress():
 
 def default_algorithm():
     return _choice("CAFFEPY_MPI_ALLREDUCE", "shm", ALGORITHMS)
+
+
+def default_wire():
+    return _choice("CAFFEPY_MPI_WIRE_TYPE", "float32", WIRE_TYPES)
 
 
 class _Bucket:
@@ -307,7 +316,7 @@ class GradientReducer:
     """
 
     def __init__(self, comm, params, bucket_bytes=None, progress=None, algorithm=None,
-                 chunk_bytes=DEFAULT_CHUNK_BYTES, link=None):
+                 chunk_bytes=DEFAULT_CHUNK_BYTES, link=None, wire=None):
         from mpi4py import MPI
         self._MPI = MPI
         self.comm = comm
@@ -328,6 +337,15 @@ class GradientReducer:
             raise ValueError(f"unknown allreduce algorithm {requested!r}")
         if self.progress in ("test", "wait"):
             requested = "mpi"            # they are MPI's non-blocking Iallreduce
+        self.wire = wire or default_wire()
+        if self.wire not in WIRE_TYPES:
+            raise ValueError(f"unknown wire type {self.wire!r}")
+        if self.wire != "float32" and requested == "mpi" and self.progress != "none":
+            from ..errors import ParallelError
+            raise ParallelError(f"CAFFEPY_MPI_WIRE_TYPE: {self.wire} needs the ring or shm allreduce, got "
+                                f"algorithm mpi (progress {self.progress}). MPI's Allreduce has no "
+                                f"{self.wire} sum: unset CAFFEPY_MPI_WIRE_TYPE or use "
+                                f"CAFFEPY_MPI_ALLREDUCE=ring with progress thread or blocking")
         self._chunk = max(_ALIGN, chunk_bytes // 4)
         self.link = link
         ring_comm = comm
@@ -345,7 +363,7 @@ class GradientReducer:
         if ring_comm is not None and self.algorithm in ("shm", "ring") and self.progress != "none":
             if self.link is None:
                 self.link = Link.measure(ring_comm)
-            self.ring = Ring(ring_comm, self.link.piece_bytes() // 4, self.link.poll_cap())
+            self.ring = Ring(ring_comm, self.link.piece_bytes() // 4, self.link.poll_cap(), wire=self.wire)
             if self.window is not None:
                 self.window.ring = self.ring
         if self.window is None:
@@ -372,12 +390,13 @@ class GradientReducer:
             self._thread.start()
 
     def describe(self):
+        wire = f", {self.wire} on the wire" if self.ring is not None and self.ring.compress else ""
         if self.window is not None:
             w = self.window
             hosts = 1 if w.cross is None else w.cross.Get_size()
-            return f"shm ({w.local_size} ranks per host, {hosts} host{'s' if hosts > 1 else ''})"
+            return f"shm ({w.local_size} ranks per host, {hosts} host{'s' if hosts > 1 else ''}{wire})"
         if self.algorithm == "ring" and self.ring is not None:
-            return f"ring ({self.size} ranks, {4 * self.ring.piece / 1e6:.1f} MB pieces)"
+            return f"ring ({self.size} ranks, {4 * self.ring.piece / 1e6:.1f} MB pieces{wire})"
         return self.algorithm
 
     @staticmethod

@@ -130,7 +130,12 @@ def init_world(stall_timeout=0):
     Returns `world` (rank 0 of 1 when not launched)."""
     if _state["started"] or not launched():
         return world
-    transport_defaults()
+    if "mpi4py.MPI" not in sys.modules:
+        # UCX reads them when MPI starts: a caller that imported mpi4py.MPI first (it starts
+        # MPI) runs with what the environment held then
+        transport_defaults()
+    from . import ring
+    ring.rx_segment_bytes = ring.parse_bytes(os.environ.get("UCX_TCP_RX_SEG_SIZE"), 64 << 10)
     import mpi4py
     # the comm thread of allreduce.py and the watchdog call MPI while the main thread also may
     mpi4py.rc.thread_level = "multiple"

@@ -17,11 +17,11 @@ Waiting costs no core: MPICH's blocking calls poll the network in a loop (a 244 
 allreduce over 500 Mbit/s burned 3.1-3.3 s of CPU in 4.3 s), which on a node whose
 cores all compute takes a core from the work communication should hide behind. Here
 the waiting thread tests its requests and sleeps between tests, the sleeps growing
-to `poll_cap` (about the time the link takes to fill a socket buffer: MPICH's TCP
-transport moves data only inside MPI calls, and the kernel's buffers carry it
-between them). Each call reads at most one UCX receive segment per socket, so
-mpi.py raises UCX_TCP_RX_SEG_SIZE to 1 MB: with UCX's 64 KB a thread that tests
-every few ms drained the link at half its speed.
+to `poll_cap` (MPICH's TCP transport moves data only inside MPI calls, and the
+kernel's buffers carry it between them). Each call reads at most one UCX receive
+segment per socket, so mpi.py raises UCX_TCP_RX_SEG_SIZE to 1 MB (with UCX's 64 KB
+a thread that tests every few ms drained the link at half its speed), and the cap
+is half the time the link takes to bring one segment.
 """
 import time
 from collections import deque
@@ -30,6 +30,7 @@ import numpy as np
 
 ALIGN = 16                       # floats: pieces start on 64-byte cache lines
 _SUM_CHUNK = 1 << 16             # floats added and scaled at a time (256 KB, in L2)
+WIRE_TYPES = ("float32", "bfloat16")
 
 
 def _add_scaled(out, piece, scale):
@@ -42,16 +43,20 @@ def _add_scaled(out, piece, scale):
 
 
 class Poller:
-    """Sleeps between tests of pending requests: 20 us at first, doubling up to `cap`."""
+    """Sleeps between tests of pending requests: from cap / 8 (at least 20 us) after each
+    progress, doubling up to `cap`. A message that just finished was one of a few in
+    flight: the next one is rarely due within microseconds, and every wake-up takes a
+    compute thread's core for a while."""
 
     FIRST = 20e-6
 
     def __init__(self, cap):
         self.cap = cap
-        self.sleep = self.FIRST
+        self.first = max(self.FIRST, cap / 8)
+        self.sleep = self.first
 
     def progressed(self):
-        self.sleep = self.FIRST
+        self.sleep = self.first
 
     def idle(self):
         time.sleep(self.sleep)
@@ -61,8 +66,16 @@ class Poller:
 class Ring:
     """The ring of `comm` (a communicator of its own: nothing else may use its tags)."""
 
-    def __init__(self, comm, piece_floats, poll_cap=1e-3, depth=2):
+    def __init__(self, comm, piece_floats, poll_cap=1e-3, depth=2, wire="float32"):
         from mpi4py import MPI
+        if wire not in WIRE_TYPES:
+            raise ValueError(f"unknown wire type {wire!r}")
+        # bfloat16: every message carries the top 16 bits of each float (half the bytes);
+        # sums stay float32 (each rank adds what arrives to its float32 copy)
+        self.compress = wire == "bfloat16"
+        if self.compress:
+            from ..kernels import parallel as kernels
+            self.kernels = kernels
         self.MPI = MPI
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -111,6 +124,11 @@ class Transfer:
     receive into a scratch buffer and add it in (the last one also scales); allgather
     steps receive in place. Operation k sends what operation k - pieces received, so it
     is posted only once that one finished.
+
+    With a bfloat16 wire each message is the bfloat16 rounding of the float32 piece,
+    packed when posted; what arrives is added in float32; the owner of a finished
+    segment rounds it to bfloat16 values in place, so that every rank ends with the
+    same bits.
     """
 
     def __init__(self, ring, buf, scale, tag):
@@ -150,7 +168,7 @@ class Transfer:
 
     @property
     def bytes_sent(self):
-        return 4 * sum(hi - lo for (lo, hi), _, _ in self.ops)
+        return (2 if self.ring.compress else 4) * sum(hi - lo for (lo, hi), _, _ in self.ops)
 
     def post(self):
         """Post the operations that may start now; returns how many."""
@@ -159,15 +177,23 @@ class Transfer:
         while (self.posted < len(self.ops) and len(self.inflight) < ring.depth
                and self.posted - self.pieces < self.finished):
             (slo, shi), (rlo, rhi), kind = self.ops[self.posted]
-            scratch = None
-            if kind == "copy":
-                target = self.buf[rlo:rhi]
+            scratch = packed = None
+            if ring.compress:
+                scratch, packed = ring.buffer(), ring.buffer()
+                target = [scratch.view(np.uint16)[:rhi - rlo], MPI.UINT16_T]
+                source = packed.view(np.uint16)[:shi - slo]
+                ring.kernels.to_bf16(self.buf[slo:shi], source)
+                source = [source, MPI.UINT16_T]
             else:
-                scratch = ring.buffer()
-                target = scratch[:rhi - rlo]
-            requests = [ring.comm.Irecv([target, MPI.FLOAT], ring.left, self.tag),
-                        ring.comm.Isend([self.buf[slo:shi], MPI.FLOAT], ring.right, self.tag)]
-            self.inflight.append((requests, scratch))
+                if kind == "copy":
+                    target = self.buf[rlo:rhi]
+                else:
+                    scratch = ring.buffer()
+                    target = scratch[:rhi - rlo]
+                target, source = [target, MPI.FLOAT], [self.buf[slo:shi], MPI.FLOAT]
+            requests = [ring.comm.Irecv(target, ring.left, self.tag),
+                        ring.comm.Isend(source, ring.right, self.tag)]
+            self.inflight.append((requests, scratch, packed))
             self.posted += 1
             started += 1
         return started
@@ -177,11 +203,20 @@ class Transfer:
         MPI = self.ring.MPI
         progressed = False
         while self.inflight and MPI.Request.Testall(self.inflight[0][0]):
-            _, scratch = self.inflight.popleft()
+            _, scratch, packed = self.inflight.popleft()
             _, (rlo, rhi), kind = self.ops[self.finished]
-            if kind != "copy":
-                _add_scaled(self.buf[rlo:rhi], scratch[:rhi - rlo],
-                            self.scale if kind == "add_scale" else None)
+            scale = self.scale if kind == "add_scale" else None
+            if self.ring.compress:
+                arrived = scratch.view(np.uint16)[:rhi - rlo]
+                if kind == "copy":
+                    self.ring.kernels.from_bf16(arrived, self.buf[rlo:rhi])
+                else:
+                    self.ring.kernels.add_bf16(self.buf[rlo:rhi], arrived, 1.0 if scale is None else scale,
+                                               kind == "add_scale")
+                self.ring.give_back(packed)
+            elif kind != "copy":
+                _add_scaled(self.buf[rlo:rhi], scratch[:rhi - rlo], scale)
+            if scratch is not None:
                 self.ring.give_back(scratch)
             self.finished += 1
             progressed = True
@@ -190,9 +225,27 @@ class Transfer:
     def release(self):
         """Give the scratch buffers of unfinished operations back (after a failure)."""
         while self.inflight:
-            _, scratch = self.inflight.popleft()
-            if scratch is not None:
-                self.ring.give_back(scratch)
+            _, scratch, packed = self.inflight.popleft()
+            for buffer in (scratch, packed):
+                if buffer is not None:
+                    self.ring.give_back(buffer)
+
+
+# Bytes one MPI call reads from a socket: UCX's TCP receive segment as MPI started with it
+# (mpi.init_world sets it; UCX's own default until then)
+rx_segment_bytes = 64 << 10
+
+
+def parse_bytes(text, default):
+    """'1M', '64K', '65536' -> bytes, as UCX spells sizes; `default` when it cannot tell."""
+    text = (text or "").strip().upper().rstrip("B")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        if text[-1:] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        return default
 
 
 class Link:
@@ -238,8 +291,12 @@ class Link:
         return int(min(16 << 20, max(1 << 20, 0.04 * self.bandwidth)))
 
     def poll_cap(self):
-        """Longest sleep between tests: the time the link takes to move 64 KB (20 us - 2 ms)."""
-        return min(2e-3, max(20e-6, (64 << 10) / self.bandwidth))
+        """Longest sleep between tests: half the time the link takes to fill the receive
+        segment one test drains (rx_segment_bytes: UCX_TCP_RX_SEG_SIZE, 1 MB from mpi.py;
+        20 us - 10 ms).
+        Each wake-up preempts a compute thread: with a 64 KB cap AlexNet's ring woke its
+        thread about 1,700 times an iteration on 2 emulated hosts."""
+        return min(10e-3, max(20e-6, 0.5 * rx_segment_bytes / self.bandwidth))
 
     def __repr__(self):
         return f"latency {self.latency * 1e6:.0f} us, bandwidth {self.bandwidth / 1e6:.1f} MB/s"

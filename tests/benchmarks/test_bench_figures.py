@@ -198,6 +198,7 @@ def test_multihost_cli_view_reads_the_train_log():
     assert bench_multihost._WAITS.findall(log) == [("15.0", "2.5")]
     assert bench_multihost._GRADIENTS.search(log).groups() == ("243.9", "thread", "ring (2 ranks, 2.4 MB pieces)")
     assert [name for name, _ in bench_multihost.cli_modes(2)] == ["none", "default", "flat ring"]
+    assert [name for name, _ in bench_multihost.cli_modes(1, wire=True)] == ["none", "default", "bfloat16"]
 
 
 @pytest.mark.parametrize("name", sorted(nets.DEPLOY))

@@ -41,22 +41,25 @@ def caffepy_train(job, *args):
 ENV = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
 
 
-def across_hosts(job, hosts=2, ranks_per_host=1, args=(), rate=None, timeout=240):
+def across_hosts(job, hosts=2, ranks_per_host=1, args=(), rate=None, timeout=240, env=None):
     with TestBed(hosts, rate=rate) as bed:
-        return bed.run(caffepy_train(job, *args), ranks_per_host, env=ENV, timeout=timeout, cwd=job)
+        return bed.run(caffepy_train(job, *args), ranks_per_host, env=dict(ENV, **(env or {})), timeout=timeout,
+                       cwd=job)
 
 
-@pytest.mark.parametrize("hosts,per_host,algorithm", [
-    (2, 1, "algorithm: ring (2 ranks"),                       # one rank per host: the ring over TCP
-    (2, 2, "algorithm: shm (2 ranks per host, 2 hosts)"),     # shared memory, then TCP across
+@pytest.mark.parametrize("hosts,per_host,algorithm,env", [
+    (2, 1, "algorithm: ring (2 ranks", None),                 # one rank per host: the ring over TCP
+    (2, 2, "algorithm: shm (2 ranks per host, 2 hosts)", None),   # shared memory, then TCP across
+    (2, 2, "algorithm: ring (4 ranks", {"CAFFEPY_MPI_ALLREDUCE": "ring"}),   # the flat ring over all 4
+    (4, 1, "algorithm: ring (4 ranks", None),                 # 4 hosts on a bridge
 ])
 def test_data_parallel_across_hosts_matches_one_rank(tmp_path, db, can_emulate, hosts, per_host,
-                                                     algorithm):
+                                                     algorithm, env):
     ranks = hosts * per_host
     single = write_job(tmp_path, "single", db, BATCH, ITERS)
     multi = write_job(tmp_path, "multi", db, BATCH // ranks, ITERS)
     assert train(single).returncode == 0
-    out = across_hosts(multi, hosts, per_host, rate="1gbit")
+    out = across_hosts(multi, hosts, per_host, rate="1gbit", env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"emu-host{hosts - 1}" in out.stderr          # the ranks saw distinct hosts
     assert algorithm in out.stderr
@@ -64,22 +67,25 @@ def test_data_parallel_across_hosts_matches_one_rank(tmp_path, db, can_emulate, 
                         weights(multi / f"snap_iter_{ITERS}.caffemodel")) < 1e-5
 
 
+@pytest.mark.parametrize("hosts,per_host", [(2, 1), (2, 2)])
 @pytest.mark.parametrize("layout", ["model", "hybrid"])
-def test_model_and_hybrid_across_hosts_match_one_rank(tmp_path, db, can_emulate, layout):
+def test_model_and_hybrid_across_hosts_match_one_rank(tmp_path, db, can_emulate, layout, hosts, per_host):
     """model: both InnerProducts split across the ranks; hybrid: fc1 data parallel (its
-    gradients over the ring), fc2 split."""
+    gradients over the ring, or shared memory then the ring with 2 ranks a host), fc2 split."""
+    ranks = hosts * per_host
     kw = dict(fc="InnerProduct", hybrid=True)
     single = write_job(tmp_path, "single", db, BATCH, ITERS, **kw)
-    multi = write_job(tmp_path, "multi", db, BATCH // 2, ITERS, **kw)
+    multi = write_job(tmp_path, "multi", db, BATCH // ranks, ITERS, **kw)
     if layout == "hybrid":
         net = multi / "net.prototxt"
         net.write_text(net.read_text().replace("multinode { model_parts: 0 }", "", 1))
     assert train(single).returncode == 0
-    out = across_hosts(multi, rate="1gbit")
+    out = across_hosts(multi, hosts, per_host, rate="1gbit")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "hybrid (data + model parallel) over 2 ranks" in out.stderr
+    assert f"hybrid (data + model parallel) over {ranks} ranks" in out.stderr
     if layout == "hybrid":
-        assert "algorithm: ring (2 ranks" in out.stderr
+        assert ("algorithm: ring (2 ranks" if per_host == 1 else
+                "algorithm: shm (2 ranks per host, 2 hosts)") in out.stderr
     assert max_rel_diff(weights(single / f"snap_iter_{ITERS}.caffemodel"),
                         weights(multi / f"snap_iter_{ITERS}.caffemodel")) < 1e-5
 
@@ -90,6 +96,18 @@ def test_three_hosts_on_a_bridge(tmp_path, db, can_emulate):
     assert train(single).returncode == 0
     out = across_hosts(multi, hosts=3)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert max_rel_diff(weights(single / "snap_iter_3.caffemodel"),
+                        weights(multi / "snap_iter_3.caffemodel")) < 1e-5
+
+
+def test_eight_hosts_tiny_net(tmp_path, db, can_emulate):
+    """8 emulated hosts on a bridge, one rank each (local batch 3): 8 ranks = 1 rank."""
+    single = write_job(tmp_path, "single", db, 24, 3)
+    multi = write_job(tmp_path, "multi", db, 3, 3)
+    assert train(single).returncode == 0
+    out = across_hosts(multi, hosts=8, timeout=480)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "emu-host7" in out.stderr and "algorithm: ring (8 ranks" in out.stderr
     assert max_rel_diff(weights(single / "snap_iter_3.caffemodel"),
                         weights(multi / "snap_iter_3.caffemodel")) < 1e-5
 

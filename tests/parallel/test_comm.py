@@ -53,19 +53,23 @@ def test_world_under_mpiexec(tmp_path):
     assert sorted(re.findall(r"rank \d+ of \d+", out.stdout)) == [f"rank {r} of 3" for r in range(3)]
 
 
-@pytest.mark.parametrize("user", [None, "256K"])
-def test_transport_defaults_set_before_mpi_unless_the_user_did(tmp_path, user):
-    out = mpirun(2, """
+@pytest.mark.parametrize("user,early", [(None, False), ("256K", False), (None, True)])
+def test_transport_defaults_set_before_mpi_unless_the_user_did(tmp_path, user, early):
+    """The ring sizes its sleeps for the receive segment MPI started with: the default's, the
+    user's, or UCX's own 64 KB when the caller started MPI first (importing mpi4py.MPI)."""
+    out = mpirun(2, f"""
         import os
-        from caffepy.parallel import mpi, world
+        {"from mpi4py import MPI" if early else ""}
+        from caffepy.parallel import mpi, ring, world
         mpi.init_world()
-        seen = world.comm.gather(os.environ.get("UCX_TCP_RX_SEG_SIZE"))
+        seen = world.comm.gather((os.environ.get("UCX_TCP_RX_SEG_SIZE"), ring.rx_segment_bytes))
         if world.rank == 0:             # one line: the launcher may interleave the ranks' lines
-            print("seg", *seen)
+            print("seg", *[f"{{v}}={{b}}" for v, b in seen])
         mpi.finish()
     """, tmp_path, env={"UCX_TCP_RX_SEG_SIZE": user} if user else None)
     assert out.returncode == 0, out.stderr
-    assert re.findall(r"seg (\S+) (\S+)", out.stdout) == [(user or "1M",) * 2]
+    expect = {None: "1M=1048576", "256K": "256K=262144"}[user] if not early else "None=65536"
+    assert re.findall(r"seg (\S+) (\S+)", out.stdout) == [(expect,) * 2]
 
 
 REDUCER = """
@@ -259,6 +263,68 @@ def test_ring_averages_to_the_same_bits_everywhere(tmp_path, ranks):
     out = mpirun(ranks, RING, tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("ok") == ranks
+
+
+RING_BF16 = """
+    import numpy as np
+    from caffepy.parallel import mpi, world
+    from caffepy.parallel.ring import Ring
+    mpi.init_world()
+    ring = Ring(world.comm.Dup(), piece_floats=1000, wire="bfloat16")
+    for n in (0, 1, 17, 5000, 123457):
+        x = np.random.RandomState(world.rank).randn(n).astype(np.float32) * 1e-3
+        exact = sum(np.random.RandomState(r).randn(n).astype(np.float64) * 1e-3
+                    for r in range(world.size)) / world.size
+        buf = x.copy()
+        ring.allreduce(buf, 1.0 / world.size, tag=n % 7)
+        assert not np.any(buf.view(np.uint32) & 0xFFFF)     # bfloat16 values: what crossed the wire
+        # each partial sum is rounded once on the wire (8 bits of mantissa), the sums are float32
+        np.testing.assert_allclose(buf, exact, rtol=0, atol=world.size * 2 ** -8 * np.abs(x).max(initial=0) + 1e-12)
+        copies = world.comm.allgather(buf.tobytes())
+        assert all(c == copies[0] for c in copies)           # the same bits on every rank
+    print(f"ok {world.rank}")
+    mpi.finish()
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ring_bfloat16_wire_sums_in_float32(tmp_path, ranks):
+    out = mpirun(ranks, RING_BF16, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("ok") == ranks
+
+
+def test_bfloat16_rounds_to_nearest():
+    """The wire's kernels (cext/parallel.pyx) against their NumPy references, and the
+    references against rounding to 8 significant bits."""
+    import numpy as np
+
+    from caffepy.kernels import parallel as k
+    from caffepy.kernels.reference import parallel as ref
+    x = np.array([1.0, 1 + 2 ** -8, 1 + 2 ** -9, 1 + 3 * 2 ** -9, -(1 + 3 * 2 ** -9), 0.1, -7e-5,
+                  0.0, -0.0, np.inf, np.finfo(np.float32).max], np.float32)
+    bits = ref.to_bf16(x)
+    back = ref.from_bf16(bits)
+    # half way rounds away from zero (1 + 2^-8 -> 1 + 2^-7)
+    m, e = np.frexp(x[:7].astype(np.float64))
+    np.testing.assert_array_equal(back[:7], np.ldexp(np.sign(m) * np.floor(np.abs(m) * 256 + 0.5) / 256, e))
+    # signed zeros kept; the largest float32 is past bfloat16's largest: inf
+    assert back[7:].tolist() == [0.0, 0.0, np.inf, np.inf] and np.signbit(back[8])
+    assert ref.add_bf16(np.ones(3, np.float32), bits[:3], 0.5, True).tolist() == [1.0, 1 + 2 ** -7, 1.0]
+
+    r = np.random.RandomState(0)
+    x = np.concatenate([x, (r.randn(1000) * 10.0 ** r.randint(-30, 30, 1000)).astype(np.float32)])
+    got = np.empty(x.size, np.uint16)
+    k.to_bf16(x, got)
+    np.testing.assert_array_equal(got, ref.to_bf16(x))
+    up = np.empty(x.size, np.float32)
+    k.from_bf16(got, up)
+    np.testing.assert_array_equal(up, ref.from_bf16(got))
+    base = (r.randn(x.size) * 1e-3).astype(np.float32)
+    for scale, rounded in ((1.0, False), (0.25, False), (1 / 3, True)):
+        out = base.copy()
+        k.add_bf16(out, got, scale, rounded)
+        np.testing.assert_array_equal(out, ref.add_bf16(base, got, scale, rounded))
 
 
 def test_ring_waits_without_spinning(tmp_path):
