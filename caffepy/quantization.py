@@ -31,6 +31,7 @@ import math
 
 import numpy as np
 
+from .blob import Seen
 from .engine import caffe_engine
 from .proto import caffe_pb2
 
@@ -128,14 +129,6 @@ def fold_batchnorm(weights, bias, bn, scale):
     return weights * alpha.reshape((c,) + (1,) * (weights.ndim - 1)), folded_bias.astype(f32)
 
 
-def _same(array, seen):
-    """Whether a weights array holds the floats a copy kept (pycaffe code writes `.data` arrays
-    without a signal, so the quantized weights are checked against the floats each forward)."""
-    from .kernels import nhwc
-    return array.size == seen.size and nhwc.same_floats(
-        np.ascontiguousarray(array, np.float32).reshape(-1), seen)
-
-
 class Int8:
     """The int8 computation of one Convolution or InnerProduct: its checked Spec, the weights
     quantized (redone when any float they come from changes), and the forward."""
@@ -143,15 +136,14 @@ class Int8:
     def __init__(self, layer):
         self.layer = layer
         self.spec = Spec(layer, layer.num_output)
-        self._seen = None
+        self.seen = Seen()
         self.wq = self.bias_q = self.mult = None
         self.isa = isa()
 
     def _prepare(self, sources, fold):
         """Quantize the weights from `sources` (the float arrays they depend on) unless those
         are what the last call saw."""
-        if self._seen is not None and len(self._seen) == len(sources) and all(
-                _same(a, b) for a, b in zip(sources, self._seen)):
+        if not self.seen.changed(*sources):
             return
         L, spec, f32 = self.layer, self.spec, np.float32
         w = L.blobs[0].data
@@ -176,7 +168,7 @@ class Int8:
             bias_scale = np.where(zero, f32(1), in_scale).astype(f32)
             scaled = np.clip(b.astype(f32) * bias_scale, -INT32_FLOAT_MAX, INT32_FLOAT_MAX)
             self.bias_q = np.rint(scaled).astype(np.int32)
-        self._seen = [np.array(a, np.float32, copy=True).reshape(-1) for a in sources]
+        self.seen.keep(*sources)
 
     def _ranges(self, relu, slope):
         spec = self.spec
