@@ -39,11 +39,9 @@ class ParallelBuildExt(build_ext):
             self.parallel = JOBS
 
     def copy_extensions_to_source(self):
-        # an --inplace (editable) build's copy does not make the directory of a module outside
-        # any package (caffepy/kernels/avx512/)
-        for ext in self.extensions:
-            os.makedirs(os.path.dirname(self.get_ext_fullpath(ext.name).replace(
-                self.build_lib + os.sep, "", 1)) or ".", exist_ok=True)
+        # an --inplace (editable) build's copy does not make the directory of modules outside
+        # any package
+        os.makedirs(os.path.join("caffepy", "kernels", "avx512"), exist_ok=True)
         super().copy_extensions_to_source()
 
     def build_extensions(self):
