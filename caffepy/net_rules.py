@@ -339,8 +339,8 @@ class ConvSum:
     on the sum and the Split after it if any (ResNet's block end), run by the convolution: its
     GEMM's epilogue applies the BatchNorm and Scale, adds the shortcut and takes the ReLU on the
     rows it has just written, straight into the Eltwise's top (Intel's ConvSumFusion with the
-    BatchNorm folded). No pass of the Eltwise+ReLU's own (it read two activations and wrote one:
-    ResNet-50 b16, 16 of them, x ms of y), but the convolution's own top (the BatchNorm and
+    BatchNorm folded). No pass of the Eltwise+ReLU's own (it read two activations and wrote one;
+    ResNet-50 has 16 such block ends), but the convolution's own top (the BatchNorm and
     Scale's values, `res2a_branch2c` ...) is then not written: CAFFEPY_FOLD=0 keeps it. When the
     convolution's algorithm has no epilogue the two units run as their rules run them."""
     name = "Convolution+BatchNorm(+Scale)+Eltwise+ReLU(+Split)"
