@@ -181,4 +181,4 @@ proto: install
 
 # The stamp too: the next target rebuilds the kernels it removes
 clean:
-	rm -rf build *.egg-info caffepy/kernels/*.so cext/*.c $(STAMP) $(TESTDEPS)
+	rm -rf build *.egg-info caffepy/kernels/*.so caffepy/kernels/avx512 cext/*.c $(STAMP) $(TESTDEPS)

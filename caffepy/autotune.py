@@ -19,7 +19,7 @@ Switches (environment):
     CAFFEPY_CACHE_DIR=dir   where the cache lives (default $XDG_CACHE_HOME/caffepy, else
                             ~/.cache/caffepy): autotune.json
 
-The cache holds one section per machine (CPU model, vector ISA, threads, the BLAS, kernel
+The cache holds one section per machine (CPU model, the kernels' ISA path, threads, the BLAS, kernel
 version), an
 entry per key: the choice and the milliseconds measured. It is read once per process; writes
 re-read it under an exclusive lock (ranks of one node may measure at once), merge, and replace
@@ -34,7 +34,7 @@ import time
 
 from . import device, log
 
-VERSION = 11                 # bump when a kernel change makes old measurements meaningless
+VERSION = 12                 # bump when a kernel change makes old measurements meaningless
 _FILE = "autotune.json"
 _cache = None                # {machine: {key: entry}} as read from disk, this process
 _path_read = None
@@ -54,7 +54,8 @@ def cache_path():
 
 
 def machine_key(threads):
-    isa, _ = device.vector_isa()
+    from . import isa as isa_path
+    isa = isa_path.NAMES[isa_path.selected()[0]]      # the kernels' path: what was measured
     return f"{device.cpu_model()} | {isa} | {threads} threads | {device.blas_name()} | v{VERSION}"
 
 
@@ -162,6 +163,18 @@ def choose(layer, key, candidates, default, threads):
     if agreed != choice:
         choice, layer.tuning = agreed, "rank 0's choice"
     return choice
+
+
+def batch_class(n):
+    """The batch sizes that share a convolution's measurements, as its keys name them: 1 alone,
+    then each power-of-two range ("2-3", "4-7", "16-31", ...). An algorithm's rank moves with
+    the batch mostly between one image (nothing to share out across images) and several, and a
+    first forward at a batch size of a range already measured then measures nothing (ResNet-50
+    b16's first forward spent 2 s measuring)."""
+    if n <= 1:
+        return "1"
+    low = 1 << (n.bit_length() - 1)
+    return f"{low}-{2 * low - 1}"
 
 
 def describe(names, tunings):

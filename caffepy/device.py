@@ -113,10 +113,12 @@ def warn_forced_blas_kernel():
 
 
 def engine_line():
-    """The CPU's vector ISA and the BLAS kernel, as `caffepy time`'s header says them."""
+    """The CPU's vector ISA, the kernels' path and the BLAS kernel, as `caffepy time`'s header
+    says them."""
+    from . import isa as isa_path
     isa, lanes = vector_isa()
     return (f"Engine: {cpu_model()}, vector ISA {isa} ({lanes} float32 lanes), "
-            f"{threads_in_use()} threads; BLAS {blas_line()}")
+            f"{threads_in_use()} threads; kernels {isa_path.describe()}; BLAS {blas_line()}")
 
 
 def threads_in_use():
@@ -128,7 +130,13 @@ def query():
     isa, lanes = vector_isa()
     log.info(f"Device: CPU ({cpu_model()})")
     log.info(f"Cores available to this process: {len(os.sched_getaffinity(0))} (of {os.cpu_count()})")
-    log.info(f"Vector ISA: {isa} ({lanes} float32 lanes; IntelPack block width {lanes})")
+    from . import isa as isa_path
+    log.info(f"Vector ISA: {isa} ({lanes} float32 lanes)")
+    log.info(f"Kernels: {isa_path.describe()}; IntelPack block width {isa_path.lanes()}; "
+             f"CAFFEPY_ISA={'|'.join(isa_path.PATHS)} forces a path")
+    for path in isa_path.PATHS:
+        if isa_path.unavailable(path):
+            log.info(f"  {isa_path.skip_reason(path)}")
     from . import quantization
     log.info(f"int8 kernels (quantization_param): {quantization.isa()} (exact int32 sums; no "
              f"VNNI path yet: CPUs with AVX-512 VNNI or AVX-VNNI run the AVX2 kernels)")

@@ -31,6 +31,13 @@ The rules, in the order they run:
                             convolution's GEMM to each output row as it writes it, or folded
                             into its weights and bias (inference only; Intel's compiler has no
                             such rule: its MKL-DNN engines fold BatchNorm and Scale into one)
+    Convolution+BatchNorm(+Scale)+Eltwise+ReLU(+Split)
+                            TEST nets only: that unit without its ReLU, then the Eltwise SUM of
+                            its top and a shortcut, the ReLU (slope 0) in place on the sum and
+                            the Split after it (ResNet's block end), applied by the GEMM's
+                            epilogue straight into the sum's blob: the convolution's own top
+                            is then not written (CAFFEPY_FOLD=0 keeps it). It runs just before
+                            the rule above, which would otherwise take the convolution
     BatchNorm+Scale(+ReLU)  the fast path's BatchNorm in place, its Scale in place on the same
                             blob, and the ReLU in place after them if there is one (ResNet's
                             form; Intel's RemoveScale and FuseBnRelu)
@@ -260,24 +267,27 @@ class ConvBatchNorm:
     runs them."""
     name = "Convolution+BatchNorm(+Scale)(+ReLU)"
 
-    def find(self, net):
+    def find(self, net, rule=None):
+        """The units in `net`; those whose layers all take part in `rule` too (ConvSum's
+        search), by default this rule."""
         if net.phase != caffe_pb2.TEST or not folding_enabled():
             return []
+        rule = rule or self
         units = []
         for li in range(len(net.layers) - 1):
             conv = net.layers[li]
-            if not (takes_part(net, li, self, "Convolution") and conv.fused is None
+            if not (takes_part(net, li, rule, "Convolution") and conv.fused is None
                     and len(net.bottom_vecs[li]) == 1 and len(net.top_vecs[li]) == 1):
                 continue
             y = net.top_vecs[li][0]
             if relu_in_place(net, li + 1, y):           # no BatchNorm: the ReLU alone
                 units.append(Unit(self, li, li + 1))
                 continue
-            if not (in_place_on(net, li + 1, y) and takes_part(net, li + 1, self, "BatchNorm")
+            if not (in_place_on(net, li + 1, y) and takes_part(net, li + 1, rule, "BatchNorm")
                     and net.layers[li + 1].use_global_stats and not net.layers[li + 1].relu):
                 continue
             last = li + 1
-            if in_place_on(net, last + 1, y) and takes_part(net, last + 1, self, "Scale"):
+            if in_place_on(net, last + 1, y) and takes_part(net, last + 1, rule, "Scale"):
                 last += 1
             if relu_in_place(net, last + 1, y):
                 last += 1
@@ -320,8 +330,10 @@ class ConvBatchNorm:
             relu.forward(net.bottom_vecs[last], net.top_vecs[last])
             return
         if conv.has_epilogue() or cls.fold_pays(conv, y, scale, relu):
+            # the epilogue's ReLU has no slope: a leaky one runs after it
+            plain = relu is not None and relu.slope == 0
             if not conv.forward_folded(net.bottom_vecs[first], net.top_vecs[first], bn, scale,
-                                       relu is not None):
+                                       plain) or (relu is not None and not plain):
                 relu.forward(net.bottom_vecs[last], net.top_vecs[last])
             return
         conv.forward(net.bottom_vecs[first], net.top_vecs[first])
@@ -331,6 +343,62 @@ class ConvBatchNorm:
         bn.forward(net.bottom_vecs[first + 1], net.top_vecs[first + 1])
         if relu is not None:
             relu.forward(net.bottom_vecs[last], net.top_vecs[last])
+
+    @staticmethod
+    def backward(net, unit, last, every_layer):
+        return rerun_layers(net, unit, last)
+
+
+class ConvSum:
+    """In a TEST net: the Convolution+BatchNorm(+Scale) unit without a ReLU (ResNet's last
+    convolution of a block), then the Eltwise SUM of its top and a shortcut, the ReLU in place
+    on the sum and the Split after it if any (ResNet's block end), run by the convolution: its
+    GEMM's epilogue applies the BatchNorm and Scale, adds the shortcut and takes the ReLU on the
+    rows it has just written, straight into the Eltwise's top (Intel's ConvSumFusion with the
+    BatchNorm folded). No pass of the Eltwise+ReLU's own (it read two activations and wrote one;
+    ResNet-50 has 16 such block ends), but the convolution's own top (the BatchNorm and
+    Scale's values, `res2a_branch2c` ...) is then not written: CAFFEPY_FOLD=0 keeps it. When the
+    convolution's algorithm has no epilogue the two units run as their rules run them."""
+    name = "Convolution+BatchNorm(+Scale)+Eltwise+ReLU(+Split)"
+
+    def find(self, net):
+        if net.phase != caffe_pb2.TEST or not folding_enabled():
+            return []
+        units = []
+        for conv in CONV_BATCHNORM.find(net, self):
+            e, y = conv.last + 1, net.top_vecs[conv.first][0]
+            if net.layers[conv.last].type == "ReLU" or e + 1 >= len(net.layers) \
+                    or net._conversions[e] or not takes_part(net, e, self, "Eltwise"):
+                continue
+            bottoms, x = net.bottom_vecs[e], net.top_vecs[e][0]
+            if not (len(bottoms) == 2 and sum(b is y for b in bottoms) == 1 and x not in bottoms
+                    and net.layers[e].fuses_relu(bottoms, [x]) and relu_in_place(net, e + 1, x)
+                    and net.layers[e + 1].slope == 0):
+                continue
+            last = e + 1
+            if last + 1 < len(net.layers) and net.layers[last + 1].type == "Split" \
+                    and not net._conversions[last + 1] and net.bottom_vecs[last + 1] == [x]:
+                last += 1
+            units.append(Unit(self, conv.first, last))
+        return units
+
+    @staticmethod
+    def describe(units):
+        return f"{len(units)} convolution(s) with the BatchNorm, Scale, Eltwise SUM and ReLU after them"
+
+    @staticmethod
+    def forward(net, unit, last):
+        first = unit.first
+        e = next(li for li in range(first + 1, last + 1) if net.layers[li].type == "Eltwise")
+        conv, y = net.layers[first], net.top_vecs[first][0]
+        bottoms, x = net.bottom_vecs[e], net.top_vecs[e]
+        shortcut = bottoms[1] if bottoms[0] is y else bottoms[0]
+        if conv.has_epilogue() and shortcut.layout == x[0].layout == y.layout:
+            bn, scale, _ = ConvBatchNorm.parts(net, Unit(CONV_BATCHNORM, first, e - 1), e - 1)
+            conv.forward_folded(net.bottom_vecs[first], x, bn, scale, True, shortcut)
+            return
+        ConvBatchNorm.forward(net, Unit(CONV_BATCHNORM, first, e - 1), e - 1)
+        net.layers[e].forward_with_relu(bottoms, x, net.layers[e + 1])
 
     @staticmethod
     def backward(net, unit, last, every_layer):
@@ -454,7 +522,8 @@ BATCHNORM_SCALE = BatchNormScale()
 ELTWISE_RELU = EltwiseReLU()
 INT8 = Int8Unit()
 CONV_BATCHNORM = ConvBatchNorm()
-RULES = (INT8, CONV_BATCHNORM, BATCHNORM_SCALE, ELTWISE_RELU)
+CONV_SUM = ConvSum()
+RULES = (INT8, CONV_SUM, CONV_BATCHNORM, BATCHNORM_SCALE, ELTWISE_RELU)
 
 
 def compile_net(net, rules=RULES):

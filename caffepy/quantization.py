@@ -32,6 +32,7 @@ import math
 
 import numpy as np
 
+from .blob import Seen
 from .engine import caffe_engine
 from .proto import caffe_pb2
 
@@ -143,18 +144,16 @@ class Int8:
     def __init__(self, layer):
         self.layer = layer
         self.spec = Spec(layer, layer.num_output)
-        self._seen = None
+        self.seen = Seen()
         self.wq = self.bias_q = self.mult = None
         self.isa = isa()
         # the channels-last Convolution (caffepy/layers/nhwc.py) runs the int8_nhwc.h kernels
         self.channels_last = getattr(layer, "layout", None) == "nhwc"
 
     def _prepare(self, sources, fold):
-        """Quantize the weights from `sources` (the blobs they depend on) unless none of those
-        was handed out since the last call (Blob.version: comparing the floats themselves
-        each forward read every weight twice)."""
-        seen = [(id(b), b.version) for b in sources]
-        if seen == self._seen:
+        """Quantize the weights from `sources` (the float arrays they depend on) unless those
+        are what the last call saw."""
+        if not self.seen.changed(*sources):
             return
         L, spec, f32 = self.layer, self.spec, np.float32
         w = L.blobs[0].data
@@ -182,7 +181,7 @@ class Int8:
             bias_scale = np.where(zero, f32(1), in_scale).astype(f32)
             scaled = np.clip(b.astype(f32) * bias_scale, -INT32_FLOAT_MAX, INT32_FLOAT_MAX)
             self.bias_q = np.rint(scaled).astype(np.int32)
-        self._seen = [(id(b), b.version) for b in sources]
+        self.seen.keep(*sources)
 
     def _ranges(self, relu, slope):
         spec = self.spec
@@ -193,11 +192,11 @@ class Int8:
 
     def sources(self, fold):
         L = self.layer
-        blobs = list(L.blobs)
+        arrays = [b.data for b in L.blobs]
         if fold is not None:
             bn, scale = fold
-            blobs += list(bn.blobs) + (list(scale.blobs) if scale else [])
-        return blobs
+            arrays += [b.data for b in bn.blobs] + ([b.data for b in scale.blobs] if scale else [])
+        return arrays
 
     def conv_forward(self, x, top, summand=None, relu=False, slope=0.0, fold=None, coeff=(1, 1)):
         """top (float32, NCHW, or NHWC for the channels-last layer) = the int8 convolution of x

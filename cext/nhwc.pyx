@@ -242,8 +242,10 @@ cdef struct CGeom:
     int images              # images per task (not direct)
     bint direct
     bint caffe_order        # wt is [group, Og, Kg] (Caffe's own, for a 1 x 1 kernel), not [group, Kg, Og]
-    const float* scale      # the forward's epilogue: y * scale[o] (NULL: none) + bias[o], then
-    bint relu               # max(y, 0) if relu
+    const float* scale      # the forward's epilogue: y * scale[o] (NULL: none) + bias[o],
+    const float* add        # + add[pixel, o] (NULL: none; an array of y's shape, y0 its base),
+    const float* y0
+    bint relu               # then max(y, 0) if relu
 
 
 cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int sh, int sw,
@@ -251,6 +253,7 @@ cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int s
     cdef CGeom g
     g.relu = False
     g.scale = NULL
+    g.add = NULL
     g.N, g.H, g.W, g.C = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
     g.O = O
     need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and dh >= 1 and dw >= 1 and ph >= 0
@@ -393,23 +396,28 @@ cdef void _col2im(const float* col, const CGeom* g, Py_ssize_t p0, Py_ssize_t p1
 
 
 cdef void _epilogue(float* y, Py_ssize_t rows, int O, const float* scale, const float* bias,
-                    bint relu) noexcept nogil:
-    """y = y * scale (NULL: 1) + bias (NULL: 0), then max(y, 0) if relu, per output channel:
-    on the rows the GEMM has just left in cache (a TEST net's BatchNorm, Scale and ReLU after
-    the convolution cost no pass of their own). The tests are outside the loops (-O3 unswitches
-    them), so each case vectorizes."""
+                    const float* add, bint relu) noexcept nogil:
+    """y = y * scale (NULL: 1) + bias (NULL: 0) + add (NULL: 0; rows x O as y), then max(y, 0)
+    if relu, per output channel: on the rows the GEMM has just left in cache (a TEST net's
+    BatchNorm, Scale, the Eltwise SUM with a shortcut and the ReLU after the convolution cost no
+    pass of their own). The tests are outside the loops (-O3 unswitches them), so each case
+    vectorizes."""
     cdef Py_ssize_t r
     cdef int o
     cdef float v
     cdef float* yr
+    cdef const float* ar
     for r in range(rows):
         yr = y + r * O
+        ar = add + r * O if add != NULL else NULL
         for o in range(O):
             v = yr[o]
             if scale != NULL:
                 v = v * scale[o]
             if bias != NULL:
                 v = v + bias[o]
+            if ar != NULL:
+                v = v + ar[o]
             if relu:
                 v = max(v, 0.0)
             yr[o] = v
@@ -434,8 +442,9 @@ cdef void _fwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float*
         gemm_ld(False, g.caffe_order, <int>rows, g.Og, g.Kg, 1.0, a + gr * g.Kg, <int>lda,
                 wt + <Py_ssize_t>gr * g.Kg * g.Og, g.Kg if g.caffe_order else g.Og, 0.0,
                 y + gr * g.Og, g.O)
-    if bias != NULL or g.scale != NULL or g.relu:
-        _epilogue(y, rows, g.O, g.scale, bias, g.relu)
+    if bias != NULL or g.scale != NULL or g.add != NULL or g.relu:
+        _epilogue(y, rows, g.O, g.scale, bias, g.add + (y - g.y0) if g.add != NULL else NULL,
+                  g.relu)
 
 
 cdef void _fwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float* wt,
@@ -549,10 +558,12 @@ cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
 def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const float[::1] bias,
                  float[:, :, :, ::1] y, float[:, ::1] col, int O, int kh, int kw, int ph, int pw,
                  int sh, int sw, int dh, int dw, int group, Py_ssize_t rows,
-                 bint caffe_order=False, const float[::1] scale=None, bint relu=False):
-    """y [N, oh, ow, O] = conv(x [N, H, W, C], wt) * scale (None: 1) + bias (empty: none),
-    max(y, 0) of that with relu (scale and relu: a TEST net's BatchNorm, Scale and ReLU after
-    the convolution, caffepy/net_rules.py); overwritten.
+                 bint caffe_order=False, const float[::1] scale=None, bint relu=False,
+                 const float[:, :, :, ::1] add=None):
+    """y [N, oh, ow, O] = conv(x [N, H, W, C], wt) * scale (None: 1) + bias (empty: none)
+    + add (None: none; y's shape), max(y, 0) of that with relu (scale, add and relu: a TEST
+    net's BatchNorm, Scale, Eltwise SUM and ReLU after the convolution, caffepy/net_rules.py);
+    overwritten. add may not be y.
     Scratch col [T, rows * Ktot] (unused by a direct convolution) for T threads. wt is
     [group, Kg, Og], or with caffe_order (1 x 1 kernels) [group, Og, Kg]: the weights as Caffe
     stores them, with no copy."""
@@ -562,6 +573,11 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
     if scale is not None:
         need(scale.shape[0] == O, "conv_forward", "scale", f"needs {O} values", scale.shape[0])
         g.scale = &scale[0]
+    if add is not None:
+        need_shape("conv_forward", "add", dims(add.shape, 4), dims(y.shape, 4))
+        if add.shape[0] * add.shape[1] * add.shape[2] * add.shape[3]:
+            need(&add[0, 0, 0, 0] != &y[0, 0, 0, 0], "conv_forward", "add", "may not be y", "y")
+            g.add, g.y0 = &add[0, 0, 0, 0], &y[0, 0, 0, 0]
     cdef int T = col.shape[0], nt, tid, saved = 0
     _check_conv("conv_forward", &g, wt, col, T)
     need(bias.shape[0] in (0, O), "conv_forward", "bias", f"needs {O} values or none", bias.shape[0])

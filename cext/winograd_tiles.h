@@ -23,13 +23,23 @@
  * an R x J matrix of them lives at base + (i * J + j) * stride, so a transform can read or write
  * the tile buffers, one tile position `pstride` apart, in place.
  *
- * Lanes go eight at a time in a vector variable when V allows, which GCC keeps in a register
- * across the sum (in a float array it kept every partial sum in memory, a load and a store per
- * term); 256 bits is native with AVX2, and Zen 4 splits 512-bit operations anyway. The vector
+ * Lanes go a vector at a time in a vector variable when V allows (the unrolled tiles a whole
+ * WG_VL, the generic code eight), which GCC keeps in a register across the sum (in a float array
+ * it kept every partial sum in memory, a load and a store per term). The vector
  * sums multiply by zero coefficients rather than test for them: a test and branch per term
  * took longer than the multiply (AlexNet's conv2 forward 44 -> 38 ms on Zen 4), and an array
  * of sums across j, for more independent sums, went back to memory (41 ms). */
 typedef float wg_v8 __attribute__((vector_size(32), aligned(4), may_alias));
+
+/* WG_VL: the block width this build's layers run (caffepy.isa: 16 floats in the AVX-512 build,
+ * 8 in the AVX2 one), the only width the tile transforms are unrolled for; wg_vl, a vector of it
+ * (one register in either build). Other widths run the generic code. */
+#ifdef __AVX512F__
+#define WG_VL 16
+#else
+#define WG_VL 8
+#endif
+typedef float wg_vl __attribute__((vector_size(WG_VL * 4), aligned(4), may_alias));
 
 /* dst (r, j) = sum_k c[r * cr + j * cj + k] * src (r, j, k), for r < R, j < J, k < K, with
  * src (r, j, k) at src + r * sr + j * sj + k * sk and dst (r, j) at dst + (r * J + j) * ds
@@ -86,7 +96,8 @@ WG_INLINE void wg_lanes(float *restrict e, const float *restrict src, int nv, in
 
 /* As wg_product, for coefficients known at compile time (the tables below, inlined with
  * constant sizes): there the test per term is decided by the compiler, which drops the zero
- * terms and turns the unit ones into adds. Coefficient (r, j, k) is c[r * cr + j * cj + k * ck]. */
+ * terms and turns the unit ones into adds. Coefficient (r, j, k) is c[r * cr + j * cj + k * ck].
+ * V a multiple of WG_VL. */
 WG_INLINE void wg_product_k(const float *restrict c, int cr, int cj, int ck, int R, int J, int K,
                             const float *restrict src, long sr, long sj, long sk,
                             float *restrict dst, long ds, int V)
@@ -97,21 +108,21 @@ WG_INLINE void wg_product_k(const float *restrict c, int cr, int cj, int ck, int
         for (int j = 0; j < J; j++) {
             const float *restrict s = src + r * sr + j * sj;
             float *restrict d = dst + (r * J + j) * ds;
-            for (int q = 0; q < V; q += 8) {
-                wg_v8 acc = {0};
+            for (int q = 0; q < V; q += WG_VL) {
+                wg_vl acc = {0};
 #pragma GCC unroll 8
                 for (int k = 0; k < K; k++) {
                     float ce = c[r * cr + j * cj + k * ck];
                     if (ce != 0.f)
-                        acc += ce * *(const wg_v8 *)(s + k * sk + q);
+                        acc += ce * *(const wg_vl *)(s + k * sk + q);
                 }
-                *(wg_v8 *)(d + q) = acc;
+                *(wg_vl *)(d + q) = acc;
             }
         }
 }
 
 /* wg_sandwich with M [R][K] a table: M[r][k] = M[r * mr + k * mk] (mr = 1, mk = R reads a
- * K x R table transposed). V a multiple of 8. */
+ * K x R table transposed). V a multiple of WG_VL. */
 WG_INLINE void wg_sandwich_k(const float *restrict M, int mr, int mk, int R, int K,
                              const float *restrict src, long ss, float *restrict tmp,
                              float *restrict dst, long ds, int V)
@@ -310,29 +321,15 @@ WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const floa
     }
 }
 
-/* Entry points: constant lane counts for the usual block widths and constant tile sizes for the
- * usual F(m, r) (a = m + r - 1), so the compiler unrolls the small products completely. */
-#define WG_LANES(call)                                                                    \
-    switch (V) {                                                                          \
-    case 8: { const int V_ = 8; call; break; }                                            \
-    case 16: { const int V_ = 16; call; break; }                                          \
-    default: { const int V_ = V; call; break; }                                           \
-    }
-/* One tile size: with the tables (kat_, kbt_; wg_table_at / wg_table_bt fold to them for a
- * constant tile) when `fixed` and the lanes are whole vectors, else with the caller's matrices
- * (kat_, kbt_ NULL). */
+/* Entry points: constant sizes for the usual F(m, r) (a = m + r - 1) with the tables and the
+ * build's own block width, so that the compiler unrolls the small products completely; anything
+ * else (other tiles, widths or matrices: tests, CAFFEPY_BLOCK_WIDTH) runs the generic code.
+ * Unrolling for both widths and with the callers' matrices too took 2.5 times the compile time
+ * (84 s of the build's 147 s of CPU) for paths the layers never take. */
 #define WG_TILE(mm, aa, call)                                                             \
-    if (m == mm && a == aa) {                                                             \
-        const int m_ = mm, a_ = aa;                                                       \
-        if (fixed && V == 8) {                                                            \
-            const int V_ = 8;                                                             \
-            const float *kat_ = wg_table_at(mm, aa), *kbt_ = wg_table_bt(aa); call;       \
-        } else if (fixed && V == 16) {                                                    \
-            const int V_ = 16;                                                            \
-            const float *kat_ = wg_table_at(mm, aa), *kbt_ = wg_table_bt(aa); call;       \
-        } else {                                                                          \
-            const float *kat_ = NULL, *kbt_ = NULL; WG_LANES(call)                        \
-        }                                                                                 \
+    if (fixed && V == WG_VL && m == mm && a == aa) {                                      \
+        const int m_ = mm, a_ = aa, V_ = WG_VL;                                           \
+        const float *kat_ = wg_table_at(mm, aa), *kbt_ = wg_table_bt(aa); call;           \
     }
 #define WG_DISPATCH(call)                                                                 \
     WG_TILE(4, 6, call)                                                                   \
@@ -342,7 +339,7 @@ WG_INLINE void wg_dx_v(const float *restrict dv, long pstride, int a, const floa
     else WG_TILE(3, 5, call)                                                              \
     else WG_TILE(5, 7, call)                                                              \
     else WG_TILE(4, 8, call)                                                              \
-    else { const int m_ = m, a_ = a; const float *kat_ = NULL, *kbt_ = NULL; WG_LANES(call) }
+    else { const int m_ = m, a_ = a, V_ = V; const float *kat_ = NULL, *kbt_ = NULL; call; }
 
 static void wg_input(const float *x, int H, int W, int iy0, int ix0, int m, int a,
                      const float *bt, int fixed, float *w, float *out, long pstride, int V,

@@ -36,3 +36,13 @@ def _pycaffe_name_restored():
         del sys.modules[k]
     sys.modules.update(saved)
     sys.meta_path[:] = meta
+
+
+def pytest_report_header(config):
+    """The kernels' ISA path this run tests, and the paths it cannot (tests/kernels/test_isa.py
+    skips them with the same reasons)."""
+    from caffepy import isa
+    path, how = isa.selected()
+    skipped = [isa.skip_reason(p) for p in isa.PATHS if isa.unavailable(p)]
+    return [f"caffepy kernels: {isa.NAMES[path]} ({how})"] + \
+        [f"caffepy kernels skipped: {s}" for s in skipped]

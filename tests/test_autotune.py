@@ -199,3 +199,21 @@ def test_a_clear_loser_is_measured_once(monkeypatch):
     best = autotune.measure({name: runner(name, t) for name, t in costs.items()}, rounds=3)
     assert best == pytest.approx(costs)
     assert [calls.count(name) for name in costs] == [1, 4, 4, 2]
+
+
+@pytest.mark.parametrize("n,cls", [(1, "1"), (2, "2-3"), (3, "2-3"), (16, "16-31"), (31, "16-31"),
+                                   (32, "32-63")])
+def test_batch_sizes_share_measurements_by_power_of_two_ranges(n, cls):
+    assert autotune.batch_class(n) == cls
+
+
+def test_a_new_batch_size_in_a_measured_range_measures_nothing(cache):
+    """A convolution measured at batch 4 takes that choice at batch 6 (the first forward of a
+    new batch size costs no measuring), and measures again at batch 1."""
+    params = "convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: 'xavier' } }"
+    tunings = []
+    for n in (4, 6, 1):
+        layer, _, _ = setup_layer("Convolution", params, [randn(n, 16, 10, 10)], layout=NHWC)
+        tunings.append(layer.tuning)
+    assert "measured" in tunings[0] and "measured" not in tunings[1] and "cached" in tunings[1]
+    assert "measured" in tunings[2]

@@ -255,14 +255,15 @@ def test_bad_quantization_param_is_one_line(fields, message):
     assert "\n" not in str(e.value)
 
 
-def test_weights_are_quantized_again_only_after_their_blobs_are_handed_out():
+def test_weights_are_quantized_again_only_when_a_source_float_changes():
     net = _net(block_net())
     net.forward()
     body = net.layer_dict["body"].int8
     first = body.wq
+    mean = net.layer_dict["bn_body"].blobs[0].data      # a folded BatchNorm's mean, kept (writable)
     net.forward()
-    assert body.wq is first                     # nothing handed out: the cached integers
-    net.layer_dict["bn_body"].blobs[0].data     # a folded BatchNorm's mean, fetched (writable)
+    assert body.wq is first                     # nothing changed: the cached integers
+    mean[...] += 0.5                            # written through an array fetched earlier
     net.forward()
     assert body.wq is not first
 

@@ -467,7 +467,7 @@ class Eltwise(Layer):
     min_bottoms = 2
     exact_tops = 1
     layout = ANY
-    fuses = frozenset({"Eltwise+ReLU(+Split)"})
+    fuses = frozenset({"Eltwise+ReLU(+Split)", "Convolution+BatchNorm(+Scale)+Eltwise+ReLU(+Split)"})
     PROD, SUM, MAX = caffe_pb2.EltwiseParameter.PROD, caffe_pb2.EltwiseParameter.SUM, \
         caffe_pb2.EltwiseParameter.MAX
 

@@ -25,7 +25,9 @@ import weakref
 import numpy as np
 
 from .. import memory
+from ..blob import Seen
 from ..errors import CaffepyError
+from ..proto import caffe_pb2
 
 try:
     from ..kernels import intel as _ki
@@ -52,14 +54,15 @@ _WORKSPACE = {}
 
 
 def block_width():
-    """V: CAFFEPY_BLOCK_WIDTH if set, else the float32 lanes of this CPU's widest vector unit."""
+    """V: CAFFEPY_BLOCK_WIDTH if set, else the float32 lanes of the kernels' ISA path (caffepy.isa:
+    the width their tile code is unrolled for)."""
     env = os.environ.get("CAFFEPY_BLOCK_WIDTH")
     if env:
         if not env.isdigit() or int(env) not in (4, 8, 16, 32):
             raise CaffepyError(f"CAFFEPY_BLOCK_WIDTH: must be 4, 8, 16 or 32, got '{env}'")
         return int(env)
-    from ..device import vector_isa
-    return vector_isa()[1]
+    from .. import isa
+    return isa.lanes()
 
 
 # A direct convolution is a candidate up to this many taps (input channels x kernel area), the
@@ -69,25 +72,6 @@ def block_width():
 # (measured: 3x3 over 64 channels; 1x1 256 -> 64), so it stays a candidate.
 DIRECT_MAX_TAPS = 1200
 DIRECT_RULE_TAPS = 400
-
-
-class Reordered:
-    """Weights reordered for a kernel, redone only when the weights' floats change: a small
-    net's forward spent a tenth of its time reordering weights that do not change between
-    forwards (cifar10_quick b1: conv3's 64 x 32 x 5 x 5 took 20 us, the compare takes 4). A
-    compare of whole contents, since pycaffe code writes `.data` arrays without a signal."""
-
-    def __init__(self):
-        self.seen = None
-
-    def stale(self, weights):
-        """Whether `weights` (a layer's blob data) differ from those of the last `done`."""
-        return self.seen is None or not _k.same_floats(weights.reshape(-1), self.seen)
-
-    def done(self, weights):
-        if self.seen is None or self.seen.size != weights.size:
-            self.seen = np.empty(weights.size, np.float32)
-        np.copyto(self.seen, weights.reshape(-1))
 
 
 def forward_params(layer, params):
@@ -144,18 +128,36 @@ def winograd_matrices(m, r):
     return _winograd.matrices(m, r)
 
 
-def winograd_weights(weights, gm, group, forward, workspace):
+def winograd_weights(weights, gm, group, forward, workspace, layer=None):
     """U = G W G^T of `weights` [O, Cg, r, r] (gm = G [a, r]) in a workspace ("wino_u"), in the
     forward's layout [a*a, group * Cg, O / group] or the backward's [a*a, O, Cg]
-    (cext/winograd.pyx); `workspace(name, shape)` gives the scratch."""
+    (cext/winograd.pyx); `workspace(name, shape)` gives the scratch. The forward of a TEST
+    net's `layer` keeps a U of its own instead, transformed again only when the weights' floats
+    change: at inference the weights stay, and their transform was redone every forward."""
     o, cg = weights.shape[:2]
     a2 = gm.shape[0] ** 2
-    if forward:
-        u = workspace("wino_u", (a2, group * cg, o // group))
-        _winograd.weight_transform(weights, gm, u, group)
-    else:
+    if not forward:
         u = workspace("wino_u", (a2, o, cg))
         _winograd.weight_transform(weights, gm, u)
+        return u
+    shape = (a2, group * cg, o // group)
+    if layer is None or layer.phase != caffe_pb2.TEST:
+        u = workspace("wino_u", shape)
+        _winograd.weight_transform(weights, gm, u, group)
+        return u
+    # on the layer, per tile size (a, r): kept across batch sizes (an algorithm is built per
+    # bottom shape)
+    kept = layer.winograd_kept
+    if kept is None:
+        kept = layer.winograd_kept = {}
+    seen, u = kept.get(gm.shape) or (Seen(), None)
+    if u is None or u.shape != shape:
+        u = memory.line_empty(a2 * group * cg * (o // group)).reshape(shape)
+        seen = Seen()
+    if seen.changed(weights):
+        _winograd.weight_transform(weights, gm, u, group)
+        seen.keep(weights)
+    kept[gm.shape] = seen, u
     return u
 
 
@@ -226,7 +228,7 @@ class Gemm:
         # operands); larger ones read weights reordered to the columns' (kh, kw, C) order
         self.caffe_order = (kh, kw) == (1, 1)
         self.wt = None if self.caffe_order else np.empty((L.group, self.kg, og), np.float32)
-        self.reordered = Reordered()
+        self.reordered = Seen()
 
     def _input(self, x):
         """What the GEMM reads: x, or for a strided pointwise convolution the pixels it reads,
@@ -247,35 +249,37 @@ class Gemm:
         weights = L.blobs[0].data if weights is None else weights
         if self.caffe_order:
             return weights.reshape(g, L.num_output // g, -1)
-        if fresh and self.reordered.stale(weights):
+        if fresh and self.reordered.changed(weights):
             (kh, kw) = L.window.kernel
             cg = L.channels // g
             w = weights.reshape(g, L.num_output // g, cg, kh * kw)
             wt = self.wt.reshape(g, kh * kw, cg, -1)
             for gi in range(g):
                 _k.reverse_axes(w[gi], wt[gi])
-            self.reordered.done(weights)
+            self.reordered.keep(weights)
         return self.wt
 
     def _col(self):
         return _workspace("col", (_k.max_threads(), self.col_floats))
 
-    # the forward takes an `epilogue` (scale [O], bias [O], relu): y * scale + bias in place
-    # of the layer's bias, then max(y, 0) if relu, on the rows each GEMM has just written
+    # the forward takes an `epilogue` (scale [O], bias [O], relu, add): y * scale + bias in
+    # place of the layer's bias, + add (None, or a channels-last blob of the top's shape), then
+    # max(y, 0) if relu, on the rows each GEMM has just written
     epilogue = True
 
     def forward(self, bottom, top, params=None, epilogue=None):
         weights, bias = forward_params(self.layer, params)
-        scale, relu = None, False
+        scale, relu, add = None, False, None
         if epilogue is not None:
-            scale, bias, relu = epilogue
+            scale, bias, relu, add = epilogue
         wt = self._weights(weights=weights)
         bias = _EMPTY if bias is None else bias
         col = self._col()
         rows = self.rows if epilogue is None else self.epilogue_rows
         for b, t in zip(bottom, top):
             _k.conv_forward(self._input(b.raw_data), wt, bias, t.raw_data, col, *self.args,
-                            rows, self.caffe_order, scale, relu)
+                            rows, self.caffe_order, scale, relu,
+                            None if add is None else add.raw_data)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
@@ -337,7 +341,7 @@ class Direct:
         self.plane = _k.conv_direct_plane(h, w, L.channels, *self._args())
         self.band = max(1, (1 << 14) // (L.ow * self.op))     # dy rows widened at once: 64 KB
         self.wp = np.zeros((self.k, self.op), np.float32)
-        self.reordered = Reordered()
+        self.reordered = Seen()
         self.bp = np.zeros(self.op, np.float32)
         self.gemm = gemm
 
@@ -358,10 +362,10 @@ class Direct:
         L = self.layer
         o = L.num_output
         weights, bias = forward_params(L, params)
-        if self.reordered.stale(weights):
+        if self.reordered.changed(weights):
             _k.reverse_axes(weights.reshape(o, L.channels, -1),
                             self.wp[:self.k, :o].reshape(-1, L.channels, o))
-            self.reordered.done(weights)
+            self.reordered.keep(weights)
         self.bp[:o] = 0 if bias is None else bias
         xpad = _workspace("direct_x", (_k.max_threads(), self.plane))
         for b, t in zip(bottom, top):
@@ -455,7 +459,7 @@ class Winograd:
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, self.r)
         weights = L.blobs[0].data if weights is None else weights
-        u = winograd_weights(weights, gm, L.group, forward, _workspace)
+        u = winograd_weights(weights, gm, L.group, forward, _workspace, L)
         return (at, bt, gm, u) + winograd_buffers(self.vshape, self.mshape, _workspace)
 
     def forward(self, bottom, top, params=None):
@@ -577,7 +581,7 @@ class BlockedWinograd:
         forward's layout or the backward's (cext/winograd.pyx)."""
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, L.kh)
-        u = winograd_weights(L.blobs[0].data, gm, L.group, forward, _workspace)
+        u = winograd_weights(L.blobs[0].data, gm, L.group, forward, _workspace, L)
         vshape, mshape = _winograd.scratch_shapes(_ki.max_threads(), n, L.channels, L.num_output,
                                                   h, w, L.width, self.m, L.kh, L.ph, L.pw, L.group)
         return (at, bt, gm, u) + winograd_buffers(vshape, mshape, _workspace)

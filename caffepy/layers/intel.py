@@ -154,6 +154,7 @@ class BlockedConvolution(Layer):
     reshape_from_shapes = True
     type = "Convolution"
     layout = BLOCKED
+    winograd_kept = None        # a TEST net's Winograd U (conv_algorithms.winograd_weights)
     min_bottoms = 1
     min_tops = 1
     equal_bottom_top = True
@@ -235,7 +236,8 @@ class BlockedConvolution(Layer):
         computes them from shared transforms), each by measurement."""
         n, _, h, w, v = bottom[0].shape
         found, default = self._candidates(n, h, w, v)
-        key = (f"Blocked Convolution {n}x{self.channels}x{h}x{w} v{v} -> {self.num_output} "
+        key = (f"Blocked Convolution {autotune.batch_class(n)}x{self.channels}x{h}x{w} v{v} -> "
+               f"{self.num_output} "
                f"k{self.kh}x{self.kw} s{self.sh}x{self.sw} p{self.ph}x{self.pw} "
                f"d{self.dh}x{self.dw} g{self.group}{' b' if self.bias_term else ''}")
         need_x = autotune.trial_propagate_down(self, bottom)

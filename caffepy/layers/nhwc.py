@@ -28,7 +28,7 @@ run on it as they are. All compute Caffe's numbers up to float rounding.
 import numpy as np
 
 from .. import autotune, geometry, memory, precision, quantization
-from ..blob import CHANNELS_LAST
+from ..blob import CHANNELS_LAST, Seen
 from ..errors import CaffepyError, ShapeError
 from ..layer import NHWC, OWN, Layer, register
 from ..proto import caffe_pb2
@@ -149,7 +149,9 @@ class NHWCConvolution(Convolution):
     layer off this path altogether), Intel's fused ReLU and SUM as the plain one's."""
     type = "Convolution"
     layout = NHWC
-    fuses = frozenset({"Convolution+BatchNorm(+Scale)(+ReLU)"})
+    fuses = frozenset({"Convolution+BatchNorm(+Scale)(+ReLU)",
+                       "Convolution+BatchNorm(+Scale)+Eltwise+ReLU(+Split)"})
+    winograd_kept = None        # a TEST net's Winograd U (conv_algorithms.winograd_weights)
 
     @classmethod
     def wanted(cls, request):
@@ -223,8 +225,9 @@ class NHWCConvolution(Convolution):
         if self.phase == TRAIN:
             passes += ["weights"] + (["data"] if any(need_x) else [])
         (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.window
-        key = (f"Convolution {n}x{self.channels}x{h}x{w} -> {self.num_output} k{kh}x{kw} "
-               f"s{sh}x{sw} p{ph}x{pw} d{dh}x{dw} g{self.group}{' b' if self.bias_term else ''}")
+        key = (f"Convolution {autotune.batch_class(n)}x{self.channels}x{h}x{w} -> {self.num_output} "
+               f"k{kh}x{kw} s{sh}x{sw} p{ph}x{pw} d{dh}x{dw} g{self.group}"
+               f"{' b' if self.bias_term else ''}")
         chosen, tunings = {}, {}
         for name in passes:
             # the direct algorithm's data gradient is the GEMM's: no candidate of its own
@@ -300,13 +303,14 @@ class NHWCConvolution(Convolution):
         if self.fused is not None:
             self.fused.forward(bottom, top)
 
-    def forward_folded(self, bottom, top, bn, scale=None, relu=False):
+    def forward_folded(self, bottom, top, bn, scale=None, relu=False, add=None):
         """This layer's forward with the BatchNorm `bn` (global statistics, in place on the top;
         None: none), the Scale `scale` after it (in place too, or None) and, with `relu`, a
         ReLU after them, as a TEST net's unit runs it (caffepy/net_rules.py). An algorithm with
         an epilogue (has_epilogue) applies them per output channel to the rows its GEMMs just
-        wrote; another computes with the BatchNorm and Scale folded into its weights and bias,
-        and the ReLU is left to the caller (returns False; True when it ran)."""
+        wrote, and adds the blob `add` (an Eltwise SUM's other bottom; only with an epilogue)
+        before the ReLU; another computes with the BatchNorm and Scale folded into its weights
+        and bias, and the ReLU is left to the caller (returns False; True when it ran)."""
         algo = self.algos["forward"]
         if self.has_epilogue():
             if bn is None:
@@ -315,8 +319,9 @@ class NHWCConvolution(Convolution):
                 if self._affine is None:
                     self._affine = Folded(weights=False)
                 s, t = self._affine.params(self, bn, scale)
-            algo.forward(bottom, top, epilogue=(s, t, relu))
+            algo.forward(bottom, top, epilogue=(s, t, relu, add))
             return True
+        assert add is None, "a sum needs an epilogue"
         if self._folded is None:
             self._folded = Folded(weights=True)
         algo.forward(bottom, top, self._folded.params(self, bn, scale))
@@ -369,13 +374,12 @@ class Folded:
     """A convolution's BatchNorm and Scale (a TEST net's unit) as its algorithm takes them:
     folded into the weights and bias (`weights`: fold_batchnorm), or as the per-channel (s, t)
     of an epilogue (batchnorm_affine), recomputed when an array they come from changes:
-    compared whole on every forward, as conv_algorithms.Reordered does, since pycaffe code
-    writes `.data` arrays without a signal (the weights only when they are folded).
+    compared whole on every forward (blob.Seen; the weights only when they are folded).
     """
 
     def __init__(self, weights):
         self.weights = weights
-        self.seen = None
+        self.seen = Seen()
         self.folded = None
 
     def params(self, conv, bn, scale):
@@ -387,10 +391,8 @@ class Folded:
         sources = [bias, bn.blobs[0].data, bn.blobs[1].data, bn.blobs[2].data, gamma, beta]
         if self.weights:
             sources.append(conv.blobs[0].data)
-        flat = [None if a is None else a.reshape(-1) for a in sources]
-        if self.seen is None or self.seen[0] != bn.eps or not all(
-                (a is None) == (b is None) and (a is None or _k.same_floats(a, b))
-                for a, b in zip(flat, self.seen[1:])):
+        eps = np.array([bn.eps])
+        if self.seen.changed(eps, *sources):
             factor = float(bn.blobs[2].data[0])
             factor = 0.0 if factor == 0 else 1.0 / factor
             stats = (bn.blobs[0].data.astype(np.float64) * factor,
@@ -399,7 +401,7 @@ class Folded:
                 self.folded = fold_batchnorm(conv.blobs[0].data, bias, *stats)
             else:
                 self.folded = batchnorm_affine(bias, *stats)[:2]
-            self.seen = [bn.eps] + [None if a is None else a.copy() for a in flat]
+            self.seen.keep(eps, *sources)
         return self.folded
 
 
@@ -484,7 +486,8 @@ class NHWCBatchNorm(BatchNorm):
     then y = (x - mean) / sqrt(var + eps), and max(y, 0) with relu."""
     type = "BatchNorm"
     layout = NHWC
-    fuses = frozenset({"BatchNorm+Scale(+ReLU)", "Convolution+BatchNorm(+Scale)(+ReLU)"})
+    fuses = frozenset({"BatchNorm+Scale(+ReLU)", "Convolution+BatchNorm(+Scale)(+ReLU)",
+                       "Convolution+BatchNorm(+Scale)+Eltwise+ReLU(+Split)"})
 
     @classmethod
     def wanted(cls, request):
@@ -613,7 +616,8 @@ class NHWCScale(_PerChannel, Scale):
     type = "Scale"
     layout = NHWC
     param_field = "scale_param"
-    fuses = frozenset({"BatchNorm+Scale(+ReLU)", "Convolution+BatchNorm(+Scale)(+ReLU)"})
+    fuses = frozenset({"BatchNorm+Scale(+ReLU)", "Convolution+BatchNorm(+Scale)(+ReLU)",
+                       "Convolution+BatchNorm(+Scale)+Eltwise+ReLU(+Split)"})
 
     fused_input = None      # the BatchNorm's x_norm when the last forward was fused with it
 

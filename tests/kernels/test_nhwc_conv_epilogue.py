@@ -1,5 +1,6 @@
-"""caffepy.kernels.nhwc.conv_forward's epilogue (a TEST net's BatchNorm, Scale and ReLU after a
-convolution, caffepy/net_rules.py): y = conv(x, W) * scale + bias, then max(y, 0), against the
+"""caffepy.kernels.nhwc.conv_forward's epilogue (a TEST net's BatchNorm, Scale, Eltwise SUM and
+ReLU after a convolution, caffepy/net_rules.py): y = conv(x, W) * scale + bias + add, then
+max(y, 0), against the
 NumPy reference convolution, for the pointwise GEMM over the batch (Caffe's weight order) and
 im2col's (the weights reordered, several row chunks an image), with one thread's scratch or
 two's."""
@@ -14,7 +15,8 @@ from caffepy.kernels.reference import vision as ref
                                                    (3, 1, 16, 2)])
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("with_scale", [False, True])
-def test_epilogue_against_the_reference(k, pad, rows, threads, relu, with_scale):
+@pytest.mark.parametrize("with_add", [False, True])
+def test_epilogue_against_the_reference(k, pad, rows, threads, relu, with_scale, with_add):
     rng = np.random.default_rng(7)
     n, c, h, w, o = 2, 5, 6, 7, 6
     x = rng.standard_normal((n, c, h, w), dtype=np.float32)
@@ -25,6 +27,9 @@ def test_epilogue_against_the_reference(k, pad, rows, threads, relu, with_scale)
     if scale is not None:
         want *= scale[None, :, None, None]
     want += bias[None, :, None, None]
+    add = rng.standard_normal((n, h, w, o), dtype=np.float32) if with_add else None
+    if add is not None:
+        want += add.transpose(0, 3, 1, 2)
     if relu:
         want = np.maximum(want, 0)
     xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
@@ -38,7 +43,7 @@ def test_epilogue_against_the_reference(k, pad, rows, threads, relu, with_scale)
         col = np.zeros((threads, nhwc.conv_col_floats(c, k, k, h, w, rows)), np.float32)
     y = np.full((n, h, w, o), np.nan, np.float32)
     nhwc.conv_forward(xl, wt, bias, y, col, o, k, k, pad, pad, 1, 1, 1, 1, 1, rows, caffe_order,
-                      scale, relu)
+                      scale, relu, add)
     np.testing.assert_allclose(y.transpose(0, 3, 1, 2), want, rtol=1e-5, atol=1e-5)
     if relu:
         assert (y == 0).any() and (y >= 0).all()
@@ -50,3 +55,14 @@ def test_a_scale_of_the_wrong_length_is_refused():
         nhwc.conv_forward(x, np.zeros((1, 4, 3), np.float32), np.zeros(0, np.float32),
                           np.zeros((1, 2, 2, 4), np.float32), np.zeros((1, 0), np.float32),
                           4, 1, 1, 0, 0, 1, 1, 1, 1, 1, 4, True, np.zeros(3, np.float32))
+
+
+def test_an_add_of_the_wrong_shape_or_in_place_is_refused():
+    x, y = np.zeros((1, 2, 2, 3), np.float32), np.zeros((1, 2, 2, 4), np.float32)
+    args = (np.zeros((1, 4, 3), np.float32), np.zeros(0, np.float32))
+    with pytest.raises(ValueError, match="conv_forward: add: "):
+        nhwc.conv_forward(x, *args, y, np.zeros((1, 0), np.float32), 4, 1, 1, 0, 0, 1, 1, 1, 1, 1,
+                          4, True, None, False, np.zeros((1, 2, 2, 3), np.float32))
+    with pytest.raises(ValueError, match="conv_forward: add: may not be y"):
+        nhwc.conv_forward(x, *args, y, np.zeros((1, 0), np.float32), 4, 1, 1, 0, 0, 1, 1, 1, 1, 1,
+                          4, True, None, False, y)

@@ -586,3 +586,85 @@ def test_the_cost_model_folds_where_the_outputs_outweigh_the_weights():
     assert ConvBatchNorm.fold_pays(res2, Blob((1, 64, 56, 56)), scale, relu)
     assert not ConvBatchNorm.fold_pays(res4, Blob((1, 256, 14, 14)), scale, relu)
     assert ConvBatchNorm.fold_pays(res4, Blob((64, 256, 14, 14)), scale, relu)
+
+
+# -- Convolution + BatchNorm (+ Scale) + Eltwise SUM + ReLU (+ Split) in TEST nets -----------------
+CONV_SUM_NET = """force_backward: true
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 5 dim: 6 } } }
+layer { name: "conv0" type: "Convolution" bottom: "data" top: "x"
+  convolution_param { num_output: 8 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "relu0" type: "ReLU" bottom: "x" top: "x" }
+layer { name: "conv1" type: "Convolution" bottom: "x" top: "y1"
+  convolution_param { num_output: 8 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "y1" top: "y1" }
+layer { name: "scale1" type: "Scale" bottom: "y1" top: "y1" scale_param { bias_term: true } }
+layer { name: "relu1" type: "ReLU" bottom: "y1" top: "y1" %(leaky)s }
+layer { name: "conv2" type: "Convolution" bottom: "y1" top: "y2"
+  convolution_param { num_output: 8 kernel_size: 1 bias_term: false weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "y2" top: "y2" }
+layer { name: "scale2" type: "Scale" bottom: "y2" top: "y2" scale_param { bias_term: true } }
+layer { name: "sum1" type: "Eltwise" bottom: "x" bottom: "y2" top: "s1" }
+layer { name: "relu2" type: "ReLU" bottom: "s1" top: "s1" }
+layer { name: "conv3" type: "Convolution" bottom: "s1" top: "y3"
+  convolution_param { num_output: 8 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn3" type: "BatchNorm" bottom: "y3" top: "y3" }
+layer { name: "sum2" type: "Eltwise" bottom: "y3" bottom: "s1" top: "s2" }
+layer { name: "relu3" type: "ReLU" bottom: "s2" top: "s2" }
+"""
+
+
+def _conv_sum_nets(tmp_path, monkeypatch, leaky=""):
+    """CONV_SUM_NET's TEST phase folded, with CAFFEPY_FOLD=0 (the Eltwise + ReLU rule still
+    runs), and under engine: CAFFE (every layer apart, Caffe's layout), same parameters."""
+    text = CONV_SUM_NET % {"leaky": leaky}
+    nets = []
+    for env, prefix in (("1", ""), ("0", ""), ("1", 'engine: "CAFFE"\n')):
+        monkeypatch.setenv("CAFFEPY_FOLD", env)
+        path = tmp_path / f"sum{len(nets)}.prototxt"
+        path.write_text(prefix + text)
+        nets.append(Net(str(path), caffepy.TEST))
+    rng = np.random.default_rng(11)
+    for name, layer in nets[0].layer_dict.items():
+        for i, blob in enumerate(layer.blobs):
+            if layer.type == "BatchNorm":
+                blob.data[...] = [rng.normal(0, 1, blob.shape), rng.uniform(0.5, 2, blob.shape), [0.8]][i]
+            else:
+                blob.data[...] = rng.normal(0, 0.5, blob.shape)
+            for other in nets[1:]:
+                other.layer_dict[name].blobs[i].data[...] = blob.data
+    x = rng.standard_normal(nets[0].blobs["data"].shape)
+    for net in nets:
+        net.blobs["data"].data[...] = x
+        net.forward()
+    return nets
+
+
+@pytest.mark.parametrize("leaky", ["", "relu_param { negative_slope: 0.1 }"], ids=["relu", "leaky"])
+def test_a_block_end_runs_in_the_convolutions_epilogue(tmp_path, monkeypatch, leaky):
+    """ResNet's block end (the last convolution's BatchNorm and Scale, the sum with the shortcut,
+    its ReLU and Split) is one unit of the folded TEST net, written by the 1 x 1 convolution's
+    GEMM epilogue straight into the sum; every blob but the convolutions' own tops (y2, y3: not
+    written) as the layers leave them, folded or not, within 1e-5 of each one's largest value.
+    A leaky ReLU in an epilogue unit runs with its slope."""
+    folded, plain, caffe = _conv_sum_nets(tmp_path, monkeypatch, leaky)
+    units = _fold_units(folded)
+    split = next(n for n in folded.layer_dict if n.startswith("s1") and "split" in n)
+    assert units == {"conv0": "relu0", "conv1": "relu1", "conv2": split, "conv3": "relu3"}
+    assert _fold_units(plain) == {} and _fold_units(caffe) == {}
+    for name in plain.blobs:
+        want = caffe.blobs[name].data
+        nets = (plain,) if name in ("y2", "y3") else (folded, plain)
+        for net in nets:
+            got = net.blobs[name].data
+            assert float(np.abs(got - want).max()) <= 1e-5 * max(1.0, float(np.abs(want).max())), name
+    assert (caffe.blobs["s1"].data == 0).any() and (caffe.blobs["y1"].data < 0).any() == bool(leaky)
+
+
+def test_a_backward_through_a_block_end_unit_runs_the_layers(tmp_path, monkeypatch):
+    folded, plain, _ = _conv_sum_nets(tmp_path, monkeypatch)
+    for net in (folded, plain):
+        net.blobs["s2"].diff[...] = np.linspace(-1, 1, net.blobs["s2"].count).reshape(net.blobs["s2"].shape)
+        net.backward()
+    for name in ("data", "x", "y2"):
+        got, want = folded.blobs[name].diff, plain.blobs[name].diff
+        assert float(np.abs(got - want).max()) <= 1e-5 * float(np.abs(want).max()), name

@@ -12,6 +12,7 @@ from caffepy.kernels.reference import nhwc as ref_layout
 from caffepy.kernels.reference import normalization as ref_norm
 from caffepy.kernels.reference import vision as ref
 from caffepy.layer import NHWC, PLAIN
+from caffepy.proto.caffe_pb2 import TEST, TRAIN
 from caffepy.layers import conv_algorithms
 from layer_cases import Case, case_tests, distinct, nhwc_blob, pool_expected, randn, setup_layer
 
@@ -386,13 +387,15 @@ def test_pointwise_backward_in_tasks_gives_the_reference_gradients(params, algor
     np.testing.assert_allclose(layer.blobs[1].diff, want_db, rtol=1e-4, atol=1e-4 * np.abs(want_db).max())
 
 
-@pytest.mark.parametrize("algorithm", ["direct", "im2col+gemm"])
-def test_reordered_weights_follow_a_change_of_one_float(algorithm):
-    """The algorithms that keep reordered weights between forwards redo them when any float
-    of the weights changes, written through an array held from before (as pycaffe code may)."""
-    params = f"convolution_param {{ num_output: 5 kernel_size: 3 pad: 1 {FILL} }}"
-    x = randn(2, 3, 6, 5, seed=23)
-    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC)
+@pytest.mark.parametrize("algorithm,phase", [("direct", TRAIN), ("im2col+gemm", TRAIN),
+                                             ("winograd F(4,3)", TEST), ("winograd F(2,3)", TEST)])
+def test_reordered_weights_follow_a_change_of_one_float(algorithm, phase):
+    """The algorithms that keep reordered (or, in a TEST net, Winograd-transformed) weights
+    between forwards redo them when any float of the weights changes, written through an array
+    held from before (as pycaffe code may)."""
+    params = f"convolution_param {{ num_output: 16 kernel_size: 3 pad: 1 {FILL} }}"
+    x = randn(2, 16, 6, 5, seed=23)
+    layer, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC, phase=phase)
     layer.force_algorithm(algorithm)
     held = layer.blobs[0].data
     for change in (None, (4, 2, 2, 1), (0, 0, 0, 0), None):
@@ -401,7 +404,38 @@ def test_reordered_weights_follow_a_change_of_one_float(algorithm):
         layer.forward(bottom, top)
         w, b = (blob.data.astype(np.float64) for blob in layer.blobs)
         want = ref.conv_forward(x.astype(np.float64), w, b, (1, 1), (1, 1), (1, 1), 1)
-        np.testing.assert_allclose(top[0].data, want, rtol=1e-5, atol=1e-5)
+        # Winograd's float32 error: 2e-5 of the largest value (conv_algorithms.WINOGRAD_TILES)
+        np.testing.assert_allclose(top[0].data, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_test_nets_winograd_transforms_its_weights_once(monkeypatch):
+    """A TEST net's Winograd forward keeps its U across forwards and batch sizes while the
+    weights hold the same floats; a TRAIN net's transforms them each forward."""
+    params = f"convolution_param {{ num_output: 16 kernel_size: 3 pad: 1 {FILL} }}"
+    calls = []
+    real = conv_algorithms._winograd
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def weight_transform(self, *args):
+            calls.append(args[0].shape)
+            return real.weight_transform(*args)
+
+    monkeypatch.setattr(conv_algorithms, "_winograd", Counting())
+    for phase, want in ((TEST, 2), (TRAIN, 4)):
+        calls.clear()
+        layer, bottom, top = setup_layer("Convolution", params, [randn(2, 16, 8, 8)], layout=NHWC,
+                                         phase=phase)
+        layer.force_algorithm("winograd F(4,3)")
+        for n in (2, 2, 1):
+            bottom[0].reshape(n, 16, 8, 8)
+            layer.reshape(bottom, top)
+            layer.forward(bottom, top)
+        layer.blobs[0].data[0, 0, 0, 0] += 1
+        layer.forward(bottom, top)
+        assert len(calls) == want, phase
 
 
 def test_strided_pointwise_convolution_is_no_direct_candidate():
