@@ -494,7 +494,7 @@ def sgemm_peak(threads):
 
 
 def machine_facts():
-    from caffepy import device
+    from caffepy import device, isa as kernel_isa
     isa, _ = device.vector_isa()
     march = ""
     if shutil.which("gcc"):
@@ -511,7 +511,8 @@ def machine_facts():
         pass
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    return (f"{device.cpu_model()}, {isa}{f' (gcc -march=native: {march})' if march else ''}, "
+    return (f"{device.cpu_model()}, {isa}{f' (GCC calls it {march})' if march else ''}, "
+            f"kernels {kernel_isa.describe()}, "
             f"{len(os.sched_getaffinity(0))} of {os.cpu_count()} CPUs{mem}; {platform.python_implementation()} "
             f"{platform.python_version()}; caffepy {commit or '?'}")
 
