@@ -222,6 +222,12 @@ def _caffepy():
     return [installed] if os.path.exists(installed) else [sys.executable, "-m", "caffepy.cli"]
 
 
+def cli_max_iter(skip, timed, display):
+    """The solver's max_iter for `timed` display lines after iteration `skip`: they come at
+    iterations 0, display, 2 display, ... up to max_iter - 1."""
+    return skip + timed * display + 1
+
+
 def cli_iterations(log, skip):
     """Seconds per iteration from a train log's display lines, those up to iteration `skip`
     left out (start-up, the first buckets, the link measurement)."""
@@ -268,7 +274,7 @@ def measure_cli(args, hosts, batch, me, per_host=1):
     for var in ("CAFFEPY_MPI_PROGRESS", "CAFFEPY_MPI_ALLREDUCE", "CAFFEPY_MPI_WIRE_TYPE"):
         os.environ.pop(var, None)                       # the defaults are what users run
     skip = max(args.warmup, 2)
-    iters = skip + max(args.iters, 3) * args.display
+    iters = cli_max_iter(skip, max(args.iters, 3), args.display)
     env = dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     modes = cli_modes(per_host, args.wire and per_host == 1)
     batch = max(1, batch // per_host)

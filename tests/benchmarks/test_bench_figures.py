@@ -198,6 +198,10 @@ def test_multihost_cli_view_reads_the_train_log():
     assert bench_multihost._WAITS.findall(log) == [("15.0", "2.5")]
     assert bench_multihost._GRADIENTS.search(log).groups() == ("243.9", "thread", "ring (2 ranks, 2.4 MB pieces)")
     assert [name for name, _ in bench_multihost.cli_modes(2)] == ["none", "default", "flat ring"]
+    # the solver displays at 0, D, 2D, ... below max_iter: --iters timed lines after the skip
+    for display in (1, 4, 20):
+        shown = range(0, bench_multihost.cli_max_iter(2, 3, display), display)
+        assert len([i for i in shown if i > 2]) == 3
     assert [name for name, _ in bench_multihost.cli_modes(1, wire=True)] == ["none", "default", "bfloat16"]
 
 
