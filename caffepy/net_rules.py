@@ -84,6 +84,36 @@ class Unit(typing.NamedTuple):
     shortcut: object = None
 
 
+class Parts(typing.NamedTuple):
+    """The layers of a unit after its first (a convolution or an inner product), each None
+    where the unit has none."""
+    bn: object
+    scale: object
+    eltwise: object         # the Eltwise SUM's index in the net
+    summand: object         # that sum's bottom other than the first layer's top
+    relu: object
+
+
+def parts(net, unit, last):
+    """The Parts of a unit of the convolution rules (Int8, Convolution+BatchNorm, ConvSum) up
+    to `last`, by type: such a unit holds at most one of each, in place on the first layer's
+    top up to the Eltwise SUM (a ReLU after the sum is in place on it)."""
+    bn = scale = eltwise = summand = relu = None
+    y = net.top_vecs[unit.first][0]
+    for li in range(unit.first + 1, last + 1):
+        layer = net.layers[li]
+        if layer.type == "BatchNorm":
+            bn = layer
+        elif layer.type == "Scale":
+            scale = layer
+        elif layer.type == "Eltwise":
+            eltwise, bottoms = li, net.bottom_vecs[li]
+            summand = bottoms[1] if bottoms[0] is y else bottoms[0]
+        elif layer.type == "ReLU":
+            relu = layer
+    return Parts(bn, scale, eltwise, summand, relu)
+
+
 def takes_part(net, li, rule, layer_type):
     """Layer li is a `layer_type` whose implementation declares `rule` and that runs caffepy's
     algorithms (not `engine: CAFFE`)."""
@@ -192,20 +222,10 @@ class Int8Unit:
     def forward(net, unit, last):
         first = unit.first
         layer = net.layers[first]
-        fold = None
-        relu, slope, summand = False, 0.0, None
-        for li in range(first + 1, last + 1):
-            other = net.layers[li]
-            if other.type == "BatchNorm":
-                fold = (other, None)
-            elif other.type == "Scale":
-                fold = (fold[0], other)
-            elif other.type == "Eltwise":
-                x = net.top_vecs[li - 1][0]
-                b = net.bottom_vecs[li]
-                summand = b[1] if b[0] is x else b[0]
-            elif other.type == "ReLU":
-                relu, slope = True, float(other.slope)
+        bn, scale, _, summand, relu_layer = parts(net, unit, last)
+        fold = None if bn is None else (bn, scale)
+        relu = relu_layer is not None
+        slope = float(relu_layer.slope) if relu else 0.0
         top = net.top_vecs[last][0]
         bottom = net.bottom_vecs[first]
         if layer.type == "InnerProduct":
@@ -299,15 +319,6 @@ class ConvBatchNorm:
         return f"{len(units)} convolution(s) with the BatchNorm, Scale or ReLU after them"
 
     @staticmethod
-    def parts(net, unit, last):
-        """The unit's (BatchNorm or None, Scale or None, ReLU or None)."""
-        layers = net.layers[unit.first + 1:last + 1]
-        bn = layers[0] if layers[0].type == "BatchNorm" else None
-        scale = next((la for la in layers if la.type == "Scale"), None)
-        relu = layers[-1] if layers[-1].type == "ReLU" else None
-        return bn, scale, relu
-
-    @staticmethod
     def fold_pays(conv, y, scale, relu):
         """Whether folding into the weights (for an algorithm with no epilogue) moves fewer
         floats than the layers' pass: it compares the convolution's weights with those it
@@ -324,7 +335,7 @@ class ConvBatchNorm:
     def forward(cls, net, unit, last):
         first = unit.first
         conv, y = net.layers[first], net.top_vecs[first][0]
-        bn, scale, relu = cls.parts(net, unit, last)
+        bn, scale, _, _, relu = parts(net, unit, last)
         if bn is None and not conv.has_epilogue():
             conv.forward(net.bottom_vecs[first], net.top_vecs[first])
             relu.forward(net.bottom_vecs[last], net.top_vecs[last])
@@ -389,16 +400,14 @@ class ConvSum:
     @staticmethod
     def forward(net, unit, last):
         first = unit.first
-        e = next(li for li in range(first + 1, last + 1) if net.layers[li].type == "Eltwise")
         conv, y = net.layers[first], net.top_vecs[first][0]
-        bottoms, x = net.bottom_vecs[e], net.top_vecs[e]
-        shortcut = bottoms[1] if bottoms[0] is y else bottoms[0]
+        bn, scale, e, shortcut, relu = parts(net, unit, last)
+        x = net.top_vecs[e]
         if conv.has_epilogue() and shortcut.layout == x[0].layout == y.layout:
-            bn, scale, _ = ConvBatchNorm.parts(net, Unit(CONV_BATCHNORM, first, e - 1), e - 1)
             conv.forward_folded(net.bottom_vecs[first], x, bn, scale, True, shortcut)
             return
         ConvBatchNorm.forward(net, Unit(CONV_BATCHNORM, first, e - 1), e - 1)
-        net.layers[e].forward_with_relu(bottoms, x, net.layers[e + 1])
+        net.layers[e].forward_with_relu(net.bottom_vecs[e], x, relu)
 
     @staticmethod
     def backward(net, unit, last, every_layer):

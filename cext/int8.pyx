@@ -107,6 +107,20 @@ cdef extern from "math.h" nogil:
     float _rint "rintf"(float)
 
 
+cdef int _check_epilogue(str kernel, int O, const int32_t[::1] bias, const float[::1] mult,
+                         summand, tuple top) except -1:
+    """The epilogue's arguments, checked alike for every kernel: mult and bias (or None) one per
+    output channel (O), summand None or float32 of the top's shape."""
+    cdef const float[:, :, :, ::1] s4
+    need_shape(kernel, "mult", dims(mult.shape, 1), (O,))
+    if bias is not None:
+        need_shape(kernel, "bias", dims(bias.shape, 1), (O,))
+    if summand is not None:
+        s4 = summand
+        need_shape(kernel, "summand", dims(s4.shape, 4), top)
+    return 0
+
+
 cdef i8_epilogue _epilogue(const int32_t[::1] bias, const float[::1] mult, summand,
                            float sum_scale, bint relu, float slope, bint quantize, float lo,
                            float hi, float inv_scale_out, float[::1] out, long so, long sp):
@@ -144,27 +158,16 @@ def conv_forward(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int
     need(C % G == 0 and O % G == 0, "conv_forward", "group", f"must divide {C} and {O}", G)
     need_shape("conv_forward", "w", dims(w.shape, 2), (O, 2 * J))
     need_shape("conv_forward", "top", dims(top.shape, 4), (N, O, OH, OW))
-    need_shape("conv_forward", "mult", dims(mult.shape, 1), (O,))
-    if bias is not None:
-        need_shape("conv_forward", "bias", dims(bias.shape, 1), (O,))
-    cdef const float[:, :, :, ::1] s4
-    if summand is not None:
-        s4 = summand
-        need_shape("conv_forward", "summand", dims(s4.shape, 4), (N, O, OH, OW))
+    _check_epilogue("conv_forward", O, bias, mult, summand, (N, O, OH, OW))
     threads = threads_for_macs(<Py_ssize_t>O * K * P)
     if threads < 1:
         threads = 1
     cdef bint depthwise = G == C and O == C
-    if depthwise:
-        q32 = np.empty(C * HW, np.int32)
-        acc = np.empty(threads * OW, np.int32)
-        _depthwise(x, w, bias, mult, top, summand, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW,
-                   scale_in, lo_in, hi_in, sum_scale, relu, slope, quantize, lo, hi,
-                   inv_scale_out, which, threads, q32, acc)
-        return
+    # q the quantized input, c each thread's int32 sums (a depthwise output row, or a column
+    # tile's rows), b the GEMM's right-hand side (depthwise has none)
     q = np.empty(G * Cp * HW, np.int32)
-    b = np.empty(G * J * Np, np.int32)
-    c = np.empty(threads * max(Mg, I8_MR) * I8_NR, np.int32)
+    c = np.empty(threads * (OW if depthwise else max(Mg, I8_MR) * I8_NR), np.int32)
+    b = np.empty(1 if depthwise else G * J * Np, np.int32)
     cdef int32_t[::1] qv = q, bv = b, cv = c
     cdef i8_epilogue e
     cdef float[::1] flat = np.asarray(top).reshape(-1)
@@ -173,29 +176,14 @@ def conv_forward(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int
                       sum_scale, relu, slope, quantize, lo, hi, inv_scale_out,
                       flat[i * O * P:(i + 1) * O * P], P, 1)
         with nogil:
-            i8_conv_image(which, threads, &x[i, 0, 0, 0], C, H, W, G, Mg, kh, kw, ph, pw, sh,
-                          sw, dh, dw, OH, OW, scale_in, lo_in, hi_in, &w[0, 0], &qv[0], &bv[0],
-                          &cv[0], &e)
-
-
-cdef _depthwise(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int32_t[::1] bias,
-                const float[::1] mult, float[:, :, :, ::1] top, summand, int kh, int kw, int ph,
-                int pw, int sh, int sw, int dh, int dw, int OH, int OW, float scale_in,
-                float lo_in, float hi_in, float sum_scale, bint relu, float slope, bint quantize,
-                float lo, float hi, float inv_scale_out, int which, int threads,
-                int32_t[::1] q, int32_t[::1] acc):
-    cdef int N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3], i
-    cdef long P = <long>OH * OW
-    cdef i8_epilogue e
-    cdef float[::1] flat = np.asarray(top).reshape(-1)
-    for i in range(N):
-        e = _epilogue(bias, mult, None if summand is None else np.asarray(summand[i]).reshape(-1),
-                      sum_scale, relu, slope, quantize, lo, hi, inv_scale_out,
-                      flat[i * C * P:(i + 1) * C * P], P, 1)
-        with nogil:
-            i8_depthwise_image(which, threads, &x[i, 0, 0, 0], C, H, W, kh, kw, ph, pw, sh, sw,
-                               dh, dw, OH, OW, scale_in, lo_in, hi_in, &w[0, 0], &q[0], &acc[0],
-                               &e)
+            if depthwise:
+                i8_depthwise_image(which, threads, &x[i, 0, 0, 0], C, H, W, kh, kw, ph, pw, sh,
+                                   sw, dh, dw, OH, OW, scale_in, lo_in, hi_in, &w[0, 0], &qv[0],
+                                   &cv[0], &e)
+            else:
+                i8_conv_image(which, threads, &x[i, 0, 0, 0], C, H, W, G, Mg, kh, kw, ph, pw,
+                              sh, sw, dh, dw, OH, OW, scale_in, lo_in, hi_in, &w[0, 0], &qv[0],
+                              &bv[0], &cv[0], &e)
 
 
 def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[::1] bias,
@@ -208,9 +196,7 @@ def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[
     cdef int which = _isa(isa)
     need_shape("inner_product", "w", dims(w.shape, 2), (N, Kp))
     need_shape("inner_product", "top", dims(top.shape, 2), (M, N))
-    need_shape("inner_product", "mult", dims(mult.shape, 1), (N,))
-    if bias is not None:
-        need_shape("inner_product", "bias", dims(bias.shape, 1), (N,))
+    _check_epilogue("inner_product", N, bias, mult, None, None)
     threads = threads_for_macs(<Py_ssize_t>M * N * K)
     if threads < 1:
         threads = 1
@@ -257,17 +243,11 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, ::1] w
     cdef int dh = dilation[0], dw = dilation[1]
     cdef int which = _isa(isa), threads
     need_shape("conv_forward_nhwc", "w", dims(w.shape, 4), ((O + 15) // 16, kh * kw * Cp, 16, 2))
-    need_shape("conv_forward_nhwc", "mult", dims(mult.shape, 1), (O,))
-    if bias is not None:
-        need_shape("conv_forward_nhwc", "bias", dims(bias.shape, 1), (O,))
-    cdef const float[:, :, :, ::1] s4
+    _check_epilogue("conv_forward_nhwc", O, bias, mult, summand, (N, OH, OW, O))
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
                                    np.asarray(summand).reshape(-1), sum_scale, relu, slope,
                                    quantize, lo, hi, inv_scale_out,
                                    np.asarray(top).reshape(-1), 0, 1)
-    if summand is not None:
-        s4 = summand
-        need_shape("conv_forward_nhwc", "summand", dims(s4.shape, 4), (N, OH, OW, O))
     threads = threads_for_macs(<Py_ssize_t>O * C * kh * kw * N * OH * OW)
     if threads < 1:
         threads = 1
@@ -293,10 +273,7 @@ def depthwise_nhwc(const float[:, :, :, ::1] x, const float[:, ::1] w, const int
     need(kh * kw < 512, "depthwise_nhwc", "kernel", "needs fewer than 512 taps", kh * kw)
     need_shape("depthwise_nhwc", "w", dims(w.shape, 2), (kh * kw, C))
     need_shape("depthwise_nhwc", "top", dims(top.shape, 4), (N, OH, OW, C))
-    cdef const float[:, :, :, ::1] s4
-    if summand is not None:
-        s4 = summand
-        need_shape("depthwise_nhwc", "summand", dims(s4.shape, 4), (N, OH, OW, C))
+    _check_epilogue("depthwise_nhwc", C, bias, mult, summand, (N, OH, OW, C))
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
                                    np.asarray(summand).reshape(-1), sum_scale, relu, slope,
                                    quantize, lo, hi, inv_scale_out,

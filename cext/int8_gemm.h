@@ -270,27 +270,35 @@ static inline float i8_finish(int32_t acc, int row, long idx, const i8_epilogue 
 }
 
 #ifdef __AVX2__
-/* i8_finish of 16 consecutive outputs from idx, the same operations in the same order. */
+/* i8_finish of 8 consecutive outputs from idx, with each output's bias and multiplier in a
+ * vector: the same operations in the same order. Both layouts' vector epilogue (here a row's
+ * outputs share one bias and multiplier; in int8_nhwc.h the 8 are channels, each its own). */
+static inline void i8_finish8_avx2(__m256i acc, __m256i bias, __m256 mult, long idx,
+                                   const i8_epilogue *e)
+{
+    __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc, bias)), mult);
+    if (e->summand)
+        y = _mm256_add_ps(y, _mm256_mul_ps(_mm256_loadu_ps(e->summand + idx),
+                                           _mm256_set1_ps(e->sum_scale)));
+    if (e->relu)
+        y = _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_set1_ps(e->slope)), y,
+                             _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ));
+    if (e->quantize) {
+        y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(e->lo)), _mm256_set1_ps(e->hi));
+        y = _mm256_add_ps(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                          _mm256_setzero_ps());
+    }
+    _mm256_storeu_ps(e->out + idx, _mm256_mul_ps(y, _mm256_set1_ps(e->inv_scale_out)));
+}
+
+/* i8_finish of 16 consecutive outputs of one row from idx. */
 static inline void i8_finish16_avx2(const int32_t *acc, int row, long idx, const i8_epilogue *e)
 {
-    const __m256 mult = _mm256_set1_ps(e->mult[row]), inv = _mm256_set1_ps(e->inv_scale_out);
+    const __m256 mult = _mm256_set1_ps(e->mult[row]);
     const __m256i bias = _mm256_set1_epi32(e->bias ? e->bias[row] : 0);
-    for (int h = 0; h < 2; h++) {
-        __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(
-            _mm256_loadu_si256((const __m256i *)(acc + 8 * h)), bias)), mult);
-        if (e->summand)
-            y = _mm256_add_ps(y, _mm256_mul_ps(_mm256_loadu_ps(e->summand + idx + 8 * h),
-                                               _mm256_set1_ps(e->sum_scale)));
-        if (e->relu)
-            y = _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_set1_ps(e->slope)), y,
-                                 _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ));
-        if (e->quantize) {
-            y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(e->lo)), _mm256_set1_ps(e->hi));
-            y = _mm256_add_ps(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                              _mm256_setzero_ps());
-        }
-        _mm256_storeu_ps(e->out + idx + 8 * h, _mm256_mul_ps(y, inv));
-    }
+    for (int h = 0; h < 2; h++)
+        i8_finish8_avx2(_mm256_loadu_si256((const __m256i *)(acc + 8 * h)), bias, mult,
+                        idx + 8 * h, e);
 }
 #endif
 

@@ -21,7 +21,8 @@
 #include "int8_gemm.h"
 #include "nhwc_dw_rows.h"
 
-/* as int8_gemm.h: no fused multiply-add in the epilogue (i8_finish inlined here too) */
+/* as int8_gemm.h: no fused multiply-add in the epilogue (its i8_finish and i8_finish8_avx2
+ * are inlined here too) */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
@@ -106,28 +107,6 @@ static void i8n_tile_avx2(int taps, int Cp, const int32_t *const *rows, const in
     I8N_STORE(0) I8N_STORE(1) I8N_STORE(2) I8N_STORE(3) I8N_STORE(4) I8N_STORE(5)
 #undef I8N_STORE
 }
-
-/* i8_finish of 8 consecutive channels o0.. of one pixel (idx: the first's), the same
- * operations in the same order with the per-channel bias and multiplier as vectors. */
-static inline void i8n_finish8_avx2(__m256i acc, int o0, long idx, const i8_epilogue *e)
-{
-    __m256i bias = e->bias ? _mm256_loadu_si256((const __m256i *)(e->bias + o0))
-                           : _mm256_setzero_si256();
-    __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc, bias)),
-                             _mm256_loadu_ps(e->mult + o0));
-    if (e->summand)
-        y = _mm256_add_ps(y, _mm256_mul_ps(_mm256_loadu_ps(e->summand + idx),
-                                           _mm256_set1_ps(e->sum_scale)));
-    if (e->relu)
-        y = _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_set1_ps(e->slope)), y,
-                             _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ));
-    if (e->quantize) {
-        y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(e->lo)), _mm256_set1_ps(e->hi));
-        y = _mm256_add_ps(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                          _mm256_setzero_ps());
-    }
-    _mm256_storeu_ps(e->out + idx, _mm256_mul_ps(y, _mm256_set1_ps(e->inv_scale_out)));
-}
 #endif
 
 /* The outputs of pixel p, channels [o0, o0 + n), from their int32 sums (e->out [P][O]). */
@@ -139,7 +118,10 @@ static inline void i8n_finish(int isa, const int32_t *acc, long p, int o0, int n
 #ifdef __AVX2__
     if (isa)
         for (; k + 8 <= n; k += 8)
-            i8n_finish8_avx2(_mm256_loadu_si256((const __m256i *)(acc + k)), o0 + k, idx + k, e);
+            i8_finish8_avx2(_mm256_loadu_si256((const __m256i *)(acc + k)),
+                            e->bias ? _mm256_loadu_si256((const __m256i *)(e->bias + o0 + k))
+                                    : _mm256_setzero_si256(),
+                            _mm256_loadu_ps(e->mult + o0 + k), idx + k, e);
 #endif
     for (; k < n; k++)
         e->out[idx + k] = i8_finish(acc[k], o0 + k, idx + k, e);

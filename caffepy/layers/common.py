@@ -253,10 +253,15 @@ class InnerProduct(Layer):
             self._skinny[name] = names[name] == "skinny"
         self.algorithm, self.tuning = autotune.describe(names, tunings)
 
+    def operand(self, role, a):
+        """A GEMM operand as the GEMM reads it (role "w" the weights, "x" the bottom's data,
+        "dy" the top's diff): itself; layers/bf16.py's variant rounds it to bf16."""
+        return a
+
     def forward(self, bottom, top):
-        x = bottom[0].data.reshape(self.M, self.K)
+        x = self.operand("x", bottom[0].data.reshape(self.M, self.K))
         y = top[0].data.reshape(self.M, self.num_output)
-        w = self.blobs[0].data
+        w = self.operand("w", self.blobs[0].data)
         if self._skinny["forward"]:
             self._by_columns(w, x, y)
         else:
@@ -269,9 +274,9 @@ class InnerProduct(Layer):
     def backward(self, top, propagate_down, bottom):
         if self.fused is not None:
             top, propagate_down, bottom = self.fused.backward(top, propagate_down, bottom)
-        dy = top[0].diff.reshape(self.M, self.num_output)
-        x = bottom[0].data.reshape(self.M, self.K)
+        dy = self.operand("dy", top[0].diff.reshape(self.M, self.num_output))
         if param_wanted(self, 0):
+            x = self.operand("x", bottom[0].data.reshape(self.M, self.K))
             if self.transpose:
                 gemm_into(x.T, dy, self.blobs[0].diff, 1.0)     # dW[K, N] += x^T dy
             else:
@@ -279,7 +284,7 @@ class InnerProduct(Layer):
         if self.bias_term and param_wanted(self, 1):
             self.blobs[1].diff[...] += dy.sum(axis=0)
         if propagate_down[0]:
-            w = self.blobs[0].data
+            w = self.operand("w", self.blobs[0].data)
             dx = bottom[0].diff.reshape(self.M, self.K)
             if self._skinny["data"]:
                 self._by_columns(w.T, dy, dx)

@@ -126,9 +126,15 @@ class Convolution(_ConvBase):
         return kv.conv_workspace_size(self.channels, *self.kernel, oh, ow,
                                       self.blobs[0].count, self.phase == caffe_pb2.TRAIN)
 
+    def operand(self, role, a):
+        """A GEMM operand as the GEMM reads it (role "w" the weights, "x" a bottom's data, "dy"
+        a top's diff): itself; layers/bf16.py's variant rounds it to bf16."""
+        return a
+
     def forward(self, bottom, top):
+        w = self.operand("w", self.blobs[0].data)
         for b, t in zip(bottom, top):
-            kv.conv_forward(b.data, self.blobs[0].data, self._bias(), t.data, self.col_buffer,
+            kv.conv_forward(self.operand("x", b.data), w, self._bias(), t.data, self.col_buffer,
                             *self.conv_args())
         if self.fused is not None:
             self.fused.forward(bottom, top)
@@ -137,8 +143,9 @@ class Convolution(_ConvBase):
         if self.fused is not None:
             top, propagate_down, bottom = self.fused.backward(top, propagate_down, bottom)
         wdiff, bdiff = self.param_diffs()
+        w = self.operand("w", self.blobs[0].data)
         for t, down, b in zip(top, propagate_down, bottom):
-            kv.conv_backward(t.diff, b.data, self.blobs[0].data, wdiff, bdiff,
+            kv.conv_backward(self.operand("dy", t.diff), self.operand("x", b.data), w, wdiff, bdiff,
                              b.diff if down else None, self._ensure_backward_buffer(b), *self.conv_args())
 
     def _ensure_backward_buffer(self, b):

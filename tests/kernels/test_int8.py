@@ -160,3 +160,29 @@ def test_unknown_isa_is_refused():
     with pytest.raises(ValueError, match="int8: isa: must be one of"):
         _ip(np.ones((1, 2), np.float32), np.ones((1, 2), np.int16), None, [1.0], False, False, 1.0,
             "vnni")
+
+
+@pytest.mark.parametrize("kernel", ["conv_forward", "conv_forward_nhwc", "depthwise_nhwc"])
+@pytest.mark.parametrize("arg", ["mult", "bias", "summand"])
+def test_every_convolution_checks_its_epilogue(kernel, arg):
+    # one check for all (int8.pyx _check_epilogue): depthwise_nhwc read past a short mult
+    c, depthwise = 4, kernel == "depthwise_nhwc"
+    wc = k.conv_weights(np.ones((c, 1 if depthwise else c, 3, 3), np.int16))
+    nchw = kernel == "conv_forward"
+    x = np.ones((1, c, 5, 5) if nchw else (1, 5, 5, c), np.float32)
+    top = np.empty_like(x)
+    bias, mult = np.zeros(c, np.int32), np.ones(c, np.float32)
+    summand = np.zeros_like(top)
+    bad = {"mult": np.ones(c - 1, np.float32), "bias": np.zeros(c + 1, np.int32),
+           "summand": np.zeros((1, 5, 5, c - 1) if not nchw else (1, c - 1, 5, 5), np.float32)}
+    bias, mult, summand = [bad[a] if a == arg else v
+                           for a, v in (("bias", bias), ("mult", mult), ("summand", summand))]
+    args = ((3, 3), (1, 1), (1, 1), (1, 1), 1.0, 0.0, 255.0, 1.0, True, 0.0, True, 0.0, 255.0,
+            1.0, "generic")
+    with pytest.raises(ValueError, match=f"{kernel}: {arg}: needs shape"):
+        if nchw:
+            k.conv_forward(x, wc, bias, mult, top, summand, 1, *args)
+        elif depthwise:
+            k.depthwise_nhwc(x, k.depthwise_nhwc_weights(wc, 3, 3), bias, mult, top, summand, *args)
+        else:
+            k.conv_forward_nhwc(x, k.nhwc_weights(wc), bias, mult, top, summand, *args)
