@@ -9,8 +9,10 @@ net's TEST phase) with random weights and plausible BatchNorm statistics, export
 caffepy's exporter (caffepy/onnx_export.py); ONNX Runtime and, when it imports, OpenVINO (f32:
 INFERENCE_PRECISION_HINT f32, PERFORMANCE_HINT LATENCY) run that file. The outputs are checked
 against caffepy's (max |difference| over max |value|). Then `--runs` rounds after `--warmup`
-untimed ones, each round one forward of each contender in turn (the order rotating), all in this
-process: a figure is the median of its forwards, a ratio the contender's median over caffepy's
+untimed ones, each round two forwards of each contender in turn (the order rotating), all in this
+process, the first untimed so that the one timed runs as back-to-back requests do (the previous
+contender's threads, which spin on after a forward, quiet): a figure is the median of its timed
+forwards, a ratio the contender's median over caffepy's
 (above 1: caffepy is faster). caffepy runs `net.forward()` as a user calls it. Its first
 forward (building the net included) reads the algorithm choices of the autotune cache as it
 stands: CAFFEPY_CACHE_DIR=$(mktemp -d) times a first run on this machine, measuring included.
@@ -151,6 +153,9 @@ def run_case(name, batch, args, threads):
     for r in range(args.runs):
         k = r % len(contenders)
         for c in contenders[k:] + contenders[:k]:
+            # untimed first: the previous contender's pool threads spin on after its forward
+            # (ONNX Runtime's, OpenMP's) and would be timed against this one's
+            c.forward()
             t = time.perf_counter()
             c.forward()
             times[c.name].append(1e3 * (time.perf_counter() - t))
