@@ -153,7 +153,8 @@ bench-threads: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_threads.py
 
 # int8 (quantization_param) against float32: Intel's int8 ResNet-50, MobileNet v1, Inception-v3
-# forward at batch 1 and 16 (CAFFEPY_INTEL_CAFFE names an Intel Caffe tree with models/)
+# forward at batch 1 and 16 (CAFFEPY_INTEL_CAFFE names an Intel Caffe tree with models/), then
+# caffepy calibrate's accuracy on LeNet, a CIFAR-style net and a small ResNet trained on the digits
 bench-int8: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_int8.py $(BENCH_ARGS)
 

@@ -1,12 +1,27 @@
-"""int8 against float32: the forward of Intel Caffe's int8 nets (quantization_param) through
-net.forward, beside the same net with quantization_param removed (caffepy's float32 fast path,
-BatchNorm/Scale/ReLU run as layers and fused by its own rules). Random weights; BatchNorm
-statistics set to mean 0, variance 1 so the folded weights stay in range.
+"""int8 against float32, in two parts (--parts; both by default).
 
-    CAFFEPY_INTEL_CAFFE=/work/intel-caffe python benchmarks/bench_int8.py [--batch 1 16]
-        [--nets resnet50_int8_full_perf mobilenet_v1_int8_perf ...] [--reps 5]
+speed: the forward of Intel Caffe's int8 nets (quantization_param) through net.forward, beside
+the same net with quantization_param removed (caffepy's float32 fast path, BatchNorm/Scale/ReLU
+run as layers and fused by its own rules). Random weights; BatchNorm statistics set to mean 0,
+variance 1 so the folded weights stay in range. The int8 net runs twice: with
+CAFFEPY_INT8_FALLBACK=0 (every quantized layer on 8-bit integers) and as built by default (each
+quantized convolution int8 or float32, whichever its first forward measured faster here, or the
+autotune cache's choice: caffepy/quantization.py). Prints per net and batch the best (and
+median) wall ms of the three, run in turn, the ratios f32 / int8 and how many quantized layers
+run float32.
 
-Prints per net and batch the best (and median) wall ms of each and the ratio f32 / int8.
+accuracy: `caffepy calibrate` (caffepy/calibrate.py) on the nets trained here on the bundled
+digits (benchmarks/digits_nets.py: LeNet, a CIFAR-style net, a small ResNet): per net and seed,
+float32 training, then calibrate twice, with Intel's defaults (the first convolution and the
+InnerProducts stay float32) and with every Convolution and InnerProduct (--first_conv
+--fc_int8); the scales from 296 training digits the seed draws, the float32 and int8 nets scored
+on the 296 held-out digits, --accuracy_loss 0.005 (the goal: half a point). Prints float32's and
+int8's top-1, the points int8 loses, the share of digits where their top-1 agree, and how many
+of the net's Convolution and InnerProduct layers run int8 (after calibrate's fallback).
+
+    CAFFEPY_INTEL_CAFFE=/work/intel-caffe python benchmarks/bench_int8.py [--parts speed accuracy]
+        [--nets resnet50_int8_full_perf mobilenet_v1_int8_perf ...] [--batch 1 16] [--reps 5]
+        [--digits_nets lenet cifar resnet] [--seeds 1701 1 2] [--weights_channel single] [--verbose]
 """
 import argparse
 import os
@@ -15,6 +30,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+import digits_nets  # noqa: E402
 from timing import alternate, median  # noqa: E402
 
 import caffepy  # noqa: E402
@@ -42,8 +58,18 @@ def _param(name, batch, quantized):
     return p
 
 
-def _net(name, batch, quantized):
-    net = Net(_param(name, batch, quantized), caffepy.TEST)
+def _net(name, batch, quantized, fallback=True):
+    """The net; `fallback` False builds it with CAFFEPY_INT8_FALLBACK=0 (every quantized layer
+    int8)."""
+    saved = os.environ.get("CAFFEPY_INT8_FALLBACK")
+    os.environ["CAFFEPY_INT8_FALLBACK"] = "1" if fallback else "0"
+    try:
+        net = Net(_param(name, batch, quantized), caffepy.TEST)
+    finally:
+        if saved is None:
+            del os.environ["CAFFEPY_INT8_FALLBACK"]
+        else:
+            os.environ["CAFFEPY_INT8_FALLBACK"] = saved
     for layer in net.layers:
         if layer.type == "BatchNorm":
             layer.blobs[0].data[...] = 0
@@ -52,22 +78,63 @@ def _net(name, batch, quantized):
     return net
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nets", nargs="+", default=DEFAULT)
-    ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
-    ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args()
+def speed(args):
     print(f"int8 kernels: {quantization.isa()}; threads: {os.environ.get('OMP_NUM_THREADS', 'all')}")
-    print(f"{'net':28s} {'batch':>5s} {'f32 ms':>14s} {'int8 ms':>14s} {'f32/int8':>8s}")
+    print("int8 only: CAFFEPY_INT8_FALLBACK=0; int8: each quantized convolution int8 or float32, "
+          "the faster here (measured on the first forward, or the autotune cache's)")
+    print(f"{'net':24s} {'batch':>5s} {'f32 ms':>14s} {'int8 only ms':>14s} {'int8 ms':>14s} "
+          f"{'f32/only':>8s} {'f32/int8':>8s} {'float32':>9s}")
     for name in args.nets:
         for batch in args.batch:
-            f32, int8 = _net(name, batch, False), _net(name, batch, True)
-            timers = alternate([f32.forward, int8.forward], args.reps, summary=lambda v: v)
+            nets = [_net(name, batch, False), _net(name, batch, True, fallback=False),
+                    _net(name, batch, True)]
+            timers = alternate([n.forward for n in nets], args.reps, summary=lambda v: v)
             best = [min(t) for t in timers]
             med = [median(t) for t in timers]
-            print(f"{name:28s} {batch:5d} {best[0]:7.1f} ({med[0]:5.0f}) {best[1]:7.1f} "
-                  f"({med[1]:5.0f}) {best[0] / best[1]:8.2f}", flush=True)
+            quantized = [la for la in nets[2].layers if getattr(la, "int8", None) is not None]
+            fell = sum(la.int8.path == quantization.FLOAT32 for la in quantized)
+            print(f"{name:24s} {batch:5d} " + " ".join(f"{b:7.1f} ({m:5.0f})" for b, m in zip(best, med))
+                  + f" {best[0] / best[1]:8.2f} {best[0] / best[2]:8.2f} {fell:3d} of {len(quantized):2d}",
+                  flush=True)
+
+
+# calibrate's options per row: Intel's defaults, then every Convolution and InnerProduct
+CALIBRATIONS = {"default": {}, "all": {"first_conv": True, "fc_int8": True}}
+
+
+def accuracy(args):
+    data = digits_nets.digits()
+    print(f"held-out digits: {len(data[3])}; one digit = {100 / len(data[3]):.2f} points; "
+          f"int8 kernels: {quantization.isa()}; weights_channel {args.weights_channel}")
+    print(f"{'net':7s} {'seed':>5s} {'layers':8s} {'f32 top-1':>9s} {'int8':>7s} {'lost':>6s} "
+          f"{'agree':>7s} {'int8 layers':>11s}", flush=True)
+    for name in args.digits_nets:
+        for seed in args.seeds:
+            weights = digits_nets.train(name, data, "f32", seed=seed)
+            total = sum(lp.type in ("Convolution", "InnerProduct") for lp in weights.layer)
+            for label, options in CALIBRATIONS.items():
+                (base, acc, agree, names), _ = digits_nets.calibrate(
+                    name, weights, data, seed, weights_channel=args.weights_channel, **options)
+                print(f"{name:7s} {seed:5d} {label:8s} {100 * base[0]:9.2f} {100 * acc[0]:7.2f} "
+                      f"{100 * (base[0] - acc[0]):6.2f} {100 * agree:7.2f} {len(names):>6d} of {total}",
+                      flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", nargs="+", default=["speed", "accuracy"], choices=["speed", "accuracy"])
+    ap.add_argument("--verbose", action="store_true", help="caffepy's log (each layer's algorithm)")
+    ap.add_argument("--nets", nargs="+", default=DEFAULT, help="Intel's int8 nets (speed)")
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--digits_nets", nargs="+", default=list(digits_nets.NETS),
+                    choices=list(digits_nets.NETS), help="nets trained on the digits (accuracy)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=list(digits_nets.SEEDS))
+    ap.add_argument("--weights_channel", default="single", choices=["single", "multiple"])
+    args = ap.parse_args()
+    caffepy.log.set_quiet(not args.verbose)
+    for part in args.parts:
+        {"speed": speed, "accuracy": accuracy}[part](args)
 
 
 if __name__ == "__main__":

@@ -122,12 +122,12 @@ def store(machine, key, entry):
 PRUNE = (2.0, 1.25)
 
 
-def measure(candidates, rounds=3):
+def measure(candidates, rounds=3, keep=None):
     """{name: fastest seconds} of each candidate function over `rounds` rounds, the first of
     which warms up (its times count, at a wider margin). The rounds interleave the candidates,
     so a moment when the machine is busy slows one round of each rather than every run of one;
     after each round the candidates more than PRUNE times slower than the leader drop out (their
-    time so far stays in the answer)."""
+    time so far stays in the answer), but `keep`, measured every round."""
     best = dict.fromkeys(candidates, float("inf"))
     alive = list(candidates)
     for r in range(rounds + 1):
@@ -136,15 +136,20 @@ def measure(candidates, rounds=3):
             candidates[name]()
             best[name] = min(best[name], time.perf_counter() - start)
         lead = min(best[name] for name in alive)
-        alive = [name for name in alive if best[name] <= PRUNE[min(r, 1)] * lead]
+        alive = [name for name in alive if name == keep or best[name] <= PRUNE[min(r, 1)] * lead]
         if len(alive) == 1:
             break
     return best
 
 
-def choose(layer, key, candidates, default, threads):
+def choose(layer, key, candidates, default, threads, prepare=None, margin=1.0):
     """The name of the fastest candidate for `key` on this machine (see the module docstring);
-    sets `layer.tuning` to how it was decided, for the log and `caffepy time`."""
+    sets `layer.tuning` to how it was decided, for the log and `caffepy time`. `prepare()`, if
+    given, runs before a measurement (not when the cache answers): one-time work of the
+    candidates (an int8 layer's quantized weights) that would otherwise weigh on the first
+    round, whose margin allows for page faults, not for that. With a `margin` above 1 another
+    candidate is chosen over `default` only when measured that many times faster, and
+    `default` is measured every round (one slow run cannot drop it)."""
     if len(candidates) == 1 or not enabled():
         layer.tuning = "rule" if len(candidates) > 1 else "only"
         return default if default in candidates else next(iter(candidates))
@@ -155,8 +160,11 @@ def choose(layer, key, candidates, default, threads):
             and set(candidates) <= set(entry.get("ms", {})):
         choice, layer.tuning = entry["choice"], "cached"
     else:
-        ms = {name: round(t * 1e3, 3) for name, t in measure(candidates).items()}
-        choice = min(ms, key=ms.get)
+        if prepare is not None:
+            prepare()
+        keep = default if margin != 1.0 else None
+        ms = {name: round(t * 1e3, 3) for name, t in measure(candidates, keep=keep).items()}
+        choice = min(ms, key=lambda name: ms[name] * (1.0 if name == default else margin))
         layer.tuning = "measured " + ", ".join(f"{name} {t:g} ms" for name, t in ms.items())
         store(machine, key, {"choice": choice, "ms": ms})
     agreed = layer.context.agree(choice)

@@ -14,11 +14,18 @@ Scale folded in); then
     quantized layer reads (Intel's force-fp32 step: the top goes to float32 layers)
 The first convolution stays float32 unless `first_conv` (Intel's -1st). The next `iterations`
 batches, held out, score the float32 and the int8 nets (every Accuracy layer's top, and how
-often their top-1 agree); while the int8 net loses more than `accuracy_loss`, the first
-quantized layer goes back to float32 (Intel's tuning step, which its script leaves disabled).
+often their top-1 agree); while the int8 net's first accuracy differs from float32's by more
+than `accuracy_loss`, either way, the first quantized layer goes back to float32 (Intel's
+tuning step, which its script leaves disabled: a gain beyond it is as much a sign that int8
+changed the net's answers as a loss; Intel stops at a difference below the bound, caffepy at
+one up to it, so a bound of 0 asks for the same accuracy). A convolution whose top is the
+summand of an Eltwise SUM folded into a quantized convolution keeps an 8-bit top (the fused
+sum reads it as 8-bit values, as Intel's ResNet-50 int8 nets' branch1 convolutions have it).
 Where caffepy differs: an input is unsigned when no sampled value was negative (Intel reads
 it from the net: a convolution's input is unsigned when the convolutions before it end with a
-ReLU), and Intel's concat scale unification is not done.
+ReLU), Intel's concat scale unification is not done, and an average pooling between two
+quantized convolutions leaves the second its own scale_in (Intel's cac step gives it the
+first's scale_out: its 8-bit pooling keeps the scale; caffepy pools in float32).
 """
 import numpy as np
 from google.protobuf import text_format
@@ -41,8 +48,14 @@ def _in_place(net, li, x, layer_type):
 def unit(net, li):
     """(BatchNorm or None, Scale or None, the unit's output blob, whether it ends with a ReLU of
     slope 0) of the layer at li as Intel's compiled net folds it."""
+    bn, scale, x, relu, _ = _unit(net, li)
+    return bn, scale, x, relu
+
+
+def _unit(net, li):
+    """unit(net, li) and the index of the Eltwise SUM it folds in (None without one)."""
     x = net.top_vecs[li][0]
-    bn = scale = None
+    bn = scale = summed = None
     j = li + 1
     if net.layers[li].type == "Convolution" and _in_place(net, j, x, "BatchNorm"):
         bn, j = net.layers[j], j + 1
@@ -53,9 +66,9 @@ def unit(net, li):
             and any(b is x for b in net.bottom_vecs[j]):
         p = net.layers[j].param.eltwise_param
         if p.operation == p.SUM and all(c == 1 for c in p.coeff):
-            x, j = net.top_vecs[j][0], j + 1
+            summed, x, j = j, net.top_vecs[j][0], j + 1
     relu = _in_place(net, j, x, "ReLU") and float(net.layers[j].slope) == 0
-    return bn, scale, x, relu
+    return bn, scale, x, relu, summed
 
 
 def _candidates(net, first_conv, fc_int8):
@@ -123,7 +136,9 @@ def quantize_param(param, net, stats, weights_channel):
     out = type(param)()
     out.CopyFrom(param)
     by_name = {lp.name: lp for lp in out.layer}
-    quantized = set(stats)
+    # an Eltwise SUM folded into a quantized convolution reads its other bottom (the summand)
+    # as the 8-bit values the layer writing it leaves: that layer's top stays 8-bit
+    quantized = set(stats) | {_unit(net, li)[4] for li in stats} - {None}
     for li, (max_in, negative, max_out, wmax) in stats.items():
         name = net.layers[li].name
         if name not in by_name:
@@ -194,11 +209,11 @@ def calibrate(model, weights, output, sampling_iterations=10, iterations=10, acc
         names = [net.layers[li].name for li in stats]
         log.info(f"int8 ({len(names)} layer(s)): accuracy {_fmt(acc)}, top-1 agreement "
                  f"{100 * agree:.2f}%")
-        if base[0] - acc[0] <= accuracy_loss or len(stats) == 1:
+        if abs(base[0] - acc[0]) <= accuracy_loss or len(stats) == 1:
             break
         first = min(stats)
-        log.info(f"loss {base[0] - acc[0]:.4f} > {accuracy_loss}: layer '{net.layers[first].name}' "
-                 f"stays float32")
+        log.info(f"accuracy {acc[0] - base[0]:+.4f} against float32, beyond {accuracy_loss}: layer "
+                 f"'{net.layers[first].name}' stays float32")
         del stats[first]
     with open(output, "w") as f:
         f.write(text_format.MessageToString(quantized))

@@ -579,7 +579,8 @@ def plot_log(args):
 @click.option("--iterations", default=10, show_default=True, type=click.IntRange(min=1),
               help="Held-out batches that score the int8 net (Intel's -i).")
 @click.option("--accuracy_loss", default=0.01, show_default=True, type=click.FloatRange(min=0),
-              help="The accuracy the int8 net may lose; beyond it, layers stay float32 (Intel's -l).")
+              help="How far the int8 net's accuracy may differ from float32's, either way; beyond it, "
+                   "layers stay float32 (Intel's -l).")
 @click.option("--weights_channel", type=click.Choice(["single", "multiple"]), default="single",
               show_default=True, help="One weight scale per layer or per output channel (Intel's -c).")
 @click.option("--first_conv/--no-first_conv", default=False,

@@ -20,7 +20,8 @@ The rules, in the order they run:
                             the BatchNorm (+ Scale) in place after a convolution folded into
                             its weights, the Eltwise SUM of two bottoms after that, and the
                             ReLU in place after them, run on 8-bit integers as Intel Caffe's
-                            compiled net runs them (caffepy/quantization.py); the blobs inside
+                            compiled net runs them (caffepy/quantization.py), or in float32
+                            where that is measured faster; the blobs inside
                             the unit (a convolution's own top before the Eltwise) are not
                             written, and its layers run one by one compute in float32
     Convolution+BatchNorm(+Scale)(+ReLU)
@@ -141,7 +142,8 @@ class Int8Unit:
     ConvReluFusion, ConvSumFusion and FuseFCRelu as its int8 layers run them. An Eltwise SUM
     after the convolution joins when its other bottom comes from a unit with an 8-bit top;
     otherwise Intel runs the fused convolution in float32, and so does caffepy (no unit: the
-    layers run apart in float32)."""
+    layers run apart in float32). A channels-last convolution's unit runs int8 or, where that
+    is measured faster, float32 (quantization.Int8.run, float_forward)."""
     name = "Int8 convolution"
 
     def find(self, net):
@@ -240,12 +242,42 @@ class Int8Unit:
             if layer.fused.summed:
                 summand = bottom[1]
                 coeff = layer.fused.coeff
-        if layer.int8.channels_last:
-            x, y = bottom[0].raw_data, top.raw_data
-            s = None if summand is None else channels_last(summand)
-        else:
+        if not layer.int8.channels_last:
             x, y, s = bottom[0].data, top.data, None if summand is None else summand.data
-        layer.int8.conv_forward(x, y, s, relu, slope, fold, coeff)
+            layer.int8.conv_forward(x, y, s, relu, slope, fold, coeff)
+            return
+        x, y = bottom[0].raw_data, top.raw_data
+        s = None if summand is None else channels_last(summand)
+        parts = "".join(f" +{net.layers[li].type}" for li in range(first + 1, last + 1))
+        key = (f"Int8 Convolution -> {layer.num_output} k{'x'.join(map(str, layer.kernel))} "
+               f"s{'x'.join(map(str, layer.stride))} p{'x'.join(map(str, layer.pad))} "
+               f"d{'x'.join(map(str, layer.dilation))} g{layer.group}{parts}"
+               f"{' fused' if layer.fused is not None else ''}")
+        layer.int8.run(key, bottom[0].shape,
+                       lambda: layer.int8.conv_forward(x, y, s, relu, slope, fold, coeff),
+                       lambda: Int8Unit.float_forward(net, first, last))
+
+    @staticmethod
+    def float_forward(net, first, last):
+        """Layers first..last run in float32 as a float32 net runs them (its rules' fused
+        forwards where they apply): a quantized convolution's float32 fallback."""
+        conv = net.layers[first]
+        kinds = [net.layers[li].type for li in range(first + 1, last + 1)]
+        if conv.fused is not None or not kinds:         # Intel's fused fields: the layer's own
+            conv.forward(net.bottom_vecs[first], net.top_vecs[first])
+            return
+        e = first + 1 + kinds.index("Eltwise") if "Eltwise" in kinds else last + 1
+        relu = net.layers[last] if kinds[-1] == "ReLU" else None
+        if e <= last and e - 1 > first and last == e + 1 and relu is not None and relu.slope == 0:
+            CONV_SUM.forward(net, Unit(CONV_SUM, first, last), last)
+            return
+        end = e - 1 if e <= last else last
+        if end > first:
+            CONV_BATCHNORM.forward(net, Unit(CONV_BATCHNORM, first, end), end)
+        else:
+            conv.forward(net.bottom_vecs[first], net.top_vecs[first])
+        for li in range(end + 1, last + 1):             # the sum, and the ReLU after it
+            net.layers[li].forward(net.bottom_vecs[li], net.top_vecs[li])
 
     @staticmethod
     def backward(net, unit, last, every_layer):

@@ -26,6 +26,28 @@ scale_out / its scale: the same product up to float32 rounding), the bias is add
 layers' scales goes through float32 (x / s1 * s2, Intel's reorder: x * (s2 / s1)), and the
 layers between quantized ones (pooling, concat, an unfused Eltwise) run in float32 on the
 dequantized values, where Intel's 8-bit average pooling rounds its means to integers.
+
+Float32 fallback, by measurement (beyond Intel): a quantized convolution on the channels-last
+path also has its float32 algorithms (Winograd, GEMM, direct, depthwise: the float32 layer's,
+chosen per shape), and on CPUs without VNNI those can beat the int8 kernels (AVX2's int8 3x3
+convolution runs direct, at 0.2-0.9x float32's Winograd). So on its first forward at a shape
+the unit times both ways (caffepy/autotune.py: kept per machine and shape, like the
+algorithms) and runs float32 when that was at least FALLBACK_MARGIN times faster. A unit that falls back runs as Intel Caffe runs a convolution
+it leaves in float32 (one without quantization_param, as its calibrator's fallback writes it):
+the layers in float32 as a float32 net's rules run them (the BatchNorm and Scale folded, the
+sum and the ReLU after), on the input as the layer before wrote it (an int8 layer's top holds
+its dequantized 8-bit values), and a float32 top that the next int8 layer quantizes at its own
+scale_in. It is then no longer integer arithmetic, and its top differs from the int8 top by
+the int8 path's roundings: with x^ the input rounded to the 8-bit grid (x itself when the layer
+before is int8 at the same scale), W' and b' the folded weights and bias, for each output
+    |float32 top - int8 top| <= sum |x^| * 0.5 / sp + sum |W'| * |x - x^| + 0.5 / (scale_in * sp)
+                                + 0.5 / scale_out (bw_layer_out 8) + float32 rounding
+(sums over the output's window: the weights', the input's and the bias's rounding, then the
+output's), while y stays within the 8-bit range (the int8 top saturates, the float32 one does
+not); tests/test_quantization.py checks it. `caffepy time` names each unit's path.
+CAFFEPY_INT8_FALLBACK=0 keeps every quantized layer on 8-bit integers (as does
+CAFFEPY_AUTOTUNE=0: measuring off, the rule is int8); the NCHW int8 convolutions (grouped
+ones other than depthwise) and the InnerProducts always run int8.
 """
 import functools
 import math
@@ -58,6 +80,22 @@ def isa():
     best = kernels().best_isa()
     wanted = os.environ.get("CAFFEPY_INT8_ISA", "")
     return "generic" if wanted == "generic" else best
+
+
+INT8, FLOAT32 = "int8", "float32"        # the paths a quantized convolution may run
+# float32 runs only when measured this many times faster than int8 alone: inside a net it
+# also pays for the switch between the int8 kernels' threads and the BLAS's, which a unit timed
+# alone barely sees (ResNet-50 b1 on AVX2: every 3x3 layer in float32 looked 1.1-1.3x faster
+# alone, ran 1.0-1.5x slower in the net; b16: 1.2-2.3x faster in the net)
+FALLBACK_MARGIN = 1.25
+
+
+def fallback_enabled():
+    """CAFFEPY_INT8_FALLBACK: unset or 1 lets a quantized convolution run in float32 where that
+    is measured faster; 0 keeps every one on 8-bit integers."""
+    import os
+    value = os.environ.get("CAFFEPY_INT8_FALLBACK", "1").strip().lower()
+    return value not in ("0", "off", "no", "false")
 
 
 def quantized(layer_param, phase, net_param=None, source=None):
@@ -149,6 +187,41 @@ class Int8:
         self.isa = isa()
         # the channels-last Convolution (caffepy/layers/nhwc.py) runs the int8_nhwc.h kernels
         self.channels_last = getattr(layer, "layout", None) == "nhwc"
+        # it has float32 algorithms too: the path by measurement (the module docstring)
+        self.may_fall_back = self.channels_last and fallback_enabled()
+        self.path, self.forced = INT8, None
+        self._path_for = None
+
+    def force_path(self, path):
+        """Run `path` (INT8 or FLOAT32; None: measure again) from the next forward on, whatever
+        the measurement says: tests and benchmarks."""
+        assert path in (INT8, FLOAT32, None)
+        self.forced, self._path_for = path, None
+
+    def run(self, key, shape, int8, float32):
+        """Run the unit by its path for input `shape`: `int8` or `float32` (functions running
+        the unit each way), chosen once per shape (autotune.choose under `key`: the unit's
+        parts) and named in the layer's algorithm for the log and `caffepy time`."""
+        if self._path_for != shape:
+            self._path_for = shape
+            self._choose(key, shape, int8, float32)
+        (float32 if self.path == FLOAT32 else int8)()
+
+    def _choose(self, key, shape, int8, float32):
+        from . import autotune
+        from .kernels import nhwc
+        L = self.layer
+        if self.forced is not None:
+            self.path, L.tuning = self.forced, "forced"
+        elif not self.may_fall_back:
+            self.path, L.tuning = INT8, "CAFFEPY_INT8_FALLBACK=0"
+        else:
+            key = f"{key} {autotune.batch_class(shape[0])}x{'x'.join(map(str, shape[1:]))} {self.isa}"
+            self.path = autotune.choose(L, key, {INT8: int8, FLOAT32: float32}, INT8,
+                                        nhwc.max_threads(), prepare=lambda: (int8(), float32()),
+                                        margin=FALLBACK_MARGIN)
+        L.algorithm = (f"int8 ({self.isa})" if self.path == INT8
+                       else f"float32 fallback: {L.algos['forward'].name}")
 
     def _prepare(self, sources, fold):
         """Quantize the weights from `sources` (the float arrays they depend on) unless those

@@ -201,6 +201,29 @@ def test_a_clear_loser_is_measured_once(monkeypatch):
     assert [calls.count(name) for name in costs] == [1, 4, 4, 2]
 
 
+def test_a_margin_keeps_the_default_unless_another_is_that_much_faster(cache, monkeypatch):
+    """With a margin the default is measured every round (a slow first run cannot drop it: its
+    best run counts) and another candidate wins only beyond the margin."""
+    now, calls = [0.0], []
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: now[0])
+
+    def runner(name, costs):
+        def run():
+            calls.append(name)
+            now[0] += costs.pop(0) if len(costs) > 1 else costs[0]
+        return run
+
+    layer = _Layer()
+    # the default's first run 3x the other's (a busy moment), then 1.2x: within a margin of 1.25
+    runs = {"default": runner("default", [0.03, 0.012]), "other": runner("other", [0.01])}
+    assert autotune.choose(layer, "m1", runs, "default", 2, margin=1.25) == "default"
+    assert calls.count("default") == 4
+    runs = {"default": runner("default", [0.013]), "other": runner("other", [0.01])}
+    assert autotune.choose(layer, "m2", runs, "default", 2, margin=1.25) == "other"      # 1.3x
+    runs = {"default": runner("default", [0.03, 0.012]), "other": runner("other", [0.01])}
+    assert autotune.choose(layer, "m3", runs, "default", 2) == "other"      # no margin: pruned
+
+
 @pytest.mark.parametrize("n,cls", [(1, "1"), (2, "2-3"), (3, "2-3"), (16, "16-31"), (31, "16-31"),
                                    (32, "32-63")])
 def test_batch_sizes_share_measurements_by_power_of_two_ranges(n, cls):

@@ -94,3 +94,64 @@ def test_a_quantized_model_is_refused(model, tmp_path):
     with pytest.raises(CaffepyError, match=r"^calibrate: --model: .*int8.prototxt is quantized "
                                            r"already \(quantization_param\); give the float32 net$"):
         calibrate.calibrate(str(out), str(weights), str(tmp_path / "again.prototxt"), 1, 1)
+
+
+BLOCK = """name: "block"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } shape { dim: 2 }
+                     data_filler { type: "constant" value: 0.5 } data_filler { type: "constant" value: 1 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "msra" }
+                      bias_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "b" type: "Convolution" bottom: "conv1" top: "b"
+  convolution_param { num_output: 6 kernel_size: 3 pad: 1 stride: 2 weight_filler { type: "msra" } } }
+layer { name: "b_bn" type: "BatchNorm" bottom: "b" top: "b" }
+layer { name: "proj" type: "Convolution" bottom: "conv1" top: "proj"
+  convolution_param { num_output: 6 kernel_size: 1 stride: 2 weight_filler { type: "msra" } } }
+layer { name: "sum" type: "Eltwise" bottom: "b" bottom: "proj" top: "sum" }
+layer { name: "relu2" type: "ReLU" bottom: "sum" top: "sum" }
+layer { name: "conv3" type: "Convolution" bottom: "sum" top: "conv3"
+  convolution_param { num_output: 3 kernel_size: 4 weight_filler { type: "msra" } } }
+layer { name: "accuracy" type: "Accuracy" bottom: "conv3" bottom: "label" top: "accuracy" }
+"""
+
+
+def test_the_summand_of_a_fused_sum_keeps_an_8_bit_top(tmp_path):
+    """ResNet's shortcut written after the branch (b, then proj, then the sum): the sum folds
+    into proj's unit and reads b's top as its summand, so b's top stays 8-bit and proj runs
+    int8 with the sum (with a float32 summand both would run apart in float32)."""
+    path, weights, out = tmp_path / "block.prototxt", tmp_path / "block.caffemodel", tmp_path / "int8.prototxt"
+    path.write_text(BLOCK)
+    caffepy.set_random_seed(2)
+    net = Net(str(path), caffepy.TEST)
+    bn = net.layer_dict["b_bn"]
+    bn.blobs[0].data[...], bn.blobs[1].data[...], bn.blobs[2].data[...] = 0.1, 2.0, 1
+    net.save(str(weights))
+    *_, names = calibrate.calibrate(str(path), str(weights), str(out), 1, 1, accuracy_loss=1)
+    assert names == ["b", "proj", "conv3"]
+    q = {lp.name: lp.quantization_param for lp in read_net(str(out)).layer
+         if lp.HasField("quantization_param")}
+    assert q["b"].bw_layer_out == 8 and q["proj"].bw_layer_out == 8
+    net.forward()
+    b = net.blobs["b"].data                       # after its BatchNorm: signed
+    np.testing.assert_allclose(q["b"].scale_out, [127 / np.abs(b).max()], rtol=1e-6)
+    int8 = Net(str(out), caffepy.TEST, weights=str(weights))
+    units = {int8.layers[first].name: int8.layers[last].name for first, last in int8.fusions.items()}
+    assert units["b"] == "b_bn" and units["proj"] == "relu2"
+
+
+@pytest.mark.parametrize("accuracies, kept", [
+    ((0.50, 0.60, 0.505), ["conv3"]),           # a gain beyond the bound: conv2 goes float32
+    ((0.50, 0.40, 0.45), ["conv3"]),            # a loss: conv2 goes; the last layer stays
+    ((0.50, 0.495), ["conv2", "conv3"]),        # within the bound
+])
+def test_layers_fall_back_while_the_accuracy_differs_either_way(model, tmp_path, monkeypatch,
+                                                                 accuracies, kept):
+    path, weights, _ = model
+    scores = iter(accuracies)
+    monkeypatch.setattr(calibrate, "score", lambda net, iterations, skip:
+                        (np.array([next(scores)]), np.zeros(4, np.int64)))
+    *_, names = calibrate.calibrate(str(path), str(weights), str(tmp_path / "int8.prototxt"), 1, 1,
+                                    accuracy_loss=0.01)
+    assert names == kept and next(scores, None) is None

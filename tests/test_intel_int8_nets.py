@@ -94,3 +94,52 @@ def test_intel_int8_net_builds_and_runs(path):
                if lp.name in quantized) or "resnext50_int8_perf" in path
     for name, blob in net.blobs.items():
         assert np.isfinite(blob.data).all(), name
+
+
+@pytest.mark.parametrize("path", [p for p in _params() if p.values[0] is None
+                                  or os.path.basename(p.values[0]) in CORE])
+def test_a_float32_fallback_runs_the_float32_nets_layers(path):
+    """Every channels-last quantized convolution forced to its float32 fallback computes what
+    the net without quantization_param computes (caffepy/quantization.py: Intel's float32
+    layers), up to the first layer that stays int8 (an InnerProduct, a grouped convolution)."""
+    from caffepy import quantization
+    with open(path) as f:
+        text = f.read()
+    nets = []
+    for quantized in (False, True):
+        param = _synthetic(upgrade.parse_net_text(text, path))
+        for lp in param.layer:
+            if not quantized:
+                lp.ClearField("quantization_param")
+            if lp.type == "Accuracy":
+                del lp.include[:]
+                lp.include.add().stage.append("never")
+        nets.append(Net(param, caffepy.TEST))
+    f32, int8 = nets
+    for a, b in zip(f32.layers, int8.layers):
+        for x, y in zip(a.blobs, b.blobs):
+            y.data[...] = x.data
+        if b.type == "BatchNorm":
+            for blob, value in zip(b.blobs, (0, 1, 1)):
+                blob.data[...] = value
+            for blob, value in zip(a.blobs, (0, 1, 1)):
+                blob.data[...] = value
+    stays = [li for li, la in enumerate(int8.layers) if getattr(la, "int8", None) is not None
+             and not la.int8.channels_last]
+    for layer in int8.layers:
+        if getattr(layer, "int8", None) is not None and layer.int8.channels_last:
+            layer.int8.force_path(quantization.FLOAT32)
+    f32.forward()
+    start = max(li for li, bottoms in enumerate(int8.bottom_vecs) if not bottoms) + 1
+    for name in int8.inputs + [t for li in range(start) for t in int8.layers[li].param.top]:
+        int8.blobs[name].data[...] = f32.blobs[name].data        # the same random input
+    end = min(stays, default=len(int8.layers))
+    int8.forward_from_to(start, end - 1)
+    checked = 0
+    for li in range(start, end):
+        for blob, name in zip(int8.top_vecs[li], int8.layers[li].param.top):
+            want = f32.blobs[name].data
+            np.testing.assert_allclose(blob.data, want, rtol=0, atol=1e-5 * max(np.abs(want).max(), 1e-30),
+                                       err_msg=name)
+            checked += 1
+    assert checked > 10

@@ -281,3 +281,96 @@ def test_time_precision_all_puts_f32_and_int8_side_by_side(tmp_path, capfd):
     plain.write_text(re.sub(r"quantization_param \{[^}]*\}", "", block_net()))
     assert set(actions.time_precisions(str(plain), iterations=1)) == {"f32"}
     assert "the net has no quantization_param" in capfd.readouterr().err
+
+
+def _fall_back(net):
+    """Every quantized convolution that may run float32 (channels-last) forced to."""
+    fallen = [la for la in net.layers if getattr(la, "int8", None) is not None and la.int8.channels_last]
+    for layer in fallen:
+        layer.int8.force_path(quantization.FLOAT32)
+    return [la.name for la in fallen]
+
+
+def _window_sums(x, w, pad):
+    """sum over each output's window of x * w (x [N, C, H, W], w [O, C, k, k], stride 1)."""
+    k = w.shape[2]
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    h, wd = xp.shape[2] - k + 1, xp.shape[3] - k + 1
+    out = np.zeros((x.shape[0], w.shape[0], h, wd))
+    for i in range(k):
+        for j in range(k):
+            out += np.einsum("nchw,oc->nohw", xp[:, :, i:i + h, j:j + wd], w[:, :, i, j])
+    return out
+
+
+def test_a_float32_fallback_runs_the_float32_net_and_stays_within_int8s_roundings():
+    int8, fell = _net(block_net(8)), _net(block_net(8))
+    plain = _net(re.sub(r"quantization_param \{[^}]*\}", "", block_net(8)))
+    _same_weights(int8, fell)
+    _same_weights(int8, plain)
+    assert _fall_back(fell) == ["conv1", "short", "body"]     # the InnerProduct stays int8
+    for net in (int8, fell, plain):
+        net.forward()
+    assert [fell.layer_dict[n].algorithm.split(":")[0] for n in ("conv1", "body")] == ["float32 fallback"] * 2
+    # up to the int8 classifier, the float32 net's values (Intel's float32 layers)
+    for name in ("conv1", "short", "sum", "pool"):
+        want = plain.blobs[name].data
+        np.testing.assert_allclose(fell.blobs[name].data, want, rtol=0, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=name)
+    # conv1 sees the same input both ways: the difference is int8's rounding, bounded
+    x = int8.blobs["data"].data
+    xq = np.clip(np.rint(x * np.float32(S_DATA)), -128, 127) / np.float32(S_DATA)
+    w, _ = _folded(int8, "conv1")
+    sp = np.asarray(SP1, np.float64)[None, :, None, None]
+    ones = np.ones_like(w)
+    bound = (_window_sums(np.abs(xq), ones, 1) * 0.5 / sp + _window_sums(np.abs(x - xq), np.abs(w), 1)
+             + 0.5 / (S_DATA * sp) + 0.5 / S_C1)
+    diff = np.abs(fell.blobs["conv1"].data.astype(np.float64) - int8.blobs["conv1"].data)
+    assert (diff <= bound * (1 + 1e-5) + 1e-6).all(), (diff - bound).max()
+    assert diff.max() > 0.5 / S_C1             # not the int8 values: it did run float32
+
+
+def test_the_path_is_measured_once_per_shape_and_kept(tmp_path, monkeypatch):
+    from caffepy import autotune
+    monkeypatch.setenv("CAFFEPY_AUTOTUNE", "1")
+    monkeypatch.setenv("CAFFEPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_cache", None)
+    timed, keys = [], []
+    choose = autotune.choose
+
+    def keep_key(layer, key, candidates, default, threads, **options):
+        keys.append(key)
+        return choose(layer, key, candidates, default, threads, **options)
+
+    def measure(candidates, rounds=3, keep=None):   # float32 the faster for 3x3 kernels only
+        timed.append(keys[-1])
+        if quantization.INT8 not in candidates:
+            return dict.fromkeys(candidates, 1.0)
+        three = " k3x3 " in keys[-1]         # 1.3x and 1.2x faster: beyond the margin, within it
+        float32 = 1.0 if three else 1.0 / 1.2
+        return {quantization.INT8: 1.3 if three else 1.0, quantization.FLOAT32: float32}
+    monkeypatch.setattr(autotune, "measure", measure)
+    monkeypatch.setattr(autotune, "choose", keep_key)
+    net = _net(block_net(8))
+    net.forward()
+    paths = {n: net.layer_dict[n].int8.path for n in ("conv1", "short", "body")}
+    assert paths == {"conv1": "float32", "short": "int8", "body": "float32"}
+    isa = quantization.isa()
+    assert [k for k in keys if k.startswith("Int8 Convolution")] == [
+        f"Int8 Convolution -> 4 k3x3 s1x1 p1x1 d1x1 g1 +BatchNorm +Scale +ReLU 2-3x3x8x8 {isa}",
+        f"Int8 Convolution -> 4 k1x1 s1x1 p0x0 d1x1 g1 +BatchNorm +Scale 2-3x4x8x8 {isa}",
+        f"Int8 Convolution -> 4 k3x3 s1x1 p1x1 d1x1 g1 +BatchNorm +Scale +Eltwise +ReLU 2-3x4x8x8 {isa}"]
+    measured = len(timed)
+    net.forward()                                   # the same shape: no new measurement
+    assert len(timed) == measured
+    autotune._cache = None                          # a new process reads the cache
+    again = _net(block_net(8))
+    again.forward()
+    assert {n: again.layer_dict[n].int8.path for n in paths} == paths
+    assert again.layer_dict["body"].tuning == "cached"
+    monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")   # the switch: every layer int8
+    forced = _net(block_net(8))
+    forced.forward()
+    assert {forced.layer_dict[n].int8.path for n in paths} == {"int8"}
+    assert forced.layer_dict["body"].tuning == "CAFFEPY_INT8_FALLBACK=0"
+    assert forced.layer_dict["body"].algorithm.startswith("int8")

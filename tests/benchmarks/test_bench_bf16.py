@@ -14,11 +14,12 @@ from paths import REPO
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import bench_bf16  # noqa: E402
+import digits_nets  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def digits():
-    return bench_bf16.digits()
+    return digits_nets.digits()
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +30,7 @@ def _emulate(monkeypatch):
 
 
 def _inference_goals(name, digits, iterations=None):
-    weights = bench_bf16.train(name, digits, "f32", iterations)
+    weights = digits_nets.train(name, digits, "f32", iterations)
     top32, top16, agree = bench_bf16.inference(name, weights, digits)
     assert top32 > 90, f"{name}: float32 top-1 {top32:.2f}: the net did not learn"
     assert top32 - top16 <= 0.5, f"{name}: bf16 top-1 {top16:.2f} against float32's {top32:.2f}"
@@ -52,10 +53,10 @@ def test_resnet_trained_in_bf16_reaches_float32s_accuracy(digits):
     the precision (float32 alone: 95.6 to 99.0 over these seeds; bench_bf16.py's figures)."""
     y = digits[3]
     top32, top16 = [], []
-    for seed in bench_bf16.SEEDS:
-        f32 = bench_bf16.train("resnet", digits, "f32", seed=seed)
-        bf16 = bench_bf16.train("resnet", digits, "bf16", seed=seed)
-        top32.append(100 * (bench_bf16.predict("resnet", f32, digits, "f32") == y).mean())
-        top16.append(100 * (bench_bf16.predict("resnet", bf16, digits, "bf16") == y).mean())
+    for seed in digits_nets.SEEDS:
+        f32 = digits_nets.train("resnet", digits, "f32", seed=seed)
+        bf16 = digits_nets.train("resnet", digits, "bf16", seed=seed)
+        top32.append(100 * (digits_nets.predict("resnet", f32, digits, "f32") == y).mean())
+        top16.append(100 * (digits_nets.predict("resnet", bf16, digits, "bf16") == y).mean())
     mean32, mean16 = sum(top32) / len(top32), sum(top16) / len(top16)
     assert mean32 - mean16 <= 0.5, f"bf16-trained top-1 {top16} against float32-trained {top32}"
