@@ -16,9 +16,9 @@ same way from an atexit handler.
 A rank killed outright (kill -9, the out-of-memory killer): under a PMI launcher
 (MPICH hydra, Intel MPI, Slurm's PMI) `supervise()` forks before MPI starts, and
 the parent, the process the launcher watches, prints `[rank N] ... was killed by
-SIGKILL` when its child, the rank itself, dies of a signal; while a rank on its
-host writes the emergency snapshot (failsafe.py) it waits, then the launcher
-ends the job. Ranks the launcher stops with SIGTERM print one line saying so.
+SIGKILL` when its child, the rank itself, dies of a signal; while a survivor
+writes the emergency snapshot (failsafe.py) it waits, then the launcher ends
+the job. Ranks the launcher stops with SIGTERM print one line saying so.
 A rank that stops making progress (SIGSTOP, a hung file system, a lost host) is
 found by the stall watchdog (watchdog.py, `--stall_timeout`).
 
@@ -207,14 +207,13 @@ def supervise(linger=0.0):
     MPI start-up a forked child inherits; CAFFEPY_MPI_SUPERVISE=0 turns it off. Call
     before MPI starts and before any thread exists.
 
-    linger > 0: after its rank was killed, when the launcher started other ranks on this
-    host, the parent waits up to that many seconds before dying of the same signal.
-    Launchers (MPICH hydra) SIGKILL every other rank as soon as one is killed or exits
-    non-zero, so the survivors could save nothing; meanwhile the watchdog of a rank on this
-    host finds the process gone, writes the emergency snapshot and aborts the job
-    (failsafe.py), which ends this process too. A rank alone on its host is not waited
-    for: ranks elsewhere would only find it silent after --stall_timeout (and MPICH's UCX
-    transport crashes a rank whose TCP peer died), so the launcher ends the job at once."""
+    linger > 0: after its rank was killed, the parent waits up to that many seconds before
+    dying of the same signal. Launchers (MPICH hydra) SIGKILL every other rank as soon as
+    one is killed or exits non-zero, so the survivors could save nothing; meanwhile the
+    watchdog of a rank on this host finds the process gone, or, for a rank alone on its
+    host, the ranks elsewhere find it silent within --stall_timeout (its connections held
+    open, `_HeldConnections`); that rank writes the emergency snapshot and aborts the job
+    (failsafe.py), which ends this process too."""
     if (not launched() or os.environ.get("PMI_RANK") is None
             or os.environ.get("CAFFEPY_MPI_SUPERVISE", "1") == "0"):
         return
@@ -231,18 +230,21 @@ def supervise(linger=0.0):
     for name in _FORWARDED:
         signum = getattr(signal, name)
         signal.signal(signum, lambda signum, frame: _pass_on(child, signum))
-    _, status = os.waitpid(child, 0)      # blocks; signals are passed on meanwhile
+    held = _HeldConnections(child) if linger > 0 else None
+    status = _wait(child, held)
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
         rank = launcher_rank()
         how = ("was killed by SIGKILL (by hand, by the out-of-memory killer or by the batch system)"
                if signum == signal.SIGKILL else f"died of {signal.Signals(signum).name}")
-        then = ("the other ranks save the last iteration every rank finished, then end"
-                if linger > 0 and _local_peers() else "the MPI launcher ends the other ranks")
+        waited = linger > 0 and (_local_peers() or (held is not None and held.count()))
+        then = ("the other ranks save the last iteration every rank finished, then end" if waited and _local_peers()
+                else "the other ranks find it silent within --stall_timeout, save the last iteration every rank "
+                     "finished, then end" if waited else "the MPI launcher ends the other ranks")
         sys.stderr.write(f"[rank {rank}] caffepy rank {rank} (pid {child}@{socket.gethostname()}) {how}; "
                          f"{then}\n")
         sys.stderr.flush()
-        if linger > 0 and _local_peers():
+        if waited:
             for name in _FORWARDED:
                 signal.signal(getattr(signal, name), signal.SIG_DFL)
             time.sleep(linger)
@@ -253,6 +255,101 @@ def supervise(linger=0.0):
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)
     os._exit(os.WEXITSTATUS(status))
+
+
+def _wait(child, held):
+    """The child's wait status; meanwhile its new TCP connections are held (`held`), and
+    signals are passed on."""
+    try:
+        pidfd = os.pidfd_open(child)
+    except (AttributeError, OSError):
+        pidfd = None
+    if held is not None and pidfd is not None:
+        import select
+        while not select.select([pidfd], [], [], _HeldConnections.SCAN_EVERY)[0]:
+            held.grab(pidfd)
+    if pidfd is not None:
+        os.close(pidfd)
+    return os.waitpid(child, 0)[1]
+
+
+class _HeldConnections:
+    """The rank's TCP connections, duplicated into its parent (pidfd_getfd) as they appear.
+
+    Why: when a rank dies, the kernel closes its sockets and its peers see the connections
+    reset; MPICH's UCX transport then crashes the peer (SIGSEGV, seen on the test bed),
+    so a rank killed alone on its host took the others down before any could write the
+    emergency snapshot. With the parent holding the same connections open, the dead rank
+    looks to its peers like a frozen host: silent, which the stall watchdog finds. Only
+    established TCP sockets are taken (not the launcher's local ones), each once; the
+    copies go when the parent exits."""
+    SCAN_EVERY = 0.5       # seconds; MPI connects to its peers at start and at first use
+
+    def __init__(self, child):
+        self.child = child
+        self.fds = {}       # socket inode -> our copy
+        self.broken = False
+
+    def count(self):
+        return len(self.fds)
+
+    def _established(self):
+        inodes = set()
+        for table in ("tcp", "tcp6"):
+            try:
+                with open(f"/proc/{self.child}/net/{table}") as f:
+                    next(f, None)
+                    for line in f:
+                        cols = line.split()
+                        if len(cols) > 9 and cols[3] == "01" and not _loopback(cols[2]):   # established
+                            inodes.add(int(cols[9]))
+            except OSError:
+                pass
+        return inodes
+
+    def grab(self, pidfd):
+        if self.broken:
+            return
+        established = self._established() - set(self.fds)
+        if not established:
+            return
+        try:
+            fds = os.listdir(f"/proc/{self.child}/fd")
+        except OSError:
+            return
+        for name in fds:
+            try:
+                target = os.readlink(f"/proc/{self.child}/fd/{name}")
+            except OSError:
+                continue
+            inode = int(target[8:-1]) if target.startswith("socket:[") else None
+            if inode not in established:
+                continue
+            copy = _pidfd_getfd(pidfd, int(name))
+            if copy is None:
+                self.broken = True        # not permitted here (ptrace rules): give up quietly
+                return
+            if os.fstat(copy).st_ino == inode:
+                self.fds[inode] = copy
+            else:                         # the number was reused meanwhile
+                os.close(copy)
+
+
+def _loopback(address):
+    """Whether a /proc/net/tcp{,6} address ("0100007F:1F90": hex, the IPv4 bytes reversed) is
+    127.x or ::1 (the launcher's own connections on this host)."""
+    ip = address.split(":")[0]
+    if len(ip) == 8:
+        return ip[6:] == "7F"
+    return ip == "00000000000000000000000001000000" or (ip[:24] == "0000000000000000FFFF0000" and ip[30:] == "7F")
+
+
+def _pidfd_getfd(pidfd, fd):
+    """A copy of another process's descriptor (Linux 5.6+), or None."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    copy = libc.syscall(438, pidfd, fd, 0)      # SYS_pidfd_getfd on x86-64 and arm64
+    return copy if copy >= 0 else None
 
 
 def _local_peers():

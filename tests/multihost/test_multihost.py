@@ -1,7 +1,8 @@
 """Training across emulated hosts (tests/multihost/testbed.py): ranks in separate network
 namespaces with their own hostnames, MPI over TCP on a veth link. N ranks equal 1 rank
 (data parallel, hybrid); a stopped rank ends the job with a line naming it (--stall_timeout);
-a killed rank is named, and one beside another on its host leaves an emergency snapshot.
+a killed or frozen rank is named and leaves an emergency snapshot, written by a rank beside it
+on its host at once, or by one elsewhere within --stall_timeout.
 
 Run with `make test-multihost` (root and `ip netns` needed; skipped with the reason elsewhere)."""
 import os
@@ -163,11 +164,14 @@ def test_stopped_rank_ends_the_job(tmp_path, db, can_emulate, victim):
                      rf"aborting all 2 ranks", out), out[-3000:]
     # counted from its last sign of life, which may come up to a heartbeat before the signal
     assert timeout - 2 <= took < timeout + 30
+    # a frozen host loses no work either: the rank that found it saves the last finished iteration
+    _emergency_iteration(out, other, victim)
 
 
 def test_killed_rank_is_named(tmp_path, db, can_emulate):
+    """Without the stall watchdog (--stall_timeout 0) nothing waits: the launcher ends the job."""
     with TestBed(2) as bed:
-        job, proc, lines, pids = _long_run(bed, tmp_path, db, "kill")
+        job, proc, lines, pids = _long_run(bed, tmp_path, db, "kill", ["--stall_timeout", "0"])
         os.kill(pids[1], signal.SIGKILL)
         start = time.monotonic()
         out, _ = proc.communicate(timeout=30)
@@ -176,6 +180,42 @@ def test_killed_rank_is_named(tmp_path, db, can_emulate):
     assert (f"[rank 1] caffepy rank 1 (pid {pids[1]}@emu-host1) was killed by SIGKILL (by hand, by the "
             f"out-of-memory killer or by the batch system); the MPI launcher ends the other ranks") in out, \
         out[-3000:]
+
+
+def _emergency_iteration(out, writer, lost):
+    m = re.search(rf"\[rank {writer}\] Emergency snapshot of iteration (\d+), the last one every rank finished "
+                  rf"\(rank {lost} lost\)", out)
+    assert m, out[-3000:]
+    return int(m.group(1))
+
+
+def _resumes(tmp_path, db, job, k, ranks, batch):
+    cont = write_job(tmp_path, "resumed", db, batch, k + 2)
+    resumed = train(cont, ranks, args=["--snapshot", str(job / f"snap_iter_{k}.solverstate")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Iteration {k} (" in resumed.stderr and (cont / f"snap_iter_{k + 2}.caffemodel").exists()
+
+
+def test_killed_rank_alone_on_its_host_leaves_an_emergency_snapshot(tmp_path, db, can_emulate):
+    """2 hosts x 1 rank, rank 1 killed: its parent holds its connections open, so rank 0 finds it
+    silent (rather than crashing in the transport on a reset connection), saves the last iteration
+    every rank finished within --stall_timeout, and ends the job; the snapshot resumes on 1 rank."""
+    timeout = 8
+    with TestBed(2) as bed:
+        job, proc, lines, pids = _long_run(bed, tmp_path, db, "lone", ["--stall_timeout", str(timeout)])
+        time.sleep(2)              # past the parent's first look at the connections
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        out, _ = proc.communicate(timeout=timeout + 60)
+        took = time.monotonic() - start
+    assert proc.returncode != 0
+    assert (f"[rank 1] caffepy rank 1 (pid {pids[1]}@emu-host1) was killed by SIGKILL (by hand, by the "
+            f"out-of-memory killer or by the batch system); the other ranks find it silent within "
+            f"--stall_timeout, save the last iteration every rank finished, then end") in out, out[-3000:]
+    k = _emergency_iteration(out, 0, 1)
+    assert re.search(rf"\[rank 0\] stall: rank 1 \(pid {pids[1]}@emu-host1: nothing heard from it", out), out[-3000:]
+    assert timeout - 2 <= took < timeout + 30
+    _resumes(tmp_path, db, job, k, 1, BATCH // 2)
 
 
 def test_killed_rank_beside_another_leaves_an_emergency_snapshot(tmp_path, db, can_emulate):
@@ -191,14 +231,10 @@ def test_killed_rank_beside_another_leaves_an_emergency_snapshot(tmp_path, db, c
         os.kill(victim, signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0
-    k = int(re.search(r"\[rank 2\] Emergency snapshot of iteration (\d+), the last one every rank finished "
-                      r"\(rank 3 lost\)", out).group(1))
+    k = _emergency_iteration(out, 2, 3)
     assert re.search(rf"\[rank 2\] lost: rank 3 \(pid {victim}@emu-host1: its process ended \(killed or "
                      rf"crashed\)\)", out), out[-3000:]
-    cont = write_job(tmp_path, "resumed", db, BATCH // 4, k + 2)
-    resumed = train(cont, 3, args=["--snapshot", str(job / f"snap_iter_{k}.solverstate")])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Iteration {k} (" in resumed.stderr and (cont / f"snap_iter_{k + 2}.caffemodel").exists()
+    _resumes(tmp_path, db, job, k, 3, BATCH // 4)
 
 
 def test_sigusr1_to_the_launcher_snapshots_and_continues(tmp_path, db, can_emulate):

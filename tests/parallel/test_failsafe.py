@@ -255,3 +255,18 @@ def test_a_full_disk_leaves_no_half_snapshot(tmp_path, db, monkeypatch, capsys):
     assert len(errors) == 1
     assert errors[0].endswith(f"Emergency snapshot of iteration 2 failed: {job}/snap_iter_2.solverstate: cannot "
                               f"write: No space left on device; nothing was written")
+
+
+@pytest.mark.parametrize("address,loop", [
+    ("0100007F:1F90", True),                               # 127.0.0.1:8080
+    ("0101007F:0050", True),                               # 127.0.1.1
+    ("02004D0A:B3C5", False),                              # 10.77.0.2
+    ("00000000000000000000000001000000:0050", True),       # ::1
+    ("0000000000000000FFFF00000100007F:0050", True),       # ::ffff:127.0.0.1
+    ("0000000000000000FFFF000002004D0A:0050", False),      # ::ffff:10.77.0.2
+    ("B80D0120000000000000000001000000:0050", False),      # 2001:db8::1
+])
+def test_held_connections_leave_the_launchers_local_ones(address, loop):
+    """A dead rank's parent holds its connections to other hosts, never the launcher's on 127.x / ::1."""
+    from caffepy.parallel import mpi
+    assert mpi._loopback(address) == loop
