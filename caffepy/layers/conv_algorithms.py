@@ -200,7 +200,13 @@ class Gemm:
     A pointwise backward runs instead in tasks of about POINTWISE_TASK pixels, one thread
     each, so that the data gradient's GEMM and the weight gradient's read a task's dy while it
     is in cache, rather than each GEMM passing over the whole batch (ResNet-50 b16 at 56 x 56,
-    64 -> 256 channels: 25.3 -> 22.6 ms; at 28 x 28 2-4% faster, at 14 x 14 alike)."""
+    64 -> 256 channels: 25.3 -> 22.6 ms; at 28 x 28 2-4% faster, at 14 x 14 alike).
+
+    Outside TRAIN the forward's GEMMs read the weights packed once into their panels
+    (nhwc.pack_weights; packed again when the weights change) rather than packing them on
+    every call, in every task, as the BLAS and the panel kernel of a plain product do. At
+    batch 1, where that packing cost as much as the product, threads split the output channels
+    (cext/blas.pxd packed_split)."""
 
     def __init__(self, layer, n, h, w):
         L = layer
@@ -228,7 +234,9 @@ class Gemm:
         # operands); larger ones read weights reordered to the columns' (kh, kw, C) order
         self.caffe_order = (kh, kw) == (1, 1)
         self.wt = None if self.caffe_order else np.empty((L.group, self.kg, og), np.float32)
-        self.reordered = Seen()
+        self.packs = L.phase != caffe_pb2.TRAIN
+        self.packed = None
+        self.reordered = Seen()     # the weights that wt and packed hold
 
     def _input(self, x):
         """What the GEMM reads: x, or for a strided pointwise convolution the pixels it reads,
@@ -243,21 +251,26 @@ class Gemm:
 
     def _weights(self, fresh=True, weights=None):
         """The weights (the layer's, or `weights` in their shape) as the kernels take them,
-        reordered first if `fresh`."""
+        reordered, and packed when the forward `packs`, first if `fresh` and they changed."""
         L = self.layer
         g = L.group
         weights = L.blobs[0].data if weights is None else weights
-        if self.caffe_order:
-            return weights.reshape(g, L.num_output // g, -1)
-        if fresh and self.reordered.changed(weights):
-            (kh, kw) = L.window.kernel
-            cg = L.channels // g
-            w = weights.reshape(g, L.num_output // g, cg, kh * kw)
-            wt = self.wt.reshape(g, kh * kw, cg, -1)
-            for gi in range(g):
-                _k.reverse_axes(w[gi], wt[gi])
+        wt = weights.reshape(g, L.num_output // g, -1) if self.caffe_order else self.wt
+        if fresh and (self.packs or not self.caffe_order) and self.reordered.changed(weights):
+            if not self.caffe_order:
+                (kh, kw) = L.window.kernel
+                cg = L.channels // g
+                w = weights.reshape(g, L.num_output // g, cg, kh * kw)
+                reordered = wt.reshape(g, kh * kw, cg, -1)
+                for gi in range(g):
+                    _k.reverse_axes(w[gi], reordered[gi])
+            if self.packs:
+                if self.packed is None:
+                    og = L.num_output // g
+                    self.packed = memory.line_empty(_k.packed_floats(g, og, wt.size // (g * og)))
+                _k.pack_weights(wt, self.caffe_order, self.packed)
             self.reordered.keep(weights)
-        return self.wt
+        return wt
 
     def _col(self):
         return _workspace("col", (_k.max_threads(), self.col_floats))
@@ -279,7 +292,7 @@ class Gemm:
         for b, t in zip(bottom, top):
             _k.conv_forward(self._input(b.raw_data), wt, bias, t.raw_data, col, *self.args,
                             rows, self.caffe_order, scale, relu,
-                            None if add is None else add.raw_data)
+                            None if add is None else add.raw_data, self.packed)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
