@@ -202,11 +202,15 @@ class Gemm:
     is in cache, rather than each GEMM passing over the whole batch (ResNet-50 b16 at 56 x 56,
     64 -> 256 channels: 25.3 -> 22.6 ms; at 28 x 28 2-4% faster, at 14 x 14 alike).
 
-    Outside TRAIN the forward's GEMMs read the weights packed once into their panels
-    (nhwc.pack_weights; packed again when the weights change) rather than packing them on
-    every call, in every task, as the BLAS and the panel kernel of a plain product do. At
-    batch 1, where that packing cost as much as the product, threads split the output channels
-    (cext/blas.pxd packed_split)."""
+    Outside TRAIN, im2col's GEMMs read the weights packed once into their panels
+    (nhwc.pack_weights) rather than packing them on every call, in every task, as the BLAS and
+    the panel kernel of a plain product do; at batch 1 threads split the output channels
+    (cext/blas.pxd packed_split). The packing is redone with the reordering, when blob.Seen
+    finds the weights changed, so it costs no compare of its own. Not for a 1 x 1 kernel, whose
+    GEMMs read Caffe's weights as they are: there the compare that packing would need (a pass
+    over the weights and their copy every forward) cost more than the packing it saves
+    (ResNet-50 b1, caffepy time: each 1 x 1 layer 0.15-0.35 ms slower, 68 -> 75 ms a
+    forward)."""
 
     def __init__(self, layer, n, h, w):
         L = layer
@@ -234,7 +238,7 @@ class Gemm:
         # operands); larger ones read weights reordered to the columns' (kh, kw, C) order
         self.caffe_order = (kh, kw) == (1, 1)
         self.wt = None if self.caffe_order else np.empty((L.group, self.kg, og), np.float32)
-        self.packs = L.phase != caffe_pb2.TRAIN
+        self.packs = L.phase != caffe_pb2.TRAIN and not self.caffe_order
         self.packed = None
         self.reordered = Seen()     # the weights that wt and packed hold
 
@@ -251,26 +255,25 @@ class Gemm:
 
     def _weights(self, fresh=True, weights=None):
         """The weights (the layer's, or `weights` in their shape) as the kernels take them,
-        reordered, and packed when the forward `packs`, first if `fresh` and they changed."""
+        reordered (and packed when the forward `packs`) first if `fresh` and they changed."""
         L = self.layer
         g = L.group
         weights = L.blobs[0].data if weights is None else weights
-        wt = weights.reshape(g, L.num_output // g, -1) if self.caffe_order else self.wt
-        if fresh and (self.packs or not self.caffe_order) and self.reordered.changed(weights):
-            if not self.caffe_order:
-                (kh, kw) = L.window.kernel
-                cg = L.channels // g
-                w = weights.reshape(g, L.num_output // g, cg, kh * kw)
-                reordered = wt.reshape(g, kh * kw, cg, -1)
-                for gi in range(g):
-                    _k.reverse_axes(w[gi], reordered[gi])
+        if self.caffe_order:
+            return weights.reshape(g, L.num_output // g, -1)
+        if fresh and self.reordered.changed(weights):
+            (kh, kw) = L.window.kernel
+            cg = L.channels // g
+            w = weights.reshape(g, L.num_output // g, cg, kh * kw)
+            wt = self.wt.reshape(g, kh * kw, cg, -1)
+            for gi in range(g):
+                _k.reverse_axes(w[gi], wt[gi])
             if self.packs:
                 if self.packed is None:
-                    og = L.num_output // g
-                    self.packed = memory.line_empty(_k.packed_floats(g, og, wt.size // (g * og)))
-                _k.pack_weights(wt, self.caffe_order, self.packed)
+                    self.packed = memory.line_empty(_k.packed_floats(g, self.wt.shape[2], self.kg))
+                _k.pack_weights(self.wt, False, self.packed)
             self.reordered.keep(weights)
-        return wt
+        return self.wt
 
     def _col(self):
         return _workspace("col", (_k.max_threads(), self.col_floats))
