@@ -128,37 +128,43 @@ def winograd_matrices(m, r):
     return _winograd.matrices(m, r)
 
 
-def winograd_weights(weights, gm, group, forward, workspace, layer=None):
-    """U = G W G^T of `weights` [O, Cg, r, r] (gm = G [a, r]) in a workspace ("wino_u"), in the
-    forward's layout [a*a, group * Cg, O / group] or the backward's [a*a, O, Cg]
-    (cext/winograd.pyx); `workspace(name, shape)` gives the scratch. The forward of a TEST
-    net's `layer` keeps a U of its own instead, transformed again only when the weights' floats
-    change: at inference the weights stay, and their transform was redone every forward."""
+def winograd_weights(weights, gm, group, forward, workspace, layer=None, packs=False):
+    """(U, None) with U = G W G^T of `weights` [O, Cg, r, r] (gm = G [a, r]) in a workspace
+    ("wino_u"), in the forward's layout [a*a, group * Cg, O / group] or the backward's
+    [a*a, O, Cg] (cext/winograd.pyx); `workspace(name, shape)` gives the scratch. The forward
+    of a TEST net's `layer` keeps a U of its own instead, transformed again only when the
+    weights' floats change: at inference the weights stay, and their transform was redone
+    every forward. With `packs` (the channels-last forward's), that U comes packed too
+    (winograd.pack_u, with the transform), in place of the None: its GEMMs then pack nothing."""
     o, cg = weights.shape[:2]
     a2 = gm.shape[0] ** 2
     if not forward:
         u = workspace("wino_u", (a2, o, cg))
         _winograd.weight_transform(weights, gm, u)
-        return u
+        return u, None
     shape = (a2, group * cg, o // group)
     if layer is None or layer.phase != caffe_pb2.TEST:
         u = workspace("wino_u", shape)
         _winograd.weight_transform(weights, gm, u, group)
-        return u
-    # on the layer, per tile size (a, r): kept across batch sizes (an algorithm is built per
-    # bottom shape)
+        return u, None
+    # on the layer, per tile size (a, r) and packing: kept across batch sizes (an algorithm is
+    # built per bottom shape)
     kept = layer.winograd_kept
     if kept is None:
         kept = layer.winograd_kept = {}
-    seen, u = kept.get(gm.shape) or (Seen(), None)
+    seen, u, packed = kept.get((gm.shape, packs)) or (Seen(), None, None)
     if u is None or u.shape != shape:
         u = memory.line_empty(a2 * group * cg * (o // group)).reshape(shape)
+        packed = memory.line_empty(_winograd.packed_u_floats(a2, group, cg, o // group)) \
+            if packs else None
         seen = Seen()
     if seen.changed(weights):
         _winograd.weight_transform(weights, gm, u, group)
+        if packs:
+            _winograd.pack_u(u, group, packed)
         seen.keep(weights)
-    kept[gm.shape] = seen, u
-    return u
+    kept[gm.shape, packs] = seen, u, packed
+    return u, packed
 
 
 def winograd_buffers(vshape, mshape, workspace):
@@ -475,24 +481,25 @@ class Winograd:
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, self.r)
         weights = L.blobs[0].data if weights is None else weights
-        u = winograd_weights(weights, gm, L.group, forward, _workspace, L)
-        return (at, bt, gm, u) + winograd_buffers(self.vshape, self.mshape, _workspace)
+        u, packed = winograd_weights(weights, gm, L.group, forward, _workspace, L, packs=True)
+        return (at, bt, gm, u, packed) + winograd_buffers(self.vshape, self.mshape, _workspace)
 
     def forward(self, bottom, top, params=None):
         L = self.layer
         weights, given = forward_params(L, params)
-        at, bt, _, u, vbuf, mbuf = self._setup(True, weights)
+        at, bt, _, u, packed, vbuf, mbuf = self._setup(True, weights)
         bias = _workspace("wino_bias", (self.mshape[3],))
         bias[...] = 0
         if given is not None:
             bias[:L.num_output] = given
         for b, t in zip(bottom, top):
             _winograd.conv_forward_nhwc(b.raw_data, u, bias, t.raw_data, vbuf, mbuf, at, bt, self.v,
-                                        L.num_output, self.m, self.r, self.ph, self.pw, L.group)
+                                        L.num_output, self.m, self.r, self.ph, self.pw, L.group,
+                                        packed)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
-        at, bt, gm, u, vbuf, mbuf = self._setup(False)
+        at, bt, gm, u, _, vbuf, mbuf = self._setup(False)
         du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else np.zeros((1, 1, 1, 1), np.float32)
         for i, (b, t) in enumerate(zip(bottom, top)):
             need_x = bool(propagate_down[i])
@@ -597,7 +604,7 @@ class BlockedWinograd:
         forward's layout or the backward's (cext/winograd.pyx)."""
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, L.kh)
-        u = winograd_weights(L.blobs[0].data, gm, L.group, forward, _workspace, L)
+        u, _ = winograd_weights(L.blobs[0].data, gm, L.group, forward, _workspace, L)
         vshape, mshape = _winograd.scratch_shapes(_ki.max_threads(), n, L.channels, L.num_output,
                                                   h, w, L.width, self.m, L.kh, L.ph, L.pw, L.group)
         return (at, bt, gm, u) + winograd_buffers(vshape, mshape, _workspace)
