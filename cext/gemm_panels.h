@@ -14,7 +14,14 @@
  * panel by panel (a panel's steps stay in L1) every SK_MR rows through the register tile.
  * Meanwhile the next block's A is prefetched into L2, spread over the block's panels: A streamed
  * from memory otherwise held a thread to 70 GFLOP/s on K 256 x N 64 over 50176 rows, 80 with it
- * (85-87 on rows in cache). */
+ * (85-87 on rows in cache). A block's rows go through the tile in tiles of as equal heights as
+ * can be: 49 rows as 4 x 6 + 5 x 5 rather than 8 x 6 + 1, whose one-row tile has too few sums
+ * in flight to hide the FMA's latency (one thread, Zen 3: M 49 x N 512 x K 512 76.8 -> 79.5
+ * GFLOP/s, M 25 x 256 x 256 62.2 -> 66.1; the same sums, bit for bit).
+ *
+ * A B that stays from call to call (a TEST net's weights, Winograd's U) is packed once
+ * (caffepy_panel_pack) and kept by its caller, which then runs caffepy_panel_gemm_packed: at
+ * batch 1 packing cost as much as the product (benchmarks/bench_gemm.py --b1). */
 #ifndef CAFFEPY_GEMM_PANELS_H
 #define CAFFEPY_GEMM_PANELS_H
 #include <stdlib.h>
@@ -106,8 +113,7 @@ static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long 
                 c[(long)i * ldc + j] *= beta;
     for (int i0 = 0; i0 < M; i0 += PG_MB) {
         int i1 = M - i0 < PG_MB ? M : i0 + PG_MB;
-        /* the block's rows in tiles of as equal heights as can be (49 rows: 5 x 5 + 4 x 6,
-         * not 8 x 6 + 1): a one-row tile has too few sums in flight to hide the FMA's latency */
+        /* tiles of as equal heights as can be (the header says why) */
         int tiles = (i1 - i0 + SK_MR - 1) / SK_MR, base = (i1 - i0) / tiles;
         int taller = (i1 - i0) % tiles;
         for (int k0 = 0; k0 < K; k0 += PG_KC) {

@@ -747,7 +747,8 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const float[:, :, ::1] u,
                       const float[::1] packed=None):
     """conv_forward on channels-last x [N, H, W, C], y [N, oh, ow, O], in blocks of V channels
     (bias padded to whole blocks; scratch_shapes with this V). packed (None: none): u as pack_u
-    packed it, which the GEMMs then read instead (a TEST net's, kept with its U)."""
+    packed it, which the GEMMs then read instead (a TEST net's, kept in place of its U); u is
+    then read for its shape only."""
     cdef WGeom g = _geom("conv_forward_nhwc", dims(x.shape, 4), "y", dims(y.shape, 4), False, V,
                          x.shape[3], O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
     _check_forward("conv_forward_nhwc", &g, u, bias)

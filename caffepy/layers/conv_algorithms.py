@@ -134,8 +134,10 @@ def winograd_weights(weights, gm, group, forward, workspace, layer=None, packs=F
     [a*a, O, Cg] (cext/winograd.pyx); `workspace(name, shape)` gives the scratch. The forward
     of a TEST net's `layer` keeps a U of its own instead, transformed again only when the
     weights' floats change: at inference the weights stay, and their transform was redone
-    every forward. With `packs` (the channels-last forward's), that U comes packed too
-    (winograd.pack_u, with the transform), in place of the None: its GEMMs then pack nothing."""
+    every forward. With `packs` (the channels-last forward's) it keeps that U packed for its
+    GEMMs alone (winograd.pack_u, after the transform into the workspace), in place of the
+    None, and the U returned is the workspace's, for its shape: the GEMMs pack nothing and
+    the layer holds one U, not two."""
     o, cg = weights.shape[:2]
     a2 = gm.shape[0] ** 2
     if not forward:
@@ -152,19 +154,19 @@ def winograd_weights(weights, gm, group, forward, workspace, layer=None, packs=F
     kept = layer.winograd_kept
     if kept is None:
         kept = layer.winograd_kept = {}
-    seen, u, packed = kept.get((gm.shape, packs)) or (Seen(), None, None)
-    if u is None or u.shape != shape:
-        u = memory.line_empty(a2 * group * cg * (o // group)).reshape(shape)
-        packed = memory.line_empty(_winograd.packed_u_floats(a2, group, cg, o // group)) \
-            if packs else None
+    seen, held, held_shape = kept.get((gm.shape, packs)) or (Seen(), None, None)
+    if held_shape != shape:
+        held = memory.line_empty(_winograd.packed_u_floats(a2, group, cg, o // group) if packs
+                                 else a2 * group * cg * (o // group))
         seen = Seen()
+    u = workspace("wino_u", shape) if packs else held.reshape(shape)
     if seen.changed(weights):
         _winograd.weight_transform(weights, gm, u, group)
         if packs:
-            _winograd.pack_u(u, group, packed)
+            _winograd.pack_u(u, group, held)
         seen.keep(weights)
-    kept[gm.shape, packs] = seen, u, packed
-    return u, packed
+    kept[gm.shape, packs] = seen, held, shape
+    return u, held if packs else None
 
 
 def winograd_buffers(vshape, mshape, workspace):
