@@ -11,12 +11,15 @@ core from the next contender.)
 Each row: GFLOP/s of the best round of each, their ratio (BLAS time / caffepy time), which
 kernel caffepy runs for the shape, and the largest difference relative to the largest value.
 
---b1: a TEST net's products at batch 1 (ResNet-50's convolutions, GoogLeNet's widest), B the
-weights: packed once (common.gemm_packed, what a TEST net's channels-last GEMM runs) against
-gemm, which packs B on every call (its panels or the BLAS, as routed). The weights come cold,
-as in a net's forward (ResNet-50's 100 MB outgrow the caches): each call reads the next of
-copies filling 80 MB. GFLOP/s of the median round (the machine is shared), the ratio (gemm
-time / packed time), and what gemm runs.
+--b1: a TEST net's products at batch 1 (ResNet-50's convolutions and Winograd positions,
+GoogLeNet's widest), B the weights: packed once (common.gemm_packed, what a TEST net's im2col
+and Winograd GEMMs run) against gemm, which packs B on every call (its panels or the BLAS, as
+routed). The weights come cold, as in a net's forward (ResNet-50's 100 MB outgrow the caches):
+each call reads the next of copies filling 80 MB. GFLOP/s of the median round (the machine is
+shared), the ratio (gemm time / packed time), and what gemm runs. The products alone: a layer
+that packs also compares its weights with a kept copy every forward (blob.Seen), which
+im2col's and Winograd's do anyway; the 1 x 1 rows show why a 1 x 1 kernel, which needs no
+copy, is not packed (caffepy/layers/conv_algorithms.py, Gemm).
 """
 import argparse
 import os
@@ -52,6 +55,9 @@ B1 = [("res2 1x1 64->256", 3136, 256, 64, True), ("res2 1x1 256->64", 3136, 64, 
       ("res5 1x1 512->2048", 49, 2048, 512, True), ("res5 1x1 2048->512", 49, 512, 2048, True),
       ("res5a 1x1 1024->2048 /2", 49, 2048, 1024, True),
       ("res5 3x3 im2col 512->512", 49, 512, 4608, False),
+      ("res2 3x3 F(4,3) position", 196, 64, 64, False),
+      ("res3 3x3 F(4,3) position", 49, 128, 128, False),
+      ("res4 3x3 F(3,3) position", 25, 256, 256, False),
       ("inception_5b 1x1 832->384", 49, 384, 832, True),
       ("inception_4e 3x3 im2col 160->320", 196, 320, 1440, False)]
 
