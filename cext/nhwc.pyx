@@ -433,12 +433,12 @@ cdef void _col2im(const float* col, const CGeom* g, Py_ssize_t p0, Py_ssize_t p1
 cdef void _epilogue(float* y, Py_ssize_t rows, int O, int ld, const float* scale,
                     const float* bias, const float* add, bint relu) noexcept nogil:
     """y = y * scale (NULL: 1) + bias (NULL: 0) + add (NULL: 0; rows x O as y, rows ld apart),
-    then max(y, 0) if relu, per output channel: on the rows the GEMM has just left in cache (a TEST net's
-    BatchNorm, Scale, the Eltwise SUM with a shortcut and the ReLU after the convolution cost no
-    pass of their own). -O3 unswitches the tests on scale, bias and relu, so each case
-    vectorizes; the one on add is taken by hand: left to the compiler it became a masked load
-    from add + offset even when add is NULL, and such a load from an unmapped page costs a
-    microcode assist on every vector (a fifth of ResNet-50's forward on Zen 3)."""
+    then max(y, 0) if relu, per output channel: on the rows the GEMM has just left in cache (a
+    TEST net's BatchNorm, Scale, the Eltwise SUM with a shortcut and the ReLU after the
+    convolution cost no pass of their own). -O3 unswitches the tests on scale, bias and relu,
+    so each case vectorizes; the one on add is taken by hand: left to the compiler it became a
+    masked load from add + offset even when add is NULL, and such a load from an unmapped page
+    costs a microcode assist on every vector (a fifth of ResNet-50's forward on Zen 3)."""
     cdef Py_ssize_t r
     cdef int o
     cdef float v

@@ -439,7 +439,8 @@ def test_test_nets_winograd_transforms_its_weights_once(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel, stride, group, algorithm", [
-    (1, 1, 1, "gemm"), (1, 2, 1, "strided gemm"), (3, 1, 2, "im2col+gemm"), (3, 2, 1, "im2col+gemm")])
+    (1, 1, 1, "gemm"), (1, 2, 1, "strided gemm"), (3, 1, 2, "im2col+gemm"),
+    (3, 2, 1, "im2col+gemm")])
 def test_test_nets_im2col_packs_its_weights_once_and_follows_a_change(monkeypatch, kernel, stride,
                                                                    group, algorithm):
     """A TEST net's im2col forward reads its weights packed once (nhwc.pack_weights): packed
@@ -474,7 +475,8 @@ def test_test_nets_im2col_packs_its_weights_once_and_follows_a_change(monkeypatc
         test.forward(bottom, top)
         train.forward(train_bottom, train_top)
         w, b = (blob.data.astype(np.float64) for blob in test.blobs)
-        want = ref.conv_forward(x.astype(np.float64), w, b, (0, 0), (stride, stride), (1, 1), group)
+        want = ref.conv_forward(x.astype(np.float64), w, b, (0, 0), (stride, stride), (1, 1),
+                                group)
         np.testing.assert_allclose(top[0].data, want, rtol=1e-5, atol=1e-5, err_msg=step)
         np.testing.assert_allclose(top[0].data, train_top[0].data, rtol=1e-5, atol=1e-5)
     assert len(packs) == (3 if kernel > 1 else 0)

@@ -361,8 +361,8 @@ def test_passes_split_and_span_images(budget, spread, threads, group, spaced):
                      np.float32)
     winograd.pack_u(ut, group, packed)
     y_packed = np.full_like(y, np.nan)
-    winograd.conv_forward_nhwc(xl, ut, bias, y_packed, vbuf, mbuf, at, bt, width, O, m, r, pad, pad,
-                               group, packed)
+    winograd.conv_forward_nhwc(xl, ut, bias, y_packed, vbuf, mbuf, at, bt, width, O, m, r, pad,
+                               pad, group, packed)
     np.testing.assert_allclose(y_packed.transpose(0, 3, 1, 2), want, rtol=1e-4,
                                atol=1e-4 * np.abs(want).max())
 
