@@ -7,7 +7,9 @@
 # A row-major C = op(A) @ op(B) is the column-major C^T = op(B)^T @ op(A)^T, so the
 # operands and the sizes M, N are swapped on the way in; no data is moved. Products with A
 # untransposed that the BLAS runs slowly (caffepy_panels_wanted) go to caffepy's own instead
-# (gemm_panels.h).
+# (gemm_panels.h). A product whose B is packed once and kept (a TEST net's weights) runs on
+# the panels alone: gemm_packed, or packed_split and packed_part for a caller that splits the
+# threads itself (cext/nhwc.pyx, to apply its epilogue on each part's block).
 #
 # Threads: inside a parallel region a product runs on the calling thread (the region set the
 # BLAS to one thread: blas_threads.pxi). Outside one, a product gets threads_for_macs(M*N*K)
@@ -31,6 +33,12 @@ cdef extern from "gemm_panels.h" nogil:
     int caffepy_panel_gemm(int trans_b, int M, int N, int K, float alpha, const float* a,
                            long lda, const float* b, long ldb, float beta, float* c, long ldc)
     bint caffepy_panels_wanted(int M, int N, int K)
+    long caffepy_packed_floats(int N, int K)
+    void caffepy_panel_pack(int trans_b, int N, int K, float alpha, const float* b, long ldb,
+                            float* bp)
+    void caffepy_panel_gemm_packed(int M, int N, int K, const float* a, long lda,
+                                   const float* bp, float beta, float* c, long ldc)
+    enum: PG_NW
 
 cdef extern from "blas_threads.h":
     _sgemm64_fn caffepy_sgemm64
@@ -131,3 +139,63 @@ cdef inline void _scale_rows(int M, int N, float beta, float* C, int ldc) noexce
     for i in range(M):
         for j in range(N):
             C[i * ldc + j] = 0.0 if beta == 0.0 else beta * C[i * ldc + j]
+
+
+cdef struct PackedSplit:
+    int parts           # threads, one part of C each
+    bint by_cols        # parts of whole panels (else of rows)
+
+
+cdef inline PackedSplit packed_split(int M, int N, int K, int groups) noexcept nogil:
+    """How `groups` products C [M, N] = A [M, K] x packed panels share the thread rule's threads:
+    few rows (M <= N), each thread takes a range of every product's panels and reads all of A
+    (the panels, the larger, are read once between the threads); many, a range of rows, each
+    thread reading all the panels. One part inside a parallel region."""
+    cdef PackedSplit s
+    cdef int panels = (N + PG_NW - 1) // PG_NW
+    s.parts = 1 if openmp.omp_in_parallel() else threads_for_macs(<Py_ssize_t>M * N * K * groups)
+    s.by_cols = M <= N and panels >= s.parts
+    if not s.by_cols and s.parts > M:
+        s.parts = max(M, 1)
+    return s
+
+
+cdef inline int packed_start(PackedSplit s, int part, int M, int N) noexcept nogil:
+    """The first row (or column, on a panel) of part `part` of split s; part s.parts: the end."""
+    cdef int step
+    if s.by_cols:
+        step = ((N + PG_NW - 1) // PG_NW + s.parts - 1) // s.parts * PG_NW
+        return min(N, part * step)
+    step = (M + s.parts - 1) // s.parts
+    return min(M, part * step)
+
+
+cdef inline void packed_part(PackedSplit s, int part, int M, int N, int K, const float* A,
+                             int lda, const float* BP, float beta, float* C,
+                             int ldc) noexcept nogil:
+    """Part `part` of split s of C [M, N] = A [M, K] x BP + beta * C on the calling thread."""
+    cdef int lo = packed_start(s, part, M, N), hi = packed_start(s, part + 1, M, N)
+    if hi <= lo:
+        return
+    if s.by_cols:
+        caffepy_panel_gemm_packed(M, hi - lo, K, A, lda,
+                                  BP + <Py_ssize_t>(lo // PG_NW) * K * PG_NW, beta, C + lo, ldc)
+    else:
+        caffepy_panel_gemm_packed(hi - lo, N, K, A + <Py_ssize_t>lo * lda, lda, BP, beta,
+                                  C + <Py_ssize_t>lo * ldc, ldc)
+
+
+cdef inline void gemm_packed(int M, int N, int K, const float* A, int lda, const float* BP,
+                             float beta, float* C, int ldc) noexcept nogil:
+    """C [M, N] = A [M, K] x BP + beta * C (beta 0: C written without being read), BP the
+    alpha * op(B) [K, N] that caffepy_panel_pack packed, on packed_split's threads."""
+    cdef PackedSplit s
+    cdef int part
+    if M <= 0 or N <= 0:
+        return
+    s = packed_split(M, N, K, 1)
+    if s.parts == 1:
+        packed_part(s, 0, M, N, K, A, lda, BP, beta, C, ldc)
+        return
+    for part in prange(s.parts, num_threads=s.parts, schedule="static"):
+        packed_part(s, part, M, N, K, A, lda, BP, beta, C, ldc)

@@ -9,10 +9,14 @@ OpenMP threads by plane (forward) or by channel (backward, so every thread owns 
 sums and nothing races). The NumPy references are in caffepy/kernels/reference/common.py.
 """
 
+import numpy as np
+
 from cython.parallel cimport prange
 from libc.string cimport memcpy
 
-from blas cimport caffepy_panel_gemm, caffepy_panels_wanted, gemm_ld_by
+from blas cimport (caffepy_packed_floats, caffepy_panel_gemm, caffepy_panel_pack,
+                   caffepy_panels_wanted, gemm_ld_by)
+from blas cimport gemm_packed as packed_product
 from rules cimport caffepy_team_limit, dims, need, need_shape, threads_for, threads_for_macs
 
 cdef extern from "common_skinny.h" nogil:
@@ -63,6 +67,35 @@ def panel_gemm(a, b, float[:, ::1] c, float alpha=1.0, float beta=0.0):
                                   sb.shape[1], beta, &c[0, 0], c.shape[1])
     if not done:
         raise MemoryError("panel_gemm: no memory for the packed operand")
+
+
+def pack_panels(b, float alpha=1.0):
+    """alpha * b (b [K, N], either order) packed into gemm_packed's panels: a 1-D float32 array
+    of this module's panel layout (cext/gemm_panels.h)."""
+    cdef bint tb = not b.flags.c_contiguous
+    cdef const float[:, ::1] sb = b.T if tb else b
+    cdef int K = b.shape[0], N = b.shape[1]
+    need(K > 0 and N > 0, "pack_panels", "b", "needs no empty side", (K, N))
+    out = np.empty(caffepy_packed_floats(N, K), np.float32)
+    cdef float[::1] bp = out
+    with nogil:
+        caffepy_panel_pack(tb, N, K, alpha, &sb[0, 0], sb.shape[1], &bp[0])
+    return out
+
+
+def gemm_packed(const float[:, ::1] a, const float[::1] packed, float[:, ::1] c,
+                float beta=0.0):
+    """c = a @ B + beta * c, B the alpha * b that pack_panels packed into `packed` (its N: c's
+    columns); beta 0 overwrites c. Threaded (blas.pxd packed_split): its tests and benchmarks."""
+    cdef int M = a.shape[0], K = a.shape[1], N = c.shape[1]
+    need_shape("gemm_packed", "c", dims(c.shape, 2), (M, N))
+    need(N > 0 and K > 0 and packed.shape[0] == caffepy_packed_floats(N, K), "gemm_packed",
+         "packed", f"needs {caffepy_packed_floats(N, K)} floats (b of {K} x {N})",
+         packed.shape[0])
+    if M == 0:
+        return
+    with nogil:
+        packed_product(M, N, K, &a[0, 0], K, &packed[0], beta, &c[0, 0], N)
 
 
 def panels_wanted(int M, int N, int K):

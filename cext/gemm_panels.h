@@ -14,7 +14,14 @@
  * panel by panel (a panel's steps stay in L1) every SK_MR rows through the register tile.
  * Meanwhile the next block's A is prefetched into L2, spread over the block's panels: A streamed
  * from memory otherwise held a thread to 70 GFLOP/s on K 256 x N 64 over 50176 rows, 80 with it
- * (85-87 on rows in cache). */
+ * (85-87 on rows in cache). A block's rows go through the tile in tiles of as equal heights as
+ * can be: 49 rows as 4 x 6 + 5 x 5 rather than 8 x 6 + 1, whose one-row tile has too few sums
+ * in flight to hide the FMA's latency (one thread, Zen 3: M 49 x N 512 x K 512 76.8 -> 79.5
+ * GFLOP/s, M 25 x 256 x 256 62.2 -> 66.1; the same sums, bit for bit).
+ *
+ * A B that stays from call to call (a TEST net's weights, Winograd's U) is packed once
+ * (caffepy_panel_pack) and kept by its caller, which then runs caffepy_panel_gemm_packed: at
+ * batch 1 packing cost as much as the product (benchmarks/bench_gemm.py --b1). */
 #ifndef CAFFEPY_GEMM_PANELS_H
 #define CAFFEPY_GEMM_PANELS_H
 #include <stdlib.h>
@@ -78,23 +85,37 @@ static void pg_block(int R, int nj, int K, const float *a, long lda, const float
         memcpy(c + r * ldc, spare + r * PG_NW, sizeof(float) * nj);
 }
 
-/* C [M, N] = alpha * A [M, K] op(B) + beta * C, op(B) = B [K, N] or, trans_b, B^T with B
- * [N, K]; beta 0 writes C without reading it. Returns 0 (nothing done) when the packing buffer
- * cannot be had. */
-static int caffepy_panel_gemm(int trans_b, int M, int N, int K, float alpha, const float *a,
-                              long lda, const float *b, long ldb, float beta, float *c, long ldc)
+/* Floats of op(B) [K, N] packed into panels (caffepy_panel_pack). */
+static inline long caffepy_packed_floats(int N, int K)
+{
+    return (long)((N + PG_NW - 1) / PG_NW) * K * PG_NW;
+}
+
+/* bp [caffepy_packed_floats(N, K)] = alpha * op(B) in panels: a product's B packed once and
+ * kept (a TEST net's weights), for caffepy_panel_gemm_packed. The layout follows PG_NW, so a
+ * module packs for its own products only (the AVX-512 build's panels are wider). */
+static void caffepy_panel_pack(int trans_b, int N, int K, float alpha, const float *b, long ldb,
+                               float *bp)
+{
+    pg_pack(trans_b, N, K, alpha, b, ldb, bp);
+}
+
+/* C [M, N] = A [M, K] x the panels bp + beta * C (beta 0: C written without being read). A
+ * slice of C's columns that starts on a panel (j0 a multiple of PG_NW) is the same call on
+ * bp + (j0 / PG_NW) * K * PG_NW and c + j0; a slice of rows on a + i0 * lda and c + i0 * ldc. */
+static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long lda,
+                                      const float *bp, float beta, float *c, long ldc)
 {
     float spare[SK_MR * PG_NW];
-    float *bp = pg_buffer((size_t)((N + PG_NW - 1) / PG_NW) * K * PG_NW);
-    if (bp == NULL)
-        return 0;
-    pg_pack(trans_b, N, K, alpha, b, ldb, bp);
     if (beta != 0.0f && beta != 1.0f)
         for (int i = 0; i < M; i++)
             for (int j = 0; j < N; j++)
                 c[(long)i * ldc + j] *= beta;
     for (int i0 = 0; i0 < M; i0 += PG_MB) {
         int i1 = M - i0 < PG_MB ? M : i0 + PG_MB;
+        /* tiles of as equal heights as can be (the header says why) */
+        int tiles = (i1 - i0 + SK_MR - 1) / SK_MR, base = (i1 - i0) / tiles;
+        int taller = (i1 - i0) % tiles;
         for (int k0 = 0; k0 < K; k0 += PG_KC) {
             int kn = K - k0 < PG_KC ? K - k0 : PG_KC;
             int accumulate = k0 > 0 || beta != 0.0f;
@@ -104,16 +125,32 @@ static int caffepy_panel_gemm(int trans_b, int M, int N, int K, float alpha, con
                 /* this panel's share of the next block's A lines, fetched into L2 */
                 int lines = (kn + 15) / 16, panels = (N + PG_NW - 1) / PG_NW;
                 int l0 = lines * (j0 / PG_NW) / panels, l1 = lines * (j0 / PG_NW + 1) / panels;
-                for (int i = i0; i < i1; i += SK_MR) {
-                    for (int r = i + PG_MB; r < i + PG_MB + SK_MR && r < M; r++)
+                int i = i0;
+                for (int t = 0; t < tiles; t++) {
+                    int h = base + (t < taller);
+                    for (int r = i + PG_MB; r < i + PG_MB + h && r < M; r++)
                         for (int l = l0; l < l1; l++)
                             __builtin_prefetch(a + (long)r * lda + k0 + 16 * l, 0, 2);
-                    pg_block(i1 - i < SK_MR ? i1 - i : SK_MR, nj, kn, a + (long)i * lda + k0,
-                             lda, panel, c + (long)i * ldc + j0, ldc, accumulate, spare);
+                    pg_block(h, nj, kn, a + (long)i * lda + k0, lda, panel,
+                             c + (long)i * ldc + j0, ldc, accumulate, spare);
+                    i += h;
                 }
             }
         }
     }
+}
+
+/* C [M, N] = alpha * A [M, K] op(B) + beta * C, op(B) = B [K, N] or, trans_b, B^T with B
+ * [N, K]; beta 0 writes C without reading it. Returns 0 (nothing done) when the packing buffer
+ * cannot be had. */
+static int caffepy_panel_gemm(int trans_b, int M, int N, int K, float alpha, const float *a,
+                              long lda, const float *b, long ldb, float beta, float *c, long ldc)
+{
+    float *bp = pg_buffer((size_t)caffepy_packed_floats(N, K));
+    if (bp == NULL)
+        return 0;
+    pg_pack(trans_b, N, K, alpha, b, ldb, bp);
+    caffepy_panel_gemm_packed(M, N, K, a, lda, bp, beta, c, ldc);
     return 1;
 }
 

@@ -26,7 +26,8 @@ from libc.string cimport memcmp, memcpy, memset
 from cpython cimport array
 import array
 
-from blas cimport gemm_ld
+from blas cimport (PackedSplit, caffepy_packed_floats, caffepy_panel_pack, gemm_ld, packed_part,
+                   packed_split, packed_start)
 from rules cimport dims, need, need_shape, threads_for
 
 include "blas_threads.pxi"
@@ -140,14 +141,24 @@ def reverse_axes(const float[:, :, :] src, float[:, :, :] dst, bint add=False):
 
 
 def same_floats(const float[::1] a, const float[::1] b):
-    """Whether a and b hold the same bits: whether weights changed since a copy was kept."""
+    """Whether a and b hold the same bits: whether weights changed since a copy was kept. In
+    slices over the thread rule's threads: the compare streams both from memory, which one
+    core does not saturate."""
     if a.shape[0] != b.shape[0]:
         return False
-    if a.shape[0] == 0:
+    cdef Py_ssize_t n = a.shape[0], step, part
+    cdef int nt = threads_for(n), differ = 0
+    if n == 0:
         return True
-    cdef int differ
     with nogil:
-        differ = memcmp(&a[0], &b[0], a.shape[0] * sizeof(float))
+        if nt == 1:
+            differ = memcmp(&a[0], &b[0], n * sizeof(float)) != 0
+        else:
+            step = (n + nt - 1) // nt
+            for part in prange(nt, num_threads=nt, schedule="static"):
+                if part * step < n:
+                    differ += memcmp(&a[part * step], &b[part * step],
+                                     min(step, n - part * step) * sizeof(float)) != 0
     return differ == 0
 
 
@@ -246,6 +257,8 @@ cdef struct CGeom:
     const float* add        # + add[pixel, o] (NULL: none; an array of y's shape, y0 its base),
     const float* y0
     bint relu               # then max(y, 0) if relu
+    const float* packed     # the weights as caffepy_panel_pack packs them, each group's
+    Py_ssize_t packed_group # op(wt[gr]) [Kg, Og] at packed + gr * packed_group (NULL: none)
 
 
 cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int sh, int sw,
@@ -254,6 +267,7 @@ cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int s
     g.relu = False
     g.scale = NULL
     g.add = NULL
+    g.packed = NULL
     g.N, g.H, g.W, g.C = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
     g.O = O
     need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and dh >= 1 and dw >= 1 and ph >= 0
@@ -291,6 +305,27 @@ def conv_rows(int C, int kh, int kw):
     """Pixels per GEMM of an im2col convolution: about 4 MB of columns, at least 256 rows."""
     cdef Py_ssize_t k = <Py_ssize_t>C * kh * kw
     return max(256, (1 << 20) // max(k, 1))
+
+
+def packed_floats(int group, int Og, int Kg):
+    """Floats of pack_weights' output for `group` products of [Kg, Og] weights."""
+    return group * caffepy_packed_floats(Og, Kg)
+
+
+def pack_weights(const float[:, :, ::1] wt, bint caffe_order, float[::1] out):
+    """out [packed_floats] = conv_forward's wt [group, Kg, Og] (caffe_order: [group, Og, Kg])
+    packed once into its GEMMs' panels (cext/gemm_panels.h, at this build's width), for
+    conv_forward's `packed`: a TEST net's weights, packed again only when they change."""
+    cdef int G = wt.shape[0], Og = wt.shape[1] if caffe_order else wt.shape[2]
+    cdef int Kg = wt.shape[2] if caffe_order else wt.shape[1], gr
+    cdef Py_ssize_t each = caffepy_packed_floats(Og, Kg)
+    need(out.shape[0] == G * each, "pack_weights", "out", f"needs {G * each} floats",
+         out.shape[0])
+    if G * each:
+        with nogil:
+            for gr in range(G):
+                caffepy_panel_pack(caffe_order, Og, Kg, 1.0, &wt[gr, 0, 0], wt.shape[2],
+                                   &out[gr * each])
 
 
 def conv_col_floats(int C, int kh, int kw, int oh, int ow, Py_ssize_t rows):
@@ -395,15 +430,15 @@ cdef void _col2im(const float* col, const CGeom* g, Py_ssize_t p0, Py_ssize_t p1
                         dst[gr * Cg + t] += src[t]
 
 
-cdef void _epilogue(float* y, Py_ssize_t rows, int O, const float* scale, const float* bias,
-                    const float* add, bint relu) noexcept nogil:
-    """y = y * scale (NULL: 1) + bias (NULL: 0) + add (NULL: 0; rows x O as y), then max(y, 0)
-    if relu, per output channel: on the rows the GEMM has just left in cache (a TEST net's
-    BatchNorm, Scale, the Eltwise SUM with a shortcut and the ReLU after the convolution cost no
-    pass of their own). -O3 unswitches the tests on scale, bias and relu, so each case
-    vectorizes; the one on add is taken by hand: left to the compiler it became a masked load
-    from add + offset even when add is NULL, and such a load from an unmapped page costs a
-    microcode assist on every vector (a fifth of ResNet-50's forward on Zen 3)."""
+cdef void _epilogue(float* y, Py_ssize_t rows, int O, int ld, const float* scale,
+                    const float* bias, const float* add, bint relu) noexcept nogil:
+    """y = y * scale (NULL: 1) + bias (NULL: 0) + add (NULL: 0; rows x O as y, rows ld apart),
+    then max(y, 0) if relu, per output channel: on the rows the GEMM has just left in cache (a
+    TEST net's BatchNorm, Scale, the Eltwise SUM with a shortcut and the ReLU after the
+    convolution cost no pass of their own). -O3 unswitches the tests on scale, bias and relu,
+    so each case vectorizes; the one on add is taken by hand: left to the compiler it became a
+    masked load from add + offset even when add is NULL, and such a load from an unmapped page
+    costs a microcode assist on every vector (a fifth of ResNet-50's forward on Zen 3)."""
     cdef Py_ssize_t r
     cdef int o
     cdef float v
@@ -411,7 +446,7 @@ cdef void _epilogue(float* y, Py_ssize_t rows, int O, const float* scale, const 
     cdef const float* ar
     if add == NULL:
         for r in range(rows):
-            yr = y + r * O
+            yr = y + r * ld
             for o in range(O):
                 v = yr[o]
                 if scale != NULL:
@@ -423,8 +458,8 @@ cdef void _epilogue(float* y, Py_ssize_t rows, int O, const float* scale, const 
                 yr[o] = v
         return
     for r in range(rows):
-        yr = y + r * O
-        ar = add + r * O
+        yr = y + r * ld
+        ar = add + r * ld
         for o in range(O):
             v = yr[o]
             if scale != NULL:
@@ -448,17 +483,49 @@ cdef void _sum_rows(const float* y, Py_ssize_t rows, int O, float* acc) noexcept
             acc[o] = acc[o] + yr[o]
 
 
+cdef inline void _fwd_epilogue(const CGeom* g, const float* bias, float* y, Py_ssize_t rows,
+                               int o0, int o1) noexcept nogil:
+    """The epilogue of output channels [o0, o1) of y [rows, O]."""
+    if o1 > o0 and (bias != NULL or g.scale != NULL or g.add != NULL or g.relu):
+        _epilogue(y + o0, rows, o1 - o0, g.O, g.scale + o0 if g.scale != NULL else NULL,
+                  bias + o0 if bias != NULL else NULL,
+                  g.add + (y - g.y0) + o0 if g.add != NULL else NULL, g.relu)
+
+
+cdef void _fwd_part(const CGeom* g, PackedSplit s, int part, const float* a, Py_ssize_t lda,
+                    const float* bias, float* y, int rows) noexcept nogil:
+    """Part `part` of split s of _fwd_rows on the packed weights: each group's block of rows or
+    of output channels, then the epilogue of what it wrote."""
+    cdef int gr, lo = packed_start(s, part, rows, g.Og), hi = packed_start(s, part + 1, rows, g.Og)
+    for gr in range(g.group):
+        packed_part(s, part, rows, g.Og, g.Kg, a + gr * g.Kg, <int>lda,
+                    g.packed + gr * g.packed_group, 0.0, y + gr * g.Og, g.O)
+        if s.by_cols:
+            _fwd_epilogue(g, bias, y, rows, gr * g.Og + lo, gr * g.Og + hi)
+    if not s.by_cols and hi > lo:
+        _fwd_epilogue(g, bias, y + <Py_ssize_t>lo * g.O, hi - lo, 0, g.O)
+
+
 cdef void _fwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float* wt,
                     const float* bias, float* y, Py_ssize_t rows) noexcept nogil:
-    """y[rows, O] = a[rows, Ktot] @ wt per group, then the epilogue (_epilogue)."""
-    cdef int gr
+    """y[rows, O] = a[rows, Ktot] @ wt per group, then the epilogue (_epilogue). On the packed
+    weights outside a parallel region, the threads split the rows or the output channels
+    (packed_split), each applying the epilogue to its block while it is in cache."""
+    cdef int gr, part
+    cdef PackedSplit s
+    if g.packed != NULL:
+        s = packed_split(<int>rows, g.Og, g.Kg, g.group)
+        if s.parts == 1:
+            _fwd_part(g, s, 0, a, lda, bias, y, <int>rows)
+        else:
+            for part in prange(s.parts, num_threads=s.parts, schedule="static"):
+                _fwd_part(g, s, part, a, lda, bias, y, <int>rows)
+        return
     for gr in range(g.group):
         gemm_ld(False, g.caffe_order, <int>rows, g.Og, g.Kg, 1.0, a + gr * g.Kg, <int>lda,
                 wt + <Py_ssize_t>gr * g.Kg * g.Og, g.Kg if g.caffe_order else g.Og, 0.0,
                 y + gr * g.Og, g.O)
-    if bias != NULL or g.scale != NULL or g.add != NULL or g.relu:
-        _epilogue(y, rows, g.O, g.scale, bias, g.add + (y - g.y0) if g.add != NULL else NULL,
-                  g.relu)
+    _fwd_epilogue(g, bias, y, rows, 0, g.O)
 
 
 cdef void _fwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float* wt,
@@ -573,14 +640,15 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
                  float[:, :, :, ::1] y, float[:, ::1] col, int O, int kh, int kw, int ph, int pw,
                  int sh, int sw, int dh, int dw, int group, Py_ssize_t rows,
                  bint caffe_order=False, const float[::1] scale=None, bint relu=False,
-                 const float[:, :, :, ::1] add=None):
+                 const float[:, :, :, ::1] add=None, const float[::1] packed=None):
     """y [N, oh, ow, O] = conv(x [N, H, W, C], wt) * scale (None: 1) + bias (empty: none)
     + add (None: none; y's shape), max(y, 0) of that with relu (scale, add and relu: a TEST
     net's BatchNorm, Scale, Eltwise SUM and ReLU after the convolution, caffepy/net_rules.py);
     overwritten. add may not be y.
     Scratch col [T, rows * Ktot] (unused by a direct convolution) for T threads. wt is
     [group, Kg, Og], or with caffe_order (1 x 1 kernels) [group, Og, Kg]: the weights as Caffe
-    stores them, with no copy."""
+    stores them, with no copy. packed (None: none): wt as pack_weights packed it, the GEMMs'
+    operand instead of wt (then read for its shape only)."""
     cdef CGeom g = _cgeom("conv_forward", x, y, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows,
                           caffe_order)
     g.relu = relu
@@ -594,6 +662,11 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
             g.add, g.y0 = &add[0, 0, 0, 0], &y[0, 0, 0, 0]
     cdef int T = col.shape[0], nt, tid, saved = 0
     _check_conv("conv_forward", &g, wt, col, T)
+    if packed is not None:
+        g.packed_group = caffepy_packed_floats(g.Og, g.Kg)
+        need(packed.shape[0] == group * g.packed_group, "conv_forward", "packed",
+             f"needs {group * g.packed_group} floats (pack_weights of wt)", packed.shape[0])
+        g.packed = &packed[0]
     need(bias.shape[0] in (0, O), "conv_forward", "bias", f"needs {O} values or none", bias.shape[0])
     cdef const float* b = &bias[0] if bias.shape[0] else NULL
     cdef Py_ssize_t tasks = _tasks(&g), task, cs = col.shape[1]

@@ -42,7 +42,7 @@ from libc.string cimport memcpy, memset
 
 import numpy as np
 
-from blas cimport gemm_ld
+from blas cimport caffepy_packed_floats, caffepy_panel_pack, gemm_ld, gemm_packed
 from rules cimport dims, need, need_shape, threads_for
 
 include "blas_threads.pxi"
@@ -113,6 +113,8 @@ cdef struct WGeom:
     float am[MAX_A * MAX_A]
     float bt[MAX_A * MAX_A]       # BT [a, a] and its transpose bm
     float bm[MAX_A * MAX_A]
+    const float* up               # the forward's U packed (pack_u; NULL: none), pair j's
+    Py_ssize_t up_each            # panels at up + j * up_each
 
 
 cdef WGeom _geom(str kernel, tuple xs, str yname, tuple ys, bint blocked, int V, int C, int O,
@@ -164,6 +166,7 @@ cdef WGeom _geom(str kernel, tuple xs, str yname, tuple ys, bint blocked, int V,
             if i < m:
                 g.at[i * g.a + j], g.am[j * m + i] = at[i, j], at[i, j]
     g.fixed = wg_fixed(m, g.a, g.at, g.bt)
+    g.up = NULL
     need(vbuf.shape[1] == g.a * g.a and vbuf.shape[3] == g.cpad, kernel, "vbuf",
          f"needs shape (threads, {g.a * g.a}, tiles, {g.cpad})", tuple(vbuf.shape[:4]))
     need(mbuf.shape[0] >= vbuf.shape[0] and tuple(mbuf.shape[1:4]) == (g.a * g.a, g.tiles, g.opad),
@@ -178,6 +181,29 @@ cdef WGeom _geom(str kernel, tuple xs, str yname, tuple ys, bint blocked, int V,
          "need contiguous rows of tiles and positions that do not overlap",
          (vbuf.strides[:3], mbuf.strides[:3]))
     return g
+
+
+def packed_u_floats(int a2, int group, int Cg, int Og):
+    """Floats of pack_u's output for a U of a2 positions, `group` blocks each of Cg x Og."""
+    return <Py_ssize_t>a2 * group * caffepy_packed_floats(Og, Cg)
+
+
+def pack_u(const float[:, :, ::1] u, int group, float[::1] out):
+    """out [packed_u_floats] = the forward's U [a*a, group * Cg, O / group] (weight_transform
+    with group) packed once into its GEMMs' panels (cext/gemm_panels.h, this build's width),
+    for conv_forward_nhwc's `packed`: each (position, group) block, as its GEMM reads it."""
+    cdef int a2 = u.shape[0], Og = u.shape[2], Cg, j
+    need(group >= 1 and u.shape[1] % group == 0, "pack_u", "group",
+         f"must divide U's {u.shape[1]} rows", group)
+    Cg = u.shape[1] // group
+    cdef Py_ssize_t each = caffepy_packed_floats(Og, Cg)
+    need(out.shape[0] == a2 * group * each, "pack_u", "out", f"needs {a2 * group * each} floats",
+         out.shape[0])
+    if a2 * group * each:
+        with nogil:
+            for j in range(a2 * group):
+                caffepy_panel_pack(0, Og, Cg, 1.0, &u[j // group, (j % group) * Cg, 0], Og,
+                                   &out[j * each])
 
 
 def scratch_shapes(int threads, int N, int C, int O, int H, int W, int V, int m, int r,
@@ -328,9 +354,14 @@ cdef inline Py_ssize_t _ublock(const WGeom* g, int j) noexcept nogil:
 cdef void _fwd_gemms(const WGeom* g, const float* ut, Py_ssize_t count, const float* vb,
                      float* mb, int j0, int j1) noexcept nogil:
     """M_p = V_p U_p^T for the (position, group) pairs j0 <= j < j1 (j = p * group + gr), with
-    U in the forward's layout (weight_transform with group): each block read untransposed."""
+    U in the forward's layout (weight_transform with group): each block read untransposed, or
+    packed once (g.up)."""
     cdef int j
     for j in range(j0, j1):
+        if g.up != NULL:
+            gemm_packed(<int>count, g.Og, g.Cg, vb + _vblock(g, j), <int>g.cpad,
+                        g.up + j * g.up_each, 0.0, mb + _mblock(g, j), <int>g.opad)
+            continue
         gemm_ld(False, False, <int>count, g.Og, g.Cg, 1.0, vb + _vblock(g, j), <int>g.cpad,
                 ut + _ublock(g, j), g.Og, 0.0, mb + _mblock(g, j), <int>g.opad)
 
@@ -712,12 +743,20 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const float[:, :, ::1] u,
                       const float[::1] bias, float[:, :, :, ::1] y,
                       float[:, :, :, :] vbuf, float[:, :, :, :] mbuf,
                       const float[:, ::1] at, const float[:, ::1] bt,
-                      int V, int O, int m, int r, int ph, int pw, int group):
+                      int V, int O, int m, int r, int ph, int pw, int group,
+                      const float[::1] packed=None):
     """conv_forward on channels-last x [N, H, W, C], y [N, oh, ow, O], in blocks of V channels
-    (bias padded to whole blocks; scratch_shapes with this V)."""
+    (bias padded to whole blocks; scratch_shapes with this V). packed (None: none): u as pack_u
+    packed it, which the GEMMs then read instead (a TEST net's, kept in place of its U); u is
+    then read for its shape only."""
     cdef WGeom g = _geom("conv_forward_nhwc", dims(x.shape, 4), "y", dims(y.shape, 4), False, V,
                          x.shape[3], O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
     _check_forward("conv_forward_nhwc", &g, u, bias)
+    if packed is not None:
+        g.up_each = caffepy_packed_floats(g.Og, g.Cg)
+        need(packed.shape[0] == g.a * g.a * group * g.up_each, "conv_forward_nhwc", "packed",
+             f"needs {g.a * g.a * group * g.up_each} floats (pack_u of u)", packed.shape[0])
+        g.up = &packed[0]
     cdef float[:, ::1] work = _work_buffer(openmp.omp_get_max_threads())
     if g.N == 0:
         return

@@ -128,37 +128,45 @@ def winograd_matrices(m, r):
     return _winograd.matrices(m, r)
 
 
-def winograd_weights(weights, gm, group, forward, workspace, layer=None):
-    """U = G W G^T of `weights` [O, Cg, r, r] (gm = G [a, r]) in a workspace ("wino_u"), in the
-    forward's layout [a*a, group * Cg, O / group] or the backward's [a*a, O, Cg]
-    (cext/winograd.pyx); `workspace(name, shape)` gives the scratch. The forward of a TEST
-    net's `layer` keeps a U of its own instead, transformed again only when the weights' floats
-    change: at inference the weights stay, and their transform was redone every forward."""
+def winograd_weights(weights, gm, group, forward, workspace, layer=None, packs=False):
+    """(U, None) with U = G W G^T of `weights` [O, Cg, r, r] (gm = G [a, r]) in a workspace
+    ("wino_u"), in the forward's layout [a*a, group * Cg, O / group] or the backward's
+    [a*a, O, Cg] (cext/winograd.pyx); `workspace(name, shape)` gives the scratch. The forward
+    of a TEST net's `layer` keeps a U of its own instead, transformed again only when the
+    weights' floats change: at inference the weights stay, and their transform was redone
+    every forward. With `packs` (the channels-last forward's) it keeps that U packed for its
+    GEMMs alone (winograd.pack_u, after the transform into the workspace), in place of the
+    None, and the U returned is the workspace's, for its shape: the GEMMs pack nothing and
+    the layer holds one U, not two."""
     o, cg = weights.shape[:2]
     a2 = gm.shape[0] ** 2
     if not forward:
         u = workspace("wino_u", (a2, o, cg))
         _winograd.weight_transform(weights, gm, u)
-        return u
+        return u, None
     shape = (a2, group * cg, o // group)
     if layer is None or layer.phase != caffe_pb2.TEST:
         u = workspace("wino_u", shape)
         _winograd.weight_transform(weights, gm, u, group)
-        return u
-    # on the layer, per tile size (a, r): kept across batch sizes (an algorithm is built per
-    # bottom shape)
+        return u, None
+    # on the layer, per tile size (a, r) and packing: kept across batch sizes (an algorithm is
+    # built per bottom shape)
     kept = layer.winograd_kept
     if kept is None:
         kept = layer.winograd_kept = {}
-    seen, u = kept.get(gm.shape) or (Seen(), None)
-    if u is None or u.shape != shape:
-        u = memory.line_empty(a2 * group * cg * (o // group)).reshape(shape)
+    seen, held, held_shape = kept.get((gm.shape, packs)) or (Seen(), None, None)
+    if held_shape != shape:
+        held = memory.line_empty(_winograd.packed_u_floats(a2, group, cg, o // group) if packs
+                                 else a2 * group * cg * (o // group))
         seen = Seen()
+    u = workspace("wino_u", shape) if packs else held.reshape(shape)
     if seen.changed(weights):
         _winograd.weight_transform(weights, gm, u, group)
+        if packs:
+            _winograd.pack_u(u, group, held)
         seen.keep(weights)
-    kept[gm.shape] = seen, u
-    return u
+    kept[gm.shape, packs] = seen, held, shape
+    return u, held if packs else None
 
 
 def winograd_buffers(vshape, mshape, workspace):
@@ -200,7 +208,17 @@ class Gemm:
     A pointwise backward runs instead in tasks of about POINTWISE_TASK pixels, one thread
     each, so that the data gradient's GEMM and the weight gradient's read a task's dy while it
     is in cache, rather than each GEMM passing over the whole batch (ResNet-50 b16 at 56 x 56,
-    64 -> 256 channels: 25.3 -> 22.6 ms; at 28 x 28 2-4% faster, at 14 x 14 alike)."""
+    64 -> 256 channels: 25.3 -> 22.6 ms; at 28 x 28 2-4% faster, at 14 x 14 alike).
+
+    Outside TRAIN, im2col's GEMMs read the weights packed once into their panels
+    (nhwc.pack_weights) rather than packing them on every call, in every task, as the BLAS and
+    the panel kernel of a plain product do; at batch 1 threads split the output channels
+    (cext/blas.pxd packed_split). The packing is redone with the reordering, when blob.Seen
+    finds the weights changed, so it costs no compare of its own. Not for a 1 x 1 kernel, whose
+    GEMMs read Caffe's weights as they are: there the compare that packing would need (a pass
+    over the weights and their copy every forward) cost more than the packing it saves
+    (ResNet-50 b1, caffepy time, load 1.7: each 1 x 1 layer 0.15-0.35 ms slower, 68 -> 75 ms a
+    forward; with the compare over two threads, load 2.5, within the noise, +-3%)."""
 
     def __init__(self, layer, n, h, w):
         L = layer
@@ -228,7 +246,9 @@ class Gemm:
         # operands); larger ones read weights reordered to the columns' (kh, kw, C) order
         self.caffe_order = (kh, kw) == (1, 1)
         self.wt = None if self.caffe_order else np.empty((L.group, self.kg, og), np.float32)
-        self.reordered = Seen()
+        self.packs = L.phase != caffe_pb2.TRAIN and not self.caffe_order
+        self.packed = None
+        self.reordered = Seen()     # the weights that wt and packed hold
 
     def _input(self, x):
         """What the GEMM reads: x, or for a strided pointwise convolution the pixels it reads,
@@ -243,7 +263,7 @@ class Gemm:
 
     def _weights(self, fresh=True, weights=None):
         """The weights (the layer's, or `weights` in their shape) as the kernels take them,
-        reordered first if `fresh`."""
+        reordered (and packed when the forward `packs`) first if `fresh` and they changed."""
         L = self.layer
         g = L.group
         weights = L.blobs[0].data if weights is None else weights
@@ -256,6 +276,10 @@ class Gemm:
             wt = self.wt.reshape(g, kh * kw, cg, -1)
             for gi in range(g):
                 _k.reverse_axes(w[gi], wt[gi])
+            if self.packs:
+                if self.packed is None:
+                    self.packed = memory.line_empty(_k.packed_floats(g, self.wt.shape[2], self.kg))
+                _k.pack_weights(self.wt, False, self.packed)
             self.reordered.keep(weights)
         return self.wt
 
@@ -279,7 +303,7 @@ class Gemm:
         for b, t in zip(bottom, top):
             _k.conv_forward(self._input(b.raw_data), wt, bias, t.raw_data, col, *self.args,
                             rows, self.caffe_order, scale, relu,
-                            None if add is None else add.raw_data)
+                            None if add is None else add.raw_data, self.packed)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
@@ -459,24 +483,25 @@ class Winograd:
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, self.r)
         weights = L.blobs[0].data if weights is None else weights
-        u = winograd_weights(weights, gm, L.group, forward, _workspace, L)
-        return (at, bt, gm, u) + winograd_buffers(self.vshape, self.mshape, _workspace)
+        u, packed = winograd_weights(weights, gm, L.group, forward, _workspace, L, packs=True)
+        return (at, bt, gm, u, packed) + winograd_buffers(self.vshape, self.mshape, _workspace)
 
     def forward(self, bottom, top, params=None):
         L = self.layer
         weights, given = forward_params(L, params)
-        at, bt, _, u, vbuf, mbuf = self._setup(True, weights)
+        at, bt, _, u, packed, vbuf, mbuf = self._setup(True, weights)
         bias = _workspace("wino_bias", (self.mshape[3],))
         bias[...] = 0
         if given is not None:
             bias[:L.num_output] = given
         for b, t in zip(bottom, top):
             _winograd.conv_forward_nhwc(b.raw_data, u, bias, t.raw_data, vbuf, mbuf, at, bt, self.v,
-                                        L.num_output, self.m, self.r, self.ph, self.pw, L.group)
+                                        L.num_output, self.m, self.r, self.ph, self.pw, L.group,
+                                        packed)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer
-        at, bt, gm, u, vbuf, mbuf = self._setup(False)
+        at, bt, gm, u, _, vbuf, mbuf = self._setup(False)
         du = _workspace("wino_du", (vbuf.shape[0],) + u.shape) if need_w else np.zeros((1, 1, 1, 1), np.float32)
         for i, (b, t) in enumerate(zip(bottom, top)):
             need_x = bool(propagate_down[i])
@@ -581,7 +606,7 @@ class BlockedWinograd:
         forward's layout or the backward's (cext/winograd.pyx)."""
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, L.kh)
-        u = winograd_weights(L.blobs[0].data, gm, L.group, forward, _workspace, L)
+        u, _ = winograd_weights(L.blobs[0].data, gm, L.group, forward, _workspace, L)
         vshape, mshape = _winograd.scratch_shapes(_ki.max_threads(), n, L.channels, L.num_output,
                                                   h, w, L.width, self.m, L.kh, L.ph, L.pw, L.group)
         return (at, bt, gm, u) + winograd_buffers(vshape, mshape, _workspace)

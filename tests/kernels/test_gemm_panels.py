@@ -62,3 +62,60 @@ def test_rule_keeps_wide_and_small_products_on_the_blas():
     assert not common.panels_wanted(784, 512, 2048)        # long reductions: the BLAS is faster
     assert not common.panels_wanted(64, 512, 512)          # res5's Winograd: slower in the net
     assert not common.panels_wanted(8, 256, 64)            # too few rows to repay the packing
+
+
+# The weights packed once (a TEST net's convolutions: cext/nhwc.pyx conv_forward's `packed`)
+
+@pytest.mark.parametrize("m", [1, MR - 1, MR + 1, 49, MB + MR + 1])
+@pytest.mark.parametrize("n", [1, W - 1, 2 * W + 3, 8 * W + 5])
+@pytest.mark.parametrize("k", [1, KC + 3])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_packed_product_against_numpy(m, n, k, trans_b):
+    """Every edge again, on B packed once: against float64 NumPy, and bit for bit what the
+    product that packs on every call computes (the same sums in the same order)."""
+    rng = np.random.default_rng(m * 1000 + n * 10 + k + 1)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    stored = rng.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32)
+    b = stored.T if trans_b else stored
+    packed = common.pack_panels(b)
+    c = np.full((m, n), np.nan, np.float32)
+    common.gemm_packed(a, packed, c)
+    np.testing.assert_allclose(c, _reference(a, b, 0, 1, 0), rtol=1e-5, atol=1e-4 * np.sqrt(k))
+    unpacked = np.empty_like(c)
+    common.panel_gemm(a, b, unpacked)
+    np.testing.assert_array_equal(c, unpacked)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 2 * W + 3, KC + 3), (7, 5 * W + 1, 2 * KC + 9)])
+@pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (0.5, -2.0), (-3.0, 0.0)])
+def test_packed_product_folds_alpha_and_takes_beta(m, n, k, alpha, beta):
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    c0 = rng.standard_normal((m, n), dtype=np.float32)
+    c = c0.copy()
+    common.gemm_packed(a, common.pack_panels(b, alpha), c, beta)
+    np.testing.assert_allclose(c, _reference(a, b, c0, alpha, beta), rtol=1e-5,
+                               atol=1e-4 * np.sqrt(k) * abs(alpha))
+
+
+@pytest.mark.parametrize("m, n, k", [(49, 40 * W + 3, 600), (1, 64 * W, 2048),
+                                     (700, 4 * W + 1, 600)])
+def test_packed_product_split_over_threads_computes_the_one_thread_sums(m, n, k):
+    """Big enough for the thread rule's two threads (where the machine has them free): few rows
+    split the panels between them, many rows the rows; each element the same sums either way."""
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    c = np.empty((m, n), np.float32)
+    common.gemm_packed(a, common.pack_panels(b), c)
+    one = np.empty_like(c)
+    common.panel_gemm(a, b, one)
+    np.testing.assert_array_equal(c, one)
+
+
+def test_packed_product_refuses_panels_of_another_shape():
+    a = np.zeros((3, 10), np.float32)
+    packed = common.pack_panels(np.zeros((9, 5), np.float32))
+    with pytest.raises(ValueError, match="gemm_packed: packed: needs"):
+        common.gemm_packed(a, packed, np.zeros((3, 5), np.float32))

@@ -3,7 +3,7 @@ ReLU after a convolution, caffepy/net_rules.py): y = conv(x, W) * scale + bias +
 max(y, 0), against the
 NumPy reference convolution, for the pointwise GEMM over the batch (Caffe's weight order) and
 im2col's (the weights reordered, several row chunks an image), with one thread's scratch or
-two's."""
+two's, on the weights as they are and packed once (pack_weights: a TEST net's)."""
 import numpy as np
 import pytest
 
@@ -16,7 +16,9 @@ from caffepy.kernels.reference import vision as ref
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("with_scale", [False, True])
 @pytest.mark.parametrize("with_add", [False, True])
-def test_epilogue_against_the_reference(k, pad, rows, threads, relu, with_scale, with_add):
+@pytest.mark.parametrize("packed", [False, True])
+def test_epilogue_against_the_reference(k, pad, rows, threads, relu, with_scale, with_add,
+                                        packed):
     rng = np.random.default_rng(7)
     n, c, h, w, o = 2, 5, 6, 7, 6
     x = rng.standard_normal((n, c, h, w), dtype=np.float32)
@@ -42,11 +44,57 @@ def test_epilogue_against_the_reference(k, pad, rows, threads, relu, with_scale,
         wt = np.ascontiguousarray(weights.transpose(2, 3, 1, 0).reshape(1, k * k * c, o))
         col = np.zeros((threads, nhwc.conv_col_floats(c, k, k, h, w, rows)), np.float32)
     y = np.full((n, h, w, o), np.nan, np.float32)
+    panels = _packed(wt, caffe_order) if packed else None
     nhwc.conv_forward(xl, wt, bias, y, col, o, k, k, pad, pad, 1, 1, 1, 1, 1, rows, caffe_order,
-                      scale, relu, add)
+                      scale, relu, add, panels)
     np.testing.assert_allclose(y.transpose(0, 3, 1, 2), want, rtol=1e-5, atol=1e-5)
     if relu:
         assert (y == 0).any() and (y >= 0).all()
+
+
+def _packed(wt, caffe_order):
+    g, og, kg = (wt.shape[0], wt.shape[1], wt.shape[2]) if caffe_order else \
+        (wt.shape[0], wt.shape[2], wt.shape[1])
+    out = np.full(nhwc.packed_floats(g, og, kg), np.nan, np.float32)
+    nhwc.pack_weights(wt, caffe_order, out)
+    return out
+
+
+@pytest.mark.parametrize("k, stride, group", [(1, 1, 1), (1, 1, 2), (3, 1, 2), (3, 2, 1)])
+@pytest.mark.parametrize("n", [1, 3])
+def test_packed_weights_of_many_channels_against_the_reference(k, stride, group, n):
+    """Enough output channels for several panels a group and an epilogue on each thread's block
+    (the threads split the channels at batch 1, the rows or the tasks at batch 3)."""
+    rng = np.random.default_rng(3)
+    c, h, o = 64, 9, 200
+    x = rng.standard_normal((n, c, h, h), dtype=np.float32)
+    weights = rng.standard_normal((o, c // group, k, k), dtype=np.float32)
+    scale = rng.standard_normal(o, dtype=np.float32)
+    bias = rng.standard_normal(o, dtype=np.float32)
+    want = ref.conv_forward(x, weights, None, stride=(stride, stride), group=group)
+    want = np.maximum(want * scale[None, :, None, None] + bias[None, :, None, None], 0)
+    xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    caffe_order = k == 1 and stride == 1
+    kg = c // group * k * k
+    w = weights.reshape(group, o // group, c // group, k * k)
+    wt = w.reshape(group, o // group, kg) if caffe_order else \
+        np.ascontiguousarray(w.transpose(0, 3, 2, 1).reshape(group, kg, o // group))
+    oh = (h - k) // stride + 1
+    rows = 1000
+    col = np.zeros((2, nhwc.conv_col_floats(c, k, k, oh, oh, rows)), np.float32)
+    y = np.full((n, oh, oh, o), np.nan, np.float32)
+    nhwc.conv_forward(xl, wt, bias, y, col, o, k, k, 0, 0, stride, stride, 1, 1, group, rows,
+                      caffe_order, scale, True, None, _packed(wt, caffe_order))
+    np.testing.assert_allclose(y.transpose(0, 3, 1, 2), want, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_weights_of_another_shape_are_refused():
+    x = np.zeros((1, 2, 2, 3), np.float32)
+    wt = np.zeros((1, 4, 3), np.float32)
+    with pytest.raises(ValueError, match="conv_forward: packed: needs"):
+        nhwc.conv_forward(x, wt, np.zeros(0, np.float32), np.zeros((1, 2, 2, 4), np.float32),
+                          np.zeros((1, 0), np.float32), 4, 1, 1, 0, 0, 1, 1, 1, 1, 1, 4, True,
+                          None, False, None, np.zeros(3, np.float32))
 
 
 def test_a_scale_of_the_wrong_length_is_refused():

@@ -438,6 +438,52 @@ def test_test_nets_winograd_transforms_its_weights_once(monkeypatch):
         assert len(calls) == want, phase
 
 
+@pytest.mark.parametrize("kernel, stride, group, algorithm", [
+    (1, 1, 1, "gemm"), (1, 2, 1, "strided gemm"), (3, 1, 2, "im2col+gemm"),
+    (3, 2, 1, "im2col+gemm")])
+def test_test_nets_im2col_packs_its_weights_once_and_follows_a_change(monkeypatch, kernel, stride,
+                                                                   group, algorithm):
+    """A TEST net's im2col forward reads its weights packed once (nhwc.pack_weights): packed
+    again only when a float of them changes, written through an array held from before, and
+    giving the TRAIN net's numbers (which packs on every product, or leaves it to the BLAS) to
+    float rounding; a TRAIN net never keeps packed weights, nor a 1 x 1 kernel (read as
+    Caffe stores them, with no compare)."""
+    params = (f"convolution_param {{ num_output: 40 kernel_size: {kernel} stride: {stride} "
+              f"group: {group} {FILL} }}")
+    packs = []
+    real = conv_algorithms._k
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def pack_weights(self, *args):
+            packs.append(args[0].shape)
+            return real.pack_weights(*args)
+
+    monkeypatch.setattr(conv_algorithms, "_k", Counting())
+    x = randn(1, 16, 9, 9, seed=31)
+    test, bottom, top = setup_layer("Convolution", params, [x], layout=NHWC, phase=TEST)
+    train, train_bottom, train_top = setup_layer("Convolution", params, [x], layout=NHWC)
+    for layer in (test, train):
+        layer.force_algorithm(algorithm)
+    held = test.blobs[0].data
+    for step, change in enumerate((None, (39, 7, 0, 0), None, (0, 0, 0, 0))):
+        if change is not None:
+            held[change] += 0.25
+        train.blobs[0].data[...] = held
+        test.forward(bottom, top)
+        train.forward(train_bottom, train_top)
+        w, b = (blob.data.astype(np.float64) for blob in test.blobs)
+        want = ref.conv_forward(x.astype(np.float64), w, b, (0, 0), (stride, stride), (1, 1),
+                                group)
+        np.testing.assert_allclose(top[0].data, want, rtol=1e-5, atol=1e-5, err_msg=step)
+        np.testing.assert_allclose(top[0].data, train_top[0].data, rtol=1e-5, atol=1e-5)
+    assert len(packs) == (3 if kernel > 1 else 0)
+    assert (test.algos["forward"].packed is not None) == (kernel > 1)
+    assert train.algos["forward"].packed is None
+
+
 def test_strided_pointwise_convolution_is_no_direct_candidate():
     params = f"convolution_param {{ num_output: 4 kernel_size: 1 stride: 2 {FILL} }}"
     layer, _, _ = setup_layer("Convolution", params, [randn(1, 8, 6, 6)], layout=NHWC)

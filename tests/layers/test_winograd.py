@@ -327,7 +327,8 @@ def test_passes_split_and_span_images(budget, spread, threads, group, spaced):
     24 tiles) and runs on into the next. With a huge one it is the whole task. Spread, the
     threads share one pass over the batch (each GEMM over every tile). All give the
     reference's values; the data gradient sums the tiles of one image across passes. Spaced,
-    the buffers are the layers' (scratch_view), with NaN between the tile positions."""
+    the buffers are the layers' (scratch_view), with NaN between the tile positions. The
+    forward again on U packed once (pack_u: a TEST net's)."""
     N, C, O, H, W, m, r, pad, width = 5, 20, 36, 14, 22, 4, 3, 1, 8
     x, w = randn(N, C, H, W, seed=11), randn(O, C // group, r, r, seed=12)
     at, g, bt = winograd.matrices(m, r)
@@ -355,6 +356,15 @@ def test_passes_split_and_span_images(budget, spread, threads, group, spaced):
     winograd.conv_forward_nhwc(xl, ut, bias, y, vbuf, mbuf, at, bt, width, O, m, r, pad, pad, group)
     want = ref.conv_forward(x, w, bias[:O], (pad, pad), (1, 1), (1, 1), group)
     np.testing.assert_allclose(y.transpose(0, 3, 1, 2), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # U packed once (a TEST net's): the same passes on the panels
+    packed = np.full(winograd.packed_u_floats(ut.shape[0], group, C // group, O // group), np.nan,
+                     np.float32)
+    winograd.pack_u(ut, group, packed)
+    y_packed = np.full_like(y, np.nan)
+    winograd.conv_forward_nhwc(xl, ut, bias, y_packed, vbuf, mbuf, at, bt, width, O, m, r, pad,
+                               pad, group, packed)
+    np.testing.assert_allclose(y_packed.transpose(0, 3, 1, 2), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
 
     dy = randn(*want.shape, seed=14)
     dyl = np.ascontiguousarray(dy.transpose(0, 2, 3, 1))
