@@ -81,31 +81,11 @@ static void i8n_tile_c(int taps, int Cp, const int32_t *const *rows, const int16
 static void i8n_tile_avx2(int taps, int Cp, const int32_t *const *rows, const int16_t *b,
                           int32_t *c)
 {
-#define I8N_ACC(r) __m256i c##r##0 = _mm256_setzero_si256(), c##r##1 = _mm256_setzero_si256();
-    I8N_ACC(0) I8N_ACC(1) I8N_ACC(2) I8N_ACC(3) I8N_ACC(4) I8N_ACC(5)
-#undef I8N_ACC
+    I8_ACC6_INIT(c, 0)
     for (int t = 0; t < taps; t++) {
-        const int32_t *a0 = rows[t * 6], *a1 = rows[t * 6 + 1], *a2 = rows[t * 6 + 2],
-                      *a3 = rows[t * 6 + 3], *a4 = rows[t * 6 + 4], *a5 = rows[t * 6 + 5];
-        const int16_t *bt = b + (long)t * Cp * 32;
-        for (int j = 0; j < Cp; j++) {
-            __m256i b0 = _mm256_loadu_si256((const __m256i *)(bt + j * 32));
-            __m256i b1 = _mm256_loadu_si256((const __m256i *)(bt + j * 32 + 16));
-#define I8N_ROW(r)                                                                      \
-            {                                                                           \
-                __m256i av = _mm256_set1_epi32(a##r[j]);                                \
-                c##r##0 = _mm256_add_epi32(c##r##0, _mm256_madd_epi16(av, b0));         \
-                c##r##1 = _mm256_add_epi32(c##r##1, _mm256_madd_epi16(av, b1));         \
-            }
-            I8N_ROW(0) I8N_ROW(1) I8N_ROW(2) I8N_ROW(3) I8N_ROW(4) I8N_ROW(5)
-#undef I8N_ROW
-        }
+        I8_MADD_6X16(Cp, rows + t * I8N_MR, b + (long)t * Cp * 32);
     }
-#define I8N_STORE(r)                                                                    \
-    _mm256_storeu_si256((__m256i *)(c + r * 16), c##r##0);                              \
-    _mm256_storeu_si256((__m256i *)(c + r * 16 + 8), c##r##1);
-    I8N_STORE(0) I8N_STORE(1) I8N_STORE(2) I8N_STORE(3) I8N_STORE(4) I8N_STORE(5)
-#undef I8N_STORE
+    I8_ACC6_STORE(c)
 }
 #endif
 
