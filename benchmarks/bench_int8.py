@@ -30,12 +30,14 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+import bench_inference  # noqa: E402  (OpenVINO on its path, as make bench-inference runs it)
 import digits_nets  # noqa: E402
 import nets  # noqa: E402
 from timing import alternate, median  # noqa: E402
 
 import caffepy  # noqa: E402
 from caffepy import quantization, upgrade  # noqa: E402
+from caffepy.errors import CaffepyError  # noqa: E402
 from caffepy.net import Net  # noqa: E402
 
 TREE = os.environ.get("CAFFEPY_INTEL_CAFFE", "/work/intel-caffe")
@@ -123,24 +125,63 @@ def _net(name, batch, quantized, fallback=True):
     return net
 
 
+def _openvino(net, threads):
+    """OpenVINO at its default precision on the ONNX of float32 `net` (caffepy's exporter), or
+    the reason it cannot run."""
+    import tempfile
+    from caffepy import onnx_export
+    if not bench_inference.openvino_available():
+        return f"not importable (make bench-inference installs it in {bench_inference.OPENVINO_DIR})"
+    x = net.blobs[net.inputs[0]].data.copy()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "net.onnx")
+        try:
+            onnx_export.export(net, path)
+        except CaffepyError as e:
+            return f"no ONNX: {e}"
+        return bench_inference.OpenVINO(path, x, threads, precision=None)
+
+
 def speed(args):
-    print(f"int8 kernels: {quantization.isa()}; threads: {os.environ.get('OMP_NUM_THREADS', 'all')}")
+    threads = len(os.sched_getaffinity(0))
+    load = os.getloadavg()
+    print(f"int8 kernels: {quantization.isa()}; threads: {os.environ.get('OMP_NUM_THREADS', 'all')}; "
+          f"load average at the start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print("int8 only: CAFFEPY_INT8_FALLBACK=0; int8: each quantized convolution int8 or float32, "
-          "the faster here (measured on the first forward, or the autotune cache's)")
-    print(f"{'net':24s} {'batch':>5s} {'f32 ms':>14s} {'int8 only ms':>14s} {'int8 ms':>14s} "
-          f"{'f32/only':>8s} {'f32/int8':>8s} {'float32':>9s}")
+          "the faster here (measured on the first forward, or the autotune cache's); OV: OpenVINO "
+          "at its default precision (INFERENCE_PRECISION_HINT left alone: the one it picked is "
+          "named) on the float32 net's ONNX; OV/int8 above 1: caffepy's int8 faster")
+    head = (f"{'net':24s} {'batch':>5s} {'f32 ms':>14s} {'int8 only ms':>14s} {'int8 ms':>14s} "
+            f"{'f32/only':>8s} {'f32/int8':>8s} {'float32':>9s}")
+    print(head + (f" {'OV ms':>14s} {'OV prec.':>8s} {'OV/int8':>7s} {'OV diff':>7s}"
+                  if args.openvino else ""))
     for name in args.nets:
         for batch in args.batch:
             nets = [_net(name, batch, False), _net(name, batch, True, fallback=False),
                     _net(name, batch, True)]
-            timers = alternate([n.forward for n in nets], args.reps, summary=lambda v: v)
+            runs = [n.forward for n in nets]
+            ov = _openvino(nets[0], threads) if args.openvino else None
+            if isinstance(ov, bench_inference.OpenVINO):
+                want = nets[0].forward()[nets[0].outputs[0]].copy()
+                diff = bench_inference.agreement(want, ov.forward())
+                runs.append(ov.forward)
+            # each run after an untimed one of its own: the previous contender's threads
+            # (OpenMP's, OpenVINO's) spin on after a forward
+            timers = alternate(runs, args.reps, setups=runs, summary=lambda v: v)
             best = [min(t) for t in timers]
             med = [median(t) for t in timers]
             quantized = [la for la in nets[2].layers if getattr(la, "int8", None) is not None]
             fell = sum(la.int8.path == quantization.FLOAT32 for la in quantized)
-            print(f"{name:24s} {batch:5d} " + " ".join(f"{b:7.1f} ({m:5.0f})" for b, m in zip(best, med))
-                  + f" {best[0] / best[1]:8.2f} {best[0] / best[2]:8.2f} {fell:3d} of {len(quantized):2d}",
-                  flush=True)
+            line = (f"{name:24s} {batch:5d} " + " ".join(f"{b:7.1f} ({m:5.0f})" for b, m in zip(best[:3], med))
+                    + f" {best[0] / best[1]:8.2f} {best[0] / best[2]:8.2f} {fell:3d} of {len(quantized):2d}")
+            if isinstance(ov, bench_inference.OpenVINO):
+                line += (f" {best[3]:7.1f} ({med[3]:5.0f}) {ov.precision:>8s} "
+                         f"{best[3] / best[2]:7.2f} {diff:7.0e}")
+            elif ov is not None:
+                line += f" OpenVINO: {ov}"
+            print(line, flush=True)
+    load = os.getloadavg()
+    print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
 # calibrate's options per row: Intel's defaults, then every Convolution and InnerProduct
@@ -172,6 +213,8 @@ def main():
     ap.add_argument("--nets", nargs="+", default=DEFAULT, help="Intel's int8 nets (speed)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-openvino", dest="openvino", action="store_false",
+                    help="leave out OpenVINO's default beside int8 (speed)")
     ap.add_argument("--digits_nets", nargs="+", default=list(digits_nets.NETS),
                     choices=list(digits_nets.NETS), help="nets trained on the digits (accuracy)")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(digits_nets.SEEDS))
