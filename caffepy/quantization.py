@@ -27,12 +27,18 @@ layers' scales goes through float32 (x / s1 * s2, Intel's reorder: x * (s2 / s1)
 layers between quantized ones (pooling, concat, an unfused Eltwise) run in float32 on the
 dequantized values, where Intel's 8-bit average pooling rounds its means to integers.
 
+int8 kernels, by measurement: a channels-last 3 x 3 convolution of stride 1 (group 1) has two
+that give the same integers, the direct implicit GEMM and integer Winograd F(2x2, 3x3)
+(cext/int8_nhwc.h: every transform integer, 16 products per 2 x 2 outputs instead of 36); it
+runs Winograd unless the direct kernel measured FALLBACK_MARGIN times faster.
+
 Float32 fallback, by measurement (beyond Intel): a quantized convolution on the channels-last
 path also has its float32 algorithms (Winograd, GEMM, direct, depthwise: the float32 layer's,
-chosen per shape), and on CPUs without VNNI those can beat the int8 kernels (AVX2's int8 3x3
-convolution runs direct, at 0.2-0.9x float32's Winograd). So on its first forward at a shape
-the unit times both ways (caffepy/autotune.py: kept per machine and shape, like the
-algorithms) and runs float32 when that was at least FALLBACK_MARGIN times faster. A unit that falls back runs as Intel Caffe runs a convolution
+chosen per shape), and on CPUs without VNNI those can beat the int8 kernels (AVX2's vpmaddwd
+multiplies 16 8-bit pairs per instruction, float32's FMA 8, but float32's Winograd F(4,3)
+does a quarter of the products and F(4,5) less still). So on its first forward at a shape the
+unit times its int8 kernels and float32 (caffepy/autotune.py: kept per machine and shape, like
+the algorithms) and runs float32 when that was at least FALLBACK_MARGIN times faster. A unit that falls back runs as Intel Caffe runs a convolution
 it leaves in float32 (one without quantization_param, as its calibrator's fallback writes it):
 the layers in float32 as a float32 net's rules run them (the BatchNorm and Scale folded, the
 sum and the ReLU after), on the input as the layer before wrote it (an int8 layer's top holds
@@ -44,10 +50,11 @@ before is int8 at the same scale), W' and b' the folded weights and bias, for ea
                                 + 0.5 / scale_out (bw_layer_out 8) + float32 rounding
 (sums over the output's window: the weights', the input's and the bias's rounding, then the
 output's), while y stays within the 8-bit range (the int8 top saturates, the float32 one does
-not); tests/test_quantization.py checks it. `caffepy time` names each unit's path.
-CAFFEPY_INT8_FALLBACK=0 keeps every quantized layer on 8-bit integers (as does
-CAFFEPY_AUTOTUNE=0: measuring off, the rule is int8); the NCHW int8 convolutions (grouped
-ones other than depthwise) and the InnerProducts always run int8.
+not); tests/test_quantization.py checks it. `caffepy time` names each unit's path (`int8
+winograd F(2,3) (avx2)`, `int8 direct (avx2)`, `float32 fallback: ...`).
+CAFFEPY_INT8_FALLBACK=0 keeps every quantized layer on 8-bit integers, by rule (Winograd where
+it applies, no measurement; as does CAFFEPY_AUTOTUNE=0: measuring off); the NCHW int8
+convolutions (grouped ones other than depthwise) and the InnerProducts always run int8.
 """
 import functools
 import math
