@@ -2,13 +2,18 @@
 
 speed: the forward of Intel Caffe's int8 nets (quantization_param) through net.forward, beside
 the same net with quantization_param removed (caffepy's float32 fast path, BatchNorm/Scale/ReLU
-run as layers and fused by its own rules). Random weights; BatchNorm statistics set to mean 0,
-variance 1 so the folded weights stay in range. The int8 net runs twice: with
+run as layers and fused by its own rules), and of GoogLeNet (BVLC's deploy net, which Intel
+ships no int8 prototxt of), calibrated here by calibrate's own steps (calibrated()). Random
+weights; BatchNorm statistics set to mean 0, variance 1 so the folded weights stay in range;
+the data an Input filled once with N(0, 50) values. The int8 net runs twice: with
 CAFFEPY_INT8_FALLBACK=0 (every quantized layer on 8-bit integers) and as built by default (each
 quantized convolution int8 or float32, whichever its first forward measured faster here, or the
-autotune cache's choice: caffepy/quantization.py). Prints per net and batch the best (and
-median) wall ms of the three, run in turn, the ratios f32 / int8 and how many quantized layers
-run float32.
+autotune cache's choice: caffepy/quantization.py). Beside them OpenVINO at its default
+precision on the float32 net's ONNX (--no-openvino leaves it out; `make bench-inference`
+installs it). Prints per net and batch the best (and median) wall ms of each, run in turn
+(each timed run after an untimed one of its own), the ratios f32 / int8, how many quantized
+layers run float32, and OpenVINO's time, the precision it picked, OpenVINO / int8 and how far
+its output is from caffepy's float32 (max |difference| / max |value|).
 
 accuracy: `caffepy calibrate` (caffepy/calibrate.py) on the nets trained here on the bundled
 digits (benchmarks/digits_nets.py: LeNet, a CIFAR-style net, a small ResNet): per net and seed,
@@ -20,7 +25,8 @@ int8's top-1, the points int8 loses, the share of digits where their top-1 agree
 of the net's Convolution and InnerProduct layers run int8 (after calibrate's fallback).
 
     CAFFEPY_INTEL_CAFFE=/work/intel-caffe python benchmarks/bench_int8.py [--parts speed accuracy]
-        [--nets resnet50_int8_full_perf mobilenet_v1_int8_perf ...] [--batch 1 16] [--reps 5]
+        [--nets resnet50_int8_full_perf mobilenet_v1_int8_perf googlenet ...] [--batch 1 16]
+        [--reps 5] [--no-openvino]
         [--digits_nets lenet cifar resnet] [--seeds 1701 1 2] [--weights_channel single] [--verbose]
 """
 import argparse
@@ -74,8 +80,8 @@ def calibrated(name, batch=16):
     """(float32 NetParameter, its int8 NetParameter, the weights as a NetParameter) of a
     CALIBRATED net: the weights its fillers draw (seeded), the scales by calibrate's own steps
     (caffepy/calibrate.py: measure, quantize_param) over one batch of the N(0, 50) input the
-    speed part times (another draw), with calibrate's defaults (the first convolution and the InnerProduct stay float32,
-    weights_channel single)."""
+    speed part times (another draw), with calibrate's defaults (the first convolution and the
+    InnerProduct stay float32, weights_channel single)."""
     if name not in _calibrated:
         from caffepy import calibrate, rng
         rng.seed(1701)
@@ -131,7 +137,8 @@ def _openvino(net, threads):
     import tempfile
     from caffepy import onnx_export
     if not bench_inference.openvino_available():
-        return f"not importable (make bench-inference installs it in {bench_inference.OPENVINO_DIR})"
+        return (f"not importable (make bench-inference installs it in "
+                f"{bench_inference.OPENVINO_DIR})")
     x = net.blobs[net.inputs[0]].data.copy()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "net.onnx")
@@ -210,7 +217,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", nargs="+", default=["speed", "accuracy"], choices=["speed", "accuracy"])
     ap.add_argument("--verbose", action="store_true", help="caffepy's log (each layer's algorithm)")
-    ap.add_argument("--nets", nargs="+", default=DEFAULT, help="Intel's int8 nets (speed)")
+    ap.add_argument("--nets", nargs="+", default=DEFAULT,
+                    help=f"Intel's int8 nets, or {', '.join(CALIBRATED)} (speed)")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-openvino", dest="openvino", action="store_false",

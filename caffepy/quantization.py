@@ -35,16 +35,17 @@ runs Winograd unless the direct kernel measured FALLBACK_MARGIN times faster.
 Float32 fallback, by measurement (beyond Intel): a quantized convolution on the channels-last
 path also has its float32 algorithms (Winograd, GEMM, direct, depthwise: the float32 layer's,
 chosen per shape), and on CPUs without VNNI those can beat the int8 kernels (AVX2's vpmaddwd
-multiplies 16 8-bit pairs per instruction, float32's FMA 8, but float32's Winograd F(4,3)
-does a quarter of the products and F(4,5) less still). So on its first forward at a shape the
-unit times its int8 kernels and float32 (caffepy/autotune.py: kept per machine and shape, like
-the algorithms) and runs float32 when that was at least FALLBACK_MARGIN times faster. A unit that falls back runs as Intel Caffe runs a convolution
-it leaves in float32 (one without quantization_param, as its calibrator's fallback writes it):
-the layers in float32 as a float32 net's rules run them (the BatchNorm and Scale folded, the
-sum and the ReLU after), on the input as the layer before wrote it (an int8 layer's top holds
-its dequantized 8-bit values), and a float32 top that the next int8 layer quantizes at its own
-scale_in. It is then no longer integer arithmetic, and its top differs from the int8 top by
-the int8 path's roundings: with x^ the input rounded to the 8-bit grid (x itself when the layer
+makes 16 products an instruction, float32's FMA 8, but float32's Winograd F(4,3) makes a
+quarter of the products and F(4,5) fewer still). So on its first forward at a shape the unit
+times its int8 kernels and float32 (caffepy/autotune.py: kept per machine and shape, like the
+algorithms) and runs float32 when that was at least FALLBACK_MARGIN times faster. A unit that
+falls back runs as Intel Caffe runs a convolution it leaves in float32 (one without
+quantization_param, as its calibrator's fallback writes it): the layers in float32 as a
+float32 net's rules run them (the BatchNorm and Scale folded, the sum and the ReLU after), on
+the input as the layer before wrote it (an int8 layer's top holds its dequantized 8-bit
+values), and a float32 top that the next int8 layer quantizes at its own scale_in. It is then
+no longer integer arithmetic, and its top differs from the int8 top by the int8 path's
+roundings: with x^ the input rounded to the 8-bit grid (x itself when the layer
 before is int8 at the same scale), W' and b' the folded weights and bias, for each output
     |float32 top - int8 top| <= sum |x^| * 0.5 / sp + sum |W'| * |x - x^| + 0.5 / (scale_in * sp)
                                 + 0.5 / scale_out (bw_layer_out 8) + float32 rounding
