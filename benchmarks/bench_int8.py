@@ -150,7 +150,8 @@ def _openvino(net, threads):
 
 
 def speed(args):
-    threads = len(os.sched_getaffinity(0))
+    # OpenVINO gets caffepy's threads
+    threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or len(os.sched_getaffinity(0))
     load = os.getloadavg()
     print(f"int8 kernels: {quantization.isa()}; threads: {os.environ.get('OMP_NUM_THREADS', 'all')}; "
           f"load average at the start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
