@@ -153,10 +153,13 @@ bench-threads: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_threads.py
 
 # int8 (quantization_param) against float32: Intel's int8 ResNet-50, MobileNet v1, Inception-v3
-# forward at batch 1 and 16 (CAFFEPY_INTEL_CAFFE names an Intel Caffe tree with models/), then
-# caffepy calibrate's accuracy on LeNet, a CIFAR-style net and a small ResNet trained on the digits
-bench-int8: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_int8.py $(BENCH_ARGS)
+# and GoogLeNet calibrated here, forward at batch 1 and 16 (CAFFEPY_INTEL_CAFFE names an Intel
+# Caffe tree with models/), beside OpenVINO's default precision (installed as for
+# bench-inference), then caffepy calibrate's accuracy on LeNet, a CIFAR-style net and a small
+# ResNet trained on the digits
+bench-int8: install $(EXTRAS) $(OPENVINO)
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PATH="$(CURDIR)/$(VENV)/bin:$$PATH" \
+		$(PY) benchmarks/bench_int8.py $(BENCH_ARGS)
 
 # bf16 against float32, emulated (caffepy has no bf16 kernels): LeNet, a CIFAR-style net and a
 # small ResNet trained on the bundled digits; bf16 inference, and the ResNet trained in bf16

@@ -102,16 +102,20 @@ class OnnxRuntime:
 
 
 class OpenVINO:
-    name = "OpenVINO f32"
+    """OpenVINO on the CPU, at `precision` (None: its default, the INFERENCE_PRECISION_HINT it
+    picks for this CPU, read back from the compiled model)."""
 
-    def __init__(self, path, x, threads):
+    def __init__(self, path, x, threads, precision="f32"):
         import openvino as ov
         core = ov.Core()
         self.version = ov.__version__
         self.default_precision = str(core.get_property("CPU", "INFERENCE_PRECISION_HINT"))
-        model = core.compile_model(path, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
-                                                 "PERFORMANCE_HINT": "LATENCY",
-                                                 "INFERENCE_NUM_THREADS": threads})
+        config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads}
+        if precision is not None:
+            config["INFERENCE_PRECISION_HINT"] = precision
+        model = core.compile_model(path, "CPU", config)
+        self.precision = model.get_property("INFERENCE_PRECISION_HINT").to_string()   # "f32"
+        self.name = f"OpenVINO {precision or 'default'}"
         self.request = model.create_infer_request()
         self.x = x
 

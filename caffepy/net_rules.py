@@ -254,7 +254,8 @@ class Int8Unit:
                f"d{'x'.join(map(str, layer.dilation))} g{layer.group}{after}"
                f"{' fused' if layer.fused is not None else ''}")
         layer.int8.run(key, bottom[0].shape,
-                       lambda: layer.int8.conv_forward(x, y, s, relu, slope, fold, coeff),
+                       lambda winograd: layer.int8.conv_forward(x, y, s, relu, slope, fold, coeff,
+                                                                winograd),
                        lambda: Int8Unit.float_forward(net, first, last))
 
     @staticmethod

@@ -27,27 +27,35 @@ layers' scales goes through float32 (x / s1 * s2, Intel's reorder: x * (s2 / s1)
 layers between quantized ones (pooling, concat, an unfused Eltwise) run in float32 on the
 dequantized values, where Intel's 8-bit average pooling rounds its means to integers.
 
+int8 kernels, by measurement: a channels-last 3 x 3 convolution of stride 1 (group 1) has two
+that give the same integers, the direct implicit GEMM and integer Winograd F(2x2, 3x3)
+(cext/int8_nhwc.h: every transform integer, 16 products per 2 x 2 outputs instead of 36); it
+runs Winograd unless the direct kernel measured FALLBACK_MARGIN times faster.
+
 Float32 fallback, by measurement (beyond Intel): a quantized convolution on the channels-last
 path also has its float32 algorithms (Winograd, GEMM, direct, depthwise: the float32 layer's,
-chosen per shape), and on CPUs without VNNI those can beat the int8 kernels (AVX2's int8 3x3
-convolution runs direct, at 0.2-0.9x float32's Winograd). So on its first forward at a shape
-the unit times both ways (caffepy/autotune.py: kept per machine and shape, like the
-algorithms) and runs float32 when that was at least FALLBACK_MARGIN times faster. A unit that falls back runs as Intel Caffe runs a convolution
-it leaves in float32 (one without quantization_param, as its calibrator's fallback writes it):
-the layers in float32 as a float32 net's rules run them (the BatchNorm and Scale folded, the
-sum and the ReLU after), on the input as the layer before wrote it (an int8 layer's top holds
-its dequantized 8-bit values), and a float32 top that the next int8 layer quantizes at its own
-scale_in. It is then no longer integer arithmetic, and its top differs from the int8 top by
-the int8 path's roundings: with x^ the input rounded to the 8-bit grid (x itself when the layer
+chosen per shape), and on CPUs without VNNI those can beat the int8 kernels (AVX2's vpmaddwd
+makes 16 products an instruction, float32's FMA 8, but float32's Winograd F(4,3) makes a
+quarter of the products and F(4,5) fewer still). So on its first forward at a shape the unit
+times its int8 kernels and float32 (caffepy/autotune.py: kept per machine and shape, like the
+algorithms) and runs float32 when that was at least FALLBACK_MARGIN times faster. A unit that
+falls back runs as Intel Caffe runs a convolution it leaves in float32 (one without
+quantization_param, as its calibrator's fallback writes it): the layers in float32 as a
+float32 net's rules run them (the BatchNorm and Scale folded, the sum and the ReLU after), on
+the input as the layer before wrote it (an int8 layer's top holds its dequantized 8-bit
+values), and a float32 top that the next int8 layer quantizes at its own scale_in. It is then
+no longer integer arithmetic, and its top differs from the int8 top by the int8 path's
+roundings: with x^ the input rounded to the 8-bit grid (x itself when the layer
 before is int8 at the same scale), W' and b' the folded weights and bias, for each output
     |float32 top - int8 top| <= sum |x^| * 0.5 / sp + sum |W'| * |x - x^| + 0.5 / (scale_in * sp)
                                 + 0.5 / scale_out (bw_layer_out 8) + float32 rounding
 (sums over the output's window: the weights', the input's and the bias's rounding, then the
 output's), while y stays within the 8-bit range (the int8 top saturates, the float32 one does
-not); tests/test_quantization.py checks it. `caffepy time` names each unit's path.
-CAFFEPY_INT8_FALLBACK=0 keeps every quantized layer on 8-bit integers (as does
-CAFFEPY_AUTOTUNE=0: measuring off, the rule is int8); the NCHW int8 convolutions (grouped
-ones other than depthwise) and the InnerProducts always run int8.
+not); tests/test_quantization.py checks it. `caffepy time` names each unit's path (`int8
+winograd F(2,3) (avx2)`, `int8 direct (avx2)`, `float32 fallback: ...`).
+CAFFEPY_INT8_FALLBACK=0 keeps every quantized layer on 8-bit integers, by rule (Winograd where
+it applies, no measurement; as does CAFFEPY_AUTOTUNE=0: measuring off); the NCHW int8
+convolutions (grouped ones other than depthwise) and the InnerProducts always run int8.
 """
 import functools
 import math
@@ -83,6 +91,7 @@ def isa():
 
 
 INT8, FLOAT32 = "int8", "float32"        # the paths a quantized convolution may run
+INT8_WINOGRAD = "int8 winograd"          # int8 by the integer Winograd kernel (the same bits)
 # float32 runs only when measured this many times faster than int8 alone: inside a net it
 # also pays for the switch between the int8 kernels' threads and the BLAS's, which a unit timed
 # alone barely sees (ResNet-50 b1 on AVX2: every 3x3 layer in float32 looked 1.1-1.3x faster
@@ -183,44 +192,67 @@ class Int8:
         self.layer = layer
         self.spec = Spec(layer, layer.num_output)
         self.seen = Seen()
-        self.wq = self.bias_q = self.mult = None
+        self.wq = self.wu = self.bias_q = self.mult = None
         self.isa = isa()
         # the channels-last Convolution (caffepy/layers/nhwc.py) runs the int8_nhwc.h kernels
         self.channels_last = getattr(layer, "layout", None) == "nhwc"
         # it has float32 algorithms too: the path by measurement (the module docstring)
         self.may_fall_back = self.channels_last and fallback_enabled()
-        self.path, self.forced = INT8, None
+        self.path, self.forced, self.winograd = INT8, None, False
         self._path_for = None
 
     def force_path(self, path):
-        """Run `path` (INT8 or FLOAT32; None: measure again) from the next forward on, whatever
-        the measurement says: tests and benchmarks."""
-        assert path in (INT8, FLOAT32, None)
+        """Run `path` (INT8: the direct kernel, INT8_WINOGRAD: the Winograd one where it
+        applies, FLOAT32; None: measure again) from the next forward on, whatever the
+        measurement says: tests and benchmarks."""
+        assert path in (INT8, INT8_WINOGRAD, FLOAT32, None)
         self.forced, self._path_for = path, None
 
+    def winograd_applies(self):
+        """Whether the channels-last integer Winograd F(2x2, 3x3) kernel takes this layer (the
+        same integers as the direct kernel: cext/int8_nhwc.h)."""
+        L = self.layer
+        return (self.channels_last and L.group == 1
+                and kernels().winograd_applies(L.kernel, L.stride, L.dilation, L.channels))
+
     def run(self, key, shape, int8, float32):
-        """Run the unit by its path for input `shape`: `int8` or `float32` (functions running
-        the unit each way), chosen once per shape (autotune.choose under `key`: the unit's
-        parts) and named in the layer's algorithm for the log and `caffepy time`."""
+        """Run the unit by its path for input `shape`: `int8(winograd)` or `float32()`
+        (functions running the unit each way), chosen once per shape (autotune.choose under
+        `key`: the unit's parts) and named in the layer's algorithm for the log and `caffepy
+        time`. Where the integer Winograd kernel applies, int8 runs it or the direct kernel,
+        whichever measured faster (Winograd by rule)."""
         if self._path_for != shape:
             self._path_for = shape
             self._choose(key, shape, int8, float32)
-        (float32 if self.path == FLOAT32 else int8)()
+        if self.path == FLOAT32:
+            float32()
+        else:
+            int8(self.winograd)
 
     def _choose(self, key, shape, int8, float32):
         from . import autotune
         from .kernels import nhwc
         L = self.layer
+        ways = {INT8: lambda: int8(False)}
+        if self.winograd_applies():
+            ways = {INT8_WINOGRAD: lambda: int8(True), **ways}
+        default = next(iter(ways))
         if self.forced is not None:
-            self.path, L.tuning = self.forced, "forced"
+            choice, L.tuning = (self.forced if self.forced in ways or self.forced == FLOAT32
+                                else INT8), "forced"
         elif not self.may_fall_back:
-            self.path, L.tuning = INT8, "CAFFEPY_INT8_FALLBACK=0"
+            choice, L.tuning = default, "CAFFEPY_INT8_FALLBACK=0"
         else:
+            ways[FLOAT32] = float32
             key = f"{key} {autotune.batch_class(shape[0])}x{'x'.join(map(str, shape[1:]))} {self.isa}"
-            self.path = autotune.choose(L, key, {INT8: int8, FLOAT32: float32}, INT8,
-                                        nhwc.max_threads(), prepare=lambda: (int8(), float32()),
-                                        margin=FALLBACK_MARGIN)
-        L.algorithm = (f"int8 ({self.isa})" if self.path == INT8
+            # another way than the default (Winograd where it applies) must be the margin faster
+            choice = autotune.choose(L, key, ways, default, nhwc.max_threads(),
+                                     prepare=lambda: [run() for run in ways.values()],
+                                     margin=FALLBACK_MARGIN)
+        self.path = FLOAT32 if choice == FLOAT32 else INT8
+        self.winograd = choice == INT8_WINOGRAD
+        kind = "winograd F(2,3)" if self.winograd else "direct"
+        L.algorithm = (f"int8 {kind} ({self.isa})" if self.path == INT8
                        else f"float32 fallback: {L.algos['forward'].name}")
 
     def _prepare(self, sources, fold):
@@ -243,6 +275,7 @@ class Int8:
         k.quantize_weights(w2, spec.scale_params, wq)
         self.wq = k.conv_weights(wq[:, :w2.shape[1]].reshape(w.shape)) if w.ndim == 4 else wq
         if w.ndim == 4 and self.channels_last:
+            self.wu = k.winograd_nhwc_weights(self.wq) if self.winograd_applies() else None
             self.wq = (k.depthwise_nhwc_weights(self.wq, *L.kernel) if L.group > 1
                        else k.nhwc_weights(self.wq))
         in_scale = (spec.scale_in * sp).astype(f32)
@@ -271,10 +304,12 @@ class Int8:
             arrays += [b.data for b in bn.blobs] + ([b.data for b in scale.blobs] if scale else [])
         return arrays
 
-    def conv_forward(self, x, top, summand=None, relu=False, slope=0.0, fold=None, coeff=(1, 1)):
+    def conv_forward(self, x, top, summand=None, relu=False, slope=0.0, fold=None, coeff=(1, 1),
+                     winograd=False):
         """top (float32, NCHW, or NHWC for the channels-last layer) = the int8 convolution of x
         (float32, the same layout); summand (float32 of top's shape) added as an Eltwise SUM
-        would; fold = (BatchNorm, Scale or None)."""
+        would; fold = (BatchNorm, Scale or None); winograd: by the integer Winograd kernel
+        (where winograd_applies; the same bits)."""
         L = self.layer
         self._prepare(self.sources(fold), fold)
         scale, lo_in, hi_in, lo, hi, quantize, inv = self._ranges(relu, slope)
@@ -285,7 +320,10 @@ class Int8:
             run = functools.partial(k.conv_forward, group=L.group)
         else:
             run = k.depthwise_nhwc if L.group > 1 else k.conv_forward_nhwc
-        run(x, self.wq, self.bias_q, mult, top, summand, kernel=L.kernel, pad=L.pad,
+        weights = self.wq
+        if winograd:
+            run, weights = k.winograd_nhwc, self.wu
+        run(x, weights, self.bias_q, mult, top, summand, kernel=L.kernel, pad=L.pad,
             stride=L.stride, dilation=L.dilation, scale_in=scale, lo_in=lo_in, hi_in=hi_in,
             sum_scale=sum_scale, relu=relu, slope=slope, quantize=quantize, lo=lo, hi=hi,
             inv_scale_out=inv, isa=self.isa)

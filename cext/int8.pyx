@@ -42,6 +42,11 @@ cdef extern from "int8_nhwc.h" nogil:
                   int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                   int OW, float scale, float lo, float hi, const int16_t *w, int16_t *q,
                   const i8_epilogue *e)
+    int I8W_MAX_C
+    long i8w_scratch(int Cp)
+    void i8w_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
+                  int ph, int pw, int OH, int OW, float scale, float lo, float hi,
+                  const int16_t *u, int16_t *q, int32_t *scratch, const i8_epilogue *e)
     void i8n_depthwise(int isa, int threads, const float *x, int N, int H, int W, int C,
                        int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                        int OW, float scale, float lo, float hi, const float *w, float *qf,
@@ -224,6 +229,27 @@ def nhwc_weights(wq):
     return np.ascontiguousarray(out.reshape(o16 // 16, 16, kp // 2, 2).transpose(0, 2, 1, 3))
 
 
+WINOGRAD_MAX_C = I8W_MAX_C
+# G' = 2 G of Winograd F(2, 3): integer, so U' = G' g G'^T is the exact 4 U
+_G2 = np.array([[2, 0, 0], [1, 1, 1], [1, -1, 1], [0, 0, 2]], np.int32)
+
+
+def winograd_applies(kernel, stride, dilation, int channels):
+    """Whether winograd_nhwc runs this convolution (group 1): 3 x 3, stride 1, dilation 1,
+    fewer than WINOGRAD_MAX_C input channels (its int32 sums then cannot overflow)."""
+    return (tuple(kernel) == (3, 3) and tuple(stride) == (1, 1) and tuple(dilation) == (1, 1)
+            and channels < I8W_MAX_C)
+
+
+def winograd_nhwc_weights(wq):
+    """conv_weights' rows [O][9 Cp2] of a 3 x 3 convolution as U' = G' g G'^T (int16: at most
+    9 * 128), one nhwc_weights tile set per product: [16][ceil(O / 16)][Cp][16][2]."""
+    o, kp = wq.shape
+    g = np.asarray(wq, np.int32).reshape(o, 3, 3, kp // 9)
+    u = np.einsum("ai,oijc,bj->aboc", _G2, g, _G2)
+    return np.stack([nhwc_weights(u[a, b].astype(np.int16)) for a in range(4) for b in range(4)])
+
+
 def depthwise_nhwc_weights(wq, int kh, int kw):
     """conv_weights' rows [C][2 kh kw] of a depthwise convolution as floats [kh kw][C]."""
     return np.ascontiguousarray(np.asarray(wq)[:, 0::2][:, :kh * kw].T.astype(np.float32))
@@ -257,6 +283,39 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, ::1] w
         i8n_conv(which, threads, &x[0, 0, 0, 0], N, H, W, C, O, kh, kw, ph, pw, sh, sw,
                  dh, dw, OH, OW, scale_in, lo_in, hi_in,
                  &w[0, 0, 0, 0], &qv[0], &e)
+
+
+def winograd_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, :, ::1] u,
+                  const int32_t[::1] bias, const float[::1] mult, float[:, :, :, ::1] top,
+                  summand, kernel, pad, stride, dilation, float scale_in, float lo_in,
+                  float hi_in, float sum_scale, bint relu, float slope, bint quantize,
+                  float lo, float hi, float inv_scale_out, str isa):
+    """conv_forward_nhwc of a convolution winograd_applies to, by integer Winograd F(2x2, 3x3)
+    (the same integers: see int8_nhwc.h); u from winograd_nhwc_weights."""
+    cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
+    cdef int OH = top.shape[1], OW = top.shape[2], O = top.shape[3], Cp = (C + 1) // 2
+    cdef int ph = pad[0], pw = pad[1]
+    cdef int which = _isa(isa), threads
+    need(winograd_applies(kernel, stride, dilation, C), "winograd_nhwc", "kernel",
+         f"needs 3 x 3, stride 1, dilation 1 and fewer than {I8W_MAX_C} channels",
+         (tuple(kernel), tuple(stride), tuple(dilation), C))
+    need_shape("winograd_nhwc", "top", dims(top.shape, 4), (N, H + 2 * ph - 2, W + 2 * pw - 2, O))
+    need_shape("winograd_nhwc", "u", dims(u.shape, 5), (16, (O + 15) // 16, Cp, 16, 2))
+    _check_epilogue("winograd_nhwc", O, bias, mult, summand, (N, OH, OW, O))
+    cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
+                                   np.asarray(summand).reshape(-1), sum_scale, relu, slope,
+                                   quantize, lo, hi, inv_scale_out,
+                                   np.asarray(top).reshape(-1), 0, 1)
+    threads = threads_for_macs(<Py_ssize_t>O * C * 9 * N * OH * OW)
+    if threads < 1:
+        threads = 1
+    q = _scratch(np.int16, (<long>N * H * W + 1) * 2 * Cp)
+    s = _scratch(np.int32, threads * i8w_scratch(Cp), 3)
+    cdef int16_t[::1] qv = q
+    cdef int32_t[::1] sv = s
+    with nogil:
+        i8w_conv(which, threads, &x[0, 0, 0, 0], N, H, W, C, O, ph, pw, OH, OW, scale_in, lo_in,
+                 hi_in, &u[0, 0, 0, 0, 0], &qv[0], &sv[0], &e)
 
 
 def depthwise_nhwc(const float[:, :, :, ::1] x, const float[:, ::1] w, const int32_t[::1] bias,

@@ -81,31 +81,11 @@ static void i8n_tile_c(int taps, int Cp, const int32_t *const *rows, const int16
 static void i8n_tile_avx2(int taps, int Cp, const int32_t *const *rows, const int16_t *b,
                           int32_t *c)
 {
-#define I8N_ACC(r) __m256i c##r##0 = _mm256_setzero_si256(), c##r##1 = _mm256_setzero_si256();
-    I8N_ACC(0) I8N_ACC(1) I8N_ACC(2) I8N_ACC(3) I8N_ACC(4) I8N_ACC(5)
-#undef I8N_ACC
+    I8_ACC6_INIT(c, 0)
     for (int t = 0; t < taps; t++) {
-        const int32_t *a0 = rows[t * 6], *a1 = rows[t * 6 + 1], *a2 = rows[t * 6 + 2],
-                      *a3 = rows[t * 6 + 3], *a4 = rows[t * 6 + 4], *a5 = rows[t * 6 + 5];
-        const int16_t *bt = b + (long)t * Cp * 32;
-        for (int j = 0; j < Cp; j++) {
-            __m256i b0 = _mm256_loadu_si256((const __m256i *)(bt + j * 32));
-            __m256i b1 = _mm256_loadu_si256((const __m256i *)(bt + j * 32 + 16));
-#define I8N_ROW(r)                                                                      \
-            {                                                                           \
-                __m256i av = _mm256_set1_epi32(a##r[j]);                                \
-                c##r##0 = _mm256_add_epi32(c##r##0, _mm256_madd_epi16(av, b0));         \
-                c##r##1 = _mm256_add_epi32(c##r##1, _mm256_madd_epi16(av, b1));         \
-            }
-            I8N_ROW(0) I8N_ROW(1) I8N_ROW(2) I8N_ROW(3) I8N_ROW(4) I8N_ROW(5)
-#undef I8N_ROW
-        }
+        I8_MADD_6X16(Cp, rows + t * I8N_MR, b + (long)t * Cp * 32);
     }
-#define I8N_STORE(r)                                                                    \
-    _mm256_storeu_si256((__m256i *)(c + r * 16), c##r##0);                              \
-    _mm256_storeu_si256((__m256i *)(c + r * 16 + 8), c##r##1);
-    I8N_STORE(0) I8N_STORE(1) I8N_STORE(2) I8N_STORE(3) I8N_STORE(4) I8N_STORE(5)
-#undef I8N_STORE
+    I8_ACC6_STORE(c)
 }
 #endif
 
@@ -180,6 +160,195 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
                     int n = O - t * I8N_NR < I8N_NR ? O - t * I8N_NR : I8N_NR;
                     for (int r = 0; r < R; r++)
                         i8n_finish(isa, c + r * I8N_NR, m * I8N_MR + r, t * I8N_NR, n, O, e);
+                }
+            }
+        }
+    }
+}
+
+/* Winograd F(2x2, 3x3) on integers, stride 1, dilation 1: with B^T = [1 0 -1 0; 0 1 1 0;
+ * 0 -1 1 0; 0 1 0 -1], G' = 2 G = [2 0 0; 1 1 1; 1 -1 1; 0 0 2] and A^T = [1 1 1 0; 0 1 -1 -1]
+ * every transform is integer, and a 2 x 2 output tile's sums are
+ *     4 acc = A^T [ sum over channels (G' g G'^T) . (B^T d B) ] A
+ * exactly: V = B^T d B is at most 4 * 255 in magnitude (int16), U' = G' g G'^T at most 9 * 128
+ * (int16, computed once by winograd_nhwc_weights), their pair products are vpmaddwd's, and the
+ * sums may wrap in int32 on the way (addition modulo 2^32 keeps the result) as long as 4 acc
+ * itself fits: below 2^29 per |acc|, i.e. fewer than I8W_MAX_C input channels (the caller's
+ * check). acc = 4 acc >> 2 is then the direct kernel's int32 to the bit, and the epilogue is
+ * i8n_finish: both paths' tops agree bit for bit. 16 products per channel pair and output per
+ * 2 x 2 tile instead of 36.
+ *
+ * Tiles (n, th, tw) in row-major order over [N][ceil(OH / 2)][ceil(OW / 2)], in blocks of T
+ * (a multiple of 6, the register tile's rows) per thread: V of a block [16][T][2 Cp] int16,
+ * then per column tile of 16 output channels the 16 products' sums M [16][T][16] (the
+ * channels-last register tile i8n_tile_* with one tap), then A^T M A and the epilogue. */
+#define I8W_MAX_C 1792
+
+/* V[xi][r][0 .. C2) of tiles t0 + r, r < T, from the quantized q (rows of C2 int16; zeros: a
+ * row of zeros for the pixels outside the image and the tiles past the last). */
+static void i8w_input(const int16_t *q, const int16_t *zeros, int H, int W, int C2, int ph,
+                      int pw, int TH, int TW, long ntiles, long t0, int T, int16_t *V)
+{
+    for (int r = 0; r < T; r++) {
+        long t = t0 + r;
+        const int16_t *d[16];
+        long n = t / ((long)TH * TW);
+        int rest = (int)(t % ((long)TH * TW)), th = rest / TW, tw = rest % TW;
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++) {
+                int y = 2 * th - ph + i, x = 2 * tw - pw + j;
+                d[i * 4 + j] = (t < ntiles && y >= 0 && y < H && x >= 0 && x < W)
+                               ? q + ((n * H + y) * W + x) * C2 : zeros;
+            }
+        int16_t *v = V + (long)r * C2;
+        long xs = (long)T * C2;     /* from one of the 16 products to the next */
+        int c = 0;
+#ifdef __AVX2__
+        for (; c + 16 <= C2; c += 16) {
+            __m256i m[16], u[16];
+            for (int k = 0; k < 16; k++)
+                m[k] = _mm256_loadu_si256((const __m256i *)(d[k] + c));
+            for (int j = 0; j < 4; j++) {       /* B^T d, column by column */
+                u[j] = _mm256_sub_epi16(m[j], m[8 + j]);
+                u[4 + j] = _mm256_add_epi16(m[4 + j], m[8 + j]);
+                u[8 + j] = _mm256_sub_epi16(m[8 + j], m[4 + j]);
+                u[12 + j] = _mm256_sub_epi16(m[4 + j], m[12 + j]);
+            }
+            for (int i = 0; i < 4; i++) {       /* (B^T d) B, row by row */
+                __m256i *ui = u + 4 * i;
+                _mm256_storeu_si256((__m256i *)(v + (4 * i) * xs + c), _mm256_sub_epi16(ui[0], ui[2]));
+                _mm256_storeu_si256((__m256i *)(v + (4 * i + 1) * xs + c), _mm256_add_epi16(ui[1], ui[2]));
+                _mm256_storeu_si256((__m256i *)(v + (4 * i + 2) * xs + c), _mm256_sub_epi16(ui[2], ui[1]));
+                _mm256_storeu_si256((__m256i *)(v + (4 * i + 3) * xs + c), _mm256_sub_epi16(ui[1], ui[3]));
+            }
+        }
+#endif
+        for (; c < C2; c++) {
+            int u[16];
+            for (int j = 0; j < 4; j++) {
+                u[j] = d[j][c] - d[8 + j][c];
+                u[4 + j] = d[4 + j][c] + d[8 + j][c];
+                u[8 + j] = d[8 + j][c] - d[4 + j][c];
+                u[12 + j] = d[4 + j][c] - d[12 + j][c];
+            }
+            for (int i = 0; i < 4; i++) {
+                v[(4 * i) * xs + c] = (int16_t)(u[4 * i] - u[4 * i + 2]);
+                v[(4 * i + 1) * xs + c] = (int16_t)(u[4 * i + 1] + u[4 * i + 2]);
+                v[(4 * i + 2) * xs + c] = (int16_t)(u[4 * i + 2] - u[4 * i + 1]);
+                v[(4 * i + 3) * xs + c] = (int16_t)(u[4 * i + 1] - u[4 * i + 3]);
+            }
+        }
+    }
+}
+
+/* y[k][0 .. 16) (pixel k = 2 i + j of the tile) = (A^T M A) >> 2 of one tile's M[xi] =
+ * m + xi * ms (16 int32 each); unsigned arithmetic: the wrap is meant (see above). */
+static void i8w_output(int isa, const int32_t *m, long ms, int32_t *y)
+{
+    int h = 0;
+#ifdef __AVX2__
+    if (isa)
+        for (; h < 16; h += 8) {
+            __m256i v[16], s[8];
+            for (int k = 0; k < 16; k++)
+                v[k] = _mm256_loadu_si256((const __m256i *)(m + k * ms + h));
+            for (int b = 0; b < 4; b++) {       /* A^T M */
+                s[b] = _mm256_add_epi32(_mm256_add_epi32(v[b], v[4 + b]), v[8 + b]);
+                s[4 + b] = _mm256_sub_epi32(_mm256_sub_epi32(v[4 + b], v[8 + b]), v[12 + b]);
+            }
+            for (int i = 0; i < 2; i++) {       /* (A^T M) A */
+                __m256i *si = s + 4 * i;
+                __m256i y0 = _mm256_add_epi32(_mm256_add_epi32(si[0], si[1]), si[2]);
+                __m256i y1 = _mm256_sub_epi32(_mm256_sub_epi32(si[1], si[2]), si[3]);
+                _mm256_storeu_si256((__m256i *)(y + (2 * i) * 16 + h), _mm256_srai_epi32(y0, 2));
+                _mm256_storeu_si256((__m256i *)(y + (2 * i + 1) * 16 + h), _mm256_srai_epi32(y1, 2));
+            }
+        }
+#endif
+    for (; h < 16; h++) {
+        uint32_t v[16], s[8];
+        for (int k = 0; k < 16; k++)
+            v[k] = (uint32_t)m[k * ms + h];
+        for (int b = 0; b < 4; b++) {
+            s[b] = v[b] + v[4 + b] + v[8 + b];
+            s[4 + b] = v[4 + b] - v[8 + b] - v[12 + b];
+        }
+        for (int i = 0; i < 2; i++) {
+            /* 4 acc fits int32, so the conversion is exact and the shift a division by 4 */
+            y[(2 * i) * 16 + h] = (int32_t)(s[4 * i] + s[4 * i + 1] + s[4 * i + 2]) >> 2;
+            y[(2 * i + 1) * 16 + h] = (int32_t)(s[4 * i + 1] - s[4 * i + 2] - s[4 * i + 3]) >> 2;
+        }
+    }
+}
+
+/* The tiles of a block: T, a multiple of 6, whose V (16 T 2 Cp int16) stays within ~96 KiB. */
+static int i8w_block(int Cp)
+{
+    int T = (int)(96 * 1024 / (64L * Cp)) / I8N_MR * I8N_MR;
+    return T < I8N_MR ? I8N_MR : (T > 96 ? 96 : T);
+}
+
+/* x[N][H][W][C] -> e->out [N][OH][OW][O], a 3 x 3 convolution of stride 1 and dilation 1, C <
+ * I8W_MAX_C; u the transformed weights [16][O16 / 16][Cp][16][2] (winograd_nhwc_weights);
+ * q scratch as i8n_conv's, s scratch per thread of i8w_scratch(Cp) int32. One OpenMP region. */
+static long i8w_scratch(int Cp)
+{
+    int T = i8w_block(Cp);
+    return (long)16 * T * Cp + (long)16 * T * 16 + 4 * 16;
+}
+
+static void i8w_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
+                     int ph, int pw, int OH, int OW, float scale, float lo, float hi,
+                     const int16_t *u, int16_t *q, int32_t *scratch, const i8_epilogue *e)
+{
+    int Cp = (C + 1) / 2, C2 = 2 * Cp, tilesO = (O + I8N_NR - 1) / I8N_NR;
+    int TH = (OH + 1) / 2, TW = (OW + 1) / 2, T = i8w_block(Cp);
+    long pixels = (long)N * H * W, ntiles = (long)N * TH * TW, blocks = (ntiles + T - 1) / T;
+    const int16_t *zeros = q + pixels * C2;
+    #pragma omp parallel num_threads(threads)
+    {
+        int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        long p0 = pixels * me / nt, p1 = pixels * (me + 1) / nt;
+        i8n_quantize_rows(x, p0, p1, C, scale, lo, hi, q);
+        #pragma omp single
+        memset(q + pixels * C2, 0, (size_t)C2 * 2);
+        /* implicit barrier */
+        int32_t *s = scratch + (long)me * i8w_scratch(Cp);
+        int16_t *V = (int16_t *)s;
+        int32_t *M = s + (long)16 * T * Cp, *y = M + (long)16 * T * 16;
+        const int32_t *rows[I8N_MR];
+        #pragma omp for schedule(dynamic, 1)
+        for (long blk = 0; blk < blocks; blk++) {
+            long t0 = blk * T;
+            int Tn = ntiles - t0 < T ? (int)(ntiles - t0) : T;
+            int Tr = (Tn + I8N_MR - 1) / I8N_MR * I8N_MR;
+            i8w_input(q, zeros, H, W, C2, ph, pw, TH, TW, ntiles, t0, Tr, V);
+            for (int ot = 0; ot < tilesO; ot++) {
+                for (int xi = 0; xi < 16; xi++) {
+                    const int16_t *ux = u + ((long)xi * tilesO + ot) * Cp * 32;
+                    for (int r6 = 0; r6 < Tr; r6 += I8N_MR) {
+                        for (int r = 0; r < I8N_MR; r++)
+                            rows[r] = (const int32_t *)(V + ((long)xi * Tr + r6 + r) * C2);
+                        int32_t *c = M + ((long)xi * Tr + r6) * 16;
+#ifdef __AVX2__
+                        if (isa)
+                            i8n_tile_avx2(1, Cp, rows, ux, c);
+                        else
+#endif
+                            i8n_tile_c(1, Cp, rows, ux, c);
+                    }
+                }
+                int n = O - ot * I8N_NR < I8N_NR ? O - ot * I8N_NR : I8N_NR;
+                for (int r = 0; r < Tn; r++) {
+                    long t = t0 + r, img = t / ((long)TH * TW);
+                    int rest = (int)(t % ((long)TH * TW)), oh = 2 * (rest / TW), ow = 2 * (rest % TW);
+                    i8w_output(isa, M + (long)r * 16, (long)Tr * 16, y);
+                    for (int k = 0; k < 4; k++) {
+                        int yy = oh + k / 2, xx = ow + k % 2;
+                        if (yy < OH && xx < OW)
+                            i8n_finish(isa, y + k * 16, (img * OH + yy) * OW + xx, ot * I8N_NR, n,
+                                       O, e);
+                    }
                 }
             }
         }

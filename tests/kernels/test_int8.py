@@ -186,3 +186,76 @@ def test_every_convolution_checks_its_epilogue(kernel, arg):
             k.depthwise_nhwc(x, k.depthwise_nhwc_weights(wc, 3, 3), bias, mult, top, summand, *args)
         else:
             k.conv_forward_nhwc(x, k.nhwc_weights(wc), bias, mult, top, summand, *args)
+
+
+WINOGRAD = [  # (N, C, H, W, O, pad): 3 x 3, stride 1 (its only shape)
+    (2, 3, 9, 7, 5, (1, 1)),            # odd channels and sizes: tiles cut at both edges
+    (1, 17, 6, 11, 33, (0, 2)),         # 17 channels (a 16-wide input transform + a tail), 3 column tiles
+    (1, 32, 13, 13, 16, (1, 1)),        # odd output size: the last tile half outside
+    (3, 8, 4, 5, 7, (2, 2)),            # padding beyond the kernel's reach of the image
+]
+
+
+@pytest.mark.parametrize("shape", WINOGRAD)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("relu,summed,quantize,signed_in", [
+    (True, False, True, False), (False, True, True, True), (True, True, False, False)])
+def test_winograd_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, signed_in):
+    # integer Winograd F(2x2, 3x3) (int8_nhwc.h): the reference's (direct) integers exactly
+    n, c, h, w, o, pad = shape
+    rng = np.random.default_rng(11)
+    x = rng.normal(0, 1, (n, c, h, w)).astype(np.float32)
+    wq = rng.integers(-128, 128, (o, c, 3, 3)).astype(np.int16)
+    bias = rng.integers(-5000, 5000, o).astype(np.int32)
+    mult = rng.uniform(0.001, 0.01, o).astype(np.float32)
+    oh, ow = h + 2 * pad[0] - 2, w + 2 * pad[1] - 2
+    summand = rng.normal(0, 2, (n, o, oh, ow)).astype(np.float32) if summed else None
+    lo_in, hi_in = S8 if signed_in else U8
+    lo, hi = U8 if relu else S8
+    geometry = ((3, 3), pad, (1, 1), (1, 1))
+    want = ref.conv_forward(x, wq, bias, mult, summand, 1, *geometry, scale_in=60.0, lo_in=lo_in,
+                            hi_in=hi_in, sum_scale=9.5, relu=relu, slope=0.0, quantize_out=quantize,
+                            lo=lo, hi=hi, inv_scale_out=np.float32(1 / 9.5))
+    last = (lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 2, 3, 1)))
+    nhwc = last(want)
+    got = np.full_like(nhwc, np.nan)
+    assert k.winograd_applies((3, 3), (1, 1), (1, 1), c)
+    k.winograd_nhwc(last(x), k.winograd_nhwc_weights(k.conv_weights(wq)), bias, mult, got,
+                    last(summand), *geometry, 60.0, lo_in, hi_in, 9.5, relu, 0.0, quantize, lo, hi,
+                    np.float32(1 / 9.5), isa)
+    np.testing.assert_array_equal(got, nhwc)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_winograd_extreme_sums_stay_exact(isa):
+    # the largest transformed values (|V| 4 * 255, |U'| 9 * 128) over the most channels the
+    # kernel takes: the int32 sums wrap on the way, 4 acc does not, and acc is exact
+    c = k.WINOGRAD_MAX_C - 1
+    x = np.full((1, 3, 3, c), 1000.0, np.float32)
+    o = 17
+    wq = np.full((o, c, 3, 3), -128, np.int16)
+    wq[1::2] = 127
+    top = np.empty((1, 1, 1, o), np.float32)
+    k.winograd_nhwc(x, k.winograd_nhwc_weights(k.conv_weights(wq)), None, np.ones(o, np.float32),
+                    top, None, (3, 3), (0, 0), (1, 1), (1, 1), 1.0, 0.0, 255.0, 1.0, False, 0.0,
+                    False, -128.0, 127.0, 1.0, isa)
+    want = np.where(np.arange(o) % 2, 255 * 127, 255 * -128) * 9 * c
+    np.testing.assert_array_equal(top.reshape(-1), want.astype(np.float32))
+    x = np.where(np.indices((1, 4, 4, c)).sum(axis=0) % 2, 1000.0, -1000.0).astype(np.float32)
+    wq = np.where(np.indices((o, c, 3, 3))[2:].sum(axis=0) % 2, 127, -128).astype(np.int16)
+    top = np.empty((1, 2, 2, o), np.float32)
+    args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, -128.0, 127.0, 1.0, False, 0.0, False, -128.0,
+            127.0, 1.0, isa)
+    k.conv_forward_nhwc(x, k.nhwc_weights(k.conv_weights(wq)), None, np.ones(o, np.float32), top,
+                        None, *args)
+    got = np.empty_like(top)
+    k.winograd_nhwc(x, k.winograd_nhwc_weights(k.conv_weights(wq)), None, np.ones(o, np.float32),
+                    got, None, *args)
+    np.testing.assert_array_equal(got, top)
+
+
+def test_winograd_refuses_what_it_cannot_run():
+    assert not k.winograd_applies((3, 3), (2, 2), (1, 1), 8)
+    assert not k.winograd_applies((5, 5), (1, 1), (1, 1), 8)
+    assert not k.winograd_applies((3, 3), (1, 1), (2, 2), 8)
+    assert not k.winograd_applies((3, 3), (1, 1), (1, 1), k.WINOGRAD_MAX_C)
