@@ -379,7 +379,13 @@ class Net:
         log.info(f"Setting up {lp.name}")
         for blob in tops:
             log.info(f"Top shape: {blob.shape_string()}")
-        if getattr(layer, "algorithm", None):
+        if getattr(layer, "int8", None) is not None:
+            # the path is chosen at the first forward (quantization.Int8.run); caffepy time's
+            # summary names the one taken
+            algorithm = f" ({layer.algorithm})" if getattr(layer, "algorithm", None) else ""
+            float32 = f"; float32{algorithm} where measured faster" if layer.int8.may_fall_back else ""
+            log.info(f"Algorithm: int8 (quantization_param{float32}, chosen at the first forward)")
+        elif getattr(layer, "algorithm", None):
             log.info(f"Algorithm: {layer.algorithm} ({getattr(layer, 'tuning', 'rule')})")
         # parameters: lr_mult 0 means no gradient for that blob
         layer.param_propagate_down = []

@@ -376,3 +376,19 @@ def test_the_path_is_measured_once_per_shape_and_kept(tmp_path, monkeypatch):
     assert {forced.layer_dict[n].int8.path for n in paths} == {"int8"}
     assert forced.layer_dict["body"].tuning == "CAFFEPY_INT8_FALLBACK=0"
     assert forced.layer_dict["body"].algorithm.startswith("int8")
+
+
+def test_the_setup_log_names_int8_not_the_float_algorithm(capfd, monkeypatch):
+    """A quantized convolution's setup line says int8 (and the float32 it may be measured against),
+    never the float algorithm alone: which path runs is chosen at the first forward."""
+    from caffepy import log
+    log.set_quiet(False)
+    _net(block_net(8))
+    monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")
+    _net(block_net(8))
+    lines = [line for line in capfd.readouterr().err.splitlines() if "Algorithm: " in line]
+    measured = [line for line in lines if "int8 (quantization_param; float32 (" in line]
+    fixed = [line for line in lines if line.endswith("Algorithm: int8 (quantization_param, chosen at the first forward)")]
+    # measured: conv1, short, body; fixed: the InnerProduct, then all four with the fallback off
+    assert (len(measured), len(fixed)) == (3, 5), lines
+    assert not [line for line in lines if "int8" not in line]    # no float-only line for them
