@@ -94,8 +94,8 @@ static inline long caffepy_packed_floats(int N, int K)
 /* bp [caffepy_packed_floats(N, K)] = alpha * op(B) in panels: a product's B packed once and
  * kept (a TEST net's weights), for caffepy_panel_gemm_packed. The layout follows PG_NW, so a
  * module packs for its own products only (the AVX-512 build's panels are wider). */
-static void caffepy_panel_pack(int trans_b, int N, int K, float alpha, const float *b, long ldb,
-                               float *bp)
+static inline void caffepy_panel_pack(int trans_b, int N, int K, float alpha, const float *b, long ldb,
+                                      float *bp)
 {
     pg_pack(trans_b, N, K, alpha, b, ldb, bp);
 }

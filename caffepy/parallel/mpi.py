@@ -237,10 +237,15 @@ def supervise(linger=0.0):
         rank = launcher_rank()
         how = ("was killed by SIGKILL (by hand, by the out-of-memory killer or by the batch system)"
                if signum == signal.SIGKILL else f"died of {signal.Signals(signum).name}")
-        waited = linger > 0 and (_local_peers() or (held is not None and held.count()))
-        then = ("the other ranks save the last iteration every rank finished, then end" if waited and _local_peers()
-                else "the other ranks find it silent within --stall_timeout, save the last iteration every rank "
-                     "finished, then end" if waited else "the MPI launcher ends the other ranks")
+        local = _local_peers()
+        waited = linger > 0 and (local or (held is not None and held.count() > 0))
+        if not waited:
+            then = "the MPI launcher ends the other ranks"
+        elif local:
+            then = "the other ranks save the last iteration every rank finished, then end"
+        else:
+            then = ("the other ranks find it silent within --stall_timeout, save the last iteration every "
+                    "rank finished, then end")
         sys.stderr.write(f"[rank {rank}] caffepy rank {rank} (pid {child}@{socket.gethostname()}) {how}; "
                          f"{then}\n")
         sys.stderr.flush()
