@@ -13,13 +13,12 @@ kernel caffepy runs for the shape, and the largest difference relative to the la
 
 --b1: a TEST net's products at batch 1 (ResNet-50's convolutions and Winograd positions,
 GoogLeNet's widest), B the weights: packed once (common.gemm_packed, what a TEST net's im2col
-and Winograd GEMMs run) against gemm, which packs B on every call (its panels or the BLAS, as
+and 1 x 1 GEMMs run) against gemm, which packs B on every call (its panels or the BLAS, as
 routed). The weights come cold, as in a net's forward (ResNet-50's 100 MB outgrow the caches):
 each call reads the next of copies filling 80 MB. GFLOP/s of the median round (the machine is
 shared), the ratio (gemm time / packed time), and what gemm runs. The products alone: a layer
-that packs also compares its weights with a kept copy every forward (blob.Seen), which
-im2col's and Winograd's do anyway; the 1 x 1 rows show why a 1 x 1 kernel, which needs no
-copy, is not packed (caffepy/layers/conv_algorithms.py, Gemm).
+that packs redoes it when blob.Seen finds its weights may have changed, a check that reads no
+float while nothing outside the blob holds them (blob.Writes).
 """
 import argparse
 import os

@@ -10,6 +10,11 @@ is the fast path's (N, H, W, C) memory order (caffepy/layout_plan.py puts it whe
 its `data`, `diff` and `shape` stay Caffe's (N, C, H, W), as views of that memory, so pycaffe
 code, the gradient checker and the NumPy layers read and write it unchanged; the kernels take
 `raw_data` / `raw_diff`, the arrays in memory order (the same arrays for the other layouts).
+
+Writes to the data are tracked (Writes, below) so that a value derived from weights (packed,
+folded, quantized: Seen) is redone when they may have changed, without comparing them on every
+forward: handing out `data` or `raw_data` counts as a possible write, and so does any array
+still alive outside the blob that views its memory. Code that only reads takes `read_data`.
 """
 import sys
 import typing
@@ -47,10 +52,75 @@ class ChannelsLast:
 CHANNELS_LAST = ChannelsLast()
 
 
+def _refcount(obj):
+    return sys.getrefcount(obj)
+
+
+class Writes:
+    """The possible writers of one data buffer, shared by the blobs that view it (share_data).
+
+    `count` goes up whenever a blob hands out a writable array of the buffer (`data`,
+    `raw_data`) or writes it itself. `untouched()` says that no array outside the blobs views
+    the buffer: every view of it is made from `root` (a NumPy array over a memoryview, so that
+    NumPy sets `root`, not the buffer, as the base of any view taken of a view), so one taken
+    by a user, or by code a user calls, raises the reference count of `root`; a user's reference
+    to an array a blob holds raises that array's count. Both are measured against the counts
+    with the blobs' own references alone. So "the count has not moved and nothing is untouched"
+    means that no Python code could have written the buffer since the count was read: the exact
+    answer a compare of the floats would give, but for writes through raw addresses (ctypes
+    integers), which nothing tracks.
+    """
+
+    def __init__(self, buf):
+        self.count = 0
+        self.root = np.frombuffer(memoryview(buf), np.float32)
+        self.views = []             # the arrays the blobs hold, each made from root
+        self.view_refs = []         # their reference counts with only the blobs holding them
+        self.root_refs = self._root_refs()     # with no view of root yet
+
+    def _root_refs(self):
+        return _refcount(self.root)
+
+    def _view_refs(self):
+        return [_refcount(v) for v in self.views]
+
+    def held(self, blob, dropped=()):
+        """`blob`'s arrays are now its _raw and _data, in place of `dropped` (its arrays before,
+        or () ); then `settle()` measures the new ones."""
+        self.count += 1
+        keep = [i for i, v in enumerate(self.views) if not any(v is d for d in dropped)]
+        self.views = [self.views[i] for i in keep]
+        self.view_refs = [self.view_refs[i] for i in keep]
+        for mine in (blob._raw, blob._data):
+            if mine is not None and not any(mine is v for v in self.views):
+                self.views.append(mine)
+                self.view_refs.append(None)
+
+    def settle(self):
+        """Measure the arrays `held` added, while only the blobs hold them (the caller keeps no
+        reference of its own to them)."""
+        refs = self._view_refs()
+        self.view_refs = [r if was is None else was for r, was in zip(refs, self.view_refs)]
+
+    def untouched(self):
+        """Whether only the blobs hold arrays of the buffer (none outside may write it)."""
+        return (self._root_refs() == self.root_refs + len(self.views)
+                and self._view_refs() == self.view_refs)
+
+
+class _NoArrays:
+    _raw = _data = None
+
+
+_NO_ARRAYS = _NoArrays()
+
+
 class Blob:
     def __init__(self, shape=(), name=""):
         self.name = name
         self._data_buf = np.zeros(0, np.float32)
+        self._writes = Writes(self._data_buf)
+        self._raw = self._data = None
         self._diff_buf = None
         self._shape = None
         self._layout = None       # None: plain (NCHW); Blocked; CHANNELS_LAST (see the docstring)
@@ -89,6 +159,8 @@ class Blob:
             if why:
                 self._refuse(shape, why)
             self._data_buf = memory.line_zeros(count)
+            self._leave_writes()
+            self._writes = Writes(self._data_buf)
             if self._diff_buf is not None:
                 self._diff_buf = memory.line_zeros(count)
         if self._layout == CHANNELS_LAST and len(shape) != 4:
@@ -98,7 +170,8 @@ class Blob:
         self._views()
 
     def _view(self, buf):
-        """(memory-order array, Caffe-order view) of the first `count` floats of `buf`."""
+        """(memory-order array, Caffe-order view) of the first `count` floats of `buf` (an
+        array, or the data's Writes.root)."""
         flat = buf[:memory.count(self._shape)]
         if self._layout == CHANNELS_LAST:
             n, c, h, w = self._shape
@@ -107,8 +180,21 @@ class Blob:
         raw = flat.reshape(self._shape)
         return raw, raw
 
+    def _data_views(self):
+        """Make the data's arrays afresh, from its Writes.root."""
+        dropped = (self._raw, self._data)
+        self._raw, self._data = self._view(self._writes.root)
+        self._writes.held(self, dropped)
+        del dropped
+        self._writes.settle()
+
+    def _leave_writes(self):
+        """Stop being one of the blobs of self._writes (a new buffer, or another's shared)."""
+        self._writes.held(_NO_ARRAYS, (self._raw, self._data))
+        self._raw = self._data = None
+
     def _views(self):
-        self._raw, self._data = self._view(self._data_buf)
+        self._data_views()
         self._raw_diff = self._diff = None
         if self._diff_buf is not None:
             self._raw_diff, self._diff = self._view(self._diff_buf)
@@ -145,7 +231,23 @@ class Blob:
     # -- storage ---------------------------------------------------------
     @property
     def data(self):
+        self._writes.count += 1
         return self._data
+
+    @property
+    def read_data(self):
+        """`data` for code that only reads it (a kernel taking its weights): taking it does not
+        count as a possible write (Writes)."""
+        return self._data
+
+    def written(self):
+        """A mark of the data's possible writes: equal marks, the second taken while
+        `untouched()`, mean the floats have not changed in between (Writes)."""
+        return (self._writes, self._writes.count)
+
+    def untouched(self):
+        """Whether no array outside the blobs views the data (Writes.untouched)."""
+        return self._writes.untouched()
 
     @property
     def diff(self):
@@ -162,6 +264,7 @@ class Blob:
     @property
     def raw_data(self):
         """The data as stored (C-contiguous): `data` itself but for a channels-last blob."""
+        self._writes.count += 1
         return self._raw
 
     @property
@@ -178,7 +281,10 @@ class Blob:
         except between channels-last blobs, which share as they are."""
         self._may_share(other, "data")
         self._data_buf = other._data_buf
-        self._raw, self._data = self._view(self._data_buf)
+        if self._writes is not other._writes:
+            self._leave_writes()
+            self._writes = other._writes
+        self._data_views()
 
     def share_diff(self, other):
         """Make this blob's diff a view of `other`'s, as share_data."""
@@ -218,6 +324,7 @@ class Blob:
         """Copy `array` in, reshaping to its shape."""
         array = np.asarray(array, dtype=np.float32)
         self.reshape(array.shape)
+        self._writes.count += 1
         self._data[...] = array
 
     def __repr__(self):
@@ -225,40 +332,68 @@ class Blob:
 
 
 class Seen:
-    """Copies of the arrays a derived value was computed from (weights reordered or
-    Winograd-transformed for a kernel, BatchNorm folded into a convolution, int8 weights), so
-    that the value is redone only when one of their floats changes. Whole contents are compared,
-    bit for bit (memcmp: ~5 us per 100,000 floats), since pycaffe code writes `.data` arrays
-    in place without a signal; a reorder of conv3 of cifar10_quick (64 x 32 x 5 x 5) took 20 us
-    against the compare's 4, a Winograd transform of 512 x 512 x 3 x 3 weights 4 ms against 0.3.
+    """What a derived value was computed from (weights reordered or Winograd-transformed for a
+    kernel, BatchNorm folded into a convolution, int8 weights), so that the value is redone only
+    when one of their floats changes. A source is a Blob (its data), an array, or None.
+
+    A blob whose write mark (Blob.written) has not moved, and that nothing outside holds
+    (Blob.untouched), has not changed: no compare. Otherwise, and for a writable array, the
+    contents are compared bit for bit with a copy (memcmp: ~5 us per 100,000 floats), since
+    pycaffe code writes `.data` arrays in place without a signal; reading ResNet-50's weights
+    and their copies cost 3.5-7% of a batch-1 forward. A read-only array (a folded weight that
+    caffepy made and never writes) that is the same object as before has not changed either.
     Arrays of other 4- or 8-byte dtypes (a float64 eps) are compared as their bytes."""
 
     def __init__(self):
-        self.copies = None
+        self.kept = None        # per source: (copy or the read-only array, blob mark or None)
 
     @staticmethod
     def _floats(a):
         a = np.ascontiguousarray(a).reshape(-1)
         return a if a.dtype == np.float32 else a.view(np.float32)
 
-    def changed(self, *arrays):
-        """Whether any of `arrays` (None allowed) differs from what the last `keep` saw."""
+    def _same(self, i, source):
         from .kernels import nhwc
-        return self.copies is None or len(arrays) != len(self.copies) or not all(
-            (a is None) == (c is None) and (a is None or nhwc.same_floats(self._floats(a), c))
-            for a, c in zip(arrays, self.copies))
+        kept = self.kept[i]
+        if source is None or kept is None:
+            return source is None and kept is None
+        copy, mark = kept
+        if isinstance(source, Blob):
+            if mark is not None and source.written() == mark and source.untouched():
+                return True
+            if not nhwc.same_floats(self._floats(source.read_data), self._floats(copy)):
+                return False
+            if source.untouched():      # compared equal: no compare next time if left alone
+                self.kept[i] = (copy, source.written())
+            return True
+        if not source.flags.writeable:
+            return source is copy
+        return nhwc.same_floats(self._floats(source), self._floats(copy))
 
-    def keep(self, *arrays):
-        """Remember `arrays`' contents (reusing the copies' memory when the sizes match)."""
-        old = self.copies if self.copies is not None and len(self.copies) == len(arrays) else [None] * len(arrays)
-        copies = []
-        for a, c in zip(arrays, old):
-            if a is None:
-                copies.append(None)
+    def changed(self, *sources):
+        """Whether any of `sources` differs from what the last `keep` saw."""
+        return self.kept is None or len(sources) != len(self.kept) or not all(
+            self._same(i, s) for i, s in enumerate(sources))
+
+    def keep(self, *sources):
+        """Remember `sources` (reusing the copies' memory when the sizes match)."""
+        old = self.kept if self.kept is not None and len(self.kept) == len(sources) else [None] * len(sources)
+        kept = []
+        for s, k in zip(sources, old):
+            if s is None:
+                kept.append(None)
                 continue
-            f = self._floats(a)
+            mark = None
+            if isinstance(s, Blob):
+                mark = s.written() if s.untouched() else None
+                s = s.read_data
+            elif not s.flags.writeable:
+                kept.append((s, None))
+                continue
+            f = self._floats(s)
+            c = k[0] if k is not None and k[0] is not None and k[0].flags.writeable else None
             if c is None or c.size != f.size:
                 c = np.empty(f.size, np.float32)
             np.copyto(c, f)
-            copies.append(c)
-        self.copies = copies
+            kept.append((c, mark))
+        self.kept = kept

@@ -171,12 +171,12 @@ def fold_batchnorm(weights, bias, bn, scale):
     b' = b alpha + (beta - mean alpha), with mean and var the stored sums over blobs[2] (a
     factor 0 taken as 1)."""
     f32 = np.float32
-    factor = f32(bn.blobs[2].data.reshape(-1)[0])
+    factor = f32(bn.blobs[2].read_data.reshape(-1)[0])
     factor = f32(1) if factor == 0 else f32(1) / factor
-    mean, var = bn.blobs[0].data.reshape(-1), bn.blobs[1].data.reshape(-1)
+    mean, var = bn.blobs[0].read_data.reshape(-1), bn.blobs[1].read_data.reshape(-1)
     c = weights.shape[0]
-    s = scale.blobs[0].data.reshape(-1) if scale is not None else np.ones(c, f32)
-    beta = (scale.blobs[1].data.reshape(-1) if scale is not None and scale.bias_term
+    s = scale.blobs[0].read_data.reshape(-1) if scale is not None else np.ones(c, f32)
+    beta = (scale.blobs[1].read_data.reshape(-1) if scale is not None and scale.bias_term
             else np.zeros(c, f32))
     alpha = s / np.sqrt(var * factor + f32(bn.eps))
     b = np.zeros(c, f32) if bias is None else bias
@@ -256,13 +256,13 @@ class Int8:
                        else f"float32 fallback: {L.algos['forward'].name}")
 
     def _prepare(self, sources, fold):
-        """Quantize the weights from `sources` (the float arrays they depend on) unless those
-        are what the last call saw."""
+        """Quantize the weights from `sources` (the blobs they depend on) unless those are what
+        the last call saw."""
         if not self.seen.changed(*sources):
             return
         L, spec, f32 = self.layer, self.spec, np.float32
-        w = L.blobs[0].data
-        b = L.blobs[1].data if L.bias_term else None
+        w = L.blobs[0].read_data
+        b = L.blobs[1].read_data if L.bias_term else None
         if getattr(L, "transpose", False):
             w = w.T
         if fold is not None:
@@ -297,12 +297,12 @@ class Int8:
         return scale, lo_in, hi_in, lo, hi, spec.bits_out == 8, np.float32(1.0 / float(spec.scale_out))
 
     def sources(self, fold):
-        L = self.layer
-        arrays = [b.data for b in L.blobs]
+        """The blobs the quantized weights come from (blob.Seen's sources)."""
+        blobs = list(self.layer.blobs)
         if fold is not None:
             bn, scale = fold
-            arrays += [b.data for b in bn.blobs] + ([b.data for b in scale.blobs] if scale else [])
-        return arrays
+            blobs += list(bn.blobs) + (list(scale.blobs) if scale else [])
+        return blobs
 
     def conv_forward(self, x, top, summand=None, relu=False, slope=0.0, fold=None, coeff=(1, 1),
                      winograd=False):

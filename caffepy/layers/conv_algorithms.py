@@ -25,7 +25,7 @@ import weakref
 import numpy as np
 
 from .. import memory
-from ..blob import Seen
+from ..blob import Blob, Seen
 from ..errors import CaffepyError
 from ..proto import caffe_pb2
 
@@ -78,7 +78,20 @@ def forward_params(layer, params):
     """(weights, bias or None) a forward computes with: `params`, else the layer's blobs."""
     if params is not None:
         return params
-    return layer.blobs[0].data, (layer.blobs[1].data if layer.bias_term else None)
+    return layer.blobs[0].read_data, (layer.blobs[1].read_data if layer.bias_term else None)
+
+
+def weight_source(layer, params):
+    """What a value derived from the forward's weights depends on, for blob.Seen: the layer's
+    weight blob, or the weights in `params` (a folded convolution's, made read-only). A caller
+    checks it before it takes the blob's array: a reference of its own to that array would look
+    like a user's, which may write it (blob.Writes), and cost a compare."""
+    return layer.blobs[0] if params is None else params[0]
+
+
+def values(source):
+    """The array of a weight_source."""
+    return source.read_data if isinstance(source, Blob) else source
 
 
 def channel_sums(a):
@@ -137,17 +150,17 @@ def winograd_weights(weights, gm, group, forward, workspace, layer=None, packs=F
     every forward. With `packs` (the channels-last forward's) it keeps that U packed for its
     GEMMs alone (winograd.pack_u, after the transform into the workspace), in place of the
     None, and the U returned is the workspace's, for its shape: the GEMMs pack nothing and
-    the layer holds one U, not two."""
+    the layer holds one U, not two. `weights` may be a weight_source (a Blob: its data)."""
     o, cg = weights.shape[:2]
     a2 = gm.shape[0] ** 2
     if not forward:
         u = workspace("wino_u", (a2, o, cg))
-        _winograd.weight_transform(weights, gm, u)
+        _winograd.weight_transform(values(weights), gm, u)
         return u, None
     shape = (a2, group * cg, o // group)
     if layer is None or layer.phase != caffe_pb2.TEST:
         u = workspace("wino_u", shape)
-        _winograd.weight_transform(weights, gm, u, group)
+        _winograd.weight_transform(values(weights), gm, u, group)
         return u, None
     # on the layer, per tile size (a, r) and packing: kept across batch sizes (an algorithm is
     # built per bottom shape)
@@ -161,7 +174,7 @@ def winograd_weights(weights, gm, group, forward, workspace, layer=None, packs=F
         seen = Seen()
     u = workspace("wino_u", shape) if packs else held.reshape(shape)
     if seen.changed(weights):
-        _winograd.weight_transform(weights, gm, u, group)
+        _winograd.weight_transform(values(weights), gm, u, group)
         if packs:
             _winograd.pack_u(u, group, held)
         seen.keep(weights)
@@ -210,15 +223,15 @@ class Gemm:
     is in cache, rather than each GEMM passing over the whole batch (ResNet-50 b16 at 56 x 56,
     64 -> 256 channels: 25.3 -> 22.6 ms; at 28 x 28 2-4% faster, at 14 x 14 alike).
 
-    Outside TRAIN, im2col's GEMMs read the weights packed once into their panels
+    Outside TRAIN, the GEMMs read the weights packed once into their panels
     (nhwc.pack_weights) rather than packing them on every call, in every task, as the BLAS and
     the panel kernel of a plain product do; at batch 1 threads split the output channels
-    (cext/blas.pxd packed_split). The packing is redone with the reordering, when blob.Seen
-    finds the weights changed, so it costs no compare of its own. Not for a 1 x 1 kernel, whose
-    GEMMs read Caffe's weights as they are: there the compare that packing would need (a pass
-    over the weights and their copy every forward) cost more than the packing it saves
-    (ResNet-50 b1, caffepy time, load 1.7: each 1 x 1 layer 0.15-0.35 ms slower, 68 -> 75 ms a
-    forward; with the compare over two threads, load 2.5, within the noise, +-3%)."""
+    (cext/blas.pxd packed_split). The packing is redone when blob.Seen finds the weights may
+    have changed. That check reads no float while nothing outside the blob holds its data
+    (blob.Writes); when it had to compare the weights with a copy every forward, packing the
+    1 x 1 kernels (which need no reordering, so no copy of their own) cost more than it saved
+    (ResNet-50 b1 68 -> 75 ms); without that compare, ResNet-50 b1 is 1.13x faster than with
+    both (in one process, alternating)."""
 
     def __init__(self, layer, n, h, w):
         L = layer
@@ -246,7 +259,7 @@ class Gemm:
         # operands); larger ones read weights reordered to the columns' (kh, kw, C) order
         self.caffe_order = (kh, kw) == (1, 1)
         self.wt = None if self.caffe_order else np.empty((L.group, self.kg, og), np.float32)
-        self.packs = L.phase != caffe_pb2.TRAIN and not self.caffe_order
+        self.packs = L.phase != caffe_pb2.TRAIN
         self.packed = None
         self.reordered = Seen()     # the weights that wt and packed hold
 
@@ -261,27 +274,37 @@ class Gemm:
         _k.take_pixels(x, taken, sh, sw)
         return taken
 
-    def _weights(self, fresh=True, weights=None):
-        """The weights (the layer's, or `weights` in their shape) as the kernels take them,
+    def _weights(self, fresh=True, params=None):
+        """The weights (the layer's, or those of forward `params`) as the kernels take them,
         reordered (and packed when the forward `packs`) first if `fresh` and they changed."""
         L = self.layer
-        g = L.group
-        weights = L.blobs[0].data if weights is None else weights
+        g, og = L.group, L.num_output // L.group
+        source = weight_source(L, params)
+        if fresh and (self.packs or not self.caffe_order) and self.reordered.changed(source):
+            self._reorder(values(source))
+            self.reordered.keep(source)
         if self.caffe_order:
-            return weights.reshape(g, L.num_output // g, -1)
-        if fresh and self.reordered.changed(weights):
+            return values(source).reshape(g, og, -1)
+        return self.wt
+
+    def _reorder(self, weights):
+        """wt (unless the GEMMs read Caffe's order) and, when the forward packs, packed."""
+        L = self.layer
+        g, og = L.group, L.num_output // L.group
+        if self.caffe_order:
+            wt = weights.reshape(g, og, -1)
+        else:
             (kh, kw) = L.window.kernel
             cg = L.channels // g
-            w = weights.reshape(g, L.num_output // g, cg, kh * kw)
+            w = weights.reshape(g, og, cg, kh * kw)
             wt = self.wt.reshape(g, kh * kw, cg, -1)
             for gi in range(g):
                 _k.reverse_axes(w[gi], wt[gi])
-            if self.packs:
-                if self.packed is None:
-                    self.packed = memory.line_empty(_k.packed_floats(g, self.wt.shape[2], self.kg))
-                _k.pack_weights(self.wt, False, self.packed)
-            self.reordered.keep(weights)
-        return self.wt
+            wt = self.wt
+        if self.packs:
+            if self.packed is None:
+                self.packed = memory.line_empty(_k.packed_floats(g, og, self.kg))
+            _k.pack_weights(wt, self.caffe_order, self.packed)
 
     def _col(self):
         return _workspace("col", (_k.max_threads(), self.col_floats))
@@ -292,11 +315,11 @@ class Gemm:
     epilogue = True
 
     def forward(self, bottom, top, params=None, epilogue=None):
-        weights, bias = forward_params(self.layer, params)
+        bias = forward_params(self.layer, params)[1]
         scale, relu, add = None, False, None
         if epilogue is not None:
             scale, bias, relu, add = epilogue
-        wt = self._weights(weights=weights)
+        wt = self._weights(params=params)
         bias = _EMPTY if bias is None else bias
         col = self._col()
         rows = self.rows if epilogue is None else self.epilogue_rows
@@ -385,11 +408,12 @@ class Direct:
     def forward(self, bottom, top, params=None):
         L = self.layer
         o = L.num_output
-        weights, bias = forward_params(L, params)
-        if self.reordered.changed(weights):
-            _k.reverse_axes(weights.reshape(o, L.channels, -1),
+        source = weight_source(L, params)
+        if self.reordered.changed(source):
+            _k.reverse_axes(values(source).reshape(o, L.channels, -1),
                             self.wp[:self.k, :o].reshape(-1, L.channels, o))
-            self.reordered.keep(weights)
+            self.reordered.keep(source)
+        bias = forward_params(L, params)[1]
         self.bp[:o] = 0 if bias is None else bias
         xpad = _workspace("direct_x", (_k.max_threads(), self.plane))
         for b, t in zip(bottom, top):
@@ -479,17 +503,17 @@ class Winograd:
                                                             L.num_output, h, w, self.v, m, self.r,
                                                             self.ph, self.pw, L.group)
 
-    def _setup(self, forward, weights=None):
+    def _setup(self, forward, params=None):
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, self.r)
-        weights = L.blobs[0].data if weights is None else weights
-        u, packed = winograd_weights(weights, gm, L.group, forward, _workspace, L, packs=True)
+        u, packed = winograd_weights(weight_source(L, params), gm, L.group, forward, _workspace,
+                                     L, packs=True)
         return (at, bt, gm, u, packed) + winograd_buffers(self.vshape, self.mshape, _workspace)
 
     def forward(self, bottom, top, params=None):
         L = self.layer
-        weights, given = forward_params(L, params)
-        at, bt, _, u, packed, vbuf, mbuf = self._setup(True, weights)
+        given = forward_params(L, params)[1]
+        at, bt, _, u, packed, vbuf, mbuf = self._setup(True, params)
         bias = _workspace("wino_bias", (self.mshape[3],))
         bias[...] = 0
         if given is not None:

@@ -314,7 +314,7 @@ class NHWCConvolution(Convolution):
         algo = self.algos["forward"]
         if self.has_epilogue():
             if bn is None:
-                s, t = None, self.blobs[1].data if self.bias_term else None
+                s, t = None, self.blobs[1].read_data if self.bias_term else None
             else:
                 if self._affine is None:
                     self._affine = Folded(weights=False)
@@ -373,35 +373,42 @@ def fold_batchnorm(weights, bias, mean, var, eps, gamma=None, beta=None):
 class Folded:
     """A convolution's BatchNorm and Scale (a TEST net's unit) as its algorithm takes them:
     folded into the weights and bias (`weights`: fold_batchnorm), or as the per-channel (s, t)
-    of an epilogue (batchnorm_affine), recomputed when an array they come from changes:
-    compared whole on every forward (blob.Seen; the weights only when they are folded).
+    of an epilogue (batchnorm_affine), recomputed when a blob they come from may have changed
+    (blob.Seen; the weights only when they are folded). What it returns is read-only, so that
+    the algorithm's own Seen knows it by identity.
     """
 
     def __init__(self, weights):
         self.weights = weights
         self.seen = Seen()
-        self.folded = None
+        self.folded = self.eps = None
 
     def params(self, conv, bn, scale):
-        gamma = beta = None
-        if scale is not None:
-            gamma = scale.blobs[0].data
-            beta = scale.blobs[1].data if scale.bias_term else None
-        bias = conv.blobs[1].data if conv.bias_term else None
-        sources = [bias, bn.blobs[0].data, bn.blobs[1].data, bn.blobs[2].data, gamma, beta]
+        sources = [conv.blobs[1] if conv.bias_term else None, *bn.blobs[:3],
+                   scale.blobs[0] if scale is not None else None,
+                   scale.blobs[1] if scale is not None and scale.bias_term else None]
         if self.weights:
-            sources.append(conv.blobs[0].data)
-        eps = np.array([bn.eps])
-        if self.seen.changed(eps, *sources):
-            factor = float(bn.blobs[2].data[0])
+            sources.append(conv.blobs[0])
+        # the check before any array of theirs is taken (conv_algorithms.weight_source)
+        if bn.eps != self.eps or self.seen.changed(*sources):
+            gamma = beta = None
+            if scale is not None:
+                gamma = scale.blobs[0].read_data
+                beta = scale.blobs[1].read_data if scale.bias_term else None
+            bias = conv.blobs[1].read_data if conv.bias_term else None
+            factor = float(bn.blobs[2].read_data[0])
             factor = 0.0 if factor == 0 else 1.0 / factor
-            stats = (bn.blobs[0].data.astype(np.float64) * factor,
-                     bn.blobs[1].data.astype(np.float64) * factor, bn.eps, gamma, beta)
+            stats = (bn.blobs[0].read_data.astype(np.float64) * factor,
+                     bn.blobs[1].read_data.astype(np.float64) * factor, bn.eps, gamma, beta)
             if self.weights:
-                self.folded = fold_batchnorm(conv.blobs[0].data, bias, *stats)
+                self.folded = fold_batchnorm(conv.blobs[0].read_data, bias, *stats)
             else:
                 self.folded = batchnorm_affine(bias, *stats)[:2]
-            self.seen.keep(eps, *sources)
+            for a in self.folded:       # never written: blob.Seen knows them by identity
+                a.flags.writeable = False
+            del gamma, beta, bias, stats
+            self.seen.keep(*sources)
+            self.eps = bn.eps
         return self.folded
 
 

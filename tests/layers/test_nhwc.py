@@ -446,8 +446,7 @@ def test_test_nets_im2col_packs_its_weights_once_and_follows_a_change(monkeypatc
     """A TEST net's im2col forward reads its weights packed once (nhwc.pack_weights): packed
     again only when a float of them changes, written through an array held from before, and
     giving the TRAIN net's numbers (which packs on every product, or leaves it to the BLAS) to
-    float rounding; a TRAIN net never keeps packed weights, nor a 1 x 1 kernel (read as
-    Caffe stores them, with no compare)."""
+    float rounding; a TRAIN net never keeps packed weights."""
     params = (f"convolution_param {{ num_output: 40 kernel_size: {kernel} stride: {stride} "
               f"group: {group} {FILL} }}")
     packs = []
@@ -479,9 +478,21 @@ def test_test_nets_im2col_packs_its_weights_once_and_follows_a_change(monkeypatc
                                 group)
         np.testing.assert_allclose(top[0].data, want, rtol=1e-5, atol=1e-5, err_msg=step)
         np.testing.assert_allclose(top[0].data, train_top[0].data, rtol=1e-5, atol=1e-5)
-    assert len(packs) == (3 if kernel > 1 else 0)
-    assert (test.algos["forward"].packed is not None) == (kernel > 1)
+    assert len(packs) == 3
+    assert test.algos["forward"].packed is not None
     assert train.algos["forward"].packed is None
+    # with nothing held outside, a forward packs nothing and compares nothing (blob.Writes)
+    del held
+    test.forward(bottom, top)
+    packs.clear()
+    compares = []
+    same_floats = real.same_floats
+    monkeypatch.setattr(real, "same_floats", lambda a, b: compares.append(a.size) or same_floats(a, b))
+    test.forward(bottom, top)
+    assert packs == [] and compares == []
+    test.blobs[0].data[0, 0, 0, 0] += 1         # taken and written: compared, packed again
+    test.forward(bottom, top)
+    assert len(packs) == 1 and compares
 
 
 def test_strided_pointwise_convolution_is_no_direct_candidate():

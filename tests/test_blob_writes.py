@@ -1,0 +1,160 @@
+"""blob.Writes and blob.Seen: a value derived from a blob's data (packed, folded, quantized
+weights) is redone exactly when the data may have changed. A blob left alone is not compared;
+any way Python code can write the floats (through `data`, `raw_data`, a view or buffer held
+from before, shared data) makes the next check compare them, and a change is found."""
+import numpy as np
+import pytest
+
+from caffepy import blob as blob_module
+from caffepy.blob import CHANNELS_LAST, Blob, Seen
+from caffepy.kernels import nhwc
+
+
+@pytest.fixture
+def compares(monkeypatch):
+    """The sizes of the float compares Seen runs."""
+    calls = []
+    real = nhwc.same_floats
+    monkeypatch.setattr(nhwc, "same_floats", lambda a, b: calls.append(a.size) or real(a, b))
+    return calls
+
+
+def _weights(seed=0, shape=(8, 4, 3, 3)):
+    b = Blob(shape, "w")
+    b.data[...] = np.random.default_rng(seed).standard_normal(shape)
+    return b
+
+
+def _kept(b):
+    seen = Seen()
+    assert seen.changed(b)
+    seen.keep(b)
+    return seen
+
+
+def test_a_blob_left_alone_is_not_compared(compares):
+    b = _weights()
+    seen = _kept(b)
+    for _ in range(3):
+        assert not seen.changed(b)
+    assert b.read_data.sum() == b.read_data.sum()       # reading does not count as a write
+    assert not seen.changed(b)
+    assert compares == []
+
+
+def test_taking_data_costs_one_compare_and_a_write_is_found(compares):
+    b = _weights()
+    seen = _kept(b)
+    b.data                                  # taken, not written: compared once, equal
+    assert not seen.changed(b) and len(compares) == 1
+    assert not seen.changed(b) and len(compares) == 1   # then left alone again
+    b.data[2, 1, 0, 0] += 1
+    assert seen.changed(b)
+    seen.keep(b)
+    b.raw_data.reshape(-1)[5] = 7
+    assert seen.changed(b)
+    seen.keep(b)
+    b.set_data(np.zeros(b.shape, np.float32))
+    assert seen.changed(b)
+    seen.keep(b)
+    b.data.flat = np.ones(b.count)
+    assert seen.changed(b)
+
+
+@pytest.mark.parametrize("hold", [
+    lambda b: b.data,                                   # the array itself
+    lambda b: b.data[3],                                # a view of it
+    lambda b: b.data.reshape(-1)[::2],                  # a view of a view
+    lambda b: np.frombuffer(memoryview(b.data.reshape(-1)), np.float32),   # its buffer
+    lambda b: np.asarray(b.raw_data).T,
+])
+def test_a_write_through_an_array_held_from_before_is_found(compares, hold):
+    b = _weights()
+    held = hold(b)
+    seen = _kept(b)
+    for _ in range(2):                      # while it is held, every check compares
+        assert not seen.changed(b)
+    assert len(compares) == 2
+    held.flat[0] += 1                       # no blob method runs: only the hold tells
+    assert seen.changed(b)
+    seen.keep(b)
+    del held                                # let go: left alone again, no compare
+    compares.clear()
+    assert not seen.changed(b)              # compared once more: the mark kept was stale
+    assert not seen.changed(b)
+    assert len(compares) <= 1
+
+
+def test_a_write_through_a_blob_sharing_the_data_is_found(compares):
+    train = _weights()
+    test = Blob(train.shape, "w_test")
+    test.share_data(train)                  # a TEST net's weights seen through the TRAIN net's
+    seen = _kept(test)
+    assert not seen.changed(test) and compares == []
+    train.data[0, 0, 0, 0] -= 1             # the solver's update
+    assert seen.changed(test)
+    seen.keep(test)
+    held = train.data[1]
+    assert not seen.changed(test)
+    held[...] = 3
+    assert seen.changed(test)
+
+
+def test_reshaping_keeps_the_tracking(compares):
+    b = _weights(shape=(2, 3, 4, 5))
+    old = b.data
+    b.reshape(2, 3, 2, 5)                   # smaller: the same buffer, new arrays
+    seen = _kept(b)
+    old.reshape(-1)[0] += 1                 # the array from before the reshape still writes it
+    assert seen.changed(b)
+    del old
+    seen.keep(b)
+    b.reshape(4, 8, 4, 5)                   # larger: a new buffer
+    seen = _kept(b)
+    compares.clear()
+    assert not seen.changed(b) and compares == []
+    b.layout = CHANNELS_LAST
+    seen.keep(b)
+    b.data[0, 0, 0, 0] = 9
+    assert seen.changed(b)
+
+
+def test_a_read_only_array_is_known_by_identity_and_a_writable_one_compared(compares):
+    folded = np.arange(6, dtype=np.float32)
+    folded.flags.writeable = False
+    seen = Seen()
+    assert seen.changed(folded)
+    seen.keep(folded)
+    assert not seen.changed(folded) and compares == []
+    other = folded.copy()
+    other.flags.writeable = False
+    assert seen.changed(other)              # another array: changed, whatever it holds
+    plain = np.arange(6, dtype=np.float32)
+    seen.keep(plain)
+    plain[0] = 1
+    assert seen.changed(plain) and compares
+
+
+def test_sources_of_several_kinds_together():
+    b = _weights()
+    eps = np.array([1e-5])
+    seen = Seen()
+    seen.keep(b, None, eps)
+    assert not seen.changed(b, None, eps)
+    assert seen.changed(b, eps, None)
+    assert seen.changed(b, None, np.array([2e-5]))
+    assert seen.changed(b)
+
+
+def test_untouched_follows_references(compares):
+    b = _weights()
+    assert b.untouched()
+    d = b.data
+    assert not b.untouched()
+    del d
+    assert b.untouched()
+    v = b.raw_data[0]
+    assert not b.untouched()
+    del v
+    assert b.untouched()
+    assert isinstance(blob_module.Writes, type)
