@@ -22,7 +22,7 @@ cimport openmp
 from cython.parallel cimport prange
 from scipy.linalg.cython_blas cimport sgemm as _fortran_sgemm
 
-from rules cimport threads_for_macs
+from rules cimport threads_for, threads_for_macs
 
 ctypedef void (*_sgemm64_fn)(const char*, const char*, const long long*, const long long*,
                              const long long*, const float*, const float*, const long long*,
@@ -33,6 +33,8 @@ cdef extern from "gemm_panels.h" nogil:
     int caffepy_panel_gemm(int trans_b, int M, int N, int K, float alpha, const float* a,
                            long lda, const float* b, long ldb, float beta, float* c, long ldc)
     bint caffepy_panels_wanted(int M, int N, int K)
+    void caffepy_row_gemm(int trans_b, int N, int K, float alpha, const float* a,
+                          const float* b, long ldb, float beta, float* c)
     long caffepy_packed_floats(int N, int K)
     void caffepy_panel_pack(int trans_b, int N, int K, float alpha, const float* b, long ldb,
                             float* bp)
@@ -53,6 +55,9 @@ cdef inline void _sgemm(bint trans_a, bint trans_b, int M, int N, int K, float a
     cdef char ta = b'T' if trans_a else b'N'
     cdef char tb = b'T' if trans_b else b'N'
     cdef long long m = M, n = N, k = K, la = lda, lb = ldb, lc = ldc
+    if panels and M == 1 and not trans_a:
+        caffepy_row_gemm(trans_b, N, K, alpha, A, B, ldb, beta, C)
+        return
     if panels and not trans_a and caffepy_panels_wanted(M, N, K) \
             and caffepy_panel_gemm(trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc):
         return
@@ -113,7 +118,10 @@ cdef inline void gemm_ld_by(bint panels, bint trans_a, bint trans_b, int M, int 
     if openmp.omp_in_parallel() or not caffepy_blas_settable():
         _sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, panels)
         return
-    nt = threads_for_macs(<Py_ssize_t>M * N * K)
+    # a product of one row (caffepy_row_gemm) does one multiply-add per float of B it reads:
+    # an element operation each, not a quarter of one
+    nt = (threads_for(<Py_ssize_t>N * K) if M == 1 and panels and not trans_a
+          else threads_for_macs(<Py_ssize_t>M * N * K))
     saved = caffepy_blas_serial()
     if nt > 1:
         _sgemm_split(nt, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc,

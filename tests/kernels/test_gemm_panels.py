@@ -119,3 +119,25 @@ def test_packed_product_refuses_panels_of_another_shape():
     packed = common.pack_panels(np.zeros((9, 5), np.float32))
     with pytest.raises(ValueError, match="gemm_packed: packed: needs"):
         common.gemm_packed(a, packed, np.zeros((3, 5), np.float32))
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 1000])
+@pytest.mark.parametrize("k", [1, W - 1, 2 * W, 2 * W + 3, 2048])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0, -0.5])
+def test_one_row_products_read_b_once_and_match_numpy(n, k, trans_b, beta):
+    """A product of one row (an InnerProduct at batch 1) runs caffepy_row_gemm, not the BLAS,
+    which copies all of B for it: every remainder of rows and vectors, both layouts of B, beta
+    (0 never reads C), on gemm's threads; and agrees with the BLAS."""
+    rng = np.random.default_rng(n * 100 + k)
+    a = rng.standard_normal((1, k), dtype=np.float32)
+    stored = rng.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32)
+    b = stored.T if trans_b else stored
+    c0 = rng.standard_normal((1, n), dtype=np.float32)
+    c = np.full((1, n), np.nan, np.float32) if beta == 0 else c0.copy()
+    common.gemm(a, b, c, beta)
+    np.testing.assert_allclose(c, _reference(a, b, c0, 1.0, beta), rtol=1e-5,
+                               atol=1e-5 * np.sqrt(k))
+    blas = c0.copy()
+    common.gemm(a, b, blas, beta, panels=False)
+    np.testing.assert_allclose(c, blas, rtol=1e-5, atol=1e-5 * np.sqrt(k))
