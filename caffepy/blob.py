@@ -334,15 +334,16 @@ class Blob:
 class Seen:
     """What a derived value was computed from (weights reordered or Winograd-transformed for a
     kernel, BatchNorm folded into a convolution, int8 weights), so that the value is redone only
-    when one of their floats changes. A source is a Blob (its data), an array, or None.
+    when one of their floats may have changed. A source is a Blob (its data), an array, or None.
 
     A blob whose write mark (Blob.written) has not moved, and that nothing outside holds
-    (Blob.untouched), has not changed: no compare. Otherwise, and for a writable array, the
-    contents are compared bit for bit with a copy (memcmp: ~5 us per 100,000 floats), since
-    pycaffe code writes `.data` arrays in place without a signal; reading ResNet-50's weights
-    and their copies cost 3.5-7% of a batch-1 forward. A read-only array (a folded weight that
-    caffepy made and never writes) that is the same object as before has not changed either.
-    Arrays of other 4- or 8-byte dtypes (a float64 eps) are compared as their bytes."""
+    (Blob.untouched), has not changed: no compare. A blob that something outside held when it
+    was kept (pycaffe code keeping `w = net.params[...][0].data` across forwards) is compared
+    bit for bit with a copy taken then (memcmp: ~5 us per 100,000 floats); one that nothing
+    held keeps no copy (ResNet-50's would be 100 MB) and counts as changed once its mark moves.
+    A writable array is compared with its copy; a read-only one (a folded weight that caffepy
+    made and never writes) that is the same object as before has not changed. Arrays of other
+    4- or 8-byte dtypes (a float64 eps) are compared as their bytes."""
 
     def __init__(self):
         self.kept = None        # per source: (copy or the read-only array, blob mark or None)
@@ -361,14 +362,15 @@ class Seen:
         if isinstance(source, Blob):
             if mark is not None and source.written() == mark and source.untouched():
                 return True
-            if not nhwc.same_floats(self._floats(source.read_data), self._floats(copy)):
+            if copy is None or not nhwc.same_floats(self._floats(source.read_data),
+                                                    self._floats(copy)):
                 return False
             if source.untouched():      # compared equal: no compare next time if left alone
                 self.kept[i] = (copy, source.written())
             return True
         if not source.flags.writeable:
             return source is copy
-        return nhwc.same_floats(self._floats(source), self._floats(copy))
+        return copy is not None and nhwc.same_floats(self._floats(source), self._floats(copy))
 
     def changed(self, *sources):
         """Whether any of `sources` differs from what the last `keep` saw."""
@@ -376,7 +378,8 @@ class Seen:
             self._same(i, s) for i, s in enumerate(sources))
 
     def keep(self, *sources):
-        """Remember `sources` (reusing the copies' memory when the sizes match)."""
+        """Remember `sources` (reusing the copies' memory when the sizes match). The caller
+        holds no array of a source blob then (it would count as held from outside)."""
         old = self.kept if self.kept is not None and len(self.kept) == len(sources) else [None] * len(sources)
         kept = []
         for s, k in zip(sources, old):
@@ -385,7 +388,9 @@ class Seen:
                 continue
             mark = None
             if isinstance(s, Blob):
-                mark = s.written() if s.untouched() else None
+                if s.untouched():           # nothing outside may write it: the mark will do
+                    kept.append((None, s.written()))
+                    continue
                 s = s.read_data
             elif not s.flags.writeable:
                 kept.append((s, None))

@@ -258,8 +258,11 @@ class Int8:
     def _prepare(self, sources, fold):
         """Quantize the weights from `sources` (the blobs they depend on) unless those are what
         the last call saw."""
-        if not self.seen.changed(*sources):
-            return
+        if self.seen.changed(*sources):
+            self._quantize(fold)        # its arrays gone before the keep (blob.Seen.keep)
+            self.seen.keep(*sources)
+
+    def _quantize(self, fold):
         L, spec, f32 = self.layer, self.spec, np.float32
         w = L.blobs[0].read_data
         b = L.blobs[1].read_data if L.bias_term else None
@@ -287,7 +290,6 @@ class Int8:
             bias_scale = np.where(zero, f32(1), in_scale).astype(f32)
             scaled = np.clip(b.astype(f32) * bias_scale, -INT32_FLOAT_MAX, INT32_FLOAT_MAX)
             self.bias_q = np.rint(scaled).astype(np.int32)
-        self.seen.keep(*sources)
 
     def _ranges(self, relu, slope):
         spec = self.spec

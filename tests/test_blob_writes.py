@@ -1,7 +1,8 @@
 """blob.Writes and blob.Seen: a value derived from a blob's data (packed, folded, quantized
-weights) is redone exactly when the data may have changed. A blob left alone is not compared;
-any way Python code can write the floats (through `data`, `raw_data`, a view or buffer held
-from before, shared data) makes the next check compare them, and a change is found."""
+weights) is redone whenever the data may have changed. A blob left alone is neither compared
+nor copied; any way Python code can write the floats (through `data`, `raw_data`, a view or
+buffer held from before, shared data) makes the next check say changed, or, for a blob held
+from outside when it was kept, compare it with a copy, which finds a change."""
 import numpy as np
 import pytest
 
@@ -42,12 +43,14 @@ def test_a_blob_left_alone_is_not_compared(compares):
     assert compares == []
 
 
-def test_taking_data_costs_one_compare_and_a_write_is_found(compares):
+def test_a_blob_nothing_held_keeps_no_copy_and_taking_data_counts_as_a_change(compares):
     b = _weights()
     seen = _kept(b)
-    b.data                                  # taken, not written: compared once, equal
-    assert not seen.changed(b) and len(compares) == 1
-    assert not seen.changed(b) and len(compares) == 1   # then left alone again
+    assert seen.kept[0][0] is None          # no copy
+    b.data                                  # taken, not written: the value is redone once
+    assert seen.changed(b)
+    seen.keep(b)
+    assert not seen.changed(b) and compares == []
     b.data[2, 1, 0, 0] += 1
     assert seen.changed(b)
     seen.keep(b)
@@ -72,17 +75,18 @@ def test_a_write_through_an_array_held_from_before_is_found(compares, hold):
     b = _weights()
     held = hold(b)
     seen = _kept(b)
+    assert seen.kept[0][0] is not None      # held from outside: a copy to compare with
     for _ in range(2):                      # while it is held, every check compares
         assert not seen.changed(b)
     assert len(compares) == 2
     held.flat[0] += 1                       # no blob method runs: only the hold tells
     assert seen.changed(b)
     seen.keep(b)
-    del held                                # let go: left alone again, no compare
+    del held                                # let go: one more compare, then none
     compares.clear()
-    assert not seen.changed(b)              # compared once more: the mark kept was stale
     assert not seen.changed(b)
-    assert len(compares) <= 1
+    assert not seen.changed(b)
+    assert len(compares) == 1
 
 
 def test_a_write_through_a_blob_sharing_the_data_is_found(compares):
@@ -95,7 +99,9 @@ def test_a_write_through_a_blob_sharing_the_data_is_found(compares):
     assert seen.changed(test)
     seen.keep(test)
     held = train.data[1]
-    assert not seen.changed(test)
+    assert seen.changed(test)               # taken: redone once, then held: a copy kept
+    seen.keep(test)
+    assert not seen.changed(test) and compares
     held[...] = 3
     assert seen.changed(test)
 
@@ -105,6 +111,7 @@ def test_reshaping_keeps_the_tracking(compares):
     old = b.data
     b.reshape(2, 3, 2, 5)                   # smaller: the same buffer, new arrays
     seen = _kept(b)
+    assert not seen.changed(b)              # compared with the copy: the old array holds it
     old.reshape(-1)[0] += 1                 # the array from before the reshape still writes it
     assert seen.changed(b)
     del old

@@ -260,12 +260,16 @@ def test_weights_are_quantized_again_only_when_a_source_float_changes():
     net.forward()
     body = net.layer_dict["body"].int8
     first = body.wq
-    mean = net.layer_dict["bn_body"].blobs[0].data      # a folded BatchNorm's mean, kept (writable)
     net.forward()
     assert body.wq is first                     # nothing changed: the cached integers
+    mean = net.layer_dict["bn_body"].blobs[0].data      # a folded BatchNorm's mean, kept (writable)
+    net.forward()                               # taken: quantized once more (blob.Seen)
+    second = body.wq
+    net.forward()
+    assert body.wq is second                    # held, unchanged: compared, the cached integers
     mean[...] += 0.5                            # written through an array fetched earlier
     net.forward()
-    assert body.wq is not first
+    assert body.wq is not second
 
 
 def test_time_precision_all_puts_f32_and_int8_side_by_side(tmp_path, capfd):

@@ -228,7 +228,7 @@ class Gemm:
     the panel kernel of a plain product do; at batch 1 threads split the output channels
     (cext/blas.pxd packed_split). The packing is redone when blob.Seen finds the weights may
     have changed. That check reads no float while nothing outside the blob holds its data
-    (blob.Writes); when it had to compare the weights with a copy every forward, packing the
+    (blob.Writes); when it compared the weights with a copy every forward, packing the
     1 x 1 kernels (which need no reordering, so no copy of their own) cost more than it saved
     (ResNet-50 b1 68 -> 75 ms); without that compare, ResNet-50 b1 is 1.13x faster than with
     both (in one process, alternating)."""
@@ -630,7 +630,7 @@ class BlockedWinograd:
         forward's layout or the backward's (cext/winograd.pyx)."""
         L = self.layer
         at, gm, bt = winograd_matrices(self.m, L.kh)
-        u, _ = winograd_weights(L.blobs[0].data, gm, L.group, forward, _workspace, L)
+        u, _ = winograd_weights(L.blobs[0], gm, L.group, forward, _workspace, L)
         vshape, mshape = _winograd.scratch_shapes(_ki.max_threads(), n, L.channels, L.num_output,
                                                   h, w, L.width, self.m, L.kh, L.ph, L.pw, L.group)
         return (at, bt, gm, u) + winograd_buffers(vshape, mshape, _workspace)
