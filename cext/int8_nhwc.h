@@ -386,7 +386,7 @@ static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, in
             long img = item / OH;
             int oy = (int)(item % OH);
             dw_gather_row(qf + img * H * W * C, H, W, C, w, kh, kw, oy * sh - ph, dh, sw, -pw,
-                          dw, NULL, row, OW);
+                          dw, NULL, row, OW, 0);
             for (int ox = 0; ox < OW; ox++) {
                 for (int c = 0; c < C; c++)
                     iacc[c] = (int32_t)row[(long)ox * C + c];

@@ -948,7 +948,7 @@ cdef extern from "nhwc_dw_rows.h" nogil:
     ctypedef struct dw_geom:
         int N, H, W, C, oh, ow, kh, kw, ph, pw, sh, sw, dh, dw
     void dw_fwd_row(const dw_geom* g, const float* x, const float* w, const float* bias, float* y,
-                    int oy)
+                    int oy, int relu)
     void dw_dx_row_s1(const dw_geom* g, const float* dy, const float* w, float* dx, int iy)
     void dw_dw_row(const dw_geom* g, const float* x, const float* dy, float* dw, float* db, int oy)
 
@@ -971,8 +971,9 @@ cdef dw_geom _dgeom(str kernel, x, y, w, int kh, int kw, int ph, int pw, int sh,
 
 def dw_forward(const float[:, :, :, ::1] x, const float[:, ::1] w, const float[::1] bias,
                float[:, :, :, ::1] y, int kh, int kw, int ph, int pw, int sh, int sw, int dh,
-               int dw):
-    """y [N, oh, ow, C] = depthwise conv(x [N, H, W, C], w [kh * kw, C]) + bias (empty: none)."""
+               int dw, bint relu=False):
+    """y [N, oh, ow, C] = depthwise conv(x [N, H, W, C], w [kh * kw, C]) + bias (empty: none);
+    with relu, max(0, that) (NaN kept)."""
     cdef dw_geom g = _dgeom("dw_forward", x, y, w, kh, kw, ph, pw, sh, sw, dh, dw)
     need(bias.shape[0] in (0, g.C), "dw_forward", "bias", f"needs {g.C} values or none", bias.shape[0])
     cdef const float* b = &bias[0] if bias.shape[0] else NULL
@@ -984,7 +985,7 @@ def dw_forward(const float[:, :, :, ::1] x, const float[:, ::1] w, const float[:
                            num_threads=threads_for(<Py_ssize_t>g.N * g.oh * g.ow * g.C * kh * kw)):
             n = item // g.oh
             dw_fwd_row(&g, &x[0, 0, 0, 0] + n * g.H * g.W * g.C, &w[0, 0], b,
-                       &y[0, 0, 0, 0] + n * g.oh * g.ow * g.C, <int>(item % g.oh))
+                       &y[0, 0, 0, 0] + n * g.oh * g.ow * g.C, <int>(item % g.oh), relu)
 
 
 cdef void _dw_dx_row(const dw_geom* g, const float* dy, const float* w, float* dx,

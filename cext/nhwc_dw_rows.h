@@ -20,6 +20,16 @@
  * reload the geometry and indices (with a may_alias type it did: the forward ran 2x slower). */
 typedef float dw_v8 __attribute__((vector_size(32), aligned(4)));
 
+typedef int dw_i8 __attribute__((vector_size(32), aligned(4)));
+
+/* max(0, v) lane by lane, NaN kept (Caffe's ReLU: std::max(v, 0) returns a NaN v): the lanes
+ * below zero cleared. */
+static inline dw_v8 dw_relu(dw_v8 v)
+{
+    const dw_v8 zero = {0};
+    return (dw_v8)((dw_i8)v & ~(dw_i8)(v < zero));
+}
+
 #define DW_LOAD(p) (*(const dw_v8 *)(p))
 #define DW_STORE(p, v) (*(dw_v8 *)(p) = (v))
 
@@ -49,13 +59,15 @@ static inline void dw_taps_signed(int start, int step, int n, int limit, int *lo
 
 /* The gather both directions share: out[p][c] = bias[c] (or 0) + the sum over taps (i, j) of
  * w[i * kw + j][c] * src[r0 + i * rs][p * ps + c0 + j * cs][c], over the taps whose source
- * pixel lies inside src [rows][width][C], for 0 <= p < n; overwritten. The forward reads x with
+ * pixel lies inside src [rows][width][C], for 0 <= p < n; overwritten, with relu by
+ * max(0, that) (a TEST net's ReLU after the forward, in the same store; NaN stays NaN, as
+ * Caffe's ReLU leaves it). The forward reads x with
  * the taps (rs = dh, cs = dw); the stride-1 data gradient reads dy against them (rs = -dh,
  * cs = -dw): the taps that reach an input pixel then form a run of i and of j too. */
 static __attribute__((noinline)) void dw_gather_row(
     const float *restrict src, int rows, int width, int C, const float *restrict w, int kh,
     int kw, int r0, int rs, int ps, int c0, int cs, const float *restrict bias,
-    float *restrict out, int n)
+    float *restrict out, int n, int relu)
 {
     int ilo, ihi;
     dw_taps_signed(r0, rs, kh, rows, &ilo, &ihi);
@@ -83,6 +95,12 @@ static __attribute__((noinline)) void dw_gather_row(
                     a3 += DW_LOAD(wp + 24) * DW_LOAD(sp + 24);
                 }
             }
+            if (relu) {
+                a0 = dw_relu(a0);
+                a1 = dw_relu(a1);
+                a2 = dw_relu(a2);
+                a3 = dw_relu(a3);
+            }
             DW_STORE(op + c, a0);
             DW_STORE(op + c + 8, a1);
             DW_STORE(op + c + 16, a2);
@@ -96,7 +114,7 @@ static __attribute__((noinline)) void dw_gather_row(
                 for (int j = jlo; j < jhi; j++)
                     acc += DW_LOAD(wr + (size_t)j * C) * DW_LOAD(sr + (ptrdiff_t)(x0 + j * cs) * C);
             }
-            DW_STORE(op + c, acc);
+            DW_STORE(op + c, relu ? dw_relu(acc) : acc);
         }
         for (; c < C; c++) {
             float acc = bias ? bias[c] : 0.0f;
@@ -104,18 +122,18 @@ static __attribute__((noinline)) void dw_gather_row(
                 for (int j = jlo; j < jhi; j++)
                     acc += w[((size_t)i * kw + j) * C + c]
                          * src[((ptrdiff_t)(r0 + i * rs) * width + x0 + j * cs) * C + c];
-            op[c] = acc;
+            op[c] = relu && acc < 0.0f ? 0.0f : acc;
         }
     }
 }
 
 /* Output row oy of one image: y[oy][ox][c] = bias[c] (or 0) + sum over taps in the image of
- * w[tap][c] * x[tap's pixel][c]. */
+ * w[tap][c] * x[tap's pixel][c]; with relu, max(0, that). */
 static void dw_fwd_row(const dw_geom *g, const float *x, const float *w, const float *bias,
-                       float *y, int oy)
+                       float *y, int oy, int relu)
 {
     dw_gather_row(x, g->H, g->W, g->C, w, g->kh, g->kw, oy * g->sh - g->ph, g->dh, g->sw,
-                  -g->pw, g->dw, bias, y + (size_t)oy * g->ow * g->C, g->ow);
+                  -g->pw, g->dw, bias, y + (size_t)oy * g->ow * g->C, g->ow, relu);
 }
 
 /* Input-gradient row iy of one image for stride 1, as a gather (no two rows write one pixel):
@@ -124,7 +142,7 @@ static void dw_fwd_row(const dw_geom *g, const float *x, const float *w, const f
 static void dw_dx_row_s1(const dw_geom *g, const float *dy, const float *w, float *dx, int iy)
 {
     dw_gather_row(dy, g->oh, g->ow, g->C, w, g->kh, g->kw, iy + g->ph, -g->dh, 1, g->pw, -g->dw,
-                  NULL, dx + (size_t)iy * g->W * g->C, g->W);
+                  NULL, dx + (size_t)iy * g->W * g->C, g->W, 0);
 }
 
 /* Weight- and bias-gradient sums of output row oy of one image, added to dw [kh * kw][C] and

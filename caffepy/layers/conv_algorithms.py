@@ -446,8 +446,12 @@ class Direct:
 
 
 class Depthwise:
-    """Direct depthwise convolution (group = channels = outputs), vectorized over channels."""
+    """Direct depthwise convolution (group = channels = outputs), vectorized over channels. Its
+    weights are kept reordered to [taps, C] between forwards (blob.Seen), and it takes a TEST
+    net's ReLU into the store of its sums (`fuses_relu`): MobileNet's depthwise layers at
+    batch 1 run at 0.05-0.2 ms, where a pass of their own over the output counts."""
     name = "depthwise"
+    fuses_relu = True
 
     def __init__(self, layer, n, h, w):
         L = layer
@@ -455,18 +459,21 @@ class Depthwise:
         (kh, kw), (ph, pw), (sh, sw), (dh, dw) = L.window
         self.args = (kh, kw, ph, pw, sh, sw, dh, dw)
         self.w = np.empty((kh * kw, L.channels), np.float32)
+        self.reordered = Seen()
 
-    def _pack(self, weights=None):
+    def _pack(self, params=None):
         L = self.layer
-        weights = L.blobs[0].data if weights is None else weights
-        np.copyto(self.w, weights.reshape(L.channels, -1).T)
+        source = weight_source(L, params)
+        if self.reordered.changed(source):
+            np.copyto(self.w, values(source).reshape(L.channels, -1).T)
+            self.reordered.keep(source)
 
-    def forward(self, bottom, top, params=None):
-        weights, bias = forward_params(self.layer, params)
-        self._pack(weights)
+    def forward(self, bottom, top, params=None, relu=False):
+        self._pack(params)
+        bias = forward_params(self.layer, params)[1]
         bias = _EMPTY if bias is None else bias
         for b, t in zip(bottom, top):
-            _k.dw_forward(b.raw_data, self.w, bias, t.raw_data, *self.args)
+            _k.dw_forward(b.raw_data, self.w, bias, t.raw_data, *self.args, relu)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer

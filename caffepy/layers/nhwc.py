@@ -310,7 +310,8 @@ class NHWCConvolution(Convolution):
         an epilogue (has_epilogue) applies them per output channel to the rows its GEMMs just
         wrote, and adds the blob `add` (an Eltwise SUM's other bottom; only with an epilogue)
         before the ReLU; another computes with the BatchNorm and Scale folded into its weights
-        and bias, and the ReLU is left to the caller (returns False; True when it ran)."""
+        and bias, and the ReLU is left to the caller (returns False; True when it ran) unless
+        the algorithm `fuses_relu`."""
         algo = self.algos["forward"]
         if self.has_epilogue():
             if bn is None:
@@ -324,7 +325,11 @@ class NHWCConvolution(Convolution):
         assert add is None, "a sum needs an epilogue"
         if self._folded is None:
             self._folded = Folded(weights=True)
-        algo.forward(bottom, top, self._folded.params(self, bn, scale))
+        params = self._folded.params(self, bn, scale)
+        if relu and getattr(algo, "fuses_relu", False):
+            algo.forward(bottom, top, params, relu=True)
+            return True
+        algo.forward(bottom, top, params)
         return not relu
 
     def has_epilogue(self):

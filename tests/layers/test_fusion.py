@@ -461,14 +461,14 @@ layer { name: "relu6" type: "ReLU" bottom: "conv6" top: "conv6" }
 """
 
 
-def _fold_twins(tmp_path, monkeypatch, pays=True):
+def _fold_twins(tmp_path, monkeypatch, pays=True, text=FOLD_NET):
     """FOLD_NET in the TEST phase twice, folded (`pays`: whether a unit whose algorithm has no
     epilogue folds its weights or runs its layers, whatever the cost model says) and with
     CAFFEPY_FOLD=0, same parameters (BatchNorm statistics with a factor that is not 1,
     variances > 0) and input."""
     from caffepy import net_rules
     path = tmp_path / "fold.prototxt"
-    path.write_text(FOLD_NET)
+    path.write_text(text)
     monkeypatch.setattr(net_rules.ConvBatchNorm, "fold_pays", staticmethod(lambda *a: pays))
     folded = Net(str(path), caffepy.TEST)
     monkeypatch.setenv("CAFFEPY_FOLD", "0")
@@ -527,6 +527,43 @@ def test_folded_units_compute_the_layers(tmp_path, monkeypatch, pays):
     _same_blobs(folded, plain, "forward")
     for name in ("conv2", "conv5", "conv6"):
         assert (plain.blobs[name].data == 0).any(), name    # the ReLU cut something
+
+
+DEPTHWISE_NET = """layer { name: "data" type: "Input" top: "data"
+  input_param { shape { dim: 1 dim: 43 dim: 9 dim: 7 } } }
+layer { name: "dw" type: "Convolution" bottom: "data" top: "dw"
+  convolution_param { num_output: 43 group: 43 kernel_size: 3 pad: 1 stride: 1
+  weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "dw" top: "dw" }
+layer { name: "scale" type: "Scale" bottom: "dw" top: "dw" scale_param { bias_term: true } }
+layer { name: "relu" type: "ReLU" bottom: "dw" top: "dw" }
+"""
+
+
+def test_a_depthwise_unit_takes_its_relu_into_its_store(tmp_path, monkeypatch):
+    """MobileNet's depthwise + BatchNorm + Scale + ReLU: the depthwise kernel computes with the
+    folded weights and clips its sums as it stores them (43 channels: vectors of 32 and 8 and
+    the lane-by-lane rest), no ReLU pass after it; the layers' values, and a NaN input stays
+    NaN through the unit as through Caffe's ReLU."""
+    from caffepy.layers import conv_algorithms
+    folded, plain = _fold_twins(tmp_path, monkeypatch, text=DEPTHWISE_NET)
+    assert _fold_units(folded) == {"dw": "relu"}
+    assert isinstance(folded.layer_dict["dw"].algos["forward"], conv_algorithms.Depthwise)
+    ran = []
+    relu = folded.layer_dict["relu"]
+    monkeypatch.setattr(relu, "forward", lambda *a: ran.append(a))
+    for step in range(2):
+        if step:
+            for net in (folded, plain):
+                net.blobs["data"].data[0, 35, 4, 3] = net.blobs["data"].data[0, 41, 2, 2] = np.nan
+        folded.forward()
+        plain.forward()
+        got, want = folded.blobs["dw"].data, plain.blobs["dw"].data
+        assert (want == 0).any() and (want > 0).any()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        ok = ~np.isnan(want)
+        assert float(np.abs(got[ok] - want[ok]).max()) <= 1e-5 * float(np.abs(want[ok]).max())
+    assert np.isnan(want).sum() > 0 and ran == []
 
 
 def test_every_algorithm_folds(tmp_path, monkeypatch):
