@@ -280,6 +280,8 @@ class Blob:
         """Make this blob a view of `other`'s data (Flatten, Reshape, Split); shapes may differ,
         except between channels-last blobs, which share as they are."""
         self._may_share(other, "data")
+        if self._writes is other._writes and self._data_buf is other._data_buf:
+            return      # shared already (a Split's reshape each forward): the arrays are current
         self._data_buf = other._data_buf
         if self._writes is not other._writes:
             self._leave_writes()
