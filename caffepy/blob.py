@@ -65,10 +65,11 @@ class Writes:
     NumPy sets `root`, not the buffer, as the base of any view taken of a view), so one taken
     by a user, or by code a user calls, raises the reference count of `root`; a user's reference
     to an array a blob holds raises that array's count. Both are measured against the counts
-    with the blobs' own references alone. So "the count has not moved and nothing is untouched"
-    means that no Python code could have written the buffer since the count was read: the exact
-    answer a compare of the floats would give, but for writes through raw addresses (ctypes
-    integers), which nothing tracks.
+    with the blobs' own references alone. So "the count has not moved, and untouched()" means
+    that no Python code could have written the buffer since the count was read: the answer a
+    compare of the floats would give, but for writes through raw addresses (ctypes integers),
+    which nothing tracks, and for a write from another thread racing the count's increment
+    (unsynchronized, as writing weights during a forward always was).
     """
 
     def __init__(self, buf):
