@@ -168,3 +168,52 @@ def test_untouched_follows_references(compares):
     del v
     assert b.untouched()
     assert isinstance(blob_module.Writes, type)
+
+
+NET = """layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 8 dim: 9 dim: 9 } } }
+layer { name: "a" type: "Convolution" bottom: "data" top: "a"
+  convolution_param { num_output: 16 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "a" top: "a" }
+layer { name: "relu" type: "ReLU" bottom: "a" top: "a" }
+layer { name: "b" type: "Convolution" bottom: "a" top: "b"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "dw" type: "Convolution" bottom: "b" top: "dw"
+  convolution_param { num_output: 16 group: 16 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "dw" top: "fc"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+"""
+
+
+def test_a_test_net_follows_weights_loaded_or_written_between_forwards(tmp_path):
+    """What users do between forwards of one TEST net (packed 1 x 1 and 3 x 3 weights, a
+    folded BatchNorm, a depthwise layer, an InnerProduct): load other weights with copy_from,
+    write through net.params, and each forward gives what a fresh net with those weights gives."""
+    import caffepy
+    from caffepy.net import Net
+    path = tmp_path / "net.prototxt"
+    path.write_text(NET)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 8, 9, 9)).astype(np.float32)
+
+    def fresh_output(weights):
+        other = Net(str(path), caffepy.TEST)
+        other.copy_from(str(weights))
+        other.blobs["data"].data[...] = x
+        return other.forward()["fc"].copy()
+
+    net = Net(str(path), caffepy.TEST)
+    for blob in net.params["bn"][:2]:
+        blob.data[...] = rng.uniform(0.5, 2, blob.shape)
+    net.params["bn"][2].data[...] = 1
+    net.blobs["data"].data[...] = x
+    first = net.forward()["fc"].copy()
+    net.save(str(tmp_path / "first.caffemodel"))
+    for name in ("a", "b", "dw", "fc", "bn"):
+        net.params[name][0].data[...] *= 1.5
+    second = net.forward()["fc"].copy()
+    net.save(str(tmp_path / "second.caffemodel"))
+    assert not np.allclose(first, second)
+    net.copy_from(str(tmp_path / "first.caffemodel"))
+    np.testing.assert_allclose(net.forward()["fc"], first, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fresh_output(tmp_path / "second.caffemodel"), second, rtol=1e-5,
+                               atol=1e-5)
