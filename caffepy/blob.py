@@ -83,7 +83,12 @@ class Writes:
         return _refcount(self.root)
 
     def _view_refs(self):
-        return [_refcount(v) for v in self.views]
+        # measured as untouched() measures them: the loop's own reference to each is counted
+        # alike (settle's measure and untouched's check must see the same temporaries)
+        refs = []
+        for v, _ in zip(self.views, self.view_refs):
+            refs.append(_refcount(v))
+        return refs
 
     def held(self, blob, dropped=()):
         """`blob`'s arrays are now its _raw and _data, in place of `dropped` (its arrays before,
@@ -105,8 +110,12 @@ class Writes:
 
     def untouched(self):
         """Whether only the blobs hold arrays of the buffer (none outside may write it)."""
-        return (self._root_refs() == self.root_refs + len(self.views)
-                and self._view_refs() == self.view_refs)
+        if _refcount(self.root) != self.root_refs + len(self.views):
+            return False
+        for v, r in zip(self.views, self.view_refs):
+            if _refcount(v) != r:
+                return False
+        return True
 
 
 class _NoArrays:
@@ -357,14 +366,16 @@ class Seen:
         return a if a.dtype == np.float32 else a.view(np.float32)
 
     def _same(self, i, source):
-        from .kernels import nhwc
         kept = self.kept[i]
         if source is None or kept is None:
             return source is None and kept is None
         copy, mark = kept
         if isinstance(source, Blob):
-            if mark is not None and source.written() == mark and source.untouched():
+            writes = source._writes
+            if mark is not None and mark[0] is writes and mark[1] == writes.count \
+                    and writes.untouched():
                 return True
+            from .kernels import nhwc
             if copy is None or not nhwc.same_floats(self._floats(source.read_data),
                                                     self._floats(copy)):
                 return False
@@ -373,6 +384,7 @@ class Seen:
             return True
         if not source.flags.writeable:
             return source is copy
+        from .kernels import nhwc
         return copy is not None and nhwc.same_floats(self._floats(source), self._floats(copy))
 
     def changed(self, *sources):
