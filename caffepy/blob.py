@@ -77,10 +77,7 @@ class Writes:
         self.root = np.frombuffer(memoryview(buf), np.float32)
         self.views = []             # the arrays the blobs hold, each made from root
         self.view_refs = []         # their reference counts with only the blobs holding them
-        self.root_refs = self._root_refs()     # with no view of root yet
-
-    def _root_refs(self):
-        return _refcount(self.root)
+        self.root_refs = _refcount(self.root)  # with no view of root yet, as untouched() counts
 
     def _view_refs(self):
         # measured as untouched() measures them: the loop's own reference to each is counted
@@ -401,7 +398,6 @@ class Seen:
             if s is None:
                 kept.append(None)
                 continue
-            mark = None
             if isinstance(s, Blob):
                 if s.untouched():           # nothing outside may write it: the mark will do
                     kept.append((None, s.written()))
@@ -415,5 +411,5 @@ class Seen:
             if c is None or c.size != f.size:
                 c = np.empty(f.size, np.float32)
             np.copyto(c, f)
-            kept.append((c, mark))
+            kept.append((c, None))
         self.kept = kept
