@@ -42,6 +42,7 @@ cdef extern from "int8_nhwc.h" nogil:
                   int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                   int OW, float scale, float lo, float hi, const int16_t *w, int16_t *q,
                   const i8_epilogue *e)
+    long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int threads)
     int I8W_MAX_C
     long i8w_scratch(int Cp)
     void i8w_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
@@ -277,7 +278,7 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, ::1] w
     threads = threads_for_macs(<Py_ssize_t>O * C * kh * kw * N * OH * OW)
     if threads < 1:
         threads = 1
-    q = _scratch(np.int16, (<long>N * H * W + 1) * 2 * Cp)
+    q = _scratch(np.int16, i8n_scratch(N, H, W, C, kh, kw, ph, pw, threads))
     cdef int16_t[::1] qv = q
     with nogil:
         i8n_conv(which, threads, &x[0, 0, 0, 0], N, H, W, C, O, kh, kw, ph, pw, sh, sw,

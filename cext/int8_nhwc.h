@@ -107,14 +107,105 @@ static inline void i8n_finish(int isa, const int32_t *acc, long p, int o0, int n
         e->out[idx + k] = i8_finish(acc[k], o0 + k, idx + k, e);
 }
 
+/* A 1 x 1 convolution without padding: output pixel p reads one input pixel, so the pixels
+ * are quantized a chunk at a time, into a buffer of the thread's that stays in L2 while the
+ * chunk's tiles read it, and only the pixels a stride keeps. Quantizing the whole input first
+ * (i8n_conv's way, which a k x k kernel needs) wrote it out as int16 and read it back from
+ * memory: at b16 56 x 56 x 256 that pass cost more than the products of 64 output channels. */
+#define I8N_CHUNK_BYTES (96 * 1024)
+
+/* output tiles per chunk of i8n_conv1x1 */
+static long i8n_chunk(int C)
+{
+    long chunk = I8N_CHUNK_BYTES / ((long)(C + 1) / 2 * 4 * I8N_MR);
+    return chunk < 1 ? 1 : chunk;
+}
+
+/* int16 items of i8n_conv's scratch q for `threads` threads */
+static long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int threads)
+{
+    long row = 2 * (long)((C + 1) / 2);
+    if (kh == 1 && kw == 1 && ph == 0 && pw == 0)
+        return threads * (i8n_chunk(C) * I8N_MR + 1) * row;
+    return ((long)N * H * W + 1) * row;
+}
+
+/* q: i8n_scratch's items (each thread's chunk, then a row of zeros) */
+static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int W, int C,
+                        int O, int sh, int sw, int OH, int OW, float scale, float lo, float hi,
+                        const int16_t *w, int16_t *q, const i8_epilogue *e)
+{
+    int Cp = (C + 1) / 2, tilesO = (O + I8N_NR - 1) / I8N_NR;
+    long M = (long)N * OH * OW, mt = (M + I8N_MR - 1) / I8N_MR;
+    long row_bytes = (long)Cp * 4;
+    int block = (int)(I8N_BLOCK_BYTES / (row_bytes * 16));
+    block = block < 1 ? 1 : block;
+    /* as many chunks for each thread (a 56 x 56 image in 5 chunks kept one thread busy for
+     * 3 while the other did 2), each at most what the buffer holds */
+    long room = i8n_chunk(C), chunks = (mt + room - 1) / room;
+    chunks = (chunks + threads - 1) / threads * threads;
+    long chunk = (mt + chunks - 1) / chunks;
+    chunks = (mt + chunk - 1) / chunk;
+    int contiguous = sh == 1 && sw == 1 && OH == H && OW == W;
+    #pragma omp parallel num_threads(threads)
+    {
+        /* the chunk's rows, then one row of zeros for the absent pixels of a last tile */
+        int16_t *buf = q + omp_get_thread_num() * (room * I8N_MR + 1) * 2 * Cp;
+        const int32_t *zeros = (const int32_t *)(buf + chunk * I8N_MR * 2 * Cp);
+        const int32_t *rows[I8N_MR];
+        int32_t c[I8N_MR * I8N_NR];
+        memset(buf + chunk * I8N_MR * 2 * Cp, 0, (size_t)row_bytes);
+        #pragma omp for schedule(static)
+        for (long k = 0; k < chunks; k++) {
+            long m0 = k * chunk, m1 = m0 + chunk < mt ? m0 + chunk : mt;
+            long p0 = m0 * I8N_MR, p1 = m1 * I8N_MR < M ? m1 * I8N_MR : M;
+            if (contiguous)
+                i8n_quantize_rows(x + p0 * C, 0, p1 - p0, C, scale, lo, hi, buf);
+            else
+                for (long p = p0; p < p1; p++) {
+                    long n = p / ((long)OH * OW), rest = p % ((long)OH * OW);
+                    long src = (n * H + rest / OW * sh) * W + rest % OW * sw;
+                    i8n_quantize_rows(x + src * C, 0, 1, C, scale, lo, hi,
+                                      buf + (p - p0) * 2 * Cp);
+                }
+            for (int t0 = 0; t0 < tilesO; t0 += block) {
+                int t1 = t0 + block < tilesO ? t0 + block : tilesO;
+                for (long m = m0; m < m1; m++) {
+                    for (int r = 0; r < I8N_MR; r++) {
+                        long p = m * I8N_MR + r;
+                        rows[r] = p < M ? (const int32_t *)(buf + (p - p0) * 2 * Cp) : zeros;
+                    }
+                    int R = M - m * I8N_MR < I8N_MR ? (int)(M - m * I8N_MR) : I8N_MR;
+                    for (int t = t0; t < t1; t++) {
+                        const int16_t *wt = w + (long)t * Cp * 32;
+#ifdef __AVX2__
+                        if (isa)
+                            i8n_tile_avx2(1, Cp, rows, wt, c);
+                        else
+#endif
+                            i8n_tile_c(1, Cp, rows, wt, c);
+                        int n = O - t * I8N_NR < I8N_NR ? O - t * I8N_NR : I8N_NR;
+                        for (int r = 0; r < R; r++)
+                            i8n_finish(isa, c + r * I8N_NR, m * I8N_MR + r, t * I8N_NR, n, O, e);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* N images x[N][H][W][C] (floats) -> e->out [N][OH][OW][O]; weights w packed as above
- * (taps = kh kw, Cp = (C + 1) / 2); q scratch of (N H W + 1) * 2 Cp int16 (the last row:
- * zeros). One OpenMP region. */
+ * (taps = kh kw, Cp = (C + 1) / 2); q scratch of i8n_scratch's items: (N H W + 1) * 2 Cp int16
+ * (the last row: zeros), or i8n_conv1x1's chunks. One OpenMP region. */
 static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
                      int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                      int OW, float scale, float lo, float hi, const int16_t *w, int16_t *q,
                      const i8_epilogue *e)
 {
+    if (kh == 1 && kw == 1 && ph == 0 && pw == 0) {
+        i8n_conv1x1(isa, threads, x, N, H, W, C, O, sh, sw, OH, OW, scale, lo, hi, w, q, e);
+        return;
+    }
     int Cp = (C + 1) / 2, taps = kh * kw, tilesO = (O + I8N_NR - 1) / I8N_NR;
     long pixels = (long)N * H * W, M = (long)N * OH * OW, mt = (M + I8N_MR - 1) / I8N_MR;
     long tile_bytes = (long)taps * Cp * 64;

@@ -82,6 +82,11 @@ CONVS = [  # (N, C, H, W, O, group, kernel, pad, stride, dilation)
     (1, 6, 5, 5, 4, 2, (1, 1), (0, 0), (1, 1), (1, 1)),          # odd channels per group
     (1, 3, 11, 11, 4, 1, (3, 3), (2, 2), (1, 1), (2, 2)),        # dilated
     (1, 17, 6, 6, 7, 1, (7, 7), (3, 3), (2, 2), (1, 1)),         # K 833 > one k block
+    # 1 x 1 without padding (int8_nhwc.h i8n_conv1x1): chunks of 96 pixels at 512 channels,
+    # the last cut short; a stride's gathered pixels, odd channels
+    (1, 512, 20, 20, 20, 1, (1, 1), (0, 0), (1, 1), (1, 1)),
+    (2, 512, 19, 17, 20, 1, (1, 1), (0, 0), (2, 2), (1, 1)),
+    (1, 7, 9, 9, 5, 1, (1, 1), (0, 0), (2, 3), (1, 1)),
 ]
 
 
