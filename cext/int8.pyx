@@ -43,6 +43,7 @@ cdef extern from "int8_nhwc.h" nogil:
                   int OW, float scale, float lo, float hi, const int16_t *w, int16_t *q,
                   const i8_epilogue *e)
     long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int threads)
+    long i8n_dw_scratch(int H, int W, int C, int kh, int sh, int dh, int OH, int threads)
     int I8W_MAX_C
     long i8w_scratch(int Cp)
     void i8w_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
@@ -341,9 +342,9 @@ def depthwise_nhwc(const float[:, :, :, ::1] x, const float[:, ::1] w, const int
     threads = threads_for(<Py_ssize_t>N * OH * OW * C * kh * kw)
     if threads < 1:
         threads = 1
-    qf = _scratch(np.float32, <long>N * H * W * C)
+    qf = _scratch(np.float32, i8n_dw_scratch(H, W, C, kh, sh, dh, OH, threads))
     accs = _scratch(np.float32, threads * OW * C, 1)
-    iaccs = _scratch(np.int32, threads * C, 2)
+    iaccs = _scratch(np.int32, threads * OW * C, 2)
     cdef float[::1] qv = qf, av = accs
     cdef int32_t[::1] iv = iaccs
     with nogil:

@@ -446,42 +446,75 @@ static void i8w_conv(int isa, int threads, const float *x, int N, int H, int W, 
     }
 }
 
-/* Depthwise: x[N][H][W][C] -> e->out [N][OH][OW][C]; w [kh kw][C] (the quantized weights as
- * floats); qf scratch N H W C floats (the quantized input as floats); rows scratch threads x
- * OW x C floats, iacc threads x C int32. The sums are the float depthwise kernel's
- * (nhwc_dw_rows.h), exact below 512 taps (see the top of this file). */
+/* Depthwise: the input rows a band of output rows reads, quantized by the thread that sums
+ * the band into a buffer of its own that stays in L2 (a whole image's quantized copy went to
+ * L3, the whole batch's to memory and back: MobileNet b16's first depthwise layer ran at a
+ * third of float32's speed). Bands share kh - 1 rows, which both quantize. */
+#define I8N_DW_BAND_BYTES (160 * 1024)
+
+/* output rows per band */
+static int i8n_dw_band(int W, int C, int kh, int sh, int dh, int OH)
+{
+    long row = (long)W * C * 4, span = (long)(kh - 1) * dh + 1;
+    long band = (I8N_DW_BAND_BYTES / row - span) / sh + 1;
+    return band < 1 ? 1 : band > OH ? OH : (int)band;
+}
+
+/* floats of i8n_depthwise's scratch qf for `threads` threads */
+static long i8n_dw_scratch(int H, int W, int C, int kh, int sh, int dh, int OH, int threads)
+{
+    long band = i8n_dw_band(W, C, kh, sh, dh, OH), span = (long)(kh - 1) * dh + 1;
+    long rows = (band - 1) * sh + span;
+    return threads * (rows < H ? rows : H) * W * C;
+}
+
+/* x[N][H][W][C] -> e->out [N][OH][OW][C]; w [kh kw][C] (the quantized weights as floats); qf
+ * scratch of i8n_dw_scratch's floats; rows scratch threads x OW x C floats, iaccs threads x
+ * OW x C int32. The sums are the float depthwise kernel's (nhwc_dw_rows.h), exact below 512
+ * taps (see the top of this file). */
 static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, int W, int C,
                           int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                           int OW, float scale, float lo, float hi, const float *w, float *qf,
                           float *rows, int32_t *iaccs, const i8_epilogue *e)
 {
-    long pixels = (long)N * H * W;
+    long image = (long)H * W * C, line = (long)W * C;
+    int band = i8n_dw_band(W, C, kh, sh, dh, OH), bands = (OH + band - 1) / band;
+    long per_thread = i8n_dw_scratch(H, W, C, kh, sh, dh, OH, 1);
     #pragma omp parallel num_threads(threads)
     {
-        int nt = omp_get_num_threads(), me = omp_get_thread_num();
-        long i = pixels * C * me / nt, n = pixels * C * (me + 1) / nt;
-#ifdef __AVX2__
-        const __m256 s = _mm256_set1_ps(scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(qf + i, _mm256_round_ps(_mm256_min_ps(_mm256_max_ps(
-                _mm256_mul_ps(_mm256_loadu_ps(x + i), s), l), h),
-                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#endif
-        for (; i < n; i++)      /* fminf / fmaxf would be calls (their NaN rules) */
-            qf[i] = (float)i8_quantize(x[i], scale, lo, hi);
-        #pragma omp barrier
+        int me = omp_get_thread_num();
+        float *q = qf + me * per_thread;
         float *row = rows + (long)me * OW * C;
-        int32_t *iacc = iaccs + (long)me * C;
+        int32_t *iacc = iaccs + (long)me * OW * C;
         #pragma omp for schedule(static)
-        for (long item = 0; item < (long)N * OH; item++) {
-            long img = item / OH;
-            int oy = (int)(item % OH);
-            dw_gather_row(qf + img * H * W * C, H, W, C, w, kh, kw, oy * sh - ph, dh, sw, -pw,
-                          dw, NULL, row, OW, 0);
-            for (int ox = 0; ox < OW; ox++) {
-                for (int c = 0; c < C; c++)
-                    iacc[c] = (int32_t)row[(long)ox * C + c];
-                i8n_finish(isa, iacc, item * OW + ox, 0, C, C, e);
+        for (long item = 0; item < (long)N * bands; item++) {
+            long img = item / bands;
+            int oy0 = (int)(item % bands) * band, oy1 = oy0 + band < OH ? oy0 + band : OH;
+            /* input rows [r0, r1) of the image, clipped to it */
+            int r0 = oy0 * sh - ph, r1 = (oy1 - 1) * sh - ph + (kh - 1) * dh + 1;
+            r0 = r0 < 0 ? 0 : r0;
+            r1 = r1 > H ? H : r1;
+            const float *xi = x + img * image + r0 * line;
+            long i = 0, n = (long)(r1 - r0) * line;
+#ifdef __AVX2__
+            const __m256 s = _mm256_set1_ps(scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+            for (; i + 8 <= n; i += 8)
+                _mm256_storeu_ps(q + i, _mm256_round_ps(_mm256_min_ps(_mm256_max_ps(
+                    _mm256_mul_ps(_mm256_loadu_ps(xi + i), s), l), h),
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+            for (; i < n; i++)      /* fminf / fmaxf would be calls (their NaN rules) */
+                q[i] = (float)i8_quantize(xi[i], scale, lo, hi);
+            /* the image's rows as dw_gather_row indexes them: only [r0, r1) are read */
+            const float *src = q - r0 * line;
+            for (int oy = oy0; oy < oy1; oy++) {
+                dw_gather_row(src, H, W, C, w, kh, kw, oy * sh - ph, dh, sw, -pw, dw, NULL, row,
+                              OW, 0);
+                /* the float sums are exact integers (see above) */
+                for (long k = 0; k < (long)OW * C; k++)
+                    iacc[k] = (int32_t)row[k];
+                for (int ox = 0; ox < OW; ox++)
+                    i8n_finish(isa, iacc + (long)ox * C, (img * OH + oy) * OW + ox, 0, C, C, e);
             }
         }
     }
