@@ -248,11 +248,13 @@ class Int8Unit:
             return
         x, y = bottom[0].raw_data, top.raw_data
         s = None if summand is None else channels_last(summand)
-        after = "".join(f" +{net.layers[li].type}" for li in range(first + 1, last + 1))
-        key = (f"Int8 Convolution -> {layer.num_output} k{'x'.join(map(str, layer.kernel))} "
-               f"s{'x'.join(map(str, layer.stride))} p{'x'.join(map(str, layer.pad))} "
-               f"d{'x'.join(map(str, layer.dilation))} g{layer.group}{after}"
-               f"{' fused' if layer.fused is not None else ''}")
+
+        def key():
+            after = "".join(f" +{net.layers[li].type}" for li in range(first + 1, last + 1))
+            return (f"Int8 Convolution -> {layer.num_output} k{'x'.join(map(str, layer.kernel))} "
+                    f"s{'x'.join(map(str, layer.stride))} p{'x'.join(map(str, layer.pad))} "
+                    f"d{'x'.join(map(str, layer.dilation))} g{layer.group}{after}"
+                    f"{' fused' if layer.fused is not None else ''}")
         layer.int8.run(key, bottom[0].shape,
                        lambda winograd: layer.int8.conv_forward(x, y, s, relu, slope, fold, coeff,
                                                                 winograd),

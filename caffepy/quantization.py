@@ -193,6 +193,7 @@ class Int8:
         self.spec = Spec(layer, layer.num_output)
         self.seen = Seen()
         self.wq = self.wu = self.bias_q = self.mult = None
+        self._epilogues = {}    # (relu, slope, coeff) -> the kernels' epilogue arguments
         self.isa = isa()
         # the channels-last Convolution (caffepy/layers/nhwc.py) runs the int8_nhwc.h kernels
         self.channels_last = getattr(layer, "layout", None) == "nhwc"
@@ -218,12 +219,12 @@ class Int8:
     def run(self, key, shape, int8, float32):
         """Run the unit by its path for input `shape`: `int8(winograd)` or `float32()`
         (functions running the unit each way), chosen once per shape (autotune.choose under
-        `key`: the unit's parts) and named in the layer's algorithm for the log and `caffepy
+        `key()`: the unit's parts, made only then) and named in the layer's algorithm for the log and `caffepy
         time`. Where the integer Winograd kernel applies, int8 runs it or the direct kernel,
         whichever measured faster (Winograd by rule)."""
         if self._path_for != shape:
             self._path_for = shape
-            self._choose(key, shape, int8, float32)
+            self._choose(key(), shape, int8, float32)
         if self.path == FLOAT32:
             float32()
         else:
@@ -260,6 +261,7 @@ class Int8:
         the last call saw."""
         if self.seen.changed(*sources):
             self._quantize(fold)        # its arrays gone before the keep (blob.Seen.keep)
+            self._epilogues.clear()
             self.seen.keep(*sources)
 
     def _quantize(self, fold):
@@ -314,9 +316,6 @@ class Int8:
         (where winograd_applies; the same bits)."""
         L = self.layer
         self._prepare(self.sources(fold), fold)
-        scale, lo_in, hi_in, lo, hi, quantize, inv = self._ranges(relu, slope)
-        mult = self.mult if coeff[1] == 1 else (self.mult * np.float32(coeff[1])).astype(np.float32)
-        sum_scale = np.float32(self.spec.scale_out * np.float32(coeff[0]))
         k = kernels()
         if not self.channels_last:
             run = functools.partial(k.conv_forward, group=L.group)
@@ -325,10 +324,25 @@ class Int8:
         weights = self.wq
         if winograd:
             run, weights = k.winograd_nhwc, self.wu
+        mult, epilogue = self._epilogue(relu, slope, coeff)
         run(x, weights, self.bias_q, mult, top, summand, kernel=L.kernel, pad=L.pad,
-            stride=L.stride, dilation=L.dilation, scale_in=scale, lo_in=lo_in, hi_in=hi_in,
-            sum_scale=sum_scale, relu=relu, slope=slope, quantize=quantize, lo=lo, hi=hi,
-            inv_scale_out=inv, isa=self.isa)
+            stride=L.stride, dilation=L.dilation, **epilogue)
+
+    def _epilogue(self, relu, slope, coeff):
+        """The convolution kernels' epilogue: (mult, the keywords after the geometry), made
+        once per weights and (relu, slope, coeff): a batch-1 layer of 0.1 ms felt the NumPy
+        scalars and arrays made anew on every call."""
+        key = (relu, slope, tuple(coeff))
+        made = self._epilogues.get(key)
+        if made is None:
+            scale, lo_in, hi_in, lo, hi, quantize, inv = self._ranges(relu, slope)
+            mult = (self.mult if coeff[1] == 1
+                    else (self.mult * np.float32(coeff[1])).astype(np.float32))
+            sum_scale = np.float32(self.spec.scale_out * np.float32(coeff[0]))
+            made = self._epilogues[key] = (mult, dict(
+                scale_in=scale, lo_in=lo_in, hi_in=hi_in, sum_scale=sum_scale, relu=relu,
+                slope=slope, quantize=quantize, lo=lo, hi=hi, inv_scale_out=inv, isa=self.isa))
+        return made
 
     def inner_product_forward(self, x, top, relu=False, slope=0.0):
         """top [M, N] = the int8 inner product of x [M, K]."""
