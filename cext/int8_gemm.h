@@ -314,13 +314,18 @@ static inline void i8_finish8_avx2(__m256i acc, __m256i bias, __m256 mult, long 
     if (e->summand)
         y = _mm256_add_ps(y, _mm256_mul_ps(_mm256_loadu_ps(e->summand + idx),
                                            _mm256_set1_ps(e->sum_scale)));
-    if (e->relu)
+    /* Clamped at a lower bound of 0 or more, a ReLU of slope 0 changes nothing (max_ps gives
+     * its second operand, the bound, for a NaN and for -0 alike) and no -0 is left to clear:
+     * 4 of the 12 operations, skipped with the same bits */
+    int clamped = e->quantize && e->lo >= 0;
+    if (e->relu && !(clamped && e->slope == 0))
         y = _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_set1_ps(e->slope)), y,
                              _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ));
     if (e->quantize) {
         y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(e->lo)), _mm256_set1_ps(e->hi));
-        y = _mm256_add_ps(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                          _mm256_setzero_ps());
+        y = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (!clamped)
+            y = _mm256_add_ps(y, _mm256_setzero_ps());
     }
     _mm256_storeu_ps(e->out + idx, _mm256_mul_ps(y, _mm256_set1_ps(e->inv_scale_out)));
 }
