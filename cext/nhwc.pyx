@@ -771,7 +771,7 @@ cdef extern from "nhwc_direct.h" nogil:
                 int r1, float* xp)
     void cd_forward_rows(const float* xp, int Wp, int C, int sh, int sw, const int* off, int K,
                          const float* wp, const float* bp, int Op, float* y, cd_out a, int oy0,
-                         int oy1, int ow, int O)
+                         int oy1, int ow, int O, int relu)
     void cd_weight_grad_rows(const float* xp, int Wp, int C, int sh, int sw, const int* off,
                              int Kp, const float* dy, cd_out a, int oy0, int oy1, int ow, int O,
                              int Op, int band, float* dyp, float* dwp, float* dbp)
@@ -854,10 +854,11 @@ cdef inline int _band_row(const CGeom* g, int split, int b) noexcept nogil:
 def conv_direct_forward(const float[:, :, :, ::1] x, int C, const float[:, ::1] wp,
                         const float[::1] bp, float[:, ::1] y, int O, int ys, int B, Py_ssize_t bs,
                         float[:, ::1] xpad, int kh, int kw, int ph, int pw, int sh, int sw,
-                        int dh, int dw):
+                        int dh, int dw, bint relu=False):
     """Outputs 0 .. O - 1 of y [N, floats an image] (addressed by ys, B, bs: nhwc_direct.h) =
-    conv(the first C floats a pixel of x [N, H, W, xs], wp) + bp (bp [Op]: zeros for no bias);
-    overwritten. Scratch xpad [T, conv_direct_plane(...)] for T threads."""
+    conv(the first C floats a pixel of x [N, H, W, xs], wp) + bp (bp [Op]: zeros for no bias),
+    with relu max(0, that) (NaN kept); overwritten. Scratch xpad [T, conv_direct_plane(...)]
+    for T threads."""
     cdef CGeom g = _direct_geom("conv_direct_forward", x, C, y, O, ys, B, bs, kh, kw, ph, pw, sh,
                                 sw, dh, dw)
     cdef int Op = wp.shape[1], T = xpad.shape[0], nt, tid, split, b, oy0, oy1
@@ -883,7 +884,7 @@ def conv_direct_forward(const float[:, :, :, ::1] x, int C, const float[:, ::1] 
             cd_pad(&x[n, 0, 0, 0], g.H, g.W, C, x.shape[3], ph, pw, Wp, oy0 * sh,
                    (oy1 - 1) * sh + (kh - 1) * dh + 1, &xpad[tid, 0])
             cd_forward_rows(&xpad[tid, 0], Wp, C, sh, sw, &off[0], g.Kg, &wp[0, 0],
-                            &bp[0], Op, &y[n, 0], a, oy0, oy1, g.ow, O)
+                            &bp[0], Op, &y[n, 0], a, oy0, oy1, g.ow, O, relu)
 
 
 def conv_direct_weight_grad(const float[:, :, :, ::1] x, int C, const float[:, ::1] dy, int O,

@@ -102,13 +102,16 @@ static inline void cd_get(const float *y, cd_out a, size_t q, int n, float *v)
     }
 }
 
+typedef int cd_ivec __attribute__((vector_size(CD_V * sizeof(int))));
+
 /* `n` (<= CD_P) pixels q .. q + n - 1, tap 0 of pixel p at base[p], by `nq` (<= CD_Q)
- * vectors of outputs from oc: y's outputs oc .. oc + nv (addressed by `a`) = bias + taps.
- * Inlined where n and nq are constants, so the sums stay in registers. */
+ * vectors of outputs from oc: y's outputs oc .. oc + nv (addressed by `a`) = bias + taps, then
+ * max(0, that) with relu (NaN kept, as Caffe's ReLU: the lanes below zero cleared). Inlined
+ * where n and nq are constants, so the sums stay in registers. */
 CD_ALWAYS_INLINE void cd_fwd_tile(const float *const *base, int n, int nq,
                                   const int *restrict off, int K, const float *restrict wp,
                                   int Op, const float *restrict bp, float *restrict y, cd_out a,
-                                  size_t q, int oc, int nv)
+                                  size_t q, int oc, int nv, int relu)
 {
     cd_vec acc[CD_P][CD_Q];
     for (int p = 0; p < n; p++)
@@ -124,6 +127,12 @@ CD_ALWAYS_INLINE void cd_fwd_tile(const float *const *base, int n, int nq,
             for (int j = 0; j < nq; j++)
                 acc[p][j] += x * w[j];
         }
+    }
+    if (relu) {
+        const cd_vec zero = {0};
+        for (int p = 0; p < n; p++)
+            for (int j = 0; j < nq; j++)
+                acc[p][j] = (cd_vec)((cd_ivec)acc[p][j] & ~(cd_ivec)(acc[p][j] < zero));
     }
     for (int j = 0; j < nq && j * CD_V < nv; j++) {
         int o = oc + j * CD_V, cnt = nv - j * CD_V < CD_V ? nv - j * CD_V : CD_V;
@@ -142,13 +151,15 @@ CD_ALWAYS_INLINE void cd_fwd_tile(const float *const *base, int n, int nq,
 }
 
 /* Output rows oy0 .. oy1 - 1 of one image: outputs 0 .. O - 1 of y (addressed by `a`) = the
- * convolution of the padded image xp + bias (bp [Op]); O may count a block's padding lanes,
+ * convolution of the padded image xp + bias (bp [Op]), through a ReLU with relu (a TEST net's
+ * unit: the pass of its own over a first layer's output cost as much as a third of the
+ * sums at MobileNet b1); O may count a block's padding lanes,
  * whose weights and bias are zero. A block of CD_P pixels runs on across the end of a row, so
  * a width that is not a multiple of CD_P (LeNet conv2's 8) still fills whole blocks. */
 static void cd_forward_rows(const float *restrict xp, int Wp, int C, int sh, int sw,
                             const int *restrict off, int K, const float *restrict wp,
                             const float *restrict bp, int Op, float *restrict y, cd_out a,
-                            int oy0, int oy1, int ow, int O)
+                            int oy0, int oy1, int ow, int O, int relu)
 {
     size_t q0 = (size_t)oy0 * ow, q1 = (size_t)oy1 * ow;
     const float *base[CD_P];
@@ -162,11 +173,11 @@ static void cd_forward_rows(const float *restrict xp, int Wp, int C, int sh, int
             int nv = O - oc < CD_V * CD_Q ? O - oc : CD_V * CD_Q;
             int whole = Op - oc >= CD_V * CD_Q;        /* else one vector is left (CD_Q = 2) */
             if (n == CD_P && whole)
-                cd_fwd_tile(base, CD_P, CD_Q, off, K, wp, Op, bp, y, a, q, oc, nv);
+                cd_fwd_tile(base, CD_P, CD_Q, off, K, wp, Op, bp, y, a, q, oc, nv, relu);
             else if (n == CD_P)
-                cd_fwd_tile(base, CD_P, 1, off, K, wp, Op, bp, y, a, q, oc, nv);
+                cd_fwd_tile(base, CD_P, 1, off, K, wp, Op, bp, y, a, q, oc, nv, relu);
             else
-                cd_fwd_tile(base, n, whole ? CD_Q : 1, off, K, wp, Op, bp, y, a, q, oc, nv);
+                cd_fwd_tile(base, n, whole ? CD_Q : 1, off, K, wp, Op, bp, y, a, q, oc, nv, relu);
         }
     }
 }

@@ -370,8 +370,10 @@ class Direct:
     in place instead of through im2col, the sums in registers. Channels-last blobs, or with
     `width` the blocked layout's (caffepy/layers/intel.py) when the channels fit one block. Its
     data gradient (rarely wanted: such layers are mostly first layers) is `gemm`'s, the GEMM
-    algorithm of the same layer and layout (Gemm or BlockedGemm)."""
+    algorithm of the same layer and layout (Gemm or BlockedGemm). It takes a TEST net's ReLU
+    into the store of its sums (`fuses_relu`)."""
     name = "direct"
+    fuses_relu = True
 
     def __init__(self, layer, n, h, w, gemm, width=None):
         L = layer
@@ -405,7 +407,7 @@ class Direct:
         v = self.width
         return (x.reshape(n, self.h, self.w, v), y.reshape(n, -1), v, v, L.oh * L.ow * v)
 
-    def forward(self, bottom, top, params=None):
+    def forward(self, bottom, top, params=None, relu=False):
         L = self.layer
         o = L.num_output
         source = weight_source(L, params)
@@ -419,7 +421,7 @@ class Direct:
         for b, t in zip(bottom, top):
             x, y, ys, lanes, bs = self._arrays(b.raw_data, t.raw_data)
             _k.conv_direct_forward(x, L.channels, self.wp, self.bp, y, self.lanes, ys, lanes, bs,
-                                   xpad, *self._args())
+                                   xpad, *self._args(), relu=relu)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer

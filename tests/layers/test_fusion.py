@@ -566,6 +566,43 @@ def test_a_depthwise_unit_takes_its_relu_into_its_store(tmp_path, monkeypatch):
     assert np.isnan(want).sum() > 0 and ran == []
 
 
+FIRST_LAYER_NET = """layer { name: "data" type: "Input" top: "data"
+  input_param { shape { dim: 2 dim: 3 dim: 13 dim: 11 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 21 kernel_size: 3 pad: 1 stride: 2
+  weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
+layer { name: "scale" type: "Scale" bottom: "conv" top: "conv" scale_param { bias_term: true } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+"""
+
+
+def test_a_direct_unit_takes_its_relu_into_its_store(tmp_path, monkeypatch):
+    """MobileNet's first layer (3 channels, 3 x 3, stride 2) + BatchNorm + Scale + ReLU on the
+    direct kernel (nhwc_direct.h): folded weights, the sums clipped as they are stored (21
+    outputs: a whole register block and a part one), no ReLU pass; the layers' values, and a
+    NaN stays NaN as through Caffe's ReLU."""
+    from caffepy.layers import conv_algorithms
+    folded, plain = _fold_twins(tmp_path, monkeypatch, text=FIRST_LAYER_NET)
+    assert _fold_units(folded) == {"conv": "relu"}
+    folded.layer_dict["conv"].force_algorithm("direct")
+    ran = []
+    monkeypatch.setattr(folded.layer_dict["relu"], "forward", lambda *a: ran.append(a))
+    for step in range(2):
+        if step:
+            for net in (folded, plain):
+                net.blobs["data"].data[1, 2, 6, 5] = np.nan
+        folded.forward()
+        plain.forward()
+        assert isinstance(folded.layer_dict["conv"].algos["forward"], conv_algorithms.Direct)
+        got, want = folded.blobs["conv"].data, plain.blobs["conv"].data
+        assert (want == 0).any() and (want > 0).any()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        ok = ~np.isnan(want)
+        assert float(np.abs(got[ok] - want[ok]).max()) <= 1e-5 * float(np.abs(want[ok]).max())
+    assert np.isnan(want).sum() > 0 and ran == []
+
+
 def test_every_algorithm_folds(tmp_path, monkeypatch):
     folded, plain = _fold_twins(tmp_path, monkeypatch)
     folded.forward()
