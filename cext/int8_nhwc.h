@@ -89,6 +89,20 @@ static void i8n_tile_avx2(int taps, int Cp, const int32_t *const *rows, const in
 }
 #endif
 
+/* The 6 x 16 tile by the ISA's kernel (1 AVX2, 0 the portable C) */
+static inline void i8n_tile(int isa, int taps, int Cp, const int32_t *const *rows,
+                            const int16_t *b, int32_t *c)
+{
+#ifdef __AVX2__
+    if (isa) {
+        i8n_tile_avx2(taps, Cp, rows, b, c);
+        return;
+    }
+#endif
+    (void)isa;
+    i8n_tile_c(taps, Cp, rows, b, c);
+}
+
 /* The outputs of pixel p, channels [o0, o0 + n), from their int32 sums (e->out [P][O]). */
 static inline void i8n_finish(int isa, const int32_t *acc, long p, int o0, int n, int O,
                               const i8_epilogue *e)
@@ -177,13 +191,7 @@ static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int 
                     }
                     int R = M - m * I8N_MR < I8N_MR ? (int)(M - m * I8N_MR) : I8N_MR;
                     for (int t = t0; t < t1; t++) {
-                        const int16_t *wt = w + (long)t * Cp * 32;
-#ifdef __AVX2__
-                        if (isa)
-                            i8n_tile_avx2(1, Cp, rows, wt, c);
-                        else
-#endif
-                            i8n_tile_c(1, Cp, rows, wt, c);
+                        i8n_tile(isa, 1, Cp, rows, w + (long)t * Cp * 32, c);
                         int n = O - t * I8N_NR < I8N_NR ? O - t * I8N_NR : I8N_NR;
                         for (int r = 0; r < R; r++)
                             i8n_finish(isa, c + r * I8N_NR, m * I8N_MR + r, t * I8N_NR, n, O, e);
@@ -241,13 +249,7 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
                 }
                 int R = M - m * I8N_MR < I8N_MR ? (int)(M - m * I8N_MR) : I8N_MR;
                 for (int t = t0; t < t1; t++) {
-                    const int16_t *wt = w + (long)t * taps * Cp * 32;
-#ifdef __AVX2__
-                    if (isa)
-                        i8n_tile_avx2(taps, Cp, rows, wt, c);
-                    else
-#endif
-                        i8n_tile_c(taps, Cp, rows, wt, c);
+                    i8n_tile(isa, taps, Cp, rows, w + (long)t * taps * Cp * 32, c);
                     int n = O - t * I8N_NR < I8N_NR ? O - t * I8N_NR : I8N_NR;
                     for (int r = 0; r < R; r++)
                         i8n_finish(isa, c + r * I8N_NR, m * I8N_MR + r, t * I8N_NR, n, O, e);
@@ -420,13 +422,7 @@ static void i8w_conv(int isa, int threads, const float *x, int N, int H, int W, 
                     for (int r6 = 0; r6 < Tr; r6 += I8N_MR) {
                         for (int r = 0; r < I8N_MR; r++)
                             rows[r] = (const int32_t *)(V + ((long)xi * Tr + r6 + r) * C2);
-                        int32_t *c = M + ((long)xi * Tr + r6) * 16;
-#ifdef __AVX2__
-                        if (isa)
-                            i8n_tile_avx2(1, Cp, rows, ux, c);
-                        else
-#endif
-                            i8n_tile_c(1, Cp, rows, ux, c);
+                        i8n_tile(isa, 1, Cp, rows, ux, M + ((long)xi * Tr + r6) * 16);
                     }
                 }
                 int n = O - ot * I8N_NR < I8N_NR ? O - ot * I8N_NR : I8N_NR;
