@@ -540,32 +540,6 @@ layer { name: "relu" type: "ReLU" bottom: "dw" top: "dw" }
 """
 
 
-def test_a_depthwise_unit_takes_its_relu_into_its_store(tmp_path, monkeypatch):
-    """MobileNet's depthwise + BatchNorm + Scale + ReLU: the depthwise kernel computes with the
-    folded weights and clips its sums as it stores them (43 channels: vectors of 32 and 8 and
-    the lane-by-lane rest), no ReLU pass after it; the layers' values, and a NaN input stays
-    NaN through the unit as through Caffe's ReLU."""
-    from caffepy.layers import conv_algorithms
-    folded, plain = _fold_twins(tmp_path, monkeypatch, text=DEPTHWISE_NET)
-    assert _fold_units(folded) == {"dw": "relu"}
-    assert isinstance(folded.layer_dict["dw"].algos["forward"], conv_algorithms.Depthwise)
-    ran = []
-    relu = folded.layer_dict["relu"]
-    monkeypatch.setattr(relu, "forward", lambda *a: ran.append(a))
-    for step in range(2):
-        if step:
-            for net in (folded, plain):
-                net.blobs["data"].data[0, 35, 4, 3] = net.blobs["data"].data[0, 41, 2, 2] = np.nan
-        folded.forward()
-        plain.forward()
-        got, want = folded.blobs["dw"].data, plain.blobs["dw"].data
-        assert (want == 0).any() and (want > 0).any()
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-        ok = ~np.isnan(want)
-        assert float(np.abs(got[ok] - want[ok]).max()) <= 1e-5 * float(np.abs(want[ok]).max())
-    assert np.isnan(want).sum() > 0 and ran == []
-
-
 FIRST_LAYER_NET = """layer { name: "data" type: "Input" top: "data"
   input_param { shape { dim: 2 dim: 3 dim: 13 dim: 11 } } }
 layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
@@ -577,25 +551,32 @@ layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
 """
 
 
-def test_a_direct_unit_takes_its_relu_into_its_store(tmp_path, monkeypatch):
-    """MobileNet's first layer (3 channels, 3 x 3, stride 2) + BatchNorm + Scale + ReLU on the
-    direct kernel (nhwc_direct.h): folded weights, the sums clipped as they are stored (21
-    outputs: a whole register block and a part one), no ReLU pass; the layers' values, and a
-    NaN stays NaN as through Caffe's ReLU."""
-    from caffepy.layers import conv_algorithms
-    folded, plain = _fold_twins(tmp_path, monkeypatch, text=FIRST_LAYER_NET)
-    assert _fold_units(folded) == {"conv": "relu"}
-    folded.layer_dict["conv"].force_algorithm("direct")
+@pytest.mark.parametrize("text,layer,algorithm,nan_at", [
+    # MobileNet's depthwise + BatchNorm + Scale + ReLU (43 channels: vectors of 32 and 8 and
+    # the lane-by-lane rest)
+    (DEPTHWISE_NET, "dw", "depthwise", [(0, 35, 4, 3), (0, 41, 2, 2)]),
+    # its first layer (3 channels, 3 x 3, stride 2) on the direct kernel (nhwc_direct.h; 21
+    # outputs: a whole register block and a part one)
+    (FIRST_LAYER_NET, "conv", "direct", [(1, 2, 6, 5)])], ids=["depthwise", "direct"])
+def test_a_unit_takes_its_relu_into_its_store(tmp_path, monkeypatch, text, layer, algorithm,
+                                               nan_at):
+    """The kernel computes with the folded weights and clips its sums as it stores them, no
+    ReLU pass after it: the layers' values, and a NaN input stays NaN through the unit as
+    through Caffe's ReLU."""
+    folded, plain = _fold_twins(tmp_path, monkeypatch, text=text)
+    assert _fold_units(folded) == {layer: "relu"}
+    folded.layer_dict[layer].force_algorithm(algorithm)
     ran = []
     monkeypatch.setattr(folded.layer_dict["relu"], "forward", lambda *a: ran.append(a))
     for step in range(2):
         if step:
             for net in (folded, plain):
-                net.blobs["data"].data[1, 2, 6, 5] = np.nan
+                for at in nan_at:
+                    net.blobs["data"].data[at] = np.nan
         folded.forward()
         plain.forward()
-        assert isinstance(folded.layer_dict["conv"].algos["forward"], conv_algorithms.Direct)
-        got, want = folded.blobs["conv"].data, plain.blobs["conv"].data
+        assert folded.layer_dict[layer].algos["forward"].name == algorithm
+        got, want = folded.blobs[layer].data, plain.blobs[layer].data
         assert (want == 0).any() and (want > 0).any()
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         ok = ~np.isnan(want)
