@@ -52,7 +52,7 @@ cdef extern from "int8_nhwc.h" nogil:
     void i8n_depthwise(int isa, int threads, const float *x, int N, int H, int W, int C,
                        int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                        int OW, float scale, float lo, float hi, const float *w, float *qf,
-                       float *accs, const i8_epilogue *e)
+                       float *accs, int32_t *iaccs, const i8_epilogue *e)
 
 NR, MR = I8_NR, I8_MR
 ISAS = ("generic", "avx2")
@@ -344,11 +344,13 @@ def depthwise_nhwc(const float[:, :, :, ::1] x, const float[:, ::1] w, const int
         threads = 1
     qf = _scratch(np.float32, i8n_dw_scratch(H, W, C, kh, sh, dh, OH, threads))
     accs = _scratch(np.float32, threads * OW * C, 1)
+    iaccs = _scratch(np.int32, threads * OW * C, 2)
     cdef float[::1] qv = qf, av = accs
+    cdef int32_t[::1] iv = iaccs
     with nogil:
         i8n_depthwise(which, threads, &x[0, 0, 0, 0], N, H, W, C, kh, kw, ph, pw, sh, sw,
                       dh, dw, OH, OW, scale_in, lo_in,
-                      hi_in, &w[0, 0], &qv[0], &av[0], &e)
+                      hi_in, &w[0, 0], &qv[0], &av[0], &iv[0], &e)
 
 
 _SCRATCH = {}

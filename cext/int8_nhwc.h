@@ -445,7 +445,8 @@ static void i8w_conv(int isa, int threads, const float *x, int N, int H, int W, 
 /* Depthwise: the input rows a band of output rows reads, quantized by the thread that sums
  * the band into a buffer of its own that stays in L2 (a whole image's quantized copy went to
  * L3, the whole batch's to memory and back: MobileNet b16's first depthwise layer ran at a
- * third of float32's speed). Bands share kh - 1 rows, which both quantize. */
+ * third of float32's speed). Rows that two neighbouring bands' windows both reach are quantized
+ * by both. */
 #define I8N_DW_BAND_BYTES (160 * 1024)
 
 /* output rows per band */
@@ -465,13 +466,13 @@ static long i8n_dw_scratch(int H, int W, int C, int kh, int sh, int dh, int OH, 
 }
 
 /* x[N][H][W][C] -> e->out [N][OH][OW][C]; w [kh kw][C] (the quantized weights as floats); qf
- * scratch of i8n_dw_scratch's floats; rows scratch threads x OW x C floats. The sums are the
- * float depthwise kernel's (nhwc_dw_rows.h), exact below 512 taps (see the top of this
- * file). */
+ * scratch of i8n_dw_scratch's floats; rows scratch threads x OW x C floats, iaccs as many
+ * int32. The sums are the float depthwise kernel's (nhwc_dw_rows.h), exact below 512 taps (see
+ * the top of this file). */
 static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, int W, int C,
                           int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                           int OW, float scale, float lo, float hi, const float *w, float *qf,
-                          float *rows, const i8_epilogue *e)
+                          float *rows, int32_t *iaccs, const i8_epilogue *e)
 {
     long image = (long)H * W * C, line = (long)W * C;
     int band = i8n_dw_band(W, C, kh, sh, dh, OH), bands = (OH + band - 1) / band;
@@ -481,6 +482,7 @@ static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, in
         int me = omp_get_thread_num();
         float *q = qf + me * per_thread;
         float *row = rows + (long)me * OW * C;
+        int32_t *iacc = iaccs + (long)me * OW * C;
         #pragma omp for schedule(static)
         for (long item = 0; item < (long)N * bands; item++) {
             long img = item / bands;
@@ -505,23 +507,11 @@ static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, in
             for (int oy = oy0; oy < oy1; oy++) {
                 dw_gather_row(src, H, W, C, w, kh, kw, oy * sh - ph, dh, sw, -pw, dw, NULL, row,
                               OW, 0);
-                /* the float sums are exact integers (see above): converted as they are
-                 * finished, 8 channels at a time */
-                for (int ox = 0; ox < OW; ox++) {
-                    const float *sums = row + (long)ox * C;
-                    long idx = ((img * OH + oy) * OW + ox) * C;
-                    int c = 0;
-#ifdef __AVX2__
-                    if (isa)
-                        for (; c + 8 <= C; c += 8)
-                            i8_finish8_avx2(_mm256_cvttps_epi32(_mm256_loadu_ps(sums + c)),
-                                            e->bias ? _mm256_loadu_si256((const __m256i *)(e->bias + c))
-                                                    : _mm256_setzero_si256(),
-                                            _mm256_loadu_ps(e->mult + c), idx + c, e);
-#endif
-                    for (; c < C; c++)
-                        e->out[idx + c] = i8_finish((int32_t)sums[c], c, idx + c, e);
-                }
+                /* the float sums are exact integers (see above) */
+                for (long k = 0; k < (long)OW * C; k++)
+                    iacc[k] = (int32_t)row[k];
+                for (int ox = 0; ox < OW; ox++)
+                    i8n_finish(isa, iacc + (long)ox * C, (img * OH + oy) * OW + ox, 0, C, C, e);
             }
         }
     }
