@@ -282,7 +282,7 @@ class Int8:
         if w.ndim == 4 and self.channels_last:
             self.wu = k.winograd_nhwc_weights(self.wq) if self.winograd_applies() else None
             self.wq = (k.depthwise_nhwc_weights(self.wq, *L.kernel) if L.group > 1
-                       else k.nhwc_weights(self.wq))
+                       else k.nhwc_weights(self.wq, w.shape[1], L.kernel, L.dilation))
         in_scale = (spec.scale_in * sp).astype(f32)
         zero = sp == 0
         self.mult = np.where(zero, spec.scale_out, spec.scale_out / np.where(zero, 1, in_scale)).astype(f32)

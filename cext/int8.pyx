@@ -42,7 +42,9 @@ cdef extern from "int8_nhwc.h" nogil:
                   int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                   int OW, float scale, float lo, float hi, const int16_t *w, int16_t *q,
                   const i8_epilogue *e)
-    long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int threads)
+    long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int dw,
+                     int threads)
+    int i8n_wide(int C, int kw, int dw)
     long i8n_dw_scratch(int H, int W, int C, int kh, int sh, int dh, int OH, int threads)
     int I8W_MAX_C
     long i8w_scratch(int Cp)
@@ -221,10 +223,26 @@ def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[
 # ---------------------------------------------------------------------------------------------
 # Channels-last (cext/int8_nhwc.h): the same integers and epilogue as above, to the bit.
 
-def nhwc_weights(wq):
+def nhwc_pairs(int channels, kernel, dilation):
+    """The pairs of one tap of conv_forward_nhwc's weights, and its taps."""
+    kh, kw = kernel
+    if i8n_wide(channels, kw, dilation[1]):
+        return (kw * channels + 1) // 2, kh
+    return (channels + 1) // 2, kh * kw
+
+
+def nhwc_weights(wq, int channels, kernel=(1, 1), dilation=(1, 1)):
     """conv_weights' rows [O][2 J] as the channels-last kernel's column tiles
-    [ceil(O / 16)][J][16][2] (zero past O)."""
+    [ceil(O / 16)][J][16][2] (zero past O). For few channels (int8_nhwc.h i8n_wide) a tap is a
+    kernel row: its (kernel column, channel) pairs, the last padded with a zero weight."""
     o, kp = wq.shape
+    pairs, taps = nhwc_pairs(channels, kernel, dilation)
+    if taps != kernel[0] * kernel[1]:
+        kh, kw = kernel
+        rows = np.asarray(wq).reshape(o, kh, kw, padded(channels))[..., :channels]
+        wq = np.zeros((o, kh, 2 * pairs), np.int16)
+        wq[..., :kw * channels] = rows.reshape(o, kh, kw * channels)
+        wq, kp = wq.reshape(o, -1), kh * 2 * pairs
     o16 = (o + 15) // 16 * 16
     out = np.zeros((o16, kp), np.int16)
     out[:o] = wq
@@ -249,7 +267,8 @@ def winograd_nhwc_weights(wq):
     o, kp = wq.shape
     g = np.asarray(wq, np.int32).reshape(o, 3, 3, kp // 9)
     u = np.einsum("ai,oijc,bj->aboc", _G2, g, _G2)
-    return np.stack([nhwc_weights(u[a, b].astype(np.int16)) for a in range(4) for b in range(4)])
+    return np.stack([nhwc_weights(u[a, b].astype(np.int16), kp // 9)
+                     for a in range(4) for b in range(4)])
 
 
 def depthwise_nhwc_weights(wq, int kh, int kw):
@@ -270,7 +289,8 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, ::1] w
     cdef int ph = pad[0], pw = pad[1], sh = stride[0], sw = stride[1]
     cdef int dh = dilation[0], dw = dilation[1]
     cdef int which = _isa(isa), threads
-    need_shape("conv_forward_nhwc", "w", dims(w.shape, 4), ((O + 15) // 16, kh * kw * Cp, 16, 2))
+    pairs, taps = nhwc_pairs(C, kernel, dilation)
+    need_shape("conv_forward_nhwc", "w", dims(w.shape, 4), ((O + 15) // 16, taps * pairs, 16, 2))
     _check_epilogue("conv_forward_nhwc", O, bias, mult, summand, (N, OH, OW, O))
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
                                    np.asarray(summand).reshape(-1), sum_scale, relu, slope,
@@ -279,7 +299,7 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, ::1] w
     threads = threads_for_macs(<Py_ssize_t>O * C * kh * kw * N * OH * OW)
     if threads < 1:
         threads = 1
-    q = _scratch(np.int16, i8n_scratch(N, H, W, C, kh, kw, ph, pw, threads))
+    q = _scratch(np.int16, i8n_scratch(N, H, W, C, kh, kw, ph, pw, dw, threads))
     cdef int16_t[::1] qv = q
     with nogil:
         i8n_conv(which, threads, &x[0, 0, 0, 0], N, H, W, C, O, kh, kw, ph, pw, sh, sw,

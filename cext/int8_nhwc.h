@@ -30,27 +30,33 @@
 #define I8N_NR 16
 #define I8N_BLOCK_BYTES (192 * 1024)    /* the weights of a block of column tiles: in L2 */
 
+/* q[0 .. n) = the int16 quantized x[0 .. n) */
+static void i8n_quantize_run(const float *x, long n, float scale, float lo, float hi, int16_t *q)
+{
+    long i = 0;
+#ifdef __AVX2__
+    const __m256 s = _mm256_set1_ps(scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+    for (; i + 16 <= n; i += 16) {
+        __m256i a = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
+            _mm256_mul_ps(_mm256_loadu_ps(x + i), s), l), h));
+        __m256i b = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
+            _mm256_mul_ps(_mm256_loadu_ps(x + i + 8), s), l), h));
+        /* values in [-128, 255]: packs does not saturate; it interleaves 128-bit lanes */
+        _mm256_storeu_si256((__m256i *)(q + i),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8));
+    }
+#endif
+    for (; i < n; i++)
+        q[i] = i8_quantize(x[i], scale, lo, hi);
+}
+
 /* q[p][0 .. 2 Cp) = the int16 quantized x[p][0 .. C), zero past C; rows p in [p0, p1). */
 static void i8n_quantize_rows(const float *x, long p0, long p1, int C, float scale, float lo,
                               float hi, int16_t *q)
 {
     int Cp2 = 2 * ((C + 1) / 2);
     if (C == Cp2) {                 /* one flat run */
-        long i = p0 * C, n = p1 * C;
-#ifdef __AVX2__
-        const __m256 s = _mm256_set1_ps(scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
-        for (; i + 16 <= n; i += 16) {
-            __m256i a = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
-                _mm256_mul_ps(_mm256_loadu_ps(x + i), s), l), h));
-            __m256i b = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
-                _mm256_mul_ps(_mm256_loadu_ps(x + i + 8), s), l), h));
-            /* values in [-128, 255]: packs does not saturate; it interleaves 128-bit lanes */
-            _mm256_storeu_si256((__m256i *)(q + i),
-                                _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8));
-        }
-#endif
-        for (; i < n; i++)
-            q[i] = i8_quantize(x[i], scale, lo, hi);
+        i8n_quantize_run(x + p0 * C, (p1 - p0) * C, scale, lo, hi, q + p0 * C);
         return;
     }
     for (long p = p0; p < p1; p++) {
@@ -135,12 +141,29 @@ static long i8n_chunk(int C)
     return chunk < 1 ? 1 : chunk;
 }
 
+/* Few input channels (an odd count under 8: an image's grey or RGB): pairs of a pixel's
+ * channels would spend an int16 in C + 1 on zeros, over taps one or two pairs long each. Such a
+ * convolution (dilation 1 along the width) reads "wide" rows instead: the input quantized with
+ * its padding columns as zeros, q[n][y][W + 2 pw][C] unpaired, so that the kw pixels under a
+ * kernel row are kw C contiguous values, one tap of (kw C + 1) / 2 pairs (ResNet-50's conv1: 7
+ * taps of 11 pairs instead of 49 of 2). A pair may start at an odd int16 (vpbroadcastd does not
+ * need alignment), and an odd row's last pair takes the next value, weighted by the zero the
+ * packed weights hold there. The weights: conv_weights' k = (kernel row, (kernel column,
+ * channel) padded to even), packed by the pyx's nhwc_weights. */
+static inline int i8n_wide(int C, int kw, int dw)
+{
+    return (C & 1) && C < 8 && kw > 1 && dw == 1;
+}
+
 /* int16 items of i8n_conv's scratch q for `threads` threads */
-static long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int threads)
+static long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int dw,
+                        int threads)
 {
     long row = 2 * (long)((C + 1) / 2);
     if (kh == 1 && kw == 1 && ph == 0 && pw == 0)
         return threads * (i8n_chunk(C) * I8N_MR + 1) * row;
+    if (i8n_wide(C, kw, dw))    /* the rows, then zeros for a tap outside the image */
+        return (long)N * H * (W + 2 * pw) * C + kw * C + 2;
     return ((long)N * H * W + 1) * row;
 }
 
@@ -203,8 +226,9 @@ static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int 
 }
 
 /* N images x[N][H][W][C] (floats) -> e->out [N][OH][OW][O]; weights w packed as above
- * (taps = kh kw, Cp = (C + 1) / 2); q scratch of i8n_scratch's items: (N H W + 1) * 2 Cp int16
- * (the last row: zeros), or i8n_conv1x1's chunks. One OpenMP region. */
+ * (taps = kh kw, Cp = (C + 1) / 2, or i8n_wide's kh taps); q scratch of i8n_scratch's items:
+ * (N H W + 1) * 2 Cp int16 (the last row: zeros), i8n_wide's rows, or i8n_conv1x1's chunks.
+ * One OpenMP region. */
 static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
                      int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                      int OW, float scale, float lo, float hi, const int16_t *w, int16_t *q,
@@ -214,20 +238,34 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
         i8n_conv1x1(isa, threads, x, N, H, W, C, O, sh, sw, OH, OW, scale, lo, hi, w, q, e);
         return;
     }
-    int Cp = (C + 1) / 2, taps = kh * kw, tilesO = (O + I8N_NR - 1) / I8N_NR;
-    long pixels = (long)N * H * W, M = (long)N * OH * OW, mt = (M + I8N_MR - 1) / I8N_MR;
-    long tile_bytes = (long)taps * Cp * 64;
+    int wide = i8n_wide(C, kw, dw);
+    /* a tap: its pairs J, and the int16 of an input pixel in q (pixels of padded rows) */
+    int J = wide ? (kw * C + 1) / 2 : (C + 1) / 2, pix = wide ? C : 2 * J;
+    int Wq = wide ? W + 2 * pw : W, taps = wide ? kh : kh * kw;
+    int tilesO = (O + I8N_NR - 1) / I8N_NR;
+    long M = (long)N * OH * OW, mt = (M + I8N_MR - 1) / I8N_MR;
+    long tile_bytes = (long)taps * J * 64;
     int block = (int)(I8N_BLOCK_BYTES / tile_bytes);
     block = block < 1 ? 1 : block;
-    const int32_t *zeros = (const int32_t *)(q + pixels * 2 * Cp);
-    const int32_t *qi = (const int32_t *)q;
+    long qitems = (long)N * H * Wq * pix;
+    const int16_t *zeros = q + qitems;
     #pragma omp parallel num_threads(threads)
     {
         int nt = omp_get_num_threads(), me = omp_get_thread_num();
-        long p0 = pixels * me / nt, p1 = pixels * (me + 1) / nt;
-        i8n_quantize_rows(x, p0, p1, C, scale, lo, hi, q);
+        if (wide) {
+            long r0 = (long)N * H * me / nt, r1 = (long)N * H * (me + 1) / nt;
+            for (long r = r0; r < r1; r++) {
+                int16_t *qr = q + r * Wq * C;
+                memset(qr, 0, (size_t)pw * C * sizeof(int16_t));
+                i8n_quantize_run(x + r * W * C, (long)W * C, scale, lo, hi, qr + (long)pw * C);
+                memset(qr + (long)(pw + W) * C, 0, (size_t)pw * C * sizeof(int16_t));
+            }
+        } else {
+            long p0 = (long)N * H * W * me / nt, p1 = (long)N * H * W * (me + 1) / nt;
+            i8n_quantize_rows(x, p0, p1, C, scale, lo, hi, q);
+        }
         #pragma omp single
-        memset(q + pixels * 2 * Cp, 0, (size_t)Cp * 4);
+        memset(q + qitems, 0, (size_t)(wide ? kw * C + 2 : pix) * sizeof(int16_t));
         /* implicit barrier */
         const int32_t *rows[taps * I8N_MR];
         int32_t c[I8N_MR * I8N_NR];
@@ -239,17 +277,25 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
                     long p = m * I8N_MR + r;
                     int n = (int)(p / ((long)OH * OW)), rest = (int)(p % ((long)OH * OW));
                     int oh = rest / OW, ow = rest % OW;
-                    for (int i = 0; i < kh; i++)
-                        for (int j = 0; j < kw; j++) {
-                            int y = oh * sh - ph + i * dh, xx = ow * sw - pw + j * dw;
-                            rows[(i * kw + j) * I8N_MR + r] =
-                                (p < M && y >= 0 && y < H && xx >= 0 && xx < W)
-                                ? qi + (((long)n * H + y) * W + xx) * Cp : zeros;
+                    for (int i = 0; i < kh; i++) {
+                        int y = oh * sh - ph + i * dh;
+                        int inside = p < M && y >= 0 && y < H;
+                        if (wide) {     /* the kernel row's pixels from padded column ow sw */
+                            rows[i * I8N_MR + r] = (const int32_t *)(inside
+                                ? q + (((long)n * H + y) * Wq + (long)ow * sw) * C : zeros);
+                            continue;
                         }
+                        for (int j = 0; j < kw; j++) {
+                            int xx = ow * sw - pw + j * dw;
+                            rows[(i * kw + j) * I8N_MR + r] = (const int32_t *)(
+                                inside && xx >= 0 && xx < W
+                                ? q + (((long)n * H + y) * W + xx) * pix : zeros);
+                        }
+                    }
                 }
                 int R = M - m * I8N_MR < I8N_MR ? (int)(M - m * I8N_MR) : I8N_MR;
                 for (int t = t0; t < t1; t++) {
-                    i8n_tile(isa, taps, Cp, rows, w + (long)t * taps * Cp * 32, c);
+                    i8n_tile(isa, taps, J, rows, w + (long)t * taps * J * 32, c);
                     int n = O - t * I8N_NR < I8N_NR ? O - t * I8N_NR : I8N_NR;
                     for (int r = 0; r < R; r++)
                         i8n_finish(isa, c + r * I8N_NR, m * I8N_MR + r, t * I8N_NR, n, O, e);

@@ -81,6 +81,10 @@ CONVS = [  # (N, C, H, W, O, group, kernel, pad, stride, dilation)
     (2, 5, 10, 9, 20, 1, (1, 1), (0, 0), (1, 1), (1, 1)),        # odd channels, 20 rows
     (1, 6, 5, 5, 4, 2, (1, 1), (0, 0), (1, 1), (1, 1)),          # odd channels per group
     (1, 3, 11, 11, 4, 1, (3, 3), (2, 2), (1, 1), (2, 2)),        # dilated
+    # an odd count of channels under 8 (int8_nhwc.h i8n_wide): a tap is a kernel row
+    (2, 3, 23, 22, 20, 1, (7, 7), (3, 3), (2, 2), (1, 1)),       # ResNet-50's conv1, smaller
+    (1, 1, 12, 12, 7, 1, (5, 5), (0, 0), (1, 1), (1, 1)),        # LeNet's conv1
+    (1, 5, 10, 13, 17, 1, (3, 4), (1, 2), (2, 3), (2, 1)),       # dilated rows only
     (1, 17, 6, 6, 7, 1, (7, 7), (3, 3), (2, 2), (1, 1)),         # K 833 > one k block
     # 1 x 1 without padding (int8_nhwc.h i8n_conv1x1): chunks of 96 pixels at 512 channels,
     # the last cut short; a stride's gathered pixels, odd channels
@@ -126,7 +130,8 @@ def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, 
     last = (lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 2, 3, 1)))
     wc = k.conv_weights(wq)
     run = (functools.partial(k.depthwise_nhwc, last(x), k.depthwise_nhwc_weights(wc, *kernel))
-           if g > 1 else functools.partial(k.conv_forward_nhwc, last(x), k.nhwc_weights(wc)))
+           if g > 1 else functools.partial(k.conv_forward_nhwc, last(x),
+                                          k.nhwc_weights(wc, c, kernel, dilation)))
     run(bias, mult, got, last(summand), kernel, pad, stride, dilation, 60.0, lo_in, hi_in, 9.5,
         relu, 0.0, quantize, lo, hi, np.float32(1 / 9.5), isa)
     np.testing.assert_array_equal(got, nhwc)
@@ -146,7 +151,7 @@ def test_channels_last_extreme_sums_stay_exact(isa):
         args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, 0.0, 255.0, 1.0, False, 0.0, False, -128.0,
                 127.0, 1.0, isa)
         if g == 1:
-            k.conv_forward_nhwc(x, k.nhwc_weights(wc), None, np.ones(o, np.float32), top, None, *args)
+            k.conv_forward_nhwc(x, k.nhwc_weights(wc, c, (3, 3)), None, np.ones(o, np.float32), top, None, *args)
         else:
             k.depthwise_nhwc(x, k.depthwise_nhwc_weights(wc, 3, 3), None, np.ones(o, np.float32),
                              top, None, *args)
@@ -193,7 +198,8 @@ def test_every_convolution_checks_its_epilogue(kernel, arg):
         elif depthwise:
             k.depthwise_nhwc(x, k.depthwise_nhwc_weights(wc, 3, 3), bias, mult, top, summand, *args)
         else:
-            k.conv_forward_nhwc(x, k.nhwc_weights(wc), bias, mult, top, summand, *args)
+            k.conv_forward_nhwc(x, k.nhwc_weights(wc, c, (3, 3)), bias, mult, top, summand,
+                                *args)
 
 
 WINOGRAD = [  # (N, C, H, W, O, pad): 3 x 3, stride 1 (its only shape)
@@ -254,7 +260,7 @@ def test_winograd_extreme_sums_stay_exact(isa):
     top = np.empty((1, 2, 2, o), np.float32)
     args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, -128.0, 127.0, 1.0, False, 0.0, False, -128.0,
             127.0, 1.0, isa)
-    k.conv_forward_nhwc(x, k.nhwc_weights(k.conv_weights(wq)), None, np.ones(o, np.float32), top,
+    k.conv_forward_nhwc(x, k.nhwc_weights(k.conv_weights(wq), c, (3, 3)), None, np.ones(o, np.float32), top,
                         None, *args)
     got = np.empty_like(top)
     k.winograd_nhwc(x, k.winograd_nhwc_weights(k.conv_weights(wq)), None, np.ones(o, np.float32),
