@@ -285,7 +285,7 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, ::1] w
     summand None or top's shape; w from nhwc_weights."""
     cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
     cdef int OH = top.shape[1], OW = top.shape[2], O = top.shape[3]
-    cdef int kh = kernel[0], kw = kernel[1], Cp = (C + 1) // 2
+    cdef int kh = kernel[0], kw = kernel[1]
     cdef int ph = pad[0], pw = pad[1], sh = stride[0], sw = stride[1]
     cdef int dh = dilation[0], dw = dilation[1]
     cdef int which = _isa(isa), threads
