@@ -457,3 +457,17 @@ def test_blocked_convolution_measures_its_algorithms(tmp_path, monkeypatch, C, k
                                        err_msg=f"{name} {what}")
     with pytest.raises(CaffepyError, match="no algorithm"):
         layer.force_algorithm("winograd F(9,3)")
+
+
+def test_tile_buffer_views_are_kept_until_the_workspace_grows():
+    shapes = winograd.scratch_shapes(1, 1, 8, 8, 6, 6, 8, 2, 3, 1, 1, 1)
+    work = conv_algorithms._workspace
+    first = conv_algorithms.winograd_buffers(*shapes, work)
+    again = conv_algorithms.winograd_buffers(*shapes, work)
+    assert all(a is b for a, b in zip(first, again))        # kept: no view made again
+    for name in ("wino_v", "wino_m"):                       # both buffers grow
+        work(name, (work(name, (1,)).base.size + 1,))
+    after = conv_algorithms.winograd_buffers(*shapes, work)
+    for view, old, name in zip(after, first, ("wino_v", "wino_m")):
+        assert view is not old and not np.shares_memory(view, old)
+        assert np.shares_memory(view, work(name, (1,)))     # made over the new buffer
