@@ -471,3 +471,14 @@ def test_tile_buffer_views_are_kept_until_the_workspace_grows():
     for view, old, name in zip(after, first, ("wino_v", "wino_m")):
         assert view is not old and not np.shares_memory(view, old)
         assert np.shares_memory(view, work(name, (1,)))     # made over the new buffer
+
+
+def test_a_batch_smaller_than_the_threads_is_spread():
+    # a task is whole images: one image on two threads would leave one idle, so the threads
+    # share its tiles (U here, 36 x 64 x 64 floats, is not large enough to spread for its own sake)
+    vshape, mshape = winograd.scratch_shapes(2, 1, 64, 64, 28, 28, 8, 4, 3, 1, 1)
+    assert vshape[0] == mshape[0] == 1 and vshape[2] == 7 * 7
+    vshape, _ = winograd.scratch_shapes(2, 2, 64, 64, 28, 28, 8, 4, 3, 1, 1)
+    assert vshape[0] == 2                           # an image a thread
+    vshape, _ = winograd.scratch_shapes(1, 1, 64, 64, 28, 28, 8, 4, 3, 1, 1)
+    assert vshape[0] == 1 and vshape[2] <= 7 * 7    # one thread: its own passes
