@@ -219,9 +219,9 @@ class Int8:
     def run(self, key, shape, int8, float32):
         """Run the unit by its path for input `shape`: `int8(winograd)` or `float32()`
         (functions running the unit each way), chosen once per shape (autotune.choose under
-        `key()`: the unit's parts, made only then) and named in the layer's algorithm for the log and `caffepy
-        time`. Where the integer Winograd kernel applies, int8 runs it or the direct kernel,
-        whichever measured faster (Winograd by rule)."""
+        `key()`: the unit's parts, made only then) and named in the layer's algorithm for the
+        log and `caffepy time`. Where the integer Winograd kernel applies, int8 runs it or the
+        direct kernel, whichever measured faster (Winograd by rule)."""
         if self._path_for != shape:
             self._path_for = shape
             self._choose(key(), shape, int8, float32)

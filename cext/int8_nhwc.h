@@ -155,6 +155,13 @@ static inline int i8n_wide(int C, int kw, int dw)
     return (C & 1) && C < 8 && kw > 1 && dw == 1;
 }
 
+/* int16 zeros after i8n_wide's rows: a tap's (kw C + 1) / 2 pairs for a row outside the image,
+ * and the one value past the last row that its last window's last pair reads */
+static inline long i8n_wide_zeros(int C, int kw)
+{
+    return (long)kw * C + 2;
+}
+
 /* int16 items of i8n_conv's scratch q for `threads` threads */
 static long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int dw,
                         int threads)
@@ -163,7 +170,7 @@ static long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int 
     if (kh == 1 && kw == 1 && ph == 0 && pw == 0)
         return threads * (i8n_chunk(C) * I8N_MR + 1) * row;
     if (i8n_wide(C, kw, dw))    /* the rows, then zeros for a tap outside the image */
-        return (long)N * H * (W + 2 * pw) * C + kw * C + 2;
+        return (long)N * H * (W + 2 * pw) * C + i8n_wide_zeros(C, kw);
     return ((long)N * H * W + 1) * row;
 }
 
@@ -265,7 +272,7 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
             i8n_quantize_rows(x, p0, p1, C, scale, lo, hi, q);
         }
         #pragma omp single
-        memset(q + qitems, 0, (size_t)(wide ? kw * C + 2 : pix) * sizeof(int16_t));
+        memset(q + qitems, 0, (size_t)(wide ? i8n_wide_zeros(C, kw) : pix) * sizeof(int16_t));
         /* implicit barrier */
         const int32_t *rows[taps * I8N_MR];
         int32_t c[I8N_MR * I8N_NR];

@@ -238,8 +238,8 @@ def scratch_shapes(int threads, int N, int C, int O, int H, int W, int V, int m,
     passes = (total + rows - 1) // rows
     tiles = (total + passes - 1) // passes
     if spread is None:
-        spread = threads > 1 and (N < threads or large_u and
-                                  N * per_image * a2 * (cb + ob) * V * 4 <= SPREAD_BYTES)
+        spread = threads > 1 and (N < threads or (
+            large_u and N * per_image * a2 * (cb + ob) * V * 4 <= SPREAD_BYTES))
     if spread:
         threads, tiles = 1, max(1, N) * per_image
     return (threads, a2, tiles, cb * V), (threads, a2, tiles, ob * V)

@@ -151,7 +151,8 @@ def test_channels_last_extreme_sums_stay_exact(isa):
         args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, 0.0, 255.0, 1.0, False, 0.0, False, -128.0,
                 127.0, 1.0, isa)
         if g == 1:
-            k.conv_forward_nhwc(x, k.nhwc_weights(wc, c, (3, 3)), None, np.ones(o, np.float32), top, None, *args)
+            k.conv_forward_nhwc(x, k.nhwc_weights(wc, c, (3, 3)), None, np.ones(o, np.float32),
+                                top, None, *args)
         else:
             k.depthwise_nhwc(x, k.depthwise_nhwc_weights(wc, 3, 3), None, np.ones(o, np.float32),
                              top, None, *args)
@@ -260,8 +261,8 @@ def test_winograd_extreme_sums_stay_exact(isa):
     top = np.empty((1, 2, 2, o), np.float32)
     args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, -128.0, 127.0, 1.0, False, 0.0, False, -128.0,
             127.0, 1.0, isa)
-    k.conv_forward_nhwc(x, k.nhwc_weights(k.conv_weights(wq), c, (3, 3)), None, np.ones(o, np.float32), top,
-                        None, *args)
+    k.conv_forward_nhwc(x, k.nhwc_weights(k.conv_weights(wq), c, (3, 3)), None,
+                        np.ones(o, np.float32), top, None, *args)
     got = np.empty_like(top)
     k.winograd_nhwc(x, k.winograd_nhwc_weights(k.conv_weights(wq)), None, np.ones(o, np.float32),
                     got, None, *args)
