@@ -318,8 +318,9 @@ class ConvBatchNorm:
     (NHWCConvolution.forward_folded): a GEMM algorithm applies them
     in its epilogue, on the rows it has just written (no pass over the output of their own);
     another algorithm computes with them folded into its weights and bias where that pays
-    (fold_pays; its ReLU then runs as a pass), else the layers run as the BatchNorm+Scale rule
-    runs them."""
+    (fold_pays; its ReLU then runs as a pass unless the algorithm `fuses_relu`), else the layers
+    run as the BatchNorm+Scale rule runs them. A ReLU alone goes into the stores of an algorithm
+    that `fuses_relu` (Winograd, direct, depthwise)."""
     name = "Convolution+BatchNorm(+Scale)(+ReLU)"
 
     def find(self, net, rule=None):
@@ -372,6 +373,9 @@ class ConvBatchNorm:
         conv, y = net.layers[first], net.top_vecs[first][0]
         bn, scale, _, _, relu = parts(net, unit, last)
         if bn is None and not conv.has_epilogue():
+            # the ReLU in the algorithm's stores where it takes one (a leaky one runs apart)
+            if relu.slope == 0 and conv.forward_relu(net.bottom_vecs[first], net.top_vecs[first]):
+                return
             conv.forward(net.bottom_vecs[first], net.top_vecs[first])
             relu.forward(net.bottom_vecs[last], net.top_vecs[last])
             return

@@ -108,6 +108,7 @@ cdef struct WGeom:
     Py_ssize_t xn, xb, xp         # x's strides: image, block of V channels, pixel
     Py_ssize_t yn, yb, yp         # y's (and dy's) strides
     bint pad_lanes                # blocked: lanes past O are written as zeros
+    bint relu                     # the forward's output through max(0, y) (a TEST net's ReLU)
     bint fixed                    # at, bt are the tile transforms' tables (wg_fixed)
     float at[MAX_A * MAX_A]       # AT [m, a] and its transpose am [a, m]
     float am[MAX_A * MAX_A]
@@ -152,6 +153,7 @@ cdef WGeom _geom(str kernel, tuple xs, str yname, tuple ys, bint blocked, int V,
         g.xp, g.xb, g.xn = C, g.V, <Py_ssize_t>g.H * g.W * C
         g.yp, g.yb, g.yn = O, g.V, <Py_ssize_t>g.oh * g.ow * O
     g.pad_lanes = blocked
+    g.relu = False
     g.Cg, g.Og = C // group, O // group
     g.th, g.tw = (g.oh + m - 1) // m, (g.ow + m - 1) // m
     g.cpad, g.opad = <Py_ssize_t>g.Cb * g.V, <Py_ssize_t>g.Ob * g.V
@@ -280,7 +282,7 @@ cdef extern from "winograd_tiles.h" nogil:
                   int fixed, float* w, float* out, long pstride, int V, long ps, int nv)
     void wg_output(const float* mb, long pstride, int m, int a, const float* at, int fixed,
                    const float* bias, int nv, float* y, int oh, int ow, int oy0, int ox0,
-                   float* w, int V, long ps, int pad_lanes)
+                   float* w, int V, long ps, int pad_lanes, int relu)
     void wg_dy(const float* dy, int oh, int ow, int oy0, int ox0, int m, int a,
                const float* am, int fixed, float* w, float* out, long pstride, int V, long ps,
                int nv)
@@ -381,7 +383,7 @@ cdef void _outputs(const WGeom* g, const float* bias, float* y, int n0, Py_ssize
         for ob in range(g.Ob):
             wg_output(mb + i * g.opad + ob * V, mstride, g.m, g.a, g.at, g.fixed, bias + ob * V,
                       _real(g, ob, g.O), img + ob * g.yb, g.oh, g.ow, ty * g.m, tx * g.m, w, V,
-                      g.yp, g.pad_lanes)
+                      g.yp, g.pad_lanes, g.relu)
 
 
 cdef void _fwd_pass(const WGeom* g, const float* x, const float* u, const float* bias, float* y,
@@ -749,14 +751,16 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const float[:, :, ::1] u,
                       float[:, :, :, :] vbuf, float[:, :, :, :] mbuf,
                       const float[:, ::1] at, const float[:, ::1] bt,
                       int V, int O, int m, int r, int ph, int pw, int group,
-                      const float[::1] packed=None):
+                      const float[::1] packed=None, bint relu=False):
     """conv_forward on channels-last x [N, H, W, C], y [N, oh, ow, O], in blocks of V channels
     (bias padded to whole blocks; scratch_shapes with this V). packed (None: none): u as pack_u
     packed it, which the GEMMs then read instead (a TEST net's, kept in place of its U); u is
-    then read for its shape only."""
+    then read for its shape only. relu: y = max(0, that) as the output transform stores it (NaN
+    kept), a TEST net's ReLU without a pass of its own."""
     cdef WGeom g = _geom("conv_forward_nhwc", dims(x.shape, 4), "y", dims(y.shape, 4), False, V,
                          x.shape[3], O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
     _check_forward("conv_forward_nhwc", &g, u, bias)
+    g.relu = relu
     if packed is not None:
         g.up_each = caffepy_packed_floats(g.Og, g.Cg)
         need(packed.shape[0] == g.a * g.a * group * g.up_each, "conv_forward_nhwc", "packed",

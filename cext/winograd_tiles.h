@@ -228,14 +228,17 @@ WG_INLINE void wg_input_v(const float *restrict x, int H, int W, int iy0, int ix
         wg_sandwich(bt, a, a, d, V, tmp, out, pstride, V);
 }
 
+/* max(0, v), NaN kept (Caffe's ReLU returns a NaN v): a TEST net's ReLU in the output's store. */
+#define WG_RELU(v) ((v) < 0.f ? 0.f : (v))
+
 /* The m x m output tile of plane y [oh][ow] (pixel stride ps) at (oy0, ox0) = AT M AT^T + bias,
- * the part inside the plane, lanes < nv (and zeros in the others with pad_lanes). M[p] is at
- * mb + p * pstride. */
+ * with relu max(0, that), the part inside the plane, lanes < nv (and zeros in the others with
+ * pad_lanes). M[p] is at mb + p * pstride. */
 WG_INLINE void wg_output_v(const float *restrict mb, long pstride, int m, int a,
                            const float *restrict at, const float *kat,
                            const float *restrict bias, int nv,
                            float *restrict y, int oh, int ow, int oy0, int ox0,
-                           float *restrict w, int V, long ps, int pad_lanes)
+                           float *restrict w, int V, long ps, int pad_lanes, int relu)
 {
     float *restrict tmp = w, *restrict res = tmp + a * a * V;
     if (kat)
@@ -246,13 +249,18 @@ WG_INLINE void wg_output_v(const float *restrict mb, long pstride, int m, int a,
         for (int j = 0; j < m && ox0 + j < ow; j++) {
             float *restrict o = y + ((long)(oy0 + i) * ow + ox0 + j) * ps;
             const float *restrict s = res + (i * m + j) * V;
+            if (nv == V && relu) {
+                for (int v = 0; v < V; v++)
+                    o[v] = WG_RELU(s[v] + bias[v]);
+                continue;
+            }
             if (nv == V) {
                 for (int v = 0; v < V; v++)
                     o[v] = s[v] + bias[v];
                 continue;
             }
             for (int v = 0; v < nv; v++)
-                o[v] = s[v] + bias[v];
+                o[v] = relu ? WG_RELU(s[v] + bias[v]) : s[v] + bias[v];
             if (pad_lanes)
                 for (int v = nv; v < V; v++)
                     o[v] = 0.f;
@@ -351,10 +359,10 @@ static void wg_input(const float *x, int H, int W, int iy0, int ix0, int m, int 
 
 static void wg_output(const float *mb, long pstride, int m, int a, const float *at, int fixed,
                       const float *bias, int nv, float *y, int oh, int ow, int oy0, int ox0,
-                      float *w, int V, long ps, int pad_lanes)
+                      float *w, int V, long ps, int pad_lanes, int relu)
 {
     WG_DISPATCH((void)kbt_; wg_output_v(mb, pstride, m_, a_, at, kat_, bias, nv, y, oh, ow, oy0,
-                                        ox0, w, V_, ps, pad_lanes))
+                                        ox0, w, V_, ps, pad_lanes, relu))
 }
 
 static void wg_dy(const float *dy, int oh, int ow, int oy0, int ox0, int m, int a,

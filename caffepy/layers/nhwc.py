@@ -332,6 +332,15 @@ class NHWCConvolution(Convolution):
         algo.forward(bottom, top, params)
         return not relu
 
+    def forward_relu(self, bottom, top):
+        """This layer's forward with a ReLU (no slope) in place after it, taken into the
+        algorithm's stores where it `fuses_relu` (True: done); False: nothing ran."""
+        algo = self.algos["forward"]
+        if self.fused is not None or not getattr(algo, "fuses_relu", False):
+            return False
+        algo.forward(bottom, top, relu=True)
+        return True
+
     def has_epilogue(self):
         """Whether the forward's algorithm applies a per-channel scale, bias and ReLU to its
         output as it writes it (Gemm)."""

@@ -551,19 +551,47 @@ layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
 """
 
 
-@pytest.mark.parametrize("text,layer,algorithm,nan_at", [
+WINOGRAD_NET = """layer { name: "data" type: "Input" top: "data"
+  input_param { shape { dim: 2 dim: 12 dim: 10 dim: 9 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 19 kernel_size: 3 pad: 1
+  weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
+layer { name: "scale" type: "Scale" bottom: "conv" top: "conv" scale_param { bias_term: true } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+"""
+
+
+def _relu_alone(text):
+    """`text` without its BatchNorm and Scale, its convolution with a bias: GoogLeNet's form."""
+    lines = [line for line in text.splitlines() if '"BatchNorm"' not in line
+             and '"Scale"' not in line]
+    return "\n".join(lines).replace("weight_filler {", "bias_filler { type: \"gaussian\" std: 0.5 } "
+                                     "weight_filler {")
+
+
+# (text, layer, algorithm, where a NaN goes in)
+STORE_RELU = [
     # MobileNet's depthwise + BatchNorm + Scale + ReLU (43 channels: vectors of 32 and 8 and
     # the lane-by-lane rest)
     (DEPTHWISE_NET, "dw", "depthwise", [(0, 35, 4, 3), (0, 41, 2, 2)]),
     # its first layer (3 channels, 3 x 3, stride 2) on the direct kernel (nhwc_direct.h; 21
     # outputs: a whole register block and a part one)
-    (FIRST_LAYER_NET, "conv", "direct", [(1, 2, 6, 5)])], ids=["depthwise", "direct"])
+    (FIRST_LAYER_NET, "conv", "direct", [(1, 2, 6, 5)]),
+    # Winograd's output transform (19 outputs: two whole blocks of 8 and a part one)
+    (WINOGRAD_NET, "conv", "winograd F(2,3)", [(1, 7, 4, 4)]),
+    (WINOGRAD_NET, "conv", "winograd F(4,3)", [(0, 11, 9, 8)])]
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["batchnorm", "relu-alone"])
+@pytest.mark.parametrize("text,layer,algorithm,nan_at", STORE_RELU,
+                         ids=["depthwise", "direct", "winograd-F2", "winograd-F4"])
 def test_a_unit_takes_its_relu_into_its_store(tmp_path, monkeypatch, text, layer, algorithm,
-                                               nan_at):
-    """The kernel computes with the folded weights and clips its sums as it stores them, no
-    ReLU pass after it: the layers' values, and a NaN input stays NaN through the unit as
-    through Caffe's ReLU."""
-    folded, plain = _fold_twins(tmp_path, monkeypatch, text=text)
+                                               nan_at, alone):
+    """The kernel computes with the folded weights (or the layer's own, for a ReLU alone) and
+    clips its sums as it stores them, no ReLU pass after it: the layers' values, and a NaN
+    input stays NaN through the unit as through Caffe's ReLU."""
+    folded, plain = _fold_twins(tmp_path, monkeypatch, text=_relu_alone(text) if alone else text)
     assert _fold_units(folded) == {layer: "relu"}
     folded.layer_dict[layer].force_algorithm(algorithm)
     ran = []
