@@ -123,6 +123,10 @@ _NO_ARRAYS = _NoArrays()
 
 
 class Blob:
+    # goes up whenever any blob's shape, layout or buffers change: a layer that reshaped at the
+    # same value would find every shape as it left them (the Net then skips its reshape)
+    arrangement = 0
+
     def __init__(self, shape=(), name=""):
         self.name = name
         self._data_buf = np.zeros(0, np.float32)
@@ -143,6 +147,7 @@ class Blob:
             raise ShapeError(f"blob '{self.name}': the channels-last layout needs 4 axes, got "
                              f"{memory.dims_text(self._shape)}")
         self._layout = layout
+        Blob.arrangement += 1
         self._views()
 
     # -- shape -----------------------------------------------------------
@@ -174,6 +179,7 @@ class Blob:
             self._refuse(shape, f"blob '{self.name}' is channels-last (N, H, W, C) and takes 4 axes, "
                          f"got {memory.dims_text(shape)}")
         self._shape = shape
+        Blob.arrangement += 1
         self._views()
 
     def _view(self, buf):
@@ -265,6 +271,7 @@ class Blob:
                 if why:
                     self._refuse(self._shape, why)
                 self._diff_buf = memory.line_zeros(self._data_buf.size)
+                Blob.arrangement += 1
             self._raw_diff, self._diff = self._view(self._diff_buf)
         return self._diff
 
@@ -293,12 +300,15 @@ class Blob:
         if self._writes is not other._writes:
             self._leave_writes()
             self._writes = other._writes
+        Blob.arrangement += 1
         self._data_views()
 
     def share_diff(self, other):
         """Make this blob's diff a view of `other`'s, as share_data."""
         self._may_share(other, "diff")
         other.diff  # allocate on the owner so both see one buffer
+        if self._diff_buf is not other._diff_buf:
+            Blob.arrangement += 1
         self._diff_buf = other._diff_buf
         self._raw_diff, self._diff = self._view(self._diff_buf)
 
@@ -327,6 +337,7 @@ class Blob:
                              f"values in {flat.size} {flat.dtype} values")
         flat[...] = 0 if self._diff is None else self.raw_diff.reshape(-1)
         self._diff_buf = flat
+        Blob.arrangement += 1
         self._raw_diff, self._diff = self._view(flat)
 
     def set_data(self, array):

@@ -214,10 +214,11 @@ class Layer:
     # which implementation of its type this is, and the bottom layout it takes (see above)
     variant = PLAIN
     layout = NCHW
-    # reshape reads nothing but the bottoms' and tops' shapes and the layer's own settings:
-    # the Net skips it while those shapes stay as its last reshape left them
+    # reshape reads nothing but the shapes of the bottoms, the tops and the layer's own blobs
+    # and the layer's settings: the Net skips it while those shapes stay as its last reshape
+    # left them (net._reshape)
     reshape_from_shapes = False
-    _reshaped_at = None
+    _reshaped_at = _reshaped_arrangement = None
     # the net-compilation rules (caffepy/net_rules.py, by name) this implementation takes part
     # in; it then has the methods that rule calls
     fuses = frozenset()

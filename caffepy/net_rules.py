@@ -98,7 +98,15 @@ class Parts(typing.NamedTuple):
 def parts(net, unit, last):
     """The Parts of a unit of the convolution rules (Int8, Convolution+BatchNorm, ConvSum) up
     to `last`, by type: such a unit holds at most one of each, in place on the first layer's
-    top up to the Eltwise SUM (a ReLU after the sum is in place on it)."""
+    top up to the Eltwise SUM (a ReLU after the sum is in place on it). Kept per unit and last
+    layer: a net's layers and blobs stay as built, and each unit asks at every forward."""
+    known = net._unit_parts.get((unit.first, last))
+    if known is None:
+        known = net._unit_parts[unit.first, last] = _find_parts(net, unit, last)
+    return known
+
+
+def _find_parts(net, unit, last):
     bn = scale = eltwise = summand = relu = None
     y = net.top_vecs[unit.first][0]
     for li in range(unit.first + 1, last + 1):

@@ -4,6 +4,7 @@ import pytest
 from google.protobuf import text_format
 
 import caffepy
+from caffepy.blob import Blob
 from caffepy.errors import CaffepyError, LayerError, PrototxtError, ShapeError
 from caffepy.net import Net, filter_net, insert_splits, net_state
 from caffepy.proto import caffe_pb2
@@ -473,6 +474,39 @@ def test_a_shapes_only_reshape_runs_when_a_shape_changed(monkeypatch):
     net.blobs["pool"].reshape(1, 1, 1, 1)
     net.forward()
     assert net.blobs["pool"].shape == (5, 4, 4, 4) and calls["pool"] == 3
+
+
+OWN_BLOBS_NET = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 4 } } }
+layer { name: "scale" type: "Scale" bottom: "data" top: "scaled" scale_param { bias_term: true } }
+layer { name: "relu" type: "ReLU" bottom: "scaled" top: "scaled" }
+layer { name: "prob" type: "Softmax" bottom: "scaled" top: "prob" }
+"""
+
+
+def test_a_reshape_that_reads_its_own_blobs_runs_when_they_change_shape(monkeypatch):
+    """Scale's reshape checks its parameters against the bottom: reshaped from outside, the
+    next forward refuses them in one line, as it did before the Net skipped reshapes; shapes
+    changed elsewhere in the net run no layer's reshape whose own shapes stayed."""
+    net = Net(net_param(OWN_BLOBS_NET), caffepy.TEST)
+    assert all(net.layer_dict[n].reshape_from_shapes for n in ("scale", "relu", "prob"))
+    calls = _count_reshapes(net, monkeypatch)
+    for _ in range(3):
+        net.forward()
+    assert calls == {"data": 3, "scale": 1, "relu": 1, "prob": 1}
+    net.params["scale"][0].reshape(7)
+    with pytest.raises(ShapeError, match="scale"):
+        net.forward()
+    net.params["scale"][0].reshape(3)
+    net.params["scale"][0].data[...] = 2
+    net.params["scale"][1].data[...] = 0
+    net.blobs["data"].data[...] = 1
+    np.testing.assert_allclose(net.forward()["prob"], 1 / 3, rtol=1e-6)
+    assert calls["relu"] == 1 and calls["prob"] == 1
+    # a blob outside the layers (one the user made) changing shape reshapes none of them
+    Blob((2, 2)).reshape(3, 3)
+    net.forward()
+    assert calls == {"data": 6, "scale": 2, "relu": 1, "prob": 1}
 
 
 def test_a_loss_layer_without_a_top_gets_caffes_anonymous_one(tmp_path):

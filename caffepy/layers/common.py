@@ -694,6 +694,7 @@ class _Broadcast(Layer):
     max_bottoms = 2
     exact_tops = 1
     field = None
+    reshape_from_shapes = True
 
     def learned_shape(self, bottom, p):
         shape = bottom[0].shape
@@ -831,6 +832,7 @@ class Softmax(Layer):
     """
     exact_bottoms = 1
     exact_tops = 1
+    reshape_from_shapes = True
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape

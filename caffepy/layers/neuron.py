@@ -24,6 +24,7 @@ class Neuron(Layer):
     layout = ANY
     keeps_input = False
     _saved = None     # the input of an in-place forward, for `keeps_input` layers
+    reshape_from_shapes = True
 
     def reshape(self, bottom, top):
         top[0].reshape(bottom[0].shape)
