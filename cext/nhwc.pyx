@@ -1096,14 +1096,17 @@ cdef extern from "nhwc_pool_rows.h" nogil:
                          int py, int kh, int kw, int sh, int sw, int ph, int pw)
 
 
-def pool_max_forward(const float[:, :, :, ::1] x, float[:, :, :, ::1] y, int32_t[:, :, :, ::1] mask,
-                     int kh, int kw, int sh, int sw, int ph, int pw):
-    """y = max over each window (padding ignored); mask = h * W + w of the first maximum."""
+def pool_max_forward(const float[:, :, :, ::1] x, float[:, :, :, ::1] y,
+                     int32_t[:, :, :, ::1] mask, int kh, int kw, int sh, int sw, int ph, int pw):
+    """y = max over each window (padding ignored); mask = h * W + w of the first maximum
+    (mask None: the maxima alone)."""
     _check_pool("pool_max_forward", "x", x, "y", y, kh, kw, sh, sw, ph, pw)
-    need_shape("pool_max_forward", "mask", dims(mask.shape, 4), dims(y.shape, 4))
+    if mask is not None:
+        need_shape("pool_max_forward", "mask", dims(mask.shape, 4), dims(y.shape, 4))
     cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
     cdef int oh = y.shape[1], ow = y.shape[2]
     cdef Py_ssize_t item, n
+    cdef int32_t* mk = &mask[0, 0, 0, 0] if mask is not None else NULL
     if N * C == 0:
         return
     with nogil:
@@ -1112,8 +1115,8 @@ def pool_max_forward(const float[:, :, :, ::1] x, float[:, :, :, ::1] y, int32_t
             n = item // oh
             caffepy_max_row(&x[0, 0, 0, 0] + n * H * W * C,
                             &y[0, 0, 0, 0] + (n * oh + item % oh) * ow * C,
-                            &mask[0, 0, 0, 0] + (n * oh + item % oh) * ow * C, H, W, C, ow,
-                            <int>(item % oh), kh, kw, sh, sw, ph, pw)
+                            mk + (n * oh + item % oh) * ow * C if mk != NULL else NULL, H, W, C,
+                            ow, <int>(item % oh), kh, kw, sh, sw, ph, pw)
 
 
 def pool_max_backward(const float[:, :, :, ::1] dy, const int32_t[:, :, :, ::1] mask,

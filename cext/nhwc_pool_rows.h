@@ -46,6 +46,30 @@ caffepy_max_runs(const float *x, float *out, int32_t *mk, int W, int C, int c, i
     }
 }
 
+/* caffepy_max_runs without the argmax (mask NULL: a TEST net's forward): the same maxima,
+ * half the stores and no blends of positions. */
+static inline __attribute__((always_inline)) void
+caffepy_max_vals(const float *x, float *out, int W, int C, int c, int R, int hs, int he, int ws,
+                 int we)
+{
+    caffepy_pf8 best[4];
+    for (int r = 0; r < R; r++)
+        best[r] = (caffepy_pf8){-FLT_MAX, -FLT_MAX, -FLT_MAX, -FLT_MAX,
+                                -FLT_MAX, -FLT_MAX, -FLT_MAX, -FLT_MAX};
+    for (int h = hs; h < he; h++)
+        for (int w = ws; w < we; w++) {
+            const float *p = x + ((long)h * W + w) * C + c;
+            for (int r = 0; r < R; r++) {
+                caffepy_pf8 v = *(const caffepy_pf8 *)(p + 8 * r);
+                caffepy_pi8 gt = v > best[r];
+                best[r] = (caffepy_pf8)(((caffepy_pi8)v & gt) | ((caffepy_pi8)best[r] & ~gt));
+            }
+        }
+    for (int r = 0; r < R; r++)
+        *(caffepy_pf8 *)(out + c + 8 * r) = best[r];
+}
+
+/* One output row; mask NULL: the maxima alone. */
 static void caffepy_max_row(const float *x, float *y, int32_t *mask, int H, int W, int C,
                             int ow, int py, int kh, int kw, int sh, int sw, int ph, int pw)
 {
@@ -55,8 +79,14 @@ static void caffepy_max_row(const float *x, float *y, int32_t *mask, int H, int 
         int ws = px * sw - pw, we = ws + kw < W ? ws + kw : W;
         ws = ws > 0 ? ws : 0;
         float *out = y + (long)px * C;
-        int32_t *mk = mask + (long)px * C;
+        int32_t *mk = mask ? mask + (long)px * C : NULL;
         int c = 0;
+        if (!mask) {
+            for (; c + 32 <= C; c += 32)
+                caffepy_max_vals(x, out, W, C, c, 4, hs, he, ws, we);
+            for (; c + 8 <= C; c += 8)
+                caffepy_max_vals(x, out, W, C, c, 1, hs, he, ws, we);
+        }
         for (; c + 32 <= C; c += 32)
             caffepy_max_runs(x, out, mk, W, C, c, 4, hs, he, ws, we);
         for (; c + 8 <= C; c += 8)
@@ -73,7 +103,8 @@ static void caffepy_max_row(const float *x, float *y, int32_t *mask, int H, int 
                     }
                 }
             out[c] = best;
-            mk[c] = arg;
+            if (mk)
+                mk[c] = arg;
         }
     }
 }

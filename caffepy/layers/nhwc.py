@@ -432,7 +432,11 @@ class Folded:
 @register(variant=NHWC)
 class NHWCPooling(Pooling):
     """MAX (without the mask top) or AVE pooling on channels-last blobs; windows and sizes as
-    the plain Pooling's (caffepy.geometry)."""
+    the plain Pooling's (caffepy.geometry). A TEST net's MAX forward writes the maxima alone,
+    not the argmax the backward routes the gradient by (as many int32 as the top has floats,
+    and a blend of positions per compare: GoogLeNet b16's 14 pooling layers took 20 ms); a
+    backward through it (pycaffe's net.backward on a TEST net) first finds the argmax in the
+    bottom, which no layer of a deploy net writes after the pooling has read it."""
     type = "Pooling"
     layout = NHWC
 
@@ -459,9 +463,13 @@ class NHWCPooling(Pooling):
     def _args(self):
         return (*self.kernel, *self.stride, *self.pad)
 
+    _masked = False         # whether self.mask holds the last forward's argmax
+
     def forward(self, bottom, top):
         if self.pool == caffe_pb2.PoolingParameter.MAX:
-            _k.pool_max_forward(bottom[0].raw_data, top[0].raw_data, self.mask, *self._args())
+            self._masked = self.phase != caffe_pb2.TEST
+            _k.pool_max_forward(bottom[0].raw_data, top[0].raw_data,
+                                self.mask if self._masked else None, *self._args())
         else:
             _k.pool_ave_forward(bottom[0].raw_data, top[0].raw_data, *self._args())
             if self.pad_ratio is not None:
@@ -472,6 +480,10 @@ class NHWCPooling(Pooling):
             return
         dy = top[0].raw_diff
         if self.pool == caffe_pb2.PoolingParameter.MAX:
+            if not self._masked:
+                _k.pool_max_forward(bottom[0].raw_data, _workspace("pool_y", dy.shape),
+                                    self.mask, *self._args())
+                self._masked = True
             _k.pool_max_backward(dy, self.mask, bottom[0].raw_diff)
             return
         if self.pad_ratio is not None:

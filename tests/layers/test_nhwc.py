@@ -577,3 +577,43 @@ def test_max_pool_mask_keeps_the_first_maximum(channels):
     np.testing.assert_array_equal(mask[0, :, :, 0], [[0, 1], [9, 9]])
     np.testing.assert_array_equal(y[0, :, :, 0], [[0, 0], [5, 5]])
     assert (mask == mask[..., :1]).all() and (y == y[..., :1]).all()
+
+
+@pytest.mark.parametrize("channels,window", [(43, (3, 3, 2, 2, 1, 1)), (75, (3, 3, 1, 1, 1, 1)),
+                                             (8, (2, 2, 2, 2, 0, 0)), (5, (3, 3, 2, 2, 0, 0))])
+def test_max_pool_without_a_mask_gives_the_same_maxima(channels, window):
+    """mask None (a TEST net's forward): the values of the masked forward, bit for bit, in the
+    runs of 32 and 8 channels and the rest, NaN and infinities included."""
+    rng_ = np.random.default_rng(channels)
+    x = rng_.standard_normal((2, 9, 7, channels)).astype(np.float32)
+    x[0, 3, 2, :5] = np.nan
+    x[1, 4, 4, -3:] = np.inf
+    x[1, 0, 0, :] = -np.inf
+    kh, kw, sh, sw, ph, pw = window
+    oh, ow = (9 + 2 * ph - kh) // sh + 1, (7 + 2 * pw - kw) // sw + 1
+    y, y0 = np.full((2, oh, ow, channels), 7, np.float32), np.empty((2, oh, ow, channels), np.float32)
+    mask = np.empty(y.shape, np.int32)
+    kernels.pool_max_forward(x, y0, mask, *window)
+    kernels.pool_max_forward(x, y, None, *window)
+    np.testing.assert_array_equal(y.view(np.int32), y0.view(np.int32))
+
+
+def test_a_test_nets_max_pool_backward_finds_its_argmax():
+    """A TEST net's forward leaves the mask alone; its backward (pycaffe's net.backward on a
+    TEST net) routes the gradient as a TRAIN net's does, ties to the first maximum."""
+    x = np.round(randn(2, 11, 7, 8) * 2)            # ties in many windows
+    params = "pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 }"
+    dx = {}
+    for phase in (TRAIN, TEST):
+        layer, bottom, top = setup_layer("Pooling", params, [x], phase=phase, layout=NHWC)
+        assert type(layer).__name__ == "NHWCPooling"
+        layer.reshape(bottom, top)
+        layer.mask[...] = -7
+        layer.forward(bottom, top)
+        assert (layer.mask == -7).all() == (phase == TEST)
+        top[0].diff[...] = np.arange(top[0].count, dtype=np.float32).reshape(top[0].shape)
+        layer.backward(top, [True], bottom)
+        dx[phase] = bottom[0].diff.copy()
+        layer.backward(top, [True], bottom)          # the argmax found once serves again
+        np.testing.assert_array_equal(bottom[0].diff, dx[phase])
+    np.testing.assert_array_equal(dx[TEST], dx[TRAIN])
