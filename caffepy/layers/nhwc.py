@@ -455,8 +455,8 @@ class NHWCPooling(Pooling):
         self.kernel, self.pad, self.stride, _ = self.window
         oh, ow = geometry.pool_output(self, self.window, h, w, self.ceil)
         nhwc_top(top[0], (n, c, oh, ow))
-        if self.pool == caffe_pb2.PoolingParameter.MAX and (self.mask is None or self.mask.shape != (n, oh, ow, c)):
-            self.mask = np.empty((n, oh, ow, c), np.int32)
+        if self.phase != caffe_pb2.TEST:
+            self._mask_for(top[0])
         ratio = geometry.pool_pad_ratio(self.param.pooling_param, self.window, h, w, oh, ow)
         self.pad_ratio = None if ratio is None else ratio[:, :, None].astype(np.float32)
 
@@ -464,6 +464,15 @@ class NHWCPooling(Pooling):
         return (*self.kernel, *self.stride, *self.pad)
 
     _masked = False         # whether self.mask holds the last forward's argmax
+
+    def _mask_for(self, y):
+        """self.mask, shaped as y's channels-last array (a TEST net's only once a backward
+        wants it: VGG-16 b16's would hold 98 MB)."""
+        n, c, oh, ow = y.shape
+        if self.pool == caffe_pb2.PoolingParameter.MAX and (self.mask is None or self.mask.shape != (n, oh, ow, c)):
+            self.mask = np.empty((n, oh, ow, c), np.int32)
+            self._masked = False
+        return self.mask
 
     def forward(self, bottom, top):
         if self.pool == caffe_pb2.PoolingParameter.MAX:
@@ -482,7 +491,7 @@ class NHWCPooling(Pooling):
         if self.pool == caffe_pb2.PoolingParameter.MAX:
             if not self._masked:
                 _k.pool_max_forward(bottom[0].raw_data, _workspace("pool_y", dy.shape),
-                                    self.mask, *self._args())
+                                    self._mask_for(top[0]), *self._args())
                 self._masked = True
             _k.pool_max_backward(dy, self.mask, bottom[0].raw_diff)
             return
