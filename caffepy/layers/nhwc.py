@@ -469,8 +469,10 @@ class NHWCPooling(Pooling):
         """self.mask, shaped as y's channels-last array (a TEST net's only once a backward
         wants it: VGG-16 b16's would hold 98 MB)."""
         n, c, oh, ow = y.shape
-        if self.pool == caffe_pb2.PoolingParameter.MAX and (self.mask is None or self.mask.shape != (n, oh, ow, c)):
-            self.mask = np.empty((n, oh, ow, c), np.int32)
+        shape = (n, oh, ow, c)
+        if self.pool == caffe_pb2.PoolingParameter.MAX and (self.mask is None
+                                                             or self.mask.shape != shape):
+            self.mask = np.empty(shape, np.int32)
             self._masked = False
         return self.mask
 

@@ -561,8 +561,8 @@ def _relu_alone(text):
     """`text` without its BatchNorm and Scale, its convolution with a bias: GoogLeNet's form."""
     lines = [line for line in text.splitlines() if '"BatchNorm"' not in line
              and '"Scale"' not in line]
-    return "\n".join(lines).replace("weight_filler {", "bias_filler { type: \"gaussian\" std: 0.5 } "
-                                     "weight_filler {")
+    bias = 'bias_filler { type: "gaussian" std: 0.5 } weight_filler {'
+    return "\n".join(lines).replace("weight_filler {", bias)
 
 
 # (text, layer, algorithm, where a NaN goes in)

@@ -591,7 +591,8 @@ def test_max_pool_without_a_mask_gives_the_same_maxima(channels, window):
     x[1, 0, 0, :] = -np.inf
     kh, kw, sh, sw, ph, pw = window
     oh, ow = (9 + 2 * ph - kh) // sh + 1, (7 + 2 * pw - kw) // sw + 1
-    y, y0 = np.full((2, oh, ow, channels), 7, np.float32), np.empty((2, oh, ow, channels), np.float32)
+    y = np.full((2, oh, ow, channels), 7, np.float32)
+    y0 = np.empty_like(y)
     mask = np.empty(y.shape, np.int32)
     kernels.pool_max_forward(x, y0, mask, *window)
     kernels.pool_max_forward(x, y, None, *window)
