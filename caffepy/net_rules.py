@@ -372,14 +372,20 @@ class ConvBatchNorm:
         bn, scale, _, _, relu = parts(net, unit, last)
         # the epilogue's and the stores' ReLU has no slope: a leaky one runs after them
         plain = relu is not None and relu.slope == 0
+        slot = net._concat_slots.get(first) if last == unit.last else None
+        out = None
+        if slot is not None and (relu is None or plain) and conv.writes_slice(relu is not None):
+            out = slot.run(net, top[0])
         if bn is None and not conv.has_epilogue():
-            if not (plain and conv.forward_relu(bottom, top)):
+            if not (plain and conv.forward_relu(bottom, top, out)):
+                out = None
                 conv.forward(bottom, top)
                 relu.forward(net.bottom_vecs[last], net.top_vecs[last])
-            return
-        if not conv.forward_folded(bottom, top, bn, scale, plain) or (relu is not None
-                                                                      and not plain):
+        elif not conv.forward_folded(bottom, top, bn, scale, plain, out=out) or (
+                relu is not None and not plain):
             relu.forward(net.bottom_vecs[last], net.top_vecs[last])
+        if slot is not None:
+            slot.concat.placed[slot.index] = out is not None
 
     @staticmethod
     def backward(net, unit, last, every_layer):
@@ -559,6 +565,70 @@ INT8 = Int8Unit()
 CONV_BATCHNORM = ConvBatchNorm()
 CONV_SUM = ConvSum()
 RULES = (INT8, CONV_SUM, CONV_BATCHNORM, BATCHNORM_SCALE, ELTWISE_RELU)
+
+
+class ConcatSlot(typing.NamedTuple):
+    """In a TEST net: the Convolution+BatchNorm(+Scale)(+ReLU) unit whose top is bottom `index`
+    of the channels-last Concat `concat` (layer `li`), and read by nothing else, writes its
+    output straight into channels [lo, hi) of the concat's top, and the Concat copies the
+    others only (Intel's and OpenVINO's concat in place). The unit's own top is then not
+    written (GoogLeNet's inception_*/1x1, 3x3, 5x5 and pool_proj); CAFFEPY_FOLD=0 writes it.
+    A unit falls back to its own top, and the Concat copies it, when the concat's top does not
+    have the shape to take it (the first forward after a batch size changed) or when its
+    algorithm cannot write a slice (direct, depthwise; an int8 unit is never one of these)."""
+    concat: object
+    li: int
+    index: int
+    lo: int
+    hi: int
+
+    def run(self, net, y):
+        """The concat top's channels [lo, hi) as a [N, H, W, hi - lo] array, for a unit whose
+        own top is y; None when the concat's top is not shaped for y's batch and image."""
+        z = net.top_vecs[self.li][0]
+        n, c, h, w = y.shape
+        if z.layout != CHANNELS_LAST or z.shape != (n, self.concat.runs[-1][1], h, w) \
+                or c != self.hi - self.lo:
+            return None
+        return z.raw_data[..., self.lo:self.hi]
+
+
+def concat_slots(net, units):
+    """{first layer of a unit: ConcatSlot} for the units of ConvBatchNorm (`units`: the net's)
+    that feed a channels-last Concat of a TEST net; logs a line when there are any."""
+    if net.phase != caffe_pb2.TEST or not folding_enabled():
+        return {}
+    readers = {}
+    for li, bottoms in enumerate(net.bottom_vecs):
+        for b in bottoms:
+            readers.setdefault(id(b), set()).add(li)
+    makers = {id(net.top_vecs[u.first][0]): u for u in units.values()
+              if u.rule is CONV_BATCHNORM and len(net.top_vecs[u.first]) == 1}
+    slots, concats = {}, 0
+    for li, layer in enumerate(net.layers):
+        # (a bottom the layout plan converts first is the conversion's top: copied)
+        if type(layer).__name__ != "NHWCConcat" or caffe_engine(layer.param, net.param):
+            continue
+        found = 0
+        lo = 0
+        for j, b in enumerate(net.bottom_vecs[li]):
+            c = b.shape[1]
+            unit = makers.get(id(b))
+            # read by the unit's own in-place layers and the concat alone, once
+            alone = unit is not None and readers.get(id(b), set()) <= set(
+                range(unit.first + 1, unit.last + 1)) | {li} \
+                and sum(x is b for x in net.bottom_vecs[li]) == 1
+            if alone and net.top_vecs[unit.last][0] is b:
+                slots[unit.first] = ConcatSlot(layer, li, j, lo, lo + c)
+                found += 1
+            lo += c
+        if found:
+            layer.placed = [False] * len(net.bottom_vecs[li])
+            concats += 1
+    if slots:
+        log.info(f"Concat in place: {len(slots)} convolution unit(s) write their channels into "
+                 f"{concats} concat top(s), their own tops not written (CAFFEPY_FOLD=0 writes them)")
+    return slots
 
 
 def compile_net(net, rules=RULES):

@@ -253,6 +253,8 @@ cdef struct CGeom:
     int images              # images per task (not direct)
     bint direct
     bint caffe_order        # wt is [group, Og, Kg] (Caffe's own, for a 1 x 1 kernel), not [group, Kg, Og]
+    Py_ssize_t ldy          # floats between the forward's output pixels: O, or more when y is
+                            # a run of a wider channels-last blob's channels (a concat's top)
     const float* scale      # the forward's epilogue: y * scale[o] (NULL: none) + bias[o],
     const float* add        # + add[pixel, o] (NULL: none; an array of y's shape, y0 its base),
     const float* y0
@@ -264,6 +266,7 @@ cdef struct CGeom:
 cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int sh, int sw,
                   int dh, int dw, int group, Py_ssize_t rows, bint caffe_order=False) except *:
     cdef CGeom g
+    g.ldy = O
     g.relu = False
     g.scale = NULL
     g.add = NULL
@@ -487,7 +490,7 @@ cdef inline void _fwd_epilogue(const CGeom* g, const float* bias, float* y, Py_s
                                int o0, int o1) noexcept nogil:
     """The epilogue of output channels [o0, o1) of y [rows, O]."""
     if o1 > o0 and (bias != NULL or g.scale != NULL or g.add != NULL or g.relu):
-        _epilogue(y + o0, rows, o1 - o0, g.O, g.scale + o0 if g.scale != NULL else NULL,
+        _epilogue(y + o0, rows, o1 - o0, g.ldy, g.scale + o0 if g.scale != NULL else NULL,
                   bias + o0 if bias != NULL else NULL,
                   g.add + (y - g.y0) + o0 if g.add != NULL else NULL, g.relu)
 
@@ -499,11 +502,11 @@ cdef void _fwd_part(const CGeom* g, PackedSplit s, int part, const float* a, Py_
     cdef int gr, lo = packed_start(s, part, rows, g.Og), hi = packed_start(s, part + 1, rows, g.Og)
     for gr in range(g.group):
         packed_part(s, part, rows, g.Og, g.Kg, a + gr * g.Kg, <int>lda,
-                    g.packed + gr * g.packed_group, 0.0, y + gr * g.Og, g.O)
+                    g.packed + gr * g.packed_group, 0.0, y + gr * g.Og, <int>g.ldy)
         if s.by_cols:
             _fwd_epilogue(g, bias, y, rows, gr * g.Og + lo, gr * g.Og + hi)
     if not s.by_cols and hi > lo:
-        _fwd_epilogue(g, bias, y + <Py_ssize_t>lo * g.O, hi - lo, 0, g.O)
+        _fwd_epilogue(g, bias, y + <Py_ssize_t>lo * g.ldy, hi - lo, 0, g.O)
 
 
 cdef void _fwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float* wt,
@@ -524,7 +527,7 @@ cdef void _fwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float*
     for gr in range(g.group):
         gemm_ld(False, g.caffe_order, <int>rows, g.Og, g.Kg, 1.0, a + gr * g.Kg, <int>lda,
                 wt + <Py_ssize_t>gr * g.Kg * g.Og, g.Kg if g.caffe_order else g.Og, 0.0,
-                y + gr * g.Og, g.O)
+                y + gr * g.Og, <int>g.ldy)
     _fwd_epilogue(g, bias, y, rows, 0, g.O)
 
 
@@ -533,7 +536,7 @@ cdef void _fwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float
     cdef Py_ssize_t r0, p0, n
     if g.direct:
         r0 = task * g.rows
-        _fwd_rows(g, x + r0 * g.C, g.C, wt, bias, y + r0 * g.O,
+        _fwd_rows(g, x + r0 * g.C, g.C, wt, bias, y + r0 * g.ldy,
                   min(g.rows, <Py_ssize_t>g.N * g.P - r0))
         return
     cdef Py_ssize_t plane = <Py_ssize_t>g.H * g.W * g.C, i, n1
@@ -542,12 +545,12 @@ cdef void _fwd_task(const CGeom* g, Py_ssize_t task, const float* x, const float
     if g.images > 1:
         for i in range(n, n1):
             _im2col(x + i * plane, g, 0, g.P, col + (i - n) * g.P * g.Ktot)
-        _fwd_rows(g, col, g.Ktot, wt, bias, y + n * g.P * g.O, (n1 - n) * g.P)
+        _fwd_rows(g, col, g.Ktot, wt, bias, y + n * g.P * g.ldy, (n1 - n) * g.P)
         return
     p0 = 0
     while p0 < g.P:
         _im2col(x + n * plane, g, p0, min(p0 + g.rows, g.P), col)
-        _fwd_rows(g, col, g.Ktot, wt, bias, y + (n * g.P + p0) * g.O, min(g.rows, g.P - p0))
+        _fwd_rows(g, col, g.Ktot, wt, bias, y + (n * g.P + p0) * g.ldy, min(g.rows, g.P - p0))
         p0 = p0 + g.rows
 
 
@@ -636,15 +639,27 @@ cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
              f"needs shape (>= {T}, >= {g.rows * g.Ktot})", tuple(col.shape[:2]))
 
 
+cdef Py_ssize_t _pixel_stride(str kernel, float[:, :, :, :] y, int O) except -1:
+    """Floats between the pixels of a forward's output y [N, oh, ow, O]: O, or more for a run
+    of a wider blob's channels, whose pixels must then be equally spaced throughout."""
+    cdef Py_ssize_t ps = y.strides[2] // sizeof(float)
+    need(y.strides[3] == sizeof(float) and ps >= O and y.strides[1] == y.shape[2] * y.strides[2]
+         and y.strides[0] == y.shape[1] * y.strides[1], kernel, "y",
+         "needs its pixels equally spaced (its own array, or a run of a wider one's channels)",
+         tuple([y.strides[i] for i in range(4)]))
+    return ps
+
+
 def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const float[::1] bias,
-                 float[:, :, :, ::1] y, float[:, ::1] col, int O, int kh, int kw, int ph, int pw,
+                 float[:, :, :, :] y, float[:, ::1] col, int O, int kh, int kw, int ph, int pw,
                  int sh, int sw, int dh, int dw, int group, Py_ssize_t rows,
                  bint caffe_order=False, const float[::1] scale=None, bint relu=False,
                  const float[:, :, :, ::1] add=None, const float[::1] packed=None):
     """y [N, oh, ow, O] = conv(x [N, H, W, C], wt) * scale (None: 1) + bias (empty: none)
     + add (None: none; y's shape), max(y, 0) of that with relu (scale, add and relu: a TEST
     net's BatchNorm, Scale, Eltwise SUM and ReLU after the convolution, caffepy/net_rules.py);
-    overwritten. add may not be y.
+    overwritten. add may not be y. y may be a run of a wider channels-last array's channels
+    (a slice of its last axis: its pixels then ldy floats apart; not with add).
     Scratch col [T, rows * Ktot] (unused by a direct convolution) for T threads. wt is
     [group, Kg, Og], or with caffe_order (1 x 1 kernels) [group, Og, Kg]: the weights as Caffe
     stores them, with no copy. packed (None: none): wt as pack_weights packed it, the GEMMs'
@@ -652,11 +667,13 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
     cdef CGeom g = _cgeom("conv_forward", x, y, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows,
                           caffe_order)
     g.relu = relu
+    g.ldy = _pixel_stride("conv_forward", y, O)
     if scale is not None:
         need(scale.shape[0] == O, "conv_forward", "scale", f"needs {O} values", scale.shape[0])
         g.scale = &scale[0]
     if add is not None:
         need_shape("conv_forward", "add", dims(add.shape, 4), dims(y.shape, 4))
+        need(g.ldy == O, "conv_forward", "add", "needs y's own channels (not a slice)", g.ldy)
         if add.shape[0] * add.shape[1] * add.shape[2] * add.shape[3]:
             need(&add[0, 0, 0, 0] != &y[0, 0, 0, 0], "conv_forward", "add", "may not be y", "y")
             g.add, g.y0 = &add[0, 0, 0, 0], &y[0, 0, 0, 0]

@@ -754,7 +754,7 @@ def conv_backward(const float[:, :, :, :, ::1] x, const float[:, :, ::1] u,
 
 
 def conv_forward_nhwc(const float[:, :, :, ::1] x, const float[:, :, ::1] u,
-                      const float[::1] bias, float[:, :, :, ::1] y,
+                      const float[::1] bias, float[:, :, :, :] y,
                       float[:, :, :, :] vbuf, float[:, :, :, :] mbuf,
                       const float[:, ::1] at, const float[:, ::1] bt,
                       int V, int O, int m, int r, int ph, int pw, int group,
@@ -763,11 +763,19 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const float[:, :, ::1] u,
     (bias padded to whole blocks; scratch_shapes with this V). packed (None: none): u as pack_u
     packed it, which the GEMMs then read instead (a TEST net's, kept in place of its U); u is
     then read for its shape only. relu: y = max(0, that) as the output transform stores it (NaN
-    kept), a TEST net's ReLU without a pass of its own."""
+    kept), a TEST net's ReLU without a pass of its own. y may be a run of a wider channels-last
+    array's channels (a slice of its last axis)."""
     cdef WGeom g = _geom("conv_forward_nhwc", dims(x.shape, 4), "y", dims(y.shape, 4), False, V,
                          x.shape[3], O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
     _check_forward("conv_forward_nhwc", &g, u, bias)
     g.relu = relu
+    # y may be a run of a wider channels-last array's channels (a concat's top): pixels ps apart
+    g.yp = y.strides[2] // sizeof(float)
+    need(y.strides[3] == sizeof(float) and g.yp >= O and y.strides[1] == y.shape[2] * y.strides[2]
+         and y.strides[0] == y.shape[1] * y.strides[1], "conv_forward_nhwc", "y",
+         "needs its pixels equally spaced (its own array, or a run of a wider one's channels)",
+         tuple([y.strides[i] for i in range(4)]))
+    g.yn = y.strides[0] // sizeof(float)
     if packed is not None:
         g.up_each = caffepy_packed_floats(g.Og, g.Cg)
         need(packed.shape[0] == g.a * g.a * group * g.up_each, "conv_forward_nhwc", "packed",

@@ -328,8 +328,11 @@ class Gemm:
     # place of the layer's bias, + add (None, or a channels-last blob of the top's shape), then
     # max(y, 0) if relu, on the rows each GEMM has just written
     epilogue = True
+    # the forward writes into `out`, a run of a wider channels-last blob's channels, when given
+    # (a TEST net's concat written in place: net_rules.ConcatSlot)
+    writes_slices = True
 
-    def forward(self, bottom, top, params=None, epilogue=None):
+    def forward(self, bottom, top, params=None, epilogue=None, out=None):
         bias = forward_params(self.layer, params)[1]
         scale, relu, add = None, False, None
         if epilogue is not None:
@@ -339,8 +342,8 @@ class Gemm:
         col = self._col()
         rows = self.rows if epilogue is None else self.epilogue_rows
         for b, t in zip(bottom, top):
-            _k.conv_forward(self._input(b.raw_data), wt, bias, t.raw_data, col, *self.args,
-                            rows, self.caffe_order, scale, relu,
+            _k.conv_forward(self._input(b.raw_data), wt, bias, t.raw_data if out is None else out,
+                            col, *self.args, rows, self.caffe_order, scale, relu,
                             None if add is None else add.raw_data, self.packed)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
@@ -516,8 +519,9 @@ class Winograd:
     """Winograd F(m x m, r x r) on the channels-last layout (cext/winograd.pyx), for stride-1
     undilated square kernels: a*a GEMMs over tiles instead of one over pixels. It takes a TEST
     net's ReLU into its output transform's store (`fuses_relu`): GoogLeNet b1's 3 x 3 and 5 x 5
-    layers ran their ReLUs as 14 passes of their own."""
+    layers ran their ReLUs as 14 passes of their own. Like Gemm it `writes_slices`."""
     fuses_relu = True
+    writes_slices = True
 
     def __init__(self, layer, n, h, w, m):
         L = layer
@@ -537,7 +541,7 @@ class Winograd:
                                      L, packs=True)
         return (at, bt, gm, u, packed) + winograd_buffers(self.vshape, self.mshape, _workspace)
 
-    def forward(self, bottom, top, params=None, relu=False):
+    def forward(self, bottom, top, params=None, relu=False, out=None):
         L = self.layer
         given = forward_params(L, params)[1]
         at, bt, _, u, packed, vbuf, mbuf = self._setup(True, params)
@@ -546,9 +550,9 @@ class Winograd:
         if given is not None:
             bias[:L.num_output] = given
         for b, t in zip(bottom, top):
-            _winograd.conv_forward_nhwc(b.raw_data, u, bias, t.raw_data, vbuf, mbuf, at, bt, self.v,
-                                        L.num_output, self.m, self.r, self.ph, self.pw, L.group,
-                                        packed, relu)
+            _winograd.conv_forward_nhwc(b.raw_data, u, bias, t.raw_data if out is None else out,
+                                        vbuf, mbuf, at, bt, self.v, L.num_output, self.m, self.r,
+                                        self.ph, self.pw, L.group, packed, relu)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         L = self.layer

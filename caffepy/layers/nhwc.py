@@ -303,7 +303,7 @@ class NHWCConvolution(Convolution):
         if self.fused is not None:
             self.fused.forward(bottom, top)
 
-    def forward_folded(self, bottom, top, bn, scale=None, relu=False, add=None):
+    def forward_folded(self, bottom, top, bn, scale=None, relu=False, add=None, out=None):
         """This layer's forward with the BatchNorm `bn` (global statistics, in place on the top;
         None: none), the Scale `scale` after it (in place too, or None) and, with `relu`, a
         ReLU after them, as a TEST net's unit runs it (caffepy/net_rules.py). An algorithm with
@@ -311,7 +311,8 @@ class NHWCConvolution(Convolution):
         wrote, and adds the blob `add` (an Eltwise SUM's other bottom; only with an epilogue)
         before the ReLU; another computes with the BatchNorm and Scale folded into its weights
         and bias, and the ReLU is left to the caller (returns False; True when it ran) unless
-        the algorithm `fuses_relu`."""
+        the algorithm `fuses_relu`. `out`: the array to write in place of the top's (see
+        writes_slice)."""
         algo = self.algos["forward"]
         if self.has_epilogue():
             if bn is None:
@@ -320,26 +321,35 @@ class NHWCConvolution(Convolution):
                 if self._affine is None:
                     self._affine = Folded(weights=False)
                 s, t = self._affine.params(self, bn, scale)
-            algo.forward(bottom, top, epilogue=(s, t, relu, add))
+            algo.forward(bottom, top, epilogue=(s, t, relu, add), **_out(out))
             return True
         assert add is None, "a sum needs an epilogue"
         if self._folded is None:
             self._folded = Folded(weights=True)
         params = self._folded.params(self, bn, scale)
         if relu and getattr(algo, "fuses_relu", False):
-            algo.forward(bottom, top, params, relu=True)
+            algo.forward(bottom, top, params, relu=True, **_out(out))
             return True
-        algo.forward(bottom, top, params)
+        algo.forward(bottom, top, params, **_out(out))
         return not relu
 
-    def forward_relu(self, bottom, top):
+    def forward_relu(self, bottom, top, out=None):
         """This layer's forward with a ReLU (no slope) in place after it, taken into the
-        algorithm's stores where it `fuses_relu` (True: done); False: nothing ran."""
+        algorithm's stores where it `fuses_relu` (True: done); False: nothing ran. `out` as in
+        forward_folded."""
         algo = self.algos["forward"]
         if self.fused is not None or not getattr(algo, "fuses_relu", False):
             return False
-        algo.forward(bottom, top, relu=True)
+        algo.forward(bottom, top, relu=True, **_out(out))
         return True
+
+    def writes_slice(self, relu):
+        """Whether a TEST unit's forward (forward_folded or forward_relu, with a ReLU of no
+        slope if `relu`) can write its output into `out`, a run of a wider channels-last
+        blob's channels, with nothing left to run on the top after it."""
+        algo = self.algos["forward"]
+        return (self.fused is None and getattr(algo, "writes_slices", False)
+                and (not relu or self.has_epilogue() or getattr(algo, "fuses_relu", False)))
 
     def has_epilogue(self):
         """Whether the forward's algorithm applies a per-channel scale, bias and ReLU to its
@@ -361,6 +371,12 @@ class NHWCConvolution(Convolution):
             weights.backward(top, [False] * len(bottom), bottom, need_w, need_b)
         if any(propagate_down):
             data.backward(top, propagate_down, bottom, False, False)
+
+
+def _out(out):
+    """The keyword that hands an algorithm's forward its output array, if there is one (an
+    algorithm that does not write slices takes no such keyword)."""
+    return {} if out is None else {"out": out}
 
 
 def batchnorm_affine(bias, mean, var, eps, gamma=None, beta=None):
@@ -757,9 +773,12 @@ class NHWCBias(_PerChannel, Bias):
 @register(variant=NHWC)
 class NHWCConcat(Concat):
     """Concat of channels-last blobs along channels: each pixel's channels are the bottoms'
-    runs in order."""
+    runs in order. In a TEST net the convolution units that feed it may write their runs
+    straight into its top (net_rules.ConcatSlot): `placed[j]` says that bottom j's run is in
+    place for this forward, which then copies only the others."""
     type = "Concat"
     layout = NHWC
+    placed = None
 
     @classmethod
     def wanted(cls, request):
@@ -775,7 +794,11 @@ class NHWCConcat(Concat):
 
     def forward(self, bottom, top):
         y = rows(top[0])
-        for b, (lo, hi) in zip(bottom, self.runs):
+        placed = self.placed
+        for j, (b, (lo, hi)) in enumerate(zip(bottom, self.runs)):
+            if placed is not None and placed[j]:
+                placed[j] = False           # written by its unit in this forward
+                continue
             _k.copy_columns(rows(b), 0, y, int(lo), int(hi - lo))
 
     def backward(self, top, propagate_down, bottom):

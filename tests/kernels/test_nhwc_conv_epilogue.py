@@ -133,3 +133,37 @@ def test_epilogue_loads_no_masked_vectors():
     assert bodies, "no _fwd_rows in the disassembly"
     for name, body in bodies:
         assert not re.search(r"\bv(p)?maskmov", body), f"{name} has masked vector loads"
+
+
+@pytest.mark.parametrize("k, pad, rows, threads", [(1, 0, 0, 1), (1, 0, 16, 2), (3, 1, 16, 1),
+                                                   (3, 1, 100, 2)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_forward_into_a_run_of_a_wider_blobs_channels(k, pad, rows, threads, packed):
+    """y a slice of a wider channels-last array's last axis (a concat's top written in place):
+    the same bits in its channels as into an array of its own, and the other channels as they
+    were; an output whose pixels are not equally spaced is refused in one line."""
+    rng = np.random.default_rng(11)
+    n, c, h, w, o, lo, wide = 2, 5, 6, 7, 6, 3, 17
+    xl = rng.standard_normal((n, h, w, c), dtype=np.float32)
+    weights = rng.standard_normal((o, c, k, k), dtype=np.float32)
+    bias = rng.standard_normal(o, dtype=np.float32)
+    scale = rng.standard_normal(o, dtype=np.float32)
+    caffe_order = k == 1
+    if caffe_order:
+        wt = weights.reshape(1, o, c)
+        rows = rows or n * h * w
+        col = np.zeros((threads, 0), np.float32)
+    else:
+        wt = np.ascontiguousarray(weights.transpose(2, 3, 1, 0).reshape(1, k * k * c, o))
+        col = np.zeros((threads, nhwc.conv_col_floats(c, k, k, h, w, rows)), np.float32)
+    panels = _packed(wt, caffe_order) if packed else None
+    args = (o, k, k, pad, pad, 1, 1, 1, 1, 1, rows, caffe_order, scale, True, None, panels)
+    own = np.empty((n, h, w, o), np.float32)
+    nhwc.conv_forward(xl, wt, bias, own, col, *args)
+    full = np.full((n, h, w, wide), 7.5, np.float32)
+    nhwc.conv_forward(xl, wt, bias, full[..., lo:lo + o], col, *args)
+    np.testing.assert_array_equal(full[..., lo:lo + o].view(np.int32), own.view(np.int32))
+    assert (full[..., :lo] == 7.5).all() and (full[..., lo + o:] == 7.5).all()
+    with pytest.raises(ValueError, match="conv_forward: y: needs its pixels equally spaced"):
+        nhwc.conv_forward(xl, wt, bias, np.zeros((n, w, h, o), np.float32).transpose(0, 2, 1, 3),
+                          col, *args)

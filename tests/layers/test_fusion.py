@@ -733,3 +733,106 @@ def test_a_backward_through_a_block_end_unit_runs_the_layers(tmp_path, monkeypat
     for name in ("data", "x", "y2"):
         got, want = folded.blobs[name].diff, plain.blobs[name].diff
         assert float(np.abs(got - want).max()) <= 1e-5 * float(np.abs(want).max()), name
+
+
+# -- A Concat's convolution units written into its top in place (TEST nets) ---------------------
+def _branch(name, bottom, outputs, k, bn=False):
+    pad = k // 2
+    text = (f'layer {{ name: "{name}" type: "Convolution" bottom: "{bottom}" top: "{name}"\n'
+            f'  convolution_param {{ num_output: {outputs} kernel_size: {k} pad: {pad}\n'
+            f'  weight_filler {{ type: "gaussian" std: 0.3 }} bias_filler {{ type: "gaussian" '
+            f'std: 0.3 }} }} }}\n')
+    if bn:
+        text += (f'layer {{ name: "{name}_bn" type: "BatchNorm" bottom: "{name}" top: "{name}" }}\n'
+                 f'layer {{ name: "{name}_scale" type: "Scale" bottom: "{name}" top: "{name}"\n'
+                 f'  scale_param {{ bias_term: true }} }}\n')
+    return text + f'layer {{ name: "{name}_relu" type: "ReLU" bottom: "{name}" top: "{name}" }}\n'
+
+
+# GoogLeNet's inception block, its 3 x 3 branch with a BatchNorm (Inception-v3's form), a max
+# pool straight into the concat as a fifth bottom, and a 1 x 1 after the concat
+CONCAT_NET = ("force_backward: true\n"
+              'layer { name: "data" type: "Input" top: "data"\n'
+              '  input_param { shape { dim: 2 dim: 16 dim: 9 dim: 8 } } }\n'
+              + _branch("b1x1", "data", 5, 1) + _branch("b3x3", "data", 11, 3, bn=True)
+              + _branch("b5x5", "data", 3, 5)
+              + 'layer { name: "pool" type: "Pooling" bottom: "data" top: "pool"\n'
+                '  pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }\n'
+              + _branch("proj", "pool", 4, 1)
+              + 'layer { name: "pool2" type: "Pooling" bottom: "data" top: "pool2"\n'
+                '  pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }\n'
+              'layer { name: "cat" type: "Concat" bottom: "b1x1" bottom: "b3x3" bottom: "b5x5"\n'
+              '  bottom: "proj" bottom: "pool2" top: "cat" }\n'
+              + _branch("after", "cat", 7, 1))
+
+
+def _copies(monkeypatch):
+    """The runs the Concat copies (kernels.copy_columns' calls), counted."""
+    calls = []
+    real = kernels.copy_columns
+    monkeypatch.setattr(kernels, "copy_columns", lambda *a: (calls.append(a[4]), real(*a)))
+    return calls
+
+
+def test_concat_in_place_finds_the_units_that_feed_it(tmp_path, monkeypatch):
+    folded, plain = _fold_twins(tmp_path, monkeypatch, text=CONCAT_NET)
+    slots = {folded.layers[first].name: (s.index, s.lo, s.hi)
+             for first, s in folded._concat_slots.items()}
+    # the pool's bottom is no convolution's: copied; the 1 x 1 after the concat feeds no concat
+    assert slots == {"b1x1": (0, 0, 5), "b3x3": (1, 5, 16), "b5x5": (2, 16, 19),
+                     "proj": (3, 19, 23)}
+    assert plain._concat_slots == {}
+    (tmp_path / "train.prototxt").write_text(CONCAT_NET)
+    assert Net(str(tmp_path / "train.prototxt"), caffepy.TRAIN)._concat_slots == {}
+
+
+GEMMS = {"b1x1": "gemm", "b3x3": "im2col+gemm", "b5x5": "im2col+gemm", "proj": "gemm"}
+
+
+@pytest.mark.parametrize("algorithms", [GEMMS, {**GEMMS, "b3x3": "winograd F(4,3)"},
+                                        {**GEMMS, "b3x3": "winograd F(2,3)"},
+                                        {**GEMMS, "b1x1": "direct", "b3x3": "direct"}],
+                         ids=["gemm", "winograd-F4", "winograd-F2", "direct"])
+def test_concat_in_place_gives_the_layers_values(tmp_path, monkeypatch, algorithms):
+    """The concat's top and everything after it as the layers compute them (the BatchNorm
+    folded: 1e-5), the concat copying only what no unit wrote into it: the pool's run, and
+    the runs of units whose algorithm cannot write a slice (direct). A unit's own top is left
+    unwritten; a batch size the concat's top does not have yet is copied once, then written in
+    place; a backward (pycaffe's net.backward on a TEST net) gives the layers' gradients."""
+    folded, plain = _fold_twins(tmp_path, monkeypatch, text=CONCAT_NET)
+    for name, algorithm in algorithms.items():
+        folded.layer_dict[name].force_algorithm(algorithm)
+    copied = _copies(monkeypatch)
+    direct = sum(1 for a in algorithms.values() if a == "direct")
+    for step in range(2):
+        folded.blobs["b1x1"].data[...] = np.nan
+        copied.clear()
+        folded.forward()
+        assert len(copied) == 1 + direct, copied
+        plain.forward()
+        _same_blob(folded, plain, "cat")
+        _same_blob(folded, plain, "after")
+        assert np.isnan(folded.blobs["b1x1"].data).all() != (algorithms.get("b1x1") == "direct")
+    x = np.random.default_rng(9).standard_normal((3, 16, 9, 8)).astype(np.float32)
+    for net in (folded, plain):
+        net.blobs["data"].reshape(*x.shape)
+        net.blobs["data"].data[...] = x
+    for want_copies in (5, 1 + direct):         # the first forward at 3 images copies them all
+        copied.clear()
+        folded.forward()
+        assert len(copied) == want_copies
+        plain.forward()
+        _same_blob(folded, plain, "after")
+        for name, algorithm in algorithms.items():      # a new shape's own choice otherwise
+            folded.layer_dict[name].force_algorithm(algorithm)
+    for net in (folded, plain):
+        net.blobs["after"].diff[...] = np.linspace(-1, 1, net.blobs["after"].count).reshape(
+            net.blobs["after"].shape)
+        net.backward()
+    _same_blob(folded, plain, "data", diff=True)
+
+
+def _same_blob(folded, plain, name, diff=False):
+    got = folded.blobs[name].diff if diff else folded.blobs[name].data
+    want = plain.blobs[name].diff if diff else plain.blobs[name].data
+    assert float(np.abs(got - want).max()) <= 1e-5 * max(1.0, float(np.abs(want).max())), name

@@ -482,3 +482,30 @@ def test_a_batch_smaller_than_the_threads_is_spread():
     assert vshape[0] == 2                           # an image a thread
     vshape, _ = winograd.scratch_shapes(1, 1, 64, 64, 28, 28, 8, 4, 3, 1, 1)
     assert vshape[0] == 1 and vshape[2] <= 7 * 7    # one thread: its own passes
+
+
+@pytest.mark.parametrize("m,r,threads,spread", [(4, 3, 2, False), (2, 3, 1, False),
+                                                 (2, 5, 2, True)])
+def test_a_forward_into_a_run_of_a_wider_blobs_channels(m, r, threads, spread):
+    """y a slice of a wider channels-last array's last axis (a concat's top written in place):
+    the same bits in its channels as into an array of its own (with a part lane block: 11
+    outputs in blocks of 8), the other channels untouched, per-thread tasks and spread alike."""
+    N, C, O, H, W, lo, wide, width, pad = 3, 6, 11, 9, 10, 5, 23, 8, r // 2
+    x, w = randn(N, C, H, W, seed=51), randn(O, C, r, r, seed=52)
+    at, g, bt = conv_algorithms.winograd_matrices(m, r)
+    ut = np.empty(((m + r - 1) ** 2, C, O), np.float32)
+    winograd.weight_transform(w, g, ut, 1)
+    vshape, mshape = winograd.scratch_shapes(threads, N, C, O, H, W, width, m, r, pad, pad,
+                                             spread=spread)
+    vbuf, mbuf = np.empty(vshape, np.float32), np.empty(mshape, np.float32)
+    bias = np.zeros(-(-O // width) * width, np.float32)
+    bias[:O] = randn(O, seed=53)
+    xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    own = np.empty((N, H, W, O), np.float32)
+    args = (vbuf, mbuf, at, bt, width, O, m, r, pad, pad, 1, None, True)
+    winograd.conv_forward_nhwc(xl, ut, bias, own, *args)
+    full = np.full((N, H, W, wide), -3.25, np.float32)
+    winograd.conv_forward_nhwc(xl, ut, bias, full[..., lo:lo + O], *args)
+    np.testing.assert_array_equal(full[..., lo:lo + O].view(np.int32), own.view(np.int32))
+    assert (full[..., :lo] == -3.25).all() and (full[..., lo + O:] == -3.25).all()
+    assert (own == 0).any()                                     # the ReLU cut something
