@@ -869,13 +869,16 @@ cdef inline int _band_row(const CGeom* g, int split, int b) noexcept nogil:
 
 
 def conv_direct_forward(const float[:, :, :, ::1] x, int C, const float[:, ::1] wp,
-                        const float[::1] bp, float[:, ::1] y, int O, int ys, int B, Py_ssize_t bs,
+                        const float[::1] bp, float[:, :] y, int O, int ys, int B, Py_ssize_t bs,
                         float[:, ::1] xpad, int kh, int kw, int ph, int pw, int sh, int sw,
                         int dh, int dw, bint relu=False):
     """Outputs 0 .. O - 1 of y [N, floats an image] (addressed by ys, B, bs: nhwc_direct.h) =
     conv(the first C floats a pixel of x [N, H, W, xs], wp) + bp (bp [Op]: zeros for no bias),
-    with relu max(0, that) (NaN kept); overwritten. Scratch xpad [T, conv_direct_plane(...)]
-    for T threads."""
+    with relu max(0, that) (NaN kept); overwritten. y's images may lie further apart than its
+    floats (a run of a wider blob's channels: ys its pixel stride). Scratch xpad [T,
+    conv_direct_plane(...)] for T threads."""
+    need(y.strides[1] == sizeof(float), "conv_direct_forward", "y", "needs its floats in a row",
+         tuple([y.strides[i] for i in range(2)]))
     cdef CGeom g = _direct_geom("conv_direct_forward", x, C, y, O, ys, B, bs, kh, kw, ph, pw, sh,
                                 sw, dh, dw)
     cdef int Op = wp.shape[1], T = xpad.shape[0], nt, tid, split, b, oy0, oy1

@@ -399,6 +399,7 @@ class Direct:
         (kh, kw) = L.window.kernel
         v, t = _k.direct_widths()
         self.h, self.w, self.width = h, w, width
+        self.writes_slices = width is None      # channels-last (Gemm says what that is)
         self.k = kh * kw * L.channels
         # outputs written a pixel: a block's padding lanes too (their weights and bias are 0)
         self.lanes = L.num_output if width is None else -(-L.num_output // width) * width
@@ -425,7 +426,7 @@ class Direct:
         v = self.width
         return (x.reshape(n, self.h, self.w, v), y.reshape(n, -1), v, v, L.oh * L.ow * v)
 
-    def forward(self, bottom, top, params=None, relu=False):
+    def forward(self, bottom, top, params=None, relu=False, out=None):
         L = self.layer
         o = L.num_output
         source = weight_source(L, params)
@@ -438,6 +439,11 @@ class Direct:
         xpad = _workspace("direct_x", (_k.max_threads(), self.plane))
         for b, t in zip(bottom, top):
             x, y, ys, lanes, bs = self._arrays(b.raw_data, t.raw_data)
+            if out is not None:         # its pixels ps floats apart, as [N, floats an image]
+                ps = out.strides[2] // 4
+                y = np.lib.stride_tricks.as_strided(
+                    out, (len(out), (L.oh * L.ow - 1) * ps + o), (out.strides[0], 4))
+                ys = ps
             _k.conv_direct_forward(x, L.channels, self.wp, self.bp, y, self.lanes, ys, lanes, bs,
                                    xpad, *self._args(), relu=relu)
 

@@ -167,3 +167,34 @@ def test_a_forward_into_a_run_of_a_wider_blobs_channels(k, pad, rows, threads, p
     with pytest.raises(ValueError, match="conv_forward: y: needs its pixels equally spaced"):
         nhwc.conv_forward(xl, wt, bias, np.zeros((n, w, h, o), np.float32).transpose(0, 2, 1, 3),
                           col, *args)
+
+
+@pytest.mark.parametrize("k, stride, o", [(3, 2, 21), (1, 1, 8), (5, 1, 3)])
+def test_a_direct_forward_into_a_run_of_a_wider_blobs_channels(k, stride, o):
+    """The direct kernel writing outputs ps floats a pixel apart (its y [N, floats an image]
+    a view of a wider channels-last array from channel lo): the same bits as into its own
+    array, the other channels untouched (whole and part vectors of outputs)."""
+    rng = np.random.default_rng(13)
+    n, c, h, w, lo, wide = 2, 3, 9, 7, 2, o + 9
+    xl = rng.standard_normal((n, h, w, c), dtype=np.float32)
+    weights = rng.standard_normal((o, c, k, k), dtype=np.float32)
+    v, _ = nhwc.direct_widths()
+    op = -(-o // v) * v
+    wp = np.zeros((k * k * c, op), np.float32)
+    wp[:, :o] = weights.transpose(2, 3, 1, 0).reshape(-1, o)
+    bp = np.zeros(op, np.float32)
+    bp[:o] = rng.standard_normal(o, dtype=np.float32)
+    pad = k // 2
+    oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+    xpad = np.zeros((2, nhwc.conv_direct_plane(h, w, c, k, k, pad, pad, stride, stride, 1, 1)),
+                    np.float32)
+    geometry = (k, k, pad, pad, stride, stride, 1, 1)
+    own = np.empty((n, oh, ow, o), np.float32)
+    nhwc.conv_direct_forward(xl, c, wp, bp, own.reshape(n, -1), o, o, o, 0, xpad, *geometry,
+                             relu=True)
+    full = np.full((n, oh, ow, wide), 9.5, np.float32)
+    y = np.lib.stride_tricks.as_strided(full[..., lo:], (n, (oh * ow - 1) * wide + o),
+                                        (full.strides[0], 4))
+    nhwc.conv_direct_forward(xl, c, wp, bp, y, o, wide, o, 0, xpad, *geometry, relu=True)
+    np.testing.assert_array_equal(full[..., lo:lo + o].view(np.int32), own.view(np.int32))
+    assert (full[..., :lo] == 9.5).all() and (full[..., lo + o:] == 9.5).all()

@@ -750,7 +750,8 @@ def _branch(name, bottom, outputs, k, bn=False):
 
 
 # GoogLeNet's inception block, its 3 x 3 branch with a BatchNorm (Inception-v3's form), a max
-# pool straight into the concat as a fifth bottom, and a 1 x 1 after the concat
+# pool straight into the concat as a fifth bottom, a depthwise unit (no slices: copied) as a
+# sixth, and a 1 x 1 after the concat
 CONCAT_NET = ("force_backward: true\n"
               'layer { name: "data" type: "Input" top: "data"\n'
               '  input_param { shape { dim: 2 dim: 16 dim: 9 dim: 8 } } }\n'
@@ -761,8 +762,9 @@ CONCAT_NET = ("force_backward: true\n"
               + _branch("proj", "pool", 4, 1)
               + 'layer { name: "pool2" type: "Pooling" bottom: "data" top: "pool2"\n'
                 '  pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }\n'
-              'layer { name: "cat" type: "Concat" bottom: "b1x1" bottom: "b3x3" bottom: "b5x5"\n'
-              '  bottom: "proj" bottom: "pool2" top: "cat" }\n'
+              + _branch("dw", "data", 16, 3).replace("kernel_size: 3", "kernel_size: 3 group: 16")
+              + 'layer { name: "cat" type: "Concat" bottom: "b1x1" bottom: "b3x3" bottom: "b5x5"\n'
+              '  bottom: "proj" bottom: "pool2" bottom: "dw" top: "cat" }\n'
               + _branch("after", "cat", 7, 1))
 
 
@@ -780,44 +782,44 @@ def test_concat_in_place_finds_the_units_that_feed_it(tmp_path, monkeypatch):
              for first, s in folded._concat_slots.items()}
     # the pool's bottom is no convolution's: copied; the 1 x 1 after the concat feeds no concat
     assert slots == {"b1x1": (0, 0, 5), "b3x3": (1, 5, 16), "b5x5": (2, 16, 19),
-                     "proj": (3, 19, 23)}
+                     "proj": (3, 19, 23), "dw": (5, 39, 55)}
     assert plain._concat_slots == {}
     (tmp_path / "train.prototxt").write_text(CONCAT_NET)
     assert Net(str(tmp_path / "train.prototxt"), caffepy.TRAIN)._concat_slots == {}
 
 
-GEMMS = {"b1x1": "gemm", "b3x3": "im2col+gemm", "b5x5": "im2col+gemm", "proj": "gemm"}
+GEMMS = {"b1x1": "gemm", "b3x3": "im2col+gemm", "b5x5": "im2col+gemm", "proj": "gemm",
+         "dw": "depthwise"}
 
 
 @pytest.mark.parametrize("algorithms", [GEMMS, {**GEMMS, "b3x3": "winograd F(4,3)"},
                                         {**GEMMS, "b3x3": "winograd F(2,3)"},
-                                        {**GEMMS, "b1x1": "direct", "b3x3": "direct"}],
+                                        {**GEMMS, "b1x1": "direct", "b5x5": "direct"}],
                          ids=["gemm", "winograd-F4", "winograd-F2", "direct"])
 def test_concat_in_place_gives_the_layers_values(tmp_path, monkeypatch, algorithms):
     """The concat's top and everything after it as the layers compute them (the BatchNorm
-    folded: 1e-5), the concat copying only what no unit wrote into it: the pool's run, and
-    the runs of units whose algorithm cannot write a slice (direct). A unit's own top is left
-    unwritten; a batch size the concat's top does not have yet is copied once, then written in
-    place; a backward (pycaffe's net.backward on a TEST net) gives the layers' gradients."""
+    folded: 1e-5), the concat copying only what no unit wrote into it: the pool's run and the
+    depthwise unit's (its kernel writes no slice). A unit's own top is left unwritten; a batch
+    size the concat's top does not have yet is copied once, then written in place; a backward
+    (pycaffe's net.backward on a TEST net) gives the layers' gradients."""
     folded, plain = _fold_twins(tmp_path, monkeypatch, text=CONCAT_NET)
     for name, algorithm in algorithms.items():
         folded.layer_dict[name].force_algorithm(algorithm)
     copied = _copies(monkeypatch)
-    direct = sum(1 for a in algorithms.values() if a == "direct")
     for step in range(2):
         folded.blobs["b1x1"].data[...] = np.nan
         copied.clear()
         folded.forward()
-        assert len(copied) == 1 + direct, copied
+        assert sorted(copied) == [16, 16], copied         # the pool's and the depthwise's
         plain.forward()
         _same_blob(folded, plain, "cat")
         _same_blob(folded, plain, "after")
-        assert np.isnan(folded.blobs["b1x1"].data).all() != (algorithms.get("b1x1") == "direct")
+        assert np.isnan(folded.blobs["b1x1"].data).all()
     x = np.random.default_rng(9).standard_normal((3, 16, 9, 8)).astype(np.float32)
     for net in (folded, plain):
         net.blobs["data"].reshape(*x.shape)
         net.blobs["data"].data[...] = x
-    for want_copies in (5, 1 + direct):         # the first forward at 3 images copies them all
+    for want_copies in (6, 2):          # the first forward at 3 images copies them all
         copied.clear()
         folded.forward()
         assert len(copied) == want_copies
