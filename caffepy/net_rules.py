@@ -575,7 +575,7 @@ class ConcatSlot(typing.NamedTuple):
     written (GoogLeNet's inception_*/1x1, 3x3, 5x5 and pool_proj); CAFFEPY_FOLD=0 writes it.
     A unit falls back to its own top, and the Concat copies it, when the concat's top does not
     have the shape to take it (the first forward after a batch size changed) or when its
-    algorithm cannot write a slice (direct, depthwise; an int8 unit is never one of these)."""
+    algorithm cannot write a slice (depthwise; an int8 unit is never one of these)."""
     concat: object
     li: int
     index: int
