@@ -615,6 +615,15 @@ class Net:
                 conversion.reshape([b], [t])
             layer.reshape(bottom, top)
 
+    def unwritten_blobs(self):
+        """Names of the blobs this net's forward may leave unwritten (their values stale): in a
+        TEST net, the convolution tops that a fused unit computes past (ResNet's
+        `res2a_branch2c`, ...: the sum is written straight into the Eltwise's top) and the
+        branches written straight into a concat's top (GoogLeNet's `inception_3a/1x1`, ...).
+        CAFFEPY_FOLD=0 builds a net that writes them all; a TRAIN net always does."""
+        skipped = net_rules.unwritten(self)
+        return [name for name, blob in self.blobs.items() if any(blob is b for b in skipped)]
+
     # -- pycaffe API -----------------------------------------------------
     def forward(self, blobs=None, start=None, end=None, **kwargs):
         """Set inputs from kwargs, run forward, return {output name: data}."""

@@ -631,6 +631,20 @@ def concat_slots(net, units):
     return slots
 
 
+def unwritten(net):
+    """The blobs a TEST net's units may leave unwritten: a block end's convolution top (ConvSum,
+    and an int8 unit with its sum: the sum is written straight into the Eltwise's top) and the
+    tops of the units that write into a concat (ConcatSlot). CAFFEPY_FOLD=0 writes them all."""
+    out = []
+    for u in net._units.values():
+        y = net.top_vecs[u.first][0]
+        summed = u.rule is INT8 and parts(net, u, u.last).eltwise is not None
+        if (u.rule is CONV_SUM or summed) and y is not net.top_vecs[u.last][0]:
+            out.append(y)
+    out.extend(net.top_vecs[first][0] for first in net._concat_slots)
+    return out
+
+
 def compile_net(net, rules=RULES):
     """{first layer index: Unit} of the units `rules` find in the built `net`, in order (a
     layer joins the first unit that claims it); none under `engine: CAFFE`. Logs one line

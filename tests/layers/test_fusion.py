@@ -716,6 +716,7 @@ def test_a_block_end_runs_in_the_convolutions_epilogue(tmp_path, monkeypatch, le
     split = next(n for n in folded.layer_dict if n.startswith("s1") and "split" in n)
     assert units == {"conv0": "relu0", "conv1": "relu1", "conv2": split, "conv3": "relu3"}
     assert _fold_units(plain) == {} and _fold_units(caffe) == {}
+    assert folded.unwritten_blobs() == ["y2", "y3"] and plain.unwritten_blobs() == []
     for name in plain.blobs:
         want = caffe.blobs[name].data
         nets = (plain,) if name in ("y2", "y3") else (folded, plain)
@@ -784,6 +785,8 @@ def test_concat_in_place_finds_the_units_that_feed_it(tmp_path, monkeypatch):
     assert slots == {"b1x1": (0, 0, 5), "b3x3": (1, 5, 16), "b5x5": (2, 16, 19),
                      "proj": (3, 19, 23), "dw": (5, 39, 55)}
     assert plain._concat_slots == {}
+    assert folded.unwritten_blobs() == ["b1x1", "b3x3", "b5x5", "proj", "dw"]
+    assert plain.unwritten_blobs() == []
     (tmp_path / "train.prototxt").write_text(CONCAT_NET)
     assert Net(str(tmp_path / "train.prototxt"), caffepy.TRAIN)._concat_slots == {}
 
