@@ -90,3 +90,43 @@ def test_gpu_is_noted_and_the_cpu_used(job, capsys):
         log.set_quiet(True)
     assert result.exit_code == 0 and len(db_records(job[0] / "g")) == 2
     assert "ignoring --gpu 1" in result.output + capsys.readouterr().err
+
+
+BRANCHES = "".join(
+    f'layer {{ name: "{n}" type: "Convolution" bottom: "data" top: "{n}" convolution_param {{'
+    f' num_output: {o} kernel_size: {k} pad: {k // 2} weight_filler {{ type: "gaussian" std: 0.3 }}'
+    f' bias_filler {{ type: "constant" value: -0.1 }} }} }}\n'
+    f'layer {{ name: "{n}_relu" type: "ReLU" bottom: "{n}" top: "{n}" }}\n'
+    for n, o, k in (("b1", 5, 1), ("b3", 4, 3))) + (
+    'layer { name: "cat" type: "Concat" bottom: "b1" bottom: "b3" top: "cat" }\n')
+
+
+def test_a_blob_the_fused_net_leaves_unwritten_is_extracted_from_the_layers(tmp_path,
+                                                                            monkeypatch, capfd):
+    """A branch written straight into a concat's top is not written by the fused TEST net
+    (net.unwritten_blobs): asked for, the features come from the net whose layers write it,
+    as CAFFEPY_FOLD=0 builds it, and a line says so."""
+    monkeypatch.chdir(tmp_path)
+    make_db(tmp_path / "db", 4, shape=(16, 5, 5))
+    (tmp_path / "net.prototxt").write_text('name: "b"\n' + data_net_text(str(tmp_path / "db"), 2)
+                                           + BRANCHES)
+    net = caffepy.Net(str(tmp_path / "net.prototxt"), caffepy.TEST)
+    assert net.unwritten_blobs() == ["b1", "b3"]
+    net.save(str(tmp_path / "w.caffemodel"))
+    log.set_quiet(False)
+    try:
+        assert actions.extract_features("w.caffemodel", "net.prototxt", "b1,cat", "b1_db,cat_db",
+                                        2) == [4, 4]
+    finally:
+        log.set_quiet(True)
+    assert "b1 not written by the fused TEST net" in capfd.readouterr().err
+    monkeypatch.setenv("CAFFEPY_FOLD", "0")
+    plain = caffepy.Net(str(tmp_path / "net.prototxt"), caffepy.TEST, weights="w.caffemodel")
+    want = {"b1": [], "cat": []}
+    for _ in range(2):
+        plain.forward()
+        for name in want:
+            want[name].extend(plain.blobs[name].data.reshape(2, -1).copy())
+    for name in want:
+        got = [caffe_pb2.Datum.FromString(v).float_data for _, v in db_records(tmp_path / f"{name}_db")]
+        np.testing.assert_allclose(np.array(got), np.array(want[name]), rtol=1e-5, atol=1e-6)
