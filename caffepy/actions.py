@@ -439,7 +439,8 @@ def extract_features(weights, model, blob_names, dataset_names, num_mini_batches
         raise UsageError(f"extract_features: db_type: '{db_type}' is not a database type; use lmdb "
                          f"or leveldb")
     net = Net(model, phase=TEST, weights=weights)
-    unwritten = [name for name in blobs if name in net.unwritten_blobs()]
+    skipped = net.unwritten_blobs()
+    unwritten = [name for name in blobs if name in skipped]
     if unwritten:
         # a fused unit computes past them: the net whose layers write every blob
         log.info(f"extract_features: {', '.join(unwritten)} not written by the fused TEST net; "

@@ -372,7 +372,7 @@ class ConvBatchNorm:
         bn, scale, _, _, relu = parts(net, unit, last)
         # the epilogue's and the stores' ReLU has no slope: a leaky one runs after them
         plain = relu is not None and relu.slope == 0
-        slot = net._concat_slots.get(first) if last == unit.last else None
+        slot = net._concat_slots.get(first)
         out = None
         if slot is not None and (relu is None or plain) and conv.writes_slice(relu is not None):
             out = slot.run(net, top[0])

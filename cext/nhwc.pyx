@@ -28,7 +28,7 @@ import array
 
 from blas cimport (PackedSplit, caffepy_packed_floats, caffepy_panel_pack, gemm_ld, packed_part,
                    packed_split, packed_start)
-from rules cimport dims, need, need_shape, threads_for
+from rules cimport dims, need, need_shape, pixel_stride, threads_for
 
 include "blas_threads.pxi"
 include "lrn_pow.pxi"
@@ -639,17 +639,6 @@ cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
              f"needs shape (>= {T}, >= {g.rows * g.Ktot})", tuple(col.shape[:2]))
 
 
-cdef Py_ssize_t _pixel_stride(str kernel, float[:, :, :, :] y, int O) except -1:
-    """Floats between the pixels of a forward's output y [N, oh, ow, O]: O, or more for a run
-    of a wider blob's channels, whose pixels must then be equally spaced throughout."""
-    cdef Py_ssize_t ps = y.strides[2] // sizeof(float)
-    need(y.strides[3] == sizeof(float) and ps >= O and y.strides[1] == y.shape[2] * y.strides[2]
-         and y.strides[0] == y.shape[1] * y.strides[1], kernel, "y",
-         "needs its pixels equally spaced (its own array, or a run of a wider one's channels)",
-         tuple([y.strides[i] for i in range(4)]))
-    return ps
-
-
 def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const float[::1] bias,
                  float[:, :, :, :] y, float[:, ::1] col, int O, int kh, int kw, int ph, int pw,
                  int sh, int sw, int dh, int dw, int group, Py_ssize_t rows,
@@ -667,7 +656,7 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
     cdef CGeom g = _cgeom("conv_forward", x, y, O, kh, kw, ph, pw, sh, sw, dh, dw, group, rows,
                           caffe_order)
     g.relu = relu
-    g.ldy = _pixel_stride("conv_forward", y, O)
+    g.ldy = pixel_stride("conv_forward", y, O)
     if scale is not None:
         need(scale.shape[0] == O, "conv_forward", "scale", f"needs {O} values", scale.shape[0])
         g.scale = &scale[0]

@@ -16,7 +16,9 @@ typedef int32_t caffepy_pi8 __attribute__((vector_size(32), aligned(4), may_alia
 /* Channels c .. c + 8 * R of one output pixel, window rows hs .. he, columns ws .. we: R runs
  * of eight channels at once, so R independent compare-and-blend chains overlap (one run at a
  * time waited on each blend's latency: cifar10_quick's pool1, 16 x 16 x 32 outputs of 3x3
- * windows, took 18 us on one core). Called with a constant R, which GCC unrolls. */
+ * windows, took 18 us on one core). Called with a constant R, which GCC unrolls, and mk NULL
+ * (a TEST net's forward: the maxima alone, half the stores) as a constant where it is, so that
+ * the positions' blends drop out. */
 static inline __attribute__((always_inline)) void
 caffepy_max_runs(const float *x, float *out, int32_t *mk, int W, int C, int c, int R,
                  int hs, int he, int ws, int we)
@@ -37,36 +39,15 @@ caffepy_max_runs(const float *x, float *out, int32_t *mk, int W, int C, int c, i
                 caffepy_pf8 v = *(const caffepy_pf8 *)(p + 8 * r);
                 caffepy_pi8 gt = v > best[r];              /* all ones where greater */
                 best[r] = (caffepy_pf8)(((caffepy_pi8)v & gt) | ((caffepy_pi8)best[r] & ~gt));
-                arg[r] = (at & gt) | (arg[r] & ~gt);
+                if (mk)
+                    arg[r] = (at & gt) | (arg[r] & ~gt);
             }
         }
     for (int r = 0; r < R; r++) {
         *(caffepy_pf8 *)(out + c + 8 * r) = best[r];
-        *(caffepy_pi8 *)(mk + c + 8 * r) = arg[r];
+        if (mk)
+            *(caffepy_pi8 *)(mk + c + 8 * r) = arg[r];
     }
-}
-
-/* caffepy_max_runs without the argmax (mask NULL: a TEST net's forward): the same maxima,
- * half the stores and no blends of positions. */
-static inline __attribute__((always_inline)) void
-caffepy_max_vals(const float *x, float *out, int W, int C, int c, int R, int hs, int he, int ws,
-                 int we)
-{
-    caffepy_pf8 best[4];
-    for (int r = 0; r < R; r++)
-        best[r] = (caffepy_pf8){-FLT_MAX, -FLT_MAX, -FLT_MAX, -FLT_MAX,
-                                -FLT_MAX, -FLT_MAX, -FLT_MAX, -FLT_MAX};
-    for (int h = hs; h < he; h++)
-        for (int w = ws; w < we; w++) {
-            const float *p = x + ((long)h * W + w) * C + c;
-            for (int r = 0; r < R; r++) {
-                caffepy_pf8 v = *(const caffepy_pf8 *)(p + 8 * r);
-                caffepy_pi8 gt = v > best[r];
-                best[r] = (caffepy_pf8)(((caffepy_pi8)v & gt) | ((caffepy_pi8)best[r] & ~gt));
-            }
-        }
-    for (int r = 0; r < R; r++)
-        *(caffepy_pf8 *)(out + c + 8 * r) = best[r];
 }
 
 /* One output row; mask NULL: the maxima alone. */
@@ -83,9 +64,9 @@ static void caffepy_max_row(const float *x, float *y, int32_t *mask, int H, int 
         int c = 0;
         if (!mask) {
             for (; c + 32 <= C; c += 32)
-                caffepy_max_vals(x, out, W, C, c, 4, hs, he, ws, we);
+                caffepy_max_runs(x, out, NULL, W, C, c, 4, hs, he, ws, we);
             for (; c + 8 <= C; c += 8)
-                caffepy_max_vals(x, out, W, C, c, 1, hs, he, ws, we);
+                caffepy_max_runs(x, out, NULL, W, C, c, 1, hs, he, ws, we);
         }
         for (; c + 32 <= C; c += 32)
             caffepy_max_runs(x, out, mk, W, C, c, 4, hs, he, ws, we);

@@ -41,6 +41,18 @@ cdef inline int threads_for_macs(Py_ssize_t macs) noexcept nogil:
     return threads_for(macs // MACS_PER_OP)
 
 
+cdef inline Py_ssize_t pixel_stride(str kernel, float[:, :, :, :] y, int O) except -1:
+    """Floats between the pixels of a forward's channels-last output y [N, oh, ow, O]: O, or
+    more for a run of a wider array's channels (a concat's top written in place), whose pixels
+    must then be equally spaced throughout."""
+    cdef Py_ssize_t ps = y.strides[2] // sizeof(float)
+    need(y.strides[3] == sizeof(float) and ps >= O and y.strides[1] == y.shape[2] * y.strides[2]
+         and y.strides[0] == y.shape[1] * y.strides[1], kernel, "y",
+         "needs its pixels equally spaced (its own array, or a run of a wider one's channels)",
+         tuple([y.strides[i] for i in range(4)]))
+    return ps
+
+
 cdef inline tuple dims(const Py_ssize_t* shape, int ndim):
     """The first `ndim` extents of a memoryview's shape, as a tuple for messages and compares."""
     return tuple([shape[i] for i in range(ndim)])

@@ -43,7 +43,7 @@ from libc.string cimport memcpy, memset
 import numpy as np
 
 from blas cimport caffepy_packed_floats, caffepy_panel_pack, gemm_ld, gemm_packed
-from rules cimport MACS_PER_OP, dims, need, need_shape, threads_for
+from rules cimport MACS_PER_OP, dims, need, need_shape, pixel_stride, threads_for
 
 include "blas_threads.pxi"
 
@@ -769,12 +769,7 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const float[:, :, ::1] u,
                          x.shape[3], O, m, r, ph, pw, group, vbuf, mbuf, at, bt)
     _check_forward("conv_forward_nhwc", &g, u, bias)
     g.relu = relu
-    # y may be a run of a wider channels-last array's channels (a concat's top): pixels ps apart
-    g.yp = y.strides[2] // sizeof(float)
-    need(y.strides[3] == sizeof(float) and g.yp >= O and y.strides[1] == y.shape[2] * y.strides[2]
-         and y.strides[0] == y.shape[1] * y.strides[1], "conv_forward_nhwc", "y",
-         "needs its pixels equally spaced (its own array, or a run of a wider one's channels)",
-         tuple([y.strides[i] for i in range(4)]))
+    g.yp = pixel_stride("conv_forward_nhwc", y, O)    # more than O: a concat's top's run
     g.yn = y.strides[0] // sizeof(float)
     if packed is not None:
         g.up_each = caffepy_packed_floats(g.Og, g.Cg)
