@@ -7,7 +7,7 @@ references are in caffepy/kernels/reference/int8.py.
 """
 import numpy as np
 
-from libc.stdint cimport int16_t, int32_t
+from libc.stdint cimport int8_t, int16_t, int32_t, uint8_t
 from rules cimport dims, need, need_shape, threads_for, threads_for_macs
 
 cdef extern from "int8_gemm.h" nogil:
@@ -40,7 +40,7 @@ cdef extern from "int8_gemm.h" nogil:
 cdef extern from "int8_nhwc.h" nogil:
     void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
                   int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
-                  int OW, float scale, float lo, float hi, const int16_t *w, int16_t *q,
+                  int OW, float scale, float lo, float hi, const void *w, void *q,
                   const i8_epilogue *e)
     long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int dw,
                      int threads)
@@ -57,18 +57,26 @@ cdef extern from "int8_nhwc.h" nogil:
                        float *accs, int32_t *iaccs, const i8_epilogue *e)
 
 NR, MR = I8_NR, I8_MR
-ISAS = ("generic", "avx2")
+# 'vnni': AVX-512 VNNI for the channels-last convolution's products (its own weights layout:
+# nhwc_weights), AVX2 for the rest
+ISAS = ("generic", "avx2", "vnni")
+VNNI = 2
 
 
 def best_isa():
-    """The fastest ISA the int8 kernels can run here: 'avx2' when the module was built for it
-    and the CPU has it, else 'generic' (portable C)."""
+    """The fastest ISA the int8 kernels can run here: 'vnni' where the CPU has AVX-512 VNNI,
+    'avx2' where it has AVX2 (and the module was built for it), else 'generic' (portable C)."""
     return ISAS[i8_isa_available()]
+
+
+def available_isas():
+    """Every ISA the int8 kernels can run here, the portable C first."""
+    return ISAS[:i8_isa_available() + 1]
 
 
 cdef int _isa(str isa) except -1:
     need(isa in ISAS, "int8", "isa", f"must be one of {ISAS}", isa)
-    need(isa == "generic" or i8_isa_available(), "int8", "isa", "not available here", isa)
+    need(ISAS.index(isa) <= i8_isa_available(), "int8", "isa", "not available here", isa)
     return ISAS.index(isa)
 
 
@@ -223,30 +231,30 @@ def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[
 # ---------------------------------------------------------------------------------------------
 # Channels-last (cext/int8_nhwc.h): the same integers and epilogue as above, to the bit.
 
-def nhwc_pairs(int channels, kernel, dilation):
-    """The pairs of one tap of conv_forward_nhwc's weights, and its taps."""
+def nhwc_units(int channels, kernel, dilation, str isa="avx2"):
+    """The units of one tap of conv_forward_nhwc's weights (pairs of channels, quads on the
+    VNNI path), and its taps."""
     kh, kw = kernel
+    per = 4 if isa == "vnni" else 2
     if i8n_wide(channels, kw, dilation[1]):
-        return (kw * channels + 1) // 2, kh
-    return (channels + 1) // 2, kh * kw
+        return (kw * channels + per - 1) // per, kh
+    return (channels + per - 1) // per, kh * kw
 
 
-def nhwc_weights(wq, int channels, kernel=(1, 1), dilation=(1, 1)):
-    """conv_weights' rows [O][2 J] as the channels-last kernel's column tiles
-    [ceil(O / 16)][J][16][2] (zero past O). For few channels (int8_nhwc.h i8n_wide) a tap is a
-    kernel row: its (kernel column, channel) pairs, the last padded with a zero weight."""
-    o, kp = wq.shape
-    pairs, taps = nhwc_pairs(channels, kernel, dilation)
-    if taps != kernel[0] * kernel[1]:
-        kh, kw = kernel
-        rows = np.asarray(wq).reshape(o, kh, kw, padded(channels))[..., :channels]
-        wq = np.zeros((o, kh, 2 * pairs), np.int16)
-        wq[..., :kw * channels] = rows.reshape(o, kh, kw * channels)
-        wq, kp = wq.reshape(o, -1), kh * 2 * pairs
-    o16 = (o + 15) // 16 * 16
-    out = np.zeros((o16, kp), np.int16)
-    out[:o] = wq
-    return np.ascontiguousarray(out.reshape(o16 // 16, 16, kp // 2, 2).transpose(0, 2, 1, 3))
+def nhwc_weights(wq, int channels, kernel=(1, 1), dilation=(1, 1), str isa="avx2"):
+    """conv_weights' rows [O][kh kw padded(C)] as the channels-last kernel's column tiles
+    [ceil(O / 16)][J][16][2] int16 (pairs), or for the VNNI path [ceil(O / 16)][J][16][4] int8
+    (quads), zero past O and past each tap's channels. For few channels (int8_nhwc.h i8n_wide)
+    a tap is a kernel row: its (kernel column, channel) values, then zero weights."""
+    o = wq.shape[0]
+    kh, kw = kernel
+    units, taps = nhwc_units(channels, kernel, dilation, isa)
+    per = 4 if isa == "vnni" else 2
+    w = np.asarray(wq).reshape(o, kh, kw, padded(channels))[..., :channels]
+    w = w.reshape(o, taps, -1)          # a tap's values: one pixel's channels, or a kernel row's
+    out = np.zeros(((o + 15) // 16 * 16, taps, units * per), np.int8 if per == 4 else np.int16)
+    out[:o, :, :w.shape[2]] = w
+    return np.ascontiguousarray(out.reshape(-1, 16, taps * units, per).transpose(0, 2, 1, 3))
 
 
 WINOGRAD_MAX_C = I8W_MAX_C
@@ -276,21 +284,31 @@ def depthwise_nhwc_weights(wq, int kh, int kw):
     return np.ascontiguousarray(np.asarray(wq)[:, 0::2][:, :kh * kw].T.astype(np.float32))
 
 
-def conv_forward_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, ::1] w,
+def conv_forward_nhwc(const float[:, :, :, ::1] x, w,
                       const int32_t[::1] bias, const float[::1] mult, float[:, :, :, ::1] top,
                       summand, kernel, pad, stride, dilation, float scale_in, float lo_in,
                       float hi_in, float sum_scale, bint relu, float slope, bint quantize,
                       float lo, float hi, float inv_scale_out, str isa):
     """conv_forward (group 1) on channels-last arrays: x [N][H][W][C], top [N][OH][OW][O],
-    summand None or top's shape; w from nhwc_weights."""
+    summand None or top's shape; w from nhwc_weights for the same isa."""
     cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
     cdef int OH = top.shape[1], OW = top.shape[2], O = top.shape[3]
     cdef int kh = kernel[0], kw = kernel[1]
     cdef int ph = pad[0], pw = pad[1], sh = stride[0], sw = stride[1]
     cdef int dh = dilation[0], dw = dilation[1]
     cdef int which = _isa(isa), threads
-    pairs, taps = nhwc_pairs(C, kernel, dilation)
-    need_shape("conv_forward_nhwc", "w", dims(w.shape, 4), ((O + 15) // 16, taps * pairs, 16, 2))
+    cdef const int16_t[:, :, :, ::1] w16
+    cdef const int8_t[:, :, :, ::1] w8
+    cdef const void *wp
+    units, taps = nhwc_units(C, kernel, dilation, isa)
+    if which == VNNI:
+        w8 = w
+        need_shape("conv_forward_nhwc", "w", dims(w8.shape, 4), ((O + 15) // 16, taps * units, 16, 4))
+        wp = &w8[0, 0, 0, 0]
+    else:
+        w16 = w
+        need_shape("conv_forward_nhwc", "w", dims(w16.shape, 4), ((O + 15) // 16, taps * units, 16, 2))
+        wp = &w16[0, 0, 0, 0]
     _check_epilogue("conv_forward_nhwc", O, bias, mult, summand, (N, OH, OW, O))
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
                                    np.asarray(summand).reshape(-1), sum_scale, relu, slope,
@@ -299,12 +317,11 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, ::1] w
     threads = threads_for_macs(<Py_ssize_t>O * C * kh * kw * N * OH * OW)
     if threads < 1:
         threads = 1
-    q = _scratch(np.int16, i8n_scratch(N, H, W, C, kh, kw, ph, pw, dw, threads))
-    cdef int16_t[::1] qv = q
+    q = _scratch(np.uint8, i8n_scratch(N, H, W, C, kh, kw, ph, pw, dw, threads))
+    cdef uint8_t[::1] qv = q
     with nogil:
         i8n_conv(which, threads, &x[0, 0, 0, 0], N, H, W, C, O, kh, kw, ph, pw, sh, sw,
-                 dh, dw, OH, OW, scale_in, lo_in, hi_in,
-                 &w[0, 0, 0, 0], &qv[0], &e)
+                 dh, dw, OH, OW, scale_in, lo_in, hi_in, wp, &qv[0], &e)
 
 
 def winograd_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, :, ::1] u,

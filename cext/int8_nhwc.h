@@ -20,6 +20,7 @@
 #define CAFFEPY_INT8_NHWC_H
 #include "int8_gemm.h"
 #include "nhwc_dw_rows.h"
+#include "int8_vnni.h"
 
 /* as int8_gemm.h: no fused multiply-add in the epilogue (its i8_finish and i8_finish8_avx2
  * are inlined here too) */
@@ -162,27 +163,101 @@ static inline long i8n_wide_zeros(int C, int kw)
     return (long)kw * C + 2;
 }
 
-/* int16 items of i8n_conv's scratch q for `threads` threads */
+/* Bytes of i8n_conv's scratch q for `threads` threads: the int16 layout's, which the VNNI
+ * path's bytes (one a value, quads for pairs) never exceed */
 static long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int dw,
                         int threads)
 {
-    long row = 2 * (long)((C + 1) / 2);
+    long row = 4 * (long)((C + 1) / 2);
     if (kh == 1 && kw == 1 && ph == 0 && pw == 0)
         return threads * (i8n_chunk(C) * I8N_MR + 1) * row;
     if (i8n_wide(C, kw, dw))    /* the rows, then zeros for a tap outside the image */
-        return (long)N * H * (W + 2 * pw) * C + i8n_wide_zeros(C, kw);
+        return 2 * ((long)N * H * (W + 2 * pw) * C + i8n_wide_zeros(C, kw));
     return ((long)N * H * W + 1) * row;
 }
 
-/* q: i8n_scratch's items (each thread's chunk, then a row of zeros) */
+/* The 4-byte units of a pixel's n values (int16 pairs; quads of bytes on the VNNI path) */
+static inline int i8n_units(int isa, long n)
+{
+    return isa == I8_VNNI ? (int)((n + 3) / 4) : (int)((n + 1) / 2);
+}
+
+/* q's rows p in [p0, p1) of n values each, quantized as the path stores them (rows of units,
+ * zeros past C; the VNNI path's bytes plus zp) */
+static inline void i8n_quantize_any(int isa, const float *x, long p0, long p1, int C,
+                                    float scale, float lo, float hi, int zp, void *q)
+{
+#ifdef __AVX2__
+    if (isa == I8_VNNI) {
+        i8v_quantize_rows(x, p0, p1, C, scale, lo, hi, zp, (uint8_t *)q);
+        return;
+    }
+#endif
+    (void)zp;
+    i8n_quantize_rows(x, p0, p1, C, scale, lo, hi, (int16_t *)q);
+}
+
+/* c[r][64 i + n] (r < 6, n < 16) = the sums of column tiles t .. t + nt (nt: 4 at most on the
+ * VNNI path, 1 on the others), each `tile` bytes of w; returns c's row stride */
+static inline int i8n_tiles(int isa, int nt, int taps, int J, const int32_t *const *rows,
+                            const void *w, long tile, int32_t *c)
+{
+#ifdef __AVX2__
+    if (isa == I8_VNNI) {
+        i8v_tile(nt, taps, J, rows, (const int8_t *)w, tile, c);
+        return 16 * I8V_NT;
+    }
+#endif
+    (void)nt;
+    (void)tile;
+    i8n_tile(isa, taps, J, rows, (const int16_t *)w, c);
+    return I8N_NR;
+}
+
+/* The epilogue of a VNNI path's shifted input (i8v_shifted_bias), into *shifted with its own
+ * bias array (freed by the caller); e itself otherwise */
+static const i8_epilogue *i8n_shift(int isa, int zp, const void *w, int O, long k,
+                                    const i8_epilogue *e, i8_epilogue *shifted)
+{
+    if (isa != I8_VNNI || !zp)
+        return e;
+    int32_t *bias = (int32_t *)malloc(sizeof(int32_t) * (size_t)O);
+    i8v_shifted_bias((const int8_t *)w, O, k, zp, e->bias, bias);
+    *shifted = *e;
+    shifted->bias = bias;
+    return shifted;
+}
+
+/* The column tiles t0 .. t1 of rows' register tile m (R real rows), the epilogue's outputs
+ * written */
+static inline void i8n_columns(int isa, int taps, int J, const int32_t *const *rows,
+                               const char *w, long tile, int t0, int t1, long m, int R, int O,
+                               int32_t *c, const i8_epilogue *e)
+{
+    int step = isa == I8_VNNI ? I8V_NT : 1;
+    for (int t = t0; t < t1; t += step) {
+        int nt = t1 - t < step ? t1 - t : step;
+        int cs = i8n_tiles(isa, nt, taps, J, rows, w + (long)t * tile, tile, c);
+        for (int i = 0; i < nt; i++) {
+            int n = O - (t + i) * I8N_NR < I8N_NR ? O - (t + i) * I8N_NR : I8N_NR;
+            for (int r = 0; r < R; r++)
+                i8n_finish(isa, c + r * cs + i * 16, m * I8N_MR + r, (t + i) * I8N_NR, n, O, e);
+        }
+    }
+}
+
+/* q: i8n_scratch's bytes (each thread's chunk, then a row of zeros) */
 static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int W, int C,
                         int O, int sh, int sw, int OH, int OW, float scale, float lo, float hi,
-                        const int16_t *w, int16_t *q, const i8_epilogue *e)
+                        const void *w, char *q, const i8_epilogue *e)
 {
-    int Cp = (C + 1) / 2, tilesO = (O + I8N_NR - 1) / I8N_NR;
+    int J = i8n_units(isa, C), tilesO = (O + I8N_NR - 1) / I8N_NR;
+    int zp = isa == I8_VNNI ? i8v_zero_point(lo) : 0;
     long M = (long)N * OH * OW, mt = (M + I8N_MR - 1) / I8N_MR;
-    long row_bytes = (long)Cp * 4;
-    int block = (int)(I8N_BLOCK_BYTES / (row_bytes * 16));
+    long row_bytes = (long)J * 4, tile = row_bytes * 16;
+    i8_epilogue shifted;
+    e = i8n_shift(isa, zp, w, O, J, e, &shifted);
+    int block = (int)(I8N_BLOCK_BYTES / tile);
     block = block < 1 ? 1 : block;
     /* as many chunks for each thread (a 56 x 56 image in 5 chunks kept one thread busy for
      * 3 while the other did 2), each at most what the buffer holds */
@@ -193,89 +268,101 @@ static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int 
     int contiguous = sh == 1 && sw == 1 && OH == H && OW == W;
     #pragma omp parallel num_threads(threads)
     {
-        /* the chunk's rows, then one row of zeros for the absent pixels of a last tile */
-        int16_t *buf = q + omp_get_thread_num() * (room * I8N_MR + 1) * 2 * Cp;
-        const int32_t *zeros = (const int32_t *)(buf + chunk * I8N_MR * 2 * Cp);
+        /* the chunk's rows, then one row for the absent pixels of a last tile (never stored) */
+        char *buf = q + omp_get_thread_num() * (room * I8N_MR + 1) * row_bytes;
+        const int32_t *zeros = (const int32_t *)(buf + chunk * I8N_MR * row_bytes);
         const int32_t *rows[I8N_MR];
-        int32_t c[I8N_MR * I8N_NR];
-        memset(buf + chunk * I8N_MR * 2 * Cp, 0, (size_t)row_bytes);
+        int32_t c[I8N_MR * 16 * I8V_NT];
+        memset(buf + chunk * I8N_MR * row_bytes, 0, (size_t)row_bytes);
         #pragma omp for schedule(static)
         for (long k = 0; k < chunks; k++) {
             long m0 = k * chunk, m1 = m0 + chunk < mt ? m0 + chunk : mt;
             long p0 = m0 * I8N_MR, p1 = m1 * I8N_MR < M ? m1 * I8N_MR : M;
             if (contiguous)
-                i8n_quantize_rows(x + p0 * C, 0, p1 - p0, C, scale, lo, hi, buf);
+                i8n_quantize_any(isa, x + p0 * C, 0, p1 - p0, C, scale, lo, hi, zp, buf);
             else
                 for (long p = p0; p < p1; p++) {
                     long n = p / ((long)OH * OW), rest = p % ((long)OH * OW);
                     long src = (n * H + rest / OW * sh) * W + rest % OW * sw;
-                    i8n_quantize_rows(x + src * C, 0, 1, C, scale, lo, hi,
-                                      buf + (p - p0) * 2 * Cp);
+                    i8n_quantize_any(isa, x + src * C, 0, 1, C, scale, lo, hi, zp,
+                                     buf + (p - p0) * row_bytes);
                 }
             for (int t0 = 0; t0 < tilesO; t0 += block) {
                 int t1 = t0 + block < tilesO ? t0 + block : tilesO;
                 for (long m = m0; m < m1; m++) {
                     for (int r = 0; r < I8N_MR; r++) {
                         long p = m * I8N_MR + r;
-                        rows[r] = p < M ? (const int32_t *)(buf + (p - p0) * 2 * Cp) : zeros;
+                        rows[r] = p < M ? (const int32_t *)(buf + (p - p0) * row_bytes) : zeros;
                     }
                     int R = M - m * I8N_MR < I8N_MR ? (int)(M - m * I8N_MR) : I8N_MR;
-                    for (int t = t0; t < t1; t++) {
-                        i8n_tile(isa, 1, Cp, rows, w + (long)t * Cp * 32, c);
-                        int n = O - t * I8N_NR < I8N_NR ? O - t * I8N_NR : I8N_NR;
-                        for (int r = 0; r < R; r++)
-                            i8n_finish(isa, c + r * I8N_NR, m * I8N_MR + r, t * I8N_NR, n, O, e);
-                    }
+                    i8n_columns(isa, 1, J, rows, (const char *)w, tile, t0, t1, m, R, O, c, e);
                 }
             }
         }
     }
+    if (e == &shifted)
+        free((void *)shifted.bias);
 }
 
 /* N images x[N][H][W][C] (floats) -> e->out [N][OH][OW][O]; weights w packed as above
- * (taps = kh kw, Cp = (C + 1) / 2, or i8n_wide's kh taps); q scratch of i8n_scratch's items:
- * (N H W + 1) * 2 Cp int16 (the last row: zeros), i8n_wide's rows, or i8n_conv1x1's chunks.
- * One OpenMP region. */
+ * (taps = kh kw of J units: ceil(C / 2) pairs, or on the VNNI path ceil(C / 4) quads; or
+ * i8n_wide's kh taps); q scratch of i8n_scratch's bytes: the quantized pixels, then one
+ * pixel of zeros (of zero points) for the taps outside the image, or i8n_wide's rows, or
+ * i8n_conv1x1's chunks. One OpenMP region. */
 static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
                      int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
-                     int OW, float scale, float lo, float hi, const int16_t *w, int16_t *q,
+                     int OW, float scale, float lo, float hi, const void *w, void *qv,
                      const i8_epilogue *e)
 {
+    char *q = (char *)qv;
     if (kh == 1 && kw == 1 && ph == 0 && pw == 0) {
         i8n_conv1x1(isa, threads, x, N, H, W, C, O, sh, sw, OH, OW, scale, lo, hi, w, q, e);
         return;
     }
-    int wide = i8n_wide(C, kw, dw);
-    /* a tap: its pairs J, and the int16 of an input pixel in q (pixels of padded rows) */
-    int J = wide ? (kw * C + 1) / 2 : (C + 1) / 2, pix = wide ? C : 2 * J;
+    int wide = i8n_wide(C, kw, dw), vb = isa == I8_VNNI ? 1 : 2;
+    int zp = isa == I8_VNNI ? i8v_zero_point(lo) : 0;
+    /* a tap: its units J, and the bytes of an input pixel in q (pixels of padded rows) */
+    int J = i8n_units(isa, wide ? (long)kw * C : C), pix = wide ? C * vb : 4 * J;
     int Wq = wide ? W + 2 * pw : W, taps = wide ? kh : kh * kw;
     int tilesO = (O + I8N_NR - 1) / I8N_NR;
     long M = (long)N * OH * OW, mt = (M + I8N_MR - 1) / I8N_MR;
-    long tile_bytes = (long)taps * J * 64;
-    int block = (int)(I8N_BLOCK_BYTES / tile_bytes);
+    long tile = (long)taps * J * 64;
+    i8_epilogue shifted;
+    e = i8n_shift(isa, zp, w, O, (long)taps * J, e, &shifted);
+    int block = (int)(I8N_BLOCK_BYTES / tile);
     block = block < 1 ? 1 : block;
-    long qitems = (long)N * H * Wq * pix;
-    const int16_t *zeros = q + qitems;
+    long qbytes = (long)N * H * Wq * pix;
+    /* (wide: the VNNI path's last quad may read 3 bytes past a row) */
+    long zbytes = !wide ? pix : vb == 1 ? (long)kw * C + 4 : 2 * i8n_wide_zeros(C, kw);
+    const char *zeros = q + qbytes;
     #pragma omp parallel num_threads(threads)
     {
         int nt = omp_get_num_threads(), me = omp_get_thread_num();
         if (wide) {
             long r0 = (long)N * H * me / nt, r1 = (long)N * H * (me + 1) / nt;
+            long pad = (long)pw * C * vb;
             for (long r = r0; r < r1; r++) {
-                int16_t *qr = q + r * Wq * C;
-                memset(qr, 0, (size_t)pw * C * sizeof(int16_t));
-                i8n_quantize_run(x + r * W * C, (long)W * C, scale, lo, hi, qr + (long)pw * C);
-                memset(qr + (long)(pw + W) * C, 0, (size_t)pw * C * sizeof(int16_t));
+                char *qr = q + r * Wq * C * vb;
+                memset(qr, zp, (size_t)pad);
+#ifdef __AVX2__
+                if (isa == I8_VNNI)
+                    i8v_quantize_run(x + r * W * C, (long)W * C, scale, lo, hi, zp,
+                                     (uint8_t *)qr + pad);
+                else
+#endif
+                    i8n_quantize_run(x + r * W * C, (long)W * C, scale, lo, hi,
+                                     (int16_t *)(qr + pad));
+                memset(qr + pad + (long)W * C * vb, zp, (size_t)pad);
             }
         } else {
             long p0 = (long)N * H * W * me / nt, p1 = (long)N * H * W * (me + 1) / nt;
-            i8n_quantize_rows(x, p0, p1, C, scale, lo, hi, q);
+            i8n_quantize_any(isa, x, p0, p1, C, scale, lo, hi, zp, q);
         }
         #pragma omp single
-        memset(q + qitems, 0, (size_t)(wide ? i8n_wide_zeros(C, kw) : pix) * sizeof(int16_t));
+        memset(q + qbytes, zp, (size_t)zbytes);
         /* implicit barrier */
         const int32_t *rows[taps * I8N_MR];
-        int32_t c[I8N_MR * I8N_NR];
+        int32_t c[I8N_MR * 16 * I8V_NT];
         for (int t0 = 0; t0 < tilesO; t0 += block) {
             int t1 = t0 + block < tilesO ? t0 + block : tilesO;
             #pragma omp for schedule(static) nowait
@@ -289,7 +376,7 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
                         int inside = p < M && y >= 0 && y < H;
                         if (wide) {     /* the kernel row's pixels from padded column ow sw */
                             rows[i * I8N_MR + r] = (const int32_t *)(inside
-                                ? q + (((long)n * H + y) * Wq + (long)ow * sw) * C : zeros);
+                                ? q + (((long)n * H + y) * Wq + (long)ow * sw) * C * vb : zeros);
                             continue;
                         }
                         for (int j = 0; j < kw; j++) {
@@ -301,15 +388,12 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
                     }
                 }
                 int R = M - m * I8N_MR < I8N_MR ? (int)(M - m * I8N_MR) : I8N_MR;
-                for (int t = t0; t < t1; t++) {
-                    i8n_tile(isa, taps, J, rows, w + (long)t * taps * J * 32, c);
-                    int n = O - t * I8N_NR < I8N_NR ? O - t * I8N_NR : I8N_NR;
-                    for (int r = 0; r < R; r++)
-                        i8n_finish(isa, c + r * I8N_NR, m * I8N_MR + r, t * I8N_NR, n, O, e);
-                }
+                i8n_columns(isa, taps, J, rows, (const char *)w, tile, t0, t1, m, R, O, c, e);
             }
         }
     }
+    if (e == &shifted)
+        free((void *)shifted.bias);
 }
 
 /* Winograd F(2x2, 3x3) on integers, stride 1, dilation 1: with B^T = [1 0 -1 0; 0 1 1 0;

@@ -211,13 +211,15 @@ def test_a_summand_from_a_float_layer_keeps_the_convolution_float():
     np.testing.assert_allclose(net.blobs["sum"].data, plain.blobs["sum"].data, rtol=1e-5, atol=1e-5)
 
 
-def test_isa_paths_agree(monkeypatch):
-    if quantization.kernels().best_isa() != "avx2":
-        pytest.skip("only the generic int8 kernels are built here")
+@pytest.mark.parametrize("isa", ["avx2", "vnni"])
+def test_isa_paths_agree(monkeypatch, isa):
+    if isa not in quantization.kernels().available_isas():
+        pytest.skip(f"the int8 {isa} path: this CPU or build lacks it")
+    monkeypatch.setenv("CAFFEPY_INT8_ISA", isa)
     fast = _net(block_net(8))
     monkeypatch.setenv("CAFFEPY_INT8_ISA", "generic")
     slow = _net(block_net(8))
-    assert fast.layer_dict["body"].int8.isa == "avx2" and slow.layer_dict["body"].int8.isa == "generic"
+    assert fast.layer_dict["body"].int8.isa == isa and slow.layer_dict["body"].int8.isa == "generic"
     _same_weights(fast, slow)
     fast.forward()
     slow.forward()

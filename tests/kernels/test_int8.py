@@ -8,7 +8,10 @@ import pytest
 from caffepy.kernels import int8 as k
 from caffepy.kernels.reference import int8 as ref
 
-ISAS = ["generic"] + (["avx2"] if k.best_isa() == "avx2" else [])
+# every path, those this CPU (or build) lacks skipped with the reason
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
+    isa not in k.available_isas(), reason=f"int8 {isa} path: this CPU or build lacks it"))
+    for isa in k.ISAS]
 U8, S8 = (0.0, 255.0), (-128.0, 127.0)
 
 
@@ -86,6 +89,9 @@ CONVS = [  # (N, C, H, W, O, group, kernel, pad, stride, dilation)
     (1, 1, 12, 12, 7, 1, (5, 5), (0, 0), (1, 1), (1, 1)),        # LeNet's conv1
     (1, 5, 10, 13, 17, 1, (3, 4), (1, 2), (2, 3), (2, 1)),       # dilated rows only
     (1, 17, 6, 6, 7, 1, (7, 7), (3, 3), (2, 2), (1, 1)),         # K 833 > one k block
+    # column tiles of 16 in register tiles of up to 4 (the VNNI path): 5 = 4 + 1, and 3
+    (1, 9, 7, 7, 70, 1, (3, 3), (1, 1), (1, 1), (1, 1)),
+    (2, 12, 5, 6, 40, 1, (1, 1), (0, 0), (1, 1), (1, 1)),
     # 1 x 1 without padding (int8_nhwc.h i8n_conv1x1): chunks of 96 pixels at 512 channels,
     # the last cut short; a stride's gathered pixels, odd channels
     (1, 512, 20, 20, 20, 1, (1, 1), (0, 0), (1, 1), (1, 1)),
@@ -131,7 +137,7 @@ def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, 
     wc = k.conv_weights(wq)
     run = (functools.partial(k.depthwise_nhwc, last(x), k.depthwise_nhwc_weights(wc, *kernel))
            if g > 1 else functools.partial(k.conv_forward_nhwc, last(x),
-                                          k.nhwc_weights(wc, c, kernel, dilation)))
+                                          k.nhwc_weights(wc, c, kernel, dilation, isa)))
     run(bias, mult, got, last(summand), kernel, pad, stride, dilation, 60.0, lo_in, hi_in, 9.5,
         relu, 0.0, quantize, lo, hi, np.float32(1 / 9.5), isa)
     np.testing.assert_array_equal(got, nhwc)
@@ -151,8 +157,8 @@ def test_channels_last_extreme_sums_stay_exact(isa):
         args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, 0.0, 255.0, 1.0, False, 0.0, False, -128.0,
                 127.0, 1.0, isa)
         if g == 1:
-            k.conv_forward_nhwc(x, k.nhwc_weights(wc, c, (3, 3)), None, np.ones(o, np.float32),
-                                top, None, *args)
+            k.conv_forward_nhwc(x, k.nhwc_weights(wc, c, (3, 3), isa=isa), None,
+                                np.ones(o, np.float32), top, None, *args)
         else:
             k.depthwise_nhwc(x, k.depthwise_nhwc_weights(wc, 3, 3), None, np.ones(o, np.float32),
                              top, None, *args)
@@ -173,7 +179,7 @@ def test_negative_slope_and_ties_to_even():
 def test_unknown_isa_is_refused():
     with pytest.raises(ValueError, match="int8: isa: must be one of"):
         _ip(np.ones((1, 2), np.float32), np.ones((1, 2), np.int16), None, [1.0], False, False, 1.0,
-            "vnni")
+            "sse")
 
 
 @pytest.mark.parametrize("kernel", ["conv_forward", "conv_forward_nhwc", "depthwise_nhwc"])
@@ -261,7 +267,7 @@ def test_winograd_extreme_sums_stay_exact(isa):
     top = np.empty((1, 2, 2, o), np.float32)
     args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, -128.0, 127.0, 1.0, False, 0.0, False, -128.0,
             127.0, 1.0, isa)
-    k.conv_forward_nhwc(x, k.nhwc_weights(k.conv_weights(wq), c, (3, 3)), None,
+    k.conv_forward_nhwc(x, k.nhwc_weights(k.conv_weights(wq), c, (3, 3), isa=isa), None,
                         np.ones(o, np.float32), top, None, *args)
     got = np.empty_like(top)
     k.winograd_nhwc(x, k.winograd_nhwc_weights(k.conv_weights(wq)), None, np.ones(o, np.float32),
