@@ -238,9 +238,11 @@ class Int8:
         ways = {INT8: lambda: int8(False)}
         if self.winograd_applies():
             # the integer Winograd kernel makes 2.25x fewer products at AVX2's rate; the direct
-            # kernel's VNNI products are 4x AVX2's: the default is the faster by that count
+            # kernel's VNNI products are 4x AVX2's (AMX's many more): the default is the faster
+            # by that count
             winograd = {INT8_WINOGRAD: lambda: int8(True)}
-            ways = {**ways, **winograd} if self.isa == "vnni" else {**winograd, **ways}
+            ways = ({**ways, **winograd} if self.isa in ("vnni", "amx")
+                    else {**winograd, **ways})
         default = next(iter(ways))
         if self.forced is not None:
             choice, L.tuning = (self.forced if self.forced in ways or self.forced == FLOAT32

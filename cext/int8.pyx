@@ -24,7 +24,6 @@ cdef extern from "int8_gemm.h" nogil:
         float inv_scale_out
         float *out
         long so, sp
-    int i8_isa_available()
     void i8_conv_image(int isa, int threads, const float *x, int C, int H, int W, int G, int Mg,
                        int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                        int OW, float scale, float lo, float hi, const int16_t *w, int32_t *q,
@@ -42,8 +41,10 @@ cdef extern from "int8_nhwc.h" nogil:
                   int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                   int OW, float scale, float lo, float hi, const void *w, void *q,
                   const i8_epilogue *e)
-    long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int dw,
-                     int threads)
+    int i8_isa_available()
+    long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int kw, int ph,
+                     int pw, int dw, int threads)
+    long i8a_quads(int taps, int J)
     int i8n_wide(int C, int kw, int dw)
     long i8n_dw_scratch(int H, int W, int C, int kh, int sh, int dh, int OH, int threads)
     int I8W_MAX_C
@@ -57,15 +58,16 @@ cdef extern from "int8_nhwc.h" nogil:
                        float *accs, int32_t *iaccs, const i8_epilogue *e)
 
 NR, MR = I8_NR, I8_MR
-# 'vnni': AVX-512 VNNI for the channels-last convolution's products (its own weights layout:
-# nhwc_weights), AVX2 for the rest
-ISAS = ("generic", "avx2", "vnni")
-VNNI = 2
+# 'vnni' and 'amx': AVX-512 VNNI or AMX tiles for the channels-last convolution's products
+# (their own weights layouts: nhwc_weights), AVX2 for the rest
+ISAS = ("generic", "avx2", "vnni", "amx")
+VNNI, AMX = 2, 3
 
 
 def best_isa():
-    """The fastest ISA the int8 kernels can run here: 'vnni' where the CPU has AVX-512 VNNI,
-    'avx2' where it has AVX2 (and the module was built for it), else 'generic' (portable C)."""
+    """The fastest ISA the int8 kernels can run here: 'amx' where the CPU has AMX-INT8 and Linux
+    grants its tiles, 'vnni' where it has AVX-512 VNNI, 'avx2' where it has AVX2 (and the module
+    was built for it), else 'generic' (portable C)."""
     return ISAS[i8_isa_available()]
 
 
@@ -233,9 +235,9 @@ def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[
 
 def nhwc_units(int channels, kernel, dilation, str isa="avx2"):
     """The units of one tap of conv_forward_nhwc's weights (pairs of channels, quads on the
-    VNNI path), and its taps."""
+    VNNI and AMX paths), and its taps."""
     kh, kw = kernel
-    per = 4 if isa == "vnni" else 2
+    per = 4 if isa in ("vnni", "amx") else 2
     if i8n_wide(channels, kw, dilation[1]):
         return (kw * channels + per - 1) // per, kh
     return (channels + per - 1) // per, kh * kw
@@ -244,17 +246,21 @@ def nhwc_units(int channels, kernel, dilation, str isa="avx2"):
 def nhwc_weights(wq, int channels, kernel=(1, 1), dilation=(1, 1), str isa="avx2"):
     """conv_weights' rows [O][kh kw padded(C)] as the channels-last kernel's column tiles
     [ceil(O / 16)][J][16][2] int16 (pairs), or for the VNNI path [ceil(O / 16)][J][16][4] int8
-    (quads), zero past O and past each tap's channels. For few channels (int8_nhwc.h i8n_wide)
-    a tap is a kernel row: its (kernel column, channel) values, then zero weights."""
+    (quads; AMX: J rounded up to whole chunks of 16), zero past O and past each tap's channels.
+    For few channels (int8_nhwc.h i8n_wide) a tap is a kernel row: its (kernel column, channel)
+    values, then zero weights."""
     o = wq.shape[0]
     kh, kw = kernel
     units, taps = nhwc_units(channels, kernel, dilation, isa)
-    per = 4 if isa == "vnni" else 2
+    per = 2 if isa in ("generic", "avx2") else 4
     w = np.asarray(wq).reshape(o, kh, kw, padded(channels))[..., :channels]
     w = w.reshape(o, taps, -1)          # a tap's values: one pixel's channels, or a kernel row's
     out = np.zeros(((o + 15) // 16 * 16, taps, units * per), np.int8 if per == 4 else np.int16)
     out[:o, :, :w.shape[2]] = w
-    return np.ascontiguousarray(out.reshape(-1, 16, taps * units, per).transpose(0, 2, 1, 3))
+    out = out.reshape(-1, 16, taps * units, per)
+    if isa == "amx":
+        out = np.pad(out, ((0, 0), (0, 0), (0, i8a_quads(taps, units) - taps * units), (0, 0)))
+    return np.ascontiguousarray(out.transpose(0, 2, 1, 3))
 
 
 WINOGRAD_MAX_C = I8W_MAX_C
@@ -301,9 +307,10 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, w,
     cdef const int8_t[:, :, :, ::1] w8
     cdef const void *wp
     units, taps = nhwc_units(C, kernel, dilation, isa)
-    if which == VNNI:
+    if which >= VNNI:
         w8 = w
-        need_shape("conv_forward_nhwc", "w", dims(w8.shape, 4), ((O + 15) // 16, taps * units, 16, 4))
+        need_shape("conv_forward_nhwc", "w", dims(w8.shape, 4), ((O + 15) // 16, taps * units
+                   if which == VNNI else i8a_quads(taps, units), 16, 4))
         wp = &w8[0, 0, 0, 0]
     else:
         w16 = w
@@ -317,7 +324,7 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, w,
     threads = threads_for_macs(<Py_ssize_t>O * C * kh * kw * N * OH * OW)
     if threads < 1:
         threads = 1
-    q = _scratch(np.uint8, i8n_scratch(N, H, W, C, kh, kw, ph, pw, dw, threads))
+    q = _scratch(np.uint8, i8n_scratch(which, N, H, W, C, O, kh, kw, ph, pw, dw, threads))
     cdef uint8_t[::1] qv = q
     with nogil:
         i8n_conv(which, threads, &x[0, 0, 0, 0], N, H, W, C, O, kh, kw, ph, pw, sh, sw,

@@ -47,21 +47,6 @@ typedef struct {
     long so, sp;             /* out[row * so + column * sp] */
 } i8_epilogue;
 
-/* The best ISA the int8 kernels have here: 2 AVX-512 VNNI (the channels-last convolution's
- * products: int8_vnni.h; the other kernels run AVX2 on it), 1 AVX2, 0 the portable C (the same
- * integers everywhere, slower). */
-static int i8_isa_available(void)
-{
-#ifdef __AVX2__
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vl"))
-        return 2;
-    return __builtin_cpu_supports("avx2") ? 1 : 0;
-#else
-    return 0;
-#endif
-}
-
 static inline int16_t i8_quantize(float v, float scale, float lo, float hi)
 {
     float s = v * scale;

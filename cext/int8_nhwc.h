@@ -21,6 +21,7 @@
 #include "int8_gemm.h"
 #include "nhwc_dw_rows.h"
 #include "int8_vnni.h"
+#include "int8_amx.h"
 
 /* as int8_gemm.h: no fused multiply-add in the epilogue (its i8_finish and i8_finish8_avx2
  * are inlined here too) */
@@ -163,23 +164,43 @@ static inline long i8n_wide_zeros(int C, int kw)
     return (long)kw * C + 2;
 }
 
-/* Bytes of i8n_conv's scratch q for `threads` threads: the int16 layout's, which the VNNI
- * path's bytes (one a value, quads for pairs) never exceed */
-static long i8n_scratch(int N, int H, int W, int C, int kh, int kw, int ph, int pw, int dw,
-                        int threads)
+/* Whether the path holds quantized values as bytes (VNNI, AMX) rather than int16 */
+static inline int i8n_bytes(int isa)
+{
+    return isa == I8_VNNI || isa == I8_AMX;
+}
+
+/* The 4-byte units of a pixel's n values (int16 pairs; quads of bytes on the byte paths) */
+static inline int i8n_units(int isa, long n)
+{
+    return i8n_bytes(isa) ? (int)((n + 3) / 4) : (int)((n + 1) / 2);
+}
+
+/* Bytes of one thread's buffers on the AMX path: a block's rows of taps (i8a_quads bytes a
+ * pixel), then its int32 sums for every output channel */
+static long i8n_amx_scratch(int taps, int J, int O)
+{
+    return I8A_M * (i8a_quads(taps, J) * 4 + (long)(O + 31) / 32 * 32 * 4);
+}
+
+/* Bytes of i8n_conv's scratch q for `threads` threads: the int16 layout's, which the byte
+ * paths' (one a value, quads for pairs) never exceed; the AMX path quantizes every pixel */
+static long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int kw, int ph,
+                        int pw, int dw, int threads)
 {
     long row = 4 * (long)((C + 1) / 2);
+    if (isa == I8_AMX) {    /* the quantized pixels and zeros, then each thread's buffers */
+        int wide = i8n_wide(C, kw, dw);
+        int J = i8n_units(isa, wide ? (long)kw * C : C), taps = wide ? kh : kh * kw;
+        long pixels = wide ? (long)N * H * (W + 2 * pw) * C + (long)kw * C + 4
+                           : ((long)N * H * W + 1) * 4 * J;
+        return pixels + threads * i8n_amx_scratch(taps, J, O) + 64;
+    }
     if (kh == 1 && kw == 1 && ph == 0 && pw == 0)
         return threads * (i8n_chunk(C) * I8N_MR + 1) * row;
     if (i8n_wide(C, kw, dw))    /* the rows, then zeros for a tap outside the image */
         return 2 * ((long)N * H * (W + 2 * pw) * C + i8n_wide_zeros(C, kw));
     return ((long)N * H * W + 1) * row;
-}
-
-/* The 4-byte units of a pixel's n values (int16 pairs; quads of bytes on the VNNI path) */
-static inline int i8n_units(int isa, long n)
-{
-    return isa == I8_VNNI ? (int)((n + 3) / 4) : (int)((n + 1) / 2);
 }
 
 /* q's rows p in [p0, p1) of n values each, quantized as the path stores them (rows of units,
@@ -188,7 +209,7 @@ static inline void i8n_quantize_any(int isa, const float *x, long p0, long p1, i
                                     float scale, float lo, float hi, int zp, void *q)
 {
 #ifdef __AVX2__
-    if (isa == I8_VNNI) {
+    if (i8n_bytes(isa)) {
         i8v_quantize_rows(x, p0, p1, C, scale, lo, hi, zp, (uint8_t *)q);
         return;
     }
@@ -219,7 +240,7 @@ static inline int i8n_tiles(int isa, int nt, int taps, int J, const int32_t *con
 static const i8_epilogue *i8n_shift(int isa, int zp, const void *w, int O, long k,
                                     const i8_epilogue *e, i8_epilogue *shifted)
 {
-    if (isa != I8_VNNI || !zp)
+    if (!i8n_bytes(isa) || !zp)
         return e;
     int32_t *bias = (int32_t *)malloc(sizeof(int32_t) * (size_t)O);
     i8v_shifted_bias((const int8_t *)w, O, k, zp, e->bias, bias);
@@ -304,23 +325,115 @@ static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int 
         free((void *)shifted.bias);
 }
 
+/* The best ISA the int8 kernels have here: 3 AMX (the channels-last convolution's products:
+ * int8_amx.h), 2 AVX-512 VNNI (the same: int8_vnni.h; the other kernels run AVX2 on both), 1
+ * AVX2, 0 the portable C (the same integers everywhere, slower). */
+static int i8_isa_available(void)
+{
+#ifdef __AVX2__
+    int vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")
+               && __builtin_cpu_supports("avx512vl");
+    if (vnni)
+        return i8a_usable() ? I8_AMX : I8_VNNI;
+    return __builtin_cpu_supports("avx2") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+/* Where a convolution's taps read q (i8n_conv's layout) */
+typedef struct {
+    const char *q, *zeros;
+    long M;                     /* output pixels */
+    int H, W, OH, OW, kh, kw, ph, pw, sh, sw, dh, dw;
+    int wide, Wq, C, vb, pix;
+} i8n_reads;
+
+/* out[t * step] (t < taps) = the address of output pixel p's tap t in q (i8n_wide: of its
+ * kernel row t), or of the zeros for a tap outside the image (or a pixel p >= M) */
+static inline void i8n_taps(const i8n_reads *g, long p, const int32_t **out, int step)
+{
+    int n = (int)(p / ((long)g->OH * g->OW)), rest = (int)(p % ((long)g->OH * g->OW));
+    int oh = rest / g->OW, ow = rest % g->OW;
+    for (int i = 0; i < g->kh; i++) {
+        int y = oh * g->sh - g->ph + i * g->dh;
+        int inside = p < g->M && y >= 0 && y < g->H;
+        if (g->wide) {      /* the kernel row's pixels from padded column ow sw */
+            out[i * step] = (const int32_t *)(inside
+                ? g->q + (((long)n * g->H + y) * g->Wq + (long)ow * g->sw) * g->C * g->vb
+                : g->zeros);
+            continue;
+        }
+        for (int j = 0; j < g->kw; j++) {
+            int xx = ow * g->sw - g->pw + j * g->dw;
+            out[(i * g->kw + j) * step] = (const int32_t *)(
+                inside && xx >= 0 && xx < g->W
+                ? g->q + (((long)n * g->H + y) * g->W + xx) * g->pix : g->zeros);
+        }
+    }
+}
+
+#ifdef __AVX2__
+/* The AMX path's blocks of I8A_M output pixels (int8_amx.h), in this thread's share: each
+ * block's taps copied into rows of K4 bytes (zeros past taps J quads), every pair of column
+ * tiles of the weights (w: kq quads a tile) on the tiles, the sums of all output channels
+ * kept, then the epilogue pixel by pixel: a pixel's summand and top are read and written in
+ * one run (column tile by column tile, 32 pixels' rows at a time, they were the hot spot: a
+ * stride of O floats between 32 streams). buf: i8n_amx_scratch's bytes. */
+static void i8n_amx_blocks(const i8n_reads *g, int taps, int J, int O, const int8_t *w,
+                           char *buf, const i8_epilogue *e)
+{
+    long kq = i8a_quads(taps, J), K4 = kq * 4, bytes = (long)J * 4, ldc = (O + 31) / 32 * 32;
+    long blocks = (g->M + I8A_M - 1) / I8A_M;
+    int tiles = (O + 15) / 16;
+    uint8_t *a = (uint8_t *)buf;
+    int32_t *c = (int32_t *)(buf + I8A_M * K4);
+    const int32_t *rows[taps];
+    i8a_begin();
+    #pragma omp for schedule(static)
+    for (long b = 0; b < blocks; b++) {
+        long p0 = b * I8A_M;
+        int R = g->M - p0 < I8A_M ? (int)(g->M - p0) : I8A_M;
+        for (int r = 0; r < I8A_M; r++) {
+            uint8_t *row = a + r * K4;
+            long done = 0;
+            if (r < R) {
+                i8n_taps(g, p0 + r, rows, 1);
+                for (int t = 0; t < taps; t++, done += bytes)
+                    memcpy(row + done, rows[t], (size_t)bytes);
+            }
+            memset(row + done, 0, (size_t)(K4 - done));
+        }
+        for (int t = 0; t < tiles; t += 2) {
+            const int8_t *b0 = w + (long)t * kq * 64;
+            i8a_tile(a, K4, K4 / 64, b0, t + 1 < tiles ? b0 + kq * 64 : NULL, c + t * 16, ldc);
+        }
+        for (int r = 0; r < R; r++)
+            i8n_finish(1, c + r * ldc, p0 + r, 0, O, O, e);
+    }
+    i8a_end();
+}
+#endif
+
 /* N images x[N][H][W][C] (floats) -> e->out [N][OH][OW][O]; weights w packed as above
- * (taps = kh kw of J units: ceil(C / 2) pairs, or on the VNNI path ceil(C / 4) quads; or
- * i8n_wide's kh taps); q scratch of i8n_scratch's bytes: the quantized pixels, then one
- * pixel of zeros (of zero points) for the taps outside the image, or i8n_wide's rows, or
- * i8n_conv1x1's chunks. One OpenMP region. */
+ * (taps = kh kw of J units: ceil(C / 2) pairs, or on the VNNI and AMX paths ceil(C / 4)
+ * quads; or i8n_wide's kh taps); q scratch of i8n_scratch's bytes: the quantized pixels, then
+ * one pixel of zeros (of zero points) for the taps outside the image, or i8n_wide's rows, or
+ * i8n_conv1x1's chunks (not on the AMX path). One OpenMP region. */
 static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
                      int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                      int OW, float scale, float lo, float hi, const void *w, void *qv,
                      const i8_epilogue *e)
 {
     char *q = (char *)qv;
-    if (kh == 1 && kw == 1 && ph == 0 && pw == 0) {
+    int amx = isa == I8_AMX;
+    if (kh == 1 && kw == 1 && ph == 0 && pw == 0 && !amx) {
         i8n_conv1x1(isa, threads, x, N, H, W, C, O, sh, sw, OH, OW, scale, lo, hi, w, q, e);
         return;
     }
-    int wide = i8n_wide(C, kw, dw), vb = isa == I8_VNNI ? 1 : 2;
-    int zp = isa == I8_VNNI ? i8v_zero_point(lo) : 0;
+    int bytes = i8n_bytes(isa);
+    int wide = i8n_wide(C, kw, dw), vb = bytes ? 1 : 2;
+    int zp = bytes ? i8v_zero_point(lo) : 0;
     /* a tap: its units J, and the bytes of an input pixel in q (pixels of padded rows) */
     int J = i8n_units(isa, wide ? (long)kw * C : C), pix = wide ? C * vb : 4 * J;
     int Wq = wide ? W + 2 * pw : W, taps = wide ? kh : kh * kw;
@@ -328,13 +441,14 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
     long M = (long)N * OH * OW, mt = (M + I8N_MR - 1) / I8N_MR;
     long tile = (long)taps * J * 64;
     i8_epilogue shifted;
-    e = i8n_shift(isa, zp, w, O, (long)taps * J, e, &shifted);
+    e = i8n_shift(isa, zp, w, O, amx ? i8a_quads(taps, J) : (long)taps * J, e, &shifted);
     int block = (int)(I8N_BLOCK_BYTES / tile);
     block = block < 1 ? 1 : block;
     long qbytes = (long)N * H * Wq * pix;
-    /* (wide: the VNNI path's last quad may read 3 bytes past a row) */
+    /* (wide: the byte paths' last quad may read 3 bytes past a row) */
     long zbytes = !wide ? pix : vb == 1 ? (long)kw * C + 4 : 2 * i8n_wide_zeros(C, kw);
-    const char *zeros = q + qbytes;
+    i8n_reads g = {q, q + qbytes, M, H, W, OH, OW, kh, kw, ph, pw, sh, sw, dh, dw,
+                   wide, Wq, C, vb, pix};
     #pragma omp parallel num_threads(threads)
     {
         int nt = omp_get_num_threads(), me = omp_get_thread_num();
@@ -345,7 +459,7 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
                 char *qr = q + r * Wq * C * vb;
                 memset(qr, zp, (size_t)pad);
 #ifdef __AVX2__
-                if (isa == I8_VNNI)
+                if (bytes)
                     i8v_quantize_run(x + r * W * C, (long)W * C, scale, lo, hi, zp,
                                      (uint8_t *)qr + pad);
                 else
@@ -361,34 +475,26 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
         #pragma omp single
         memset(q + qbytes, zp, (size_t)zbytes);
         /* implicit barrier */
-        const int32_t *rows[taps * I8N_MR];
-        int32_t c[I8N_MR * 16 * I8V_NT];
-        for (int t0 = 0; t0 < tilesO; t0 += block) {
-            int t1 = t0 + block < tilesO ? t0 + block : tilesO;
-            #pragma omp for schedule(static) nowait
-            for (long m = 0; m < mt; m++) {
-                for (int r = 0; r < I8N_MR; r++) {
-                    long p = m * I8N_MR + r;
-                    int n = (int)(p / ((long)OH * OW)), rest = (int)(p % ((long)OH * OW));
-                    int oh = rest / OW, ow = rest % OW;
-                    for (int i = 0; i < kh; i++) {
-                        int y = oh * sh - ph + i * dh;
-                        int inside = p < M && y >= 0 && y < H;
-                        if (wide) {     /* the kernel row's pixels from padded column ow sw */
-                            rows[i * I8N_MR + r] = (const int32_t *)(inside
-                                ? q + (((long)n * H + y) * Wq + (long)ow * sw) * C * vb : zeros);
-                            continue;
-                        }
-                        for (int j = 0; j < kw; j++) {
-                            int xx = ow * sw - pw + j * dw;
-                            rows[(i * kw + j) * I8N_MR + r] = (const int32_t *)(
-                                inside && xx >= 0 && xx < W
-                                ? q + (((long)n * H + y) * W + xx) * pix : zeros);
-                        }
-                    }
+#ifdef __AVX2__
+        if (amx) {
+            i8n_amx_blocks(&g, taps, J, O, (const int8_t *)w,
+                           q + (qbytes + zbytes + 63) / 64 * 64
+                             + me * i8n_amx_scratch(taps, J, O), e);
+        } else
+#endif
+        {
+            const int32_t *rows[taps * I8N_MR];
+            int32_t c[I8N_MR * 16 * I8V_NT];
+            for (int t0 = 0; t0 < tilesO; t0 += block) {
+                int t1 = t0 + block < tilesO ? t0 + block : tilesO;
+                #pragma omp for schedule(static) nowait
+                for (long m = 0; m < mt; m++) {
+                    for (int r = 0; r < I8N_MR; r++)
+                        i8n_taps(&g, m * I8N_MR + r, rows + r, I8N_MR);
+                    int R = M - m * I8N_MR < I8N_MR ? (int)(M - m * I8N_MR) : I8N_MR;
+                    i8n_columns(isa, taps, J, rows, (const char *)w, tile, t0, t1, m, R, O, c,
+                                e);
                 }
-                int R = M - m * I8N_MR < I8N_MR ? (int)(M - m * I8N_MR) : I8N_MR;
-                i8n_columns(isa, taps, J, rows, (const char *)w, tile, t0, t1, m, R, O, c, e);
             }
         }
     }

@@ -23,7 +23,7 @@
 #include <immintrin.h>
 #endif
 
-#define I8_VNNI 2           /* the isa number of this path (int8_gemm.h i8_isa_available) */
+#define I8_VNNI 2           /* the isa number of this path (int8_nhwc.h i8_isa_available) */
 #define I8V_NT 4            /* column tiles of 16 per register tile */
 #define I8V_ZERO_POINT 128  /* a signed input's offset */
 

@@ -1,0 +1,114 @@
+/* The AMX path of the channels-last int8 convolution (int8_nhwc.h, isa I8_AMX): the VNNI
+ * path's bytes (int8_vnni.h: quads of u8 channels, a signed input plus 128, s8 weights) on
+ * AMX tiles. tdpbusd multiplies a 16 x 64-byte tile of unsigned bytes by a 16 x 64-byte tile of
+ * signed quads into 16 x 16 int32 sums, each a sum of groups of four products as vpdpbusd's, so
+ * the integers, and the tops, are every other path's to the bit.
+ *
+ * A block of 32 output pixels at a time: their taps' quads are copied into rows of K4 bytes
+ * (taps J quads padded with zeros to a multiple of 64 bytes: an A tile is 16 rows by one
+ * 64-byte chunk of k), then for each pair of column tiles of 16 output channels, four sum
+ * tiles (2 x 16 pixels by 2 x 16 channels) take every chunk: tiles 0-3 the sums, 4-5 the two
+ * A tiles, 6-7 the two B tiles. The weights are the VNNI path's column tiles with each padded
+ * to a multiple of 16 quads of zeros (nhwc_weights(isa='amx')), so a B tile (16 quads by 16
+ * channels, 64 bytes a quad) is 1 KiB read as it lies.
+ *
+ * Linux hands out AMX's tile registers only to a process that asks (arch_prctl
+ * ARCH_REQ_XCOMP_PERM): i8a_usable asks once, and the path is offered only when it was granted.
+ * The tile configuration is a thread's: each thread of a run loads it and releases the tiles. */
+#ifndef CAFFEPY_INT8_AMX_H
+#define CAFFEPY_INT8_AMX_H
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+#include "int8_vnni.h"
+
+#define I8_AMX 3                /* the isa number of this path (int8_nhwc.h i8_isa_available) */
+#define I8A_M 32                /* output pixels a block */
+#define I8A_K 16                /* quads of k a tile chunk */
+
+/* Whether the CPU has AMX-INT8 and Linux granted this process its tiles (asked once) */
+static int i8a_usable(void)
+{
+    static int state = -1;
+#if defined(__AVX2__) && defined(SYS_arch_prctl)
+    if (state < 0)
+        state = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8")
+                && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                           18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    state = 0;
+#endif
+    return state;
+}
+
+/* the quads of a column tile in the weights: taps J rounded up to whole chunks */
+static inline long i8a_quads(int taps, int J)
+{
+    return ((long)taps * J + I8A_K - 1) / I8A_K * I8A_K;
+}
+
+#ifdef __AVX2__
+#define I8A_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} i8a_config;
+
+I8A_TARGET static void i8a_begin(void)
+{
+    i8a_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    /* GCC's ldtilecfg builtin is not known to read the struct: without this the stores to
+     * colsb and rows were dropped as dead */
+    __asm__ volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+
+I8A_TARGET static void i8a_end(void)
+{
+    _tile_release();
+}
+
+/* c[r][0 .. 16) and c[r][16 .. 32) (r < 32, rows ldc int32 apart) = rows a[32][K4] (K4 in
+ * 64-byte chunks) times the column tiles b0 and b1 (b1 NULL: only the first) */
+I8A_TARGET static void i8a_tile(const uint8_t *a, long K4, long chunks, const int8_t *b0,
+                                const int8_t *b1, int32_t *c, long ldc)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (long k = 0; k < chunks; k++) {
+        _tile_loadd(4, a + k * 64, K4);
+        _tile_loadd(5, a + 16 * K4 + k * 64, K4);
+        _tile_loadd(6, b0 + k * 1024, 64);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(2, 5, 6);
+        if (b1) {
+            _tile_loadd(7, b1 + k * 1024, 64);
+            _tile_dpbusd(1, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(2, c + 16 * ldc, ldc * 4);
+    if (b1) {
+        _tile_stored(1, c + 16, ldc * 4);
+        _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+    }
+}
+#endif
+
+#endif
