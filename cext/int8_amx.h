@@ -81,11 +81,12 @@ I8A_TARGET static void i8a_end(void)
     _tile_release();
 }
 
-/* c[r][0 .. 16) and c[r][16 .. 32) (r < 32, rows ldc int32 apart) = rows a[32][K4] (K4 in
- * 64-byte chunks) times the column tiles b0 and b1 (b1 NULL: only the first) */
-I8A_TARGET static void i8a_tile(const uint8_t *a, long K4, long chunks, const int8_t *b0,
+/* c[r][0 .. 16) and c[r][16 .. 32) (r < 32, rows ldc int32 apart) = rows a[32][chunks 64
+ * bytes] (rows lda bytes apart) times the column tiles b0 and b1 (b1 NULL: only the first) */
+I8A_TARGET static void i8a_tile(const uint8_t *a, long lda, long chunks, const int8_t *b0,
                                 const int8_t *b1, int32_t *c, long ldc)
 {
+    const long K4 = lda;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);

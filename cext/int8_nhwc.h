@@ -193,7 +193,7 @@ static long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int 
         int wide = i8n_wide(C, kw, dw);
         int J = i8n_units(isa, wide ? (long)kw * C : C), taps = wide ? kh : kh * kw;
         long pixels = wide ? (long)N * H * (W + 2 * pw) * C + (long)kw * C + 4
-                           : ((long)N * H * W + 1) * 4 * J;
+                           : ((long)N * H * W + I8A_M) * 4 * J + 64;   /* i8n_amx_blocks */
         return pixels + threads * i8n_amx_scratch(taps, J, O) + 64;
     }
     if (kh == 1 && kw == 1 && ph == 0 && pw == 0)
@@ -389,11 +389,27 @@ static void i8n_amx_blocks(const i8n_reads *g, int taps, int J, int O, const int
     uint8_t *a = (uint8_t *)buf;
     int32_t *c = (int32_t *)(buf + I8A_M * K4);
     const int32_t *rows[taps];
+    /* a 1 x 1 convolution of stride 1 reads its pixels' rows where they lie in q (a last
+     * chunk reads into the next row, times the zero weights past J; q has i8n_scratch's slack
+     * past its last row) */
+    int direct = taps == 1 && !g->wide && g->sh == 1 && g->sw == 1 && g->OH == g->H
+                 && g->OW == g->W && g->kh == 1 && g->kw == 1;
     i8a_begin();
     #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++) {
         long p0 = b * I8A_M;
         int R = g->M - p0 < I8A_M ? (int)(g->M - p0) : I8A_M;
+        if (direct) {
+            const uint8_t *rows0 = (const uint8_t *)g->q + p0 * bytes;
+            for (int t = 0; t < tiles; t += 2) {
+                const int8_t *b0 = w + (long)t * kq * 64;
+                i8a_tile(rows0, bytes, K4 / 64, b0, t + 1 < tiles ? b0 + kq * 64 : NULL,
+                         c + t * 16, ldc);
+            }
+            for (int r = 0; r < R; r++)
+                i8n_finish(1, c + r * ldc, p0 + r, 0, O, O, e);
+            continue;
+        }
         for (int r = 0; r < I8A_M; r++) {
             uint8_t *row = a + r * K4;
             long done = 0;
@@ -478,7 +494,7 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
 #ifdef __AVX2__
         if (amx) {
             i8n_amx_blocks(&g, taps, J, O, (const int8_t *)w,
-                           q + (qbytes + zbytes + 63) / 64 * 64
+                           q + (qbytes + (wide ? zbytes : I8A_M * pix + 64) + 63) / 64 * 64
                              + me * i8n_amx_scratch(taps, J, O), e);
         } else
 #endif
