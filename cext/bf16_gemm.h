@@ -91,6 +91,32 @@ static inline __m256i bf_run(bf_mat x, long r, long c, long n, int along_rows)
     return bf_cvt16(t, 16);
 }
 
+/* r[16] as a 16 x 16 matrix of int32 (a bf16 pair each), transposed in place */
+static inline void bf_transpose16(__m512i r[16])
+{
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* u[4q + c], 128-bit lane L: rows 4q..4q+3 of column 4L + c */
+    for (int h = 0; h < 16; h += 8)
+        for (int c = 0; c < 4; c++) {
+            t[h + c] = _mm512_shuffle_i32x4(u[h + c], u[h + 4 + c], 0x88);
+            t[h + 4 + c] = _mm512_shuffle_i32x4(u[h + c], u[h + 4 + c], 0xDD);
+        }
+    for (int c = 0; c < 8; c++) {
+        r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xDD);
+    }
+}
+
 /* rows [i0, i0+mc) x k [k0, k0+kc) of op(A) into strips of 16 rows x kcp */
 static void bf_pack_a(bf_mat a, long i0, long k0, long mc, long kc, long kcp, uint16_t *ap)
 {
@@ -106,18 +132,21 @@ static void bf_pack_a(bf_mat a, long i0, long k0, long mc, long kc, long kcp, ui
         }
         return;
     }
-    /* columns contiguous along i: a pair of k for 16 rows, scattered to their rows */
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                            11, 12, 13, 14, 15), _mm512_set1_epi32((int)(kcp / 2)));
+    /* columns along i: pairs of k for 16 rows, 16 pairs at a time, transposed to the rows */
     for (long s = 0; s < strips; s++) {
         long n = mc - s * 16;
-        int32_t *dst = (int32_t *)(ap + s * 16 * kcp);
-        for (long kp = 0; kp < kcp / 2; kp++) {
-            long k = 2 * kp;
-            __m256i lo = k < kc ? bf_run(a, i0 + s * 16, k0 + k, n, 1) : _mm256_setzero_si256();
-            __m256i hi = k + 1 < kc ? bf_run(a, i0 + s * 16, k0 + k + 1, n, 1)
-                                    : _mm256_setzero_si256();
-            _mm512_i32scatter_epi32(dst + kp, rows, bf_pairs(lo, hi), 4);
+        for (long k = 0; k < kcp; k += 32) {
+            __m512i r[16];
+            for (int q = 0; q < 16; q++) {
+                long kk = k + 2 * q;
+                __m256i lo = kk < kc ? bf_run(a, i0 + s * 16, k0 + kk, n, 1) : _mm256_setzero_si256();
+                __m256i hi = kk + 1 < kc ? bf_run(a, i0 + s * 16, k0 + kk + 1, n, 1)
+                                         : _mm256_setzero_si256();
+                r[q] = bf_pairs(lo, hi);
+            }
+            bf_transpose16(r);
+            for (int i = 0; i < 16; i++)
+                _mm512_storeu_si512(ap + (s * 16 + i) * kcp + k, r[i]);
         }
     }
 }
@@ -140,18 +169,21 @@ static void bf_pack_b(bf_mat b, long k0, long j0, long kc, long nc, long kcp, ui
         }
         return;
     }
-    /* columns contiguous along k: 32 k of one column are 16 pairs, scattered 16 int32 apart */
-    const __m512i step = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                            11, 12, 13, 14, 15), _mm512_set1_epi32(16));
-    memset(bp, 0, (size_t)strips * 16 * kcp * 2);
-    for (long j = 0; j < nc; j++) {
-        const float *col = b.p + (j0 + j) * b.cs + k0;
-        int32_t *dst = (int32_t *)(bp + (j / 16) * 16 * kcp) + j % 16;
-        for (long k = 0; k < kc; k += 32) {
-            __m512 lo = _mm512_maskz_loadu_ps(bf_mask(kc - k), col + k);
-            __m512 hi = _mm512_maskz_loadu_ps(bf_mask(kc - k - 16), col + k + 16);
-            __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-            _mm512_i32scatter_epi32(dst + (k / 2) * 16, step, v, 4);
+    /* columns contiguous along k: 32 k of a column are 16 pairs; 16 columns' are transposed */
+    for (long s = 0; s < strips; s++) {
+        long n = nc - s * 16;
+        for (long k = 0; k < kcp; k += 32) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                const float *col = b.p + (j0 + s * 16 + j) * b.cs + k0 + k;
+                r[j] = j < n ? (__m512i)_mm512_cvtne2ps_pbh(
+                                   _mm512_maskz_loadu_ps(bf_mask(kc - k - 16), col + 16),
+                                   _mm512_maskz_loadu_ps(bf_mask(kc - k), col))
+                             : _mm512_setzero_si512();
+            }
+            bf_transpose16(r);
+            for (int q = 0; q < 16; q++)
+                _mm512_storeu_si512(bp + s * 16 * kcp + (k / 2 + q) * 32, r[q]);
         }
     }
 }
