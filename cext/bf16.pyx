@@ -16,7 +16,7 @@ cdef extern from "bf16_gemm.h" nogil:
     int BF_AVX512, BF_AMX
     int bf_amx_permit()
     int bf_gemm(int path, long M, long N, long K, bf_mat a, bf_mat b, float *c, long ldc,
-                int accumulate, int threads)
+                int accumulate, int threads, const unsigned short *packed)
 
 AVX512 = BF_AVX512
 AMX = BF_AMX
@@ -62,6 +62,6 @@ def gemm(const float[:, :] a, const float[:, :] b, float[:, ::1] c, bint accumul
         am, bm = _mat(a), _mat(b)
     with nogil:
         ok = bf_gemm(path, M, N, K, am, bm, &c[0, 0], c.shape[1], accumulate,
-                     threads_for_macs(M * N * K))
+                     threads_for_macs(M * N * K), NULL)
     if not ok:
         raise MemoryError("bf16.gemm: no memory for the packing buffers")

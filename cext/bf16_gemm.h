@@ -290,9 +290,26 @@ static int bf_buffers(void)
     return bf_abuf && bf_bbuf;
 }
 
-/* C[M][N] (row stride ldc) (+)= op(A) op(B) on the calling thread */
+/* bf16 values of op(A) [M][K] packed once for several products (a convolution's weights, the
+same for every image): its K blocks one after the other, each strips of 16 rows x kcp */
+static long bf_packed_size(long M, long K)
+{
+    return (M + 15) / 16 * 16 * ((K + 31) / 32 * 32);
+}
+
+static void bf_pack_all(bf_mat a, long M, long K, uint16_t *ap)
+{
+    long mp = (M + 15) / 16 * 16;
+    for (long pc = 0; pc < K; pc += BF_KC) {
+        long kc = K - pc < BF_KC ? K - pc : BF_KC;
+        bf_pack_a(a, 0, pc, M, kc, (kc + 31) / 32 * 32, ap + mp * pc);
+    }
+}
+
+/* C[M][N] (row stride ldc) (+)= op(A) op(B) on the calling thread; packed (or NULL): all of
+ * op(A) packed by bf_pack_all, of mp rows, this product's rows from row0 */
 static void bf_gemm_serial(int path, long M, long N, long K, bf_mat a, bf_mat b, float *c,
-                           long ldc, int accumulate)
+                           long ldc, int accumulate, const uint16_t *packed, long mp, long row0)
 {
     uint16_t *ap = bf_abuf, *bp = bf_bbuf;
     for (long jc = 0; jc < N; jc += BF_NC) {
@@ -303,7 +320,10 @@ static void bf_gemm_serial(int path, long M, long N, long K, bf_mat a, bf_mat b,
             bf_pack_b(b, pc, jc, kc, nc, kcp, bp);
             for (long ic = 0; ic < M; ic += BF_MC) {
                 long mc = M - ic < BF_MC ? M - ic : BF_MC;
-                bf_pack_a(a, ic, pc, mc, kc, kcp, ap);
+                if (packed)
+                    ap = (uint16_t *)packed + mp * pc + (row0 + ic) * kcp;
+                else
+                    bf_pack_a(a, ic, pc, mc, kc, kcp, ap);
                 float *cb = c + ic * ldc + jc;
                 if (path == BF_AMX) {
                     for (long i = 0; i < mc; i += 32)
@@ -322,11 +342,11 @@ static void bf_gemm_serial(int path, long M, long N, long K, bf_mat a, bf_mat b,
     }
 }
 
-/* The product on `threads` OpenMP threads, each computing its own columns of C (or rows, when
+/* The product (A from `packed` when not NULL: bf_pack_all's of op(A)) on `threads` OpenMP threads, each computing its own columns of C (or rows, when
  * C has more rows than columns), in multiples of 32. Returns 0 when a thread could not get its
  * packing buffers (then C is unspecified). */
 static int bf_gemm(int path, long M, long N, long K, bf_mat a, bf_mat b, float *c, long ldc,
-                   int accumulate, int threads)
+                   int accumulate, int threads, const uint16_t *packed)
 {
     int ok = 1;
     if (M <= 0 || N <= 0)
@@ -355,7 +375,8 @@ static int bf_gemm(int path, long M, long N, long K, bf_mat a, bf_mat b, float *
             if (path == BF_AMX)
                 bf_amx_configure();
             bf_gemm_serial(path, by_rows ? hi - lo : M, by_rows ? N : hi - lo, K, a2, b2,
-                           c + (by_rows ? lo * ldc : lo), ldc, accumulate);
+                           c + (by_rows ? lo * ldc : lo), ldc, accumulate, packed,
+                           (M + 15) / 16 * 16, by_rows ? lo : 0);
             if (path == BF_AMX)
                 _tile_release();
         }

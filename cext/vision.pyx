@@ -14,6 +14,8 @@ Conventions (Caffe's):
   window clipped to the padded extent, MAX ignores the padding and records the argmax as h * W + w.
 """
 
+import numpy as np
+
 from cython.parallel cimport prange, threadid
 cimport openmp
 from libc.float cimport FLT_MAX
@@ -86,6 +88,8 @@ cdef struct Geom:
     int Cg, Og, Kg, P        # channels per group, outputs per group, col rows per group, oh*ow
     bint direct              # 1x1, stride 1, pad 0: the image is already the column matrix
     int bf16                 # the products: 0 float32 sgemm, else a bf16 path (bf16_gemm.h)
+    const unsigned short* wpack   # bf16: the weights as the pass's products read them, packed
+    Py_ssize_t wpack_group        # once for all images (_pack_weights); per group
 
 
 cdef extern from "vision_im2col.h":
@@ -147,6 +151,7 @@ cdef Geom _geom(int C, int H, int W, int O, int kh, int kw, int ph, int pw, int 
     g.P = g.oh * g.ow
     g.direct = kh == 1 and kw == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
     g.bf16 = 0
+    g.wpack = NULL
     return g
 
 
@@ -198,8 +203,10 @@ cdef extern from "bf16_gemm.h" nogil:
         const float *p
         long rs, cs
     int bf_gemm(int path, long M, long N, long K, bf_mat a, bf_mat b, float *c, long ldc,
-                int accumulate, int threads)
+                int accumulate, int threads, const unsigned short *packed)
     float bf_round(float x)
+    long bf_packed_size(long M, long K)
+    void bf_pack_all(bf_mat a, long M, long K, unsigned short *ap)
 
 
 cdef inline bf_mat _bf_mat(bint trans, const float* p, long cols) noexcept nogil:
@@ -211,15 +218,32 @@ cdef inline bf_mat _bf_mat(bint trans, const float* p, long cols) noexcept nogil
 
 
 cdef inline void _product(const Geom* g, bint ta, bint tb, int M, int N, int K, const float* a,
-                          const float* b, float beta, float* c) noexcept nogil:
-    """c[M, N] = op(a) op(b) + beta c (beta 0 or 1), all row-major and unstrided."""
+                          const float* b, float beta, float* c, int gr) noexcept nogil:
+    """c[M, N] = op(a) op(b) + beta c (beta 0 or 1), all row-major and unstrided; gr >= 0: a is
+    the weights of group gr, read from g.wpack when packed."""
     if g.bf16 == 0:
         gemm(ta, tb, M, N, K, 1.0, a, b, beta, c)
     else:
         # the packing buffers come from aligned_alloc once per thread; a refusal is an
         # exhausted machine, caught by the layer's own allocations first
         bf_gemm(g.bf16, M, N, K, _bf_mat(ta, a, M if ta else K), _bf_mat(tb, b, K if tb else N),
-                c, N, beta != 0, threads_for_macs(<Py_ssize_t>M * N * K))
+                c, N, beta != 0, threads_for_macs(<Py_ssize_t>M * N * K),
+                g.wpack + gr * g.wpack_group if g.wpack != NULL and gr >= 0 else NULL)
+
+
+cdef object _pack_weights(Geom* g, const float* w, bint trans):
+    """The weights of every group as the products read them (W, or W^T for the data gradient),
+    packed to bf16 once for all the images: an array to keep alive while g.wpack is used."""
+    cdef long M = g.Kg if trans else g.Og, K = g.Og if trans else g.Kg
+    g.wpack_group = bf_packed_size(M, K)
+    cdef unsigned short[::1] buf = np.empty(g.group * g.wpack_group, np.uint16)
+    cdef int gr
+    with nogil:
+        for gr in prange(g.group, num_threads=threads_for(<Py_ssize_t>g.O * g.Kg), schedule="static"):
+            bf_pack_all(_bf_mat(trans, w + <Py_ssize_t>gr * g.Og * g.Kg, M if trans else K), M, K,
+                        &buf[0] + gr * g.wpack_group)
+    g.wpack = &buf[0]
+    return buf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +274,7 @@ cdef void _fwd_image(const Geom* g, const float* im, const float* w, const float
         src = col
     for gr in range(g.group):
         _product(g, False, False, g.Og, g.P, g.Kg, w + <Py_ssize_t>gr * g.Og * g.Kg,
-                 src + <Py_ssize_t>gr * g.Kg * g.P, 0.0, out + <Py_ssize_t>gr * g.Og * g.P)
+                 src + <Py_ssize_t>gr * g.Kg * g.P, 0.0, out + <Py_ssize_t>gr * g.Og * g.P, gr)
     _add_bias_image(out, bias, g.O, g.P)
 
 
@@ -261,7 +285,7 @@ cdef void _bwd_data_image(const Geom* g, const float* out, const float* w, const
     cdef int gr
     for gr in range(g.group):
         _product(g, True, False, g.Kg, g.P, g.Og, w + <Py_ssize_t>gr * g.Og * g.Kg,
-                 out + <Py_ssize_t>gr * g.Og * g.P, 0.0, dst + <Py_ssize_t>gr * g.Kg * g.P)
+                 out + <Py_ssize_t>gr * g.Og * g.P, 0.0, dst + <Py_ssize_t>gr * g.Kg * g.P, gr)
     if not g.direct:
         _col2im(col, g, im)
     _add_bias_image(im, bias, g.C, <Py_ssize_t>g.H * g.W)
@@ -277,7 +301,7 @@ cdef void _bwd_weight_image(const Geom* g, const float* im, const float* out, fl
         src = col
     for gr in range(g.group):
         _product(g, False, True, g.Og, g.Kg, g.P, out + <Py_ssize_t>gr * g.Og * g.P,
-                 src + <Py_ssize_t>gr * g.Kg * g.P, 1.0, wdiff + <Py_ssize_t>gr * g.Og * g.Kg)
+                 src + <Py_ssize_t>gr * g.Kg * g.P, 1.0, wdiff + <Py_ssize_t>gr * g.Og * g.Kg, -1)
 
 
 cdef void _bias_diff(const Geom* g, int N, const float* out_diff, float* bias_diff) noexcept nogil:
@@ -422,6 +446,7 @@ def conv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] wei
     if N == 0:
         return
     cdef const float* b = _cptr(bias)
+    packed = _pack_weights(&g, &weight[0, 0, 0, 0], False) if bf16 else None
     with nogil:
         _run_images(&g, N, _OP_FWD, &bottom[0, 0, 0, 0], &weight[0, 0, 0, 0], b,
                     &top[0, 0, 0, 0], NULL, ws, ws_floats)
@@ -462,6 +487,7 @@ def conv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1] 
                         NULL, <float*>&bottom[0, 0, 0, 0], &weight_diff[0, 0, 0, 0], ws,
                         ws_floats)
     if bottom_diff is not None:
+        packed = _pack_weights(&g, &weight[0, 0, 0, 0], True) if bf16 else None
         with nogil:
             _run_images(&g, N, _OP_BWD_DATA, &top_diff[0, 0, 0, 0], &weight[0, 0, 0, 0],
                         NULL, &bottom_diff[0, 0, 0, 0], NULL, ws, ws_floats)

@@ -155,6 +155,9 @@ def test_backward_products_take_rounded_operands():
 KERNEL_PATHS = [pytest.param("", id="best"), pytest.param("avx512_bf16", id="avx512_bf16")]
 BIG = [Case("Convolution", "convolution_param { num_output: 24 kernel_size: 3 pad: 1 group: 2 %s }"
             % GAUSS, [randn(3, 128, 10, 9, seed=5)], variant="bf16"),         # Kg 576 > a k block
+       # one image, large enough for both threads on each product (the packed weights' rows split)
+       Case("Convolution", "convolution_param { num_output: 64 kernel_size: 3 pad: 1 %s }" % GAUSS,
+            [randn(1, 256, 14, 14, seed=7)], variant="bf16"),
        Case("InnerProduct", "inner_product_param { num_output: 40 %s }" % GAUSS,
             [randn(5, 700, seed=6)], variant="bf16")]
 
