@@ -72,7 +72,7 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--train_batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("nets", nargs="*", default=list(NETS), choices=list(NETS))
+    ap.add_argument("nets", nargs="*", choices=list(NETS), help="default: all")
     args = ap.parse_args(argv)
     log.set_quiet(True)
     path = precision.kernel()
@@ -80,7 +80,7 @@ def main(argv=None):
         sys.exit(f"bench_bf16_speed: no bf16 kernels run here: {precision.availability()}")
     print(f"bf16 on {path[1]} kernels; best of {args.repeats}, runs alternating")
     print(f"{'net':<10} {'pass':<16} {'f32 ms':>9} {'bf16 ms':>9} {'bf16 speed-up':>14}")
-    for name in args.nets:
+    for name in args.nets or list(NETS):
         runs = [(f"forward b{b}", b, False) for b in args.batches]
         runs.append((f"train b{args.train_batch}", args.train_batch, True))
         for label, batch, train in runs:
