@@ -72,8 +72,11 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--train_batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("nets", nargs="*", choices=list(NETS), help="default: all")
+    ap.add_argument("nets", nargs="*", help=f"of {', '.join(NETS)} (default: all)")
     args = ap.parse_args(argv)
+    unknown = set(args.nets) - set(NETS)
+    if unknown:
+        ap.error(f"unknown net(s) {', '.join(sorted(unknown))}; known: {', '.join(NETS)}")
     log.set_quiet(True)
     path = precision.kernel()
     if path is None:
