@@ -44,7 +44,8 @@ def set_device(device_id):
 
 def set_precision(name):
     """Run the nets built from now on in float32 ('f32', the default) or bf16 ('bf16':
-    Convolution and InnerProduct; needs CAFFEPY_BF16=emulate, see caffepy/precision.py)."""
+    Convolution and InnerProduct; needs AVX512_BF16 or AMX-BF16, else CAFFEPY_BF16=emulate, see
+    caffepy/precision.py)."""
     from . import precision
     precision.set_precision(name, where=f"set_precision('{name}')")
 

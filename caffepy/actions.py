@@ -205,24 +205,32 @@ def net_with_engine(model, engine="", **kwargs):
 def time_precisions(model, weights=None, iterations=10, level=0, stages=(), engine=""):
     """`caffepy time --precision all`: the TEST net's forward in each precision side by side,
     runs alternating (best of `iterations` each): f32 (quantization_param removed), int8 (the
-    prototxt's quantization_param: caffepy calibrate writes it), and bf16, which caffepy does
-    not run (a line says so, and whether the CPU has AVX512_BF16 / AMX). Returns {name: ms}."""
-    from . import quantization, upgrade
+    prototxt's quantization_param: caffepy calibrate writes it), and bf16 where its kernels run
+    (precision.kernel(); else a line says why not). Returns {name: ms}."""
+    from . import precision, quantization, upgrade
     from .net import TEST, Net
 
-    def build(quantized):
+    def build(quantized, bf16=False):
         param = upgrade.read_net(model)
         set_net_engine(param, engine)
         if not quantized:
             for lp in param.layer:
                 lp.ClearField("quantization_param")
-        return Net(param, source=model, phase=TEST, weights=weights or None, level=level,
-                   stages=list(stages))
+        was = precision.current()
+        precision.set_precision(precision.BF16 if bf16 else precision.F32)
+        try:
+            return Net(param, source=model, phase=TEST, weights=weights or None, level=level,
+                       stages=list(stages))
+        finally:
+            precision.set_precision(was)
 
     has_int8 = any(lp.HasField("quantization_param") for lp in upgrade.read_net(model).layer)
+    bf16 = precision.kernel()
     nets = {"f32": build(False)}
     if has_int8:
         nets["int8"] = build(True)
+    if bf16:
+        nets["bf16"] = build(False, bf16=True)
     best = {name: float("inf") for name in nets}
     for name, net in nets.items():
         net.forward_from_to()                   # warm-up: algorithm choice, quantized weights
@@ -239,11 +247,11 @@ def time_precisions(model, weights=None, iterations=10, level=0, stages=(), engi
                  f"{quantization.isa()} kernels)")
     else:
         log.info("   int8: the net has no quantization_param (caffepy calibrate writes one)")
-    flags = device.cpu_flags()
-    has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
-    log.info("   bf16: not run: caffepy has no bf16 kernels" + (
-        " (this CPU has AVX512_BF16 / AMX)" if has_bf16 else " (and this CPU has no AVX512_BF16 "
-        "or AMX)"))
+    if bf16:
+        log.info(f"   bf16: {fmt(ms['bf16'])} ms ({ms['f32'] / ms['bf16']:.2f}x f32; {bf16[1]} "
+                 f"kernels)")
+    else:
+        log.info(f"   bf16: not run: {precision.availability()}")
     return ms
 
 

@@ -162,10 +162,10 @@ def _precision_flag(ctx, param, value):
 precision_option = click.option(
     "--precision", default="f32", show_default=True, metavar="PRECISION", callback=_precision_flag,
     help="f32, or bf16: Convolution and InnerProduct in bfloat16 (bf16-rounded inputs and weights, "
-         "float32 sums; training keeps float32 master weights). caffepy has no bf16 kernels yet: bf16 "
-         "runs only emulated, with CAFFEPY_BF16=emulate set, slower than f32, to measure its accuracy. "
-         "time takes all too: the TEST forward in f32 and int8 (the net's quantization_param) side by "
-         "side, and where bf16 stands.")
+         "float32 sums; training keeps float32 master weights), on AMX-BF16 or AVX512_BF16 kernels where "
+         "the CPU has them; elsewhere only emulated, with CAFFEPY_BF16=emulate set, slower than f32, to "
+         "measure its accuracy (device_query says which). time takes all too: the TEST forward in f32, "
+         "int8 (the net's quantization_param) and bf16 side by side.")
 
 
 def _use_precision(value):

@@ -14,6 +14,8 @@ Conventions (Caffe's):
   window clipped to the padded extent, MAX ignores the padding and records the argmax as h * W + w.
 """
 
+import numpy as np
+
 from cython.parallel cimport prange, threadid
 cimport openmp
 from libc.float cimport FLT_MAX
@@ -21,7 +23,7 @@ from libc.stdint cimport int32_t
 from libc.string cimport memset
 
 from blas cimport gemm
-from rules cimport dims, need, need_shape, threads_for
+from rules cimport dims, need, need_shape, threads_for, threads_for_macs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,6 +87,9 @@ cdef struct Geom:
     int kh, kw, ph, pw, sh, sw, dh, dw, group
     int Cg, Og, Kg, P        # channels per group, outputs per group, col rows per group, oh*ow
     bint direct              # 1x1, stride 1, pad 0: the image is already the column matrix
+    int bf16                 # the products: 0 float32 sgemm, else a bf16 path (bf16_gemm.h)
+    const unsigned short* wpack   # bf16: the weights as the pass's products read them, packed
+    Py_ssize_t wpack_group        # once for all images (_pack_weights); per group
 
 
 cdef extern from "vision_im2col.h":
@@ -145,6 +150,8 @@ cdef Geom _geom(int C, int H, int W, int O, int kh, int kw, int ph, int pw, int 
     g.Kg = g.Cg * kh * kw
     g.P = g.oh * g.ow
     g.direct = kh == 1 and kw == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
+    g.bf16 = 0
+    g.wpack = NULL
     return g
 
 
@@ -188,6 +195,58 @@ def im2col_batch(const float[:, :, :, ::1] data_im, int kh, int kw, int pad_h, i
 
 
 # ---------------------------------------------------------------------------------------------
+# The convolutions' products: float32 (the BLAS), or bf16 (bf16_gemm.h) for layers/bf16.py's
+# Convolution, which passes the path the CPU has (caffepy/precision.py).
+
+cdef extern from "bf16_gemm.h" nogil:
+    ctypedef struct bf_mat:
+        const float *p
+        long rs, cs
+    int bf_gemm(int path, long M, long N, long K, bf_mat a, bf_mat b, float *c, long ldc,
+                int accumulate, int threads, const unsigned short *packed)
+    float bf_round(float x)
+    long bf_packed_size(long M, long K)
+    void bf_pack_all(bf_mat a, long M, long K, unsigned short *ap)
+
+
+cdef inline bf_mat _bf_mat(bint trans, const float* p, long cols) noexcept nogil:
+    # a row-major matrix of `cols` columns, read transposed or not
+    cdef bf_mat m
+    m.p = p
+    m.rs, m.cs = (1, cols) if trans else (cols, 1)
+    return m
+
+
+cdef inline void _product(const Geom* g, bint ta, bint tb, int M, int N, int K, const float* a,
+                          const float* b, float beta, float* c, int gr) noexcept nogil:
+    """c[M, N] = op(a) op(b) + beta c (beta 0 or 1), all row-major and unstrided; gr >= 0: a is
+    the weights of group gr, read from g.wpack when packed."""
+    if g.bf16 == 0:
+        gemm(ta, tb, M, N, K, 1.0, a, b, beta, c)
+    else:
+        # the packing buffers come from aligned_alloc once per thread; a refusal is an
+        # exhausted machine, caught by the layer's own allocations first
+        bf_gemm(g.bf16, M, N, K, _bf_mat(ta, a, M if ta else K), _bf_mat(tb, b, K if tb else N),
+                c, N, beta != 0, threads_for_macs(<Py_ssize_t>M * N * K),
+                g.wpack + gr * g.wpack_group if g.wpack != NULL and gr >= 0 else NULL)
+
+
+cdef object _pack_weights(Geom* g, const float* w, bint trans):
+    """The weights of every group as the products read them (W, or W^T for the data gradient),
+    packed to bf16 once for all the images: an array to keep alive while g.wpack is used."""
+    cdef long M = g.Kg if trans else g.Og, K = g.Og if trans else g.Kg
+    g.wpack_group = bf_packed_size(M, K)
+    cdef unsigned short[::1] buf = np.empty(g.group * g.wpack_group, np.uint16)
+    cdef int gr
+    with nogil:
+        for gr in prange(g.group, num_threads=threads_for(<Py_ssize_t>g.O * g.Kg), schedule="static"):
+            bf_pack_all(_bf_mat(trans, w + <Py_ssize_t>gr * g.Og * g.Kg, M if trans else K), M, K,
+                        &buf[0] + gr * g.wpack_group)
+    g.wpack = &buf[0]
+    return buf
+
+
+# ---------------------------------------------------------------------------------------------
 # Convolution on one image. Weight is [O, C/g * kh * kw] row-major, group gr uses rows
 # [gr*Og, (gr+1)*Og), image channels [gr*Cg, (gr+1)*Cg) and col rows [gr*Kg, (gr+1)*Kg).
 
@@ -214,8 +273,8 @@ cdef void _fwd_image(const Geom* g, const float* im, const float* w, const float
         _im2col(im, g, col)
         src = col
     for gr in range(g.group):
-        gemm(False, False, g.Og, g.P, g.Kg, 1.0, w + <Py_ssize_t>gr * g.Og * g.Kg,
-             src + <Py_ssize_t>gr * g.Kg * g.P, 0.0, out + <Py_ssize_t>gr * g.Og * g.P)
+        _product(g, False, False, g.Og, g.P, g.Kg, w + <Py_ssize_t>gr * g.Og * g.Kg,
+                 src + <Py_ssize_t>gr * g.Kg * g.P, 0.0, out + <Py_ssize_t>gr * g.Og * g.P, gr)
     _add_bias_image(out, bias, g.O, g.P)
 
 
@@ -225,8 +284,8 @@ cdef void _bwd_data_image(const Geom* g, const float* out, const float* w, const
     cdef float* dst = im if g.direct else col
     cdef int gr
     for gr in range(g.group):
-        gemm(True, False, g.Kg, g.P, g.Og, 1.0, w + <Py_ssize_t>gr * g.Og * g.Kg,
-             out + <Py_ssize_t>gr * g.Og * g.P, 0.0, dst + <Py_ssize_t>gr * g.Kg * g.P)
+        _product(g, True, False, g.Kg, g.P, g.Og, w + <Py_ssize_t>gr * g.Og * g.Kg,
+                 out + <Py_ssize_t>gr * g.Og * g.P, 0.0, dst + <Py_ssize_t>gr * g.Kg * g.P, gr)
     if not g.direct:
         _col2im(col, g, im)
     _add_bias_image(im, bias, g.C, <Py_ssize_t>g.H * g.W)
@@ -241,8 +300,8 @@ cdef void _bwd_weight_image(const Geom* g, const float* im, const float* out, fl
         _im2col(im, g, col)
         src = col
     for gr in range(g.group):
-        gemm(False, True, g.Og, g.Kg, g.P, 1.0, out + <Py_ssize_t>gr * g.Og * g.P,
-             src + <Py_ssize_t>gr * g.Kg * g.P, 1.0, wdiff + <Py_ssize_t>gr * g.Og * g.Kg)
+        _product(g, False, True, g.Og, g.Kg, g.P, out + <Py_ssize_t>gr * g.Og * g.P,
+                 src + <Py_ssize_t>gr * g.Kg * g.P, 1.0, wdiff + <Py_ssize_t>gr * g.Og * g.Kg, -1)
 
 
 cdef void _bias_diff(const Geom* g, int N, const float* out_diff, float* bias_diff) noexcept nogil:
@@ -254,8 +313,12 @@ cdef void _bias_diff(const Geom* g, int N, const float* out_diff, float* bias_di
         acc = 0.0
         for n in range(N):
             src = out_diff + (n * g.O + o) * g.P
-            for p in range(g.P):
-                acc = acc + src[p]
+            if g.bf16:
+                for p in range(g.P):
+                    acc = acc + bf_round(src[p])      # the rounded top diff, as the products
+            else:
+                for p in range(g.P):
+                    acc = acc + src[p]
         bias_diff[o] += acc
 
 
@@ -364,14 +427,17 @@ cdef inline const float* _cptr(const float[::1] buf) noexcept:
 def conv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] weight,
                  const float[::1] bias, float[:, :, :, ::1] top, float[::1] col_buffer,
                  int pad_h, int pad_w, int stride_h, int stride_w, int dil_h, int dil_w,
-                 int group):
+                 int group, int bf16=0):
     """top[N, O, oh, ow] = conv(bottom[N, C, H, W], weight[O, C/group, kh, kw]) + bias[O].
 
-    top is overwritten; bias may be None. col_buffer: see conv_workspace_size.
+    top is overwritten; bias may be None. col_buffer: see conv_workspace_size. bf16: 0 for
+    float32 products, else the bf16 path (kernels.bf16.AVX512 or AMX) the CPU has: bottom and
+    weight rounded to bf16 as the products read them, sums in float32.
     """
     cdef Geom g = _conv_geom(dims(bottom.shape, 4), dims(top.shape, 4),
                              dims(weight.shape, 4), pad_h, pad_w, stride_h, stride_w,
                              dil_h, dil_w, group, "bottom", "top", "conv_forward")
+    g.bf16 = bf16
     cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer, "conv_forward")
     cdef int N = bottom.shape[0]
     cdef float* ws = _ptr(col_buffer)
@@ -380,6 +446,7 @@ def conv_forward(const float[:, :, :, ::1] bottom, const float[:, :, :, ::1] wei
     if N == 0:
         return
     cdef const float* b = _cptr(bias)
+    packed = _pack_weights(&g, &weight[0, 0, 0, 0], False) if bf16 else None
     with nogil:
         _run_images(&g, N, _OP_FWD, &bottom[0, 0, 0, 0], &weight[0, 0, 0, 0], b,
                     &top[0, 0, 0, 0], NULL, ws, ws_floats)
@@ -389,15 +456,17 @@ def conv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1] 
                   const float[:, :, :, ::1] weight, float[:, :, :, ::1] weight_diff,
                   float[::1] bias_diff, float[:, :, :, ::1] bottom_diff, float[::1] col_buffer,
                   int pad_h, int pad_w, int stride_h, int stride_w, int dil_h, int dil_w,
-                  int group):
+                  int group, int bf16=0):
     """Gradients of conv_forward.
 
     weight_diff += dL/dweight (None skips it), bias_diff += dL/dbias (None skips it),
-    bottom_diff = dL/dbottom (overwritten; None skips it).
+    bottom_diff = dL/dbottom (overwritten; None skips it). bf16 as conv_forward's: the top diff,
+    bottom and weight rounded, the bias diff the float32 sum of the rounded top diff.
     """
     cdef Geom g = _conv_geom(dims(bottom.shape, 4), dims(top_diff.shape, 4),
                              dims(weight.shape, 4), pad_h, pad_w, stride_h, stride_w,
                              dil_h, dil_w, group, "bottom", "top_diff", "conv_backward")
+    g.bf16 = bf16
     cdef Py_ssize_t ws_floats = _ws_floats(&g, col_buffer, "conv_backward")
     cdef int N = bottom.shape[0]
     cdef float* ws = _ptr(col_buffer)
@@ -418,6 +487,7 @@ def conv_backward(const float[:, :, :, ::1] top_diff, const float[:, :, :, ::1] 
                         NULL, <float*>&bottom[0, 0, 0, 0], &weight_diff[0, 0, 0, 0], ws,
                         ws_floats)
     if bottom_diff is not None:
+        packed = _pack_weights(&g, &weight[0, 0, 0, 0], True) if bf16 else None
         with nogil:
             _run_images(&g, N, _OP_BWD_DATA, &top_diff[0, 0, 0, 0], &weight[0, 0, 0, 0],
                         NULL, &bottom_diff[0, 0, 0, 0], NULL, ws, ws_floats)

@@ -1,5 +1,6 @@
 """bf16 (caffepy/precision.py): the rounding against a NumPy reference and torch, the setting
-and its refusal without bf16 hardware or CAFFEPY_BF16=emulate, the factory's choices in a net,
+and its refusal without bf16 kernels or CAFFEPY_BF16=emulate, which kernel path runs (from the
+CPU's flags and CAFFEPY_BF16), the factory's choices in a net,
 float32 master weights in training, the CLI's -precision flag, and LeNet's accuracy on the
 bundled digits (benchmarks/bench_bf16.py measures the rest)."""
 import re
@@ -25,6 +26,17 @@ def emulate(monkeypatch):
     precision._warn_emulated.cache_clear()       # once per process: once per test here
     yield
     precision.set_precision("f32")
+
+
+@pytest.fixture
+def no_bf16_cpu(monkeypatch):
+    """A CPU without bf16 instructions (AVX2 only), CAFFEPY_BF16 unset."""
+    monkeypatch.delenv("CAFFEPY_BF16", raising=False)
+    monkeypatch.setattr(precision.device, "cpu_flags", lambda: {"avx2", "fma"})
+
+
+KERNELS_HERE = precision.hardware() is not None and precision.kernel() is not None
+needs_kernels = pytest.mark.skipif(not KERNELS_HERE, reason="this CPU runs no bf16 kernels")
 
 
 def _bits(a):
@@ -75,26 +87,44 @@ def test_rounding_in_place_and_against_torch():
     np.testing.assert_array_equal(x, want)
 
 
-def test_bf16_is_refused_without_hardware_or_the_emulation_opt_in(monkeypatch):
-    monkeypatch.delenv("CAFFEPY_BF16", raising=False)
-    if precision.hardware() is None:
-        with pytest.raises(CaffepyError, match=r"^-precision bf16: this CPU has no bf16 instructions "
-                                               r"\(AVX512_BF16 or AMX-BF16\); CAFFEPY_BF16=emulate"):
-            precision.set_precision("bf16")
+def test_bf16_is_refused_without_kernels_or_the_emulation_opt_in(monkeypatch, no_bf16_cpu):
+    with pytest.raises(CaffepyError, match=r"^-precision bf16: this CPU has no bf16 instructions "
+                                           r"\(AVX512_BF16 or AMX-BF16\); CAFFEPY_BF16=emulate"):
+        precision.set_precision("bf16")
     with pytest.raises(CaffepyError, match="set_precision\\('bf16'\\): .*CAFFEPY_BF16=emulate"):
         caffepy.set_precision("bf16")
     assert precision.current() == "f32"
     monkeypatch.setenv("CAFFEPY_BF16", "yes")
-    with pytest.raises(CaffepyError, match="CAFFEPY_BF16: must be 'emulate' or unset, got 'yes'"):
+    with pytest.raises(CaffepyError, match="CAFFEPY_BF16: must be 'emulate', 'avx512_bf16' or "
+                                           "unset, got 'yes'"):
         precision.set_precision("bf16")
     with pytest.raises(UsageError, match="unknown precision 'fp16'; accepted: f32 .* or bf16"):
         precision.set_precision("fp16")
 
 
-def test_availability_names_the_hardware_when_the_cpu_has_it():
+SPR = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}
+
+
+def test_the_kernel_path_follows_the_cpu_and_caffepy_bf16(monkeypatch):
+    monkeypatch.delenv("CAFFEPY_BF16", raising=False)
+    assert precision.kernel(SPR)[1] == "AMX-BF16"
+    assert precision.kernel(SPR - {"amx_tile"})[1] == "AVX512_BF16"
+    assert precision.kernel({"avx512f", "avx512_bf16"}) is None         # no BW, VL
+    assert precision.kernel({"avx2", "fma"}) is None
+    monkeypatch.setenv("CAFFEPY_BF16", "avx512_bf16")
+    assert precision.kernel(SPR)[1] == "AVX512_BF16"
+    monkeypatch.setenv("CAFFEPY_BF16", "emulate")
+    assert precision.kernel(SPR) is None
+
+
+def test_availability_names_the_kernels_or_why_there_are_none(monkeypatch):
+    monkeypatch.delenv("CAFFEPY_BF16", raising=False)
     assert "this CPU has no bf16 instructions" in precision.availability({"avx2", "fma"})
     line = precision.availability({"avx512f", "avx512_bf16", "amx_bf16"})
-    assert "this CPU has AMX-BF16, AVX512_BF16, but caffepy has no bf16 kernels yet" in line
+    assert "this CPU has AMX-BF16, AVX512_BF16, but not what caffepy's bf16 kernels need" in line
+    assert precision.availability(SPR).startswith("AMX-BF16 kernels (bf16-rounded operands")
+    monkeypatch.setenv("CAFFEPY_BF16", "emulate")
+    assert precision.availability(SPR).startswith("CAFFEPY_BF16=emulate: bf16's arithmetic emulated")
 
 
 NET = """
@@ -187,9 +217,9 @@ def test_cli_refuses_an_unknown_precision_in_one_line():
         assert "'--precision': unknown precision 'fp8'; accepted: f32" in lines[0] and "bf16" in lines[0]
 
 
-def test_cli_bf16_without_the_opt_in_is_one_line_and_exit_1(tmp_path, monkeypatch):
+def test_cli_bf16_without_kernels_or_the_opt_in_is_one_line_and_exit_1(tmp_path, monkeypatch,
+                                                                        no_bf16_cpu):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("CAFFEPY_BF16", raising=False)
     (tmp_path / "net.prototxt").write_text(NET)
     result = _caffepy("time", "-model", "net.prototxt", "-iterations", "1", "-precision", "bf16")
     lines = [line for line in result.output.splitlines() if line]
@@ -210,3 +240,27 @@ def test_time_says_which_precision_each_layer_ran_in(tmp_path, monkeypatch, emul
     assert re.search(r"bf16 emulated \(CAFFEPY_BF16=emulate\): Convolution and InnerProduct", result.stderr)
     assert "Precision per layer: bf16 (emulated): conv, ip; f32: the other 3 layer(s)" in result.stderr
     assert re.search(r"conv\tbf16 emulated: bf16-rounded operands, float32 GEMM", result.stderr)
+
+
+@needs_kernels
+def test_with_kernels_bf16_runs_without_the_opt_in_and_says_which(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CAFFEPY_BF16", raising=False)
+    (tmp_path / "net.prototxt").write_text(NET)
+    name = precision.kernel()[1]
+    precision._say_kernel.cache_clear()
+    log.set_quiet(False)
+    try:
+        result = _caffepy("time", "-model", "net.prototxt", "-iterations", "1", "-precision", "bf16",
+                          "-forward_only")
+        every = _caffepy("time", "-model", "net.prototxt", "-iterations", "1", "-precision", "all")
+    finally:
+        log.set_quiet(True)
+        precision.set_precision("f32")
+    assert result.exit_code == 0, result.output
+    assert f"bf16 on {name} kernels: Convolution and InnerProduct" in result.stderr
+    assert f"Precision per layer: bf16 ({name}): conv, ip; f32: the other 3 layer(s)" in result.stderr
+    assert re.search(rf"conv\tbf16 {name}: bf16-rounded operands, float32 sums", result.stderr)
+    assert every.exit_code == 0, every.output
+    assert re.search(rf"   bf16: [0-9.]+ ms \([0-9.]+x f32; {name} kernels\)", every.stderr)
+    assert precision.current() == "f32"

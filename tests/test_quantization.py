@@ -278,18 +278,21 @@ def test_weights_are_quantized_again_only_when_a_source_float_changes():
     assert body.wq is not second
 
 
-def test_time_precision_all_puts_f32_and_int8_side_by_side(tmp_path, capfd):
-    from caffepy import actions, log
+def test_time_precision_all_puts_f32_int8_and_bf16_side_by_side(tmp_path, capfd):
+    from caffepy import actions, log, precision
     log.set_quiet(False)        # the lines are the command's output (the suite runs quiet)
     model = tmp_path / "block.prototxt"
     model.write_text(block_net())
     ms = actions.time_precisions(str(model), iterations=1)
-    assert set(ms) == {"f32", "int8"} and all(v > 0 for v in ms.values())
+    bf16 = {"bf16"} if precision.kernel() else set()       # timed where its kernels run
+    assert set(ms) == {"f32", "int8"} | bf16 and all(v > 0 for v in ms.values())
     err = capfd.readouterr().err
-    assert "int8:" in err and "x f32" in err and "bf16: not run" in err
+    assert "int8:" in err and "x f32" in err
+    assert (f"f32; {precision.kernel()[1]} kernels)" if bf16 else "bf16: not run") in err
+    assert precision.current() == "f32"
     plain = tmp_path / "plain.prototxt"
     plain.write_text(re.sub(r"quantization_param \{[^}]*\}", "", block_net()))
-    assert set(actions.time_precisions(str(plain), iterations=1)) == {"f32"}
+    assert set(actions.time_precisions(str(plain), iterations=1)) == {"f32"} | bf16
     assert "the net has no quantization_param" in capfd.readouterr().err
 
 

@@ -1,5 +1,5 @@
 """The bf16 variants of Convolution and InnerProduct (caffepy/precision.py: what bf16 means here,
-and why it is emulated).
+and which kernels run it).
 
 The factory picks them for every Convolution and InnerProduct of a net built while the
 precision is bf16, except the int8 layers (quantization_param in a TEST net stay int8) and
@@ -11,9 +11,9 @@ Forward: top = round(W) (*) round(bottom) + b, summed in float32 (Caffe's im2col
 GEMM of InnerProduct), the bias and any Intel fusion (ReLU, SUM) in float32. Backward: the
 weight gradient round(top_diff) x round(bottom) accumulated into the float32 weight diff, the
 bottom diff round(top_diff) x round(W), the bias gradient the float32 sum of round(top_diff).
-The layer's blobs (the master weights) stay float32 and are never rounded in place; the
-rounded operands are scratch copies, made again at each pass (pycaffe code may change a
-blob's data between passes).
+The layer's blobs (the master weights) stay float32 and are never rounded in place: the bf16
+kernels (precision.kernel()) round the operands as they pack them, at each pass (pycaffe code
+may change a blob's data between passes); the emulation rounds them into scratch copies.
 """
 import numpy as np
 
@@ -22,13 +22,17 @@ from ..layer import BLOCKED, LAYERS, NHWC, PLAIN, register
 from .common import InnerProduct
 from .vision import Convolution
 
+from ..kernels import bf16 as bf16_kernels
+
 ALGORITHM = "bf16 emulated: bf16-rounded operands, float32 GEMM"
 
 
 class _BF16:
-    """The bf16 part of both variants: when the factory picks them, and their GEMM operands
-    (the parent's `operand` hook) as bf16-rounded copies, one buffer per role, reused while
-    its shape holds."""
+    """The bf16 part of both variants: when the factory picks them, the products' kernel (the
+    bf16 path precision.kernel() names, else the float32 GEMM), and the GEMM operands (the
+    parent's `operand` hook) as bf16-rounded copies where no kernel rounds them, one buffer per
+    role, reused while its shape holds."""
+    rounded_by_kernel = ("w", "x", "dy")     # the roles the bf16 kernels round themselves
 
     @classmethod
     def wanted(cls, request):
@@ -45,9 +49,15 @@ class _BF16:
     def setup(self, bottom, top):
         super().setup(bottom, top)
         self.rounded = {}
-        self.algorithm, self.tuning = ALGORITHM, "rule"
+        path = precision.kernel()
+        self.products, self.kernel_name = path if path else (0, None)
+        self.algorithm = (f"bf16 {self.kernel_name}: bf16-rounded operands, float32 sums" if path
+                          else ALGORITHM)
+        self.tuning = "rule"
 
     def operand(self, role, a):
+        if self.products and role in self.rounded_by_kernel:
+            return a
         buf = self.rounded.get(role)
         if buf is None or buf.shape != a.shape:
             buf = self.rounded[role] = np.empty(a.shape, np.float32)
@@ -64,6 +74,13 @@ class BF16Convolution(_BF16, Convolution):
 class BF16InnerProduct(_BF16, InnerProduct):
     """InnerProduct in bf16 (see the module docstring): inner_product_param as InnerProduct."""
     type = "InnerProduct"
+    rounded_by_kernel = ("w", "x")      # the bias gradient sums the top diff here: rounded first
 
     def _choose(self, bottom, top):
         self._skinny = {"forward": False, "data": False}       # the BLAS's GEMM, not measured
+
+    def product(self, a, b, c, beta=0.0):
+        if self.products:
+            bf16_kernels.gemm(a, b, c, beta != 0, self.products)
+        else:
+            super().product(a, b, c, beta)

@@ -258,6 +258,10 @@ class InnerProduct(Layer):
         "dy" the top's diff): itself; layers/bf16.py's variant rounds it to bf16."""
         return a
 
+    def product(self, a, b, c, beta=0.0):
+        """c = a @ b + beta c (beta 0 or 1): the BLAS; layers/bf16.py's variant runs it in bf16."""
+        gemm_into(a, b, c, beta)
+
     def forward(self, bottom, top):
         x = self.operand("x", bottom[0].data.reshape(self.M, self.K))
         y = top[0].data.reshape(self.M, self.num_output)
@@ -265,7 +269,7 @@ class InnerProduct(Layer):
         if self._skinny["forward"]:
             self._by_columns(w, x, y)
         else:
-            gemm_into(x, w if self.transpose else w.T, y)
+            self.product(x, w if self.transpose else w.T, y)
         if self.bias_term:
             y += self.blobs[1].data
         if self.fused is not None:
@@ -278,9 +282,9 @@ class InnerProduct(Layer):
         if param_wanted(self, 0):
             x = self.operand("x", bottom[0].data.reshape(self.M, self.K))
             if self.transpose:
-                gemm_into(x.T, dy, self.blobs[0].diff, 1.0)     # dW[K, N] += x^T dy
+                self.product(x.T, dy, self.blobs[0].diff, 1.0)     # dW[K, N] += x^T dy
             else:
-                gemm_into(dy.T, x, self.blobs[0].diff, 1.0)     # dW[N, K] += dy^T x
+                self.product(dy.T, x, self.blobs[0].diff, 1.0)     # dW[N, K] += dy^T x
         if self.bias_term and param_wanted(self, 1):
             self.blobs[1].diff[...] += dy.sum(axis=0)
         if propagate_down[0]:
@@ -289,7 +293,7 @@ class InnerProduct(Layer):
             if self._skinny["data"]:
                 self._by_columns(w.T, dy, dx)
             else:
-                gemm_into(dy, w.T if self.transpose else w, dx)
+                self.product(dy, w.T if self.transpose else w, dx)
 
     def _skinny_fits(self):
         """Whether skinny_gemm may run: a small batch against many outputs and inputs, from 8

@@ -109,6 +109,7 @@ class Convolution(_ConvBase):
     negative_slope, fusion_type, coeff (common.FusedOutput: then bottom[1] is the summand).
     """
     takes_fusions = True
+    products = 0         # the products' kernel: float32; layers/bf16.py's variant sets a bf16 path
 
     def setup(self, bottom, top):
         super().setup(bottom, top)
@@ -135,7 +136,7 @@ class Convolution(_ConvBase):
         w = self.operand("w", self.blobs[0].data)
         for b, t in zip(bottom, top):
             kv.conv_forward(self.operand("x", b.data), w, self._bias(), t.data, self.col_buffer,
-                            *self.conv_args())
+                            *self.conv_args(), bf16=self.products)
         if self.fused is not None:
             self.fused.forward(bottom, top)
 
@@ -146,7 +147,8 @@ class Convolution(_ConvBase):
         w = self.operand("w", self.blobs[0].data)
         for t, down, b in zip(top, propagate_down, bottom):
             kv.conv_backward(self.operand("dy", t.diff), self.operand("x", b.data), w, wdiff, bdiff,
-                             b.diff if down else None, self._ensure_backward_buffer(b), *self.conv_args())
+                             b.diff if down else None, self._ensure_backward_buffer(b), *self.conv_args(),
+                             bf16=self.products)
 
     def _ensure_backward_buffer(self, b):
         # TEST-phase nets size the buffer without weight partials; grow it on first backward

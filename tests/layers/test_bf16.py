@@ -1,6 +1,11 @@
 """The bf16 variants of Convolution and InnerProduct (caffepy/layers/bf16.py) against float64
 references computed on bf16-rounded operands, and their gradient check.
 
+The cases run the path this CPU's bf16 kernels take (AMX-BF16, else AVX512_BF16: layers built
+without CAFFEPY_BF16), or the emulation where it has neither (the conftest's CAFFEPY_BF16 set or
+not, see precision.kernel); test_kernels_match_the_emulation compares the kernels, both paths
+where the CPU has them, with the emulation, forward and backward.
+
 Forward tolerance: the rounded operands' products are exact in float32 and in float64, so the
 variants differ from the float64 reference by float32's summation only (rtol 1e-5); the same
 reference without the rounding is 1e-3 or more away, so the cases see whether rounding happens.
@@ -18,6 +23,7 @@ gradient is approximate).
 import numpy as np
 import pytest
 
+from caffepy import device, precision
 from caffepy.kernels.reference.bf16 import round_bf16 as reference_bf16
 from layer_cases import Case, case_tests, randn, setup_layer
 
@@ -144,3 +150,41 @@ def test_backward_products_take_rounded_operands():
     np.testing.assert_allclose(layer.blobs[1].diff, r(dy).sum(0), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(bottom[0].diff.reshape(x2.shape), r(dy) @ r(layer.blobs[0].data),
                                rtol=1e-5, atol=1e-6)
+
+
+KERNEL_PATHS = [pytest.param("", id="best"), pytest.param("avx512_bf16", id="avx512_bf16")]
+BIG = [Case("Convolution", "convolution_param { num_output: 24 kernel_size: 3 pad: 1 group: 2 %s }"
+            % GAUSS, [randn(3, 128, 10, 9, seed=5)], variant="bf16"),         # Kg 576 > a k block
+       # one image, large enough for both threads on each product (the packed weights' rows split)
+       Case("Convolution", "convolution_param { num_output: 64 kernel_size: 3 pad: 1 %s }" % GAUSS,
+            [randn(1, 256, 14, 14, seed=7)], variant="bf16"),
+       Case("InnerProduct", "inner_product_param { num_output: 40 %s }" % GAUSS,
+            [randn(5, 700, seed=6)], variant="bf16")]
+
+
+def _run(case, setting, monkeypatch):
+    """(top, bottom diff, param diffs) of one forward and backward under CAFFEPY_BF16=setting."""
+    monkeypatch.setenv("CAFFEPY_BF16", setting)
+    layer, bottom, top = case.build()
+    assert layer.products == 0 if setting == "emulate" else layer.products != 0
+    layer.reshape(bottom, top)
+    layer.forward(bottom, top)
+    top[0].diff[...] = randn(*top[0].shape, seed=11)
+    for p in layer.blobs:
+        p.diff[...] = 0.5                    # the weight and bias diffs accumulate into it
+    layer.backward(top, [True], bottom)
+    return [top[0].data.copy(), bottom[0].diff.copy()] + [p.diff.copy() for p in layer.blobs]
+
+
+@pytest.mark.skipif(not all(f in device.cpu_flags() for f in precision.KERNEL_NEEDS["AVX512_BF16"]),
+                    reason="this CPU runs no bf16 kernels (no AVX512_BF16 with AVX-512 BW and VL)")
+@pytest.mark.parametrize("setting", KERNEL_PATHS)
+@pytest.mark.parametrize("case", CASES + BIG, ids=[c.id for c in CASES + BIG])
+def test_kernels_match_the_emulation(case, setting, monkeypatch):
+    """The same rounded operands and exact products: the kernels and the emulation differ by
+    the order of their float32 sums alone, 1e-5 of the largest value at these sizes (K <= 700:
+    the worst case K 2^-24 is 4e-5; measured 1e-6)."""
+    want = _run(case, "emulate", monkeypatch)
+    got = _run(case, setting, monkeypatch)
+    for name, g, w in zip(("top", "bottom diff", "weight diff", "bias diff"), got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max(), err_msg=name)

@@ -23,3 +23,10 @@ def round_bf16(x):
     special = ~np.isfinite(x)
     out[special] = x[special]        # inf stays inf; a NaN stays a NaN (its payload aside)
     return out
+
+
+def gemm(a, b):
+    """bf16's product of float32 matrices a [M, K] and b [K, N] (kernels.bf16.gemm's reference):
+    both rounded to bf16, then multiplied and summed in float64 (the products are exact in
+    float32 too; only the sums round there)."""
+    return round_bf16(a).astype(np.float64) @ round_bf16(b).astype(np.float64)
