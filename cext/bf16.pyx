@@ -9,12 +9,14 @@ amx_permitted() returned True.
 """
 from rules cimport dims, need, threads_for_macs
 
+cdef extern from "amx.h" nogil:
+    int _amx_permitted "amx_permitted"()
+
 cdef extern from "bf16_gemm.h" nogil:
     ctypedef struct bf_mat:
         const float *p
         long rs, cs
     int BF_AVX512, BF_AMX
-    int bf_amx_permit()
     int bf_gemm(int path, long M, long N, long K, bf_mat a, bf_mat b, float *c, long ldc,
                 int accumulate, int threads, const unsigned short *packed)
 
@@ -22,16 +24,10 @@ AVX512 = BF_AVX512
 AMX = BF_AMX
 NAMES = {BF_AVX512: "AVX512_BF16", BF_AMX: "AMX-BF16"}
 
-cdef int _amx = -1
-
-
 def amx_permitted():
     """Whether Linux lets this process use the AMX tiles (asked once; a kernel without AMX
     support, or one that refuses, says no)."""
-    global _amx
-    if _amx < 0:
-        _amx = bf_amx_permit()
-    return bool(_amx)
+    return bool(_amx_permitted())
 
 
 cdef inline bf_mat _mat(const float[:, :] x):
@@ -49,7 +45,7 @@ def gemm(const float[:, :] a, const float[:, :] b, float[:, ::1] c, bint accumul
     need(b.shape[0] == K, "bf16.gemm", "b", f"needs {K} rows (a's columns)", dims(b.shape, 2))
     need(c.shape[0] == M and c.shape[1] == N, "bf16.gemm", "c", f"needs shape {(M, N)}",
          dims(c.shape, 2))
-    need(path == BF_AVX512 or (path == BF_AMX and _amx == 1), "bf16.gemm", "path",
+    need(path == BF_AVX512 or (path == BF_AMX and _amx_permitted()), "bf16.gemm", "path",
          "must be AVX512, or AMX once amx_permitted()", path)
     if M == 0 or N == 0:
         return

@@ -14,28 +14,21 @@
  * the matrix are packed as zeros; the results past it are computed and never stored.
  *
  * The code past the target pragma uses AVX-512 and AMX: call it only when the CPU has them
- * (caffepy/precision.py decides), and AMX only after bf_amx_permit() said yes. */
+ * (caffepy/precision.py decides), and AMX only after amx_permitted() said yes. */
 #ifndef CAFFEPY_BF16_GEMM_H
 #define CAFFEPY_BF16_GEMM_H
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
-#include <sys/syscall.h>
 #include <omp.h>
 #include <immintrin.h>
+#include "amx.h"
 
 enum { BF_NONE = 0, BF_AVX512 = 1, BF_AMX = 2 };
 
 #define BF_KC 512        /* k per block: an A strip (16 KiB) stays in L1 */
 #define BF_NC 1024       /* columns per block: the B block (1 MiB) stays in L2 */
 #define BF_MC 256        /* rows per block */
-
-/* Linux lends the AMX tile registers' state (8 KiB per thread) only to a process that asks. */
-static inline int bf_amx_permit(void)
-{
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-}
 
 /* x rounded to bf16 as the packing rounds it, as float32 (the bias gradient's sum of the
  * rounded top diff): subnormals to zero as VCVTNEPS2BF16 does. */
@@ -219,25 +212,6 @@ static void bf_micro_avx512(const uint16_t *a, const uint16_t *b, long kcp, floa
             bf_store_row(c + i * ldc, acc[i], nr, add);
 }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} bf_tilecfg;
-
-/* tiles 0-3 the sums (a 32 x 32 block of C), 4-5 A's strips, 6-7 B's: all 16 rows x 64 bytes */
-static void bf_amx_configure(void)
-{
-    bf_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* up to two strips of A x two strips of B (ms, ns: 1 or 2) with TDPBF16PS */
 static void bf_micro_amx(const uint16_t *a, int ms, const uint16_t *b, int ns, long kcp,
                          float *c, long ldc, long mr, long nr, int add)
@@ -373,7 +347,7 @@ static int bf_gemm(int path, long M, long N, long K, bf_mat a, bf_mat b, float *
             else
                 b2.p += lo * b.cs;
             if (path == BF_AMX)
-                bf_amx_configure();
+                amx_configure();
             bf_gemm_serial(path, by_rows ? hi - lo : M, by_rows ? N : hi - lo, K, a2, b2,
                            c + (by_rows ? lo * ldc : lo), ldc, accumulate, packed,
                            (M + 15) / 16 * 16, by_rows ? lo : 0);

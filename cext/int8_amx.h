@@ -12,38 +12,32 @@
  * to a multiple of 16 quads of zeros (nhwc_weights(isa='amx')), so a B tile (16 quads by 16
  * channels, 64 bytes a quad) is 1 KiB read as it lies.
  *
- * Linux hands out AMX's tile registers only to a process that asks (arch_prctl
- * ARCH_REQ_XCOMP_PERM): i8a_usable asks once, and the path is offered only when it was granted.
- * The tile configuration is a thread's: each thread of a run loads it and releases the tiles. */
+ * The path is offered only where Linux lends the tiles (amx.h); the tile configuration is a
+ * thread's: each thread of a run loads it and releases the tiles. */
 #ifndef CAFFEPY_INT8_AMX_H
 #define CAFFEPY_INT8_AMX_H
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#include "amx.h"
 #include "int8_vnni.h"
 
 #define I8_AMX 3                /* the isa number of this path (int8_nhwc.h i8_isa_available) */
 #define I8A_M 32                /* output pixels a block */
 #define I8A_K 16                /* quads of k a tile chunk */
 
-/* Whether the CPU has AMX-INT8 and Linux granted this process its tiles (asked once) */
+/* Whether the CPU has AMX-INT8 and Linux lends this process its tiles */
 static int i8a_usable(void)
 {
-    static int state = -1;
-#if defined(__AVX2__) && defined(SYS_arch_prctl)
-    if (state < 0)
-        state = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8")
-                && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                           18 /* XFEATURE_XTILEDATA */) == 0;
+#ifdef __AVX2__
+    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8")
+           && amx_permitted();
 #else
-    state = 0;
+    return 0;
 #endif
-    return state;
 }
 
 /* the quads of a column tile in the weights: taps J rounded up to whole chunks */
@@ -55,25 +49,9 @@ static inline long i8a_quads(int taps, int J)
 #ifdef __AVX2__
 #define I8A_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} i8a_config;
-
 I8A_TARGET static void i8a_begin(void)
 {
-    i8a_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    /* GCC's ldtilecfg builtin is not known to read the struct: without this the stores to
-     * colsb and rows were dropped as dead */
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    amx_configure();
 }
 
 I8A_TARGET static void i8a_end(void)

@@ -1,0 +1,54 @@
+/* AMX's tiles, as the int8 (int8_amx.h) and bf16 (bf16_gemm.h) kernels use them: Linux's
+ * permission, and the one tile configuration both use (8 tiles of 16 rows x 64 bytes). */
+#ifndef CAFFEPY_AMX_H
+#define CAFFEPY_AMX_H
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+/* Whether Linux lends this process the tile registers' state (8 KiB a thread): it does only
+ * when asked (arch_prctl ARCH_REQ_XCOMP_PERM), once per process, which is asked here once per
+ * module. The caller checks the CPU has AMX first. */
+static int amx_permitted(void)
+{
+    static int state = -1;
+#if defined(__AVX2__) && defined(SYS_arch_prctl)
+    if (state < 0)
+        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                        18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    state = 0;
+#endif
+    return state;
+}
+
+#ifdef __AVX2__
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Load this thread's tile configuration: tiles 0-7 of 16 rows x 64 bytes (palette 1). Each
+ * thread that runs tiles loads it and ends with _tile_release(). */
+__attribute__((target("amx-tile"))) static void amx_configure(void)
+{
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    /* GCC's ldtilecfg builtin is not known to read the struct: without this it may drop the
+     * stores to colsb and rows as dead (it did in int8_amx.h) */
+    __asm__ volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+#endif
+
+#endif
