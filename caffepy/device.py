@@ -138,8 +138,7 @@ def query():
         if isa_path.unavailable(path):
             log.info(f"  {isa_path.skip_reason(path)}")
     from . import quantization
-    log.info(f"int8 kernels (quantization_param): {quantization.isa()} (exact int32 sums; no "
-             f"VNNI path yet: CPUs with AVX-512 VNNI or AVX-VNNI run the AVX2 kernels)")
+    log.info(f"int8 kernels (quantization_param): {quantization.describe()}")
     from . import precision
     log.info(f"bf16 (-precision bf16): {precision.availability()}")
     log.info(f"Threads in use: {threads_in_use()} (set OMP_NUM_THREADS to change)")

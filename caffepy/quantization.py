@@ -91,6 +91,22 @@ def isa():
     return wanted if wanted in k.available_isas() else k.best_isa()
 
 
+# what each int8 path runs, for device_query and the logs
+_PATHS = {
+    "amx": "AMX-INT8 tiles for the channels-last convolutions, AVX2 for the rest",
+    "vnni": "AVX-512 VNNI for the channels-last convolutions, AVX2 for the rest",
+    "avx2": "AVX2 (16-bit pair products)",
+    "generic": "portable C",
+}
+
+
+def describe():
+    """One line: the int8 path in use, what it runs, and the others this machine has."""
+    k, path = kernels(), isa()
+    return (f"{path}: {_PATHS[path]} (exact int32 sums, the same bits on every path; "
+            f"CAFFEPY_INT8_ISA={'|'.join(k.available_isas())} names one)")
+
+
 INT8, FLOAT32 = "int8", "float32"        # the paths a quantized convolution may run
 INT8_WINOGRAD = "int8 winograd"          # int8 by the integer Winograd kernel (the same bits)
 # float32 runs only when measured this many times faster than int8 alone: inside a net it

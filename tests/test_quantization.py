@@ -405,3 +405,13 @@ def test_the_setup_log_names_int8_not_the_float_algorithm(capfd, monkeypatch):
     # measured: conv1, short, body; fixed: the InnerProduct, then all four with the fallback off
     assert (len(measured), len(fixed)) == (3, 5), lines
     assert not [line for line in lines if "int8" not in line]    # no float-only line for them
+
+
+def test_describe_names_the_path_in_use_and_the_others(monkeypatch):
+    k = quantization.kernels()
+    monkeypatch.setenv("CAFFEPY_INT8_ISA", "generic")
+    line = quantization.describe()
+    assert line.startswith("generic: portable C")
+    assert f"CAFFEPY_INT8_ISA={'|'.join(k.available_isas())}" in line
+    monkeypatch.setenv("CAFFEPY_INT8_ISA", "no-such-path")      # ignored: the best runs
+    assert quantization.describe().startswith(k.best_isa() + ": ")
