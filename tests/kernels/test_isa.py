@@ -106,16 +106,18 @@ def test_winograd_forward(path, m, r, layout):
     for v in (isa.LANES[path], 4):
         vshape, mshape = wg.scratch_shapes(1, N, C, O, H, H, v, m, r, pad, pad)
         vb, mb = np.empty(vshape, np.float32), np.empty(mshape, np.float32)
+        bp = np.zeros(-(-O // v) * v, np.float32)       # the kernels take the bias padded to V
+        bp[:O] = b
         if layout == "nhwc":
             y = np.empty((N, H, H, O), np.float32)
-            wg.conv_forward_nhwc(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), u, b, y, vb, mb, at,
+            wg.conv_forward_nhwc(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), u, bp, y, vb, mb, at,
                                  bt, v, O, m, r, pad, pad, 1)
             got = y.transpose(0, 3, 1, 2)
         else:
             xb = np.empty((N, -(-C // v), H, H, v), np.float32)
             intel.pack(x, xb)
             yb = np.empty((N, -(-O // v), H, H, v), np.float32)
-            wg.conv_forward(xb, u, b, yb, vb, mb, at, bt, C, O, m, r, pad, pad, 1)
+            wg.conv_forward(xb, u, bp, yb, vb, mb, at, bt, C, O, m, r, pad, pad, 1)
             got = np.empty((N, O, H, H), np.float32)
             intel.unpack(yb, got)
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=f"V={v}")
