@@ -7,7 +7,7 @@ reference is in caffepy/kernels/reference/bf16.py.
 Call these only with a path the CPU has: AVX512 = AVX512_BF16, AMX = AMX-BF16, the latter after
 amx_permitted() returned True.
 """
-from rules cimport dims, need, threads_for_macs
+from rules cimport dims, need, need_shape, pixel_stride, threads_for_macs
 
 cdef extern from "amx.h" nogil:
     int _amx_permitted "amx_permitted"()
@@ -61,3 +61,92 @@ def gemm(const float[:, :] a, const float[:, :] b, float[:, ::1] c, bint accumul
                      threads_for_macs(M * N * K), NULL)
     if not ok:
         raise MemoryError("bf16.gemm: no memory for the packing buffers")
+
+
+cdef extern from "bf16_nhwc.h" nogil:
+    ctypedef struct bfn_epilogue:
+        const float *scale
+        const float *bias
+        const float *add
+        float *y
+        long ldy
+        int relu
+    long bfn_packed_size(int O, int C, int kh, int kw)
+    void bfn_pack_weights(const float *w, int O, int C, int kh, int kw, unsigned short *out)
+    long bfn_scratch_bytes(int N, int H, int W, int C, int O, int kh, int kw, int threads)
+    void bfn_conv(int threads, const float *x, int N, int H, int W, int C, int O, int kh, int kw,
+                  int ph, int pw, int sh, int sw, int dh, int dw, int OH, int OW,
+                  const unsigned short *w, char *scratch, const bfn_epilogue *e)
+
+
+def nhwc_packed_size(int O, int C, int kh, int kw):
+    """uint16 values of nhwc_pack_weights's output for O x C x kh x kw weights."""
+    return bfn_packed_size(O, C, kh, kw)
+
+
+def nhwc_pack_weights(const float[:, :, :, ::1] w, unsigned short[::1] out):
+    """Caffe's convolution weights w [O, C, kh, kw] rounded to bf16 and packed as
+    conv_forward_nhwc reads them (cext/bf16_nhwc.h: column tiles of 16 output channels)."""
+    cdef int O = w.shape[0], C = w.shape[1], kh = w.shape[2], kw = w.shape[3]
+    need(out.shape[0] == bfn_packed_size(O, C, kh, kw), "bf16.nhwc_pack_weights", "out",
+         f"needs {bfn_packed_size(O, C, kh, kw)} values", out.shape[0])
+    with nogil:
+        bfn_pack_weights(&w[0, 0, 0, 0], O, C, kh, kw, &out[0])
+
+
+def nhwc_scratch_bytes(int N, int H, int W, int C, int O, int kh, int kw, int threads):
+    """Bytes of conv_forward_nhwc's scratch for `threads` threads."""
+    return bfn_scratch_bytes(N, H, W, C, O, kh, kw, threads)
+
+
+def conv_forward_nhwc(const float[:, :, :, ::1] x, const unsigned short[::1] packed,
+                      const float[::1] bias, float[:, :, :, :] y, unsigned char[::1] scratch,
+                      int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw,
+                      const float[::1] scale=None, bint relu=False,
+                      const float[:, :, :, ::1] add=None, int threads=0):
+    """y [N, oh, ow, O] = conv(x [N, H, W, C], the packed weights) in bf16 on AMX tiles
+    (cext/bf16_nhwc.h), * scale (None: 1) + bias (empty: none) + add (None: none; y's shape,
+    not y), then max(y, 0) with relu: the epilogue of nhwc.conv_forward. y may be a run of a
+    wider channels-last array's channels (not with add). scratch: nhwc_scratch_bytes for
+    `threads` (0: the thread rule's count for the work) threads, 64-byte aligned. Only where
+    precision.kernel() is AMX-BF16."""
+    cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3], O = y.shape[3]
+    cdef int OH = y.shape[1], OW = y.shape[2]
+    cdef str k = "bf16.conv_forward_nhwc"
+    need(_amx_permitted(), k, "path", "needs AMX-BF16 and Linux's permission for the tiles",
+         "no AMX")
+    need(kh >= 1 and kw >= 1 and sh >= 1 and sw >= 1 and dh >= 1 and dw >= 1 and ph >= 0
+         and pw >= 0, k, "geometry", "kernel, stride and dilation must be >= 1 and pad >= 0",
+         f"kernel {kh}x{kw} stride {sh}x{sw} dilation {dh}x{dw} pad {ph}x{pw}")
+    need(OH == (H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+         and OW == (W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1 and OH >= 1 and OW >= 1
+         and y.shape[0] == N, k, "y", "needs the convolution's output shape", dims(y.shape, 4))
+    need(packed.shape[0] == bfn_packed_size(O, C, kh, kw), k, "packed",
+         f"needs {bfn_packed_size(O, C, kh, kw)} values (nhwc_pack_weights)", packed.shape[0])
+    need(bias.shape[0] in (0, O), k, "bias", f"needs {O} values or none", bias.shape[0])
+    cdef bfn_epilogue e
+    e.ldy = pixel_stride(k, y, O)
+    e.y = &y[0, 0, 0, 0]
+    e.bias = &bias[0] if bias.shape[0] else NULL
+    e.scale = NULL
+    e.add = NULL
+    e.relu = relu
+    if scale is not None:
+        need(scale.shape[0] == O, k, "scale", f"needs {O} values", scale.shape[0])
+        e.scale = &scale[0]
+    if add is not None:
+        need_shape(k, "add", dims(add.shape, 4), dims(y.shape, 4))
+        need(e.ldy == O, k, "add", "needs y's own channels (not a slice)", e.ldy)
+        need(&add[0, 0, 0, 0] != e.y, k, "add", "may not be y", "y")
+        e.add = &add[0, 0, 0, 0]
+    if threads <= 0:
+        threads = threads_for_macs(<Py_ssize_t>N * OH * OW * O * C * kh * kw)
+    need(scratch.shape[0] >= bfn_scratch_bytes(N, H, W, C, O, kh, kw, threads)
+         and <size_t>&scratch[0] % 64 == 0, k, "scratch",
+         f"needs {bfn_scratch_bytes(N, H, W, C, O, kh, kw, threads)} bytes, 64-byte aligned",
+         scratch.shape[0])
+    if N == 0:
+        return
+    with nogil:
+        bfn_conv(threads, &x[0, 0, 0, 0], N, H, W, C, O, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW,
+                 &packed[0], <char *>&scratch[0], &e)
