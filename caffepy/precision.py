@@ -34,6 +34,7 @@ from . import device, log
 from .errors import CaffepyError, UsageError, quote
 
 F32, BF16 = "f32", "bf16"
+BF16_NHWC = "bf16_nhwc"     # the variant name of the channels-last bf16 Convolution
 PRECISIONS = (F32, BF16)
 ACCEPTED = "f32 (float32, the default) or bf16 (Convolution and InnerProduct in bfloat16)"
 TYPES = ("Convolution", "InnerProduct")          # the layer types bf16 runs
@@ -166,7 +167,7 @@ def _warn_emulated():
 def of(layer):
     """The precision `layer` computes in: bf16 for the bf16 variants, int8 for a layer an int8
     unit runs, else f32."""
-    if getattr(layer, "variant", None) == BF16:
+    if getattr(layer, "variant", None) in (BF16, BF16_NHWC):
         return BF16
     return "int8" if getattr(layer, "int8", None) is not None else F32
 

@@ -195,10 +195,16 @@ static void bfn_blocks(const bfn_geom *g, const uint16_t *q, const uint16_t *zer
                 long p = p0 + r, n = p / plane, rest = p % plane;
                 int oh = (int)(rest / g->OW), ow = (int)(rest % g->OW);
                 uint16_t *row = a + r * K;
+                int x0 = ow * g->sw - g->pw, whole = g->dw == 1 && x0 >= 0 && x0 + g->kw <= g->W;
                 for (int i = 0; i < g->kh; i++) {
                     int y = oh * g->sh - g->ph + i * g->dh;
+                    if (whole && y >= 0 && y < g->H) {     /* the kernel row's taps lie in a run */
+                        memcpy(row + i * g->kw * Cp, q + ((n * g->H + y) * g->W + x0) * Cp,
+                               (size_t)g->kw * Cp * 2);
+                        continue;
+                    }
                     for (int j = 0; j < g->kw; j++) {
-                        int xx = ow * g->sw - g->pw + j * g->dw;
+                        int xx = x0 + j * g->dw;
                         const uint16_t *src = y >= 0 && y < g->H && xx >= 0 && xx < g->W
                             ? q + ((n * g->H + y) * g->W + xx) * Cp : zeros;
                         memcpy(row + (i * g->kw + j) * Cp, src, (size_t)Cp * 2);

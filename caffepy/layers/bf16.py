@@ -3,9 +3,15 @@ and which kernels run it).
 
 The factory picks them for every Convolution and InnerProduct of a net built while the
 precision is bf16, except the int8 layers (quantization_param in a TEST net stay int8) and
-the model-parallel InnerProduct (caffepy/parallel/model_parallel.py), which stay as they are. They
-run on NCHW blobs, so a bf16 net plans no channels-last region (layers/nhwc.py's Convolution is
-not wanted under bf16) and its other layers run their plain float32 implementations.
+the model-parallel InnerProduct (caffepy/parallel/model_parallel.py), which stay as they are.
+
+A TEST net's Convolution of group 1 runs channels-last (BF16NHWCConvolution) where the bf16
+kernels are AMX-BF16's: the net then plans its channels-last region as a float32 net does, with
+the same TEST fusions (BatchNorm and Scale as a per-channel epilogue on the float32 sums, ReLU
+and Eltwise SUM in it, concat tops written in place: caffepy/net_rules.py), and the blobs a
+user reads hold what they hold in a float32 net's. Everywhere else (training nets, the
+AVX512_BF16 kernels, the emulation, grouped convolutions, Deconvolution) the variants below run
+on NCHW blobs, the layers between them their plain float32 implementations.
 
 Forward: top = round(W) (*) round(bottom) + b, summed in float32 (Caffe's im2col + GEMM, or the
 GEMM of InnerProduct), the bias and any Intel fusion (ReLU, SUM) in float32. Backward: the
@@ -19,7 +25,10 @@ import numpy as np
 
 from .. import precision, quantization
 from ..layer import BLOCKED, LAYERS, NHWC, PLAIN, register
+from ..proto import caffe_pb2
 from .common import InnerProduct
+from .conv_algorithms import BF16Amx
+from .nhwc import NHWCConvolution
 from .vision import Convolution
 
 from ..kernels import bf16 as bf16_kernels
@@ -84,3 +93,25 @@ class BF16InnerProduct(_BF16, InnerProduct):
             bf16_kernels.gemm(a, b, c, beta != 0, self.products)
         else:
             super().product(a, b, c, beta)
+
+
+@register(variant=precision.BF16_NHWC)
+class BF16NHWCConvolution(NHWCConvolution):
+    """A TEST net's Convolution in bf16 on channels-last blobs (see the module docstring):
+    NHWCConvolution's fields, fusions and epilogue with one algorithm, BF16Amx (AMX tiles)."""
+    type = "Convolution"
+    layout = NHWC
+    kernel_name = "AMX-BF16 channels-last"
+
+    @classmethod
+    def wanted(cls, request):
+        path = precision.kernel() if precision.current() == precision.BF16 else None
+        return (path is not None and path[0] == bf16_kernels.AMX
+                and request.phase == caffe_pb2.TEST and request.param.convolution_param.group == 1
+                and cls.fits(request)
+                and not quantization.quantized(request.param, request.phase, request.net,
+                                               request.source))
+
+    def _candidates(self, n, h, w):
+        algo = BF16Amx(self, n, h, w)
+        return {algo.name: algo}, algo.name
