@@ -12,7 +12,7 @@
  * number of chunks, the rows are read where they lie), then each pair of column tiles runs 2 x 2
  * sum tiles over the chunks (tiles 0-3 the sums, 4-5 the A tiles, 6-7 the B tiles), the sums of
  * all output channels of the block are kept, and the epilogue (scale, bias, summand, ReLU) writes
- * them pixel by pixel. OpenMP over the blocks; each thread loads the tile configuration and
+ * them pixel by pixel. OpenMP over the blocks (dynamic: BFN_CONVERT); each thread loads the tile configuration and
  * releases the tiles.
  *
  * Call it only where the CPU has AMX-BF16 and amx_permitted() said yes (precision.kernel()). */
@@ -24,6 +24,10 @@
 #include "bf16_gemm.h"
 
 #define BFN_M 32                /* output pixels a block */
+/* Pixels converted a task. The tasks (and the blocks) are taken dynamically: with a static
+ * share, a thread that another process keeps off its core for a time slice held up the other
+ * (GoogLeNet b1 ran 4x slower on two threads than on one while another build ran) */
+#define BFN_CONVERT 256
 
 /* What the forward writes: y[p * ldy + o] = sum * scale[o] (NULL: 1) + bias[o] (NULL: 0)
  * + add[p * O + o] (NULL: none), then max(., 0) if relu: the f32 channels-last convolution's
@@ -181,7 +185,7 @@ static void bfn_blocks(const bfn_geom *g, const uint16_t *q, const uint16_t *zer
     int direct = taps == 1 && g->sh == 1 && g->sw == 1 && g->ph == 0 && g->pw == 0
                  && Cp % 32 == 0;
     amx_configure();
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(dynamic)
     for (long b = 0; b < blocks; b++) {
         long p0 = b * BFN_M;
         int R = M - p0 < BFN_M ? (int)(M - p0) : BFN_M;
@@ -239,14 +243,17 @@ static void bfn_conv(int threads, const float *x, int N, int H, int W, int C, in
     char *bufs = scratch + qbytes;
     bfn_geom g = {N, H, W, Cp, O, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW};
     long each = bfn_thread_bytes(C, O, kh, kw);
+    long chunks = (pixels + BFN_CONVERT - 1) / BFN_CONVERT;
+    memset(q + pixels * Cp, 0, (size_t)(BFN_M + 1) * Cp * 2);
     #pragma omp parallel num_threads(threads)
     {
-        int nt = omp_get_num_threads(), me = omp_get_thread_num();
-        bfn_convert(x, pixels * me / nt, pixels * (me + 1) / nt, C, q);
-        #pragma omp single
-        memset(q + pixels * Cp, 0, (size_t)(BFN_M + 1) * Cp * 2);
+        #pragma omp for schedule(dynamic)
+        for (long i = 0; i < chunks; i++) {
+            long p1 = (i + 1) * BFN_CONVERT;
+            bfn_convert(x, i * BFN_CONVERT, p1 < pixels ? p1 : pixels, C, q);
+        }
         /* implicit barrier */
-        bfn_blocks(&g, q, zeros, w, bufs + me * each, e);
+        bfn_blocks(&g, q, zeros, w, bufs + omp_get_thread_num() * each, e);
     }
 }
 
