@@ -4,12 +4,12 @@
  * subnormals to zero as the hardware reads them), products and sums in float32.
  *
  * The input x [N][H][W][C] is converted once into rows of Cp bf16 a pixel (C padded to even with
- * zeros: TDPBF16PS takes k in pairs). The weights are packed once per weights version into
+ * zeros: TDPBF16PS takes k in pairs; a 1 x 1 convolution without padding converts each block's
+ * pixels straight into its rows instead). The weights are packed once per weights version into
  * column tiles of 16 output channels, each k = (tap, channel) over taps x Cp, padded with zeros
  * to whole chunks of 32 (bfn_k): a chunk of a column tile is an AMX B tile (16 pairs of k x 16
  * channels x 2 bf16 = 1 KiB) read as it lies. A block of 32 output pixels at a time: each pixel's
- * taps are copied into a row of K bf16 (or, for a stride-1 1 x 1 convolution with Cp a whole
- * number of chunks, the rows are read where they lie), then each pair of column tiles runs 2 x 2
+ * taps are copied into a row of K bf16, then each pair of column tiles runs 2 x 2
  * sum tiles over the chunks (tiles 0-3 the sums, 4-5 the A tiles, 6-7 the B tiles), the sums of
  * all output channels of the block are kept, and the epilogue (scale, bias, summand, ReLU) writes
  * them pixel by pixel. OpenMP over the blocks (dynamic: BFN_CONVERT); each thread loads the tile configuration and
@@ -41,7 +41,7 @@ typedef struct {
 
 /* Where a convolution's taps read the converted pixels */
 typedef struct {
-    int N, H, W, Cp, O, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW;
+    int N, H, W, C, Cp, O, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW;
 } bfn_geom;
 
 static inline int bfn_cp(int C) { return (C + 1) & ~1; }
@@ -90,12 +90,11 @@ static long bfn_thread_bytes(int C, int O, int kh, int kw)
     return BFN_M * (bfn_k(kh * kw, bfn_cp(C)) * 2 + bfn_ldc(O) * 4) + 64;
 }
 
-/* Bytes of bfn_conv's scratch for `threads` threads: the converted pixels (and a block of slack
- * past them, which a last block's rows read where they lie), a pixel of zeros, each thread's
- * buffers */
+/* Bytes of bfn_conv's scratch for `threads` threads: the converted pixels, a pixel of zeros,
+ * each thread's buffers */
 static long bfn_scratch_bytes(int N, int H, int W, int C, int O, int kh, int kw, int threads)
 {
-    long pixels = ((long)N * H * W + BFN_M + 1) * bfn_cp(C) * 2;
+    long pixels = ((long)N * H * W + 1) * bfn_cp(C) * 2;
     return (pixels + 63) / 64 * 64 + (long)threads * bfn_thread_bytes(C, O, kh, kw) + 64;
 }
 
@@ -111,6 +110,16 @@ static void bfn_convert(const float *x, long p0, long p1, int C, uint16_t *q)
         uint16_t *dst = q + p * Cp;
         for (int c = 0; c < Cp; c += 16)
             _mm256_mask_storeu_epi16(dst + c, bf_mask(Cp - c), bf_cvt16(src + c, C - c));
+    }
+}
+
+/* n bf16 from src to dst: a few masked vectors (the runs are short: a tap's channels, or a
+ * kernel row's; a call of memcpy each cost more than the copy) */
+static inline void bfn_copy(uint16_t *dst, const uint16_t *src, long n)
+{
+    for (long i = 0; i < n; i += 32) {
+        __mmask32 m = n - i >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_epi16(dst + i, m, _mm512_maskz_loadu_epi16(m, src + i));
     }
 }
 
@@ -171,7 +180,7 @@ static inline void bfn_finish(const float *c, long p, int O, const bfn_epilogue 
 
 /* The blocks of BFN_M output pixels, in this thread's share (see the top of the file); w the
  * packed weights, buf bfn_thread_bytes */
-static void bfn_blocks(const bfn_geom *g, const uint16_t *q, const uint16_t *zeros,
+static void bfn_blocks(const bfn_geom *g, const float *x, const uint16_t *q, const uint16_t *zeros,
                        const uint16_t *w, char *buf, const bfn_epilogue *e)
 {
     int taps = g->kh * g->kw, Cp = g->Cp, O = g->O, tiles = (O + 15) / 16;
@@ -179,21 +188,22 @@ static void bfn_blocks(const bfn_geom *g, const uint16_t *q, const uint16_t *zer
     long blocks = (M + BFN_M - 1) / BFN_M, plane = (long)g->OH * g->OW;
     uint16_t *a = (uint16_t *)buf;
     float *c = (float *)(((uintptr_t)(buf + BFN_M * K * 2) + 63) & ~(uintptr_t)63);
-    /* a 1 x 1 convolution of stride 1 reads its pixels' rows where they lie when a row is whole
-     * chunks (else a chunk would read the next pixel's values, whose infinities times the zero
-     * weights are NaNs) */
-    int direct = taps == 1 && g->sh == 1 && g->sw == 1 && g->ph == 0 && g->pw == 0
-                 && Cp % 32 == 0;
+    /* a 1 x 1 convolution without padding converts its pixels from x straight into the
+     * block's rows: a pass converting the input first (written, then read back) cost more than
+     * the products of one with few channels (GoogLeNet b16's 192 -> 64 at 28 x 28: 70 GMAC/s) */
+    int pointwise = taps == 1 && g->ph == 0 && g->pw == 0;
     amx_configure();
     #pragma omp for schedule(dynamic)
     for (long b = 0; b < blocks; b++) {
         long p0 = b * BFN_M;
         int R = M - p0 < BFN_M ? (int)(M - p0) : BFN_M;
-        const uint16_t *rows = a;
-        long lda = K * 2;
-        if (direct) {
-            rows = q + p0 * Cp;
-            lda = (long)Cp * 2;
+        if (pointwise) {
+            for (int r = 0; r < R; r++) {
+                long p = p0 + r, n = p / plane, rest = p % plane;
+                long src = (n * g->H + rest / g->OW * g->sh) * g->W + rest % g->OW * g->sw;
+                bfn_convert(x + src * g->C, 0, 1, g->C, a + r * K);
+                memset(a + r * K + Cp, 0, (size_t)(K - Cp) * 2);
+            }
         } else {
             for (int r = 0; r < R; r++) {
                 long p = p0 + r, n = p / plane, rest = p % plane;
@@ -203,15 +213,15 @@ static void bfn_blocks(const bfn_geom *g, const uint16_t *q, const uint16_t *zer
                 for (int i = 0; i < g->kh; i++) {
                     int y = oh * g->sh - g->ph + i * g->dh;
                     if (whole && y >= 0 && y < g->H) {     /* the kernel row's taps lie in a run */
-                        memcpy(row + i * g->kw * Cp, q + ((n * g->H + y) * g->W + x0) * Cp,
-                               (size_t)g->kw * Cp * 2);
+                        bfn_copy(row + i * g->kw * Cp, q + ((n * g->H + y) * g->W + x0) * Cp,
+                                 (long)g->kw * Cp);
                         continue;
                     }
                     for (int j = 0; j < g->kw; j++) {
                         int xx = x0 + j * g->dw;
                         const uint16_t *src = y >= 0 && y < g->H && xx >= 0 && xx < g->W
                             ? q + ((n * g->H + y) * g->W + xx) * Cp : zeros;
-                        memcpy(row + (i * g->kw + j) * Cp, src, (size_t)Cp * 2);
+                        bfn_copy(row + (i * g->kw + j) * Cp, src, Cp);
                     }
                 }
                 memset(row + (long)taps * Cp, 0, (size_t)(K - (long)taps * Cp) * 2);
@@ -220,7 +230,7 @@ static void bfn_blocks(const bfn_geom *g, const uint16_t *q, const uint16_t *zer
         }
         for (int t = 0; t < tiles; t += 2) {
             const uint16_t *b0 = w + (long)t * K * 16;
-            bfn_tile(rows, lda, K / 32, R > 16 ? 2 : 1, b0, t + 1 < tiles ? b0 + K * 16 : NULL,
+            bfn_tile(a, K * 2, K / 32, R > 16 ? 2 : 1, b0, t + 1 < tiles ? b0 + K * 16 : NULL,
                      c + t * 16, ldc);
         }
         for (int r = 0; r < R; r++)
@@ -238,13 +248,14 @@ static void bfn_conv(int threads, const float *x, int N, int H, int W, int C, in
     int Cp = bfn_cp(C);
     long pixels = (long)N * H * W;
     uint16_t *q = (uint16_t *)scratch;
-    long qbytes = ((pixels + BFN_M + 1) * Cp * 2 + 63) / 64 * 64;
-    uint16_t *zeros = q + (pixels + BFN_M) * Cp;
+    long qbytes = ((pixels + 1) * Cp * 2 + 63) / 64 * 64;
+    uint16_t *zeros = q + pixels * Cp;
     char *bufs = scratch + qbytes;
-    bfn_geom g = {N, H, W, Cp, O, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW};
+    bfn_geom g = {N, H, W, C, Cp, O, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW};
     long each = bfn_thread_bytes(C, O, kh, kw);
-    long chunks = (pixels + BFN_CONVERT - 1) / BFN_CONVERT;
-    memset(q + pixels * Cp, 0, (size_t)(BFN_M + 1) * Cp * 2);
+    int pointwise = kh == 1 && kw == 1 && ph == 0 && pw == 0;     /* bfn_blocks converts */
+    long chunks = pointwise ? 0 : (pixels + BFN_CONVERT - 1) / BFN_CONVERT;
+    memset(zeros, 0, (size_t)Cp * 2);
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(dynamic)
@@ -253,7 +264,7 @@ static void bfn_conv(int threads, const float *x, int N, int H, int W, int C, in
             bfn_convert(x, i * BFN_CONVERT, p1 < pixels ? p1 : pixels, C, q);
         }
         /* implicit barrier */
-        bfn_blocks(&g, q, zeros, w, bufs + omp_get_thread_num() * each, e);
+        bfn_blocks(&g, x, q, zeros, w, bufs + omp_get_thread_num() * each, e);
     }
 }
 

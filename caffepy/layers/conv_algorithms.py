@@ -406,8 +406,7 @@ class BF16Amx:
         self.packed_from = Seen()
         self.scratch = _bf16.nhwc_scratch_bytes(n, h, w, L.channels, L.num_output, kh, kw,
                                                 _k.max_threads())
-        self.gemm = None
-        self.shape = (n, h, w)
+        self.gemm = _RoundedGemm(layer, n, h, w)
 
     def forward(self, bottom, top, params=None, epilogue=None, out=None):
         L = self.layer
@@ -428,8 +427,6 @@ class BF16Amx:
                                     None if add is None else add.raw_data, _k.max_threads())
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
-        if self.gemm is None:
-            self.gemm = _RoundedGemm(self.layer, *self.shape)
         rounded_top = [_Rounded(raw_diff=precision.round_bf16(t.raw_diff)) for t in top]
         rounded_bottom = [_Rounded(raw_data=precision.round_bf16(b.raw_data), raw_diff=b.raw_diff)
                           for b in bottom]
