@@ -71,40 +71,45 @@ cdef extern from "bf16_nhwc.h" nogil:
         float *y
         long ldy
         int relu
-    long bfn_packed_size(int O, int C, int kh, int kw)
-    void bfn_pack_weights(const float *w, int O, int C, int kh, int kw, unsigned short *out)
-    long bfn_scratch_bytes(int N, int H, int W, int C, int O, int kh, int kw, int threads)
+    long bfn_packed_size(int Og, int Cg, int kh, int kw)
+    void bfn_pack_weights(const float *w, int O, int C, int kh, int kw, int G, unsigned short *out)
+    long bfn_scratch_bytes(int N, int H, int W, int C, int O, int kh, int kw, int G, int threads)
     void bfn_conv(int threads, const float *x, int N, int H, int W, int C, int O, int kh, int kw,
-                  int ph, int pw, int sh, int sw, int dh, int dw, int OH, int OW,
+                  int ph, int pw, int sh, int sw, int dh, int dw, int OH, int OW, int G,
                   const unsigned short *w, char *scratch, const bfn_epilogue *e)
 
 
-def nhwc_packed_size(int O, int C, int kh, int kw):
-    """uint16 values of nhwc_pack_weights's output for O x C x kh x kw weights."""
-    return bfn_packed_size(O, C, kh, kw)
+def nhwc_packed_size(int O, int C, int kh, int kw, int group=1):
+    """uint16 values of nhwc_pack_weights's output for O x (C / group) x kh x kw weights."""
+    return group * bfn_packed_size(O // group, C // group, kh, kw)
 
 
-def nhwc_pack_weights(const float[:, :, :, ::1] w, unsigned short[::1] out):
-    """Caffe's convolution weights w [O, C, kh, kw] rounded to bf16 and packed as
-    conv_forward_nhwc reads them (cext/bf16_nhwc.h: column tiles of 16 output channels)."""
-    cdef int O = w.shape[0], C = w.shape[1], kh = w.shape[2], kw = w.shape[3]
-    need(out.shape[0] == bfn_packed_size(O, C, kh, kw), "bf16.nhwc_pack_weights", "out",
-         f"needs {bfn_packed_size(O, C, kh, kw)} values", out.shape[0])
+def nhwc_pack_weights(const float[:, :, :, ::1] w, unsigned short[::1] out, int group=1):
+    """Caffe's convolution weights w [O, C / group, kh, kw] rounded to bf16 and packed as
+    conv_forward_nhwc reads them (cext/bf16_nhwc.h: column tiles of 16 output channels, group
+    after group)."""
+    cdef int O = w.shape[0], Cg = w.shape[1], kh = w.shape[2], kw = w.shape[3]
+    need(group >= 1 and O % group == 0, "bf16.nhwc_pack_weights", "group",
+         f"must divide {O} outputs", group)
+    cdef long size = group * bfn_packed_size(O // group, Cg, kh, kw)
+    need(out.shape[0] == size, "bf16.nhwc_pack_weights", "out", f"needs {size} values",
+         out.shape[0])
     with nogil:
-        bfn_pack_weights(&w[0, 0, 0, 0], O, C, kh, kw, &out[0])
+        bfn_pack_weights(&w[0, 0, 0, 0], O, Cg, kh, kw, group, &out[0])
 
 
-def nhwc_scratch_bytes(int N, int H, int W, int C, int O, int kh, int kw, int threads):
+def nhwc_scratch_bytes(int N, int H, int W, int C, int O, int kh, int kw, int threads,
+                       int group=1):
     """Bytes of conv_forward_nhwc's scratch for `threads` threads."""
-    return bfn_scratch_bytes(N, H, W, C, O, kh, kw, threads)
+    return bfn_scratch_bytes(N, H, W, C, O, kh, kw, group, threads)
 
 
 def conv_forward_nhwc(const float[:, :, :, ::1] x, const unsigned short[::1] packed,
                       const float[::1] bias, float[:, :, :, :] y, unsigned char[::1] scratch,
                       int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw,
                       const float[::1] scale=None, bint relu=False,
-                      const float[:, :, :, ::1] add=None, int threads=0):
-    """y [N, oh, ow, O] = conv(x [N, H, W, C], the packed weights) in bf16 on AMX tiles
+                      const float[:, :, :, ::1] add=None, int threads=0, int group=1):
+    """y [N, oh, ow, O] = conv(x [N, H, W, C], the packed weights; `group` groups) in bf16 on AMX tiles
     (cext/bf16_nhwc.h), * scale (None: 1) + bias (empty: none) + add (None: none; y's shape,
     not y), then max(y, 0) with relu: the epilogue of nhwc.conv_forward. y may be a run of a
     wider channels-last array's channels (not with add). scratch: nhwc_scratch_bytes for
@@ -121,8 +126,11 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const unsigned short[::1] pac
     need(OH == (H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
          and OW == (W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1 and OH >= 1 and OW >= 1
          and y.shape[0] == N, k, "y", "needs the convolution's output shape", dims(y.shape, 4))
-    need(packed.shape[0] == bfn_packed_size(O, C, kh, kw), k, "packed",
-         f"needs {bfn_packed_size(O, C, kh, kw)} values (nhwc_pack_weights)", packed.shape[0])
+    need(group >= 1 and C % group == 0 and O % group == 0, k, "group",
+         f"must divide {C} input and {O} output channels", group)
+    cdef long size = group * bfn_packed_size(O // group, C // group, kh, kw)
+    need(packed.shape[0] == size, k, "packed", f"needs {size} values (nhwc_pack_weights)",
+         packed.shape[0])
     need(bias.shape[0] in (0, O), k, "bias", f"needs {O} values or none", bias.shape[0])
     cdef bfn_epilogue e
     e.ldy = pixel_stride(k, y, O)
@@ -141,12 +149,12 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const unsigned short[::1] pac
         e.add = &add[0, 0, 0, 0]
     if threads <= 0:
         threads = threads_for_macs(<Py_ssize_t>N * OH * OW * O * C * kh * kw)
-    need(scratch.shape[0] >= bfn_scratch_bytes(N, H, W, C, O, kh, kw, threads)
+    need(scratch.shape[0] >= bfn_scratch_bytes(N, H, W, C, O, kh, kw, group, threads)
          and <size_t>&scratch[0] % 64 == 0, k, "scratch",
-         f"needs {bfn_scratch_bytes(N, H, W, C, O, kh, kw, threads)} bytes, 64-byte aligned",
+         f"needs {bfn_scratch_bytes(N, H, W, C, O, kh, kw, group, threads)} bytes, 64-byte aligned",
          scratch.shape[0])
     if N == 0:
         return
     with nogil:
         bfn_conv(threads, &x[0, 0, 0, 0], N, H, W, C, O, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW,
-                 &packed[0], <char *>&scratch[0], &e)
+                 group, &packed[0], <char *>&scratch[0], &e)

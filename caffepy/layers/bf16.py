@@ -5,12 +5,13 @@ The factory picks them for every Convolution and InnerProduct of a net built whi
 precision is bf16, except the int8 layers (quantization_param in a TEST net stay int8) and
 the model-parallel InnerProduct (caffepy/parallel/model_parallel.py), which stay as they are.
 
-A TEST net's Convolution of group 1 runs channels-last (BF16NHWCConvolution) where the bf16
-kernels are AMX-BF16's: the net then plans its channels-last region as a float32 net does, with
+A TEST net's Convolution runs channels-last (BF16NHWCConvolution) where the bf16 kernels are
+AMX-BF16's, when it has one group or at least 16 input and output channels a group (AlexNet's
+groups; a depthwise convolution would fill a sixteenth of each tile's columns): the net then plans its channels-last region as a float32 net does, with
 the same TEST fusions (BatchNorm and Scale as a per-channel epilogue on the float32 sums, ReLU
 and Eltwise SUM in it, concat tops written in place: caffepy/net_rules.py), and the blobs a
 user reads hold what they hold in a float32 net's. Everywhere else (training nets, the
-AVX512_BF16 kernels, the emulation, grouped convolutions, Deconvolution) the variants below run
+AVX512_BF16 kernels, the emulation, groups of fewer channels, Deconvolution) the variants below run
 on NCHW blobs, the layers between them their plain float32 implementations.
 
 Forward: top = round(W) (*) round(bottom) + b, summed in float32 (Caffe's im2col + GEMM, or the
@@ -106,9 +107,12 @@ class BF16NHWCConvolution(NHWCConvolution):
     @classmethod
     def wanted(cls, request):
         path = precision.kernel() if precision.current() == precision.BF16 else None
-        return (path is not None and path[0] == bf16_kernels.AMX
-                and request.phase == caffe_pb2.TEST and request.param.convolution_param.group == 1
-                and cls.fits(request)
+        if path is None or path[0] != bf16_kernels.AMX or request.phase != caffe_pb2.TEST \
+                or not cls.fits(request):
+            return False
+        p = request.param.convolution_param
+        groups = max(p.group, 1)
+        return ((groups == 1 or min(request.bottoms[0].shape[1], p.num_output) >= 16 * groups)
                 and not quantization.quantized(request.param, request.phase, request.net,
                                                request.source))
 

@@ -386,8 +386,8 @@ class Gemm:
 
 
 class BF16Amx:
-    """bf16 (caffepy/precision.py) on AMX tiles for a TEST net's channels-last Convolution of
-    group 1 (cext/bf16_nhwc.h): the input converted to bf16 once, the weights rounded and packed
+    """bf16 (caffepy/precision.py) on AMX tiles for a TEST net's channels-last Convolution
+    (cext/bf16_nhwc.h; groups too): the input converted to bf16 once, the weights rounded and packed
     once per weights version (blob.Seen), the products on TDPBF16PS, float32 sums, and Gemm's
     epilogue (a TEST unit's BatchNorm, Scale, Eltwise SUM and ReLU applied to the float32 sums;
     the weights are never folded, so they are rounded as the net defines them). It writes
@@ -402,17 +402,18 @@ class BF16Amx:
         L = layer
         self.layer = _back_reference(layer)
         (kh, kw) = L.window.kernel
-        self.packed = np.empty(_bf16.nhwc_packed_size(L.num_output, L.channels, kh, kw), np.uint16)
+        self.packed = np.empty(_bf16.nhwc_packed_size(L.num_output, L.channels, kh, kw, L.group),
+                               np.uint16)
         self.packed_from = Seen()
         self.scratch = _bf16.nhwc_scratch_bytes(n, h, w, L.channels, L.num_output, kh, kw,
-                                                _k.max_threads())
+                                                _k.max_threads(), L.group)
         self.gemm = _RoundedGemm(layer, n, h, w)
 
     def forward(self, bottom, top, params=None, epilogue=None, out=None):
         L = self.layer
         source = weight_source(L, params)
         if self.packed_from.changed(source):
-            _bf16.nhwc_pack_weights(values(source), self.packed)
+            _bf16.nhwc_pack_weights(values(source), self.packed, L.group)
             self.packed_from.keep(source)
         bias = forward_params(L, params)[1]
         scale, relu, add = None, False, None
@@ -424,7 +425,8 @@ class BF16Amx:
             _bf16.conv_forward_nhwc(b.raw_data, self.packed, _EMPTY if bias is None else bias,
                                     t.raw_data if out is None else out, scratch, kh, kw, ph, pw,
                                     sh, sw, dh, dw, scale, relu,
-                                    None if add is None else add.raw_data, _k.max_threads())
+                                    None if add is None else add.raw_data, _k.max_threads(),
+                                    L.group)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         rounded_top = [_Rounded(raw_diff=precision.round_bf16(t.raw_diff)) for t in top]

@@ -24,8 +24,12 @@ def _out(n, k, p, s, d):
     return (n + 2 * p - (d * (k - 1) + 1)) // s + 1
 
 
-def _conv64(x, w, ph, pw, sh, sw, dh, dw):
-    """float64 convolution of x [N, H, W, C] by w [O, C, kh, kw] -> [N, OH, OW, O]."""
+def _conv64(x, w, ph, pw, sh, sw, dh, dw, group=1):
+    """float64 convolution of x [N, H, W, C] by w [O, C / group, kh, kw] -> [N, OH, OW, O]."""
+    if group > 1:
+        cg, og = x.shape[3] // group, w.shape[0] // group
+        return np.concatenate([_conv64(x[..., g * cg:(g + 1) * cg], w[g * og:(g + 1) * og], ph,
+                                       pw, sh, sw, dh, dw) for g in range(group)], axis=3)
     n, h, wd, c = x.shape
     o, _, kh, kw = w.shape
     oh, ow = _out(h, kh, ph, sh, dh), _out(wd, kw, pw, sw, dw)
@@ -40,26 +44,26 @@ def _conv64(x, w, ph, pw, sh, sw, dh, dw):
 
 
 def run(x, w, bias, ph=0, pw=0, sh=1, sw=1, dh=1, dw=1, scale=None, relu=False, add=None,
-        y=None, threads=0):
-    o, c, kh, kw = w.shape
-    n, h, wd, _ = x.shape
-    packed = np.empty(bf16.nhwc_packed_size(o, c, kh, kw), np.uint16)
-    bf16.nhwc_pack_weights(np.ascontiguousarray(w), packed)
+        y=None, threads=0, group=1):
+    o, _, kh, kw = w.shape
+    n, h, wd, c = x.shape
+    packed = np.empty(bf16.nhwc_packed_size(o, c, kh, kw, group), np.uint16)
+    bf16.nhwc_pack_weights(np.ascontiguousarray(w), packed, group)
     if y is None:
         y = np.full((n, _out(h, kh, ph, sh, dh), _out(wd, kw, pw, sw, dw), o), np.nan, np.float32)
     t = threads or 2
-    scratch = np.empty(bf16.nhwc_scratch_bytes(n, h, wd, c, o, kh, kw, t) + 64, np.uint8)
+    scratch = np.empty(bf16.nhwc_scratch_bytes(n, h, wd, c, o, kh, kw, t, group) + 64, np.uint8)
     off = -scratch.ctypes.data % 64
     bf16.conv_forward_nhwc(x, packed, bias, y, scratch[off:], kh, kw, ph, pw, sh, sw, dh, dw,
-                           scale, relu, add, t)
+                           scale, relu, add, t, group)
     return y
 
 
 def check(x, w, bias, got, ph=0, pw=0, sh=1, sw=1, dh=1, dw=1, scale=None, relu=False,
-          add=None):
+          add=None, group=1):
     xr, wr = ref.round_bf16(x).astype(np.float64), ref.round_bf16(w).astype(np.float64)
-    conv = _conv64(xr, wr, ph, pw, sh, sw, dh, dw)
-    mag = _conv64(np.abs(xr), np.abs(wr), ph, pw, sh, sw, dh, dw)
+    conv = _conv64(xr, wr, ph, pw, sh, sw, dh, dw, group)
+    mag = _conv64(np.abs(xr), np.abs(wr), ph, pw, sh, sw, dh, dw, group)
     s = np.ones(w.shape[0]) if scale is None else scale.astype(np.float64)
     b = np.zeros(w.shape[0]) if not len(bias) else bias.astype(np.float64)
     a = 0.0 if add is None else add.astype(np.float64)
@@ -89,20 +93,26 @@ SHAPES = [
     (3, 4, 4, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1),
     (1, 3, 3, 64, 100, 3, 3, 0, 0, 1, 1, 1, 1),
     (1, 20, 20, 48, 16, 5, 5, 2, 2, 1, 1, 1, 1),
+    # groups (the last field): AlexNet's conv2, odd channels a group, pointwise, strided
+    (1, 13, 13, 96, 64, 5, 5, 2, 2, 1, 1, 1, 1, 2),
+    (2, 6, 7, 6, 10, 3, 3, 1, 1, 1, 1, 1, 1, 2),
+    (1, 8, 8, 64, 96, 1, 1, 0, 0, 1, 1, 1, 1, 4),
+    (1, 9, 9, 48, 36, 3, 3, 0, 0, 2, 2, 1, 1, 3),
 ]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_forward_against_the_reference(shape):
-    n, h, w_, c, o, kh, kw, ph, pw, sh, sw, dh, dw = shape
+    n, h, w_, c, o, kh, kw, ph, pw, sh, sw, dh, dw, *group = shape
+    group = group[0] if group else 1
     gen = np.random.default_rng(sum(shape))
     x = gen.standard_normal((n, h, w_, c)).astype(np.float32)
-    w = gen.standard_normal((o, c, kh, kw)).astype(np.float32)
+    w = gen.standard_normal((o, c // group, kh, kw)).astype(np.float32)
     bias = gen.standard_normal(o).astype(np.float32)
-    geo = dict(ph=ph, pw=pw, sh=sh, sw=sw, dh=dh, dw=dw)
+    geo = dict(ph=ph, pw=pw, sh=sh, sw=sw, dh=dh, dw=dw, group=group)
     check(x, w, bias, run(x, w, bias, **geo), **geo)
     # the rounding is what the reference sees: float32 operands land far outside the bound
-    if c * kh * kw >= 32:
+    if c // group * kh * kw >= 32:
         exact = _conv64(x.astype(np.float64), w.astype(np.float64), **geo) + bias
         assert np.abs(run(x, w, bias, **geo) - exact).max() > 1e-3
 

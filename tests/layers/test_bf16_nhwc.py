@@ -91,10 +91,10 @@ layer {{ name: "{name}_scale" type: "Scale" bottom: "{name}" top: "{name}"
   scale_param {{ bias_term: true }} }}"""
 
 
-def _conv(name, bottom, o, k, pad=0, stride=1, bn=True, relu=True):
+def _conv(name, bottom, o, k, pad=0, stride=1, bn=True, relu=True, group=1):
     text = f"""
 layer {{ name: "{name}" type: "Convolution" bottom: "{bottom}" top: "{name}"
-  convolution_param {{ num_output: {o} kernel_size: {k} pad: {pad} stride: {stride}
+  convolution_param {{ num_output: {o} kernel_size: {k} pad: {pad} stride: {stride} group: {group}
     bias_term: {"false" if bn else "true"} weight_filler {{ type: "msra" }}
     bias_filler {{ type: "gaussian" std: 0.1 }} }} }}"""
     text += _bn(name) if bn else ""
@@ -197,12 +197,25 @@ def test_a_weight_written_between_forwards_is_read():
 
 
 @needs_amx
-def test_training_nets_and_grouped_convolutions_stay_on_the_nchw_path():
+def test_training_nets_and_small_groups_stay_on_the_nchw_path():
     train = _net("bf16", TRAIN)
     assert {layer.variant for layer in train.layers if layer.type == "Convolution"} == {"bf16"}
     assert all(b.layout is None for b in train.blobs.values())
-    grouped = NET.replace("num_output: 16 kernel_size: 3 pad: 1", "num_output: 16 kernel_size: 3 "
-                          "pad: 1 group: 2")
+    grouped = NET.replace(_conv("res_b", "res_a", 16, 3, pad=1),
+                          _conv("res_b", "res_a", 16, 3, pad=1, group=2))
     net = _net("bf16", text=grouped)
     variants = {layer.name: layer.variant for layer in net.layers if layer.type == "Convolution"}
     assert variants["res_b"] == "bf16" and variants["res_c"] == precision.BF16_NHWC
+
+
+@needs_amx
+def test_groups_of_16_channels_or_more_run_channels_last():
+    grouped = NET.replace(_conv("inc_3r", "res", 16, 1, bn=False),
+                          _conv("inc_3r", "res", 32, 1, bn=False, group=2)).replace(
+        _conv("inc_3x3", "inc_3r", 20, 3, pad=1, bn=False),
+        _conv("inc_3x3", "inc_3r", 32, 3, pad=1, bn=False, group=2))
+    net = _net("bf16", text=grouped)
+    assert {net.layer_dict[name].variant for name in ("inc_3r", "inc_3x3")} == {precision.BF16_NHWC}
+    got, emulated = _forward(net), _forward(_net("emulate", text=grouped))
+    for name in got:
+        assert np.abs(got[name] - emulated[name]).max() <= 1e-3 * np.abs(emulated[name]).max()
