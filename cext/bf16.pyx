@@ -7,7 +7,7 @@ reference is in caffepy/kernels/reference/bf16.py.
 Call these only with a path the CPU has: AVX512 = AVX512_BF16, AMX = AMX-BF16, the latter after
 amx_permitted() returned True.
 """
-from rules cimport dims, need, need_shape, pixel_stride, threads_for_macs
+from rules cimport MACS_PER_OP, dims, need, need_shape, pixel_stride, threads_for, threads_for_macs
 
 cdef extern from "amx.h" nogil:
     int _amx_permitted "amx_permitted"()
@@ -79,6 +79,13 @@ cdef extern from "bf16_nhwc.h" nogil:
                   const unsigned short *w, char *scratch, const bfn_epilogue *e)
 
 
+cdef enum:
+    # AMX-BF16's multiply-adds per sgemm multiply-add, by time on one core (the channels-last
+    # convolution: 300-1000 GMAC/s on two cores, sgemm about 100): the thread rule's work is the
+    # time it takes, and a small layer of a batch-1 net woke the second thread for a few us
+    AMX_SPEEDUP = 8
+
+
 def nhwc_packed_size(int O, int C, int kh, int kw, int group=1):
     """uint16 values of nhwc_pack_weights's output for O x (C / group) x kh x kw weights."""
     return group * bfn_packed_size(O // group, C // group, kh, kw)
@@ -148,7 +155,8 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const unsigned short[::1] pac
         need(&add[0, 0, 0, 0] != e.y, k, "add", "may not be y", "y")
         e.add = &add[0, 0, 0, 0]
     if threads <= 0:
-        threads = threads_for_macs(<Py_ssize_t>N * OH * OW * O * C * kh * kw)
+        threads = threads_for(<Py_ssize_t>N * OH * OW * O * (C // group) * kh * kw
+                              // (MACS_PER_OP * AMX_SPEEDUP))
     need(scratch.shape[0] >= bfn_scratch_bytes(N, H, W, C, O, kh, kw, group, threads)
          and <size_t>&scratch[0] % 64 == 0, k, "scratch",
          f"needs {bfn_scratch_bytes(N, H, W, C, O, kh, kw, group, threads)} bytes, 64-byte aligned",

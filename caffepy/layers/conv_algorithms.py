@@ -425,8 +425,7 @@ class BF16Amx:
             _bf16.conv_forward_nhwc(b.raw_data, self.packed, _EMPTY if bias is None else bias,
                                     t.raw_data if out is None else out, scratch, kh, kw, ph, pw,
                                     sh, sw, dh, dw, scale, relu,
-                                    None if add is None else add.raw_data, _k.max_threads(),
-                                    L.group)
+                                    None if add is None else add.raw_data, 0, L.group)
 
     def backward(self, top, propagate_down, bottom, need_w, need_b):
         rounded_top = [_Rounded(raw_diff=precision.round_bf16(t.raw_diff)) for t in top]
