@@ -19,6 +19,8 @@ cdef extern from "bf16_gemm.h" nogil:
     int BF_AVX512, BF_AMX
     int bf_gemm(int path, long M, long N, long K, bf_mat a, bf_mat b, float *c, long ldc,
                 int accumulate, int threads, const unsigned short *packed)
+    long bf_packed_size(long M, long K)
+    void bf_pack_all(bf_mat a, long M, long K, unsigned short *ap)
 
 AVX512 = BF_AVX512
 AMX = BF_AMX
@@ -38,15 +40,38 @@ cdef inline bf_mat _mat(const float[:, :] x):
     return m
 
 
-def gemm(const float[:, :] a, const float[:, :] b, float[:, ::1] c, bint accumulate, int path):
+def packed_size(long M, long K):
+    """uint16 values of pack's output for an [M, K] operand."""
+    return bf_packed_size(M, K)
+
+
+def pack(const float[:, :] a, unsigned short[::1] out):
+    """a [M, K] (any float32 view) rounded to bf16 and packed as gemm's `packed` reads it: a
+    left operand used for many products (a TEST net's InnerProduct weights)."""
+    cdef long M = a.shape[0], K = a.shape[1]
+    need(out.shape[0] == bf_packed_size(M, K), "bf16.pack", "out",
+         f"needs {bf_packed_size(M, K)} values", out.shape[0])
+    cdef bf_mat am
+    if M and K:
+        am = _mat(a)
+        with nogil:
+            bf_pack_all(am, M, K, &out[0])
+
+
+def gemm(const float[:, :] a, const float[:, :] b, float[:, ::1] c, bint accumulate, int path,
+         const unsigned short[::1] packed=None):
     """c[M, N] = a[M, K] @ b[K, N] in bf16 (c += with `accumulate`). a and b are any float32
-    views (a transposed view is read in place; one with a unit stride packs fastest)."""
+    views (a transposed view is read in place; one with a unit stride packs fastest). With
+    `packed` (pack's output for a) a is read for its shape only."""
     cdef long M = a.shape[0], K = a.shape[1], N = b.shape[1]
     need(b.shape[0] == K, "bf16.gemm", "b", f"needs {K} rows (a's columns)", dims(b.shape, 2))
     need(c.shape[0] == M and c.shape[1] == N, "bf16.gemm", "c", f"needs shape {(M, N)}",
          dims(c.shape, 2))
     need(path == BF_AVX512 or (path == BF_AMX and _amx_permitted()), "bf16.gemm", "path",
          "must be AVX512, or AMX once amx_permitted()", path)
+    if packed is not None:
+        need(packed.shape[0] == bf_packed_size(M, K), "bf16.gemm", "packed",
+             f"needs {bf_packed_size(M, K)} values (pack of a)", packed.shape[0])
     if M == 0 or N == 0:
         return
     cdef bf_mat am, bm
@@ -58,7 +83,7 @@ def gemm(const float[:, :] a, const float[:, :] b, float[:, ::1] c, bint accumul
         am, bm = _mat(a), _mat(b)
     with nogil:
         ok = bf_gemm(path, M, N, K, am, bm, &c[0, 0], c.shape[1], accumulate,
-                     threads_for_macs(M * N * K), NULL)
+                     threads_for_macs(M * N * K), &packed[0] if packed is not None else NULL)
     if not ok:
         raise MemoryError("bf16.gemm: no memory for the packing buffers")
 
