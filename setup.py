@@ -8,7 +8,7 @@ CAFFEPY_MARCH replaces the baseline's -march (`native` for a build tuned to this
 target AVX-512 skips them too, with a note).
 Cython and the C compiler run one job per core (CAFFEPY_BUILD_JOBS=N to choose;
 `build_ext -j N` too): pip's install, editable or not, cannot pass -j itself.
-The bf16 kernels (cext/bf16_gemm.h, in bf16.pyx and vision.pyx) need AVX512_BF16 and AMX: the
+The bf16 kernels (cext/bf16_gemm.h, in bf16.pyx and vision.pyx; cext/bf16_nhwc.h in bf16.pyx) need AVX512_BF16 and AMX: the
 header asks for them with a target pragma around its own functions, so no module is built with
 flags past its baseline (Cython's glue stays runnable anywhere) and caffepy.precision calls them
 only on a CPU that has them.

@@ -1,6 +1,7 @@
 """bf16's speed against float32 (caffepy/precision.py: bf16 on the AMX-BF16 or AVX512_BF16
-kernels), per net: the TEST forward at each batch, and a training iteration (TRAIN-phase forward
-+ backward from the output, force_backward) at --train_batch. Both precisions' nets are built in
+kernels), per net: the TEST forward at each batch (on AMX-BF16 its convolutions run channels-last,
+caffepy/layers/bf16.py), and a training iteration (TRAIN-phase forward + backward from the
+output, force_backward) at --train_batch (0: none). Both precisions' nets are built in
 one process and timed alternating, best of --repeats each, and the ratio f32 ms / bf16 ms is
 printed (the machine's other load then hits both alike). Weights are random (the deploy
 fillers); BatchNorm statistics mean 0, variance 1.
@@ -85,7 +86,8 @@ def main(argv=None):
     print(f"{'net':<10} {'pass':<16} {'f32 ms':>9} {'bf16 ms':>9} {'bf16 speed-up':>14}")
     for name in args.nets or list(NETS):
         runs = [(f"forward b{b}", b, False) for b in args.batches]
-        runs.append((f"train b{args.train_batch}", args.train_batch, True))
+        if args.train_batch:
+            runs.append((f"train b{args.train_batch}", args.train_batch, True))
         for label, batch, train in runs:
             ms = {k: 1e3 * v for k, v in compare(NETS[name], batch, train, args.repeats).items()}
             print(f"{name:<10} {label:<16} {ms['f32']:>9.1f} {ms['bf16']:>9.1f} "

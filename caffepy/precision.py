@@ -11,7 +11,10 @@ training's backward does), the bias gradient sums the rounded top diff in float3
 Where the CPU has them, bf16 kernels run it (cext/bf16_gemm.h: Caffe's im2col, then products
 that round their float32 operands to bf16 as they pack them): on AMX tiles (TDPBF16PS) when the
 CPU has AMX-BF16 and Linux lends this process the tile registers, else on AVX512_BF16
-(VDPBF16PS). Both treat bf16 subnormals (below 2^-126) as zero; nothing else differs.
+(VDPBF16PS). Both treat bf16 subnormals (below 2^-126) as zero; nothing else differs. On AMX, a
+TEST net's Convolutions of group 1 run channels-last instead (cext/bf16_nhwc.h: the input
+converted to bf16 once, the float32 path's TEST fusions applied to the float32 sums;
+caffepy/layers/bf16.py).
 
 Elsewhere bf16's arithmetic can be emulated: the operands rounded into float32 arrays (a bf16
 value is a float32 whose low 16 bits are zero) and Caffe's im2col + float32 GEMM over them.
@@ -34,6 +37,7 @@ from . import device, log
 from .errors import CaffepyError, UsageError, quote
 
 F32, BF16 = "f32", "bf16"
+BF16_NHWC = "bf16_nhwc"     # the variant name of the channels-last bf16 Convolution
 PRECISIONS = (F32, BF16)
 ACCEPTED = "f32 (float32, the default) or bf16 (Convolution and InnerProduct in bfloat16)"
 TYPES = ("Convolution", "InnerProduct")          # the layer types bf16 runs
@@ -166,7 +170,7 @@ def _warn_emulated():
 def of(layer):
     """The precision `layer` computes in: bf16 for the bf16 variants, int8 for a layer an int8
     unit runs, else f32."""
-    if getattr(layer, "variant", None) == BF16:
+    if getattr(layer, "variant", None) in (BF16, BF16_NHWC):
         return BF16
     return "int8" if getattr(layer, "int8", None) is not None else F32
 

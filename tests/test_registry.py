@@ -10,7 +10,7 @@ import pytest
 from caffepy.context import RunContext
 from caffepy.errors import LayerError, ParallelError
 from caffepy.layer import BLOCKED, LAYERS, MODEL_PARALLEL, NHWC, PLAIN, VIA_NCHW, Layer, create_layer, register
-from caffepy.precision import BF16
+from caffepy.precision import BF16, BF16_NHWC
 from layer_cases import layer_param
 
 
@@ -44,7 +44,7 @@ def test_every_variant_of_a_differentiable_layer_has_a_gradient_case():
 
 
 def test_the_variants_are_registered():
-    assert set(LAYERS["Convolution"]) == {PLAIN, BLOCKED, NHWC, BF16}
+    assert set(LAYERS["Convolution"]) == {PLAIN, BLOCKED, NHWC, BF16, BF16_NHWC}
     assert set(LAYERS["LRN"]) == {PLAIN, BLOCKED, VIA_NCHW, NHWC}
     assert {name for name, variants in LAYERS.items() if NHWC in variants} == \
         {"Convolution", "Pooling", "BatchNorm", "Scale", "Bias", "Concat", "LRN"}

@@ -3,9 +3,16 @@ and which kernels run it).
 
 The factory picks them for every Convolution and InnerProduct of a net built while the
 precision is bf16, except the int8 layers (quantization_param in a TEST net stay int8) and
-the model-parallel InnerProduct (caffepy/parallel/model_parallel.py), which stay as they are. They
-run on NCHW blobs, so a bf16 net plans no channels-last region (layers/nhwc.py's Convolution is
-not wanted under bf16) and its other layers run their plain float32 implementations.
+the model-parallel InnerProduct (caffepy/parallel/model_parallel.py), which stay as they are.
+
+A TEST net's Convolution runs channels-last (BF16NHWCConvolution) where the bf16 kernels are
+AMX-BF16's, when it has one group or at least 16 input and output channels a group (AlexNet's
+groups; a depthwise convolution would fill a sixteenth of each tile's columns): the net then plans its channels-last region as a float32 net does, with
+the same TEST fusions (BatchNorm and Scale as a per-channel epilogue on the float32 sums, ReLU
+and Eltwise SUM in it, concat tops written in place: caffepy/net_rules.py), and the blobs a
+user reads hold what they hold in a float32 net's. Everywhere else (training nets, the
+AVX512_BF16 kernels, the emulation, groups of fewer channels, Deconvolution) the variants below run
+on NCHW blobs, the layers between them their plain float32 implementations.
 
 Forward: top = round(W) (*) round(bottom) + b, summed in float32 (Caffe's im2col + GEMM, or the
 GEMM of InnerProduct), the bias and any Intel fusion (ReLU, SUM) in float32. Backward: the
@@ -18,8 +25,12 @@ may change a blob's data between passes); the emulation rounds them into scratch
 import numpy as np
 
 from .. import precision, quantization
+from ..blob import Seen
 from ..layer import BLOCKED, LAYERS, NHWC, PLAIN, register
+from ..proto import caffe_pb2
 from .common import InnerProduct
+from .conv_algorithms import BF16Amx
+from .nhwc import NHWCConvolution
 from .vision import Convolution
 
 from ..kernels import bf16 as bf16_kernels
@@ -76,11 +87,70 @@ class BF16InnerProduct(_BF16, InnerProduct):
     type = "InnerProduct"
     rounded_by_kernel = ("w", "x")      # the bias gradient sums the top diff here: rounded first
 
+    def setup(self, bottom, top):
+        super().setup(bottom, top)
+        # a TEST net's forward reads the weights rounded and packed once per weights version
+        # (blob.Seen), not packed again from float32 at every forward: AlexNet b1's fc6 read
+        # 151 MB and wrote 75 MB each time, slower than float32's product
+        self.packs = bool(self.products) and self.phase == caffe_pb2.TEST
+        self.packed_from = Seen()
+        self.packed = None
+
     def _choose(self, bottom, top):
         self._skinny = {"forward": False, "data": False}       # the BLAS's GEMM, not measured
+
+    def forward(self, bottom, top):
+        if not self.packs:
+            return super().forward(bottom, top)
+        n, k = self.num_output, self.K
+        if self.packed_from.changed(self.blobs[0]):
+            if self.packed is None:
+                self.packed = np.empty(bf16_kernels.packed_size(n, k), np.uint16)
+            w = self.blobs[0].read_data
+            bf16_kernels.pack(w.T if self.transpose else w, self.packed)
+            del w                   # held by no one when kept (blob.Seen)
+            self.packed_from.keep(self.blobs[0])
+        # y^T [N, M] = W [N, K] x^T: the weights are the packed left operand
+        yt = self.rounded.get("yt")
+        if yt is None or yt.shape != (n, self.M):
+            yt = self.rounded["yt"] = np.empty((n, self.M), np.float32)
+        x = bottom[0].data.reshape(self.M, k)
+        bf16_kernels.gemm(np.broadcast_to(np.float32(0), (n, k)), x.T, yt, False, self.products,
+                          self.packed)
+        y = top[0].data.reshape(self.M, n)
+        np.copyto(y, yt.T)
+        if self.bias_term:
+            y += self.blobs[1].data
+        if self.fused is not None:
+            self.fused.forward(bottom, top)
 
     def product(self, a, b, c, beta=0.0):
         if self.products:
             bf16_kernels.gemm(a, b, c, beta != 0, self.products)
         else:
             super().product(a, b, c, beta)
+
+
+@register(variant=precision.BF16_NHWC)
+class BF16NHWCConvolution(NHWCConvolution):
+    """A TEST net's Convolution in bf16 on channels-last blobs (see the module docstring):
+    NHWCConvolution's fields, fusions and epilogue with one algorithm, BF16Amx (AMX tiles)."""
+    type = "Convolution"
+    layout = NHWC
+    kernel_name = "AMX-BF16 channels-last"
+
+    @classmethod
+    def wanted(cls, request):
+        path = precision.kernel() if precision.current() == precision.BF16 else None
+        if path is None or path[0] != bf16_kernels.AMX or request.phase != caffe_pb2.TEST \
+                or not cls.fits(request):
+            return False
+        p = request.param.convolution_param
+        groups = max(p.group, 1)
+        return ((groups == 1 or min(request.bottoms[0].shape[1], p.num_output) >= 16 * groups)
+                and not quantization.quantized(request.param, request.phase, request.net,
+                                               request.source))
+
+    def _candidates(self, n, h, w):
+        algo = BF16Amx(self, n, h, w)
+        return {algo.name: algo}, algo.name

@@ -6,7 +6,8 @@ measures them under, stay with the layer; what each algorithm computes lives her
 
     channels-last   Gemm (im2col + GEMM; a pointwise convolution's GEMM over the pixels),
                     Direct (few input channels, cext/nhwc_direct.h), Depthwise (group =
-                    channels), Winograd F(m, r) (cext/winograd.pyx)
+                    channels), Winograd F(m, r) (cext/winograd.pyx); under bf16, BF16Amx
+                    (a TEST net's forward on AMX tiles, cext/bf16_nhwc.h)
     blocked         BlockedGemm (Caffe's: blocked im2col + sgemm, cext/intel.pyx),
                     BlockedWinograd, and Direct with the block width (a first layer whose
                     channels fit one block)
@@ -24,17 +25,18 @@ import weakref
 
 import numpy as np
 
-from .. import memory
+from .. import memory, precision
 from ..blob import Blob, Seen
 from ..errors import CaffepyError
 from ..proto import caffe_pb2
 
 try:
+    from ..kernels import bf16 as _bf16
     from ..kernels import intel as _ki
     from ..kernels import nhwc as _k
     from ..kernels import winograd as _winograd
 except ImportError:     # the layers report it when they are built
-    _k = _ki = _winograd = None
+    _k = _ki = _winograd = _bf16 = None
 
 _EMPTY = np.zeros(0, np.float32)
 _EMPTY2 = np.zeros((0, 0), np.float32)
@@ -381,6 +383,80 @@ class Gemm:
                     _k.reverse_axes(grad[gi], diff[gi], True)
             if need_b:
                 L.blobs[1].diff[...] += db[0]
+
+
+class BF16Amx:
+    """bf16 (caffepy/precision.py) on AMX tiles for a TEST net's channels-last Convolution
+    (cext/bf16_nhwc.h; groups too): the input converted to bf16 once, the weights rounded and packed
+    once per weights version (blob.Seen), the products on TDPBF16PS, float32 sums, and Gemm's
+    epilogue (a TEST unit's BatchNorm, Scale, Eltwise SUM and ReLU applied to the float32 sums;
+    the weights are never folded, so they are rounded as the net defines them). It writes
+    slices as Gemm does. The backward (pycaffe's net.backward on a TEST net) is the emulation's
+    arithmetic: the float32 Gemm's over bf16-rounded copies of the input, the top diff and the
+    weights."""
+    name = "bf16 amx"
+    epilogue = True
+    writes_slices = True
+
+    def __init__(self, layer, n, h, w):
+        L = layer
+        self.layer = _back_reference(layer)
+        (kh, kw) = L.window.kernel
+        self.packed = np.empty(_bf16.nhwc_packed_size(L.num_output, L.channels, kh, kw, L.group),
+                               np.uint16)
+        self.packed_from = Seen()
+        self.scratch = _bf16.nhwc_scratch_bytes(n, h, w, L.channels, L.num_output, kh, kw,
+                                                _k.max_threads(), L.group)
+        self.gemm = _RoundedGemm(layer, n, h, w)
+
+    def forward(self, bottom, top, params=None, epilogue=None, out=None):
+        L = self.layer
+        source = weight_source(L, params)
+        if self.packed_from.changed(source):
+            _bf16.nhwc_pack_weights(values(source), self.packed, L.group)
+            self.packed_from.keep(source)
+        bias = forward_params(L, params)[1]
+        scale, relu, add = None, False, None
+        if epilogue is not None:
+            scale, bias, relu, add = epilogue
+        scratch = _workspace("bf16_scratch", (self.scratch,), np.uint8)
+        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = L.window
+        for b, t in zip(bottom, top):
+            _bf16.conv_forward_nhwc(b.raw_data, self.packed, _EMPTY if bias is None else bias,
+                                    t.raw_data if out is None else out, scratch, kh, kw, ph, pw,
+                                    sh, sw, dh, dw, scale, relu,
+                                    None if add is None else add.raw_data, 0, L.group)
+
+    def backward(self, top, propagate_down, bottom, need_w, need_b):
+        rounded_top = [_Rounded(raw_diff=precision.round_bf16(t.raw_diff)) for t in top]
+        rounded_bottom = [_Rounded(raw_data=precision.round_bf16(b.raw_data), raw_diff=b.raw_diff)
+                          for b in bottom]
+        self.gemm.backward(rounded_top, propagate_down, rounded_bottom, need_w, need_b)
+
+
+class _Rounded:
+    """A blob's arrays as BF16Amx's backward hands them to Gemm: rounded copies, the diff to
+    write."""
+
+    def __init__(self, raw_data=None, raw_diff=None):
+        self.raw_data, self.raw_diff = raw_data, raw_diff
+
+
+class _RoundedGemm(Gemm):
+    """Gemm reading the layer's weights rounded to bf16 (kept while the blob is unchanged)."""
+
+    def __init__(self, layer, n, h, w):
+        super().__init__(layer, n, h, w)
+        self.rounded_from = Seen()
+        self.rounded = None
+
+    def _weights(self, fresh=True, params=None):
+        blob = self.layer.blobs[0]
+        if self.rounded_from.changed(blob):
+            self.rounded = precision.round_bf16(blob.read_data)
+            self.rounded.flags.writeable = False        # blob.Seen knows it by identity
+            self.rounded_from.keep(blob)
+        return super()._weights(fresh, (self.rounded, None))
 
 
 class Direct:

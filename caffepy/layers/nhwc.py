@@ -154,11 +154,15 @@ class NHWCConvolution(Convolution):
     winograd_kept = None        # a TEST net's Winograd U (conv_algorithms.winograd_weights)
 
     @classmethod
+    def fits(cls, request):
+        """Whether the request's bottoms are 4-axis blobs convolved along axis 1."""
+        return _four_axes(request) and request.param.convolution_param.axis in (1, -3)
+
+    @classmethod
     def wanted(cls, request):
         # int8 layers join the channels-last region where their kernels have it (quantization.py);
-        # bf16 ones run in NCHW (layers/bf16.py)
-        return (_four_axes(request) and request.param.convolution_param.axis in (1, -3)
-                and precision.current() != precision.BF16
+        # bf16 ones run BF16NHWCConvolution where it is wanted, else in NCHW (layers/bf16.py)
+        return (cls.fits(request) and precision.current() != precision.BF16
                 and (not quantization.quantized(request.param, request.phase, request.net,
                                                 request.source)
                      or quantization.channels_last(request.param, request.bottoms[0].shape[1])))

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from caffepy import device, precision
+from caffepy.net import TEST
 from caffepy.kernels.reference.bf16 import round_bf16 as reference_bf16
 from layer_cases import Case, case_tests, randn, setup_layer
 
@@ -188,3 +189,22 @@ def test_kernels_match_the_emulation(case, setting, monkeypatch):
     got = _run(case, setting, monkeypatch)
     for name, g, w in zip(("top", "bottom diff", "weight diff", "bias diff"), got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max(), err_msg=name)
+
+
+@pytest.mark.skipif(precision.kernel() is None, reason="this CPU runs no bf16 kernels")
+@pytest.mark.parametrize("transpose", [False, True], ids=["w", "wT"])
+def test_a_test_inner_product_reads_its_weights_packed_once_per_version(transpose):
+    """A TEST net's InnerProduct keeps its weights rounded and packed (kernels.bf16.pack) and
+    packs them again when the blob changes; the result is the rounded product's."""
+    params = "inner_product_param { num_output: 37 transpose: %s %s }" % (
+        "true" if transpose else "false", GAUSS)
+    x = randn(3, 70, seed=12)
+    layer, bottom, top = setup_layer("InnerProduct", params, [x], phase=TEST, variant="bf16")
+    assert layer.packs
+    for scale in (1.0, 3.0):
+        layer.blobs[0].data[...] *= scale
+        layer.reshape(bottom, top)
+        layer.forward(bottom, top)
+        w, b = _params(layer)
+        want = reference_bf16(x).astype(np.float64) @ (w if transpose else w.T) + b
+        np.testing.assert_allclose(top[0].data, want, rtol=1e-5, atol=1e-5)
