@@ -64,14 +64,13 @@ I8A_TARGET static void i8a_end(void)
 I8A_TARGET static void i8a_tile(const uint8_t *a, long lda, long chunks, const int8_t *b0,
                                 const int8_t *b1, int32_t *c, long ldc)
 {
-    const long K4 = lda;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (long k = 0; k < chunks; k++) {
-        _tile_loadd(4, a + k * 64, K4);
-        _tile_loadd(5, a + 16 * K4 + k * 64, K4);
+        _tile_loadd(4, a + k * 64, lda);
+        _tile_loadd(5, a + 16 * lda + k * 64, lda);
         _tile_loadd(6, b0 + k * 1024, 64);
         _tile_dpbusd(0, 4, 6);
         _tile_dpbusd(2, 5, 6);
