@@ -1,6 +1,7 @@
-"""bf16's accuracy against float32 (caffepy/precision.py; emulated: no CPU here runs bf16 fast,
-so no speed is measured), on the nets trained here on the bundled digits
-(benchmarks/digits_nets.py: LeNet, a CIFAR-style net, a small ResNet).
+"""bf16's accuracy against float32 (caffepy/precision.py), on the nets trained here on the bundled
+digits (benchmarks/digits_nets.py: LeNet, a CIFAR-style net, a small ResNet): on the bf16
+kernels where the CPU has AMX-BF16 or AVX512_BF16, else emulated (the same products; speed is
+bench_bf16_speed.py's).
 
 For each: float32 training, then the held-out digits scored by the float32 net and by the same
 weights in bf16 (top-1 of each, the points bf16 loses, the share of digits where their top-1
@@ -9,7 +10,7 @@ agree); for the nets named by --train_bf16 (default resnet), the same training r
 per net gives the means over the seeds (one training run differs from another by its seed far
 more than by bf16: the ResNet's float32 top-1 went from 95.6 to 99.0 over the default seeds).
 
-    CAFFEPY_BF16=emulate python benchmarks/bench_bf16.py [--nets lenet cifar resnet]
+    python benchmarks/bench_bf16.py [--nets lenet cifar resnet]
         [--iterations N] [--train_bf16 resnet] [--seeds 1701 1 2]
 """
 import argparse
@@ -40,10 +41,11 @@ def main():
     ap.add_argument("--iterations", type=int, help="training iterations (default: per net)")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     args = ap.parse_args()
-    os.environ.setdefault("CAFFEPY_BF16", "emulate")
+    if precision.kernel() is None:          # no kernels here: the emulation's same products
+        os.environ.setdefault("CAFFEPY_BF16", "emulate")
     caffepy.log.set_quiet(True)
     data = digits()
-    print(f"bf16 emulated ({precision.availability()})")
+    print(f"bf16: {precision.availability()}")
     print(f"held-out digits: {len(data[3])}; one digit = {100 / len(data[3]):.2f} points")
     print(f"{'net':7s} {'seed':>5s} {'f32 top-1':>9s} {'bf16 inf':>9s} {'lost':>6s} {'agree':>7s} "
           f"{'bf16-trained':>12s} {'diff':>6s} {'f32 s':>6s} {'bf16 s':>6s}", flush=True)

@@ -23,8 +23,9 @@ def digits():
 
 
 @pytest.fixture(autouse=True)
-def _emulate(monkeypatch):
-    monkeypatch.setenv("CAFFEPY_BF16", "emulate")
+def _kernels_or_emulation(monkeypatch):
+    if precision.kernel() is None:      # the kernels where the CPU has them, else the emulation
+        monkeypatch.setenv("CAFFEPY_BF16", "emulate")
     yield
     assert precision.current() == "f32"       # the benchmark's runs put the setting back
 
