@@ -10,7 +10,9 @@
  * pair), as conv_weights orders them), so a tile's pairs for one k are one 64-byte line.
  * Products: vpmaddwd on int16 pairs into int32 (see int8_gemm.h: no int16 saturation). The
  * output's 16 columns are contiguous channels of one pixel: the epilogue's per-channel bias
- * and multiplier are vector loads.
+ * and multiplier are vector loads. On a CPU with AVX-512 VNNI or AMX-INT8 the same drivers run
+ * bytes in quads of channels instead of int16 pairs (int8_vnni.h, int8_amx.h: the same
+ * integers); i8_isa_available (below) says which path this CPU has.
  *
  * Depthwise (a group per channel): every product u8 x s8 is an integer of at most 2^15 in
  * magnitude and a pixel sums kh * kw of them, so below 512 taps each partial sum is an integer
