@@ -4,6 +4,9 @@
     python benchmarks/bench_inference.py --nets resnet50 --batches 1 --runs 20
     python benchmarks/bench_inference.py --nets all     # + MobileNet v1, VGG-16
 
+Where the CPU has bf16 kernels, caffepy's bf16 (`-precision bf16`, the same weights) is a
+contender too, and where OpenVINO's default precision is not f32, OpenVINO at its default.
+
 Per net and batch: the deploy net (benchmarks/nets.py test_net: Input data of the batch, the
 net's TEST phase) with random weights and plausible BatchNorm statistics, exported to ONNX by
 caffepy's exporter (caffepy/onnx_export.py); ONNX Runtime and, when it imports, OpenVINO (f32:
@@ -69,11 +72,16 @@ def randomize(net, seed=0):
 class Caffepy:
     name = "caffepy"
 
-    def __init__(self, param, batch, seed):
+    def __init__(self, param, batch, seed, weights_from=None):
         from caffepy.net import TEST, Net
         t = time.perf_counter()
-        self.net = Net(param, TEST)
-        randomize(self.net, seed)
+        self.net = self._build(Net, param, TEST)
+        if weights_from is None:
+            randomize(self.net, seed)
+        else:           # the same weights (randomize's msra draws are not seeded)
+            for name, blobs in weights_from.params.items():
+                for mine, theirs in zip(self.net.params[name], blobs):
+                    mine.data[...] = theirs.data
         x = np.random.default_rng(seed + 1).standard_normal(self.net.blobs["data"].shape,
                                                               dtype=np.float32)
         self.x = x
@@ -82,8 +90,25 @@ class Caffepy:
         self.first_ms = 1e3 * (time.perf_counter() - t)
         self.output = self.net.outputs[0]
 
+    def _build(self, Net, param, phase):
+        return Net(param, phase)
+
     def forward(self):
         return self.net.forward()[self.output]
+
+
+class CaffepyBF16(Caffepy):
+    """The same net built under -precision bf16 (where the CPU has bf16 kernels), given the f32
+    net's weights (weights_from)."""
+    name = "caffepy bf16"
+
+    def _build(self, Net, param, phase):
+        from caffepy import precision
+        precision.set_precision("bf16")
+        try:
+            return Net(param, phase)
+        finally:
+            precision.set_precision("f32")
 
 
 class OnnxRuntime:
@@ -140,15 +165,21 @@ def agreement(want, got):
 def run_case(name, batch, args, threads):
     from caffepy import onnx_export
     param = nets.test_net(name, batch)
+    from caffepy import precision
     mine = Caffepy(param, batch, args.seed)
     want = mine.forward().copy()
     contenders = [mine]
+    if precision.kernel() is not None:
+        contenders.append(CaffepyBF16(param, batch, args.seed, weights_from=mine.net))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"{name}_b{batch}.onnx")
         onnx_export.export(mine.net, path)
         contenders.append(OnnxRuntime(path, mine.x, threads))
         if args.openvino and openvino_available():
             contenders.append(OpenVINO(path, mine.x, threads))
+            default = contenders[-1].default_precision      # bf16 on AVX512_BF16 / AMX CPUs
+            if "f32" not in default and "float32" not in default:
+                contenders.append(OpenVINO(path, mine.x, threads, precision=None))
     errors = {c.name: agreement(want, c.forward()) for c in contenders[1:]}
     for c in contenders:
         for _ in range(args.warmup):
