@@ -96,6 +96,7 @@ cdef extern from "bf16_nhwc.h" nogil:
         float *y
         long ldy
         int relu
+    void bfn_round(const float *x, long n, float *y, int threads)
     long bfn_packed_size(int Og, int Cg, int kh, int kw)
     void bfn_pack_weights(const float *w, int O, int C, int kh, int kw, int G, unsigned short *out)
     long bfn_scratch_bytes(int N, int H, int W, int C, int O, int kh, int kw, int G, int threads)
@@ -191,3 +192,16 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, const unsigned short[::1] pac
     with nogil:
         bfn_conv(threads, &x[0, 0, 0, 0], N, H, W, C, O, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW,
                  group, &packed[0], <char *>&scratch[0], &e)
+
+
+def round_floats(const float[::1] x, float[::1] y):
+    """y = x rounded to bf16 as the AMX and AVX512_BF16 kernels' conversion rounds it (nearest,
+    ties to even; values below 2^-126 to zero), as float32; y may be x. Call it only where the
+    CPU has AVX512_BF16."""
+    need(y.shape[0] == x.shape[0], "bf16.round_floats", "y", f"needs {x.shape[0]} floats",
+         y.shape[0])
+    cdef long n = x.shape[0]
+    if n == 0:
+        return
+    with nogil:
+        bfn_round(&x[0], n, &y[0], threads_for(n))

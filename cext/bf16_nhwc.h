@@ -281,5 +281,20 @@ static void bfn_conv(int threads, const float *x, int N, int H, int W, int C, in
     }
 }
 
+/* y[0 .. n) = x[0 .. n) rounded to bf16 as the tiles' conversion rounds it, as float32 (low 16
+ * bits zero): the operands of a layer that runs bf16's arithmetic on float32 kernels */
+static void bfn_round(const float *x, long n, float *y, int threads)
+{
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long i = 0; i < n; i += 4096) {
+        long end = i + 4096 < n ? i + 4096 : n;
+        for (long j = i; j < end; j += 16) {
+            __m256i h = bf_cvt16(x + j, end - j);
+            __m512i f = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+            _mm512_mask_storeu_ps(y + j, bf_mask(end - j), _mm512_castsi512_ps(f));
+        }
+    }
+}
+
 #pragma GCC pop_options
 #endif

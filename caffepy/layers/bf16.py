@@ -29,8 +29,8 @@ from ..blob import Seen
 from ..layer import BLOCKED, LAYERS, NHWC, PLAIN, register
 from ..proto import caffe_pb2
 from .common import InnerProduct
-from .conv_algorithms import BF16Amx
-from .nhwc import NHWCConvolution
+from .conv_algorithms import BF16Amx, BF16Depthwise
+from .nhwc import Folded, NHWCConvolution
 from .vision import Convolution
 
 from ..kernels import bf16 as bf16_kernels
@@ -146,11 +146,26 @@ class BF16NHWCConvolution(NHWCConvolution):
                 or not cls.fits(request):
             return False
         p = request.param.convolution_param
-        groups = max(p.group, 1)
-        return ((groups == 1 or min(request.bottoms[0].shape[1], p.num_output) >= 16 * groups)
+        groups, channels = max(p.group, 1), request.bottoms[0].shape[1]
+        depthwise = groups == channels == p.num_output > 1
+        return ((groups == 1 or min(channels, p.num_output) >= 16 * groups or depthwise)
                 and not quantization.quantized(request.param, request.phase, request.net,
                                                request.source))
 
+    def forward_folded(self, bottom, top, bn, scale=None, relu=False, add=None, out=None):
+        """NHWCConvolution.forward_folded, but a depthwise layer's BatchNorm and Scale scale its
+        rounded weights (BF16Depthwise) where the float32 path folds them into the weights
+        before any rounding."""
+        algo = self.algos["forward"]
+        if not isinstance(algo, BF16Depthwise) or bn is None:
+            return super().forward_folded(bottom, top, bn, scale, relu, add, out)
+        assert add is None and out is None, "the depthwise kernel has no epilogue"
+        if self._affine is None:
+            self._affine = Folded(weights=False)
+        algo.forward(bottom, top, relu=relu, affine=self._affine.params(self, bn, scale))
+        return True
+
     def _candidates(self, n, h, w):
-        algo = BF16Amx(self, n, h, w)
+        depthwise = self.group == self.channels == self.num_output > 1
+        algo = (BF16Depthwise if depthwise else BF16Amx)(self, n, h, w)
         return {algo.name: algo}, algo.name

@@ -434,6 +434,55 @@ class BF16Amx:
         self.gemm.backward(rounded_top, propagate_down, rounded_bottom, need_w, need_b)
 
 
+class BF16Depthwise:
+    """bf16 (caffepy/precision.py) for a TEST net's channels-last depthwise Convolution: the
+    float32 depthwise kernel on bf16-rounded operands (the input rounded into a scratch copy,
+    the weights as they are reordered). A bf16 product is exact in float32 and the sums are
+    float32, so this is bf16's arithmetic; no bf16 instruction helps a kernel that makes one
+    product per weight and pixel (the NCHW bf16 path ran MobileNet v1's depthwise layers as a
+    GEMM per channel: 3.6-3.9x slower than float32). A unit's BatchNorm and Scale (`affine`:
+    the epilogue's per-channel s, t) scale the rounded weights, never the other way round: the
+    weights are rounded as the net defines them, as BF16Amx's epilogue has it."""
+    name = "bf16 depthwise"
+    fuses_relu = True
+
+    def __init__(self, layer, n, h, w):
+        self.depthwise = Depthwise(layer, n, h, w)
+        self.scaled = np.empty_like(self.depthwise.w)
+
+    def _rounded(self, a, role):
+        flat = a.reshape(-1)
+        out = _workspace(f"bf16_rounded_{role}", flat.shape)
+        _bf16.round_floats(flat, out)
+        return out.reshape(a.shape)
+
+    def _pack(self):
+        d = self.depthwise
+        d._pack()
+        _bf16.round_floats(d.w.reshape(-1), d.w.reshape(-1))      # idempotent
+
+    def forward(self, bottom, top, params=None, relu=False, affine=None):
+        assert params is None, "bf16 rounds the net's own weights, never folded ones"
+        self._pack()
+        w, bias = self.depthwise.w, forward_params(self.depthwise.layer, None)[1]
+        if affine is not None:
+            scale, bias = affine
+            np.multiply(w, scale, out=self.scaled)
+            w = self.scaled
+        bias = _EMPTY if bias is None else bias
+        for b, t in zip(bottom, top):
+            _k.dw_forward(self._rounded(b.raw_data, "x"), w, bias, t.raw_data,
+                          *self.depthwise.args, relu)
+
+    def backward(self, top, propagate_down, bottom, need_w, need_b):
+        self._pack()
+        rounded_top = [_Rounded(raw_diff=self._rounded(t.raw_diff, "dy")) for t in top]
+        rounded_bottom = [_Rounded(raw_data=self._rounded(b.raw_data, "x"), raw_diff=b.raw_diff)
+                          for b in bottom]
+        self.depthwise.backward(rounded_top, propagate_down, rounded_bottom, need_w, need_b,
+                                packed=True)
+
+
 class _Rounded:
     """A blob's arrays as BF16Amx's backward hands them to Gemm: rounded copies, the diff to
     write."""
@@ -577,9 +626,9 @@ class Depthwise:
         for b, t in zip(bottom, top):
             _k.dw_forward(b.raw_data, self.w, bias, t.raw_data, *self.args, relu)
 
-    def backward(self, top, propagate_down, bottom, need_w, need_b):
+    def backward(self, top, propagate_down, bottom, need_w, need_b, packed=False):
         L = self.layer
-        if any(propagate_down):
+        if any(propagate_down) and not packed:
             self._pack()            # the forward may have run another algorithm
         threads = _k.max_threads()
         dw = _workspace("dw_acc", (threads,) + self.w.shape)
