@@ -93,8 +93,8 @@ def isa():
 
 # what each int8 path runs, for device_query and the logs
 _PATHS = {
-    "amx": "AMX-INT8 tiles for the channels-last convolutions, AVX2 for the rest",
-    "vnni": "AVX-512 VNNI for the channels-last convolutions, AVX2 for the rest",
+    "amx": "AMX-INT8 tiles for the channels-last convolutions and InnerProduct, AVX2 for the rest",
+    "vnni": "AVX-512 VNNI for the channels-last convolutions and InnerProduct, AVX2 for the rest",
     "avx2": "AVX2 (16-bit pair products)",
     "generic": "portable C",
 }
@@ -209,7 +209,7 @@ class Int8:
         self.layer = layer
         self.spec = Spec(layer, layer.num_output)
         self.seen = Seen()
-        self.wq = self.wu = self.bias_q = self.mult = None
+        self.wq = self.wu = self.wn = self.bias_q = self.mult = None
         self._epilogues = {}    # (relu, slope, coeff) -> the kernels' epilogue arguments
         self.isa = isa()
         # the channels-last Convolution (caffepy/layers/nhwc.py) runs the int8_nhwc.h kernels
@@ -301,6 +301,9 @@ class Int8:
         wq = np.empty((n, k.padded(w2.shape[1])), np.int16)
         k.quantize_weights(w2, spec.scale_params, wq)
         self.wq = k.conv_weights(wq[:, :w2.shape[1]].reshape(w.shape)) if w.ndim == 4 else wq
+        # an InnerProduct on the byte paths runs as a 1 x 1 channels-last convolution
+        self.wn = (k.nhwc_weights(wq, w2.shape[1], isa=self.isa)
+                   if w.ndim == 2 and self.isa in ("vnni", "amx") else None)
         if w.ndim == 4 and self.channels_last:
             self.wu = k.winograd_nhwc_weights(self.wq) if self.winograd_applies() else None
             self.wq = (k.depthwise_nhwc_weights(self.wq, *L.kernel) if L.group > 1
@@ -372,5 +375,5 @@ class Int8:
         self._prepare(self.sources(None), None)
         scale, lo_in, hi_in, lo, hi, quantize, inv = self._ranges(relu, slope)
         kernels().inner_product(x, self.wq, self.bias_q, self.mult, top, scale, lo_in, hi_in,
-                                relu, slope, quantize, lo, hi, inv, self.isa)
+                                relu, slope, quantize, lo, hi, inv, self.isa, self.wn)
 

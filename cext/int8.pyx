@@ -208,14 +208,24 @@ def conv_forward(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int
 def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[::1] bias,
                   const float[::1] mult, float[:, ::1] top, float scale_in, float lo_in,
                   float hi_in, bint relu, float slope, bint quantize, float lo, float hi,
-                  float inv_scale_out, str isa):
-    """top [M, N] = the int8 inner product of x [M, K] with w [N][padded(K)], as conv_forward."""
+                  float inv_scale_out, str isa, packed=None):
+    """top [M, N] = the int8 inner product of x [M, K] with w [N][padded(K)], as conv_forward.
+    On the byte paths (vnni, amx) it is the channels-last 1 x 1 convolution of M pixels of K
+    channels (the same integers and epilogue; top's rows are its pixels): `packed`, w as
+    nhwc_weights(w, K, isa=isa) packs it (None: packed here, for each call)."""
     cdef int M = x.shape[0], K = x.shape[1], N = w.shape[0], Kp = padded(K), threads
     cdef long Np = columns(M)
     cdef int which = _isa(isa)
     need_shape("inner_product", "w", dims(w.shape, 2), (N, Kp))
     need_shape("inner_product", "top", dims(top.shape, 2), (M, N))
     _check_epilogue("inner_product", N, bias, mult, None, None)
+    if which >= VNNI:
+        conv_forward_nhwc(np.asarray(x).reshape(M, 1, 1, K),
+                          nhwc_weights(np.asarray(w), K, isa=isa) if packed is None else packed,
+                          bias, mult, np.asarray(top).reshape(M, 1, 1, N), None, (1, 1), (0, 0),
+                          (1, 1), (1, 1), scale_in, lo_in, hi_in, 0.0, relu, slope, quantize, lo,
+                          hi, inv_scale_out, isa)
+        return
     threads = threads_for_macs(<Py_ssize_t>M * N * K)
     if threads < 1:
         threads = 1

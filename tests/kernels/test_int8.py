@@ -75,6 +75,27 @@ def test_extreme_products_do_not_saturate(isa):
     np.testing.assert_array_equal(got, np.tile(want, (3, 1)))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m,k_,n", [(1, 9216, 37), (33, 7, 20), (70, 130, 5), (2, 64, 64)])
+@pytest.mark.parametrize("signed_in,relu", [(False, True), (True, False)])
+def test_inner_product_matches_reference_bit_for_bit(isa, m, k_, n, signed_in, relu):
+    # the byte paths run it as a 1 x 1 channels-last convolution of m pixels: one row, odd K
+    # (quads cut short), blocks of 32 and 6 pixels cut short, K above one tile chunk
+    rng = np.random.default_rng(11)
+    x = rng.normal(0, 1, (m, k_)).astype(np.float32)
+    wq = rng.integers(-128, 128, (n, k_)).astype(np.int16)
+    bias = rng.integers(-5000, 5000, n).astype(np.int32)
+    mult = rng.uniform(0.001, 0.01, n).astype(np.float32)
+    lo_in, hi_in = S8 if signed_in else U8
+    lo, hi = U8 if relu else S8
+    want = ref.inner_product(x, wq, bias, mult, 60.0, lo_in, hi_in, relu, 0.0, True, lo, hi,
+                             np.float32(1 / 9.5))
+    top = np.empty((m, n), np.float32)
+    k.inner_product(x, _weights(wq), bias, mult, top, 60.0, lo_in, hi_in, relu, 0.0, True, lo,
+                    hi, np.float32(1 / 9.5), isa)
+    np.testing.assert_array_equal(top, want)
+
+
 CONVS = [  # (N, C, H, W, O, group, kernel, pad, stride, dilation)
     (2, 3, 9, 7, 5, 1, (3, 3), (1, 1), (1, 1), (1, 1)),
     (1, 4, 8, 8, 6, 2, (3, 2), (0, 1), (2, 1), (1, 1)),
