@@ -16,6 +16,7 @@ anything else is a bug and keeps its traceback.
 """
 import functools
 import re
+import sys
 
 import click
 from click.core import ParameterSource
@@ -101,6 +102,9 @@ class CaffeGroup(click.Group):
             click.echo(f"caffepy: error: {log.rank_prefix()}{report}", err=True)
             ctx.exit(1)
         except KeyboardInterrupt:
+            db = sys.modules.get("caffepy.data.db")     # loaded only by commands that write one
+            if db is not None:
+                db.abort_unfinished()
             name = ctx.invoked_subcommand or "caffepy"
             click.echo(f"caffepy: error: {log.rank_prefix()}{name}: interrupted (SIGINT); "
                        f"nothing half-written was left", err=True)
