@@ -13,7 +13,7 @@
 /* Whether Linux lends this process the tile registers' state (8 KiB a thread): it does only
  * when asked (arch_prctl ARCH_REQ_XCOMP_PERM), once per process, which is asked here once per
  * module. The caller checks the CPU has AMX first. */
-static int amx_permitted(void)
+static inline int amx_permitted(void)
 {
     static int state = -1;
 #if defined(__AVX2__) && defined(SYS_arch_prctl)

@@ -212,43 +212,53 @@ static void bf_micro_avx512(const uint16_t *a, const uint16_t *b, long kcp, floa
             bf_store_row(c + i * ldc, acc[i], nr, add);
 }
 
-/* up to two strips of A x two strips of B (ms, ns: 1 or 2) with TDPBF16PS */
-static void bf_micro_amx(const uint16_t *a, int ms, const uint16_t *b, int ns, long kcp,
-                         float *c, long ldc, long mr, long nr, int add)
+/* c[r][0 .. 16) and c[r][16 .. 32) (r < 16 ms, rows ldc floats apart) = rows a[16 ms][chunks
+ * of 32 bf16] (lda bytes apart) times the column tiles b0 and b1 (b1 NULL: b0 alone) */
+static void bf_tiles(const uint16_t *a, long lda, long chunks, int ms, const uint16_t *b0,
+                     const uint16_t *b1, float *c, long ldc)
 {
-    float out[4][256] __attribute__((aligned(64)));
-    long astride = kcp * 2;
-    const uint16_t *a1 = a + 16 * kcp, *b1 = b + 16 * kcp;
+    const char *a0 = (const char *)a, *a1 = a0 + 16 * lda;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (long k = 0; k < kcp; k += 32) {
-        _tile_loadd(4, a + k, astride);
-        _tile_loadd(6, b + k * 16, 64);
+    for (long k = 0; k < chunks; k++) {
+        _tile_loadd(4, a0 + k * 64, lda);
+        _tile_loadd(6, b0 + k * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
-        if (ns > 1) {
-            _tile_loadd(7, b1 + k * 16, 64);
+        if (b1) {
+            _tile_loadd(7, b1 + k * 512, 64);
             _tile_dpbf16ps(1, 4, 7);
         }
         if (ms > 1) {
-            _tile_loadd(5, a1 + k, astride);
+            _tile_loadd(5, a1 + k * 64, lda);
             _tile_dpbf16ps(2, 5, 6);
-            if (ns > 1)
+            if (b1)
                 _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, out[0], 64);
-    _tile_stored(1, out[1], 64);
-    _tile_stored(2, out[2], 64);
-    _tile_stored(3, out[3], 64);
-    for (int s = 0; s < ms; s++)
-        for (int t = 0; t < ns; t++) {
-            long rows = mr - 16 * s < 16 ? mr - 16 * s : 16, cols = nr - 16 * t;
-            for (long i = 0; i < rows; i++)
-                bf_store_row(c + (16 * s + i) * ldc + 16 * t,
-                             _mm512_load_ps(out[2 * s + t] + 16 * i), cols, add);
-        }
+    _tile_stored(0, c, ldc * 4);
+    if (b1)
+        _tile_stored(1, c + 16, ldc * 4);
+    if (ms > 1) {
+        _tile_stored(2, c + 16 * ldc, ldc * 4);
+        if (b1)
+            _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+    }
+}
+
+/* up to two strips of A x two strips of B (ms, ns: 1 or 2) with TDPBF16PS, into c's mr x nr
+ * (added to it with `add`) */
+static void bf_micro_amx(const uint16_t *a, int ms, const uint16_t *b, int ns, long kcp,
+                         float *c, long ldc, long mr, long nr, int add)
+{
+    float out[32 * 32] __attribute__((aligned(64)));
+    bf_tiles(a, kcp * 2, kcp / 32, ms, b, ns > 1 ? b + 16 * kcp : NULL, out, 32);
+    long rows = mr < 16 * ms ? mr : 16 * ms;
+    for (long i = 0; i < rows; i++)
+        for (int t = 0; t < ns; t++)
+            bf_store_row(c + i * ldc + 16 * t, _mm512_load_ps(out + 32 * i + 16 * t),
+                         nr - 16 * t, add);
 }
 
 /* each thread's packing buffers, kept for the thread's life (a per-call allocation of this
@@ -316,8 +326,9 @@ static void bf_gemm_serial(int path, long M, long N, long K, bf_mat a, bf_mat b,
     }
 }
 
-/* The product (A from `packed` when not NULL: bf_pack_all's of op(A)) on `threads` OpenMP threads, each computing its own columns of C (or rows, when
- * C has more rows than columns), in multiples of 32. Returns 0 when a thread could not get its
+/* The product (A from `packed` when not NULL: bf_pack_all's of op(A)) on `threads` OpenMP
+ * threads, each computing its own columns of C (or rows, when C has more rows than columns), in
+ * multiples of 32. Returns 0 when a thread could not get its
  * packing buffers (then C is unspecified). */
 static int bf_gemm(int path, long M, long N, long K, bf_mat a, bf_mat b, float *c, long ldc,
                    int accumulate, int threads, const uint16_t *packed)

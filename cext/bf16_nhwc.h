@@ -5,16 +5,16 @@
  *
  * The input x [N][H][W][C] is converted once into rows of G x Cp bf16 a pixel (each group's Cg
  * channels padded to even Cp with zeros: TDPBF16PS takes k in pairs; a 1 x 1 convolution without
- * padding converts each block's pixels straight into its rows instead). A group's weights and
- * sums are those of a convolution of its own (groups: AlexNet's). The weights are packed once per weights version into
- * column tiles of 16 output channels, each k = (tap, channel) over taps x Cp, padded with zeros
- * to whole chunks of 32 (bfn_k): a chunk of a column tile is an AMX B tile (16 pairs of k x 16
- * channels x 2 bf16 = 1 KiB) read as it lies. A block of 32 output pixels at a time: each pixel's
- * taps are copied into a row of K bf16, then each pair of column tiles runs 2 x 2
- * sum tiles over the chunks (tiles 0-3 the sums, 4-5 the A tiles, 6-7 the B tiles), the sums of
- * all output channels of the block are kept, and the epilogue (scale, bias, summand, ReLU) writes
- * them pixel by pixel. OpenMP over the blocks (dynamic: BFN_CONVERT); each thread loads the tile configuration and
- * releases the tiles.
+ * padding converts each block's pixels straight into its rows instead). A group's weights and sums
+ * are those of a convolution of its own (groups: AlexNet's). The weights are packed once per
+ * weights version into column tiles of 16 output channels, each k = (tap, channel) over taps x Cp,
+ * padded with zeros to whole chunks of 32 (bfn_k): a chunk of a column tile is an AMX B tile (16
+ * pairs of k x 16 channels x 2 bf16 = 1 KiB) read as it lies. A block of 32 output pixels at a
+ * time: each pixel's taps are copied into a row of K bf16, then each pair of column tiles runs
+ * 2 x 2 sum tiles over the chunks (bf_tiles: tiles 0-3 the sums, 4-5 the A tiles, 6-7 the B tiles),
+ * the sums of all output channels of the block are kept, and the epilogue (scale, bias, summand,
+ * ReLU) writes them pixel by pixel. OpenMP over the blocks (dynamic: BFN_CONVERT); each thread
+ * loads the tile configuration and releases the tiles.
  *
  * Call it only where the CPU has AMX-BF16 and amx_permitted() said yes (precision.kernel()). */
 #ifndef CAFFEPY_BF16_NHWC_H
@@ -128,41 +128,6 @@ static inline void bfn_copy(uint16_t *dst, const uint16_t *src, long n)
     }
 }
 
-/* c[r][0 .. 16) and c[r][16 .. 32) (r < 16 ms, rows ldc floats apart) = rows a[16 ms][chunks
- * of 32 bf16] (lda bytes apart) times the column tiles b0 and b1 (b1 NULL: b0 alone) */
-static void bfn_tile(const uint16_t *a, long lda, long chunks, int ms, const uint16_t *b0,
-                     const uint16_t *b1, float *c, long ldc)
-{
-    const char *a0 = (const char *)a, *a1 = a0 + 16 * lda;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (long k = 0; k < chunks; k++) {
-        _tile_loadd(4, a0 + k * 64, lda);
-        _tile_loadd(6, b0 + k * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (b1) {
-            _tile_loadd(7, b1 + k * 512, 64);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (ms > 1) {
-            _tile_loadd(5, a1 + k * 64, lda);
-            _tile_dpbf16ps(2, 5, 6);
-            if (b1)
-                _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    _tile_stored(0, c, ldc * 4);
-    if (b1)
-        _tile_stored(1, c + 16, ldc * 4);
-    if (ms > 1) {
-        _tile_stored(2, c + 16 * ldc, ldc * 4);
-        if (b1)
-            _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
-    }
-}
-
 /* output pixel p's sums c[n] of outputs [o0, o0 + n) through the epilogue into its row of y
  * (of O outputs) */
 static inline void bfn_finish(const float *c, long p, int o0, int n, int O,
@@ -207,43 +172,43 @@ static void bfn_blocks(const bfn_geom *g, const float *x, const uint16_t *q, con
         long p0 = b * BFN_M;
         int R = M - p0 < BFN_M ? (int)(M - p0) : BFN_M;
         for (int gr = 0; gr < G; gr++) {
-        if (pointwise) {
-            for (int r = 0; r < R; r++) {
-                long p = p0 + r, n = p / plane, rest = p % plane;
-                long src = (n * g->H + rest / g->OW * g->sh) * g->W + rest % g->OW * g->sw;
-                bfn_convert(x + src * g->C + gr * Cg, 0, 1, Cg, 1, a + r * K);
-                memset(a + r * K + Cp, 0, (size_t)(K - Cp) * 2);
-            }
-        } else {
-            for (int r = 0; r < R; r++) {
-                long p = p0 + r, n = p / plane, rest = p % plane;
-                int oh = (int)(rest / g->OW), ow = (int)(rest % g->OW);
-                uint16_t *row = a + r * K;
-                int x0 = ow * g->sw - g->pw;
-                int whole = G == 1 && g->dw == 1 && x0 >= 0 && x0 + g->kw <= g->W;
-                for (int i = 0; i < g->kh; i++) {
-                    int y = oh * g->sh - g->ph + i * g->dh;
-                    if (whole && y >= 0 && y < g->H) {     /* the kernel row's taps lie in a run */
-                        bfn_copy(row + i * g->kw * Cp, q + ((n * g->H + y) * g->W + x0) * Cp,
-                                 (long)g->kw * Cp);
-                        continue;
-                    }
-                    for (int j = 0; j < g->kw; j++) {
-                        int xx = x0 + j * g->dw;
-                        const uint16_t *src = y >= 0 && y < g->H && xx >= 0 && xx < g->W
-                            ? q + ((n * g->H + y) * g->W + xx) * qp + gr * Cp : zeros;
-                        bfn_copy(row + (i * g->kw + j) * Cp, src, Cp);
-                    }
+            if (pointwise) {
+                for (int r = 0; r < R; r++) {
+                    long p = p0 + r, n = p / plane, rest = p % plane;
+                    long src = (n * g->H + rest / g->OW * g->sh) * g->W + rest % g->OW * g->sw;
+                    bfn_convert(x + src * g->C + gr * Cg, 0, 1, Cg, 1, a + r * K);
+                    memset(a + r * K + Cp, 0, (size_t)(K - Cp) * 2);
                 }
-                memset(row + (long)taps * Cp, 0, (size_t)(K - (long)taps * Cp) * 2);
+            } else {
+                for (int r = 0; r < R; r++) {
+                    long p = p0 + r, n = p / plane, rest = p % plane;
+                    int oh = (int)(rest / g->OW), ow = (int)(rest % g->OW);
+                    uint16_t *row = a + r * K;
+                    int x0 = ow * g->sw - g->pw;
+                    int whole = G == 1 && g->dw == 1 && x0 >= 0 && x0 + g->kw <= g->W;
+                    for (int i = 0; i < g->kh; i++) {
+                        int y = oh * g->sh - g->ph + i * g->dh;
+                        if (whole && y >= 0 && y < g->H) {   /* the kernel row's taps in a run */
+                            bfn_copy(row + i * g->kw * Cp, q + ((n * g->H + y) * g->W + x0) * Cp,
+                                     (long)g->kw * Cp);
+                            continue;
+                        }
+                        for (int j = 0; j < g->kw; j++) {
+                            int xx = x0 + j * g->dw;
+                            const uint16_t *src = y >= 0 && y < g->H && xx >= 0 && xx < g->W
+                                ? q + ((n * g->H + y) * g->W + xx) * qp + gr * Cp : zeros;
+                            bfn_copy(row + (i * g->kw + j) * Cp, src, Cp);
+                        }
+                    }
+                    memset(row + (long)taps * Cp, 0, (size_t)(K - (long)taps * Cp) * 2);
+                }
+                /* the rows past R only feed sums that are never stored */
             }
-            /* the rows past R only feed sums that are never stored */
-        }
-        for (int t = 0; t < tiles; t += 2) {
-            const uint16_t *b0 = w + gr * each + (long)t * K * 16;
-            bfn_tile(a, K * 2, K / 32, R > 16 ? 2 : 1, b0, t + 1 < tiles ? b0 + K * 16 : NULL,
-                     c + gr * ldg + t * 16, ldc);
-        }
+            for (int t = 0; t < tiles; t += 2) {
+                const uint16_t *b0 = w + gr * each + (long)t * K * 16;
+                bf_tiles(a, K * 2, K / 32, R > 16 ? 2 : 1, b0, t + 1 < tiles ? b0 + K * 16 : NULL,
+                         c + gr * ldg + t * 16, ldc);
+            }
         }
         for (int r = 0; r < R; r++)
             for (int gr = 0; gr < G; gr++)

@@ -185,6 +185,17 @@ static long i8n_amx_scratch(int taps, int J, int O)
     return I8A_M * (i8a_quads(taps, J) * 4 + (long)(O + 31) / 32 * 32 * 4);
 }
 
+/* Bytes of the AMX path's quantized pixels and what follows them, to a 64-byte boundary (each
+ * thread's buffers start there): i8n_wide's rows and the zeros a tap past them reads, or the
+ * pixels and I8A_M rows of slack that a stride-1 1 x 1 convolution's direct row loads read past
+ * the last one (i8n_amx_blocks), the first of them the zeros of a tap outside the image */
+static long i8n_amx_pixels(int N, int H, int W, int C, int kw, int pw, int wide, int J)
+{
+    long bytes = wide ? (long)N * H * (W + 2 * pw) * C + (long)kw * C + 4
+                      : ((long)N * H * W + I8A_M) * 4 * J + 64;
+    return (bytes + 63) / 64 * 64;
+}
+
 /* Bytes of i8n_conv's scratch q for `threads` threads: the int16 layout's, which the byte
  * paths' (one a value, quads for pairs) never exceed; the AMX path quantizes every pixel */
 static long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int kw, int ph,
@@ -194,9 +205,7 @@ static long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int 
     if (isa == I8_AMX) {    /* the quantized pixels and zeros, then each thread's buffers */
         int wide = i8n_wide(C, kw, dw);
         int J = i8n_units(isa, wide ? (long)kw * C : C), taps = wide ? kh : kh * kw;
-        long pixels = wide ? (long)N * H * (W + 2 * pw) * C + (long)kw * C + 4
-                           : ((long)N * H * W + I8A_M) * 4 * J + 64;   /* i8n_amx_blocks */
-        return pixels + threads * i8n_amx_scratch(taps, J, O) + 64;
+        return i8n_amx_pixels(N, H, W, C, kw, pw, wide, J) + threads * i8n_amx_scratch(taps, J, O);
     }
     if (kh == 1 && kw == 1 && ph == 0 && pw == 0)
         return threads * (i8n_chunk(C) * I8N_MR + 1) * row;
@@ -401,30 +410,27 @@ static void i8n_amx_blocks(const i8n_reads *g, int taps, int J, int O, const int
     for (long b = 0; b < blocks; b++) {
         long p0 = b * I8A_M;
         int R = g->M - p0 < I8A_M ? (int)(g->M - p0) : I8A_M;
+        const uint8_t *rows_a = a;      /* the block's rows, lda bytes apart */
+        long lda = K4;
         if (direct) {
-            const uint8_t *rows0 = (const uint8_t *)g->q + p0 * bytes;
-            for (int t = 0; t < tiles; t += 2) {
-                const int8_t *b0 = w + (long)t * kq * 64;
-                i8a_tile(rows0, bytes, K4 / 64, b0, t + 1 < tiles ? b0 + kq * 64 : NULL,
-                         c + t * 16, ldc);
+            rows_a = (const uint8_t *)g->q + p0 * bytes;
+            lda = bytes;
+        } else {
+            for (int r = 0; r < I8A_M; r++) {
+                uint8_t *row = a + r * K4;
+                long done = 0;
+                if (r < R) {
+                    i8n_taps(g, p0 + r, rows, 1);
+                    for (int t = 0; t < taps; t++, done += bytes)
+                        memcpy(row + done, rows[t], (size_t)bytes);
+                }
+                memset(row + done, 0, (size_t)(K4 - done));
             }
-            for (int r = 0; r < R; r++)
-                i8n_finish(1, c + r * ldc, p0 + r, 0, O, O, e);
-            continue;
-        }
-        for (int r = 0; r < I8A_M; r++) {
-            uint8_t *row = a + r * K4;
-            long done = 0;
-            if (r < R) {
-                i8n_taps(g, p0 + r, rows, 1);
-                for (int t = 0; t < taps; t++, done += bytes)
-                    memcpy(row + done, rows[t], (size_t)bytes);
-            }
-            memset(row + done, 0, (size_t)(K4 - done));
         }
         for (int t = 0; t < tiles; t += 2) {
             const int8_t *b0 = w + (long)t * kq * 64;
-            i8a_tile(a, K4, K4 / 64, b0, t + 1 < tiles ? b0 + kq * 64 : NULL, c + t * 16, ldc);
+            i8a_tile(rows_a, lda, K4 / 64, b0, t + 1 < tiles ? b0 + kq * 64 : NULL, c + t * 16,
+                     ldc);
         }
         for (int r = 0; r < R; r++)
             i8n_finish(1, c + r * ldc, p0 + r, 0, O, O, e);
@@ -496,7 +502,7 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
 #ifdef __AVX2__
         if (amx) {
             i8n_amx_blocks(&g, taps, J, O, (const int8_t *)w,
-                           q + (qbytes + (wide ? zbytes : I8A_M * pix + 64) + 63) / 64 * 64
+                           q + i8n_amx_pixels(N, H, W, C, kw, pw, wide, J)
                              + me * i8n_amx_scratch(taps, J, O), e);
         } else
 #endif

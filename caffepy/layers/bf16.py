@@ -7,11 +7,13 @@ the model-parallel InnerProduct (caffepy/parallel/model_parallel.py), which stay
 
 A TEST net's Convolution runs channels-last (BF16NHWCConvolution) where the bf16 kernels are
 AMX-BF16's, when it has one group or at least 16 input and output channels a group (AlexNet's
-groups; a depthwise convolution would fill a sixteenth of each tile's columns): the net then plans its channels-last region as a float32 net does, with
-the same TEST fusions (BatchNorm and Scale as a per-channel epilogue on the float32 sums, ReLU
-and Eltwise SUM in it, concat tops written in place: caffepy/net_rules.py), and the blobs a
-user reads hold what they hold in a float32 net's. Everywhere else (training nets, the
-AVX512_BF16 kernels, the emulation, groups of fewer channels, Deconvolution) the variants below run
+groups), or is depthwise (a group per channel: the float32 depthwise kernel on rounded
+operands, conv_algorithms.BF16Depthwise; its products would fill a sixteenth of a tile's
+columns): the net then plans its channels-last region as a float32 net does, with the same
+TEST fusions (BatchNorm and Scale as a per-channel epilogue on the float32 sums, ReLU and
+Eltwise SUM in it, concat tops written in place: caffepy/net_rules.py), and the blobs a user
+reads hold what they hold in a float32 net's. Everywhere else (training nets, the AVX512_BF16
+kernels, the emulation, other groups of fewer channels, Deconvolution) the variants below run
 on NCHW blobs, the layers between them their plain float32 implementations.
 
 Forward: top = round(W) (*) round(bottom) + b, summed in float32 (Caffe's im2col + GEMM, or the
