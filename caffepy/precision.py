@@ -12,9 +12,10 @@ Where the CPU has them, bf16 kernels run it (cext/bf16_gemm.h: Caffe's im2col, t
 that round their float32 operands to bf16 as they pack them): on AMX tiles (TDPBF16PS) when the
 CPU has AMX-BF16 and Linux lends this process the tile registers, else on AVX512_BF16
 (VDPBF16PS). Both treat bf16 subnormals (below 2^-126) as zero; nothing else differs. On AMX, a
-TEST net's Convolutions of group 1 run channels-last instead (cext/bf16_nhwc.h: the input
-converted to bf16 once, the float32 path's TEST fusions applied to the float32 sums;
-caffepy/layers/bf16.py).
+TEST net's Convolutions of one group (or of 16 or more channels a group) run channels-last
+instead (cext/bf16_nhwc.h: the input converted to bf16 once, the float32 path's TEST fusions
+applied to the float32 sums), and its depthwise ones as the float32 depthwise kernel on
+rounded operands (caffepy/layers/bf16.py).
 
 Elsewhere bf16's arithmetic can be emulated: the operands rounded into float32 arrays (a bf16
 value is a float32 whose low 16 bits are zero) and Caffe's im2col + float32 GEMM over them.
