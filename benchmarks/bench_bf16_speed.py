@@ -11,18 +11,20 @@ fillers); BatchNorm statistics mean 0, variance 1.
 CAFFEPY_BF16=avx512_bf16 times the AVX512_BF16 kernels where AMX is there.
 """
 import argparse
+import functools
 import os
 import sys
-import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
 
 from caffepy import log, precision, upgrade  # noqa: E402
 from caffepy.net import TEST, TRAIN, Net  # noqa: E402
+from timing import alternate  # noqa: E402
 
 NETS = {"alexnet": os.path.join(os.path.dirname(REPO), "shared", "reference-models", "bvlc",
                                 "bvlc_alexnet__deploy.prototxt"),
@@ -55,17 +57,11 @@ def step(net, train):
 
 
 def compare(path, batch, train, repeats):
-    """{precision: best seconds} of one forward (or training iteration), alternating."""
+    """{precision: best ms} of one forward (or training iteration), alternating (timing.py's
+    alternate: a warm-up round first, for the algorithm choices and buffers)."""
     nets = {name: build(path, batch, TRAIN if train else TEST, name) for name in ("f32", "bf16")}
-    best = dict.fromkeys(nets, float("inf"))
-    for net in nets.values():
-        step(net, train)                       # warm-up: algorithm choices, buffers
-    for _ in range(repeats):
-        for name, net in nets.items():
-            t = time.perf_counter()
-            step(net, train)
-            best[name] = min(best[name], time.perf_counter() - t)
-    return best
+    walls = alternate([functools.partial(step, net, train) for net in nets.values()], repeats)
+    return dict(zip(nets, walls))
 
 
 def main(argv=None):
@@ -89,7 +85,7 @@ def main(argv=None):
         if args.train_batch:
             runs.append((f"train b{args.train_batch}", args.train_batch, True))
         for label, batch, train in runs:
-            ms = {k: 1e3 * v for k, v in compare(NETS[name], batch, train, args.repeats).items()}
+            ms = compare(NETS[name], batch, train, args.repeats)
             print(f"{name:<10} {label:<16} {ms['f32']:>9.1f} {ms['bf16']:>9.1f} "
                   f"{ms['f32'] / ms['bf16']:>13.2f}x", flush=True)
 
