@@ -404,7 +404,7 @@ static void i8n_amx_blocks(const i8n_reads *g, int taps, int J, int O, const int
      * chunk reads into the next row, times the zero weights past J; q has i8n_scratch's slack
      * past its last row) */
     int direct = taps == 1 && !g->wide && g->sh == 1 && g->sw == 1 && g->OH == g->H
-                 && g->OW == g->W && g->kh == 1 && g->kw == 1;
+                 && g->OW == g->W;
     i8a_begin();
     #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++) {
