@@ -79,6 +79,7 @@ class Writes:
         self.views = []             # the arrays the blobs hold, each made from root
         self.view_refs = []         # their reference counts with only the blobs holding them
         self.root_refs = _refcount(self.root)  # with no view of root yet, as untouched() counts
+        self.pending = None         # values held elsewhere until the floats are read (Blob.hold)
 
     def _view_refs(self):
         # measured as untouched() measures them: the loop's own reference to each is counted
@@ -161,6 +162,8 @@ class Blob:
                          f"a blob can have")
         if shape == self._shape:
             return
+        if self._writes.pending is not None:     # the values as they were, in the old shape
+            self._fill()
         count = memory.count(shape)
         if any(s < 0 for s in shape):
             self._refuse(shape, f"blob '{self.name}' has a negative dimension: {memory.dims_text(shape)}")
@@ -245,6 +248,8 @@ class Blob:
     # -- storage ---------------------------------------------------------
     @property
     def data(self):
+        if self._writes.pending is not None:
+            self._fill()
         self._writes.count += 1
         return self._data
 
@@ -252,7 +257,31 @@ class Blob:
     def read_data(self):
         """`data` for code that only reads it (a kernel taking its weights): taking it does not
         count as a possible write (Writes)."""
+        if self._writes.pending is not None:
+            self._fill()
         return self._data
+
+    def hold(self, values):
+        """The data's values are `values`, held elsewhere until the floats are read: the first
+        `data`, `read_data` or `raw_data` fills them in (values.fill(flat floats), exact). An int8
+        layer's 8-bit top kept as the bytes the int8 layers after it read (quantization.Bytes):
+        its floats are written only for a reader that wants them."""
+        self._writes.pending = values
+        self._writes.count += 1
+
+    def held(self):
+        """The values `hold` gave, while the floats are not filled in; else None."""
+        return self._writes.pending
+
+    def overwrite(self):
+        """`raw_data` for a writer about to replace every value: held values are dropped unread."""
+        self._writes.pending = None
+        self._writes.count += 1
+        return self._raw
+
+    def _fill(self):
+        values, self._writes.pending = self._writes.pending, None
+        values.fill(self._writes.root[:values.count])
 
     def written(self):
         """A mark of the data's possible writes: equal marks, the second taken while
@@ -279,6 +308,8 @@ class Blob:
     @property
     def raw_data(self):
         """The data as stored (C-contiguous): `data` itself but for a channels-last blob."""
+        if self._writes.pending is not None:
+            self._fill()
         self._writes.count += 1
         return self._raw
 
@@ -345,6 +376,7 @@ class Blob:
         """Copy `array` in, reshaping to its shape."""
         array = np.asarray(array, dtype=np.float32)
         self.reshape(array.shape)
+        self._writes.pending = None
         self._writes.count += 1
         self._data[...] = array
 

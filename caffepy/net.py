@@ -316,6 +316,7 @@ class Net:
         self._unit_parts = {}          # net_rules.parts, by (first, last) layer
         self._units = net_rules.compile_net(self)
         self._concat_slots = net_rules.concat_slots(self, self._units)
+        net_rules.byte_tops(self, self._units)
         self.fusions = {first: unit.last for first, unit in self._units.items()}
         if precision.current() != precision.F32:
             log.info(precision.summary(self.layers))

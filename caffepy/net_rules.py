@@ -70,7 +70,7 @@ import typing
 
 import numpy as np
 
-from . import log
+from . import log, quantization
 from .blob import CHANNELS_LAST
 from .engine import caffe_engine
 from .proto import caffe_pb2
@@ -225,37 +225,52 @@ class Int8Unit:
 
     @staticmethod
     def describe(units):
-        from . import quantization
         return f"{len(units)} layer(s) on 8-bit integers ({quantization.isa()})"
+
+    @staticmethod
+    def relu(net, unit, last):
+        """(relu, slope) of a unit up to `last`: its ReLU layer's, or Intel's fused fields'."""
+        layer = net.layers[unit.first]
+        if layer.fused is not None:
+            return layer.fused.relu, layer.fused.slope
+        relu_layer = parts(net, unit, last).relu
+        return relu_layer is not None, float(relu_layer.slope) if relu_layer is not None else 0.0
 
     @staticmethod
     def forward(net, unit, last):
         first = unit.first
         layer = net.layers[first]
-        bn, scale, _, summand, relu_layer = parts(net, unit, last)
+        bn, scale, _, summand, _ = parts(net, unit, last)
         fold = None if bn is None else (bn, scale)
-        relu = relu_layer is not None
-        slope = float(relu_layer.slope) if relu else 0.0
+        relu, slope = Int8Unit.relu(net, unit, last)
         top = net.top_vecs[last][0]
         bottom = net.bottom_vecs[first]
         if layer.type == "InnerProduct":
-            if layer.fused is not None:
-                relu, slope = layer.fused.relu, layer.fused.slope
             layer.int8.inner_product_forward(bottom[0].data.reshape(layer.M, layer.K),
                                              top.data.reshape(layer.M, layer.num_output), relu, slope)
             return
         coeff = (1, 1)
-        if layer.fused is not None:
-            relu, slope = layer.fused.relu, layer.fused.slope
-            if layer.fused.summed:
-                summand = bottom[1]
-                coeff = layer.fused.coeff
+        if layer.fused is not None and layer.fused.summed:
+            summand = bottom[1]
+            coeff = layer.fused.coeff
         if not layer.int8.channels_last:
             x, y, s = bottom[0].data, top.data, None if summand is None else summand.data
             layer.int8.conv_forward(x, y, s, relu, slope, fold, coeff)
             return
-        x, y = bottom[0].raw_data, top.raw_data
-        s = None if summand is None else channels_last(summand)
+        q = layer.int8
+        shape = bottom[0].shape
+        n, c, h, w = top.shape
+        # the 8-bit input, summand and top as bytes where the layers around take them (Bytes);
+        # the float path (its layers) reads floats, which a blob's held bytes fill in
+        in_place = top is summand
+        staged = bottom[0].held() if q.reads(bottom[0].held(), shape) else None
+        held = None if summand is None or not q.decided(shape) else summand.held()
+        s_bytes = held if isinstance(held, quantization.Bytes) else None
+        out = (q.top_bytes((n, h, w, c), relu, slope) if q.byte_top and q.decided(shape)
+               and not in_place and top.untouched() else None)
+        x = bottom[0].raw_data if staged is None else (shape[0], shape[2], shape[3], shape[1])
+        s = None if summand is None or s_bytes is not None else channels_last(summand)
+        y = top.raw_data if in_place else top.overwrite()
 
         def key():
             after = "".join(f" +{net.layers[li].type}" for li in range(first + 1, last + 1))
@@ -263,10 +278,12 @@ class Int8Unit:
                     f"s{'x'.join(map(str, layer.stride))} p{'x'.join(map(str, layer.pad))} "
                     f"d{'x'.join(map(str, layer.dilation))} g{layer.group}{after}"
                     f"{' fused' if layer.fused is not None else ''}")
-        layer.int8.run(key, bottom[0].shape,
-                       lambda winograd: layer.int8.conv_forward(x, y, s, relu, slope, fold, coeff,
-                                                                winograd),
-                       lambda: Int8Unit.float_forward(net, first, last))
+        q.run(key, shape,
+              lambda winograd: q.conv_forward(x, y, s, relu, slope, fold, coeff, winograd, staged,
+                                              out, s_bytes),
+              lambda: Int8Unit.float_forward(net, first, last))
+        if out is not None:
+            top.hold(out)
 
     @staticmethod
     def float_forward(net, first, last):
@@ -629,6 +646,70 @@ def concat_slots(net, units):
         log.info(f"Concat in place: {len(slots)} convolution unit(s) write their channels into "
                  f"{concats} concat top(s), their own tops not written (CAFFEPY_FOLD=0 writes them)")
     return slots
+
+
+def byte_tops(net, units):
+    """Mark the int8 units whose 8-bit top every reader takes as bytes (quantization.Bytes:
+    Int8.byte_top): an int8 convolution's input of the same scale and range, read by the byte
+    paths' direct kernels, or an int8 unit's summand. Their floats are then written only when
+    something else reads them (Blob.hold). Logs a line when there are any; CAFFEPY_INT8_BYTES=0
+    writes every top as floats. Returns how many."""
+    if net.phase != caffe_pb2.TEST or not quantization.bytes_enabled():
+        return 0
+    readers = {}
+    for li, bottoms in enumerate(net.bottom_vecs):
+        for b in bottoms:
+            readers.setdefault(id(b), []).append(li)
+    owner = {li: u for u in units.values() if u.rule is INT8 for li in range(u.first, u.last + 1)}
+
+    def reads_of(blob, unit):
+        """(layer, blob) of every reader of blob outside `unit`, through Split layers."""
+        out = []
+        for li in readers.get(id(blob), []):
+            if unit.first <= li <= unit.last:
+                continue
+            if net.layers[li].type == "Split" and not net._conversions[li]:
+                for t in net.top_vecs[li]:
+                    out += reads_of(t, unit)
+            else:
+                out.append((li, blob))
+        return out
+
+    def takes(li, blob, q, lo):
+        """Whether layer li reads `blob`, q's top of range lo, as bytes."""
+        v = owner.get(li)
+        if v is None or net._conversions[li]:
+            return False
+        layer = net.layers[v.first]
+        if li != v.first:       # an Eltwise inside an int8 unit: its summand
+            return net.layers[li].type == "Eltwise" and parts(net, v, v.last).summand is blob
+        r = layer.int8
+        fused_sum = (layer.fused is not None and layer.fused.summed
+                     and net.bottom_vecs[li][1] is blob and net.bottom_vecs[li][0] is not blob)
+        return fused_sum or (
+            net.bottom_vecs[li][0] is blob and layer.type == "Convolution" and r.channels_last
+            and layer.group == 1 and r.isa in ("vnni", "amx")
+            and r.spec.scale_in == q.spec.scale_out and not r.spec.force_u8
+            and r.spec.signed_input == (lo < 0)
+            and not (layer.channels & 1 and layer.channels < 8))
+
+    found = 0
+    for u in units.values():
+        layer = net.layers[u.first]
+        q = getattr(layer, "int8", None)
+        if u.rule is not INT8 or layer.type != "Convolution" or not q.channels_last \
+                or q.spec.bits_out != 8 or q.isa not in ("vnni", "amx"):
+            continue
+        lo = quantization.U8[0] if Int8Unit.relu(net, u, u.last) == (True, 0.0) else quantization.S8[0]
+        reads = reads_of(net.top_vecs[u.last][0], u)
+        if reads and all(takes(li, b, q, lo) for li, b in reads):
+            q.byte_top = True
+            found += 1
+    if found:
+        log.info(f"int8 tops as bytes: {found} int8 convolution(s) hand their 8-bit tops to the "
+                 f"int8 layers after them as bytes, floats written only where read "
+                 f"(CAFFEPY_INT8_BYTES=0 writes them all)")
+    return found
 
 
 def unwritten(net):

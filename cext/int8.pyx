@@ -24,6 +24,13 @@ cdef extern from "int8_gemm.h" nogil:
         float inv_scale_out
         float *out
         long so, sp
+        uint8_t *out8
+        long row8
+        int zp8
+        const uint8_t *summand8
+        long srow8
+        int szp8
+        float s_inv
     void i8_conv_image(int isa, int threads, const float *x, int C, int H, int W, int G, int Mg,
                        int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                        int OW, float scale, float lo, float hi, const int16_t *w, int32_t *q,
@@ -40,7 +47,8 @@ cdef extern from "int8_nhwc.h" nogil:
     void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
                   int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                   int OW, float scale, float lo, float hi, const void *w, void *q,
-                  const i8_epilogue *e)
+                  const uint8_t *staged, const i8_epilogue *e)
+    long i8n_staged_bytes(int N, int H, int W, int C)
     int i8_isa_available()
     long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int kw, int ph,
                      int pw, int dw, int threads)
@@ -142,9 +150,14 @@ cdef int _check_epilogue(str kernel, int O, const int32_t[::1] bias, const float
 
 cdef i8_epilogue _epilogue(const int32_t[::1] bias, const float[::1] mult, summand,
                            float sum_scale, bint relu, float slope, bint quantize, float lo,
-                           float hi, float inv_scale_out, float[::1] out, long so, long sp):
+                           float hi, float inv_scale_out, float[::1] out, long so, long sp,
+                           out_bytes=None, summand_bytes=None):
+    """out_bytes, summand_bytes: Bytes-like (array, row, zp, inv) for the channels-last
+    kernels' 8-bit top written as bytes (out then unused: None) and a summand read as bytes."""
     cdef i8_epilogue e
     cdef const float[::1] s
+    cdef uint8_t[::1] o8
+    cdef const uint8_t[::1] s8
     e.bias = &bias[0] if bias is not None else NULL
     e.mult = &mult[0]
     e.summand = NULL
@@ -153,8 +166,37 @@ cdef i8_epilogue _epilogue(const int32_t[::1] bias, const float[::1] mult, summa
         e.summand = &s[0]
     e.sum_scale, e.relu, e.slope = sum_scale, relu, slope
     e.quantize, e.lo, e.hi, e.inv_scale_out = quantize, lo, hi, inv_scale_out
-    e.out, e.so, e.sp = &out[0], so, sp
+    e.out, e.so, e.sp = (&out[0] if out is not None else NULL), so, sp
+    e.out8, e.row8, e.zp8 = NULL, 0, 0
+    e.summand8, e.srow8, e.szp8, e.s_inv = NULL, 0, 0, 1
+    if out_bytes is not None:
+        o8 = out_bytes.array
+        e.out8, e.row8, e.zp8 = &o8[0], out_bytes.row, out_bytes.zp
+    if summand_bytes is not None:
+        s8 = summand_bytes.array
+        e.summand8, e.srow8 = &s8[0], summand_bytes.row
+        e.szp8, e.s_inv = summand_bytes.zp, summand_bytes.inv
     return e
+
+
+def staged_bytes(int N, int H, int W, int C):
+    """Bytes of an 8-bit channels-last top held for the next layers' kernels: its pixels, 4
+    ceil(C / 4) bytes each (conv_forward_nhwc's `staged`), then the zero points its readers'
+    taps outside the image read."""
+    return i8n_staged_bytes(N, H, W, C)
+
+
+def _bytes_epilogue(str kernel, out_bytes, summand_bytes, bint quantize, tuple top):
+    """Check the 8-bit top and summand given as bytes against the top's shape."""
+    n, h, w, c = top
+    for what, b in (("out_bytes", out_bytes), ("summand_bytes", summand_bytes)):
+        if b is None:
+            continue
+        need(b.row == 4 * ((c + 3) // 4) and b.array.dtype == np.uint8
+             and b.array.shape[0] >= staged_bytes(n, h, w, c), kernel, what,
+             "needs staged_bytes of uint8 rows of 4 ceil(C / 4) bytes", (b.array.shape, b.row))
+    need(out_bytes is None or quantize, kernel, "out_bytes", "needs an 8-bit top (quantize)",
+         quantize)
 
 
 def conv_forward(const float[:, :, :, ::1] x, const int16_t[:, ::1] w, const int32_t[::1] bias,
@@ -300,14 +342,28 @@ def depthwise_nhwc_weights(wq, int kh, int kw):
     return np.ascontiguousarray(np.asarray(wq)[:, 0::2][:, :kh * kw].T.astype(np.float32))
 
 
-def conv_forward_nhwc(const float[:, :, :, ::1] x, w,
+def conv_forward_nhwc(x, w,
                       const int32_t[::1] bias, const float[::1] mult, float[:, :, :, ::1] top,
                       summand, kernel, pad, stride, dilation, float scale_in, float lo_in,
                       float hi_in, float sum_scale, bint relu, float slope, bint quantize,
-                      float lo, float hi, float inv_scale_out, str isa):
+                      float lo, float hi, float inv_scale_out, str isa, staged=None,
+                      out_bytes=None, summand_bytes=None, shape=None):
     """conv_forward (group 1) on channels-last arrays: x [N][H][W][C], top [N][OH][OW][O],
-    summand None or top's shape; w from nhwc_weights for the same isa."""
-    cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
+    summand None or top's shape; w from nhwc_weights for the same isa. On the byte paths
+    (vnni, amx): staged (Bytes-like: array, row, zp) the input already quantized as this layer
+    quantizes it (x then None and `shape` x's), out_bytes the 8-bit top as bytes instead of
+    top's floats (top unwritten), summand_bytes the summand."""
+    cdef const float[:, :, :, ::1] xv
+    cdef const float *xp = NULL
+    cdef const uint8_t[::1] sv
+    cdef const uint8_t *sp = NULL
+    if x is not None:
+        xv = x
+        xp = &xv[0, 0, 0, 0]
+        shape_in = tuple(x.shape)
+    else:
+        shape_in = tuple(shape)
+    cdef int N = shape_in[0], H = shape_in[1], W = shape_in[2], C = shape_in[3]
     cdef int OH = top.shape[1], OW = top.shape[2], O = top.shape[3]
     cdef int kh = kernel[0], kw = kernel[1]
     cdef int ph = pad[0], pw = pad[1], sh = stride[0], sw = stride[1]
@@ -327,25 +383,36 @@ def conv_forward_nhwc(const float[:, :, :, ::1] x, w,
         need_shape("conv_forward_nhwc", "w", dims(w16.shape, 4), ((O + 15) // 16, taps * units, 16, 2))
         wp = &w16[0, 0, 0, 0]
     _check_epilogue("conv_forward_nhwc", O, bias, mult, summand, (N, OH, OW, O))
+    _bytes_epilogue("conv_forward_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, O))
+    need((staged is None and x is not None) or (staged is not None and which >= VNNI
+         and not i8n_wide(C, kw, dilation[1])), "conv_forward_nhwc", "staged",
+         "needs the byte paths (vnni, amx), and x None", isa)
+    if staged is not None:
+        _bytes_epilogue("conv_forward_nhwc", staged, None, True, (N, H, W, C))
+        need(staged.zp == (128 if lo_in < 0 else 0), "conv_forward_nhwc", "staged",
+             "needs the zero point of this layer's input range", staged.zp)
+        sv = staged.array
+        sp = &sv[0]
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
                                    np.asarray(summand).reshape(-1), sum_scale, relu, slope,
                                    quantize, lo, hi, inv_scale_out,
-                                   np.asarray(top).reshape(-1), 0, 1)
+                                   np.asarray(top).reshape(-1), 0, 1, out_bytes, summand_bytes)
     threads = threads_for_macs(<Py_ssize_t>O * C * kh * kw * N * OH * OW)
     if threads < 1:
         threads = 1
     q = _scratch(np.uint8, i8n_scratch(which, N, H, W, C, O, kh, kw, ph, pw, dw, threads))
     cdef uint8_t[::1] qv = q
     with nogil:
-        i8n_conv(which, threads, &x[0, 0, 0, 0], N, H, W, C, O, kh, kw, ph, pw, sh, sw,
-                 dh, dw, OH, OW, scale_in, lo_in, hi_in, wp, &qv[0], &e)
+        i8n_conv(which, threads, xp, N, H, W, C, O, kh, kw, ph, pw, sh, sw,
+                 dh, dw, OH, OW, scale_in, lo_in, hi_in, wp, &qv[0], sp, &e)
 
 
 def winograd_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, :, ::1] u,
                   const int32_t[::1] bias, const float[::1] mult, float[:, :, :, ::1] top,
                   summand, kernel, pad, stride, dilation, float scale_in, float lo_in,
                   float hi_in, float sum_scale, bint relu, float slope, bint quantize,
-                  float lo, float hi, float inv_scale_out, str isa):
+                  float lo, float hi, float inv_scale_out, str isa, out_bytes=None,
+                  summand_bytes=None):
     """conv_forward_nhwc of a convolution winograd_applies to, by integer Winograd F(2x2, 3x3)
     (the same integers: see int8_nhwc.h); u from winograd_nhwc_weights."""
     cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
@@ -358,10 +425,11 @@ def winograd_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, :, ::1] u,
     need_shape("winograd_nhwc", "top", dims(top.shape, 4), (N, H + 2 * ph - 2, W + 2 * pw - 2, O))
     need_shape("winograd_nhwc", "u", dims(u.shape, 5), (16, (O + 15) // 16, Cp, 16, 2))
     _check_epilogue("winograd_nhwc", O, bias, mult, summand, (N, OH, OW, O))
+    _bytes_epilogue("winograd_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, O))
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
                                    np.asarray(summand).reshape(-1), sum_scale, relu, slope,
                                    quantize, lo, hi, inv_scale_out,
-                                   np.asarray(top).reshape(-1), 0, 1)
+                                   np.asarray(top).reshape(-1), 0, 1, out_bytes, summand_bytes)
     threads = threads_for_macs(<Py_ssize_t>O * C * 9 * N * OH * OW)
     if threads < 1:
         threads = 1
@@ -377,7 +445,8 @@ def winograd_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, :, ::1] u,
 def depthwise_nhwc(const float[:, :, :, ::1] x, const float[:, ::1] w, const int32_t[::1] bias,
                    const float[::1] mult, float[:, :, :, ::1] top, summand, kernel, pad, stride,
                    dilation, float scale_in, float lo_in, float hi_in, float sum_scale, bint relu,
-                   float slope, bint quantize, float lo, float hi, float inv_scale_out, str isa):
+                   float slope, bint quantize, float lo, float hi, float inv_scale_out, str isa,
+                   out_bytes=None, summand_bytes=None):
     """conv_forward of a depthwise convolution on channels-last arrays; w from
     depthwise_nhwc_weights."""
     cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
@@ -389,10 +458,11 @@ def depthwise_nhwc(const float[:, :, :, ::1] x, const float[:, ::1] w, const int
     need_shape("depthwise_nhwc", "w", dims(w.shape, 2), (kh * kw, C))
     need_shape("depthwise_nhwc", "top", dims(top.shape, 4), (N, OH, OW, C))
     _check_epilogue("depthwise_nhwc", C, bias, mult, summand, (N, OH, OW, C))
+    _bytes_epilogue("depthwise_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, C))
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
                                    np.asarray(summand).reshape(-1), sum_scale, relu, slope,
                                    quantize, lo, hi, inv_scale_out,
-                                   np.asarray(top).reshape(-1), 0, 1)
+                                   np.asarray(top).reshape(-1), 0, 1, out_bytes, summand_bytes)
     threads = threads_for(<Py_ssize_t>N * OH * OW * C * kh * kw)
     if threads < 1:
         threads = 1

@@ -45,6 +45,17 @@ typedef struct {
     float inv_scale_out;     /* the top's floats: the result times 1 / scale_out */
     float *out;
     long so, sp;             /* out[row * so + column * sp] */
+    /* the channels-last kernels' 8-bit tops and summands (int8_nhwc.h i8n_finish): instead of
+     * out, pixel p's channel o as the byte out8[p * row8 + o] = the 8-bit value plus zp8 (the
+     * bytes the next layer's kernels read); a summand's value (summand8[p * srow8 + o] - szp8)
+     * times s_inv, the float its writer would have stored */
+    uint8_t *out8;
+    long row8;
+    int zp8;
+    const uint8_t *summand8;
+    long srow8;
+    int szp8;
+    float s_inv;
 } i8_epilogue;
 
 static inline int16_t i8_quantize(float v, float scale, float lo, float hi)
@@ -278,11 +289,13 @@ static void i8_block_c(int R, int J, const int16_t *a, long lda, const int16_t *
     i8_tile_c(R, J, a, lda, b, ldb, c, accumulate);
 }
 
-static inline float i8_finish(int32_t acc, int row, long idx, const i8_epilogue *e)
+/* The result before its last product by inv_scale_out (an integer when quantized); summand
+ * the summand's float, or NULL */
+static inline float i8_level(int32_t acc, int row, const float *summand, const i8_epilogue *e)
 {
     float y = (float)(e->bias ? acc + e->bias[row] : acc) * e->mult[row];
-    if (e->summand)
-        y += e->summand[idx] * e->sum_scale;
+    if (summand)
+        y += *summand * e->sum_scale;
     if (e->relu && !(y > 0))
         y *= e->slope;
     if (e->quantize) {
@@ -290,19 +303,24 @@ static inline float i8_finish(int32_t acc, int row, long idx, const i8_epilogue 
         y = y < e->hi ? y : e->hi;
         y = rintf(y) + 0.0f;        /* an integer, so no -0 (an 8-bit top has none) */
     }
-    return y * e->inv_scale_out;
+    return y;
+}
+
+static inline float i8_finish(int32_t acc, int row, long idx, const i8_epilogue *e)
+{
+    return i8_level(acc, row, e->summand ? e->summand + idx : NULL, e) * e->inv_scale_out;
 }
 
 #ifdef __AVX2__
 /* i8_finish of 8 consecutive outputs from idx, with each output's bias and multiplier in a
  * vector: the same operations in the same order. Both layouts' vector epilogue (here a row's
  * outputs share one bias and multiplier; in int8_nhwc.h the 8 are channels, each its own). */
-static inline void i8_finish8_avx2(__m256i acc, __m256i bias, __m256 mult, long idx,
-                                   const i8_epilogue *e)
+static inline __m256 i8_level8_avx2(__m256i acc, __m256i bias, __m256 mult, const float *summand,
+                                    const i8_epilogue *e)
 {
     __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc, bias)), mult);
-    if (e->summand)
-        y = _mm256_add_ps(y, _mm256_mul_ps(_mm256_loadu_ps(e->summand + idx),
+    if (summand)
+        y = _mm256_add_ps(y, _mm256_mul_ps(_mm256_loadu_ps(summand),
                                            _mm256_set1_ps(e->sum_scale)));
     /* Clamped at a lower bound of 0 or more, a ReLU of slope 0 changes nothing (max_ps gives
      * its second operand, the bound, for a NaN and for -0 alike) and no -0 is left to clear:
@@ -317,6 +335,13 @@ static inline void i8_finish8_avx2(__m256i acc, __m256i bias, __m256 mult, long 
         if (!clamped)
             y = _mm256_add_ps(y, _mm256_setzero_ps());
     }
+    return y;
+}
+
+static inline void i8_finish8_avx2(__m256i acc, __m256i bias, __m256 mult, long idx,
+                                   const i8_epilogue *e)
+{
+    __m256 y = i8_level8_avx2(acc, bias, mult, e->summand ? e->summand + idx : NULL, e);
     _mm256_storeu_ps(e->out + idx, _mm256_mul_ps(y, _mm256_set1_ps(e->inv_scale_out)));
 }
 

@@ -113,22 +113,51 @@ static inline void i8n_tile(int isa, int taps, int Cp, const int32_t *const *row
     i8n_tile_c(taps, Cp, rows, b, c);
 }
 
-/* The outputs of pixel p, channels [o0, o0 + n), from their int32 sums (e->out [P][O]). */
+/* The outputs of pixel p, channels [o0, o0 + n), from their int32 sums: into e->out [P][O], or
+ * as bytes into e->out8 (8-bit tops only); a summand from e->summand [P][O] or e->summand8. */
 static inline void i8n_finish(int isa, const int32_t *acc, long p, int o0, int n, int O,
                               const i8_epilogue *e)
 {
+    /* a copy the stores below cannot alias, so its fields stay in registers */
+    const i8_epilogue le = *e;
     long idx = p * O + o0;
+    const float *sum = le.summand ? le.summand + idx : NULL;
+    const uint8_t *sum8 = le.summand8 ? le.summand8 + p * le.srow8 + o0 : NULL;
+    uint8_t *out8 = le.out8 ? le.out8 + p * le.row8 + o0 : NULL;
+    float s[8];
     int k = 0;
 #ifdef __AVX2__
     if (isa)
-        for (; k + 8 <= n; k += 8)
-            i8_finish8_avx2(_mm256_loadu_si256((const __m256i *)(acc + k)),
-                            e->bias ? _mm256_loadu_si256((const __m256i *)(e->bias + o0 + k))
-                                    : _mm256_setzero_si256(),
-                            _mm256_loadu_ps(e->mult + o0 + k), idx + k, e);
+        for (; k + 8 <= n; k += 8) {
+            const float *sk = sum ? sum + k : NULL;
+            if (sum8) {
+                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sum8 + k)));
+                b = _mm256_sub_epi32(b, _mm256_set1_epi32(le.szp8));
+                _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_cvtepi32_ps(b), _mm256_set1_ps(le.s_inv)));
+                sk = s;
+            }
+            __m256 y = i8_level8_avx2(_mm256_loadu_si256((const __m256i *)(acc + k)),
+                                      le.bias ? _mm256_loadu_si256((const __m256i *)(le.bias + o0 + k))
+                                              : _mm256_setzero_si256(),
+                                      _mm256_loadu_ps(le.mult + o0 + k), sk, &le);
+            if (out8) {
+                __m256i v = _mm256_add_epi32(_mm256_cvtps_epi32(y), _mm256_set1_epi32(le.zp8));
+                __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(v),
+                                             _mm256_extracti128_si256(v, 1));
+                _mm_storel_epi64((__m128i *)(out8 + k), _mm_packus_epi16(w, w));
+            } else {
+                _mm256_storeu_ps(le.out + idx + k, _mm256_mul_ps(y, _mm256_set1_ps(le.inv_scale_out)));
+            }
+        }
 #endif
-    for (; k < n; k++)
-        e->out[idx + k] = i8_finish(acc[k], o0 + k, idx + k, e);
+    for (; k < n; k++) {
+        float sv = sum8 ? (float)(sum8[k] - le.szp8) * le.s_inv : 0.0f;
+        float y = i8_level(acc[k], o0 + k, sum8 ? &sv : sum ? sum + k : NULL, &le);
+        if (out8)
+            out8[k] = (uint8_t)((int)y + le.zp8);
+        else
+            le.out[idx + k] = y * le.inv_scale_out;
+    }
 }
 
 /* A 1 x 1 convolution without padding: output pixel p reads one input pixel, so the pixels
@@ -194,6 +223,13 @@ static long i8n_amx_pixels(int N, int H, int W, int C, int kw, int pw, int wide,
     long bytes = wide ? (long)N * H * (W + 2 * pw) * C + (long)kw * C + 4
                       : ((long)N * H * W + I8A_M) * 4 * J + 64;
     return (bytes + 63) / 64 * 64;
+}
+
+/* Bytes of a staged input (i8n_conv): its N H W pixels of C channels in quads, then the rows
+ * of zero points that every byte path's taps outside the image and past the last pixel read */
+static long i8n_staged_bytes(int N, int H, int W, int C)
+{
+    return i8n_amx_pixels(N, H, W, C, 1, 0, 0, (C + 3) / 4);
 }
 
 /* Bytes of i8n_conv's scratch q for `threads` threads: the int16 layout's, which the byte
@@ -278,10 +314,11 @@ static inline void i8n_columns(int isa, int taps, int J, const int32_t *const *r
     }
 }
 
-/* q: i8n_scratch's bytes (each thread's chunk, then a row of zeros) */
+/* q: i8n_scratch's bytes (each thread's chunk, then a row of zeros); staged: the input's
+ * pixels already quantized (i8n_conv), or NULL */
 static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int W, int C,
                         int O, int sh, int sw, int OH, int OW, float scale, float lo, float hi,
-                        const void *w, char *q, const i8_epilogue *e)
+                        const void *w, char *q, const uint8_t *staged, const i8_epilogue *e)
 {
     int J = i8n_units(isa, C), tilesO = (O + I8N_NR - 1) / I8N_NR;
     int zp = isa == I8_VNNI ? i8v_zero_point(lo) : 0;
@@ -310,21 +347,29 @@ static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int 
         for (long k = 0; k < chunks; k++) {
             long m0 = k * chunk, m1 = m0 + chunk < mt ? m0 + chunk : mt;
             long p0 = m0 * I8N_MR, p1 = m1 * I8N_MR < M ? m1 * I8N_MR : M;
-            if (contiguous)
-                i8n_quantize_any(isa, x + p0 * C, 0, p1 - p0, C, scale, lo, hi, zp, buf);
-            else
-                for (long p = p0; p < p1; p++) {
-                    long n = p / ((long)OH * OW), rest = p % ((long)OH * OW);
-                    long src = (n * H + rest / OW * sh) * W + rest % OW * sw;
-                    i8n_quantize_any(isa, x + src * C, 0, 1, C, scale, lo, hi, zp,
-                                     buf + (p - p0) * row_bytes);
-                }
+            if (!staged) {     /* else its rows are read where they lie */
+                if (contiguous)
+                    i8n_quantize_any(isa, x + p0 * C, 0, p1 - p0, C, scale, lo, hi, zp, buf);
+                else
+                    for (long p = p0; p < p1; p++) {
+                        long n = p / ((long)OH * OW), rest = p % ((long)OH * OW);
+                        long src = (n * H + rest / OW * sh) * W + rest % OW * sw;
+                        i8n_quantize_any(isa, x + src * C, 0, 1, C, scale, lo, hi, zp,
+                                         buf + (p - p0) * row_bytes);
+                    }
+            }
             for (int t0 = 0; t0 < tilesO; t0 += block) {
                 int t1 = t0 + block < tilesO ? t0 + block : tilesO;
                 for (long m = m0; m < m1; m++) {
                     for (int r = 0; r < I8N_MR; r++) {
-                        long p = m * I8N_MR + r;
-                        rows[r] = p < M ? (const int32_t *)(buf + (p - p0) * row_bytes) : zeros;
+                        long p = m * I8N_MR + r, src = p;
+                        if (staged && !contiguous && p < M) {
+                            long n = p / ((long)OH * OW), rest = p % ((long)OH * OW);
+                            src = (n * H + rest / OW * sh) * W + rest % OW * sw;
+                        }
+                        rows[r] = p >= M ? zeros
+                                  : staged ? (const int32_t *)(staged + src * row_bytes)
+                                  : (const int32_t *)(buf + (p - p0) * row_bytes);
                     }
                     int R = M - m * I8N_MR < I8N_MR ? (int)(M - m * I8N_MR) : I8N_MR;
                     i8n_columns(isa, 1, J, rows, (const char *)w, tile, t0, t1, m, R, O, c, e);
@@ -443,16 +488,19 @@ static void i8n_amx_blocks(const i8n_reads *g, int taps, int J, int O, const int
  * (taps = kh kw of J units: ceil(C / 2) pairs, or on the VNNI and AMX paths ceil(C / 4)
  * quads; or i8n_wide's kh taps); q scratch of i8n_scratch's bytes: the quantized pixels, then
  * one pixel of zeros (of zero points) for the taps outside the image, or i8n_wide's rows, or
- * i8n_conv1x1's chunks (not on the AMX path). One OpenMP region. */
+ * i8n_conv1x1's chunks (not on the AMX path). One OpenMP region.
+ * staged (the byte paths, not i8n_wide): the pixels already quantized by the layer before (its
+ * 8-bit top as bytes: i8n_staged_bytes, the zero points after them), x then unread. */
 static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
                      int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                      int OW, float scale, float lo, float hi, const void *w, void *qv,
-                     const i8_epilogue *e)
+                     const uint8_t *staged, const i8_epilogue *e)
 {
     char *q = (char *)qv;
     int amx = isa == I8_AMX;
     if (kh == 1 && kw == 1 && ph == 0 && pw == 0 && !amx) {
-        i8n_conv1x1(isa, threads, x, N, H, W, C, O, sh, sw, OH, OW, scale, lo, hi, w, q, e);
+        i8n_conv1x1(isa, threads, x, N, H, W, C, O, sh, sw, OH, OW, scale, lo, hi, w, q, staged,
+                    e);
         return;
     }
     int bytes = i8n_bytes(isa);
@@ -471,12 +519,17 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
     long qbytes = (long)N * H * Wq * pix;
     /* (wide: the byte paths' last quad may read 3 bytes past a row) */
     long zbytes = !wide ? pix : vb == 1 ? (long)kw * C + 4 : 2 * i8n_wide_zeros(C, kw);
-    i8n_reads g = {q, q + qbytes, M, H, W, OH, OW, kh, kw, ph, pw, sh, sw, dh, dw,
+    const char *pixels = staged ? (const char *)staged : q;
+    i8n_reads g = {pixels, pixels + qbytes, M, H, W, OH, OW, kh, kw, ph, pw, sh, sw, dh, dw,
                    wide, Wq, C, vb, pix};
+    /* the AMX path's buffers: after the pixels, or all of q when they are staged */
+    char *amx_buf = staged ? q : q + i8n_amx_pixels(N, H, W, C, kw, pw, wide, J);
     #pragma omp parallel num_threads(threads)
     {
         int nt = omp_get_num_threads(), me = omp_get_thread_num();
-        if (wide) {
+        if (staged) {
+            /* nothing to quantize */
+        } else if (wide) {
             long r0 = (long)N * H * me / nt, r1 = (long)N * H * (me + 1) / nt;
             long pad = (long)pw * C * vb;
             for (long r = r0; r < r1; r++) {
@@ -496,14 +549,15 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
             long p0 = (long)N * H * W * me / nt, p1 = (long)N * H * W * (me + 1) / nt;
             i8n_quantize_any(isa, x, p0, p1, C, scale, lo, hi, zp, q);
         }
-        #pragma omp single
-        memset(q + qbytes, zp, (size_t)zbytes);
-        /* implicit barrier */
+        if (!staged) {
+            #pragma omp single
+            memset(q + qbytes, zp, (size_t)zbytes);
+            /* implicit barrier */
+        }
 #ifdef __AVX2__
         if (amx) {
             i8n_amx_blocks(&g, taps, J, O, (const int8_t *)w,
-                           q + i8n_amx_pixels(N, H, W, C, kw, pw, wide, J)
-                             + me * i8n_amx_scratch(taps, J, O), e);
+                           amx_buf + me * i8n_amx_scratch(taps, J, O), e);
         } else
 #endif
         {

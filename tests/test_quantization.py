@@ -415,3 +415,58 @@ def test_describe_names_the_path_in_use_and_the_others(monkeypatch):
     assert f"CAFFEPY_INT8_ISA={'|'.join(k.available_isas())}" in line
     monkeypatch.setenv("CAFFEPY_INT8_ISA", "no-such-path")      # ignored: the best runs
     assert quantization.describe().startswith(k.best_isa() + ": ")
+
+
+def _byte_nets(monkeypatch):
+    """(bytes, floats): block_net(8) with the int8 tops handed on as bytes and without, the
+    same weights, on a byte path (the paths are decided at the first forward, unmeasured)."""
+    paths = [p for p in ("amx", "vnni") if p in quantization.kernels().available_isas()]
+    if not paths:
+        pytest.skip("no int8 byte path (VNNI, AMX) on this CPU or build")
+    monkeypatch.setenv("CAFFEPY_INT8_ISA", paths[0])
+    monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")
+    monkeypatch.setenv("CAFFEPY_INT8_BYTES", "1")
+    fast = _net(block_net(8))
+    monkeypatch.setenv("CAFFEPY_INT8_BYTES", "0")
+    slow = _net(block_net(8))
+    _same_weights(fast, slow)
+    return fast, slow
+
+
+def test_int8_tops_handed_on_as_bytes_give_every_blob_its_floats(monkeypatch):
+    fast, slow = _byte_nets(monkeypatch)
+    # conv1's top feeds two int8 convolutions of its scale, short's is body's summand; the
+    # sum goes to a float pooling
+    assert [n for n in ("conv1", "short", "body") if fast.layer_dict[n].int8.byte_top] == \
+        ["conv1", "short"]
+    assert not any(getattr(layer, "int8", None) and layer.int8.byte_top for layer in slow.layers)
+    for net in (fast, slow):
+        net.forward()           # the first forward at a shape writes floats: paths undecided
+        net.forward()
+    assert isinstance(fast.blobs["conv1"].held(), quantization.Bytes)
+    assert isinstance(fast.blobs["short"].held(), quantization.Bytes)
+    assert fast.blobs["sum"].held() is None
+    for name in slow.blobs:
+        np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)
+    assert fast.blobs["conv1"].held() is None           # read: the floats are in place now
+
+
+def test_a_view_a_user_holds_and_a_blob_a_user_writes_stay_floats(monkeypatch):
+    fast, slow = _byte_nets(monkeypatch)
+    for net in (fast, slow):
+        net.forward()
+    view = fast.blobs["conv1"].data         # held by the user: written as floats from now on
+    for net in (fast, slow):
+        net.blobs["data"].data[...] *= -1
+        net.forward()
+    assert fast.blobs["conv1"].held() is None
+    np.testing.assert_array_equal(view, slow.blobs["conv1"].data)
+    del view
+    fast.forward()
+    assert isinstance(fast.blobs["conv1"].held(), quantization.Bytes)
+    # a user's own values in a blob the bytes came from: the layers after it read those
+    for net in (fast, slow):
+        net.blobs["conv1"].data[...] = np.float32(3) / np.float32(S_C1)
+        net.forward(start="short")
+    np.testing.assert_array_equal(fast.blobs["sum"].data, slow.blobs["sum"].data)
+    assert np.array_equal(fast.blobs["conv1"].data, np.full((2, 4, 8, 8), np.float32(3) / np.float32(S_C1)))

@@ -301,3 +301,86 @@ def test_winograd_refuses_what_it_cannot_run():
     assert not k.winograd_applies((5, 5), (1, 1), (1, 1), 8)
     assert not k.winograd_applies((3, 3), (1, 1), (2, 2), 8)
     assert not k.winograd_applies((3, 3), (1, 1), (1, 1), k.WINOGRAD_MAX_C)
+
+
+BYTE_ISAS = [p for p in ISAS if p.values[0] in ("vnni", "amx")]
+
+
+def _as_bytes(values, lo, scale):
+    """quantization.Bytes holding the integers `values` [N, H, W, C] of a top of range lo."""
+    from caffepy.quantization import Bytes
+    b = Bytes(values.shape, lo, scale)
+    n, h, w, c = values.shape
+    rows = b.array[:n * h * w * b.row].reshape(-1, b.row)
+    rows[:, :c] = values.reshape(-1, c) + b.zp
+    return b
+
+
+@pytest.mark.parametrize("shape", [s for s in CONVS if s[5] == 1 and not (s[1] & 1 and s[1] < 8)]
+                         + [s for s in CONVS if s[5] == s[1] > 1][:2])
+@pytest.mark.parametrize("isa", BYTE_ISAS)
+@pytest.mark.parametrize("relu,signed_in", [(True, False), (False, True)])
+def test_bytes_in_and_out_are_the_floats_bits(shape, isa, relu, signed_in):
+    """The byte paths' 8-bit input, summand and top as quantization.Bytes (what one int8 layer
+    hands the next): the same bits as the float path's quantization of them."""
+    n, c, h, w, o, g, kernel, pad, stride, dilation = shape
+    rng = np.random.default_rng(11)
+    lo_in, hi_in = S8 if signed_in else U8
+    lo, hi = U8 if relu else S8
+    x_int = rng.integers(lo_in, hi_in + 1, (n, h, w, c)).astype(np.float32)
+    x_int[0, 0, 0, 0], x_int[-1, -1, -1, -1] = lo_in, hi_in     # the range's ends
+    scale_in = np.float32(7.25)
+    x = x_int * np.float32(1 / scale_in)          # floats as the layer before writes them
+    wq = rng.integers(-128, 128, (o, c // g) + kernel).astype(np.int16)
+    bias = rng.integers(-5000, 5000, o).astype(np.int32)
+    mult = rng.uniform(0.001, 0.01, o).astype(np.float32)
+    oh = (h + 2 * pad[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * pad[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    s_int = rng.integers(-128, 128, (n, oh, ow, o)).astype(np.float32)
+    s_scale = np.float32(3.5)
+    summand = s_int * np.float32(1 / s_scale)
+    args = (kernel, pad, stride, dilation, scale_in, lo_in, hi_in, 9.5, relu, 0.0, True, lo, hi,
+            np.float32(1 / 9.5), isa)
+    wc = k.conv_weights(wq)
+    depthwise = g > 1
+    if depthwise:
+        run = functools.partial(k.depthwise_nhwc, w=k.depthwise_nhwc_weights(wc, *kernel))
+    else:
+        run = functools.partial(k.conv_forward_nhwc, w=k.nhwc_weights(wc, c, kernel, dilation, isa))
+    want = np.empty((n, oh, ow, o), np.float32)
+    run(x, bias=bias, mult=mult, top=want, summand=summand, kernel=kernel, pad=pad, stride=stride,
+        dilation=dilation, scale_in=scale_in, lo_in=lo_in, hi_in=hi_in, sum_scale=9.5,
+        relu=relu, slope=0.0, quantize=True, lo=lo, hi=hi, inv_scale_out=np.float32(1 / 9.5),
+        isa=isa)
+    out = _as_bytes(np.zeros((n, oh, ow, o), np.float32), lo, 9.5)
+    got = np.full_like(want, np.nan)
+    staged = {} if depthwise else dict(staged=_as_bytes(x_int, lo_in, scale_in), shape=(n, h, w, c))
+    run(None if staged else x, bias=bias, mult=mult, top=got, summand=None, kernel=kernel,
+        pad=pad, stride=stride, dilation=dilation, scale_in=scale_in, lo_in=lo_in, hi_in=hi_in,
+        sum_scale=9.5, relu=relu, slope=0.0, quantize=True, lo=lo, hi=hi,
+        inv_scale_out=np.float32(1 / 9.5), isa=isa, out_bytes=out,
+        summand_bytes=_as_bytes(s_int, -128, s_scale), **staged)
+    assert np.isnan(got).all()          # the floats are left to Bytes.fill
+    flat = np.empty(want.size, np.float32)
+    out.fill(flat)
+    np.testing.assert_array_equal(flat.reshape(want.shape), want)
+    assert (out.array[want.size // o * out.row:] == out.zp).all()     # the zero points kept
+
+
+@pytest.mark.parametrize("isa", BYTE_ISAS)
+def test_bytes_are_refused_where_they_cannot_be_read(isa):
+    x = np.zeros((1, 4, 4, 8), np.float32)
+    top = np.zeros((1, 4, 4, 16), np.float32)
+    wq = np.zeros((16, 8, 1, 1), np.int16)
+    w = k.nhwc_weights(k.conv_weights(wq), 8, (1, 1), (1, 1), isa)
+    common = dict(bias=None, mult=np.ones(16, np.float32), summand=None, kernel=(1, 1),
+                  pad=(0, 0), stride=(1, 1), dilation=(1, 1), scale_in=1.0, lo_in=0.0,
+                  hi_in=255.0, sum_scale=1.0, relu=True, slope=0.0, lo=0.0, hi=255.0,
+                  inv_scale_out=1.0, isa=isa)
+    with pytest.raises(ValueError, match="out_bytes"):     # a float top has no bytes
+        k.conv_forward_nhwc(x, w, top=top, quantize=False, out_bytes=_as_bytes(
+            np.zeros((1, 4, 4, 16), np.float32), 0, 1.0), **common)
+    with pytest.raises(ValueError, match="staged"):        # signed bytes for an unsigned input
+        k.conv_forward_nhwc(None, w, top=top, quantize=True, shape=(1, 4, 4, 8),
+                            staged=_as_bytes(np.zeros((1, 4, 4, 8), np.float32), -128, 1.0),
+                            **common)
