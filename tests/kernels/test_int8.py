@@ -126,10 +126,11 @@ CONVS = [  # (N, C, H, W, O, group, kernel, pad, stride, dilation)
 
 @pytest.mark.parametrize("shape", CONVS)
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("relu,summed,quantize,signed_in", [
-    (True, False, True, False), (False, True, True, True), (True, True, False, False),
-    (False, False, True, False)])
-def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, signed_in):
+@pytest.mark.parametrize("relu,summed,quantize,signed_in,slope", [
+    (True, False, True, False, 0.0), (False, True, True, True, 0.0),
+    (True, True, False, False, 0.0), (False, False, True, False, 0.0),
+    (True, True, True, True, 0.25)])         # a leaky ReLU: an s8 top
+def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, signed_in, slope):
     n, c, h, w, o, g, kernel, pad, stride, dilation = shape
     rng = np.random.default_rng(7)
     x = rng.normal(0, 1, (n, c, h, w)).astype(np.float32)
@@ -140,13 +141,13 @@ def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, 
     ow = (w + 2 * pad[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
     summand = rng.normal(0, 2, (n, o, oh, ow)).astype(np.float32) if summed else None
     lo_in, hi_in = S8 if signed_in else U8
-    lo, hi = U8 if relu else S8
-    args = dict(scale_in=60.0, lo_in=lo_in, hi_in=hi_in, sum_scale=9.5, relu=relu, slope=0.0 if relu else 0.0,
+    lo, hi = U8 if relu and slope == 0 else S8
+    args = dict(scale_in=60.0, lo_in=lo_in, hi_in=hi_in, sum_scale=9.5, relu=relu, slope=slope,
                 quantize_out=quantize, lo=lo, hi=hi, inv_scale_out=np.float32(1 / 9.5))
     want = ref.conv_forward(x, wq, bias, mult, summand, g, kernel, pad, stride, dilation, **args)
     top = np.empty_like(want)
     k.conv_forward(x, k.conv_weights(wq), bias, mult, top, summand, g, kernel, pad,
-                   stride, dilation, 60.0, lo_in, hi_in, 9.5, relu, 0.0, quantize, lo, hi,
+                   stride, dilation, 60.0, lo_in, hi_in, 9.5, relu, slope, quantize, lo, hi,
                    np.float32(1 / 9.5), isa)
     np.testing.assert_array_equal(top, want)
     if g not in (1, c):
@@ -160,7 +161,7 @@ def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, 
            if g > 1 else functools.partial(k.conv_forward_nhwc, last(x),
                                           k.nhwc_weights(wc, c, kernel, dilation, isa)))
     run(bias, mult, got, last(summand), kernel, pad, stride, dilation, 60.0, lo_in, hi_in, 9.5,
-        relu, 0.0, quantize, lo, hi, np.float32(1 / 9.5), isa)
+        relu, slope, quantize, lo, hi, np.float32(1 / 9.5), isa)
     np.testing.assert_array_equal(got, nhwc)
 
 
