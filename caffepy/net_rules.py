@@ -108,7 +108,7 @@ def parts(net, unit, last):
 
 def _find_parts(net, unit, last):
     bn = scale = eltwise = summand = relu = None
-    y = net.top_vecs[unit.first][0]
+    y = net.top_vecs[unit.first][0]          # the unit's value so far
     for li in range(unit.first + 1, last + 1):
         layer = net.layers[li]
         if layer.type == "BatchNorm":
@@ -120,6 +120,7 @@ def _find_parts(net, unit, last):
             summand = bottoms[1] if bottoms[0] is y else bottoms[0]
         elif layer.type == "ReLU":
             relu = layer
+        y = net.top_vecs[li][0]
     return Parts(bn, scale, eltwise, summand, relu)
 
 
@@ -145,9 +146,12 @@ def relu_in_place(net, li, x):
 
 
 class Int8Unit:
-    """A quantized Convolution (+ BatchNorm in place (+ Scale in place)) (+ Eltwise SUM) (+ ReLU
-    in place), or a quantized InnerProduct (+ ReLU in place): Intel Caffe's RemoveBNScale,
-    ConvReluFusion, ConvSumFusion and FuseFCRelu as its int8 layers run them. An Eltwise SUM
+    """A quantized Convolution (+ BatchNorm (+ Scale)) (+ Eltwise SUM) (+ ReLU), or a quantized
+    InnerProduct (+ ReLU in place): Intel Caffe's RemoveBNScale, ConvReluFusion, ConvSumFusion
+    and FuseFCRelu as its int8 layers run them. The BatchNorm, Scale and ReLU in place, or each
+    from the blob before it, that blob read by nothing else (Intel's Inception-v3: conv ->
+    conv_bn -> conv_relu): Intel's compiler then renames the convolution's top, and caffepy
+    leaves the blobs between unwritten (net.unwritten_blobs). An Eltwise SUM
     after the convolution joins when its other bottom comes from a unit with an 8-bit top;
     otherwise Intel runs the fused convolution in float32, and so does caffepy (no unit: the
     layers run apart in float32). A channels-last convolution's unit runs int8 or, where that
@@ -156,6 +160,10 @@ class Int8Unit:
 
     def find(self, net):
         units = []
+        readers = {}
+        for li, bottoms in enumerate(net.bottom_vecs):
+            for b in bottoms:
+                readers.setdefault(id(b), set()).add(li)
         for li, layer in enumerate(net.layers):
             if getattr(layer, "int8", None) is None:
                 continue
@@ -163,11 +171,13 @@ class Int8Unit:
             x = net.top_vecs[li][0]
             conv = layer.type == "Convolution"
             own = layer.fused is not None          # Intel's relu / SUM_FUSION set in the prototxt
-            if conv and not own and self._layer(net, last + 1, "BatchNorm", x) \
-                    and net.layers[last + 1].use_global_stats and not net.layers[last + 1].relu:
-                last += 1
-                if self._layer(net, last + 1, "Scale", x) and len(net.bottom_vecs[last + 1]) == 1:
-                    last += 1
+            y = self._next(net, last + 1, "BatchNorm", x, readers) if conv and not own else None
+            if y is not None and net.layers[last + 1].use_global_stats \
+                    and not net.layers[last + 1].relu:
+                last, x = last + 1, y
+                y = self._next(net, last + 1, "Scale", x, readers)
+                if y is not None and len(net.bottom_vecs[last + 1]) == 1:
+                    last, x = last + 1, y
             if conv and not own:
                 summed = self._summand(net, last + 1, x, units)
                 if summed is not None:
@@ -176,15 +186,25 @@ class Int8Unit:
                 elif self._sum_of(net, last + 1, x, any_layout=True):
                     continue        # Intel fuses the sum and, its summand float32, runs float32
             # any negative_slope: Intel's fused ReLU takes it (the top is then s8)
-            if not own and self._layer(net, last + 1, "ReLU", x) \
-                    and not caffe_engine(net.layers[last + 1].param, net.param):
+            y = None if own else self._next(net, last + 1, "ReLU", x, readers)
+            if y is not None and not caffe_engine(net.layers[last + 1].param, net.param):
                 last += 1
             units.append(Unit(self, li, last))
         return units
 
     @staticmethod
-    def _layer(net, li, layer_type, x):
-        return in_place_on(net, li, x) and net.layers[li].type == layer_type
+    def _next(net, li, layer_type, x, readers):
+        """Layer li's top when it is a `layer_type` in place on x, or from x, x's only reader,
+        to a blob of its own; else None."""
+        if li >= len(net.layers) or net.layers[li].type != layer_type:
+            return None
+        if in_place_on(net, li, x):
+            return x
+        bottoms, tops = net.bottom_vecs[li], net.top_vecs[li]
+        if (not net._conversions[li] and len(bottoms) == 1 and bottoms[0] is x and len(tops) == 1
+                and tops[0] is not x and readers.get(id(x)) == {li}):
+            return tops[0]
+        return None
 
     @staticmethod
     def _sum_of(net, li, x, any_layout=False):
@@ -293,6 +313,12 @@ class Int8Unit:
         kinds = [net.layers[li].type for li in range(first + 1, last + 1)]
         if conv.fused is not None or not kinds:         # Intel's fused fields: the layer's own
             conv.forward(net.bottom_vecs[first], net.top_vecs[first])
+            return
+        y = net.top_vecs[first][0]
+        if any(net.top_vecs[li][0] is not y for li in range(first + 1, last + 1)
+               if net.layers[li].type != "Eltwise"):    # a chain of tops: the layers apart
+            for li in range(first, last + 1):
+                net.layers[li].forward(net.bottom_vecs[li], net.top_vecs[li])
             return
         e = first + 1 + kinds.index("Eltwise") if "Eltwise" in kinds else last + 1
         relu = net.layers[last] if kinds[-1] == "ReLU" else None
@@ -714,13 +740,18 @@ def byte_tops(net, units):
 
 def unwritten(net):
     """The blobs a TEST net's units may leave unwritten: a block end's convolution top (ConvSum,
-    and an int8 unit with its sum: the sum is written straight into the Eltwise's top) and the
-    tops of the units that write into a concat (ConcatSlot). CAFFEPY_FOLD=0 writes them all."""
+    and an int8 unit with its sum: the sum is written straight into the Eltwise's top), the
+    blobs between an int8 unit's layers when they are not in place, and the tops of the units
+    that write into a concat (ConcatSlot). CAFFEPY_FOLD=0 writes the float units' (an int8
+    unit's are never written, as in Intel's compiled net: engine: CAFFE runs its layers apart)."""
     out = []
     for u in net._units.values():
         y = net.top_vecs[u.first][0]
-        summed = u.rule is INT8 and parts(net, u, u.last).eltwise is not None
-        if (u.rule is CONV_SUM or summed) and y is not net.top_vecs[u.last][0]:
+        top = net.top_vecs[u.last][0]
+        if u.rule is INT8:      # the blobs inside the unit: a chain's, or the sum's bottom
+            out.extend(b for b in {id(net.top_vecs[li][0]): net.top_vecs[li][0]
+                                   for li in range(u.first, u.last)}.values() if b is not top)
+        elif u.rule is CONV_SUM and y is not top:
             out.append(y)
     out.extend(net.top_vecs[first][0] for first in net._concat_slots)
     return out

@@ -118,13 +118,10 @@ static inline void i8n_tile(int isa, int taps, int Cp, const int32_t *const *row
  * same operations in the same order as i8_level and i8_level8_avx2, so the same bits. The
  * epilogue was 39% of ResNet-50's int8 forward at b16 on AMX in 8-float vectors, 31% so. */
 I8V_TARGET __attribute__((noinline)) static void
-i8n_finish_avx512(const int32_t *acc, long p, int o0, int n, int O, const i8_epilogue *e)
+i8n_finish_avx512(const int32_t *acc, long lda, long p0, int R, int o0, int n, int O,
+                  const i8_epilogue *e)
 {
     const i8_epilogue le = *e;
-    long idx = p * O + o0;
-    const float *sum = le.summand ? le.summand + idx : NULL;
-    const uint8_t *sum8 = le.summand8 ? le.summand8 + p * le.srow8 + o0 : NULL;
-    uint8_t *out8 = le.out8 ? le.out8 + p * le.row8 + o0 : NULL;
     const __m512 sum_scale = _mm512_set1_ps(le.sum_scale), slope = _mm512_set1_ps(le.slope);
     const __m512 lo = _mm512_set1_ps(le.lo), hi = _mm512_set1_ps(le.hi);
     const __m512 inv = _mm512_set1_ps(le.inv_scale_out), s_inv = _mm512_set1_ps(le.s_inv);
@@ -132,87 +129,98 @@ i8n_finish_avx512(const int32_t *acc, long p, int o0, int n, int O, const i8_epi
     /* (i8_level8_avx2 says why a clamp at 0 or above skips the ReLU and the -0 clearing) */
     int clamped = le.quantize && le.lo >= 0;
     int relu = le.relu && !(clamped && le.slope == 0);
-    for (int k = 0; k < n; k += 16) {
-        __mmask16 m = n - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - k)) - 1);
-        __m512i a = _mm512_maskz_loadu_epi32(m, acc + k);
-        if (le.bias)
-            a = _mm512_add_epi32(a, _mm512_maskz_loadu_epi32(m, le.bias + o0 + k));
-        __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_maskz_loadu_ps(m, le.mult + o0 + k));
-        if (sum8) {
-            __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, sum8 + k));
-            __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(b, szp8)), s_inv);
-            y = _mm512_add_ps(y, _mm512_mul_ps(s, sum_scale));
-        } else if (sum) {
-            y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sum + k), sum_scale));
+    for (int r = 0; r < R; r++, acc += lda) {
+        long p = p0 + r, idx = p * O + o0;
+        const float *sum = le.summand ? le.summand + idx : NULL;
+        const uint8_t *sum8 = le.summand8 ? le.summand8 + p * le.srow8 + o0 : NULL;
+        uint8_t *out8 = le.out8 ? le.out8 + p * le.row8 + o0 : NULL;
+        for (int k = 0; k < n; k += 16) {
+            __mmask16 m = n - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - k)) - 1);
+            __m512i a = _mm512_maskz_loadu_epi32(m, acc + k);
+            if (le.bias)
+                a = _mm512_add_epi32(a, _mm512_maskz_loadu_epi32(m, le.bias + o0 + k));
+            __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(a),
+                                     _mm512_maskz_loadu_ps(m, le.mult + o0 + k));
+            if (sum8) {
+                __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, sum8 + k));
+                __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(b, szp8)), s_inv);
+                y = _mm512_add_ps(y, _mm512_mul_ps(s, sum_scale));
+            } else if (sum) {
+                y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sum + k), sum_scale));
+            }
+            if (relu)
+                y = _mm512_mask_mul_ps(y, ~_mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                       y, slope);
+            if (le.quantize) {
+                y = _mm512_min_ps(_mm512_max_ps(y, lo), hi);
+                y = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                if (!clamped)
+                    y = _mm512_add_ps(y, _mm512_setzero_ps());
+            }
+            if (out8)
+                _mm_mask_storeu_epi8(out8 + k, m, _mm512_cvtusepi32_epi8(
+                    _mm512_add_epi32(_mm512_cvtps_epi32(y), zp8)));
+            else
+                _mm512_mask_storeu_ps(le.out + idx + k, m, _mm512_mul_ps(y, inv));
         }
-        if (relu)
-            y = _mm512_mask_mul_ps(y, ~_mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ), y,
-                                   slope);
-        if (le.quantize) {
-            y = _mm512_min_ps(_mm512_max_ps(y, lo), hi);
-            y = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            if (!clamped)
-                y = _mm512_add_ps(y, _mm512_setzero_ps());
-        }
-        if (out8)
-            _mm_mask_storeu_epi8(out8 + k, m, _mm512_cvtusepi32_epi8(
-                _mm512_add_epi32(_mm512_cvtps_epi32(y), zp8)));
-        else
-            _mm512_mask_storeu_ps(le.out + idx + k, m, _mm512_mul_ps(y, inv));
     }
 }
 #endif
 
-/* The outputs of pixel p, channels [o0, o0 + n), from their int32 sums: into e->out [P][O], or
- * as bytes into e->out8 (8-bit tops only); a summand from e->summand [P][O] or e->summand8. */
-static inline void i8n_finish(int isa, const int32_t *acc, long p, int o0, int n, int O,
-                              const i8_epilogue *e)
+/* The outputs of pixels p0 .. p0 + R, channels [o0, o0 + n), from their int32 sums (pixel
+ * p0 + r's at acc + r lda): into e->out [P][O], or as bytes into e->out8 (8-bit tops only);
+ * a summand from e->summand [P][O] or e->summand8. */
+static inline void i8n_finish(int isa, const int32_t *acc, long lda, long p0, int R, int o0,
+                              int n, int O, const i8_epilogue *e)
 {
 #ifdef __AVX2__
     if (isa >= I8_VNNI) {
-        i8n_finish_avx512(acc, p, o0, n, O, e);
+        i8n_finish_avx512(acc, lda, p0, R, o0, n, O, e);
         return;
     }
 #endif
     /* a copy the stores below cannot alias, so its fields stay in registers */
     const i8_epilogue le = *e;
-    long idx = p * O + o0;
-    const float *sum = le.summand ? le.summand + idx : NULL;
-    const uint8_t *sum8 = le.summand8 ? le.summand8 + p * le.srow8 + o0 : NULL;
-    uint8_t *out8 = le.out8 ? le.out8 + p * le.row8 + o0 : NULL;
-    float s[8];
-    int k = 0;
-#ifdef __AVX2__
-    if (isa)
-        for (; k + 8 <= n; k += 8) {
-            const float *sk = sum ? sum + k : NULL;
-            if (sum8) {
-                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sum8 + k)));
-                b = _mm256_sub_epi32(b, _mm256_set1_epi32(le.szp8));
-                _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_cvtepi32_ps(b), _mm256_set1_ps(le.s_inv)));
-                sk = s;
+    for (int r = 0; r < R; r++, acc += lda) {
+        long p = p0 + r;
+        long idx = p * O + o0;
+        const float *sum = le.summand ? le.summand + idx : NULL;
+        const uint8_t *sum8 = le.summand8 ? le.summand8 + p * le.srow8 + o0 : NULL;
+        uint8_t *out8 = le.out8 ? le.out8 + p * le.row8 + o0 : NULL;
+        float s[8];
+        int k = 0;
+    #ifdef __AVX2__
+        if (isa)
+            for (; k + 8 <= n; k += 8) {
+                const float *sk = sum ? sum + k : NULL;
+                if (sum8) {
+                    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sum8 + k)));
+                    b = _mm256_sub_epi32(b, _mm256_set1_epi32(le.szp8));
+                    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_cvtepi32_ps(b), _mm256_set1_ps(le.s_inv)));
+                    sk = s;
+                }
+                __m256 y = i8_level8_avx2(_mm256_loadu_si256((const __m256i *)(acc + k)),
+                                          le.bias ? _mm256_loadu_si256((const __m256i *)(le.bias + o0 + k))
+                                                  : _mm256_setzero_si256(),
+                                          _mm256_loadu_ps(le.mult + o0 + k), sk, &le);
+                if (out8) {
+                    __m256i v = _mm256_add_epi32(_mm256_cvtps_epi32(y), _mm256_set1_epi32(le.zp8));
+                    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(v),
+                                                 _mm256_extracti128_si256(v, 1));
+                    _mm_storel_epi64((__m128i *)(out8 + k), _mm_packus_epi16(w, w));
+                } else {
+                    _mm256_storeu_ps(le.out + idx + k, _mm256_mul_ps(y, _mm256_set1_ps(le.inv_scale_out)));
+                }
             }
-            __m256 y = i8_level8_avx2(_mm256_loadu_si256((const __m256i *)(acc + k)),
-                                      le.bias ? _mm256_loadu_si256((const __m256i *)(le.bias + o0 + k))
-                                              : _mm256_setzero_si256(),
-                                      _mm256_loadu_ps(le.mult + o0 + k), sk, &le);
-            if (out8) {
-                __m256i v = _mm256_add_epi32(_mm256_cvtps_epi32(y), _mm256_set1_epi32(le.zp8));
-                __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(v),
-                                             _mm256_extracti128_si256(v, 1));
-                _mm_storel_epi64((__m128i *)(out8 + k), _mm_packus_epi16(w, w));
-            } else {
-                _mm256_storeu_ps(le.out + idx + k, _mm256_mul_ps(y, _mm256_set1_ps(le.inv_scale_out)));
-            }
+    #endif
+        for (; k < n; k++) {
+            float sv = sum8 ? (float)(sum8[k] - le.szp8) * le.s_inv : 0.0f;
+            float y = i8_level(acc[k], o0 + k, sum8 ? &sv : sum ? sum + k : NULL, &le);
+            if (out8)
+                out8[k] = (uint8_t)((int)y + le.zp8);
+            else
+                le.out[idx + k] = y * le.inv_scale_out;
         }
-#endif
-    for (; k < n; k++) {
-        float sv = sum8 ? (float)(sum8[k] - le.szp8) * le.s_inv : 0.0f;
-        float y = i8_level(acc[k], o0 + k, sum8 ? &sv : sum ? sum + k : NULL, &le);
-        if (out8)
-            out8[k] = (uint8_t)((int)y + le.zp8);
-        else
-            le.out[idx + k] = y * le.inv_scale_out;
     }
 }
 
@@ -364,8 +372,7 @@ static inline void i8n_columns(int isa, int taps, int J, const int32_t *const *r
         int cs = i8n_tiles(isa, nt, taps, J, rows, w + (long)t * tile, tile, c);
         for (int i = 0; i < nt; i++) {
             int n = O - (t + i) * I8N_NR < I8N_NR ? O - (t + i) * I8N_NR : I8N_NR;
-            for (int r = 0; r < R; r++)
-                i8n_finish(isa, c + r * cs + i * 16, m * I8N_MR + r, (t + i) * I8N_NR, n, O, e);
+            i8n_finish(isa, c + i * 16, cs, m * I8N_MR, R, (t + i) * I8N_NR, n, O, e);
         }
     }
 }
@@ -533,8 +540,7 @@ static void i8n_amx_blocks(const i8n_reads *g, int taps, int J, int O, const int
             i8a_tile(rows_a, lda, K4 / 64, b0, t + 1 < tiles ? b0 + kq * 64 : NULL, c + t * 16,
                      ldc);
         }
-        for (int r = 0; r < R; r++)
-            i8n_finish(I8_AMX, c + r * ldc, p0 + r, 0, O, O, e);
+        i8n_finish(I8_AMX, c, ldc, p0, R, 0, O, O, e);
     }
     i8a_end();
 }
@@ -810,7 +816,7 @@ static void i8w_conv(int isa, int threads, const float *x, int N, int H, int W, 
                     for (int k = 0; k < 4; k++) {
                         int yy = oh + k / 2, xx = ow + k % 2;
                         if (yy < OH && xx < OW)
-                            i8n_finish(isa, y + k * 16, (img * OH + yy) * OW + xx, ot * I8N_NR, n,
+                            i8n_finish(isa, y + k * 16, 0, (img * OH + yy) * OW + xx, 1, ot * I8N_NR, n,
                                        O, e);
                     }
                 }
@@ -888,7 +894,7 @@ static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, in
                 for (long k = 0; k < (long)OW * C; k++)
                     iacc[k] = (int32_t)row[k];
                 for (int ox = 0; ox < OW; ox++)
-                    i8n_finish(isa, iacc + (long)ox * C, (img * OH + oy) * OW + ox, 0, C, C, e);
+                    i8n_finish(isa, iacc + (long)ox * C, 0, (img * OH + oy) * OW + ox, 1, 0, C, C, e);
             }
         }
     }

@@ -470,3 +470,36 @@ def test_a_view_a_user_holds_and_a_blob_a_user_writes_stay_floats(monkeypatch):
         net.forward(start="short")
     np.testing.assert_array_equal(fast.blobs["sum"].data, slow.blobs["sum"].data)
     assert np.array_equal(fast.blobs["conv1"].data, np.full((2, 4, 8, 8), np.float32(3) / np.float32(S_C1)))
+
+
+def test_a_chain_of_tops_fuses_as_in_place_layers_do():
+    """BatchNorm, Scale and ReLU each writing a blob of its own (Intel's Inception-v3 int8
+    prototxt): one int8 unit as Intel's compiler makes it, the blobs between unwritten."""
+    text = block_net(8)
+    chained = (text.replace('bottom: "conv1" top: "conv1" }\nlayer { name: "sc_1" type: "Scale" '
+                            'bottom: "conv1" top: "conv1"',
+                            'bottom: "conv1" top: "conv1_bn" }\nlayer { name: "sc_1" type: "Scale" '
+                            'bottom: "conv1_bn" top: "conv1_sc"')
+               .replace('"relu1" type: "ReLU" bottom: "conv1" top: "conv1"',
+                        '"relu1" type: "ReLU" bottom: "conv1_sc" top: "conv1_relu"')
+               .replace('bottom: "conv1" top: "short"', 'bottom: "conv1_relu" top: "short"')
+               .replace('bottom: "conv1" top: "body"', 'bottom: "conv1_relu" top: "body"'))
+    assert chained.count("conv1_relu") == 3
+    a, b = _net(text), _net(chained)
+    for name, layer in a.layer_dict.items():
+        for x, y in zip(layer.blobs, b.layer_dict[name].blobs if layer.blobs else ()):
+            y.data[...] = x.data
+    first = [b.layers[i].name for i in b.fusions if b._units[i].rule.name == "Int8 convolution"]
+    assert b.layers[b.fusions[[layer.name for layer in b.layers].index("conv1")]].name == "relu1"
+    assert set(first) == {"conv1", "short", "body", "fc"}
+    assert set(b.unwritten_blobs()) >= {"conv1", "conv1_bn", "conv1_sc"}
+    a.forward()
+    b.forward()
+    np.testing.assert_array_equal(a.blobs["conv1"].data, b.blobs["conv1_relu"].data)
+    for name in ("short", "sum", "fc"):
+        np.testing.assert_array_equal(a.blobs[name].data, b.blobs[name].data, name)
+    # a blob between the layers read by another layer too: the chain ends there
+    shared = chained.replace('bottom: "conv1_relu" top: "short"', 'bottom: "conv1_bn" top: "short"')
+    c = _net(shared)
+    names = [layer.name for layer in c.layers]
+    assert names[c.fusions[names.index("conv1")]] == "bn_1"
