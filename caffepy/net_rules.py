@@ -677,7 +677,8 @@ def concat_slots(net, units):
 def byte_tops(net, units):
     """Mark the int8 units whose 8-bit top every reader takes as bytes (quantization.Bytes:
     Int8.byte_top): an int8 convolution's input of the same scale and range, read by the byte
-    paths' direct kernels, or an int8 unit's summand. Their floats are then written only when
+    paths' direct kernels, an int8 unit's summand, or a channels-last MAX pooling whose own top
+    every reader takes so (NHWCPooling.byte_pool). Their floats are then written only when
     something else reads them (Blob.hold). Logs a line when there are any; CAFFEPY_INT8_BYTES=0
     writes every top as floats. Returns how many."""
     if net.phase != caffe_pb2.TEST or not quantization.bytes_enabled():
@@ -688,21 +689,31 @@ def byte_tops(net, units):
             readers.setdefault(id(b), []).append(li)
     owner = {li: u for u in units.values() if u.rule is INT8 for li in range(u.first, u.last + 1)}
 
-    def reads_of(blob, unit):
-        """(layer, blob) of every reader of blob outside `unit`, through Split layers."""
+    def reads_of(blob, inside=range(0)):
+        """(layer, blob) of every reader of blob outside the layers `inside`, through Split
+        layers."""
         out = []
         for li in readers.get(id(blob), []):
-            if unit.first <= li <= unit.last:
+            if li in inside:
                 continue
             if net.layers[li].type == "Split" and not net._conversions[li]:
                 for t in net.top_vecs[li]:
-                    out += reads_of(t, unit)
+                    out += reads_of(t, inside)
             else:
                 out.append((li, blob))
         return out
 
-    def takes(li, blob, q, lo):
-        """Whether layer li reads `blob`, q's top of range lo, as bytes."""
+    def takes(li, blob, q, lo, pools):
+        """Whether layer li reads `blob`, q's top of range lo, as bytes (a pooling that would
+        is added to `pools`)."""
+        layer = net.layers[li]
+        if getattr(layer, "byte_pool", None) is not None and not net._conversions[li] \
+                and layer.pool == caffe_pb2.PoolingParameter.MAX and net.phase == caffe_pb2.TEST \
+                and len(net.top_vecs[li]) == 1 \
+                and all(k > p for k, p in zip(layer.kernel, layer.pad)):
+            pools.append(layer)
+            reads = reads_of(net.top_vecs[li][0])
+            return bool(reads) and all(takes(r, b, q, lo, pools) for r, b in reads)
         v = owner.get(li)
         if v is None or net._conversions[li]:
             return False
@@ -727,10 +738,12 @@ def byte_tops(net, units):
                 or q.spec.bits_out != 8 or q.isa not in ("vnni", "amx"):
             continue
         lo = quantization.U8[0] if Int8Unit.relu(net, u, u.last) == (True, 0.0) else quantization.S8[0]
-        reads = reads_of(net.top_vecs[u.last][0], u)
-        if reads and all(takes(li, b, q, lo) for li, b in reads):
+        reads, pools = reads_of(net.top_vecs[u.last][0], range(u.first, u.last + 1)), []
+        if reads and all(takes(li, b, q, lo, pools) for li, b in reads):
             q.byte_top = True
             found += 1
+            for pool in pools:
+                pool.byte_pool = True
     if found:
         log.info(f"int8 tops as bytes: {found} int8 convolution(s) hand their 8-bit tops to the "
                  f"int8 layers after them as bytes, floats written only where read "

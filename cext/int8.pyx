@@ -49,6 +49,8 @@ cdef extern from "int8_nhwc.h" nogil:
                   int OW, float scale, float lo, float hi, const void *w, void *q,
                   const uint8_t *staged, const i8_epilogue *e)
     long i8n_staged_bytes(int N, int H, int W, int C)
+    void i8n_pool_max(int threads, const uint8_t *x, int N, int H, int W, long row, int OH,
+                      int OW, int kh, int kw, int sh, int sw, int ph, int pw, uint8_t *y)
     int i8_isa_available()
     long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int kw, int ph,
                      int pw, int dw, int threads)
@@ -184,6 +186,32 @@ def staged_bytes(int N, int H, int W, int C):
     ceil(C / 4) bytes each (conv_forward_nhwc's `staged`), then the zero points its readers'
     taps outside the image read."""
     return i8n_staged_bytes(N, H, W, C)
+
+
+def pool_max_bytes(x, y, kernel, stride, pad):
+    """Max pooling of an 8-bit channels-last top held as Bytes (x) into Bytes (y) of the
+    pooled shape (the same scale and zero point), on AVX-512 (the byte paths' CPUs)."""
+    n, h, w, c = x.shape
+    yn, oh, ow, yc = y.shape
+    need(yn == n and yc == c and x.row == y.row and x.zp == y.zp, "pool_max_bytes", "y",
+         f"needs {n} images of {c} channels and zero point {x.zp}", (y.shape, y.zp))
+    need(_isa("vnni") <= i8_isa_available(), "pool_max_bytes", "isa", "needs AVX-512 VNNI",
+         i8_isa_available())
+    need(kernel[0] > pad[0] and kernel[1] > pad[1], "pool_max_bytes", "pad",
+         "needs windows that hold a pixel (pad below the kernel)", (tuple(kernel), tuple(pad)))
+    cdef const uint8_t[::1] xv = x.array
+    cdef uint8_t[::1] yv = y.array
+    need(xv.shape[0] >= <long>n * h * w * x.row and yv.shape[0] >= <long>n * oh * ow * y.row,
+         "pool_max_bytes", "x", "needs its pixels' bytes", (xv.shape[0], yv.shape[0]))
+    cdef int kh = kernel[0], kw = kernel[1], sh = stride[0], sw = stride[1]
+    cdef int ph = pad[0], pw = pad[1], N = n, H = h, W = w, OH = oh, OW = ow
+    cdef long row = x.row
+    cdef int threads = threads_for(<Py_ssize_t>n * oh * ow * c * kh * kw)
+    if n * oh * ow == 0:
+        return
+    with nogil:
+        i8n_pool_max(threads if threads > 0 else 1, &xv[0], N, H, W, row, OH, OW, kh, kw, sh,
+                     sw, ph, pw, &yv[0])
 
 
 def _bytes_epilogue(str kernel, out_bytes, summand_bytes, bint quantize, tuple top):

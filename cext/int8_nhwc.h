@@ -642,6 +642,39 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
         free((void *)shifted.bias);
 }
 
+#ifdef __AVX2__
+/* Max pooling of an 8-bit channels-last top held as bytes (quantization.Bytes: pixels of
+ * `row` bytes): a larger value has a larger byte (a signed top's bytes are its values plus
+ * 128) and its float is the byte's times a positive scale, so the bytes of the pooled floats
+ * are the pooled bytes. Caffe's windows: clipped to the image, the padding never a candidate
+ * (a window holds at least one pixel). Rows of output images in parallel. */
+I8V_TARGET static void i8n_pool_max(int threads, const uint8_t *x, int N, int H, int W, long row,
+                                    int OH, int OW, int kh, int kw, int sh, int sw, int ph,
+                                    int pw, uint8_t *y)
+{
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long item = 0; item < (long)N * OH; item++) {
+        int n = (int)(item / OH), oy = (int)(item % OH);
+        int hs = oy * sh - ph, he = hs + kh < H ? hs + kh : H;
+        hs = hs > 0 ? hs : 0;
+        for (int ox = 0; ox < OW; ox++) {
+            int ws = ox * sw - pw, we = ws + kw < W ? ws + kw : W;
+            ws = ws > 0 ? ws : 0;
+            uint8_t *out = y + (item * OW + ox) * row;
+            for (long c = 0; c < row; c += 64) {
+                __mmask64 m = row - c >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (row - c)) - 1;
+                __m512i best = _mm512_setzero_si512();
+                for (int h = hs; h < he; h++)
+                    for (int w = ws; w < we; w++)
+                        best = _mm512_max_epu8(best, _mm512_maskz_loadu_epi8(
+                            m, x + (((long)n * H + h) * W + w) * row + c));
+                _mm512_mask_storeu_epi8(out + c, m, best);
+            }
+        }
+    }
+}
+#endif
+
 /* Winograd F(2x2, 3x3) on integers, stride 1, dilation 1: with B^T = [1 0 -1 0; 0 1 1 0;
  * 0 -1 1 0; 0 1 0 -1], G' = 2 G = [2 0 0; 1 1 1; 1 -1 1; 0 0 2] and A^T = [1 1 1 0; 0 1 -1 -1]
  * every transform is integer, and a 2 x 2 output tile's sums are

@@ -503,3 +503,29 @@ def test_a_chain_of_tops_fuses_as_in_place_layers_do():
     c = _net(shared)
     names = [layer.name for layer in c.layers]
     assert names[c.fusions[names.index("conv1")]] == "bn_1"
+
+
+def test_a_max_pooling_between_int8_layers_pools_the_bytes(monkeypatch):
+    text = block_net(8).replace(
+        _relu("relu1", "conv1"),
+        _relu("relu1", "conv1") + 'layer { name: "pool0" type: "Pooling" bottom: "conv1" '
+        'top: "pool0" pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 } }\n').replace(
+        'bottom: "conv1" top: "short"', 'bottom: "pool0" top: "short"').replace(
+        'bottom: "conv1" top: "body"', 'bottom: "pool0" top: "body"')
+    paths = [p for p in ("amx", "vnni") if p in quantization.kernels().available_isas()]
+    if not paths:
+        pytest.skip("no int8 byte path (VNNI, AMX) on this CPU or build")
+    monkeypatch.setenv("CAFFEPY_INT8_ISA", paths[0])
+    monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")
+    fast = _net(text)
+    monkeypatch.setenv("CAFFEPY_INT8_BYTES", "0")
+    slow = _net(text)
+    _same_weights(fast, slow)
+    assert fast.layer_dict["pool0"].byte_pool and fast.layer_dict["conv1"].int8.byte_top
+    assert not slow.layer_dict["pool0"].byte_pool
+    for net in (fast, slow):
+        net.forward()
+        net.forward()
+    assert isinstance(fast.blobs["pool0"].held(), quantization.Bytes)
+    for name in slow.blobs:
+        np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)

@@ -496,7 +496,23 @@ class NHWCPooling(Pooling):
             self._masked = False
         return self.mask
 
+    # net_rules.byte_tops: a TEST net's MAX pooling between int8 layers, which pools their 8-bit
+    # tops as bytes (quantization.Bytes) when its bottom holds them
+    byte_pool = False
+    _bytes = None
+
     def forward(self, bottom, top):
+        held = bottom[0].held() if self.byte_pool else None
+        if isinstance(held, quantization.Bytes):
+            n, c, oh, ow = top[0].shape
+            out = self._bytes
+            if out is None or out.shape != (n, oh, ow, c) or out.zp != held.zp \
+                    or out.scale != held.scale:
+                out = self._bytes = quantization.Bytes((n, oh, ow, c), -held.zp, held.scale)
+            quantization.kernels().pool_max_bytes(held, out, self.kernel, self.stride, self.pad)
+            top[0].overwrite()
+            top[0].hold(out)
+            return
         if self.pool == caffe_pb2.PoolingParameter.MAX:
             self._masked = self.phase != caffe_pb2.TEST
             _k.pool_max_forward(bottom[0].raw_data, top[0].raw_data,

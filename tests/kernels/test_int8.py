@@ -385,3 +385,27 @@ def test_bytes_are_refused_where_they_cannot_be_read(isa):
         k.conv_forward_nhwc(None, w, top=top, quantize=True, shape=(1, 4, 4, 8),
                             staged=_as_bytes(np.zeros((1, 4, 4, 8), np.float32), -128, 1.0),
                             **common)
+
+
+@pytest.mark.parametrize("isa", BYTE_ISAS)
+@pytest.mark.parametrize("n,h,w,c,kernel,stride,pad,oh,ow", [
+    (2, 9, 8, 64, (3, 3), (2, 2), (0, 0), 4, 4),        # ResNet's pool1, ceil mode's last window
+    (1, 7, 7, 70, (3, 3), (1, 1), (1, 1), 7, 7),        # an inception branch's, rows not 64s
+    (1, 5, 6, 4, (2, 3), (2, 1), (1, 1), 3, 6),         # windows clipped on every side
+])
+@pytest.mark.parametrize("lo", [0, -128])
+def test_byte_max_pooling_is_the_float_pooling(isa, n, h, w, c, kernel, stride, pad, oh, ow, lo):
+    from caffepy.kernels import nhwc
+    from caffepy.quantization import Bytes
+    rng = np.random.default_rng(3)
+    values = rng.integers(lo, lo + 256, (n, h, w, c)).astype(np.float32)
+    x = _as_bytes(values, lo, 5.5)
+    floats = np.empty(values.size, np.float32)
+    x.fill(floats)
+    want = np.empty((n, oh, ow, c), np.float32)
+    nhwc.pool_max_forward(floats.reshape(values.shape), want, None, *kernel, *stride, *pad)
+    y = Bytes((n, oh, ow, c), lo, 5.5)
+    k.pool_max_bytes(x, y, kernel, stride, pad)
+    got = np.empty(want.size, np.float32)
+    y.fill(got)
+    np.testing.assert_array_equal(got.reshape(want.shape), want)
