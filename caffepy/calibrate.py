@@ -4,7 +4,8 @@ same net with `quantization_param` on its convolutions, as that script writes it
 The net's own TEST data layer gives the batches: the first `sampling_iterations` measure, per
 convolution (and InnerProduct with `fc_int8`), the largest |input| and |output| (the output of
 the unit Intel's compiled net makes of it: after the BatchNorm, Scale, Eltwise SUM and ReLU it
-folds in; caffepy/net_rules.Int8Unit) and each output channel's largest |weight| (BatchNorm and
+folds in, in place or each from the blob before it, as caffepy/net_rules.Int8Unit chains
+them) and each output channel's largest |weight| (BatchNorm and
 Scale folded in); then
     scale_in     = 255 / max|input|  (127 and is_negative_input when an input was negative)
     scale_out    = 255 / max|output| after a ReLU, else 127 / max|output|
@@ -39,10 +40,18 @@ from .upgrade import read_net
 U8_MAX, S8_MAX = 255.0, 127.0
 
 
-def _in_place(net, li, x, layer_type):
-    return (li < len(net.layers) and net.layers[li].type == layer_type
+def _next(net, li, x, layer_type):
+    """Layer li's top when it is a `layer_type` on x alone, in place or from x, x's only reader,
+    to a blob of its own (as net_rules.Int8Unit chains them); else None."""
+    if not (li < len(net.layers) and net.layers[li].type == layer_type
             and len(net.bottom_vecs[li]) == 1 and net.bottom_vecs[li][0] is x
-            and net.top_vecs[li] and net.top_vecs[li][0] is x)
+            and len(net.top_vecs[li]) == 1):
+        return None
+    y = net.top_vecs[li][0]
+    if y is x or all(b is not x for j, bottoms in enumerate(net.bottom_vecs) if j != li
+                     for b in bottoms):
+        return y
+    return None
 
 
 def unit(net, li):
@@ -57,18 +66,21 @@ def _unit(net, li):
     x = net.top_vecs[li][0]
     bn = scale = summed = None
     j = li + 1
-    if net.layers[li].type == "Convolution" and _in_place(net, j, x, "BatchNorm"):
-        bn, j = net.layers[j], j + 1
-        if _in_place(net, j, x, "Scale"):
-            scale, j = net.layers[j], j + 1
+    y = _next(net, j, x, "BatchNorm") if net.layers[li].type == "Convolution" else None
+    if y is not None:
+        bn, j, x = net.layers[j], j + 1, y
+        y = _next(net, j, x, "Scale")
+        if y is not None:
+            scale, j, x = net.layers[j], j + 1, y
     if net.layers[li].type == "Convolution" and j < len(net.layers) \
             and net.layers[j].type == "Eltwise" and len(net.bottom_vecs[j]) == 2 \
             and any(b is x for b in net.bottom_vecs[j]):
         p = net.layers[j].param.eltwise_param
         if p.operation == p.SUM and all(c == 1 for c in p.coeff):
             summed, x, j = j, net.top_vecs[j][0], j + 1
-    relu = _in_place(net, j, x, "ReLU") and float(net.layers[j].slope) == 0
-    return bn, scale, x, relu, summed
+    y = _next(net, j, x, "ReLU")
+    relu = y is not None and float(net.layers[j].slope) == 0
+    return bn, scale, x if y is None else y, relu, summed
 
 
 def _candidates(net, first_conv, fc_int8):

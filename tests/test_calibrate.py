@@ -155,3 +155,29 @@ def test_layers_fall_back_while_the_accuracy_differs_either_way(model, tmp_path,
     *_, names = calibrate.calibrate(str(path), str(weights), str(tmp_path / "int8.prototxt"), 1, 1,
                                     accuracy_loss=0.01)
     assert names == kept and next(scores, None) is None
+
+
+def test_a_chain_of_tops_is_measured_as_the_int8_unit_runs_it(model, tmp_path):
+    """conv2's BatchNorm and ReLU each writing a blob of its own (Intel's Inception-v3): the
+    unit's output is the ReLU's, as with them in place."""
+    path, weights, _ = model
+    chained = tmp_path / "chained.prototxt"
+    chained.write_text(NET.replace('"bn2" type: "BatchNorm" bottom: "conv2" top: "conv2"',
+                                   '"bn2" type: "BatchNorm" bottom: "conv2" top: "conv2_bn"')
+                       .replace('"relu2" type: "ReLU" bottom: "conv2" top: "conv2"',
+                                '"relu2" type: "ReLU" bottom: "conv2_bn" top: "conv2_relu"')
+                       .replace('"pool" type: "Pooling" bottom: "conv2"',
+                                '"pool" type: "Pooling" bottom: "conv2_relu"'))
+    params = []
+    for prototxt in (path, chained):
+        out = tmp_path / f"int8_{prototxt.stem}.prototxt"
+        calibrate.calibrate(str(prototxt), str(weights), str(out), 2, 2)
+        params.append({lp.name: lp.quantization_param for lp in read_net(str(out)).layer
+                       if lp.HasField("quantization_param")})
+    # (the in-place net's float32 run folds bn2 into conv2: its maxima differ by rounding)
+    assert params[0].keys() == params[1].keys() and params[0]["conv2"].bw_layer_out == 8
+    for name, q in params[0].items():
+        other = params[1][name]
+        assert (q.bw_layer_out, q.is_negative_input) == (other.bw_layer_out, other.is_negative_input)
+        for field in ("scale_in", "scale_out", "scale_params"):
+            np.testing.assert_allclose(getattr(q, field), getattr(other, field), rtol=1e-5)
