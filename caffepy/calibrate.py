@@ -5,8 +5,7 @@ The net's own TEST data layer gives the batches: the first `sampling_iterations`
 convolution (and InnerProduct with `fc_int8`), the largest |input| and |output| (the output of
 the unit Intel's compiled net makes of it: after the BatchNorm, Scale, Eltwise SUM and ReLU it
 folds in, in place or each from the blob before it, as caffepy/net_rules.Int8Unit chains
-them) and each output channel's largest |weight| (BatchNorm and
-Scale folded in); then
+them) and each output channel's largest |weight| (BatchNorm and Scale folded in); then
     scale_in     = 255 / max|input|  (127 and is_negative_input when an input was negative)
     scale_out    = 255 / max|output| after a ReLU, else 127 / max|output|
     scale_params = 127 / max|w| per output channel (weights_channel: multiple) or of the layer
