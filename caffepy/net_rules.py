@@ -675,12 +675,16 @@ def concat_slots(net, units):
 
 
 def byte_tops(net, units):
-    """Mark the int8 units whose 8-bit top every reader takes as bytes (quantization.Bytes:
-    Int8.byte_top): an int8 convolution's input of the same scale and range, read by the byte
-    paths' direct kernels, an int8 unit's summand, or a channels-last MAX pooling whose own top
-    every reader takes so (NHWCPooling.byte_pool). Their floats are then written only when
-    something else reads them (Blob.hold). Logs a line when there are any; CAFFEPY_INT8_BYTES=0
-    writes every top as floats. Returns how many."""
+    """Mark the layers of a TEST net that hand their 8-bit tops on as bytes (quantization.Bytes;
+    Blob.hold: floats written only when something reads them): an int8 convolution's unit
+    (Int8.byte_top) whose readers all take the bytes; a channels-last MAX pooling of such bytes
+    (NHWCPooling.byte_pool) whose readers all take them; a channels-last concat of such bytes,
+    all of one scale and range (NHWCConcat.byte_concat: Intel's calibrator unifies the scales
+    of a concat's inputs), that at least one reader takes (one reading floats fills them, a
+    pass the float concat would make anyway). A reader takes bytes as an int8 convolution's
+    input of their scale and range on the byte paths' direct kernels, as an int8 unit's
+    summand, or as such a pooling or concat. Logs a line when any are marked;
+    CAFFEPY_INT8_BYTES=0 writes every top as floats. Returns how many int8 units."""
     if net.phase != caffe_pb2.TEST or not quantization.bytes_enabled():
         return 0
     readers = {}
@@ -688,6 +692,29 @@ def byte_tops(net, units):
         for b in bottoms:
             readers.setdefault(id(b), []).append(li)
     owner = {li: u for u in units.values() if u.rule is INT8 for li in range(u.first, u.last + 1)}
+    # the layers that may emit bytes, by their first layer: [layer, top, (scale, lo) or None]
+    nodes, writer = {}, {}
+    for li, layer in enumerate(net.layers):
+        top = net.top_vecs[li][0] if len(net.top_vecs[li]) == 1 else None
+        u = units.get(li)
+        q = getattr(layer, "int8", None)
+        if u is not None and u.rule is INT8 and layer.type == "Convolution" and q.channels_last \
+                and q.spec.bits_out == 8 and q.isa in ("vnni", "amx"):
+            lo = quantization.U8[0] if Int8Unit.relu(net, u, u.last) == (True, 0.0) \
+                else quantization.S8[0]
+            nodes[li] = [layer, net.top_vecs[u.last][0], (q.spec.scale_out, lo)]
+        elif top is not None and not net._conversions[li] and (
+                (getattr(layer, "byte_pool", None) is not None
+                 and layer.pool == caffe_pb2.PoolingParameter.MAX
+                 and all(k > p for k, p in zip(layer.kernel, layer.pad)))
+                or getattr(layer, "byte_concat", None) is not None):
+            nodes[li] = [layer, top, None]
+        elif layer.type == "Split" and not net._conversions[li]:
+            for t in net.top_vecs[li]:
+                writer[id(t)] = writer.get(id(net.bottom_vecs[li][0]))
+            continue
+        if li in nodes:
+            writer[id(nodes[li][1])] = li
 
     def reads_of(blob, inside=range(0)):
         """(layer, blob) of every reader of blob outside the layers `inside`, through Split
@@ -703,17 +730,10 @@ def byte_tops(net, units):
                 out.append((li, blob))
         return out
 
-    def takes(li, blob, q, lo, pools):
-        """Whether layer li reads `blob`, q's top of range lo, as bytes (a pooling that would
-        is added to `pools`)."""
-        layer = net.layers[li]
-        if getattr(layer, "byte_pool", None) is not None and not net._conversions[li] \
-                and layer.pool == caffe_pb2.PoolingParameter.MAX and net.phase == caffe_pb2.TEST \
-                and len(net.top_vecs[li]) == 1 \
-                and all(k > p for k, p in zip(layer.kernel, layer.pad)):
-            pools.append(layer)
-            reads = reads_of(net.top_vecs[li][0])
-            return bool(reads) and all(takes(r, b, q, lo, pools) for r, b in reads)
+    def takes(li, blob, scale, lo):
+        """Whether layer li reads `blob`'s bytes of (scale, lo) as they are."""
+        if li in nodes and nodes[li][2] is not None and nodes[li][0].type != "Convolution":
+            return True                     # a pooling or concat that passes them on
         v = owner.get(li)
         if v is None or net._conversions[li]:
             return False
@@ -726,28 +746,68 @@ def byte_tops(net, units):
         return fused_sum or (
             net.bottom_vecs[li][0] is blob and layer.type == "Convolution" and r.channels_last
             and layer.group == 1 and r.isa in ("vnni", "amx")
-            and r.spec.scale_in == q.spec.scale_out and not r.spec.force_u8
+            and r.spec.scale_in == scale and not r.spec.force_u8
             and r.spec.signed_input == (lo < 0)
             and not (layer.channels & 1 and layer.channels < 8))
 
-    found = 0
-    for u in units.values():
-        layer = net.layers[u.first]
-        q = getattr(layer, "int8", None)
-        if u.rule is not INT8 or layer.type != "Convolution" or not q.channels_last \
-                or q.spec.bits_out != 8 or q.isa not in ("vnni", "amx"):
-            continue
-        lo = quantization.U8[0] if Int8Unit.relu(net, u, u.last) == (True, 0.0) else quantization.S8[0]
-        reads, pools = reads_of(net.top_vecs[u.last][0], range(u.first, u.last + 1)), []
-        if reads and all(takes(li, b, q, lo, pools) for li, b in reads):
-            q.byte_top = True
-            found += 1
-            for pool in pools:
-                pool.byte_pool = True
+    def source(blob):
+        w = writer.get(id(blob))
+        return None if w is None else nodes[w][2]
+
+    def emits(li):
+        """Whether node li hands bytes on, as the other nodes stand."""
+        layer, top, kind = nodes[li]
+        if layer.type == "Convolution":
+            inside = range(li, owner[li].last + 1)
+        else:
+            bottoms = net.bottom_vecs[li]
+            kinds = {source(b) for b in bottoms}
+            if len(kinds) != 1 or None in kinds:
+                return False
+            kind, inside = kinds.pop(), range(li, li + 1)
+        reads = [takes(r, b, *kind) for r, b in reads_of(top, inside)]
+        if layer.type == "Concat":
+            return any(reads)
+        return bool(reads) and all(reads)
+
+    # the largest set of nodes that each emit as the others do: start from all, drop until none
+    # changes (a pooling's or concat's kind comes from its bottoms')
+    for li, node in nodes.items():
+        if node[0].type != "Convolution":
+            node[2] = (None, None)              # undecided: assumed to emit
+    changed = True
+    while changed:
+        changed = False
+        for li, node in nodes.items():
+            if node[2] is None:
+                continue
+            if node[0].type != "Convolution":
+                kinds = {source(b) for b in net.bottom_vecs[li]}
+                kind = kinds.pop() if len(kinds) == 1 else None
+                if kind == (None, None):
+                    continue                    # its source undecided yet
+                if kind != node[2]:
+                    node[2], changed = kind, True
+                if kind is None:
+                    continue
+            if not emits(li):
+                node[2], changed = None, True
+    found = pools = concats = 0
+    for li, (layer, top, kind) in nodes.items():
+        ok = kind is not None and kind != (None, None)
+        if layer.type == "Convolution":
+            layer.int8.byte_top = ok
+            found += ok
+        elif layer.type == "Pooling":
+            layer.byte_pool = ok
+            pools += ok
+        else:
+            layer.byte_concat = ok
+            concats += ok
     if found:
-        log.info(f"int8 tops as bytes: {found} int8 convolution(s) hand their 8-bit tops to the "
-                 f"int8 layers after them as bytes, floats written only where read "
-                 f"(CAFFEPY_INT8_BYTES=0 writes them all)")
+        log.info(f"int8 tops as bytes: {found} int8 convolution(s), {pools} pooling(s) and "
+                 f"{concats} concat(s) hand their 8-bit tops on as bytes, floats written only "
+                 f"where read (CAFFEPY_INT8_BYTES=0 writes them all)")
     return found
 
 

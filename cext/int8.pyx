@@ -51,6 +51,8 @@ cdef extern from "int8_nhwc.h" nogil:
     long i8n_staged_bytes(int N, int H, int W, int C)
     void i8n_pool_max(int threads, const uint8_t *x, int N, int H, int W, long row, int OH,
                       int OW, int kh, int kw, int sh, int sw, int ph, int pw, uint8_t *y)
+    void i8n_copy_channels(int threads, const uint8_t *src, long P, long sr, int C,
+                           uint8_t *dst, long dr, int offset)
     int i8_isa_available()
     long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int kw, int ph,
                      int pw, int dw, int threads)
@@ -212,6 +214,31 @@ def pool_max_bytes(x, y, kernel, stride, pad):
     with nogil:
         i8n_pool_max(threads if threads > 0 else 1, &xv[0], N, H, W, row, OH, OW, kh, kw, sh,
                      sw, ph, pw, &yv[0])
+
+
+def concat_bytes(parts, y):
+    """Bytes `parts` (of y's pixels, their channels in order) concatenated along channels
+    into Bytes y."""
+    n, h, w, c = y.shape
+    cdef long P = <long>n * h * w
+    cdef int offset = 0, C
+    cdef long xr, yr = y.row
+    cdef const uint8_t[::1] xv
+    cdef uint8_t[::1] yv = y.array
+    need(sum(x.shape[3] for x in parts) == c and all(x.shape[:3] == y.shape[:3] for x in parts),
+         "concat_bytes", "parts", f"need {n} x {h} x {w} pixels of {c} channels in all",
+         [x.shape for x in parts])
+    need(yv.shape[0] >= P * y.row, "concat_bytes", "y", "needs its pixels' bytes", yv.shape[0])
+    cdef int threads = threads_for(P * c)
+    for x in parts:
+        xv, C, xr = x.array, x.shape[3], x.row
+        need(xv.shape[0] >= P * xr, "concat_bytes", "parts", "need their pixels' bytes",
+             xv.shape[0])
+        if P:
+            with nogil:
+                i8n_copy_channels(threads if threads > 0 else 1, &xv[0], P, xr, C, &yv[0], yr,
+                                  offset)
+        offset += C
 
 
 def _bytes_epilogue(str kernel, out_bytes, summand_bytes, bint quantize, tuple top):

@@ -675,6 +675,16 @@ I8V_TARGET static void i8n_pool_max(int threads, const uint8_t *x, int N, int H,
 }
 #endif
 
+/* A concat of bytes along channels: P pixels' C bytes (rows of sr bytes) into channels
+ * [offset, offset + C) of rows of dr bytes */
+static void i8n_copy_channels(int threads, const uint8_t *src, long P, long sr, int C,
+                              uint8_t *dst, long dr, int offset)
+{
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long p = 0; p < P; p++)
+        memcpy(dst + p * dr + offset, src + p * sr, (size_t)C);
+}
+
 /* Winograd F(2x2, 3x3) on integers, stride 1, dilation 1: with B^T = [1 0 -1 0; 0 1 1 0;
  * 0 -1 1 0; 0 1 0 -1], G' = 2 G = [2 0 0; 1 1 1; 1 -1 1; 0 0 2] and A^T = [1 1 1 0; 0 1 -1 -1]
  * every transform is integer, and a 2 x 2 output tile's sums are

@@ -529,3 +529,36 @@ def test_a_max_pooling_between_int8_layers_pools_the_bytes(monkeypatch):
     assert isinstance(fast.blobs["pool0"].held(), quantization.Bytes)
     for name in slow.blobs:
         np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)
+
+
+def test_a_concat_of_int8_tops_of_one_scale_concatenates_the_bytes(monkeypatch):
+    """Two branches of one scale_out (as Intel's calibrator unifies a concat's) concatenated,
+    read by an int8 convolution (bytes) and an average pooling (floats, filled in)."""
+    text = ('name: "inception"\n'
+            'layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } } }\n'
+            + _conv("conv1", "data", 8, 3, _q(S_DATA, S_C1, SP1[0], neg=True)) + _relu("relu1", "conv1")
+            + _conv("a", "conv1", 4, 1, _q(S_C1, S_SUM, SP2)) + _relu("relu_a", "a")
+            + _conv("b", "conv1", 6, 3, _q(S_C1, S_SUM, SP2)) + _relu("relu_b", "b")
+            + 'layer { name: "cat" type: "Concat" bottom: "a" bottom: "b" top: "cat" }\n'
+            + _conv("c", "cat", 4, 3, _q(S_SUM, S_SUM, SP2)) + _relu("relu_c", "c")
+            + 'layer { name: "avg" type: "Pooling" bottom: "cat" top: "avg" pooling_param { pool: AVE kernel_size: 2 stride: 2 } }\n')
+    paths = [p for p in ("amx", "vnni") if p in quantization.kernels().available_isas()]
+    if not paths:
+        pytest.skip("no int8 byte path (VNNI, AMX) on this CPU or build")
+    monkeypatch.setenv("CAFFEPY_INT8_ISA", paths[0])
+    monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")
+    fast = _net(text)
+    monkeypatch.setenv("CAFFEPY_INT8_BYTES", "0")
+    slow = _net(text)
+    _same_weights(fast, slow)
+    assert fast.layer_dict["cat"].byte_concat and not slow.layer_dict["cat"].byte_concat
+    assert fast.layer_dict["a"].int8.byte_top and fast.layer_dict["b"].int8.byte_top
+    for net in (fast, slow):
+        net.forward()
+        net.forward()
+    for name in ("c", "avg", "cat", "a", "b"):
+        np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)
+    # a branch of another scale: the concat stays float, and so do the branches' tops
+    other = _net(text.replace(_q(S_C1, S_SUM, SP2) + " }\n" + _relu("relu_b", "b"),
+                              _q(S_C1, S_SUM * 2, SP2) + " }\n" + _relu("relu_b", "b")))
+    assert not other.layer_dict["cat"].byte_concat and not other.layer_dict["a"].int8.byte_top
