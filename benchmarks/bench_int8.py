@@ -81,15 +81,17 @@ def calibrated(name, batch=16):
     CALIBRATED net: the weights its fillers draw (seeded), the scales by calibrate's own steps
     (caffepy/calibrate.py: measure, quantize_param) over one batch of the N(0, 50) input the
     speed part times (another draw), with calibrate's defaults (the first convolution and the
-    InnerProduct stay float32, weights_channel single)."""
+    InnerProduct stay float32, weights_channel single) and unify_concat_scales (Intel's -f:
+    the inception modules' concats then pass bytes)."""
     if name not in _calibrated:
         from caffepy import calibrate, rng
         rng.seed(1701)
         param = _input(nets.test_net(name, batch), batch)
-        net = Net(param, caffepy.TEST)
+        net = calibrate._unfolded(param, None, name)
         _fill(net, seed=1)
         stats = calibrate.measure(net, calibrate._candidates(net, False, False), 1)
-        _calibrated[name] = (param, calibrate.quantize_param(param, net, stats, "single"),
+        _calibrated[name] = (param, calibrate.quantize_param(param, net, stats, "single",
+                                                             unify_concat_scales=True),
                              net.to_proto())
     return _calibrated[name]
 

@@ -21,12 +21,16 @@ changed the net's answers as a loss; Intel stops at a difference below the bound
 one up to it, so a bound of 0 asks for the same accuracy). A convolution whose top is the
 summand of an Eltwise SUM folded into a quantized convolution keeps an 8-bit top (the fused
 sum reads it as 8-bit values, as Intel's ResNet-50 int8 nets' branch1 convolutions have it).
+With `unify_concat_scales` (Intel's -f) the convolutions feeding a concat share their
+smallest scale_out, so the concat passes their 8-bit values on as bytes (net_rules.byte_tops).
 Where caffepy differs: an input is unsigned when no sampled value was negative (Intel reads
 it from the net: a convolution's input is unsigned when the convolutions before it end with a
-ReLU), Intel's concat scale unification is not done, and an average pooling between two
-quantized convolutions leaves the second its own scale_in (Intel's cac step gives it the
-first's scale_out: its 8-bit pooling keeps the scale; caffepy pools in float32).
+ReLU), and an average pooling between two quantized convolutions leaves the second its own
+scale_in (Intel's cac step gives it the first's scale_out: its 8-bit pooling keeps the scale;
+caffepy pools in float32).
 """
+import os
+
 import numpy as np
 from google.protobuf import text_format
 
@@ -104,13 +108,13 @@ def _data_layers(net):
 
 
 def _readers(net, blob):
-    """Indices of the layers reading `blob`, through Split and Pooling layers (which carry the
-    8-bit values on in Intel's net)."""
+    """Indices of the layers reading `blob`, through Split, Pooling and Concat layers (which
+    carry the 8-bit values on in Intel's net)."""
     out = []
     for li, bottoms in enumerate(net.bottom_vecs):
         converted = [b for _, b, _, _ in net._conversions[li]]    # a layout plan's copy
         if any(b is blob for b in bottoms + converted):
-            if net.layers[li].type in ("Split", "Pooling"):
+            if net.layers[li].type in ("Split", "Pooling", "Concat"):
                 for t in net.top_vecs[li]:
                     out += _readers(net, t)
             else:
@@ -142,8 +146,11 @@ def measure(net, candidates, iterations):
     return result
 
 
-def quantize_param(param, net, stats, weights_channel):
-    """A copy of the NetParameter `param` with the quantization_param of `stats`' layers."""
+def quantize_param(param, net, stats, weights_channel, unify_concat_scales=False):
+    """A copy of the NetParameter `param` with the quantization_param of `stats`' layers;
+    unify_concat_scales: the 8-bit tops that a concat joins (through nested concats) all get
+    the smallest of their scale_out (Intel's -f), which is then the scale_in that the concat's
+    quantized readers measure (the concat's largest value is its inputs' largest)."""
     out = type(param)()
     out.CopyFrom(param)
     by_name = {lp.name: lp for lp in out.layer}
@@ -169,7 +176,53 @@ def quantize_param(param, net, stats, weights_channel):
         q.scale_params.extend([S8_MAX / float(m) if m > 0 else 0.0 for m in wmax])
         if negative:
             q.is_negative_input = True
+    if unify_concat_scales:
+        _unify_concats(net, stats, by_name)
     return out
+
+
+def _unify_concats(net, stats, by_name):
+    """Each concat's 8-bit input convolutions (through nested concats) to their smallest
+    scale_out."""
+    ends = {id(unit(net, li)[2]): li for li in stats}
+
+    def inputs(li):
+        found = []
+        for b in net.bottom_vecs[li]:
+            if id(b) in ends:
+                found.append(ends[id(b)])
+            else:
+                for j in range(li - 1, -1, -1):      # a nested concat writing b
+                    if any(t is b for t in net.top_vecs[j]):
+                        if net.layers[j].type == "Concat":
+                            found += inputs(j)
+                        break
+        return found
+
+    for li, layer in enumerate(net.layers):
+        if layer.type != "Concat":
+            continue
+        qs = [by_name[net.layers[j].name].quantization_param for j in inputs(li)]
+        qs = [q for q in qs if q.bw_layer_out == 8]
+        if len(qs) > 1:
+            smallest = min(q.scale_out[0] for q in qs)
+            for q in qs:
+                q.scale_out[0] = smallest
+
+
+def _unfolded(param, weights, source):
+    """The float32 TEST net with every blob written by its forward (CAFFEPY_FOLD=0): the
+    measure reads each convolution's unit output, which a folded net's concat slots leave
+    unwritten (GoogLeNet's branches write straight into the concat's top)."""
+    saved = os.environ.get("CAFFEPY_FOLD")
+    os.environ["CAFFEPY_FOLD"] = "0"
+    try:
+        return Net(param, phase=TEST, weights=weights, source=source)
+    finally:
+        if saved is None:
+            del os.environ["CAFFEPY_FOLD"]
+        else:
+            os.environ["CAFFEPY_FOLD"] = saved
 
 
 def score(net, iterations, skip):
@@ -193,7 +246,8 @@ def score(net, iterations, skip):
 
 
 def calibrate(model, weights, output, sampling_iterations=10, iterations=10, accuracy_loss=0.01,
-              weights_channel="single", first_conv=False, fc_int8=False):
+              weights_channel="single", first_conv=False, fc_int8=False,
+              unify_concat_scales=False):
     """Write `output`: `model` with quantization_param (see the module docstring). Returns
     (float32 accuracies, int8 accuracies, top-1 agreement, names of the quantized layers)."""
     if weights_channel not in ("single", "multiple"):
@@ -203,7 +257,7 @@ def calibrate(model, weights, output, sampling_iterations=10, iterations=10, acc
     if any(lp.HasField("quantization_param") for lp in param.layer):
         raise UsageError(f"calibrate: --model: {model} is quantized already (quantization_param); "
                          f"give the float32 net")
-    net = Net(param, phase=TEST, weights=weights, source=model)
+    net = _unfolded(param, weights, model)
     candidates = _candidates(net, first_conv, fc_int8)
     if not candidates:
         raise UsageError(f"calibrate: --model: {model} has no convolution to quantize")
@@ -213,7 +267,7 @@ def calibrate(model, weights, output, sampling_iterations=10, iterations=10, acc
     base, base_top1 = score(float_net, iterations, sampling_iterations)
     log.info(f"float32 on {iterations} held-out batch(es): accuracy {_fmt(base)}")
     while True:
-        quantized = quantize_param(param, net, stats, weights_channel)
+        quantized = quantize_param(param, net, stats, weights_channel, unify_concat_scales)
         int8_net = Net(quantized, phase=TEST, weights=weights, source=output)
         acc, top1 = score(int8_net, iterations, sampling_iterations)
         agree = float((top1 == base_top1).mean())

@@ -590,12 +590,15 @@ def plot_log(args):
 @click.option("--first_conv/--no-first_conv", default=False,
               help="Quantize the first convolution too (Intel's -1st).")
 @click.option("--fc_int8/--no-fc_int8", default=False, help="Quantize InnerProduct layers too (Intel's -fc).")
+@click.option("--unify_concat_scales/--no-unify_concat_scales", default=False,
+              help="Give the convolutions feeding a concat their smallest scale_out, so the concat "
+                   "passes their 8-bit values on as they are (Intel's -f).")
 def calibrate(model, weights, output, sampling_iterations, iterations, accuracy_loss,
-              weights_channel, first_conv, fc_int8):
+              weights_channel, first_conv, fc_int8, unify_concat_scales):
     """Write the net with quantization_param, as Intel Caffe's calibrator does."""
     from . import calibrate as cal
     cal.calibrate(model, weights, output, sampling_iterations, iterations, accuracy_loss,
-                  weights_channel, first_conv, fc_int8)
+                  weights_channel, first_conv, fc_int8, unify_concat_scales)
 
 
 @main.command("export_onnx")

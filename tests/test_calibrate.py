@@ -181,3 +181,46 @@ def test_a_chain_of_tops_is_measured_as_the_int8_unit_runs_it(model, tmp_path):
         assert (q.bw_layer_out, q.is_negative_input) == (other.bw_layer_out, other.is_negative_input)
         for field in ("scale_in", "scale_out", "scale_params"):
             np.testing.assert_allclose(getattr(q, field), getattr(other, field), rtol=1e-5)
+
+
+INCEPTION = """name: "inception"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 4 dim: 3 dim: 8 dim: 8 } shape { dim: 4 }
+                     data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "a" type: "Convolution" bottom: "conv1" top: "a"
+  convolution_param { num_output: 4 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu_a" type: "ReLU" bottom: "a" top: "a" }
+layer { name: "b" type: "Convolution" bottom: "conv1" top: "b"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 1.0 } } }
+layer { name: "relu_b" type: "ReLU" bottom: "b" top: "b" }
+layer { name: "cat" type: "Concat" bottom: "a" bottom: "b" top: "cat" }
+layer { name: "c" type: "Convolution" bottom: "cat" top: "c"
+  convolution_param { num_output: 3 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu_c" type: "ReLU" bottom: "c" top: "c" }
+layer { name: "d" type: "Convolution" bottom: "c" top: "d"
+  convolution_param { num_output: 3 kernel_size: 8 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "accuracy" type: "Accuracy" bottom: "d" bottom: "label" top: "accuracy" }
+"""
+
+
+@pytest.mark.parametrize("unify", [False, True])
+def test_unify_concat_scales_gives_a_concats_inputs_one_scale(tmp_path, unify):
+    path, weights, out = tmp_path / "net.prototxt", tmp_path / "net.caffemodel", tmp_path / "int8.prototxt"
+    path.write_text(INCEPTION)
+    caffepy.set_random_seed(4)
+    Net(str(path), caffepy.TEST).save(str(weights))
+    calibrate.calibrate(str(path), str(weights), str(out), 1, 1, accuracy_loss=1,
+                        unify_concat_scales=unify)
+    q = {lp.name: lp.quantization_param for lp in read_net(str(out)).layer
+         if lp.HasField("quantization_param")}
+    a, b, c = q["a"].scale_out[0], q["b"].scale_out[0], q["c"].scale_in[0]
+    if not unify:
+        assert a != b and min(a, b) == c          # measured apart: b's values are larger
+        return
+    assert a == b == c          # the concat's readers measure its largest value: the same scale
+    int8 = Net(str(out), caffepy.TEST, weights=str(weights))
+    if int8.layer_dict["a"].int8.isa in ("vnni", "amx"):
+        assert int8.layer_dict["cat"].byte_concat
