@@ -674,6 +674,21 @@ def concat_slots(net, units):
     return slots
 
 
+def _reads_of(net, readers, blob, inside):
+    """(layer, blob) of every reader of blob outside the layers `inside`, through Split layers
+    (a module function: a recursive closure would hold the net in a cycle)."""
+    out = []
+    for li in readers.get(id(blob), []):
+        if li in inside:
+            continue
+        if net.layers[li].type == "Split" and not net._conversions[li]:
+            for t in net.top_vecs[li]:
+                out += _reads_of(net, readers, t, inside)
+        else:
+            out.append((li, blob))
+    return out
+
+
 def byte_tops(net, units):
     """Mark the layers of a TEST net that hand their 8-bit tops on as bytes (quantization.Bytes;
     Blob.hold: floats written only when something reads them): an int8 convolution's unit
@@ -717,18 +732,7 @@ def byte_tops(net, units):
             writer[id(nodes[li][1])] = li
 
     def reads_of(blob, inside=range(0)):
-        """(layer, blob) of every reader of blob outside the layers `inside`, through Split
-        layers."""
-        out = []
-        for li in readers.get(id(blob), []):
-            if li in inside:
-                continue
-            if net.layers[li].type == "Split" and not net._conversions[li]:
-                for t in net.top_vecs[li]:
-                    out += reads_of(t, inside)
-            else:
-                out.append((li, blob))
-        return out
+        return _reads_of(net, readers, blob, inside)
 
     def takes(li, blob, scale, lo):
         """Whether layer li reads `blob`'s bytes of (scale, lo) as they are."""
