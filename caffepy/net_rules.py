@@ -287,7 +287,8 @@ class Int8Unit:
         held = None if summand is None or not q.decided(shape) else summand.held()
         s_bytes = held if isinstance(held, quantization.Bytes) else None
         out = (q.top_bytes((n, h, w, c), relu, slope) if q.byte_top and q.decided(shape)
-               and not in_place and top.untouched() else None)
+               and not in_place and all(r.takes_bytes() for r in q.byte_readers)
+               and top.untouched() else None)
         x = bottom[0].raw_data if staged is None else (shape[0], shape[2], shape[3], shape[1])
         s = None if summand is None or s_bytes is not None else channels_last(summand)
         y = top.raw_data if in_place else top.overwrite()
@@ -749,7 +750,7 @@ def byte_tops(net, units):
                      and net.bottom_vecs[li][1] is blob and net.bottom_vecs[li][0] is not blob)
         return fused_sum or (
             net.bottom_vecs[li][0] is blob and layer.type == "Convolution" and r.channels_last
-            and layer.group == 1 and r.isa in ("vnni", "amx")
+            and r.isa in ("vnni", "amx")
             and r.spec.scale_in == scale and not r.spec.force_u8
             and r.spec.signed_input == (lo < 0)
             and not (layer.channels & 1 and layer.channels < 8))
@@ -796,11 +797,25 @@ def byte_tops(net, units):
                     continue
             if not emits(li):
                 node[2], changed = None, True
+    def int8_readers(li):
+        """The int8 convolutions reading node li's bytes, through poolings and concats (a
+        stack: a recursive closure would hold the net in a cycle)."""
+        out, todo = [], [(li, range(li, owner[li].last + 1))]
+        while todo:
+            node, inside = todo.pop()
+            for r, b in reads_of(nodes[node][1], inside):
+                if r in nodes and nodes[r][0].type != "Convolution":
+                    todo.append((r, range(r, r + 1)))
+                elif r in owner and owner[r].first == r and net.bottom_vecs[r][0] is b:
+                    out.append(net.layers[r].int8)
+        return out
+
     found = pools = concats = 0
     for li, (layer, top, kind) in nodes.items():
         ok = kind is not None and kind != (None, None)
         if layer.type == "Convolution":
             layer.int8.byte_top = ok
+            layer.int8.byte_readers = int8_readers(li) if ok else []
             found += ok
         elif layer.type == "Pooling":
             layer.byte_pool = ok

@@ -161,11 +161,7 @@ class Bytes:
 
     def fill(self, flat):
         """flat[: count] = the floats, channels-last."""
-        n, h, w, c = self.shape
-        values = self.array[:n * h * w * self.row].reshape(-1, self.row)[:, :c]
-        out = flat.reshape(-1, c)
-        np.subtract(values, np.float32(self.zp), out=out, dtype=np.float32)
-        np.multiply(out, self.inv, out=out)
+        kernels().fill_floats(self, flat[:self.count])
 
 
 def quantized(layer_param, phase, net_param=None, source=None):
@@ -262,13 +258,20 @@ class Int8:
         self.may_fall_back = self.channels_last and fallback_enabled()
         self.path, self.forced, self.winograd = INT8, None, False
         self._path_for = None
-        # net_rules.byte_tops: every reader of the top takes it as Bytes; the buffer, reused
-        self.byte_top, self._bytes = False, None
+        # net_rules.byte_tops: every reader of the top takes it as Bytes (the int8 convolutions
+        # among them, which must run their int8 kernels to: byte_readers); the buffer, reused
+        self.byte_top, self.byte_readers, self._bytes = False, [], None
 
     def decided(self, shape):
         """Whether this layer runs its int8 kernels at input `shape`, as chosen at an earlier
         forward (the first forward at a shape chooses, on floats)."""
         return self._path_for == shape and self.path == INT8
+
+    def takes_bytes(self):
+        """Whether this layer reads an input held as Bytes, as its path stands (chosen at the
+        first forward: a float32 fallback or Winograd's int16 rows read floats, which the
+        bytes would then be filled into on every forward)."""
+        return self._path_for is not None and self.path == INT8 and not self.winograd
 
     def top_bytes(self, shape, relu, slope):
         """The Bytes this layer's 8-bit top is written into at top `shape` (N, H, W, C)."""
@@ -281,10 +284,10 @@ class Int8:
     def reads(self, held, shape):
         """Whether this layer's kernel reads `held` (a blob's held values) in place of
         quantizing its input at `shape`: Bytes of its own input scale and range, on a byte path's
-        direct kernel (not Winograd's int16 rows, not depthwise)."""
+        direct or depthwise kernel (not Winograd's int16 rows)."""
         spec, L = self.spec, self.layer
         return (isinstance(held, Bytes) and self.isa in ("vnni", "amx") and self.channels_last
-                and L.group == 1 and self.decided(shape) and not self.winograd
+                and self.decided(shape) and not self.winograd
                 and held.scale == spec.scale_in and not spec.force_u8
                 and held.zp == (128 if spec.signed_input else 0)
                 and not (L.channels & 1 and L.channels < 8))

@@ -53,6 +53,8 @@ cdef extern from "int8_nhwc.h" nogil:
                       int OW, int kh, int kw, int sh, int sw, int ph, int pw, uint8_t *y)
     void i8n_copy_channels(int threads, const uint8_t *src, long P, long sr, int C,
                            uint8_t *dst, long dr, int offset)
+    void i8n_fill_floats(int threads, const uint8_t *b, long P, long row, int C, int zp,
+                         float inv, float *out)
     int i8_isa_available()
     long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int kw, int ph,
                      int pw, int dw, int threads)
@@ -67,7 +69,8 @@ cdef extern from "int8_nhwc.h" nogil:
     void i8n_depthwise(int isa, int threads, const float *x, int N, int H, int W, int C,
                        int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                        int OW, float scale, float lo, float hi, const float *w, float *qf,
-                       float *accs, int32_t *iaccs, const i8_epilogue *e)
+                       float *accs, int32_t *iaccs, const uint8_t *staged, int zp,
+                       const i8_epilogue *e)
 
 NR, MR = I8_NR, I8_MR
 # 'vnni' and 'amx': AVX-512 VNNI or AMX tiles for the channels-last convolution's products
@@ -214,6 +217,21 @@ def pool_max_bytes(x, y, kernel, stride, pad):
     with nogil:
         i8n_pool_max(threads if threads > 0 else 1, &xv[0], N, H, W, row, OH, OW, kh, kw, sh,
                      sw, ph, pw, &yv[0])
+
+
+def fill_floats(x, float[::1] out):
+    """out[: pixels * C] = the floats of Bytes x (channels-last), as its writer computes them."""
+    n, h, w, c = x.shape
+    cdef long P = <long>n * h * w, row = x.row
+    cdef int C = c, zp = x.zp
+    cdef float inv = x.inv
+    cdef const uint8_t[::1] xv = x.array
+    need(out.shape[0] >= P * C and xv.shape[0] >= P * row, "fill_floats", "out",
+         f"needs {P * C} floats and the bytes' pixels", (out.shape[0], xv.shape[0]))
+    cdef int threads = threads_for(P * C)
+    if P * C:
+        with nogil:
+            i8n_fill_floats(threads if threads > 0 else 1, &xv[0], P, row, C, zp, inv, &out[0])
 
 
 def concat_bytes(parts, y):
@@ -497,14 +515,23 @@ def winograd_nhwc(const float[:, :, :, ::1] x, const int16_t[:, :, :, :, ::1] u,
                  hi_in, &u[0, 0, 0, 0, 0], &qv[0], &sv[0], &e)
 
 
-def depthwise_nhwc(const float[:, :, :, ::1] x, const float[:, ::1] w, const int32_t[::1] bias,
+def depthwise_nhwc(x, const float[:, ::1] w, const int32_t[::1] bias,
                    const float[::1] mult, float[:, :, :, ::1] top, summand, kernel, pad, stride,
                    dilation, float scale_in, float lo_in, float hi_in, float sum_scale, bint relu,
                    float slope, bint quantize, float lo, float hi, float inv_scale_out, str isa,
-                   out_bytes=None, summand_bytes=None):
+                   out_bytes=None, summand_bytes=None, staged=None, shape=None):
     """conv_forward of a depthwise convolution on channels-last arrays; w from
-    depthwise_nhwc_weights."""
-    cdef int N = x.shape[0], H = x.shape[1], W = x.shape[2], C = x.shape[3]
+    depthwise_nhwc_weights; staged, out_bytes, summand_bytes as conv_forward_nhwc's."""
+    cdef const float[:, :, :, ::1] xv
+    cdef const float *xp = NULL
+    cdef const uint8_t[::1] sv
+    cdef const uint8_t *sp = NULL
+    if x is not None:
+        xv = x
+        xp = &xv[0, 0, 0, 0]
+    shape_in = tuple(x.shape) if x is not None else tuple(shape)
+    need((staged is None) != (x is None), "depthwise_nhwc", "staged", "needs x None", staged)
+    cdef int N = shape_in[0], H = shape_in[1], W = shape_in[2], C = shape_in[3]
     cdef int OH = top.shape[1], OW = top.shape[2], kh = kernel[0], kw = kernel[1]
     cdef int ph = pad[0], pw = pad[1], sh = stride[0], sw = stride[1]
     cdef int dh = dilation[0], dw = dilation[1]
@@ -514,6 +541,13 @@ def depthwise_nhwc(const float[:, :, :, ::1] x, const float[:, ::1] w, const int
     need_shape("depthwise_nhwc", "top", dims(top.shape, 4), (N, OH, OW, C))
     _check_epilogue("depthwise_nhwc", C, bias, mult, summand, (N, OH, OW, C))
     _bytes_epilogue("depthwise_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, C))
+    cdef int zp = 0
+    if staged is not None:
+        _bytes_epilogue("depthwise_nhwc", staged, None, True, (N, H, W, C))
+        need(staged.zp == (128 if lo_in < 0 else 0), "depthwise_nhwc", "staged",
+             "needs the zero point of this layer's input range", staged.zp)
+        sv, zp = staged.array, staged.zp
+        sp = &sv[0]
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
                                    np.asarray(summand).reshape(-1), sum_scale, relu, slope,
                                    quantize, lo, hi, inv_scale_out,
@@ -527,9 +561,8 @@ def depthwise_nhwc(const float[:, :, :, ::1] x, const float[:, ::1] w, const int
     cdef float[::1] qv = qf, av = accs
     cdef int32_t[::1] iv = iaccs
     with nogil:
-        i8n_depthwise(which, threads, &x[0, 0, 0, 0], N, H, W, C, kh, kw, ph, pw, sh, sw,
-                      dh, dw, OH, OW, scale_in, lo_in,
-                      hi_in, &w[0, 0], &qv[0], &av[0], &iv[0], &e)
+        i8n_depthwise(which, threads, xp, N, H, W, C, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW,
+                      scale_in, lo_in, hi_in, &w[0, 0], &qv[0], &av[0], &iv[0], sp, zp, &e)
 
 
 _SCRATCH = {}

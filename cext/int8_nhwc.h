@@ -675,6 +675,34 @@ I8V_TARGET static void i8n_pool_max(int threads, const uint8_t *x, int N, int H,
 }
 #endif
 
+/* q[0 .. C) = the values of one pixel's bytes b (value plus zp) */
+static inline void i8n_bytes_to_floats(const uint8_t *b, int C, int zp, float *q)
+{
+    int c = 0;
+#ifdef __AVX2__
+    const __m256i z = _mm256_set1_epi32(zp);
+    for (; c + 8 <= C; c += 8)
+        _mm256_storeu_ps(q + c, _mm256_cvtepi32_ps(_mm256_sub_epi32(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + c))), z)));
+#endif
+    for (; c < C; c++)
+        q[c] = (float)(b[c] - zp);
+}
+
+/* out[p][c] = (b[p][c] - zp) * inv for P pixels of C channels (rows of `row` bytes): the
+ * floats of an 8-bit top held as bytes, as its writer computes them */
+static void i8n_fill_floats(int threads, const uint8_t *b, long P, long row, int C, int zp,
+                            float inv, float *out)
+{
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long p = 0; p < P; p++) {
+        float *o = out + p * C;
+        i8n_bytes_to_floats(b + p * row, C, zp, o);
+        for (int c = 0; c < C; c++)
+            o[c] *= inv;
+    }
+}
+
 /* A concat of bytes along channels: P pixels' C bytes (rows of sr bytes) into channels
  * [offset, offset + C) of rows of dr bytes */
 static void i8n_copy_channels(int threads, const uint8_t *src, long P, long sr, int C,
@@ -894,11 +922,13 @@ static long i8n_dw_scratch(int H, int W, int C, int kh, int sh, int dh, int OH, 
 /* x[N][H][W][C] -> e->out [N][OH][OW][C]; w [kh kw][C] (the quantized weights as floats); qf
  * scratch of i8n_dw_scratch's floats; rows scratch threads x OW x C floats, iaccs as many
  * int32. The sums are the float depthwise kernel's (nhwc_dw_rows.h), exact below 512 taps (see
- * the top of this file). */
+ * the top of this file). staged: the input's quantized values as bytes (i8n_conv's; their
+ * zero point zp), x then unread. */
 static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, int W, int C,
                           int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                           int OW, float scale, float lo, float hi, const float *w, float *qf,
-                          float *rows, int32_t *iaccs, const i8_epilogue *e)
+                          float *rows, int32_t *iaccs, const uint8_t *staged, int zp,
+                          const i8_epilogue *e)
 {
     long image = (long)H * W * C, line = (long)W * C;
     int band = i8n_dw_band(W, C, kh, sh, dh, OH), bands = (OH + band - 1) / band;
@@ -917,17 +947,25 @@ static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, in
             int r0 = oy0 * sh - ph, r1 = (oy1 - 1) * sh - ph + (kh - 1) * dh + 1;
             r0 = r0 < 0 ? 0 : r0;
             r1 = r1 > H ? H : r1;
-            const float *xi = x + img * image + r0 * line;
             long i = 0, n = (long)(r1 - r0) * line;
+            if (staged) {       /* the values from their bytes, pixel by pixel */
+                long row = (C + 3) / 4 * 4;
+                const uint8_t *bi = staged + (img * H * W + (long)r0 * W) * row;
+                for (long p = 0; p < (long)(r1 - r0) * W; p++)
+                    i8n_bytes_to_floats(bi + p * row, C, zp, q + p * C);
+            } else {
+                const float *xi = x + img * image + r0 * line;
 #ifdef __AVX2__
-            const __m256 s = _mm256_set1_ps(scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
-            for (; i + 8 <= n; i += 8)
-                _mm256_storeu_ps(q + i, _mm256_round_ps(_mm256_min_ps(_mm256_max_ps(
-                    _mm256_mul_ps(_mm256_loadu_ps(xi + i), s), l), h),
-                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                const __m256 s = _mm256_set1_ps(scale), l = _mm256_set1_ps(lo);
+                const __m256 h = _mm256_set1_ps(hi);
+                for (; i + 8 <= n; i += 8)
+                    _mm256_storeu_ps(q + i, _mm256_round_ps(_mm256_min_ps(_mm256_max_ps(
+                        _mm256_mul_ps(_mm256_loadu_ps(xi + i), s), l), h),
+                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
-            for (; i < n; i++)      /* fminf / fmaxf would be calls (their NaN rules) */
-                q[i] = (float)i8_quantize(xi[i], scale, lo, hi);
+                for (; i < n; i++)      /* fminf / fmaxf would be calls (their NaN rules) */
+                    q[i] = (float)i8_quantize(xi[i], scale, lo, hi);
+            }
             /* the image's rows as dw_gather_row indexes them: only [r0, r1) are read */
             const float *src = q - r0 * line;
             for (int oy = oy0; oy < oy1; oy++) {
@@ -936,8 +974,7 @@ static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, in
                 /* the float sums are exact integers (see above) */
                 for (long k = 0; k < (long)OW * C; k++)
                     iacc[k] = (int32_t)row[k];
-                for (int ox = 0; ox < OW; ox++)
-                    i8n_finish(isa, iacc + (long)ox * C, 0, (img * OH + oy) * OW + ox, 1, 0, C, C, e);
+                i8n_finish(isa, iacc, C, (img * OH + oy) * OW, OW, 0, C, C, e);
             }
         }
     }

@@ -355,8 +355,8 @@ def test_bytes_in_and_out_are_the_floats_bits(shape, isa, relu, signed_in):
         isa=isa)
     out = _as_bytes(np.zeros((n, oh, ow, o), np.float32), lo, 9.5)
     got = np.full_like(want, np.nan)
-    staged = {} if depthwise else dict(staged=_as_bytes(x_int, lo_in, scale_in), shape=(n, h, w, c))
-    run(None if staged else x, bias=bias, mult=mult, top=got, summand=None, kernel=kernel,
+    staged = dict(staged=_as_bytes(x_int, lo_in, scale_in), shape=(n, h, w, c))
+    run(None, bias=bias, mult=mult, top=got, summand=None, kernel=kernel,
         pad=pad, stride=stride, dilation=dilation, scale_in=scale_in, lo_in=lo_in, hi_in=hi_in,
         sum_scale=9.5, relu=relu, slope=0.0, quantize=True, lo=lo, hi=hi,
         inv_scale_out=np.float32(1 / 9.5), isa=isa, out_bytes=out,
