@@ -797,6 +797,7 @@ def byte_tops(net, units):
                     continue
             if not emits(li):
                 node[2], changed = None, True
+
     def int8_readers(li):
         """The int8 convolutions reading node li's bytes, through poolings and concats (a
         stack: a recursive closure would hold the net in a cycle)."""
