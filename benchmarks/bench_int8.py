@@ -6,9 +6,10 @@ run as layers and fused by its own rules), and of GoogLeNet (BVLC's deploy net, 
 ships no int8 prototxt of), calibrated here by calibrate's own steps (calibrated()). Random
 weights; BatchNorm statistics set to mean 0, variance 1 so the folded weights stay in range;
 the data an Input filled once with N(0, 50) values. The int8 net runs twice: with
-CAFFEPY_INT8_FALLBACK=0 (every quantized layer on 8-bit integers) and as built by default (each
-quantized convolution int8 or float32, whichever its first forward measured faster here, or the
-autotune cache's choice: caffepy/quantization.py). Beside them OpenVINO at its default
+CAFFEPY_INT8_FALLBACK=0 (every quantized layer on 8-bit integers: the default on the VNNI and
+AMX paths) and with CAFFEPY_INT8_FALLBACK=1 (each quantized convolution int8 or float32,
+whichever its first forward measured faster here, or the autotune cache's choice: the default
+on the AVX2 path; caffepy/quantization.py). Beside them OpenVINO at its default
 precision on the float32 net's ONNX (--no-openvino leaves it out; `make bench-inference`
 installs it). Prints per net and batch the best (and median) wall ms of each, run in turn
 (each timed run after an untimed one of its own), the ratios f32 / int8, how many quantized
@@ -111,8 +112,8 @@ def _param(name, batch, quantized):
 
 
 def _net(name, batch, quantized, fallback=True):
-    """The net; `fallback` False builds it with CAFFEPY_INT8_FALLBACK=0 (every quantized layer
-    int8)."""
+    """The net, built with CAFFEPY_INT8_FALLBACK=1 (each quantized convolution int8 or float32,
+    as measured) or, `fallback` False, 0 (every quantized layer int8)."""
     saved = os.environ.get("CAFFEPY_INT8_FALLBACK")
     os.environ["CAFFEPY_INT8_FALLBACK"] = "1" if fallback else "0"
     try:
@@ -157,8 +158,10 @@ def speed(args):
     load = os.getloadavg()
     print(f"int8 kernels: {quantization.isa()}; threads: {os.environ.get('OMP_NUM_THREADS', 'all')}; "
           f"load average at the start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print("int8 only: CAFFEPY_INT8_FALLBACK=0; int8: each quantized convolution int8 or float32, "
-          "the faster here (measured on the first forward, or the autotune cache's); OV: OpenVINO "
+    default = "int8 only" if quantization.isa() in ("vnni", "amx") else "int8"
+    print(f"int8 only: CAFFEPY_INT8_FALLBACK=0; int8: =1, each quantized convolution int8 or "
+          f"float32, the faster here (measured on the first forward, or the autotune cache's); "
+          f"the default on this path: {default}; OV: OpenVINO "
           "at its default precision (INFERENCE_PRECISION_HINT left alone: the one it picked is "
           "named) on the float32 net's ONNX; OV/int8 above 1: caffepy's int8 faster")
     head = (f"{'net':24s} {'batch':>5s} {'f32 ms':>14s} {'int8 only ms':>14s} {'int8 ms':>14s} "

@@ -347,6 +347,7 @@ def test_the_path_is_measured_once_per_shape_and_kept(tmp_path, monkeypatch):
     from caffepy import autotune
     monkeypatch.setenv("CAFFEPY_AUTOTUNE", "1")
     monkeypatch.setenv("CAFFEPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "1")    # (unset: measured on AVX2 paths only)
     monkeypatch.setattr(autotune, "_cache", None)
     timed, keys = [], []
     choose = autotune.choose
@@ -389,6 +390,10 @@ def test_the_path_is_measured_once_per_shape_and_kept(tmp_path, monkeypatch):
     assert {forced.layer_dict[n].int8.path for n in paths} == {"int8"}
     assert forced.layer_dict["body"].tuning == "CAFFEPY_INT8_FALLBACK=0"
     assert forced.layer_dict["body"].algorithm.startswith("int8")
+    monkeypatch.delenv("CAFFEPY_INT8_FALLBACK")        # the default: measured on AVX2 only
+    default = _net(block_net(8))
+    assert default.layer_dict["body"].int8.may_fall_back == (
+        default.layer_dict["body"].int8.isa not in ("vnni", "amx"))
 
 
 def test_the_setup_log_names_int8_not_the_float_algorithm(capfd, monkeypatch):
@@ -396,6 +401,7 @@ def test_the_setup_log_names_int8_not_the_float_algorithm(capfd, monkeypatch):
     never the float algorithm alone: which path runs is chosen at the first forward."""
     from caffepy import log
     log.set_quiet(False)
+    monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "1")
     _net(block_net(8))
     monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")
     _net(block_net(8))
