@@ -259,6 +259,34 @@ def concat_bytes(parts, y):
         offset += C
 
 
+def _input_shape(str kernel, x, staged, shape):
+    """(N, H, W, C) of a channels-last kernel's input: x's, or `shape` where it is staged."""
+    need((staged is None) != (x is None), kernel, "staged", "needs x None (and x staged None)",
+         staged)
+    return tuple(x.shape) if x is not None else tuple(shape)
+
+
+cdef const float *_floats(x) except? NULL:
+    """x's first float (x outlives the pointer: the caller holds it), or NULL for None."""
+    cdef const float[:, :, :, ::1] xv
+    if x is None:
+        return NULL
+    xv = x
+    return &xv[0, 0, 0, 0]
+
+
+cdef const uint8_t *_staged(str kernel, staged, tuple shape, float lo_in) except? NULL:
+    """The bytes of an input staged as Bytes (checked against its shape and range), or NULL."""
+    cdef const uint8_t[::1] sv
+    if staged is None:
+        return NULL
+    _bytes_epilogue(kernel, staged, None, True, shape)
+    need(staged.zp == (128 if lo_in < 0 else 0), kernel, "staged",
+         "needs the zero point of this layer's input range", staged.zp)
+    sv = staged.array
+    return &sv[0]
+
+
 def _bytes_epilogue(str kernel, out_bytes, summand_bytes, bint quantize, tuple top):
     """Check the 8-bit top and summand given as bytes against the top's shape."""
     n, h, w, c = top
@@ -426,16 +454,7 @@ def conv_forward_nhwc(x, w,
     (vnni, amx): staged (Bytes-like: array, row, zp) the input already quantized as this layer
     quantizes it (x then None and `shape` x's), out_bytes the 8-bit top as bytes instead of
     top's floats (top unwritten), summand_bytes the summand."""
-    cdef const float[:, :, :, ::1] xv
-    cdef const float *xp = NULL
-    cdef const uint8_t[::1] sv
-    cdef const uint8_t *sp = NULL
-    if x is not None:
-        xv = x
-        xp = &xv[0, 0, 0, 0]
-        shape_in = tuple(x.shape)
-    else:
-        shape_in = tuple(shape)
+    shape_in = _input_shape("conv_forward_nhwc", x, staged, shape)
     cdef int N = shape_in[0], H = shape_in[1], W = shape_in[2], C = shape_in[3]
     cdef int OH = top.shape[1], OW = top.shape[2], O = top.shape[3]
     cdef int kh = kernel[0], kw = kernel[1]
@@ -457,15 +476,10 @@ def conv_forward_nhwc(x, w,
         wp = &w16[0, 0, 0, 0]
     _check_epilogue("conv_forward_nhwc", O, bias, mult, summand, (N, OH, OW, O))
     _bytes_epilogue("conv_forward_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, O))
-    need((staged is None and x is not None) or (staged is not None and which >= VNNI
-         and not i8n_wide(C, kw, dilation[1])), "conv_forward_nhwc", "staged",
-         "needs the byte paths (vnni, amx), and x None", isa)
-    if staged is not None:
-        _bytes_epilogue("conv_forward_nhwc", staged, None, True, (N, H, W, C))
-        need(staged.zp == (128 if lo_in < 0 else 0), "conv_forward_nhwc", "staged",
-             "needs the zero point of this layer's input range", staged.zp)
-        sv = staged.array
-        sp = &sv[0]
+    need(staged is None or (which >= VNNI and not i8n_wide(C, kw, dilation[1])),
+         "conv_forward_nhwc", "staged", "needs the byte paths (vnni, amx)", isa)
+    cdef const float *xp = _floats(x)
+    cdef const uint8_t *sp = _staged("conv_forward_nhwc", staged, shape_in, lo_in)
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
                                    np.asarray(summand).reshape(-1), sum_scale, relu, slope,
                                    quantize, lo, hi, inv_scale_out,
@@ -522,15 +536,7 @@ def depthwise_nhwc(x, const float[:, ::1] w, const int32_t[::1] bias,
                    out_bytes=None, summand_bytes=None, staged=None, shape=None):
     """conv_forward of a depthwise convolution on channels-last arrays; w from
     depthwise_nhwc_weights; staged, out_bytes, summand_bytes as conv_forward_nhwc's."""
-    cdef const float[:, :, :, ::1] xv
-    cdef const float *xp = NULL
-    cdef const uint8_t[::1] sv
-    cdef const uint8_t *sp = NULL
-    if x is not None:
-        xv = x
-        xp = &xv[0, 0, 0, 0]
-    shape_in = tuple(x.shape) if x is not None else tuple(shape)
-    need((staged is None) != (x is None), "depthwise_nhwc", "staged", "needs x None", staged)
+    shape_in = _input_shape("depthwise_nhwc", x, staged, shape)
     cdef int N = shape_in[0], H = shape_in[1], W = shape_in[2], C = shape_in[3]
     cdef int OH = top.shape[1], OW = top.shape[2], kh = kernel[0], kw = kernel[1]
     cdef int ph = pad[0], pw = pad[1], sh = stride[0], sw = stride[1]
@@ -541,13 +547,9 @@ def depthwise_nhwc(x, const float[:, ::1] w, const int32_t[::1] bias,
     need_shape("depthwise_nhwc", "top", dims(top.shape, 4), (N, OH, OW, C))
     _check_epilogue("depthwise_nhwc", C, bias, mult, summand, (N, OH, OW, C))
     _bytes_epilogue("depthwise_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, C))
-    cdef int zp = 0
-    if staged is not None:
-        _bytes_epilogue("depthwise_nhwc", staged, None, True, (N, H, W, C))
-        need(staged.zp == (128 if lo_in < 0 else 0), "depthwise_nhwc", "staged",
-             "needs the zero point of this layer's input range", staged.zp)
-        sv, zp = staged.array, staged.zp
-        sp = &sv[0]
+    cdef const float *xp = _floats(x)
+    cdef const uint8_t *sp = _staged("depthwise_nhwc", staged, shape_in, lo_in)
+    cdef int zp = 0 if staged is None else staged.zp
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
                                    np.asarray(summand).reshape(-1), sum_scale, relu, slope,
                                    quantize, lo, hi, inv_scale_out,

@@ -423,18 +423,18 @@ def test_describe_names_the_path_in_use_and_the_others(monkeypatch):
     assert quantization.describe().startswith(k.best_isa() + ": ")
 
 
-def _byte_nets(monkeypatch):
-    """(bytes, floats): block_net(8) with the int8 tops handed on as bytes and without, the
-    same weights, on a byte path (the paths are decided at the first forward, unmeasured)."""
+def _byte_nets(monkeypatch, text=None):
+    """(bytes, floats): the net (block_net(8) by default) with the int8 tops handed on as bytes
+    and without, the same weights, on a byte path (every quantized layer int8)."""
     paths = [p for p in ("amx", "vnni") if p in quantization.kernels().available_isas()]
     if not paths:
         pytest.skip("no int8 byte path (VNNI, AMX) on this CPU or build")
     monkeypatch.setenv("CAFFEPY_INT8_ISA", paths[0])
     monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")
     monkeypatch.setenv("CAFFEPY_INT8_BYTES", "1")
-    fast = _net(block_net(8))
+    fast = _net(text or block_net(8))
     monkeypatch.setenv("CAFFEPY_INT8_BYTES", "0")
-    slow = _net(block_net(8))
+    slow = _net(text or block_net(8))
     _same_weights(fast, slow)
     return fast, slow
 
@@ -518,15 +518,7 @@ def test_a_max_pooling_between_int8_layers_pools_the_bytes(monkeypatch):
         'top: "pool0" pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 } }\n').replace(
         'bottom: "conv1" top: "short"', 'bottom: "pool0" top: "short"').replace(
         'bottom: "conv1" top: "body"', 'bottom: "pool0" top: "body"')
-    paths = [p for p in ("amx", "vnni") if p in quantization.kernels().available_isas()]
-    if not paths:
-        pytest.skip("no int8 byte path (VNNI, AMX) on this CPU or build")
-    monkeypatch.setenv("CAFFEPY_INT8_ISA", paths[0])
-    monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")
-    fast = _net(text)
-    monkeypatch.setenv("CAFFEPY_INT8_BYTES", "0")
-    slow = _net(text)
-    _same_weights(fast, slow)
+    fast, slow = _byte_nets(monkeypatch, text)
     assert fast.layer_dict["pool0"].byte_pool and fast.layer_dict["conv1"].int8.byte_top
     assert not slow.layer_dict["pool0"].byte_pool
     for net in (fast, slow):
@@ -548,15 +540,7 @@ def test_a_concat_of_int8_tops_of_one_scale_concatenates_the_bytes(monkeypatch):
             + 'layer { name: "cat" type: "Concat" bottom: "a" bottom: "b" top: "cat" }\n'
             + _conv("c", "cat", 4, 3, _q(S_SUM, S_SUM, SP2)) + _relu("relu_c", "c")
             + 'layer { name: "avg" type: "Pooling" bottom: "cat" top: "avg" pooling_param { pool: AVE kernel_size: 2 stride: 2 } }\n')
-    paths = [p for p in ("amx", "vnni") if p in quantization.kernels().available_isas()]
-    if not paths:
-        pytest.skip("no int8 byte path (VNNI, AMX) on this CPU or build")
-    monkeypatch.setenv("CAFFEPY_INT8_ISA", paths[0])
-    monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")
-    fast = _net(text)
-    monkeypatch.setenv("CAFFEPY_INT8_BYTES", "0")
-    slow = _net(text)
-    _same_weights(fast, slow)
+    fast, slow = _byte_nets(monkeypatch, text)
     assert fast.layer_dict["cat"].byte_concat and not slow.layer_dict["cat"].byte_concat
     assert fast.layer_dict["a"].int8.byte_top and fast.layer_dict["b"].int8.byte_top
     for net in (fast, slow):
