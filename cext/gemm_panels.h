@@ -29,8 +29,23 @@
 #include "gemm_tile.h"
 
 #define PG_NW (SK_Q * SK_W)     /* columns of a panel: one row of the register tile */
-#define PG_MB 192               /* rows of C per block */
-#define PG_KC 512               /* reduction steps per pass over a block */
+#if SK_W == 16
+/* At 16 lanes a panel row is 256 B: 512 steps of it (128 KB) outgrew the 48 KB L1 of a
+ * Sapphire Rapids, 128 (32 KB) stay there. Blocks as equal as can be, up to 384 rows (A's
+ * block, 192 KB, in L2): M 196 in one block, not 192 + 4 whose 4-row tile runs the weights
+ * through a second time. And each panel's weights are fetched into L2 while the panel before
+ * is computed (pg_next_panel): a TEST net's weights come cold from memory. Against 192 / 512
+ * without the fetch, weights cold, one thread (the machine shared; benchmarks/bench_gemm.py
+ * --nhwc times these products): M 196 N 1024 K 256 115 -> 141 GFLOP/s, 196 x 256 x 2304 126
+ * -> 156, 784 x 512 x 256 124 -> 135, 49 x 512 x 4608 98 -> 110. */
+#define PG_MB 384               /* rows of C per block, at most */
+#define PG_KC 128               /* reduction steps per pass over a block */
+#define PG_EVEN_BLOCKS 1
+#else
+#define PG_MB 192
+#define PG_KC 512
+#define PG_EVEN_BLOCKS 0
+#endif
 
 /* The calling thread's packing buffer, grown as needed and kept (OpenMP's threads live on);
  * NULL when it cannot grow. */
@@ -85,6 +100,36 @@ static void pg_block(int R, int nj, int K, const float *a, long lda, const float
         memcpy(c + r * ldc, spare + r * PG_NW, sizeof(float) * nj);
 }
 
+/* Rows of C per block of M: PG_MB, or at 16 lanes as equal as can be, at most PG_MB. */
+static inline int pg_block_rows(int M)
+{
+    if (!PG_EVEN_BLOCKS || M <= PG_MB)
+        return PG_MB;
+    int blocks = (M + PG_MB - 1) / PG_MB;
+    return (M + blocks - 1) / blocks;
+}
+
+/* The weights the panel after (j0, k0) reads next (the next panel's slice of this pass, else
+ * the first panel's of the next pass), `lines` of 16 floats of them in *lines; NULL at the
+ * last. 16 lanes only (the AVX2 build ran without it where its constants were measured). */
+static inline const float *pg_next_panel(int N, int K, int j0, int k0, const float *bp,
+                                         long *lines)
+{
+    int k1 = k0 + PG_KC;
+    *lines = 0;
+    if (SK_W != 16)
+        return NULL;
+    if (j0 + PG_NW < N) {
+        *lines = (long)(K - k0 < PG_KC ? K - k0 : PG_KC) * PG_NW / 16;
+        return bp + (long)(j0 / PG_NW + 1) * K * PG_NW + (long)k0 * PG_NW;
+    }
+    if (k1 < K) {
+        *lines = (long)(K - k1 < PG_KC ? K - k1 : PG_KC) * PG_NW / 16;
+        return bp + (long)k1 * PG_NW;
+    }
+    return NULL;
+}
+
 /* Floats of op(B) [K, N] packed into panels (caffepy_panel_pack). */
 static inline long caffepy_packed_floats(int N, int K)
 {
@@ -111,8 +156,9 @@ static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long 
         for (int i = 0; i < M; i++)
             for (int j = 0; j < N; j++)
                 c[(long)i * ldc + j] *= beta;
-    for (int i0 = 0; i0 < M; i0 += PG_MB) {
-        int i1 = M - i0 < PG_MB ? M : i0 + PG_MB;
+    int mb = pg_block_rows(M);
+    for (int i0 = 0; i0 < M; i0 += mb) {
+        int i1 = M - i0 < mb ? M : i0 + mb;
         /* tiles of as equal heights as can be (the header says why) */
         int tiles = (i1 - i0 + SK_MR - 1) / SK_MR, base = (i1 - i0) / tiles;
         int taller = (i1 - i0) % tiles;
@@ -125,12 +171,17 @@ static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long 
                 /* this panel's share of the next block's A lines, fetched into L2 */
                 int lines = (kn + 15) / 16, panels = (N + PG_NW - 1) / PG_NW;
                 int l0 = lines * (j0 / PG_NW) / panels, l1 = lines * (j0 / PG_NW + 1) / panels;
+                /* and a share of the next panel's weights per tile, fetched into L2 */
+                long next_lines;
+                const float *next = pg_next_panel(N, K, j0, k0, bp, &next_lines);
                 int i = i0;
                 for (int t = 0; t < tiles; t++) {
                     int h = base + (t < taller);
-                    for (int r = i + PG_MB; r < i + PG_MB + h && r < M; r++)
+                    for (int r = i + mb; r < i + mb + h && r < M; r++)
                         for (int l = l0; l < l1; l++)
                             __builtin_prefetch(a + (long)r * lda + k0 + 16 * l, 0, 2);
+                    for (long l = next_lines * t / tiles; l < next_lines * (t + 1) / tiles; l++)
+                        __builtin_prefetch(next + 16 * l, 0, 2);
                     pg_block(h, nj, kn, a + (long)i * lda + k0, lda, panel,
                              c + (long)i * ldc + j0, ldc, accumulate, spare);
                     i += h;
