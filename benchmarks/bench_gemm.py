@@ -7,6 +7,7 @@ core from the next contender.)
     python benchmarks/bench_gemm.py [--rounds 7]
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_gemm.py     # one core
     python benchmarks/bench_gemm.py --b1 [--rounds 15]
+    python benchmarks/bench_gemm.py --nhwc [--rounds 15]
 
 Each row: GFLOP/s of the best round of each, their ratio (BLAS time / caffepy time), which
 kernel caffepy runs for the shape, and the largest difference relative to the largest value.
@@ -19,6 +20,13 @@ each call reads the next of copies filling 80 MB. GFLOP/s of the median round (t
 shared), the ratio (gemm time / packed time), and what gemm runs. The products alone: a layer
 that packs redoes it when blob.Seen finds its weights may have changed, a check that reads no
 float while nothing outside the blob holds them (blob.Writes).
+
+--nhwc: the --b1 products as a TEST net runs them, through caffepy.kernels.nhwc (a 1 x 1
+convolution over M pixels of K channels on weights packed once: conv_forward's `packed`). That
+module is built for AVX-512 too and caffepy.isa loads that build where the CPU has it, so this
+times the panels at the width the nets run, which the other modes (caffepy.kernels.common,
+built for AVX2 only) do not. Against OpenBLAS on the same threads (common.gemm, panels off),
+weights cold for both: GFLOP/s of the median round, the ratio (BLAS time / nhwc time).
 """
 import argparse
 import os
@@ -94,12 +102,57 @@ def batch1(rounds):
               f"{t_gemm / t_packed:6.2f}  {kernel}")
 
 
+def nets_build(rounds):
+    from caffepy import isa
+    from caffepy.kernels import common, nhwc
+    rng = np.random.default_rng(0)
+    print(f"nhwc's build: {isa.NAMES[isa.selected()[0]]}, team limit now {common.team_limit()} "
+          f"threads; weights cold (80 MB of copies)")
+    print(f"{'product':34s} {'M':>6s} {'N':>5s} {'K':>5s} {'nhwc':>8s} {'BLAS':>8s} "
+          f"{'ratio':>6s}  max rel diff")
+    empty, col = np.zeros(0, np.float32), np.zeros((nhwc.max_threads(), 0), np.float32)
+    for what, m, n, k, _ in B1:
+        x = rng.standard_normal((1, 1, m, k), dtype=np.float32)
+        copies = 2 + int(80e6 // (4 * n * k))
+        wts = [rng.standard_normal((1, n, k), dtype=np.float32) for _ in range(copies)]
+        packed = []
+        for wt in wts:
+            packed.append(np.empty(nhwc.packed_floats(1, n, k), np.float32))
+            nhwc.pack_weights(wt, True, packed[-1])
+        ours, theirs = np.empty((1, 1, m, n), np.float32), np.empty((m, n), np.float32)
+        turn = [0, 0]
+
+        def run_nhwc():
+            turn[0] += 1
+            i = turn[0] % copies
+            nhwc.conv_forward(x, wts[i], empty, ours, col, n, 1, 1, 0, 0, 1, 1, 1, 1, 1, m, True,
+                              None, False, None, packed[i])
+
+        def run_blas():
+            turn[1] += 1
+            common.gemm(x[0, 0], wts[turn[1] % copies][0].T, theirs, panels=False)
+
+        t_ours, t_blas = alternate([run_nhwc, run_blas], max(rounds, 2 * copies), summary=median)
+        turn[0] = turn[1] = 0
+        run_nhwc()
+        run_blas()
+        err = float(np.abs(ours[0, 0] - theirs).max() / np.abs(theirs).max())
+        flop = 2.0 * m * n * k / 1e6
+        print(f"{what:34s} {m:6d} {n:5d} {k:5d} {flop / t_ours:8.1f} {flop / t_blas:8.1f} "
+              f"{t_blas / t_ours:6.2f}  {err:.1e}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--b1", action="store_true", help="a TEST net's products at batch 1: "
                     "weights packed once against packed on every call")
+    ap.add_argument("--nhwc", action="store_true", help="a TEST net's products through the "
+                    "nhwc module (its AVX-512 build where the CPU has it) against the BLAS")
     args = ap.parse_args()
+    if args.nhwc:
+        nets_build(args.rounds)
+        return
     if args.b1:
         batch1(args.rounds)
         return

@@ -10,14 +10,15 @@
  * In ResNet-50 b16 the 1x1 layers at 56 x 56 took 258-264 -> 236-243 ms, at 28 x 28 240-245 ->
  * 223-228 ms.
  *
- * Order: rows of C PG_MB at a time (their A stays in L2), then PG_KC steps of the reduction, then
- * panel by panel (a panel's steps stay in L1) every SK_MR rows through the register tile.
- * Meanwhile the next block's A is prefetched into L2, spread over the block's panels: A streamed
- * from memory otherwise held a thread to 70 GFLOP/s on K 256 x N 64 over 50176 rows, 80 with it
- * (85-87 on rows in cache). A block's rows go through the tile in tiles of as equal heights as
- * can be: 49 rows as 4 x 6 + 5 x 5 rather than 8 x 6 + 1, whose one-row tile has too few sums
- * in flight to hide the FMA's latency (one thread, Zen 3: M 49 x N 512 x K 512 76.8 -> 79.5
- * GFLOP/s, M 25 x 256 x 256 62.2 -> 66.1; the same sums, bit for bit).
+ * Order: rows of C PG_MB at a time (their A stays in L2), then PG_KC steps of the reduction
+ * (other figures for few rows at 16 lanes: pg_blocking), then panel by panel (a panel's steps
+ * stay in L1) every SK_MR rows through the register tile. Meanwhile the next block's A is
+ * prefetched into L2, spread over the block's panels: A streamed from memory otherwise held a
+ * thread to 70 GFLOP/s on K 256 x N 64 over 50176 rows, 80 with it (85-87 on rows in cache). A
+ * block's rows go through the tile in tiles of as equal heights as can be: 49 rows as 4 x 6 + 5
+ * x 5 rather than 8 x 6 + 1, whose one-row tile has too few sums in flight to hide the FMA's
+ * latency (one thread, Zen 3: M 49 x N 512 x K 512 76.8 -> 79.5 GFLOP/s, M 25 x 256 x 256 62.2
+ * -> 66.1; the same sums, bit for bit).
  *
  * A B that stays from call to call (a TEST net's weights, Winograd's U) is packed once
  * (caffepy_panel_pack) and kept by its caller, which then runs caffepy_panel_gemm_packed: at
@@ -31,6 +32,26 @@
 #define PG_NW (SK_Q * SK_W)     /* columns of a panel: one row of the register tile */
 #define PG_MB 192               /* rows of C per block */
 #define PG_KC 512               /* reduction steps per pass over a block */
+#if SK_W == 16
+/* A product of few rows at 16 lanes (a TEST net's at batch 1: the weights come cold from memory
+ * and serve few rows). A panel row is 256 B: 512 steps of it (128 KB) outgrew the 48 KB L1 of
+ * a Sapphire Rapids, 128 (32 KB) stay there. Blocks as equal as can be, up to 384 rows (A's
+ * block, 192 KB, in L2): M 196 in one block, not 192 + 4 whose 4-row tile runs the weights
+ * through a second time. And each panel's weights are fetched into L2 while the panel before
+ * is computed (pg_next_panel). Against the constants above without the fetch, weights cold,
+ * one thread (the machine shared; benchmarks/bench_gemm.py --nhwc times these products):
+ * M 196 N 1024 K 256 115 -> 141 GFLOP/s, 196 x 256 x 2304 126 -> 156, 784 x 512 x 256 124 ->
+ * 135, 49 x 512 x 4608 98 -> 110. Over many rows (ResNet-50 b16's tasks of ~1000) the weights
+ * stay in cache and passes of 128 steps re-read a block's C and read A in shorter runs: its
+ * 1 x 1 layers of K 512-1024 ran 5-11% slower with these, so such products keep the above. */
+#define PG_FEW_ROWS 768
+#define PG_FEW_MB 384
+#define PG_FEW_KC 128
+#else
+#define PG_FEW_ROWS 0
+#define PG_FEW_MB PG_MB
+#define PG_FEW_KC PG_KC
+#endif
 
 /* The calling thread's packing buffer, grown as needed and kept (OpenMP's threads live on);
  * NULL when it cannot grow. */
@@ -85,6 +106,40 @@ static void pg_block(int R, int nj, int K, const float *a, long lda, const float
         memcpy(c + r * ldc, spare + r * PG_NW, sizeof(float) * nj);
 }
 
+/* Rows of C per block and reduction steps per pass for a product of M rows (the header says
+ * why): few rows at 16 lanes in blocks as equal as can be. */
+static inline void pg_blocking(int M, int *mb, int *kc)
+{
+    *mb = PG_MB;
+    *kc = PG_KC;
+    if (M <= PG_FEW_ROWS) {
+        int blocks = M > PG_FEW_MB ? (M + PG_FEW_MB - 1) / PG_FEW_MB : 1;
+        *mb = (M + blocks - 1) / blocks;
+        *kc = PG_FEW_KC;
+    }
+}
+
+/* The weights the panel after (j0, k0) reads next (the next panel's slice of this pass, else
+ * the first panel's of the next pass), `lines` of 16 floats of them in *lines; NULL at the
+ * last, and for a product of many rows, whose weights stay in cache (few: the header). */
+static inline const float *pg_next_panel(int M, int N, int K, int j0, int k0, int kc,
+                                         const float *bp, long *lines)
+{
+    int k1 = k0 + kc;
+    *lines = 0;
+    if (M > PG_FEW_ROWS)
+        return NULL;
+    if (j0 + PG_NW < N) {
+        *lines = (long)(K - k0 < kc ? K - k0 : kc) * PG_NW / 16;
+        return bp + (long)(j0 / PG_NW + 1) * K * PG_NW + (long)k0 * PG_NW;
+    }
+    if (k1 < K) {
+        *lines = (long)(K - k1 < kc ? K - k1 : kc) * PG_NW / 16;
+        return bp + (long)k1 * PG_NW;
+    }
+    return NULL;
+}
+
 /* Floats of op(B) [K, N] packed into panels (caffepy_panel_pack). */
 static inline long caffepy_packed_floats(int N, int K)
 {
@@ -111,13 +166,15 @@ static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long 
         for (int i = 0; i < M; i++)
             for (int j = 0; j < N; j++)
                 c[(long)i * ldc + j] *= beta;
-    for (int i0 = 0; i0 < M; i0 += PG_MB) {
-        int i1 = M - i0 < PG_MB ? M : i0 + PG_MB;
+    int mb, kc;
+    pg_blocking(M, &mb, &kc);
+    for (int i0 = 0; i0 < M; i0 += mb) {
+        int i1 = M - i0 < mb ? M : i0 + mb;
         /* tiles of as equal heights as can be (the header says why) */
         int tiles = (i1 - i0 + SK_MR - 1) / SK_MR, base = (i1 - i0) / tiles;
         int taller = (i1 - i0) % tiles;
-        for (int k0 = 0; k0 < K; k0 += PG_KC) {
-            int kn = K - k0 < PG_KC ? K - k0 : PG_KC;
+        for (int k0 = 0; k0 < K; k0 += kc) {
+            int kn = K - k0 < kc ? K - k0 : kc;
             int accumulate = k0 > 0 || beta != 0.0f;
             for (int j0 = 0; j0 < N; j0 += PG_NW) {
                 int nj = N - j0 < PG_NW ? N - j0 : PG_NW;
@@ -125,12 +182,17 @@ static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long 
                 /* this panel's share of the next block's A lines, fetched into L2 */
                 int lines = (kn + 15) / 16, panels = (N + PG_NW - 1) / PG_NW;
                 int l0 = lines * (j0 / PG_NW) / panels, l1 = lines * (j0 / PG_NW + 1) / panels;
+                /* and a share of the next panel's weights per tile, fetched into L2 */
+                long next_lines;
+                const float *next = pg_next_panel(M, N, K, j0, k0, kc, bp, &next_lines);
                 int i = i0;
                 for (int t = 0; t < tiles; t++) {
                     int h = base + (t < taller);
-                    for (int r = i + PG_MB; r < i + PG_MB + h && r < M; r++)
+                    for (int r = i + mb; r < i + mb + h && r < M; r++)
                         for (int l = l0; l < l1; l++)
                             __builtin_prefetch(a + (long)r * lda + k0 + 16 * l, 0, 2);
+                    for (long l = next_lines * t / tiles; l < next_lines * (t + 1) / tiles; l++)
+                        __builtin_prefetch(next + 16 * l, 0, 2);
                     pg_block(h, nj, kn, a + (long)i * lda + k0, lda, panel,
                              c + (long)i * ldc + j0, ldc, accumulate, spare);
                     i += h;

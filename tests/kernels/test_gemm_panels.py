@@ -5,7 +5,7 @@ the scalars; and through gemm, where the rule sends a shape to it, against the B
 import numpy as np
 import pytest
 
-from caffepy.kernels import common
+from caffepy.kernels import common, nhwc
 
 W = common.SKINNY_WIDTH                 # floats per vector; a panel is 2 (AVX2) or 4 of them
 MR, MB, KC = 6, 192, 512                # the tile's rows, a block's rows, a pass's steps
@@ -141,3 +141,25 @@ def test_one_row_products_read_b_once_and_match_numpy(n, k, trans_b, beta):
     blas = c0.copy()
     common.gemm(a, b, blas, beta, panels=False)
     np.testing.assert_allclose(c, blas, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+# The panels at the width of the build that runs the nets (nhwc's: AVX-512 where the CPU has it,
+# whose blocks and passes differ from the AVX2 build's that `common` serves)
+
+@pytest.mark.parametrize("m", [1, 5, 49, 385, 785])
+@pytest.mark.parametrize("n", [1, 17, 3 * 64 + 5])
+@pytest.mark.parametrize("k", [1, 129, 2 * 128 + 3, KC + 3])
+def test_packed_product_of_the_nets_build_against_numpy(m, n, k):
+    """A 1 x 1 convolution on packed weights (a TEST net's) is one packed product over its
+    pixels: rows past a tile and past blocks of equal heights (385, 785 rows), reduction steps
+    past one pass and several of either build's."""
+    rng = np.random.default_rng(m + 7 * n + 13 * k)
+    x = rng.standard_normal((1, 1, m, k), dtype=np.float32)
+    wt = rng.standard_normal((1, n, k), dtype=np.float32)
+    packed = np.empty(nhwc.packed_floats(1, n, k), np.float32)
+    nhwc.pack_weights(wt, True, packed)
+    y = np.full((1, 1, m, n), np.nan, np.float32)
+    nhwc.conv_forward(x, wt, np.zeros(0, np.float32), y, np.zeros((2, 0), np.float32), n, 1, 1,
+                      0, 0, 1, 1, 1, 1, 1, m, True, None, False, None, packed)
+    want = x[0, 0].astype(np.float64) @ wt[0].T.astype(np.float64)
+    np.testing.assert_allclose(y[0, 0], want, rtol=1e-5, atol=1e-4 * np.sqrt(k))

@@ -88,6 +88,33 @@ def test_packed_weights_of_many_channels_against_the_reference(k, stride, group,
     np.testing.assert_allclose(y.transpose(0, 3, 1, 2), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("with_add", [False, True])
+def test_packed_epilogue_on_whole_vectors(n, relu, with_add):
+    """The epilogue on packed weights over whole vectors and a panel's partial width, with or
+    without a summand, the threads splitting the channels (batch 1) or the rows (batch 3)."""
+    rng = np.random.default_rng(4)
+    c, h, o = 48, 9, 3 * 64 + 21
+    x = rng.standard_normal((n, c, h, h), dtype=np.float32)
+    weights = rng.standard_normal((o, c, 1, 1), dtype=np.float32)
+    scale = rng.standard_normal(o, dtype=np.float32)
+    bias = rng.standard_normal(o, dtype=np.float32)
+    add = rng.standard_normal((n, h, h, o), dtype=np.float32) if with_add else None
+    want = ref.conv_forward(x, weights, None).astype(np.float64)
+    want = want * scale[None, :, None, None] + bias[None, :, None, None]
+    if with_add:
+        want += add.transpose(0, 3, 1, 2)
+    if relu:
+        want = np.maximum(want, 0)
+    xl = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    wt = weights.reshape(1, o, c)
+    y = np.full((n, h, h, o), np.nan, np.float32)
+    nhwc.conv_forward(xl, wt, bias, y, np.zeros((2, 0), np.float32), o, 1, 1, 0, 0, 1, 1, 1, 1,
+                      1, n * h * h, True, scale, relu, add, _packed(wt, True))
+    np.testing.assert_allclose(y.transpose(0, 3, 1, 2), want, rtol=1e-4, atol=1e-4)
+
+
 def test_packed_weights_of_another_shape_are_refused():
     x = np.zeros((1, 2, 2, 3), np.float32)
     wt = np.zeros((1, 4, 3), np.float32)
