@@ -196,12 +196,13 @@ static inline void i8n_finish(int isa, const int32_t *acc, long lda, long p0, in
                 if (sum8) {
                     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sum8 + k)));
                     b = _mm256_sub_epi32(b, _mm256_set1_epi32(le.szp8));
-                    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_cvtepi32_ps(b), _mm256_set1_ps(le.s_inv)));
+                    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_cvtepi32_ps(b),
+                                                      _mm256_set1_ps(le.s_inv)));
                     sk = s;
                 }
-                __m256 y = i8_level8_avx2(_mm256_loadu_si256((const __m256i *)(acc + k)),
-                                          le.bias ? _mm256_loadu_si256((const __m256i *)(le.bias + o0 + k))
-                                                  : _mm256_setzero_si256(),
+                __m256i bias = le.bias ? _mm256_loadu_si256((const __m256i *)(le.bias + o0 + k))
+                                       : _mm256_setzero_si256();
+                __m256 y = i8_level8_avx2(_mm256_loadu_si256((const __m256i *)(acc + k)), bias,
                                           _mm256_loadu_ps(le.mult + o0 + k), sk, &le);
                 if (out8) {
                     __m256i v = _mm256_add_epi32(_mm256_cvtps_epi32(y), _mm256_set1_epi32(le.zp8));
@@ -209,7 +210,8 @@ static inline void i8n_finish(int isa, const int32_t *acc, long lda, long p0, in
                                                  _mm256_extracti128_si256(v, 1));
                     _mm_storel_epi64((__m128i *)(out8 + k), _mm_packus_epi16(w, w));
                 } else {
-                    _mm256_storeu_ps(le.out + idx + k, _mm256_mul_ps(y, _mm256_set1_ps(le.inv_scale_out)));
+                    _mm256_storeu_ps(le.out + idx + k,
+                                     _mm256_mul_ps(y, _mm256_set1_ps(le.inv_scale_out)));
                 }
             }
     #endif
@@ -887,8 +889,8 @@ static void i8w_conv(int isa, int threads, const float *x, int N, int H, int W, 
                     for (int k = 0; k < 4; k++) {
                         int yy = oh + k / 2, xx = ow + k % 2;
                         if (yy < OH && xx < OW)
-                            i8n_finish(isa, y + k * 16, 0, (img * OH + yy) * OW + xx, 1, ot * I8N_NR, n,
-                                       O, e);
+                            i8n_finish(isa, y + k * 16, 0, (img * OH + yy) * OW + xx, 1,
+                                       ot * I8N_NR, n, O, e);
                     }
                 }
             }
