@@ -552,3 +552,22 @@ def test_a_concat_of_int8_tops_of_one_scale_concatenates_the_bytes(monkeypatch):
     other = _net(text.replace(_q(S_C1, S_SUM, SP2) + " }\n" + _relu("relu_b", "b"),
                               _q(S_C1, S_SUM * 2, SP2) + " }\n" + _relu("relu_b", "b")))
     assert not other.layer_dict["cat"].byte_concat and not other.layer_dict["a"].int8.byte_top
+
+
+def test_bytes_across_a_change_of_batch(monkeypatch):
+    """A new batch size: the first forward at it writes floats (the paths are chosen anew), the
+    next hands bytes on in buffers of the new shape; every blob as without bytes."""
+    fast, slow = _byte_nets(monkeypatch)
+    for net in (fast, slow):
+        net.forward()
+        net.forward()
+        net.blobs["data"].reshape(3, 3, 8, 8)
+        net.blobs["data"].data[...] = np.random.default_rng(5).normal(0, 1, (3, 3, 8, 8))
+        net.reshape()
+        net.forward()
+    assert fast.blobs["conv1"].held() is None           # undecided at the new shape: floats
+    for net in (fast, slow):
+        net.forward()
+    assert fast.blobs["conv1"].held().shape == (3, 8, 8, 4)
+    for name in slow.blobs:
+        np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)
