@@ -389,7 +389,7 @@ class Int8:
             self.wu = k.winograd_nhwc_weights(self.wq) if self.winograd_applies() else None
             self.wq = (k.depthwise_nhwc_weights(self.wq, *L.kernel) if L.group > 1
                        else k.nhwc_weights(self.wq, w.shape[1], L.kernel, L.dilation,
-                                           self.isa))
+                                           self.isa, L.stride))
         in_scale = (spec.scale_in * sp).astype(f32)
         zero = sp == 0
         self.mult = np.where(zero, spec.scale_out, spec.scale_out / np.where(zero, 1, in_scale)).astype(f32)

@@ -59,6 +59,8 @@ cdef extern from "int8_nhwc.h" nogil:
     long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int kw, int ph,
                      int pw, int dw, int threads)
     long i8a_quads(int taps, int J)
+    int i8a_wide_rows(int wide, int J, int sw, int kw)
+    long i8a_tile_quads(int taps, int J, int wide_rows)
     int i8n_wide(int C, int kw, int dw)
     long i8n_dw_scratch(int H, int W, int C, int kh, int sh, int dh, int OH, int threads)
     int I8W_MAX_C
@@ -396,23 +398,38 @@ def nhwc_units(int channels, kernel, dilation, str isa="avx2"):
     return (channels + per - 1) // per, kh * kw
 
 
-def nhwc_weights(wq, int channels, kernel=(1, 1), dilation=(1, 1), str isa="avx2"):
+def amx_quads(int channels, kernel, dilation, stride):
+    """(quads of a column tile of the AMX path's weights, whether each tap is a chunk of its
+    own): int8_amx.h i8a_tile_quads, i8a_wide_rows."""
+    units, taps = nhwc_units(channels, kernel, dilation, "amx")
+    wide_rows = i8a_wide_rows(i8n_wide(channels, kernel[1], dilation[1]), units, stride[1],
+                              kernel[1])
+    return i8a_tile_quads(taps, units, wide_rows), bool(wide_rows)
+
+
+def nhwc_weights(wq, int channels, kernel=(1, 1), dilation=(1, 1), str isa="avx2",
+                 stride=(1, 1)):
     """conv_weights' rows [O][kh kw padded(C)] as the channels-last kernel's column tiles
     [ceil(O / 16)][J][16][2] int16 (pairs), or for the VNNI path [ceil(O / 16)][J][16][4] int8
-    (quads; AMX: J rounded up to whole chunks of 16), zero past O and past each tap's channels.
-    For few channels (int8_nhwc.h i8n_wide) a tap is a kernel row: its (kernel column, channel)
-    values, then zero weights."""
+    (quads; AMX: amx_quads, J rounded up to whole chunks of 16, or each tap a chunk where the
+    taps' rows load in place), zero past O and past each tap's channels. For few channels
+    (int8_nhwc.h i8n_wide) a tap is a kernel row: its (kernel column, channel) values, then
+    zero weights."""
     o = wq.shape[0]
     kh, kw = kernel
     units, taps = nhwc_units(channels, kernel, dilation, isa)
     per = 2 if isa in ("generic", "avx2") else 4
     w = np.asarray(wq).reshape(o, kh, kw, padded(channels))[..., :channels]
     w = w.reshape(o, taps, -1)          # a tap's values: one pixel's channels, or a kernel row's
-    out = np.zeros(((o + 15) // 16 * 16, taps, units * per), np.int8 if per == 4 else np.int16)
+    o16 = (o + 15) // 16
+    out = np.zeros((o16 * 16, taps, units * per), np.int8 if per == 4 else np.int16)
     out[:o, :, :w.shape[2]] = w
-    out = out.reshape(-1, 16, taps * units, per)
-    if isa == "amx":
-        out = np.pad(out, ((0, 0), (0, 0), (0, i8a_quads(taps, units) - taps * units), (0, 0)))
+    quads, wide_rows = (amx_quads(channels, kernel, dilation, stride) if isa == "amx"
+                        else (taps * units, False))
+    if wide_rows:       # a chunk a tap
+        out = np.pad(out.reshape(-1, taps, units, per), ((0, 0), (0, 0), (0, 16 - units), (0, 0)))
+    out = out.reshape(o16, 16, -1, per)
+    out = np.pad(out, ((0, 0), (0, 0), (0, quads - out.shape[2]), (0, 0)))
     return np.ascontiguousarray(out.transpose(0, 2, 1, 3))
 
 
@@ -468,7 +485,7 @@ def conv_forward_nhwc(x, w,
     if which >= VNNI:
         w8 = w
         need_shape("conv_forward_nhwc", "w", dims(w8.shape, 4), ((O + 15) // 16, taps * units
-                   if which == VNNI else i8a_quads(taps, units), 16, 4))
+                   if which == VNNI else amx_quads(C, kernel, dilation, stride)[0], 16, 4))
         wp = &w8[0, 0, 0, 0]
     else:
         w16 = w

@@ -46,6 +46,25 @@ static inline long i8a_quads(int taps, int J)
     return ((long)taps * J + I8A_K - 1) / I8A_K * I8A_K;
 }
 
+/* Whether a convolution of few channels (int8_nhwc.h i8n_wide: a tap is a kernel row of J
+ * quads) loads its taps' rows where they lie: the rows of 16 neighbouring output pixels' tap
+ * are sw C bytes apart in the wide rows, so one tile load at that stride reads them, each tap
+ * a chunk of its own (J <= 16 quads, the rest of the 64 bytes times zero weights) instead of
+ * each pixel's taps copied side by side (ResNet-50's conv1: 7 copies of 24 bytes a pixel,
+ * an eighth of its int8 forward at b16). Strides up to the kernel's width (the slack past the
+ * rows, i8n_amx_pixels, assumes it). */
+static inline int i8a_wide_rows(int wide, int J, int sw, int kw)
+{
+    return wide && J <= I8A_K && sw <= kw;
+}
+
+/* The quads of a column tile: i8a_quads, or a chunk a tap where the taps' rows are loaded in
+ * place (i8a_wide_rows) */
+static inline long i8a_tile_quads(int taps, int J, int wide_rows)
+{
+    return wide_rows ? (long)taps * I8A_K : i8a_quads(taps, J);
+}
+
 #ifdef __AVX2__
 #define I8A_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
 
@@ -76,6 +95,36 @@ I8A_TARGET static void i8a_tile(const uint8_t *a, long lda, long chunks, const i
         _tile_dpbusd(2, 5, 6);
         if (b1) {
             _tile_loadd(7, b1 + k * 1024, 64);
+            _tile_dpbusd(1, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(2, c + 16 * ldc, ldc * 4);
+    if (b1) {
+        _tile_stored(1, c + 16, ldc * 4);
+        _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+    }
+}
+
+/* i8a_tile with each chunk t's rows loaded where they lie: the first 16 rows from a0[t], the
+ * next 16 from a1[t], rows lda[t] bytes apart (0: one row of zero points for all) */
+I8A_TARGET static void i8a_tile_taps(const uint8_t *const *a0, const uint8_t *const *a1,
+                                     const long *lda, int chunks, const int8_t *b0,
+                                     const int8_t *b1, int32_t *c, long ldc)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < chunks; k++) {
+        _tile_loadd(4, a0[k], lda[k]);
+        _tile_loadd(5, a1[k], lda[k]);
+        _tile_loadd(6, b0 + (long)k * 1024, 64);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(2, 5, 6);
+        if (b1) {
+            _tile_loadd(7, b1 + (long)k * 1024, 64);
             _tile_dpbusd(1, 4, 7);
             _tile_dpbusd(3, 5, 7);
         }

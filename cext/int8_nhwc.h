@@ -280,13 +280,21 @@ static long i8n_amx_scratch(int taps, int J, int O)
     return I8A_M * (i8a_quads(taps, J) * 4 + (long)(O + 31) / 32 * 32 * 4);
 }
 
+/* Bytes of the zero points after i8n_wide's rows on the AMX path: a tap outside the image
+ * reads 64 of them, and the rows loaded in place (i8a_wide_rows) read up to I8A_M pixels (of
+ * kw C bytes at most) and a chunk past the last row */
+static inline long i8n_amx_wide_zeros(int C, int kw)
+{
+    return (long)(I8A_M + 1) * kw * C + 128;
+}
+
 /* Bytes of the AMX path's quantized pixels and what follows them, to a 64-byte boundary (each
- * thread's buffers start there): i8n_wide's rows and the zeros a tap past them reads, or the
- * pixels and I8A_M rows of slack that a stride-1 1 x 1 convolution's direct row loads read past
- * the last one (i8n_amx_blocks), the first of them the zeros of a tap outside the image */
+ * thread's buffers start there): i8n_wide's rows and their zeros, or the pixels and I8A_M rows
+ * of slack that a stride-1 1 x 1 convolution's direct row loads read past the last one
+ * (i8n_amx_blocks), the first of them the zeros of a tap outside the image */
 static long i8n_amx_pixels(int N, int H, int W, int C, int kw, int pw, int wide, int J)
 {
-    long bytes = wide ? (long)N * H * (W + 2 * pw) * C + (long)kw * C + 4
+    long bytes = wide ? (long)N * H * (W + 2 * pw) * C + i8n_amx_wide_zeros(C, kw)
                       : ((long)N * H * W + I8A_M) * 4 * J + 64;
     return (bytes + 63) / 64 * 64;
 }
@@ -495,6 +503,47 @@ static inline void i8n_taps(const i8n_reads *g, long p, const int32_t **out, int
 }
 
 #ifdef __AVX2__
+/* The AMX path for i8a_wide_rows: blocks of up to I8A_M output pixels of one output row, each
+ * tap a chunk whose 2 x 16 rows are loaded where they lie (sw C bytes apart; a kernel row
+ * outside the image reads one row of zero points, stride 0); pixels past the row's end are
+ * summed and dropped. c: the sums of all output channels (i8n_amx_scratch holds them). */
+I8A_TARGET static void i8n_amx_wide(const i8n_reads *g, int taps, int O, const int8_t *w,
+                                    int32_t *c, const i8_epilogue *e)
+{
+    long kq = i8a_tile_quads(taps, 0, 1), ldc = (O + 31) / 32 * 32;
+    long stride = (long)g->sw * g->C, segs = (g->OW + I8A_M - 1) / I8A_M;
+    long blocks = g->M / g->OW * segs;
+    int tiles = (O + 15) / 16;
+    const uint8_t *a0[taps], *a1[taps];
+    long lda[taps];
+    i8a_begin();
+    #pragma omp for schedule(static)
+    for (long b = 0; b < blocks; b++) {
+        long row = b / segs;                    /* image n's output row oh */
+        int ow0 = (int)(b % segs) * I8A_M, n = (int)(row / g->OH), oh = (int)(row % g->OH);
+        int R = g->OW - ow0 < I8A_M ? g->OW - ow0 : I8A_M;
+        for (int t = 0; t < taps; t++) {
+            int y = oh * g->sh - g->ph + t * g->dh;
+            if (y >= 0 && y < g->H) {
+                a0[t] = (const uint8_t *)g->q + (((long)n * g->H + y) * g->Wq + (long)ow0 * g->sw)
+                        * g->C;
+                a1[t] = a0[t] + 16 * stride;
+                lda[t] = stride;
+            } else {
+                a0[t] = a1[t] = (const uint8_t *)g->zeros;
+                lda[t] = 0;
+            }
+        }
+        for (int t = 0; t < tiles; t += 2) {
+            const int8_t *b0 = w + (long)t * kq * 64;
+            i8a_tile_taps(a0, a1, lda, taps, b0, t + 1 < tiles ? b0 + kq * 64 : NULL, c + t * 16,
+                          ldc);
+        }
+        i8n_finish(I8_AMX, c, ldc, row * g->OW + ow0, R, 0, O, O, e);
+    }
+    i8a_end();
+}
+
 /* The AMX path's blocks of I8A_M output pixels (int8_amx.h), in this thread's share: each
  * block's taps copied into rows of K4 bytes (zeros past taps J quads), every pair of column
  * tiles of the weights (w: kq quads a tile) on the tiles, the sums of all output channels
@@ -515,6 +564,10 @@ static void i8n_amx_blocks(const i8n_reads *g, int taps, int J, int O, const int
      * past its last row) */
     int direct = taps == 1 && !g->wide && g->sh == 1 && g->sw == 1 && g->OH == g->H
                  && g->OW == g->W;
+    if (i8a_wide_rows(g->wide, J, g->sw, g->kw)) {
+        i8n_amx_wide(g, taps, O, w, (int32_t *)buf, e);
+        return;
+    }
     i8a_begin();
     #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++) {
@@ -577,12 +630,14 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
     long M = (long)N * OH * OW, mt = (M + I8N_MR - 1) / I8N_MR;
     long tile = (long)taps * J * 64;
     i8_epilogue shifted;
-    e = i8n_shift(isa, zp, w, O, amx ? i8a_quads(taps, J) : (long)taps * J, e, &shifted);
+    long quads = amx ? i8a_tile_quads(taps, J, i8a_wide_rows(wide, J, sw, kw)) : (long)taps * J;
+    e = i8n_shift(isa, zp, w, O, quads, e, &shifted);
     int block = (int)(I8N_BLOCK_BYTES / tile);
     block = block < 1 ? 1 : block;
     long qbytes = (long)N * H * Wq * pix;
     /* (wide: the byte paths' last quad may read 3 bytes past a row) */
-    long zbytes = !wide ? pix : vb == 1 ? (long)kw * C + 4 : 2 * i8n_wide_zeros(C, kw);
+    long zbytes = !wide ? pix : amx ? i8n_amx_wide_zeros(C, kw)
+                  : vb == 1 ? (long)kw * C + 4 : 2 * i8n_wide_zeros(C, kw);
     const char *pixels = staged ? (const char *)staged : q;
     i8n_reads g = {pixels, pixels + qbytes, M, H, W, OH, OW, kh, kw, ph, pw, sh, sw, dh, dw,
                    wide, Wq, C, vb, pix};

@@ -110,6 +110,10 @@ CONVS = [  # (N, C, H, W, O, group, kernel, pad, stride, dilation)
     (1, 1, 12, 12, 7, 1, (5, 5), (0, 0), (1, 1), (1, 1)),        # LeNet's conv1
     (1, 5, 10, 13, 17, 1, (3, 4), (1, 2), (2, 3), (2, 1)),       # dilated rows only
     (1, 17, 6, 6, 7, 1, (7, 7), (3, 3), (2, 2), (1, 1)),         # K 833 > one k block
+    # AMX: few channels' taps loaded where they lie (int8_amx.h i8a_wide_rows) past 32 pixels
+    # of a row, rows of the image and its padding; a stride wider than the kernel copies them
+    (2, 3, 9, 75, 40, 1, (5, 5), (2, 2), (2, 1), (1, 1)),
+    (1, 3, 8, 20, 20, 1, (3, 2), (1, 0), (1, 3), (1, 1)),
     # column tiles of 16 in register tiles of up to 4 (the VNNI path): 5 = 4 + 1, and 3
     (1, 9, 7, 7, 70, 1, (3, 3), (1, 1), (1, 1), (1, 1)),
     (2, 12, 5, 6, 40, 1, (1, 1), (0, 0), (1, 1), (1, 1)),
@@ -159,7 +163,7 @@ def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, 
     wc = k.conv_weights(wq)
     run = (functools.partial(k.depthwise_nhwc, last(x), k.depthwise_nhwc_weights(wc, *kernel))
            if g > 1 else functools.partial(k.conv_forward_nhwc, last(x),
-                                          k.nhwc_weights(wc, c, kernel, dilation, isa)))
+                                          k.nhwc_weights(wc, c, kernel, dilation, isa, stride)))
     run(bias, mult, got, last(summand), kernel, pad, stride, dilation, 60.0, lo_in, hi_in, 9.5,
         relu, slope, quantize, lo, hi, np.float32(1 / 9.5), isa)
     np.testing.assert_array_equal(got, nhwc)
@@ -347,7 +351,8 @@ def test_bytes_in_and_out_are_the_floats_bits(shape, isa, relu, signed_in):
     if depthwise:
         run = functools.partial(k.depthwise_nhwc, w=k.depthwise_nhwc_weights(wc, *kernel))
     else:
-        run = functools.partial(k.conv_forward_nhwc, w=k.nhwc_weights(wc, c, kernel, dilation, isa))
+        run = functools.partial(k.conv_forward_nhwc, w=k.nhwc_weights(wc, c, kernel, dilation, isa,
+                                                                  stride))
     want = np.empty((n, oh, ow, o), np.float32)
     run(x, bias=bias, mult=mult, top=want, summand=summand, kernel=kernel, pad=pad, stride=stride,
         dilation=dilation, scale_in=scale_in, lo_in=lo_in, hi_in=hi_in, sum_scale=9.5,
