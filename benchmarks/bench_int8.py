@@ -49,8 +49,10 @@ from caffepy.net import Net  # noqa: E402
 
 TREE = os.environ.get("CAFFEPY_INTEL_CAFFE", "/work/intel-caffe")
 INT8 = os.path.join(TREE, "models", "intel_optimized_models", "int8")
-# nets Intel ships no int8 prototxt of: benchmarks/nets.py's deploy net, calibrated here
-CALIBRATED = ("googlenet",)
+# nets Intel ships no int8 prototxt of: benchmarks/nets.py's deploy net, calibrated here; a
+# _full_conv name quantizes the first convolution too (calibrate's first_conv, Intel's -1st, as
+# Intel's own *_int8_full_conv prototxts have it)
+CALIBRATED = ("googlenet", "googlenet_full_conv")
 DEFAULT = ["resnet50_int8_full_perf", "mobilenet_v1_int8_perf", "inceptionv3_int8", "googlenet"]
 _calibrated = {}
 
@@ -81,16 +83,17 @@ def calibrated(name, batch=16):
     """(float32 NetParameter, its int8 NetParameter, the weights as a NetParameter) of a
     CALIBRATED net: the weights its fillers draw (seeded), the scales by calibrate's own steps
     (caffepy/calibrate.py: measure, quantize_param) over one batch of the N(0, 50) input the
-    speed part times (another draw), with calibrate's defaults (the first convolution and the
-    InnerProduct stay float32, weights_channel single) and unify_concat_scales (Intel's -f:
-    the inception modules' concats then pass bytes)."""
+    speed part times (another draw), with calibrate's defaults (the first convolution, but for
+    a _full_conv name, and the InnerProduct stay float32, weights_channel single) and
+    unify_concat_scales (Intel's -f: the inception modules' concats then pass bytes)."""
     if name not in _calibrated:
         from caffepy import calibrate, rng
         rng.seed(1701)
-        param = _input(nets.test_net(name, batch), batch)
+        full = name.endswith("_full_conv")
+        param = _input(nets.test_net(name[:-len("_full_conv")] if full else name, batch), batch)
         net = calibrate._unfolded(param, None, name)
         _fill(net, seed=1)
-        stats = calibrate.measure(net, calibrate._candidates(net, False, False), 1)
+        stats = calibrate.measure(net, calibrate._candidates(net, full, False), 1)
         _calibrated[name] = (param, calibrate.quantize_param(param, net, stats, "single",
                                                              unify_concat_scales=True),
                              net.to_proto())
