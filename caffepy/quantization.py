@@ -96,8 +96,10 @@ def isa():
 
 # what each int8 path runs, for device_query and the logs
 _PATHS = {
-    "amx": "AMX-INT8 tiles for the channels-last convolutions and InnerProduct, AVX2 for the rest",
-    "vnni": "AVX-512 VNNI for the channels-last convolutions and InnerProduct, AVX2 for the rest",
+    "amx": "AMX-INT8 tiles for the channels-last convolutions and InnerProduct, AVX2 for the rest; "
+           "8-bit tops passed between int8 layers as bytes",
+    "vnni": "AVX-512 VNNI for the channels-last convolutions and InnerProduct, AVX2 for the rest; "
+            "8-bit tops passed between int8 layers as bytes",
     "avx2": "AVX2 (16-bit pair products)",
     "generic": "portable C",
 }
