@@ -154,10 +154,10 @@ class Bytes:
     Between two int8 layers whose scales meet (the writer's scale_out is the reader's
     scale_in: Intel's calibrator writes them so) the reader's quantization of those floats
     gives the values back, so it reads the bytes instead: no pass over the floats, and the
-    writer stores a quarter of the bytes. In Intel's ResNet-50 51 of the 53 int8 convolutions
-    hand their tops on so (not conv1's and the last's, which float poolings read): on AMX its
-    forward took 148 -> 104 ms at b16, 23.6 -> 18.6 at b1 (one run, alternating). The blob
-    holds them (Blob.hold) until something reads its floats."""
+    writer stores a quarter of the bytes. In Intel's ResNet-50 52 of the 53 int8 convolutions
+    hand their tops on so (not the last, which a float average pooling reads): on AMX its
+    forward took 148 -> 104 ms at b16, 23.6 -> 18.6 at b1 (51 of them, one run alternating).
+    The blob holds them (Blob.hold) until something reads its floats."""
 
     def __init__(self, shape, lo, scale):
         n, h, w, c = shape
