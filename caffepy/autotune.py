@@ -23,7 +23,11 @@ The cache holds one section per machine (CPU model, the kernels' ISA path, threa
 version), an
 entry per key: the choice and the milliseconds measured. It is read once per process; writes
 re-read it under an exclusive lock (ranks of one node may measure at once), merge, and replace
-the file atomically. A file that does not parse is set aside (warned once) and rebuilt. In a
+the file atomically. A file that does not parse is set aside (warned once) and rebuilt. A
+measurement taken while other processes held cores (the thread rule then gave the candidates
+fewer threads than the section's count: `free_threads() < threads`) is kept for this process
+only: stored under the full thread count it once chose im2col over Winograd for ResNet-50's
+res4 and res5 3x3 layers at b1 for good (forcing Winograd: 33.5 -> 30.9 ms a forward). In a
 multi-rank run every rank takes rank 0's choice (`context.agree`), so the replicas run the same
 arithmetic.
 """
@@ -142,6 +146,13 @@ def measure(candidates, rounds=3, keep=None):
     return best
 
 
+def free_threads():
+    """The threads a kernel's parallel region may have now (the thread rule: the cores other
+    processes leave free)."""
+    from .kernels import common
+    return common.team_limit()
+
+
 def choose(layer, key, candidates, default, threads, prepare=None, margin=1.0):
     """The name of the fastest candidate for `key` on this machine (see the module docstring);
     sets `layer.tuning` to how it was decided, for the log and `caffepy time`. `prepare()`, if
@@ -166,7 +177,11 @@ def choose(layer, key, candidates, default, threads, prepare=None, margin=1.0):
         ms = {name: round(t * 1e3, 3) for name, t in measure(candidates, keep=keep).items()}
         choice = min(ms, key=lambda name: ms[name] * (1.0 if name == default else margin))
         layer.tuning = "measured " + ", ".join(f"{name} {t:g} ms" for name, t in ms.items())
-        store(machine, key, {"choice": choice, "ms": ms})
+        if free_threads() < threads:       # the machine busy: this process's choice alone
+            _loaded().setdefault(machine, {})[key] = {"choice": choice, "ms": ms}
+            layer.tuning += " (other processes busy: not stored)"
+        else:
+            store(machine, key, {"choice": choice, "ms": ms})
     agreed = layer.context.agree(choice)
     if agreed != choice:
         choice, layer.tuning = agreed, "rank 0's choice"

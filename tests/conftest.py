@@ -26,6 +26,14 @@ def _quiet_log():
 
 
 @pytest.fixture(autouse=True)
+def _measurements_stored(monkeypatch):
+    """Whether a measurement is stored depends on other processes' load (autotune.free_threads):
+    the tests see a free machine; tests/test_autotune.py sets it where it is the subject."""
+    from caffepy import autotune
+    monkeypatch.setattr(autotune, "free_threads", lambda: 1 << 16)
+
+
+@pytest.fixture(autouse=True)
 def _pycaffe_name_restored():
     """Loading a Python layer binds `caffe` to caffepy in the process (caffepy/pycaffe_name.py):
     each test ends with the binding it started with."""

@@ -240,3 +240,20 @@ def test_a_new_batch_size_in_a_measured_range_measures_nothing(cache):
         tunings.append(layer.tuning)
     assert "measured" in tunings[0] and "measured" not in tunings[1] and "cached" in tunings[1]
     assert "measured" in tunings[2]
+
+
+def test_a_measurement_on_a_busy_machine_is_not_stored(cache, monkeypatch):
+    """Candidates measured with fewer threads than the section's count (other processes held
+    cores) decide for this process only; the next process measures again."""
+    calls, layer = [], _Layer()
+    monkeypatch.setattr(autotune, "free_threads", lambda: 1)
+    assert autotune.choose(layer, "k1", _candidates(calls), "slow", 2) == "fast"
+    assert layer.tuning.endswith("(other processes busy: not stored)")
+    assert not cache.exists() or "k1" not in cache.read_text()
+    calls.clear()
+    assert autotune.choose(layer, "k1", _candidates(calls), "slow", 2) == "fast"
+    assert layer.tuning == "cached" and calls == []          # this process keeps it
+    autotune._cache = None                                   # a new process, the machine free
+    monkeypatch.setattr(autotune, "free_threads", lambda: 2)
+    assert autotune.choose(layer, "k1", _candidates(calls), "slow", 2) == "fast" and calls
+    assert "k1" in cache.read_text()
