@@ -4,14 +4,13 @@
 The CLI (cli.py) parses the flags; these functions raise CaffepyError for user
 mistakes and log Caffe's messages, so Caffe's log tools read the output.
 """
-import contextlib
 import os
 import signal
 import time as _time
 
 import numpy as np
 
-from . import device, log
+from . import device, log, net_rules
 from .context import SINGLE
 from .engine import set_net_engine
 from .errors import SolverError, UsageError
@@ -413,20 +412,6 @@ __all__ = ["train", "test", "time", "extract_features", "SignalHandler"]
 _FEATURES_COMMIT = 1000          # items per transaction and per progress line, as Caffe's tool
 
 
-@contextlib.contextmanager
-def _env(name, value):
-    """os.environ[name] = value inside the block, as it was after it."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def extract_features(weights, model, blob_names, dataset_names, num_mini_batches, db_type="lmdb"):
     """Caffe's extract_features: run the TEST net `num_mini_batches` times and write each item's
     values of each blob in `blob_names` (comma-separated) as a Datum of float_data into a new
@@ -453,7 +438,7 @@ def extract_features(weights, model, blob_names, dataset_names, num_mini_batches
         # a fused unit computes past them: the net whose layers write every blob
         log.info(f"extract_features: {', '.join(unwritten)} not written by the fused TEST net; "
                  f"running its layers as CAFFEPY_FOLD=0 does")
-        with _env("CAFFEPY_FOLD", "0"):
+        with net_rules.unfolded():
             net = Net(model, phase=TEST, weights=weights)
     for name in blobs:
         if name not in net.blobs:

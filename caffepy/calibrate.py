@@ -29,12 +29,10 @@ ReLU), and an average pooling between two quantized convolutions leaves the seco
 scale_in (Intel's cac step gives it the first's scale_out: its 8-bit pooling keeps the scale;
 caffepy pools in float32).
 """
-import os
-
 import numpy as np
 from google.protobuf import text_format
 
-from . import log
+from . import log, net_rules
 from .errors import CaffepyError, UsageError
 from .net import TEST, Net
 from .quantization import fold_batchnorm  # noqa: F401 (tests fold as calibrate does)
@@ -214,15 +212,8 @@ def _unfolded(param, weights, source):
     """The float32 TEST net with every blob written by its forward (CAFFEPY_FOLD=0): the
     measure reads each convolution's unit output, which a folded net's concat slots leave
     unwritten (GoogLeNet's branches write straight into the concat's top)."""
-    saved = os.environ.get("CAFFEPY_FOLD")
-    os.environ["CAFFEPY_FOLD"] = "0"
-    try:
+    with net_rules.unfolded():
         return Net(param, phase=TEST, weights=weights, source=source)
-    finally:
-        if saved is None:
-            del os.environ["CAFFEPY_FOLD"]
-        else:
-            os.environ["CAFFEPY_FOLD"] = saved
 
 
 def score(net, iterations, skip):

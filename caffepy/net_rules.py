@@ -65,6 +65,7 @@ pass (conv 64 -> 64 3x3 over 16 x 28 x 28 with its ReLU, one TRAIN iteration: 71
 75.6 fused), and ConvSumFusion would give the convolution's top blob the sum's values, which
 net.blobs would then show in place of Caffe's.
 """
+import contextlib
 import os
 import typing
 
@@ -361,6 +362,21 @@ def folding_enabled():
     """CAFFEPY_FOLD: unset or 1 folds a TEST net's BatchNorm and Scale into its convolutions,
     0 runs them as layers."""
     return os.environ.get("CAFFEPY_FOLD", "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+@contextlib.contextmanager
+def unfolded():
+    """Nets built inside the block write every blob (CAFFEPY_FOLD=0), for code that reads blobs
+    a fused unit computes past; the variable as it was after it."""
+    old = os.environ.get("CAFFEPY_FOLD")
+    os.environ["CAFFEPY_FOLD"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["CAFFEPY_FOLD"]
+        else:
+            os.environ["CAFFEPY_FOLD"] = old
 
 
 class ConvBatchNorm:
