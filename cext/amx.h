@@ -49,6 +49,32 @@ __attribute__((target("amx-tile"))) static void amx_configure(void)
     __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
+
+/* The 2 x 2 sum tiles both kernels use: tile 0 (rows 0-15, columns 0-15), 1 (columns 16-31),
+ * 2 (rows 16-31), 3 (both), of 4-byte sums (int32 or float) */
+__attribute__((target("amx-tile"), always_inline)) static inline void amx_zero_sums(void)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* The sum tiles into c (rows ldc sums apart): tile 0, tile 1 with cols2, tiles 2 (and 3 with
+ * cols2) with rows2 */
+__attribute__((target("amx-tile"), always_inline)) static inline void
+amx_store_sums(void *c, long ldc, int rows2, int cols2)
+{
+    char *c0 = (char *)c, *c2 = c0 + 16 * ldc * 4;
+    _tile_stored(0, c0, ldc * 4);
+    if (cols2)
+        _tile_stored(1, c0 + 64, ldc * 4);
+    if (rows2) {
+        _tile_stored(2, c2, ldc * 4);
+        if (cols2)
+            _tile_stored(3, c2 + 64, ldc * 4);
+    }
+}
 #endif
 
 #endif

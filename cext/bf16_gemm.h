@@ -218,10 +218,7 @@ static void bf_tiles(const uint16_t *a, long lda, long chunks, int ms, const uin
                      const uint16_t *b1, float *c, long ldc)
 {
     const char *a0 = (const char *)a, *a1 = a0 + 16 * lda;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_sums();
     for (long k = 0; k < chunks; k++) {
         _tile_loadd(4, a0 + k * 64, lda);
         _tile_loadd(6, b0 + k * 512, 64);
@@ -237,14 +234,7 @@ static void bf_tiles(const uint16_t *a, long lda, long chunks, int ms, const uin
                 _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, c, ldc * 4);
-    if (b1)
-        _tile_stored(1, c + 16, ldc * 4);
-    if (ms > 1) {
-        _tile_stored(2, c + 16 * ldc, ldc * 4);
-        if (b1)
-            _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
-    }
+    amx_store_sums(c, ldc, ms > 1, b1 != NULL);
 }
 
 /* up to two strips of A x two strips of B (ms, ns: 1 or 2) with TDPBF16PS, into c's mr x nr

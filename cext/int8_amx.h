@@ -78,33 +78,33 @@ I8A_TARGET static void i8a_end(void)
     _tile_release();
 }
 
+/* One chunk of k into the sum tiles: 16 rows from a0 and 16 from a1 (rows lda bytes apart),
+ * times the chunk of column tile b0 and of b1 (NULL: b0 alone) */
+I8A_TARGET static inline __attribute__((always_inline)) void
+i8a_chunk(const uint8_t *a0, const uint8_t *a1, long lda, const int8_t *b0, const int8_t *b1)
+{
+    _tile_loadd(4, a0, lda);
+    _tile_loadd(5, a1, lda);
+    _tile_loadd(6, b0, 64);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(2, 5, 6);
+    if (b1) {
+        _tile_loadd(7, b1, 64);
+        _tile_dpbusd(1, 4, 7);
+        _tile_dpbusd(3, 5, 7);
+    }
+}
+
 /* c[r][0 .. 16) and c[r][16 .. 32) (r < 32, rows ldc int32 apart) = rows a[32][chunks 64
  * bytes] (rows lda bytes apart) times the column tiles b0 and b1 (b1 NULL: only the first) */
 I8A_TARGET static void i8a_tile(const uint8_t *a, long lda, long chunks, const int8_t *b0,
                                 const int8_t *b1, int32_t *c, long ldc)
 {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (long k = 0; k < chunks; k++) {
-        _tile_loadd(4, a + k * 64, lda);
-        _tile_loadd(5, a + 16 * lda + k * 64, lda);
-        _tile_loadd(6, b0 + k * 1024, 64);
-        _tile_dpbusd(0, 4, 6);
-        _tile_dpbusd(2, 5, 6);
-        if (b1) {
-            _tile_loadd(7, b1 + k * 1024, 64);
-            _tile_dpbusd(1, 4, 7);
-            _tile_dpbusd(3, 5, 7);
-        }
-    }
-    _tile_stored(0, c, ldc * 4);
-    _tile_stored(2, c + 16 * ldc, ldc * 4);
-    if (b1) {
-        _tile_stored(1, c + 16, ldc * 4);
-        _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
-    }
+    amx_zero_sums();
+    for (long k = 0; k < chunks; k++)
+        i8a_chunk(a + k * 64, a + 16 * lda + k * 64, lda, b0 + k * 1024,
+                  b1 ? b1 + k * 1024 : NULL);
+    amx_store_sums(c, ldc, 1, b1 != NULL);
 }
 
 /* i8a_tile with each chunk t's rows loaded where they lie: the first 16 rows from a0[t], the
@@ -113,28 +113,10 @@ I8A_TARGET static void i8a_tile_taps(const uint8_t *const *a0, const uint8_t *co
                                      const long *lda, int chunks, const int8_t *b0,
                                      const int8_t *b1, int32_t *c, long ldc)
 {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int k = 0; k < chunks; k++) {
-        _tile_loadd(4, a0[k], lda[k]);
-        _tile_loadd(5, a1[k], lda[k]);
-        _tile_loadd(6, b0 + (long)k * 1024, 64);
-        _tile_dpbusd(0, 4, 6);
-        _tile_dpbusd(2, 5, 6);
-        if (b1) {
-            _tile_loadd(7, b1 + (long)k * 1024, 64);
-            _tile_dpbusd(1, 4, 7);
-            _tile_dpbusd(3, 5, 7);
-        }
-    }
-    _tile_stored(0, c, ldc * 4);
-    _tile_stored(2, c + 16 * ldc, ldc * 4);
-    if (b1) {
-        _tile_stored(1, c + 16, ldc * 4);
-        _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
-    }
+    amx_zero_sums();
+    for (int k = 0; k < chunks; k++)
+        i8a_chunk(a0[k], a1[k], lda[k], b0 + (long)k * 1024, b1 ? b1 + (long)k * 1024 : NULL);
+    amx_store_sums(c, ldc, 1, b1 != NULL);
 }
 #endif
 
