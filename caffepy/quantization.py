@@ -169,6 +169,15 @@ class Bytes:
         # the zero points past the pixels stay as made: the kernels write only pixels' channels
         self.array = np.full(kernels().staged_bytes(*shape), self.zp, np.uint8)
 
+    @classmethod
+    def reused(cls, old, shape, lo, scale):
+        """`old` when it holds a top of this shape, range and scale (a layer's buffer kept from
+        forward to forward), else new Bytes."""
+        if old is not None and old.shape == tuple(shape) and old.zp == (128 if lo < 0 else 0) \
+                and old.scale == np.float32(scale):
+            return old
+        return cls(shape, lo, scale)
+
     def fill(self, flat):
         """flat[: count] = the floats, channels-last."""
         kernels().fill_floats(self, flat[:self.count])
@@ -285,11 +294,9 @@ class Int8:
 
     def top_bytes(self, shape, relu, slope):
         """The Bytes this layer's 8-bit top is written into at top `shape` (N, H, W, C)."""
-        lo = self._ranges(relu, slope)[3]
-        b = self._bytes
-        if b is None or b.shape != tuple(shape) or b.zp != (128 if lo < 0 else 0):
-            b = self._bytes = Bytes(shape, lo, self.spec.scale_out)
-        return b
+        self._bytes = Bytes.reused(self._bytes, shape, self._ranges(relu, slope)[3],
+                                   self.spec.scale_out)
+        return self._bytes
 
     def reads(self, held, shape):
         """Whether this layer's kernel reads `held` (a blob's held values) in place of
@@ -297,7 +304,7 @@ class Int8:
         direct or depthwise kernel (not Winograd's int16 rows)."""
         spec, L = self.spec, self.layer
         return (isinstance(held, Bytes) and self.isa in ("vnni", "amx") and self.channels_last
-                and self.decided(shape) and not self.winograd
+                and self._path_for == shape and self.takes_bytes()
                 and held.scale == spec.scale_in and not spec.force_u8
                 and held.zp == (128 if spec.signed_input else 0)
                 and not (L.channels & 1 and L.channels < 8))

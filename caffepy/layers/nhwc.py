@@ -505,10 +505,8 @@ class NHWCPooling(Pooling):
         held = bottom[0].held() if self.byte_pool else None
         if isinstance(held, quantization.Bytes):
             n, c, oh, ow = top[0].shape
-            out = self._bytes
-            if out is None or out.shape != (n, oh, ow, c) or out.zp != held.zp \
-                    or out.scale != held.scale:
-                out = self._bytes = quantization.Bytes((n, oh, ow, c), -held.zp, held.scale)
+            out = self._bytes = quantization.Bytes.reused(self._bytes, (n, oh, ow, c), -held.zp,
+                                                          held.scale)
             quantization.kernels().pool_max_bytes(held, out, self.kernel, self.stride, self.pad)
             top[0].overwrite()
             top[0].hold(out)
@@ -821,11 +819,8 @@ class NHWCConcat(Concat):
         if all(isinstance(h, quantization.Bytes) and (h.scale, h.zp) == (held[0].scale, held[0].zp)
                for h in held):
             n, c, height, width = top[0].shape
-            out = self._bytes
-            if out is None or out.shape != (n, height, width, c) or out.zp != held[0].zp \
-                    or out.scale != held[0].scale:
-                out = self._bytes = quantization.Bytes((n, height, width, c), -held[0].zp,
-                                                       held[0].scale)
+            out = self._bytes = quantization.Bytes.reused(self._bytes, (n, height, width, c),
+                                                          -held[0].zp, held[0].scale)
             quantization.kernels().concat_bytes(held, out)
             top[0].overwrite()
             top[0].hold(out)
