@@ -62,7 +62,8 @@ cdef extern from "int8_nhwc.h" nogil:
     int i8a_wide_rows(int wide, int J, int sw, int kw)
     long i8a_tile_quads(int taps, int J, int wide_rows)
     int i8n_wide(int C, int kw, int dw)
-    long i8n_dw_scratch(int H, int W, int C, int kh, int sh, int dh, int OH, int threads)
+    long i8n_dw_scratch(int isa, int H, int W, int C, int kh, int kw, int sh, int dh, int OH,
+                        int OW, int threads)
     int I8W_MAX_C
     long i8w_scratch(int Cp)
     void i8w_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
@@ -574,7 +575,7 @@ def depthwise_nhwc(x, const float[:, ::1] w, const int32_t[::1] bias,
     threads = threads_for(<Py_ssize_t>N * OH * OW * C * kh * kw)
     if threads < 1:
         threads = 1
-    qf = _scratch(np.float32, i8n_dw_scratch(H, W, C, kh, sh, dh, OH, threads))
+    qf = _scratch(np.float32, i8n_dw_scratch(which, H, W, C, kh, kw, sh, dh, OH, OW, threads))
     accs = _scratch(np.float32, threads * OW * C, 1)
     iaccs = _scratch(np.int32, threads * OW * C, 2)
     cdef float[::1] qv = qf, av = accs

@@ -17,7 +17,8 @@
  * Depthwise (a group per channel): every product u8 x s8 is an integer of at most 2^15 in
  * magnitude and a pixel sums kh * kw of them, so below 512 taps each partial sum is an integer
  * under 2^24, which float32 holds exactly: the sums run as float multiply-adds on the
- * quantized values (exact, in any order) and give the int32 sums the integer kernels give. */
+ * quantized values (exact, in any order) and give the int32 sums the integer kernels give. The
+ * byte paths sum a depthwise convolution in integers instead (int8_vnni.h i8v_dw_row). */
 #ifndef CAFFEPY_INT8_NHWC_H
 #define CAFFEPY_INT8_NHWC_H
 #include "int8_gemm.h"
@@ -968,12 +969,35 @@ static int i8n_dw_band(int W, int C, int kh, int sh, int dh, int OH)
     return band < 1 ? 1 : band > OH ? OH : (int)band;
 }
 
-/* floats of i8n_depthwise's scratch qf for `threads` threads */
-static long i8n_dw_scratch(int H, int W, int C, int kh, int sh, int dh, int OH, int threads)
+/* input rows of one band at most */
+static long i8n_dw_rows(int H, int W, int C, int kh, int sh, int dh, int OH)
 {
     long band = i8n_dw_band(W, C, kh, sh, dh, OH), span = (long)(kh - 1) * dh + 1;
     long rows = (band - 1) * sh + span;
-    return threads * (rows < H ? rows : H) * W * C;
+    return rows < H ? rows : H;
+}
+
+/* bytes of one thread's scratch on the byte paths: the band's input rows as bytes (when they
+ * are not staged), their tap quads (i8v_dw_quads), and an output row's base sums; to 64 */
+static long i8n_dw_thread_bytes(int H, int W, int C, int kh, int kw, int sh, int dh, int OH,
+                                int OW)
+{
+    long rows = i8n_dw_rows(H, W, C, kh, sh, dh, OH);
+    long rb = (C + 3) / 4 * 4;      /* and zero points for taps outside, slack past both */
+    long bytes = rows * ((long)W * rb + i8v_dw_quad_row(OW, C, kw)) + 4L * C + 2 * (rb + 64);
+    return (bytes + 63) / 64 * 64;
+}
+
+/* floats of i8n_depthwise's scratch qf for `threads` threads */
+static long i8n_dw_scratch(int isa, int H, int W, int C, int kh, int kw, int sh, int dh, int OH,
+                           int OW, int threads)
+{
+    long floats = threads * i8n_dw_rows(H, W, C, kh, sh, dh, OH) * W * C;
+    if (i8n_bytes(isa)) {   /* either path's: the byte path falls back to the float sums */
+        long bytes = threads * i8n_dw_thread_bytes(H, W, C, kh, kw, sh, dh, OH, OW) + 64;
+        return bytes / 4 + 1 > floats ? bytes / 4 + 1 : floats;
+    }
+    return floats;
 }
 
 /* x[N][H][W][C] -> e->out [N][OH][OW][C]; w [kh kw][C] (the quantized weights as floats); qf
@@ -981,15 +1005,119 @@ static long i8n_dw_scratch(int H, int W, int C, int kh, int sh, int dh, int OH, 
  * int32. The sums are the float depthwise kernel's (nhwc_dw_rows.h), exact below 512 taps (see
  * the top of this file). staged: the input's quantized values as bytes (i8n_conv's; their
  * zero point zp), x then unread. */
+#ifdef __AVX2__
+/* i8n_depthwise on the byte paths: the band's input rows as bytes (staged, or quantized here),
+ * their tap quads, then each output row's sums (i8v_dw_row) and epilogue. Returns 0 where
+ * memory for the packed weights is short (the caller then takes the float sums). */
+static int i8n_depthwise_bytes(int isa, int threads, const float *x, int N, int H, int W, int C,
+                               int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw,
+                               int OH, int OW, float scale, float lo, float hi, const float *w,
+                               void *scratch, int32_t *iaccs, const uint8_t *staged, int zp,
+                               const i8_epilogue *e)
+{
+    int G = (C + 15) / 16, J = (kw + 3) / 4;
+    long rb = (C + 3) / 4 * 4, line = (long)W * rb, quads = i8v_dw_quad_row(OW, C, kw);
+    if (!staged)        /* quantized here: bytes as a staged input holds them */
+        zp = i8v_zero_point(lo);
+    /* the weights as quads [kh][G][J][16][4]; each kernel row's sums and base = -zp x the
+     * sum of all taps (the zero points a shifted input adds) */
+    int8_t *wq = (int8_t *)calloc((size_t)kh * G * J * 64, 1);
+    int32_t *rowsum = (int32_t *)calloc((size_t)kh * C + C, sizeof(int32_t));
+    if (!wq || !rowsum) {
+        free(wq);
+        free(rowsum);
+        return 0;
+    }
+    int32_t *base = rowsum + (long)kh * C;
+    for (int ky = 0; ky < kh; ky++)
+        for (int kx = 0; kx < kw; kx++)
+            for (int c = 0; c < C; c++) {
+                int v = (int)w[(ky * kw + kx) * C + c];
+                wq[(((long)ky * G + c / 16) * J + kx / 4) * 64 + (c % 16) * 4 + kx % 4] = (int8_t)v;
+                rowsum[(long)ky * C + c] += v;
+                base[c] -= zp * v;
+            }
+    int band = i8n_dw_band(W, C, kh, sh, dh, OH), bands = (OH + band - 1) / band;
+    long per_thread = i8n_dw_thread_bytes(H, W, C, kh, kw, sh, dh, OH, OW);
+    uint8_t *first = (uint8_t *)(((uintptr_t)scratch + 63) / 64 * 64);
+    #pragma omp parallel num_threads(threads)
+    {
+        int me = omp_get_thread_num();
+        uint8_t *mine = first + me * per_thread;
+        int32_t *iacc = iaccs + (long)me * OW * C;
+        long rows_max = i8n_dw_rows(H, W, C, kh, sh, dh, OH);
+        uint8_t *band_in = mine, *zps = mine + rows_max * line + 64;
+        uint8_t *t = zps + (rb + 64) / 64 * 64;
+        int32_t *row_base = (int32_t *)(t + rows_max * quads);
+        memset(zps, zp, (size_t)rb + 16);
+        #pragma omp for schedule(static)
+        for (long item = 0; item < (long)N * bands; item++) {
+            long img = item / bands;
+            int oy0 = (int)(item % bands) * band, oy1 = oy0 + band < OH ? oy0 + band : OH;
+            int r0 = oy0 * sh - ph, r1 = (oy1 - 1) * sh - ph + (kh - 1) * dh + 1;
+            r0 = r0 < 0 ? 0 : r0;
+            r1 = r1 > H ? H : r1;
+            const uint8_t *in;
+            if (staged) {
+                in = staged + (img * H + r0) * line;
+            } else {
+                i8v_quantize_rows(x + (img * H + r0) * W * (long)C, 0, (long)(r1 - r0) * W, C,
+                                  scale, lo, hi, zp, band_in);
+                in = band_in;
+            }
+            for (int r = r0; r < r1; r++)
+                i8v_dw_quads(in + (r - r0) * line, W, C, rb, kw, pw, sw, dw, OW, zps,
+                             t + (r - r0) * quads);
+            for (int oy = oy0; oy < oy1; oy++) {
+                const uint8_t *rows[64];
+                int ky_in[64], n = 0, outside = 0;
+                for (int ky = 0; ky < kh; ky++) {
+                    int iy = oy * sh - ph + ky * dh;
+                    if (iy >= 0 && iy < H) {
+                        rows[n] = t + (iy - r0) * quads;
+                        ky_in[n++] = ky;
+                    } else {
+                        outside = 1;
+                    }
+                }
+                const int32_t *b = base;
+                if (outside) {  /* a kernel row outside reads zero points: zp x its sum */
+                    for (int c = 0; c < C; c++)
+                        row_base[c] = base[c];
+                    for (int ky = 0; ky < kh; ky++) {
+                        int iy = oy * sh - ph + ky * dh;
+                        if (iy < 0 || iy >= H)
+                            for (int c = 0; c < C; c++)
+                                row_base[c] += zp * rowsum[(long)ky * C + c];
+                    }
+                    b = row_base;
+                }
+                i8v_dw_row(rows, ky_in, n, OW, C, kw, wq, b, iacc);
+                i8n_finish(isa, iacc, C, (img * OH + oy) * OW, OW, 0, C, C, e);
+            }
+        }
+    }
+    free(wq);
+    free(rowsum);
+    return 1;
+}
+#endif
+
 static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, int W, int C,
                           int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                           int OW, float scale, float lo, float hi, const float *w, float *qf,
                           float *rows, int32_t *iaccs, const uint8_t *staged, int zp,
                           const i8_epilogue *e)
 {
+#ifdef __AVX2__
+    if (i8n_bytes(isa) && kh <= 64 &&
+        i8n_depthwise_bytes(isa, threads, x, N, H, W, C, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW,
+                            scale, lo, hi, w, qf, iaccs, staged, zp, e))
+        return;
+#endif
     long image = (long)H * W * C, line = (long)W * C;
     int band = i8n_dw_band(W, C, kh, sh, dh, OH), bands = (OH + band - 1) / band;
-    long per_thread = i8n_dw_scratch(H, W, C, kh, sh, dh, OH, 1);
+    long per_thread = i8n_dw_rows(H, W, C, kh, sh, dh, OH) * W * C;
     #pragma omp parallel num_threads(threads)
     {
         int me = omp_get_thread_num();

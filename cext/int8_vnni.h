@@ -140,6 +140,150 @@ static inline void i8v_tile(int nt, int taps, int Jq, const int32_t *const *rows
     default: i8v_tile4(taps, Jq, rows, w, ws, c); break;
     }
 }
+
+/* Depthwise on bytes. vpdpbusd sums 4 byte products into a channel's int32 when the 4 bytes
+ * are that channel's inputs under 4 taps of a kernel row: so each input row is rearranged once
+ * into tap quads, t[g][ox][j][16][4] = the bytes under taps 4 j .. 4 j + 3 of the row for output
+ * column ox, channels 16 g .. 16 g + 15 (a group's columns in a run: the sums read them in turn) (the zero point where a tap falls outside the image,
+ * as a staged tap reads it; anything past the kernel or past C, whose weights are zero), and
+ * every output row that reads the input row sums from it: kh J vpdpbusd per 16 channels of an
+ * output pixel (J = ceil(kw / 4)), where float32 took kh kw multiply-adds on four times the
+ * bytes. */
+
+/* bytes of one input row's tap quads */
+static inline long i8v_dw_quad_row(int OW, int C, int kw)
+{
+    return (long)OW * ((C + 15) / 16) * ((kw + 3) / 4) * 64;
+}
+
+/* The tap quads of one input row: `in` its W pixels, rb bytes apart, then 16 bytes of slack;
+ * zps rb + 16 bytes of zero points. Each tap's 16 bytes are broadcast to the 4 lanes of a
+ * vector and vpshufb moves lane L's channels 4 L .. 4 L + 3 to their places in the quads (no
+ * lane crossing, so AVX512BW alone does it). */
+I8V_TARGET static void i8v_dw_quads(const uint8_t *in, int W, int C, long rb, int kw, int pw,
+                                    int sw, int dw, int OW, const uint8_t *zps, uint8_t *t)
+{
+    int G = (C + 15) / 16, J = (kw + 3) / 4;
+    __m512i pick[4];
+    for (int k = 0; k < 4; k++) {
+        uint8_t idx[64];
+        for (int b = 0; b < 64; b++)    /* byte 4 c + k of lane L: channel 4 L + c of tap k */
+            idx[b] = b % 4 == k ? (uint8_t)(b / 16 * 4 + b % 16 / 4) : 0x80;
+        pick[k] = _mm512_loadu_si512((const void *)idx);
+    }
+    for (int ox = 0; ox < OW; ox++) {
+        int x0 = ox * sw - pw;
+        for (int j = 0; j < J; j++) {
+            const uint8_t *p[4];        /* the pixels under taps 4 j .. 4 j + 3 */
+            for (int k = 0; k < 4; k++) {
+                int kx = 4 * j + k, x = x0 + kx * dw;
+                p[k] = kx < kw && x >= 0 && x < W ? in + x * rb : zps;
+            }
+            uint8_t *tj = t + ((long)ox * J + j) * 64;
+            for (int g = 0; g < G; g++, tj += (long)OW * J * 64) {
+                __m512i a0 = _mm512_shuffle_epi8(
+                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p[0] + 16 * g))),
+                    pick[0]);
+                __m512i a1 = _mm512_shuffle_epi8(
+                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p[1] + 16 * g))),
+                    pick[1]);
+                __m512i a2 = _mm512_shuffle_epi8(
+                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p[2] + 16 * g))),
+                    pick[2]);
+                __m512i a3 = _mm512_shuffle_epi8(
+                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p[3] + 16 * g))),
+                    pick[3]);
+                /* 0xFE: a | b | c */
+                _mm512_storeu_si512((void *)tj,
+                                    _mm512_or_si512(_mm512_ternarylogic_epi32(a0, a1, a2, 0xFE), a3));
+            }
+        }
+    }
+}
+
+/* i8v_dw_row for kernels at most 4 taps wide (one quad a kernel row) and nr kernel rows
+ * inside the image, nr a constant when inlined: the weights stay in registers, and 8 pixels'
+ * chains of vpdpbusd run at once */
+I8V_TARGET static inline __attribute__((always_inline)) void
+i8v_dw_row_quad(const int nr, const uint8_t *const *rows, const int *ky, int OW, int C,
+                const int8_t *w, const int32_t *base, int32_t *acc)
+{
+    int G = (C + 15) / 16;
+    const long step = 64;
+    for (int g = 0; g < G; g++) {
+        int left = C - 16 * g;
+        __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __m512i b = _mm512_maskz_loadu_epi32(m, base + 16 * g), wv[4];
+        const uint8_t *q[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < nr; i++) {
+            wv[i] = _mm512_loadu_si512((const void *)(w + ((long)ky[i] * G + g) * 64));
+            q[i] = rows[i] + (long)g * OW * 64;
+        }
+        int32_t *out = acc + 16 * g;
+        int ox = 0;
+        for (; ox + 8 <= OW; ox += 8) {
+            __m512i a[8];
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++)
+                a[u] = b;
+#pragma GCC unroll 4
+            for (int i = 0; i < nr; i++)
+#pragma GCC unroll 8
+                for (int u = 0; u < 8; u++)
+                    a[u] = _mm512_dpbusd_epi32(a[u], _mm512_loadu_si512(
+                        (const void *)(q[i] + (ox + u) * step)), wv[i]);
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++)
+                _mm512_mask_storeu_epi32(out + (long)(ox + u) * C, m, a[u]);
+        }
+        for (; ox < OW; ox++) {
+            __m512i a = b;
+#pragma GCC unroll 4
+            for (int i = 0; i < nr; i++)
+                a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512((const void *)(q[i] + ox * step)),
+                                        wv[i]);
+            _mm512_mask_storeu_epi32(out + (long)ox * C, m, a);
+        }
+    }
+}
+
+/* acc[ox][c] (c < C, ox < OW) = base[c] + the sums of the kernel rows whose input rows are
+ * inside the image: rows[i] the tap quads of kernel row ky[i], i < n; w [kh][G][J][64] the
+ * weights as quads. A kernel row outside the image reads zero points only: the same sum for
+ * every pixel, which base holds. */
+I8V_TARGET static void i8v_dw_row(const uint8_t *const *rows, const int *ky, int n, int OW,
+                                  int C, int kw, const int8_t *w, const int32_t *base,
+                                  int32_t *acc)
+{
+    int G = (C + 15) / 16, J = (kw + 3) / 4;
+    if (J == 1 && n <= 4) {
+        switch (n) {
+        case 0: i8v_dw_row_quad(0, rows, ky, OW, C, w, base, acc); return;
+        case 1: i8v_dw_row_quad(1, rows, ky, OW, C, w, base, acc); return;
+        case 2: i8v_dw_row_quad(2, rows, ky, OW, C, w, base, acc); return;
+        case 3: i8v_dw_row_quad(3, rows, ky, OW, C, w, base, acc); return;
+        default: i8v_dw_row_quad(4, rows, ky, OW, C, w, base, acc); return;
+        }
+    }
+    long step = (long)J * 64;     /* one output column's quads */
+    for (int g = 0; g < G; g++) {
+        int left = C - 16 * g;
+        __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __m512i b = _mm512_maskz_loadu_epi32(m, base + 16 * g);
+        for (int ox = 0; ox < OW; ox++) {
+            __m512i a0 = b;
+            for (int i = 0; i < n; i++) {
+                const uint8_t *q = rows[i] + ((long)g * OW + ox) * step;
+                const int8_t *wr = w + ((long)ky[i] * G + g) * J * 64;
+                for (int j = 0; j < J; j++, q += 64, wr += 64)
+                    a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512((const void *)q),
+                                             _mm512_loadu_si512((const void *)wr));
+            }
+            _mm512_mask_storeu_epi32(acc + (long)ox * C + 16 * g, m, a0);
+        }
+    }
+}
 #endif
 
 /* bias[o] - zp x (the sum of output o's weights), o < O, into out: the bias a shifted input's
