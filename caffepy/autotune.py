@@ -38,7 +38,7 @@ import time
 
 from . import device, log
 
-VERSION = 17                 # bump when a kernel change makes old measurements meaningless
+VERSION = 18                 # bump when a kernel change makes old measurements meaningless
 _FILE = "autotune.json"
 _cache = None                # {machine: {key: entry}} as read from disk, this process
 _path_read = None
