@@ -6,6 +6,7 @@ import pytest
 
 from caffepy import isa
 from caffepy.kernels.reference import nhwc as ref_nhwc
+from caffepy.kernels.reference import normalization as ref_norm
 from caffepy.kernels.reference import vision as ref
 from caffepy.layers import conv_algorithms
 
@@ -142,6 +143,29 @@ def test_channels_last_pooling_and_depthwise(path):
     wref = w.T.reshape(C, 1, 3, 3).astype(np.float64)
     want = ref.conv_forward(xc, wref, b.astype(np.float64), (1, 1), (1, 1), (1, 1), C)
     np.testing.assert_allclose(yd.transpose(0, 3, 1, 2), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("c", [3, 16, 37, 48])     # one short vector, one whole, a tail, whole
+@pytest.mark.parametrize("size,beta", [(5, 0.75), (5, 0.5), (3, 0.75), (5, 1.0)])
+def test_channels_last_lrn(path, c, size, beta):
+    """The window of 5 from shifted vectors and the inverse roots by estimate and a Newton step
+    (nhwc_lrn_rows.h): within a few ulp of the float64 reference, forward and backward."""
+    k = isa.load("nhwc", path)
+    x = rand(2 * 3 * 4, c, seed=11) * 3
+    xc = x.reshape(2, 3, 4, c).transpose(0, 3, 1, 2).astype(np.float64)
+    y = np.empty_like(x)
+    work = np.empty((k.max_threads(), k.lrn_work_size(c, size)), np.float32)
+    k.lrn_forward(x, y, size, 0.9, beta, 1.5, work)
+    want, scale = ref_norm.lrn_across_forward(xc, size, 0.9, beta, 1.5)
+    np.testing.assert_allclose(y.reshape(2, 3, 4, c).transpose(0, 3, 1, 2), want, rtol=2e-6,
+                               atol=1e-7)
+    dy = rand(2 * 3 * 4, c, seed=12)
+    dx = np.empty_like(x)
+    k.lrn_backward(x, dy, dx, size, 0.9, beta, 1.5, work)
+    dyc = dy.reshape(2, 3, 4, c).transpose(0, 3, 1, 2).astype(np.float64)
+    want_dx = ref_norm.lrn_across_backward(xc, want, scale, dyc, size, 0.9, beta)
+    np.testing.assert_allclose(dx.reshape(2, 3, 4, c).transpose(0, 3, 1, 2), want_dx, rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_channels_last_batchnorm_scale_relu_and_transposes(path):
