@@ -145,6 +145,32 @@ def test_channels_last_pooling_and_depthwise(path):
     np.testing.assert_allclose(yd.transpose(0, 3, 1, 2), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("o", [5, 20, 37, 64, 70])   # whole and part vectors of outputs
+def test_channels_last_direct_forward(path, o):
+    """The direct kernel's register tiles (nhwc_direct.h: vectors of outputs by 6 pixels),
+    pixel counts that leave a short tile, against float64."""
+    k = isa.load("nhwc", path)
+    n, c, h, w, kk, stride, pad = 2, 3, 9, 7, 5, 2, 2     # 5 x 4 outputs: not whole tiles
+    x = rand(n, h, w, c, seed=8)
+    weights = rand(o, c, kk, kk, seed=9)
+    bias = rand(o, seed=10)
+    v, _ = k.direct_widths()
+    op = -(-o // v) * v
+    wp = np.zeros((kk * kk * c, op), np.float32)
+    wp[:, :o] = weights.transpose(2, 3, 1, 0).reshape(-1, o)
+    bp = np.zeros(op, np.float32)
+    bp[:o] = bias
+    oh, ow = (h + 2 * pad - kk) // stride + 1, (w + 2 * pad - kk) // stride + 1
+    geometry = (kk, kk, pad, pad, stride, stride, 1, 1)
+    xpad = np.zeros((k.max_threads(), k.conv_direct_plane(h, w, c, *geometry)), np.float32)
+    y = np.empty((n, oh, ow, o), np.float32)
+    k.conv_direct_forward(x, c, wp, bp, y.reshape(n, -1), o, o, o, 0, xpad, *geometry)
+    want = ref.conv_forward(x.transpose(0, 3, 1, 2).astype(np.float64),
+                            weights.astype(np.float64), bias.astype(np.float64), (pad, pad),
+                            (stride, stride), (1, 1), 1)
+    np.testing.assert_allclose(y.transpose(0, 3, 1, 2), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("c", [3, 16, 37, 48])     # one short vector, one whole, a tail, whole
 @pytest.mark.parametrize("size,beta", [(5, 0.75), (5, 0.5), (3, 0.75), (5, 1.0)])
 def test_channels_last_lrn(path, c, size, beta):
