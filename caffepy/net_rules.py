@@ -833,6 +833,7 @@ def byte_tops(net, units):
         if layer.type == "Convolution":
             layer.int8.byte_top = ok
             layer.int8.byte_readers = int8_readers(li) if ok else []
+            layer.int8.byte_slot = None
             found += ok
         elif layer.type == "Pooling":
             layer.byte_pool = ok
@@ -840,10 +841,26 @@ def byte_tops(net, units):
         else:
             layer.byte_concat = ok
             concats += ok
+    slots = 0
+    for li, (layer, top, kind) in nodes.items():
+        if layer.type != "Concat" or not layer.byte_concat:
+            continue
+        bottoms = net.bottom_vecs[li]
+        for j, b in enumerate(bottoms):
+            w = writer.get(id(b))
+            # an int8 unit's own top (not a Split's) that only this concat reads, once
+            if w is None or nodes[w][0].type != "Convolution" or nodes[w][1] is not b \
+                    or not nodes[w][0].int8.byte_top \
+                    or sum(x is b for x in bottoms) != 1 \
+                    or reads_of(b, range(w, owner[w].last + 1)) != [(li, b)]:
+                continue
+            nodes[w][0].int8.byte_slot = (layer, j, top)
+            slots += 1
     if found:
         log.info(f"int8 tops as bytes: {found} int8 convolution(s), {pools} pooling(s) and "
-                 f"{concats} concat(s) hand their 8-bit tops on as bytes, floats written only "
-                 f"where read (CAFFEPY_INT8_BYTES=0 writes them all)")
+                 f"{concats} concat(s) hand their 8-bit tops on as bytes ({slots} written "
+                 f"straight into a concat's), floats written only where read "
+                 f"(CAFFEPY_INT8_BYTES=0 writes them all)")
     return found
 
 

@@ -157,7 +157,12 @@ class Bytes:
     writer stores a quarter of the bytes. In Intel's ResNet-50 52 of the 53 int8 convolutions
     hand their tops on so (not the last, which a float average pooling reads): on AMX its
     forward took 148 -> 104 ms at b16, 23.6 -> 18.6 at b1 (51 of them, one run alternating).
-    The blob holds them (Blob.hold) until something reads its floats."""
+    The blob holds them (Blob.hold) until something reads its floats.
+
+    A concat's input may be a slot of the concat's own Bytes (`slot`: `whole` the concat's,
+    `offset` its first channel), written there by its int8 layer so the concat copies nothing.
+    """
+    whole, offset = None, 0
 
     def __init__(self, shape, lo, scale):
         n, h, w, c = shape
@@ -177,6 +182,17 @@ class Bytes:
                 and old.scale == np.float32(scale):
             return old
         return cls(shape, lo, scale)
+
+    @classmethod
+    def slot(cls, whole, offset, channels):
+        """Channels [offset, offset + channels) of `whole`'s pixels as Bytes of their own: the
+        same array from that offset on, whole's row, scale and zero point."""
+        part = cls.__new__(cls)
+        n, h, w, _ = whole.shape
+        part.shape, part.count = (n, h, w, channels), n * h * w * channels
+        part.row, part.zp, part.scale, part.inv = whole.row, whole.zp, whole.scale, whole.inv
+        part.array, part.whole, part.offset = whole.array[offset:], whole, offset
+        return part
 
     def fill(self, flat):
         """flat[: count] = the floats, channels-last."""
@@ -280,6 +296,9 @@ class Int8:
         # net_rules.byte_tops: every reader of the top takes it as Bytes (the int8 convolutions
         # among them, which must run their int8 kernels to: byte_readers); the buffer, reused
         self.byte_top, self.byte_readers, self._bytes = False, [], None
+        # (concat layer, bottom index, the concat's top) when the top is a concat's input that
+        # only the concat reads: the bytes are written into the concat's (NHWCConcat.slot_bytes)
+        self.byte_slot = None
 
     def decided(self, shape):
         """Whether this layer runs its int8 kernels at input `shape`, as chosen at an earlier
@@ -293,9 +312,13 @@ class Int8:
         return self._path_for is not None and self.path == INT8 and not self.winograd
 
     def top_bytes(self, shape, relu, slope):
-        """The Bytes this layer's 8-bit top is written into at top `shape` (N, H, W, C)."""
-        self._bytes = Bytes.reused(self._bytes, shape, self._ranges(relu, slope)[3],
-                                   self.spec.scale_out)
+        """The Bytes this layer's 8-bit top is written into at top `shape` (N, H, W, C): its own,
+        or its run of a concat's (byte_slot)."""
+        lo = self._ranges(relu, slope)[3]
+        if self.byte_slot is not None:
+            concat, j, whole = self.byte_slot
+            return concat.slot_bytes(whole, j, lo, self.spec.scale_out)
+        self._bytes = Bytes.reused(self._bytes, shape, lo, self.spec.scale_out)
         return self._bytes
 
     def reads(self, held, shape):

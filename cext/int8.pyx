@@ -252,6 +252,9 @@ def concat_bytes(parts, y):
     need(yv.shape[0] >= P * y.row, "concat_bytes", "y", "needs its pixels' bytes", yv.shape[0])
     cdef int threads = threads_for(P * c)
     for x in parts:
+        if x.whole is y and x.offset == offset:       # written in place by its layer
+            offset += x.shape[3]
+            continue
         xv, C, xr = x.array, x.shape[3], x.row
         need(xv.shape[0] >= P * xr, "concat_bytes", "parts", "need their pixels' bytes",
              xv.shape[0])
@@ -291,10 +294,16 @@ cdef const uint8_t *_staged(str kernel, staged, tuple shape, float lo_in) except
 
 
 def _bytes_epilogue(str kernel, out_bytes, summand_bytes, bint quantize, tuple top):
-    """Check the 8-bit top and summand given as bytes against the top's shape."""
+    """Check the 8-bit top and summand given as bytes against the top's shape. A top may be a
+    concat's slot (quantization.Bytes.slot): its pixels' channels in wider rows."""
     n, h, w, c = top
     for what, b in (("out_bytes", out_bytes), ("summand_bytes", summand_bytes)):
         if b is None:
+            continue
+        if what == "out_bytes" and b.row > 4 * ((c + 3) // 4):
+            need(b.array.dtype == np.uint8 and b.array.shape[0] >= (n * h * w - 1) * b.row + c,
+                 kernel, what, "needs uint8 rows holding the pixels' channels",
+                 (b.array.shape, b.row))
             continue
         need(b.row == 4 * ((c + 3) // 4) and b.array.dtype == np.uint8
              and b.array.shape[0] >= staged_bytes(n, h, w, c), kernel, what,

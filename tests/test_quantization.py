@@ -543,10 +543,24 @@ def test_a_concat_of_int8_tops_of_one_scale_concatenates_the_bytes(monkeypatch):
     fast, slow = _byte_nets(monkeypatch, text)
     assert fast.layer_dict["cat"].byte_concat and not slow.layer_dict["cat"].byte_concat
     assert fast.layer_dict["a"].int8.byte_top and fast.layer_dict["b"].int8.byte_top
+    # only the concat reads a and b: each writes its run of the concat's bytes, not copied
+    assert [fast.layer_dict[n].int8.byte_slot[1] for n in ("a", "b")] == [0, 1]
     for net in (fast, slow):
         net.forward()
         net.forward()
+    whole = fast.layer_dict["cat"]._bytes       # (its floats filled in: avg read them)
+    assert fast.blobs["a"].held().whole is whole and fast.blobs["b"].held().offset == 4
     for name in ("c", "avg", "cat", "a", "b"):
+        np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)
+    # a read by an int8 layer of its own too: a's bytes its own, copied; b's still in place
+    shared = text + _conv("d", "a", 4, 1, _q(S_SUM, S_SUM, SP2))
+    fast, slow = _byte_nets(monkeypatch, shared)
+    assert fast.layer_dict["a"].int8.byte_top and fast.layer_dict["a"].int8.byte_slot is None
+    assert fast.layer_dict["b"].int8.byte_slot[1] == 1
+    for net in (fast, slow):
+        net.forward()
+        net.forward()
+    for name in ("c", "avg", "cat", "a", "b", "d"):
         np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)
     # a branch of another scale: the concat stays float, and so do the branches' tops
     other = _net(text.replace(_q(S_C1, S_SUM, SP2) + " }\n" + _relu("relu_b", "b"),

@@ -798,9 +798,18 @@ class NHWCConcat(Concat):
     layout = NHWC
     placed = None
     # net_rules.byte_tops: a TEST net's concat of int8 layers' 8-bit tops of one scale, which
-    # concatenates their bytes (quantization.Bytes) when every bottom holds them
+    # concatenates their bytes (quantization.Bytes) when every bottom holds them; the int8
+    # units whose top only it reads write their bytes into its own (slot_bytes), not copied
     byte_concat = False
     _bytes = None
+
+    def slot_bytes(self, top, j, lo, scale):
+        """Bottom j's channels of this concat's Bytes for `top` (its top blob), lo and scale
+        the 8-bit range and scale of every bottom: where bottom j's unit writes its bytes."""
+        n, c, height, width = top.shape
+        self._bytes = quantization.Bytes.reused(self._bytes, (n, height, width, c), lo, scale)
+        lo_j, hi_j = self.runs[j]
+        return quantization.Bytes.slot(self._bytes, int(lo_j), int(hi_j - lo_j))
 
     @classmethod
     def wanted(cls, request):
