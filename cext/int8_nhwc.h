@@ -1000,11 +1000,6 @@ static long i8n_dw_scratch(int isa, int H, int W, int C, int kh, int kw, int sh,
     return floats;
 }
 
-/* x[N][H][W][C] -> e->out [N][OH][OW][C]; w [kh kw][C] (the quantized weights as floats); qf
- * scratch of i8n_dw_scratch's floats; rows scratch threads x OW x C floats, iaccs as many
- * int32. The sums are the float depthwise kernel's (nhwc_dw_rows.h), exact below 512 taps (see
- * the top of this file). staged: the input's quantized values as bytes (i8n_conv's; their
- * zero point zp), x then unread. */
 #ifdef __AVX2__
 /* i8n_depthwise on the byte paths: the band's input rows as bytes (staged, or quantized here),
  * their tap quads, then each output row's sums (i8v_dw_row) and epilogue. Returns 0 where
@@ -1103,6 +1098,11 @@ static int i8n_depthwise_bytes(int isa, int threads, const float *x, int N, int 
 }
 #endif
 
+/* x[N][H][W][C] -> e->out [N][OH][OW][C]; w [kh kw][C] (the quantized weights as floats); qf
+ * scratch of i8n_dw_scratch's floats; rows scratch threads x OW x C floats, iaccs as many
+ * int32. The sums are the float depthwise kernel's (nhwc_dw_rows.h), exact below 512 taps (see
+ * the top of this file). staged: the input's quantized values as bytes (i8n_conv's; their
+ * zero point zp), x then unread. */
 static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, int W, int C,
                           int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                           int OW, float scale, float lo, float hi, const float *w, float *qf,

@@ -102,6 +102,9 @@ CONVS = [  # (N, C, H, W, O, group, kernel, pad, stride, dilation)
     (1, 6, 7, 7, 6, 6, (3, 3), (1, 1), (1, 1), (1, 1)),          # depthwise
     (2, 5, 9, 8, 5, 5, (3, 3), (1, 1), (2, 2), (1, 1)),          # depthwise, stride 2
     (1, 3, 21, 19, 3, 3, (3, 3), (2, 2), (1, 1), (2, 2)),        # depthwise, dilated, 16+ wide
+    # depthwise on bytes (int8_vnni.h i8v_dw_*): 16-channel groups and a tail, a kernel row of
+    # two tap quads, strides apart
+    (1, 40, 9, 11, 40, 40, (5, 5), (2, 2), (1, 2), (1, 1)),
     (2, 5, 10, 9, 20, 1, (1, 1), (0, 0), (1, 1), (1, 1)),        # odd channels, 20 rows
     (1, 6, 5, 5, 4, 2, (1, 1), (0, 0), (1, 1), (1, 1)),          # odd channels per group
     (1, 3, 11, 11, 4, 1, (3, 3), (2, 2), (1, 1), (2, 2)),        # dilated
