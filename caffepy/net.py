@@ -619,8 +619,10 @@ class Net:
     def unwritten_blobs(self):
         """Names of the blobs this net's forward may leave unwritten (their values stale): in a
         TEST net, the convolution tops that a fused unit computes past (ResNet's
-        `res2a_branch2c`, ...: the sum is written straight into the Eltwise's top) and the
-        branches written straight into a concat's top (GoogLeNet's `inception_3a/1x1`, ...).
+        `res2a_branch2c`, ...: the sum is written straight into the Eltwise's top), the blobs
+        between a chain's layers (Intel's Inception-v3: `conv_1_1_conv2d`, `..._bn` before
+        `..._relu`) and the branches written straight into a concat's top (GoogLeNet's
+        `inception_3a/1x1`, ...).
         CAFFEPY_FOLD=0 builds a net that writes them all; a TRAIN net always does."""
         skipped = net_rules.unwritten(self)
         return [name for name, blob in self.blobs.items() if any(blob is b for b in skipped)]

@@ -387,11 +387,15 @@ class ConvBatchNorm:
     in its epilogue, on the rows it has just written (no pass over the output of their own);
     another algorithm computes with them folded into its weights and bias, and takes the ReLU
     into its stores where it `fuses_relu` (Winograd, direct, depthwise; else the ReLU runs as a
-    pass). Folding costs once, not every forward: the folded weights and what the algorithm
-    derives from them (Winograd's U, reordered weights) are kept, and the check for changed
-    weights reads no float while nothing outside holds them (blob.Seen). (ResNet-50 b1's res3
-    and res4 3 x 3 units, which a cost model of rereading the weights ran as their layers, take
-    6-14% less time folded.) A ReLU alone goes into the stores of an algorithm that takes one."""
+    pass). The BatchNorm, Scale and ReLU may also each write a blob of their own from the one
+    before, that blob read by nothing else (Intel's Inception-v3 prototxts: conv -> conv_bn ->
+    conv_relu): the unit then writes the last, and the blobs between are not written
+    (net.unwritten_blobs; CAFFEPY_FOLD=0 writes them). Folding costs once, not every forward:
+    the folded weights and what the algorithm derives from them (Winograd's U, reordered
+    weights) are kept, and the check for changed weights reads no float while nothing outside
+    holds them (blob.Seen). (ResNet-50 b1's res3 and res4 3 x 3 units, which a cost model of
+    rereading the weights ran as their layers, take 6-14% less time folded.) A ReLU alone goes
+    into the stores of an algorithm that takes one."""
     name = "Convolution+BatchNorm(+Scale)(+ReLU)"
 
     def find(self, net, rule=None):
@@ -400,6 +404,27 @@ class ConvBatchNorm:
         if net.phase != caffe_pb2.TEST or not folding_enabled():
             return []
         rule = rule or self
+        readers = {}
+        for li, bottoms in enumerate(net.bottom_vecs):
+            for b in bottoms:
+                readers.setdefault(id(b), set()).add(li)
+
+        def link(li, layer_type, x):
+            """Layer li's top when it is a `layer_type` on x in place or, in this rule's own
+            search, the next link of a chain of tops (Int8Unit._next); else None."""
+            if rule is not self:
+                return x if in_place_on(net, li, x) and net.layers[li].type == layer_type \
+                    else None
+            return Int8Unit._next(net, li, layer_type, x, readers)
+
+        def step(li, layer_type, x):
+            return link(li, layer_type, x) if takes_part(net, li, rule, layer_type) else None
+
+        def relu_step(li, x):
+            y = link(li, "ReLU", x) if li < len(net.layers) else None
+            return (y if y is not None and net.layers[li].slope >= 0
+                    and not caffe_engine(net.layers[li].param, net.param) else None)
+
         units = []
         for li in range(len(net.layers) - 1):
             conv = net.layers[li]
@@ -407,16 +432,17 @@ class ConvBatchNorm:
                     and len(net.bottom_vecs[li]) == 1 and len(net.top_vecs[li]) == 1):
                 continue
             y = net.top_vecs[li][0]
-            if relu_in_place(net, li + 1, y):           # no BatchNorm: the ReLU alone
+            if relu_step(li + 1, y) is not None:        # no BatchNorm: the ReLU alone
                 units.append(Unit(self, li, li + 1))
                 continue
-            if not (in_place_on(net, li + 1, y) and takes_part(net, li + 1, rule, "BatchNorm")
-                    and net.layers[li + 1].use_global_stats and not net.layers[li + 1].relu):
+            x = step(li + 1, "BatchNorm", y)
+            if x is None or not net.layers[li + 1].use_global_stats or net.layers[li + 1].relu:
                 continue
             last = li + 1
-            if in_place_on(net, last + 1, y) and takes_part(net, last + 1, rule, "Scale"):
-                last += 1
-            if relu_in_place(net, last + 1, y):
+            z = step(last + 1, "Scale", x) if last + 1 < len(net.layers) else None
+            if z is not None and len(net.bottom_vecs[last + 1]) == 1:
+                last, x = last + 1, z
+            if relu_step(last + 1, x) is not None:
                 last += 1
             units.append(Unit(self, li, last))
         return units
@@ -428,7 +454,10 @@ class ConvBatchNorm:
     @staticmethod
     def forward(net, unit, last):
         first = unit.first
-        conv, bottom, top = net.layers[first], net.bottom_vecs[first], net.top_vecs[first]
+        conv, bottom = net.layers[first], net.bottom_vecs[first]
+        # the unit's value goes to its last top: the convolution's own, or a chain's end (the
+        # blobs between then unwritten)
+        top = net.top_vecs[last]
         bn, scale, _, _, relu = parts(net, unit, last)
         # the epilogue's and the stores' ReLU has no slope: a leaky one runs after them
         plain = relu is not None and relu.slope == 0
@@ -440,10 +469,10 @@ class ConvBatchNorm:
             if not (plain and conv.forward_relu(bottom, top, out)):
                 out = None
                 conv.forward(bottom, top)
-                relu.forward(net.bottom_vecs[last], net.top_vecs[last])
+                relu.forward(top, top)
         elif not conv.forward_folded(bottom, top, bn, scale, plain, out=out) or (
                 relu is not None and not plain):
-            relu.forward(net.bottom_vecs[last], net.top_vecs[last])
+            relu.forward(top, top)
         if slot is not None:
             slot.concat.placed[slot.index] = out is not None
 
@@ -662,7 +691,7 @@ def concat_slots(net, units):
     for li, bottoms in enumerate(net.bottom_vecs):
         for b in bottoms:
             readers.setdefault(id(b), set()).add(li)
-    makers = {id(net.top_vecs[u.first][0]): u for u in units.values()
+    makers = {id(net.top_vecs[u.last][0]): u for u in units.values()
               if u.rule is CONV_BATCHNORM and len(net.top_vecs[u.first]) == 1}
     slots, concats = {}, 0
     for li, layer in enumerate(net.layers):
@@ -867,19 +896,20 @@ def byte_tops(net, units):
 def unwritten(net):
     """The blobs a TEST net's units may leave unwritten: a block end's convolution top (ConvSum,
     and an int8 unit with its sum: the sum is written straight into the Eltwise's top), the
-    blobs between an int8 unit's layers when they are not in place, and the tops of the units
-    that write into a concat (ConcatSlot). CAFFEPY_FOLD=0 writes the float units' (an int8
-    unit's are never written, as in Intel's compiled net: engine: CAFFE runs its layers apart)."""
+    blobs between a unit's layers when they are not in place (Int8, ConvBatchNorm), and the
+    tops of the units that write into a concat (ConcatSlot). CAFFEPY_FOLD=0 writes the float
+    units' (an int8 unit's are never written, as in Intel's compiled net: engine: CAFFE runs
+    its layers apart)."""
     out = []
     for u in net._units.values():
         y = net.top_vecs[u.first][0]
         top = net.top_vecs[u.last][0]
-        if u.rule is INT8:      # the blobs inside the unit: a chain's, or the sum's bottom
+        if u.rule in (INT8, CONV_BATCHNORM):    # the blobs inside: a chain's, a sum's bottom
             out.extend(b for b in {id(net.top_vecs[li][0]): net.top_vecs[li][0]
                                    for li in range(u.first, u.last)}.values() if b is not top)
         elif u.rule is CONV_SUM and y is not top:
             out.append(y)
-    out.extend(net.top_vecs[first][0] for first in net._concat_slots)
+    out.extend(net.top_vecs[net._units[first].last][0] for first in net._concat_slots)
     return out
 
 

@@ -491,8 +491,9 @@ def _fold_units(net):
 
 
 def _same_blobs(folded, plain, what):
-    """Folding rounds the products differently: within 1e-5 of each blob's largest value."""
-    for name in plain.blobs:
+    """Folding rounds the products differently: within 1e-5 of each blob's largest value (the
+    blobs a chain's unit leaves unwritten aside)."""
+    for name in set(plain.blobs) - set(folded.unwritten_blobs()):
         got, want = folded.blobs[name].data, plain.blobs[name].data
         assert float(np.abs(got - want).max()) <= 1e-5 * max(1.0, float(np.abs(want).max())), \
             f"{what}: {name}"
@@ -500,10 +501,11 @@ def _same_blobs(folded, plain, what):
 
 def test_folding_finds_in_place_chains_of_test_nets_only(tmp_path, monkeypatch):
     folded, plain = _fold_twins(tmp_path, monkeypatch)
-    # bn4 writes a top of its own (the convolution's output stays readable): not folded;
-    # conv5 and conv6 have a ReLU alone (GoogLeNet's form)
+    # bn4 writes a top of its own from conv4's, which nothing else reads: a chain (Intel's
+    # Inception-v3 form), conv4 then unwritten; conv5 and conv6 have a ReLU alone (GoogLeNet's)
     assert _fold_units(folded) == {"conv1": "relu1", "conv2": "relu2", "conv3": "bn3",
-                                   "conv5": "relu5", "conv6": "relu6"}
+                                   "conv4": "scale4", "conv5": "relu5", "conv6": "relu6"}
+    assert folded.unwritten_blobs() == ["conv4"] and plain.unwritten_blobs() == []
     assert _fold_units(plain) == {}
     (tmp_path / "train.prototxt").write_text(FOLD_NET)
     assert _fold_units(Net(str(tmp_path / "train.prototxt"), caffepy.TRAIN)) == {}
@@ -793,6 +795,38 @@ def test_concat_in_place_finds_the_units_that_feed_it(tmp_path, monkeypatch):
 
 GEMMS = {"b1x1": "gemm", "b3x3": "im2col+gemm", "b5x5": "im2col+gemm", "proj": "gemm",
          "dw": "depthwise"}
+
+
+def _chained(text, name):
+    """_branch's `name` with each of its BatchNorm, Scale and ReLU writing a top of its own
+    (Intel's Inception-v3 form: conv -> conv_bn -> ... -> conv_relu)."""
+    bn = f'"{name}_bn" type: "BatchNorm" bottom: "{name}" top: "{name}"'
+    text = (text.replace(bn, bn[:-1] + '_b"')
+            .replace(f'"{name}_scale" type: "Scale" bottom: "{name}" top: "{name}"',
+                     f'"{name}_scale" type: "Scale" bottom: "{name}_b" top: "{name}_s"')
+            .replace(f'"{name}_relu" type: "ReLU" bottom: "{name}" top: "{name}"',
+                     f'"{name}_relu" type: "ReLU" bottom: "{name}_s" top: "{name}_r"'))
+    return text.replace(f'bottom: "{name}" bottom:', f'bottom: "{name}_r" bottom:')
+
+
+def test_a_chain_of_tops_runs_as_one_unit_into_the_concat(tmp_path, monkeypatch):
+    """CONCAT_NET with b3x3's BatchNorm, Scale and ReLU each writing a blob of its own: one
+    unit, written into the concat's top; the blobs before the last unwritten, the concat's top
+    and everything after it as the layers compute them."""
+    text = _chained(CONCAT_NET, "b3x3")
+    assert 'bottom: "b3x3_r"' in text and 'top: "b3x3_b"' in text
+    folded, plain = _fold_twins(tmp_path, monkeypatch, text=text)
+    assert _fold_units(folded)["b3x3"] == "b3x3_relu"
+    assert folded.layers[next(f for f in folded._concat_slots
+                              if folded.layers[f].name == "b3x3")].name == "b3x3"
+    assert set(folded.unwritten_blobs()) == {"b1x1", "b3x3", "b3x3_b", "b3x3_s", "b3x3_r",
+                                             "b5x5", "proj", "dw"}
+    for net in (folded, plain):
+        net.forward()
+        net.forward()
+    _same_blobs(folded, plain, "chain")
+    # CAFFEPY_FOLD=0 writes every blob of the chain
+    assert all(np.isfinite(plain.blobs[n].data).all() for n in ("b3x3", "b3x3_b", "b3x3_s"))
 
 
 @pytest.mark.parametrize("algorithms", [GEMMS, {**GEMMS, "b3x3": "winograd F(4,3)"},
