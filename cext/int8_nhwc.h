@@ -977,6 +977,19 @@ static long i8n_dw_rows(int H, int W, int C, int kh, int sh, int dh, int OH)
     return rows < H ? rows : H;
 }
 
+/* Band `item` of the depthwise drivers (bands of `band` output rows, `bands` an image): its
+ * image, output rows [oy0, oy1) and the input rows [r0, r1) they read, clipped to the image */
+static inline long i8n_dw_item(long item, int bands, int band, int OH, int H, int kh, int sh,
+                               int ph, int dh, int *oy0, int *oy1, int *r0, int *r1)
+{
+    *oy0 = (int)(item % bands) * band;
+    *oy1 = *oy0 + band < OH ? *oy0 + band : OH;
+    int lo = *oy0 * sh - ph, hi = (*oy1 - 1) * sh - ph + (kh - 1) * dh + 1;
+    *r0 = lo < 0 ? 0 : lo;
+    *r1 = hi > H ? H : hi;
+    return item / bands;
+}
+
 /* bytes of one thread's scratch on the byte paths: the band's input rows as bytes (when they
  * are not staged), their tap quads (i8v_dw_quads), and an output row's base sums; to 64 */
 static long i8n_dw_thread_bytes(int H, int W, int C, int kh, int kw, int sh, int dh, int OH,
@@ -1047,11 +1060,8 @@ static int i8n_depthwise_bytes(int isa, int threads, const float *x, int N, int 
         memset(zps, zp, (size_t)rb + 16);
         #pragma omp for schedule(static)
         for (long item = 0; item < (long)N * bands; item++) {
-            long img = item / bands;
-            int oy0 = (int)(item % bands) * band, oy1 = oy0 + band < OH ? oy0 + band : OH;
-            int r0 = oy0 * sh - ph, r1 = (oy1 - 1) * sh - ph + (kh - 1) * dh + 1;
-            r0 = r0 < 0 ? 0 : r0;
-            r1 = r1 > H ? H : r1;
+            int oy0, oy1, r0, r1;
+            long img = i8n_dw_item(item, bands, band, OH, H, kh, sh, ph, dh, &oy0, &oy1, &r0, &r1);
             const uint8_t *in;
             if (staged) {
                 in = staged + (img * H + r0) * line;
@@ -1126,12 +1136,8 @@ static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, in
         int32_t *iacc = iaccs + (long)me * OW * C;
         #pragma omp for schedule(static)
         for (long item = 0; item < (long)N * bands; item++) {
-            long img = item / bands;
-            int oy0 = (int)(item % bands) * band, oy1 = oy0 + band < OH ? oy0 + band : OH;
-            /* input rows [r0, r1) of the image, clipped to it */
-            int r0 = oy0 * sh - ph, r1 = (oy1 - 1) * sh - ph + (kh - 1) * dh + 1;
-            r0 = r0 < 0 ? 0 : r0;
-            r1 = r1 > H ? H : r1;
+            int oy0, oy1, r0, r1;
+            long img = i8n_dw_item(item, bands, band, OH, H, kh, sh, ph, dh, &oy0, &oy1, &r0, &r1);
             long i = 0, n = (long)(r1 - r0) * line;
             if (staged) {       /* the values from their bytes, pixel by pixel */
                 long row = (C + 3) / 4 * 4;

@@ -182,20 +182,11 @@ I8V_TARGET static void i8v_dw_quads(const uint8_t *in, int W, int C, long rb, in
             }
             uint8_t *tj = t + ((long)ox * J + j) * 64;
             for (int g = 0; g < G; g++, tj += (long)OW * J * 64) {
-                __m512i a0 = _mm512_shuffle_epi8(
-                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p[0] + 16 * g))),
-                    pick[0]);
-                __m512i a1 = _mm512_shuffle_epi8(
-                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p[1] + 16 * g))),
-                    pick[1]);
-                __m512i a2 = _mm512_shuffle_epi8(
-                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p[2] + 16 * g))),
-                    pick[2]);
-                __m512i a3 = _mm512_shuffle_epi8(
-                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p[3] + 16 * g))),
-                    pick[3]);
-                /* 0xFE: a | b | c */
-                __m512i q = _mm512_or_si512(_mm512_ternarylogic_epi32(a0, a1, a2, 0xFE), a3);
+                __m512i q = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++)
+                    q = _mm512_or_si512(q, _mm512_shuffle_epi8(_mm512_broadcast_i32x4(
+                        _mm_loadu_si128((const __m128i *)(p[k] + 16 * g))), pick[k]));
                 _mm512_storeu_si512((void *)tj, q);
             }
         }
