@@ -140,10 +140,25 @@ def in_place_on(net, li, x):
             and net.top_vecs[li][0] is x)
 
 
+def fusable_relu(net, li):
+    """Layer li is a ReLU of negative slope >= 0 running caffepy's algorithms."""
+    layer = net.layers[li]
+    return (layer.type == "ReLU" and layer.slope >= 0
+            and not caffe_engine(layer.param, net.param))
+
+
 def relu_in_place(net, li, x):
-    """Layer li is a ReLU of negative slope >= 0 in place on x, running caffepy's algorithms."""
-    return (in_place_on(net, li, x) and net.layers[li].type == "ReLU"
-            and net.layers[li].slope >= 0 and not caffe_engine(net.layers[li].param, net.param))
+    """Layer li is a fusable_relu in place on x."""
+    return in_place_on(net, li, x) and fusable_relu(net, li)
+
+
+def blob_readers(net):
+    """{id(blob): the indices of the layers that read it}"""
+    readers = {}
+    for li, bottoms in enumerate(net.bottom_vecs):
+        for b in bottoms:
+            readers.setdefault(id(b), set()).add(li)
+    return readers
 
 
 class Int8Unit:
@@ -161,10 +176,7 @@ class Int8Unit:
 
     def find(self, net):
         units = []
-        readers = {}
-        for li, bottoms in enumerate(net.bottom_vecs):
-            for b in bottoms:
-                readers.setdefault(id(b), set()).add(li)
+        readers = blob_readers(net)
         for li, layer in enumerate(net.layers):
             if getattr(layer, "int8", None) is None:
                 continue
@@ -404,10 +416,7 @@ class ConvBatchNorm:
         if net.phase != caffe_pb2.TEST or not folding_enabled():
             return []
         rule = rule or self
-        readers = {}
-        for li, bottoms in enumerate(net.bottom_vecs):
-            for b in bottoms:
-                readers.setdefault(id(b), set()).add(li)
+        readers = blob_readers(net)
 
         def link(li, layer_type, x):
             """Layer li's top when it is a `layer_type` on x in place or, in this rule's own
@@ -422,8 +431,7 @@ class ConvBatchNorm:
 
         def relu_step(li, x):
             y = link(li, "ReLU", x) if li < len(net.layers) else None
-            return (y if y is not None and net.layers[li].slope >= 0
-                    and not caffe_engine(net.layers[li].param, net.param) else None)
+            return y if y is not None and fusable_relu(net, li) else None
 
         units = []
         for li in range(len(net.layers) - 1):
@@ -687,10 +695,7 @@ def concat_slots(net, units):
     that feed a channels-last Concat of a TEST net; logs a line when there are any."""
     if net.phase != caffe_pb2.TEST or not folding_enabled():
         return {}
-    readers = {}
-    for li, bottoms in enumerate(net.bottom_vecs):
-        for b in bottoms:
-            readers.setdefault(id(b), set()).add(li)
+    readers = blob_readers(net)
     makers = {id(net.top_vecs[u.last][0]): u for u in units.values()
               if u.rule is CONV_BATCHNORM and len(net.top_vecs[u.first]) == 1}
     slots, concats = {}, 0

@@ -1045,6 +1045,8 @@ static int i8n_depthwise_bytes(int isa, int threads, const float *x, int N, int 
                 rowsum[(long)ky * C + c] += v;
                 base[c] -= zp * v;
             }
+    uint8_t picks[4][64];
+    i8v_dw_picks(picks);
     int band = i8n_dw_band(W, C, kh, sh, dh, OH), bands = (OH + band - 1) / band;
     long per_thread = i8n_dw_thread_bytes(H, W, C, kh, kw, sh, dh, OH, OW);
     uint8_t *first = (uint8_t *)(((uintptr_t)scratch + 63) / 64 * 64);
@@ -1071,7 +1073,7 @@ static int i8n_depthwise_bytes(int isa, int threads, const float *x, int N, int 
                 in = band_in;
             }
             for (int r = r0; r < r1; r++)
-                i8v_dw_quads(in + (r - r0) * line, W, C, rb, kw, pw, sw, dw, OW, zps,
+                i8v_dw_quads(in + (r - r0) * line, W, C, rb, kw, pw, sw, dw, OW, zps, picks,
                              t + (r - r0) * quads);
             for (int oy = oy0; oy < oy1; oy++) {
                 const uint8_t *rows[64];

@@ -157,21 +157,27 @@ static inline long i8v_dw_quad_row(int OW, int C, int kw)
     return (long)OW * ((C + 15) / 16) * ((kw + 3) / 4) * 64;
 }
 
+/* i8v_dw_quads' vpshufb indices, one vector a tap k < 4: byte 4 c + k of lane L takes
+ * channel 4 L + c of the tap's 16 (the others zero) */
+static void i8v_dw_picks(uint8_t pick[4][64])
+{
+    for (int k = 0; k < 4; k++)
+        for (int b = 0; b < 64; b++)
+            pick[k][b] = b % 4 == k ? (uint8_t)(b / 16 * 4 + b % 16 / 4) : 0x80;
+}
+
 /* The tap quads of one input row: `in` its W pixels, rb bytes apart, then 16 bytes of slack;
- * zps rb + 16 bytes of zero points. Each tap's 16 bytes are broadcast to the 4 lanes of a
- * vector and vpshufb moves lane L's channels 4 L .. 4 L + 3 to their places in the quads (no
- * lane crossing, so AVX512BW alone does it). */
+ * zps rb + 16 bytes of zero points; picks from i8v_dw_picks. Each tap's 16 bytes are broadcast
+ * to the 4 lanes of a vector and vpshufb moves lane L's channels 4 L .. 4 L + 3 to their
+ * places in the quads (no lane crossing, so AVX512BW alone does it). */
 I8V_TARGET static void i8v_dw_quads(const uint8_t *in, int W, int C, long rb, int kw, int pw,
-                                    int sw, int dw, int OW, const uint8_t *zps, uint8_t *t)
+                                    int sw, int dw, int OW, const uint8_t *zps,
+                                    const uint8_t (*picks)[64], uint8_t *t)
 {
     int G = (C + 15) / 16, J = (kw + 3) / 4;
     __m512i pick[4];
-    for (int k = 0; k < 4; k++) {
-        uint8_t idx[64];
-        for (int b = 0; b < 64; b++)    /* byte 4 c + k of lane L: channel 4 L + c of tap k */
-            idx[b] = b % 4 == k ? (uint8_t)(b / 16 * 4 + b % 16 / 4) : 0x80;
-        pick[k] = _mm512_loadu_si512((const void *)idx);
-    }
+    for (int k = 0; k < 4; k++)
+        pick[k] = _mm512_loadu_si512((const void *)picks[k]);
     for (int ox = 0; ox < OW; ox++) {
         int x0 = ox * sw - pw;
         for (int j = 0; j < J; j++) {

@@ -803,13 +803,18 @@ class NHWCConcat(Concat):
     byte_concat = False
     _bytes = None
 
-    def slot_bytes(self, top, j, lo, scale):
-        """Bottom j's channels of this concat's Bytes for `top` (its top blob), lo and scale
-        the 8-bit range and scale of every bottom: where bottom j's unit writes its bytes."""
+    def top_bytes(self, top, lo, scale):
+        """This concat's Bytes for `top` (its top blob) of 8-bit range lo and scale, kept from
+        forward to forward."""
         n, c, height, width = top.shape
         self._bytes = quantization.Bytes.reused(self._bytes, (n, height, width, c), lo, scale)
+        return self._bytes
+
+    def slot_bytes(self, top, j, lo, scale):
+        """Bottom j's channels of top_bytes: where bottom j's unit writes its bytes."""
         lo_j, hi_j = self.runs[j]
-        return quantization.Bytes.slot(self._bytes, int(lo_j), int(hi_j - lo_j))
+        return quantization.Bytes.slot(self.top_bytes(top, lo, scale), int(lo_j),
+                                       int(hi_j - lo_j))
 
     @classmethod
     def wanted(cls, request):
@@ -827,9 +832,7 @@ class NHWCConcat(Concat):
         held = [b.held() for b in bottom] if self.byte_concat else [None]
         if all(isinstance(h, quantization.Bytes) and (h.scale, h.zp) == (held[0].scale, held[0].zp)
                for h in held):
-            n, c, height, width = top[0].shape
-            out = self._bytes = quantization.Bytes.reused(self._bytes, (n, height, width, c),
-                                                          -held[0].zp, held[0].scale)
+            out = self.top_bytes(top[0], -held[0].zp, held[0].scale)
             quantization.kernels().concat_bytes(held, out)
             top[0].overwrite()
             top[0].hold(out)
