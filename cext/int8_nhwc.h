@@ -117,54 +117,124 @@ static inline void i8n_tile(int isa, int taps, int Cp, const int32_t *const *row
 #ifdef __AVX2__
 /* i8n_finish 16 outputs an instruction, for the byte paths (their CPUs have AVX-512): the
  * same operations in the same order as i8_level and i8_level8_avx2, so the same bits. The
- * epilogue was 39% of ResNet-50's int8 forward at b16 on AMX in 8-float vectors, 31% so. */
+ * epilogue was 39% of ResNet-50's int8 forward at b16 on AMX in 8-float vectors, 31% so.
+ *
+ * i8n_level16: 16 outputs from their sums at acc (channels o0 + k ..), masked by m, up to the
+ * level the top takes: as int32 plus the zero point for a byte top (out8), else as floats
+ * before 1 / scale_out. Its flags are constants where i8n_finish_avx512 instantiates it, so
+ * a variant's loop has no tests in it (they and the masked stores were a quarter of the
+ * epilogue's time). cvt_roundps_epi32 rounds to nearest even as i8_level's rint does, so a
+ * byte top skips the separate rounding. */
+#define I8N_NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+I8V_TARGET static inline __attribute__((always_inline)) __m512i
+i8n_level16(const i8_epilogue *le, const int32_t *acc, const float *sum, const uint8_t *sum8,
+            int o0, int k, __mmask16 m, int bias, int relu, int quantize, int clamped, int out8,
+            __m512 *level)
+{
+    __m512i a = _mm512_maskz_loadu_epi32(m, acc + k);
+    if (bias)
+        a = _mm512_add_epi32(a, _mm512_maskz_loadu_epi32(m, le->bias + o0 + k));
+    __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_maskz_loadu_ps(m, le->mult + o0 + k));
+    if (sum8) {
+        __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, sum8 + k));
+        __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(b, _mm512_set1_epi32(le->szp8))),
+                                 _mm512_set1_ps(le->s_inv));
+        y = _mm512_add_ps(y, _mm512_mul_ps(s, _mm512_set1_ps(le->sum_scale)));
+    } else if (sum) {
+        y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sum + k),
+                                           _mm512_set1_ps(le->sum_scale)));
+    }
+    if (relu)
+        y = _mm512_mask_mul_ps(y, ~_mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ), y,
+                               _mm512_set1_ps(le->slope));
+    if (quantize)
+        y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(le->lo)), _mm512_set1_ps(le->hi));
+    if (out8)
+        return _mm512_add_epi32(_mm512_cvt_roundps_epi32(y, I8N_NEAREST),
+                                _mm512_set1_epi32(le->zp8));
+    if (quantize) {
+        y = _mm512_roundscale_ps(y, I8N_NEAREST);
+        if (!clamped)
+            y = _mm512_add_ps(y, _mm512_setzero_ps());      /* -0 to +0, as i8_level */
+    }
+    *level = y;
+    return _mm512_setzero_si512();
+}
+
+/* i8n_finish_avx512's rows. A byte top's full runs of 64 channels are packed from four
+ * vectors into one store (its values lie in [0, 255], which both packs keep: the same bytes as
+ * vpmovusdb, whose masked store to memory was the epilogue's hottest instruction); the rest
+ * goes 16 at a time, the last masked. */
+I8V_TARGET static inline __attribute__((always_inline)) void
+i8n_finish_rows(const int32_t *acc, long lda, long p0, int R, int o0, int n, int O,
+                const i8_epilogue *le, int bias, int sum_kind, int relu, int quantize,
+                int clamped, int out8)
+{
+    /* packus works within 128-bit lanes: lane i of the packed vector holds 4 bytes of each
+     * source in turn; this puts source j's 16 bytes back in place j */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int r = 0; r < R; r++, acc += lda) {
+        long p = p0 + r, idx = p * O + o0;
+        const float *sum = sum_kind == 1 ? le->summand + idx : NULL;
+        const uint8_t *sum8 = sum_kind == 2 ? le->summand8 + p * le->srow8 + o0 : NULL;
+        uint8_t *o8 = out8 ? le->out8 + p * le->row8 + o0 : NULL;
+        float *of = out8 ? NULL : le->out + idx;
+        __m512 y;
+        int k = 0;
+        if (out8)
+            for (; k + 64 <= n; k += 64) {
+                __m512i v[4];
+                for (int j = 0; j < 4; j++)
+                    v[j] = i8n_level16(le, acc, sum, sum8, o0, k + 16 * j, (__mmask16)0xFFFF,
+                                       bias, relu, quantize, clamped, 1, &y);
+                __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(v[0], v[1]),
+                                                _mm512_packus_epi32(v[2], v[3]));
+                _mm512_storeu_si512(o8 + k, _mm512_permutexvar_epi32(order, b));
+            }
+        for (; k < n; k += 16) {
+            __mmask16 m = n - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - k)) - 1);
+            __m512i v = i8n_level16(le, acc, sum, sum8, o0, k, m, bias, relu, quantize, clamped,
+                                    out8, &y);
+            if (out8)
+                _mm_mask_storeu_epi8(o8 + k, m, _mm512_cvtusepi32_epi8(v));
+            else
+                _mm512_mask_storeu_ps(of + k, m,
+                                      _mm512_mul_ps(y, _mm512_set1_ps(le->inv_scale_out)));
+        }
+    }
+}
+
 I8V_TARGET __attribute__((noinline)) static void
 i8n_finish_avx512(const int32_t *acc, long lda, long p0, int R, int o0, int n, int O,
                   const i8_epilogue *e)
 {
     const i8_epilogue le = *e;
-    const __m512 sum_scale = _mm512_set1_ps(le.sum_scale), slope = _mm512_set1_ps(le.slope);
-    const __m512 lo = _mm512_set1_ps(le.lo), hi = _mm512_set1_ps(le.hi);
-    const __m512 inv = _mm512_set1_ps(le.inv_scale_out), s_inv = _mm512_set1_ps(le.s_inv);
-    const __m512i zp8 = _mm512_set1_epi32(le.zp8), szp8 = _mm512_set1_epi32(le.szp8);
     /* (i8_level8_avx2 says why a clamp at 0 or above skips the ReLU and the -0 clearing) */
     int clamped = le.quantize && le.lo >= 0;
     int relu = le.relu && !(clamped && le.slope == 0);
-    for (int r = 0; r < R; r++, acc += lda) {
-        long p = p0 + r, idx = p * O + o0;
-        const float *sum = le.summand ? le.summand + idx : NULL;
-        const uint8_t *sum8 = le.summand8 ? le.summand8 + p * le.srow8 + o0 : NULL;
-        uint8_t *out8 = le.out8 ? le.out8 + p * le.row8 + o0 : NULL;
-        for (int k = 0; k < n; k += 16) {
-            __mmask16 m = n - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - k)) - 1);
-            __m512i a = _mm512_maskz_loadu_epi32(m, acc + k);
-            if (le.bias)
-                a = _mm512_add_epi32(a, _mm512_maskz_loadu_epi32(m, le.bias + o0 + k));
-            __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(a),
-                                     _mm512_maskz_loadu_ps(m, le.mult + o0 + k));
-            if (sum8) {
-                __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, sum8 + k));
-                __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(b, szp8)), s_inv);
-                y = _mm512_add_ps(y, _mm512_mul_ps(s, sum_scale));
-            } else if (sum) {
-                y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sum + k), sum_scale));
-            }
-            if (relu)
-                y = _mm512_mask_mul_ps(y, ~_mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                       y, slope);
-            if (le.quantize) {
-                y = _mm512_min_ps(_mm512_max_ps(y, lo), hi);
-                y = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                if (!clamped)
-                    y = _mm512_add_ps(y, _mm512_setzero_ps());
-            }
-            if (out8)
-                _mm_mask_storeu_epi8(out8 + k, m, _mm512_cvtusepi32_epi8(
-                    _mm512_add_epi32(_mm512_cvtps_epi32(y), zp8)));
-            else
-                _mm512_mask_storeu_ps(le.out + idx + k, m, _mm512_mul_ps(y, inv));
+    int sum_kind = le.summand8 ? 2 : le.summand ? 1 : 0, bias = le.bias != NULL;
+    /* the byte tops (every int8 layer between int8 layers) by constant flags */
+#define I8N_BYTES(B, S, RL) \
+    i8n_finish_rows(acc, lda, p0, R, o0, n, O, &le, B, S, RL, 1, clamped, 1)
+    if (le.out8 && le.quantize) {
+        switch (bias * 6 + sum_kind * 2 + relu) {
+        case 0: I8N_BYTES(0, 0, 0); return;
+        case 1: I8N_BYTES(0, 0, 1); return;
+        case 2: I8N_BYTES(0, 1, 0); return;
+        case 3: I8N_BYTES(0, 1, 1); return;
+        case 4: I8N_BYTES(0, 2, 0); return;
+        case 5: I8N_BYTES(0, 2, 1); return;
+        case 6: I8N_BYTES(1, 0, 0); return;
+        case 7: I8N_BYTES(1, 0, 1); return;
+        case 8: I8N_BYTES(1, 1, 0); return;
+        case 9: I8N_BYTES(1, 1, 1); return;
+        case 10: I8N_BYTES(1, 2, 0); return;
+        default: I8N_BYTES(1, 2, 1); return;
         }
     }
+#undef I8N_BYTES
+    i8n_finish_rows(acc, lda, p0, R, o0, n, O, &le, bias, sum_kind, relu, le.quantize, clamped,
+                    le.out8 != NULL);
 }
 #endif
 
