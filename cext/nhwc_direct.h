@@ -25,8 +25,9 @@
  * (7x slower). On AVX2 two vectors a block make 12 sums of 16 registers, and each tap's float
  * feeds two FMAs. On AVX-512 the forward's 6 x 4 block (24 sums of 32 registers) loads 4
  * weight vectors and 6 floats for 24 FMAs, where one vector a block (6 sums) loaded 7 for 6
- * and waited on the loads: GoogLeNet's conv1 ran at 59% of the FMA peak. The weight
- * gradient's 8 x 2 (16 sums) for the same reason (6 x 4 was no faster). */
+ * and waited on the loads (AlexNet's conv1 1.2x at b16, GoogLeNet's 1.3x at b1, though 5%
+ * slower at b16). The weight gradient's 8 x 2 (16 sums) for the same reason (6 x 4 was no
+ * faster). */
 #ifdef __AVX512F__
 #define CD_V 16     /* outputs per vector */
 #define CD_Q 2      /* vectors per block of the weight gradient */
