@@ -107,15 +107,26 @@ I8A_TARGET static void i8a_tile(const uint8_t *a, long lda, long chunks, const i
     amx_store_sums(c, ldc, 1, b1 != NULL);
 }
 
-/* i8a_tile with each chunk t's rows loaded where they lie: the first 16 rows from a0[t], the
- * next 16 from a1[t], rows lda[t] bytes apart (0: one row of zero points for all) */
-I8A_TARGET static void i8a_tile_taps(const uint8_t *const *a0, const uint8_t *const *a1,
-                                     const long *lda, int chunks, const int8_t *b0,
-                                     const int8_t *b1, int32_t *c, long ldc)
+/* i8a_tile with each chunk t's rows loaded where they lie: the first 16 rows from a0[t], rows
+ * lda0[t] bytes apart, the next 16 from a1[t], lda1[t] apart (0: one row for all 16) */
+I8A_TARGET static void i8a_tile_taps(const uint8_t *const *a0, const long *lda0,
+                                     const uint8_t *const *a1, const long *lda1, int chunks,
+                                     const int8_t *b0, const int8_t *b1, int32_t *c, long ldc)
 {
     amx_zero_sums();
-    for (int k = 0; k < chunks; k++)
-        i8a_chunk(a0[k], a1[k], lda[k], b0 + (long)k * 1024, b1 ? b1 + (long)k * 1024 : NULL);
+    for (int k = 0; k < chunks; k++) {
+        const int8_t *bk = b0 + (long)k * 1024;
+        _tile_loadd(4, a0[k], lda0[k]);
+        _tile_loadd(5, a1[k], lda1[k]);
+        _tile_loadd(6, bk, 64);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(2, 5, 6);
+        if (b1) {
+            _tile_loadd(7, b1 + (long)k * 1024, 64);
+            _tile_dpbusd(1, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
     amx_store_sums(c, ldc, 1, b1 != NULL);
 }
 #endif

@@ -607,8 +607,8 @@ I8A_TARGET static void i8n_amx_wide(const i8n_reads *g, int taps, int O, const i
         }
         for (int t = 0; t < tiles; t += 2) {
             const int8_t *b0 = w + (long)t * kq * 64;
-            i8a_tile_taps(a0, a1, lda, taps, b0, t + 1 < tiles ? b0 + kq * 64 : NULL, c + t * 16,
-                          ldc);
+            i8a_tile_taps(a0, lda, a1, lda, taps, b0, t + 1 < tiles ? b0 + kq * 64 : NULL,
+                          c + t * 16, ldc);
         }
         i8n_finish(I8_AMX, c, ldc, row * g->OW + ow0, R, 0, O, O, e);
     }
@@ -667,6 +667,88 @@ I8A_TARGET static void i8n_amx_rows(const i8n_reads *g, long p0, int R, long byt
     }
 }
 
+/* Whether i8n_amx_blocks loads the taps' rows in place (i8n_amx_taps): a kernel of several
+ * taps, each one chunk (J = 16 quads: 64 channels), and output rows whose blocks of I8A_M
+ * pixels waste at most 15% on the row's end (28-32, 56-64, 112-128 wide). Taps of two chunks
+ * or more (128 channels: ResNet-50's res3 3 x 3 layers, 0.92-1.34x) and strided 1 x 1 layers
+ * (its res3a_branch1, 0.68-0.87x) measured no faster than copied, each unit alone, old and
+ * new kernels alternating, on a noisy machine; ResNet-50's res2 3 x 3 layers 1.14-1.85x. */
+static inline int i8n_amx_in_place(const i8n_reads *g, int taps, int J)
+{
+    long slots = (g->OW + I8A_M - 1) / I8A_M * I8A_M;
+    return !g->wide && taps > 1 && J == I8A_K && slots * 20 <= (long)g->OW * 23;
+}
+
+/* The AMX path without the block's rows copied: blocks of up to I8A_M output pixels of one
+ * output row, each tap's chunks loaded where the input lies. Sixteen neighbouring output
+ * pixels' tap is sixteen input pixels sw apart (a tile load of stride sw pix), unless some of
+ * them fall in the padding left or right: that half's tap alone is copied into its place in
+ * the block's rows (a, as i8n_amx_rows lays them out), zero points for the pixels outside. A
+ * kernel row outside the image reads the zero points (stride 0). Pixels past the row's end are
+ * summed and dropped. The block's rows of taps were copied for every pixel before: 30-40% of
+ * a 3 x 3 layer of 64 channels at 56 x 56. */
+I8A_TARGET static void i8n_amx_taps(const i8n_reads *g, int taps, int J, int O, const int8_t *w,
+                                    char *buf, const i8_epilogue *e)
+{
+    long K4 = (long)taps * J * 4, bytes = (long)J * 4, ldc = (O + 31) / 32 * 32;
+    long stride = (long)g->sw * g->pix, segs = (g->OW + I8A_M - 1) / I8A_M;
+    long blocks = g->M / g->OW * segs;
+    int per = J / I8A_K, chunks = taps * per, tiles = (O + 15) / 16;
+    uint8_t *a = (uint8_t *)buf;
+    int32_t *c = (int32_t *)(buf + I8A_M * K4);
+    const uint8_t *q = (const uint8_t *)g->q, *zeros = (const uint8_t *)g->zeros;
+    const uint8_t *a0[chunks], *a1[chunks];
+    long l0[chunks], l1[chunks];
+    i8a_begin();
+    #pragma omp for schedule(static)
+    for (long b = 0; b < blocks; b++) {
+        long row = b / segs;                    /* image n's output row oh */
+        int ow0 = (int)(b % segs) * I8A_M, n = (int)(row / g->OH), oh = (int)(row % g->OH);
+        int R = g->OW - ow0 < I8A_M ? g->OW - ow0 : I8A_M;
+        for (int h = 0; h < 2; h++) {
+            const uint8_t **at = h ? a1 : a0;
+            long *lt = h ? l1 : l0;
+            int first = ow0 + 16 * h;          /* the half's first output column */
+            for (int i = 0; i < g->kh; i++) {
+                int y = oh * g->sh - g->ph + i * g->dh, inside = y >= 0 && y < g->H && 16 * h < R;
+                const uint8_t *line = inside ? q + ((long)n * g->H + y) * g->W * g->pix : zeros;
+                for (int j = 0; j < g->kw; j++) {
+                    int t = i * g->kw + j, x0 = first * g->sw - g->pw + j * g->dw;
+                    const uint8_t *p = zeros;
+                    long l = 0;
+                    if (inside) {
+                        if (x0 >= 0 && x0 + 15 * g->sw < g->W) {
+                            p = line + (long)x0 * g->pix;
+                            l = stride;
+                        } else {
+                            uint8_t *rows = a + 16 * h * K4 + t * bytes;
+                            for (int r = 0; r < 16; r++) {
+                                int x = x0 + r * g->sw;
+                                i8n_copy_bytes(rows + r * K4, first + r < g->OW && x >= 0
+                                               && x < g->W ? line + (long)x * g->pix : zeros,
+                                               bytes);
+                            }
+                            p = rows;
+                            l = K4;
+                        }
+                    }
+                    for (int k = 0; k < per; k++) {
+                        at[t * per + k] = p + k * 64;
+                        lt[t * per + k] = l;
+                    }
+                }
+            }
+        }
+        for (int t = 0; t < tiles; t += 2) {
+            const int8_t *b0 = w + (long)t * K4 * 16;
+            i8a_tile_taps(a0, l0, a1, l1, chunks, b0, t + 1 < tiles ? b0 + K4 * 16 : NULL,
+                          c + t * 16, ldc);
+        }
+        i8n_finish(I8_AMX, c, ldc, row * g->OW + ow0, R, 0, O, O, e);
+    }
+    i8a_end();
+}
+
 /* The AMX path's blocks of I8A_M output pixels (int8_amx.h), in this thread's share: each
  * block's taps copied into rows of K4 bytes (zeros past taps J quads), every pair of column
  * tiles of the weights (w: kq quads a tile) on the tiles, the sums of all output channels
@@ -689,6 +771,10 @@ static void i8n_amx_blocks(const i8n_reads *g, int taps, int J, int O, const int
                  && g->OW == g->W;
     if (i8a_wide_rows(g->wide, J, g->sw, g->kw)) {
         i8n_amx_wide(g, taps, O, w, (int32_t *)buf, e);
+        return;
+    }
+    if (!direct && i8n_amx_in_place(g, taps, J)) {
+        i8n_amx_taps(g, taps, J, O, w, buf, e);
         return;
     }
     i8a_begin();

@@ -120,6 +120,12 @@ CONVS = [  # (N, C, H, W, O, group, kernel, pad, stride, dilation)
     # column tiles of 16 in register tiles of up to 4 (the VNNI path): 5 = 4 + 1, and 3
     (1, 9, 7, 7, 70, 1, (3, 3), (1, 1), (1, 1), (1, 1)),
     (2, 12, 5, 6, 40, 1, (1, 1), (0, 0), (1, 1), (1, 1)),
+    # AMX taps loaded in place (int8_nhwc.h i8n_amx_taps): a chunk of 64 channels a tap, rows
+    # of 28-32 or 56-64 pixels; halves that touch the padding copied, a dilated kernel, a
+    # stride of 2, two images
+    (2, 64, 9, 30, 40, 1, (3, 3), (1, 1), (1, 1), (1, 1)),
+    (1, 64, 9, 115, 24, 1, (3, 3), (1, 1), (2, 2), (1, 1)),
+    (1, 64, 6, 56, 20, 1, (3, 3), (2, 2), (1, 1), (2, 2)),
     # the byte epilogue's runs of 64 channels packed into one store, twice, then a tail
     (1, 8, 6, 7, 150, 1, (3, 3), (1, 1), (1, 1), (1, 1)),
     # 1 x 1 without padding (int8_nhwc.h i8n_conv1x1): chunks of 96 pixels at 512 channels,
