@@ -573,6 +573,19 @@ static inline void i8n_taps(const i8n_reads *g, long p, const int32_t **out, int
     }
 }
 
+/* Block b of the AMX paths that take one output row's pixels a block (segs blocks a row):
+ * its output row (n OH + oh), first column ow0 and R pixels */
+static inline long i8n_segment(const i8n_reads *g, long b, long segs, int *n, int *oh,
+                               int *ow0, int *R)
+{
+    long row = b / segs;
+    *n = (int)(row / g->OH);
+    *oh = (int)(row % g->OH);
+    *ow0 = (int)(b % segs) * I8A_M;
+    *R = g->OW - *ow0 < I8A_M ? g->OW - *ow0 : I8A_M;
+    return row;
+}
+
 #ifdef __AVX2__
 /* The AMX path for i8a_wide_rows: blocks of up to I8A_M output pixels of one output row, each
  * tap a chunk whose 2 x 16 rows are loaded where they lie (sw C bytes apart; a kernel row
@@ -590,9 +603,8 @@ I8A_TARGET static void i8n_amx_wide(const i8n_reads *g, int taps, int O, const i
     i8a_begin();
     #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++) {
-        long row = b / segs;                    /* image n's output row oh */
-        int ow0 = (int)(b % segs) * I8A_M, n = (int)(row / g->OH), oh = (int)(row % g->OH);
-        int R = g->OW - ow0 < I8A_M ? g->OW - ow0 : I8A_M;
+        int n, oh, ow0, R;
+        long row = i8n_segment(g, b, segs, &n, &oh, &ow0, &R);
         for (int t = 0; t < taps; t++) {
             int y = oh * g->sh - g->ph + t * g->dh;
             if (y >= 0 && y < g->H) {
@@ -702,9 +714,8 @@ I8A_TARGET static void i8n_amx_taps(const i8n_reads *g, int taps, int J, int O, 
     i8a_begin();
     #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++) {
-        long row = b / segs;                    /* image n's output row oh */
-        int ow0 = (int)(b % segs) * I8A_M, n = (int)(row / g->OH), oh = (int)(row % g->OH);
-        int R = g->OW - ow0 < I8A_M ? g->OW - ow0 : I8A_M;
+        int n, oh, ow0, R;
+        long row = i8n_segment(g, b, segs, &n, &oh, &ow0, &R);
         for (int h = 0; h < 2; h++) {
             const uint8_t **at = h ? a1 : a0;
             long *lt = h ? l1 : l0;
