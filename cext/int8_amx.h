@@ -78,13 +78,14 @@ I8A_TARGET static void i8a_end(void)
     _tile_release();
 }
 
-/* One chunk of k into the sum tiles: 16 rows from a0 and 16 from a1 (rows lda bytes apart),
- * times the chunk of column tile b0 and of b1 (NULL: b0 alone) */
+/* One chunk of k into the sum tiles: 16 rows from a0 (rows lda0 bytes apart) and 16 from a1
+ * (lda1 apart), times the chunk of column tile b0 and of b1 (NULL: b0 alone) */
 I8A_TARGET static inline __attribute__((always_inline)) void
-i8a_chunk(const uint8_t *a0, const uint8_t *a1, long lda, const int8_t *b0, const int8_t *b1)
+i8a_chunk(const uint8_t *a0, long lda0, const uint8_t *a1, long lda1, const int8_t *b0,
+          const int8_t *b1)
 {
-    _tile_loadd(4, a0, lda);
-    _tile_loadd(5, a1, lda);
+    _tile_loadd(4, a0, lda0);
+    _tile_loadd(5, a1, lda1);
     _tile_loadd(6, b0, 64);
     _tile_dpbusd(0, 4, 6);
     _tile_dpbusd(2, 5, 6);
@@ -102,7 +103,7 @@ I8A_TARGET static void i8a_tile(const uint8_t *a, long lda, long chunks, const i
 {
     amx_zero_sums();
     for (long k = 0; k < chunks; k++)
-        i8a_chunk(a + k * 64, a + 16 * lda + k * 64, lda, b0 + k * 1024,
+        i8a_chunk(a + k * 64, lda, a + 16 * lda + k * 64, lda, b0 + k * 1024,
                   b1 ? b1 + k * 1024 : NULL);
     amx_store_sums(c, ldc, 1, b1 != NULL);
 }
@@ -114,19 +115,9 @@ I8A_TARGET static void i8a_tile_taps(const uint8_t *const *a0, const long *lda0,
                                      const int8_t *b0, const int8_t *b1, int32_t *c, long ldc)
 {
     amx_zero_sums();
-    for (int k = 0; k < chunks; k++) {
-        const int8_t *bk = b0 + (long)k * 1024;
-        _tile_loadd(4, a0[k], lda0[k]);
-        _tile_loadd(5, a1[k], lda1[k]);
-        _tile_loadd(6, bk, 64);
-        _tile_dpbusd(0, 4, 6);
-        _tile_dpbusd(2, 5, 6);
-        if (b1) {
-            _tile_loadd(7, b1 + (long)k * 1024, 64);
-            _tile_dpbusd(1, 4, 7);
-            _tile_dpbusd(3, 5, 7);
-        }
-    }
+    for (int k = 0; k < chunks; k++)
+        i8a_chunk(a0[k], lda0[k], a1[k], lda1[k], b0 + (long)k * 1024,
+                  b1 ? b1 + (long)k * 1024 : NULL);
     amx_store_sums(c, ldc, 1, b1 != NULL);
 }
 #endif
