@@ -640,10 +640,11 @@ i8n_copy_bytes(uint8_t *dst, const uint8_t *src, long n)
     }
 }
 
-/* The rows of i8n_amx_blocks' block of pixels p0 .. p0 + R (not i8n_wide's layout): pixel
- * p0 + r's taps' bytes side by side from a + r K4, zeros past them and in the rows past R.
- * The pixel's place is stepped from p0's and each tap's bytes moved inline: a division per
- * pixel and a call of memcpy per tap were 38% of ResNet-50's res2 3 x 3 layers at b16. */
+/* The rows of i8n_amx_blocks' block of pixels p0 .. p0 + R: pixel p0 + r's taps' bytes side
+ * by side from a + r K4 (i8n_wide's layout: a tap is a kernel row of the padded rows), zeros
+ * past them and in the rows past R. The pixel's place is stepped from p0's and each tap's
+ * bytes moved inline: a division per pixel and a call of memcpy per tap were 38% of
+ * ResNet-50's res2 3 x 3 layers at b16. */
 I8A_TARGET static void i8n_amx_rows(const i8n_reads *g, long p0, int R, long bytes, long K4,
                                     uint8_t *a)
 {
@@ -657,7 +658,15 @@ I8A_TARGET static void i8n_amx_rows(const i8n_reads *g, long p0, int R, long byt
             for (int i = 0; i < g->kh; i++) {
                 int y = oh * g->sh - g->ph + i * g->dh;
                 int inside = y >= 0 && y < g->H;
-                const uint8_t *line = (const uint8_t *)g->q + ((long)n * g->H + y) * g->W * g->pix;
+                if (g->wide) {      /* the kernel row's pixels from padded column ow sw */
+                    i8n_copy_bytes(row + done, inside ? (const uint8_t *)g->q + (((long)n * g->H
+                                   + y) * g->Wq + (long)ow * g->sw) * g->C * g->vb : zeros,
+                                   bytes);
+                    done += bytes;
+                    continue;
+                }
+                const uint8_t *line = inside ? (const uint8_t *)g->q
+                                               + ((long)n * g->H + y) * g->W * g->pix : zeros;
                 for (int j = 0; j < g->kw; j++, done += bytes) {
                     int xx = ow * g->sw - g->pw + j * g->dw;
                     i8n_copy_bytes(row + done, inside && xx >= 0 && xx < g->W
@@ -774,7 +783,6 @@ static void i8n_amx_blocks(const i8n_reads *g, int taps, int J, int O, const int
     int tiles = (O + 15) / 16;
     uint8_t *a = (uint8_t *)buf;
     int32_t *c = (int32_t *)(buf + I8A_M * K4);
-    const int32_t *rows[taps];
     /* a 1 x 1 convolution of stride 1 reads its pixels' rows where they lie in q (a last
      * chunk reads into the next row, times the zero weights past J; q has i8n_scratch's slack
      * past its last row) */
@@ -798,19 +806,8 @@ static void i8n_amx_blocks(const i8n_reads *g, int taps, int J, int O, const int
         if (direct) {
             rows_a = (const uint8_t *)g->q + p0 * bytes;
             lda = bytes;
-        } else if (!g->wide) {
-            i8n_amx_rows(g, p0, R, bytes, K4, a);
         } else {
-            for (int r = 0; r < I8A_M; r++) {
-                uint8_t *row = a + r * K4;
-                long done = 0;
-                if (r < R) {
-                    i8n_taps(g, p0 + r, rows, 1);
-                    for (int t = 0; t < taps; t++, done += bytes)
-                        memcpy(row + done, rows[t], (size_t)bytes);
-                }
-                memset(row + done, 0, (size_t)(K4 - done));
-            }
+            i8n_amx_rows(g, p0, R, bytes, K4, a);
         }
         for (int t = 0; t < tiles; t += 2) {
             const int8_t *b0 = w + (long)t * kq * 64;
