@@ -38,7 +38,7 @@ import time
 
 from . import device, log
 
-VERSION = 18                 # bump when a kernel change makes old measurements meaningless
+VERSION = 19                 # bump when a kernel change makes old measurements meaningless
 _FILE = "autotune.json"
 _cache = None                # {machine: {key: entry}} as read from disk, this process
 _path_read = None
@@ -119,22 +119,27 @@ def store(machine, key, entry):
         log.warning(f"{path}: cannot write the autotune cache ({e}); the choice holds for this run")
 
 
-# After each round, a candidate slower than the round's leader by more than this factor is
-# out: the first round's runs include first touches of scratch (page faults), so its margin is
-# the wider. ResNet-50 b16's first forward measured 5 candidates 4 times each per 3x3 layer
-# (one warm-up, 3 rounds); the clear losers now run once or twice.
+# After each counted round, a candidate slower than the leader by more than this factor is out:
+# the first counted round's margin is the wider (one busy moment). The warm-up round before
+# them counts for nothing: a candidate's first run pays one-time work (a GEMM packs its weights,
+# scratch is touched for the first time), and when the warm-up's times counted and pruned at
+# 2x, a packed GEMM lost to the direct kernel on its packing alone and the choice was stored:
+# MobileNet b16's fc7 ran direct at 1.35 ms against the GEMM's 0.22, conv2_1/sep 6.1 against
+# 3.8. Clear losers run twice (warm-up and one round).
 PRUNE = (2.0, 1.25)
 
 
 def measure(candidates, rounds=3, keep=None):
-    """{name: fastest seconds} of each candidate function over `rounds` rounds, the first of
-    which warms up (its times count, at a wider margin). The rounds interleave the candidates,
-    so a moment when the machine is busy slows one round of each rather than every run of one;
-    after each round the candidates more than PRUNE times slower than the leader drop out (their
+    """{name: fastest seconds} of each candidate function over `rounds` counted rounds after a
+    warm-up round of each (not counted). The rounds interleave the candidates, so a moment when
+    the machine is busy slows one round of each rather than every run of one; after each
+    counted round the candidates more than PRUNE times slower than the leader drop out (their
     time so far stays in the answer), but `keep`, measured every round."""
+    for run in candidates.values():
+        run()
     best = dict.fromkeys(candidates, float("inf"))
     alive = list(candidates)
-    for r in range(rounds + 1):
+    for r in range(rounds):
         for name in alive:
             start = time.perf_counter()
             candidates[name]()
@@ -157,8 +162,8 @@ def choose(layer, key, candidates, default, threads, prepare=None, margin=1.0):
     """The name of the fastest candidate for `key` on this machine (see the module docstring);
     sets `layer.tuning` to how it was decided, for the log and `caffepy time`. `prepare()`, if
     given, runs before a measurement (not when the cache answers): one-time work of the
-    candidates (an int8 layer's quantized weights) that would otherwise weigh on the first
-    round, whose margin allows for page faults, not for that. With a `margin` above 1 another
+    candidates (an int8 layer's quantized weights) that every measurement would otherwise
+    redo in its warm-up. With a `margin` above 1 another
     candidate is chosen over `default` only when measured that many times faster, and
     `default` is measured every round (one slow run cannot drop it)."""
     if len(candidates) == 1 or not enabled():
