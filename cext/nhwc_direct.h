@@ -18,6 +18,7 @@
  * blocked: B = ys = V, bs = one block's plane).
  */
 #include <string.h>
+#include <unistd.h>
 
 /* Register blocks: CD_P pixels by CD_FQ vectors of outputs (forward), CD_T taps by CD_Q
  * vectors (weight gradient). One register per vector: with a 16-float vector on AVX2 (two
@@ -25,8 +26,8 @@
  * (7x slower). On AVX2 two vectors a block make 12 sums of 16 registers, and each tap's float
  * feeds two FMAs. On AVX-512 the forward's 6 x 4 block (24 sums of 32 registers) loads 4
  * weight vectors and 6 floats for 24 FMAs, where one vector a block (6 sums) loaded 7 for 6
- * and waited on the loads (AlexNet's conv1 1.2x at b16, GoogLeNet's 1.3x at b1, though 5%
- * slower at b16). The weight gradient's 8 x 2 (16 sums) for the same reason (6 x 4 was no
+ * and waited on the loads (AlexNet's conv1 1.2x at b16, GoogLeNet's 1.3x at b1; 2 vectors
+ * where 4 vectors' weights overflow L1: cd_forward_vectors). The weight gradient's 8 x 2 (16 sums) for the same reason (6 x 4 was no
  * faster). */
 #ifdef __AVX512F__
 #define CD_V 16     /* outputs per vector */
@@ -157,6 +158,23 @@ CD_ALWAYS_INLINE void cd_fwd_tile(const float *const *base, int n, int nq,
     }
 }
 
+/* Vectors of outputs a forward block sums over K taps: CD_FQ, but 2 where CD_FQ vectors of
+ * weights over all the taps outgrow 60% of L1 (the rest holds the input rows) and 2 do not:
+ * each block read its weights from L2 again. GoogLeNet's and ResNet-50's conv1 (147 taps x
+ * 64 outputs: 37.6 KB of weights against 48 KB of L1, a Sapphire Rapids) ran 1.19-1.25x faster
+ * at b16 with 2 (the same at b1); AlexNet's (363 taps: neither fits) 4-18% slower, so it keeps
+ * CD_FQ. */
+static int cd_forward_vectors(int K)
+{
+    static long l1 = 0;
+    if (l1 == 0) {
+        long found = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+        l1 = found > 0 ? found : 32768;
+    }
+    long bytes = (long)K * CD_V * sizeof(float);
+    return CD_FQ > 2 && bytes * CD_FQ * 10 > l1 * 6 && bytes * 2 * 10 <= l1 * 6 ? 2 : CD_FQ;
+}
+
 /* Output rows oy0 .. oy1 - 1 of one image: outputs 0 .. O - 1 of y (addressed by `a`) = the
  * convolution of the padded image xp + bias (bp [Op]), through a ReLU with relu (a TEST net's
  * unit: the pass of its own over a first layer's output cost as much as a third of the
@@ -170,15 +188,16 @@ static void cd_forward_rows(const float *restrict xp, int Wp, int C, int sh, int
 {
     size_t q0 = (size_t)oy0 * ow, q1 = (size_t)oy1 * ow;
     const float *base[CD_P];
+    int fq = cd_forward_vectors(K);
     for (size_t q = q0; q < q1; q += CD_P) {
         int n = q1 - q < CD_P ? (int)(q1 - q) : CD_P;
         for (int p = 0; p < n; p++) {
             size_t oy = (q + p) / ow, ox = (q + p) % ow;
             base[p] = xp + (oy * sh * Wp + ox * sw) * C;
         }
-        for (int oc = 0; oc < O; oc += CD_V * CD_FQ) {
-            int nv = O - oc < CD_V * CD_FQ ? O - oc : CD_V * CD_FQ;
-            int nq = (Op - oc) / CD_V < CD_FQ ? (Op - oc) / CD_V : CD_FQ;   /* vectors left */
+        for (int oc = 0; oc < O; oc += CD_V * fq) {
+            int nv = O - oc < CD_V * fq ? O - oc : CD_V * fq;
+            int nq = (Op - oc) / CD_V < fq ? (Op - oc) / CD_V : fq;   /* vectors left */
             /* a constant count each, so the sums stay in registers */
             if (n == CD_P && nq == CD_FQ)
                 cd_fwd_tile(base, CD_P, CD_FQ, off, K, wp, Op, bp, y, a, q, oc, nv, relu);
