@@ -12,7 +12,9 @@
  * (_dw_dx_row: the taps that reach a pixel are no run of i and j then).
  *
  * Pixels are [..][W][C] floats, weights [kh * kw][C]. Eight channels at a time in GCC's vector
- * extension (unaligned: a pixel's channels start anywhere), the rest one by one.
+ * extension (unaligned: a pixel's channels start anywhere), the rest one by one; the AVX-512
+ * build takes runs of 64 channels as four 16-float sums first (DW_BLOCKS): MobileNet's layers
+ * of 64-1024 channels.
  */
 #include <stddef.h>
 
@@ -32,6 +34,51 @@ static inline dw_v8 dw_relu(dw_v8 v)
 
 #define DW_LOAD(p) (*(const dw_v8 *)(p))
 #define DW_STORE(p, v) (*(dw_v8 *)(p) = (v))
+
+/* The blocks of four sums of V floats (4 V channels) that dw_gather_row and dw_dw_row run
+ * first, for vector type VT (ints IT of its width); NAME_gather4 and NAME_wgrad4. Each lane sums
+ * its channel's products in the same order at any width, so the widths give the same floats. */
+#define DW_BLOCKS(NAME, VT, IT, V)                                                             \
+static inline __attribute__((always_inline)) void NAME##_gather4(                              \
+    const float *restrict src, int width, int C, const float *restrict w, int kw, int r0,      \
+    int rs, int x0, int cs, int ilo, int ihi, int jlo, int jhi, const float *restrict bias,    \
+    float *restrict op, int c, int relu)                                                       \
+{                                                                                              \
+    VT a[4];                                                                                   \
+    for (int k = 0; k < 4; k++)                                                                \
+        a[k] = bias ? *(const VT *)(bias + c + k * V) : (VT){0};                               \
+    for (int i = ilo; i < ihi; i++) {                                                          \
+        const float *sr = src + (ptrdiff_t)(r0 + i * rs) * width * C + c;                      \
+        const float *wr = w + (size_t)i * kw * C + c;                                          \
+        for (int j = jlo; j < jhi; j++) {                                                      \
+            const float *wp = wr + (size_t)j * C, *sp = sr + (ptrdiff_t)(x0 + j * cs) * C;     \
+            for (int k = 0; k < 4; k++)                                                        \
+                a[k] += *(const VT *)(wp + k * V) * *(const VT *)(sp + k * V);                 \
+        }                                                                                      \
+    }                                                                                          \
+    const VT zero = {0};                                                                       \
+    for (int k = 0; k < 4; k++)                                                                \
+        *(VT *)(op + c + k * V) = relu ? (VT)((IT)a[k] & ~(IT)(a[k] < zero)) : a[k];           \
+}                                                                                              \
+                                                                                               \
+static inline __attribute__((always_inline)) void NAME##_wgrad4(                              \
+    const float *restrict xp, const float *restrict gp, size_t xs, int C, int lo, int hi,      \
+    float *restrict wr)                                                                        \
+{                                                                                              \
+    VT a[4] = {{0}};                                                                           \
+    for (int ox = lo; ox < hi; ox++, xp += xs, gp += C)                                        \
+        for (int k = 0; k < 4; k++)                                                            \
+            a[k] += *(const VT *)(xp + k * V) * *(const VT *)(gp + k * V);                     \
+    for (int k = 0; k < 4; k++)                                                                \
+        *(VT *)(wr + k * V) = *(const VT *)(wr + k * V) + a[k];                                \
+}
+
+DW_BLOCKS(dw8, dw_v8, dw_i8, 8)
+#ifdef __AVX512F__
+typedef float dw_v16 __attribute__((vector_size(64), aligned(4)));
+typedef int dw_i16 __attribute__((vector_size(64), aligned(4)));
+DW_BLOCKS(dw16, dw_v16, dw_i16, 16)
+#endif
 
 /* The geometry of a depthwise convolution of N images [H][W][C] into [oh][ow][C] (the rows
  * read all but N, which nhwc.pyx's loops use). */
@@ -76,36 +123,15 @@ static __attribute__((noinline)) void dw_gather_row(
         const int x0 = p * ps + c0;
         int jlo, jhi, c = 0;
         dw_taps_signed(x0, cs, kw, width, &jlo, &jhi);
-        for (; c + 32 <= C; c += 32) {          /* four sums at once: four chains of adds */
-            dw_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            if (bias) {
-                a0 = DW_LOAD(bias + c);
-                a1 = DW_LOAD(bias + c + 8);
-                a2 = DW_LOAD(bias + c + 16);
-                a3 = DW_LOAD(bias + c + 24);
-            }
-            for (int i = ilo; i < ihi; i++) {
-                const float *sr = src + (ptrdiff_t)(r0 + i * rs) * width * C + c;
-                const float *wr = w + (size_t)i * kw * C + c;
-                for (int j = jlo; j < jhi; j++) {
-                    const float *wp = wr + (size_t)j * C, *sp = sr + (ptrdiff_t)(x0 + j * cs) * C;
-                    a0 += DW_LOAD(wp) * DW_LOAD(sp);
-                    a1 += DW_LOAD(wp + 8) * DW_LOAD(sp + 8);
-                    a2 += DW_LOAD(wp + 16) * DW_LOAD(sp + 16);
-                    a3 += DW_LOAD(wp + 24) * DW_LOAD(sp + 24);
-                }
-            }
-            if (relu) {
-                a0 = dw_relu(a0);
-                a1 = dw_relu(a1);
-                a2 = dw_relu(a2);
-                a3 = dw_relu(a3);
-            }
-            DW_STORE(op + c, a0);
-            DW_STORE(op + c + 8, a1);
-            DW_STORE(op + c + 16, a2);
-            DW_STORE(op + c + 24, a3);
-        }
+        /* four sums at once: four chains of adds */
+#ifdef __AVX512F__
+        for (; c + 64 <= C; c += 64)
+            dw16_gather4(src, width, C, w, kw, r0, rs, x0, cs, ilo, ihi, jlo, jhi, bias, op, c,
+                         relu);
+#endif
+        for (; c + 32 <= C; c += 32)
+            dw8_gather4(src, width, C, w, kw, r0, rs, x0, cs, ilo, ihi, jlo, jhi, bias, op, c,
+                        relu);
         for (; c + 8 <= C; c += 8) {
             dw_v8 acc = bias ? DW_LOAD(bias + c) : (dw_v8){0};
             for (int i = ilo; i < ihi; i++) {
@@ -188,21 +214,15 @@ static __attribute__((noinline)) void dw_dw_row(const dw_geom *g, const float *r
             float *wr = dw + (size_t)(i * g->kw + j) * C;
             const size_t xs = (size_t)g->sw * C;
             int c = 0;
-            for (; c + 32 <= C; c += 32) {      /* four sums at once, one per eight channels */
-                const float *xp = xr + (size_t)(lo * g->sw + off) * C + c;
-                const float *gp = gr + (size_t)lo * C + c;
-                dw_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                for (int ox = lo; ox < hi; ox++, xp += xs, gp += C) {
-                    a0 += DW_LOAD(xp) * DW_LOAD(gp);
-                    a1 += DW_LOAD(xp + 8) * DW_LOAD(gp + 8);
-                    a2 += DW_LOAD(xp + 16) * DW_LOAD(gp + 16);
-                    a3 += DW_LOAD(xp + 24) * DW_LOAD(gp + 24);
-                }
-                DW_STORE(wr + c, DW_LOAD(wr + c) + a0);
-                DW_STORE(wr + c + 8, DW_LOAD(wr + c + 8) + a1);
-                DW_STORE(wr + c + 16, DW_LOAD(wr + c + 16) + a2);
-                DW_STORE(wr + c + 24, DW_LOAD(wr + c + 24) + a3);
-            }
+            /* four sums at once, one per vector of channels */
+#ifdef __AVX512F__
+            for (; c + 64 <= C; c += 64)
+                dw16_wgrad4(xr + (size_t)(lo * g->sw + off) * C + c, gr + (size_t)lo * C + c, xs,
+                            C, lo, hi, wr + c);
+#endif
+            for (; c + 32 <= C; c += 32)
+                dw8_wgrad4(xr + (size_t)(lo * g->sw + off) * C + c, gr + (size_t)lo * C + c, xs,
+                           C, lo, hi, wr + c);
             for (; c + 8 <= C; c += 8) {
                 const float *xp = xr + (size_t)(lo * g->sw + off) * C + c;
                 const float *gp = gr + (size_t)lo * C + c;

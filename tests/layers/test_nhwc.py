@@ -54,6 +54,8 @@ CONVS = [
     (19, 19, 19, 5, 2, 3, 2, 9, 8, "depthwise"),            # stride, dilation, wide padding
     (45, 45, 45, 3, 1, 2, 2, 5, 6, "depthwise"),            # 32 channels at once, 8, then 5
     (40, 40, 40, 3, 2, 1, 1, 7, 6, "depthwise"),            # and with stride 2
+    (109, 109, 109, 3, 1, 1, 1, 5, 6, "depthwise"),         # AVX-512: 64 at once, then 32, 8, 5
+    (72, 72, 72, 3, 2, 1, 1, 7, 6, "depthwise"),            # and with stride 2
     (8, 8, 8, 3, 1, 1, 1, 6, 6, "im2col+gemm"),             # depthwise as groups
     (16, 16, 1, 3, 1, 1, 1, 7, 6, "winograd F(2,3)"),
     (16, 16, 1, 3, 1, 1, 1, 7, 6, "winograd F(3,3)"),
