@@ -124,16 +124,21 @@ def test_winograd_forward(path, m, r, layout):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=f"V={v}")
 
 
-def test_channels_last_pooling_and_depthwise(path):
+@pytest.mark.parametrize("C", [37, 107])     # whole vectors and a tail; runs of 64, 32, 8, 3
+def test_channels_last_pooling_and_depthwise(path, C):
     k = isa.load("nhwc", path)
-    N, C, H = 2, 37, 9              # 37: whole vectors and a tail
+    N, H = 2, 9
     x = rand(N, H, H, C, seed=4)
     xc = x.transpose(0, 3, 1, 2).astype(np.float64)
     oh = ref.pool_out_size(H, 3, 1, 2)
     y, mask = np.empty((N, oh, oh, C), np.float32), np.empty((N, oh, oh, C), np.int32)
     k.pool_max_forward(x, y, mask, 3, 3, 2, 2, 1, 1)
-    want, _ = ref.max_pool_forward(xc, 3, 3, 2, 2, 1, 1, oh, oh)
+    want, want_mask = ref.max_pool_forward(xc, 3, 3, 2, 2, 1, 1, oh, oh)
     np.testing.assert_array_equal(y.transpose(0, 3, 1, 2), want)
+    np.testing.assert_array_equal(mask.transpose(0, 3, 1, 2), want_mask)
+    alone = np.empty_like(y)                    # a TEST net's: the maxima without positions
+    k.pool_max_forward(x, alone, None, 3, 3, 2, 2, 1, 1)
+    np.testing.assert_array_equal(alone, y)
     k.pool_ave_forward(x, y, 3, 3, 2, 2, 1, 1)
     np.testing.assert_allclose(y.transpose(0, 3, 1, 2), ref.ave_pool_forward(xc, 3, 3, 2, 2, 1, 1, oh, oh),
                                rtol=1e-6, atol=1e-6)

@@ -121,9 +121,12 @@ CASES = [
          layout=NHWC, expected=pool_expected("MAX", (3, 3), (2, 2), (1, 1)), id="nhwc-max-pad"),
     Case("Pooling", "pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 }", [distinct(2, 5, 5, 4)],
          layout=NHWC, expected=pool_expected("MAX", (3, 3), (1, 1), (1, 1)), id="nhwc-max-s1"),
-    # 75 channels: two runs of 32, one of 8, three alone
+    # 75 channels: two runs of 32 (AVX-512: one of 64), one of 8, three alone
     Case("Pooling", "pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 }", [distinct(2, 75, 5, 6)],
          layout=NHWC, expected=pool_expected("MAX", (3, 3), (2, 2), (1, 1)), id="nhwc-max-75-channels"),
+    # 107 channels: AVX-512 runs of 64, 32, 8 and three alone
+    Case("Pooling", "pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 }", [distinct(2, 107, 4, 5)],
+         layout=NHWC, expected=pool_expected("MAX", (3, 3), (1, 1), (1, 1)), id="nhwc-max-107-channels"),
     Case("Pooling", "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 }", [randn(2, 11, 7, 6)],
          layout=NHWC, expected=pool_expected("AVE", (3, 3), (2, 2), (1, 1)), id="nhwc-ave-pad"),
     Case("Pooling", "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 avg_include_pad: false }",
