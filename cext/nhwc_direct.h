@@ -27,8 +27,8 @@
  * feeds two FMAs. On AVX-512 the forward's 6 x 4 block (24 sums of 32 registers) loads 4
  * weight vectors and 6 floats for 24 FMAs, where one vector a block (6 sums) loaded 7 for 6
  * and waited on the loads (AlexNet's conv1 1.2x at b16, GoogLeNet's 1.3x at b1; 2 vectors
- * where 4 vectors' weights overflow L1: cd_forward_vectors). The weight gradient's 8 x 2 (16 sums) for the same reason (6 x 4 was no
- * faster). */
+ * where 4 vectors' weights overflow L1: cd_forward_vectors). The weight gradient's 8 x 2 (16
+ * sums) for the same reason (6 x 4 was no faster). */
 #ifdef __AVX512F__
 #define CD_V 16     /* outputs per vector */
 #define CD_Q 2      /* vectors per block of the weight gradient */
@@ -166,7 +166,7 @@ CD_ALWAYS_INLINE void cd_fwd_tile(const float *const *base, int n, int nq,
  * CD_FQ. */
 static int cd_forward_vectors(int K)
 {
-    static long l1 = 0;
+    static long l1 = 0;         /* threads may race to set it: each finds the same size */
     if (l1 == 0) {
         long found = sysconf(_SC_LEVEL1_DCACHE_SIZE);
         l1 = found > 0 ? found : 32768;
