@@ -158,14 +158,13 @@ def free_threads():
     return common.team_limit()
 
 
-def choose(layer, key, candidates, default, threads, prepare=None, margin=1.0):
+def choose(layer, key, candidates, default, threads, margin=1.0):
     """The name of the fastest candidate for `key` on this machine (see the module docstring);
-    sets `layer.tuning` to how it was decided, for the log and `caffepy time`. `prepare()`, if
-    given, runs before a measurement (not when the cache answers): one-time work of the
-    candidates (an int8 layer's quantized weights) that every measurement would otherwise
-    redo in its warm-up. With a `margin` above 1 another
-    candidate is chosen over `default` only when measured that many times faster, and
-    `default` is measured every round (one slow run cannot drop it)."""
+    sets `layer.tuning` to how it was decided, for the log and `caffepy time`. A candidate's
+    one-time work (an int8 layer's quantized weights, a GEMM's packed weights) falls in
+    measure's uncounted warm-up. With a `margin` above 1 another candidate is chosen over
+    `default` only when measured that many times faster, and `default` is measured every round
+    (one slow run cannot drop it)."""
     if len(candidates) == 1 or not enabled():
         layer.tuning = "rule" if len(candidates) > 1 else "only"
         return default if default in candidates else next(iter(candidates))
@@ -176,8 +175,6 @@ def choose(layer, key, candidates, default, threads, prepare=None, margin=1.0):
             and set(candidates) <= set(entry.get("ms", {})):
         choice, layer.tuning = entry["choice"], "cached"
     else:
-        if prepare is not None:
-            prepare()
         keep = default if margin != 1.0 else None
         ms = {name: round(t * 1e3, 3) for name, t in measure(candidates, keep=keep).items()}
         choice = min(ms, key=lambda name: ms[name] * (1.0 if name == default else margin))

@@ -383,7 +383,6 @@ class Int8:
             key = f"{key} {autotune.batch_class(shape[0])}x{'x'.join(map(str, shape[1:]))} {self.isa}"
             # another way than the default (Winograd where it applies) must be the margin faster
             choice = autotune.choose(L, key, ways, default, nhwc.max_threads(),
-                                     prepare=lambda: [run() for run in ways.values()],
                                      margin=FALLBACK_MARGIN)
         self.path = FLOAT32 if choice == FLOAT32 else INT8
         self.winograd = choice == INT8_WINOGRAD
