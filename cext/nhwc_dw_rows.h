@@ -24,21 +24,21 @@ typedef float dw_v8 __attribute__((vector_size(32), aligned(4)));
 
 typedef int dw_i8 __attribute__((vector_size(32), aligned(4)));
 
-/* max(0, v) lane by lane, NaN kept (Caffe's ReLU: std::max(v, 0) returns a NaN v): the lanes
- * below zero cleared. */
-static inline dw_v8 dw_relu(dw_v8 v)
-{
-    const dw_v8 zero = {0};
-    return (dw_v8)((dw_i8)v & ~(dw_i8)(v < zero));
-}
-
 #define DW_LOAD(p) (*(const dw_v8 *)(p))
 #define DW_STORE(p, v) (*(dw_v8 *)(p) = (v))
 
-/* The blocks of four sums of V floats (4 V channels) that dw_gather_row and dw_dw_row run
- * first, for vector type VT (ints IT of its width); NAME_gather4 and NAME_wgrad4. Each lane sums
- * its channel's products in the same order at any width, so the widths give the same floats. */
+/* For vector type VT of V floats (ints IT of its width): NAME_relu, max(0, v) lane by lane,
+ * NaN kept (Caffe's ReLU: std::max(v, 0) returns a NaN v), the lanes below zero cleared; and
+ * the blocks of four sums (4 V channels) that dw_gather_row and dw_dw_row run first,
+ * NAME_gather4 and NAME_wgrad4. Each lane sums its channel's products in the same order at any
+ * width, so the widths give the same floats. */
 #define DW_BLOCKS(NAME, VT, IT, V)                                                             \
+static inline VT NAME##_relu(VT v)                                                             \
+{                                                                                              \
+    const VT zero = {0};                                                                       \
+    return (VT)((IT)v & ~(IT)(v < zero));                                                      \
+}                                                                                              \
+                                                                                               \
 static inline __attribute__((always_inline)) void NAME##_gather4(                              \
     const float *restrict src, int width, int C, const float *restrict w, int kw, int r0,      \
     int rs, int x0, int cs, int ilo, int ihi, int jlo, int jhi, const float *restrict bias,    \
@@ -56,9 +56,8 @@ static inline __attribute__((always_inline)) void NAME##_gather4(               
                 a[k] += *(const VT *)(wp + k * V) * *(const VT *)(sp + k * V);                 \
         }                                                                                      \
     }                                                                                          \
-    const VT zero = {0};                                                                       \
     for (int k = 0; k < 4; k++)                                                                \
-        *(VT *)(op + c + k * V) = relu ? (VT)((IT)a[k] & ~(IT)(a[k] < zero)) : a[k];           \
+        *(VT *)(op + c + k * V) = relu ? NAME##_relu(a[k]) : a[k];                             \
 }                                                                                              \
                                                                                                \
 static inline __attribute__((always_inline)) void NAME##_wgrad4(                              \
@@ -140,7 +139,7 @@ static __attribute__((noinline)) void dw_gather_row(
                 for (int j = jlo; j < jhi; j++)
                     acc += DW_LOAD(wr + (size_t)j * C) * DW_LOAD(sr + (ptrdiff_t)(x0 + j * cs) * C);
             }
-            DW_STORE(op + c, relu ? dw_relu(acc) : acc);
+            DW_STORE(op + c, relu ? dw8_relu(acc) : acc);
         }
         for (; c < C; c++) {
             float acc = bias ? bias[c] : 0.0f;
