@@ -1,8 +1,10 @@
-"""Fillers: the msra standard deviation, with Intel Caffe's scale factor."""
+"""Fillers: the msra standard deviation, with Intel Caffe's scale factor; the chunked refill."""
 import numpy as np
 import pytest
+from google.protobuf import text_format
 
 from caffepy import fillers, rng
+from caffepy.fillers import fill, fill_into
 from caffepy.proto import caffe_pb2
 
 
@@ -69,3 +71,25 @@ def test_gabor_bank_is_fixed_and_bounded():
 def test_gabor_refuses_what_it_does_not_define(shape, sparse, message):
     with pytest.raises(fillers.CaffepyError, match="^gabor filler: " + message):
         fillers.fill(caffe_pb2.FillerParameter(type="gabor", sparse=sparse), shape)
+
+
+@pytest.mark.parametrize("text", ['type: "gaussian" mean: 0.5 std: 2', 'type: "uniform" min: -3 max: 0.7',
+                                  'type: "gaussian" std: 1 sparse: 2', 'type: "xavier"'])
+def test_fill_into_gives_fill_s_numbers(text):
+    """DummyData's refill draws in chunks into its top: the same floats, draw for draw, as a
+    whole draw (the chunked fillers), or through fill itself (the others)."""
+    p = text_format.Parse(text, caffe_pb2.FillerParameter())
+    for shape in [(1, 3), (5, 70001), (2, 3, 227, 227)]:     # within one chunk, across, many
+        rng.seed(7)
+        want = [fill(p, shape) for _ in range(2)]
+        rng.seed(7)
+        got = [np.empty(shape, np.float32) for _ in range(2)]
+        for out in got:
+            fill_into(p, out)
+        for w, g in zip(want, got):
+            assert np.array_equal(w.view(np.int32), g.view(np.int32)), (text, shape)
+    strided = np.zeros((4, 6), np.float32)[:, ::2]
+    rng.seed(7)
+    fill_into(p, strided)
+    rng.seed(7)
+    assert np.array_equal(strided, fill(p, (4, 3)))

@@ -87,7 +87,7 @@ class DummyData(Layer):
     def forward(self, bottom, top):
         for t, shape, filler, refill in zip(top, self.shapes, self.fillers, self.refill):
             if refill:
-                t.data[...] = fillers.fill(filler, shape)
+                fillers.fill_into(filler, t.data)
 
 
 # -- database readers -------------------------------------------------------------
