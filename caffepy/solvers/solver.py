@@ -4,7 +4,9 @@ One iteration (Step): clear parameter diffs; test if it is time; run
 forward/backward `iter_size` times (parameter diffs accumulate); smooth and
 display the loss; then ApplyUpdate: the learning rate (lr_policy.py), then
 clipping, normalizing, regularizing and the update rule (updates.py); then the
-signal handler's request (snapshot, stop), agreed across ranks.
+signal handler's request (snapshot, stop), agreed across ranks. Under MPI the
+loss, its lines and the request are settled one iteration late (IterationRecord,
+Hooks.lags_records), so that no rank waits for the others at each iteration's end.
 
 Beside it: nets.py builds the train and test nets (InitTrainNet, InitTestNets),
 snapshot.py writes and reads the .caffemodel / .solverstate pair.
@@ -44,6 +46,24 @@ F32 = np.float32
 def _seconds_since(start):
     """Caffe's CPU Timer::Seconds(): the whole milliseconds elapsed / 1000, as a float."""
     return F32(int((time.perf_counter() - start) * 1000) / 1000.0)
+
+
+class IterationRecord:
+    """What one training iteration leaves for the log and the signal handling: its `loss`,
+    at a display iteration the train net's `outputs` (float32) and the display timer's
+    `lapse` over `timed` iterations, this rank's signal `request` (one of ACTIONS), and
+    once updated the learning `rate`. Settled, `loss` and `outputs` are the means over
+    the ranks and `request` the agreed action."""
+
+    def __init__(self, iteration, loss, display):
+        self.iteration = iteration
+        self.loss = loss
+        self.display = display
+        self.outputs = None
+        self.lapse, self.timed = None, 0
+        self.request = "none"
+        self.rate = None
+        self.shown = None            # the display's figures (Hooks.on_display's stats)
 
 
 class Hooks:
@@ -97,6 +117,23 @@ class Hooks:
         (clip_gradients, LARS), or None to leave it to the next hook (in the end, the local
         sum). The first number returned is used."""
         return None
+
+    lags_records = False
+    """True: the hook settles each iteration's IterationRecord across ranks in the background
+    (post_record, settle_record) instead of reduce_loss, reduce_scores and agree_action, so
+    no rank waits for the others at every iteration's end (on a busy link a small collective
+    waits behind the gradients' bytes). The loss and output lines of an iteration, its display
+    hooks and its agreed request (a snapshot or a stop) then come one iteration late. One hook
+    at most; not used with lr_policy plateau, whose rate reads the iteration's loss."""
+
+    def post_record(self, solver, record):
+        """Every rank, after each iteration's backward, with lags_records: start settling
+        `record` (this rank's values) and return the previous iteration's record settled, or
+        None."""
+
+    def settle_record(self, solver):
+        """Every rank, with lags_records (before a test phase, at the end of `step`): the record
+        post_record still holds, settled (waiting for it), or None."""
 
     def agree_action(self, solver, request):
         """Every rank, after each update (and in the test loop when every rank tests): the
@@ -309,7 +346,7 @@ class Solver:
             return
         if p.display and self.iter % p.display == 0:
             loss = self._reduce_loss(self.net.forward_from_to())
-            self._update_smoothed_loss(loss, start_iter)
+            self._update_smoothed_loss(loss, self.iter - start_iter)
             log.info(f"Iteration {self.iter}, loss = {fmt(self.smoothed_loss)}")
         if p.test_interval and (self.iter - p.test_offset) % p.test_interval == 0:
             self._test_phase()
@@ -323,19 +360,23 @@ class Solver:
         self.losses = []
         self.smoothed_loss = 0.0
         self._start()
+        self._step_start = start_iter
         timer = time.perf_counter()
         iterations_last = self.iter
         layer_done = self._hooks("on_layer_done")
         on_layer_done = (lambda li: [fn(self, li) for fn in layer_done]) if layer_done else None
+        lag = self._lagging_hook()
         while self.iter < stop_iter:
             # Intel's test_offset shifts the test iterations (test_interval counts from it)
             if (p.test_interval and (self.iter - p.test_offset) % p.test_interval == 0
                     and (self.iter > 0 or p.test_initialization)):
+                if lag is not None and self._settle(lag):
+                    break
                 self._test_phase()
                 if self.requested_early_exit:
                     break
             self._clear_diffs()
-            display = p.display and self.iter % p.display == 0
+            display = bool(p.display) and self.iter % p.display == 0
             loss = F32(0)
             error = None
             for _ in range(p.iter_size):
@@ -346,68 +387,122 @@ class Solver:
                 self.net.backward_from_to(on_layer_done=on_layer_done)
                 loss += F32(pass_loss)
             loss /= F32(p.iter_size)
-            loss = self._reduce_loss(float(loss))
-            if error is not None:
-                raise error
-            if not math.isfinite(loss):
-                raise self._nonfinite_error(loss)
-            self._update_smoothed_loss(loss, start_iter)
-            shown = None
+            record = IterationRecord(self.iter, float(loss), display)
             if display:
                 self._check_weights_finite()
-                lapse = _seconds_since(timer)
-                timed = self.iter - iterations_last
-                per_s = F32(timed) / (lapse or F32(1))
-                log.info(f"Iteration {self.iter} ({fmt(per_s)} iter/s, {fmt(lapse)}s/{p.display} iters), "
-                         f"loss = {fmt(self.smoothed_loss)}")
+                record.outputs = self._outputs(self.net)
+                record.lapse, record.timed = _seconds_since(timer), self.iter - iterations_last
                 timer = time.perf_counter()
                 iterations_last = self.iter
-                shown = dict(iteration=self.iter, loss=self.smoothed_loss, outputs=self._display_outputs(),
-                             scalars={})
-                if timed and lapse:
-                    shown["seconds_per_iter"] = float(lapse) / timed
-                    shown["items_per_second"] = self._items_per_iter() * timed / float(lapse)
+            if lag is not None:
+                record.request = "none" if self.action_fn is None else self.action_fn()
+                settled = lag.post_record(self, record)
+            else:
+                record.loss = self._reduce_loss(record.loss)
+                if display:
+                    record.outputs = self._reduce_scores(record.outputs) / F32(self.context.size)
+                settled = record
+            if error is not None:
+                raise error
+            if settled is not None:
+                self._report(settled)
             for fn in self._hooks("before_update"):
                 fn(self)
             self.apply_update()
-            if shown is not None:
-                shown["learning_rate"] = self.rate
-                for fn in self._hooks("on_display"):
-                    fn(self, shown)
-                for fn in self._hooks("record_display"):
-                    fn(self, shown)
+            record.rate = self.rate
+            if settled is not None and settled.display:
+                self._display_hooks(settled)
             self.iter += 1
-            request = self.get_requested_action()
-            if (p.snapshot and self.iter % p.snapshot == 0) or request in ("snapshot", "snapshot_stop"):
-                self.snapshot()
-            if request in ("stop", "snapshot_stop"):
-                self.requested_early_exit = True
+            if lag is None:
+                request = self.get_requested_action()
+            else:
+                request = "none" if settled is None else settled.request
+            if self._act(request):
                 break
+        if lag is not None:
+            self._settle(lag)                # the last iteration's lines and request
         self.finish_updates()
+
+    def _lagging_hook(self):
+        """The hook that settles each iteration's record across ranks in the background
+        (Hooks.lags_records), or None. Not when the learning rate reads the smoothed loss
+        (plateau): the update of iteration i needs the loss of iteration i."""
+        lagging = [h for h in self.hooks if getattr(h, "lags_records", False)]
+        if not lagging or self.param.lr_policy == "plateau":
+            return None
+        assert len(lagging) == 1, "one hook at most settles the iteration records"
+        return lagging[0]
+
+    def _settle(self, lag):
+        """The record the lagging hook still holds: its lines, its display hooks and its
+        agreed request. Returns True when that request stops the run."""
+        record = lag.settle_record(self)
+        if record is None:
+            return False
+        self._report(record)
+        if record.display:
+            self._display_hooks(record)
+        return self._act(record.request, periodic=False)
+
+    def _act(self, request, periodic=True):
+        """Snapshot when due (`periodic`) or asked; True when the request stops the run."""
+        p = self.param
+        if (periodic and p.snapshot and self.iter % p.snapshot == 0) or request in ("snapshot", "snapshot_stop"):
+            self.snapshot()
+        if request in ("stop", "snapshot_stop"):
+            self.requested_early_exit = True
+            return True
+        return False
+
+    def _report(self, record):
+        """A settled record: the loss checked and smoothed, and at a display iteration
+        Caffe's lines (the loss line, then each train net output)."""
+        if not math.isfinite(record.loss):
+            raise self._nonfinite_error(record.loss, record.iteration)
+        self._update_smoothed_loss(record.loss, record.iteration - self._step_start)
+        if not record.display:
+            return
+        p = self.param
+        per_s = F32(record.timed) / (record.lapse or F32(1))
+        log.info(f"Iteration {record.iteration} ({fmt(per_s)} iter/s, {fmt(record.lapse)}s/{p.display} iters), "
+                 f"loss = {fmt(self.smoothed_loss)}")
+        record.shown = dict(iteration=record.iteration, loss=self.smoothed_loss,
+                            outputs=self._display_outputs(record.outputs), scalars={})
+        if record.timed and record.lapse:
+            record.shown["seconds_per_iter"] = float(record.lapse) / record.timed
+            record.shown["items_per_second"] = self._items_per_iter() * record.timed / float(record.lapse)
+
+    def _display_hooks(self, record):
+        shown = record.shown
+        shown["learning_rate"] = record.rate
+        for fn in self._hooks("on_display"):
+            fn(self, shown)
+        for fn in self._hooks("record_display"):
+            fn(self, shown)
 
     def _reduce_loss(self, loss):
         for fn in self._hooks("reduce_loss"):
             loss = float(fn(self, loss))
         return loss
 
-    def _update_smoothed_loss(self, loss, start_iter):
+    def _update_smoothed_loss(self, loss, position):
+        """Caffe's UpdateSmoothedLoss; `position`: the iteration's place in this step."""
         n = self.param.average_loss
         if len(self.losses) < n:
             self.losses.append(loss)
             size = len(self.losses)
             smoothed = (F32(self.smoothed_loss) * F32(size - 1) + F32(loss)) / F32(size)
         else:
-            idx = (self.iter - start_iter) % n
+            idx = position % n
             smoothed = F32(self.smoothed_loss) + (F32(loss) - F32(self.losses[idx])) / F32(n)
             self.losses[idx] = loss
         self.smoothed_loss = float(smoothed)
 
-    def _display_outputs(self):
-        """Log the train net's outputs of this iteration's last pass: on N ranks their mean over
-        the ranks (the global batch's figures, as the loss line's). Returns [(name, value)]."""
+    def _display_outputs(self, values):
+        """Log the train net's outputs of a display iteration's last pass, `values` (on N
+        ranks their mean over the ranks: the global batch's figures, as the loss line's).
+        Returns [(name, value)]."""
         net = self.net
-        values = self._outputs(net)
-        values = self._reduce_scores(values) / F32(self.context.size)
         index = 0
         shown = []
         for name in net.outputs:
@@ -452,11 +547,12 @@ class Solver:
         return (f"the last snapshot, {self.last_snapshot[1]}, was kept" if self.last_snapshot
                 else "no snapshot was written")
 
-    def _nonfinite_error(self, loss):
-        """A SolverError naming the iteration and the first layer whose top went non-finite."""
+    def _nonfinite_error(self, loss, iteration=None):
+        """A SolverError naming the iteration and the first layer whose top went non-finite
+        (`iteration`: an earlier one, settled across ranks late: its tops are gone)."""
         net = self.net
         culprit = None
-        for layer, tops in zip(net.layers, net.top_vecs):
+        for layer, tops in zip(net.layers, net.top_vecs) if iteration is None else ():
             for blob in tops:
                 if not np.isfinite(blob.data).all():
                     culprit = (layer, blob)
@@ -464,11 +560,12 @@ class Solver:
             if culprit:
                 break
         hint = f"Training stopped; {self._kept()}. Lower base_lr or set clip_gradients"
+        iteration = self.iter if iteration is None else iteration
         if culprit:
             layer, blob = culprit
             return SolverError(f"{net.source}: layer '{layer.name}' ({layer.type}): top '{blob.name}': "
-                               f"went non-finite at iteration {self.iter}, got loss = {fmt(loss)}. {hint}")
-        return SolverError(f"{self.source}: iteration {self.iter}: loss is not finite, got {fmt(loss)}. {hint}")
+                               f"went non-finite at iteration {iteration}, got loss = {fmt(loss)}. {hint}")
+        return SolverError(f"{self.source}: iteration {iteration}: loss is not finite, got {fmt(loss)}. {hint}")
 
     # -- the update -----------------------------------------------------------
     def learning_rate(self):

@@ -192,8 +192,8 @@ def test_shm_fence_sleeps_while_waiting(tmp_path):
 
 
 def test_strategy_waits_for_a_late_rank_without_spinning(tmp_path):
-    """The main thread's small collectives (loss, signals, output sums, the rank report)
-    wait for a late rank on sleeps: MPICH's blocking calls would spin a core meanwhile,
+    """The main thread's small collectives (loss, signals, output sums, the rank report, an
+    iteration's record settled) wait for a late rank on sleeps: MPICH's blocking calls would spin a core meanwhile,
     the core the late rank's backward or this rank's allreduce thread needs."""
     out = mpirun(2, """
         import time
@@ -202,6 +202,7 @@ def test_strategy_waits_for_a_late_rank_without_spinning(tmp_path):
         from caffepy.parallel import mpi, world
         from caffepy.proto import caffe_pb2
         from caffepy.solvers import Solver
+        from caffepy.solvers.solver import IterationRecord
         mpi.init_world()
         param = text_format.Parse('''
             base_lr: 0.01 lr_policy: "fixed" max_iter: 2 display: 1 solver_mode: CPU random_seed: 1
@@ -216,10 +217,12 @@ def test_strategy_waits_for_a_late_rank_without_spinning(tmp_path):
         solver = Solver(param, source="tiny", context=world)
         strategy = mpi.attach(solver)
         solver.step(1)                         # the reducer, the first display's clock
+        settle = lambda previous: strategy.settle_record(solver)     # nothing held before: waits for this one
         calls = {"loss": lambda: strategy.reduce_loss(solver, 1.0 + world.rank),
                  "signals": lambda: strategy.agree_action(solver, "none"),
                  "outputs": lambda: strategy.reduce_scores(solver, np.ones(3)),
-                 "report": lambda: strategy.on_display(solver, {"scalars": {}})}
+                 "report": lambda: strategy.on_display(solver, {"iteration": 1, "scalars": {}}),
+                 "record": lambda: settle(strategy.post_record(solver, IterationRecord(1, 1.0 + world.rank, False)))}
         for name, call in calls.items():
             if world.rank == 1:
                 time.sleep(1.0)
@@ -228,6 +231,8 @@ def test_strategy_waits_for_a_late_rank_without_spinning(tmp_path):
             cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
             if name == "loss":
                 assert result == 1.5
+            if name == "record":
+                assert result.loss == 1.5 and result.request == "none"
             if name == "outputs":
                 assert list(result) == [2, 2, 2]
             if world.rank == 0:
@@ -237,7 +242,7 @@ def test_strategy_waits_for_a_late_rank_without_spinning(tmp_path):
         mpi.finish()
     """, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("waited") == 4, out.stdout
+    assert out.stdout.count("waited") == 5, out.stdout
 
 
 RING = """

@@ -90,3 +90,9 @@ def test_rank_report_names_the_rank_that_works_longest():
         "mpi/slowest_rank": 2, "mpi/slowest_rank_seconds_per_iter": 0.9,
         "mpi/fastest_rank_seconds_per_iter": 0.45, "mpi/communication_wait_fraction": 0.05,
         "mpi/rank_wait_fraction": 0.37})
+    # the records settled late: the ranks wait for rank 2 in the gradient exchange; what its
+    # longer work explains is waiting for it, the rest (1 s each) communication
+    timings = [[10, 5.5, 0], [10, 5.0, 0], [10, 1.0, 0], [10, 5.3, 0]]
+    assert rank_report(40, timings, 10).endswith(
+        "slowest rank 2 (0.9 s/iter working; fastest rank 0 0.45), "
+        "waiting 10.0% of the time for communication, 32.0% for other ranks")

@@ -270,6 +270,56 @@ def test_the_agreed_action_is_the_one_taken(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["agreed_iter_2.caffemodel", "agreed_iter_2.solverstate"]
 
 
+class Late(Hooks):
+    """Settles each iteration's record one iteration late, as the MPI strategy does (one rank:
+    nothing to average); this rank asks for a snapshot at iteration `ask`."""
+    lags_records = True
+
+    def __init__(self, ask=None):
+        self.held, self.ask, self.shown, self.posted = None, ask, [], []
+
+    def post_record(self, solver, record):
+        self.posted.append(record.iteration)
+        if record.iteration == self.ask:
+            record.request = "snapshot"
+        previous, self.held = self.held, record
+        return previous
+
+    def settle_record(self, solver):
+        previous, self.held = self.held, None
+        return previous
+
+    def record_display(self, solver, stats):
+        self.shown.append((solver.iter, stats["iteration"], stats["loss"], stats["learning_rate"]))
+
+
+def test_records_settled_late_change_only_when_they_show(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = 'lr_policy: "step" gamma: 0.5 stepsize: 2 base_lr: 0.1 max_iter: 100 display: 2 average_loss: 3 '
+
+    class Now(Late):
+        lags_records = False
+
+    now, late = make_solver(text), make_solver(text + 'snapshot_prefix: "late"')
+    now.hooks.append(Now())
+    late.hooks.append(Late(ask=2))
+    now.step(5)
+    late.step(5)
+    assert weight(late) == weight(now) and late.smoothed_loss == now.smoothed_loss
+    # the same display figures, each shown one iteration later; the last one by the end of step
+    assert [s[1:] for s in late.hooks[0].shown] == [s[1:] for s in now.hooks[0].shown]
+    assert [s[0] for s in now.hooks[0].shown] == [0, 2, 4]
+    assert [s[0] for s in late.hooks[0].shown] == [1, 3, 5]
+    # iteration 2's request acts after iteration 3
+    assert sorted(os.listdir(tmp_path)) == ["late_iter_4.caffemodel", "late_iter_4.solverstate"]
+    assert late.hooks[0].held is None and late.hooks[0].posted == [0, 1, 2, 3, 4]
+    # the plateau policy reads the smoothed loss for the rate: its records settle at once
+    plateau = make_solver('lr_policy: "plateau" gamma: 0.5 plateau_winsize: 2 base_lr: 0.1 max_iter: 100 ')
+    plateau.hooks.append(Late())
+    plateau.step(3)
+    assert plateau.hooks[0].posted == []
+
+
 def test_snapshots_write_what_the_gather_hook_gives(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
