@@ -144,8 +144,6 @@ class DataParallel(Hooks):
         others arrived, a core taken from the late rank's backward (ranks sharing a machine)
         or from its own allreduce thread, whose ring also ran slower beside the spinning call
         (4.6 s against 4.2 s for AlexNet's gradients across two emulated hosts)."""
-        if __import__("os").environ.get("NOSMALL") and "signal" in place or "loss" in place or "rank timings" in place or "output sums" in place:
-            if __import__("os").environ.get("NOSMALL"): return
         with self._waiting(place):
             request = start()
             poller = Poller(_COLLECTIVE_POLL_CAP)
