@@ -458,7 +458,8 @@ class Solver:
         """A settled record: the loss checked and smoothed, and at a display iteration
         Caffe's lines (the loss line, then each train net output)."""
         if not math.isfinite(record.loss):
-            raise self._nonfinite_error(record.loss, record.iteration)
+            late = record.iteration if record.iteration != self.iter else None
+            raise self._nonfinite_error(record.loss, late)
         self._update_smoothed_loss(record.loss, record.iteration - self._step_start)
         if not record.display:
             return

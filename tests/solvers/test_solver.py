@@ -773,3 +773,19 @@ def test_solver_start_removes_its_prefix_s_stale_snapshot_temporaries(tmp_path, 
         (tmp_path / "out" / name).write_bytes(bytes(1000))
     get_solver("solver.prototxt")
     assert sorted(os.listdir("out")) == sorted(kept)
+
+
+def test_a_late_non_finite_loss_names_its_own_iteration():
+    """Another rank's non-finite loss arrives with the settled record: the error names that
+    iteration (the tops here are of the next one, so no layer)."""
+    class NaNAt1(Late):
+        def post_record(self, solver, record):
+            if record.iteration == 1:
+                record.loss = float("nan")             # as the mean over ranks would be
+            return super().post_record(solver, record)
+
+    s = make_solver(BASE)
+    s.hooks.append(NaNAt1())
+    with pytest.raises(SolverError, match=r"iteration 1: loss is not finite, got nan") as caught:
+        s.step(5)
+    assert s.iter == 2 and "layer" not in str(caught.value)
