@@ -138,8 +138,8 @@ class DataParallel(Hooks):
             setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
 
     def _collective(self, place, start):
-        """Run the non-blocking collective that `start()` posts and wait for it at `place`,
-        sleeping between tests (20 us, doubling up to 1 ms). MPICH's blocking calls poll the
+        """Run the non-blocking collective that `start()` posts (or returns, posted earlier) and
+        wait for it at `place`, sleeping between tests (20 us, doubling up to 1 ms). MPICH's blocking calls poll the
         network in a loop: the rank that reached the loss average first spun a core until the
         others arrived, a core taken from the late rank's backward (ranks sharing a machine)
         or from its own allreduce thread, whose ring also ran slower beside the spinning call
@@ -273,14 +273,18 @@ class DataParallel(Hooks):
         # moments, maybe in different iterations: the ranks compare how many requests of each
         # kind they have received so far (MAX), and a request acts once, when the first rank
         # reports it (taking the strongest request of any rank acted twice on one signal)
-        if request != "none":
-            self._seen[ACTIONS.index(request)] += 1
+        self._count(request)
         agreed = self._seen.copy()
         from mpi4py import MPI
         self._collective(f"the signal agreement of iteration {solver.iter}",
                          lambda: self.comm.Iallreduce(MPI.IN_PLACE, agreed, op=MPI.MAX))
         watchdog.at(f"forward of iteration {solver.iter}")
         return self._act_on(agreed)
+
+    def _count(self, request):
+        """This rank's signal request (one of ACTIONS) counted among those it has received."""
+        if request != "none":
+            self._seen[ACTIONS.index(request)] += 1
 
     def _act_on(self, agreed):
         """The action the ranks' request counts `agreed` (their maximum) ask for: a request
@@ -291,8 +295,7 @@ class DataParallel(Hooks):
 
     def post_record(self, solver, record):
         # one row per rank: loss, request counts, the display's timings and iterations, outputs
-        if record.request != "none":
-            self._seen[ACTIONS.index(record.request)] += 1
+        self._count(record.request)
         timings, iterations = self._since_display(solver) if record.display else (np.zeros(3), 0)
         outputs = np.zeros(0) if record.outputs is None else record.outputs
         mine = np.concatenate([[record.loss], self._seen, timings, [iterations], outputs]).astype(np.float64)
@@ -307,10 +310,7 @@ class DataParallel(Hooks):
 
     def _settled(self, posted):
         record, request, rows = posted
-        with self._waiting(f"the loss average of iteration {record.iteration}"):
-            poller = Poller(_COLLECTIVE_POLL_CAP)
-            while not request.Test():
-                poller.idle()
+        self._collective(f"the loss average of iteration {record.iteration}", lambda: request)
         actions = len(ACTIONS)
         record.loss = float(rows[:, 0].sum()) / self.world.size
         record.request = self._act_on(rows[:, 1:1 + actions].max(axis=0).astype(np.int64))
