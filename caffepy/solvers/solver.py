@@ -181,7 +181,9 @@ class Hooks:
         """Every rank, holding `solver.update_lock`, right before the update rule of iteration
         `iteration` changes learnable parameters `indices` (None: all of them) and their
         history; the iteration's learning rate (and current_step) are known. Called once per
-        parameter and iteration, in one or several groups (Hooks.pending_gradients)."""
+        parameter and iteration, in one or several groups (Hooks.pending_gradients). May
+        return {index: (data, [history])}: arrays into which the update leaves those
+        parameters' values from before it (updates.apply_update's `keep`)."""
 
     def gather(self, solver, index, array):
         """Every rank, for a snapshot: the whole of `array` (learnable parameter `index`'s data,
@@ -607,10 +609,12 @@ class Solver:
 
     def _update(self, rate, it, indices=None):
         with self.update_lock:
+            keep = {}
             for fn in self._hooks("before_apply"):
-                fn(self, indices, it)
+                keep.update(fn(self, indices, it) or {})
             updates.apply_update(self.param, self.net, self.rule, rate, it, self.sumsq,
-                                 updates.kernels() if self.use_kernels else None, indices)
+                                 updates.kernels() if self.use_kernels else None, indices,
+                                 keep or None)
 
     def _await(self, indices):
         for fn in self._hooks("await_gradients"):

@@ -91,11 +91,13 @@ class UpdateRule:
         """Turn gradient `g` of parameter `i` into its step, in place."""
         raise NotImplementedError
 
-    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
+    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum, keep=None):
         """The compiled one-pass version (caffepy.kernels.solver): normalize by `norm`,
-        add weight decay, compute the step and subtract it from `w` (flat arrays)."""
+        add weight decay, compute the step and subtract it from `w` (flat arrays); with
+        `keep` (data, [history]) the values before the update are left there (_keeping)."""
         h = self._state[i][0].reshape(-1)
-        k.step(self.type, w, g, h, h, norm, decay, l1, lr, momentum, 0.0, self.param.delta)
+        k.step(self.type, w, g, h, h, norm, decay, l1, lr, momentum, 0.0, self.param.delta,
+               **_keeping(keep))
 
 
 @rule
@@ -177,9 +179,10 @@ class RMSProp(UpdateRule):
         h += t
         _divide_by_root(g, h, t, self.param.delta, lr)
 
-    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
+    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum, keep=None):
         h = self._state[i][0].reshape(-1)
-        k.step(self.type, w, g, h, h, norm, decay, l1, lr, self.param.rms_decay, 0.0, self.param.delta)
+        k.step(self.type, w, g, h, h, norm, decay, l1, lr, self.param.rms_decay, 0.0, self.param.delta,
+               **_keeping(keep))
 
 
 @rule
@@ -207,10 +210,10 @@ class AdaDelta(UpdateRule):
         h2 += t
         g *= lr
 
-    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
+    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum, keep=None):
         h, h2 = self._state[i]
         k.step(self.type, w, g, h.reshape(-1), h2.reshape(-1), norm, decay, l1, lr, momentum, 0.0,
-               self.param.delta)
+               self.param.delta, **_keeping(keep))
 
 
 @rule
@@ -231,10 +234,10 @@ class Adam(UpdateRule):
         t = it + 1
         return np.sqrt(1.0 - self.param.momentum2 ** t) / (1.0 - self.param.momentum ** t)
 
-    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum):
+    def fused(self, k, i, w, g, norm, decay, l1, lr, it, momentum, keep=None):
         m, v = self._state[i]
         k.step(self.type, w, g, m.reshape(-1), v.reshape(-1), norm, decay, l1, lr * self.correction(it),
-               self.param.momentum, self.param.momentum2, self.param.delta)
+               self.param.momentum, self.param.momentum2, self.param.delta, **_keeping(keep))
 
     def compute(self, i, g, lr, it, momentum):
         (m, v), (t,) = self._state[i], self._temp[i]
@@ -291,13 +294,28 @@ def kernels():
     return solver
 
 
-def apply_update(param, net, update_rule, rate, it, sumsq, fused=None, indices=None):
+def _keeping(keep):
+    """The fused step's keyword arguments that leave a parameter's values from before its
+    update in `keep` ((data, [history]) as apply_update takes it; None: nothing kept)."""
+    if keep is None:
+        return {}
+    data, history = keep
+    args = {"keep_w": data.reshape(-1), "keep_h": history[0].reshape(-1)}
+    if len(history) > 1:
+        args["keep_h2"] = history[1].reshape(-1)
+    return args
+
+
+def apply_update(param, net, update_rule, rate, it, sumsq, fused=None, indices=None, keep=None):
     """SGDSolver::ApplyUpdate after the rate (with Intel Caffe's warm-up and LARS): update
     every learnable parameter of `net` (or those in `indices`) with `update_rule` at `rate`.
     `sumsq(index, array)` is the squared L2 norm of a parameter's data or diff (the
     solver's, which a multi-rank hook may sum over ranks); `fused` the compiled kernels, or
     None for NumPy. Updating the parameters in several calls gives what one call gives,
-    except with clip_gradients (the norm of every gradient): then `indices` must be None."""
+    except with clip_gradients (the norm of every gradient): then `indices` must be None.
+    `keep` {index: (data, [history])}: arrays shaped as those parameters' data and history,
+    which receive their values from before the update (the fused kernel writes them in its
+    own pass over the arrays)."""
     assert indices is None or param.clip_gradients < 0, "clipping needs every gradient at once"
     clip_gradients(param.clip_gradients, net.learnable_params, sumsq)
     momentum = param.momentum
@@ -314,6 +332,13 @@ def apply_update(param, net, update_rule, rate, it, sumsq, fused=None, indices=N
     for i in range(len(net.learnable_params)) if indices is None else indices:
         blob = net.learnable_params[i]
         lr_mult = net.params_lr[i]
+        kept = None if keep is None else keep.get(i)
+        if kept is not None and (lr_mult == 0 or fused is None):
+            data, history = kept
+            np.copyto(data, blob.data)
+            for out, h in zip(history, update_rule.state(i)):
+                np.copyto(out, h)
+            kept = None
         if lr_mult == 0:
             # no step to take (Intel Caffe skips these; Caffe's step would be 0)
             continue
@@ -324,9 +349,10 @@ def apply_update(param, net, update_rule, rate, it, sumsq, fused=None, indices=N
             if lars:
                 fused.regularize(w1, g1, norm, local_decay, l1)
                 local = lars_rate(param, sumsq(i, blob.data), sumsq(i, blob.diff), lr_mult)
-                update_rule.fused(fused, i, w1, g1, 1.0, 0.0, False, rate * local, it, momentum)
+                update_rule.fused(fused, i, w1, g1, 1.0, 0.0, False, rate * local, it, momentum, kept)
             else:
-                update_rule.fused(fused, i, w1, g1, norm, local_decay, l1, rate * lr_mult, it, momentum)
+                update_rule.fused(fused, i, w1, g1, norm, local_decay, l1, rate * lr_mult, it, momentum,
+                                  kept)
             continue
         if param.iter_size > 1:
             g *= norm

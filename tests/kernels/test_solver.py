@@ -38,3 +38,38 @@ def test_step(n, rule, momentum, beta2, delta, lr):
     solver.step(rule, w, g, h, h2, 0.5, 0.0005, False, lr, momentum, beta2, delta)
     for got, expected in zip((w, g, h, h2), want):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("n", SIZES + [37])
+@pytest.mark.parametrize("rule,momentum,beta2,delta,lr", RULES, ids=[r[0] for r in RULES])
+def test_step_keeps_the_values_from_before(n, rule, momentum, beta2, delta, lr):
+    """keep_w, keep_h (and keep_h2) receive w, h (h2) as they were before the update, and the
+    update itself is the one without them, bit for bit; a keep buffer that starts off a
+    vector boundary (the streaming stores' aligned part shifts) gets the same."""
+    w, g, h, h2 = arrays(n, 3)
+    before = [a.copy() for a in (w, h, h2)]
+    plain = [a.copy() for a in (w, g, h, h2)]
+    solver.step(rule, *plain, 0.5, 0.0005, False, lr, momentum, beta2, delta)
+    two = rule in ("AdaDelta", "Adam")
+    backing = np.full(3 * (n + 1), np.nan, np.float32)
+    kw, kh, kh2 = (backing[1 + k * (n + 1):1 + k * (n + 1) + n] for k in range(3))
+    solver.step(rule, w, g, h, h2 if two else h, 0.5, 0.0005, False, lr, momentum, beta2, delta,
+                keep_w=kw, keep_h=kh, keep_h2=kh2 if two else None)
+    got = (w, g, h, h2) if two else (w, g, h)
+    for a, b in zip(got, plain):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(kw, before[0])
+    np.testing.assert_array_equal(kh, before[1])
+    if two:
+        np.testing.assert_array_equal(kh2, before[2])
+    else:
+        assert np.isnan(kh2).all()
+
+
+def test_step_keep_needs_both_and_matching_shapes():
+    w, g, h, _ = arrays(100, 4)
+    with pytest.raises(ValueError, match="keep_h"):
+        solver.step("SGD", w, g, h, h, 1.0, 0.0, False, 0.1, 0.9, keep_w=np.empty(100, np.float32))
+    with pytest.raises(ValueError, match="keep_w"):
+        solver.step("SGD", w, g, h, h, 1.0, 0.0, False, 0.1, 0.9, keep_w=np.empty(99, np.float32),
+                    keep_h=np.empty(100, np.float32))

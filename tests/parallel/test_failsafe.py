@@ -206,11 +206,14 @@ def _half_an_update(solver, reducer):
     return rate
 
 
-def test_a_partial_iteration_gives_the_one_before(tmp_path, db):
-    """Parameters updated while gradients still travel are kept as they were: the snapshot is
+@pytest.mark.parametrize("fused", [True, False], ids=["fused update", "NumPy update"])
+def test_a_partial_iteration_gives_the_one_before(tmp_path, db, fused):
+    """Parameters updated while gradients still travel are kept as they were (the fused
+    update writes the copies in its own pass; the NumPy one copies first): the snapshot is
     of the last whole iteration; once every parameter has its update, of that one."""
     from caffepy.solvers import snapshot as snap
     job, solver, keeper, reducer = _kept_solver(tmp_path, db, 3)
+    solver.use_kernels = fused
     data3, history3 = _state(solver)
     normal = solver.snapshot()                     # what an uninterrupted run writes after iteration 2
     rate = _half_an_update(solver, reducer)
