@@ -210,7 +210,10 @@ class DataParallel(Hooks):
             self._pending = ()
         self._passes = 0
         self._last_layer = None
-        watchdog.at(f"the update of iteration {solver.iter}")
+        if self.reducer.progress == "thread":     # the forward's first await marks its place
+            watchdog.at(f"the update of iteration {solver.iter}")
+        else:                                     # nothing marks the place between the two
+            watchdog.at(f"the update of iteration {solver.iter} or the forward of iteration {solver.iter + 1}")
 
     def pending_gradients(self, solver):
         pending, self._pending = self._pending, ()

@@ -96,3 +96,25 @@ def test_rank_report_names_the_rank_that_works_longest():
     assert rank_report(40, timings, 10).endswith(
         "slowest rank 2 (0.9 s/iter working; fastest rank 0 0.45), "
         "waiting 10.0% of the time for communication, 32.0% for other ranks")
+
+
+@pytest.mark.parametrize("progress,place", [
+    ("thread", "the update of iteration 7"),
+    ("blocking", "the update of iteration 7 or the forward of iteration 8"),
+    ("none", "the update of iteration 7 or the forward of iteration 8")])
+def test_the_watchdog_place_after_the_gradients_covers_the_next_forward(monkeypatch, progress, place):
+    """Where a stalled rank is reported to be after its gradients: in the blocking and none
+    modes nothing marks the next forward (the thread mode's first await does), so the place
+    names both."""
+    import contextlib
+    import types
+    from caffepy.parallel import watchdog
+    from caffepy.parallel.strategies import DataParallel
+    marks = []
+    monkeypatch.setattr(watchdog, "_current", types.SimpleNamespace(
+        place="start-up", mark=lambda place, waits: marks.append((place, waits))))
+    strategy = types.SimpleNamespace(
+        reducer=types.SimpleNamespace(progress=progress, issue_all=lambda: None, finish=lambda: None),
+        _waiting=lambda *args: contextlib.nullcontext(), _reduced=())
+    DataParallel.before_update(strategy, types.SimpleNamespace(iter=7))
+    assert marks[-1] == (place, False)
