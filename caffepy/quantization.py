@@ -85,9 +85,9 @@ def kernels():
 
 
 def isa():
-    """The ISA the int8 kernels run here ('vnni', 'avx2' or 'generic': the best the CPU has);
-    CAFFEPY_INT8_ISA names an older one to run instead (generic: the portable C; the same
-    integers on every path)."""
+    """The ISA the int8 kernels run here ('amx', 'vnni', 'avxvnni', 'avx2' or 'generic': the
+    best the CPU has); CAFFEPY_INT8_ISA names another this CPU has to run instead (generic: the
+    portable C; the same integers on every path)."""
     import os
     k = kernels()
     wanted = os.environ.get("CAFFEPY_INT8_ISA", "")
@@ -100,6 +100,8 @@ _PATHS = {
            "8-bit tops passed between int8 layers as bytes",
     "vnni": "AVX-512 VNNI for the channels-last convolutions and InnerProduct, AVX2 for the rest; "
             "8-bit tops passed between int8 layers as bytes",
+    "avxvnni": "AVX-VNNI (256-bit) for the channels-last convolutions and InnerProduct, AVX2 for "
+               "the rest",
     "avx2": "AVX2 (16-bit pair products)",
     "generic": "portable C",
 }
@@ -415,7 +417,7 @@ class Int8:
         self.wq = k.conv_weights(wq[:, :w2.shape[1]].reshape(w.shape)) if w.ndim == 4 else wq
         # an InnerProduct on the byte paths runs as a 1 x 1 channels-last convolution
         self.wn = (k.nhwc_weights(wq, w2.shape[1], isa=self.isa)
-                   if w.ndim == 2 and self.isa in ("vnni", "amx") else None)
+                   if w.ndim == 2 and self.isa in ("vnni", "amx", "avxvnni") else None)
         if w.ndim == 4 and self.channels_last:
             self.wu = k.winograd_nhwc_weights(self.wq) if self.winograd_applies() else None
             self.wq = (k.depthwise_nhwc_weights(self.wq, *L.kernel) if L.group > 1

@@ -56,6 +56,7 @@ cdef extern from "int8_nhwc.h" nogil:
     void i8n_fill_floats(int threads, const uint8_t *b, long P, long row, int C, int zp,
                          float inv, float *out)
     int i8_isa_available()
+    int i8_isa_mask()
     long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int kw, int ph,
                      int pw, int dw, int threads)
     long i8a_quads(int taps, int J)
@@ -77,27 +78,35 @@ cdef extern from "int8_nhwc.h" nogil:
 
 NR, MR = I8_NR, I8_MR
 # 'vnni' and 'amx': AVX-512 VNNI or AMX tiles for the channels-last convolution's products
-# (their own weights layouts: nhwc_weights), AVX2 for the rest
-ISAS = ("generic", "avx2", "vnni", "amx")
-VNNI, AMX = 2, 3
+# (their own weights layouts: nhwc_weights), AVX2 for the rest; 'avxvnni': the 256-bit VNNI
+# of CPUs without AVX-512 for those products (the 'vnni' weights), AVX2 for the rest. A tuple
+# index is the kernels' isa number.
+ISAS = ("generic", "avx2", "vnni", "amx", "avxvnni")
+VNNI, AMX, AVXVNNI = 2, 3, 4
 
 
 def best_isa():
     """The fastest ISA the int8 kernels can run here: 'amx' where the CPU has AMX-INT8 and Linux
-    grants its tiles, 'vnni' where it has AVX-512 VNNI, 'avx2' where it has AVX2 (and the module
-    was built for it), else 'generic' (portable C)."""
+    grants its tiles, 'vnni' where it has AVX-512 VNNI, 'avxvnni' where it has AVX-VNNI, 'avx2'
+    where it has AVX2 (and the module was built for it), else 'generic' (portable C)."""
     return ISAS[i8_isa_available()]
 
 
 def available_isas():
     """Every ISA the int8 kernels can run here, the portable C first."""
-    return ISAS[:i8_isa_available() + 1]
+    mask = i8_isa_mask()
+    return tuple(isa for i, isa in enumerate(ISAS) if mask & (1 << i))
 
 
 cdef int _isa(str isa) except -1:
     need(isa in ISAS, "int8", "isa", f"must be one of {ISAS}", isa)
-    need(ISAS.index(isa) <= i8_isa_available(), "int8", "isa", "not available here", isa)
+    need(i8_isa_mask() & (1 << ISAS.index(isa)), "int8", "isa", "not available here", isa)
     return ISAS.index(isa)
+
+
+cdef inline bint _avx512_bytes(int which) noexcept:
+    """The AVX-512 byte paths (vnni, amx): the 8-bit tops they hand on as bytes"""
+    return which == VNNI or which == AMX
 
 
 def padded(int k):
@@ -203,8 +212,8 @@ def pool_max_bytes(x, y, kernel, stride, pad):
     yn, oh, ow, yc = y.shape
     need(yn == n and yc == c and x.row == y.row and x.zp == y.zp, "pool_max_bytes", "y",
          f"needs {n} images of {c} channels and zero point {x.zp}", (y.shape, y.zp))
-    need(_isa("vnni") <= i8_isa_available(), "pool_max_bytes", "isa", "needs AVX-512 VNNI",
-         i8_isa_available())
+    need(i8_isa_mask() & (1 << VNNI), "pool_max_bytes", "isa", "needs AVX-512 VNNI",
+         best_isa())
     need(kernel[0] > pad[0] and kernel[1] > pad[1], "pool_max_bytes", "pad",
          "needs windows that hold a pixel (pad below the kernel)", (tuple(kernel), tuple(pad)))
     cdef const uint8_t[::1] xv = x.array
@@ -365,7 +374,7 @@ def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[
                   float hi_in, bint relu, float slope, bint quantize, float lo, float hi,
                   float inv_scale_out, str isa, packed=None):
     """top [M, N] = the int8 inner product of x [M, K] with w [N][padded(K)], as conv_forward.
-    On the byte paths (vnni, amx) it is the channels-last 1 x 1 convolution of M pixels of K
+    On the byte paths (vnni, amx, avxvnni) it is the channels-last 1 x 1 convolution of M pixels of K
     channels (the same integers and epilogue; top's rows are its pixels): `packed`, w as
     nhwc_weights(w, K, isa=isa) packs it (None: packed here, for each call)."""
     cdef int M = x.shape[0], K = x.shape[1], N = w.shape[0], Kp = padded(K), threads
@@ -400,9 +409,9 @@ def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[
 
 def nhwc_units(int channels, kernel, dilation, str isa="avx2"):
     """The units of one tap of conv_forward_nhwc's weights (pairs of channels, quads on the
-    VNNI and AMX paths), and its taps."""
+    VNNI, AMX and AVX-VNNI paths), and its taps."""
     kh, kw = kernel
-    per = 4 if isa in ("vnni", "amx") else 2
+    per = 4 if isa in ("vnni", "amx", "avxvnni") else 2
     if i8n_wide(channels, kw, dilation[1]):
         return (kw * channels + per - 1) // per, kh
     return (channels + per - 1) // per, kh * kw
@@ -420,7 +429,8 @@ def amx_quads(int channels, kernel, dilation, stride):
 def nhwc_weights(wq, int channels, kernel=(1, 1), dilation=(1, 1), str isa="avx2",
                  stride=(1, 1)):
     """conv_weights' rows [O][kh kw padded(C)] as the channels-last kernel's column tiles
-    [ceil(O / 16)][J][16][2] int16 (pairs), or for the VNNI path [ceil(O / 16)][J][16][4] int8
+    [ceil(O / 16)][J][16][2] int16 (pairs), or for the VNNI and AVX-VNNI paths
+    [ceil(O / 16)][J][16][4] int8
     (quads; AMX: amx_quads, J rounded up to whole chunks of 16, or each tap a chunk where the
     taps' rows load in place), zero past O and past each tap's channels. For few channels
     (int8_nhwc.h i8n_wide) a tap is a kernel row: its (kernel column, channel) values, then
@@ -495,7 +505,7 @@ def conv_forward_nhwc(x, w,
     if which >= VNNI:
         w8 = w
         need_shape("conv_forward_nhwc", "w", dims(w8.shape, 4), ((O + 15) // 16, taps * units
-                   if which == VNNI else amx_quads(C, kernel, dilation, stride)[0], 16, 4))
+                   if which != AMX else amx_quads(C, kernel, dilation, stride)[0], 16, 4))
         wp = &w8[0, 0, 0, 0]
     else:
         w16 = w
@@ -503,7 +513,7 @@ def conv_forward_nhwc(x, w,
         wp = &w16[0, 0, 0, 0]
     _check_epilogue("conv_forward_nhwc", O, bias, mult, summand, (N, OH, OW, O))
     _bytes_epilogue("conv_forward_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, O))
-    need(staged is None or (which >= VNNI and not i8n_wide(C, kw, dilation[1])),
+    need(staged is None or (_avx512_bytes(which) and not i8n_wide(C, kw, dilation[1])),
          "conv_forward_nhwc", "staged", "needs the byte paths (vnni, amx)", isa)
     cdef const float *xp = _floats(x)
     cdef const uint8_t *sp = _staged("conv_forward_nhwc", staged, shape_in, lo_in)

@@ -12,7 +12,8 @@
  * output's 16 columns are contiguous channels of one pixel: the epilogue's per-channel bias
  * and multiplier are vector loads. On a CPU with AVX-512 VNNI or AMX-INT8 the same drivers run
  * bytes in quads of channels instead of int16 pairs (int8_vnni.h, int8_amx.h: the same
- * integers); i8_isa_available (below) says which path this CPU has.
+ * integers), and so does a CPU with AVX-VNNI alone for the products (int8_avxvnni.h);
+ * i8_isa_available (below) says which path this CPU has.
  *
  * Depthwise (a group per channel): every product u8 x s8 is an integer of at most 2^15 in
  * magnitude and a pixel sums kh * kw of them, so below 512 taps each partial sum is an integer
@@ -24,6 +25,7 @@
 #include "int8_gemm.h"
 #include "nhwc_dw_rows.h"
 #include "int8_vnni.h"
+#include "int8_avxvnni.h"
 #include "int8_amx.h"
 
 /* as int8_gemm.h: no fused multiply-add in the epilogue (its i8_finish and i8_finish8_avx2
@@ -32,6 +34,13 @@
 #pragma GCC optimize("fp-contract=off")
 
 #define I8N_MR 6
+
+/* Whether the path is one of the AVX-512 byte paths (VNNI, AMX), whose depthwise convolution
+ * and epilogue have AVX-512 kernels of their own (AVX-VNNI's are the AVX2 path's) */
+static inline int i8n_avx512(int isa)
+{
+    return isa == I8_VNNI || isa == I8_AMX;
+}
 #define I8N_NR 16
 #define I8N_BLOCK_BYTES (192 * 1024)    /* the weights of a block of column tiles: in L2 */
 
@@ -245,7 +254,7 @@ static inline void i8n_finish(int isa, const int32_t *acc, long lda, long p0, in
                               int n, int O, const i8_epilogue *e)
 {
 #ifdef __AVX2__
-    if (isa >= I8_VNNI) {
+    if (i8n_avx512(isa)) {
         i8n_finish_avx512(acc, lda, p0, R, o0, n, O, e);
         return;
     }
@@ -332,10 +341,10 @@ static inline long i8n_wide_zeros(int C, int kw)
     return (long)kw * C + 2;
 }
 
-/* Whether the path holds quantized values as bytes (VNNI, AMX) rather than int16 */
+/* Whether the path holds quantized values as bytes (VNNI, AMX, AVX-VNNI) rather than int16 */
 static inline int i8n_bytes(int isa)
 {
-    return isa == I8_VNNI || isa == I8_AMX;
+    return isa == I8_VNNI || isa == I8_AMX || isa == I8_AVXVNNI;
 }
 
 /* The 4-byte units of a pixel's n values (int16 pairs; quads of bytes on the byte paths) */
@@ -400,6 +409,12 @@ static long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int 
 static inline void i8n_quantize_any(int isa, const float *x, long p0, long p1, int C,
                                     float scale, float lo, float hi, int zp, void *q)
 {
+#ifdef I8X_BUILT
+    if (isa == I8_AVXVNNI) {
+        i8x_quantize_rows(x, p0, p1, C, scale, lo, hi, zp, (uint8_t *)q);
+        return;
+    }
+#endif
 #ifdef __AVX2__
     if (i8n_bytes(isa)) {
         i8v_quantize_rows(x, p0, p1, C, scale, lo, hi, zp, (uint8_t *)q);
@@ -418,6 +433,12 @@ static inline int i8n_tiles(int isa, int nt, int taps, int J, const int32_t *con
 #ifdef __AVX2__
     if (isa == I8_VNNI) {
         i8v_tile(nt, taps, J, rows, (const int8_t *)w, tile, c);
+        return 16 * I8V_NT;
+    }
+#endif
+#ifdef I8X_BUILT
+    if (isa == I8_AVXVNNI) {
+        i8x_tile(nt, taps, J, rows, (const int8_t *)w, tile, c);
         return 16 * I8V_NT;
     }
 #endif
@@ -447,7 +468,7 @@ static inline void i8n_columns(int isa, int taps, int J, const int32_t *const *r
                                const char *w, long tile, int t0, int t1, long m, int R, int O,
                                int32_t *c, const i8_epilogue *e)
 {
-    int step = isa == I8_VNNI ? I8V_NT : 1;
+    int step = isa == I8_VNNI || isa == I8_AVXVNNI ? I8V_NT : 1;
     for (int t = t0; t < t1; t += step) {
         int nt = t1 - t < step ? t1 - t : step;
         int cs = i8n_tiles(isa, nt, taps, J, rows, w + (long)t * tile, tile, c);
@@ -465,7 +486,7 @@ static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int 
                         const void *w, char *q, const uint8_t *staged, const i8_epilogue *e)
 {
     int J = i8n_units(isa, C), tilesO = (O + I8N_NR - 1) / I8N_NR;
-    int zp = isa == I8_VNNI ? i8v_zero_point(lo) : 0;
+    int zp = isa == I8_VNNI || isa == I8_AVXVNNI ? i8v_zero_point(lo) : 0;
     long M = (long)N * OH * OW, mt = (M + I8N_MR - 1) / I8N_MR;
     long row_bytes = (long)J * 4, tile = row_bytes * 16;
     i8_epilogue shifted;
@@ -525,20 +546,40 @@ static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int 
         free((void *)shifted.bias);
 }
 
-/* The best ISA the int8 kernels have here: 3 AMX (the channels-last convolution's products:
- * int8_amx.h), 2 AVX-512 VNNI (the same: int8_vnni.h; the other kernels run AVX2 on both), 1
- * AVX2, 0 the portable C (the same integers everywhere, slower). */
+/* The paths the int8 kernels can run here, bit k for isa k: 0 the portable C (always), 1 AVX2,
+ * 4 AVX-VNNI (the channels-last convolution's products: int8_avxvnni.h), 2 AVX-512 VNNI
+ * (int8_vnni.h; the other kernels run AVX2 on these three), 3 AMX (int8_amx.h). The same
+ * integers everywhere, the portable C slower. */
+static int i8_isa_mask(void)
+{
+    int mask = 1;
+#ifdef __AVX2__
+    if (!__builtin_cpu_supports("avx2"))
+        return mask;
+    mask |= 1 << 1;
+#ifdef I8X_BUILT
+    if (__builtin_cpu_supports("avxvnni"))
+        mask |= 1 << I8_AVXVNNI;
+#endif
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl")) {
+        mask |= 1 << I8_VNNI;
+        if (i8a_usable())
+            mask |= 1 << I8_AMX;
+    }
+#endif
+    return mask;
+}
+
+/* The best of them: AMX, AVX-512 VNNI, AVX-VNNI, AVX2, the portable C, the first there is */
 static int i8_isa_available(void)
 {
-#ifdef __AVX2__
-    int vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")
-               && __builtin_cpu_supports("avx512vl");
-    if (vnni)
-        return i8a_usable() ? I8_AMX : I8_VNNI;
-    return __builtin_cpu_supports("avx2") ? 1 : 0;
-#else
+    static const int best_first[] = {I8_AMX, I8_VNNI, I8_AVXVNNI, 1};
+    int mask = i8_isa_mask();
+    for (int i = 0; i < 4; i++)
+        if (mask & (1 << best_first[i]))
+            return best_first[i];
     return 0;
-#endif
 }
 
 /* Where a convolution's taps read q (i8n_conv's layout) */
@@ -873,6 +914,12 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
             for (long r = r0; r < r1; r++) {
                 char *qr = q + r * Wq * C * vb;
                 memset(qr, zp, (size_t)pad);
+#ifdef I8X_BUILT
+                if (isa == I8_AVXVNNI)
+                    i8x_quantize_run(x + r * W * C, (long)W * C, scale, lo, hi, zp,
+                                     (uint8_t *)qr + pad);
+                else
+#endif
 #ifdef __AVX2__
                 if (bytes)
                     i8v_quantize_run(x + r * W * C, (long)W * C, scale, lo, hi, zp,
@@ -1224,7 +1271,7 @@ static long i8n_dw_scratch(int isa, int H, int W, int C, int kh, int kw, int sh,
                            int OW, int threads)
 {
     long floats = threads * i8n_dw_rows(H, W, C, kh, sh, dh, OH) * W * C;
-    if (i8n_bytes(isa)) {   /* either path's: the byte path falls back to the float sums */
+    if (i8n_avx512(isa)) {  /* either path's: the byte path falls back to the float sums */
         long bytes = threads * i8n_dw_thread_bytes(H, W, C, kh, kw, sh, dh, OH, OW) + 64;
         return bytes / 4 + 1 > floats ? bytes / 4 + 1 : floats;
     }
@@ -1340,7 +1387,7 @@ static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, in
                           const i8_epilogue *e)
 {
 #ifdef __AVX2__
-    if (i8n_bytes(isa) && kh <= 64 &&
+    if (i8n_avx512(isa) && kh <= 64 &&
         i8n_depthwise_bytes(isa, threads, x, N, H, W, C, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW,
                             scale, lo, hi, w, qf, iaccs, staged, zp, e))
         return;

@@ -211,7 +211,7 @@ def test_a_summand_from_a_float_layer_keeps_the_convolution_float():
     np.testing.assert_allclose(net.blobs["sum"].data, plain.blobs["sum"].data, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("isa", ["avx2", "vnni", "amx"])
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "vnni", "amx"])
 def test_isa_paths_agree(monkeypatch, isa):
     if isa not in quantization.kernels().available_isas():
         pytest.skip(f"the int8 {isa} path: this CPU or build lacks it")

@@ -1,0 +1,96 @@
+/* The AVX-VNNI path of the channels-last int8 convolution (int8_nhwc.h, isa I8_AVXVNNI): the
+ * 256-bit, VEX-encoded vpdpbusd of CPUs that have VNNI without AVX-512 (Alder Lake and later
+ * cores, Xeon 6 E-cores). The VNNI path's layouts and integers (int8_vnni.h: bytes in quads,
+ * a signed input shifted by its zero point, the weights' column tiles of 16 channels), so its
+ * weights are nhwc_weights(isa='vnni')'s and the tops agree with every path to the bit; a
+ * column tile is two 8-lane vectors here. The rest of the layer (depthwise, pooling, the
+ * epilogue, the inner product's own kernel) runs the AVX2 path's kernels, and the tops between
+ * layers are floats, as there. Called only when the CPU has AVX2 and AVX-VNNI. */
+#ifndef CAFFEPY_INT8_AVXVNNI_H
+#define CAFFEPY_INT8_AVXVNNI_H
+#include <stdint.h>
+#include <string.h>
+#include "int8_vnni.h"
+
+#define I8_AVXVNNI 4        /* the isa number of this path (int8_nhwc.h i8_isa_mask) */
+
+/* compilers that know the avxvnni target (GCC 11, clang 12); an older one builds without it */
+#if defined(__AVX2__) && ((defined(__clang__) && __clang_major__ >= 12) \
+                          || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define I8X_BUILT 1
+#define I8X_TARGET __attribute__((target("avx2,fma,avxvnni")))
+
+/* q[0 .. n) = the quantized x[0 .. n) plus zp, as bytes: i8v_quantize_run in 8 lanes (the
+ * same rounding, saturation and NaN rule) */
+I8X_TARGET static void i8x_quantize_run(const float *x, long n, float scale, float lo, float hi,
+                                        int zp, uint8_t *q)
+{
+    long i = 0;
+    const __m256 s = _mm256_set1_ps(scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+    const __m256i z = _mm256_set1_epi32(zp);
+    for (; i + 8 <= n; i += 8) {
+        __m256i v = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
+            _mm256_mul_ps(_mm256_loadu_ps(x + i), s), l), h)), z);
+        /* 0 .. 255: both packs keep the values */
+        __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(q + i), _mm_packus_epi16(w, w));
+    }
+    for (; i < n; i++)
+        q[i] = (uint8_t)(i8_quantize(x[i], scale, lo, hi) + zp);
+}
+
+/* q[p][0 .. 4 Jq) = the quantized x[p][0 .. C) plus zp, zero past C; rows p in [p0, p1) */
+static void i8x_quantize_rows(const float *x, long p0, long p1, int C, float scale, float lo,
+                              float hi, int zp, uint8_t *q)
+{
+    int C4 = 4 * ((C + 3) / 4);
+    if (C == C4) {
+        i8x_quantize_run(x + p0 * C, (p1 - p0) * C, scale, lo, hi, zp, q + p0 * C);
+        return;
+    }
+    for (long p = p0; p < p1; p++) {
+        i8x_quantize_run(x + p * C, C, scale, lo, hi, zp, q + p * C4);
+        memset(q + p * C4 + C, 0, (size_t)(C4 - C));
+    }
+}
+
+/* c[r][16 i .. 16 i + 16) (r < 6, i < nt, rows of c 16 I8V_NT apart) = i8v_tile's sums, one
+ * column tile at a time: its 6 x 2 sums, two weight vectors and a broadcast fill the 16
+ * registers */
+I8X_TARGET static void i8x_tile(int nt, int taps, int Jq, const int32_t *const *rows,
+                                const int8_t *w, long ws, int32_t *c)
+{
+    for (int i = 0; i < nt; i++) {
+        __m256i acc[6][2];
+#pragma GCC unroll 6
+        for (int r = 0; r < 6; r++)
+            acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        for (int t = 0; t < taps; t++) {
+            const int32_t *const *rt = rows + t * 6;
+            const int32_t *a0 = rt[0], *a1 = rt[1], *a2 = rt[2], *a3 = rt[3], *a4 = rt[4],
+                          *a5 = rt[5];
+            const int8_t *b = w + (long)i * ws + (long)t * Jq * 64;
+            for (int j = 0; j < Jq; j++, b += 64) {
+                __m256i b0 = _mm256_loadu_si256((const __m256i *)b);
+                __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + 32));
+                __m256i x;
+#define I8X_ROW(r, a)                                                                       \
+                x = _mm256_set1_epi32(a[j]);                                                \
+                acc[r][0] = _mm256_dpbusd_avx_epi32(acc[r][0], x, b0);                      \
+                acc[r][1] = _mm256_dpbusd_avx_epi32(acc[r][1], x, b1);
+                I8X_ROW(0, a0) I8X_ROW(1, a1) I8X_ROW(2, a2) I8X_ROW(3, a3) I8X_ROW(4, a4)
+                I8X_ROW(5, a5)
+#undef I8X_ROW
+            }
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < 6; r++) {
+            int32_t *cr = c + r * 16 * I8V_NT + i * 16;
+            _mm256_storeu_si256((__m256i *)cr, acc[r][0]);
+            _mm256_storeu_si256((__m256i *)(cr + 8), acc[r][1]);
+        }
+    }
+}
+#endif
+
+#endif
