@@ -161,7 +161,7 @@ def speed(args):
     load = os.getloadavg()
     print(f"int8 kernels: {quantization.isa()}; threads: {os.environ.get('OMP_NUM_THREADS', 'all')}; "
           f"load average at the start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    default = "int8 only" if quantization.isa() in ("vnni", "amx") else "int8"
+    default = "int8 only" if quantization.isa() in quantization.BYTE_PATHS else "int8"
     print(f"int8 only: CAFFEPY_INT8_FALLBACK=0; int8: =1, each quantized convolution int8 or "
           f"float32, the faster here (measured on the first forward, or the autotune cache's); "
           f"the default on this path: {default}; OV: OpenVINO "

@@ -765,7 +765,7 @@ def byte_tops(net, units):
         u = units.get(li)
         q = getattr(layer, "int8", None)
         if u is not None and u.rule is INT8 and layer.type == "Convolution" and q.channels_last \
-                and q.spec.bits_out == 8 and q.isa in ("vnni", "amx"):
+                and q.spec.bits_out == 8 and q.isa in quantization.BYTE_PATHS:
             lo = quantization.U8[0] if Int8Unit.relu(net, u, u.last) == (True, 0.0) \
                 else quantization.S8[0]
             nodes[li] = [layer, net.top_vecs[u.last][0], (q.spec.scale_out, lo)]
@@ -800,7 +800,7 @@ def byte_tops(net, units):
                      and net.bottom_vecs[li][1] is blob and net.bottom_vecs[li][0] is not blob)
         return fused_sum or (
             net.bottom_vecs[li][0] is blob and layer.type == "Convolution" and r.channels_last
-            and r.isa in ("vnni", "amx")
+            and r.isa in quantization.BYTE_PATHS
             and r.spec.scale_in == scale and not r.spec.force_u8
             and r.spec.signed_input == (lo < 0)
             and not (layer.channels & 1 and layer.channels < 8))

@@ -94,6 +94,10 @@ def isa():
     return wanted if wanted in k.available_isas() else k.best_isa()
 
 
+# the paths that hold quantized values as bytes in quads (their products: VNNI's vpdpbusd or
+# AMX's tiles, 4x AVX2's rate at least) and hand 8-bit tops between int8 layers as bytes
+BYTE_PATHS = ("vnni", "amx", "avxvnni")
+
 # what each int8 path runs, for device_query and the logs
 _PATHS = {
     "amx": "AMX-INT8 tiles for the channels-last convolutions and InnerProduct, AVX2 for the rest; "
@@ -101,7 +105,7 @@ _PATHS = {
     "vnni": "AVX-512 VNNI for the channels-last convolutions and InnerProduct, AVX2 for the rest; "
             "8-bit tops passed between int8 layers as bytes",
     "avxvnni": "AVX-VNNI (256-bit) for the channels-last convolutions and InnerProduct, AVX2 for "
-               "the rest",
+               "the rest; 8-bit tops passed between int8 layers as bytes",
     "avx2": "AVX2 (16-bit pair products)",
     "generic": "portable C",
 }
@@ -126,15 +130,16 @@ FALLBACK_MARGIN = 1.25
 def fallback_enabled(path):
     """CAFFEPY_INT8_FALLBACK: 1 lets a quantized convolution run in float32 where that is
     measured faster, 0 keeps every one on 8-bit integers; unset, 1 on the AVX2 and portable
-    paths and 0 on the byte paths (VNNI, AMX). There int8 with 8-bit tops passed as bytes
-    (Bytes) ran faster than the measured mix on every net tried, while the measure, a layer
-    alone on float inputs, cannot see the bytes: on AMX (2-core Xeon, busy) Inception-v3 b1
-    measured 77 of 93 layers into float32 and ran 57.6 ms against 19.1 all int8, MobileNet b16
-    46.0 against 37.8."""
+    paths and 0 on the byte paths (VNNI, AMX, AVX-VNNI). There int8 with 8-bit tops passed as
+    bytes (Bytes) ran faster than the measured mix on nearly every net tried, while the
+    measure, a layer alone on float inputs, cannot see the bytes: on AMX (2-core Xeon, busy)
+    Inception-v3 b1 measured 77 of 93 layers into float32 and ran 57.6 ms against 19.1 all
+    int8, MobileNet b16 46.0 against 37.8; on AVX-VNNI ResNet-50 b1 30.8 against 21.6 (its
+    MobileNet b1 6.8 against 7.4, the one row the mix won)."""
     import os
     value = os.environ.get("CAFFEPY_INT8_FALLBACK", "").strip().lower()
     if not value:
-        return path not in ("vnni", "amx")
+        return path not in BYTE_PATHS
     return value not in ("0", "off", "no", "false")
 
 
@@ -328,7 +333,7 @@ class Int8:
         quantizing its input at `shape`: Bytes of its own input scale and range, on a byte path's
         direct or depthwise kernel (not Winograd's int16 rows)."""
         spec, L = self.spec, self.layer
-        return (isinstance(held, Bytes) and self.isa in ("vnni", "amx") and self.channels_last
+        return (isinstance(held, Bytes) and self.isa in BYTE_PATHS and self.channels_last
                 and self._path_for == shape and self.takes_bytes()
                 and held.scale == spec.scale_in and not spec.force_u8
                 and held.zp == (128 if spec.signed_input else 0)
@@ -372,8 +377,7 @@ class Int8:
             # kernel's VNNI products are 4x AVX2's (AMX's many more): the default is the faster
             # by that count
             winograd = {INT8_WINOGRAD: lambda: int8(True)}
-            ways = ({**ways, **winograd} if self.isa in ("vnni", "amx")
-                    else {**winograd, **ways})
+            ways = ({**ways, **winograd} if self.isa in BYTE_PATHS else {**winograd, **ways})
         default = next(iter(ways))
         if self.forced is not None:
             choice, L.tuning = (self.forced if self.forced in ways or self.forced == FLOAT32
@@ -417,7 +421,7 @@ class Int8:
         self.wq = k.conv_weights(wq[:, :w2.shape[1]].reshape(w.shape)) if w.ndim == 4 else wq
         # an InnerProduct on the byte paths runs as a 1 x 1 channels-last convolution
         self.wn = (k.nhwc_weights(wq, w2.shape[1], isa=self.isa)
-                   if w.ndim == 2 and self.isa in ("vnni", "amx", "avxvnni") else None)
+                   if w.ndim == 2 and self.isa in BYTE_PATHS else None)
         if w.ndim == 4 and self.channels_last:
             self.wu = k.winograd_nhwc_weights(self.wq) if self.winograd_applies() else None
             self.wq = (k.depthwise_nhwc_weights(self.wq, *L.kernel) if L.group > 1

@@ -44,12 +44,13 @@ cdef extern from "int8_gemm.h" nogil:
                           int32_t *c, const i8_epilogue *e)
 
 cdef extern from "int8_nhwc.h" nogil:
+    int I8_VNNI, I8_AMX, I8_AVXVNNI
     void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
                   int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                   int OW, float scale, float lo, float hi, const void *w, void *q,
                   const uint8_t *staged, const i8_epilogue *e)
     long i8n_staged_bytes(int N, int H, int W, int C)
-    void i8n_pool_max(int threads, const uint8_t *x, int N, int H, int W, long row, int OH,
+    void i8n_pool_max(int avx512, int threads, const uint8_t *x, int N, int H, int W, long row, int OH,
                       int OW, int kh, int kw, int sh, int sw, int ph, int pw, uint8_t *y)
     void i8n_copy_channels(int threads, const uint8_t *src, long P, long sr, int C,
                            uint8_t *dst, long dr, int offset)
@@ -82,7 +83,7 @@ NR, MR = I8_NR, I8_MR
 # of CPUs without AVX-512 for those products (the 'vnni' weights), AVX2 for the rest. A tuple
 # index is the kernels' isa number.
 ISAS = ("generic", "avx2", "vnni", "amx", "avxvnni")
-VNNI, AMX, AVXVNNI = 2, 3, 4
+VNNI, AMX, AVXVNNI = I8_VNNI, I8_AMX, I8_AVXVNNI
 
 
 def best_isa():
@@ -104,9 +105,14 @@ cdef int _isa(str isa) except -1:
     return ISAS.index(isa)
 
 
-cdef inline bint _avx512_bytes(int which) noexcept:
-    """The AVX-512 byte paths (vnni, amx): the 8-bit tops they hand on as bytes"""
-    return which == VNNI or which == AMX
+cdef inline bint _avx512_bytes(int which) noexcept nogil:
+    """The byte paths with AVX-512 kernels of their own (vnni, amx)"""
+    return which == I8_VNNI or which == I8_AMX
+
+
+cdef inline bint _byte_path(int which) noexcept nogil:
+    """The paths that hold quantized values as bytes and hand 8-bit tops on as bytes"""
+    return which == I8_VNNI or which == I8_AMX or which == I8_AVXVNNI
 
 
 def padded(int k):
@@ -205,15 +211,16 @@ def staged_bytes(int N, int H, int W, int C):
     return i8n_staged_bytes(N, H, W, C)
 
 
-def pool_max_bytes(x, y, kernel, stride, pad):
+def pool_max_bytes(x, y, kernel, stride, pad, str isa=None):
     """Max pooling of an 8-bit channels-last top held as Bytes (x) into Bytes (y) of the
-    pooled shape (the same scale and zero point), on AVX-512 (the byte paths' CPUs)."""
+    pooled shape (the same scale and zero point): AVX-512 on the byte paths vnni and amx,
+    portable C (AVX2) on avxvnni; isa None: the best the CPU has."""
     n, h, w, c = x.shape
     yn, oh, ow, yc = y.shape
     need(yn == n and yc == c and x.row == y.row and x.zp == y.zp, "pool_max_bytes", "y",
          f"needs {n} images of {c} channels and zero point {x.zp}", (y.shape, y.zp))
-    need(i8_isa_mask() & (1 << VNNI), "pool_max_bytes", "isa", "needs AVX-512 VNNI",
-         best_isa())
+    cdef int which = _isa(best_isa() if isa is None else isa)
+    need(_byte_path(which), "pool_max_bytes", "isa", "needs a byte path (vnni, amx, avxvnni)", isa)
     need(kernel[0] > pad[0] and kernel[1] > pad[1], "pool_max_bytes", "pad",
          "needs windows that hold a pixel (pad below the kernel)", (tuple(kernel), tuple(pad)))
     cdef const uint8_t[::1] xv = x.array
@@ -227,8 +234,8 @@ def pool_max_bytes(x, y, kernel, stride, pad):
     if n * oh * ow == 0:
         return
     with nogil:
-        i8n_pool_max(threads if threads > 0 else 1, &xv[0], N, H, W, row, OH, OW, kh, kw, sh,
-                     sw, ph, pw, &yv[0])
+        i8n_pool_max(_avx512_bytes(which), threads if threads > 0 else 1, &xv[0], N, H, W, row,
+                     OH, OW, kh, kw, sh, sw, ph, pw, &yv[0])
 
 
 def fill_floats(x, float[::1] out):
@@ -513,8 +520,8 @@ def conv_forward_nhwc(x, w,
         wp = &w16[0, 0, 0, 0]
     _check_epilogue("conv_forward_nhwc", O, bias, mult, summand, (N, OH, OW, O))
     _bytes_epilogue("conv_forward_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, O))
-    need(staged is None or (_avx512_bytes(which) and not i8n_wide(C, kw, dilation[1])),
-         "conv_forward_nhwc", "staged", "needs the byte paths (vnni, amx)", isa)
+    need(staged is None or (_byte_path(which) and not i8n_wide(C, kw, dilation[1])),
+         "conv_forward_nhwc", "staged", "needs the byte paths (vnni, amx, avxvnni)", isa)
     cdef const float *xp = _floats(x)
     cdef const uint8_t *sp = _staged("conv_forward_nhwc", staged, shape_in, lo_in)
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else

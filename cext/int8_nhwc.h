@@ -971,9 +971,9 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
  * 128) and its float is the byte's times a positive scale, so the bytes of the pooled floats
  * are the pooled bytes. Caffe's windows: clipped to the image, the padding never a candidate
  * (a window holds at least one pixel). Rows of output images in parallel. */
-I8V_TARGET static void i8n_pool_max(int threads, const uint8_t *x, int N, int H, int W, long row,
-                                    int OH, int OW, int kh, int kw, int sh, int sw, int ph,
-                                    int pw, uint8_t *y)
+I8V_TARGET static void i8n_pool_max_avx512(int threads, const uint8_t *x, int N, int H, int W,
+                                           long row, int OH, int OW, int kh, int kw, int sh,
+                                           int sw, int ph, int pw, uint8_t *y)
 {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long item = 0; item < (long)N * OH; item++) {
@@ -997,6 +997,48 @@ I8V_TARGET static void i8n_pool_max(int threads, const uint8_t *x, int N, int H,
     }
 }
 #endif
+
+/* i8n_pool_max_avx512 in portable C (AVX2 where the module is built for it: the loop over a
+ * pixel's bytes vectorizes), for the AVX-VNNI path's CPUs */
+static void i8n_pool_max_plain(int threads, const uint8_t *x, int N, int H, int W, long row,
+                               int OH, int OW, int kh, int kw, int sh, int sw, int ph, int pw,
+                               uint8_t *y)
+{
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long item = 0; item < (long)N * OH; item++) {
+        int n = (int)(item / OH), oy = (int)(item % OH);
+        int hs = oy * sh - ph, he = hs + kh < H ? hs + kh : H;
+        hs = hs > 0 ? hs : 0;
+        for (int ox = 0; ox < OW; ox++) {
+            int ws = ox * sw - pw, we = ws + kw < W ? ws + kw : W;
+            ws = ws > 0 ? ws : 0;
+            uint8_t *restrict out = y + (item * OW + ox) * row;
+            memset(out, 0, (size_t)row);
+            for (int h = hs; h < he; h++)
+                for (int w = ws; w < we; w++) {
+                    const uint8_t *restrict in = x + (((long)n * H + h) * W + w) * row;
+                    for (long c = 0; c < row; c++)
+                        out[c] = in[c] > out[c] ? in[c] : out[c];
+                }
+        }
+    }
+}
+
+/* Max pooling of bytes (see i8n_pool_max_avx512): its AVX-512 kernel where the CPU has it
+ * (avx512: the byte paths VNNI and AMX), else the portable one */
+static void i8n_pool_max(int avx512, int threads, const uint8_t *x, int N, int H, int W,
+                         long row, int OH, int OW, int kh, int kw, int sh, int sw, int ph,
+                         int pw, uint8_t *y)
+{
+#ifdef __AVX2__
+    if (avx512) {
+        i8n_pool_max_avx512(threads, x, N, H, W, row, OH, OW, kh, kw, sh, sw, ph, pw, y);
+        return;
+    }
+#endif
+    (void)avx512;
+    i8n_pool_max_plain(threads, x, N, H, W, row, OH, OW, kh, kw, sh, sw, ph, pw, y);
+}
 
 /* q[0 .. C) = the values of one pixel's bytes b (value plus zp) */
 static inline void i8n_bytes_to_floats(const uint8_t *b, int C, int zp, float *q)

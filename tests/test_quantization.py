@@ -423,13 +423,18 @@ def test_describe_names_the_path_in_use_and_the_others(monkeypatch):
     assert quantization.describe().startswith(k.best_isa() + ": ")
 
 
-def _byte_nets(monkeypatch, text=None):
+@pytest.fixture(params=quantization.BYTE_PATHS)
+def byte_path(request):
+    """Each int8 byte path (VNNI, AMX, AVX-VNNI) this CPU and build have; the others skipped."""
+    if request.param not in quantization.kernels().available_isas():
+        pytest.skip(f"the int8 {request.param} path: this CPU or build lacks it")
+    return request.param
+
+
+def _byte_nets(monkeypatch, path, text=None):
     """(bytes, floats): the net (block_net(8) by default) with the int8 tops handed on as bytes
-    and without, the same weights, on a byte path (every quantized layer int8)."""
-    paths = [p for p in ("amx", "vnni") if p in quantization.kernels().available_isas()]
-    if not paths:
-        pytest.skip("no int8 byte path (VNNI, AMX) on this CPU or build")
-    monkeypatch.setenv("CAFFEPY_INT8_ISA", paths[0])
+    and without, the same weights, on byte path `path` (every quantized layer int8)."""
+    monkeypatch.setenv("CAFFEPY_INT8_ISA", path)
     monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")
     monkeypatch.setenv("CAFFEPY_INT8_BYTES", "1")
     fast = _net(text or block_net(8))
@@ -439,8 +444,8 @@ def _byte_nets(monkeypatch, text=None):
     return fast, slow
 
 
-def test_int8_tops_handed_on_as_bytes_give_every_blob_its_floats(monkeypatch):
-    fast, slow = _byte_nets(monkeypatch)
+def test_int8_tops_handed_on_as_bytes_give_every_blob_its_floats(monkeypatch, byte_path):
+    fast, slow = _byte_nets(monkeypatch, byte_path)
     # conv1's top feeds two int8 convolutions of its scale, short's is body's summand; the
     # sum goes to a float pooling
     assert [n for n in ("conv1", "short", "body") if fast.layer_dict[n].int8.byte_top] == \
@@ -457,8 +462,8 @@ def test_int8_tops_handed_on_as_bytes_give_every_blob_its_floats(monkeypatch):
     assert fast.blobs["conv1"].held() is None           # read: the floats are in place now
 
 
-def test_a_view_a_user_holds_and_a_blob_a_user_writes_stay_floats(monkeypatch):
-    fast, slow = _byte_nets(monkeypatch)
+def test_a_view_a_user_holds_and_a_blob_a_user_writes_stay_floats(monkeypatch, byte_path):
+    fast, slow = _byte_nets(monkeypatch, byte_path)
     for net in (fast, slow):
         net.forward()
     view = fast.blobs["conv1"].data         # held by the user: written as floats from now on
@@ -511,14 +516,14 @@ def test_a_chain_of_tops_fuses_as_in_place_layers_do():
     assert names[c.fusions[names.index("conv1")]] == "bn_1"
 
 
-def test_a_max_pooling_between_int8_layers_pools_the_bytes(monkeypatch):
+def test_a_max_pooling_between_int8_layers_pools_the_bytes(monkeypatch, byte_path):
     text = block_net(8).replace(
         _relu("relu1", "conv1"),
         _relu("relu1", "conv1") + 'layer { name: "pool0" type: "Pooling" bottom: "conv1" '
         'top: "pool0" pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 } }\n').replace(
         'bottom: "conv1" top: "short"', 'bottom: "pool0" top: "short"').replace(
         'bottom: "conv1" top: "body"', 'bottom: "pool0" top: "body"')
-    fast, slow = _byte_nets(monkeypatch, text)
+    fast, slow = _byte_nets(monkeypatch, byte_path, text)
     assert fast.layer_dict["pool0"].byte_pool and fast.layer_dict["conv1"].int8.byte_top
     assert not slow.layer_dict["pool0"].byte_pool
     for net in (fast, slow):
@@ -529,7 +534,7 @@ def test_a_max_pooling_between_int8_layers_pools_the_bytes(monkeypatch):
         np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)
 
 
-def test_a_concat_of_int8_tops_of_one_scale_concatenates_the_bytes(monkeypatch):
+def test_a_concat_of_int8_tops_of_one_scale_concatenates_the_bytes(monkeypatch, byte_path):
     """Two branches of one scale_out (as Intel's calibrator unifies a concat's) concatenated,
     read by an int8 convolution (bytes) and an average pooling (floats, filled in)."""
     text = ('name: "inception"\n'
@@ -540,7 +545,7 @@ def test_a_concat_of_int8_tops_of_one_scale_concatenates_the_bytes(monkeypatch):
             + 'layer { name: "cat" type: "Concat" bottom: "a" bottom: "b" top: "cat" }\n'
             + _conv("c", "cat", 4, 3, _q(S_SUM, S_SUM, SP2)) + _relu("relu_c", "c")
             + 'layer { name: "avg" type: "Pooling" bottom: "cat" top: "avg" pooling_param { pool: AVE kernel_size: 2 stride: 2 } }\n')
-    fast, slow = _byte_nets(monkeypatch, text)
+    fast, slow = _byte_nets(monkeypatch, byte_path, text)
     assert fast.layer_dict["cat"].byte_concat and not slow.layer_dict["cat"].byte_concat
     assert fast.layer_dict["a"].int8.byte_top and fast.layer_dict["b"].int8.byte_top
     # only the concat reads a and b: each writes its run of the concat's bytes, not copied
@@ -554,7 +559,7 @@ def test_a_concat_of_int8_tops_of_one_scale_concatenates_the_bytes(monkeypatch):
         np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)
     # a read by an int8 layer of its own too: a's bytes its own, copied; b's still in place
     shared = text + _conv("d", "a", 4, 1, _q(S_SUM, S_SUM, SP2))
-    fast, slow = _byte_nets(monkeypatch, shared)
+    fast, slow = _byte_nets(monkeypatch, byte_path, shared)
     assert fast.layer_dict["a"].int8.byte_top and fast.layer_dict["a"].int8.byte_slot is None
     assert fast.layer_dict["b"].int8.byte_slot[1] == 1
     for net in (fast, slow):
@@ -568,10 +573,10 @@ def test_a_concat_of_int8_tops_of_one_scale_concatenates_the_bytes(monkeypatch):
     assert not other.layer_dict["cat"].byte_concat and not other.layer_dict["a"].int8.byte_top
 
 
-def test_bytes_across_a_change_of_batch(monkeypatch):
+def test_bytes_across_a_change_of_batch(monkeypatch, byte_path):
     """A new batch size: the first forward at it writes floats (the paths are chosen anew), the
     next hands bytes on in buffers of the new shape; every blob as without bytes."""
-    fast, slow = _byte_nets(monkeypatch)
+    fast, slow = _byte_nets(monkeypatch, byte_path)
     for net in (fast, slow):
         net.forward()
         net.forward()

@@ -507,7 +507,8 @@ class NHWCPooling(Pooling):
             n, c, oh, ow = top[0].shape
             out = self._bytes = quantization.Bytes.reused(self._bytes, (n, oh, ow, c), -held.zp,
                                                           held.scale)
-            quantization.kernels().pool_max_bytes(held, out, self.kernel, self.stride, self.pad)
+            quantization.kernels().pool_max_bytes(held, out, self.kernel, self.stride, self.pad,
+                                                  quantization.isa())
             top[0].overwrite()
             top[0].hold(out)
             return

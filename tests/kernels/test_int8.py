@@ -319,7 +319,7 @@ def test_winograd_refuses_what_it_cannot_run():
     assert not k.winograd_applies((3, 3), (1, 1), (1, 1), k.WINOGRAD_MAX_C)
 
 
-BYTE_ISAS = [p for p in ISAS if p.values[0] in ("vnni", "amx")]
+BYTE_ISAS = [p for p in ISAS if p.values[0] in ("vnni", "amx", "avxvnni")]
 
 
 def _as_bytes(values, lo, scale):
@@ -421,7 +421,7 @@ def test_byte_max_pooling_is_the_float_pooling(isa, n, h, w, c, kernel, stride, 
     want = np.empty((n, oh, ow, c), np.float32)
     nhwc.pool_max_forward(floats.reshape(values.shape), want, None, *kernel, *stride, *pad)
     y = Bytes((n, oh, ow, c), lo, 5.5)
-    k.pool_max_bytes(x, y, kernel, stride, pad)
+    k.pool_max_bytes(x, y, kernel, stride, pad, isa)
     got = np.empty(want.size, np.float32)
     y.fill(got)
     np.testing.assert_array_equal(got.reshape(want.shape), want)
