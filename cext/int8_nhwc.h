@@ -966,78 +966,67 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
 }
 
 #ifdef __AVX2__
+/* out[0 .. row) = the bytewise maximum of the pixels of rows [hs, he) and columns [ws, we) of
+ * the image at x (W pixels a row, `row` bytes a pixel) */
+I8V_TARGET static void i8n_window_max_avx512(const uint8_t *x, int W, long row, int hs, int he,
+                                             int ws, int we, uint8_t *out)
+{
+    for (long c = 0; c < row; c += 64) {
+        __mmask64 m = row - c >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (row - c)) - 1;
+        __m512i best = _mm512_setzero_si512();
+        for (int h = hs; h < he; h++)
+            for (int w = ws; w < we; w++)
+                best = _mm512_max_epu8(best, _mm512_maskz_loadu_epi8(
+                    m, x + ((long)h * W + w) * row + c));
+        _mm512_mask_storeu_epi8(out + c, m, best);
+    }
+}
+#endif
+
+/* i8n_window_max_avx512 in portable C (AVX2 where the module is built for it: the loop over a
+ * pixel's bytes vectorizes), for the AVX-VNNI path's CPUs */
+static void i8n_window_max(const uint8_t *x, int W, long row, int hs, int he, int ws, int we,
+                           uint8_t *restrict out)
+{
+    memset(out, 0, (size_t)row);
+    for (int h = hs; h < he; h++)
+        for (int w = ws; w < we; w++) {
+            const uint8_t *restrict in = x + ((long)h * W + w) * row;
+            for (long c = 0; c < row; c++)
+                out[c] = in[c] > out[c] ? in[c] : out[c];
+        }
+}
+
 /* Max pooling of an 8-bit channels-last top held as bytes (quantization.Bytes: pixels of
  * `row` bytes): a larger value has a larger byte (a signed top's bytes are its values plus
  * 128) and its float is the byte's times a positive scale, so the bytes of the pooled floats
  * are the pooled bytes. Caffe's windows: clipped to the image, the padding never a candidate
- * (a window holds at least one pixel). Rows of output images in parallel. */
-I8V_TARGET static void i8n_pool_max_avx512(int threads, const uint8_t *x, int N, int H, int W,
-                                           long row, int OH, int OW, int kh, int kw, int sh,
-                                           int sw, int ph, int pw, uint8_t *y)
-{
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long item = 0; item < (long)N * OH; item++) {
-        int n = (int)(item / OH), oy = (int)(item % OH);
-        int hs = oy * sh - ph, he = hs + kh < H ? hs + kh : H;
-        hs = hs > 0 ? hs : 0;
-        for (int ox = 0; ox < OW; ox++) {
-            int ws = ox * sw - pw, we = ws + kw < W ? ws + kw : W;
-            ws = ws > 0 ? ws : 0;
-            uint8_t *out = y + (item * OW + ox) * row;
-            for (long c = 0; c < row; c += 64) {
-                __mmask64 m = row - c >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (row - c)) - 1;
-                __m512i best = _mm512_setzero_si512();
-                for (int h = hs; h < he; h++)
-                    for (int w = ws; w < we; w++)
-                        best = _mm512_max_epu8(best, _mm512_maskz_loadu_epi8(
-                            m, x + (((long)n * H + h) * W + w) * row + c));
-                _mm512_mask_storeu_epi8(out + c, m, best);
-            }
-        }
-    }
-}
-#endif
-
-/* i8n_pool_max_avx512 in portable C (AVX2 where the module is built for it: the loop over a
- * pixel's bytes vectorizes), for the AVX-VNNI path's CPUs */
-static void i8n_pool_max_plain(int threads, const uint8_t *x, int N, int H, int W, long row,
-                               int OH, int OW, int kh, int kw, int sh, int sw, int ph, int pw,
-                               uint8_t *y)
-{
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long item = 0; item < (long)N * OH; item++) {
-        int n = (int)(item / OH), oy = (int)(item % OH);
-        int hs = oy * sh - ph, he = hs + kh < H ? hs + kh : H;
-        hs = hs > 0 ? hs : 0;
-        for (int ox = 0; ox < OW; ox++) {
-            int ws = ox * sw - pw, we = ws + kw < W ? ws + kw : W;
-            ws = ws > 0 ? ws : 0;
-            uint8_t *restrict out = y + (item * OW + ox) * row;
-            memset(out, 0, (size_t)row);
-            for (int h = hs; h < he; h++)
-                for (int w = ws; w < we; w++) {
-                    const uint8_t *restrict in = x + (((long)n * H + h) * W + w) * row;
-                    for (long c = 0; c < row; c++)
-                        out[c] = in[c] > out[c] ? in[c] : out[c];
-                }
-        }
-    }
-}
-
-/* Max pooling of bytes (see i8n_pool_max_avx512): its AVX-512 kernel where the CPU has it
- * (avx512: the byte paths VNNI and AMX), else the portable one */
+ * (a window holds at least one pixel). Rows of output images in parallel; each window by the
+ * AVX-512 kernel where the CPU has it (avx512: the byte paths VNNI and AMX), else portably. */
 static void i8n_pool_max(int avx512, int threads, const uint8_t *x, int N, int H, int W,
                          long row, int OH, int OW, int kh, int kw, int sh, int sw, int ph,
                          int pw, uint8_t *y)
 {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long item = 0; item < (long)N * OH; item++) {
+        int n = (int)(item / OH), oy = (int)(item % OH);
+        int hs = oy * sh - ph, he = hs + kh < H ? hs + kh : H;
+        hs = hs > 0 ? hs : 0;
+        const uint8_t *image = x + (long)n * H * W * row;
+        for (int ox = 0; ox < OW; ox++) {
+            int ws = ox * sw - pw, we = ws + kw < W ? ws + kw : W;
+            ws = ws > 0 ? ws : 0;
+            uint8_t *out = y + (item * OW + ox) * row;
 #ifdef __AVX2__
-    if (avx512) {
-        i8n_pool_max_avx512(threads, x, N, H, W, row, OH, OW, kh, kw, sh, sw, ph, pw, y);
-        return;
-    }
+            if (avx512) {
+                i8n_window_max_avx512(image, W, row, hs, he, ws, we, out);
+                continue;
+            }
 #endif
+            i8n_window_max(image, W, row, hs, he, ws, we, out);
+        }
+    }
     (void)avx512;
-    i8n_pool_max_plain(threads, x, N, H, W, row, OH, OW, kh, kw, sh, sw, ph, pw, y);
 }
 
 /* q[0 .. C) = the values of one pixel's bytes b (value plus zp) */

@@ -53,19 +53,30 @@ I8V_TARGET static void i8v_quantize_run(const float *x, long n, float scale, flo
         q[i] = (uint8_t)(i8_quantize(x[i], scale, lo, hi) + zp);
 }
 
-/* q[p][0 .. 4 Jq) = the quantized x[p][0 .. C) plus zp, zero past C; rows p in [p0, p1). */
-static void i8v_quantize_rows(const float *x, long p0, long p1, int C, float scale, float lo,
-                              float hi, int zp, uint8_t *q)
+/* A run of values quantized into bytes plus zp (i8v_quantize_run, or AVX-VNNI's i8x_) */
+typedef void (*i8v_run_fn)(const float *x, long n, float scale, float lo, float hi, int zp,
+                           uint8_t *q);
+
+/* q[p][0 .. 4 Jq) = the quantized x[p][0 .. C) plus zp, zero past C; rows p in [p0, p1), each
+ * by `run` */
+static void i8v_quantize_rows_by(i8v_run_fn run, const float *x, long p0, long p1, int C,
+                                 float scale, float lo, float hi, int zp, uint8_t *q)
 {
     int C4 = 4 * ((C + 3) / 4);
     if (C == C4) {
-        i8v_quantize_run(x + p0 * C, (p1 - p0) * C, scale, lo, hi, zp, q + p0 * C);
+        run(x + p0 * C, (p1 - p0) * C, scale, lo, hi, zp, q + p0 * C);
         return;
     }
     for (long p = p0; p < p1; p++) {
-        i8v_quantize_run(x + p * C, C, scale, lo, hi, zp, q + p * C4);
+        run(x + p * C, C, scale, lo, hi, zp, q + p * C4);
         memset(q + p * C4 + C, 0, (size_t)(C4 - C));
     }
+}
+
+static void i8v_quantize_rows(const float *x, long p0, long p1, int C, float scale, float lo,
+                              float hi, int zp, uint8_t *q)
+{
+    i8v_quantize_rows_by(i8v_quantize_run, x, p0, p1, C, scale, lo, hi, zp, q);
 }
 
 /* c[r][16 i .. 16 i + 16) = sum over taps t and quads j < Jq of rows[t][r][j] . the quad j of
