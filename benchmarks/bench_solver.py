@@ -60,7 +60,8 @@ def keeping(params, repeat):
     blobs = params.learnable_params
     rule = updates.make_rule(p, [b.shape for b in blobs])
     fused = updates.kernels()
-    keep = {i: (np.zeros_like(b.data), [np.zeros_like(h) for h in rule.state(i)]) for i, b in enumerate(blobs)}
+    keep = {i: (np.zeros_like(b.data), [np.zeros_like(h) for h in rule.state(i)])
+            for i, b in enumerate(blobs)}
 
     def sumsq(index, array):
         return 0.0

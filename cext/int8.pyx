@@ -50,8 +50,8 @@ cdef extern from "int8_nhwc.h" nogil:
                   int OW, float scale, float lo, float hi, const void *w, void *q,
                   const uint8_t *staged, const i8_epilogue *e)
     long i8n_staged_bytes(int N, int H, int W, int C)
-    void i8n_pool_max(int avx512, int threads, const uint8_t *x, int N, int H, int W, long row, int OH,
-                      int OW, int kh, int kw, int sh, int sw, int ph, int pw, uint8_t *y)
+    void i8n_pool_max(int avx512, int threads, const uint8_t *x, int N, int H, int W, long row,
+                      int OH, int OW, int kh, int kw, int sh, int sw, int ph, int pw, uint8_t *y)
     void i8n_copy_channels(int threads, const uint8_t *src, long P, long sr, int C,
                            uint8_t *dst, long dr, int offset)
     void i8n_fill_floats(int threads, const uint8_t *b, long P, long row, int C, int zp,
@@ -390,7 +390,7 @@ def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[
     need_shape("inner_product", "w", dims(w.shape, 2), (N, Kp))
     need_shape("inner_product", "top", dims(top.shape, 2), (M, N))
     _check_epilogue("inner_product", N, bias, mult, None, None)
-    if which >= VNNI:
+    if _byte_path(which):
         conv_forward_nhwc(np.asarray(x).reshape(M, 1, 1, K),
                           nhwc_weights(np.asarray(w), K, isa=isa) if packed is None else packed,
                           bias, mult, np.asarray(top).reshape(M, 1, 1, N), None, (1, 1), (0, 0),
@@ -509,7 +509,7 @@ def conv_forward_nhwc(x, w,
     cdef const int8_t[:, :, :, ::1] w8
     cdef const void *wp
     units, taps = nhwc_units(C, kernel, dilation, isa)
-    if which >= VNNI:
+    if _byte_path(which):
         w8 = w
         need_shape("conv_forward_nhwc", "w", dims(w8.shape, 4), ((O + 15) // 16, taps * units
                    if which != AMX else amx_quads(C, kernel, dilation, stride)[0], 16, 4))

@@ -213,7 +213,8 @@ class DataParallel(Hooks):
         if self.reducer.progress == "thread":     # the forward's first await marks its place
             watchdog.at(f"the update of iteration {solver.iter}")
         else:                                     # nothing marks the place between the two
-            watchdog.at(f"the update of iteration {solver.iter} or the forward of iteration {solver.iter + 1}")
+            watchdog.at(f"the update of iteration {solver.iter} or the forward of iteration "
+                        f"{solver.iter + 1}")
 
     def pending_gradients(self, solver):
         pending, self._pending = self._pending, ()
