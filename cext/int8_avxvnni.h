@@ -3,9 +3,10 @@
  * cores, Xeon 6 E-cores). The VNNI path's layouts and integers (int8_vnni.h: bytes in quads,
  * a signed input shifted by its zero point, the weights' column tiles of 16 channels), so its
  * weights are nhwc_weights(isa='vnni')'s and the tops agree with every path to the bit; a
- * column tile is two 8-lane vectors here. The rest of the layer (depthwise, pooling, the
- * epilogue, the inner product's own kernel) runs the AVX2 path's kernels, and the tops between
- * layers are floats, as there. Called only when the CPU has AVX2 and AVX-VNNI. */
+ * column tile is two 8-lane vectors here. The depthwise convolution on bytes is the VNNI
+ * path's too, in halves of 8 channels. The epilogue and integer Winograd run the AVX2 path's
+ * kernels, the byte MAX pooling a portable one (int8_nhwc.h). Called only when the CPU has
+ * AVX2 and AVX-VNNI. */
 #ifndef CAFFEPY_INT8_AVXVNNI_H
 #define CAFFEPY_INT8_AVXVNNI_H
 #include <stdint.h>
@@ -82,6 +83,96 @@ I8X_TARGET static void i8x_tile(int nt, int taps, int Jq, const int32_t *const *
             _mm256_storeu_si256((__m256i *)(cr + 8), acc[r][1]);
         }
     }
+}
+/* Depthwise on bytes, as the VNNI path's (int8_vnni.h i8v_dw_quads, i8v_dw_row: the same tap
+ * quads, weights and sums) in 8 lanes: each 64-byte quad block of 16 channels is two halves
+ * of 8 channels. */
+
+/* i8v_dw_quads: each tap's 16 bytes are broadcast to both 128-bit lanes and vpshufb (within a
+ * lane) moves half h's channels 8 h + 4 L .. 8 h + 4 L + 3 to their places; the picks are
+ * i8v_dw_picks' bytes 32 h .. 32 h + 31 */
+I8X_TARGET static void i8x_dw_quads(const uint8_t *in, int W, int C, long rb, int kw, int pw,
+                                    int sw, int dw, int OW, const uint8_t *zps,
+                                    const uint8_t (*picks)[64], uint8_t *t)
+{
+    int G = (C + 15) / 16, J = (kw + 3) / 4;
+    __m256i pick[4][2];
+    for (int k = 0; k < 4; k++)
+        for (int h = 0; h < 2; h++)
+            pick[k][h] = _mm256_loadu_si256((const __m256i *)(picks[k] + 32 * h));
+    for (int ox = 0; ox < OW; ox++) {
+        int x0 = ox * sw - pw;
+        for (int j = 0; j < J; j++) {
+            const uint8_t *p[4];        /* the pixels under taps 4 j .. 4 j + 3 */
+            for (int k = 0; k < 4; k++) {
+                int kx = 4 * j + k, x = x0 + kx * dw;
+                p[k] = kx < kw && x >= 0 && x < W ? in + x * rb : zps;
+            }
+            uint8_t *tj = t + ((long)ox * J + j) * 64;
+            for (int g = 0; g < G; g++, tj += (long)OW * J * 64) {
+                __m256i q0 = _mm256_setzero_si256(), q1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    __m256i src = _mm256_broadcastsi128_si256(
+                        _mm_loadu_si128((const __m128i *)(p[k] + 16 * g)));
+                    q0 = _mm256_or_si256(q0, _mm256_shuffle_epi8(src, pick[k][0]));
+                    q1 = _mm256_or_si256(q1, _mm256_shuffle_epi8(src, pick[k][1]));
+                }
+                _mm256_storeu_si256((__m256i *)tj, q0);
+                _mm256_storeu_si256((__m256i *)(tj + 32), q1);
+            }
+        }
+    }
+}
+
+/* i8v_dw_row: acc[ox][c] = base[c] + the kernel rows' sums (rows[i] the tap quads of kernel
+ * row ky[i], i < n), half a quad block (8 channels) at a time, 4 pixels' chains at once; the
+ * halves past C masked */
+I8X_TARGET static void i8x_dw_row(const uint8_t *const *rows, const int *ky, int n, int OW,
+                                  int C, int kw, const int8_t *w, const int32_t *base,
+                                  int32_t *acc)
+{
+    int G = (C + 15) / 16, J = (kw + 3) / 4;
+    long step = (long)J * 64;     /* one output column's quads */
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int g = 0; g < G; g++)
+        for (int h = 0; h < 2; h++) {
+            int c0 = 16 * g + 8 * h, left = C - c0;
+            if (left <= 0)
+                break;
+            __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane);
+            __m256i b = _mm256_maskload_epi32(base + c0, m);
+            int ox = 0;
+            for (; ox + 4 <= OW; ox += 4) {
+                __m256i a0 = b, a1 = b, a2 = b, a3 = b;
+                for (int i = 0; i < n; i++) {
+                    const uint8_t *q = rows[i] + ((long)g * OW + ox) * step + 32 * h;
+                    const int8_t *wr = w + ((long)ky[i] * G + g) * J * 64 + 32 * h;
+                    for (int j = 0; j < J; j++, q += 64, wr += 64) {
+                        __m256i wv = _mm256_loadu_si256((const __m256i *)wr);
+#define I8X_PIXEL(a, u) \
+                        a = _mm256_dpbusd_avx_epi32(a, _mm256_loadu_si256((const __m256i *)(q + (u) * step)), wv);
+                        I8X_PIXEL(a0, 0) I8X_PIXEL(a1, 1) I8X_PIXEL(a2, 2) I8X_PIXEL(a3, 3)
+#undef I8X_PIXEL
+                    }
+                }
+                _mm256_maskstore_epi32(acc + (long)ox * C + c0, m, a0);
+                _mm256_maskstore_epi32(acc + (long)(ox + 1) * C + c0, m, a1);
+                _mm256_maskstore_epi32(acc + (long)(ox + 2) * C + c0, m, a2);
+                _mm256_maskstore_epi32(acc + (long)(ox + 3) * C + c0, m, a3);
+            }
+            for (; ox < OW; ox++) {
+                __m256i a = b;
+                for (int i = 0; i < n; i++) {
+                    const uint8_t *q = rows[i] + ((long)g * OW + ox) * step + 32 * h;
+                    const int8_t *wr = w + ((long)ky[i] * G + g) * J * 64 + 32 * h;
+                    for (int j = 0; j < J; j++, q += 64, wr += 64)
+                        a = _mm256_dpbusd_avx_epi32(a, _mm256_loadu_si256((const __m256i *)q),
+                                                    _mm256_loadu_si256((const __m256i *)wr));
+                }
+                _mm256_maskstore_epi32(acc + (long)ox * C + c0, m, a);
+            }
+        }
 }
 #endif
 

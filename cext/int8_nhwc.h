@@ -1302,7 +1302,7 @@ static long i8n_dw_scratch(int isa, int H, int W, int C, int kh, int kw, int sh,
                            int OW, int threads)
 {
     long floats = threads * i8n_dw_rows(H, W, C, kh, sh, dh, OH) * W * C;
-    if (i8n_avx512(isa)) {  /* either path's: the byte path falls back to the float sums */
+    if (i8n_bytes(isa)) {   /* either path's: the byte path falls back to the float sums */
         long bytes = threads * i8n_dw_thread_bytes(H, W, C, kh, kw, sh, dh, OH, OW) + 64;
         return bytes / 4 + 1 > floats ? bytes / 4 + 1 : floats;
     }
@@ -1310,6 +1310,35 @@ static long i8n_dw_scratch(int isa, int H, int W, int C, int kh, int kw, int sh,
 }
 
 #ifdef __AVX2__
+/* The tap quads of one input row (i8v_dw_quads) on the byte path isa */
+static inline void i8n_dw_quads(int isa, const uint8_t *in, int W, int C, long rb, int kw,
+                                int pw, int sw, int dw, int OW, const uint8_t *zps,
+                                const uint8_t (*picks)[64], uint8_t *t)
+{
+#ifdef I8X_BUILT
+    if (isa == I8_AVXVNNI) {
+        i8x_dw_quads(in, W, C, rb, kw, pw, sw, dw, OW, zps, picks, t);
+        return;
+    }
+#endif
+    (void)isa;
+    i8v_dw_quads(in, W, C, rb, kw, pw, sw, dw, OW, zps, picks, t);
+}
+
+/* An output row's depthwise sums (i8v_dw_row) on the byte path isa */
+static inline void i8n_dw_row(int isa, const uint8_t *const *rows, const int *ky, int n, int OW,
+                              int C, int kw, const int8_t *w, const int32_t *base, int32_t *acc)
+{
+#ifdef I8X_BUILT
+    if (isa == I8_AVXVNNI) {
+        i8x_dw_row(rows, ky, n, OW, C, kw, w, base, acc);
+        return;
+    }
+#endif
+    (void)isa;
+    i8v_dw_row(rows, ky, n, OW, C, kw, w, base, acc);
+}
+
 /* i8n_depthwise on the byte paths: the band's input rows as bytes (staged, or quantized here),
  * their tap quads, then each output row's sums (i8v_dw_row) and epilogue. Returns 0 where
  * memory for the packed weights is short (the caller then takes the float sums). */
@@ -1364,12 +1393,12 @@ static int i8n_depthwise_bytes(int isa, int threads, const float *x, int N, int 
             if (staged) {
                 in = staged + (img * H + r0) * line;
             } else {
-                i8v_quantize_rows(x + (img * H + r0) * W * (long)C, 0, (long)(r1 - r0) * W, C,
-                                  scale, lo, hi, zp, band_in);
+                i8n_quantize_any(isa, x + (img * H + r0) * W * (long)C, 0, (long)(r1 - r0) * W,
+                                 C, scale, lo, hi, zp, band_in);
                 in = band_in;
             }
             for (int r = r0; r < r1; r++)
-                i8v_dw_quads(in + (r - r0) * line, W, C, rb, kw, pw, sw, dw, OW, zps, picks,
+                i8n_dw_quads(isa, in + (r - r0) * line, W, C, rb, kw, pw, sw, dw, OW, zps, picks,
                              t + (r - r0) * quads);
             for (int oy = oy0; oy < oy1; oy++) {
                 const uint8_t *rows[64];
@@ -1395,7 +1424,7 @@ static int i8n_depthwise_bytes(int isa, int threads, const float *x, int N, int 
                     }
                     b = row_base;
                 }
-                i8v_dw_row(rows, ky_in, n, OW, C, kw, wq, b, iacc);
+                i8n_dw_row(isa, rows, ky_in, n, OW, C, kw, wq, b, iacc);
                 i8n_finish(isa, iacc, C, (img * OH + oy) * OW, OW, 0, C, C, e);
             }
         }
@@ -1418,7 +1447,7 @@ static void i8n_depthwise(int isa, int threads, const float *x, int N, int H, in
                           const i8_epilogue *e)
 {
 #ifdef __AVX2__
-    if (i8n_avx512(isa) && kh <= 64 &&
+    if (i8n_bytes(isa) && kh <= 64 &&
         i8n_depthwise_bytes(isa, threads, x, N, H, W, C, kh, kw, ph, pw, sh, sw, dh, dw, OH, OW,
                             scale, lo, hi, w, qf, iaccs, staged, zp, e))
         return;
