@@ -104,10 +104,7 @@ I8X_TARGET static void i8x_dw_quads(const uint8_t *in, int W, int C, long rb, in
         int x0 = ox * sw - pw;
         for (int j = 0; j < J; j++) {
             const uint8_t *p[4];        /* the pixels under taps 4 j .. 4 j + 3 */
-            for (int k = 0; k < 4; k++) {
-                int kx = 4 * j + k, x = x0 + kx * dw;
-                p[k] = kx < kw && x >= 0 && x < W ? in + x * rb : zps;
-            }
+            i8v_dw_taps(in, W, rb, kw, dw, x0, j, zps, p);
             uint8_t *tj = t + ((long)ox * J + j) * 64;
             for (int g = 0; g < G; g++, tj += (long)OW * J * 64) {
                 __m256i q0 = _mm256_setzero_si256(), q1 = _mm256_setzero_si256();

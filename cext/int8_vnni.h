@@ -177,6 +177,18 @@ static void i8v_dw_picks(uint8_t pick[4][64])
             pick[k][b] = b % 4 == k ? (uint8_t)(b / 16 * 4 + b % 16 / 4) : 0x80;
 }
 
+/* p[k] = the pixel of row `in` (W pixels of rb bytes) under tap 4 j + k of an output column
+ * whose window starts at x0, or the zero points zps where the tap is outside the image or past
+ * the kernel */
+static inline void i8v_dw_taps(const uint8_t *in, int W, long rb, int kw, int dw, int x0, int j,
+                               const uint8_t *zps, const uint8_t *p[4])
+{
+    for (int k = 0; k < 4; k++) {
+        int kx = 4 * j + k, x = x0 + kx * dw;
+        p[k] = kx < kw && x >= 0 && x < W ? in + x * rb : zps;
+    }
+}
+
 /* The tap quads of one input row: `in` its W pixels, rb bytes apart, then 16 bytes of slack;
  * zps rb + 16 bytes of zero points; picks from i8v_dw_picks. Each tap's 16 bytes are broadcast
  * to the 4 lanes of a vector and vpshufb moves lane L's channels 4 L .. 4 L + 3 to their
@@ -193,10 +205,7 @@ I8V_TARGET static void i8v_dw_quads(const uint8_t *in, int W, int C, long rb, in
         int x0 = ox * sw - pw;
         for (int j = 0; j < J; j++) {
             const uint8_t *p[4];        /* the pixels under taps 4 j .. 4 j + 3 */
-            for (int k = 0; k < 4; k++) {
-                int kx = 4 * j + k, x = x0 + kx * dw;
-                p[k] = kx < kw && x >= 0 && x < W ? in + x * rb : zps;
-            }
+            i8v_dw_taps(in, W, rb, kw, dw, x0, j, zps, p);
             uint8_t *tj = t + ((long)ox * J + j) * 64;
             for (int g = 0; g < G; g++, tj += (long)OW * J * 64) {
                 __m512i q = _mm512_setzero_si512();
