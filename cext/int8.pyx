@@ -45,6 +45,8 @@ cdef extern from "int8_gemm.h" nogil:
 
 cdef extern from "int8_nhwc.h" nogil:
     int I8_VNNI, I8_AMX, I8_AVXVNNI
+    bint i8n_bytes(int isa)       # the byte paths (vnni, amx, avxvnni): their 8-bit tops as bytes
+    bint i8n_avx512(int isa)      # those with AVX-512 kernels of their own (vnni, amx)
     void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
                   int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
                   int OW, float scale, float lo, float hi, const void *w, void *q,
@@ -103,16 +105,6 @@ cdef int _isa(str isa) except -1:
     need(isa in ISAS, "int8", "isa", f"must be one of {ISAS}", isa)
     need(i8_isa_mask() & (1 << ISAS.index(isa)), "int8", "isa", "not available here", isa)
     return ISAS.index(isa)
-
-
-cdef inline bint _avx512_bytes(int which) noexcept nogil:
-    """The byte paths with AVX-512 kernels of their own (vnni, amx)"""
-    return which == I8_VNNI or which == I8_AMX
-
-
-cdef inline bint _byte_path(int which) noexcept nogil:
-    """The paths that hold quantized values as bytes and hand 8-bit tops on as bytes"""
-    return which == I8_VNNI or which == I8_AMX or which == I8_AVXVNNI
 
 
 def padded(int k):
@@ -220,7 +212,7 @@ def pool_max_bytes(x, y, kernel, stride, pad, str isa=None):
     need(yn == n and yc == c and x.row == y.row and x.zp == y.zp, "pool_max_bytes", "y",
          f"needs {n} images of {c} channels and zero point {x.zp}", (y.shape, y.zp))
     cdef int which = _isa(best_isa() if isa is None else isa)
-    need(_byte_path(which), "pool_max_bytes", "isa", "needs a byte path (vnni, amx, avxvnni)", isa)
+    need(i8n_bytes(which), "pool_max_bytes", "isa", "needs a byte path (vnni, amx, avxvnni)", isa)
     need(kernel[0] > pad[0] and kernel[1] > pad[1], "pool_max_bytes", "pad",
          "needs windows that hold a pixel (pad below the kernel)", (tuple(kernel), tuple(pad)))
     cdef const uint8_t[::1] xv = x.array
@@ -234,7 +226,7 @@ def pool_max_bytes(x, y, kernel, stride, pad, str isa=None):
     if n * oh * ow == 0:
         return
     with nogil:
-        i8n_pool_max(_avx512_bytes(which), threads if threads > 0 else 1, &xv[0], N, H, W, row,
+        i8n_pool_max(i8n_avx512(which), threads if threads > 0 else 1, &xv[0], N, H, W, row,
                      OH, OW, kh, kw, sh, sw, ph, pw, &yv[0])
 
 
@@ -390,7 +382,7 @@ def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[
     need_shape("inner_product", "w", dims(w.shape, 2), (N, Kp))
     need_shape("inner_product", "top", dims(top.shape, 2), (M, N))
     _check_epilogue("inner_product", N, bias, mult, None, None)
-    if _byte_path(which):
+    if i8n_bytes(which):
         conv_forward_nhwc(np.asarray(x).reshape(M, 1, 1, K),
                           nhwc_weights(np.asarray(w), K, isa=isa) if packed is None else packed,
                           bias, mult, np.asarray(top).reshape(M, 1, 1, N), None, (1, 1), (0, 0),
@@ -509,7 +501,7 @@ def conv_forward_nhwc(x, w,
     cdef const int8_t[:, :, :, ::1] w8
     cdef const void *wp
     units, taps = nhwc_units(C, kernel, dilation, isa)
-    if _byte_path(which):
+    if i8n_bytes(which):
         w8 = w
         need_shape("conv_forward_nhwc", "w", dims(w8.shape, 4), ((O + 15) // 16, taps * units
                    if which != AMX else amx_quads(C, kernel, dilation, stride)[0], 16, 4))
@@ -520,7 +512,7 @@ def conv_forward_nhwc(x, w,
         wp = &w16[0, 0, 0, 0]
     _check_epilogue("conv_forward_nhwc", O, bias, mult, summand, (N, OH, OW, O))
     _bytes_epilogue("conv_forward_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, O))
-    need(staged is None or (_byte_path(which) and not i8n_wide(C, kw, dilation[1])),
+    need(staged is None or (i8n_bytes(which) and not i8n_wide(C, kw, dilation[1])),
          "conv_forward_nhwc", "staged", "needs the byte paths (vnni, amx, avxvnni)", isa)
     cdef const float *xp = _floats(x)
     cdef const uint8_t *sp = _staged("conv_forward_nhwc", staged, shape_in, lo_in)

@@ -40,13 +40,6 @@ I8X_TARGET static void i8x_quantize_run(const float *x, long n, float scale, flo
         q[i] = (uint8_t)(i8_quantize(x[i], scale, lo, hi) + zp);
 }
 
-/* i8v_quantize_rows by i8x_quantize_run */
-static void i8x_quantize_rows(const float *x, long p0, long p1, int C, float scale, float lo,
-                              float hi, int zp, uint8_t *q)
-{
-    i8v_quantize_rows_by(i8x_quantize_run, x, p0, p1, C, scale, lo, hi, zp, q);
-}
-
 /* c[r][16 i .. 16 i + 16) (r < 6, i < nt, rows of c 16 I8V_NT apart) = i8v_tile's sums, one
  * column tile at a time: its 6 x 2 sums, two weight vectors and a broadcast fill the 16
  * registers */

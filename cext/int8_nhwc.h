@@ -34,6 +34,8 @@
 #pragma GCC optimize("fp-contract=off")
 
 #define I8N_MR 6
+#define I8N_NR 16
+#define I8N_BLOCK_BYTES (192 * 1024)    /* the weights of a block of column tiles: in L2 */
 
 /* Whether the path is one of the AVX-512 byte paths (VNNI, AMX), whose depthwise convolution
  * and epilogue have AVX-512 kernels of their own (AVX-VNNI's are the AVX2 path's) */
@@ -41,8 +43,6 @@ static inline int i8n_avx512(int isa)
 {
     return isa == I8_VNNI || isa == I8_AMX;
 }
-#define I8N_NR 16
-#define I8N_BLOCK_BYTES (192 * 1024)    /* the weights of a block of column tiles: in L2 */
 
 /* q[0 .. n) = the int16 quantized x[0 .. n) */
 static void i8n_quantize_run(const float *x, long n, float scale, float lo, float hi, int16_t *q)
@@ -347,6 +347,20 @@ static inline int i8n_bytes(int isa)
     return isa == I8_VNNI || isa == I8_AMX || isa == I8_AVXVNNI;
 }
 
+#ifdef __AVX2__
+/* The quantization of a run of values into bytes on byte path isa: AVX-VNNI's 8 lanes, else
+ * VNNI's 16 (the AMX path's CPUs have AVX-512 VNNI) */
+static inline i8v_run_fn i8n_byte_run(int isa)
+{
+#ifdef I8X_BUILT
+    if (isa == I8_AVXVNNI)
+        return i8x_quantize_run;
+#endif
+    (void)isa;
+    return i8v_quantize_run;
+}
+#endif
+
 /* The 4-byte units of a pixel's n values (int16 pairs; quads of bytes on the byte paths) */
 static inline int i8n_units(int isa, long n)
 {
@@ -409,15 +423,9 @@ static long i8n_scratch(int isa, int N, int H, int W, int C, int O, int kh, int 
 static inline void i8n_quantize_any(int isa, const float *x, long p0, long p1, int C,
                                     float scale, float lo, float hi, int zp, void *q)
 {
-#ifdef I8X_BUILT
-    if (isa == I8_AVXVNNI) {
-        i8x_quantize_rows(x, p0, p1, C, scale, lo, hi, zp, (uint8_t *)q);
-        return;
-    }
-#endif
 #ifdef __AVX2__
     if (i8n_bytes(isa)) {
-        i8v_quantize_rows(x, p0, p1, C, scale, lo, hi, zp, (uint8_t *)q);
+        i8v_quantize_rows_by(i8n_byte_run(isa), x, p0, p1, C, scale, lo, hi, zp, (uint8_t *)q);
         return;
     }
 #endif
@@ -486,7 +494,7 @@ static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int 
                         const void *w, char *q, const uint8_t *staged, const i8_epilogue *e)
 {
     int J = i8n_units(isa, C), tilesO = (O + I8N_NR - 1) / I8N_NR;
-    int zp = isa == I8_VNNI || isa == I8_AVXVNNI ? i8v_zero_point(lo) : 0;
+    int zp = i8n_bytes(isa) ? i8v_zero_point(lo) : 0;     /* never AMX here (i8n_conv) */
     long M = (long)N * OH * OW, mt = (M + I8N_MR - 1) / I8N_MR;
     long row_bytes = (long)J * 4, tile = row_bytes * 16;
     i8_epilogue shifted;
@@ -914,16 +922,10 @@ static void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, 
             for (long r = r0; r < r1; r++) {
                 char *qr = q + r * Wq * C * vb;
                 memset(qr, zp, (size_t)pad);
-#ifdef I8X_BUILT
-                if (isa == I8_AVXVNNI)
-                    i8x_quantize_run(x + r * W * C, (long)W * C, scale, lo, hi, zp,
-                                     (uint8_t *)qr + pad);
-                else
-#endif
 #ifdef __AVX2__
                 if (bytes)
-                    i8v_quantize_run(x + r * W * C, (long)W * C, scale, lo, hi, zp,
-                                     (uint8_t *)qr + pad);
+                    i8n_byte_run(isa)(x + r * W * C, (long)W * C, scale, lo, hi, zp,
+                                      (uint8_t *)qr + pad);
                 else
 #endif
                     i8n_quantize_run(x + r * W * C, (long)W * C, scale, lo, hi,

@@ -139,11 +139,12 @@ class DataParallel(Hooks):
 
     def _collective(self, place, start):
         """Run the non-blocking collective that `start()` posts (or returns, posted earlier) and
-        wait for it at `place`, sleeping between tests (20 us, doubling up to 1 ms). MPICH's blocking calls poll the
-        network in a loop: the rank that reached the loss average first spun a core until the
-        others arrived, a core taken from the late rank's backward (ranks sharing a machine)
-        or from its own allreduce thread, whose ring also ran slower beside the spinning call
-        (4.6 s against 4.2 s for AlexNet's gradients across two emulated hosts)."""
+        wait for it at `place`, sleeping between tests (20 us, doubling up to 1 ms). MPICH's
+        blocking calls poll the network in a loop: the rank that reached the loss average first
+        spun a core until the others arrived, a core taken from the late rank's backward (ranks
+        sharing a machine) or from its own allreduce thread, whose ring also ran slower beside
+        the spinning call (4.6 s against 4.2 s for AlexNet's gradients across two emulated
+        hosts)."""
         with self._waiting(place):
             request = start()
             poller = Poller(_COLLECTIVE_POLL_CAP)
