@@ -9,7 +9,7 @@
 # untransposed that the BLAS runs slowly (caffepy_panels_wanted) go to caffepy's own instead
 # (gemm_panels.h). A product whose B is packed once and kept (a TEST net's weights) runs on
 # the panels alone: gemm_packed, or packed_split and packed_part for a caller that splits the
-# threads itself (cext/nhwc.pyx, to apply its epilogue on each part's block).
+# threads itself (cext/nhwc.pyx, whose epilogue the panels apply as they store C: sk_epi).
 #
 # Threads: inside a parallel region a product runs on the calling thread (the region set the
 # BLAS to one thread: blas_threads.pxi). Outside one, a product gets threads_for_macs(M*N*K)
@@ -40,6 +40,16 @@ cdef extern from "gemm_panels.h" nogil:
                             float* bp)
     void caffepy_panel_gemm_packed(int M, int N, int K, const float* a, long lda,
                                    const float* bp, float beta, float* c, long ldc)
+    ctypedef struct sk_epi:     # gemm_tile.h: what the last pass does to C as it stores it
+        const float* scale
+        const float* bias
+        const float* add
+        long ld_add
+        int relu
+    const sk_epi* sk_epi_at(const sk_epi* e, long i, long j, sk_epi* at)
+    void caffepy_panel_gemm_packed_epi(int M, int N, int K, const float* a, long lda,
+                                       const float* bp, float beta, float* c, long ldc,
+                                       const sk_epi* e)
     enum: PG_NW
 
 cdef extern from "blas_threads.h":
@@ -180,17 +190,20 @@ cdef inline int packed_start(PackedSplit s, int part, int M, int N) noexcept nog
 
 cdef inline void packed_part(PackedSplit s, int part, int M, int N, int K, const float* A,
                              int lda, const float* BP, float beta, float* C,
-                             int ldc) noexcept nogil:
-    """Part `part` of split s of C [M, N] = A [M, K] x BP + beta * C on the calling thread."""
+                             int ldc, const sk_epi* e=NULL) noexcept nogil:
+    """Part `part` of split s of C [M, N] = A [M, K] x BP + beta * C on the calling thread,
+    through the epilogue e (NULL: none; at C's first row and column) as it is stored."""
     cdef int lo = packed_start(s, part, M, N), hi = packed_start(s, part + 1, M, N)
+    cdef sk_epi at
     if hi <= lo:
         return
     if s.by_cols:
-        caffepy_panel_gemm_packed(M, hi - lo, K, A, lda,
-                                  BP + <Py_ssize_t>(lo // PG_NW) * K * PG_NW, beta, C + lo, ldc)
+        caffepy_panel_gemm_packed_epi(M, hi - lo, K, A, lda,
+                                      BP + <Py_ssize_t>(lo // PG_NW) * K * PG_NW, beta, C + lo,
+                                      ldc, sk_epi_at(e, 0, lo, &at))
     else:
-        caffepy_panel_gemm_packed(hi - lo, N, K, A + <Py_ssize_t>lo * lda, lda, BP, beta,
-                                  C + <Py_ssize_t>lo * ldc, ldc)
+        caffepy_panel_gemm_packed_epi(hi - lo, N, K, A + <Py_ssize_t>lo * lda, lda, BP, beta,
+                                      C + <Py_ssize_t>lo * ldc, ldc, sk_epi_at(e, lo, 0, &at))
 
 
 cdef inline void gemm_packed(int M, int N, int K, const float* A, int lda, const float* BP,

@@ -87,13 +87,14 @@ static void pg_pack(int trans_b, int N, int K, float alpha, const float *restric
     }
 }
 
-/* Rows [0, R) of a panel's columns [j0, j0 + nj) of C (+)= the tile's product; a width that is
- * not whole vectors goes through `spare` (SK_MR x PG_NW floats). */
+/* Rows [0, R) of a panel's columns [j0, j0 + nj) of C (+)= the tile's product, through e (NULL:
+ * none; at the block's first row and column); a width that is not whole vectors goes through
+ * `spare` (SK_MR x PG_NW floats). */
 static void pg_block(int R, int nj, int K, const float *a, long lda, const float *panel, float *c,
-                     long ldc, int accumulate, float *spare)
+                     long ldc, int accumulate, float *spare, const sk_epi *e)
 {
     if (nj % SK_W == 0) {
-        sk_block(R, nj / SK_W, K, a, lda, 1, panel, PG_NW, c, ldc, accumulate);
+        sk_block(R, nj / SK_W, K, a, lda, 1, panel, PG_NW, c, ldc, accumulate, e);
         return;
     }
     for (int r = 0; r < R; r++) {
@@ -101,9 +102,15 @@ static void pg_block(int R, int nj, int K, const float *a, long lda, const float
         if (accumulate)
             memcpy(spare + r * PG_NW, c + r * ldc, sizeof(float) * nj);
     }
-    sk_block(R, SK_Q, K, a, lda, 1, panel, PG_NW, spare, PG_NW, accumulate);
-    for (int r = 0; r < R; r++)
-        memcpy(c + r * ldc, spare + r * PG_NW, sizeof(float) * nj);
+    sk_block(R, SK_Q, K, a, lda, 1, panel, PG_NW, spare, PG_NW, accumulate, NULL);
+    for (int r = 0; r < R; r++) {
+        if (e == NULL) {
+            memcpy(c + r * ldc, spare + r * PG_NW, sizeof(float) * nj);
+            continue;
+        }
+        for (int j = 0; j < nj; j++)
+            c[r * ldc + j] = sk_epi_one(e, r, j, spare[r * PG_NW + j]);
+    }
 }
 
 /* Rows of C per block and reduction steps per pass for a product of M rows (the header says
@@ -155,11 +162,14 @@ static inline void caffepy_panel_pack(int trans_b, int N, int K, float alpha, co
     pg_pack(trans_b, N, K, alpha, b, ldb, bp);
 }
 
-/* C [M, N] = A [M, K] x the panels bp + beta * C (beta 0: C written without being read). A
- * slice of C's columns that starts on a panel (j0 a multiple of PG_NW) is the same call on
- * bp + (j0 / PG_NW) * K * PG_NW and c + j0; a slice of rows on a + i0 * lda and c + i0 * ldc. */
-static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long lda,
-                                      const float *bp, float beta, float *c, long ldc)
+/* C [M, N] = A [M, K] x the panels bp + beta * C (beta 0: C written without being read), then
+ * through e (NULL: none) as the last pass over K stores each tile. A slice of C's columns that
+ * starts on a panel (j0 a multiple of PG_NW) is the same call on bp + (j0 / PG_NW) * K * PG_NW,
+ * c + j0 and e moved to column j0 (sk_epi_at); a slice of rows on a + i0 * lda, c + i0 * ldc
+ * and e moved to row i0. */
+static void caffepy_panel_gemm_packed_epi(int M, int N, int K, const float *a, long lda,
+                                          const float *bp, float beta, float *c, long ldc,
+                                          const sk_epi *e)
 {
     float spare[SK_MR * PG_NW];
     if (beta != 0.0f && beta != 1.0f)
@@ -193,13 +203,22 @@ static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long 
                             __builtin_prefetch(a + (long)r * lda + k0 + 16 * l, 0, 2);
                     for (long l = next_lines * t / tiles; l < next_lines * (t + 1) / tiles; l++)
                         __builtin_prefetch(next + 16 * l, 0, 2);
+                    sk_epi at;
+                    const sk_epi *ei = k0 + kn < K ? NULL : sk_epi_at(e, i, j0, &at);
                     pg_block(h, nj, kn, a + (long)i * lda + k0, lda, panel,
-                             c + (long)i * ldc + j0, ldc, accumulate, spare);
+                             c + (long)i * ldc + j0, ldc, accumulate, spare, ei);
                     i += h;
                 }
             }
         }
     }
+}
+
+/* caffepy_panel_gemm_packed_epi with no epilogue */
+static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long lda,
+                                      const float *bp, float beta, float *c, long ldc)
+{
+    caffepy_panel_gemm_packed_epi(M, N, K, a, lda, bp, beta, c, ldc, NULL);
 }
 
 /* C [M, N] = alpha * A [M, K] op(B) + beta * C, op(B) = B [K, N] or, trans_b, B^T with B

@@ -16,12 +16,50 @@
 #define SK_MR 6
 
 typedef float sk_vec __attribute__((vector_size(SK_W * 4), aligned(4)));
+typedef int sk_ivec __attribute__((vector_size(SK_W * 4), aligned(4)));
 
-/* C rows [0, R), columns [0, Q * SK_W) (+)= A rows [0, R) x B over k < K; A(i, k) at
- * a[i * ai + k * ak]. Q and R are constants at every call (sk_block's switch). */
+/* What a product's last pass does to C before it stores it: c * scale[j] (NULL: 1) + bias[j]
+ * (NULL: 0) + add[i * ld_add + j] (NULL: 0), then max(c, 0) if relu, j and i the columns and
+ * rows of C this struct starts at (sk_epi_at). A TEST net's BatchNorm, Scale, Eltwise SUM and
+ * ReLU after a convolution (cext/nhwc.pyx) then cost no pass over C of their own, whose rows
+ * came back from memory when C outgrew the cache. */
+typedef struct {
+    const float *scale, *bias, *add;
+    long ld_add;
+    int relu;
+} sk_epi;
+
+/* e moved to row i, column j of C (into *at); NULL for none */
+static inline const sk_epi *sk_epi_at(const sk_epi *e, long i, long j, sk_epi *at)
+{
+    if (e == NULL)
+        return NULL;
+    *at = *e;
+    at->scale = e->scale ? e->scale + j : NULL;
+    at->bias = e->bias ? e->bias + j : NULL;
+    at->add = e->add ? e->add + i * e->ld_add + j : NULL;
+    return at;
+}
+
+/* one value of C through e at row r, column j (e already at the tile) */
+static inline float sk_epi_one(const sk_epi *e, int r, int j, float v)
+{
+    if (e->scale)
+        v = v * e->scale[j];
+    if (e->bias)
+        v = v + e->bias[j];
+    if (e->add)
+        v = v + e->add[r * e->ld_add + j];
+    return e->relu ? (v > 0.0f ? v : 0.0f) : v;
+}
+
+/* C rows [0, R), columns [0, Q * SK_W) (+)= A rows [0, R) x B over k < K, through e (NULL:
+ * none) on the way out; A(i, k) at a[i * ai + k * ak]. Q and R are constants at every call
+ * (sk_block's switch). */
 static inline __attribute__((always_inline)) void
 sk_tile(int R, int Q, int K, const float *restrict a, long ai, long ak,
-        const float *restrict b, long ldb, float *restrict c, long ldc, int accumulate)
+        const float *restrict b, long ldb, float *restrict c, long ldc, int accumulate,
+        const sk_epi *e)
 {
     sk_vec acc[SK_MR][SK_Q];
     for (int r = 0; r < R; r++)
@@ -38,25 +76,42 @@ sk_tile(int R, int Q, int K, const float *restrict a, long ai, long ak,
                 acc[r][q] += x * bv[q];
         }
     }
+    if (e == NULL) {
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < Q; q++) {
+                sk_vec *o = (sk_vec *)(c + r * ldc + q * SK_W);
+                *o = accumulate ? *o + acc[r][q] : acc[r][q];
+            }
+        return;
+    }
     for (int r = 0; r < R; r++)
         for (int q = 0; q < Q; q++) {
             sk_vec *o = (sk_vec *)(c + r * ldc + q * SK_W);
-            *o = accumulate ? *o + acc[r][q] : acc[r][q];
+            sk_vec v = accumulate ? *o + acc[r][q] : acc[r][q];
+            if (e->scale)
+                v = v * *(const sk_vec *)(e->scale + q * SK_W);
+            if (e->bias)
+                v = v + *(const sk_vec *)(e->bias + q * SK_W);
+            if (e->add)
+                v = v + *(const sk_vec *)(e->add + r * e->ld_add + q * SK_W);
+            if (e->relu)    /* NaN > 0 is false: 0, as the scalar max */
+                v = (sk_vec)((sk_ivec)v & (sk_ivec)(v > (sk_vec){0}));
+            *o = v;
         }
 }
 
 #define SK_ROWS(Q)                                                                       \
     switch (R) {                                                                         \
-    case 6: sk_tile(6, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;              \
-    case 5: sk_tile(5, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;              \
-    case 4: sk_tile(4, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;              \
-    case 3: sk_tile(3, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;              \
-    case 2: sk_tile(2, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;              \
-    default: sk_tile(1, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate); break;             \
+    case 6: sk_tile(6, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;           \
+    case 5: sk_tile(5, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;           \
+    case 4: sk_tile(4, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;           \
+    case 3: sk_tile(3, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;           \
+    case 2: sk_tile(2, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;           \
+    default: sk_tile(1, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;          \
     }
 
 static void sk_block(int R, int Q, int K, const float *a, long ai, long ak, const float *b,
-                     long ldb, float *c, long ldc, int accumulate)
+                     long ldb, float *c, long ldc, int accumulate, const sk_epi *e)
 {
     if (Q == SK_Q) { SK_ROWS(SK_Q) }
 #if SK_Q == 4

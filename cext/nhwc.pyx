@@ -27,7 +27,7 @@ from cpython cimport array
 import array
 
 from blas cimport (PackedSplit, caffepy_packed_floats, caffepy_panel_pack, gemm_ld, packed_part,
-                   packed_split, packed_start)
+                   packed_split, sk_epi)
 from rules cimport dims, need, need_shape, pixel_stride, threads_for
 
 include "blas_threads.pxi"
@@ -498,22 +498,30 @@ cdef inline void _fwd_epilogue(const CGeom* g, const float* bias, float* y, Py_s
 cdef void _fwd_part(const CGeom* g, PackedSplit s, int part, const float* a, Py_ssize_t lda,
                     const float* bias, float* y, int rows) noexcept nogil:
     """Part `part` of split s of _fwd_rows on the packed weights: each group's block of rows or
-    of output channels, then the epilogue of what it wrote."""
-    cdef int gr, lo = packed_start(s, part, rows, g.Og), hi = packed_start(s, part + 1, rows, g.Og)
+    of output channels, the epilogue applied as the GEMM stores each tile (gemm_tile.h sk_epi:
+    no pass of its own over y, whose rows of a wide layer came back from memory)."""
+    cdef int gr, o
+    cdef sk_epi e
+    cdef sk_epi* ep = NULL
+    if bias != NULL or g.scale != NULL or g.add != NULL or g.relu:
+        e.ld_add = g.ldy
+        e.relu = g.relu
+        ep = &e
     for gr in range(g.group):
+        if ep != NULL:
+            o = gr * g.Og
+            e.scale = g.scale + o if g.scale != NULL else NULL
+            e.bias = bias + o if bias != NULL else NULL
+            e.add = g.add + (y - g.y0) + o if g.add != NULL else NULL
         packed_part(s, part, rows, g.Og, g.Kg, a + gr * g.Kg, <int>lda,
-                    g.packed + gr * g.packed_group, 0.0, y + gr * g.Og, <int>g.ldy)
-        if s.by_cols:
-            _fwd_epilogue(g, bias, y, rows, gr * g.Og + lo, gr * g.Og + hi)
-    if not s.by_cols and hi > lo:
-        _fwd_epilogue(g, bias, y + <Py_ssize_t>lo * g.ldy, hi - lo, 0, g.O)
+                    g.packed + gr * g.packed_group, 0.0, y + gr * g.Og, <int>g.ldy, ep)
 
 
 cdef void _fwd_rows(const CGeom* g, const float* a, Py_ssize_t lda, const float* wt,
                     const float* bias, float* y, Py_ssize_t rows) noexcept nogil:
     """y[rows, O] = a[rows, Ktot] @ wt per group, then the epilogue (_epilogue). On the packed
-    weights outside a parallel region, the threads split the rows or the output channels
-    (packed_split), each applying the epilogue to its block while it is in cache."""
+    weights (a TEST net's) the panels apply it as they store each tile (_fwd_part), and outside
+    a parallel region the threads split the rows or the output channels (packed_split)."""
     cdef int gr, part
     cdef PackedSplit s
     if g.packed != NULL:
