@@ -8,6 +8,8 @@ answer is one line naming what needs how much, not a traceback. Only what
 cannot fit is refused: there is no cap of our own.
 """
 import math
+import mmap
+import os
 import sys
 
 import numpy as np
@@ -107,9 +109,34 @@ def line_empty(n, dtype=np.float32):
 
 def _on_line(make, n, dtype):
     size = np.dtype(dtype).itemsize
+    if n * size >= HUGE_FROM and _HUGE_PAGES:
+        return _on_huge_pages(n, dtype)
     raw = make(n + LINE // size, dtype)
     skip = (-raw.ctypes.data % LINE) // size
     return raw[skip:skip + n]
+
+
+# Arrays of HUGE_FROM bytes or more (blobs, workspaces and packed weights of a net, which a
+# forward streams through once each) get a mapping of their own that asks the kernel for
+# transparent huge pages. On 4 KB pages a kernel's first stores to an output that is out of
+# the cache miss the TLB on every page, and under a hypervisor each miss walks two page
+# tables: a 56 x 56 x 256 convolution output (3.2 MB) written cold took 0.63 ms, 0.45 on huge
+# pages, as fast as into a warm one. NumPy asks for them only from 4 MB. Where the kernel
+# gives none (THP off, not Linux) the mapping is ordinary memory. The zeros are the kernel's.
+HUGE_PAGE = 2 << 20
+HUGE_FROM = 1 << 20
+_HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("CAFFEPY_HUGE_PAGES", "1") != "0"
+
+
+def _on_huge_pages(n, dtype):
+    nbytes = n * np.dtype(dtype).itemsize
+    # one huge page of slack so that the array can start on one (never touched, never resident)
+    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
+    area = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(area, np.uint8)
+    skip = -raw.ctypes.data % HUGE_PAGE
+    return raw[skip:skip + nbytes].view(dtype)
 
 
 def grown(store, key, shape, dtype=np.float32):

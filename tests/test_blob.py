@@ -23,6 +23,35 @@ def test_line_arrays_start_on_a_line_and_have_the_asked_size(n, dtype):
     assert not memory.line_zeros(n, dtype).any()
 
 
+@pytest.mark.skipif(not memory._HUGE_PAGES, reason="no madvise(MADV_HUGEPAGE) here")
+def test_large_arrays_start_on_a_huge_page_and_the_kernel_is_asked_for_them():
+    """From HUGE_FROM bytes an array has a mapping of its own, madvised for transparent huge
+    pages, and starts on a 2 MB boundary: the kernel's zeros, writable, the asked size; the
+    mapping lives as long as a view of it does. Below, NumPy's allocation on a line."""
+    import re
+    n = memory.HUGE_FROM // 4 + 5
+    a = memory.line_empty(n)
+    assert a.shape == (n,) and a.dtype == np.float32 and a.flags.writeable
+    assert a.ctypes.data % memory.HUGE_PAGE == 0 and not a.any()
+    a[-1] = 2.5
+    start = a.ctypes.data
+    with open("/proc/self/smaps") as f:
+        maps = f.read().split("\n")
+    for i, line in enumerate(maps):
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m and int(m.group(1), 16) <= start < int(m.group(2), 16):
+            flags = next(x for x in maps[i:] if x.startswith("VmFlags:"))
+            assert " hg" in flags            # MADV_HUGEPAGE
+            break
+    else:
+        raise AssertionError("no mapping holds the array")
+    view = a[10:20]
+    del a
+    view[...] = 1.0                          # still mapped through the view
+    small = memory.line_zeros(memory.HUGE_FROM // 4 - 1)
+    assert _on_line(small) and small.base is not None and not isinstance(small.base, memory.mmap.mmap)
+
+
 def test_blob_data_and_diff_start_on_a_line_through_growth_and_layouts():
     b = Blob((2, 3, 5, 7), "x")
     assert _on_line(b.data) and _on_line(b.diff) and not b.data.any() and not b.diff.any()
