@@ -33,7 +33,7 @@ static void skinny_rows(int trans_a, int m0, int m1, int N, int K, const float *
             for (int n = 0; n < N; n += width) {
                 int Q = (N - n) / SK_W < SK_Q ? (N - n) / SK_W : SK_Q;
                 sk_block(R, Q, kn, a + m * ai + k0 * ak, ai, ak, b + (long)k0 * N + n, N,
-                         c + (long)m * N + n, N, accumulate || k0 > 0, NULL);
+                         c + (long)m * N + n, N, accumulate || k0 > 0, NULL, NULL, 0);
             }
         }
     }

@@ -91,10 +91,11 @@ static void pg_pack(int trans_b, int N, int K, float alpha, const float *restric
  * none; at the block's first row and column); a width that is not whole vectors goes through
  * `spare` (SK_MR x PG_NW floats). */
 static void pg_block(int R, int nj, int K, const float *a, long lda, const float *panel, float *c,
-                     long ldc, int accumulate, float *spare, const sk_epi *e)
+                     long ldc, int accumulate, float *spare, const sk_epi *e, const float *pf,
+                     int fetch)
 {
     if (nj % SK_W == 0) {
-        sk_block(R, nj / SK_W, K, a, lda, 1, panel, PG_NW, c, ldc, accumulate, e);
+        sk_block(R, nj / SK_W, K, a, lda, 1, panel, PG_NW, c, ldc, accumulate, e, pf, fetch);
         return;
     }
     for (int r = 0; r < R; r++) {
@@ -102,7 +103,7 @@ static void pg_block(int R, int nj, int K, const float *a, long lda, const float
         if (accumulate)
             memcpy(spare + r * PG_NW, c + r * ldc, sizeof(float) * nj);
     }
-    sk_block(R, SK_Q, K, a, lda, 1, panel, PG_NW, spare, PG_NW, accumulate, NULL);
+    sk_block(R, SK_Q, K, a, lda, 1, panel, PG_NW, spare, PG_NW, accumulate, NULL, pf, fetch);
     for (int r = 0; r < R; r++) {
         if (e == NULL) {
             memcpy(c + r * ldc, spare + r * PG_NW, sizeof(float) * nj);
@@ -201,12 +202,12 @@ static void caffepy_panel_gemm_packed_epi(int M, int N, int K, const float *a, l
                     for (int r = i + mb; r < i + mb + h && r < M; r++)
                         for (int l = l0; l < l1; l++)
                             __builtin_prefetch(a + (long)r * lda + k0 + 16 * l, 0, 2);
-                    for (long l = next_lines * t / tiles; l < next_lines * (t + 1) / tiles; l++)
-                        __builtin_prefetch(next + 16 * l, 0, 2);
+                    long f0 = next_lines * t / tiles, f1 = next_lines * (t + 1) / tiles;
                     sk_epi at;
                     const sk_epi *ei = k0 + kn < K ? NULL : sk_epi_at(e, i, j0, &at);
                     pg_block(h, nj, kn, a + (long)i * lda + k0, lda, panel,
-                             c + (long)i * ldc + j0, ldc, accumulate, spare, ei);
+                             c + (long)i * ldc + j0, ldc, accumulate, spare, ei,
+                             next + 16 * f0, (int)(f1 - f0));
                     i += h;
                 }
             }

@@ -54,18 +54,27 @@ static inline float sk_epi_one(const sk_epi *e, int r, int j, float v)
 }
 
 /* C rows [0, R), columns [0, Q * SK_W) (+)= A rows [0, R) x B over k < K, through e (NULL:
- * none) on the way out; A(i, k) at a[i * ai + k * ak]. Q and R are constants at every call
- * (sk_block's switch). */
+ * none) on the way out; A(i, k) at a[i * ai + k * ak]. Meanwhile the `fetch` lines of 16
+ * floats from pf on are fetched into L2, one every K / fetch steps: in a burst between two
+ * tiles, the fetches of the next panel's weights (gemm_panels.h) filled the line buffers and
+ * held the core until memory answered. Q and R are constants at every call (sk_block's
+ * switch). */
 static inline __attribute__((always_inline)) void
 sk_tile(int R, int Q, int K, const float *restrict a, long ai, long ak,
         const float *restrict b, long ldb, float *restrict c, long ldc, int accumulate,
-        const sk_epi *e)
+        const sk_epi *e, const float *pf, int fetch)
 {
+    int every = fetch > 0 && K / fetch > 1 ? K / fetch : 1, due = 0, fetched = 0;
     sk_vec acc[SK_MR][SK_Q];
     for (int r = 0; r < R; r++)
         for (int q = 0; q < Q; q++)
             acc[r][q] = (sk_vec){0};
     for (int k = 0; k < K; k++) {
+        if (fetched < fetch && k == due) {
+            __builtin_prefetch(pf + 16 * fetched, 0, 2);
+            fetched++;
+            due += every;
+        }
         const float *restrict bk = b + k * ldb;
         sk_vec bv[SK_Q];
         for (int q = 0; q < Q; q++)
@@ -76,6 +85,8 @@ sk_tile(int R, int Q, int K, const float *restrict a, long ai, long ak,
                 acc[r][q] += x * bv[q];
         }
     }
+    for (; fetched < fetch; fetched++)
+        __builtin_prefetch(pf + 16 * fetched, 0, 2);
     if (e == NULL) {
         for (int r = 0; r < R; r++)
             for (int q = 0; q < Q; q++) {
@@ -100,18 +111,26 @@ sk_tile(int R, int Q, int K, const float *restrict a, long ai, long ak,
         }
 }
 
+/* fetch 0 a constant in its own copy of the tile, which then has no test in its loop */
+#define SK_TILE(R, Q)                                                                     \
+    if (fetch > 0)                                                                        \
+        sk_tile(R, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e, pf, fetch);            \
+    else                                                                                  \
+        sk_tile(R, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e, NULL, 0);
+
 #define SK_ROWS(Q)                                                                       \
     switch (R) {                                                                         \
-    case 6: sk_tile(6, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;           \
-    case 5: sk_tile(5, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;           \
-    case 4: sk_tile(4, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;           \
-    case 3: sk_tile(3, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;           \
-    case 2: sk_tile(2, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;           \
-    default: sk_tile(1, Q, K, a, ai, ak, b, ldb, c, ldc, accumulate, e); break;          \
+    case 6: SK_TILE(6, Q) break;                                                         \
+    case 5: SK_TILE(5, Q) break;                                                         \
+    case 4: SK_TILE(4, Q) break;                                                         \
+    case 3: SK_TILE(3, Q) break;                                                         \
+    case 2: SK_TILE(2, Q) break;                                                         \
+    default: SK_TILE(1, Q) break;                                                        \
     }
 
 static void sk_block(int R, int Q, int K, const float *a, long ai, long ak, const float *b,
-                     long ldb, float *c, long ldc, int accumulate, const sk_epi *e)
+                     long ldb, float *c, long ldc, int accumulate, const sk_epi *e,
+                     const float *pf, int fetch)
 {
     if (Q == SK_Q) { SK_ROWS(SK_Q) }
 #if SK_Q == 4
