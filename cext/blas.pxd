@@ -38,8 +38,6 @@ cdef extern from "gemm_panels.h" nogil:
     long caffepy_packed_floats(int N, int K)
     void caffepy_panel_pack(int trans_b, int N, int K, float alpha, const float* b, long ldb,
                             float* bp)
-    void caffepy_panel_gemm_packed(int M, int N, int K, const float* a, long lda,
-                                   const float* bp, float beta, float* c, long ldc)
     ctypedef struct sk_epi:     # gemm_tile.h: what the last pass does to C as it stores it
         const float* scale
         const float* bias
@@ -47,9 +45,9 @@ cdef extern from "gemm_panels.h" nogil:
         long ld_add
         int relu
     const sk_epi* sk_epi_at(const sk_epi* e, long i, long j, sk_epi* at)
-    void caffepy_panel_gemm_packed_epi(int M, int N, int K, const float* a, long lda,
-                                       const float* bp, float beta, float* c, long ldc,
-                                       const sk_epi* e)
+    void caffepy_panel_gemm_packed(int M, int N, int K, const float* a, long lda,
+                                   const float* bp, float beta, float* c, long ldc,
+                                   const sk_epi* e)
     enum: PG_NW
 
 cdef extern from "blas_threads.h":
@@ -198,12 +196,12 @@ cdef inline void packed_part(PackedSplit s, int part, int M, int N, int K, const
     if hi <= lo:
         return
     if s.by_cols:
-        caffepy_panel_gemm_packed_epi(M, hi - lo, K, A, lda,
-                                      BP + <Py_ssize_t>(lo // PG_NW) * K * PG_NW, beta, C + lo,
-                                      ldc, sk_epi_at(e, 0, lo, &at))
+        caffepy_panel_gemm_packed(M, hi - lo, K, A, lda,
+                                  BP + <Py_ssize_t>(lo // PG_NW) * K * PG_NW, beta, C + lo, ldc,
+                                  sk_epi_at(e, 0, lo, &at))
     else:
-        caffepy_panel_gemm_packed_epi(hi - lo, N, K, A + <Py_ssize_t>lo * lda, lda, BP, beta,
-                                      C + <Py_ssize_t>lo * ldc, ldc, sk_epi_at(e, lo, 0, &at))
+        caffepy_panel_gemm_packed(hi - lo, N, K, A + <Py_ssize_t>lo * lda, lda, BP, beta,
+                                  C + <Py_ssize_t>lo * ldc, ldc, sk_epi_at(e, lo, 0, &at))
 
 
 cdef inline void gemm_packed(int M, int N, int K, const float* A, int lda, const float* BP,

@@ -168,9 +168,9 @@ static inline void caffepy_panel_pack(int trans_b, int N, int K, float alpha, co
  * starts on a panel (j0 a multiple of PG_NW) is the same call on bp + (j0 / PG_NW) * K * PG_NW,
  * c + j0 and e moved to column j0 (sk_epi_at); a slice of rows on a + i0 * lda, c + i0 * ldc
  * and e moved to row i0. */
-static void caffepy_panel_gemm_packed_epi(int M, int N, int K, const float *a, long lda,
-                                          const float *bp, float beta, float *c, long ldc,
-                                          const sk_epi *e)
+static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long lda,
+                                      const float *bp, float beta, float *c, long ldc,
+                                      const sk_epi *e)
 {
     float spare[SK_MR * PG_NW];
     if (beta != 0.0f && beta != 1.0f)
@@ -215,13 +215,6 @@ static void caffepy_panel_gemm_packed_epi(int M, int N, int K, const float *a, l
     }
 }
 
-/* caffepy_panel_gemm_packed_epi with no epilogue */
-static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long lda,
-                                      const float *bp, float beta, float *c, long ldc)
-{
-    caffepy_panel_gemm_packed_epi(M, N, K, a, lda, bp, beta, c, ldc, NULL);
-}
-
 /* C [M, N] = alpha * A [M, K] op(B) + beta * C, op(B) = B [K, N] or, trans_b, B^T with B
  * [N, K]; beta 0 writes C without reading it. Returns 0 (nothing done) when the packing buffer
  * cannot be had. */
@@ -232,7 +225,7 @@ static int caffepy_panel_gemm(int trans_b, int M, int N, int K, float alpha, con
     if (bp == NULL)
         return 0;
     pg_pack(trans_b, N, K, alpha, b, ldb, bp);
-    caffepy_panel_gemm_packed(M, N, K, a, lda, bp, beta, c, ldc);
+    caffepy_panel_gemm_packed(M, N, K, a, lda, bp, beta, c, ldc, NULL);
     return 1;
 }
 
