@@ -16,7 +16,10 @@ untimed ones, each round two forwards of each contender in turn (the order rotat
 process, the first untimed so that the one timed runs as back-to-back requests do (the previous
 contender's threads, which spin on after a forward, quiet): a figure is the median of its timed
 forwards, a ratio the contender's median over caffepy's
-(above 1: caffepy is faster). caffepy runs `net.forward()` as a user calls it. Its first
+(above 1: caffepy is faster). caffepy runs `net.forward()` on the net `caffepy test`,
+Classifier and Detector build (keep_blobs=False: the blobs between input and output share
+memory, as the other runtimes' tensors do); "caffepy, blobs kept" on the net a pycaffe user
+builds by default, every blob readable after the forward. Its first
 forward (building the net included) reads the algorithm choices of the autotune cache as it
 stands: CAFFEPY_CACHE_DIR=$(mktemp -d) times a first run on this machine, measuring included.
 
@@ -70,7 +73,10 @@ def randomize(net, seed=0):
 
 
 class Caffepy:
+    """caffepy's net as `caffepy test` and Classifier build it: its blobs between input and
+    output share memory (keep_blobs=False, caffepy/net_memory.py)."""
     name = "caffepy"
+    keep_blobs = False
 
     def __init__(self, param, batch, seed, weights_from=None):
         from caffepy.net import TEST, Net
@@ -91,7 +97,7 @@ class Caffepy:
         self.output = self.net.outputs[0]
 
     def _build(self, Net, param, phase):
-        return Net(param, phase)
+        return Net(param, phase=phase, keep_blobs=self.keep_blobs)
 
     def forward(self):
         return self.net.forward()[self.output]
@@ -106,9 +112,16 @@ class CaffepyBF16(Caffepy):
         from caffepy import precision
         precision.set_precision("bf16")
         try:
-            return Net(param, phase)
+            return Net(param, phase=phase, keep_blobs=self.keep_blobs)
         finally:
             precision.set_precision("f32")
+
+
+class CaffepyKept(Caffepy):
+    """The same net as a pycaffe user builds it by default, every blob its own memory (values
+    readable after the forward), given the first one's weights."""
+    name = "caffepy, blobs kept"
+    keep_blobs = True
 
 
 class OnnxRuntime:
@@ -168,7 +181,7 @@ def run_case(name, batch, args, threads):
     from caffepy import precision
     mine = Caffepy(param, batch, args.seed)
     want = mine.forward().copy()
-    contenders = [mine]
+    contenders = [mine, CaffepyKept(param, batch, args.seed, weights_from=mine.net)]
     if precision.kernel() is not None:
         contenders.append(CaffepyBF16(param, batch, args.seed, weights_from=mine.net))
     with tempfile.TemporaryDirectory() as tmp:

@@ -219,7 +219,7 @@ def time_precisions(model, weights=None, iterations=10, level=0, stages=(), engi
         precision.set_precision(precision.BF16 if bf16 else precision.F32)
         try:
             return Net(param, source=model, phase=TEST, weights=weights or None, level=level,
-                       stages=list(stages))
+                       stages=list(stages), keep_blobs=False)
         finally:
             precision.set_precision(was)
 
@@ -264,7 +264,9 @@ def test(model, weights=None, iterations=50, level=0, stages=(), engine="", samp
     if not weights:
         raise UsageError("test: --weights: needed to score a model, got none. "
                          "Give --weights model.caffemodel")
-    net = net_with_engine(model, engine, phase=TEST, weights=weights, level=level, stages=list(stages))
+    # the outputs alone are read: the blobs between share memory (caffepy/net_memory.py)
+    net = net_with_engine(model, engine, phase=TEST, weights=weights, level=level, stages=list(stages),
+                          keep_blobs=False)
     if sampling:
         return []
     log.info(f"Running for {iterations} iterations.")
@@ -330,8 +332,9 @@ def time(model, weights=None, iterations=50, phase="TRAIN", level=0, stages=(), 
     phase_value = TRAIN if str(phase).upper() == "TRAIN" else TEST
     log.info(device.engine_line())
     device.warn_forced_blas_kernel()
+    # a TEST net timed forward only is a deployment's: its blobs share memory, as `test`'s do
     net = net_with_engine(model, engine, phase=phase_value, weights=weights or None, level=level,
-                          stages=list(stages))
+                          stages=list(stages), keep_blobs=not (forward_only and phase_value == TEST))
     log.info("Performing Forward")
     initial_loss = net.forward_from_to()
     log.info(f"Initial loss: {fmt(initial_loss)}")

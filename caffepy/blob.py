@@ -372,6 +372,19 @@ class Blob:
         Blob.arrangement += 1
         self._raw_diff, self._diff = self._view(flat)
 
+    def place_data(self, array, writes=None):
+        """Take the data from `array` (float32, at least `count` values) from now on, the
+        values not copied: memory that other blobs use at other times in a forward
+        (caffepy/net_memory.py). The blobs that viewed one buffer are placed with the first
+        one's `writes` (returned), so they stay one buffer."""
+        self._writes.pending = None
+        self._data_buf = array
+        self._leave_writes()
+        self._writes = Writes(array) if writes is None else writes
+        Blob.arrangement += 1
+        self._data_views()
+        return self._writes
+
     def set_data(self, array):
         """Copy `array` in, reshaping to its shape."""
         array = np.asarray(array, dtype=np.float32)

@@ -24,8 +24,9 @@ from .net import TEST, Net
 
 class Classifier(Net):
     def __init__(self, model_file, pretrained_file=None, image_dims=None, mean=None, input_scale=None,
-                 raw_scale=None, channel_swap=None):
-        super().__init__(model_file, phase=TEST, weights=pretrained_file)
+                 raw_scale=None, channel_swap=None, keep_blobs=True):
+        # keep_blobs=False: predict reads the output alone (Net, caffepy/net_memory.py)
+        super().__init__(model_file, phase=TEST, weights=pretrained_file, keep_blobs=keep_blobs)
         self.transformer = make_transformer(self, mean, input_scale, raw_scale, channel_swap)
         self.crop_dims = np.array(self.blobs[self.inputs[0]].data.shape[2:])
         self.image_dims = self.crop_dims if image_dims is None or not len(image_dims) else image_dims

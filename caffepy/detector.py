@@ -31,8 +31,9 @@ def _round(x):
 
 class Detector(Net):
     def __init__(self, model_file, pretrained_file=None, mean=None, input_scale=None, raw_scale=None,
-                 channel_swap=None, context_pad=None):
-        super().__init__(model_file, phase=TEST, weights=pretrained_file)
+                 channel_swap=None, context_pad=None, keep_blobs=True):
+        # keep_blobs=False: detect_windows reads the output alone (Net, caffepy/net_memory.py)
+        super().__init__(model_file, phase=TEST, weights=pretrained_file, keep_blobs=keep_blobs)
         self.transformer = make_transformer(self, mean, input_scale, raw_scale, channel_swap)
         self.configure_crop(context_pad)
 

@@ -19,7 +19,7 @@ import numpy as np
 from google.protobuf import text_format
 
 from . import layers as _layers  # noqa: F401  (registers every layer type)
-from . import log, memory, net_rules, precision, prototxt, upgrade
+from . import log, memory, net_memory, net_rules, precision, prototxt, upgrade
 from .blob import Blob
 from .context import SINGLE
 from .errors import (CaffepyError, PrototxtError, ShapeError, SizeError, layer_error, quote,
@@ -203,10 +203,13 @@ def _size_error(layer, error):
 
 class Net:
     """A network. `Net(path_or_NetParameter, [weights], phase, level=0, stages=())`;
-    `context` is the run's RunContext (caffepy.context; one process alone by default)."""
+    `context` is the run's RunContext (caffepy.context; one process alone by default).
+    `keep_blobs=False` (a TEST net that only runs forward and whose outputs alone are read:
+    caffepy/net_memory.py) lets the blobs between inputs and outputs share memory."""
+    _activations = None             # SharedActivations, under keep_blobs=False
 
     def __init__(self, network=None, *args, phase=None, weights=None, level=0, stages=None, source=None,
-                 network_file=None, context=SINGLE):
+                 network_file=None, context=SINGLE, keep_blobs=True):
         if network is None:
             network = network_file    # pycaffe's keyword: Net(network_file=..., phase=...)
         if network is None:
@@ -234,6 +237,12 @@ class Net:
                 state.stage.append(s)
         filtered = filter_net(param, state, self.source)
         self._init(filtered, param)
+        self._activations = None
+        if not keep_blobs and not net_memory.keep_every_blob():
+            if phase != caffe_pb2.TEST:
+                raise CaffepyError(f"{self.source}: keep_blobs=False is for a TEST net: training "
+                                   f"reads every blob's values in backward")
+            self._activations = net_memory.SharedActivations(self)
         if weights:
             for path in str(weights).split(","):
                 self.copy_from(path)
@@ -551,6 +560,8 @@ class Net:
             if e.blob is None:
                 raise
             raise _size_error(self.layers[li], e) from None
+        if self._activations is not None:     # the next forward's arenas, at this one's shapes
+            self._activations.check()
         return float(loss)
 
     def backward_from_to(self, start=None, end=0, on_layer_done=None, every_layer=False):
@@ -558,6 +569,10 @@ class Net:
         as soon as a layer's parameter gradients are final (to overlap communication).
         `every_layer` runs the layers that reach no loss too, as Caffe's `time` does: their
         parameter gradients (lr_mult != 0), never a bottom diff that backward does not need."""
+        if self._activations is not None:
+            raise CaffepyError(f"{self.source}: backward: this net shares its activations' "
+                               f"memory (keep_blobs=False) and backward reads them: build it "
+                               f"with keep_blobs=True")
         start = len(self.layers) - 1 if start is None else start
         fused_back = {last: first for first, last in self.fusions.items()}
         done = len(self.layers)       # the first layer of a fused unit that already ran
@@ -647,6 +662,12 @@ class Net:
         self.forward_from_to(s, e)
         outs = set(self.outputs if end is None else self.top_names[self._layer_names[e]])
         outs.update(blobs or [])
+        if self._activations is not None:
+            for name in sorted(outs):
+                if name in self.blobs and not self._activations.kept(self.blobs[name]):
+                    raise CaffepyError(f"{self.source}: forward: blob '{name}' is not kept: this "
+                                       f"net shares its activations' memory (keep_blobs=False); "
+                                       f"build it with keep_blobs=True to read it")
         return {name: self.blobs[name].data for name in outs}
 
     def backward(self, diffs=None, start=None, end=None, **kwargs):

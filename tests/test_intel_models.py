@@ -460,7 +460,37 @@ def sweep(path, phase):
             return "left", f"{reason}: {LEFT[reason][1]}"
         return "failed", message
     bad = _finite(net, loss)
-    return ("failed", f"not finite: {bad[:5]}") if bad else ("ran", "")
+    if bad:
+        return "failed", f"not finite: {bad[:5]}"
+    if phase == caffe_pb2.TEST:
+        differ = _shared_twin_differs(net, param, stages, path)
+        if differ:
+            return "failed", f"keep_blobs=False changes outputs {differ}"
+    return "ran", ""
+
+
+def _shared_twin_differs(net, param, stages, path):
+    """The outputs (names) that the TEST net built with keep_blobs=False (its activations in
+    shared arenas: caffepy/net_memory.py) computes otherwise, bit for bit, from the same weights
+    and the same data layers' tops, at its second forward (the first plans the arenas); [] for
+    a net whose layers past its data layers make values of their own (DummyData)."""
+    start = 0
+    while start < len(net.layers) and not net.bottom_vecs[start]:
+        start += 1
+    if any(not bottoms for bottoms in net.bottom_vecs[start:]):
+        return []
+    twin = Net(param, phase=caffe_pb2.TEST, stages=stages, source=path, keep_blobs=False)
+    twin.share_with(net)
+    for li in range(start):
+        for mine, theirs in zip(twin.top_vecs[li], net.top_vecs[li]):
+            mine.reshape(theirs.shape)
+            mine.data[...] = theirs.data
+    net.forward_from_to(start)
+    want = {name: net.blobs[name].data.copy() for name in net.outputs}
+    for _ in range(2):
+        twin.forward_from_to(start)
+    return [name for name in want
+            if not np.array_equal(twin.blobs[name].data, want[name], equal_nan=True)]
 
 
 @pytest.fixture(scope="module")

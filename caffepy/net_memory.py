@@ -1,0 +1,126 @@
+"""Shared activation memory for a forward-only TEST net (`Net(..., keep_blobs=False)`).
+
+A Caffe net gives every blob its own memory, and pycaffe code reads any of them after a forward
+(`net.blobs['fc7'].data`). A net built with keep_blobs=False keeps only its inputs (and the
+tops of its data layers) and its outputs: every other blob takes its data from one of a few
+arenas, handed on to another blob once the last layer that reads it has run, as inference
+runtimes plan their tensors. The values are the same; what changes is where each layer
+writes: into memory a layer or two before it wrote, still in cache, rather than into a buffer
+last touched a whole forward ago, which came back from memory line by line and pushed the
+weights out of the cache. MobileNet v1 b16's blobs (317 MB) fit in 4 arenas of 107 MB.
+
+`caffepy test`, `caffepy time --precision`, Classifier and Detector build their nets this way
+(they read outputs only); CAFFEPY_KEEP_BLOBS=1 keeps every blob in every net, as the switch
+for comparing values. Such a net refuses backward (it reads the blobs forward wrote) and a
+forward(blobs=...) that names a blob it does not keep.
+"""
+import os
+
+from . import memory
+from .blob import Blob, Blocked
+
+
+def keep_every_blob():
+    """CAFFEPY_KEEP_BLOBS=1: no net shares its activations' memory."""
+    return os.environ.get("CAFFEPY_KEEP_BLOBS", "0") not in ("", "0")
+
+
+class SharedActivations:
+    """The arenas of one net and which blobs live in them; `check()` before a forward plans
+    them again when a blob's size or buffer moved (a new batch size: a blob that grew past its
+    arena took a buffer of its own meanwhile, which is correct, only not shared)."""
+
+    def __init__(self, net):
+        self.net = net
+        self.arrangement = None
+        self.signature = None
+        self.shared = set()         # ids of the blobs placed in arenas
+        self.arenas = []
+
+    def check(self):
+        if self.arrangement == Blob.arrangement:
+            return
+        if self._signature() != self.signature:
+            self._plan()
+            self.signature = self._signature()
+        self.arrangement = Blob.arrangement
+
+    def kept(self, blob):
+        """Whether the blob holds its values after a forward."""
+        return id(blob) not in self.shared
+
+    def _signature(self):
+        return [(id(b._data_buf), b.count) for b in self.net._blobs.values()]
+
+    def _groups(self):
+        """The blobs by data buffer (in-place layers, Split, Flatten: one buffer for several
+        blobs), each with the span of layers [first, last] that read or write it; a unit that
+        runs several layers as one (net_rules) counts as reading and writing all their blobs
+        over its span, and a convolution writing straight into a concat's top writes it then."""
+        net = self.net
+        span = {}
+        for first, last in net.units():
+            for li in range(first, last + 1):
+                span[li] = (first, last)
+        groups = {}
+
+        def touch(blob, li):
+            g = groups.setdefault(id(blob._data_buf), [blob._data_buf, [], span[li][0], span[li][1]])
+            if not any(blob is b for b in g[1]):
+                g[1].append(blob)
+            g[2], g[3] = min(g[2], span[li][0]), max(g[3], span[li][1])
+
+        for li in range(len(net.layers)):
+            for conversion in net._conversions[li]:
+                touch(conversion[1], li)
+                touch(conversion[2], li)
+            for b in net.bottom_vecs[li] + net.top_vecs[li]:
+                touch(b, li)
+        for first, slot in net._concat_slots.items():
+            touch(net.top_vecs[slot.li][0], first)
+        # the values a caller sets or reads: inputs, data layers' tops, outputs
+        kept = {id(net.blobs[name]) for name in list(net.inputs) + list(net.outputs)}
+        for li, layer in enumerate(net.layers):
+            if not net.bottom_vecs[li]:
+                kept.update(id(t) for t in net.top_vecs[li])
+        out = []
+        for buf, blobs, first, last in groups.values():
+            # a blocked blob's padding lanes must stay zero, and memory another blob wrote
+            # would not be
+            if buf.size and not any(id(b) in kept or isinstance(b.layout, Blocked)
+                                    for b in blobs):
+                out.append((first, last, max(b.count for b in blobs), blobs))
+        return out
+
+    def _plan(self):
+        groups = sorted(self._groups(), key=lambda g: g[0])
+        # interval colouring, first come first placed: a free arena that fits (the smallest),
+        # else the largest free one, grown, else a new one
+        sizes, busy, where = [], [], []
+        for first, last, count, _ in groups:
+            free = [a for a in range(len(sizes)) if busy[a] < first]
+            fits = [a for a in free if sizes[a] >= count]
+            if fits:
+                a = min(fits, key=lambda a: sizes[a])
+            elif free:
+                a = max(free, key=lambda a: sizes[a])
+            else:
+                a = len(sizes)
+                sizes.append(0)
+                busy.append(-1)
+            sizes[a] = max(sizes[a], count)
+            busy[a] = last
+            where.append(a)
+        before = sum(g[2] for g in groups)
+        self.arenas = [memory.line_zeros(n) for n in sizes]
+        self.shared = set()
+        for (_, _, count, blobs), a in zip(groups, where):
+            array = self.arenas[a][:count]
+            writes = None
+            for b in blobs:
+                writes = b.place_data(array, writes)
+                self.shared.add(id(b))
+        from . import log
+        log.info(f"Sharing activation memory: {len(groups)} blob buffers in {len(sizes)} "
+                 f"arenas, {sum(sizes) * 4 / 2**20:.1f} MB (kept apart: "
+                 f"{before * 4 / 2**20:.1f} MB)")

@@ -1,0 +1,143 @@
+"""Shared activation memory (Net(..., keep_blobs=False), caffepy/net_memory.py): a net whose
+blobs between inputs and outputs share a few arenas computes the outputs of the same net with
+every blob kept, bit for bit, on nets whose units write past their own tops (ResNet's block
+ends, GoogLeNet's concats written in place, MobileNet's depthwise layers, int8 tops held as
+bytes), across a change of batch size; it keeps fewer bytes; and it refuses what would read a
+blob it did not keep."""
+import os
+
+import numpy as np
+import pytest
+
+import caffepy
+from caffepy import rng, upgrade
+from caffepy.errors import CaffepyError
+from caffepy.net import TEST, TRAIN, Net
+
+from paths import REFERENCE_MODELS, REPO
+
+ZOO = os.path.join(REPO, "models", "zoo")
+
+
+def _param(path, batch):
+    param = upgrade.read_net(path)
+    param.layer[0].input_param.shape[0].dim[0] = batch
+    return param
+
+
+def _twins(param, **kwargs):
+    """(every blob kept, blobs sharing memory): the same net, weights and plausible BatchNorm
+    statistics (var > 0: the fresh zeros would scale by 1 / sqrt(eps))."""
+    nets = []
+    for keep in (True, False):
+        rng.seed(3)
+        net = Net(param, phase=TEST, keep_blobs=keep, **kwargs)
+        r = np.random.default_rng(4)
+        for layer in net.layers:
+            if layer.type == "BatchNorm":
+                c = layer.blobs[0].count
+                layer.blobs[0].data[...] = r.normal(0, 0.5, c)
+                layer.blobs[1].data[...] = r.uniform(0.5, 2, c)
+                layer.blobs[2].data[...] = 1
+        nets.append(net)
+    return nets
+
+
+def _same_outputs(kept, shared, seed):
+    x = np.random.default_rng(seed).standard_normal(kept.blobs["data"].shape).astype(np.float32)
+    want = {k: v.copy() for k, v in kept.forward(data=x).items()}
+    got = shared.forward(data=x)
+    assert set(got) == set(want)
+    for name in want:
+        assert np.isfinite(want[name]).all()
+        np.testing.assert_array_equal(got[name], want[name], name)
+
+
+def _kept_bytes(net):
+    return sum(b.count for b in {id(b._data_buf): b for b in net._blobs.values()}.values()) * 4
+
+
+NETS = [
+    pytest.param(os.path.join(ZOO, "resnet50_deploy.prototxt"), id="resnet50"),
+    pytest.param(os.path.join(ZOO, "googlenet_deploy.prototxt"), id="googlenet"),
+    pytest.param(os.path.join(ZOO, "mobilenet_v1_deploy.prototxt"), id="mobilenet_v1"),
+    pytest.param(os.path.join(REFERENCE_MODELS, "bvlc", "bvlc_alexnet__deploy.prototxt"),
+                 id="alexnet"),
+]
+
+
+@pytest.mark.parametrize("path", NETS)
+def test_shared_memory_gives_the_kept_nets_outputs_bit_for_bit(path):
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not on this machine")
+    kept, shared = _twins(_param(path, 1))
+    for seed in (1, 2):             # the second forward finds the arenas as the first left them
+        _same_outputs(kept, shared, seed)
+    arenas = sum(a.size for a in shared._activations.arenas) * 4
+    assert 0 < arenas < _kept_bytes(kept) / 2, (arenas, _kept_bytes(kept))
+    # the input and the output keep their own memory
+    for name in ("data", "prob"):
+        assert shared._activations.kept(shared.blobs[name])
+        assert not any(np.shares_memory(shared.blobs[name].raw_data, a)
+                       for a in shared._activations.arenas)
+
+
+def test_a_new_batch_size_plans_the_arenas_again(capsys):
+    from caffepy import log
+    log.set_quiet(False)
+    kept, shared = _twins(_param(os.path.join(ZOO, "mobilenet_v1_deploy.prototxt"), 1))
+    _same_outputs(kept, shared, 1)
+    small = sum(a.size for a in shared._activations.arenas)
+    for net in (kept, shared):
+        net.blobs["data"].reshape(3, 3, 224, 224)
+    _same_outputs(kept, shared, 2)      # the blobs grew past their arenas: own buffers
+    _same_outputs(kept, shared, 3)      # planned again, at batch 3
+    assert sum(a.size for a in shared._activations.arenas) == pytest.approx(3 * small, rel=0.01)
+    for net in (kept, shared):
+        net.blobs["data"].reshape(1, 3, 224, 224)
+    _same_outputs(kept, shared, 4)
+    _same_outputs(kept, shared, 5)
+    assert capsys.readouterr().err.count("Sharing activation memory") == 3
+
+
+def _block():
+    from test_quantization import block_net
+    from google.protobuf import text_format
+    from caffepy.proto import caffe_pb2
+    return text_format.Parse(block_net(8), caffe_pb2.NetParameter())
+
+
+def test_int8_tops_held_as_bytes_share_memory_too():
+    kept, shared = _twins(_block())
+    for seed in (1, 2, 3):
+        _same_outputs(kept, shared, seed)
+    assert len(shared._activations.shared) >= 3
+
+
+def test_what_would_read_a_blob_not_kept_is_refused_in_one_line():
+    kept, shared = _twins(_block())
+    shared.forward()
+    with pytest.raises(CaffepyError, match=r"forward: blob 'conv1' is not kept: .*keep_blobs=True"):
+        shared.forward(blobs=["conv1"])
+    with pytest.raises(CaffepyError, match=r"backward: this net shares its activations' memory"):
+        shared.backward()
+    assert kept.forward(blobs=["conv1"])["conv1"].shape == kept.blobs["conv1"].shape
+    with pytest.raises(CaffepyError, match="keep_blobs=False is for a TEST net"):
+        Net(_block(), phase=TRAIN, keep_blobs=False)
+
+
+def test_caffepy_keep_blobs_keeps_every_blob(monkeypatch):
+    monkeypatch.setenv("CAFFEPY_KEEP_BLOBS", "1")
+    net = Net(_block(), phase=TEST, keep_blobs=False)
+    assert net._activations is None
+    net.forward()
+    assert net.forward(blobs=["conv1"])["conv1"] is not None
+
+
+def test_classifier_and_detector_take_the_switch():
+    path = os.path.join(REFERENCE_MODELS, "bvlc", "bvlc_reference_caffenet__deploy.prototxt")
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not on this machine")
+    assert caffepy.Classifier(path)._activations is None
+    assert caffepy.Classifier(path, keep_blobs=False)._activations is not None
+    assert caffepy.Detector(path, keep_blobs=False)._activations is not None
