@@ -110,14 +110,12 @@ static inline void dw_taps_signed(int start, int step, int n, int limit, int *lo
  * Caffe's ReLU leaves it). The forward reads x with
  * the taps (rs = dh, cs = dw); the stride-1 data gradient reads dy against them (rs = -dh,
  * cs = -dw): the taps that reach an input pixel then form a run of i and of j too. */
-static __attribute__((noinline)) void dw_gather_row(
-    const float *restrict src, int rows, int width, int C, const float *restrict w, int kh,
-    int kw, int r0, int rs, int ps, int c0, int cs, const float *restrict bias,
-    float *restrict out, int n, int relu)
+static inline __attribute__((always_inline)) void dw_gather_px(
+    const float *restrict src, int width, int C, const float *restrict w, int kw, int r0,
+    int rs, int ps, int c0, int cs, int ilo, int ihi, const float *restrict bias,
+    float *restrict out, int p0, int p1, int relu)
 {
-    int ilo, ihi;
-    dw_taps_signed(r0, rs, kh, rows, &ilo, &ihi);
-    for (int p = 0; p < n; p++) {
+    for (int p = p0; p < p1; p++) {
         float *op = out + (size_t)p * C;
         const int x0 = p * ps + c0;
         int jlo, jhi, c = 0;
@@ -150,6 +148,92 @@ static __attribute__((noinline)) void dw_gather_row(
             op[c] = relu && acc < 0.0f ? 0.0f : acc;
         }
     }
+}
+
+/* Interior pixels, where every tap lies inside the row, in tiles of U pixels x B vectors of
+ * channels: each tap's weight vectors are loaded once for the U pixels (the per-pixel gather
+ * loads a weight for every product, two loads a multiply-add, and its tap loops' bounds are
+ * worked out pixel by pixel). The sums run in the gather's order (bias, then taps i, j
+ * ascending), so a pixel gets the same floats either way. The kernel alone on warm caches, 2
+ * threads, AVX-512, old and new builds: MobileNet v1's conv2_1/dw (112 x 112 x 32) at batch 16
+ * 2.19 -> 1.35 ms, at batch 1 0.114 -> 0.064-0.077; the wider layers, bound by memory, alike. */
+#define DW_TILE(NAME, VT, V, U, B)                                                             \
+static inline __attribute__((always_inline)) void NAME##_tile_##U##x##B(                       \
+    const float *restrict sp, ptrdiff_t rstep, ptrdiff_t jstep, ptrdiff_t pstep,               \
+    const float *restrict wp, size_t wrow, int C, int ilo, int ihi, int kw,                    \
+    const float *restrict bias, float *restrict op, int relu)                                  \
+{                                                                                              \
+    VT a[U][B];                                                                                \
+    _Pragma("GCC unroll 16") for (int u = 0; u < U; u++)                                       \
+        _Pragma("GCC unroll 4") for (int b = 0; b < B; b++)                                    \
+            a[u][b] = bias ? *(const VT *)(bias + b * V) : (VT){0};                            \
+    for (int i = ilo; i < ihi; i++) {                                                          \
+        const float *sr = sp + i * rstep, *wr = wp + (size_t)i * wrow;                         \
+        for (int j = 0; j < kw; j++, sr += jstep, wr += C) {                                   \
+            VT wv[B];                                                                          \
+            _Pragma("GCC unroll 4") for (int b = 0; b < B; b++)                                \
+                wv[b] = *(const VT *)(wr + b * V);                                             \
+            _Pragma("GCC unroll 16") for (int u = 0; u < U; u++)                               \
+                _Pragma("GCC unroll 4") for (int b = 0; b < B; b++)                            \
+                    a[u][b] += wv[b] * *(const VT *)(sr + u * pstep + b * V);                  \
+        }                                                                                      \
+    }                                                                                          \
+    _Pragma("GCC unroll 16") for (int u = 0; u < U; u++)                                       \
+        _Pragma("GCC unroll 4") for (int b = 0; b < B; b++)                                    \
+            *(VT *)(op + (size_t)u * C + b * V) = relu ? NAME##_relu(a[u][b]) : a[u][b];       \
+}
+
+#ifdef __AVX512F__
+/* 16 sums of 16 floats and 2 weight vectors: 18 of the 32 registers */
+#define DW_V 16
+#define DW_U 8
+DW_TILE(dw16, dw_v16, 16, 8, 2)
+DW_TILE(dw16, dw_v16, 16, 8, 1)
+#define DW_TILE_2 dw16_tile_8x2
+#define DW_TILE_1 dw16_tile_8x1
+#else
+/* 8 sums of 8 floats and 2 weight vectors: 10 of the 16 registers */
+#define DW_V 8
+#define DW_U 4
+DW_TILE(dw8, dw_v8, 8, 4, 2)
+DW_TILE(dw8, dw_v8, 8, 4, 1)
+#define DW_TILE_2 dw8_tile_4x2
+#define DW_TILE_1 dw8_tile_4x1
+#endif
+
+static __attribute__((noinline)) void dw_gather_row(
+    const float *restrict src, int rows, int width, int C, const float *restrict w, int kh,
+    int kw, int r0, int rs, int ps, int c0, int cs, const float *restrict bias,
+    float *restrict out, int n, int relu)
+{
+    int ilo, ihi;
+    dw_taps_signed(r0, rs, kh, rows, &ilo, &ihi);
+    /* the interior [plo, phi): p * ps + c0 + j * cs inside [0, width) for every tap j */
+    const int lo_tap = cs < 0 ? (kw - 1) * cs : 0, hi_tap = cs > 0 ? (kw - 1) * cs : 0;
+    int plo = c0 + lo_tap >= 0 ? 0 : (-(c0 + lo_tap) + ps - 1) / ps;
+    int phi = width - 1 - c0 - hi_tap < 0 ? 0 : (width - 1 - c0 - hi_tap) / ps + 1;
+    if (phi > n)
+        phi = n;
+    if (C % DW_V != 0 || phi - plo < DW_U) {
+        dw_gather_px(src, width, C, w, kw, r0, rs, ps, c0, cs, ilo, ihi, bias, out, 0, n, relu);
+        return;
+    }
+    const int pend = plo + (phi - plo) / DW_U * DW_U;
+    dw_gather_px(src, width, C, w, kw, r0, rs, ps, c0, cs, ilo, ihi, bias, out, 0, plo, relu);
+    const ptrdiff_t rstep = (ptrdiff_t)rs * width * C, jstep = (ptrdiff_t)cs * C;
+    const ptrdiff_t pstep = (ptrdiff_t)ps * C;
+    for (int p = plo; p < pend; p += DW_U) {
+        const float *sp = src + ((ptrdiff_t)r0 * width + (ptrdiff_t)p * ps + c0) * C;
+        float *op = out + (size_t)p * C;
+        int c = 0;
+        for (; c + 2 * DW_V <= C; c += 2 * DW_V)
+            DW_TILE_2(sp + c, rstep, jstep, pstep, w + c, (size_t)kw * C, C, ilo, ihi, kw,
+                      bias ? bias + c : NULL, op + c, relu);
+        if (c < C)
+            DW_TILE_1(sp + c, rstep, jstep, pstep, w + c, (size_t)kw * C, C, ilo, ihi, kw,
+                      bias ? bias + c : NULL, op + c, relu);
+    }
+    dw_gather_px(src, width, C, w, kw, r0, rs, ps, c0, cs, ilo, ihi, bias, out, pend, n, relu);
 }
 
 /* Output row oy of one image: y[oy][ox][c] = bias[c] (or 0) + sum over taps in the image of

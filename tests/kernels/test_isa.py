@@ -150,6 +150,46 @@ def test_channels_last_pooling_and_depthwise(path, C):
     np.testing.assert_allclose(yd.transpose(0, 3, 1, 2), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("geometry", [(1, 1, 1), (2, 1, 1), (1, 2, 2), (1, 0, 1)],
+                         ids=["s1", "s2", "dilated", "no-pad"])
+@pytest.mark.parametrize("C", [16, 48, 64, 80])
+def test_depthwise_tiles_sum_as_the_pixel_by_pixel_rows(path, C, geometry):
+    """nhwc_dw_rows.h: the interior of a row runs in tiles of 8 pixels (4 at 8 lanes) by one or
+    two vectors of channels, the borders and channel counts that are not whole vectors pixel by
+    pixel: each pixel's sums in the same order. Channels [0, C) of a C + 1 channel run (all
+    pixel by pixel) give the same floats, forward (with and without bias and ReLU) and the
+    stride-1 data gradient; and both match float64."""
+    k = isa.load("nhwc", path)
+    s, p, d = geometry
+    N, H, W = 2, 5, 23
+    x = rand(N, H, W, C + 1, seed=7)
+    w, b = rand(9, C + 1, seed=8), rand(C + 1, seed=9)
+    oh, ow = ref.conv_out_size(H, 3, p, s, d), ref.conv_out_size(W, 3, p, s, d)
+    args = (3, 3, p, p, s, s, d, d)
+    for bias in (b, np.empty(0, np.float32)):
+        for relu in (False, True):
+            tiled, whole = np.empty((N, oh, ow, C), np.float32), np.empty((N, oh, ow, C + 1), np.float32)
+            k.dw_forward(np.ascontiguousarray(x[..., :C]), np.ascontiguousarray(w[:, :C]),
+                         bias[:C].copy(), tiled, *args, relu)
+            k.dw_forward(x, w, bias, whole, *args, relu)
+            np.testing.assert_array_equal(tiled, whole[..., :C])
+    want = ref.conv_forward(x[..., :C].transpose(0, 3, 1, 2).astype(np.float64),
+                            w[:, :C].T.reshape(C, 1, 3, 3).astype(np.float64),
+                            b[:C].astype(np.float64), (p, p), (s, s), (d, d), C)
+    k.dw_forward(np.ascontiguousarray(x[..., :C]), np.ascontiguousarray(w[:, :C]), b[:C].copy(),
+                 tiled, *args, False)
+    np.testing.assert_allclose(tiled.transpose(0, 3, 1, 2), want, rtol=1e-5, atol=1e-5)
+    if s == 1:
+        dy = rand(N, oh, ow, C + 1, seed=10)
+        dx_tiled, dx_whole = np.empty((N, H, W, C), np.float32), np.empty_like(x)
+        acc, db = np.zeros((k.max_threads(), 9, C + 1), np.float32), np.zeros((k.max_threads(), C + 1), np.float32)
+        k.dw_backward(np.ascontiguousarray(x[..., :C]), np.ascontiguousarray(w[:, :C]),
+                      np.ascontiguousarray(dy[..., :C]), dx_tiled, acc[:, :, :C].copy(),
+                      db[:, :C].copy(), *args, True, False, False)
+        k.dw_backward(x, w, dy, dx_whole, acc, db, *args, True, False, False)
+        np.testing.assert_array_equal(dx_tiled, dx_whole[..., :C])
+
+
 @pytest.mark.parametrize("kk", [5, 7])
 @pytest.mark.parametrize("o", [5, 20, 37, 64, 70, 100])   # 1-4 vectors of outputs; 4 + 1, 4 + 3
 def test_channels_last_direct_forward(path, o, kk):
