@@ -5,7 +5,9 @@ the same net with quantization_param removed (caffepy's float32 fast path, Batch
 run as layers and fused by its own rules), and of GoogLeNet (BVLC's deploy net, which Intel
 ships no int8 prototxt of), calibrated here by calibrate's own steps (calibrated()). Random
 weights; BatchNorm statistics set to mean 0, variance 1 so the folded weights stay in range;
-the data an Input filled once with N(0, 50) values. The int8 net runs twice: with
+the data an Input filled once with N(0, 50) values; the nets built as `caffepy test` builds
+them (keep_blobs=False: the blobs between input and output share memory). The int8 net runs
+twice: with
 CAFFEPY_INT8_FALLBACK=0 (every quantized layer on 8-bit integers: the default on the VNNI and
 AMX paths) and with CAFFEPY_INT8_FALLBACK=1 (each quantized convolution int8 or float32,
 whichever its first forward measured faster here, or the autotune cache's choice: the default
@@ -120,7 +122,8 @@ def _net(name, batch, quantized, fallback=True):
     saved = os.environ.get("CAFFEPY_INT8_FALLBACK")
     os.environ["CAFFEPY_INT8_FALLBACK"] = "1" if fallback else "0"
     try:
-        net = Net(_param(name, batch, quantized), caffepy.TEST)
+        # as `caffepy test` and `caffepy time --precision` build it: its blobs share memory
+        net = Net(_param(name, batch, quantized), caffepy.TEST, keep_blobs=False)
     finally:
         if saved is None:
             del os.environ["CAFFEPY_INT8_FALLBACK"]

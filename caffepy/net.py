@@ -638,9 +638,11 @@ class Net:
         between a chain's layers (Intel's Inception-v3: `conv_1_1_conv2d`, `..._bn` before
         `..._relu`) and the branches written straight into a concat's top (GoogLeNet's
         `inception_3a/1x1`, ...).
-        CAFFEPY_FOLD=0 builds a net that writes them all; a TRAIN net always does."""
+        CAFFEPY_FOLD=0 builds a net that writes them all; a TRAIN net always does. Under
+        keep_blobs=False, also every blob whose memory it shares (caffepy/net_memory.py)."""
         skipped = net_rules.unwritten(self)
-        return [name for name, blob in self.blobs.items() if any(blob is b for b in skipped)]
+        return [name for name, blob in self.blobs.items() if any(blob is b for b in skipped)
+                or (self._activations is not None and not self._activations.kept(blob))]
 
     # -- pycaffe API -----------------------------------------------------
     def forward(self, blobs=None, start=None, end=None, **kwargs):

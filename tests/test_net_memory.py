@@ -5,6 +5,7 @@ ends, GoogLeNet's concats written in place, MobileNet's depthwise layers, int8 t
 bytes), across a change of batch size; it keeps fewer bytes; and it refuses what would read a
 blob it did not keep."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -116,6 +117,11 @@ def test_int8_tops_held_as_bytes_share_memory_too():
 
 def test_what_would_read_a_blob_not_kept_is_refused_in_one_line():
     kept, shared = _twins(_block())
+    with pytest.raises(CaffepyError, match=r"forward: blob 'sum' is not kept"):
+        shared.forward(blobs=["sum"])           # before any plan too
+    unwritten = shared.unwritten_blobs()
+    assert "conv1" in unwritten and "sum" in unwritten
+    assert "data" not in unwritten and "fc" not in unwritten
     shared.forward()
     with pytest.raises(CaffepyError, match=r"forward: blob 'conv1' is not kept: .*keep_blobs=True"):
         shared.forward(blobs=["conv1"])
@@ -141,3 +147,48 @@ def test_classifier_and_detector_take_the_switch():
     assert caffepy.Classifier(path)._activations is None
     assert caffepy.Classifier(path, keep_blobs=False)._activations is not None
     assert caffepy.Detector(path, keep_blobs=False)._activations is not None
+
+
+
+SCORED = """
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 4 dim: 3 dim: 9 dim: 9 } shape { dim: 4 }
+    data_filler { type: "uniform" min: -1 max: 1 } data_filler { type: "constant" value: 2 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 8 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+layer { name: "accuracy" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy" }
+"""
+
+
+def test_caffepy_test_scores_on_shared_memory_as_on_kept_blobs(tmp_path, monkeypatch, capsys):
+    """`caffepy test` builds its net with keep_blobs=False: the same scores (the random
+    DummyData seeded alike), and the log says so (the channels-last copy of data, conv, pool,
+    its NCHW copy and ip share memory)."""
+    from click.testing import CliRunner
+    from caffepy import log
+    from caffepy.cli import main
+    (tmp_path / "net.prototxt").write_text(SCORED)
+    rng.seed(5)
+    Net(str(tmp_path / "net.prototxt"), phase=TEST).save(str(tmp_path / "w.caffemodel"))
+    monkeypatch.chdir(tmp_path)
+    log.set_quiet(False)
+    logs = []
+    try:
+        for keep in ("1", "0"):
+            monkeypatch.setenv("CAFFEPY_KEEP_BLOBS", keep)
+            rng.seed(6)
+            result = CliRunner().invoke(main, ["test", "-model", "net.prototxt", "-weights",
+                                               "w.caffemodel", "-iterations", "3"])
+            assert result.exit_code == 0, result.output
+            logs.append(result.stderr)
+    finally:
+        log.set_quiet(True)
+    scores = [re.findall(r"Batch \d+, (?:loss|accuracy) = \S+", text) for text in logs]
+    assert len(scores[0]) == 6 and scores[0] == scores[1]
+    assert "Sharing activation memory" not in logs[0]
+    assert "Sharing activation memory: 5 blob buffers in 3 arenas" in logs[1]
