@@ -28,32 +28,30 @@ def keep_every_blob():
 
 class SharedActivations:
     """The arenas of one net and which blobs live in them. `check()` after a forward plans
-    them (again) when a blob's size or buffer moved since the last plan: the first forward runs
-    on the blobs' own buffers, and at a new batch size a blob that grows past its arena takes a
-    buffer of its own until the next plan (correct, only not shared)."""
+    them when a blob left its place: the first forward runs on the blobs' own buffers, and a
+    blob that grows past its place (a larger batch) takes a buffer of its own (Blob.reshape)
+    until the plan after that forward. A blob that shrinks stays (a smaller batch, a detection
+    layer's rows): the arenas keep the largest sizes seen, as Caffe's blobs keep theirs."""
 
     def __init__(self, net):
         self.net = net
         self.arrangement = None
-        self.signature = None
         self.arenas = []
         # the blobs that give up their values (which ones does not depend on the shapes)
-        self.shared = {id(b) for group in self._groups() for b in group[3]}
+        self.members = [b for group in self._groups() for b in group[3]]
+        self.shared = {id(b) for b in self.members}
+        self.placed = {}            # id(blob): the array it was placed on
 
     def check(self):
         if self.arrangement == Blob.arrangement:
             return
-        if self._signature() != self.signature:
+        if any(b._data_buf is not self.placed.get(id(b)) for b in self.members):
             self._plan()
-            self.signature = self._signature()
         self.arrangement = Blob.arrangement
 
     def kept(self, blob):
         """Whether the blob holds its values after a forward."""
         return id(blob) not in self.shared
-
-    def _signature(self):
-        return [(id(b._data_buf), b.count) for b in self.net._blobs.values()]
 
     def _groups(self):
         """The blobs by data buffer (in-place layers, Split, Flatten: one buffer for several
@@ -121,6 +119,7 @@ class SharedActivations:
             writes = None
             for b in blobs:
                 writes = b.place_data(array, writes)
+                self.placed[id(b)] = array
         from . import log
         log.info(f"Sharing activation memory: {len(groups)} blob buffers in {len(sizes)} "
                  f"arenas, {memory.human(sum(sizes) * 4)} (kept apart: {memory.human(before * 4)})")
