@@ -60,7 +60,7 @@ static inline __attribute__((always_inline)) void NAME##_gather4(               
         *(VT *)(op + c + k * V) = relu ? NAME##_relu(a[k]) : a[k];                             \
 }                                                                                              \
                                                                                                \
-static inline __attribute__((always_inline)) void NAME##_wgrad4(                              \
+static inline __attribute__((always_inline)) void NAME##_wgrad4(                               \
     const float *restrict xp, const float *restrict gp, size_t xs, int C, int lo, int hi,      \
     float *restrict wr)                                                                        \
 {                                                                                              \
@@ -150,6 +150,20 @@ static inline __attribute__((always_inline)) void dw_gather_px(
     }
 }
 
+/* the build's vector: 16 sums of 16 floats and 2 weight vectors, 18 of the 32 registers; at
+ * 8 lanes 8 sums and 2, 10 of the 16 */
+#ifdef __AVX512F__
+#define DW_V 16
+#define DW_U 8
+#define DW_VT dw_v16
+#define DW_RELU dw16_relu
+#else
+#define DW_V 8
+#define DW_U 4
+#define DW_VT dw_v8
+#define DW_RELU dw8_relu
+#endif
+
 /* Interior pixels, where every tap lies inside the row, in tiles of U pixels x B vectors of
  * channels: each tap's weight vectors are loaded once for the U pixels (the per-pixel gather
  * loads a weight for every product, two loads a multiply-add, and its tap loops' bounds are
@@ -157,49 +171,34 @@ static inline __attribute__((always_inline)) void dw_gather_px(
  * ascending), so a pixel gets the same floats either way. The kernel alone on warm caches, 2
  * threads, AVX-512, old and new builds: MobileNet v1's conv2_1/dw (112 x 112 x 32) at batch 16
  * 2.19 -> 1.35 ms, at batch 1 0.114 -> 0.064-0.077; the wider layers, bound by memory, alike. */
-#define DW_TILE(NAME, VT, V, U, B)                                                             \
-static inline __attribute__((always_inline)) void NAME##_tile_##U##x##B(                       \
+#define DW_TILE(B)                                                                             \
+static inline __attribute__((always_inline)) void dw_tile_##B(                                 \
     const float *restrict sp, ptrdiff_t rstep, ptrdiff_t jstep, ptrdiff_t pstep,               \
     const float *restrict wp, size_t wrow, int C, int ilo, int ihi, int kw,                    \
     const float *restrict bias, float *restrict op, int relu)                                  \
 {                                                                                              \
-    VT a[U][B];                                                                                \
-    _Pragma("GCC unroll 16") for (int u = 0; u < U; u++)                                       \
+    DW_VT a[DW_U][B];                                                                          \
+    _Pragma("GCC unroll 16") for (int u = 0; u < DW_U; u++)                                    \
         _Pragma("GCC unroll 4") for (int b = 0; b < B; b++)                                    \
-            a[u][b] = bias ? *(const VT *)(bias + b * V) : (VT){0};                            \
+            a[u][b] = bias ? *(const DW_VT *)(bias + b * DW_V) : (DW_VT){0};                   \
     for (int i = ilo; i < ihi; i++) {                                                          \
         const float *sr = sp + i * rstep, *wr = wp + (size_t)i * wrow;                         \
         for (int j = 0; j < kw; j++, sr += jstep, wr += C) {                                   \
-            VT wv[B];                                                                          \
+            DW_VT wv[B];                                                                       \
             _Pragma("GCC unroll 4") for (int b = 0; b < B; b++)                                \
-                wv[b] = *(const VT *)(wr + b * V);                                             \
-            _Pragma("GCC unroll 16") for (int u = 0; u < U; u++)                               \
+                wv[b] = *(const DW_VT *)(wr + b * DW_V);                                       \
+            _Pragma("GCC unroll 16") for (int u = 0; u < DW_U; u++)                            \
                 _Pragma("GCC unroll 4") for (int b = 0; b < B; b++)                            \
-                    a[u][b] += wv[b] * *(const VT *)(sr + u * pstep + b * V);                  \
+                    a[u][b] += wv[b] * *(const DW_VT *)(sr + u * pstep + b * DW_V);            \
         }                                                                                      \
     }                                                                                          \
-    _Pragma("GCC unroll 16") for (int u = 0; u < U; u++)                                       \
+    _Pragma("GCC unroll 16") for (int u = 0; u < DW_U; u++)                                    \
         _Pragma("GCC unroll 4") for (int b = 0; b < B; b++)                                    \
-            *(VT *)(op + (size_t)u * C + b * V) = relu ? NAME##_relu(a[u][b]) : a[u][b];       \
+            *(DW_VT *)(op + (size_t)u * C + b * DW_V) = relu ? DW_RELU(a[u][b]) : a[u][b];     \
 }
 
-#ifdef __AVX512F__
-/* 16 sums of 16 floats and 2 weight vectors: 18 of the 32 registers */
-#define DW_V 16
-#define DW_U 8
-DW_TILE(dw16, dw_v16, 16, 8, 2)
-DW_TILE(dw16, dw_v16, 16, 8, 1)
-#define DW_TILE_2 dw16_tile_8x2
-#define DW_TILE_1 dw16_tile_8x1
-#else
-/* 8 sums of 8 floats and 2 weight vectors: 10 of the 16 registers */
-#define DW_V 8
-#define DW_U 4
-DW_TILE(dw8, dw_v8, 8, 4, 2)
-DW_TILE(dw8, dw_v8, 8, 4, 1)
-#define DW_TILE_2 dw8_tile_4x2
-#define DW_TILE_1 dw8_tile_4x1
-#endif
+DW_TILE(2)
+DW_TILE(1)
 
 static __attribute__((noinline)) void dw_gather_row(
     const float *restrict src, int rows, int width, int C, const float *restrict w, int kh,
@@ -227,10 +226,10 @@ static __attribute__((noinline)) void dw_gather_row(
         float *op = out + (size_t)p * C;
         int c = 0;
         for (; c + 2 * DW_V <= C; c += 2 * DW_V)
-            DW_TILE_2(sp + c, rstep, jstep, pstep, w + c, (size_t)kw * C, C, ilo, ihi, kw,
+            dw_tile_2(sp + c, rstep, jstep, pstep, w + c, (size_t)kw * C, C, ilo, ihi, kw,
                       bias ? bias + c : NULL, op + c, relu);
         if (c < C)
-            DW_TILE_1(sp + c, rstep, jstep, pstep, w + c, (size_t)kw * C, C, ilo, ihi, kw,
+            dw_tile_1(sp + c, rstep, jstep, pstep, w + c, (size_t)kw * C, C, ilo, ihi, kw,
                       bias ? bias + c : NULL, op + c, relu);
     }
     dw_gather_px(src, width, C, w, kw, r0, rs, ps, c0, cs, ilo, ihi, bias, out, pend, n, relu);
