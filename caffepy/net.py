@@ -661,7 +661,6 @@ class Net:
             target.data[...] = value
         s = self._index(start, 0)
         e = self._index(end, len(self.layers) - 1)
-        self.forward_from_to(s, e)
         outs = set(self.outputs if end is None else self.top_names[self._layer_names[e]])
         outs.update(blobs or [])
         if self._activations is not None:
@@ -670,6 +669,7 @@ class Net:
                     raise CaffepyError(f"{self.source}: forward: blob '{name}' is not kept: this "
                                        f"net shares its activations' memory (keep_blobs=False); "
                                        f"build it with keep_blobs=True to read it")
+        self.forward_from_to(s, e)
         return {name: self.blobs[name].data for name in outs}
 
     def backward(self, diffs=None, start=None, end=None, **kwargs):

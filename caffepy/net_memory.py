@@ -10,14 +10,14 @@ last touched a whole forward ago, which came back from memory line by line and p
 weights out of the cache. MobileNet v1 b16's blobs (317 MiB apart) fit in 3 arenas of 74 MiB,
 ResNet-50 b16's (1005 MiB) in 4 of 196.
 
-`caffepy test`, `caffepy time --precision`, Classifier and Detector build their nets this way
-(they read outputs only); CAFFEPY_KEEP_BLOBS=1 keeps every blob in every net, as the switch
-for comparing values. Such a net refuses backward (it reads the blobs forward wrote) and a
+`caffepy test`, `caffepy time --phase TEST --forward_only` and `caffepy time --precision` build
+their nets this way (they read outputs only), and Classifier and Detector take keep_blobs=False
+too; CAFFEPY_KEEP_BLOBS=1 keeps every blob in every net, as the switch for comparing values. Such a net refuses backward (it reads the blobs forward wrote) and a
 forward(blobs=...) that names a blob it does not keep.
 """
 import os
 
-from . import memory
+from . import log, memory
 from .blob import Blob, Blocked
 
 
@@ -88,8 +88,7 @@ class SharedActivations:
         for buf, blobs, first, last in groups.values():
             # a blocked blob's padding lanes must stay zero, and memory another blob wrote
             # would not be
-            if not any(id(b) in kept or isinstance(b.layout, Blocked)
-                                    for b in blobs):
+            if not any(id(b) in kept or isinstance(b.layout, Blocked) for b in blobs):
                 out.append((first, last, max(b.count for b in blobs), blobs))
         return out
 
@@ -120,6 +119,5 @@ class SharedActivations:
             for b in blobs:
                 writes = b.place_data(array, writes)
                 self.placed[id(b)] = array
-        from . import log
         log.info(f"Sharing activation memory: {len(groups)} blob buffers in {len(sizes)} "
                  f"arenas, {memory.human(sum(sizes) * 4)} (kept apart: {memory.human(before * 4)})")
