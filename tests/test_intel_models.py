@@ -466,19 +466,25 @@ def sweep(path, phase):
         differ = _shared_twin_differs(net, param, stages, path)
         if differ:
             return "failed", f"keep_blobs=False changes outputs {differ}"
+        if differ is not None:
+            return "ran", TWIN_SAME
     return "ran", ""
+
+
+TWIN_SAME = "the same outputs with keep_blobs=False"
 
 
 def _shared_twin_differs(net, param, stages, path):
     """The outputs (names) that the TEST net built with keep_blobs=False (its activations in
     shared arenas: caffepy/net_memory.py) computes otherwise, bit for bit, from the same weights
     and the same data layers' tops, at its second forward (the first plans the arenas); [] for
-    a net whose layers past its data layers make values of their own (DummyData)."""
+    a net whose layers past its data layers make values of their own (DummyData) is not
+    compared (None)."""
     start = 0
     while start < len(net.layers) and not net.bottom_vecs[start]:
         start += 1
     if any(not bottoms for bottoms in net.bottom_vecs[start:]):
-        return []
+        return None
     twin = Net(param, phase=caffe_pb2.TEST, stages=stages, source=path, keep_blobs=False)
     twin.share_with(net)
     for li in range(start):
@@ -513,6 +519,8 @@ def _print_summary(seconds):
     write("")
     write(f"Intel/BVLC net sweep: {len(RESULTS)} net-phases in {seconds:.0f} s")
     write(f"  built and ran one step: {len(kinds.get('ran', []))}")
+    twins = sum(what == TWIN_SAME for _, _, what, _ in kinds.get("ran", []))
+    write(f"    TEST nets whose keep_blobs=False twin (shared activations) gave the same outputs: {twins}")
     write(f"  not a net of that phase (skipped): {len(kinds.get('other phase', []))}")
     for kind in ("refused", "left"):
         reasons = {}
