@@ -118,7 +118,9 @@ def train(solver, weights=None, snapshot=None, level=0, stages=(), sigint_effect
     for j, param in enumerate(params):
         if multi is not None:
             log.info(f"Phase {j}: snapshot_prefix {param.snapshot_prefix}")
-        the_solver = Solver(param, source=solver, level=level, stages=stages, context=context)
+        # the test phases read their nets' outputs alone: their blobs share memory
+        the_solver = Solver(param, source=solver, level=level, stages=stages, context=context,
+                            keep_test_blobs=False)
         _check_has_loss(the_solver.net)
         if previous is not None:
             the_solver.net.copy_from_param(previous.net.to_proto(), f"the weights phase {j - 1} ended with")

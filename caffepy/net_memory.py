@@ -10,9 +10,10 @@ last touched a whole forward ago, which came back from memory line by line and p
 weights out of the cache. MobileNet v1 b16's blobs (317 MiB apart) fit in 3 arenas of 74 MiB,
 ResNet-50 b16's (1005 MiB) in 4 of 196.
 
-`caffepy test`, `caffepy time --phase TEST --forward_only` and `caffepy time --precision` build
-their nets this way (they read outputs only), and Classifier and Detector take keep_blobs=False
-too; CAFFEPY_KEEP_BLOBS=1 keeps every blob in every net, as the switch for comparing values. Such a net refuses backward (it reads the blobs forward wrote) and a
+`caffepy test`, `caffepy time --phase TEST --forward_only`, `caffepy time --precision` and
+`caffepy train`'s test phases build their nets this way (they read outputs only), and
+Classifier and Detector take keep_blobs=False too (pycaffe's solver keeps its test nets'
+blobs); CAFFEPY_KEEP_BLOBS=1 keeps every blob in every net, as the switch for comparing values. Such a net refuses backward (it reads the blobs forward wrote) and a
 forward(blobs=...) that names a blob it does not keep.
 """
 import os

@@ -193,3 +193,33 @@ def test_caffepy_test_scores_on_shared_memory_as_on_kept_blobs(tmp_path, monkeyp
     assert len(scores[0]) == 6 and scores[0] == scores[1]
     assert "Sharing activation memory" not in logs[0]
     assert "Sharing activation memory: 5 blob buffers in 3 arenas" in logs[1]
+
+
+def test_caffepy_train_tests_on_shared_memory_pycaffes_solver_keeps_blobs(tmp_path, monkeypatch):
+    """`caffepy train`'s test nets share memory (it reads their outputs alone): the same test
+    scores as with every blob kept; pycaffe's solver keeps their blobs (its users read
+    `solver.test_nets[0].blobs[...]`)."""
+    from click.testing import CliRunner
+    from caffepy import log
+    from caffepy.cli import main
+    (tmp_path / "net.prototxt").write_text(SCORED)
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt" base_lr: 0.1 lr_policy: "fixed" max_iter: 4 display: 1 '
+        'test_iter: 2 test_interval: 2 random_seed: 9 snapshot_prefix: "s"')
+    monkeypatch.chdir(tmp_path)
+    log.set_quiet(False)
+    logs = []
+    try:
+        for keep in ("1", "0"):
+            monkeypatch.setenv("CAFFEPY_KEEP_BLOBS", keep)
+            result = CliRunner().invoke(main, ["train", "-solver", "solver.prototxt"])
+            assert result.exit_code == 0, result.output
+            logs.append(result.stderr)
+    finally:
+        log.set_quiet(True)
+    scores = [re.findall(r"Test net output #\d+: \S+ = \S+", text) for text in logs]
+    assert len(scores[0]) == 6 and scores[0] == scores[1]
+    assert "Sharing activation memory" not in logs[0]
+    assert "Sharing activation memory" in logs[1]
+    monkeypatch.delenv("CAFFEPY_KEEP_BLOBS")
+    assert caffepy.get_solver("solver.prototxt").test_nets[0]._activations is None

@@ -132,25 +132,27 @@ def init_train_net(param, source, level=None, stages=(), context=SINGLE):
     return net
 
 
-def init_test_nets(param, source, train_net, context=SINGLE):
-    """InitTestNets: the test Nets, each seeing the train net's weights."""
+def init_test_nets(param, source, train_net, context=SINGLE, keep_blobs=True):
+    """InitTestNets: the test Nets, each seeing the train net's weights; keep_blobs False: their
+    blobs between inputs and outputs share memory (caffepy/net_memory.py: `caffepy train`
+    reads their outputs only, while pycaffe code may read `solver.test_nets[0].blobs[...]`)."""
     nets = []
     for i, test in enumerate(solver_test_net_params(param, source)):
         log.info(f"Creating test net (#{i}) specified by {test.origin}")
-        net = build_net(test, source, context)
+        net = build_net(test, source, context, keep_blobs=keep_blobs)
         share_trained_layers(train_net, net)
         nets.append(net)
     return nets
 
 
-def build_net(solver_net, solver_source, context=SINGLE):
+def build_net(solver_net, solver_source, context=SINGLE, keep_blobs=True):
     """The Net of a SolverNet, in run context `context`; its errors name the net file, or the
     solver file for an inline net."""
     s = solver_net.state
     origin = solver_net.origin
     where = origin.split(": ", 1)[1] if "file: " in origin else f"{solver_source}: {origin}"
     return Net(solver_net.param, phase=s.phase, level=s.level, stages=list(s.stage), source=where,
-               context=context)
+               context=context, keep_blobs=keep_blobs)
 
 
 def local_batch(net):

@@ -207,7 +207,8 @@ class Solver:
     # False: NumPy only (the reference the compiled kernels are tested against)
     use_kernels = True
 
-    def __init__(self, param, source=None, level=None, stages=(), context=SINGLE):
+    def __init__(self, param, source=None, level=None, stages=(), context=SINGLE,
+                 keep_test_blobs=True):
         if isinstance(param, (str, os.PathLike)):
             source = os.fspath(param)
             param = upgrade.read_solver(source)
@@ -255,7 +256,8 @@ class Solver:
         if param.random_seed >= 0:
             rng.seed(param.random_seed + context.rank)
         self.net = nets.init_train_net(param, self.source, level, stages, context=context)
-        self.test_nets = nets.init_test_nets(param, self.source, self.net, context=self.test_context)
+        self.test_nets = nets.init_test_nets(param, self.source, self.net, context=self.test_context,
+                                             keep_blobs=keep_test_blobs)
         first_use = {}
         for li, layer in enumerate(self.net.layers):
             for blob in layer.blobs:
