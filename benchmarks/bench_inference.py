@@ -16,10 +16,10 @@ untimed ones, each round two forwards of each contender in turn (the order rotat
 process, the first untimed so that the one timed runs as back-to-back requests do (the previous
 contender's threads, which spin on after a forward, quiet): a figure is the median of its timed
 forwards, a ratio the contender's median over caffepy's
-(above 1: caffepy is faster). caffepy runs `net.forward()` on the net `caffepy test`,
-Classifier and Detector build (keep_blobs=False: the blobs between input and output share
-memory, as the other runtimes' tensors do); "caffepy, blobs kept" on the net a pycaffe user
-builds by default, every blob readable after the forward. Its first
+(above 1: caffepy is faster). caffepy runs `net.forward()` on the net `caffepy test` builds
+(keep_blobs=False, which Classifier and Detector take too: the blobs between input and output
+share memory, as the other runtimes' tensors do); "caffepy, blobs kept" on the net a pycaffe
+user builds by default, every blob readable after the forward. Its first
 forward (building the net included) reads the algorithm choices of the autotune cache as it
 stands: CAFFEPY_CACHE_DIR=$(mktemp -d) times a first run on this machine, measuring included.
 
@@ -73,8 +73,8 @@ def randomize(net, seed=0):
 
 
 class Caffepy:
-    """caffepy's net as `caffepy test` and Classifier build it: its blobs between input and
-    output share memory (keep_blobs=False, caffepy/net_memory.py)."""
+    """caffepy's net as `caffepy test` builds it: its blobs between input and output share
+    memory (keep_blobs=False, caffepy/net_memory.py)."""
     name = "caffepy"
     keep_blobs = False
 

@@ -7,9 +7,8 @@ ships no int8 prototxt of), calibrated here by calibrate's own steps (calibrated
 weights; BatchNorm statistics set to mean 0, variance 1 so the folded weights stay in range;
 the data an Input filled once with N(0, 50) values; the nets built as `caffepy test` builds
 them (keep_blobs=False: the blobs between input and output share memory). The int8 net runs
-twice: with
-CAFFEPY_INT8_FALLBACK=0 (every quantized layer on 8-bit integers: the default on the VNNI and
-AMX paths) and with CAFFEPY_INT8_FALLBACK=1 (each quantized convolution int8 or float32,
+twice: with CAFFEPY_INT8_FALLBACK=0 (every quantized layer on 8-bit integers: the default on
+the VNNI and AMX paths) and with CAFFEPY_INT8_FALLBACK=1 (each quantized convolution int8 or float32,
 whichever its first forward measured faster here, or the autotune cache's choice: the default
 on the AVX2 path; caffepy/quantization.py). Beside them OpenVINO at its default
 precision on the float32 net's ONNX (--no-openvino leaves it out; `make bench-inference`

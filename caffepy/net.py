@@ -237,7 +237,6 @@ class Net:
                 state.stage.append(s)
         filtered = filter_net(param, state, self.source)
         self._init(filtered, param)
-        self._activations = None
         if not keep_blobs and not net_memory.keep_every_blob():
             if phase != caffe_pb2.TEST:
                 raise CaffepyError(f"{self.source}: keep_blobs=False is for a TEST net: training "

@@ -13,8 +13,9 @@ ResNet-50 b16's (1005 MiB) in 4 of 196.
 `caffepy test`, `caffepy time --phase TEST --forward_only`, `caffepy time --precision` and
 `caffepy train`'s test phases build their nets this way (they read outputs only), and
 Classifier and Detector take keep_blobs=False too (pycaffe's solver keeps its test nets'
-blobs); CAFFEPY_KEEP_BLOBS=1 keeps every blob in every net, as the switch for comparing values. Such a net refuses backward (it reads the blobs forward wrote) and a
-forward(blobs=...) that names a blob it does not keep.
+blobs); CAFFEPY_KEEP_BLOBS=1 keeps every blob in every net, as the switch for comparing
+values. Such a net refuses backward (it reads the blobs forward wrote) and a forward(blobs=...)
+that names a blob it does not keep.
 """
 import os
 
@@ -67,10 +68,11 @@ class SharedActivations:
         groups = {}
 
         def touch(blob, li):
-            g = groups.setdefault(id(blob._data_buf), [blob._data_buf, [], span[li][0], span[li][1]])
+            first, last = span[li]
+            g = groups.setdefault(id(blob._data_buf), [blob._data_buf, [], first, last])
             if not any(blob is b for b in g[1]):
                 g[1].append(blob)
-            g[2], g[3] = min(g[2], span[li][0]), max(g[3], span[li][1])
+            g[2], g[3] = min(g[2], first), max(g[3], last)
 
         for li in range(len(net.layers)):
             for conversion in net._conversions[li]:

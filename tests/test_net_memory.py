@@ -150,7 +150,6 @@ def test_classifier_and_detector_take_the_switch():
     assert caffepy.Detector(path, keep_blobs=False)._activations is not None
 
 
-
 SCORED = """
 layer { name: "data" type: "DummyData" top: "data" top: "label"
   dummy_data_param { shape { dim: 4 dim: 3 dim: 9 dim: 9 } shape { dim: 4 }
@@ -166,29 +165,37 @@ layer { name: "accuracy" type: "Accuracy" bottom: "ip" bottom: "label" top: "acc
 """
 
 
-def test_caffepy_test_scores_on_shared_memory_as_on_kept_blobs(tmp_path, monkeypatch, capsys):
-    """`caffepy test` builds its net with keep_blobs=False: the same scores (the random
-    DummyData seeded alike), and the log says so (the channels-last copy of data, conv, pool,
-    its NCHW copy and ip share memory)."""
+def _logs_kept_then_shared(monkeypatch, args):
+    """The log (stderr) of the caffepy command `args` run twice, every blob kept
+    (CAFFEPY_KEEP_BLOBS=1), then as the command builds its nets; the random state seeded alike
+    before each."""
     from click.testing import CliRunner
     from caffepy import log
     from caffepy.cli import main
-    (tmp_path / "net.prototxt").write_text(SCORED)
-    rng.seed(5)
-    Net(str(tmp_path / "net.prototxt"), phase=TEST).save(str(tmp_path / "w.caffemodel"))
-    monkeypatch.chdir(tmp_path)
     log.set_quiet(False)
     logs = []
     try:
         for keep in ("1", "0"):
             monkeypatch.setenv("CAFFEPY_KEEP_BLOBS", keep)
             rng.seed(6)
-            result = CliRunner().invoke(main, ["test", "-model", "net.prototxt", "-weights",
-                                               "w.caffemodel", "-iterations", "3"])
+            result = CliRunner().invoke(main, args)
             assert result.exit_code == 0, result.output
             logs.append(result.stderr)
     finally:
         log.set_quiet(True)
+    return logs
+
+
+def test_caffepy_test_scores_on_shared_memory_as_on_kept_blobs(tmp_path, monkeypatch):
+    """`caffepy test` builds its net with keep_blobs=False: the same scores (the random
+    DummyData seeded alike), and the log says so (the channels-last copy of data, conv, pool,
+    its NCHW copy and ip share memory)."""
+    (tmp_path / "net.prototxt").write_text(SCORED)
+    rng.seed(5)
+    Net(str(tmp_path / "net.prototxt"), phase=TEST).save(str(tmp_path / "w.caffemodel"))
+    monkeypatch.chdir(tmp_path)
+    logs = _logs_kept_then_shared(monkeypatch, ["test", "-model", "net.prototxt", "-weights",
+                                                "w.caffemodel", "-iterations", "3"])
     scores = [re.findall(r"Batch \d+, (?:loss|accuracy) = \S+", text) for text in logs]
     assert len(scores[0]) == 6 and scores[0] == scores[1]
     assert "Sharing activation memory" not in logs[0]
@@ -199,24 +206,12 @@ def test_caffepy_train_tests_on_shared_memory_pycaffes_solver_keeps_blobs(tmp_pa
     """`caffepy train`'s test nets share memory (it reads their outputs alone): the same test
     scores as with every blob kept; pycaffe's solver keeps their blobs (its users read
     `solver.test_nets[0].blobs[...]`)."""
-    from click.testing import CliRunner
-    from caffepy import log
-    from caffepy.cli import main
     (tmp_path / "net.prototxt").write_text(SCORED)
     (tmp_path / "solver.prototxt").write_text(
         'net: "net.prototxt" base_lr: 0.1 lr_policy: "fixed" max_iter: 4 display: 1 '
         'test_iter: 2 test_interval: 2 random_seed: 9 snapshot_prefix: "s"')
     monkeypatch.chdir(tmp_path)
-    log.set_quiet(False)
-    logs = []
-    try:
-        for keep in ("1", "0"):
-            monkeypatch.setenv("CAFFEPY_KEEP_BLOBS", keep)
-            result = CliRunner().invoke(main, ["train", "-solver", "solver.prototxt"])
-            assert result.exit_code == 0, result.output
-            logs.append(result.stderr)
-    finally:
-        log.set_quiet(True)
+    logs = _logs_kept_then_shared(monkeypatch, ["train", "-solver", "solver.prototxt"])
     scores = [re.findall(r"Test net output #\d+: \S+ = \S+", text) for text in logs]
     assert len(scores[0]) == 6 and scores[0] == scores[1]
     assert "Sharing activation memory" not in logs[0]
