@@ -532,6 +532,9 @@ class ConvSum:
         conv, y = net.layers[first], net.top_vecs[first][0]
         bn, scale, e, shortcut, relu = parts(net, unit, last)
         x = net.top_vecs[e]
+        memory = net._activations
+        if memory is not None and first in memory.over and not conv.adds_in_place():
+            memory.part(first)
         if conv.has_epilogue() and shortcut.layout == x[0].layout == y.layout:
             conv.forward_folded(net.bottom_vecs[first], x, bn, scale, True, shortcut)
             return

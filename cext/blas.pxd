@@ -44,11 +44,13 @@ cdef extern from "gemm_panels.h" nogil:
         const float* add
         long ld_add
         int relu
+        int add_at_c
     const sk_epi* sk_epi_at(const sk_epi* e, long i, long j, sk_epi* at)
     void caffepy_panel_gemm_packed(int M, int N, int K, const float* a, long lda,
                                    const float* bp, float beta, float* c, long ldc,
                                    const sk_epi* e)
     enum: PG_NW
+    enum: PG_ONE_PASS_K
 
 cdef extern from "blas_threads.h":
     _sgemm64_fn caffepy_sgemm64

@@ -53,6 +53,10 @@
 #define PG_FEW_KC PG_KC
 #endif
 
+/* The longest reduction whose sums take one pass over every row count (pg_blocking): the sums
+ * of a longer one are stored in C between passes, so C may not hold the epilogue's add then. */
+#define PG_ONE_PASS_K (PG_FEW_KC < PG_KC ? PG_FEW_KC : PG_KC)
+
 /* The calling thread's packing buffer, grown as needed and kept (OpenMP's threads live on);
  * NULL when it cannot grow. */
 static float *pg_buffer(size_t floats)

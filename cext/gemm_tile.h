@@ -22,11 +22,14 @@ typedef int sk_ivec __attribute__((vector_size(SK_W * 4), aligned(4)));
  * (NULL: 0) + add[i * ld_add + j] (NULL: 0), then max(c, 0) if relu, j and i the columns and
  * rows of C this struct starts at (sk_epi_at). A TEST net's BatchNorm, Scale, Eltwise SUM and
  * ReLU after a convolution (cext/nhwc.pyx) then cost no pass over C of their own, whose rows
- * came back from memory when C outgrew the cache. */
+ * came back from memory when C outgrew the cache. add_at_c: add is C itself (ld_add its ldc),
+ * each value read where the product's is about to go, which only a product of one pass over K
+ * may do (PG_ONE_PASS_K): the tile reads it through C's own pointer. */
 typedef struct {
     const float *scale, *bias, *add;
     long ld_add;
     int relu;
+    int add_at_c;
 } sk_epi;
 
 /* e moved to row i, column j of C (into *at); NULL for none */
@@ -103,7 +106,9 @@ sk_tile(int R, int Q, int K, const float *restrict a, long ai, long ak,
                 v = v * *(const sk_vec *)(e->scale + q * SK_W);
             if (e->bias)
                 v = v + *(const sk_vec *)(e->bias + q * SK_W);
-            if (e->add)
+            if (e->add_at_c)
+                v = v + *o;
+            else if (e->add)
                 v = v + *(const sk_vec *)(e->add + r * e->ld_add + q * SK_W);
             if (e->relu)    /* NaN > 0 is false: 0, as the scalar max */
                 v = (sk_vec)((sk_ivec)v & (sk_ivec)(v > (sk_vec){0}));

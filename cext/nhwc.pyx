@@ -26,8 +26,8 @@ from libc.string cimport memcmp, memcpy, memset
 from cpython cimport array
 import array
 
-from blas cimport (PackedSplit, caffepy_packed_floats, caffepy_panel_pack, gemm_ld, packed_part,
-                   packed_split, sk_epi)
+from blas cimport (PG_ONE_PASS_K, PackedSplit, caffepy_packed_floats, caffepy_panel_pack, gemm_ld,
+                   packed_part, packed_split, sk_epi)
 from rules cimport dims, need, need_shape, pixel_stride, threads_for
 
 include "blas_threads.pxi"
@@ -258,6 +258,7 @@ cdef struct CGeom:
     const float* scale      # the forward's epilogue: y * scale[o] (NULL: none) + bias[o],
     const float* add        # + add[pixel, o] (NULL: none; an array of y's shape, y0 its base),
     const float* y0
+    bint add_at_y           # add is y itself (packed, one pass over K: add_may_be_y)
     bint relu               # then max(y, 0) if relu
     const float* packed     # the weights as caffepy_panel_pack packs them, each group's
     Py_ssize_t packed_group # op(wt[gr]) [Kg, Og] at packed + gr * packed_group (NULL: none)
@@ -270,6 +271,7 @@ cdef CGeom _cgeom(str kernel, x, y, int O, int kh, int kw, int ph, int pw, int s
     g.relu = False
     g.scale = NULL
     g.add = NULL
+    g.add_at_y = False
     g.packed = NULL
     g.N, g.H, g.W, g.C = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
     g.O = O
@@ -506,6 +508,7 @@ cdef void _fwd_part(const CGeom* g, PackedSplit s, int part, const float* a, Py_
     if bias != NULL or g.scale != NULL or g.add != NULL or g.relu:
         e.ld_add = g.ldy
         e.relu = g.relu
+        e.add_at_c = g.add_at_y
         ep = &e
     for gr in range(g.group):
         if ep != NULL:
@@ -647,6 +650,13 @@ cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
              f"needs shape (>= {T}, >= {g.rows * g.Ktot})", tuple(col.shape[:2]))
 
 
+cpdef bint add_may_be_y(int kg):
+    """Whether conv_forward on packed weights may take add as y itself (writing each sum
+    where its add was just read) for a convolution of kg products per sum: when every row
+    count sums them in one pass over K (gemm_panels.h PG_ONE_PASS_K)."""
+    return kg <= PG_ONE_PASS_K
+
+
 def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const float[::1] bias,
                  float[:, :, :, :] y, float[:, ::1] col, int O, int kh, int kw, int ph, int pw,
                  int sh, int sw, int dh, int dw, int group, Py_ssize_t rows,
@@ -655,7 +665,9 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
     """y [N, oh, ow, O] = conv(x [N, H, W, C], wt) * scale (None: 1) + bias (empty: none)
     + add (None: none; y's shape), max(y, 0) of that with relu (scale, add and relu: a TEST
     net's BatchNorm, Scale, Eltwise SUM and ReLU after the convolution, caffepy/net_rules.py);
-    overwritten. add may not be y. y may be a run of a wider channels-last array's channels
+    overwritten. add may be y itself only on packed weights when add_may_be_y(Kg) (each sum in
+    one pass over K, y written where its add was just read: a TEST net's block end writing its
+    sum over the shortcut, caffepy/net_memory.py). y may be a run of a wider channels-last array's channels
     (a slice of its last axis: its pixels then ldy floats apart; not with add).
     Scratch col [T, rows * Ktot] (unused by a direct convolution) for T threads. wt is
     [group, Kg, Og], or with caffe_order (1 x 1 kernels) [group, Og, Kg]: the weights as Caffe
@@ -668,12 +680,6 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
     if scale is not None:
         need(scale.shape[0] == O, "conv_forward", "scale", f"needs {O} values", scale.shape[0])
         g.scale = &scale[0]
-    if add is not None:
-        need_shape("conv_forward", "add", dims(add.shape, 4), dims(y.shape, 4))
-        need(g.ldy == O, "conv_forward", "add", "needs y's own channels (not a slice)", g.ldy)
-        if add.shape[0] * add.shape[1] * add.shape[2] * add.shape[3]:
-            need(&add[0, 0, 0, 0] != &y[0, 0, 0, 0], "conv_forward", "add", "may not be y", "y")
-            g.add, g.y0 = &add[0, 0, 0, 0], &y[0, 0, 0, 0]
     cdef int T = col.shape[0], nt, tid, saved = 0
     _check_conv("conv_forward", &g, wt, col, T)
     if packed is not None:
@@ -681,6 +687,15 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
         need(packed.shape[0] == group * g.packed_group, "conv_forward", "packed",
              f"needs {group * g.packed_group} floats (pack_weights of wt)", packed.shape[0])
         g.packed = &packed[0]
+    if add is not None:
+        need_shape("conv_forward", "add", dims(add.shape, 4), dims(y.shape, 4))
+        need(g.ldy == O, "conv_forward", "add", "needs y's own channels (not a slice)", g.ldy)
+        if add.shape[0] * add.shape[1] * add.shape[2] * add.shape[3]:
+            g.add, g.y0 = &add[0, 0, 0, 0], &y[0, 0, 0, 0]
+            g.add_at_y = g.add == g.y0
+            need(not g.add_at_y or (g.packed != NULL and add_may_be_y(g.Kg)), "conv_forward",
+                 "add", f"may be y only on packed weights and at most {PG_ONE_PASS_K} products "
+                 f"per sum", f"y, {'packed' if g.packed != NULL else 'unpacked'}, {g.Kg}")
     need(bias.shape[0] in (0, O), "conv_forward", "bias", f"needs {O} values or none", bias.shape[0])
     cdef const float* b = &bias[0] if bias.shape[0] else NULL
     cdef Py_ssize_t tasks = _tasks(&g), task, cs = col.shape[1]

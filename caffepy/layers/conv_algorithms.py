@@ -334,6 +334,11 @@ class Gemm:
     # (a TEST net's concat written in place: net_rules.ConcatSlot)
     writes_slices = True
 
+    def adds_in_place(self):
+        """Whether the forward may write over the epilogue's add (the same memory): on the
+        packed weights, when the kernel sums each value in one pass (nhwc.add_may_be_y)."""
+        return self.packs and _k.add_may_be_y(self.kg)
+
     def forward(self, bottom, top, params=None, epilogue=None, out=None):
         bias = forward_params(self.layer, params)[1]
         scale, relu, add = None, False, None

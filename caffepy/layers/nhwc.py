@@ -360,6 +360,12 @@ class NHWCConvolution(Convolution):
         output as it writes it (Gemm)."""
         return getattr(self.algos["forward"], "epilogue", False)
 
+    def adds_in_place(self):
+        """Whether the forward's algorithm may write its output over the epilogue's add (a
+        block end's sum over its shortcut: caffepy/net_memory.py)."""
+        algo = self.algos["forward"]
+        return getattr(algo, "adds_in_place", None) is not None and algo.adds_in_place()
+
     _folded = _affine = None
 
     def backward(self, top, propagate_down, bottom):

@@ -141,9 +141,49 @@ def test_an_add_of_the_wrong_shape_or_in_place_is_refused():
     with pytest.raises(ValueError, match="conv_forward: add: "):
         nhwc.conv_forward(x, *args, y, np.zeros((1, 0), np.float32), 4, 1, 1, 0, 0, 1, 1, 1, 1, 1,
                           4, True, None, False, np.zeros((1, 2, 2, 3), np.float32))
-    with pytest.raises(ValueError, match="conv_forward: add: may not be y"):
+    with pytest.raises(ValueError, match="conv_forward: add: may be y only on packed weights"
+                                         ".*got y, unpacked, 3"):
         nhwc.conv_forward(x, *args, y, np.zeros((1, 0), np.float32), 4, 1, 1, 0, 0, 1, 1, 1, 1, 1,
                           4, True, None, False, y)
+    # a reduction longer than one pass stores partial sums in y, over the add
+    c = 1 + max(kg for kg in (128, 512, 2048) if nhwc.add_may_be_y(kg))
+    x, wt = np.zeros((1, 2, 2, c), np.float32), np.zeros((1, 4, c), np.float32)
+    with pytest.raises(ValueError, match=f"add: may be y only .*got y, packed, {c}"):
+        nhwc.conv_forward(x, wt, args[1], y, np.zeros((1, 0), np.float32), 4, 1, 1, 0, 0, 1, 1,
+                          1, 1, 1, 4, True, None, False, y, _packed(wt, True))
+
+
+@pytest.mark.parametrize("k, n, o", [(1, 1, 3 * 64 + 21), (1, 3, 3 * 64 + 21), (1, 3, 40),
+                                     (3, 2, 70)])
+@pytest.mark.parametrize("relu", [False, True])
+def test_the_sum_written_over_its_add_is_the_sum_written_apart(k, n, o, relu):
+    """add as y itself (a block end's sum over its shortcut, caffepy/net_memory.py): each value
+    read where its sum goes, the same floats as into another array, whether the threads split
+    the channels (batch 1) or the rows, over whole vectors and a panel's partial width, a 1 x 1
+    product or im2col's."""
+    rng = np.random.default_rng(5)
+    c, h = (48, 9) if k == 1 else (12, 6)
+    assert nhwc.add_may_be_y(c * k * k)
+    x = rng.standard_normal((n, h, h, c), dtype=np.float32)
+    weights = rng.standard_normal((o, c, k, k), dtype=np.float32)
+    if k == 1:
+        wt = weights.reshape(1, o, c)
+        col = np.zeros((2, 0), np.float32)
+    else:
+        wt = np.ascontiguousarray(weights.transpose(2, 3, 1, 0).reshape(1, k * k * c, o))
+        col = np.zeros((2, nhwc.conv_col_floats(c, k, k, h, h, 20)), np.float32)
+    scale = rng.standard_normal(o, dtype=np.float32)
+    bias = rng.standard_normal(o, dtype=np.float32)
+    add = rng.standard_normal((n, h, h, o), dtype=np.float32)
+    panels = _packed(wt, k == 1)
+    args = (o, k, k, k // 2, k // 2, 1, 1, 1, 1, 1, n * h * h if k == 1 else 20, k == 1, scale,
+            relu)
+    apart = np.full_like(add, np.nan)
+    nhwc.conv_forward(x, wt, bias, apart, col, *args, add, panels)
+    over = add.copy()
+    nhwc.conv_forward(x, wt, bias, over, col, *args, over, panels)
+    np.testing.assert_array_equal(over, apart)
+    assert not np.array_equal(over, add)
 
 
 def test_epilogue_loads_no_masked_vectors():
