@@ -56,6 +56,11 @@ CHANNELS_LAST = ChannelsLast()
 # a call adds cancels; the builtin itself, not a function around it (a frame per view)
 _refcount = sys.getrefcount
 
+try:        # the same counts taken in C (cext/writes.pyx), where the kernels are built
+    from .kernels import writes as _counts
+except ImportError:
+    _counts = None
+
 
 class Writes:
     """The possible writers of one data buffer, shared by the blobs that view it (share_data).
@@ -78,12 +83,15 @@ class Writes:
         self.root = np.frombuffer(memoryview(buf), np.float32)
         self.views = []             # the arrays the blobs hold, each made from root
         self.view_refs = []         # their reference counts with only the blobs holding them
-        self.root_refs = _refcount(self.root)  # with no view of root yet, as untouched() counts
+        # with no view of root yet, as untouched() counts
+        self.root_refs = _refcount(self.root) if _counts is None else _counts.root_refs(self)
         self.pending = None         # values held elsewhere until the floats are read (Blob.hold)
 
     def _view_refs(self):
         # measured as untouched() measures them: the loop's own reference to each is counted
         # alike (settle's measure and untouched's check must see the same temporaries)
+        if _counts is not None:
+            return _counts.view_refs(self.views)
         refs = []
         for v, _ in zip(self.views, self.view_refs):
             refs.append(_refcount(v))
@@ -109,6 +117,8 @@ class Writes:
 
     def untouched(self):
         """Whether only the blobs hold arrays of the buffer (none outside may write it)."""
+        if _counts is not None:
+            return _counts.untouched(self)
         if _refcount(self.root) != self.root_refs + len(self.views):
             return False
         for v, r in zip(self.views, self.view_refs):
@@ -448,6 +458,13 @@ class Seen:
         kept = self.kept
         if kept is None or len(sources) != len(kept):
             return True
+        if _counts is not None:
+            i = _counts.first_moved(kept, sources, Blob, 0)
+            while i >= 0:
+                if not self._same(i, sources[i]):
+                    return True
+                i = _counts.first_moved(kept, sources, Blob, i + 1)
+            return False
         for i, source in enumerate(sources):
             entry = kept[i]
             if entry is not None and source.__class__ is Blob:

@@ -1,14 +1,25 @@
-"""blob.Writes and blob.Seen: a value derived from a blob's data (packed, folded, quantized
-weights) is redone whenever the data may have changed. A blob left alone is neither compared
-nor copied; any way Python code can write the floats (through `data`, `raw_data`, a view or
-buffer held from before, shared data) makes the next check say changed, or, for a blob held
-from outside when it was kept, compare it with a copy, which finds a change."""
+"""blob.Writes and blob.Seen, their reference counts taken in C and in Python: a value derived
+from a blob's data (packed, folded, quantized weights) is redone whenever the data may have
+changed. A blob left alone is neither compared nor copied; any way Python code can write the
+floats (through `data`, `raw_data`, a view or buffer held from before, shared data) makes the
+next check say changed, or, for a blob held from outside when it was kept, compare it with a
+copy, which finds a change."""
 import numpy as np
 import pytest
 
 from caffepy import blob as blob_module
 from caffepy.blob import CHANNELS_LAST, Blob, Seen
 from caffepy.kernels import nhwc
+
+
+@pytest.fixture(autouse=True, params=["C", "Python"])
+def counts(request, monkeypatch):
+    """Every test with the reference counts taken in C (cext/writes.pyx) and in Python (where
+    the kernels are not built): each Writes made in a test is measured and checked one way."""
+    if request.param == "Python":
+        monkeypatch.setattr(blob_module, "_counts", None)
+    else:
+        assert blob_module._counts is not None
 
 
 @pytest.fixture
