@@ -218,6 +218,9 @@ class Layer:
     # and the layer's settings: the Net skips it while those shapes stay as its last reshape
     # left them (net._reshape)
     reshape_from_shapes = False
+    # reshape reads the bottoms' shapes, layouts and buffers (a Split's tops share its bottom's):
+    # the Net skips it while no blob has changed any of them (Blob.arrangement)
+    reshape_from_blobs = False
     _reshaped_at = _reshaped_arrangement = None
     # the net-compilation rules (caffepy/net_rules.py, by name) this implementation takes part
     # in; it then has the methods that rule calls

@@ -153,6 +153,7 @@ class Split(Layer):
     exact_bottoms = 1
     min_tops = 1
     layout = ANY
+    reshape_from_blobs = True
 
     def reshape(self, bottom, top):
         for t in top:
