@@ -533,25 +533,29 @@ class Net:
         done = -1                     # the last layer of a fused unit that already ran
         try:
             for li in range(start, end + 1):
-                if before_layer is not None and li > done:
-                    before_layer(li)
-                for conversion, b, t, _ in self._conversions[li]:
-                    _reshape(conversion, [b], [t])
-                    conversion.forward([b], [t])
-                layer, bottom, top = self.layers[li], self.bottom_vecs[li], self.top_vecs[li]
-                _reshape(layer, bottom, top)
-                last = self.fusions.get(li)
-                if li <= done:
-                    pass
-                elif last is not None and last <= end:
-                    if before_layer is not None:      # their parameters' deferred updates first
-                        for other in range(li + 1, last + 1):
-                            before_layer(other)
-                    unit = self._units[li]
-                    unit.rule.forward(self, unit, last)
-                    done = last
-                else:
-                    layer.forward(bottom, top)
+                top = self.top_vecs[li]
+                if li > done:
+                    if before_layer is not None:
+                        before_layer(li)
+                    last = self.fusions.get(li)
+                    if last is None or last > end:
+                        last = li
+                    # every layer of a unit reshaped before it runs: it writes their tops (a
+                    # block end's sum into the Eltwise's top, at the batch the input has now)
+                    for other in range(li, last + 1):
+                        for conversion, b, t, _ in self._conversions[other]:
+                            _reshape(conversion, [b], [t])
+                            conversion.forward([b], [t])
+                        _reshape(self.layers[other], self.bottom_vecs[other], self.top_vecs[other])
+                    if last > li:
+                        if before_layer is not None:  # their parameters' deferred updates first
+                            for other in range(li + 1, last + 1):
+                                before_layer(other)
+                        unit = self._units[li]
+                        unit.rule.forward(self, unit, last)
+                        done = last
+                    else:
+                        self.layers[li].forward(self.bottom_vecs[li], top)
                 for w, blob in zip(self._top_loss_weights[li], top):
                     if w:
                         loss += np.float32(w) * np.float32(_total(blob.data))

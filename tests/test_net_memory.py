@@ -83,10 +83,14 @@ def test_shared_memory_gives_the_kept_nets_outputs_bit_for_bit(path):
                        for a in shared._activations.arenas)
 
 
-def test_a_larger_batch_plans_the_arenas_again_a_smaller_one_fits(capsys):
+@pytest.mark.parametrize("name", ["mobilenet_v1", "resnet50"])
+def test_a_larger_batch_plans_the_arenas_again_a_smaller_one_fits(capsys, name):
+    """The input reshaped and forward called, as pycaffe code does (no net.reshape()): every
+    layer of a unit takes the new batch before the unit writes their tops (ResNet's block ends
+    write the Eltwise's top)."""
     from caffepy import log
     log.set_quiet(False)
-    kept, shared = _twins(_param(os.path.join(ZOO, "mobilenet_v1_deploy.prototxt"), 1))
+    kept, shared = _twins(_param(os.path.join(ZOO, f"{name}_deploy.prototxt"), 1))
     _same_outputs(kept, shared, 1)
     small = sum(a.size for a in shared._activations.arenas)
     for net in (kept, shared):
