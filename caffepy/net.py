@@ -531,6 +531,8 @@ class Net:
         end = len(self.layers) - 1 if end is None else end
         loss = np.float32(0)
         done = -1                     # the last layer of a fused unit that already ran
+        if self._activations is not None:     # the arenas at the shapes the blobs have now
+            self._activations.check()
         try:
             for li in range(start, end + 1):
                 top = self.top_vecs[li]
