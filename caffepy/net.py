@@ -531,7 +531,11 @@ class Net:
         end = len(self.layers) - 1 if end is None else end
         loss = np.float32(0)
         done = -1                     # the last layer of a fused unit that already ran
-        if self._activations is not None:     # the arenas at the shapes the blobs have now
+        # the arenas planned (when a blob left its place) only where no blob but the kept
+        # ones holds a value another part of a forward reads: before a forward from the first
+        # layer, at the shapes the blobs have now, and after one through the last
+        plans = self._activations is not None
+        if plans and start == 0:
             self._activations.check()
         try:
             for li in range(start, end + 1):
@@ -540,7 +544,8 @@ class Net:
                     if before_layer is not None:
                         before_layer(li)
                     last = self.fusions.get(li)
-                    if last is None or last > end:
+                    fused = last is not None and last <= end   # a unit (of one layer or more)
+                    if not fused:
                         last = li
                     # every layer of a unit reshaped before it runs: it writes their tops (a
                     # block end's sum into the Eltwise's top, at the batch the input has now)
@@ -549,7 +554,7 @@ class Net:
                             _reshape(conversion, [b], [t])
                             conversion.forward([b], [t])
                         _reshape(self.layers[other], self.bottom_vecs[other], self.top_vecs[other])
-                    if last > li:
+                    if fused:
                         if before_layer is not None:  # their parameters' deferred updates first
                             for other in range(li + 1, last + 1):
                                 before_layer(other)
@@ -565,7 +570,7 @@ class Net:
             if e.blob is None:
                 raise
             raise _size_error(self.layers[li], e) from None
-        if self._activations is not None:     # the next forward's arenas, at this one's shapes
+        if plans and end == len(self.layers) - 1:     # the next forward's, at this one's shapes
             self._activations.check()
         return float(loss)
 

@@ -619,6 +619,9 @@ class Flatten(Layer):
         if end < start:
             raise self.error("flatten_param.end_axis", f"must not come before axis ({start})", end)
         top[0].reshape(shape[:start] + (count_from(shape, start, end + 1),) + shape[end + 1:])
+        # shared from the reshape on, not only from the forward on: a net that shares its
+        # activations' memory plans it before the first forward, by buffer (net_memory.py)
+        top[0].share_data(bottom[0])
 
     def forward(self, bottom, top):
         top[0].share_data(bottom[0])
@@ -683,6 +686,7 @@ class Reshape(Layer):
             raise self.error("reshape_param.shape", f"gives {_shape(out)}, which does not hold the "
                              f"{bottom[0].count} values of bottom {_shape(shape)}", self.dims, cls=ShapeError)
         top[0].reshape(out)
+        top[0].share_data(bottom[0])        # from the reshape on, as Flatten's
 
     def forward(self, bottom, top):
         top[0].share_data(bottom[0])
