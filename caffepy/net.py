@@ -533,9 +533,10 @@ class Net:
         done = -1                     # the last layer of a fused unit that already ran
         # the arenas planned (when a blob left its place) only where no blob but the kept
         # ones holds a value another part of a forward reads: before a forward from the first
-        # layer, at the shapes the blobs have now, and after one through the last
+        # layer (or from past the data layers, whose tops are kept), at the shapes the blobs
+        # have now, and after one through the last
         plans = self._activations is not None
-        if plans and start == 0:
+        if plans and all(not self.bottom_vecs[li] for li in range(start)):
             self._activations.check()
         try:
             for li in range(start, end + 1):

@@ -477,9 +477,9 @@ TWIN_SAME = "the same outputs with keep_blobs=False"
 def _shared_twin_differs(net, param, stages, path):
     """The outputs (names) that the TEST net built with keep_blobs=False (its activations in
     shared arenas: caffepy/net_memory.py) computes otherwise, bit for bit, from the same weights
-    and the same data layers' tops, at its second forward (the first plans the arenas); [] for
-    a net whose layers past its data layers make values of their own (DummyData) is not
-    compared (None)."""
+    and the same data layers' tops, at its first forward (on the arenas planned before it) or
+    its second ([] when none); None for a net whose layers past its data layers make values of
+    their own (DummyData): not compared."""
     start = 0
     while start < len(net.layers) and not net.bottom_vecs[start]:
         start += 1
@@ -493,10 +493,12 @@ def _shared_twin_differs(net, param, stages, path):
             mine.data[...] = theirs.data
     net.forward_from_to(start)
     want = {name: net.blobs[name].data.copy() for name in net.outputs}
+    differ = set()
     for _ in range(2):
         twin.forward_from_to(start)
-    return [name for name in want
-            if not np.array_equal(twin.blobs[name].data, want[name], equal_nan=True)]
+        differ.update(name for name in want
+                      if not np.array_equal(twin.blobs[name].data, want[name], equal_nan=True))
+    return sorted(differ)
 
 
 @pytest.fixture(scope="module")
