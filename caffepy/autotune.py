@@ -12,7 +12,9 @@ Each candidate is a function running the layer's forward (and backward, in train
 algorithm; `default` is the rule's choice, used when measuring is off. A trial of a backward
 keeps the layer's parameter diffs (`keeping_diffs`) and gives a gradient to the bottoms the Net
 wants one for (`trial_propagate_down`): a first layer's data wants none, which can change the
-fastest algorithm.
+fastest algorithm. A key names a range of batch sizes (batch_class); at a range not yet
+measured, the candidates that lost clearly at the nearest range measured are not run
+(`kin`, KIN_WITHIN), so a new batch size measures the few that may win.
 
 Switches (environment):
     CAFFEPY_AUTOTUNE=0      no measuring, no cache: the rules decide (tests, reproducible CI)
@@ -158,13 +160,31 @@ def free_threads():
     return common.team_limit()
 
 
-def choose(layer, key, candidates, default, threads, margin=1.0):
+# A candidate more than this many times slower than the fastest at the nearest batch range
+# measured (choose's `kin`) is not measured at a new one: ranks move with the batch, but not
+# that far (ResNet-50's first forward at a new range measured 1.1 s, mostly Winograd tiles
+# that lose everywhere)
+KIN_WITHIN = 1.5
+
+
+def _kin_measured(machine, kin, candidates):
+    """The ms of the first of `kin` whose entry measured every candidate, else None."""
+    for key in kin:
+        entry = lookup(machine, key)
+        if entry is not None and set(candidates) <= set(entry.get("ms", {})):
+            return entry["ms"]
+    return None
+
+
+def choose(layer, key, candidates, default, threads, margin=1.0, kin=()):
     """The name of the fastest candidate for `key` on this machine (see the module docstring);
     sets `layer.tuning` to how it was decided, for the log and `caffepy time`. A candidate's
     one-time work (an int8 layer's quantized weights, a GEMM's packed weights) falls in
     measure's uncounted warm-up. With a `margin` above 1 another candidate is chosen over
     `default` only when measured that many times faster, and `default` is measured every round
-    (one slow run cannot drop it)."""
+    (one slow run cannot drop it). `kin`: the keys of the same choice at other batch ranges,
+    nearest first (kin_keys): where one was measured, the candidates it found KIN_WITHIN times
+    slower than its fastest are left out (named in the entry's "skipped")."""
     if len(candidates) == 1 or not enabled():
         layer.tuning = "rule" if len(candidates) > 1 else "only"
         return default if default in candidates else next(iter(candidates))
@@ -172,18 +192,27 @@ def choose(layer, key, candidates, default, threads, margin=1.0):
     entry = lookup(machine, key)
     # an entry measured before a candidate existed (a new algorithm) is measured again
     if entry is not None and entry.get("choice") in candidates \
-            and set(candidates) <= set(entry.get("ms", {})):
+            and set(candidates) <= set(entry.get("ms", {})) | set(entry.get("skipped", ())):
         choice, layer.tuning = entry["choice"], "cached"
     else:
         keep = default if margin != 1.0 else None
-        ms = {name: round(t * 1e3, 3) for name, t in measure(candidates, keep=keep).items()}
+        trials, skipped, near = candidates, [], _kin_measured(machine, kin, candidates)
+        if near is not None:
+            lead = min(near[name] for name in candidates)
+            skipped = sorted(name for name in candidates if name != keep
+                             and near[name] > KIN_WITHIN * lead)
+            trials = {name: run for name, run in candidates.items() if name not in skipped}
+        ms = {name: round(t * 1e3, 3) for name, t in measure(trials, keep=keep).items()}
         choice = min(ms, key=lambda name: ms[name] * (1.0 if name == default else margin))
         layer.tuning = "measured " + ", ".join(f"{name} {t:g} ms" for name, t in ms.items())
+        if skipped:
+            layer.tuning += f" (not {', '.join(skipped)}: slow at another batch range)"
+        entry = {"choice": choice, "ms": ms, **({"skipped": skipped} if skipped else {})}
         if free_threads() < threads:       # the machine busy: this process's choice alone
-            _loaded().setdefault(machine, {})[key] = {"choice": choice, "ms": ms}
+            _loaded().setdefault(machine, {})[key] = entry
             layer.tuning += " (other processes busy: not stored)"
         else:
-            store(machine, key, {"choice": choice, "ms": ms})
+            store(machine, key, entry)
     agreed = layer.context.agree(choice)
     if agreed != choice:
         choice, layer.tuning = agreed, "rank 0's choice"
@@ -200,6 +229,17 @@ def batch_class(n):
         return "1"
     low = 1 << (n.bit_length() - 1)
     return f"{low}-{2 * low - 1}"
+
+
+def kin_keys(n, key_at):
+    """The keys of one choice at the batch ranges other than n's, nearest first (choose's
+    `kin`), `key_at(range)` making the key for a range (batch_class's names): the ranges of
+    several images only, for several images (one image ranks the algorithms apart)."""
+    if n <= 1:
+        return []
+    here = n.bit_length() - 1
+    near = sorted((e for e in range(1, 16) if e != here), key=lambda e: (abs(e - here), -e))
+    return [key_at(f"{1 << e}-{(2 << e) - 1}") for e in near[:6]]
 
 
 def describe(names, tunings):

@@ -386,10 +386,12 @@ class Int8:
             choice, L.tuning = default, "CAFFEPY_INT8_FALLBACK=0"
         else:
             ways[FLOAT32] = float32
-            key = f"{key} {autotune.batch_class(shape[0])}x{'x'.join(map(str, shape[1:]))} {self.isa}"
+            def key_at(batches):
+                return f"{key} {batches}x{'x'.join(map(str, shape[1:]))} {self.isa}"
             # another way than the default (Winograd where it applies) must be the margin faster
-            choice = autotune.choose(L, key, ways, default, nhwc.max_threads(),
-                                     margin=FALLBACK_MARGIN)
+            choice = autotune.choose(L, key_at(autotune.batch_class(shape[0])), ways, default,
+                                     nhwc.max_threads(), margin=FALLBACK_MARGIN,
+                                     kin=autotune.kin_keys(shape[0], key_at))
         self.path = FLOAT32 if choice == FLOAT32 else INT8
         self.winograd = choice == INT8_WINOGRAD
         kind = "winograd F(2,3)" if self.winograd else "direct"

@@ -120,7 +120,7 @@ def test_gradients_chosen_apart_run_together_when_that_is_faster(monkeypatch, ba
     picks = {"forward": "winograd F(4,3)", "weights": "winograd F(5,3)", "data": "winograd F(4,3)"}
     asked = []
 
-    def choose(layer, key, candidates, default, threads):
+    def choose(layer, key, candidates, default, threads, kin=()):
         asked.append(key)
         layer.tuning = "fake"
         if " backward " in key:
@@ -273,3 +273,37 @@ def test_a_measurement_on_a_busy_machine_is_not_stored(cache, monkeypatch):
     monkeypatch.setattr(autotune, "free_threads", lambda: 2)
     assert autotune.choose(layer, "k1", _candidates(calls), "slow", 2) == "fast" and calls
     assert "k1" in cache.read_text()
+
+
+def test_a_new_batch_range_leaves_out_what_lost_clearly_at_a_measured_one(cache):
+    """kin: the same choice's keys at other batch ranges. Where one was measured, a candidate
+    it found KIN_WITHIN times slower than its fastest is not run at the new range; the entry
+    names it as skipped, and reads back as cached. The kept default (a margin) always runs."""
+    calls, layer = [], _Layer()
+    assert autotune.choose(layer, "conv 16-31", _candidates(calls), "slow", 2) == "fast"
+    calls.clear()
+    assert autotune.choose(layer, "conv 4-7", _candidates(calls), "slow", 2,
+                           kin=["conv 8-15", "conv 16-31"]) == "fast"
+    assert "slow" not in calls and "fast" in calls
+    assert "not slow: slow at another batch range" in layer.tuning
+    stored = json.loads(cache.read_text())[autotune.machine_key(2)]["conv 4-7"]
+    assert stored["skipped"] == ["slow"] and set(stored["ms"]) == {"fast"}
+    autotune._cache = None
+    calls.clear()
+    assert autotune.choose(layer, "conv 4-7", _candidates(calls), "slow", 2) == "fast"
+    assert layer.tuning == "cached" and calls == []
+    # a default kept by a margin is measured whatever its kin found
+    calls.clear()
+    autotune.choose(layer, "conv 2-3", _candidates(calls), "slow", 2, margin=1.2,
+                    kin=["conv 4-7", "conv 16-31"])
+    assert "slow" in calls
+    # with no kin measured (only ranges never seen), everything runs
+    calls.clear()
+    autotune.choose(layer, "conv 64-127", _candidates(calls), "slow", 2, kin=["conv 128-255"])
+    assert "slow" in calls
+
+
+def test_kin_keys_are_the_nearest_ranges_of_several_images():
+    assert autotune.kin_keys(1, str) == []
+    assert autotune.kin_keys(8, str)[:4] == ["16-31", "4-7", "32-63", "2-3"]
+    assert "1" not in autotune.kin_keys(2, str) and autotune.kin_keys(2, str)[0] == "4-7"

@@ -236,10 +236,12 @@ class BlockedConvolution(Layer):
         computes them from shared transforms), each by measurement."""
         n, _, h, w, v = bottom[0].shape
         found, default = self._candidates(n, h, w, v)
-        key = (f"Blocked Convolution {autotune.batch_class(n)}x{self.channels}x{h}x{w} v{v} -> "
-               f"{self.num_output} "
-               f"k{self.kh}x{self.kw} s{self.sh}x{self.sw} p{self.ph}x{self.pw} "
-               f"d{self.dh}x{self.dw} g{self.group}{' b' if self.bias_term else ''}")
+        def key_at(batches):
+            return (f"Blocked Convolution {batches}x{self.channels}x{h}x{w} v{v} -> "
+                    f"{self.num_output} "
+                    f"k{self.kh}x{self.kw} s{self.sh}x{self.sw} p{self.ph}x{self.pw} "
+                    f"d{self.dh}x{self.dw} g{self.group}{' b' if self.bias_term else ''}")
+        key, kin = key_at(autotune.batch_class(n)), autotune.kin_keys(n, key_at)
         need_x = autotune.trial_propagate_down(self, bottom)
         trials = {"forward": {a: functools.partial(algo.forward, bottom, top)
                               for a, algo in found.items()}}
@@ -250,7 +252,8 @@ class BlockedConvolution(Layer):
                 for a, algo in found.items()}
         chosen, tunings = {}, {}
         for name, runs in trials.items():
-            chosen[name] = autotune.choose(self, f"{key} {name}", runs, default, _k.max_threads())
+            chosen[name] = autotune.choose(self, f"{key} {name}", runs, default, _k.max_threads(),
+                                           kin=[f"{k} {name}" for k in kin])
             tunings[name] = self.tuning
         chosen.setdefault("backward", chosen["forward"])
         self.algorithms = found

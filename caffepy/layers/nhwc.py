@@ -229,16 +229,19 @@ class NHWCConvolution(Convolution):
         if self.phase == TRAIN:
             passes += ["weights"] + (["data"] if any(need_x) else [])
         (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.window
-        key = (f"Convolution {autotune.batch_class(n)}x{self.channels}x{h}x{w} -> {self.num_output} "
-               f"k{kh}x{kw} s{sh}x{sw} p{ph}x{pw} d{dh}x{dw} g{self.group}"
-               f"{' b' if self.bias_term else ''}")
+        def key_at(batches):
+            return (f"Convolution {batches}x{self.channels}x{h}x{w} -> {self.num_output} "
+                    f"k{kh}x{kw} s{sh}x{sw} p{ph}x{pw} d{dh}x{dw} g{self.group}"
+                    f"{' b' if self.bias_term else ''}")
+        key, kin = key_at(autotune.batch_class(n)), autotune.kin_keys(n, key_at)
         chosen, tunings = {}, {}
         for name in passes:
             # the direct algorithm's data gradient is the GEMM's: no candidate of its own
             trials = {a: self._trial(algo, name, bottom, top, need_x) for a, algo in found.items()
                       if not (name == "data" and a == "direct")}
             rule = default if default in trials else next(iter(trials))
-            chosen[name] = autotune.choose(self, f"{key} {name}", trials, rule, _k.max_threads())
+            chosen[name] = autotune.choose(self, f"{key} {name}", trials, rule, _k.max_threads(),
+                                           kin=[f"{k} {name}" for k in kin])
             tunings[name] = self.tuning
         if "data" in chosen and chosen["weights"] != chosen["data"]:
             one = self._one_backward(found, chosen["weights"], chosen["data"], bottom, top,
