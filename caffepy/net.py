@@ -322,6 +322,7 @@ class Net:
         # the net-compilation rules' units (caffepy/net_rules.py); `fusions` says which run
         # fused (tests and benchmarks narrow it), `_units` how
         self._unit_parts = {}          # net_rules.parts, by (first, last) layer
+        self._steps = {}               # _forward_steps, by (start, end) layer
         self._units = net_rules.compile_net(self)
         self._concat_slots = net_rules.concat_slots(self, self._units)
         net_rules.byte_tops(self, self._units)
@@ -530,7 +531,6 @@ class Net:
         update there)."""
         end = len(self.layers) - 1 if end is None else end
         loss = np.float32(0)
-        done = -1                     # the last layer of a fused unit that already ran
         # the arenas planned (when a blob left its place) only where no blob but the kept
         # ones holds a value another part of a forward reads: before a forward from the first
         # layer (or from past the data layers, whose tops are kept), at the shapes the blobs
@@ -538,35 +538,28 @@ class Net:
         plans = self._activations is not None
         if plans and all(not self.bottom_vecs[li] for li in range(start)):
             self._activations.check()
+        li = start
         try:
-            for li in range(start, end + 1):
-                top = self.top_vecs[li]
-                if li > done:
-                    if before_layer is not None:
-                        before_layer(li)
-                    last = self.fusions.get(li)
-                    fused = last is not None and last <= end   # a unit (of one layer or more)
-                    if not fused:
-                        last = li
-                    # every layer of a unit reshaped before it runs: it writes their tops (a
-                    # block end's sum into the Eltwise's top, at the batch the input has now)
-                    for other in range(li, last + 1):
-                        for conversion, b, t, _ in self._conversions[other]:
-                            _reshape(conversion, [b], [t])
-                            conversion.forward([b], [t])
-                        _reshape(self.layers[other], self.bottom_vecs[other], self.top_vecs[other])
-                    if fused:
-                        if before_layer is not None:  # their parameters' deferred updates first
-                            for other in range(li + 1, last + 1):
-                                before_layer(other)
-                        unit = self._units[li]
-                        unit.rule.forward(self, unit, last)
-                        done = last
-                    else:
-                        self.layers[li].forward(self.bottom_vecs[li], top)
-                for w, blob in zip(self._top_loss_weights[li], top):
-                    if w:
-                        loss += np.float32(w) * np.float32(_total(blob.data))
+            for first, last, unit, prepare, losses in self._forward_steps(start, end):
+                if before_layer is not None:
+                    before_layer(first)
+                for li, layer, bottom, top, conversion in prepare:
+                    # _reshape's own skips, tested here: 250 calls a ResNet-50 forward
+                    if layer._reshaped_arrangement != Blob.arrangement or not (
+                            layer.reshape_from_shapes or layer.reshape_from_blobs):
+                        _reshape(layer, bottom, top)
+                    if conversion:
+                        layer.forward(bottom, top)
+                li = first
+                if unit is None:
+                    layer.forward(bottom, top)      # the step's lone layer, prepare's last
+                else:
+                    if before_layer is not None:    # their parameters' deferred updates first
+                        for other in range(first + 1, last + 1):
+                            before_layer(other)
+                    unit.rule.forward(self, unit, last)
+                for w, blob in losses:
+                    loss += np.float32(w) * np.float32(_total(blob.data))
         except SizeError as e:
             if e.blob is None:
                 raise
@@ -574,6 +567,34 @@ class Net:
         if plans and end == len(self.layers) - 1:     # the next forward's, at this one's shapes
             self._activations.check()
         return float(loss)
+
+    def _forward_steps(self, start, end):
+        """forward_from_to's steps over layers start..end, made once per span: (first, last,
+        unit or None, prepare, losses) per fused unit that ends by `end` (net_rules) or lone
+        layer; `prepare`: (index, layer, bottom, top, conversion) for each layer of the step
+        and each layout conversion before it, in order, to reshape (and run, a conversion)
+        before the step runs: a unit writes its layers' tops (a block end's sum into the
+        Eltwise's top, at the batch the input has now); `losses`: (weight, top) of the step's
+        weighted tops."""
+        steps = self._steps.get((start, end))
+        if steps is not None:
+            return steps
+        steps, li = [], start
+        while li <= end:
+            last = self.fusions.get(li)
+            unit = self._units[li] if last is not None and last <= end else None
+            last = last if unit is not None else li
+            prepare, losses = [], []
+            for at in range(li, last + 1):
+                for conversion, b, t, _ in self._conversions[at]:
+                    prepare.append((at, conversion, [b], [t], True))
+                prepare.append((at, self.layers[at], self.bottom_vecs[at], self.top_vecs[at], False))
+                losses += [(w, blob) for w, blob in zip(self._top_loss_weights[at], self.top_vecs[at])
+                           if w]
+            steps.append((li, last, unit, prepare, losses))
+            li = last + 1
+        self._steps[start, end] = steps
+        return steps
 
     def backward_from_to(self, start=None, end=0, on_layer_done=None, every_layer=False):
         """Run backward from `start` down to `end`; `on_layer_done(layer_index)` is called
