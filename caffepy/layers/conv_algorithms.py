@@ -49,10 +49,10 @@ def kernels_built():
 
 def _workspace(name, shape, dtype=np.float32):
     """Scratch shared by the algorithms (the layers run one at a time)."""
-    return memory.grown(_WORKSPACE, (name, dtype), shape, dtype)
+    return memory.grown(_WORKSPACE, (name, dtype), shape, dtype, _WORKSPACE_VIEWS)
 
 
-_WORKSPACE = {}
+_WORKSPACE, _WORKSPACE_VIEWS = {}, {}
 
 
 def block_width():

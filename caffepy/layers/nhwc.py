@@ -58,10 +58,10 @@ def _kernels(layer):
 
 def _workspace(name, shape, dtype=np.float32):
     """Scratch shared by the channels-last layers (they run one at a time)."""
-    return memory.grown(_WORKSPACE, (name, dtype), shape, dtype)
+    return memory.grown(_WORKSPACE, (name, dtype), shape, dtype, _WORKSPACE_VIEWS)
 
 
-_WORKSPACE = {}
+_WORKSPACE, _WORKSPACE_VIEWS = {}, {}
 
 
 def nhwc_top(top, shape):
