@@ -82,3 +82,15 @@ def test_grown_buffers_are_reused_and_only_grow():
     assert c.shape == (10, 10) and not np.shares_memory(a, c) and _on_line(c)
     assert np.shares_memory(memory.grown(store, "w", (4, 8)), c)
     assert memory.grown(store, "i", (3,), np.int32).dtype == np.int32
+
+
+def test_grown_views_are_kept_by_shape_until_the_buffer_grows():
+    store, views = {}, {}
+    a = memory.grown(store, "w", (4, 8), views=views)
+    assert memory.grown(store, "w", (4, 8), views=views) is a          # the view made before
+    b = memory.grown(store, "w", (2, 3), views=views)
+    assert b is not a and np.shares_memory(a, b)
+    c = memory.grown(store, "w", (10, 10), views=views)               # grown: the views go
+    d = memory.grown(store, "w", (4, 8), views=views)
+    assert d is not a and np.shares_memory(d, c) and not np.shares_memory(d, a)
+    assert set(views["w"]) == {(10, 10), (4, 8)}
