@@ -279,3 +279,17 @@ def test_views_made_by_flatten_and_reshape_are_planned_with_what_they_view():
     shared.forward_from_to(0, names.index("rb"))    # the blobs grew: no plan in between
     shared.forward_from_to(names.index("c"))
     np.testing.assert_array_equal(shared.blobs["ip"].data, want)
+
+
+def test_a_forward_in_parts_through_a_block_end_written_over_its_shortcut():
+    """Ending a part inside a block end whose sum the plan put over the shortcut: the layers
+    run apart (the Eltwise SUM writing over its own bottom), the same floats."""
+    kept, shared = _twins(_param(os.path.join(ZOO, "resnet50_deploy.prototxt"), 1))
+    _same_outputs(kept, shared, 1)
+    x = kept.blobs["data"].data.copy()
+    want = kept.forward()["prob"].copy()
+    first = sorted(shared._activations.over)[0]
+    shared.blobs["data"].data[...] = x
+    shared.forward_from_to(0, first + 1)            # the convolution and its BatchNorm
+    shared.forward_from_to(first + 2)
+    np.testing.assert_array_equal(shared.blobs["prob"].data, want)
