@@ -10,10 +10,12 @@ last touched a whole forward ago, which came back from memory line by line and p
 weights out of the cache. MobileNet v1 b16's blobs (317 MiB apart) fit in 3 arenas of 74 MiB,
 ResNet-50 b16's (1005 MiB) in 4 of 196. A residual block's end (net_rules.ConvSum: the
 convolution's GEMM adds the shortcut as it stores each sum) writes its sum over the shortcut
-when the shortcut has no reader after it and the GEMM may (Gemm.adds_in_place): the shortcut's
-lines, just read, are written back, where another buffer's would first come from memory
-(ResNet-50's 56 x 56 block end alone, caches cold: 0.67 -> 0.57 ms; the net's forward at b16
-315 -> 303 ms, at b1 about 1%).
+when the shortcut has no reader after it and the GEMM sums in one pass (Gemm.adds_in_place:
+ResNet-50's 7 block ends at 56 x 56 and 28 x 28 at b1, all 16 at b16): the shortcut's lines,
+just read, are written back, where another buffer's would first come from memory (ResNet-50's
+56 x 56 block end alone, caches cold: 0.67 -> 0.57 ms; the net at b1 about 1% faster, at b16
+315 -> 303 ms with the 7 of K <= 128, and all 16 a further 1.00-1.03x, alternating in one
+process).
 
 `caffepy test`, `caffepy time --phase TEST --forward_only`, `caffepy time --precision` and
 `caffepy train`'s test phases build their nets this way (they read outputs only), and

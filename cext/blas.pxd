@@ -51,6 +51,8 @@ cdef extern from "gemm_panels.h" nogil:
                                    const sk_epi* e)
     enum: PG_NW
     enum: PG_ONE_PASS_K
+    enum: PG_KC
+    enum: PG_FEW_ROWS
 
 cdef extern from "blas_threads.h":
     _sgemm64_fn caffepy_sgemm64

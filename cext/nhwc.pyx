@@ -26,8 +26,8 @@ from libc.string cimport memcmp, memcpy, memset
 from cpython cimport array
 import array
 
-from blas cimport (PG_ONE_PASS_K, PackedSplit, caffepy_packed_floats, caffepy_panel_pack, gemm_ld,
-                   packed_part, packed_split, sk_epi)
+from blas cimport (PG_FEW_ROWS, PG_KC, PG_ONE_PASS_K, PackedSplit, caffepy_packed_floats,
+                   caffepy_panel_pack, gemm_ld, packed_part, packed_split, sk_epi)
 from rules cimport dims, need, need_shape, pixel_stride, threads_for
 
 include "blas_threads.pxi"
@@ -650,11 +650,35 @@ cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
              f"needs shape (>= {T}, >= {g.rows * g.Ktot})", tuple(col.shape[:2]))
 
 
-cpdef bint add_may_be_y(int kg):
-    """Whether conv_forward on packed weights may take add as y itself (writing each sum
-    where its add was just read) for a convolution of kg products per sum: when every row
-    count sums them in one pass over K (gemm_panels.h PG_ONE_PASS_K)."""
-    return kg <= PG_ONE_PASS_K
+cdef Py_ssize_t _fewest_part_rows(Py_ssize_t rows, int og, int threads) noexcept nogil:
+    """The fewest rows a part of _fwd_rows' product of `rows` rows may have, on up to
+    `threads` threads (packed_split: all the rows where it splits the channels)."""
+    cdef Py_ssize_t fewest = rows, step
+    cdef int parts
+    if rows <= og:
+        return rows
+    for parts in range(2, threads + 1):
+        step = (rows + parts - 1) // parts
+        fewest = min(fewest, rows - (parts - 1) * step)
+    return fewest
+
+
+cpdef bint add_may_be_y(int kg, Py_ssize_t pixels=0, Py_ssize_t task_rows=0, int og=0,
+                        int threads=1):
+    """Whether conv_forward on packed weights may write each sum over its add (add as y
+    itself) for a convolution of kg products per sum: where every product sums them in one
+    pass over K (gemm_panels.h): kg <= PG_ONE_PASS_K, or, for a 1 x 1 convolution of `pixels`
+    rows in tasks of `task_rows` (its `rows`) and og outputs a group on up to `threads`
+    threads, kg <= PG_KC and no product part of PG_FEW_ROWS rows or fewer."""
+    cdef Py_ssize_t last
+    if kg <= PG_ONE_PASS_K:
+        return True
+    if kg > PG_KC or pixels <= 0 or task_rows <= 0:
+        return False
+    task_rows = min(task_rows, pixels)
+    last = pixels - (pixels - 1) // task_rows * task_rows       # the last task's rows
+    return min(_fewest_part_rows(task_rows, og, threads),
+               _fewest_part_rows(last, og, threads)) > PG_FEW_ROWS
 
 
 def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const float[::1] bias,
@@ -665,9 +689,10 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
     """y [N, oh, ow, O] = conv(x [N, H, W, C], wt) * scale (None: 1) + bias (empty: none)
     + add (None: none; y's shape), max(y, 0) of that with relu (scale, add and relu: a TEST
     net's BatchNorm, Scale, Eltwise SUM and ReLU after the convolution, caffepy/net_rules.py);
-    overwritten. add may be y itself only on packed weights when add_may_be_y(Kg) (each sum in
-    one pass over K, y written where its add was just read: a TEST net's block end writing its
-    sum over the shortcut, caffepy/net_memory.py). y may be a run of a wider channels-last array's channels
+    overwritten. add may be y itself on packed weights (a TEST net's block end writing its sum
+    over the shortcut, caffepy/net_memory.py): y is then written where its add was just read
+    where every sum takes one pass over K (add_may_be_y), and otherwise from a copy of add
+    taken first (the same floats either way). y may be a run of a wider channels-last array's channels
     (a slice of its last axis: its pixels then ldy floats apart; not with add).
     Scratch col [T, rows * Ktot] (unused by a direct convolution) for T threads. wt is
     [group, Kg, Og], or with caffe_order (1 x 1 kernels) [group, Og, Kg]: the weights as Caffe
@@ -681,6 +706,7 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
         need(scale.shape[0] == O, "conv_forward", "scale", f"needs {O} values", scale.shape[0])
         g.scale = &scale[0]
     cdef int T = col.shape[0], nt, tid, saved = 0
+    cdef float[:, :, :, ::1] aside
     _check_conv("conv_forward", &g, wt, col, T)
     if packed is not None:
         g.packed_group = caffepy_packed_floats(g.Og, g.Kg)
@@ -693,9 +719,13 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
         if add.shape[0] * add.shape[1] * add.shape[2] * add.shape[3]:
             g.add, g.y0 = &add[0, 0, 0, 0], &y[0, 0, 0, 0]
             g.add_at_y = g.add == g.y0
-            need(not g.add_at_y or (g.packed != NULL and add_may_be_y(g.Kg)), "conv_forward",
-                 "add", f"may be y only on packed weights and at most {PG_ONE_PASS_K} products "
-                 f"per sum", f"y, {'packed' if g.packed != NULL else 'unpacked'}, {g.Kg}")
+            need(not g.add_at_y or g.packed != NULL, "conv_forward", "add",
+                 "may be y only on packed weights", "y, unpacked")
+            if g.add_at_y and not add_may_be_y(g.Kg, <Py_ssize_t>g.N * g.P if g.direct else 0,
+                                               g.rows, g.Og, T):
+                # a product that stores partial sums in y: its add kept aside first
+                aside = add.copy()
+                g.add, g.add_at_y = &aside[0, 0, 0, 0], False
     need(bias.shape[0] in (0, O), "conv_forward", "bias", f"needs {O} values or none", bias.shape[0])
     cdef const float* b = &bias[0] if bias.shape[0] else NULL
     cdef Py_ssize_t tasks = _tasks(&g), task, cs = col.shape[1]

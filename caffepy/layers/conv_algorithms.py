@@ -335,9 +335,14 @@ class Gemm:
     writes_slices = True
 
     def adds_in_place(self):
-        """Whether the forward may write over the epilogue's add (the same memory): on the
-        packed weights, when the kernel sums each value in one pass (nhwc.add_may_be_y)."""
-        return self.packs and _k.add_may_be_y(self.kg)
+        """Whether the forward writes over the epilogue's add (the same memory) in place: on
+        the packed weights, when the kernel sums each value in one pass over its products
+        (nhwc.add_may_be_y; a 1 x 1 product by its rows a task and threads). Elsewhere the
+        kernel would copy the add aside first: no gain."""
+        L = self.layer
+        pixels = self.rows if self.direct or self.stride else 0
+        return self.packs and _k.add_may_be_y(self.kg, pixels, self.epilogue_rows,
+                                              L.num_output // L.group, _k.max_threads())
 
     def forward(self, bottom, top, params=None, epilogue=None, out=None):
         bias = forward_params(self.layer, params)[1]
