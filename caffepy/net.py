@@ -586,11 +586,11 @@ class Net:
             last = last if unit is not None else li
             prepare, losses = [], []
             for at in range(li, last + 1):
+                tops = self.top_vecs[at]
                 for conversion, b, t, _ in self._conversions[at]:
                     prepare.append((at, conversion, [b], [t], True))
-                prepare.append((at, self.layers[at], self.bottom_vecs[at], self.top_vecs[at], False))
-                losses += [(w, blob) for w, blob in zip(self._top_loss_weights[at], self.top_vecs[at])
-                           if w]
+                prepare.append((at, self.layers[at], self.bottom_vecs[at], tops, False))
+                losses += [(w, blob) for w, blob in zip(self._top_loss_weights[at], tops) if w]
             steps.append((li, last, unit, prepare, losses))
             li = last + 1
         self._steps[start, end] = steps

@@ -40,8 +40,9 @@ class SharedActivations:
     forward plans them when a blob left its place: before the first forward, at the shapes the
     net was built with (the blobs' own buffers are never written: ResNet-50 b16's first forward
     faulted in their 1005 MiB, 2.5 s -> 0.76 s), and a blob that grows past its place (a larger
-    batch) takes a buffer of its own (Blob.reshape) until the plan after that forward. A blob that shrinks stays (a smaller batch, a detection
-    layer's rows): the arenas keep the largest sizes seen, as Caffe's blobs keep theirs."""
+    batch) takes a buffer of its own (Blob.reshape) until the plan after that forward. A blob
+    that shrinks stays (a smaller batch, a detection layer's rows): the arenas keep the largest
+    sizes seen, as Caffe's blobs keep theirs."""
 
     def __init__(self, net):
         self.net = net

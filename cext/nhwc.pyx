@@ -26,7 +26,7 @@ from libc.string cimport memcmp, memcpy, memset
 from cpython cimport array
 import array
 
-from blas cimport (PG_FEW_ROWS, PG_KC, PG_ONE_PASS_K, PackedSplit, caffepy_packed_floats,
+from blas cimport (PG_FEW_ROWS, PG_KC, PG_NW, PG_ONE_PASS_K, PackedSplit, caffepy_packed_floats,
                    caffepy_panel_pack, gemm_ld, packed_part, packed_split, sk_epi)
 from rules cimport dims, need, need_shape, pixel_stride, threads_for
 
@@ -258,7 +258,7 @@ cdef struct CGeom:
     const float* scale      # the forward's epilogue: y * scale[o] (NULL: none) + bias[o],
     const float* add        # + add[pixel, o] (NULL: none; an array of y's shape, y0 its base),
     const float* y0
-    bint add_at_y           # add is y itself (packed, one pass over K: add_may_be_y)
+    bint add_at_y           # add is y itself (packed, each sum in one pass: add_may_be_y)
     bint relu               # then max(y, 0) if relu
     const float* packed     # the weights as caffepy_panel_pack packs them, each group's
     Py_ssize_t packed_group # op(wt[gr]) [Kg, Og] at packed + gr * packed_group (NULL: none)
@@ -651,13 +651,14 @@ cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
 
 
 cdef Py_ssize_t _fewest_part_rows(Py_ssize_t rows, int og, int threads) noexcept nogil:
-    """The fewest rows a part of _fwd_rows' product of `rows` rows may have, on up to
-    `threads` threads (packed_split: all the rows where it splits the channels)."""
+    """The fewest rows a part of _fwd_rows' product of `rows` rows may have on any count of
+    parts up to `threads` (packed_split: all the rows where the parts split the channels'
+    panels, else a share of the rows)."""
     cdef Py_ssize_t fewest = rows, step
-    cdef int parts
-    if rows <= og:
-        return rows
-    for parts in range(2, threads + 1):
+    cdef int parts, panels = (og + PG_NW - 1) // PG_NW
+    for parts in range(2, <int>min(<Py_ssize_t>threads, rows) + 1):
+        if rows <= og and panels >= parts:
+            continue
         step = (rows + parts - 1) // parts
         fewest = min(fewest, rows - (parts - 1) * step)
     return fewest
@@ -692,8 +693,8 @@ def conv_forward(const float[:, :, :, ::1] x, const float[:, :, ::1] wt, const f
     overwritten. add may be y itself on packed weights (a TEST net's block end writing its sum
     over the shortcut, caffepy/net_memory.py): y is then written where its add was just read
     where every sum takes one pass over K (add_may_be_y), and otherwise from a copy of add
-    taken first (the same floats either way). y may be a run of a wider channels-last array's channels
-    (a slice of its last axis: its pixels then ldy floats apart; not with add).
+    taken first (the same floats either way). y may be a run of a wider channels-last array's
+    channels (a slice of its last axis: its pixels then ldy floats apart; not with add).
     Scratch col [T, rows * Ktot] (unused by a direct convolution) for T threads. wt is
     [group, Kg, Og], or with caffe_order (1 x 1 kernels) [group, Og, Kg]: the weights as Caffe
     stores them, with no copy. packed (None: none): wt as pack_weights packed it, the GEMMs'
