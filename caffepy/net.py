@@ -544,10 +544,7 @@ class Net:
                 if before_layer is not None:
                     before_layer(first)
                 for li, layer, bottom, top, conversion in prepare:
-                    # _reshape's own skips, tested here: 250 calls a ResNet-50 forward
-                    if layer._reshaped_arrangement != Blob.arrangement or not (
-                            layer.reshape_from_shapes or layer.reshape_from_blobs):
-                        _reshape(layer, bottom, top)
+                    _reshape(layer, bottom, top)
                     if conversion:
                         layer.forward(bottom, top)
                 li = first
@@ -957,13 +954,12 @@ def _reshape(layer, bottom, top):
     listing the shapes cost ~1.5 us a layer, 1 ms of a ResNet-50 b1 forward), or when its
     bottoms, tops and own blobs have the shapes they had then; a layer whose reshape reads the
     blobs' buffers too (reshape_from_blobs: Split) only in the first case."""
+    if layer._reshaped_arrangement == Blob.arrangement and (layer.reshape_from_shapes
+                                                            or layer.reshape_from_blobs):
+        return
     if not layer.reshape_from_shapes:
-        if layer.reshape_from_blobs and layer._reshaped_arrangement == Blob.arrangement:
-            return
         layer.reshape(bottom, top)
         layer._reshaped_arrangement = Blob.arrangement
-        return
-    if layer._reshaped_arrangement == Blob.arrangement:
         return
     shapes = [b.shape for b in bottom] + [t.shape for t in top] + [b.shape for b in layer.blobs]
     if shapes != layer._reshaped_at:

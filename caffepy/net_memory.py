@@ -67,9 +67,7 @@ class SharedActivations:
         shortcut's, until the next plan: its convolution's algorithm (chosen again at another
         shape, or forced) cannot write over what it adds."""
         blobs = self.over.pop(first)
-        array, writes = memory.line_empty(max(b.count for b in blobs)), None
-        for b in blobs:
-            writes = b.place_data(array, writes)
+        _place(blobs, memory.line_empty(max(b.count for b in blobs)))
 
     def kept(self, blob):
         """Whether the blob holds its values after a forward."""
@@ -166,11 +164,16 @@ class SharedActivations:
         self.arenas = [memory.line_zeros(n) for n in sizes]
         for (_, _, count, blobs, _), a in zip(groups, where):
             array = self.arenas[a][:count]
-            writes = None
-            for b in blobs:
-                writes = b.place_data(array, writes)
-                self.placed[id(b)] = array
+            _place(blobs, array)
+            self.placed.update((id(b), array) for b in blobs)
         log.info(f"Sharing activation memory: {len(groups)} blob buffers in {len(sizes)} "
                  f"arenas, {memory.human(sum(sizes) * 4)} (kept apart: {memory.human(before * 4)})"
                  + (f"; {len(self.over)} block end(s) write their sum over the shortcut"
                     if self.over else ""))
+
+
+def _place(blobs, array):
+    """The blobs of one buffer take their data from `array`, still one buffer (one Writes)."""
+    writes = None
+    for b in blobs:
+        writes = b.place_data(array, writes)
