@@ -53,6 +53,7 @@ cdef extern from "gemm_panels.h" nogil:
     enum: PG_ONE_PASS_K
     enum: PG_KC
     enum: PG_FEW_ROWS
+    enum: PG_SPLIT_ROWS
 
 cdef extern from "blas_threads.h":
     _sgemm64_fn caffepy_sgemm64
@@ -166,15 +167,22 @@ cdef struct PackedSplit:
     bint by_cols        # parts of whole panels (else of rows)
 
 
+cdef inline bint rows_split(Py_ssize_t M, int parts) noexcept nogil:
+    """Whether `parts` threads split a product of few rows (M <= PG_FEW_ROWS: its blocking the
+    same in every part) by its rows: each part gets PG_SPLIT_ROWS rows or more."""
+    return PG_SPLIT_ROWS > 0 and PG_SPLIT_ROWS * <Py_ssize_t>parts <= M <= PG_FEW_ROWS
+
+
 cdef inline PackedSplit packed_split(int M, int N, int K, int groups) noexcept nogil:
     """How `groups` products C [M, N] = A [M, K] x packed panels share the thread rule's threads:
     few rows (M <= N), each thread takes a range of every product's panels and reads all of A
     (the panels, the larger, are read once between the threads); many, a range of rows, each
-    thread reading all the panels. One part inside a parallel region."""
+    thread reading all the panels, and so too a product of few rows that gives each part
+    PG_SPLIT_ROWS rows or more (gemm_panels.h says why). One part inside a parallel region."""
     cdef PackedSplit s
     cdef int panels = (N + PG_NW - 1) // PG_NW
     s.parts = 1 if openmp.omp_in_parallel() else threads_for_macs(<Py_ssize_t>M * N * K * groups)
-    s.by_cols = M <= N and panels >= s.parts
+    s.by_cols = M <= N and panels >= s.parts and not rows_split(M, s.parts)
     if not s.by_cols and s.parts > M:
         s.parts = max(M, 1)
     return s

@@ -27,7 +27,7 @@ from cpython cimport array
 import array
 
 from blas cimport (PG_FEW_ROWS, PG_KC, PG_NW, PG_ONE_PASS_K, PackedSplit, caffepy_packed_floats,
-                   caffepy_panel_pack, gemm_ld, packed_part, packed_split, sk_epi)
+                   caffepy_panel_pack, gemm_ld, packed_part, packed_split, rows_split, sk_epi)
 from rules cimport dims, need, need_shape, pixel_stride, threads_for
 
 include "blas_threads.pxi"
@@ -657,7 +657,7 @@ cdef Py_ssize_t _fewest_part_rows(Py_ssize_t rows, int og, int threads) noexcept
     cdef Py_ssize_t fewest = rows, step
     cdef int parts, panels = (og + PG_NW - 1) // PG_NW
     for parts in range(2, <int>min(<Py_ssize_t>threads, rows) + 1):
-        if rows <= og and panels >= parts:
+        if rows <= og and panels >= parts and not rows_split(rows, parts):
             continue
         step = (rows + parts - 1) // parts
         fewest = min(fewest, rows - (parts - 1) * step)

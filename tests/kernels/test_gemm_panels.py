@@ -100,10 +100,11 @@ def test_packed_product_folds_alpha_and_takes_beta(m, n, k, alpha, beta):
 
 
 @pytest.mark.parametrize("m, n, k", [(49, 40 * W + 3, 600), (1, 64 * W, 2048),
-                                     (700, 4 * W + 1, 600)])
+                                     (700, 4 * W + 1, 600), (196, 16 * W, 1024)])
 def test_packed_product_split_over_threads_computes_the_one_thread_sums(m, n, k):
     """Big enough for the thread rule's two threads (where the machine has them free): few rows
-    split the panels between them, many rows the rows; each element the same sums either way."""
+    split the panels between them, many rows the rows, and so do few rows that give each thread
+    64 or more at 16 lanes (ResNet-50 b1's 196); each element the same sums either way."""
     rng = np.random.default_rng(12)
     a = rng.standard_normal((m, k), dtype=np.float32)
     b = rng.standard_normal((k, n), dtype=np.float32)
