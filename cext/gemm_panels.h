@@ -208,12 +208,25 @@ static void caffepy_panel_gemm_packed(int M, int N, int K, const float *a, long 
                 /* and a share of the next panel's weights per tile, fetched into L2 */
                 long next_lines;
                 const float *next = pg_next_panel(M, N, K, j0, k0, kc, bp, &next_lines);
+                /* a last pass that adds the epilogue's add (a block end): the next block's
+                 * lines of this panel's add, and of C, which may be the add itself, fetched
+                 * into L2 a tile's rows at a time, so the tiles' loads of the add do not wait
+                 * for memory */
+                int adds = k0 + kn >= K && i1 < M && e != NULL && e->add != NULL;
+                const float *add = adds && !e->add_at_c ? e->add + j0 : NULL;
                 int i = i0;
                 for (int t = 0; t < tiles; t++) {
                     int h = base + (t < taller);
-                    for (int r = i + mb; r < i + mb + h && r < M; r++)
+                    for (int r = i + mb; r < i + mb + h && r < M; r++) {
                         for (int l = l0; l < l1; l++)
                             __builtin_prefetch(a + (long)r * lda + k0 + 16 * l, 0, 2);
+                        if (adds)
+                            for (int l = 0; l < nj; l += 16) {
+                                __builtin_prefetch(c + (long)r * ldc + j0 + l, 1, 2);
+                                if (add != NULL)
+                                    __builtin_prefetch(add + (long)r * e->ld_add + l, 0, 2);
+                            }
+                    }
                     long f0 = next_lines * t / tiles, f1 = next_lines * (t + 1) / tiles;
                     sk_epi at;
                     const sk_epi *ei = k0 + kn < K ? NULL : sk_epi_at(e, i, j0, &at);
