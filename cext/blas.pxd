@@ -167,10 +167,13 @@ cdef struct PackedSplit:
     bint by_cols        # parts of whole panels (else of rows)
 
 
-cdef inline bint rows_split(Py_ssize_t M, int parts) noexcept nogil:
-    """Whether `parts` threads split a product of few rows (M <= PG_FEW_ROWS: its blocking the
-    same in every part) by its rows: each part gets PG_SPLIT_ROWS rows or more."""
-    return PG_SPLIT_ROWS > 0 and PG_SPLIT_ROWS * <Py_ssize_t>parts <= M <= PG_FEW_ROWS
+cdef inline bint by_panels(Py_ssize_t M, int N, int parts) noexcept nogil:
+    """Whether `parts` threads split a product C [M, N] by ranges of its panels (each thread
+    reading all of A) rather than of its rows: few rows (M <= N) and panels enough for the
+    parts, unless each part would get PG_SPLIT_ROWS rows or more of a product of few rows (M <=
+    PG_FEW_ROWS: the parts keep its blocking; gemm_panels.h says why)."""
+    return (M <= N and (N + PG_NW - 1) // PG_NW >= parts
+            and not (PG_SPLIT_ROWS > 0 and PG_SPLIT_ROWS * <Py_ssize_t>parts <= M <= PG_FEW_ROWS))
 
 
 cdef inline PackedSplit packed_split(int M, int N, int K, int groups) noexcept nogil:
@@ -178,11 +181,10 @@ cdef inline PackedSplit packed_split(int M, int N, int K, int groups) noexcept n
     few rows (M <= N), each thread takes a range of every product's panels and reads all of A
     (the panels, the larger, are read once between the threads); many, a range of rows, each
     thread reading all the panels, and so too a product of few rows that gives each part
-    PG_SPLIT_ROWS rows or more (gemm_panels.h says why). One part inside a parallel region."""
+    PG_SPLIT_ROWS rows or more (by_panels). One part inside a parallel region."""
     cdef PackedSplit s
-    cdef int panels = (N + PG_NW - 1) // PG_NW
     s.parts = 1 if openmp.omp_in_parallel() else threads_for_macs(<Py_ssize_t>M * N * K * groups)
-    s.by_cols = M <= N and panels >= s.parts and not rows_split(M, s.parts)
+    s.by_cols = by_panels(M, N, s.parts)
     if not s.by_cols and s.parts > M:
         s.parts = max(M, 1)
     return s

@@ -50,7 +50,7 @@
 /* Threads split a product of few rows by its rows (each part reading all the weights) where a
  * part gets at least this many: the weights then serve enough rows to come from memory twice
  * at no cost, and at ResNet-50 b1's 196 rows the two parts of 98 rows beat two halves of the
- * panels (blas.pxd packed_split; in the net: K 1024 x N 256 0.41-0.43 -> 0.36 ms, MobileNet's
+ * panels (blas.pxd by_panels; in the net: K 1024 x N 256 0.41-0.43 -> 0.36 ms, MobileNet's
  * 196 x 512 x 512 0.33 -> 0.31). At 49 rows (25 a part) the weights' traffic decides: halves
  * of the panels (res5's 9.4 MB of 3 x 3 weights: 0.90 ms, 1.11 by rows). */
 #define PG_SPLIT_ROWS 64

@@ -26,8 +26,9 @@ from libc.string cimport memcmp, memcpy, memset
 from cpython cimport array
 import array
 
-from blas cimport (PG_FEW_ROWS, PG_KC, PG_NW, PG_ONE_PASS_K, PackedSplit, caffepy_packed_floats,
-                   caffepy_panel_pack, gemm_ld, packed_part, packed_split, rows_split, sk_epi)
+from blas cimport (PG_FEW_ROWS, PG_KC, PG_ONE_PASS_K, PackedSplit, by_panels,
+                   caffepy_packed_floats, caffepy_panel_pack, gemm_ld, packed_part, packed_split,
+                   sk_epi)
 from rules cimport dims, need, need_shape, pixel_stride, threads_for
 
 include "blas_threads.pxi"
@@ -653,11 +654,11 @@ cdef _check_conv(str kernel, const CGeom* g, wt, col, int T):
 cdef Py_ssize_t _fewest_part_rows(Py_ssize_t rows, int og, int threads) noexcept nogil:
     """The fewest rows a part of _fwd_rows' product of `rows` rows may have on any count of
     parts up to `threads` (packed_split: all the rows where the parts split the channels'
-    panels, else a share of the rows)."""
+    panels, by_panels, else a share of the rows)."""
     cdef Py_ssize_t fewest = rows, step
-    cdef int parts, panels = (og + PG_NW - 1) // PG_NW
+    cdef int parts
     for parts in range(2, <int>min(<Py_ssize_t>threads, rows) + 1):
-        if rows <= og and panels >= parts and not rows_split(rows, parts):
+        if by_panels(rows, og, parts):
             continue
         step = (rows + parts - 1) // parts
         fewest = min(fewest, rows - (parts - 1) * step)
