@@ -55,6 +55,12 @@ not); tests/test_quantization.py checks it. `caffepy time` names each unit's pat
 winograd F(2,3) (avx2)`, `int8 direct (avx2)`, `float32 fallback: ...`).
 Between int8 layers whose scales meet, the 8-bit tops pass as bytes (Bytes; the floats
 written only where something reads them, the same values; CAFFEPY_INT8_BYTES=0 writes floats).
+AVX2 on bytes, opt-in (CAFFEPY_INT8_ISA=avx2bytes; cext/int8_avxvnni.h): the byte paths' kernels
+with AVX2's vpmaddubsw for the products, which sums each pair of u8 x s8 products into int16
+with saturation. To keep every sum exact its weights are quantized at half the scale,
+Wq = saturate(rint(W' * sp / 2)) in [-64, 64] (with mult and bq at sp / 2), as MKL-DNN quantizes
+them on CPUs without VNNI: exact integer arithmetic again, but of weights with one bit fewer, so
+not the other paths' bits (benchmarks/bench_int8.py measures what it costs in accuracy).
 CAFFEPY_INT8_FALLBACK=0 keeps every quantized layer on 8-bit integers, by rule (Winograd where
 it applies, no measurement; as does CAFFEPY_AUTOTUNE=0: measuring off), and is the default on
 the VNNI and AMX paths (fallback_enabled says why; CAFFEPY_INT8_FALLBACK=1 measures); the NCHW int8
@@ -95,8 +101,15 @@ def isa():
 
 
 # the paths that hold quantized values as bytes in quads (their products: VNNI's vpdpbusd or
-# AMX's tiles, 4x AVX2's rate at least) and hand 8-bit tops between int8 layers as bytes
-BYTE_PATHS = ("vnni", "amx", "avxvnni")
+# AMX's tiles, 4x AVX2's rate at least; AVX2's vpmaddubsw) and hand 8-bit tops between int8
+# layers as bytes
+BYTE_PATHS = ("vnni", "amx", "avxvnni", "avx2bytes")
+# the paths whose weights are quantized at half the scale (7 bits: |w| <= 64), as MKL-DNN
+# quantizes them on CPUs without VNNI, so that AVX2's vpmaddubsw sums exactly: opt-in only
+# (CAFFEPY_INT8_ISA=avx2bytes), as its integers are not Intel Caffe's (cext/int8_avxvnni.h)
+HALF_SCALE_PATHS = ("avx2bytes",)
+# the byte paths with VNNI's (or AMX's) products
+VNNI_PATHS = ("vnni", "amx", "avxvnni")
 
 # what each int8 path runs, for device_query and the logs
 _PATHS = {
@@ -107,6 +120,9 @@ _PATHS = {
     "avxvnni": "AVX-VNNI (256-bit) for the channels-last convolutions and InnerProduct, AVX2 for "
                "the rest; 8-bit tops passed between int8 layers as bytes",
     "avx2": "AVX2 (16-bit pair products)",
+    "avx2bytes": "AVX2's vpmaddubsw on bytes for the channels-last convolutions and InnerProduct "
+                 "with the weights quantized at half the scale (7 bits, MKL-DNN's rule without "
+                 "VNNI), AVX2 for the rest; 8-bit tops passed between int8 layers as bytes",
     "generic": "portable C",
 }
 
@@ -114,7 +130,9 @@ _PATHS = {
 def describe():
     """One line: the int8 path in use, what it runs, and the others this machine has."""
     k, path = kernels(), isa()
-    return (f"{path}: {_PATHS[path]} (exact int32 sums, the same bits on every path; "
+    same = ("exact int32 sums of other weights: not the other paths' bits"
+            if path in HALF_SCALE_PATHS else "exact int32 sums, the same bits on every path")
+    return (f"{path}: {_PATHS[path]} ({same}; "
             f"CAFFEPY_INT8_ISA={'|'.join(k.available_isas())} names one)")
 
 
@@ -294,6 +312,8 @@ class Int8:
         self.wq = self.wu = self.wn = self.bias_q = self.mult = None
         self._epilogues = {}    # (relu, slope, coeff) -> the kernels' epilogue arguments
         self.isa = isa()
+        # the weights' scale: scale_params, halved on a HALF_SCALE_PATHS path
+        self.weight_factor = 0.5 if self.isa in HALF_SCALE_PATHS else 1.0
         # the channels-last Convolution (caffepy/layers/nhwc.py) runs the int8_nhwc.h kernels
         self.channels_last = getattr(layer, "layout", None) == "nhwc"
         # it has float32 algorithms too: the path by measurement (the module docstring)
@@ -374,10 +394,10 @@ class Int8:
         ways = {INT8: lambda: int8(False)}
         if self.winograd_applies():
             # the integer Winograd kernel makes 2.25x fewer products at AVX2's rate; the direct
-            # kernel's VNNI products are 4x AVX2's (AMX's many more): the default is the faster
-            # by that count
+            # kernel's VNNI products are 4x AVX2's (AMX's many more), vpmaddubsw's 1.6x: the
+            # default is the faster by that count
             winograd = {INT8_WINOGRAD: lambda: int8(True)}
-            ways = ({**ways, **winograd} if self.isa in BYTE_PATHS else {**winograd, **ways})
+            ways = ({**ways, **winograd} if self.isa in VNNI_PATHS else {**winograd, **ways})
         default = next(iter(ways))
         if self.forced is not None:
             choice, L.tuning = (self.forced if self.forced in ways or self.forced == FLOAT32
@@ -415,11 +435,15 @@ class Int8:
         if fold is not None:
             w, b = fold_batchnorm(w, b, *fold)
         n = w.shape[0]
-        sp = np.broadcast_to(spec.scale_params, (n,)).astype(f32)
+        # (times 0.5, exact in float32: half the scale quantizes w * sp to half its integer)
+        scales = (np.asarray(spec.scale_params, f32) * f32(self.weight_factor)).astype(f32)
+        sp = np.broadcast_to(scales, (n,)).astype(f32)
         w2 = np.ascontiguousarray(w.reshape(n, -1), f32)
         k = kernels()
         wq = np.empty((n, k.padded(w2.shape[1])), np.int16)
-        k.quantize_weights(w2, spec.scale_params, wq)
+        k.quantize_weights(w2, scales, wq)
+        if self.weight_factor != 1.0:       # saturated at 7 bits, its kernels' exact range
+            np.clip(wq, -k.HALF_WEIGHT_MAX, k.HALF_WEIGHT_MAX, out=wq)
         self.wq = k.conv_weights(wq[:, :w2.shape[1]].reshape(w.shape)) if w.ndim == 4 else wq
         # an InnerProduct on the byte paths runs as a 1 x 1 channels-last convolution
         self.wn = (k.nhwc_weights(wq, w2.shape[1], isa=self.isa)

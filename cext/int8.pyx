@@ -44,8 +44,8 @@ cdef extern from "int8_gemm.h" nogil:
                           int32_t *c, const i8_epilogue *e)
 
 cdef extern from "int8_nhwc.h" nogil:
-    int I8_VNNI, I8_AMX, I8_AVXVNNI
-    bint i8n_bytes(int isa)       # the byte paths (vnni, amx, avxvnni): their 8-bit tops as bytes
+    int I8_VNNI, I8_AMX, I8_AVXVNNI, I8_AVX2BYTES, I8_HALF_WEIGHT_MAX
+    bint i8n_bytes(int isa)       # the byte paths (vnni, amx, avxvnni, avx2bytes): 8-bit tops as bytes
     bint i8n_avx512(int isa)      # those with AVX-512 kernels of their own (vnni, amx)
     void i8n_conv(int isa, int threads, const float *x, int N, int H, int W, int C, int O,
                   int kh, int kw, int ph, int pw, int sh, int sw, int dh, int dw, int OH,
@@ -82,16 +82,21 @@ cdef extern from "int8_nhwc.h" nogil:
 NR, MR = I8_NR, I8_MR
 # 'vnni' and 'amx': AVX-512 VNNI or AMX tiles for the channels-last convolution's products
 # (their own weights layouts: nhwc_weights), AVX2 for the rest; 'avxvnni': the 256-bit VNNI
-# of CPUs without AVX-512 for those products (the 'vnni' weights), AVX2 for the rest. A tuple
+# of CPUs without AVX-512 for those products (the 'vnni' weights), AVX2 for the rest;
+# 'avx2bytes' (opt-in): the 'avxvnni' path's kernels with AVX2's vpmaddubsw for the products,
+# exact only for weights in [-HALF_WEIGHT_MAX, HALF_WEIGHT_MAX] (int8_avxvnni.h). A tuple
 # index is the kernels' isa number.
-ISAS = ("generic", "avx2", "vnni", "amx", "avxvnni")
-VNNI, AMX, AVXVNNI = I8_VNNI, I8_AMX, I8_AVXVNNI
+ISAS = ("generic", "avx2", "vnni", "amx", "avxvnni", "avx2bytes")
+VNNI, AMX, AVXVNNI, AVX2BYTES = I8_VNNI, I8_AMX, I8_AVXVNNI, I8_AVX2BYTES
+BYTE_ISAS = ("vnni", "amx", "avxvnni", "avx2bytes")
+HALF_WEIGHT_MAX = I8_HALF_WEIGHT_MAX
 
 
 def best_isa():
     """The fastest ISA the int8 kernels can run here: 'amx' where the CPU has AMX-INT8 and Linux
     grants its tiles, 'vnni' where it has AVX-512 VNNI, 'avxvnni' where it has AVX-VNNI, 'avx2'
-    where it has AVX2 (and the module was built for it), else 'generic' (portable C)."""
+    where it has AVX2 (and the module was built for it), else 'generic' (portable C). Never
+    'avx2bytes', whose weights are not the other paths'."""
     return ISAS[i8_isa_available()]
 
 
@@ -212,7 +217,7 @@ def pool_max_bytes(x, y, kernel, stride, pad, str isa=None):
     need(yn == n and yc == c and x.row == y.row and x.zp == y.zp, "pool_max_bytes", "y",
          f"needs {n} images of {c} channels and zero point {x.zp}", (y.shape, y.zp))
     cdef int which = _isa(best_isa() if isa is None else isa)
-    need(i8n_bytes(which), "pool_max_bytes", "isa", "needs a byte path (vnni, amx, avxvnni)", isa)
+    need(i8n_bytes(which), "pool_max_bytes", "isa", f"needs a byte path {BYTE_ISAS}", isa)
     need(kernel[0] > pad[0] and kernel[1] > pad[1], "pool_max_bytes", "pad",
          "needs windows that hold a pixel (pad below the kernel)", (tuple(kernel), tuple(pad)))
     cdef const uint8_t[::1] xv = x.array
@@ -373,7 +378,7 @@ def inner_product(const float[:, ::1] x, const int16_t[:, ::1] w, const int32_t[
                   float hi_in, bint relu, float slope, bint quantize, float lo, float hi,
                   float inv_scale_out, str isa, packed=None):
     """top [M, N] = the int8 inner product of x [M, K] with w [N][padded(K)], as conv_forward.
-    On the byte paths (vnni, amx, avxvnni) it is the channels-last 1 x 1 convolution of M pixels of K
+    On the byte paths (BYTE_ISAS) it is the channels-last 1 x 1 convolution of M pixels of K
     channels (the same integers and epilogue; top's rows are its pixels): `packed`, w as
     nhwc_weights(w, K, isa=isa) packs it (None: packed here, for each call)."""
     cdef int M = x.shape[0], K = x.shape[1], N = w.shape[0], Kp = padded(K), threads
@@ -410,7 +415,7 @@ def nhwc_units(int channels, kernel, dilation, str isa="avx2"):
     """The units of one tap of conv_forward_nhwc's weights (pairs of channels, quads on the
     VNNI, AMX and AVX-VNNI paths), and its taps."""
     kh, kw = kernel
-    per = 4 if isa in ("vnni", "amx", "avxvnni") else 2
+    per = 4 if isa in BYTE_ISAS else 2
     if i8n_wide(channels, kw, dilation[1]):
         return (kw * channels + per - 1) // per, kh
     return (channels + per - 1) // per, kh * kw
@@ -428,13 +433,18 @@ def amx_quads(int channels, kernel, dilation, stride):
 def nhwc_weights(wq, int channels, kernel=(1, 1), dilation=(1, 1), str isa="avx2",
                  stride=(1, 1)):
     """conv_weights' rows [O][kh kw padded(C)] as the channels-last kernel's column tiles
-    [ceil(O / 16)][J][16][2] int16 (pairs), or for the VNNI and AVX-VNNI paths
+    [ceil(O / 16)][J][16][2] int16 (pairs), or for the byte paths (BYTE_ISAS)
     [ceil(O / 16)][J][16][4] int8
     (quads; AMX: amx_quads, J rounded up to whole chunks of 16, or each tap a chunk where the
     taps' rows load in place), zero past O and past each tap's channels. For few channels
     (int8_nhwc.h i8n_wide) a tap is a kernel row: its (kernel column, channel) values, then
-    zero weights."""
+    zero weights. The avx2bytes path's products are exact only for weights in
+    [-HALF_WEIGHT_MAX, HALF_WEIGHT_MAX]: others are refused."""
     o = wq.shape[0]
+    if isa == "avx2bytes" and np.asarray(wq).size:
+        top = int(np.abs(np.asarray(wq, np.int32)).max())
+        need(top <= HALF_WEIGHT_MAX, "nhwc_weights", "wq",
+             f"needs weights in [-{HALF_WEIGHT_MAX}, {HALF_WEIGHT_MAX}] on avx2bytes", top)
     kh, kw = kernel
     units, taps = nhwc_units(channels, kernel, dilation, isa)
     per = 2 if isa in ("generic", "avx2") else 4
@@ -513,7 +523,7 @@ def conv_forward_nhwc(x, w,
     _check_epilogue("conv_forward_nhwc", O, bias, mult, summand, (N, OH, OW, O))
     _bytes_epilogue("conv_forward_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, O))
     need(staged is None or (i8n_bytes(which) and not i8n_wide(C, kw, dilation[1])),
-         "conv_forward_nhwc", "staged", "needs the byte paths (vnni, amx, avxvnni)", isa)
+         "conv_forward_nhwc", "staged", f"needs a byte path {BYTE_ISAS}", isa)
     cdef const float *xp = _floats(x)
     cdef const uint8_t *sp = _staged("conv_forward_nhwc", staged, shape_in, lo_in)
     cdef i8_epilogue e = _epilogue(bias, mult, None if summand is None else
@@ -580,6 +590,10 @@ def depthwise_nhwc(x, const float[:, ::1] w, const int32_t[::1] bias,
     cdef int which = _isa(isa), threads
     need(kh * kw < 512, "depthwise_nhwc", "kernel", "needs fewer than 512 taps", kh * kw)
     need_shape("depthwise_nhwc", "w", dims(w.shape, 2), (kh * kw, C))
+    if which == AVX2BYTES and C:    # its products' exact range (nhwc_weights)
+        need(np.abs(np.asarray(w)).max() <= HALF_WEIGHT_MAX, "depthwise_nhwc", "w",
+             f"needs weights in [-{HALF_WEIGHT_MAX}, {HALF_WEIGHT_MAX}] on avx2bytes",
+             float(np.abs(np.asarray(w)).max()))
     need_shape("depthwise_nhwc", "top", dims(top.shape, 4), (N, OH, OW, C))
     _check_epilogue("depthwise_nhwc", C, bias, mult, summand, (N, OH, OW, C))
     _bytes_epilogue("depthwise_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, C))

@@ -341,21 +341,30 @@ static inline long i8n_wide_zeros(int C, int kw)
     return (long)kw * C + 2;
 }
 
-/* Whether the path holds quantized values as bytes (VNNI, AMX, AVX-VNNI) rather than int16 */
+/* The 256-bit byte paths (int8_avxvnni.h): AVX-VNNI, and AVX2 on bytes */
+static inline int i8n_bytes256(int isa)
+{
+    return isa == I8_AVXVNNI || isa == I8_AVX2BYTES;
+}
+
+/* Whether the path holds quantized values as bytes (VNNI, AMX, the 256-bit ones) rather than
+ * int16 */
 static inline int i8n_bytes(int isa)
 {
-    return isa == I8_VNNI || isa == I8_AMX || isa == I8_AVXVNNI;
+    return isa == I8_VNNI || isa == I8_AMX || i8n_bytes256(isa);
 }
 
 #ifdef __AVX2__
-/* The quantization of a run of values into bytes on byte path isa: AVX-VNNI's 8 lanes, else
- * VNNI's 16 (the AMX path's CPUs have AVX-512 VNNI) */
+/* The quantization of a run of values into bytes on byte path isa: 8 lanes on the 256-bit
+ * paths, else VNNI's 16 (the AMX path's CPUs have AVX-512 VNNI) */
 static inline i8v_run_fn i8n_byte_run(int isa)
 {
 #ifdef I8X_BUILT
     if (isa == I8_AVXVNNI)
         return i8x_quantize_run;
 #endif
+    if (isa == I8_AVX2BYTES)
+        return i8h_quantize_run;
     (void)isa;
     return i8v_quantize_run;
 }
@@ -450,6 +459,12 @@ static inline int i8n_tiles(int isa, int nt, int taps, int J, const int32_t *con
         return 16 * I8V_NT;
     }
 #endif
+#ifdef __AVX2__
+    if (isa == I8_AVX2BYTES) {
+        i8h_tile(nt, taps, J, rows, (const int8_t *)w, tile, c);
+        return 16 * I8V_NT;
+    }
+#endif
     (void)nt;
     (void)tile;
     i8n_tile(isa, taps, J, rows, (const int16_t *)w, c);
@@ -476,7 +491,7 @@ static inline void i8n_columns(int isa, int taps, int J, const int32_t *const *r
                                const char *w, long tile, int t0, int t1, long m, int R, int O,
                                int32_t *c, const i8_epilogue *e)
 {
-    int step = isa == I8_VNNI || isa == I8_AVXVNNI ? I8V_NT : 1;
+    int step = isa == I8_VNNI || i8n_bytes256(isa) ? I8V_NT : 1;
     for (int t = t0; t < t1; t += step) {
         int nt = t1 - t < step ? t1 - t : step;
         int cs = i8n_tiles(isa, nt, taps, J, rows, w + (long)t * tile, tile, c);
@@ -557,14 +572,15 @@ static void i8n_conv1x1(int isa, int threads, const float *x, int N, int H, int 
 /* The paths the int8 kernels can run here, bit k for isa k: 0 the portable C (always), 1 AVX2,
  * 4 AVX-VNNI (the channels-last convolution's products: int8_avxvnni.h), 2 AVX-512 VNNI
  * (int8_vnni.h; the other kernels run AVX2 on these three), 3 AMX (int8_amx.h). The same
- * integers everywhere, the portable C slower. */
+ * integers everywhere, the portable C slower; but 5, AVX2 on bytes (int8_avxvnni.h), which
+ * runs weights quantized at half the scale and is never chosen by default. */
 static int i8_isa_mask(void)
 {
     int mask = 1;
 #ifdef __AVX2__
     if (!__builtin_cpu_supports("avx2"))
         return mask;
-    mask |= 1 << 1;
+    mask |= 1 << 1 | 1 << I8_AVX2BYTES;
 #ifdef I8X_BUILT
     if (__builtin_cpu_supports("avxvnni"))
         mask |= 1 << I8_AVXVNNI;
@@ -1323,6 +1339,10 @@ static inline void i8n_dw_quads(int isa, const uint8_t *in, int W, int C, long r
         return;
     }
 #endif
+    if (isa == I8_AVX2BYTES) {
+        i8h_dw_quads(in, W, C, rb, kw, pw, sw, dw, OW, zps, picks, t);
+        return;
+    }
     (void)isa;
     i8v_dw_quads(in, W, C, rb, kw, pw, sw, dw, OW, zps, picks, t);
 }
@@ -1337,6 +1357,10 @@ static inline void i8n_dw_row(int isa, const uint8_t *const *rows, const int *ky
         return;
     }
 #endif
+    if (isa == I8_AVX2BYTES) {
+        i8h_dw_row(rows, ky, n, OW, C, kw, w, base, acc);
+        return;
+    }
     (void)isa;
     i8v_dw_row(rows, ky, n, OW, C, kw, w, base, acc);
 }

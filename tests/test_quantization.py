@@ -227,6 +227,37 @@ def test_isa_paths_agree(monkeypatch, isa):
         np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)
 
 
+def test_avx2bytes_sums_its_half_scale_weights_exactly(monkeypatch):
+    # the opt-in AVX2 byte path quantizes the weights at sp / 2 (|w| <= 64, vpmaddubsw's exact
+    # range): the portable C given the same half-scale weights gives every blob's bits
+    if "avx2bytes" not in quantization.kernels().available_isas():
+        pytest.skip("the int8 avx2bytes path: this CPU or build lacks it")
+    monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")
+    monkeypatch.setenv("CAFFEPY_INT8_BYTES", "0")
+    monkeypatch.setenv("CAFFEPY_INT8_ISA", "avx2bytes")
+    fast = _net(block_net(8))
+    monkeypatch.setenv("CAFFEPY_INT8_ISA", "generic")
+    slow, full = _net(block_net(8)), _net(block_net(8))
+    for layer in slow.layers:
+        if getattr(layer, "int8", None) is not None:
+            assert layer.int8.weight_factor == 1.0 and layer.int8.wq is None
+            layer.int8.weight_factor = 0.5
+    _same_weights(fast, slow)
+    _same_weights(fast, full)
+    for net in (fast, slow, full):
+        net.forward()
+    body = fast.layer_dict["body"].int8
+    assert body.isa == "avx2bytes" and body.weight_factor == 0.5
+    assert np.abs(body.wq).max() <= 64 < np.abs(full.layer_dict["body"].int8.wq).max()
+    for name in fast.blobs:
+        np.testing.assert_array_equal(fast.blobs[name].data, slow.blobs[name].data, name)
+    # one bit fewer of weight: near the full scale's result, not its bits
+    assert not np.array_equal(fast.blobs["sum"].data, full.blobs["sum"].data)
+    np.testing.assert_allclose(fast.blobs["sum"].data, full.blobs["sum"].data, atol=0.5)
+    monkeypatch.setenv("CAFFEPY_INT8_ISA", "avx2bytes")
+    assert "not the other paths' bits" in quantization.describe()
+
+
 BASE = {"bw_layer_in": [8], "bw_layer_out": [8], "bw_params": [8], "scale_in": [1],
         "scale_out": [1], "scale_params": [1]}
 BAD = [
@@ -425,7 +456,8 @@ def test_describe_names_the_path_in_use_and_the_others(monkeypatch):
 
 @pytest.fixture(params=quantization.BYTE_PATHS)
 def byte_path(request):
-    """Each int8 byte path (VNNI, AMX, AVX-VNNI) this CPU and build have; the others skipped."""
+    """Each int8 byte path (VNNI, AMX, AVX-VNNI, AVX2 on bytes) this CPU and build have; the
+    others skipped."""
     if request.param not in quantization.kernels().available_isas():
         pytest.skip(f"the int8 {request.param} path: this CPU or build lacks it")
     return request.param
@@ -433,7 +465,8 @@ def byte_path(request):
 
 def _byte_nets(monkeypatch, path, text=None):
     """(bytes, floats): the net (block_net(8) by default) with the int8 tops handed on as bytes
-    and without, the same weights, on byte path `path` (every quantized layer int8)."""
+    and without, the same weights, on byte path `path` (every quantized layer on its direct
+    int8 kernel)."""
     monkeypatch.setenv("CAFFEPY_INT8_ISA", path)
     monkeypatch.setenv("CAFFEPY_INT8_FALLBACK", "0")
     monkeypatch.setenv("CAFFEPY_INT8_BYTES", "1")
@@ -441,6 +474,12 @@ def _byte_nets(monkeypatch, path, text=None):
     monkeypatch.setenv("CAFFEPY_INT8_BYTES", "0")
     slow = _net(text or block_net(8))
     _same_weights(fast, slow)
+    # the direct kernels, which read bytes (a path's default for a 3 x 3 may be Winograd's
+    # int16 rows, which read floats: avx2bytes's)
+    for net in (fast, slow):
+        for layer in net.layers:
+            if getattr(layer, "int8", None) is not None:
+                layer.int8.force_path(quantization.INT8)
     return fast, slow
 
 

@@ -13,6 +13,14 @@ ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
     isa not in k.available_isas(), reason=f"int8 {isa} path: this CPU or build lacks it"))
     for isa in k.ISAS]
 U8, S8 = (0.0, 255.0), (-128.0, 127.0)
+# the paths whose weights span all of s8: avx2bytes takes [-64, 64] (int8_avxvnni.h)
+ISAS_S8 = [p for p in ISAS if p.values[0] != "avx2bytes"]
+
+
+def _wq(rng, isa, shape):
+    """Random integer weights of `shape` over the range path `isa` takes."""
+    top = k.HALF_WEIGHT_MAX if isa == "avx2bytes" else 127
+    return rng.integers(-top - 1 if top == 127 else -top, top + 1, shape).astype(np.int16)
 
 
 def _weights(wq):
@@ -31,7 +39,7 @@ def _ip(x, wq, bias, mult, relu, quantize, inv, isa, lo_in=0.0, hi_in=255.0, sca
     return top
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ISAS_S8)
 def test_inner_product_by_hand(isa):
     # x = [1.25, 1.75] at scale_in 2: 2.5 and 3.5 round to even, 2 and 4. Weights at scale 10:
     # [0.5, -0.25] -> [5, -2] (-2.5 to even), [-1, 0] -> [-10, 0], [20, 20] -> saturated [127, 127];
@@ -63,7 +71,7 @@ def test_input_saturates_and_signed_input_keeps_negatives(isa):
     assert got_s8.tolist() == [[121.0]]                  # -6 + 127
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ISAS_S8)
 def test_extreme_products_do_not_saturate(isa):
     # 255 x -128 over 4608 products (ResNet's 3 x 3 x 512): vpmaddubsw's int16 pair sums would
     # saturate at 32767; the int32 sums are exact
@@ -83,7 +91,7 @@ def test_inner_product_matches_reference_bit_for_bit(isa, m, k_, n, signed_in, r
     # (quads cut short), blocks of 32 and 6 pixels cut short, K above one tile chunk
     rng = np.random.default_rng(11)
     x = rng.normal(0, 1, (m, k_)).astype(np.float32)
-    wq = rng.integers(-128, 128, (n, k_)).astype(np.int16)
+    wq = _wq(rng, isa, (n, k_))
     bias = rng.integers(-5000, 5000, n).astype(np.int32)
     mult = rng.uniform(0.001, 0.01, n).astype(np.float32)
     lo_in, hi_in = S8 if signed_in else U8
@@ -149,7 +157,7 @@ def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, 
     n, c, h, w, o, g, kernel, pad, stride, dilation = shape
     rng = np.random.default_rng(7)
     x = rng.normal(0, 1, (n, c, h, w)).astype(np.float32)
-    wq = rng.integers(-128, 128, (o, c // g) + kernel).astype(np.int16)
+    wq = _wq(rng, isa, (o, c // g) + kernel)
     bias = rng.integers(-5000, 5000, o).astype(np.int32)
     mult = rng.uniform(0.001, 0.01, o).astype(np.float32)
     oh = (h + 2 * pad[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
@@ -180,7 +188,7 @@ def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, 
     np.testing.assert_array_equal(got, nhwc)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ISAS_S8)
 def test_channels_last_extreme_sums_stay_exact(isa):
     # 255 x -128 over 3 x 3 x 512 taps in the implicit GEMM, and the depthwise float sums at
     # their largest (9 products of 255 x -128: exact in float32 below 2^24)
@@ -201,6 +209,58 @@ def test_channels_last_extreme_sums_stay_exact(isa):
                              top, None, *args)
         want = np.where(np.arange(o) % 2, 255 * 127, 255 * -128) * 9 * (c // g)
         np.testing.assert_array_equal(top.reshape(-1), want.astype(np.float32))
+
+
+AVX2BYTES = [p for p in ISAS if p.values[0] == "avx2bytes"]
+
+
+@pytest.mark.parametrize("isa", AVX2BYTES)
+@pytest.mark.parametrize("signed_in", [False, True])
+def test_avx2bytes_largest_pair_sums_stay_exact(isa, signed_in):
+    # vpmaddubsw sums each pair of u8 x s8 products into int16 with saturation: at the ends of
+    # the range it takes (x 255 after a signed input's shift, weights +-64) a pair is
+    # +-255 * 128 = +-32640, just inside int16; 3 x 3 x 512 taps of them, the depthwise sums of
+    # 9, and an inner product of 4608
+    lo_in, hi_in = S8 if signed_in else U8
+    m = k.HALF_WEIGHT_MAX
+    for c, g in ((512, 1), (16, 16)):
+        x = np.full((1, 3, 3, c), 1000.0, np.float32)
+        o = 17 if g == 1 else c
+        wq = np.full((o, c // g, 3, 3), -m, np.int16)
+        wq[1::2] = m
+        wc = k.conv_weights(wq)
+        top = np.empty((1, 1, 1, o), np.float32)
+        args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, lo_in, hi_in, 1.0, False, 0.0, False,
+                -128.0, 127.0, 1.0, isa)
+        if g == 1:
+            k.conv_forward_nhwc(x, k.nhwc_weights(wc, c, (3, 3), isa=isa), None,
+                                np.ones(o, np.float32), top, None, *args)
+        else:
+            k.depthwise_nhwc(x, k.depthwise_nhwc_weights(wc, 3, 3), None, np.ones(o, np.float32),
+                             top, None, *args)
+        want = np.where(np.arange(o) % 2, m, -m) * hi_in * 9 * (c // g)
+        np.testing.assert_array_equal(top.reshape(-1), want.astype(np.float32))
+    K = 4608
+    wq = np.stack([np.full(K, -m), np.full(K, m), np.tile([m, -m], K // 2)]).astype(np.int16)
+    got = _ip(np.full((3, K), 1000.0, np.float32), wq, None, [1.0] * 3, False, False, 1.0, isa,
+              lo_in=lo_in, hi_in=hi_in)
+    want = np.float32([-m * hi_in * K, m * hi_in * K, 0])
+    np.testing.assert_array_equal(got, np.tile(want, (3, 1)))
+
+
+@pytest.mark.parametrize("isa", AVX2BYTES)
+def test_avx2bytes_refuses_weights_past_its_exact_range(isa):
+    m = k.HALF_WEIGHT_MAX
+    wc = k.conv_weights(np.full((4, 8, 1, 1), m + 1, np.int16))
+    with pytest.raises(ValueError, match=rf"nhwc_weights: wq: needs weights in \[-{m}, {m}\]"):
+        k.nhwc_weights(wc, 8, (1, 1), isa=isa)
+    k.nhwc_weights(wc, 8, (1, 1), isa="avx2")           # the int16 pairs take any s8
+    x = np.zeros((1, 3, 3, 4), np.float32)
+    w = k.depthwise_nhwc_weights(k.conv_weights(np.full((4, 1, 3, 3), -m - 1, np.int16)), 3, 3)
+    with pytest.raises(ValueError, match="depthwise_nhwc: w: needs weights in"):
+        k.depthwise_nhwc(x, w, None, np.ones(4, np.float32), np.empty((1, 1, 1, 4), np.float32),
+                         None, (3, 3), (0, 0), (1, 1), (1, 1), 1.0, 0.0, 255.0, 1.0, False, 0.0,
+                         False, -128.0, 127.0, 1.0, isa)
 
 
 def test_negative_slope_and_ties_to_even():
@@ -284,7 +344,7 @@ def test_winograd_matches_reference_bit_for_bit(shape, isa, relu, summed, quanti
     np.testing.assert_array_equal(got, nhwc)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ISAS_S8)
 def test_winograd_extreme_sums_stay_exact(isa):
     # the largest transformed values (|V| 4 * 255, |U'| 9 * 128) over the most channels the
     # kernel takes: the int32 sums wrap on the way, 4 acc does not, and acc is exact
@@ -319,7 +379,7 @@ def test_winograd_refuses_what_it_cannot_run():
     assert not k.winograd_applies((3, 3), (1, 1), (1, 1), k.WINOGRAD_MAX_C)
 
 
-BYTE_ISAS = [p for p in ISAS if p.values[0] in ("vnni", "amx", "avxvnni")]
+BYTE_ISAS = [p for p in ISAS if p.values[0] in k.BYTE_ISAS]
 
 
 def _as_bytes(values, lo, scale):
@@ -347,7 +407,7 @@ def test_bytes_in_and_out_are_the_floats_bits(shape, isa, relu, signed_in):
     x_int[0, 0, 0, 0], x_int[-1, -1, -1, -1] = lo_in, hi_in     # the range's ends
     scale_in = np.float32(7.25)
     x = x_int * np.float32(1 / scale_in)          # floats as the layer before writes them
-    wq = rng.integers(-128, 128, (o, c // g) + kernel).astype(np.int16)
+    wq = _wq(rng, isa, (o, c // g) + kernel)
     bias = rng.integers(-5000, 5000, o).astype(np.int32)
     mult = rng.uniform(0.001, 0.01, o).astype(np.float32)
     oh = (h + 2 * pad[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
