@@ -188,27 +188,33 @@ def test_conv_matches_reference_bit_for_bit(shape, isa, relu, summed, quantize, 
     np.testing.assert_array_equal(got, nhwc)
 
 
-@pytest.mark.parametrize("isa", ISAS_S8)
-def test_channels_last_extreme_sums_stay_exact(isa):
-    # 255 x -128 over 3 x 3 x 512 taps in the implicit GEMM, and the depthwise float sums at
-    # their largest (9 products of 255 x -128: exact in float32 below 2^24)
+def _extreme_conv_sums(isa, lo_w, hi_w, lo_in=0.0, hi_in=255.0):
+    """The channels-last 3 x 3 convolution (512 channels) and depthwise one (16) of inputs at
+    hi_in, the output channels' weights all lo_w or all hi_w in turn: each sum exact."""
     for c, g in ((512, 1), (16, 16)):
         x = np.full((1, 3, 3, c), 1000.0, np.float32)
         o = 17 if g == 1 else c
-        wq = np.full((o, c // g, 3, 3), -128, np.int16)
-        wq[1::2] = 127
+        wq = np.full((o, c // g, 3, 3), lo_w, np.int16)
+        wq[1::2] = hi_w
         wc = k.conv_weights(wq)
         top = np.empty((1, 1, 1, o), np.float32)
-        args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, 0.0, 255.0, 1.0, False, 0.0, False, -128.0,
-                127.0, 1.0, isa)
+        args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, lo_in, hi_in, 1.0, False, 0.0, False,
+                -128.0, 127.0, 1.0, isa)
         if g == 1:
             k.conv_forward_nhwc(x, k.nhwc_weights(wc, c, (3, 3), isa=isa), None,
                                 np.ones(o, np.float32), top, None, *args)
         else:
             k.depthwise_nhwc(x, k.depthwise_nhwc_weights(wc, 3, 3), None, np.ones(o, np.float32),
                              top, None, *args)
-        want = np.where(np.arange(o) % 2, 255 * 127, 255 * -128) * 9 * (c // g)
+        want = np.where(np.arange(o) % 2, hi_w, lo_w) * hi_in * 9 * (c // g)
         np.testing.assert_array_equal(top.reshape(-1), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("isa", ISAS_S8)
+def test_channels_last_extreme_sums_stay_exact(isa):
+    # 255 x -128 over 3 x 3 x 512 taps in the implicit GEMM, and the depthwise float sums at
+    # their largest (9 products of 255 x -128: exact in float32 below 2^24)
+    _extreme_conv_sums(isa, -128, 127)
 
 
 AVX2BYTES = [p for p in ISAS if p.values[0] == "avx2bytes"]
@@ -223,23 +229,7 @@ def test_avx2bytes_largest_pair_sums_stay_exact(isa, signed_in):
     # 9, and an inner product of 4608
     lo_in, hi_in = S8 if signed_in else U8
     m = k.HALF_WEIGHT_MAX
-    for c, g in ((512, 1), (16, 16)):
-        x = np.full((1, 3, 3, c), 1000.0, np.float32)
-        o = 17 if g == 1 else c
-        wq = np.full((o, c // g, 3, 3), -m, np.int16)
-        wq[1::2] = m
-        wc = k.conv_weights(wq)
-        top = np.empty((1, 1, 1, o), np.float32)
-        args = ((3, 3), (0, 0), (1, 1), (1, 1), 1.0, lo_in, hi_in, 1.0, False, 0.0, False,
-                -128.0, 127.0, 1.0, isa)
-        if g == 1:
-            k.conv_forward_nhwc(x, k.nhwc_weights(wc, c, (3, 3), isa=isa), None,
-                                np.ones(o, np.float32), top, None, *args)
-        else:
-            k.depthwise_nhwc(x, k.depthwise_nhwc_weights(wc, 3, 3), None, np.ones(o, np.float32),
-                             top, None, *args)
-        want = np.where(np.arange(o) % 2, m, -m) * hi_in * 9 * (c // g)
-        np.testing.assert_array_equal(top.reshape(-1), want.astype(np.float32))
+    _extreme_conv_sums(isa, -m, m, lo_in, hi_in)
     K = 4608
     wq = np.stack([np.full(K, -m), np.full(K, m), np.tile([m, -m], K // 2)]).astype(np.int16)
     got = _ip(np.full((3, K), 1000.0, np.float32), wq, None, [1.0] * 3, False, False, 1.0, isa,
