@@ -148,7 +148,7 @@ FALLBACK_MARGIN = 1.25
 def fallback_enabled(path):
     """CAFFEPY_INT8_FALLBACK: 1 lets a quantized convolution run in float32 where that is
     measured faster, 0 keeps every one on 8-bit integers; unset, 1 on the AVX2 and portable
-    paths and 0 on the byte paths (VNNI, AMX, AVX-VNNI). There int8 with 8-bit tops passed as
+    paths and 0 on the byte paths (BYTE_PATHS). There int8 with 8-bit tops passed as
     bytes (Bytes) ran faster than the measured mix on nearly every net tried, while the
     measure, a layer alone on float inputs, cannot see the bytes: on AMX (2-core Xeon, busy)
     Inception-v3 b1 measured 77 of 93 layers into float32 and ran 57.6 ms against 19.1 all
