@@ -106,9 +106,10 @@ sk_tile(int R, int Q, int K, const float *restrict a, long ai, long ak,
                 v = v * *(const sk_vec *)(e->scale + q * SK_W);
             if (e->bias)
                 v = v + *(const sk_vec *)(e->bias + q * SK_W);
-            if (e->add_at_c)
-                v = v + *o;
-            else if (e->add)
+            /* add_at_c's add is C itself, read here through e->add as any add: one code path,
+             * so the compiler cannot contract the two differently (on AVX2 the one-vector
+             * tile's sums differed by an ulp between them) */
+            if (e->add)
                 v = v + *(const sk_vec *)(e->add + r * e->ld_add + q * SK_W);
             if (e->relu)    /* NaN > 0 is false: 0, as the scalar max */
                 v = (sk_vec)((sk_ivec)v & (sk_ivec)(v > (sk_vec){0}));

@@ -665,6 +665,10 @@ cdef Py_ssize_t _fewest_part_rows(Py_ssize_t rows, int og, int threads) noexcept
     return fewest
 
 
+# products a packed GEMM sums in one pass over K at any row count (128 at 16 lanes, 512 at 8)
+ONE_PASS_K = PG_ONE_PASS_K
+
+
 cpdef bint add_may_be_y(int kg, Py_ssize_t pixels=0, Py_ssize_t task_rows=0, int og=0,
                         int threads=1):
     """Whether conv_forward on packed weights may write each sum over its add (add as y

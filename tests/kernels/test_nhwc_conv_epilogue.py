@@ -155,8 +155,8 @@ def test_the_sum_written_over_its_add_is_the_sum_written_apart(k, n, o, c, relu)
     """add as y itself (a block end's sum over its shortcut, caffepy/net_memory.py): each value
     read where its sum goes, the same floats as into another array, whether the threads split
     the channels (batch 1) or the rows, over whole vectors and a panel's partial width, a 1 x 1
-    product or im2col's; and where the sums take several passes over K (300 and 600 products
-    over few rows: add_may_be_y says no), from the add kept aside."""
+    product or im2col's; and where the sums take several passes over K (600 products over few
+    rows, and 300 at 16 lanes: add_may_be_y says no), from the add kept aside."""
     rng = np.random.default_rng(5)
     h = 9 if k == 1 else 6
     x = rng.standard_normal((n, h, h, c), dtype=np.float32)
@@ -179,7 +179,8 @@ def test_the_sum_written_over_its_add_is_the_sum_written_apart(k, n, o, c, relu)
     nhwc.conv_forward(x, wt, bias, over, col, *args, over, panels)
     np.testing.assert_array_equal(over, apart)
     assert not np.array_equal(over, add)
-    assert nhwc.add_may_be_y(c * k * k, n * h * h if k == 1 else 0, n * h * h, o, 2) == (c <= 128)
+    assert nhwc.add_may_be_y(c * k * k, n * h * h if k == 1 else 0, n * h * h, o, 2) == (
+        c <= nhwc.ONE_PASS_K)
 
 
 def test_add_may_be_y_by_the_products_rows():
