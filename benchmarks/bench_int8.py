@@ -15,7 +15,9 @@ precision on the float32 net's ONNX (--no-openvino leaves it out; `make bench-in
 installs it). Prints per net and batch the best (and median) wall ms of each, run in turn
 (each timed run after an untimed one of its own), the ratios f32 / int8, how many quantized
 layers run float32, and OpenVINO's time, the precision it picked, OpenVINO / int8 and how far
-its output is from caffepy's float32 (max |difference| / max |value|).
+its output is from caffepy's float32 (max |difference| / max |value|). Where the int8 path is AVX2
+(int16 pairs), the opt-in AVX2 byte path runs beside them (CAFFEPY_INT8_ISA=avx2bytes, every
+quantized layer int8; its weights at half the scale, so not Intel's integers) with f32 / it.
 
 accuracy: `caffepy calibrate` (caffepy/calibrate.py) on the nets trained here on the bundled
 digits (benchmarks/digits_nets.py: LeNet, a CIFAR-style net, a small ResNet): per net and seed,
@@ -115,19 +117,24 @@ def _param(name, batch, quantized):
     return p
 
 
-def _net(name, batch, quantized, fallback=True):
+def _net(name, batch, quantized, fallback=True, isa=None):
     """The net, built with CAFFEPY_INT8_FALLBACK=1 (each quantized convolution int8 or float32,
-    as measured) or, `fallback` False, 0 (every quantized layer int8)."""
-    saved = os.environ.get("CAFFEPY_INT8_FALLBACK")
-    os.environ["CAFFEPY_INT8_FALLBACK"] = "1" if fallback else "0"
+    as measured) or, `fallback` False, 0 (every quantized layer int8); on int8 path `isa`
+    (CAFFEPY_INT8_ISA) where given."""
+    settings = {"CAFFEPY_INT8_FALLBACK": "1" if fallback else "0"}
+    if isa is not None:
+        settings["CAFFEPY_INT8_ISA"] = isa
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
     try:
         # as `caffepy test` and `caffepy time --precision` build it: its blobs share memory
         net = Net(_param(name, batch, quantized), caffepy.TEST, keep_blobs=False)
     finally:
-        if saved is None:
-            del os.environ["CAFFEPY_INT8_FALLBACK"]
-        else:
-            os.environ["CAFFEPY_INT8_FALLBACK"] = saved
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
     if name in CALIBRATED:
         net.copy_from_param(calibrated(name)[2])
     _fill(net)
@@ -169,14 +176,23 @@ def speed(args):
           f"the default on this path: {default}; OV: OpenVINO "
           "at its default precision (INFERENCE_PRECISION_HINT left alone: the one it picked is "
           "named) on the float32 net's ONNX; OV/int8 above 1: caffepy's int8 faster")
+    # on the AVX2 path, the opt-in AVX2 byte path beside it (its weights at half the scale:
+    # caffepy/quantization.py), every quantized layer int8
+    half = quantization.isa() == "avx2" and "avx2bytes" in quantization.kernels().available_isas()
+    if half:
+        print("avx2bytes: CAFFEPY_INT8_ISA=avx2bytes CAFFEPY_INT8_FALLBACK=0, the opt-in AVX2 "
+              "byte path (weights quantized at half the scale: not Intel's integers)")
     head = (f"{'net':24s} {'batch':>5s} {'f32 ms':>14s} {'int8 only ms':>14s} {'int8 ms':>14s} "
             f"{'f32/only':>8s} {'f32/int8':>8s} {'float32':>9s}")
+    head += f" {'avx2bytes ms':>14s} {'f32/bytes':>9s}" if half else ""
     print(head + (f" {'OV ms':>14s} {'OV prec.':>8s} {'OV/int8':>7s} {'OV diff':>7s}"
                   if args.openvino else ""))
     for name in args.nets:
         for batch in args.batch:
             nets = [_net(name, batch, False), _net(name, batch, True, fallback=False),
                     _net(name, batch, True)]
+            if half:
+                nets.append(_net(name, batch, True, fallback=False, isa="avx2bytes"))
             runs = [n.forward for n in nets]
             ov = _openvino(nets[0], threads) if args.openvino else None
             if isinstance(ov, bench_inference.OpenVINO):
@@ -192,9 +208,12 @@ def speed(args):
             fell = sum(la.int8.path == quantization.FLOAT32 for la in quantized)
             line = (f"{name:24s} {batch:5d} " + " ".join(f"{b:7.1f} ({m:5.0f})" for b, m in zip(best[:3], med))
                     + f" {best[0] / best[1]:8.2f} {best[0] / best[2]:8.2f} {fell:3d} of {len(quantized):2d}")
+            if half:
+                line += f" {best[3]:7.1f} ({med[3]:5.0f}) {best[0] / best[3]:9.2f}"
+            o = len(nets)       # OpenVINO's run, after caffepy's
             if isinstance(ov, bench_inference.OpenVINO):
-                line += (f" {best[3]:7.1f} ({med[3]:5.0f}) {ov.precision:>8s} "
-                         f"{best[3] / best[2]:7.2f} {diff:7.0e}")
+                line += (f" {best[o]:7.1f} ({med[o]:5.0f}) {ov.precision:>8s} "
+                         f"{best[o] / best[2]:7.2f} {diff:7.0e}")
             elif ov is not None:
                 line += f" OpenVINO: {ov}"
             print(line, flush=True)

@@ -874,6 +874,9 @@ def byte_tops(net, units):
             found += ok
         elif layer.type == "Pooling":
             layer.byte_pool = ok
+            # the int8 path its bytes come from: the units' (chosen when they were built), not
+            # the one CAFFEPY_INT8_ISA names at the forward
+            layer.byte_isa = next((net.layers[u.first].int8.isa for u in owner.values()), None)
             pools += ok
         else:
             layer.byte_concat = ok

@@ -508,6 +508,7 @@ class NHWCPooling(Pooling):
     # net_rules.byte_tops: a TEST net's MAX pooling between int8 layers, which pools their 8-bit
     # tops as bytes (quantization.Bytes) when its bottom holds them
     byte_pool = False
+    byte_isa = None         # the int8 path of the bytes it pools (net_rules.byte_tops)
     _bytes = None
 
     def forward(self, bottom, top):
@@ -517,7 +518,7 @@ class NHWCPooling(Pooling):
             out = self._bytes = quantization.Bytes.reused(self._bytes, (n, oh, ow, c), -held.zp,
                                                           held.scale)
             quantization.kernels().pool_max_bytes(held, out, self.kernel, self.stride, self.pad,
-                                                  quantization.isa())
+                                                  self.byte_isa)
             top[0].overwrite()
             top[0].hold(out)
             return
