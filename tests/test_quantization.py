@@ -450,6 +450,8 @@ def test_describe_names_the_path_in_use_and_the_others(monkeypatch):
     line = quantization.describe()
     assert line.startswith("generic: portable C")
     assert f"CAFFEPY_INT8_ISA={'|'.join(k.available_isas())}" in line
+    # the opt-in path whose bits differ is named as the exception
+    assert ("but avx2bytes" in line) == ("avx2bytes" in k.available_isas())
     monkeypatch.setenv("CAFFEPY_INT8_ISA", "no-such-path")      # ignored: the best runs
     assert quantization.describe().startswith(k.best_isa() + ": ")
 
