@@ -130,10 +130,13 @@ _PATHS = {
 def describe():
     """One line: the int8 path in use, what it runs, and the others this machine has."""
     k, path = kernels(), isa()
-    others = [p for p in k.available_isas() if p in HALF_SCALE_PATHS]
-    same = ("exact int32 sums of other weights: not the other paths' bits"
-            if path in HALF_SCALE_PATHS else "exact int32 sums, the same bits on every path"
-            + (f" but {', '.join(others)} (opt-in: weights at half the scale)" if others else ""))
+    if path in HALF_SCALE_PATHS:
+        same = "exact int32 sums of other weights: not the other paths' bits"
+    else:
+        same = "exact int32 sums, the same bits on every path"
+        others = [p for p in k.available_isas() if p in HALF_SCALE_PATHS]
+        if others:
+            same += f" but {', '.join(others)} (opt-in: weights at half the scale)"
     return (f"{path}: {_PATHS[path]} ({same}; "
             f"CAFFEPY_INT8_ISA={'|'.join(k.available_isas())} names one)")
 

@@ -24,7 +24,8 @@ typedef int sk_ivec __attribute__((vector_size(SK_W * 4), aligned(4)));
  * ReLU after a convolution (cext/nhwc.pyx) then cost no pass over C of their own, whose rows
  * came back from memory when C outgrew the cache. add_at_c: add is C itself (ld_add its ldc),
  * each value read where the product's is about to go, which only a product of one pass over K
- * may do (cext/nhwc.pyx add_may_be_y): the tile reads it through C's own pointer. */
+ * may do (cext/nhwc.pyx add_may_be_y); the tile reads it through add as any other (below), the
+ * flag only tells the panels' prefetch that C's lines are the add's. */
 typedef struct {
     const float *scale, *bias, *add;
     long ld_add;

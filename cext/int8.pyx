@@ -88,8 +88,18 @@ NR, MR = I8_NR, I8_MR
 # index is the kernels' isa number.
 ISAS = ("generic", "avx2", "vnni", "amx", "avxvnni", "avx2bytes")
 VNNI, AMX, AVXVNNI, AVX2BYTES = I8_VNNI, I8_AMX, I8_AVXVNNI, I8_AVX2BYTES
-BYTE_ISAS = ("vnni", "amx", "avxvnni", "avx2bytes")
+BYTE_ISAS = tuple(isa for i, isa in enumerate(ISAS) if i8n_bytes(i))     # quads of bytes
 HALF_WEIGHT_MAX = I8_HALF_WEIGHT_MAX
+
+
+def _half_weights(str kernel, str arg, w):
+    """avx2bytes's products are exact only for weights in [-HALF_WEIGHT_MAX, HALF_WEIGHT_MAX]
+    (int8_avxvnni.h): refuse others in one line."""
+    if np.asarray(w).size:
+        top = np.abs(np.asarray(w, np.float64)).max()
+        need(top <= HALF_WEIGHT_MAX, kernel, arg,
+             f"needs weights in [-{HALF_WEIGHT_MAX}, {HALF_WEIGHT_MAX}] on avx2bytes",
+             int(top) if top == int(top) else float(top))
 
 
 def best_isa():
@@ -441,13 +451,11 @@ def nhwc_weights(wq, int channels, kernel=(1, 1), dilation=(1, 1), str isa="avx2
     zero weights. The avx2bytes path's products are exact only for weights in
     [-HALF_WEIGHT_MAX, HALF_WEIGHT_MAX]: others are refused."""
     o = wq.shape[0]
-    if isa == "avx2bytes" and np.asarray(wq).size:
-        top = int(np.abs(np.asarray(wq, np.int32)).max())
-        need(top <= HALF_WEIGHT_MAX, "nhwc_weights", "wq",
-             f"needs weights in [-{HALF_WEIGHT_MAX}, {HALF_WEIGHT_MAX}] on avx2bytes", top)
+    if isa == "avx2bytes":
+        _half_weights("nhwc_weights", "wq", wq)
     kh, kw = kernel
     units, taps = nhwc_units(channels, kernel, dilation, isa)
-    per = 2 if isa in ("generic", "avx2") else 4
+    per = 4 if isa in BYTE_ISAS else 2         # as nhwc_units
     w = np.asarray(wq).reshape(o, kh, kw, padded(channels))[..., :channels]
     w = w.reshape(o, taps, -1)          # a tap's values: one pixel's channels, or a kernel row's
     o16 = (o + 15) // 16
@@ -590,10 +598,8 @@ def depthwise_nhwc(x, const float[:, ::1] w, const int32_t[::1] bias,
     cdef int which = _isa(isa), threads
     need(kh * kw < 512, "depthwise_nhwc", "kernel", "needs fewer than 512 taps", kh * kw)
     need_shape("depthwise_nhwc", "w", dims(w.shape, 2), (kh * kw, C))
-    if which == AVX2BYTES and C:    # its products' exact range (nhwc_weights)
-        need(np.abs(np.asarray(w)).max() <= HALF_WEIGHT_MAX, "depthwise_nhwc", "w",
-             f"needs weights in [-{HALF_WEIGHT_MAX}, {HALF_WEIGHT_MAX}] on avx2bytes",
-             float(np.abs(np.asarray(w)).max()))
+    if which == AVX2BYTES:
+        _half_weights("depthwise_nhwc", "w", w)
     need_shape("depthwise_nhwc", "top", dims(top.shape, 4), (N, OH, OW, C))
     _check_epilogue("depthwise_nhwc", C, bias, mult, summand, (N, OH, OW, C))
     _bytes_epilogue("depthwise_nhwc", out_bytes, summand_bytes, quantize, (N, OH, OW, C))
